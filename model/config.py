@@ -1,0 +1,136 @@
+"""Model configuration for the Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2).
+
+One frozen dataclass describes every architecture cadence serves: RMSNorm, rotary position
+embeddings (optionally with Llama-3 frequency scaling), SwiGLU MLP and grouped-query attention.
+It is hashable, so it can be a static argument of a jitted function.
+
+Non-goals: mixture-of-experts, sliding-window attention, non-rotary position encodings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style RoPE frequency scaling ("rope_type": "llama3" in HF configs)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 puts biases on the q/k/v projections
+    max_context: int = 4096
+    name: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}) for grouped-query attention"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads served by each KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    def num_params(self) -> int:
+        d, h, kv, hd, f = (
+            self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.ffn_size
+        )
+        attn = d * h * hd * 2 + d * kv * hd * 2
+        if self.attention_bias:
+            attn += h * hd + 2 * kv * hd
+        layer = attn + 3 * d * f + 2 * d
+        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.num_layers * layer + embed + d
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """KV cache bytes one token occupies across all layers (keys and values)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        return cls.from_dict(json.loads(text))
+
+
+# A model small enough for CPU unit tests: every code path (GQA, tied embeddings) stays live.
+TINY = ModelConfig(
+    name="tiny",
+    vocab_size=512,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    ffn_size=128,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_embeddings=True,
+    max_context=512,
+)
+
+SMOLLM2_135M = ModelConfig(
+    name="smollm2-135m",
+    vocab_size=49152,
+    hidden_size=576,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    ffn_size=1536,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_embeddings=True,
+    max_context=8192,
+)
+
+# The Llama-3-8B shape, for GPU benchmarks with random weights.
+LLAMA3_8B = ModelConfig(
+    name="llama3-8b",
+    vocab_size=128256,
+    hidden_size=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    ffn_size=14336,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=RopeScaling(),
+    tie_embeddings=False,
+    max_context=8192,
+)
+
+PRESETS: dict[str, ModelConfig] = {c.name: c for c in (TINY, SMOLLM2_135M, LLAMA3_8B)}

@@ -1,0 +1,95 @@
+"""On-device sampling with per-row parameters.
+
+    tokens = sample(logits, params)      logits [rows, vocab] float32 -> tokens [rows] int32
+
+Every parameter is an array with one entry per row, so one compiled program serves any mix of
+greedy and sampled requests:
+    temperature  [rows] f32   0 means greedy (argmax)
+    top_k        [rows] i32   0 means no top-k limit
+    top_p        [rows] f32   1.0 means no nucleus limit
+    seed         [rows] u32   with `step` [rows] i32 gives the row's key: fold_in(key(seed), step)
+
+A row's randomness depends only on its own seed and step (e.g. its position), never on which
+other requests share the batch, so a seeded request is reproducible alone or batched.
+When every row is greedy the sort-based path is skipped entirely (`lax.cond`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class SamplingParams:
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+
+    @classmethod
+    def greedy(cls, rows: int) -> SamplingParams:
+        return cls.make([0.0] * rows, [0] * rows, [1.0] * rows, [0] * rows)
+
+    @classmethod
+    def make(cls, temperature, top_k, top_p, seed) -> SamplingParams:
+        return cls(
+            temperature=jnp.asarray(temperature, jnp.float32),
+            top_k=jnp.asarray(top_k, jnp.int32),
+            top_p=jnp.asarray(top_p, jnp.float32),
+            seed=jnp.asarray(seed, jnp.uint32),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSampling:
+    """Host-side sampling settings of one request, validated at submission."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0 <= self.seed < 2**32):
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+
+
+def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:
+    rows, vocab = logits.shape
+    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
+    scaled = logits / temperature[:, None]
+    order = jnp.argsort(-scaled, axis=-1)  # descending
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab, dtype=jnp.int32)[None, :]
+    top_k = jnp.where(params.top_k > 0, params.top_k, vocab)
+    keep = rank < top_k[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    # Nucleus: keep a token while the mass before it is below top_p (the first always stays).
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= mass_before < params.top_p[:, None]
+    filtered = jnp.where(keep, sorted_logits, -jnp.inf)
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, step)
+    choice = jax.vmap(jax.random.categorical)(keys, filtered)
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    greedy = jnp.argmax(logits, axis=-1)
+    return jnp.where(params.temperature > 0, sampled, greedy).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:
+    """Picks one token per row. `step` [rows] makes each draw distinct (use the position)."""
+    greedy = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)  # noqa: E731
+    return jax.lax.cond(
+        jnp.any(params.temperature > 0),
+        lambda: _sample_filtered(logits, params, step),
+        greedy,
+    )

@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny random-weight models, built once per session."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from model.config import TINY, ModelConfig
+from model.llama import init_params
+
+
+def random_params(config: ModelConfig, seed: int = 0) -> dict:
+    """Random weights as float32 NumPy arrays, scaled so greedy choices are clear-cut.
+
+    Norm scales are perturbed away from 1 so a loader that drops them is caught, and the
+    embedding is scaled up so logits have gaps much larger than float32 noise.
+    """
+    params = init_params(config, jax.random.key(seed))
+    rng = np.random.default_rng(seed)
+
+    def perturb(path, leaf):
+        leaf = np.asarray(leaf, np.float32)
+        name = jax.tree_util.keystr(path)
+        if "scale" in name:
+            return (1.0 + 0.1 * rng.standard_normal(leaf.shape)).astype(np.float32)
+        if "embedding" in name:
+            return leaf * 8.0
+        if "bias" in name:
+            return (0.1 * rng.standard_normal(leaf.shape)).astype(np.float32)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(perturb, params)
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> ModelConfig:
+    return TINY
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny_config) -> dict:
+    return random_params(tiny_config)

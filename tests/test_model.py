@@ -1,0 +1,164 @@
+"""The decoder against an independent float64 NumPy forward, and the KV cache's consistency."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.config import TINY, RopeScaling
+from model.kv_cache import KVCache
+from model.llama import forward, rope_frequencies
+from tests.conftest import random_params
+
+
+def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
+    """Full causal forward of one sequence in float64, written from the Llama equations."""
+    p = {k: v for k, v in params.items()}
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    t = len(tokens)
+    hd, h, kv = config.head_dim, config.num_heads, config.num_kv_heads
+    inv_freq = f64(rope_frequencies(config))
+    ang = np.arange(t)[:, None] * inv_freq[None, :]  # [t, hd/2]
+    cos, sin = np.cos(ang), np.sin(ang)
+
+    def rms(x, scale):
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + config.rms_norm_eps) * f64(scale)
+
+    def rope(x):  # x [t, heads, hd]; rotate halves
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+        c, s = cos[:, None, :], sin[:, None, :]
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    def linear(x, layer):
+        y = x @ f64(layer["kernel"])
+        return y + f64(layer["bias"]) if "bias" in layer else y
+
+    x = f64(p["embed"]["embedding"])[tokens]
+    for i in range(config.num_layers):
+        L = p[f"layers_{i}"]
+        a = rms(x, L["attn_norm"]["scale"])
+        q = rope(linear(a, L["attn"]["q"]).reshape(t, h, hd))
+        k = rope(linear(a, L["attn"]["k"]).reshape(t, kv, hd))
+        v = linear(a, L["attn"]["v"]).reshape(t, kv, hd)
+        out = np.zeros((t, h, hd))
+        for head in range(h):
+            g = head // (h // kv)
+            s = q[:, head] @ k[:, g].T / np.sqrt(hd)
+            s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+            w = np.exp(s - s.max(-1, keepdims=True))
+            out[:, head] = (w / w.sum(-1, keepdims=True)) @ v[:, g]
+        x = x + out.reshape(t, h * hd) @ f64(L["attn"]["o"]["kernel"])
+        m = rms(x, L["mlp_norm"]["scale"])
+        gate, up = m @ f64(L["mlp"]["gate"]["kernel"]), m @ f64(L["mlp"]["up"]["kernel"])
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ f64(L["mlp"]["down"]["kernel"])
+    x = rms(x, p["final_norm"]["scale"])
+    head = f64(p["embed"]["embedding"]).T if config.tie_embeddings else f64(p["lm_head"]["kernel"])
+    return x @ head
+
+
+def full_logits(params, config, tokens: np.ndarray) -> np.ndarray:
+    t = len(tokens)
+    cache = KVCache.create(config, 1, t)
+    logits, _ = forward(
+        params,
+        jnp.asarray(tokens, jnp.int32)[None],
+        jnp.arange(t, dtype=jnp.int32)[None],
+        jnp.asarray([t], jnp.int32),
+        cache,
+        config=config,
+        kv_len=t,
+    )
+    return np.asarray(logits[0])
+
+
+QWEN_LIKE = dataclasses.replace(TINY, name="tiny-qwen", attention_bias=True, tie_embeddings=False)
+LLAMA3_LIKE = dataclasses.replace(
+    TINY, name="tiny-llama3", rope_theta=500000.0, max_context=512,
+    rope_scaling=RopeScaling(factor=8.0, original_max_position=64),
+)
+MHA = dataclasses.replace(TINY, name="tiny-mha", num_kv_heads=4)
+
+
+@pytest.mark.parametrize("config", [TINY, QWEN_LIKE, LLAMA3_LIKE, MHA], ids=lambda c: c.name)
+def test_logits_match_float64_numpy(config):
+    params = random_params(config, seed=1)
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, 37)
+    ours = full_logits(params, config, tokens)
+    want = numpy_forward(params, config, tokens)
+    np.testing.assert_allclose(ours, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+def test_prefill_then_decode_matches_full_forward(tiny_config, tiny_params):
+    cfg = tiny_config
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 40)
+    want = full_logits(tiny_params, cfg, tokens)
+    max_len = 64
+    # Slot 1 of 3; slot 1 first filled with garbage from a "previous occupant".
+    cache = KVCache.create(cfg, 3, max_len)
+    cache = KVCache(
+        k=tuple(a.at[1].set(7.0) for a in cache.k), v=tuple(a.at[1].set(-3.0) for a in cache.v)
+    )
+    slot = jnp.asarray([1], jnp.int32)
+    got = []
+    # Prefill in uneven chunks, padded to a bucket of 16, then decode one token at a time.
+    start = 0
+    for chunk in (5, 11, 13):
+        pad = np.zeros(16, np.int64)
+        pad[:chunk] = tokens[start : start + chunk]
+        logits, cache = forward(
+            tiny_params,
+            jnp.asarray(pad, jnp.int32)[None],
+            jnp.arange(start, start + 16, dtype=jnp.int32)[None],
+            jnp.asarray([chunk], jnp.int32),
+            cache,
+            config=cfg,
+            kv_len=max_len,
+            slots=slot,
+        )
+        got.extend(np.asarray(logits[0, :chunk]))
+        start += chunk
+    for pos in range(start, len(tokens)):
+        # A decode step over all three slots; only slot 1 is active.
+        toks = jnp.asarray([[0], [tokens[pos]], [0]], jnp.int32)
+        positions = jnp.asarray([[-1], [pos], [-1]], jnp.int32)
+        logits, cache = forward(
+            tiny_params, toks, positions, jnp.asarray([0, 1, 0], jnp.int32), cache,
+            config=cfg, kv_len=48,
+        )
+        got.append(np.asarray(logits[1, 0]))
+    np.testing.assert_allclose(np.stack(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    # Inactive rows wrote nothing: slots 0 and 2 are still zero.
+    assert float(jnp.abs(cache.k[0][0]).max()) == 0.0 and float(jnp.abs(cache.v[1][2]).max()) == 0.0
+
+
+def test_logit_index_selects_one_position(tiny_config, tiny_params):
+    cfg = tiny_config
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, 12)
+    want = full_logits(tiny_params, cfg, tokens)
+    logits, _ = forward(
+        tiny_params,
+        jnp.asarray(tokens, jnp.int32)[None],
+        jnp.arange(12, dtype=jnp.int32)[None],
+        jnp.asarray([9], jnp.int32),
+        KVCache.create(cfg, 1, 16),
+        config=cfg,
+        kv_len=16,
+        logit_index=jnp.asarray([8], jnp.int32),
+    )
+    np.testing.assert_allclose(np.asarray(logits[0]), want[8], rtol=1e-5, atol=1e-4)
+
+
+def test_write_past_the_end_is_dropped(tiny_config, tiny_params):
+    """A padded chunk near the end of a slot must not wrap around onto live entries."""
+    cfg = tiny_config
+    cache = KVCache.create(cfg, 1, 20)
+    tokens = jnp.ones((1, 16), jnp.int32)
+    _, cache = forward(
+        tiny_params, tokens, jnp.arange(10, 26, dtype=jnp.int32)[None], jnp.asarray([13]),
+        cache, config=cfg, kv_len=20, slots=jnp.asarray([0], jnp.int32),
+    )
+    k = np.asarray(cache.k[0][0])
+    assert np.abs(k[:10]).max() == 0.0 and np.abs(k[10:20]).min() > 0.0
