@@ -1,0 +1,175 @@
+"""Loading llama.cpp's GGUF files into cadence's parameter tree.
+
+    config, params, fields = load_gguf(path)
+
+`params` follows the tree documented in `model/llama.py` (float32 NumPy arrays, kernels
+[in, out]); `fields` is every metadata key decoded to plain Python values, from which
+`checkpoints.tokenizer.Tokenizer.from_gguf_fields` builds the tokenizer.
+
+Two details matter for logits that match the Hugging Face model:
+- Quantized tensors (Q8_0, Q4_1, ... anything the `gguf` package can dequantize) become float32.
+- llama.cpp's converter permutes the rows of the query and key projections of "llama" models so
+  its RoPE can rotate adjacent pairs; cadence rotates halves (as HF does), so the permutation is
+  undone here. Qwen2 GGUFs are not permuted.
+
+Non-goals: keeping weights quantized on device; Llama-3.1 `rope_freqs` tensors (load the HF
+folder for those); architectures other than llama and qwen2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+import gguf
+import jax
+import numpy as np
+
+from checkpoints.errors import CheckpointError
+from model.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+def read_fields(reader: gguf.GGUFReader) -> dict[str, Any]:
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def config_from_fields(fields: dict[str, Any], path: Path) -> ModelConfig:
+    arch = fields.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(
+            f"{path}: GGUF architecture {arch!r} is not supported; cadence loads "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} models"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise CheckpointError(f"{path}: GGUF metadata lacks '{arch}.{key}'; the file is incomplete")
+        return value
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    tokens = fields.get("tokenizer.ggml.tokens")
+    vocab = int(fields.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0))
+    if not vocab:
+        raise CheckpointError(f"{path}: GGUF metadata has neither a vocab size nor a token list")
+    return ModelConfig(
+        name=str(fields.get("general.name") or Path(path).stem),
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", fields.get(f"{arch}.rope.dimension_count", hidden // heads))),
+        ffn_size=int(get("feed_forward_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        tie_embeddings=False,  # decided by the presence of output.weight in load_gguf
+        attention_bias=arch == "qwen2",
+        max_context=int(get("context_length")),
+    )
+
+
+def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k permutation. w [heads*head_dim, ...] in GGUF row order."""
+    rows = w.shape[0]
+    head_dim = rows // num_heads
+    return (
+        w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's q/k permutation (HF rotate-half rows -> adjacent pairs); for writing GGUF."""
+    rows = w.shape[0]
+    head_dim = rows // num_heads
+    return (
+        w.reshape(num_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def load_gguf(
+    path: str | Path, progress: Callable[[int, int], None] | None = None
+) -> tuple[ModelConfig, dict, dict[str, Any]]:
+    """Reads and dequantizes a GGUF file. `progress(done, total)` is called per tensor."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {path} does not exist; check the path")
+    try:
+        reader = gguf.GGUFReader(path)
+        fields = read_fields(reader)
+    except Exception as e:  # the gguf reader raises ValueError, struct.error, IndexError...
+        raise CheckpointError(
+            f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); "
+            "re-download or re-convert it"
+        ) from None
+    config = config_from_fields(fields, path)
+    arch = fields["general.architecture"]
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise CheckpointError(
+            f"{path}: per-frequency RoPE factors (rope_freqs) are not supported in GGUF; "
+            "load the Hugging Face safetensors folder of this model instead"
+        )
+    tied = "output.weight" not in tensors
+    config = dataclasses.replace(config, tie_embeddings=tied)
+    done, total = 0, len(tensors)
+
+    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        nonlocal done
+        if name not in tensors:
+            raise CheckpointError(f"{path}: tensor {name} is missing; the file is incomplete")
+        t = tensors[name]
+        try:
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise CheckpointError(
+                f"{path}: tensor {name} has type {t.tensor_type.name}, which cadence cannot "
+                "dequantize; use an F32, F16, BF16, Q8_0 or Q4_x file"
+            ) from None
+        array = np.asarray(array, dtype=np.float32)
+        if array.shape != shape:
+            raise CheckpointError(f"{path}: tensor {name} has shape {array.shape}, expected {shape}")
+        done += 1
+        if progress:
+            progress(done, total)
+        return array
+
+    c = config
+    d, hd, f = c.hidden_size, c.head_dim, c.ffn_size
+    permute = arch == "llama"
+    params: dict[str, Any] = {"embed": {"embedding": take("token_embd.weight", (c.vocab_size, d))}}
+    for i in range(c.num_layers):
+        blk = f"blk.{i}."
+        q = take(blk + "attn_q.weight", (c.num_heads * hd, d))
+        k = take(blk + "attn_k.weight", (c.num_kv_heads * hd, d))
+        if permute:
+            q, k = unpermute_rope_rows(q, c.num_heads), unpermute_rope_rows(k, c.num_kv_heads)
+        attn = {
+            "q": {"kernel": q.T},
+            "k": {"kernel": k.T},
+            "v": {"kernel": take(blk + "attn_v.weight", (c.num_kv_heads * hd, d)).T},
+            "o": {"kernel": take(blk + "attn_output.weight", (d, c.num_heads * hd)).T},
+        }
+        if c.attention_bias:
+            for proj, n in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
+                attn[proj]["bias"] = take(f"{blk}attn_{proj}.bias", (n * hd,))
+        params[f"layers_{i}"] = {
+            "attn_norm": {"scale": take(blk + "attn_norm.weight", (d,))},
+            "attn": attn,
+            "mlp_norm": {"scale": take(blk + "ffn_norm.weight", (d,))},
+            "mlp": {
+                "gate": {"kernel": take(blk + "ffn_gate.weight", (f, d)).T},
+                "up": {"kernel": take(blk + "ffn_up.weight", (f, d)).T},
+                "down": {"kernel": take(blk + "ffn_down.weight", (d, f)).T},
+            },
+        }
+    params["final_norm"] = {"scale": take("output_norm.weight", (d,))}
+    if not tied:
+        params["lm_head"] = {"kernel": take("output.weight", (c.vocab_size, d)).T}
+    # Transposes above are views; make every array contiguous once, here.
+    params = jax.tree.map(np.ascontiguousarray, params)
+    return config, params, fields

@@ -1,0 +1,345 @@
+"""Hugging Face checkpoints: `config.json` → `ModelConfig`, safetensors → the params pytree.
+
+Contract: `load_hf_config` accepts the Llama, Mistral and Qwen2 families (`model_type` "llama",
+"mistral", "qwen2") and refuses, with a `CheckpointError`, anything cadence would run wrongly:
+other activations, biases outside q/k/v, RoPE scaling other than Llama 3's, a sliding window
+shorter than the context. `load_hf_params` reads one `*.safetensors` file or the shards named by
+`model.safetensors.index.json`, checks every expected tensor is there with the expected shape
+before reading any data, and returns float32 numpy arrays with kernels transposed to [in, out].
+`tensor_specs` is the single table that maps HF names onto params paths; `abstract_params`
+derives the shapes from it. `save_hf` writes the same layout back (tests, export).
+
+Non-goals: pytorch `.bin` files, quantized safetensors (GPTQ, AWQ, FP8), Mistral's
+`consolidated.safetensors` naming, sliding-window attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes  # also registers numpy's "bfloat16", which safetensors needs for BF16
+import numpy as np
+import safetensors.numpy
+from safetensors import safe_open
+from tqdm import tqdm
+
+from checkpoints.errors import CheckpointError
+from model.config import ModelConfig, RopeScaling
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
+# HF's per-family defaults for fields a config.json may omit.
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 32768, "qwen2": 32768}
+_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+_SAVE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+_INDEX = "model.safetensors.index.json"
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    hf_name: str
+    path: tuple[str, ...]  # keys into the params tree
+    shape: tuple[int, ...]  # shape in the params tree: kernels are [in, out]
+    transpose: bool  # HF Linear weights are [out, in]
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        return self.shape[::-1] if self.transpose else self.shape
+
+
+def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
+    """Every tensor of `config`'s params, in HF checkpoint order."""
+    d, f, v = config.hidden_size, config.ffn_size, config.vocab_size
+    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    specs = [TensorSpec("model.embed_tokens.weight", ("embed", "embedding"), (v, d), False)]
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers_{i}"
+        specs.append(TensorSpec(hf + "input_layernorm.weight", (ours, "attn_norm", "scale"),
+                                (d,), False))
+        for proj, out in (("q", q_out), ("k", kv_out), ("v", kv_out)):
+            specs.append(TensorSpec(f"{hf}self_attn.{proj}_proj.weight",
+                                    (ours, "attn", proj, "kernel"), (d, out), True))
+            if config.attention_bias:
+                specs.append(TensorSpec(f"{hf}self_attn.{proj}_proj.bias",
+                                        (ours, "attn", proj, "bias"), (out,), False))
+        specs.append(TensorSpec(hf + "self_attn.o_proj.weight", (ours, "attn", "o", "kernel"),
+                                (q_out, d), True))
+        specs.append(TensorSpec(hf + "post_attention_layernorm.weight",
+                                (ours, "mlp_norm", "scale"), (d,), False))
+        for proj, shape in (("gate", (d, f)), ("up", (d, f)), ("down", (f, d))):
+            specs.append(TensorSpec(f"{hf}mlp.{proj}_proj.weight", (ours, "mlp", proj, "kernel"),
+                                    shape, True))
+    specs.append(TensorSpec("model.norm.weight", ("final_norm", "scale"), (d,), False))
+    if not config.tie_embeddings:
+        specs.append(TensorSpec("lm_head.weight", ("lm_head", "kernel"), (d, v), True))
+    return specs
+
+
+def load_hf_config(folder: str | Path, *, name: str | None = None) -> ModelConfig:
+    """Reads `folder/config.json`; `name` defaults to the model's HF name or the folder's."""
+    folder = Path(folder)
+    raw = _read_json(folder / "config.json")
+    model_type = raw.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise CheckpointError(f"{folder / 'config.json'}: model_type {model_type!r} is not "
+                              f"supported; cadence loads {', '.join(sorted(ARCHITECTURES))}")
+    for arch in raw.get("architectures") or []:
+        if arch != ARCHITECTURES[model_type]:
+            raise CheckpointError(f"{folder / 'config.json'}: architecture {arch!r} is not "
+                                  f"supported; cadence loads {', '.join(ARCHITECTURES.values())}")
+
+    def need(key: str) -> Any:
+        if raw.get(key) is None:
+            raise CheckpointError(f"{folder / 'config.json'} lacks {key!r}; add it or re-export "
+                                  "the checkpoint with transformers")
+        return raw[key]
+
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    max_context = int(raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type])
+    _check_supported(folder, raw, model_type, max_context)
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}  # transformers v5 / v4
+    tie = bool(raw.get("tie_word_embeddings", False))
+    if not tie and _lm_head_absent(folder):
+        tie = True  # some exports drop lm_head.weight yet leave tie_word_embeddings false
+    try:
+        return ModelConfig(
+            name=name or str(raw.get("_name_or_path") or folder.name).rstrip("/").split("/")[-1],
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            ffn_size=int(need("intermediate_size")),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_scaling=_rope_scaling(folder, rope),
+            tie_embeddings=tie,
+            attention_bias=model_type == "qwen2",
+            max_context=max_context,
+        )
+    except ValueError as e:  # ModelConfig's own consistency checks
+        raise CheckpointError(f"{folder / 'config.json'}: {e}") from e
+
+
+def load_hf_params(folder: str | Path, config: ModelConfig) -> Params:
+    """Reads every tensor of `config` from `folder`'s safetensors as float32 numpy arrays."""
+    folder = Path(folder)
+    files = _tensor_files(folder)
+    specs = {s.hf_name: s for s in tensor_specs(config)}
+    missing = [n for n in specs if n not in files]
+    unexpected = [n for n in files if n not in specs and not _ignorable(n, config)]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{folder}: tensors do not match {config.name}'s config.json: missing "
+            f"[{_listing(missing)}], unexpected [{_listing(unexpected)}]; point cadence at the "
+            "folder of a complete Llama/Mistral/Qwen2 checkpoint")
+    by_file: dict[Path, list[str]] = {}
+    for hf_name in specs:
+        by_file.setdefault(files[hf_name], []).append(hf_name)
+
+    bad = []  # headers first, so a wrong checkpoint fails before gigabytes are read
+    for path, names in by_file.items():
+        with safe_open(path, framework="numpy") as f:
+            for hf_name in names:
+                header = f.get_slice(hf_name)
+                shape, dtype = tuple(header.get_shape()), header.get_dtype()
+                if shape != specs[hf_name].hf_shape or dtype not in _FLOAT_DTYPES:
+                    bad.append(f"{hf_name} {dtype}{list(shape)} (want "
+                               f"{list(specs[hf_name].hf_shape)} in F32/F16/BF16)")
+    if bad:
+        raise CheckpointError(f"{folder}: tensors with the wrong shape or dtype for "
+                              f"{config.name}: {_listing(bad)}; check config.json matches the "
+                              "weights (quantized safetensors are not supported)")
+
+    params: Params = {}
+    with tqdm(total=len(specs), desc=f"loading {folder.name}", unit="tensor", disable=None) as bar:
+        for path, names in by_file.items():
+            with safe_open(path, framework="numpy") as f:
+                for hf_name in names:
+                    spec, array = specs[hf_name], f.get_tensor(hf_name)
+                    array = array.T if spec.transpose else array
+                    _put(params, spec.path, np.ascontiguousarray(array, dtype=np.float32))
+                    bar.update()
+    return params
+
+
+def save_hf(folder: str | Path, config: ModelConfig, params: Params, *, dtype: str = "float32",
+            max_shard_bytes: int | None = None) -> None:
+    """Writes `config.json` and the params in HF layout: one `model.safetensors`, or shards of
+    at most `max_shard_bytes` (one tensor may exceed it) with `model.safetensors.index.json`."""
+    folder = Path(folder)
+    if dtype not in _SAVE_DTYPES:
+        raise CheckpointError(f"save_hf dtype {dtype!r}: use one of {', '.join(_SAVE_DTYPES)}")
+    if any(folder.glob("*.safetensors")):
+        raise CheckpointError(f"{folder} already holds safetensors; save into an empty folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for spec in tensor_specs(config):
+        array = np.asarray(_get(params, spec.path))
+        if array.shape != spec.shape:
+            raise CheckpointError(f"params {'/'.join(spec.path)} has shape {list(array.shape)}, "
+                                  f"{config.name} needs {list(spec.shape)}")
+        array = array.T if spec.transpose else array
+        tensors[spec.hf_name] = np.ascontiguousarray(array, dtype=_SAVE_DTYPES[dtype])
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    for hf_name, array in tensors.items():
+        size = sum(a.nbytes for a in shards[-1].values())
+        if max_shard_bytes and shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append({})
+        shards[-1][hf_name] = array
+    if len(shards) == 1:
+        safetensors.numpy.save_file(shards[0], folder / "model.safetensors",
+                                    metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            safetensors.numpy.save_file(shard, folder / file_name, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file_name))
+        index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+                 "weight_map": weight_map}
+        (folder / _INDEX).write_text(json.dumps(index, indent=2))
+    (folder / "config.json").write_text(json.dumps(hf_config_dict(config, dtype), indent=2))
+
+
+def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+    """`config` as a transformers `config.json` (Qwen2 when it has q/k/v biases, else Llama)."""
+    model_type = "qwen2" if config.attention_bias else "llama"
+    raw: dict[str, Any] = {
+        "_name_or_path": config.name,
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.ffn_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": config.tie_embeddings,
+        "max_position_embeddings": config.max_context,
+        "torch_dtype": dtype,
+    }
+    if config.rope_scaling is not None:
+        s = config.rope_scaling
+        raw["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor,
+                               "low_freq_factor": s.low_freq_factor,
+                               "high_freq_factor": s.high_freq_factor,
+                               "original_max_position_embeddings": s.original_max_position}
+    if model_type == "qwen2":
+        raw.update(use_sliding_window=False, sliding_window=config.max_context)
+    return raw
+
+
+def _check_supported(folder: Path, raw: dict[str, Any], model_type: str, max_context: int) -> None:
+    where = folder / "config.json"
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported; "
+                              "cadence runs SwiGLU (silu) MLPs only")
+    if model_type == "llama" and (raw.get("attention_bias") or raw.get("mlp_bias")):
+        raise CheckpointError(f"{where}: attention_bias/mlp_bias on a llama model is not "
+                              "supported; cadence has biases on q/k/v only (Qwen2)")
+    window = raw.get("sliding_window")
+    if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+        window = None
+    if window is not None and int(window) < max_context:
+        raise CheckpointError(f"{where}: sliding_window {window} is shorter than the context "
+                              f"({max_context}); cadence attends over the full context, so use "
+                              "a checkpoint without a sliding window")
+
+
+def _rope_scaling(folder: Path, rope: dict[str, Any]) -> RopeScaling | None:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise CheckpointError(f"{folder / 'config.json'}: rope_type {kind!r} is not supported; "
+                              "cadence implements default and llama3 RoPE only")
+    default = RopeScaling()
+    return RopeScaling(
+        factor=float(rope.get("factor", default.factor)),
+        low_freq_factor=float(rope.get("low_freq_factor", default.low_freq_factor)),
+        high_freq_factor=float(rope.get("high_freq_factor", default.high_freq_factor)),
+        original_max_position=int(rope.get("original_max_position_embeddings",
+                                           default.original_max_position)))
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Tensor name → the safetensors file holding it."""
+    index = folder / _INDEX
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map") or {}
+        for file_name in sorted(set(weight_map.values())):
+            if not (folder / file_name).exists():
+                raise CheckpointError(f"{index} names shard {file_name}, which is missing; "
+                                      "download the complete checkpoint")
+        return {name: folder / file_name for name, file_name in weight_map.items()}
+    single = folder / "model.safetensors"
+    paths = [single] if single.exists() else sorted(folder.glob("*.safetensors"))
+    if not paths:
+        raise CheckpointError(f"{folder} holds no *.safetensors files; cadence reads Hugging Face "
+                              "checkpoints in safetensors format (not pytorch_model.bin)")
+    files: dict[str, Path] = {}
+    for path in paths:
+        with safe_open(path, framework="numpy") as f:
+            for name in f.keys():
+                if name in files:
+                    raise CheckpointError(f"tensor {name} is in both {files[name].name} and "
+                                          f"{path.name}; keep one copy of the checkpoint")
+                files[name] = path
+    return files
+
+
+def _lm_head_absent(folder: Path) -> bool:
+    """True when `folder` has safetensors without an `lm_head.weight` (unreadable: False)."""
+    try:
+        return "lm_head.weight" not in _tensor_files(folder)
+    except (CheckpointError, OSError):
+        return False
+
+
+def _ignorable(hf_name: str, config: ModelConfig) -> bool:
+    # Old exports carry RoPE buffers; tied checkpoints sometimes carry a copy of the embedding.
+    return hf_name.endswith("rotary_emb.inv_freq") or (
+        config.tie_embeddings and hf_name == "lm_head.weight")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path} not found; point cadence at a Hugging Face model "
+                              "folder") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); download it again") from e
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    more = f", ... (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _put(tree: Params, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: Params, path: tuple[str, ...]) -> Any:
+    try:
+        for key in path:
+            tree = tree[key]
+    except KeyError as e:
+        raise CheckpointError(f"params lack {'/'.join(path)}; build them for this "
+                              "config") from e
+    return tree

@@ -1,0 +1,171 @@
+"""Converted checkpoints: the folder every start after the first loads from.
+
+A converted folder holds
+    config.json     `ModelConfig.to_json()`
+    params/         the params pytree, saved with orbax (float32)
+    <tokenizer>     tokenizer files, byte for byte as given (tokenizer.json, tokenizer.model, ...)
+    cadence.json    the marker: format version, source, dtype, tokenizer file names
+`save_converted` builds it in a sibling temporary folder, writes the marker last and renames
+the folder into place, so a crash never leaves something `is_converted` accepts. Restores are
+checked against `abstract_params(config)`: a tree with other names, shapes or dtypes is refused
+with a `CheckpointError` before any data is read.
+
+Non-goals: sharded (multi-device) restore, quantized storage, keeping several versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+from checkpoints.errors import CheckpointError
+from checkpoints.hf import Params
+from model.config import ModelConfig
+from model.llama import abstract_params
+
+FORMAT_VERSION = 1
+MARKER = "cadence.json"
+_RESERVED = {MARKER, "config.json", "params"}
+
+
+def save_converted(folder: str | Path, config: ModelConfig, params: Params,
+                   tokenizer_files: dict[str, bytes] | None = None, *, source: str = "") -> None:
+    """Writes a complete converted checkpoint at `folder`, replacing any folder already there."""
+    folder = Path(folder).absolute()
+    tokenizer_files = tokenizer_files or {}
+    for name in tokenizer_files:
+        if Path(name).name != name or name in _RESERVED or name.startswith("."):
+            raise CheckpointError(f"tokenizer file name {name!r} is not allowed; pass plain "
+                                  f"file names other than {', '.join(sorted(_RESERVED))}")
+    _check_tree(_shapes(params), config, f"params for {config.name}",
+                "build the params from this config")
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        (tmp / "config.json").write_text(config.to_json())
+        with _quiet(), ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(tmp / "params", params)
+        for name, data in tokenizer_files.items():
+            (tmp / name).write_bytes(data)
+        marker = {"format_version": FORMAT_VERSION, "source": source, "dtype": "float32",
+                  "tokenizer_files": sorted(tokenizer_files)}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2))
+        _replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_converted(folder: str | Path) -> tuple[ModelConfig, Params]:
+    """Restores (config, params) from a folder `save_converted` wrote. Leaves come back as the
+    kind that was saved: numpy arrays, or jax arrays on the default device."""
+    folder = Path(folder).absolute()
+    marker = read_marker(folder)
+    if marker["dtype"] != "float32":
+        raise CheckpointError(f"{folder / MARKER}: dtype {marker['dtype']!r} is not supported; "
+                              "convert the checkpoint again")
+    try:
+        config = ModelConfig.from_json((folder / "config.json").read_text())
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{folder / 'config.json'} is unreadable ({e}); delete {folder} "
+                              "and convert again") from e
+    with _quiet(), ocp.StandardCheckpointer() as checkpointer:
+        try:
+            stored = checkpointer.metadata(folder / "params").item_metadata.tree
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{folder / 'params'} is unreadable ({e}); delete {folder} "
+                                  "and convert again") from e
+        _check_tree(_shapes(stored), config, f"{folder / 'params'}",
+                    f"delete {folder} and convert again")
+        params = checkpointer.restore(folder / "params", abstract_params(config))
+    return config, params
+
+
+def is_converted(folder: str | Path) -> bool:
+    """True when `folder` is a complete converted checkpoint of this format version."""
+    try:
+        read_marker(Path(folder))
+    except CheckpointError:
+        return False
+    return True
+
+
+def read_marker(folder: str | Path) -> dict[str, Any]:
+    """The `cadence.json` of a complete converted folder; `CheckpointError` for anything else."""
+    folder = Path(folder)
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{folder} is not a complete converted checkpoint (no {MARKER}); "
+                              "delete it and convert again") from e
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder / MARKER} is unreadable ({e}); delete {folder} and "
+                              "convert again") from e
+    if not isinstance(marker, dict) or marker.get("format_version") != FORMAT_VERSION:
+        version = marker.get("format_version") if isinstance(marker, dict) else None
+        raise CheckpointError(f"{folder} has converted-checkpoint format {version!r}, this "
+                              f"cadence reads {FORMAT_VERSION}; delete it and convert again")
+    for name in ("config.json", "params", *marker.get("tokenizer_files", [])):
+        if not (folder / name).exists():
+            raise CheckpointError(f"{folder} lacks {name}; delete it and convert again")
+    return marker
+
+
+def load_tokenizer_files(folder: str | Path) -> dict[str, bytes]:
+    """The tokenizer files stored with a converted checkpoint, by name."""
+    folder = Path(folder)
+    return {name: (folder / name).read_bytes() for name in read_marker(folder)["tokenizer_files"]}
+
+
+def _shapes(tree: Any) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
+    """Flattens a pytree of arrays (or array metadata) to path → (shape, dtype)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {tuple(str(getattr(k, "key", k)) for k in path):
+            (tuple(leaf.shape), np.dtype(leaf.dtype)) for path, leaf in leaves}
+
+
+def _check_tree(found: dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]],
+                config: ModelConfig, what: str, fix: str) -> None:
+    want = _shapes(abstract_params(config))
+    missing = ["/".join(p) for p in want if p not in found]
+    unexpected = ["/".join(p) for p in found if p not in want]
+    wrong = [f"{'/'.join(p)} {found[p][1]}{list(found[p][0])} (want {want[p][1]}"
+             f"{list(want[p][0])})" for p in want if p in found and found[p] != want[p]]
+    if missing or unexpected or wrong:
+        problems = [f"{label} [{', '.join(names[:8])}{', ...' if len(names) > 8 else ''}]"
+                    for label, names in (("missing", missing), ("unexpected", unexpected),
+                                         ("wrong shape/dtype", wrong)) if names]
+        raise CheckpointError(f"{what} do not match {config.name}'s config: "
+                              f"{'; '.join(problems)}; {fix}")
+
+
+def _replace(tmp: Path, folder: Path) -> None:
+    """Renames `tmp` to `folder`; an old `folder` is moved aside first and deleted after."""
+    old = None
+    if folder.exists():
+        old = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:8]}"
+        folder.rename(old)
+    tmp.rename(folder)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """orbax logs every step of a save or restore at INFO through absl; keep only warnings."""
+    level = logging.get_verbosity()
+    logging.set_verbosity(min(level, logging.WARNING))  # absl: lower is quieter
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)

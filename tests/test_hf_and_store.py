@@ -1,0 +1,205 @@
+"""Hugging Face safetensors loading and the converted-checkpoint store, on tiny random models."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from checkpoints.errors import CheckpointError
+from checkpoints.hf import load_hf_config, load_hf_params, save_hf, tensor_specs
+from tests.conftest import random_params
+from checkpoints.store import (
+    is_converted, load_converted, load_tokenizer_files, save_converted,
+)
+from model.config import LLAMA3_8B, SMOLLM2_135M, TINY, RopeScaling
+
+# Qwen2-style: q/k/v biases and an untied lm_head; also one KV head and Llama-3 RoPE scaling.
+QWEN_TINY = dataclasses.replace(
+    TINY, name="qwen-tiny", attention_bias=True, tie_embeddings=False, num_kv_heads=1,
+    rope_theta=1e6, rms_norm_eps=1e-6, rope_scaling=RopeScaling(factor=4.0))
+
+
+@pytest.fixture(params=[TINY, QWEN_TINY], ids=lambda c: c.name)
+def model(request):
+    return request.param, random_params(request.param)
+
+
+def assert_trees_equal(a, b):
+    flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
+    flat_b = jax.tree_util.tree_flatten_with_path(b)[0]
+    assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
+    for (path, x), (_, y) in zip(flat_a, flat_b):
+        assert np.asarray(y).dtype == np.float32, path
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
+
+
+def test_hf_round_trip(tmp_path, model):
+    config, params = model
+    save_hf(tmp_path, config, params)
+    loaded_config = load_hf_config(tmp_path)
+    assert loaded_config == config
+    assert_trees_equal(params, load_hf_params(tmp_path, loaded_config))
+
+
+def test_hf_bf16_and_sharded(tmp_path, model):
+    config, params = model
+    save_hf(tmp_path, config, params, dtype="bfloat16", max_shard_bytes=20_000)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
+    loaded = load_hf_params(tmp_path, load_hf_config(tmp_path))
+    rounded = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), params)
+    assert_trees_equal(rounded, loaded)
+
+
+def test_untied_config_without_lm_head_loads_tied(tmp_path):
+    save_hf(tmp_path, TINY, random_params(TINY))
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.update(tie_word_embeddings=False, model_type="mistral", architectures=None,
+               sliding_window=None)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_hf_config(tmp_path).tie_embeddings
+
+
+def _rewrite_tensors(folder, edit):
+    tensors = safetensors.numpy.load_file(folder / "model.safetensors")
+    edit(tensors)
+    safetensors.numpy.save_file(tensors, folder / "model.safetensors")
+
+
+def test_missing_tensor_is_named(tmp_path):
+    save_hf(tmp_path, QWEN_TINY, random_params(QWEN_TINY))
+    _rewrite_tensors(tmp_path, lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
+    with pytest.raises(CheckpointError,
+                       match=r"missing \[model\.layers\.1\.self_attn\.k_proj\.bias\]"):
+        load_hf_params(tmp_path, QWEN_TINY)
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+    save_hf(tmp_path, TINY, random_params(TINY))
+    _rewrite_tensors(tmp_path, lambda t: t.update(extra=np.zeros(3, np.float32)))
+    with pytest.raises(CheckpointError, match=r"unexpected \[extra\]"):
+        load_hf_params(tmp_path, TINY)
+
+
+def test_wrong_shape_is_named(tmp_path):
+    save_hf(tmp_path, TINY, random_params(TINY))
+    _rewrite_tensors(tmp_path, lambda t: t.update(
+        {"model.layers.0.mlp.up_proj.weight": np.zeros((64, 64), np.float32)}))
+    with pytest.raises(CheckpointError,
+                       match=r"model\.layers\.0\.mlp\.up_proj\.weight F32\[64, 64\]"):
+        load_hf_params(tmp_path, TINY)
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"model_type": "gpt2"},
+     "model_type 'gpt2' is not supported; cadence loads llama, mistral, qwen2"),
+    ({"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 128},
+     "sliding_window 128"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+])
+def test_unsupported_config_is_refused(tmp_path, edit, match):
+    save_hf(tmp_path, TINY, random_params(TINY))
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.update(edit)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=match):
+        load_hf_config(tmp_path)
+
+
+def test_mistral_long_window_is_accepted(tmp_path):
+    save_hf(tmp_path, TINY, random_params(TINY))
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=512)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_hf_config(tmp_path) == TINY
+
+
+def test_converted_round_trip(tmp_path, model):
+    config, params = model
+    tokenizer = {"tokenizer.json": b'{"model": "\xc3\xa9"}', "tokenizer.model": bytes(range(256))}
+    folder = tmp_path / "converted"
+    save_converted(folder, config, params, tokenizer, source="hf:test/tiny")
+    assert is_converted(folder)
+    assert not list(tmp_path.glob(".converted.*"))  # no temporary folder left behind
+    loaded_config, loaded = load_converted(folder)
+    assert loaded_config == config
+    assert_trees_equal(params, loaded)
+    assert load_tokenizer_files(folder) == tokenizer
+    assert json.loads((folder / "cadence.json").read_text())["source"] == "hf:test/tiny"
+
+    save_converted(folder, config, random_params(config, seed=1))  # replaces the old one
+    assert_trees_equal(random_params(config, seed=1), load_converted(folder)[1])
+    assert load_tokenizer_files(folder) == {}
+
+
+def test_incomplete_or_foreign_folder_is_refused(tmp_path):
+    folder = tmp_path / "converted"
+    save_converted(folder, TINY, random_params(TINY))
+    marker = json.loads((folder / "cadence.json").read_text())
+
+    (folder / "cadence.json").write_text(json.dumps({**marker, "format_version": 99}))
+    assert not is_converted(folder)
+    with pytest.raises(CheckpointError, match="format 99"):
+        load_converted(folder)
+
+    (folder / "cadence.json").unlink()
+    assert not is_converted(folder)
+    with pytest.raises(CheckpointError, match="no cadence.json"):
+        load_converted(folder)
+    assert not is_converted(tmp_path / "absent")
+
+
+def test_converted_params_must_match_config(tmp_path):
+    folder = tmp_path / "converted"
+    save_converted(folder, TINY, random_params(TINY))
+    (folder / "config.json").write_text(dataclasses.replace(TINY, ffn_size=96).to_json())
+    with pytest.raises(CheckpointError, match=r"layers_0/mlp/up/kernel float32\[64, 128\]"):
+        load_converted(folder)
+    with pytest.raises(CheckpointError,
+                       match=r"missing \[layers_0/attn/k/bias, layers_0/attn/q/bias"):
+        save_converted(tmp_path / "other", QWEN_TINY, random_params(TINY))
+
+
+SMOLLM2_JSON = {  # the fields of HuggingFaceTB/SmolLM2-135M's config.json that matter
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+    "hidden_act": "silu", "hidden_size": 576, "intermediate_size": 1536,
+    "max_position_embeddings": 8192, "num_attention_heads": 9, "num_hidden_layers": 30,
+    "num_key_value_heads": 3, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 100000,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 49152}
+LLAMA31_8B_JSON = {  # Llama-3.1-8B's: Llama-3 RoPE scaling, no head_dim, untied
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "max_position_embeddings": 131072, "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "vocab_size": 128256}
+
+
+@pytest.mark.parametrize("raw, want", [
+    (SMOLLM2_JSON, SMOLLM2_135M),
+    (LLAMA31_8B_JSON, dataclasses.replace(LLAMA3_8B, max_context=131072)),
+], ids=["smollm2", "llama3.1"])
+def test_real_configs(tmp_path, raw, want):
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_hf_config(tmp_path, name=want.name) == want
+
+
+@pytest.mark.parametrize("config", [TINY, QWEN_TINY], ids=lambda c: c.name)
+def test_params_tree_is_the_models(config):
+    from model import llama  # the consumer of this tree
+
+    def flat(tree):
+        return {jax.tree_util.keystr(path): (leaf.shape, np.dtype(leaf.dtype))
+                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    specs = {jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in s.path)):
+             (s.shape, np.dtype(np.float32)) for s in tensor_specs(config)}
+    assert specs == flat(llama.abstract_params(config))
