@@ -1,0 +1,107 @@
+"""Chat templates: validate a conversation and render it to a prompt string.
+
+Contract:
+- `validate_messages(messages)` accepts a non-empty list of `{"role": str, "content": str}`
+  dicts (extra keys such as "name" pass through untouched) and raises `TokenizerError`
+  naming the first bad message otherwise.
+- `render_chat(template, messages, ...)` renders a Hugging Face style Jinja chat template the
+  way `transformers` does: a sandboxed, immutable environment with `trim_blocks` and
+  `lstrip_blocks`, loop controls, a `raise_exception(msg)` helper, a `tojson` filter that keeps
+  non-ASCII text as is, `strftime_now(fmt)`, and the variables `messages`,
+  `add_generation_prompt`, `bos_token` and `eos_token`. With no template it renders ChatML.
+- Any template failure (syntax error, `raise_exception`, undefined variable, sandbox
+  violation) becomes a `TokenizerError`, so a bad request maps to a 4xx and never reaches the
+  engine.
+
+Non-goals: tool/function-calling arguments (`tools`, `documents`), multimodal content parts
+(content must already be a string), and generation-prompt masks for training.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+
+from checkpoints.tokenizer import TokenizerError
+
+# ChatML, the format most small instruct models (SmolLM2, Qwen) were trained on; used when a
+# tokenizer ships without a template so that chat requests still work.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Checks the shape of a conversation; returns it unchanged or raises TokenizerError."""
+    if not isinstance(messages, list) or not messages:
+        raise TokenizerError(
+            "messages must be a non-empty list of {'role': str, 'content': str} objects, "
+            f"got {type(messages).__name__}" + ("" if messages else " (empty)"))
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise TokenizerError(
+                f"messages[{i}] must be an object with 'role' and 'content', "
+                f"got {type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise TokenizerError(f"messages[{i}]['role'] must be a non-empty string, got {role!r}")
+        if not isinstance(content, str):
+            raise TokenizerError(
+                f"messages[{i}]['content'] must be a string, got {type(content).__name__}; "
+                "join text parts into one string before sending")
+    return messages
+
+
+def _raise_exception(message: str) -> None:
+    # Templates call this to reject conversations they cannot format (e.g. wrong role order).
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson HTML-escapes '<', '>' and '&', which would change prompts; templates
+    # were written against Python's json.dumps.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    # Compiling costs ~1 ms; a server renders the same template for every request.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise TokenizerError(
+            f"the chat template does not parse (line {e.lineno}: {e.message}); "
+            "fix chat_template in tokenizer_config.json") from e
+
+
+def render_chat(template: str | None, messages: Any, *, add_generation_prompt: bool = True,
+                bos_token: str | None = None, eos_token: str | None = None) -> str:
+    """Renders `messages` with `template` (ChatML when None) and returns the prompt text."""
+    messages = validate_messages(messages)
+    compiled = _compile(template if template is not None else CHATML_TEMPLATE)
+    try:
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=bos_token or "", eos_token=eos_token or "")
+    except Exception as e:  # noqa: BLE001 - template code can raise anything; none may escape.
+        # raise_exception, undefined attributes, sandbox violations and type errors inside
+        # the template (e.g. `content + 1`) all mean "this template cannot format this input".
+        raise TokenizerError(f"the chat template rejected the messages: {e}") from e
