@@ -1,8 +1,10 @@
 """The KV cache pytree: fixed-shape slots, one key and one value array per layer.
 
-    k[layer], v[layer]   [num_slots, max_len, num_kv_heads, head_dim]
+    k[layer], v[layer]   [num_slots, num_kv_heads, max_len, head_dim]
 
-A slot holds one sequence; position p of the sequence lives at index p. Layers are separate
+A slot holds one sequence; position p of the sequence lives at index p of axis 2. Head-major
+order makes each (slot, KV head) a contiguous [max_len, head_dim] matrix: attention reads it
+without transposing, and a kernel tiles it along positions. Layers are separate
 arrays (not one stacked array) so that a jitted program updates each in place when the cache is
 donated, and never slices a big stacked buffer per layer.
 
@@ -30,7 +32,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     @property
     def nbytes(self) -> int:
@@ -38,7 +40,7 @@ class KVCache:
 
     @staticmethod
     def shape(config: ModelConfig, num_slots: int, max_len: int) -> tuple[int, int, int, int]:
-        return (num_slots, max_len, config.num_kv_heads, config.head_dim)
+        return (num_slots, config.num_kv_heads, max_len, config.head_dim)
 
     @classmethod
     def create(
@@ -72,20 +74,21 @@ def write(
     rows, t = positions.shape
     valid = jnp.arange(t, dtype=jnp.int32)[None, :] < lengths[:, None]
     # Out-of-range indices are dropped by the scatter: route invalid tokens there.
-    pos = jnp.where(valid, positions, cache.shape[1])
+    pos = jnp.where(valid, positions, cache.shape[2])
     slot_idx = jnp.broadcast_to(slots[:, None], (rows, t))
-    return cache.at[slot_idx, pos].set(new.astype(cache.dtype), mode="drop")
+    # Indices on axes 0 and 2 around a slice: the indexed view is [rows, t, kv_heads, head_dim].
+    return cache.at[slot_idx, :, pos].set(new.astype(cache.dtype), mode="drop")
 
 
 def read(cache: jax.Array, slots: jax.Array | None, kv_len: int) -> jax.Array:
-    """The first `kv_len` positions of each row's slot: [rows, kv_len, kv_heads, head_dim].
+    """The first `kv_len` positions of each row's slot: [rows, kv_heads, kv_len, head_dim].
 
     `slots=None` means the rows are the slots in order (a decode step over the whole cache),
     which is a plain slice instead of a gather.
     """
     if slots is None:
-        return cache[:, :kv_len]
-    size = (1, kv_len) + cache.shape[2:]
+        return cache[:, :, :kv_len]
+    size = (1, cache.shape[1], kv_len, cache.shape[3])
     rows = [
         jax.lax.dynamic_slice(cache, (slots[i], 0, 0, 0), size) for i in range(slots.shape[0])
     ]

@@ -160,5 +160,5 @@ def test_write_past_the_end_is_dropped(tiny_config, tiny_params):
         tiny_params, tokens, jnp.arange(10, 26, dtype=jnp.int32)[None], jnp.asarray([13]),
         cache, config=cfg, kv_len=20, slots=jnp.asarray([0], jnp.int32),
     )
-    k = np.asarray(cache.k[0][0])
-    assert np.abs(k[:10]).max() == 0.0 and np.abs(k[10:20]).min() > 0.0
+    k = np.asarray(cache.k[0][0])  # [kv_heads, max_len, head_dim]
+    assert np.abs(k[:, :10]).max() == 0.0 and np.abs(k[:, 10:20]).min() > 0.0
