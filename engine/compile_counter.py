@@ -1,0 +1,40 @@
+"""Counts XLA compilations in this process.
+
+Every lowering of a jitted function to an XLA module — whether the executable then comes from
+the persistent compilation cache or from the compiler — fires JAX's
+`/jax/core/compile/jaxpr_to_mlir_module_duration` event. Counting those events catches any
+retrace: a Python constant that changed, a shape that escaped its bucket, a stray `jnp` call on
+the host. The engine reads the count at the end of warm-up and exposes the difference.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from jax import monitoring
+
+_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_lock = threading.Lock()
+_count = 0
+_installed = False
+
+
+def _listener(event: str, duration_secs: float, **kwargs) -> None:
+    global _count
+    if event == _EVENT:
+        with _lock:
+            _count += 1
+
+
+def install() -> None:
+    global _installed
+    with _lock:
+        if not _installed:
+            monitoring.register_event_duration_secs_listener(_listener)
+            _installed = True
+
+
+def count() -> int:
+    """Compilations since `install()` was first called."""
+    with _lock:
+        return _count

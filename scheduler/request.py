@@ -1,0 +1,176 @@
+"""One request's host-side state: what it asked for, where it is, what it has produced.
+
+A request moves WAITING -> PREFILLING -> DECODING -> FINISHED. The scheduler owns the state
+transitions; this module only keeps the bookkeeping honest and turns accepted tokens into
+events (ids, UTF-8-safe text deltas, timestamps) with stop strings applied on the text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import time
+from collections.abc import Callable, Sequence
+
+from checkpoints.detokenizer import IncrementalDetokenizer
+from checkpoints.tokenizer import Tokenizer
+from model.sampling import RequestSampling
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens, or the end of the slot's context
+    ABORT = "abort"  # cancelled by the client
+    ERROR = "error"  # the engine failed while serving it
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int | None = None  # None: up to the end of the context
+    sampling: RequestSampling = RequestSampling()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    """Output produced by one step of a request: usually one token, text possibly empty."""
+
+    token_ids: list[int]
+    text: str
+    time: float  # time.monotonic() when the scheduler accepted the token
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """The server-side timeline of a finished request (times from time.monotonic())."""
+
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int
+    finish_reason: str
+    submitted: float
+    admitted: float | None
+    first_token: float | None
+    finished: float
+    prefill_chunks: int
+    decode_steps: int
+    text: str
+    error: str | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.admitted is None else self.admitted - self.submitted
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.submitted
+
+
+_ids = itertools.count()
+
+
+class Request:
+    def __init__(
+        self,
+        prompt_ids: Sequence[int],
+        params: GenerationParams,
+        max_tokens: int,
+        tokenizer: Tokenizer,
+        emit: Callable[[TokenEvent | RequestRecord], None],
+        request_id: str | None = None,
+    ):
+        self.id = request_id or f"req-{next(_ids)}"
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.eos_ids = frozenset() if params.ignore_eos else tokenizer.eos_ids
+        self.emit = emit
+        self.state = State.WAITING
+        self.slot: int | None = None
+        self.prefilled = 0  # prompt tokens whose KV is written
+        self.dispatched = 0  # output tokens whose computation has been dispatched
+        self.output_ids: list[int] = []
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self._held = ""  # text withheld because it may be the start of a stop string
+        self._text: list[str] = []
+        self._hold = max((len(s) for s in params.stop), default=1) - 1
+        self.cancelled = False
+        self.submitted = time.monotonic()
+        self.admitted: float | None = None
+        self.first_token: float | None = None
+        self.prefill_chunks = 0
+        self.decode_steps = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is State.FINISHED
+
+    def accept(self, token: int, now: float) -> FinishReason | None:
+        """Takes one sampled token; emits its event; returns a reason if the request ends."""
+        if self.first_token is None:
+            self.first_token = now
+        self.output_ids.append(token)
+        reason = None
+        if token in self.eos_ids:
+            reason, delta = FinishReason.STOP, self.detok.flush()
+        else:
+            delta = self.detok.add(token)
+            if len(self.output_ids) >= self.max_tokens:
+                reason = FinishReason.LENGTH
+                delta += self.detok.flush()
+        text, stopped = self._apply_stop(delta, final=reason is not None)
+        if stopped:
+            reason = FinishReason.STOP
+        self._text.append(text)
+        self.emit(TokenEvent([token], text, now))
+        return reason
+
+    def _apply_stop(self, delta: str, final: bool) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was found)."""
+        if not self.params.stop:
+            return delta, False
+        pending = self._held + delta
+        cut = min((i for i in (pending.find(s) for s in self.params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self._held = ""
+            return pending[:cut], True
+        if final or self._hold == 0:
+            self._held = ""
+            return pending, False
+        keep = min(self._hold, len(pending))
+        self._held = pending[len(pending) - keep :]
+        return pending[: len(pending) - keep], False
+
+    def finish(self, reason: FinishReason, now: float, error: str | None = None) -> RequestRecord:
+        self.state = State.FINISHED
+        if self._held and reason in (FinishReason.ABORT, FinishReason.ERROR):
+            self._held = ""  # nothing more will be shown to a client that is gone
+        record = RequestRecord(
+            request_id=self.id,
+            prompt_tokens=self.prompt_len,
+            output_tokens=len(self.output_ids),
+            finish_reason=reason.value,
+            submitted=self.submitted,
+            admitted=self.admitted,
+            first_token=self.first_token,
+            finished=now,
+            prefill_chunks=self.prefill_chunks,
+            decode_steps=self.decode_steps,
+            text="".join(self._text),
+            error=error,
+        )
+        self.emit(record)
+        return record

@@ -1,0 +1,337 @@
+"""The iteration loop: admission, planning, dispatch, and applying results one step behind.
+
+    sched = Scheduler(engine, tokenizer, SchedulerConfig())
+    sched.start()                                  # runs iterations on a background thread
+    stream = sched.submit(prompt_ids, GenerationParams(max_tokens=64))
+    async for event in stream: ...                 # TokenEvent..., then a RequestRecord
+    # or, from plain threads: for event in stream: ...
+
+Each iteration: take new submissions and cancellations, ask the policy for a plan, dispatch the
+plan's prefill chunks and one decode step to the engine (asynchronous), then apply the results
+of the *previous* iteration while the device works on this one. Tokens therefore reach clients
+one iteration after they are computed, and the device is never idle waiting for Python.
+
+A request that stops on EOS or a stop string is discovered a step late, so one extra decode step
+may run for it; its token is discarded. Requests that end on max_tokens never over-run, because
+the host counts dispatched tokens.
+
+The scheduler talks to the engine only through `prefill`, `decode`, `config` and
+`compilations_after_warmup`, so tests can drive it with a fake engine in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from checkpoints.tokenizer import Tokenizer
+from engine.engine import sampling_rows
+from model.sampling import RequestSampling
+from scheduler.errors import NotRunning, Overloaded, RequestTooLong, SubmissionError
+from scheduler.policy import Plan, PolicyConfig, make_plan
+from scheduler.request import FinishReason, GenerationParams, Request, RequestRecord, State, TokenEvent
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    policy: PolicyConfig = PolicyConfig()
+    max_queue: int = 256  # waiting requests beyond this are refused with Overloaded
+    trace_iterations: int = 10_000  # iteration records kept in memory (a ring)
+
+
+@dataclasses.dataclass
+class IterationRecord:
+    index: int
+    start: float
+    wall: float  # seconds from dispatch start to results applied
+    decode_slots: int
+    prefill_tokens: int
+    prefill_chunks: int
+
+
+class RequestStream:
+    """Events of one request; iterate it with `async for` or a plain `for`."""
+
+    def __init__(self, scheduler: Scheduler, request: Request):
+        self._scheduler = scheduler
+        self.request = request
+        self.record: RequestRecord | None = None
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._queue: Any = asyncio.Queue() if self._loop else queue.Queue()
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    def _push(self, event: TokenEvent | RequestRecord) -> None:  # scheduler thread
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+            except RuntimeError:  # the reader's event loop is closed: nobody will read this
+                if not self.request.finished:
+                    self._scheduler.cancel(self.request)
+        else:
+            self._queue.put(event)
+
+    def cancel(self) -> None:
+        self._scheduler.cancel(self.request)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent | RequestRecord:
+        if self.record is not None:
+            raise StopAsyncIteration
+        event = await self._queue.get()
+        if isinstance(event, RequestRecord):
+            self.record = event
+        return event
+
+    def __iter__(self):
+        while self.record is None:
+            event = self._queue.get()
+            if isinstance(event, RequestRecord):
+                self.record = event
+            yield event
+
+
+class Scheduler:
+    def __init__(self, engine, tokenizer: Tokenizer, config: SchedulerConfig = SchedulerConfig()):
+        if config.policy.chunk > engine.config.prefill_chunk:
+            raise ValueError(
+                f"policy chunk {config.policy.chunk} exceeds the engine's prefill_chunk "
+                f"{engine.config.prefill_chunk}"
+            )
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.num_slots = engine.config.num_slots
+        self.max_seq_len = engine.config.max_seq_len
+        self._lock = threading.Condition()
+        self._inbox: list[Request] = []
+        self._cancels: list[Request] = []
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: list[Request] = []  # admitted, in slot-assignment order
+        self._free_slots = list(range(self.num_slots))[::-1]
+        self._pending: list[tuple[str, Any, Any]] = []  # results dispatched, not yet applied
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._accepting = True
+        self.iterations: collections.deque[IterationRecord] = collections.deque(
+            maxlen=config.trace_iterations
+        )
+        self._iteration = 0
+        self.listeners: list = []  # callables(record) for finished requests (metrics)
+        self.iteration_listeners: list = []
+
+    # -- submission -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: GenerationParams = GenerationParams(),
+        request_id: str | None = None,
+    ) -> RequestStream:
+        if not self._accepting:
+            raise NotRunning("the scheduler is shutting down and accepts no new requests")
+        n = len(prompt_ids)
+        if n == 0:
+            raise SubmissionError("the prompt is empty; send at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.engine.model_config.vocab_size]
+        if bad:
+            raise SubmissionError(f"prompt token ids out of range: {bad[:5]}")
+        if any(not stop for stop in params.stop):
+            raise SubmissionError("stop strings must be non-empty")
+        room = self.max_seq_len - n
+        if params.max_tokens is not None and params.max_tokens < 1:
+            raise SubmissionError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if n + max_tokens > self.max_seq_len or room < 1:
+            raise RequestTooLong(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the "
+                f"context of {self.max_seq_len} tokens; shorten the prompt or lower max_tokens"
+            )
+        holder: dict[str, RequestStream] = {}
+        request = Request(
+            prompt_ids, params, max_tokens, self.tokenizer,
+            emit=lambda e: holder["s"]._push(e), request_id=request_id,
+        )
+        stream = holder["s"] = RequestStream(self, request)
+        with self._lock:
+            if not self._accepting:  # checked again here: stop() may have run meanwhile
+                raise NotRunning("the scheduler is shutting down and accepts no new requests")
+            if len(self._waiting) + len(self._inbox) >= self.config.max_queue:
+                raise Overloaded(
+                    f"{self.config.max_queue} requests are already waiting; retry later"
+                )
+            self._inbox.append(request)
+            self._lock.notify()
+        return stream
+
+    def cancel(self, request: Request) -> None:
+        with self._lock:
+            request.cancelled = True
+            self._cancels.append(request)
+            self._lock.notify()
+
+    # -- state for metrics ------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + len(self._inbox)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV slot capacity holding live tokens."""
+        used = sum(r.prefilled + r.dispatched for r in self._running)
+        return used / (self.num_slots * self.max_seq_len)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cadence-scheduler", daemon=True)
+            self._thread.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stops accepting; with `drain`, finishes what is queued and running, else aborts it."""
+        self._accepting = False
+        with self._lock:
+            if not drain:
+                for r in list(self._waiting) + self._inbox + self._running:
+                    r.cancelled = True
+                    self._cancels.append(r)
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def idle(self) -> bool:
+        return not (self._inbox or self._waiting or self._running or self._pending)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while self.idle() and not self._cancels and not self._stopping:
+                    self._lock.wait()
+                if self._stopping and self.idle() and not self._cancels:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # the engine failed: fail in-flight requests, keep serving
+                logging.exception("iteration failed")
+                self._fail_all(f"{type(e).__name__}: {e}")
+
+    def step(self) -> None:
+        """One iteration. Public so tests can drive the scheduler synchronously."""
+        start = time.monotonic()
+        self._take_inbox()
+        plan = make_plan(self._running, self._waiting, len(self._free_slots), self.config.policy)
+        previous, self._pending = self._pending, []
+        self._dispatch(plan)
+        self._apply(previous)
+        if not plan.empty or previous:
+            record = IterationRecord(
+                index=self._iteration,
+                start=start,
+                wall=time.monotonic() - start,
+                decode_slots=len(plan.decode),
+                prefill_tokens=sum(c.length for c in plan.prefill),
+                prefill_chunks=len(plan.prefill),
+            )
+            self._iteration += 1
+            self.iterations.append(record)
+            self._notify(self.iteration_listeners, record)
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            self._waiting.extend(self._inbox)
+            self._inbox.clear()
+            cancels, self._cancels = self._cancels, []
+        now = time.monotonic()
+        for r in cancels:
+            if r.finished:
+                continue
+            if r.state is State.WAITING:
+                self._waiting.remove(r)
+            self._finish(r, FinishReason.ABORT, now)
+
+    def _dispatch(self, plan: Plan) -> None:
+        now = time.monotonic()
+        for r in plan.admit:
+            self._waiting.remove(r)
+            r.slot = self._free_slots.pop()
+            r.state = State.PREFILLING
+            r.admitted = now
+            self._running.append(r)
+        for chunk in plan.prefill:
+            r = chunk.request
+            ids = r.prompt_ids[chunk.start : chunk.start + chunk.length]
+            token = self.engine.prefill(r.slot, ids, chunk.start, r.params.sampling, chunk.final)
+            r.prefilled += chunk.length
+            r.prefill_chunks += 1
+            if chunk.final:
+                r.state = State.DECODING
+                r.dispatched = 1
+                self._pending.append(("first", r, token))
+        if plan.decode:
+            positions = np.zeros(self.num_slots, np.int32)
+            active = np.zeros(self.num_slots, bool)
+            rows = [RequestSampling()] * self.num_slots
+            for r in plan.decode:
+                positions[r.slot] = r.prompt_len + r.dispatched - 1
+                active[r.slot] = True
+                rows[r.slot] = r.params.sampling
+                r.dispatched += 1
+                r.decode_steps += 1
+            tokens = self.engine.decode(positions, active, sampling_rows(rows))
+            self._pending.append(("decode", [(r, r.slot) for r in plan.decode], tokens))
+
+    def _apply(self, results: list[tuple[str, Any, Any]]) -> None:
+        for kind, who, array in results:
+            values = np.asarray(array)  # waits only if the device is still on that step
+            now = time.monotonic()
+            pairs = [(who, 0)] if kind == "first" else who
+            for r, slot in pairs:
+                if r.finished:
+                    continue  # a step dispatched before the request ended: discard
+                reason = r.accept(int(values[slot if kind == "decode" else 0]), now)
+                if reason is not None:
+                    self._finish(r, reason, now)
+
+    def _finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
+        if r in self._running:
+            self._running.remove(r)
+            self._free_slots.append(r.slot)
+        record = r.finish(reason, now, error)
+        self._notify(self.listeners, record)
+
+    @staticmethod
+    def _notify(listeners: list, record) -> None:
+        for listener in listeners:
+            try:
+                listener(record)
+            except Exception:  # a broken metrics hook must not take serving down
+                logging.exception("listener %r failed", listener)
+
+    def _fail_all(self, message: str) -> None:
+        now = time.monotonic()
+        self._pending = []
+        for r in list(self._running):
+            self._finish(r, FinishReason.ERROR, now, message)

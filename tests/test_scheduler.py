@@ -1,0 +1,740 @@
+"""Scheduler contract tests against a fake engine: no JAX program runs, each test takes ms.
+
+`FakeEngine` honours the engine contract exactly (see engine/engine.py): it keeps per-slot "KV"
+content (the token ids written at each position) and `last_tokens`; prefill writes a chunk at
+[start, start+len), decode writes each active slot's last token at positions[s]. The next token
+is a pure function of the slot's content [0, pos], so a wrong position, a stale or mixed-up slot,
+or a skipped chunk yields a different token than `expected()` (a plain sequential simulation)
+predicts. A script can force specific tokens (EOS, text for stop strings) after a given prompt.
+
+Most tests drive the scheduler synchronously with `step()`; a few run its thread (`start()`),
+from client threads and from asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from tokenizers.pre_tokenizers import ByteLevel
+
+from checkpoints.detokenizer import byte_level_piece_bytes
+from checkpoints.tokenizer import Tokenizer
+from engine.engine import EngineConfig
+from model.config import TINY
+from model.sampling import RequestSampling, SamplingParams
+from scheduler.errors import NotRunning, Overloaded, RequestTooLong, SubmissionError
+from scheduler.policy import PolicyConfig
+from scheduler.request import GenerationParams, RequestRecord, TokenEvent
+from scheduler.scheduler import RequestStream, Scheduler, SchedulerConfig
+
+# --- a byte-level tokenizer: id b is byte b, then three special tokens --------------------------
+
+
+def _byte_tokenizer() -> Tokenizer:
+    byte_char = {byte_level_piece_bytes(c)[0]: c for c in ByteLevel.alphabet()}
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    return Tokenizer.from_gguf_fields({
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": [byte_char[b] for b in range(256)] + specials,
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.token_type": [1] * 256 + [3] * len(specials),
+        "tokenizer.ggml.bos_token_id": 257,
+        "tokenizer.ggml.eos_token_id": 258,
+        "tokenizer.ggml.eot_token_id": 256,
+    })
+
+
+TOK = _byte_tokenizer()
+EOS = 258
+ALPHABET = [ord(c) for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"]
+
+
+def ids(text: str) -> list[int]:
+    return TOK.encode(text)
+
+
+def random_prompt(rng: np.random.Generator, n: int) -> list[int]:
+    return [int(t) for t in rng.choice(ALPHABET, n)]
+
+
+# --- the fake engine --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+    slot: int
+    start: int
+    length: int
+    final: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+    slots: tuple[int, ...]  # active slots
+    positions: tuple[int, ...]  # their positions, in the same order
+
+
+class FakeEngine:
+    """The engine contract, in NumPy, with a deterministic "model" over each slot's content."""
+
+    def __init__(self, *, num_slots: int = 4, max_seq_len: int = 1024, prefill_chunk: int = 64,
+                 script: dict[tuple[int, ...], list[int]] | None = None, eos_one_in: int = 0,
+                 decode_delay: float = 0.0):
+        self.config = EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len,
+                                   prefill_chunk=prefill_chunk)
+        self.model_config = dataclasses.replace(TINY, vocab_size=TOK.vocab_size,
+                                                max_context=max_seq_len)
+        self.compilations_after_warmup = 0
+        self.kv = np.full((num_slots, max_seq_len), -1, np.int64)  # -1: never written
+        self.last_tokens = np.zeros(num_slots, np.int64)
+        self.script = {tuple(k): list(v) for k, v in (script or {}).items()}
+        self.eos_one_in = eos_one_in  # > 0: EOS when the content's hash is divisible by it
+        self.decode_delay = decode_delay
+        self.fail_decode_call: int | None = None  # the index of a decode call that raises
+        self.decode_calls = 0
+        self.log: list[Prefill | Decode] = []
+
+    def next_token(self, content: Sequence[int], seed: int | None = None) -> int:
+        """The "model": a pure function of the token ids a slot holds at [0, pos], and of the
+        request's seed when it samples (temperature > 0: pass its seed, else None)."""
+        if self.script:
+            content_t = tuple(int(t) for t in content)
+            for prompt, tokens in self.script.items():
+                i = len(content_t) - len(prompt)
+                if 0 <= i < len(tokens) and content_t[: len(prompt)] == prompt:
+                    return tokens[i]
+        h = zlib.crc32(np.asarray(content, np.int64).tobytes())
+        if seed is not None:
+            h = zlib.crc32(seed.to_bytes(4, "little"), h)
+        if self.eos_one_in and h % self.eos_one_in == 0:
+            return EOS
+        return ALPHABET[(h // 7) % len(ALPHABET)]
+
+    def prefill(self, slot, chunk, start, sampling, final) -> np.ndarray:
+        n = len(chunk)
+        assert 0 <= slot < self.config.num_slots, slot
+        assert 0 < n <= self.config.prefill_chunk, n
+        assert 0 <= start and start + n <= self.config.max_seq_len, (start, n)
+        assert all(0 <= t < self.model_config.vocab_size for t in chunk)
+        self.log.append(Prefill(slot, start, n, bool(final)))
+        self.kv[slot, start : start + n] = chunk
+        seed = sampling.seed if sampling.temperature > 0 else None
+        token = self.next_token(self.kv[slot, : start + n], seed)
+        if final:
+            self.last_tokens[slot] = token
+        return np.asarray([token], np.int32)
+
+    def decode(self, positions, active, sampling) -> np.ndarray:
+        s = self.config.num_slots
+        assert positions.shape == (s,) and active.shape == (s,) and active.dtype == bool
+        assert isinstance(sampling, SamplingParams) and sampling.temperature.shape == (s,)
+        assert active.any(), "a decode step with no active slot"
+        if self.decode_delay:
+            time.sleep(self.decode_delay)
+        self.decode_calls += 1
+        if self.fail_decode_call == self.decode_calls:
+            raise RuntimeError("device lost in decode")
+        slots = tuple(int(i) for i in np.flatnonzero(active))
+        self.log.append(Decode(slots, tuple(int(positions[i]) for i in slots)))
+        tokens = np.full(s, -1, np.int32)  # inactive slots: garbage the scheduler must not read
+        for i in slots:
+            p = int(positions[i])
+            assert 0 <= p < self.config.max_seq_len, p
+            self.kv[i, p] = self.last_tokens[i]
+            seed = int(sampling.seed[i]) if sampling.temperature[i] > 0 else None
+            tokens[i] = self.last_tokens[i] = self.next_token(self.kv[i, : p + 1], seed)
+        return tokens
+
+
+def expected(engine: FakeEngine, prompt: Sequence[int], max_tokens: int,
+             ignore_eos: bool = False, sampling: RequestSampling = RequestSampling()
+             ) -> tuple[list[int], str]:
+    """What one request must produce: the model run sequentially on prompt + its own output."""
+    seed = sampling.seed if sampling.temperature > 0 else None
+    content, out = list(prompt), []
+    while len(out) < max_tokens:
+        token = engine.next_token(content, seed)
+        out.append(token)
+        if token == EOS and not ignore_eos:
+            return out, "stop"
+        content.append(token)
+    return out, "length"
+
+
+# --- a synchronous driver ---------------------------------------------------------------------
+
+
+class Client:
+    """One stream's events, each with the index of the step that delivered it."""
+
+    def __init__(self, stream: RequestStream, prompt: list[int], params: GenerationParams):
+        self.stream, self.prompt, self.params = stream, prompt, params
+        self.events: list[tuple[int, TokenEvent]] = []
+        self.record: RequestRecord | None = None
+
+    def poll(self, step: int) -> None:
+        # Synchronous driving: events are already queued when step() returns; read without
+        # blocking (iterating the stream would block until the request ends).
+        while not self.stream._queue.empty():
+            event = self.stream._queue.get_nowait()
+            if isinstance(event, RequestRecord):
+                assert self.record is None, "two records for one request"
+                self.record = event
+            else:
+                assert self.record is None, "an event after the record"
+                self.events.append((step, event))
+
+    @property
+    def slot(self) -> int:
+        return self.stream.request.slot
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for _, e in self.events for t in e.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for _, e in self.events)
+
+    @property
+    def first_token_step(self) -> int:
+        return self.events[0][0]
+
+    def check(self, engine: FakeEngine) -> None:
+        """Output ids, finish reason, text and record agree with the sequential simulation
+        (an aborted request: its output is a prefix of the simulated one)."""
+        assert self.record is not None, "the request never finished"
+        want, reason = expected(engine, self.prompt, self.stream.request.max_tokens,
+                                self.params.ignore_eos, self.params.sampling)
+        if self.record.finish_reason == "abort":
+            want = want[: len(self.token_ids)]
+        else:
+            assert self.record.finish_reason == reason
+        assert self.token_ids == want
+        assert self.record.output_tokens == len(want)
+        assert self.text == self.record.text == TOK.decode([t for t in want if t != EOS])
+
+
+class Harness:
+    """A scheduler over a FakeEngine, stepped by hand; keeps each step's engine calls."""
+
+    def __init__(self, engine: FakeEngine, policy: PolicyConfig | None = None, max_queue: int = 256):
+        self.engine = engine
+        policy = policy or PolicyConfig(chunk=engine.config.prefill_chunk)
+        self.sched = Scheduler(engine, TOK, SchedulerConfig(policy=policy, max_queue=max_queue))
+        self.clients: list[Client] = []
+        self.steps: list[list[Prefill | Decode]] = []  # engine calls made by each step
+
+    def submit(self, prompt: Sequence[int], **params) -> Client:
+        gp = GenerationParams(**params)
+        client = Client(self.sched.submit(list(prompt), gp), list(prompt), gp)
+        self.clients.append(client)
+        return client
+
+    def step(self) -> None:
+        n = len(self.engine.log)
+        self.sched.step()
+        self.steps.append(self.engine.log[n:])
+        for c in self.clients:
+            c.poll(len(self.steps) - 1)
+
+    def run(self, until=None, max_steps: int = 5000) -> None:
+        """Steps until `until()` holds, by default until every request ended and nothing is
+        pending."""
+        until = until or (lambda: self.sched.idle() and all(c.record for c in self.clients))
+        for _ in range(max_steps):
+            if until():
+                return
+            self.step()
+        raise AssertionError(f"not done after {max_steps} steps")
+
+    def prefills(self, client: Client) -> list[tuple[int, Prefill]]:
+        return [(i, c) for i, calls in enumerate(self.steps) for c in calls
+                if isinstance(c, Prefill) and c.slot == client.slot]
+
+    def decode_steps_of(self, client: Client) -> list[int]:
+        return [i for i, calls in enumerate(self.steps) for c in calls
+                if isinstance(c, Decode) and client.slot in c.slots]
+
+
+def chunked(budget: int = 256, chunk: int = 64, **kw) -> PolicyConfig:
+    return PolicyConfig(name="chunked", token_budget=budget, chunk=chunk, **kw)
+
+
+def prefill_first(chunk: int = 64) -> PolicyConfig:
+    return PolicyConfig(name="prefill-first", chunk=chunk)
+
+
+@pytest.fixture
+def threaded():
+    """Schedulers started in their thread; stopped (aborting) at teardown."""
+    started: list[Scheduler] = []
+
+    def make(engine: FakeEngine, policy: PolicyConfig | None = None) -> Scheduler:
+        policy = policy or PolicyConfig(chunk=engine.config.prefill_chunk)
+        sched = Scheduler(engine, TOK, SchedulerConfig(policy=policy))
+        sched.start()
+        started.append(sched)
+        return sched
+
+    yield make
+    for sched in started:
+        sched.stop(drain=False, timeout=5)
+        assert not sched._thread.is_alive()
+
+
+def collect(stream: RequestStream, timeout: float = 5) -> tuple[list[int], RequestRecord]:
+    """Reads a stream from a plain thread, with a deadline so a hang fails instead."""
+    out: list = []
+    reader = threading.Thread(target=lambda: out.extend(stream), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert not reader.is_alive(), "the stream did not end"
+    *events, record = out
+    assert isinstance(record, RequestRecord)
+    return [t for e in events for t in e.token_ids], record
+
+
+# --- 1, 2: chunked prefill vs prefill-first under a chat + document mix -----------------------
+
+
+def _chat_then_document_then_chat(policy: PolicyConfig):
+    """Chat A is decoding when a 600-token document arrives, and chat B right behind it."""
+    h = Harness(FakeEngine(num_slots=4, prefill_chunk=64), policy)
+    rng = np.random.default_rng(0)
+    chat_a = h.submit(random_prompt(rng, 20), max_tokens=150)
+    h.run(until=lambda: chat_a.events)
+    doc = h.submit(random_prompt(rng, 600), max_tokens=5)
+    chat_b = h.submit(random_prompt(rng, 12), max_tokens=30)
+    h.run()
+    for c in (chat_a, doc, chat_b):
+        c.check(h.engine)
+    doc_done = max(i for i, p in h.prefills(doc) if p.final)
+    return h, chat_a, doc, chat_b, doc_done
+
+
+def test_chunked_chat_gets_first_token_while_document_prefills():
+    """Chunked, with a budget of one chunk: B (shortest first) gets its first token before the
+    document's prefill completes, the document takes at most one chunk per iteration, and every
+    decoding request advances in every iteration from its first token to its last."""
+    policy = chunked(budget=64, chunk=64)
+    h, chat_a, doc, chat_b, doc_done = _chat_then_document_then_chat(policy)
+    assert chat_b.first_token_step < h.prefills(doc)[2][0] < doc_done
+    doc_steps = [i for i, _ in h.prefills(doc)]
+    assert len(doc_steps) == len(set(doc_steps)) >= math.ceil(600 / 64)
+    assert all(p.length <= 64 for _, p in h.prefills(doc))
+    for c in (chat_a, doc, chat_b):
+        final = max(i for i, p in h.prefills(c) if p.final)
+        # decode runs in consecutive iterations right after the final prefill chunk
+        want = list(range(final + 1, final + c.stream.request.max_tokens))
+        assert h.decode_steps_of(c) == want
+    for calls in h.steps:  # the token budget covers decode and prefill together
+        decodes = sum(len(c.slots) for c in calls if isinstance(c, Decode))
+        assert decodes + sum(c.length for c in calls if isinstance(c, Prefill)) <= policy.token_budget
+
+
+def test_prefill_first_stalls_chats_behind_the_document():
+    """Prefill-first: the whole document is prefilled in one iteration that runs no decode, and
+    chat B gets no token until that iteration is over; chat A's decoding stalls meanwhile."""
+    h, chat_a, doc, chat_b, doc_done = _chat_then_document_then_chat(prefill_first(chunk=64))
+    assert chat_b.first_token_step > doc_done
+    assert {i for i, _ in h.prefills(doc)} == {doc_done}
+    assert len(h.prefills(doc)) == math.ceil(600 / 64)
+    for calls in h.steps:
+        if any(isinstance(c, Prefill) for c in calls):
+            assert not any(isinstance(c, Decode) for c in calls)
+    assert doc_done not in h.decode_steps_of(chat_a)
+    assert h.decode_steps_of(chat_a)[-1] > doc_done  # A was mid-stream when the doc came
+
+
+# --- 3: correctness against the sequential simulation -----------------------------------------
+
+
+@pytest.mark.parametrize("policy", [chunked(), prefill_first()], ids=["chunked", "prefill-first"])
+def test_single_request_matches_sequential_model(policy):
+    """A lone request whose prompt spans several chunks produces exactly the simulated tokens."""
+    h = Harness(FakeEngine(num_slots=2, prefill_chunk=64), policy)
+    client = h.submit(random_prompt(np.random.default_rng(1), 150), max_tokens=40)
+    h.run()
+    client.check(h.engine)
+    assert len(client.token_ids) == 40
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("policy", [chunked(budget=100, chunk=32), prefill_first(chunk=32)],
+                         ids=["chunked", "prefill-first"])
+def test_random_arrivals_match_sequential_model(policy, seed):
+    """Requests join and leave at random steps (random prompt lengths, max_tokens, sampling
+    seeds, EOS from the model, cancellations mid-prefill or mid-decode); slots are reused many
+    times; each output still equals its lone simulation."""
+    rng = np.random.default_rng(seed)
+    h = Harness(FakeEngine(num_slots=3, prefill_chunk=32, max_seq_len=256, eos_one_in=20), policy)
+    arrivals = sorted(int(a) for a in rng.integers(0, 80, size=30))
+    for step in range(10_000):
+        while arrivals and arrivals[0] <= step:
+            arrivals.pop(0)
+            sampling = RequestSampling(temperature=float(rng.choice([0.0, 0.8])),
+                                       seed=int(rng.integers(0, 2**31)))
+            h.submit(random_prompt(rng, int(rng.integers(1, 120))),
+                     max_tokens=int(rng.integers(1, 40)), sampling=sampling)
+        live = [c for c in h.clients if c.record is None]
+        if live and rng.random() < 0.05:
+            live[int(rng.integers(len(live)))].stream.cancel()
+        if not arrivals and h.sched.idle():
+            break
+        h.step()
+    assert all(c.record for c in h.clients)
+    for c in h.clients:
+        c.check(h.engine)
+    reasons = {c.record.finish_reason for c in h.clients}
+    assert reasons == {"stop", "length", "abort"}  # every ending was exercised
+    assert {c.slot for c in h.clients} - {None} == {0, 1, 2}
+
+
+# --- 4, 5: stop conditions -------------------------------------------------------------------
+
+
+def test_max_tokens_gives_exactly_that_many():
+    """max_tokens=7 yields exactly 7 token events and finish_reason "length"."""
+    h = Harness(FakeEngine())
+    client = h.submit(ids("count to seven"), max_tokens=7)
+    h.run()
+    assert [len(e.token_ids) for _, e in client.events] == [1] * 7
+    assert client.record.finish_reason == "length"
+    client.check(h.engine)
+
+
+def test_no_max_tokens_runs_to_the_end_of_the_context():
+    """Without max_tokens a request generates until its slot's context is full: "length"."""
+    h = Harness(FakeEngine(max_seq_len=128))
+    client = h.submit(random_prompt(np.random.default_rng(3), 100))
+    h.run()
+    assert len(client.token_ids) == 28 and client.record.finish_reason == "length"
+    client.check(h.engine)
+
+
+def test_eos_stops_and_is_not_in_the_text():
+    """A scripted EOS ends the request with "stop"; nothing after it is emitted and the EOS
+    contributes no text (even though one more decode step was already dispatched)."""
+    prompt = ids("say hi")
+    h = Harness(FakeEngine(script={tuple(prompt): ids("hi") + [EOS] + ids("more")}))
+    client = h.submit(prompt, max_tokens=20)
+    h.run()
+    assert client.token_ids == ids("hi") + [EOS]
+    assert client.record.finish_reason == "stop" and client.record.text == client.text == "hi"
+    client.check(h.engine)
+
+
+def test_ignore_eos_continues_past_eos():
+    """With ignore_eos the scripted EOS is just a token: generation runs to max_tokens."""
+    prompt = ids("say hi")
+    h = Harness(FakeEngine(script={tuple(prompt): ids("hi") + [EOS] + ids("more")}))
+    client = h.submit(prompt, max_tokens=10, ignore_eos=True)
+    h.run()
+    assert client.token_ids[:7] == ids("hi") + [EOS] + ids("more")
+    assert len(client.token_ids) == 10 and client.record.finish_reason == "length"
+    assert client.token_ids == expected(h.engine, prompt, 10, ignore_eos=True)[0]
+
+
+def test_stop_string_spanning_two_tokens():
+    """Stop "##" (two tokens): the text ends right before it, a lone "#" held back in case it
+    started the stop string is released, "##" is never emitted, reason "stop", and the slot is
+    freed so the queued request runs."""
+    prompt = ids("go")
+    h = Harness(FakeEngine(num_slots=1, script={tuple(prompt): ids("ab#c##def")}))
+    client = h.submit(prompt, max_tokens=20, stop=("##",))
+    queued = h.submit(ids("next one"), max_tokens=5)
+    h.run()
+    assert client.text == client.record.text == "ab#c"
+    assert client.record.finish_reason == "stop"
+    assert client.token_ids == ids("ab#c##")
+    queued.check(h.engine)
+    assert queued.first_token_step > client.events[-1][0]
+
+
+# --- 6: cancellation -------------------------------------------------------------------------
+
+
+def test_cancel_running_request_frees_its_slot_within_one_step():
+    """Cancelling a decoding request ends it with "abort" on the next step, and the waiting
+    request takes its slot in that same step."""
+    h = Harness(FakeEngine(num_slots=1))
+    running = h.submit(ids("a long answer please"), max_tokens=100)
+    waiting = h.submit(ids("me next"), max_tokens=5)
+    h.run(until=lambda: len(running.events) >= 3)
+    assert h.sched.num_waiting == 1
+    running.stream.cancel()
+    h.step()
+    assert running.record.finish_reason == "abort"
+    assert running.record.output_tokens == len(running.events) < 100
+    assert h.sched.num_waiting == 0 and h.sched.num_running == 1
+    assert [type(c) for c in h.steps[-1]] == [Prefill]  # the waiting request, nothing else
+    h.run()
+    assert len(running.events) == running.record.output_tokens  # nothing after the abort
+    assert running.token_ids == expected(h.engine, running.prompt, 100)[0][: len(running.events)]
+    waiting.check(h.engine)
+
+
+def test_cancel_waiting_request_removes_it_from_the_queue():
+    """Cancelling a queued request ends it with "abort", never admitted nor prefilled."""
+    h = Harness(FakeEngine(num_slots=1))
+    running = h.submit(ids("first"), max_tokens=10)
+    waiting = h.submit(ids("second"), max_tokens=10)
+    h.step()
+    waiting.stream.cancel()
+    h.step()
+    assert waiting.record.finish_reason == "abort" and waiting.record.output_tokens == 0
+    assert waiting.record.admitted is None and waiting.events == []
+    assert h.sched.num_waiting == 0
+    h.run()
+    assert waiting.stream.request.slot is None
+    assert all(p.slot == running.slot for _, p in h.prefills(running))
+    assert sum(isinstance(c, Prefill) for calls in h.steps for c in calls) == 1
+    running.check(h.engine)
+
+
+def test_cancel_mid_prefill_frees_the_slot_for_the_next_request():
+    """A document cancelled halfway through its chunked prefill ends with "abort" and no tokens;
+    the next request reuses its slot, over the document's stale KV, and is still correct."""
+    h = Harness(FakeEngine(num_slots=1), chunked(budget=64, chunk=64))
+    rng = np.random.default_rng(5)
+    doc = h.submit(random_prompt(rng, 600), max_tokens=5)
+    chat = h.submit(random_prompt(rng, 30), max_tokens=40)
+    h.step()
+    h.step()
+    doc.stream.cancel()
+    h.step()
+    assert doc.record.finish_reason == "abort" and doc.events == []
+    assert doc.record.prefill_chunks == 2
+    h.run()
+    assert chat.slot == doc.slot
+    chat.check(h.engine)
+
+
+# --- 7: more requests than slots ---------------------------------------------------------------
+
+
+def test_requests_wait_for_free_slots():
+    """2 slots, 5 requests: at most 2 run at once, the other 3 wait, all 5 complete correctly."""
+    h = Harness(FakeEngine(num_slots=2))
+    rng = np.random.default_rng(7)
+    clients = [h.submit(random_prompt(rng, int(rng.integers(10, 100))),
+                        max_tokens=int(rng.integers(5, 20))) for _ in range(5)]
+    h.step()
+    assert h.sched.num_running == 2 and h.sched.num_waiting == 3
+    seen_running = []
+
+    def done():
+        seen_running.append(h.sched.num_running)
+        return h.sched.idle() and all(c.record for c in clients)
+
+    h.run(until=done)
+    assert max(seen_running) == 2
+    for calls in h.steps:
+        assert {c.slot for c in calls if isinstance(c, Prefill)} <= {0, 1}
+        assert all(len(c.slots) <= 2 for c in calls if isinstance(c, Decode))
+    for c in clients:
+        c.check(h.engine)
+
+
+# --- 8: submission errors ------------------------------------------------------------------------
+
+
+def _serves_a_normal_request(h: Harness) -> None:
+    client = h.submit(ids("still alive?"), max_tokens=4)
+    h.run()
+    client.check(h.engine)
+
+
+def test_empty_prompt_is_refused():
+    """An empty prompt raises SubmissionError; the scheduler then serves normally."""
+    h = Harness(FakeEngine())
+    with pytest.raises(SubmissionError, match="empty"):
+        h.submit([], max_tokens=4)
+    _serves_a_normal_request(h)
+
+
+def test_too_long_request_is_refused_with_the_numbers():
+    """prompt + max_tokens over max_seq_len raises RequestTooLong naming all the numbers."""
+    h = Harness(FakeEngine(max_seq_len=256))
+    with pytest.raises(RequestTooLong) as err:
+        h.submit(random_prompt(np.random.default_rng(0), 200), max_tokens=100)
+    for number in ("200", "100", "300", "256"):
+        assert number in str(err.value)
+    with pytest.raises(RequestTooLong):  # a prompt filling the context leaves no room
+        h.submit(random_prompt(np.random.default_rng(0), 256))
+    _serves_a_normal_request(h)
+
+
+def test_full_queue_is_refused_with_overloaded():
+    """With max_queue=2, a third waiting request raises Overloaded; once the queue drains,
+    requests are served again."""
+    h = Harness(FakeEngine(), max_queue=2)
+    first = h.submit(ids("one"), max_tokens=3)
+    second = h.submit(ids("two"), max_tokens=3)
+    with pytest.raises(Overloaded):
+        h.submit(ids("three"), max_tokens=3)
+    h.run()
+    first.check(h.engine)
+    second.check(h.engine)
+    _serves_a_normal_request(h)
+
+
+# --- 9: records ------------------------------------------------------------------------------------
+
+
+def test_records_hold_the_timeline():
+    """Each record has queue_time >= 0, ttft >= queue_time, ceil(prompt/chunk) prefill chunks,
+    max_tokens - 1 decode steps (the first token comes from prefill), and its outputs; listeners
+    get the same records."""
+    h = Harness(FakeEngine(num_slots=5), chunked(budget=1024, chunk=64, max_partial_prefills=5))
+    heard: list[RequestRecord] = []
+    h.sched.listeners.append(heard.append)
+    rng = np.random.default_rng(9)
+    lengths = [1, 63, 64, 65, 200]
+    clients = [h.submit(random_prompt(rng, n), max_tokens=6) for n in lengths]
+    h.run()
+    for c, n in zip(clients, lengths):
+        r = c.record
+        assert r.request_id == c.stream.id and r.prompt_tokens == n
+        assert r.queue_time >= 0 and r.ttft >= r.queue_time
+        assert r.submitted <= r.admitted <= r.first_token <= r.finished
+        assert r.prefill_chunks == math.ceil(n / 64) == len(h.prefills(c))
+        assert r.decode_steps == 5 == len(h.decode_steps_of(c))
+        assert r.output_tokens == 6 and r.finish_reason == "length" and r.error is None
+        c.check(h.engine)
+    assert sorted(heard, key=lambda r: r.request_id) == sorted(
+        (c.record for c in clients), key=lambda r: r.request_id)
+
+
+# --- 10, 11: the scheduler thread: engine failures, clients, stop ---------------------------------
+
+
+def test_engine_failure_fails_in_flight_requests_and_keeps_serving(threaded):
+    """An engine that raises in decode ends the in-flight request with "error" and the message;
+    the scheduler thread survives and serves the next request correctly."""
+    engine = FakeEngine()
+    engine.fail_decode_call = 5
+    sched = threaded(engine)
+    prompt = ids("doomed")
+    tokens, record = collect(sched.submit(prompt, GenerationParams(max_tokens=50)))
+    assert record.finish_reason == "error" and "device lost in decode" in record.error
+    assert 0 < len(tokens) < 50 and tokens == expected(engine, prompt, 50)[0][: len(tokens)]
+    prompt = ids("survivor")
+    tokens, record = collect(sched.submit(prompt, GenerationParams(max_tokens=12)))
+    assert (tokens, record.finish_reason) == expected(engine, prompt, 12)
+
+
+def test_client_threads_share_the_running_scheduler(threaded):
+    """Eight clients in their own threads, over four slots, each get their exact output."""
+    engine = FakeEngine(num_slots=4)
+    sched = threaded(engine)
+    rng = np.random.default_rng(10)
+    jobs = [(random_prompt(rng, int(rng.integers(1, 150))), int(rng.integers(1, 30)))
+            for _ in range(8)]
+    results: dict[int, tuple] = {}
+
+    def client(i):
+        prompt, n = jobs[i]
+        results[i] = collect(sched.submit(prompt, GenerationParams(max_tokens=n)))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    for i, (prompt, n) in enumerate(jobs):
+        tokens, record = results[i]
+        assert (tokens, record.finish_reason) == expected(engine, prompt, n)
+
+
+def test_async_for_over_streams(threaded):
+    """Streams submitted inside an event loop are read with `async for`, concurrently. Debug
+    mode makes asyncio refuse loop calls from the scheduler thread that are not thread-safe."""
+    engine = FakeEngine(num_slots=2)
+    sched = threaded(engine)
+    prompts = [ids("async one"), ids("async two, longer"), ids("three")]
+
+    async def read(prompt):
+        events = [e async for e in sched.submit(prompt, GenerationParams(max_tokens=15))]
+        assert isinstance(events[-1], RequestRecord)
+        return [t for e in events[:-1] for t in e.token_ids], events[-1].finish_reason
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*map(read, prompts)), timeout=5)
+
+    for prompt, got in zip(prompts, asyncio.run(main(), debug=True)):
+        assert got == expected(engine, prompt, 15)
+
+
+def test_abandoned_async_stream_is_aborted_without_harm(threaded):
+    """A client whose event loop closed mid-stream is aborted; the request beside it and the
+    scheduler thread carry on."""
+    engine = FakeEngine(num_slots=2, decode_delay=0.001)
+    sched = threaded(engine)
+    records: dict[str, RequestRecord] = {}
+    sched.listeners.append(lambda r: records.__setitem__(r.request_id, r))
+    prompt = ids("bystander")
+    bystander = sched.submit(prompt, GenerationParams(max_tokens=100))
+
+    async def read_one_event_and_leave():
+        stream = sched.submit(ids("abandoned"), GenerationParams(max_tokens=500))
+        async for _ in stream:
+            return stream.id
+
+    # asyncio.run closes the loop that the stream pushes to
+    gone = asyncio.run(asyncio.wait_for(read_one_event_and_leave(), timeout=5))
+    tokens, record = collect(bystander)
+    assert (tokens, record.finish_reason) == expected(engine, prompt, 100)
+    deadline = time.monotonic() + 5
+    while gone not in records and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert records[gone].finish_reason == "abort" and records[gone].output_tokens < 500
+    prompt = ids("next")
+    tokens, record = collect(sched.submit(prompt, GenerationParams(max_tokens=8)))
+    assert (tokens, record.finish_reason) == expected(engine, prompt, 8)
+
+
+def test_stop_with_drain_finishes_everything():
+    """stop(drain=True) returns after queued and running requests all finish normally; a submit
+    afterwards raises NotRunning."""
+    engine = FakeEngine(num_slots=2)
+    sched = Scheduler(engine, TOK, SchedulerConfig(policy=chunked()))
+    sched.start()
+    rng = np.random.default_rng(11)
+    jobs = [(random_prompt(rng, 40), 20) for _ in range(5)]
+    streams = [sched.submit(p, GenerationParams(max_tokens=n)) for p, n in jobs]
+    sched.stop(drain=True, timeout=5)
+    assert not sched._thread.is_alive()
+    for (prompt, n), stream in zip(jobs, streams):
+        assert collect(stream, timeout=1)[0] == expected(engine, prompt, n)[0]
+        assert stream.record.finish_reason == "length"
+    with pytest.raises(NotRunning):
+        sched.submit(ids("too late"))
+
+
+def test_stop_without_drain_aborts_in_flight_work():
+    """stop(drain=False) ends running and waiting requests with "abort" and returns promptly."""
+    engine = FakeEngine(num_slots=1, max_seq_len=2048, decode_delay=0.001)
+    sched = Scheduler(engine, TOK, SchedulerConfig(policy=chunked()))
+    sched.start()
+    running = sched.submit(ids("go on forever"), GenerationParams(max_tokens=1500))
+    waiting = sched.submit(ids("never served"), GenerationParams(max_tokens=10))
+    assert isinstance(running._queue.get(timeout=5), TokenEvent)  # the request is mid-stream
+    sched.stop(drain=False, timeout=5)
+    assert not sched._thread.is_alive()
+    tokens, record = collect(running, timeout=1)
+    assert record.finish_reason == "abort" and record.output_tokens < 1500
+    assert collect(waiting, timeout=1) == ([], waiting.record)
+    assert waiting.record.finish_reason == "abort"
+    with pytest.raises(NotRunning):
+        sched.submit(ids("too late"))
