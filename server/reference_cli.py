@@ -15,10 +15,10 @@ import sys
 from absl import app, flags
 
 from checkpoints.errors import CheckpointError
-from checkpoints.registry import DEFAULT_MODEL, load_model
+from checkpoints.registry import load_model
 from engine.reference import greedy_generate
+from server.runtime import MODEL_FLAG as _MODEL
 
-_MODEL = flags.DEFINE_string("model", DEFAULT_MODEL, "Model name, GGUF file, HF folder or converted checkpoint.")
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text.", required=True)
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 16, "Tokens to generate (0: tokenize only).", lower_bound=0)
 _CHAT = flags.DEFINE_bool("chat", False, "Apply the model's chat template to the prompt.")

@@ -1,0 +1,119 @@
+"""Engine microbenchmark: decode step time and prefill throughput against this machine's roofline.
+
+    python -m bench.engine_bench --model=smollm2-135m --out=bench/results/engine_cpu.json
+
+Measures the machine first (a large on-device reduction for memory bandwidth, a large matmul for
+FLOP/s), then times the engine's own compiled programs:
+- decode: one step over `num_slots` slots at several live context lengths; the floor is
+  (weight bytes + live KV bytes) / bandwidth, since a decode step must read both;
+- prefill: a long prompt in chunks of `--prefill_chunk`; tokens/s and achieved FLOP/s against
+  2 * params * tokens (+ attention) / matmul rate.
+Prints a table and writes one JSON file (machine, JAX version, date, every figure).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from checkpoints.registry import load_model
+from engine.engine import Engine, EngineConfig, sampling_rows
+from model.sampling import RequestSampling
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model to benchmark.")
+_SLOTS = flags.DEFINE_list("slots", ["1", "4", "8"], "Slot counts for decode.")
+_CONTEXTS = flags.DEFINE_list("contexts", ["128", "1024"], "Live context lengths for decode.")
+_PROMPT = flags.DEFINE_integer("prompt_tokens", 2048, "Prompt length for prefill.")
+_CHUNK = flags.DEFINE_integer("prefill_chunk", 512, "Prefill chunk size.")
+_MAX_SEQ = flags.DEFINE_integer("max_seq_len", 4096, "Slot length.")
+_STEPS = flags.DEFINE_integer("steps", 20, "Timed decode steps per point.")
+_OUT = flags.DEFINE_string("out", None, "Where to write the JSON results.")
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of `fn()` (which must block) over `repeats` runs after one warm run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def measure_machine() -> dict:
+    x = jnp.ones((64 * 2**20,), jnp.float32)  # 256 MiB
+    total = jax.jit(jnp.sum)
+    bw = x.nbytes / timed(lambda: total(x).block_until_ready(), 5)
+    a = jnp.ones((2048, 2048), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    flops = 2 * 2048**3 / timed(lambda: mm(a, a).block_until_ready(), 5)
+    return {"bandwidth_gb_s": bw / 1e9, "matmul_gflop_s": flops / 1e9}
+
+
+def main(argv) -> None:
+    del argv
+    machine = measure_machine()
+    print(f"machine: {machine['bandwidth_gb_s']:.1f} GB/s read, {machine['matmul_gflop_s']:.0f} GFLOP/s matmul")
+    model = load_model(_MODEL.value)
+    cfg = model.config
+    weight_bytes = sum(a.size * 4 for a in jax.tree.leaves(model.params))
+    results = {"decode": [], "prefill": []}
+    for slots in map(int, _SLOTS.value):
+        engine = Engine(model.params, cfg, EngineConfig(
+            num_slots=slots, max_seq_len=_MAX_SEQ.value, prefill_chunk=_CHUNK.value))
+        rows = sampling_rows([RequestSampling()] * slots)
+        for context in map(int, _CONTEXTS.value):
+            positions = np.full(slots, context - 1, np.int32)
+            active = np.ones(slots, bool)
+            step = timed(lambda: engine.decode(positions, active, rows).block_until_ready(), _STEPS.value)
+            kv_bytes = slots * context * cfg.kv_bytes_per_token(4)
+            floor = (weight_bytes + kv_bytes) / (machine["bandwidth_gb_s"] * 1e9)
+            point = {"slots": slots, "context": context, "step_ms": step * 1e3,
+                     "floor_ms": floor * 1e3, "ratio_to_floor": step / floor,
+                     "achieved_gb_s": (weight_bytes + kv_bytes) / step / 1e9,
+                     "tokens_per_s": slots / step}
+            results["decode"].append(point)
+            print(f"decode  slots={slots:<3} context={context:<5} {step * 1e3:7.1f} ms/step "
+                  f"(floor {floor * 1e3:5.1f} ms, {step / floor:4.2f}x)  {slots / step:7.1f} tok/s")
+        if slots == int(_SLOTS.value[0]):
+            n, chunk = _PROMPT.value, _CHUNK.value
+            prompt = list(np.random.default_rng(0).integers(100, cfg.vocab_size, n))
+
+            def prefill_all():
+                for start in range(0, n, chunk):
+                    piece = prompt[start : start + chunk]
+                    token = engine.prefill(0, piece, start, RequestSampling(), start + chunk >= n)
+                token.block_until_ready()
+
+            seconds = timed(prefill_all, 3)
+            flops = 2 * cfg.num_params() * n + 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n / 2
+            point = {"prompt_tokens": n, "chunk": chunk, "seconds": seconds, "tokens_per_s": n / seconds,
+                     "achieved_gflop_s": flops / seconds / 1e9,
+                     "fraction_of_matmul_rate": flops / seconds / 1e9 / machine["matmul_gflop_s"]}
+            results["prefill"].append(point)
+            print(f"prefill {n} tokens in chunks of {chunk}: {seconds:.2f} s, {n / seconds:.0f} tok/s, "
+                  f"{point['achieved_gflop_s']:.0f} GFLOP/s ({point['fraction_of_matmul_rate']:.0%} of matmul)")
+    report = {
+        "model": _MODEL.value, "weight_bytes": weight_bytes, "machine": machine,
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "cpu_count": __import__("os").cpu_count(), "device": str(jax.devices()[0]),
+        "jax_version": jax.__version__, "date": datetime.date.today().isoformat(), **results,
+    }
+    if _OUT.value:
+        Path(_OUT.value).parent.mkdir(parents=True, exist_ok=True)
+        Path(_OUT.value).write_text(json.dumps(report, indent=2))
+    print(json.dumps({"decode_ms": {f"{p['slots']}x{p['context']}": round(p["step_ms"], 1) for p in results["decode"]},
+                      "prefill_tok_s": [round(p["tokens_per_s"]) for p in results["prefill"]]}))
+
+
+if __name__ == "__main__":
+    app.run(main)

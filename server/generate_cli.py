@@ -1,0 +1,169 @@
+"""`cadence-generate`: run prompts through the engine and scheduler from the command line.
+
+    cadence-generate --model=smollm2-135m --prompt="The capital of France is" --max_tokens=16
+    cadence-generate --prompts_file=prompts.jsonl --chat --num_slots=8
+
+One prompt streams its text to stdout as it is generated. A prompts file (one prompt per line,
+or JSONL objects with "prompt" or "messages" and optional sampling fields) runs every prompt
+concurrently through the scheduler and prints each result as it finishes. A summary goes to
+stderr: per-request TTFT and per-stream rate, aggregate throughput, and
+`compilations_after_warmup`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+from absl import app, flags
+
+from checkpoints.errors import CheckpointError
+from model.sampling import RequestSampling
+from scheduler.errors import SubmissionError
+from scheduler.request import GenerationParams, RequestRecord, TokenEvent
+from server import runtime
+
+_PROMPT = flags.DEFINE_string("prompt", None, "A prompt.")
+_PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "File of prompts: one per line, or JSONL.")
+_CHAT = flags.DEFINE_bool("chat", False, "Apply the model's chat template to each prompt.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 128, "Most tokens to generate per prompt.", lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off).")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+
+
+def read_prompts(path: Path) -> list[dict]:
+    """Prompts file entries as dicts with "prompt" or "messages" (+ optional sampling fields)."""
+    entries = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SubmissionError(f"{path}:{number}: invalid JSON ({e})") from None
+            if not isinstance(obj, dict) or not ("prompt" in obj or "messages" in obj):
+                raise SubmissionError(f'{path}:{number}: a JSON line needs "prompt" or "messages"')
+            entries.append(obj)
+        else:
+            entries.append({"prompt": line})
+    return entries
+
+
+def to_request(entry: dict, tokenizer) -> tuple[list[int], GenerationParams]:
+    if "messages" in entry:
+        text = tokenizer.apply_chat_template(entry["messages"])
+    elif _CHAT.value:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": entry["prompt"]}])
+    else:
+        text = entry["prompt"]
+    sampling = RequestSampling(
+        temperature=float(entry.get("temperature", _TEMPERATURE.value)),
+        top_k=int(entry.get("top_k", _TOP_K.value)),
+        top_p=float(entry.get("top_p", _TOP_P.value)),
+        seed=int(entry.get("seed", _SEED.value)),
+    )
+    params = GenerationParams(
+        max_tokens=int(entry.get("max_tokens", _MAX_TOKENS.value)),
+        sampling=sampling,
+        stop=(entry["stop"],) if isinstance(entry.get("stop"), str) else tuple(entry.get("stop", ())),
+    )
+    return tokenizer.encode(text), params
+
+
+def rate(record: RequestRecord, times: list[float]) -> float | None:
+    """Per-stream output rate, (N - 1) / (t_last - t_first), for N > 1 tokens."""
+    if len(times) < 2 or times[-1] <= times[0]:
+        return None
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def main(argv: list[str]) -> int:
+    del argv
+    if (_PROMPT.value is None) == (_PROMPTS_FILE.value is None):
+        print("cadence-generate: error: pass exactly one of --prompt or --prompts_file", file=sys.stderr)
+        return 2
+    try:
+        rt = runtime.build_from_flags()
+        tok = rt.model.tokenizer
+        entries = (
+            [{"prompt": _PROMPT.value}] if _PROMPT.value is not None
+            else read_prompts(Path(_PROMPTS_FILE.value))
+        )
+        requests = [to_request(e, tok) for e in entries]
+    except (CheckpointError, SubmissionError, ValueError, OSError) as e:
+        print(f"cadence-generate: error: {e}", file=sys.stderr)
+        return 2
+
+    sched = rt.scheduler
+    sched.start()
+    single = len(requests) == 1
+    results: list[tuple[RequestRecord | None, list[float]]] = [(None, [])] * len(requests)
+    lock = threading.Lock()
+    t0 = time.monotonic()
+
+    def consume(i: int, stream) -> None:
+        times = []
+        for event in stream:
+            if isinstance(event, TokenEvent):
+                times.append(event.time)
+                if single:
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+            else:
+                with lock:
+                    results[i] = (event, times)
+                    if not single:
+                        print(json.dumps({"index": i, "text": event.text,
+                                          "finish_reason": event.finish_reason}, ensure_ascii=False))
+                        sys.stdout.flush()
+
+    threads = []
+    for i, (ids, params) in enumerate(requests):
+        try:
+            stream = sched.submit(ids, params)
+        except SubmissionError as e:
+            print(f"cadence-generate: request {i} rejected: {e}", file=sys.stderr)
+            continue
+        t = threading.Thread(target=consume, args=(i, stream), daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - t0
+    sched.stop()
+    if single:
+        print()
+
+    total = 0
+    for i, (record, times) in enumerate(results):
+        if record is None:
+            continue
+        total += record.output_tokens
+        r = rate(record, times)
+        print(
+            f"[{i}] prompt={record.prompt_tokens} output={record.output_tokens} "
+            f"finish={record.finish_reason} ttft={record.ttft or 0:.3f}s "
+            f"rate={'n/a' if r is None else f'{r:.1f} tok/s'}",
+            file=sys.stderr,
+        )
+    print(
+        f"aggregate throughput: {total / elapsed:.1f} tok/s ({total} tokens in {elapsed:.2f} s); "
+        f"warm-up {rt.warmup_seconds:.1f} s; "
+        f"compilations_after_warmup: {rt.engine.compilations_after_warmup}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def run() -> None:
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
