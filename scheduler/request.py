@@ -64,6 +64,7 @@ class RequestRecord:
     prefill_chunks: int
     decode_steps: int
     text: str
+    token_times: list[float] = dataclasses.field(default_factory=list)  # one per output token
     error: str | None = None
 
     @property
@@ -99,6 +100,7 @@ class Request:
         self.prefilled = 0  # prompt tokens whose KV is written
         self.dispatched = 0  # output tokens whose computation has been dispatched
         self.output_ids: list[int] = []
+        self.token_times: list[float] = []
         self.detok = IncrementalDetokenizer(tokenizer)
         self._held = ""  # text withheld because it may be the start of a stop string
         self._text: list[str] = []
@@ -123,6 +125,7 @@ class Request:
         if self.first_token is None:
             self.first_token = now
         self.output_ids.append(token)
+        self.token_times.append(now)
         reason = None
         if token in self.eos_ids:
             reason, delta = FinishReason.STOP, self.detok.flush()
@@ -170,6 +173,7 @@ class Request:
             prefill_chunks=self.prefill_chunks,
             decode_steps=self.decode_steps,
             text="".join(self._text),
+            token_times=self.token_times,
             error=error,
         )
         self.emit(record)

@@ -172,7 +172,9 @@ class Scheduler:
         with self._lock:
             if not self._accepting:  # checked again here: stop() may have run meanwhile
                 raise NotRunning("the scheduler is shutting down and accepts no new requests")
-            if len(self._waiting) + len(self._inbox) >= self.config.max_queue:
+            # Requests not yet admitted; those that free slots will take at once do not queue.
+            queued = len(self._waiting) + len(self._inbox) - len(self._free_slots)
+            if queued >= self.config.max_queue:
                 raise Overloaded(
                     f"{self.config.max_queue} requests are already waiting; retry later"
                 )

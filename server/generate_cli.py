@@ -21,19 +21,13 @@ from pathlib import Path
 from absl import app, flags
 
 from checkpoints.errors import CheckpointError
-from model.sampling import RequestSampling
 from scheduler.errors import SubmissionError
-from scheduler.request import GenerationParams, RequestRecord, TokenEvent
-from server import runtime
+from scheduler.request import RequestRecord, TokenEvent
+from server import requests, runtime
 
 _PROMPT = flags.DEFINE_string("prompt", None, "A prompt.")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "File of prompts: one per line, or JSONL.")
 _CHAT = flags.DEFINE_bool("chat", False, "Apply the model's chat template to each prompt.")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 128, "Most tokens to generate per prompt.", lower_bound=1)
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off).")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -55,27 +49,6 @@ def read_prompts(path: Path) -> list[dict]:
     return entries
 
 
-def to_request(entry: dict, tokenizer) -> tuple[list[int], GenerationParams]:
-    if "messages" in entry:
-        text = tokenizer.apply_chat_template(entry["messages"])
-    elif _CHAT.value:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": entry["prompt"]}])
-    else:
-        text = entry["prompt"]
-    sampling = RequestSampling(
-        temperature=float(entry.get("temperature", _TEMPERATURE.value)),
-        top_k=int(entry.get("top_k", _TOP_K.value)),
-        top_p=float(entry.get("top_p", _TOP_P.value)),
-        seed=int(entry.get("seed", _SEED.value)),
-    )
-    params = GenerationParams(
-        max_tokens=int(entry.get("max_tokens", _MAX_TOKENS.value)),
-        sampling=sampling,
-        stop=(entry["stop"],) if isinstance(entry.get("stop"), str) else tuple(entry.get("stop", ())),
-    )
-    return tokenizer.encode(text), params
-
-
 def rate(record: RequestRecord, times: list[float]) -> float | None:
     """Per-stream output rate, (N - 1) / (t_last - t_first), for N > 1 tokens."""
     if len(times) < 2 or times[-1] <= times[0]:
@@ -95,15 +68,16 @@ def main(argv: list[str]) -> int:
             [{"prompt": _PROMPT.value}] if _PROMPT.value is not None
             else read_prompts(Path(_PROMPTS_FILE.value))
         )
-        requests = [to_request(e, tok) for e in entries]
+        defaults = requests.defaults_from_flags()
+        jobs = [requests.to_request(e, tok, defaults, chat=_CHAT.value) for e in entries]
     except (CheckpointError, SubmissionError, ValueError, OSError) as e:
         print(f"cadence-generate: error: {e}", file=sys.stderr)
         return 2
 
     sched = rt.scheduler
     sched.start()
-    single = len(requests) == 1
-    results: list[tuple[RequestRecord | None, list[float]]] = [(None, [])] * len(requests)
+    single = len(jobs) == 1
+    results: list[tuple[RequestRecord | None, list[float]]] = [(None, [])] * len(jobs)
     lock = threading.Lock()
     t0 = time.monotonic()
 
@@ -124,7 +98,7 @@ def main(argv: list[str]) -> int:
                         sys.stdout.flush()
 
     threads = []
-    for i, (ids, params) in enumerate(requests):
+    for i, (ids, params) in enumerate(jobs):
         try:
             stream = sched.submit(ids, params)
         except SubmissionError as e:

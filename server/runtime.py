@@ -29,7 +29,10 @@ _TOKEN_BUDGET = flags.DEFINE_integer(
 )
 _POLICY = flags.DEFINE_enum("policy", "chunked", POLICIES, "Iteration policy.")
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Waiting requests before refusing new ones.", lower_bound=1)
-_ATTENTION = flags.DEFINE_enum("attention", None, ["xla"], "Attention implementation (default: xla).")
+_ATTENTION = flags.DEFINE_enum(
+    "attention", None, ["pallas", "xla"],
+    "Attention implementation (default: pallas on GPU, xla on CPU; pallas on CPU runs interpreted).",
+)
 _DTYPE = flags.DEFINE_enum(
     "dtype", None, ["float32", "bfloat16"], "Compute dtype (default: bfloat16 on GPU, float32 on CPU)."
 )
@@ -55,7 +58,7 @@ def engine_config_from_flags() -> EngineConfig:
         num_slots=_NUM_SLOTS.value,
         max_seq_len=_MAX_SEQ_LEN.value,
         prefill_chunk=_PREFILL_CHUNK.value,
-        attention=_ATTENTION.value or "xla",
+        attention=_ATTENTION.value or ("pallas" if on_gpu else "xla"),
         dtype=_DTYPE.value or ("bfloat16" if on_gpu else "float32"),
     )
 
@@ -68,7 +71,25 @@ def scheduler_config_from_flags() -> SchedulerConfig:
     return SchedulerConfig(policy=policy, max_queue=_MAX_QUEUE.value)
 
 
-def build_from_flags() -> Runtime:
+def warm_up(engine: Engine) -> float:
+    """Compiles every program with a progress bar; returns the seconds it took."""
+    start = time.monotonic()
+    with tqdm(desc="warm-up (compiling)", unit="program", file=sys.stderr, leave=False) as bar:
+
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        engine.warmup(progress)
+    seconds = time.monotonic() - start
+    logging.info("warm-up took %.1f s", seconds)
+    print(f"cadence: warm-up compiled every program in {seconds:.1f} s", file=sys.stderr)
+    return seconds
+
+
+def build_from_flags(warm: bool = True) -> Runtime:
+    """Loads the model and builds engine and scheduler; `warm=False` leaves warm-up to the
+    caller (the server warms up while already answering /health with 503)."""
     enable_compilation_cache()
     model = load_model(MODEL_FLAG.value)
     engine_config = engine_config_from_flags()
@@ -83,15 +104,6 @@ def build_from_flags() -> Runtime:
         f"{engine_config.max_seq_len} tokens, KV cache {engine.kv_cache_bytes / 2**20:.0f} MiB",
         file=sys.stderr,
     )
-    start = time.monotonic()
-    with tqdm(desc="warm-up (compiling)", unit="program", file=sys.stderr, leave=False) as bar:
-
-        def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
-
-        engine.warmup(progress)
-    warm = time.monotonic() - start
-    logging.info("warm-up took %.1f s", warm)
+    warm_seconds = warm_up(engine) if warm else 0.0
     scheduler = Scheduler(engine, model.tokenizer, scheduler_config_from_flags())
-    return Runtime(model=model, engine=engine, scheduler=scheduler, warmup_seconds=warm)
+    return Runtime(model=model, engine=engine, scheduler=scheduler, warmup_seconds=warm_seconds)

@@ -576,16 +576,16 @@ def test_too_long_request_is_refused_with_the_numbers():
 
 
 def test_full_queue_is_refused_with_overloaded():
-    """With max_queue=2, a third waiting request raises Overloaded; once the queue drains,
-    requests are served again."""
-    h = Harness(FakeEngine(), max_queue=2)
-    first = h.submit(ids("one"), max_tokens=3)
-    second = h.submit(ids("two"), max_tokens=3)
+    """Requests that free slots will take at once never count as queued; beyond them, with
+    max_queue=2, a third waiting request raises Overloaded; once the queue drains, requests
+    are served again."""
+    h = Harness(FakeEngine(num_slots=2), max_queue=2)
+    streams = [h.submit(ids(f"r{i}"), max_tokens=3) for i in range(4)]  # 2 slots + 2 queued
     with pytest.raises(Overloaded):
-        h.submit(ids("three"), max_tokens=3)
+        h.submit(ids("one too many"), max_tokens=3)
     h.run()
-    first.check(h.engine)
-    second.check(h.engine)
+    for stream in streams:
+        stream.check(h.engine)
     _serves_a_normal_request(h)
 
 

@@ -1,0 +1,295 @@
+"""`cadence-batch`: an offline, resumable batch job from a JSONL file of requests.
+
+    cadence-batch --input=requests.jsonl --output=results.jsonl --num_slots=16 --max_tokens=256
+
+Input, one JSON object a line (blank lines are skipped):
+    {"id": "a1", "prompt": "Once upon a time"}
+    {"id": 2, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7, "seed": 3}
+Ids are strings or integers, unique in the file. The optional sampling fields are those of
+`server/requests.py` (max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos); absent ones
+take the flags' defaults. Output, one JSON object a line, in the order requests finish:
+    {"id", "text", "prompt_tokens", "completion_tokens", "finish_reason",
+     "queue_time", "ttft", "total_time", "prefill_chunks", "decode_steps"}
+with times in seconds, measured by the scheduler from the moment it accepted the request.
+
+Contract:
+- Every request goes through the scheduler at full concurrency: all are submitted up front, and
+  while the scheduler's queue is full the job waits for a completion and submits the rest then.
+- Each result is appended, flushed and fsync'd as it finishes, so a crash loses nothing done.
+  A rerun of the same command reads the output, skips the ids already there and runs the rest.
+  A record counts only once its newline is on disk: anything after the last newline (a line
+  torn by a kill mid-write) is truncated away on resume and that request is run again. A
+  malformed line elsewhere in the output is not the job's to repair: it stops with status 2.
+- Failures are reported on stderr as `INPUT:LINE: ...` and are NOT written to the output:
+  malformed JSON, a missing or invalid id, a duplicate id (its first line runs, the later ones
+  are reported), an invalid request (unknown field, wrong type, bad sampling value), one the
+  scheduler refuses (prompt + max_tokens beyond the context) and one the engine failed. So the
+  output holds only results, each id at most once, and a rerun retries exactly what failed.
+  None of them stops the other requests. Exit status: 0 if every line succeeded, 1 if any line
+  failed, 2 for a usage or setup error (missing flags, unloadable model, corrupt output file).
+- A progress bar with throughput, and a summary on stderr: requests done / skipped (already in
+  the output) / failed, tokens, aggregate output throughput and `compilations_after_warmup`;
+  the same numbers as one JSON line prefixed `cadence-batch summary: `.
+
+Non-goals: ordering the output like the input; noticing that an input line changed since the
+id was done (ids are the identity); several jobs appending to one output file at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import queue
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from absl import app, flags
+from tqdm import tqdm
+
+from checkpoints.errors import CheckpointError
+from scheduler.errors import Overloaded, SubmissionError
+from scheduler.request import FinishReason, RequestRecord
+from server import requests, runtime
+
+_INPUT = flags.DEFINE_string("input", None, "JSONL file of requests, each with a unique id.")
+_OUTPUT = flags.DEFINE_string("output", None, "JSONL file results are appended to (resumable).")
+
+
+class BatchError(Exception):
+    """The job cannot start as asked; the message says what to fix."""
+
+
+@dataclasses.dataclass
+class Job:
+    line: int  # 1-based line number in the input
+    id: str | int
+    entry: dict[str, Any]
+
+
+def id_key(value: Any) -> str:
+    """Identity of an id across input and output: "7" and 7 are different ids."""
+    return json.dumps(value)
+
+
+def parse_input(path: Path) -> tuple[list[Job], list[tuple[int, str]]]:
+    """The input's valid, first-seen jobs, and (line, problem) for every other non-blank line."""
+    jobs: list[Job] = []
+    problems: list[tuple[int, str]] = []
+    first_line: dict[str, int] = {}
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            entry = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            problems.append((number, f"malformed JSON ({e})"))
+            continue
+        if not isinstance(entry, dict):
+            problems.append((number, f"expected a JSON object, got {type(entry).__name__}"))
+            continue
+        if "id" not in entry:
+            problems.append((number, 'missing "id"; every line needs a unique string or integer id'))
+            continue
+        value = entry["id"]
+        if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
+            problems.append((number, f'"id" must be a non-empty string or an integer, got {value!r}'))
+            continue
+        key = id_key(value)
+        if key in first_line:
+            problems.append((number, f"duplicate id {value!r} (first on line {first_line[key]}); skipped"))
+            continue
+        first_line[key] = number
+        jobs.append(Job(number, value, entry))
+    return jobs, problems
+
+
+def load_done(path: Path) -> tuple[set[str], int]:
+    """Ids already in the output, and how many torn bytes were truncated off its end."""
+    if not path.exists():
+        return set(), 0
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1  # records are newline-terminated; the rest is a torn write
+    done = set()
+    for number, raw in enumerate(data[:end].split(b"\n")[:-1], 1):
+        if not raw.strip():
+            continue
+        try:
+            done.add(id_key(json.loads(raw)["id"]))
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+            raise BatchError(f"{path}:{number} is not a result record of this job; fix or delete "
+                             "that line (or pass another --output), then rerun") from None
+    torn = len(data) - end
+    if torn:
+        with open(path, "r+b") as f:
+            f.truncate(end)
+            os.fsync(f.fileno())
+    return done, torn
+
+
+def result_json(job: Job, record: RequestRecord) -> dict[str, Any]:
+    def seconds(value: float | None) -> float | None:
+        return None if value is None else round(value, 6)
+
+    return {
+        "id": job.id,
+        "text": record.text,
+        "prompt_tokens": record.prompt_tokens,
+        "completion_tokens": record.output_tokens,
+        "finish_reason": record.finish_reason,
+        "queue_time": seconds(record.queue_time),
+        "ttft": seconds(record.ttft),
+        "total_time": seconds(record.finished - record.submitted),
+        "prefill_chunks": record.prefill_chunks,
+        "decode_steps": record.decode_steps,
+    }
+
+
+@dataclasses.dataclass
+class Totals:
+    done: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+
+
+def run_jobs(rt: runtime.Runtime, work: list[tuple[Job, list[int], Any]], output: Path,
+             report) -> Totals:
+    """Submits every job, waiting out a full queue, and appends each result as it finishes."""
+    sched = rt.scheduler
+    finished: queue.Queue[RequestRecord] = queue.Queue()
+    sched.listeners.append(finished.put)  # called on the scheduler thread: only hand over
+    jobs = {f"batch-line-{job.line}": job for job, _, _ in work}
+    pending = collections.deque(work)
+    totals, in_flight = Totals(), 0
+    sched.start()
+    start = time.monotonic()
+    try:
+        with open(output, "ab") as out, tqdm(total=len(work), unit="req", file=sys.stderr,
+                                             desc="cadence-batch", dynamic_ncols=True) as bar:
+            while pending or in_flight:
+                while pending:
+                    job, ids, params = pending[0]
+                    try:
+                        sched.submit(ids, params, request_id=f"batch-line-{job.line}")
+                        in_flight += 1
+                    except Overloaded:
+                        break  # submitted again after the next completion
+                    except SubmissionError as e:
+                        report(job.line, f"id {job.id!r} rejected: {e}")
+                        totals.failed += 1
+                        bar.update(1)
+                    pending.popleft()
+                if not in_flight:
+                    continue
+                records = [finished.get()]
+                while not finished.empty():
+                    records.append(finished.get_nowait())
+                lines = []
+                for record in records:
+                    in_flight -= 1
+                    job = jobs[record.request_id]
+                    if record.finish_reason in (FinishReason.STOP.value, FinishReason.LENGTH.value):
+                        lines.append(json.dumps(result_json(job, record), ensure_ascii=False) + "\n")
+                        totals.done += 1
+                        totals.prompt_tokens += record.prompt_tokens
+                        totals.completion_tokens += record.output_tokens
+                    else:
+                        report(job.line, f"id {job.id!r} failed ({record.finish_reason}): "
+                                         f"{record.error}; rerun to retry it")
+                        totals.failed += 1
+                out.write("".join(lines).encode("utf-8"))
+                out.flush()
+                os.fsync(out.fileno())  # a result on disk survives a kill or a power cut
+                totals.seconds = time.monotonic() - start
+                bar.update(len(records))
+                bar.set_postfix_str(f"{totals.completion_tokens / max(totals.seconds, 1e-9):.1f} tok/s")
+    except BaseException:  # Ctrl-C or a failed write: what is on disk is valid; abort the rest
+        sched.stop(drain=False, timeout=10)
+        raise
+    sched.stop()
+    return totals
+
+
+def main(argv: list[str]) -> int:
+    del argv
+    if not _INPUT.value or not _OUTPUT.value:
+        print("cadence-batch: error: pass --input and --output", file=sys.stderr)
+        return 2
+    source, output = Path(_INPUT.value), Path(_OUTPUT.value)
+
+    def report(line: int, message: str) -> None:
+        tqdm.write(f"cadence-batch: {source}:{line}: {message}", file=sys.stderr)
+
+    try:
+        if output.exists() and source.resolve() == output.resolve():
+            raise BatchError("--input and --output are the same file")
+        jobs, problems = parse_input(source)
+        done, torn = load_done(output)
+    except (BatchError, OSError) as e:
+        print(f"cadence-batch: error: {e}", file=sys.stderr)
+        return 2
+    for line, message in problems:
+        report(line, message)
+    if torn:
+        print(f"cadence-batch: {output}: truncated a torn final line ({torn} bytes); its request "
+              "runs again", file=sys.stderr)
+    todo = [job for job in jobs if id_key(job.id) not in done]
+    totals, failed = Totals(), len(problems)
+    compilations = None
+    if todo:
+        try:
+            rt = runtime.build_from_flags()
+        except (CheckpointError, ValueError, OSError) as e:
+            print(f"cadence-batch: error: {e}", file=sys.stderr)
+            return 2
+        defaults = requests.defaults_from_flags()
+        work = []
+        for job in todo:
+            try:
+                ids, params = requests.to_request(job.entry, rt.model.tokenizer, defaults,
+                                                  extra_fields=("id",))
+            except SubmissionError as e:
+                report(job.line, f"id {job.id!r} invalid: {e}")
+                failed += 1
+                continue
+            work.append((job, ids, params))
+        try:
+            totals = run_jobs(rt, work, output, report)
+        except KeyboardInterrupt:
+            print("cadence-batch: interrupted; rerun the same command to resume", file=sys.stderr)
+            return 130
+        failed += totals.failed
+        compilations = rt.engine.compilations_after_warmup
+    summary = {
+        "done": totals.done,
+        "skipped": len(jobs) - len(todo),
+        "failed": failed,
+        "prompt_tokens": totals.prompt_tokens,
+        "completion_tokens": totals.completion_tokens,
+        "seconds": round(totals.seconds, 3),
+        "output_tokens_per_s": round(totals.completion_tokens / totals.seconds, 1) if totals.seconds else None,
+        "compilations_after_warmup": compilations,
+    }
+    print(
+        f"cadence-batch: {summary['done']} done, {summary['skipped']} skipped (already in "
+        f"{output}), {summary['failed']} failed; {totals.prompt_tokens} prompt + "
+        f"{totals.completion_tokens} completion tokens in {totals.seconds:.2f} s "
+        f"({summary['output_tokens_per_s'] or 0} tok/s); compilations_after_warmup: "
+        f"{'n/a (nothing ran)' if compilations is None else compilations}",
+        file=sys.stderr,
+    )
+    print(f"cadence-batch summary: {json.dumps(summary)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def run() -> None:
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,83 @@
+"""Prometheus metrics for the server, named after vLLM's where an equivalent exists.
+
+Everything is measured on the server side from the scheduler's records (times from
+time.monotonic()), so a client's view (which adds transport and queueing in the client) can be
+compared against it. Gauges are computed when scraped, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from scheduler.request import RequestRecord
+from scheduler.scheduler import IterationRecord, Scheduler
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                    1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class Metrics:
+    def __init__(self, scheduler: Scheduler, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def histogram(name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(**labels)
+
+        self.ttft = histogram("cadence:time_to_first_token_seconds", "Submission to first token, server side.")
+        self.itl = histogram("cadence:inter_token_latency_seconds", "Gap between consecutive output tokens.")
+        self.e2e = histogram("cadence:e2e_request_latency_seconds", "Submission to finish.")
+        self.queue = histogram("cadence:request_queue_time_seconds", "Time waiting for a KV slot.")
+        self.prefill = histogram("cadence:request_prefill_time_seconds", "Admission to first token.")
+        self.decode = histogram("cadence:request_decode_time_seconds", "First token to finish.")
+        self.iteration_tokens = histogram(
+            "cadence:iteration_tokens_total", "Tokens (decode + prefill) per scheduler iteration.",
+            buckets=_TOKEN_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            "cadence:prompt_tokens", "Prompt tokens processed.", ["model_name"], registry=r
+        ).labels(**labels)
+        self.generation_tokens = Counter(
+            "cadence:generation_tokens", "Output tokens generated.", ["model_name"], registry=r
+        ).labels(**labels)
+        self.finished = Counter(
+            "cadence:request_success", "Finished requests by finish reason.",
+            ["model_name", "finished_reason"], registry=r,
+        )
+        gauges = {
+            "cadence:num_requests_running": ("Requests holding a KV slot.", lambda: scheduler.num_running),
+            "cadence:num_requests_waiting": ("Requests queued for a slot.", lambda: scheduler.num_waiting),
+            "cadence:kv_cache_usage_perc": ("Fraction of KV slot capacity in use (0-1).", lambda: scheduler.kv_usage),
+            "cadence:compilations_after_warmup": (
+                "XLA compilations since warm-up ended (should stay 0).",
+                lambda: scheduler.engine.compilations_after_warmup,
+            ),
+        }
+        for name, (doc, fn) in gauges.items():
+            Gauge(name, doc, ["model_name"], registry=r).labels(**labels).set_function(fn)
+        self._labels = labels
+        scheduler.listeners.append(self.on_request)
+        scheduler.iteration_listeners.append(self.on_iteration)
+
+    def on_request(self, record: RequestRecord) -> None:  # scheduler thread
+        self.finished.labels(finished_reason=record.finish_reason, **self._labels).inc()
+        self.prompt_tokens.inc(record.prompt_tokens)
+        self.generation_tokens.inc(record.output_tokens)
+        self.e2e.observe(record.finished - record.submitted)
+        if record.queue_time is not None:
+            self.queue.observe(record.queue_time)
+        if record.first_token is not None:
+            self.ttft.observe(record.first_token - record.submitted)
+            self.decode.observe(record.finished - record.first_token)
+            if record.admitted is not None:
+                self.prefill.observe(record.first_token - record.admitted)
+        times = record.token_times
+        for earlier, later in zip(times, times[1:]):
+            self.itl.observe(later - earlier)
+
+    def on_iteration(self, record: IterationRecord) -> None:
+        self.iteration_tokens.observe(record.decode_slots + record.prefill_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

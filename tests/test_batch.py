@@ -1,0 +1,201 @@
+"""`cadence-batch` end to end: the real CLI in a subprocess, the real engine on the tiny model.
+
+The tiny model is written once as a converted checkpoint folder and passed as `--model`; every
+run uses the same small engine flags and one CADENCE_CACHE, so after the first run the XLA
+programs come from the persistent compilation cache and a run takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from checkpoints.store import save_converted
+from checkpoints.tokenizer import Tokenizer
+from engine.reference import greedy_generate
+from server.batch_cli import BatchError, load_done
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE_FLAGS = ["--num_slots=4", "--max_seq_len=256", "--prefill_chunk=32"]
+FIELDS = {"id", "text", "prompt_tokens", "completion_tokens", "finish_reason", "queue_time",
+          "ttft", "total_time", "prefill_chunks", "decode_steps"}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_config, tiny_params, tiny_tokenizer):
+    root = tmp_path_factory.mktemp("batch")
+    tiny_tokenizer.save(root / "tok")
+    files = {p.name: p.read_bytes() for p in (root / "tok").iterdir() if p.is_file()}
+    save_converted(root / "model", tiny_config, tiny_params, files)
+    env = dict(os.environ, CADENCE_CACHE=str(root / "cache"))
+    return root, env
+
+
+def command(setup, inp: Path, out: Path, *flags: str) -> list[str]:
+    root, _ = setup
+    return [sys.executable, "-m", "server.batch_cli", f"--input={inp}", f"--output={out}",
+            f"--model={root / 'model'}", *ENGINE_FLAGS, *flags]
+
+
+def run_batch(setup, inp: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command(setup, inp, out, *flags), cwd=ROOT, env=setup[1],
+                          capture_output=True, text=True, timeout=120)
+
+
+def write_jsonl(path: Path, entries) -> Path:
+    path.write_text("".join((e if isinstance(e, str) else json.dumps(e)) + "\n" for e in entries))
+    return path
+
+
+def read_results(path: Path) -> list[dict]:
+    data = path.read_text()
+    assert data == "" or data.endswith("\n")
+    return [json.loads(line) for line in data.splitlines()]
+
+
+def summary(stderr: str) -> dict:
+    line = [s for s in stderr.splitlines() if s.startswith("cadence-batch summary: ")][-1]
+    return json.loads(line.removeprefix("cadence-batch summary: "))
+
+
+def test_batch_run_matches_the_reference(setup, tmp_path, tiny_config, tiny_params):
+    root, _ = setup
+    words = "the cat sat on the mat and then it ran to the house".split()
+    entries = [{"id": f"p{i}", "prompt": " ".join(words[: 2 + i]), "max_tokens": 8 + i,
+                "ignore_eos": True} for i in range(8)]
+    entries += [
+        {"id": 100, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12},
+        {"id": "s", "prompt": "the house", "temperature": 0.8, "top_k": 20, "top_p": 0.9,
+         "seed": 7, "max_tokens": 10, "ignore_eos": True},
+        {"id": "long", "prompt": " ".join(words * 6), "max_tokens": 5, "ignore_eos": True},
+        {"id": "stop", "prompt": "the cat", "stop": ["zzz"], "max_tokens": 6},
+    ]
+    inp, out = write_jsonl(tmp_path / "in.jsonl", entries), tmp_path / "out.jsonl"
+    # A queue of 2 makes the job wait for completions and resubmit: nothing may be dropped.
+    result = run_batch(setup, inp, out, "--max_queue=2")
+    assert result.returncode == 0, result.stderr
+    results = read_results(out)
+    assert sorted(map(json.dumps, (r["id"] for r in results))) == sorted(json.dumps(e["id"]) for e in entries)
+    stats = summary(result.stderr)
+    assert stats["done"] == len(entries) and stats["failed"] == 0 and stats["skipped"] == 0
+    assert stats["compilations_after_warmup"] == 0
+    assert stats["completion_tokens"] == sum(r["completion_tokens"] for r in results)
+
+    tok = Tokenizer.from_hf_dir(root / "model")  # the tokenizer the CLI loaded
+    by_id = {r["id"]: r for r in results}
+    for r in results:
+        assert set(r) == FIELDS
+        assert r["finish_reason"] in ("stop", "length")
+        assert 0 <= r["queue_time"] <= r["ttft"] <= r["total_time"]
+        assert r["prefill_chunks"] == -(-r["prompt_tokens"] // 32)
+        assert r["decode_steps"] >= r["completion_tokens"] - 1
+    for e in entries[:8]:
+        assert by_id[e["id"]]["completion_tokens"] == e["max_tokens"]
+    assert by_id["long"]["prefill_chunks"] > 1
+    for key in ("p1", "p6", "long"):
+        entry = next(e for e in entries if e["id"] == key)
+        ids = tok.encode(entry["prompt"])
+        assert by_id[key]["prompt_tokens"] == len(ids)
+        expected = greedy_generate(tiny_params, tiny_config, ids, entry["max_tokens"])
+        assert by_id[key]["text"] == tok.decode(expected, skip_special=True)
+
+
+def test_sigkill_mid_run_then_resume_has_every_id_once(setup, tmp_path):
+    n = 64
+    entries = [{"id": f"r{i}", "prompt": f"the cat {i}", "max_tokens": 160, "ignore_eos": True}
+               for i in range(n)]
+    inp, out = write_jsonl(tmp_path / "in.jsonl", entries), tmp_path / "out.jsonl"
+    proc = subprocess.Popen(command(setup, inp, out, "--max_queue=8"), cwd=ROOT, env=setup[1],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while not (out.exists() and out.read_bytes().count(b"\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "no results before exit"
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    before = out.read_bytes().count(b"\n")
+    assert 2 <= before < n, "the job finished before it could be killed mid-run"
+
+    result = run_batch(setup, inp, out, "--max_queue=8")
+    assert result.returncode == 0, result.stderr
+    ids = collections.Counter(r["id"] for r in read_results(out))
+    assert ids == collections.Counter(e["id"] for e in entries)
+    stats = summary(result.stderr)
+    assert stats["skipped"] == before and stats["done"] == n - before
+
+
+def test_torn_final_line_is_truncated_and_redone(setup, tmp_path):
+    entries = [{"id": f"t{i}", "prompt": f"the mat {i}", "max_tokens": 4} for i in range(5)]
+    inp, out = write_jsonl(tmp_path / "in.jsonl", entries), tmp_path / "out.jsonl"
+    done = [{"id": "t0", "text": "kept"}, {"id": "t3", "text": "kept"}]
+    out.write_text("".join(json.dumps(r) + "\n" for r in done) + '{"id": "t1", "text": "to')
+    result = run_batch(setup, inp, out)
+    assert result.returncode == 0, result.stderr
+    assert "torn final line" in result.stderr
+    results = read_results(out)
+    assert results[:2] == done  # records already there are never rewritten
+    assert sorted(r["id"] for r in results) == [e["id"] for e in entries]
+    stats = summary(result.stderr)
+    assert stats["skipped"] == 2 and stats["done"] == 3
+
+
+def test_bad_lines_are_reported_and_do_not_stop_the_others(setup, tmp_path):
+    good = {"id": "a", "prompt": "the cat", "max_tokens": 3}
+    lines = [
+        good,                                                        # 1
+        '{"id": "b", "prompt": ',                                    # 2 malformed JSON
+        {"id": "c", "prompt": "the mat", "max_tokens": 3},           # 3
+        {"prompt": "no id here"},                                    # 4 missing id
+        {"id": "a", "prompt": "a duplicate of line 1"},              # 5 duplicate id
+        {"id": "d", "prompt": "the house " * 100, "max_tokens": 10}, # 6 too long for 256
+        {"id": "e", "prompt": "x", "temperature": -1},               # 7 bad sampling value
+        {"id": "f", "prompt": "x", "max_token": 3},                  # 8 unknown field
+        "[1, 2]",                                                    # 9 not an object
+        "",                                                          # 10 blank: ignored
+        {"id": "g", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},  # 11
+    ]
+    inp, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    result = run_batch(setup, inp, out)
+    assert result.returncode == 1
+    expected = {2: "malformed JSON", 4: 'missing "id"', 5: "duplicate id 'a' (first on line 1)",
+                6: "exceeds the context of 256 tokens", 7: "temperature must be >= 0",
+                8: "unknown field(s) 'max_token'", 9: "expected a JSON object"}
+    reported = [s for s in result.stderr.splitlines() if s.startswith(f"cadence-batch: {inp}:")]
+    assert {int(s.split(":")[2]) for s in reported} == set(expected), reported
+    for number, text in expected.items():
+        assert any(s.startswith(f"cadence-batch: {inp}:{number}: ") and text in s
+                   for s in reported), (number, reported)
+    results = read_results(out)
+    assert sorted(r["id"] for r in results) == ["a", "c", "g"]
+    assert next(r for r in results if r["id"] == "a")["prompt_tokens"] < 10  # line 1, not 5
+    assert summary(result.stderr)["failed"] == len(expected)
+
+    # Failures are not written, so a rerun skips the successes and retries only the failures.
+    again = run_batch(setup, inp, out)
+    assert again.returncode == 1
+    stats = summary(again.stderr)
+    assert stats["skipped"] == 3 and stats["done"] == 0 and stats["failed"] == len(expected)
+    assert len(read_results(out)) == 3
+
+
+def test_load_done_refuses_a_corrupt_middle_line(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": 1}\nnot json\n{"id": 2}\n')
+    with pytest.raises(BatchError, match=r"out.jsonl:2 is not a result record"):
+        load_done(out)
+    assert out.read_text() == '{"id": 1}\nnot json\n{"id": 2}\n'  # untouched
+    out.write_text('{"id": 1}\n{"id": "1"}\n{"id": 2')
+    assert load_done(out) == ({"1", '"1"'}, len('{"id": 2'))
+    assert out.read_text() == '{"id": 1}\n{"id": "1"}\n'
+    assert load_done(tmp_path / "missing.jsonl") == (set(), 0)

@@ -1,0 +1,251 @@
+"""The HTTP server over real loopback sockets, with the tiny model behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from engine.engine import Engine, EngineConfig
+from scheduler.policy import PolicyConfig
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from server.app import create_app
+
+MODEL = "tiny"
+ENGINE = EngineConfig(num_slots=4, max_seq_len=256, prefill_chunk=32, min_kv_bucket=64)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_params, tiny_config):
+    e = Engine(tiny_params, tiny_config, ENGINE)
+    e.warmup()
+    return e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(engine, tokenizer, *, api_key=None, warmup=None, max_queue=64):
+    """Runs a real uvicorn server in a thread; yields its base URL."""
+    sched = Scheduler(engine, tokenizer, SchedulerConfig(
+        policy=PolicyConfig(token_budget=40, chunk=32), max_queue=max_queue))
+    app = create_app(sched, tokenizer, MODEL, api_key=api_key, warmup=warmup)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def url(engine, tiny_tokenizer):
+    with serve(engine, tiny_tokenizer) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def sse_frames(raw: bytes) -> list[bytes]:
+    assert raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
+    frames = raw.split(b"\n\n")
+    assert frames[-1] == b""
+    for frame in frames[:-1]:
+        assert frame.startswith(b"data: ") and b"\n" not in frame, frame
+    return [f[len(b"data: "):] for f in frames[:-2]]
+
+
+def running(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    line = next(l for l in text.splitlines() if l.startswith("cadence:num_requests_running{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_completion_streaming_and_not_agree(client):
+    full = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=12,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens > 0
+    parts = list(client.completions.create(model=MODEL, prompt="Hello there", max_tokens=12,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                           stream_options={"include_usage": True}))
+    text = "".join(p.choices[0].text for p in parts if p.choices)
+    assert text == full.choices[0].text
+    assert parts[-1].usage.completion_tokens == 12 and parts[-1].choices == []
+    assert parts[-1].usage.total_tokens == full.usage.total_tokens
+    assert parts[-2].choices[0].finish_reason == "length"
+
+
+def test_chat_streaming_and_not_agree(client):
+    messages = [{"role": "user", "content": "Say something."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_models_and_health(client, url):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+
+
+def test_sse_framing_and_utf8_integrity(url, tiny_tokenizer):
+    """Frames are exact `data: {json}\\n\\n`; concatenated text equals decoding all the ids at
+    once, which a frame that split a multi-byte character would break (two U+FFFD)."""
+    body = {"model": MODEL, "prompt": "中文 emoji 🎉", "max_tokens": 64, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    response = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "abc-1"})
+    assert response.status_code == 200 and response.headers["x-request-id"] == "abc-1"
+    assert response.headers["content-type"].startswith("text/event-stream")
+    frames = [json.loads(f) for f in sse_frames(response.content)]
+    assert all(f["id"] == "abc-1" for f in frames)
+    streamed = "".join(f["choices"][0]["text"] for f in frames)
+    full = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}).json()
+    assert streamed == full["choices"][0]["text"]
+    assert any(ord(c) > 127 for c in streamed), "the test needs multi-byte output to mean anything"
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    (b"{not json", 400, "not valid JSON"),
+    ({"prompt": 5}, 400, "'prompt'"),
+    ({"prompt": "x", "max_tokens": "ten"}, 400, "'max_tokens' must be an integer"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "n": 2}, 400, "n=1"),
+    ({"prompt": "x", "max_tokens": 1000}, 400, "exceeds the context of 256"),
+    ({"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
+    ({"prompt": [1, 2, 99999]}, 400, "out of range"),
+])
+def test_errors_have_openai_shape_and_serving_continues(url, client, body, status, fragment):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(f"{url}/v1/completions", **kwargs)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert fragment in error["message"] and {"type", "param", "code"} <= error.keys()
+    ok = client.completions.create(model=MODEL, prompt="still alive", max_tokens=3)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_bad_chat_messages_are_400(url):
+    response = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user"}]})
+    assert response.status_code == 400 and "content" in response.json()["error"]["message"]
+
+
+def test_api_key(engine, tiny_tokenizer):
+    with serve(engine, tiny_tokenizer, api_key="sekret") as base:
+        body = {"prompt": "x", "max_tokens": 2}
+        assert httpx.post(f"{base}/v1/completions", json=body).status_code == 401
+        wrong = httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+        good = openai.OpenAI(base_url=f"{base}/v1", api_key="sekret", max_retries=0)
+        assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_not_ready_is_503_until_warm(engine, tiny_tokenizer):
+    release = threading.Event()
+    with serve(engine, tiny_tokenizer, warmup=lambda: release.wait(30)) as base:
+        assert httpx.get(f"{base}/health").status_code == 503
+        response = httpx.post(f"{base}/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 503 and "Retry-After" in response.headers
+        release.set()
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{base}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_full_queue_is_429_with_retry_after(engine, tiny_tokenizer):
+    """4 slots and a queue of 1: of 12 simultaneous long requests, some are refused with 429
+    and Retry-After, every accepted one completes in full, and serving goes on."""
+    with serve(engine, tiny_tokenizer, max_queue=1) as base:
+        body = {"prompt": "x", "max_tokens": 250, "ignore_eos": True}
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as http:
+                return await asyncio.gather(*(http.post(f"{base}/v1/completions", json=body)
+                                              for _ in range(12)))
+
+        responses = asyncio.run(burst())
+        refused = [r for r in responses if r.status_code == 429]
+        accepted = [r for r in responses if r.status_code == 200]
+        assert refused and len(accepted) >= 5 and len(refused) + len(accepted) == 12
+        assert all(r.headers["retry-after"] == "1" for r in refused)
+        assert refused[0].json()["error"]["type"] == "rate_limit_error"
+        assert all(r.json()["usage"]["completion_tokens"] == 250 for r in accepted)
+        assert running(base) == 0
+        assert httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_disconnect_mid_stream_frees_the_slot(url):
+    body = {"prompt": "go on", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert running(url) == 1
+    deadline = time.monotonic() + 10
+    while running(url) > 0:
+        assert time.monotonic() < deadline, "the slot was not freed"
+        time.sleep(0.02)
+    finished = httpx.get(f"{url}/metrics").text
+    assert 'cadence:request_success_total{finished_reason="abort",model_name="tiny"}' in finished
+
+
+def test_32_concurrent_streams_on_4_slots(url):
+    prompts = ["one", "two two", "three three three", "four"]
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+    async def one(prompt: str) -> str:
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                                 temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def main():
+        return await asyncio.gather(*(one(prompts[i % 4]) for i in range(32)))
+
+    texts = asyncio.run(main())
+    sync = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    for i, text in enumerate(texts):
+        want = sync.completions.create(model=MODEL, prompt=prompts[i % 4], max_tokens=8,
+                                       temperature=0, extra_body={"ignore_eos": True})
+        assert text == want.choices[0].text
+
+
+def test_metrics_expose_histograms_and_counters(url, client):
+    client.completions.create(model=MODEL, prompt="measure me", max_tokens=4)
+    text = httpx.get(f"{url}/metrics").text
+    for name in ("cadence:time_to_first_token_seconds_bucket", "cadence:inter_token_latency_seconds_bucket",
+                 "cadence:e2e_request_latency_seconds_count", "cadence:request_queue_time_seconds_sum",
+                 "cadence:request_prefill_time_seconds_count", "cadence:request_decode_time_seconds_count",
+                 "cadence:iteration_tokens_total_bucket", "cadence:prompt_tokens_total",
+                 "cadence:generation_tokens_total", "cadence:kv_cache_usage_perc",
+                 "cadence:num_requests_waiting", 'cadence:compilations_after_warmup{model_name="tiny"} 0.0'):
+        assert name in text, name
