@@ -45,7 +45,7 @@ from scheduler.request import FinishReason, GenerationParams, Request, RequestRe
 class SchedulerConfig:
     policy: PolicyConfig = PolicyConfig()
     max_queue: int = 256  # waiting requests beyond this are refused with Overloaded
-    trace_iterations: int = 10_000  # iteration records kept in memory (a ring)
+    trace_iterations: int = 10_000  # iteration and request records kept in memory (rings)
 
 
 @dataclasses.dataclass
@@ -133,6 +133,9 @@ class Scheduler:
             maxlen=config.trace_iterations
         )
         self._iteration = 0
+        self.finished: collections.deque[RequestRecord] = collections.deque(
+            maxlen=config.trace_iterations
+        )
         self.listeners: list = []  # callables(record) for finished requests (metrics)
         self.iteration_listeners: list = []
 
@@ -322,6 +325,7 @@ class Scheduler:
             self._running.remove(r)
             self._free_slots.append(r.slot)
         record = r.finish(reason, now, error)
+        self.finished.append(record)
         self._notify(self.listeners, record)
 
     @staticmethod

@@ -21,13 +21,17 @@ from pathlib import Path
 from absl import app, flags
 
 from checkpoints.errors import CheckpointError
-from scheduler.errors import SubmissionError
+from scheduler.errors import Overloaded, SubmissionError
 from scheduler.request import RequestRecord, TokenEvent
+from scheduler.trace import write_chrome_trace
 from server import requests, runtime
 
 _PROMPT = flags.DEFINE_string("prompt", None, "A prompt.")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "File of prompts: one per line, or JSONL.")
 _CHAT = flags.DEFINE_bool("chat", False, "Apply the model's chat template to each prompt.")
+_TRACE = flags.DEFINE_string(
+    "trace_file", None, "Write the scheduler timeline (iterations, request phases) as a Chrome trace."
+)
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -54,6 +58,15 @@ def rate(record: RequestRecord, times: list[float]) -> float | None:
     if len(times) < 2 or times[-1] <= times[0]:
         return None
     return (len(times) - 1) / (times[-1] - times[0])
+
+
+def submit_when_queue_has_room(sched, ids, params):
+    """Submits; while the scheduler's queue is full, waits for room instead of failing."""
+    while True:
+        try:
+            return sched.submit(ids, params)
+        except Overloaded:
+            time.sleep(0.05)
 
 
 def main(argv: list[str]) -> int:
@@ -97,12 +110,13 @@ def main(argv: list[str]) -> int:
                                           "finish_reason": event.finish_reason}, ensure_ascii=False))
                         sys.stdout.flush()
 
-    threads = []
+    threads, rejected = [], 0
     for i, (ids, params) in enumerate(jobs):
         try:
-            stream = sched.submit(ids, params)
+            stream = submit_when_queue_has_room(sched, ids, params)
         except SubmissionError as e:
             print(f"cadence-generate: request {i} rejected: {e}", file=sys.stderr)
+            rejected += 1
             continue
         t = threading.Thread(target=consume, args=(i, stream), daemon=True)
         t.start()
@@ -111,6 +125,9 @@ def main(argv: list[str]) -> int:
         t.join()
     elapsed = time.monotonic() - t0
     sched.stop()
+    if _TRACE.value:
+        write_chrome_trace(_TRACE.value, sched.iterations, sched.finished)
+        print(f"cadence-generate: wrote the iteration trace to {_TRACE.value}", file=sys.stderr)
     if single:
         print()
 
@@ -132,7 +149,7 @@ def main(argv: list[str]) -> int:
         f"compilations_after_warmup: {rt.engine.compilations_after_warmup}",
         file=sys.stderr,
     )
-    return 0
+    return 1 if rejected else 0
 
 
 def run() -> None:

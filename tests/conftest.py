@@ -61,3 +61,18 @@ def tiny_tokenizer(tiny_config):
     fields.update({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
                    "tokenizer.ggml.merges": merges})
     return Tokenizer.from_gguf_fields(fields)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_config, tiny_params, tiny_tokenizer):
+    """The tiny model as a converted checkpoint at ROOT/model, for the CLIs' `--model`, and an
+    environment whose CADENCE_CACHE (and so XLA's compilation cache) is shared by every run."""
+    import os
+
+    from checkpoints.store import save_converted
+
+    root = tmp_path_factory.mktemp("tiny-model")
+    tiny_tokenizer.save(root / "tok")
+    files = {p.name: p.read_bytes() for p in (root / "tok").iterdir() if p.is_file()}
+    save_converted(root / "model", tiny_config, tiny_params, files)
+    return root, dict(os.environ, CADENCE_CACHE=str(root / "cache"))

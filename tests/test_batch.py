@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints.store import save_converted
 from checkpoints.tokenizer import Tokenizer
 from engine.reference import greedy_generate
 from server.batch_cli import BatchError, load_done
@@ -30,13 +29,8 @@ FIELDS = {"id", "text", "prompt_tokens", "completion_tokens", "finish_reason", "
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, tiny_config, tiny_params, tiny_tokenizer):
-    root = tmp_path_factory.mktemp("batch")
-    tiny_tokenizer.save(root / "tok")
-    files = {p.name: p.read_bytes() for p in (root / "tok").iterdir() if p.is_file()}
-    save_converted(root / "model", tiny_config, tiny_params, files)
-    env = dict(os.environ, CADENCE_CACHE=str(root / "cache"))
-    return root, env
+def setup(tiny_model_dir):
+    return tiny_model_dir
 
 
 def command(setup, inp: Path, out: Path, *flags: str) -> list[str]:

@@ -1,0 +1,52 @@
+"""The server-side timeline as a Chrome trace (open it in Perfetto or chrome://tracing).
+
+One track shows every scheduler iteration (its decode slots and prefill tokens in the args);
+one track per request shows its phases: queued, prefill (admission to first token), decode.
+A long prefill iteration and the chat decodes it delayed line up visually, which is the
+picture the seed paints in words.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from scheduler.request import RequestRecord
+from scheduler.scheduler import IterationRecord
+
+
+def chrome_trace(iterations: Iterable[IterationRecord], requests: Iterable[RequestRecord]) -> dict:
+    iterations, requests = list(iterations), list(requests)
+    starts = [i.start for i in iterations] + [r.submitted for r in requests]
+    origin = min(starts, default=0.0)
+    us = lambda t: round((t - origin) * 1e6, 1)  # noqa: E731
+    events: list[dict] = [
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 0, "args": {"name": "iterations"}},
+    ]
+    for it in iterations:
+        kind = "+".join(k for k, n in (("decode", it.decode_slots), ("prefill", it.prefill_tokens)) if n)
+        events.append({
+            "ph": "X", "pid": 1, "tid": 0, "name": kind or "idle", "ts": us(it.start),
+            "dur": round(it.wall * 1e6, 1),
+            "args": {"index": it.index, "decode_slots": it.decode_slots,
+                     "prefill_tokens": it.prefill_tokens, "prefill_chunks": it.prefill_chunks},
+        })
+    for n, r in enumerate(requests, start=1):
+        events.append({"ph": "M", "name": "thread_name", "pid": 2, "tid": n,
+                       "args": {"name": f"{r.request_id} ({r.prompt_tokens} prompt tokens)"}})
+        phases = [("queued", r.submitted, r.admitted), ("prefill", r.admitted, r.first_token),
+                  ("decode", r.first_token, r.finished)]
+        for name, begin, end in phases:
+            if begin is not None and end is not None:
+                events.append({"ph": "X", "pid": 2, "tid": n, "name": name, "ts": us(begin),
+                               "dur": round((end - begin) * 1e6, 1),
+                               "args": {"finish_reason": r.finish_reason,
+                                        "output_tokens": r.output_tokens,
+                                        "prefill_chunks": r.prefill_chunks}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(path: str | Path, iterations: Iterable[IterationRecord],
+                       requests: Iterable[RequestRecord]) -> None:
+    Path(path).write_text(json.dumps(chrome_trace(iterations, requests)))

@@ -1,0 +1,70 @@
+"""`cadence-generate` end to end: the real CLI in a subprocess over the tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from checkpoints.tokenizer import Tokenizer
+from engine.reference import greedy_generate
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE_FLAGS = ["--num_slots=4", "--max_seq_len=256", "--prefill_chunk=32"]
+
+
+def generate(tiny_model_dir, *flags: str) -> subprocess.CompletedProcess:
+    root, env = tiny_model_dir
+    cmd = [sys.executable, "-m", "server.generate_cli", f"--model={root / 'model'}", *ENGINE_FLAGS, *flags]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_one_prompt_streams_the_reference_text(tiny_model_dir, tiny_params, tiny_config):
+    root, _ = tiny_model_dir
+    result = generate(tiny_model_dir, "--prompt=The capital of France is", "--max_tokens=12",
+                      "--temperature=0")
+    assert result.returncode == 0, result.stderr
+    tok = Tokenizer.from_hf_dir(root / "model")
+    ids = greedy_generate(tiny_params, tiny_config, tok.encode("The capital of France is"), 12, tok.eos_ids)
+    assert result.stdout.rstrip("\n") == tok.decode(ids, skip_special=True)
+    assert "compilations_after_warmup: 0" in result.stderr and "ttft=" in result.stderr
+
+
+def test_mixed_prompts_file_compiles_nothing_after_warmup_and_writes_a_trace(tiny_model_dir, tmp_path):
+    long_text = " ".join(f"word{i}" for i in range(12))  # ~80 tokens: several 32-token chunks
+    lines = ["hello there", json.dumps({"prompt": long_text, "max_tokens": 20}),
+             json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": 0.8, "seed": 3}),
+             "short again"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    trace = tmp_path / "trace.json"
+    result = generate(tiny_model_dir, f"--prompts_file={prompts}", "--max_tokens=16", f"--trace_file={trace}")
+    assert result.returncode == 0, result.stderr
+    outputs = [json.loads(line) for line in result.stdout.splitlines()]
+    assert sorted(o["index"] for o in outputs) == [0, 1, 2, 3]
+    assert "compilations_after_warmup: 0" in result.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    iterations = [e for e in events if e.get("pid") == 1 and e["ph"] == "X"]
+    assert sum(e["args"]["prefill_chunks"] for e in iterations) >= 4 + 2  # the long prompt is chunked
+    assert any(e["args"]["decode_slots"] > 1 for e in iterations)  # continuous batching happened
+    phases = {e["name"] for e in events if e.get("pid") == 2 and e["ph"] == "X"}
+    assert phases == {"queued", "prefill", "decode"}
+
+
+def test_bad_arguments_get_one_line_errors(tiny_model_dir, tmp_path):
+    result = generate(tiny_model_dir)
+    assert result.returncode == 2 and "exactly one of --prompt or --prompts_file" in result.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n{not json\n')
+    result = generate(tiny_model_dir, f"--prompts_file={bad}")
+    assert result.returncode == 2 and "bad.jsonl:2" in result.stderr
+
+
+def test_a_prompt_too_long_is_reported_not_dropped(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("fine\n" + " ".join(f"word{i}" for i in range(200)) + "\n")
+    result = generate(tiny_model_dir, f"--prompts_file={prompts}", "--max_tokens=4")
+    assert result.returncode == 1
+    assert "request 1 rejected" in result.stderr and "exceeds the context of 256" in result.stderr
+    assert [json.loads(line)["index"] for line in result.stdout.splitlines()] == [0]
