@@ -20,7 +20,8 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 from server.app import create_app
 
 MODEL = "tiny"
-ENGINE = EngineConfig(num_slots=4, max_seq_len=256, prefill_chunk=32, min_kv_bucket=64)
+# Long slots so that a request told to run long (500 tokens) outlives any client-side race.
+ENGINE = EngineConfig(num_slots=4, max_seq_len=512, prefill_chunk=32, min_kv_bucket=256)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def test_sse_framing_and_utf8_integrity(url, tiny_tokenizer):
     ({"prompt": "x", "max_tokens": "ten"}, 400, "'max_tokens' must be an integer"),
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "n": 2}, 400, "n=1"),
-    ({"prompt": "x", "max_tokens": 1000}, 400, "exceeds the context of 256"),
+    ({"prompt": "x", "max_tokens": 5000}, 400, "exceeds the context of 512"),
     ({"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
     ({"prompt": [1, 2, 99999]}, 400, "out of range"),
 ])
@@ -186,7 +187,7 @@ def test_full_queue_is_429_with_retry_after(engine, tiny_tokenizer):
     """4 slots and a queue of 1: of 12 simultaneous long requests, some are refused with 429
     and Retry-After, every accepted one completes in full, and serving goes on."""
     with serve(engine, tiny_tokenizer, max_queue=1) as base:
-        body = {"prompt": "x", "max_tokens": 250, "ignore_eos": True}
+        body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True}
 
         async def burst():
             async with httpx.AsyncClient(timeout=120) as http:
@@ -199,13 +200,13 @@ def test_full_queue_is_429_with_retry_after(engine, tiny_tokenizer):
         assert refused and len(accepted) >= 5 and len(refused) + len(accepted) == 12
         assert all(r.headers["retry-after"] == "1" for r in refused)
         assert refused[0].json()["error"]["type"] == "rate_limit_error"
-        assert all(r.json()["usage"]["completion_tokens"] == 250 for r in accepted)
+        assert all(r.json()["usage"]["completion_tokens"] == 400 for r in accepted)
         assert running(base) == 0
         assert httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 def test_disconnect_mid_stream_frees_the_slot(url):
-    body = {"prompt": "go on", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = {"prompt": "go on", "max_tokens": 500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
