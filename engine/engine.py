@@ -12,9 +12,10 @@ for Python between steps. The token each slot decodes next never leaves the devi
 
 Shapes are fixed per program. Prefill compiles once per (chunk bucket, KV bucket) and decode
 once per KV bucket, where a KV bucket bounds how much of each slot attention reads, so attention
-cost follows the live context rather than `max_seq_len`. Everything that varies per request is
-an array argument. The cache and `last_tokens` are donated into every program, so they are
-updated in place. `warmup()` compiles every program; afterwards `compilations_after_warmup`
+cost follows the live context rather than `max_seq_len` (with the Pallas kernels decode has one
+bucket, the whole slot: the kernel stops at each slot's length). Everything that varies per
+request is an array argument. The cache and `last_tokens` are donated into every program, so they
+are updated in place. `warmup()` compiles every program; afterwards `compilations_after_warmup`
 must stay 0.
 
 Non-goals here: paging (slots are contiguous), multi-device sharding, speculative decoding.
@@ -73,6 +74,12 @@ class EngineConfig:
     @property
     def kv_buckets(self) -> tuple[int, ...]:
         return ladder(min(self.min_kv_bucket, self.max_seq_len), self.max_seq_len)
+
+    @property
+    def decode_kv_buckets(self) -> tuple[int, ...]:
+        """The Pallas decode kernel stops at each slot's own length, and the whole cache is
+        passed as is while a bucket's slice would be copied every layer and step: one bucket."""
+        return (self.max_seq_len,) if self.attention == "pallas" else self.kv_buckets
 
 
 def bucket_for(buckets: Sequence[int], n: int) -> int:
@@ -182,13 +189,22 @@ class Engine:
         """One decode step over all slots: active slot s consumes its last token at
         `positions[s]` and samples the next. Returns device tokens [num_slots]."""
         live = positions[active]
-        kv_len = bucket_for(self.config.kv_buckets, int(live.max()) + 1 if live.size else 1)
+        kv_len = bucket_for(self.config.decode_kv_buckets, int(live.max()) + 1 if live.size else 1)
         tokens, self.cache, self.last_tokens = self._decode(
             self.params, self.cache, self.last_tokens,
             positions.astype(np.int32), active.astype(bool), sampling, kv_len=kv_len,
         )
         tokens.copy_to_host_async()
         return tokens
+
+    def recover(self) -> None:
+        """After a failed call: reallocates the cache and next-token buffer if the failure left
+        them donated (deleted). Every slot's contents are lost, so call it only with no request
+        running — the scheduler does, after failing the in-flight requests."""
+        if any(a.is_deleted() for a in self.cache.k + self.cache.v) or self.last_tokens.is_deleted():
+            cfg = self.config
+            self.cache = KVCache.create(self.model_config, cfg.num_slots, cfg.max_seq_len, self.cache.k[0].dtype)
+            self.last_tokens = jnp.zeros((cfg.num_slots,), jnp.int32)
 
     # -- warm-up and accounting ---------------------------------------------------------------
 
@@ -201,7 +217,7 @@ class Engine:
         prefill_shapes = [
             (t, kv) for t in cfg.prefill_buckets for kv in cfg.kv_buckets if kv > prev[t]
         ]
-        total = len(prefill_shapes) + len(cfg.kv_buckets)
+        total = len(prefill_shapes) + len(cfg.decode_kv_buckets)
         greedy = sampling_rows([RequestSampling()])
         done = 0
         for t, kv in prefill_shapes:
@@ -214,7 +230,7 @@ class Engine:
             if progress:
                 progress(done, total)
         rows = sampling_rows([RequestSampling()] * cfg.num_slots)
-        for kv in cfg.kv_buckets:
+        for kv in cfg.decode_kv_buckets:
             tokens, self.cache, self.last_tokens = self._decode(
                 self.params, self.cache, self.last_tokens, np.zeros(cfg.num_slots, np.int32),
                 np.zeros(cfg.num_slots, bool), rows, kv_len=kv,

@@ -20,10 +20,16 @@ and the oracle that faster kernels are tested against. With the head-major KV la
 (row, KV head) pair is a contiguous [kv_len, head_dim] matrix, so both einsums are batched
 matmuls that need no transpose of K or V (on XLA:CPU a decode step's attention took half the
 time it took with a position-major layout).
+
+`pallas_attention` is the GPU default: the Pallas kernels of `model.pallas_prefill` (a chunk of
+queries, flash attention) and `model.pallas_decode` (one query per row, split-K), compiled on a
+GPU and run in interpret mode elsewhere. They bound their KV loops by each row's positions, so
+tiles past a row's length are never read.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Protocol
 
 import jax
@@ -71,7 +77,40 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Arr
     return out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
 
 
-IMPLEMENTATIONS: dict[str, Callable[..., jax.Array]] = {"xla": xla_attention}
+def pallas_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array,
+    *,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """The Pallas kernels: decode (split-K) for one query per row, flash prefill otherwise.
+
+    `interpret=None` compiles the kernels on a GPU and interprets them anywhere else.
+    """
+    from model import pallas_common  # keeps Pallas off the XLA-only import path
+
+    if interpret is None:
+        interpret = pallas_common.default_interpret()
+    return _pallas_attention(q, k, v, q_positions, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _pallas_attention(q, k, v, q_positions, *, interpret: bool) -> jax.Array:
+    # A jit of its own: every layer calls the same traced function, so a program lowers (and
+    # hands Triton) each kernel once, not once per layer.
+    from model import pallas_decode, pallas_prefill
+
+    if q.shape[1] == 1:
+        return pallas_decode.flash_decode(q, k, v, q_positions, interpret=interpret)
+    return pallas_prefill.flash_prefill(q, k, v, q_positions, interpret=interpret)
+
+
+IMPLEMENTATIONS: dict[str, Callable[..., jax.Array]] = {
+    "xla": xla_attention,
+    "pallas": pallas_attention,
+}
 
 
 def get_attention(name: str) -> AttentionFn:

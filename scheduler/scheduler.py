@@ -341,3 +341,7 @@ class Scheduler:
         self._pending = []
         for r in list(self._running):
             self._finish(r, FinishReason.ERROR, now, message)
+        # Every slot is free now; an engine that lost device state in the failure rebuilds it.
+        recover = getattr(self.engine, "recover", None)
+        if recover is not None:
+            recover()

@@ -134,3 +134,14 @@ def test_warmup_compiles_every_program(tiny_params, tiny_config):
     assert e._prefill._cache_size() >= len(cfg.prefill_buckets)
     assert e._decode._cache_size() == len(cfg.kv_buckets)
     jax.block_until_ready(e.cache)
+
+
+def test_recover_rebuilds_a_cache_lost_to_a_failed_call(tiny_params, tiny_config):
+    e = Engine(tiny_params, tiny_config, EngineConfig(num_slots=2, max_seq_len=64, prefill_chunk=16,
+                                                       min_kv_bucket=64))
+    e.prefill(0, [1, 2, 3], 0, RequestSampling(), final=True)
+    for a in e.cache.k:  # what a program failing after donation leaves behind
+        a.delete()
+    e.recover()
+    token = e.prefill(0, [1, 2, 3], 0, RequestSampling(), final=True)
+    assert int(token[0]) == greedy_generate(tiny_params, tiny_config, [1, 2, 3], 1)[0]

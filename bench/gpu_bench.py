@@ -1,0 +1,431 @@
+"""GPU benchmark of the Pallas attention kernels and the engine, in one run of a few minutes.
+
+    python -m bench.gpu_bench --out=bench/results/gpu_h200.json
+
+A script for a machine with an NVIDIA GPU (see bench/GPU.md), never part of the test suite. In order,
+each section written to the JSON file as soon as it is done (so a run cut short keeps what it had):
+
+1. ceilings, measured here: a large device copy (GB/s, bytes read + written) and a large bf16
+   matmul (TFLOP/s);
+2. the kernel tests of tests/test_pallas.py compiled on the GPU (a pytest subprocess with
+   CADENCE_PALLAS_INTERPRET=0 and float32 matmuls at full precision);
+3. both kernels against `xla_attention` and cuDNN (`jax.nn.dot_product_attention(...,
+   implementation="cudnn")`, given its own [batch, seq, heads, dim] layout) at the Llama-3-8B
+   (32/8/128) and SmolLM2 (9/3/64) head shapes: causal prefill of 4k and 8k tokens (TFLOP/s),
+   decode at several batches and contexts (GB/s of K and V read);
+4. the engine's own prefill and decode programs for the Llama-3-8B shape with random bf16
+   weights and `attention="pallas"`: a 4k-token prefill (TFLOP/s against the matmul ceiling)
+   and decode steps at 1-64 active slots (against the roofline (weights + live KV) / copy GB/s),
+   with the host's dispatch time per step.
+
+Kernel times come from a chain of calls inside one jitted program (each call's input depends on
+the previous output), so Python dispatch does not hide a 10-microsecond kernel.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+_OUT = flags.DEFINE_string("out", None, "JSON results file (default: bench/results/gpu_<gpu>_<date>.json).")
+_DEADLINE = flags.DEFINE_float("deadline_s", 420.0, "Skip remaining measurements after this many seconds.")
+_SKIP_TESTS = flags.DEFINE_bool("skip_tests", False, "Skip the compiled kernel tests.")
+_SKIP_ENGINE = flags.DEFINE_bool("skip_engine", False, "Skip the Llama-3-8B engine section.")
+_PREFILL_TOKENS = flags.DEFINE_list("prefill_tokens", ["4096", "8192"], "Prefill lengths for the kernels.")
+_DECODE_BATCHES = flags.DEFINE_list("decode_batches", ["1", "8", "64"], "Decode batch sizes for the kernels.")
+_DECODE_CONTEXTS = flags.DEFINE_list("decode_contexts", ["1024", "4096"], "Decode contexts for the kernels.")
+_ENGINE_SLOTS = flags.DEFINE_list("engine_active", ["1", "8", "32", "64"], "Active slots for 8B decode.")
+_SWEEP = flags.DEFINE_bool("sweep", True, "Also time a few kernel tilings at the Llama-3-8B shape.")
+_SMOKE = flags.DEFINE_bool(
+    "smoke", False, "Tiny shapes on any backend (kernels interpreted off GPU): checks the script itself."
+)
+
+SHAPES = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # query heads, KV heads, head_dim
+START = time.monotonic()
+
+
+def elapsed() -> float:
+    return time.monotonic() - START
+
+
+def over_deadline() -> bool:
+    return elapsed() > _DEADLINE.value
+
+
+def wall(fn, repeats: int = 5) -> float:
+    """Median seconds of a blocking `fn()` after one warm (compiling) run."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def chained(attend, n: int):
+    """A jitted program that calls `attend(q, *rest)` n times, each on q nudged by the previous
+    output times a runtime zero, so XLA can neither drop nor merge the calls."""
+
+    once = jax.jit(attend)  # lowered (and handed to Triton) once, called n times
+
+    @jax.jit
+    def run(zero, q, *rest):
+        for _ in range(n):
+            out = once(q, *rest)
+            q = q + (out * zero).astype(q.dtype)
+        return q
+
+    return run
+
+
+def kernel_seconds(attend, args, n: int) -> float:
+    run = chained(attend, n)
+    zero = jnp.zeros((), args[0].dtype)
+    return wall(lambda: run(zero, *args), repeats=3) / n
+
+
+# -- 1. ceilings -----------------------------------------------------------------------------
+
+def measure_ceilings() -> dict:
+    size = 2**20 if _SMOKE.value else 2**31  # bf16 elements: 4 GiB
+    copy_s, read_s = _memory_seconds(jnp.ones((size,), jnp.bfloat16))
+    n = 256 if _SMOKE.value else 8192
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    mm = jax.jit(jnp.matmul)
+    mm_s = wall(lambda: mm(a, b), repeats=10)
+    return {
+        "copy_gb_s": 2 * 2 * size / copy_s / 1e9,  # bytes read + written
+        "read_gb_s": 2 * size / read_s / 1e9,
+        "bf16_matmul_tflop_s": 2 * n**3 / mm_s / 1e12,
+        "matmul_shape": [n, n, n],
+    }
+
+
+def _memory_seconds(x: jax.Array) -> tuple[float, float]:
+    copy = jax.jit(lambda a: -a)
+    read = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    return wall(lambda: copy(x), repeats=10), wall(lambda: read(x), repeats=10)
+
+
+# -- 2. compiled kernel tests ------------------------------------------------------------------
+
+def run_kernel_tests() -> dict:
+    env = dict(os.environ, CADENCE_PALLAS_INTERPRET="0", JAX_DEFAULT_MATMUL_PRECISION="highest")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_pallas.py"]
+    start = time.monotonic()
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        tail, code = (done.stdout + done.stderr)[-4000:], done.returncode
+    except subprocess.TimeoutExpired as e:
+        tail, code = f"timed out after 180 s: {str(e.stdout)[-2000:]}", -1
+    print(tail)
+    return {"passed": code == 0, "returncode": code, "seconds": time.monotonic() - start,
+            "output_tail": tail}
+
+
+# -- 3. kernels against XLA and cuDNN ---------------------------------------------------------
+
+def attention_impls(decode: bool):
+    """name -> (function of (q, k, v, positions) in our layout, or of cuDNN's, and its layout)."""
+    from model.attention import xla_attention
+    from model.pallas_decode import flash_decode
+    from model.pallas_prefill import flash_prefill
+
+    pallas = flash_decode if decode else flash_prefill
+    interpret = jax.default_backend() != "gpu"  # only with --smoke
+
+    def cudnn(q, k_bshd, v_bshd, kv_lengths):
+        if decode:
+            return jax.nn.dot_product_attention(
+                q, k_bshd, v_bshd, key_value_seq_lengths=kv_lengths, implementation="cudnn"
+            )
+        return jax.nn.dot_product_attention(q, k_bshd, v_bshd, is_causal=True, implementation="cudnn")
+
+    return {
+        "pallas": (functools.partial(pallas, interpret=interpret), "ours"),
+        "xla": (xla_attention, "ours"),
+        "cudnn": (cudnn, "bshd"),
+    }
+
+
+def bench_kernels(results: dict, write) -> None:
+    rng = np.random.default_rng(0)
+    for shape, (heads, kv_heads, head_dim) in SHAPES.items():
+        for tokens in map(int, _PREFILL_TOKENS.value):
+            if over_deadline():
+                return
+            q = jnp.asarray(rng.standard_normal((1, tokens, heads, head_dim)), jnp.bfloat16)
+            k = jnp.asarray(rng.standard_normal((1, kv_heads, tokens, head_dim)), jnp.bfloat16)
+            v = jnp.asarray(rng.standard_normal((1, kv_heads, tokens, head_dim)), jnp.bfloat16)
+            positions = jnp.arange(tokens, dtype=jnp.int32)[None]
+            flops = 4 * heads * head_dim * tokens * (tokens + 1) / 2  # causal pairs, 2 matmuls
+            point = {"shape": shape, "tokens": tokens, "flop": flops}
+            outs = {}
+            for name, (fn, layout) in attention_impls(decode=False).items():
+                args = (q, k, v, positions) if layout == "ours" else (
+                    q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), None)
+                try:
+                    seconds = kernel_seconds(fn, args, n=4)
+                    outs[name] = np.asarray(jax.jit(fn)(*args).astype(jnp.float32))
+                    point[name] = {"ms": seconds * 1e3, "tflop_s": flops / seconds / 1e12}
+                except Exception as e:  # noqa: BLE001 - a missing cuDNN path is a result too
+                    point[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            for name in ("xla", "cudnn"):
+                if "pallas" in outs and name in outs:
+                    point[f"max_abs_diff_vs_{name}"] = float(np.max(np.abs(outs["pallas"] - outs[name])))
+            results["prefill"].append(point)
+            print("prefill", json.dumps(point))
+            write()
+    for shape, (heads, kv_heads, head_dim) in SHAPES.items():
+        for context in map(int, _DECODE_CONTEXTS.value):
+            for batch in map(int, _DECODE_BATCHES.value):
+                if over_deadline():
+                    return
+                bench_decode_point(results, rng, shape, heads, kv_heads, head_dim, batch, context, context)
+                write()
+    # Skipping: a cache twice the live context should cost the same as the live context alone.
+    heads, kv_heads, head_dim = SHAPES["llama3-8b"]
+    if not over_deadline():
+        context = int(_DECODE_CONTEXTS.value[-1])
+        batch = int(_DECODE_BATCHES.value[-1])
+        bench_decode_point(results, rng, "llama3-8b", heads, kv_heads, head_dim, batch, context, 2 * context)
+        write()
+
+
+def bench_decode_point(results, rng, shape, heads, kv_heads, head_dim, batch, context, cache_len):
+    q = jnp.asarray(rng.standard_normal((batch, 1, heads, head_dim)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((batch, kv_heads, cache_len, head_dim)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((batch, kv_heads, cache_len, head_dim)), jnp.bfloat16)
+    positions = jnp.full((batch, 1), context - 1, jnp.int32)
+    kv_bytes = 2 * batch * kv_heads * context * head_dim * 2
+    point = {"shape": shape, "batch": batch, "context": context, "cache_len": cache_len,
+             "kv_bytes": kv_bytes}
+    outs = {}
+    for name, (fn, layout) in attention_impls(decode=True).items():
+        if cache_len != context and name != "pallas":
+            continue
+        args = (q, k, v, positions) if layout == "ours" else (
+            q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), jnp.full((batch,), context, jnp.int32))
+        try:
+            seconds = kernel_seconds(fn, args, n=16)
+            outs[name] = np.asarray(jax.jit(fn)(*args).astype(jnp.float32))
+            point[name] = {"us": seconds * 1e6, "gb_s": kv_bytes / seconds / 1e9}
+        except Exception as e:  # noqa: BLE001
+            point[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    for name in ("xla", "cudnn"):
+        if "pallas" in outs and name in outs:
+            point[f"max_abs_diff_vs_{name}"] = float(np.max(np.abs(outs["pallas"] - outs[name])))
+    results["decode"].append(point)
+    print("decode", json.dumps(point))
+
+
+def sweep_tilings(results: dict, write) -> None:
+    """A few tilings of each kernel at the Llama-3-8B shape, for choosing the defaults."""
+    from model.pallas_decode import DecodeTiling, default_tiling, flash_decode
+    from model.pallas_prefill import PrefillTiling, flash_prefill
+
+    interpret = jax.default_backend() != "gpu"
+    rng = np.random.default_rng(1)
+    heads, kv_heads, head_dim = SHAPES["llama3-8b"]
+    sweep = results["tiling_sweep"] = {"prefill": [], "decode": []}
+    tokens = int(_PREFILL_TOKENS.value[0])
+    q = jnp.asarray(rng.standard_normal((1, tokens, heads, head_dim)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((1, kv_heads, tokens, head_dim)), jnp.bfloat16)
+    args = (q, k, k, jnp.arange(tokens, dtype=jnp.int32)[None])
+    flops = 4 * heads * head_dim * tokens * (tokens + 1) / 2
+    for tiling in (PrefillTiling(32, 64, 8, 3), PrefillTiling(32, 128, 8, 2), PrefillTiling(32, 64, 4, 3),
+                   PrefillTiling(16, 64, 4, 3), PrefillTiling(16, 128, 4, 2), PrefillTiling(64, 64, 8, 2)):
+        if over_deadline():
+            return
+        point = {"tiling": vars(tiling), "tokens": tokens}
+        try:
+            fn = functools.partial(flash_prefill, tiling=tiling, interpret=interpret)
+            seconds = kernel_seconds(fn, args, n=4)
+            point.update(ms=seconds * 1e3, tflop_s=flops / seconds / 1e12)
+        except Exception as e:  # noqa: BLE001 - a tiling that does not compile is a result too
+            point["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        sweep["prefill"].append(point)
+        print("sweep prefill", json.dumps(point))
+    write()
+    context = int(_DECODE_CONTEXTS.value[-1])
+    for batch in sorted({1, int(_DECODE_BATCHES.value[-1])}):
+        q = jnp.asarray(rng.standard_normal((batch, 1, heads, head_dim)), jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((batch, kv_heads, context, head_dim)), jnp.bfloat16)
+        args = (q, k, k, jnp.full((batch, 1), context - 1, jnp.int32))
+        kv_bytes = 2 * k.size * 2
+        base = default_tiling(batch, kv_heads, context, head_dim)
+        variants = [DecodeTiling(bk, splits, warps, stages)
+                    for bk, stages in ((64, 3), (128, 2)) for warps in (4, 8)
+                    for splits in (base.num_splits, 2 * base.num_splits)]
+        for tiling in variants:
+            if over_deadline():
+                return
+            point = {"tiling": vars(tiling), "batch": batch, "context": context}
+            try:
+                fn = functools.partial(flash_decode, tiling=tiling, interpret=interpret)
+                seconds = kernel_seconds(fn, args, n=16)
+                point.update(us=seconds * 1e6, gb_s=kv_bytes / seconds / 1e9)
+            except Exception as e:  # noqa: BLE001
+                point["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            sweep["decode"].append(point)
+            print("sweep decode", json.dumps(point))
+        write()
+
+
+# -- 4. the engine at the Llama-3-8B shape ----------------------------------------------------
+
+def bench_engine(results: dict, ceilings: dict, write) -> None:
+    from engine import compile_counter
+    from engine.engine import Engine, EngineConfig, sampling_rows
+    from model.config import LLAMA3_8B, TINY
+    from model.llama import init_params
+    from model.sampling import RequestSampling
+
+    cfg = TINY if _SMOKE.value else LLAMA3_8B
+    start = time.monotonic()
+    params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), jnp.bfloat16)
+    jax.block_until_ready(params)
+    weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
+    slots = max(map(int, _ENGINE_SLOTS.value))
+    prompt_len = 32 if _SMOKE.value else 4096
+    contexts = (16, 64) if _SMOKE.value else (1024, 4096)
+    engine = Engine(params, cfg, EngineConfig(
+        num_slots=slots, max_seq_len=max(prompt_len, *contexts) + 32, prefill_chunk=prompt_len,
+        attention="pallas", dtype="bfloat16"))
+    del params
+    info = {"weight_bytes": weight_bytes, "kv_cache_bytes": engine.kv_cache_bytes,
+            "setup_s": time.monotonic() - start, "prefill": None, "decode": []}
+    results["engine"] = info
+    print(f"engine: weights {weight_bytes / 1e9:.1f} GB, KV cache {engine.kv_cache_bytes / 1e9:.1f} GB")
+
+    prompt = np.random.default_rng(0).integers(100, cfg.vocab_size, prompt_len).tolist()
+    start = time.monotonic()
+    engine.prefill(0, prompt, 0, RequestSampling(), True).block_until_ready()
+    compile_s = time.monotonic() - start
+    seconds = wall(lambda: engine.prefill(0, prompt, 0, RequestSampling(), True), repeats=3)
+    d, h, kv, hd, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_size
+    layer_weights = d * h * hd * 2 + d * kv * hd * 2 + 3 * d * f
+    flops = (2 * prompt_len * layer_weights * cfg.num_layers + 2 * d * cfg.vocab_size
+             + 4 * h * hd * prompt_len * (prompt_len + 1) / 2 * cfg.num_layers)
+    info["prefill"] = {
+        "tokens": prompt_len, "first_call_s": compile_s, "seconds": seconds,
+        "tokens_per_s": prompt_len / seconds, "tflop_s": flops / seconds / 1e12,
+        "fraction_of_matmul": flops / seconds / 1e12 / ceilings["bf16_matmul_tflop_s"],
+    }
+    print("engine prefill", json.dumps(info["prefill"]))
+    write()
+
+    rows = sampling_rows([RequestSampling()] * slots)
+    kv_per_token = cfg.kv_bytes_per_token(2)
+    for context in contexts:
+        for active_n in map(int, _ENGINE_SLOTS.value):
+            if over_deadline():
+                return
+            active = np.arange(slots) < active_n
+            positions = np.where(active, context - 1, -1).astype(np.int32)
+            engine.decode(positions, active, rows).block_until_ready()  # compile / warm
+            compiles = compile_counter.count()
+            steps = 20
+            dispatch = []
+            start = time.perf_counter()
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                tokens = engine.decode(positions, active, rows)
+                dispatch.append(time.perf_counter() - t0)
+            tokens.block_until_ready()
+            step = (time.perf_counter() - start) / steps
+            roofline = (weight_bytes + active_n * context * kv_per_token) / (ceilings["copy_gb_s"] * 1e9)
+            point = {"active": active_n, "context": context, "step_ms": step * 1e3,
+                     "roofline_ms": roofline * 1e3, "ratio_to_roofline": step / roofline,
+                     "dispatch_ms": float(np.median(dispatch)) * 1e3,
+                     "host_fraction": float(np.median(dispatch)) / step,
+                     "compilations_while_timed": compile_counter.count() - compiles}
+            info["decode"].append(point)
+            print("engine decode", json.dumps(point))
+            write()
+
+
+# -- targets and main ----------------------------------------------------------------------
+
+def evaluate(results: dict) -> dict:
+    c = results.get("ceilings") or {}
+    verdict = {}
+    for p in results["decode"]:
+        if (p["shape"], p["batch"], p["context"], p["cache_len"]) == ("llama3-8b", 64, 4096, 4096):
+            gb = p.get("pallas", {}).get("gb_s")
+            if gb and c:
+                verdict["decode_kernel_b64_4k_fraction_of_copy_bw"] = gb / c["copy_gb_s"]
+    for p in results["prefill"]:
+        if p["shape"] == "llama3-8b" and "tflop_s" in p.get("pallas", {}) and "tflop_s" in p.get("cudnn", {}):
+            verdict[f"prefill_kernel_{p['tokens']}_vs_cudnn"] = p["pallas"]["tflop_s"] / p["cudnn"]["tflop_s"]
+    e = results.get("engine") or {}
+    if e.get("prefill"):
+        verdict["engine_prefill_4k_fraction_of_matmul"] = e["prefill"]["fraction_of_matmul"]
+    if e.get("decode"):
+        verdict["engine_decode_worst_ratio_to_roofline"] = max(p["ratio_to_roofline"] for p in e["decode"])
+        verdict["engine_decode_worst_host_fraction"] = max(p["host_fraction"] for p in e["decode"])
+    targets = {"decode_kernel_b64_4k_fraction_of_copy_bw": (">=", 0.8),
+               "prefill_kernel_4096_vs_cudnn": (">=", 1.0), "prefill_kernel_8192_vs_cudnn": (">=", 1.0),
+               "engine_prefill_4k_fraction_of_matmul": (">=", 0.6),
+               "engine_decode_worst_ratio_to_roofline": ("<=", 1.2),
+               "engine_decode_worst_host_fraction": ("<=", 0.05)}
+    return {k: {"value": v, "target": f"{targets[k][0]} {targets[k][1]}",
+                "met": v >= targets[k][1] if targets[k][0] == ">=" else v <= targets[k][1]}
+            for k, v in verdict.items()}
+
+
+def main(argv) -> None:
+    del argv
+    device = jax.devices()[0]
+    if _SMOKE.value:
+        flags.FLAGS.prefill_tokens, flags.FLAGS.decode_contexts = ["48"], ["40"]
+        flags.FLAGS.decode_batches, flags.FLAGS.engine_active = ["2"], ["1", "4"]
+    elif device.platform != "gpu":
+        raise SystemExit(f"bench.gpu_bench needs a GPU; JAX sees {device} (run it where bench/GPU.md says)")
+    gpu = getattr(device, "device_kind", str(device))
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    out = Path(_OUT.value or f"bench/results/gpu_{gpu.replace(' ', '_').lower()}_{date[:10]}.json")
+    results = {"gpu": gpu, "jax_version": jax.__version__, "date": date,
+               "prefill": [], "decode": [], "engine": None}
+
+    def write() -> None:
+        results["elapsed_s"] = elapsed()
+        results["targets"] = evaluate(results)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+
+    results["ceilings"] = ceilings = measure_ceilings()
+    print(f"{gpu}, JAX {jax.__version__}: copy {ceilings['copy_gb_s']:.0f} GB/s, read "
+          f"{ceilings['read_gb_s']:.0f} GB/s, bf16 matmul {ceilings['bf16_matmul_tflop_s']:.0f} TFLOP/s")
+    write()
+    if not _SKIP_TESTS.value and not _SMOKE.value:
+        results["kernel_tests"] = run_kernel_tests()
+        write()
+    bench_kernels(results, write)
+    if _SWEEP.value and not over_deadline():
+        sweep_tilings(results, write)
+    if not _SKIP_ENGINE.value and not over_deadline():
+        try:
+            bench_engine(results, ceilings, write)
+        except Exception as e:  # noqa: BLE001 - keep everything measured so far
+            results["engine_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+    write()
+    print(json.dumps(results["targets"], indent=2))
+    print(f"wrote {out} after {elapsed():.0f} s")
+
+
+if __name__ == "__main__":
+    app.run(main)
