@@ -162,3 +162,25 @@ def test_write_past_the_end_is_dropped(tiny_config, tiny_params):
     )
     k = np.asarray(cache.k[0][0])  # [kv_heads, max_len, head_dim]
     assert np.abs(k[:, :10]).max() == 0.0 and np.abs(k[:, 10:20]).min() > 0.0
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 150])
+def test_chunked_prefill_logits_match_whole_prefill(tiny_config, tiny_params, chunk):
+    """A 150-token prompt prefilled in chunks of 16, 64 or whole gives the whole forward's logits."""
+    cfg = tiny_config
+    tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, 150)
+    want = full_logits(tiny_params, cfg, tokens)
+    cache = KVCache.create(cfg, 2, 160)
+    got = []
+    for start in range(0, len(tokens), chunk):
+        piece = tokens[start : start + chunk]
+        logits, cache = forward(
+            tiny_params, jnp.asarray(piece, jnp.int32)[None],
+            jnp.arange(start, start + len(piece), dtype=jnp.int32)[None],
+            jnp.asarray([len(piece)], jnp.int32), cache, config=cfg, kv_len=160,
+            slots=jnp.asarray([1], jnp.int32),
+        )
+        got.append(np.asarray(logits[0]))
+    got = np.concatenate(got)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
