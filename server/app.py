@@ -3,7 +3,9 @@
     app = create_app(scheduler, tokenizer, model_name="smollm2-135m", warmup=engine.warmup)
 
 Routes: POST /v1/completions, POST /v1/chat/completions (each streaming over Server-Sent Events
-or not), GET /v1/models, GET /health (200 only once warm-up is done), GET /metrics (Prometheus).
+or not), GET /v1/models, GET /health (200 only once warm-up is done), GET /metrics (Prometheus),
+GET /debug/timeline (the scheduler's iteration log and finished requests' timelines, read
+incrementally by `bench/` to explain client-side figures).
 All model and policy logic lives below this layer: the app tokenizes, submits, and relays
 events. A client that disconnects cancels its request, which frees its KV slot at the next
 iteration. On shutdown (uvicorn's SIGTERM handling) in-flight requests are drained first.
@@ -12,6 +14,8 @@ iteration. On shutdown (uvicorn's SIGTERM handling) in-flight requests are drain
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import json
 import threading
 import time
@@ -28,10 +32,50 @@ from starlette.routing import Route
 from checkpoints.tokenizer import Tokenizer, TokenizerError
 from scheduler.errors import NotRunning, Overloaded, RequestTooLong, SubmissionError
 from scheduler.request import RequestRecord, TokenEvent
-from scheduler.scheduler import RequestStream, Scheduler
+from scheduler.scheduler import IterationRecord, RequestStream, Scheduler
 from server import protocol
 from server.metrics import Metrics
 from server.protocol import APIError
+
+
+class Timeline:
+    """Rings of the scheduler's iteration records and finished requests' records, read
+    incrementally by cursor (iteration index, request sequence number). Times are the server's
+    time.monotonic(); the response carries `now` so a client can estimate the clock offset."""
+
+    def __init__(self, scheduler: Scheduler, iterations: int = 20_000, requests: int = 2_048):
+        # Readers poll about once a second, so the rings only bound memory (a request record
+        # holds a timestamp per output token).
+        self._lock = threading.Lock()
+        self._iterations: collections.deque[IterationRecord] = collections.deque(maxlen=iterations)
+        self._requests: collections.deque[tuple[int, RequestRecord]] = collections.deque(maxlen=requests)
+        self._seq = 0
+        scheduler.iteration_listeners.append(self._on_iteration)
+        scheduler.listeners.append(self._on_request)
+
+    def _on_iteration(self, record: IterationRecord) -> None:  # scheduler thread
+        with self._lock:
+            self._iterations.append(record)
+
+    def _on_request(self, record: RequestRecord) -> None:  # scheduler thread
+        with self._lock:
+            self._seq += 1
+            self._requests.append((self._seq, record))
+
+    def since(self, iteration: int, request: int) -> dict:
+        with self._lock:
+            iterations = [r for r in self._iterations if r.index > iteration]
+            requests = [(seq, r) for seq, r in self._requests if seq > request]
+            seq = self._seq
+        return {
+            "iterations": [dataclasses.asdict(r) for r in iterations],
+            "requests": [{**dataclasses.asdict(r, dict_factory=_without_text), "seq": s} for s, r in requests],
+            "next_request": seq,
+        }
+
+
+def _without_text(items: list[tuple[str, object]]) -> dict:
+    return {k: v for k, v in items if k != "text"}  # the client has the text already
 
 
 class Server:
@@ -43,6 +87,7 @@ class Server:
         self.model_name = model_name
         self.api_key = api_key
         self.metrics = Metrics(scheduler, model_name)
+        self.timeline = Timeline(scheduler)
         self.ready = threading.Event()
         self._warmup = warmup
         self.drain_timeout = drain_timeout
@@ -180,6 +225,24 @@ class Server:
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    async def timeline_endpoint(self, request: Request) -> Response:
+        """GET /debug/timeline?since_iteration=I&since_request=R: records newer than the cursors."""
+        self._check(request)
+        try:
+            iteration = int(request.query_params.get("since_iteration", -1))
+            seq = int(request.query_params.get("since_request", 0))
+        except ValueError:
+            raise APIError(400, "since_iteration and since_request must be integers") from None
+        sched = self.scheduler
+        return JSONResponse({
+            "clock": "time.monotonic", "now": time.monotonic(),
+            "num_slots": sched.num_slots, "max_seq_len": sched.max_seq_len,
+            "policy": dataclasses.asdict(sched.config.policy),
+            "num_running": sched.num_running, "num_waiting": sched.num_waiting,
+            "kv_cache_usage": sched.kv_usage, "kv_cache_bytes": sched.engine.kv_cache_bytes,
+            **self.timeline.since(iteration, seq),
+        })
+
 
 def _frame(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -209,6 +272,7 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str, *,
             route("/v1/models", server.models, ["GET"]),
             route("/health", server.health, ["GET"]),
             route("/metrics", server.metrics_endpoint, ["GET"]),
+            route("/debug/timeline", server.timeline_endpoint, ["GET"]),
         ],
         lifespan=server.lifespan,
     )

@@ -1,6 +1,11 @@
-"""Shared fixtures: tiny random-weight models, built once per session."""
+"""Shared fixtures: tiny random-weight models, built once per session; a loopback server."""
 
 from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
 
 import jax
 import numpy as np
@@ -76,3 +81,26 @@ def tiny_model_dir(tmp_path_factory, tiny_config, tiny_params, tiny_tokenizer):
     files = {p.name: p.read_bytes() for p in (root / "tok").iterdir() if p.is_file()}
     save_converted(root / "model", tiny_config, tiny_params, files)
     return root, dict(os.environ, CADENCE_CACHE=str(root / "cache"))
+
+
+@contextlib.contextmanager
+def loopback_server(app):
+    """Runs an ASGI app under a real uvicorn server on a free loopback port, in a thread;
+    yields its base URL ("http://127.0.0.1:PORT") and shuts it down (draining) afterwards."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

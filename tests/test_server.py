@@ -5,19 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from engine.engine import Engine, EngineConfig
 from scheduler.policy import PolicyConfig
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from server.app import create_app
+from tests.conftest import loopback_server
 
 MODEL = "tiny"
 # Long slots so that a request told to run long (500 tokens) outlives any client-side race.
@@ -31,31 +30,13 @@ def engine(tiny_params, tiny_config):
     return e
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve(engine, tokenizer, *, api_key=None, warmup=None, max_queue=64):
-    """Runs a real uvicorn server in a thread; yields its base URL."""
+    """Serves the tiny model through the real app over loopback; yields the base URL."""
     sched = Scheduler(engine, tokenizer, SchedulerConfig(
         policy=PolicyConfig(token_budget=40, chunk=32), max_queue=max_queue))
-    app = create_app(sched, tokenizer, MODEL, api_key=api_key, warmup=warmup)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with loopback_server(create_app(sched, tokenizer, MODEL, api_key=api_key, warmup=warmup)) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
