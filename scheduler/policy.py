@@ -7,9 +7,10 @@ decode); it never touches the engine or mutates a request. Two policies:
 
 - `chunked` (default, after Sarathi-Serve): every decoding request advances every iteration;
   prefill fills what is left of a per-iteration token budget, at most `chunk` tokens per request
-  per iteration. At most `max_partial_prefills` prompts are in flight at once, and the shortest
-  remaining prompt is served first, so a short chat admitted behind a long document reaches its
-  first token within an iteration or two instead of waiting for the whole document.
+  per iteration. At most `max_partial_prefills` long prompts (more than one chunk) are in flight
+  at once, while short ones are admitted whenever a slot is free, even past long ones waiting;
+  the shortest remaining prompt is served first. A chat that arrives behind long documents thus
+  reaches its first token within an iteration or two instead of waiting for the documents.
 - `prefill-first`: a waiting prompt is admitted and prefilled whole (in as many chunk programs as
   it takes) in one iteration during which no decode runs: the classic baseline, and the source
   of the prefill-decode interference cadence exists to remove.
@@ -31,7 +32,7 @@ class PolicyConfig:
     name: str = "chunked"
     token_budget: int = 256  # tokens per iteration, decode and prefill together
     chunk: int = 256  # most prompt tokens one request prefills per iteration
-    max_partial_prefills: int = 2
+    max_partial_prefills: int = 2  # long prompts (more than one chunk) prefilling at once
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -66,6 +67,11 @@ def wants_decode(r: Request) -> bool:
     return r.state is State.DECODING and r.dispatched < r.max_tokens
 
 
+def _is_long(r: Request, config: PolicyConfig) -> bool:
+    """A prompt that needs more than one chunk: it holds a partial prefill across iterations."""
+    return r.prompt_len - r.prefilled > config.chunk
+
+
 def make_plan(
     running: Sequence[Request], waiting: Sequence[Request], free_slots: int, config: PolicyConfig
 ) -> Plan:
@@ -95,11 +101,15 @@ def _chunked(running, waiting, free_slots, config) -> Plan:
     # Decodes alone may fill the budget; a small floor keeps prompts from starving.
     budget = max(config.token_budget - len(plan.decode), MIN_PREFILL_TOKENS)
     prefilling = [r for r in running if r.state is State.PREFILLING]
+    long_prompts = sum(1 for r in prefilling if _is_long(r, config))
     for r in waiting:
-        if free_slots == 0 or len(prefilling) >= config.max_partial_prefills:
+        if free_slots == 0:
             break
+        if _is_long(r, config) and long_prompts >= config.max_partial_prefills:
+            continue  # enough long prompts in flight; a short one behind this may still pass
         plan.admit.append(r)
         prefilling.append(r)
+        long_prompts += _is_long(r, config)
         free_slots -= 1
     # Shortest remaining prompt first: a chat passes a document that is mid-prefill.
     prefilling.sort(key=lambda r: r.prompt_len - r.prefilled)

@@ -9,7 +9,6 @@ import contextlib
 import json
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np

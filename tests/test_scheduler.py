@@ -342,6 +342,23 @@ def test_chunked_chat_gets_first_token_while_document_prefills():
         assert decodes + sum(c.length for c in calls if isinstance(c, Prefill)) <= policy.token_budget
 
 
+def test_chunked_chat_passes_documents_waiting_for_a_partial_prefill_turn():
+    """With two long documents already prefilling (the cap) and a third waiting, a chat that
+    arrives last is admitted at once and gets its first token before any document finishes
+    prefilling; the third document waits for a turn."""
+    h = Harness(FakeEngine(num_slots=4), chunked(budget=64, chunk=32, max_partial_prefills=2))
+    rng = np.random.default_rng(7)
+    docs = [h.submit(random_prompt(rng, 400), max_tokens=2) for _ in range(3)]
+    h.step()
+    chat = h.submit(ids("hi"), max_tokens=2)
+    h.run(until=lambda: chat.token_ids)
+    assert all(d.stream.request.prefilled < 400 for d in docs)
+    assert docs[2].stream.request.prefilled == 0  # the third document is still waiting its turn
+    h.run()
+    for c in (*docs, chat):
+        c.check(h.engine)
+
+
 def test_prefill_first_stalls_chats_behind_the_document():
     """Prefill-first: the whole document is prefilled in one iteration that runs no decode, and
     chat B gets no token until that iteration is over; chat A's decoding stalls meanwhile."""
