@@ -77,9 +77,10 @@ class EngineConfig:
 
     @property
     def decode_kv_buckets(self) -> tuple[int, ...]:
-        """The Pallas decode kernel stops at each slot's own length, and the whole cache is
-        passed as is while a bucket's slice would be copied every layer and step: one bucket."""
-        return (self.max_seq_len,) if self.attention == "pallas" else self.kv_buckets
+        """The decode paths of "xla" and "pallas" stop at each slot's own length, and the whole
+        cache is passed as is while a bucket's slice would be copied every layer and step: one
+        bucket. The plain reference reads what it is given, so it gets the ladder."""
+        return self.kv_buckets if self.attention == "reference" else (self.max_seq_len,)
 
 
 def bucket_for(buckets: Sequence[int], n: int) -> int:

@@ -30,8 +30,9 @@ _TOKEN_BUDGET = flags.DEFINE_integer(
 _POLICY = flags.DEFINE_enum("policy", "chunked", POLICIES, "Iteration policy.")
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Waiting requests before refusing new ones.", lower_bound=1)
 _ATTENTION = flags.DEFINE_enum(
-    "attention", None, ["pallas", "xla"],
-    "Attention implementation (default: pallas on GPU, xla on CPU; pallas on CPU runs interpreted).",
+    "attention", None, ["pallas", "xla", "reference"],
+    "Attention implementation (default: pallas on GPU, xla on CPU; pallas on CPU runs "
+    "interpreted; reference is the plain einsum oracle).",
 )
 _DTYPE = flags.DEFINE_enum(
     "dtype", None, ["float32", "bfloat16"], "Compute dtype (default: bfloat16 on GPU, float32 on CPU)."
