@@ -40,6 +40,12 @@ from model.llama import forward
 from model.sampling import RequestSampling, SamplingParams, sample
 
 
+# Measured with SmolLM2-135M on the 2-core CPU, 8 slots: batched decode beat the per-slot loops
+# at 128 live tokens (46-50 vs 64 ms/step) and lost from ~300 on (73 vs 60 ms at 300, 117 vs
+# 81 ms at 1000), so it is used only up to this bucket.
+BATCHED_DECODE_MAX_KV = 256
+
+
 def ladder(low: int, high: int) -> tuple[int, ...]:
     """Powers of two from `low` below `high`, then `high` itself."""
     sizes, size = [], low
@@ -77,10 +83,21 @@ class EngineConfig:
 
     @property
     def decode_kv_buckets(self) -> tuple[int, ...]:
-        """The decode paths of "xla" and "pallas" stop at each slot's own length, and the whole
-        cache is passed as is while a bucket's slice would be copied every layer and step: one
-        bucket. The plain reference reads what it is given, so it gets the ladder."""
-        return self.kv_buckets if self.attention == "reference" else (self.max_seq_len,)
+        """KV lengths of the length-following decode program ("xla", "pallas"): it stops at each
+        slot's own length, and the whole cache is passed as is, while a bucket's slice would be
+        copied every layer and step: one bucket. The reference has no such program."""
+        return () if self.attention == "reference" else (self.max_seq_len,)
+
+    @property
+    def batched_decode_kv_buckets(self) -> tuple[int, ...]:
+        """KV buckets of the batched (einsum) decode program: the reference's only decode path,
+        and "xla"'s choice for short contexts of similar lengths, where the per-slot loops of
+        the length-following program cost more than the padding they save."""
+        if self.attention == "reference":
+            return self.kv_buckets
+        if self.attention == "xla":
+            return tuple(kv for kv in self.kv_buckets if kv <= BATCHED_DECODE_MAX_KV)
+        return ()
 
 
 def bucket_for(buckets: Sequence[int], n: int) -> int:
@@ -151,6 +168,10 @@ class Engine:
             functools.partial(_decode_program, **static),
             static_argnames=("kv_len",), donate_argnames=donate,
         )
+        self._decode_batched = jax.jit(
+            functools.partial(_decode_program, **{**static, "attention": "reference"}),
+            static_argnames=("kv_len",), donate_argnames=donate,
+        )
         self._warm_compiles: int | None = None
         logging.info(
             "KV cache: %d slots x %d tokens, %.1f MiB", config.num_slots, config.max_seq_len,
@@ -189,14 +210,29 @@ class Engine:
     ) -> jax.Array:
         """One decode step over all slots: active slot s consumes its last token at
         `positions[s]` and samples the next. Returns device tokens [num_slots]."""
-        live = positions[active]
-        kv_len = bucket_for(self.config.decode_kv_buckets, int(live.max()) + 1 if live.size else 1)
-        tokens, self.cache, self.last_tokens = self._decode(
+        program, kv_len = self._decode_plan(positions[active] + 1)
+        tokens, self.cache, self.last_tokens = program(
             self.params, self.cache, self.last_tokens,
             positions.astype(np.int32), active.astype(bool), sampling, kv_len=kv_len,
         )
         tokens.copy_to_host_async()
         return tokens
+
+    def _decode_plan(self, lengths: np.ndarray):
+        """The cheaper decode program for these live lengths, and its KV length.
+
+        The batched program reads every slot up to the longest one's bucket; the
+        length-following one reads each slot up to its own length but pays a loop per slot.
+        Batched wins while its padded reads are at most twice the live ones (similar lengths).
+        """
+        cfg = self.config
+        longest = int(lengths.max()) if lengths.size else 1
+        batched = cfg.batched_decode_kv_buckets
+        if batched and longest <= batched[-1]:
+            bucket = bucket_for(batched, longest)
+            if not cfg.decode_kv_buckets or cfg.num_slots * bucket <= 2 * int(lengths.sum()):
+                return self._decode_batched, bucket
+        return self._decode, bucket_for(cfg.decode_kv_buckets, longest)
 
     def recover(self) -> None:
         """After a failed call: reallocates the cache and next-token buffer if the failure left
@@ -218,7 +254,9 @@ class Engine:
         prefill_shapes = [
             (t, kv) for t in cfg.prefill_buckets for kv in cfg.kv_buckets if kv > prev[t]
         ]
-        total = len(prefill_shapes) + len(cfg.decode_kv_buckets)
+        decode_shapes = [(self._decode_batched, kv) for kv in cfg.batched_decode_kv_buckets]
+        decode_shapes += [(self._decode, kv) for kv in cfg.decode_kv_buckets]
+        total = len(prefill_shapes) + len(decode_shapes)
         greedy = sampling_rows([RequestSampling()])
         done = 0
         for t, kv in prefill_shapes:
@@ -231,8 +269,8 @@ class Engine:
             if progress:
                 progress(done, total)
         rows = sampling_rows([RequestSampling()] * cfg.num_slots)
-        for kv in cfg.decode_kv_buckets:
-            tokens, self.cache, self.last_tokens = self._decode(
+        for program, kv in decode_shapes:
+            tokens, self.cache, self.last_tokens = program(
                 self.params, self.cache, self.last_tokens, np.zeros(cfg.num_slots, np.int32),
                 np.zeros(cfg.num_slots, bool), rows, kv_len=kv,
             )

@@ -111,6 +111,25 @@ def test_no_compilations_after_warmup(engine, tiny_config, tiny_tokenizer, polic
     assert engine.compilations_after_warmup - before == 0
 
 
+def test_decode_takes_the_cheaper_program(engine):
+    """Similar lengths: the batched program at the longest slot's bucket; one long slot among
+    short ones (or a lone slot): the program that follows each slot's own length."""
+    batched, tiled = engine._decode_batched, engine._decode
+    assert engine._decode_plan(np.asarray([60, 50, 64, 40])) == (batched, 64)
+    assert engine._decode_plan(np.asarray([20, 30, 20, 250])) == (tiled, 256)
+    assert engine._decode_plan(np.asarray([100])) == (tiled, 256)
+
+
+def test_decode_past_the_batched_buckets_follows_lengths(tiny_params, tiny_config):
+    e = Engine(tiny_params, tiny_config, EngineConfig(num_slots=4, max_seq_len=512, prefill_chunk=32))
+    assert e.config.batched_decode_kv_buckets == (256,)
+    assert e._decode_plan(np.asarray([400, 400, 400, 400])) == (e._decode, 512)
+    assert e._decode_plan(np.asarray([200, 200, 200, 200])) == (e._decode_batched, 256)
+    reference = Engine(tiny_params, tiny_config, EngineConfig(
+        num_slots=4, max_seq_len=512, prefill_chunk=32, attention="reference"))
+    assert reference._decode_plan(np.asarray([400, 10])) == (reference._decode_batched, 512)
+
+
 def test_cache_is_donated_and_updated_in_place(engine):
     before = engine.cache
     engine.prefill(0, [5, 6, 7], 0, RequestSampling(), final=False)
@@ -133,6 +152,7 @@ def test_warmup_compiles_every_program(tiny_params, tiny_config):
     e.warmup()
     assert e._prefill._cache_size() >= len(cfg.prefill_buckets)
     assert e._decode._cache_size() == len(cfg.decode_kv_buckets) == 1  # decode skips tiles itself
+    assert e._decode_batched._cache_size() == len(cfg.batched_decode_kv_buckets) == len(cfg.kv_buckets)
     jax.block_until_ready(e.cache)
 
 
