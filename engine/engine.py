@@ -40,9 +40,9 @@ from model.llama import forward
 from model.sampling import RequestSampling, SamplingParams, sample
 
 
-# Measured with SmolLM2-135M on the 2-core CPU, 8 slots: batched decode beat the per-slot loops
-# at 128 live tokens (46-50 vs 64 ms/step) and lost from ~300 on (73 vs 60 ms at 300, 117 vs
-# 81 ms at 1000), so it is used only up to this bucket.
+# Measured with SmolLM2-135M on the 2-core CPU: batched decode beat the per-slot loops at 128
+# live tokens (8 slots 46-50 vs 64 ms/step; 1 slot 25 vs 31; 4 of 8 slots ~45 vs 60) and lost
+# from ~300 on (8 slots: 73 vs 60 ms at 300, 117 vs 81 ms at 1000), so it serves up to here.
 BATCHED_DECODE_MAX_KV = 256
 
 
@@ -221,17 +221,16 @@ class Engine:
     def _decode_plan(self, lengths: np.ndarray):
         """The cheaper decode program for these live lengths, and its KV length.
 
-        The batched program reads every slot up to the longest one's bucket; the
-        length-following one reads each slot up to its own length but pays a loop per slot.
-        Batched wins while its padded reads are at most twice the live ones (similar lengths).
+        The batched program reads every slot (active or not) up to the longest one's bucket;
+        the length-following one reads each slot only up to its own length but pays a loop per
+        slot (about as much as reading a few hundred positions). Up to BATCHED_DECODE_MAX_KV
+        the padding is cheaper than the loops; beyond it, following lengths wins.
         """
         cfg = self.config
         longest = int(lengths.max()) if lengths.size else 1
         batched = cfg.batched_decode_kv_buckets
         if batched and longest <= batched[-1]:
-            bucket = bucket_for(batched, longest)
-            if not cfg.decode_kv_buckets or cfg.num_slots * bucket <= 2 * int(lengths.sum()):
-                return self._decode_batched, bucket
+            return self._decode_batched, bucket_for(batched, longest)
         return self._decode, bucket_for(cfg.decode_kv_buckets, longest)
 
     def recover(self) -> None:

@@ -112,18 +112,19 @@ def test_no_compilations_after_warmup(engine, tiny_config, tiny_tokenizer, polic
 
 
 def test_decode_takes_the_cheaper_program(engine):
-    """Similar lengths: the batched program at the longest slot's bucket; one long slot among
-    short ones (or a lone slot): the program that follows each slot's own length."""
-    batched, tiled = engine._decode_batched, engine._decode
+    """Short contexts (up to the batched buckets): the batched program at the longest slot's
+    bucket, whatever the mix."""
+    batched = engine._decode_batched
     assert engine._decode_plan(np.asarray([60, 50, 64, 40])) == (batched, 64)
-    assert engine._decode_plan(np.asarray([20, 30, 20, 250])) == (tiled, 256)
-    assert engine._decode_plan(np.asarray([100])) == (tiled, 256)
+    assert engine._decode_plan(np.asarray([20, 30, 20, 250])) == (batched, 256)
+    assert engine._decode_plan(np.asarray([100])) == (batched, 128)
 
 
 def test_decode_past_the_batched_buckets_follows_lengths(tiny_params, tiny_config):
     e = Engine(tiny_params, tiny_config, EngineConfig(num_slots=4, max_seq_len=512, prefill_chunk=32))
     assert e.config.batched_decode_kv_buckets == (256,)
     assert e._decode_plan(np.asarray([400, 400, 400, 400])) == (e._decode, 512)
+    assert e._decode_plan(np.asarray([20, 20, 20, 300])) == (e._decode, 512)  # one long slot
     assert e._decode_plan(np.asarray([200, 200, 200, 200])) == (e._decode_batched, 256)
     reference = Engine(tiny_params, tiny_config, EngineConfig(
         num_slots=4, max_seq_len=512, prefill_chunk=32, attention="reference"))
@@ -165,3 +166,18 @@ def test_recover_rebuilds_a_cache_lost_to_a_failed_call(tiny_params, tiny_config
     e.recover()
     token = e.prefill(0, [1, 2, 3], 0, RequestSampling(), final=True)
     assert int(token[0]) == greedy_generate(tiny_params, tiny_config, [1, 2, 3], 1)[0]
+
+
+def test_length_following_decode_matches_reference(tiny_params, tiny_config, tiny_tokenizer):
+    """Contexts past the batched buckets (a long prompt beside a short one) decode through the
+    per-slot loops; the tokens still equal the reference generator's, with nothing compiled."""
+    e = Engine(tiny_params, tiny_config, EngineConfig(num_slots=2, max_seq_len=512, prefill_chunk=64))
+    e.warmup()
+    rng = random.Random(4)
+    prompts = [random_prompts(rng, 1, tiny_config.vocab_size, 300, 300)[0], [5, 6, 7]]
+    params = GenerationParams(max_tokens=24, ignore_eos=True)
+    assert e._decode_plan(np.asarray([301, 4]))[0] is e._decode  # the path under test
+    streams = run_all(make_scheduler(e, tiny_tokenizer), [(p, params) for p in prompts])
+    assert e.compilations_after_warmup == 0
+    for prompt, s in zip(prompts, streams):
+        assert s.request.output_ids == greedy_generate(tiny_params, tiny_config, prompt, 24)
