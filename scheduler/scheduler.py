@@ -45,7 +45,6 @@ from scheduler.request import FinishReason, GenerationParams, Request, RequestRe
 class SchedulerConfig:
     policy: PolicyConfig = PolicyConfig()
     max_queue: int = 256  # waiting requests beyond this are refused with Overloaded
-    trace_iterations: int = 10_000  # iteration and request records kept in memory (rings)
 
 
 @dataclasses.dataclass
@@ -129,15 +128,11 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._accepting = True
-        self.iterations: collections.deque[IterationRecord] = collections.deque(
-            maxlen=config.trace_iterations
-        )
         self._iteration = 0
-        self.finished: collections.deque[RequestRecord] = collections.deque(
-            maxlen=config.trace_iterations
-        )
-        self.listeners: list = []  # callables(record) for finished requests (metrics)
-        self.iteration_listeners: list = []
+        # Observers (metrics, the server's timeline, traces) subscribe here; the scheduler
+        # itself keeps no history.
+        self.listeners: list = []  # callables(RequestRecord) for finished requests
+        self.iteration_listeners: list = []  # callables(IterationRecord)
 
     # -- submission -------------------------------------------------------------------------
 
@@ -261,7 +256,6 @@ class Scheduler:
                 prefill_chunks=len(plan.prefill),
             )
             self._iteration += 1
-            self.iterations.append(record)
             self._notify(self.iteration_listeners, record)
 
     def _take_inbox(self) -> None:
@@ -325,7 +319,6 @@ class Scheduler:
             self._running.remove(r)
             self._free_slots.append(r.slot)
         record = r.finish(reason, now, error)
-        self.finished.append(record)
         self._notify(self.listeners, record)
 
     @staticmethod

@@ -88,6 +88,11 @@ def main(argv: list[str]) -> int:
         return 2
 
     sched = rt.scheduler
+    iterations: list = []
+    finished: list = []
+    if _TRACE.value:
+        sched.iteration_listeners.append(iterations.append)
+        sched.listeners.append(finished.append)
     sched.start()
     single = len(jobs) == 1
     results: list[tuple[RequestRecord | None, list[float]]] = [(None, [])] * len(jobs)
@@ -126,7 +131,7 @@ def main(argv: list[str]) -> int:
     elapsed = time.monotonic() - t0
     sched.stop()
     if _TRACE.value:
-        write_chrome_trace(_TRACE.value, sched.iterations, sched.finished)
+        write_chrome_trace(_TRACE.value, iterations, finished)
         print(f"cadence-generate: wrote the iteration trace to {_TRACE.value}", file=sys.stderr)
     if single:
         print()
