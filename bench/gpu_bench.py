@@ -183,9 +183,7 @@ def bench_kernels(results: dict, write) -> None:
                     point[name] = {"ms": seconds * 1e3, "tflop_s": flops / seconds / 1e12}
                 except Exception as e:  # noqa: BLE001 - a missing cuDNN path is a result too
                     point[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            for name in ("xla", "cudnn"):
-                if "pallas" in outs and name in outs:
-                    point[f"max_abs_diff_vs_{name}"] = float(np.max(np.abs(outs["pallas"] - outs[name])))
+            record_differences(point, outs)
             results["prefill"].append(point)
             print("prefill", json.dumps(point))
             write()
@@ -203,6 +201,13 @@ def bench_kernels(results: dict, write) -> None:
         batch = int(_DECODE_BATCHES.value[-1])
         bench_decode_point(results, rng, "llama3-8b", heads, kv_heads, head_dim, batch, context, 2 * context)
         write()
+
+
+def record_differences(point: dict, outs: dict) -> None:
+    """Largest |pallas - other| for each other implementation that produced an output."""
+    for name in ("xla", "cudnn"):
+        if "pallas" in outs and name in outs:
+            point[f"max_abs_diff_vs_{name}"] = float(np.max(np.abs(outs["pallas"] - outs[name])))
 
 
 def bench_decode_point(results, rng, shape, heads, kv_heads, head_dim, batch, context, cache_len):
@@ -225,9 +230,7 @@ def bench_decode_point(results, rng, shape, heads, kv_heads, head_dim, batch, co
             point[name] = {"us": seconds * 1e6, "gb_s": kv_bytes / seconds / 1e9}
         except Exception as e:  # noqa: BLE001
             point[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    for name in ("xla", "cudnn"):
-        if "pallas" in outs and name in outs:
-            point[f"max_abs_diff_vs_{name}"] = float(np.max(np.abs(outs["pallas"] - outs[name])))
+    record_differences(point, outs)
     results["decode"].append(point)
     print("decode", json.dumps(point))
 

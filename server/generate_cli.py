@@ -53,8 +53,9 @@ def read_prompts(path: Path) -> list[dict]:
     return entries
 
 
-def rate(record: RequestRecord, times: list[float]) -> float | None:
+def rate(record: RequestRecord) -> float | None:
     """Per-stream output rate, (N - 1) / (t_last - t_first), for N > 1 tokens."""
+    times = record.token_times
     if len(times) < 2 or times[-1] <= times[0]:
         return None
     return (len(times) - 1) / (times[-1] - times[0])
@@ -95,21 +96,19 @@ def main(argv: list[str]) -> int:
         sched.listeners.append(finished.append)
     sched.start()
     single = len(jobs) == 1
-    results: list[tuple[RequestRecord | None, list[float]]] = [(None, [])] * len(jobs)
+    results: list[RequestRecord | None] = [None] * len(jobs)
     lock = threading.Lock()
     t0 = time.monotonic()
 
     def consume(i: int, stream) -> None:
-        times = []
         for event in stream:
             if isinstance(event, TokenEvent):
-                times.append(event.time)
                 if single:
                     sys.stdout.write(event.text)
                     sys.stdout.flush()
             else:
                 with lock:
-                    results[i] = (event, times)
+                    results[i] = event
                     if not single:
                         print(json.dumps({"index": i, "text": event.text,
                                           "finish_reason": event.finish_reason}, ensure_ascii=False))
@@ -137,11 +136,11 @@ def main(argv: list[str]) -> int:
         print()
 
     total = 0
-    for i, (record, times) in enumerate(results):
+    for i, record in enumerate(results):
         if record is None:
             continue
         total += record.output_tokens
-        r = rate(record, times)
+        r = rate(record)
         print(
             f"[{i}] prompt={record.prompt_tokens} output={record.output_tokens} "
             f"finish={record.finish_reason} ttft={record.ttft or 0:.3f}s "
