@@ -23,7 +23,11 @@ from engine.reference import greedy_generate
 from server.batch_cli import BatchError, load_done
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINE_FLAGS = ["--num_slots=4", "--max_seq_len=256", "--prefill_chunk=32"]
+# A token budget that covers every slot's chunk at once: no prompt is ever split by budget
+# contention, so a prompt takes exactly ceil(len / 32) chunks (asserted below). With the
+# default budget (chunk + slots) several short prompts admitted together share it, and
+# whether one is split then depends on arrival timing.
+ENGINE_FLAGS = ["--num_slots=4", "--max_seq_len=256", "--prefill_chunk=32", "--token_budget=160"]
 FIELDS = {"id", "text", "prompt_tokens", "completion_tokens", "finish_reason", "queue_time",
           "ttft", "total_time", "prefill_chunks", "decode_steps"}
 
