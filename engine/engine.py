@@ -1,6 +1,7 @@
 """Device state and the compiled programs: weights, KV slots, bucketed prefill, decode.
 
-The engine owns everything that lives on the device and exposes two calls to the scheduler:
+The engine owns everything that lives on the device. It implements `engine.api.EngineAPI`, the
+whole of what the scheduler may use; its two programs:
 
     token = engine.prefill(slot, chunk_ids, start, sampling, final)   # one chunk of one prompt
     tokens = engine.decode(positions, active, sampling_rows)          # one step for every slot
@@ -37,7 +38,7 @@ from engine import compile_counter
 from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.llama import forward
-from model.sampling import RequestSampling, SamplingParams, sample
+from model.sampling import RequestSampling, SamplingParams, SamplingRows, sample
 
 
 # Measured with SmolLM2-135M on the 2-core CPU: batched decode beat the per-slot loops at 128
@@ -136,12 +137,7 @@ def _decode_program(
 
 
 def sampling_rows(rows: Sequence[RequestSampling]) -> SamplingParams:
-    return SamplingParams(
-        temperature=np.asarray([r.temperature for r in rows], np.float32),
-        top_k=np.asarray([r.top_k for r in rows], np.int32),
-        top_p=np.asarray([r.top_p for r in rows], np.float32),
-        seed=np.asarray([r.seed for r in rows], np.uint32),
-    )
+    return SamplingRows.of(list(rows)).params()
 
 
 class Engine:
@@ -156,8 +152,9 @@ class Engine:
         self.config = config
         dtype = jnp.dtype(config.dtype)
         self.params = jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, dtype), params))
-        self.cache = KVCache.create(model_config, config.num_slots, config.max_seq_len, dtype)
-        self.last_tokens = jnp.zeros((config.num_slots,), jnp.int32)
+        self.cache: KVCache | None = None
+        self.last_tokens: jax.Array | None = None
+        self.recover()  # allocates the cache and the next-token buffer
         static = dict(config=model_config, attention=config.attention, dtype=dtype)
         donate = ("cache", "last_tokens")
         self._prefill = jax.jit(
@@ -234,13 +231,15 @@ class Engine:
         return self._decode, bucket_for(cfg.decode_kv_buckets, longest)
 
     def recover(self) -> None:
-        """After a failed call: reallocates the cache and next-token buffer if the failure left
-        them donated (deleted). Every slot's contents are lost, so call it only with no request
-        running — the scheduler does, after failing the in-flight requests."""
-        if any(a.is_deleted() for a in self.cache.k + self.cache.v) or self.last_tokens.is_deleted():
-            cfg = self.config
-            self.cache = KVCache.create(self.model_config, cfg.num_slots, cfg.max_seq_len, self.cache.k[0].dtype)
-            self.last_tokens = jnp.zeros((cfg.num_slots,), jnp.int32)
+        """After a failed call: a fresh KV cache and next-token buffer, whatever the failure
+        left behind (donated and deleted, half-written, or poisoned). Every slot's contents are
+        lost, so call it only with no request running; the scheduler does, after failing the
+        requests that were."""
+        cfg = self.config
+        dtype = jnp.dtype(cfg.dtype)
+        self.cache = self.last_tokens = None  # let the old buffers go before allocating
+        self.cache = KVCache.create(self.model_config, cfg.num_slots, cfg.max_seq_len, dtype)
+        self.last_tokens = jnp.zeros((cfg.num_slots,), jnp.int32)
 
     # -- warm-up and accounting ---------------------------------------------------------------
 
@@ -288,6 +287,10 @@ class Engine:
         if self._warm_compiles is None:
             return 0
         return compile_counter.count() - self._warm_compiles
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -17,9 +17,11 @@ When every row is greedy the sort-based path is skipped entirely (`lax.cond`).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -44,9 +46,19 @@ class SamplingParams:
         )
 
 
+# What the device arrays can hold: top_k is int32 and the seed uint32 (`SamplingParams`).
+MAX_TOP_K = 2**31 - 1
+SEED_RANGE = 2**32
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestSampling:
-    """Host-side sampling settings of one request, validated at submission."""
+    """Host-side sampling settings of one request, validated when it is made.
+
+    Every value must fit the per-row device arrays it is packed into; a value that does not
+    (a non-finite temperature, a top_k past int32) is refused here, at the edge, so it can never
+    reach a batch where it would fail the requests beside it.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
@@ -54,14 +66,54 @@ class RequestSampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        for name in ("top_k", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (0 <= self.seed < 2**32):
+        if not 0 <= self.seed < SEED_RANGE:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+
+
+class SamplingRows:
+    """Per-slot sampling parameters on the host, in the dtypes the programs take."""
+
+    def __init__(self, num_slots: int):
+        self.temperature = np.zeros(num_slots, np.float32)
+        self.top_k = np.zeros(num_slots, np.int32)
+        self.top_p = np.ones(num_slots, np.float32)
+        self.seed = np.zeros(num_slots, np.uint32)
+
+    @classmethod
+    def of(cls, rows: list[RequestSampling]) -> SamplingRows:
+        packed = cls(len(rows))
+        for slot, row in enumerate(rows):
+            packed.set(slot, row)
+        return packed
+
+    def set(self, slot: int, sampling: RequestSampling) -> None:
+        """Packs one row; raises (and changes nothing) if a value does not fit its dtype."""
+        values = (np.float32(sampling.temperature), np.int32(sampling.top_k),
+                  np.float32(sampling.top_p), np.uint32(sampling.seed))
+        self.temperature[slot], self.top_k[slot], self.top_p[slot], self.seed[slot] = values
+
+    def clear(self, slot: int) -> None:
+        """Greedy again: a free slot must not make a step take the sampling path."""
+        self.set(slot, RequestSampling())
+
+    def params(self) -> SamplingParams:
+        # Copies: JAX may alias host buffers on the CPU, and these arrays change next step.
+        return SamplingParams(temperature=self.temperature.copy(), top_k=self.top_k.copy(),
+                              top_p=self.top_p.copy(), seed=self.seed.copy())
 
 
 def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 
 class SubmissionError(ValueError):
-    """The request cannot be served as given; the message says what to change."""
+    """The request cannot be served as given; the message says what to change, and `param`
+    names the request field at fault when there is one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class RequestTooLong(SubmissionError):
@@ -17,3 +22,10 @@ class Overloaded(RuntimeError):
 
 class NotRunning(RuntimeError):
     """The scheduler is stopped or draining and accepts no new requests."""
+
+
+class EngineDead(NotRunning):
+    """The engine failed and could not rebuild its state: this process serves nothing more.
+
+    Every request that was waiting or running when it died has ended with an error; restart
+    the process (its /health answers 503, so an orchestrator will)."""

@@ -32,6 +32,12 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine failed while serving it
 
 
+# Stop strings are matched against every token's text on the scheduler thread; these bounds keep
+# that work small for every slot. (OpenAI allows 4 stop strings; vLLM and llama.cpp more.)
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationParams:
     max_tokens: int | None = None  # None: up to the end of the context

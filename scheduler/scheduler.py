@@ -15,8 +15,15 @@ A request that stops on EOS or a stop string is discovered a step late, so one e
 may run for it; its token is discarded. Requests that end on max_tokens never over-run, because
 the host counts dispatched tokens.
 
-The scheduler talks to the engine only through `prefill`, `decode`, `config` and
-`compilations_after_warmup`, so tests can drive it with a fake engine in milliseconds.
+Faults stay where they belong. A request whose own host-side work fails (packing its sampling
+row, turning its token into text, a token id outside the vocabulary) ends with an error alone.
+An engine call that raises fails the requests that were running (their KV may be gone), the
+engine rebuilds its device state, and waiting requests are served after. If that rebuild fails,
+or anything else stops the loop, the scheduler is dead: every request it holds ends with an
+error, `dead` says why, and `submit` raises `EngineDead`. The loop never dies silently.
+
+The scheduler talks to the engine only through `engine.api.EngineAPI`, so tests can drive it
+with a fake engine in milliseconds.
 """
 
 from __future__ import annotations
@@ -34,11 +41,13 @@ import numpy as np
 from absl import logging
 
 from checkpoints.tokenizer import Tokenizer
-from engine.engine import sampling_rows
-from model.sampling import RequestSampling
-from scheduler.errors import NotRunning, Overloaded, RequestTooLong, SubmissionError
+from engine.api import EngineAPI, RequestSampling, SamplingRows
+from scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
 from scheduler.policy import Plan, PolicyConfig, make_plan
-from scheduler.request import FinishReason, GenerationParams, Request, RequestRecord, State, TokenEvent
+from scheduler.request import (
+    MAX_STOP_LENGTH, MAX_STOP_STRINGS, FinishReason, GenerationParams, Request, RequestRecord,
+    State, TokenEvent,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,14 +84,14 @@ class RequestStream:
         return self.request.id
 
     def _push(self, event: TokenEvent | RequestRecord) -> None:  # scheduler thread
-        if self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-            except RuntimeError:  # the reader's event loop is closed: nobody will read this
-                if not self.request.finished:
-                    self._scheduler.cancel(self.request)
-        else:
+        if self._loop is None:
             self._queue.put(event)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the reader's event loop is closed: nobody will read this
+            if not self.request.finished:
+                self._scheduler.cancel(self.request)
 
     def cancel(self) -> None:
         self._scheduler.cancel(self.request)
@@ -107,7 +116,7 @@ class RequestStream:
 
 
 class Scheduler:
-    def __init__(self, engine, tokenizer: Tokenizer, config: SchedulerConfig = SchedulerConfig()):
+    def __init__(self, engine: EngineAPI, tokenizer: Tokenizer, config: SchedulerConfig = SchedulerConfig()):
         if config.policy.chunk > engine.config.prefill_chunk:
             raise ValueError(
                 f"policy chunk {config.policy.chunk} exceeds the engine's prefill_chunk "
@@ -124,11 +133,13 @@ class Scheduler:
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []  # admitted, in slot-assignment order
         self._free_slots = list(range(self.num_slots))[::-1]
+        self._rows = SamplingRows(self.num_slots)  # each slot's occupant's sampling row
         self._pending: list[tuple[str, Any, Any]] = []  # results dispatched, not yet applied
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._accepting = True
         self._iteration = 0
+        self.dead: str | None = None  # why the engine could not go on; None while it can
         # Observers (metrics, the server's timeline, traces) subscribe here; the scheduler
         # itself keeps no history.
         self.listeners: list = []  # callables(RequestRecord) for finished requests
@@ -142,19 +153,17 @@ class Scheduler:
         params: GenerationParams = GenerationParams(),
         request_id: str | None = None,
     ) -> RequestStream:
-        if not self._accepting:
-            raise NotRunning("the scheduler is shutting down and accepts no new requests")
+        self._check_running()
+        self._check_params(params)
         n = len(prompt_ids)
         if n == 0:
-            raise SubmissionError("the prompt is empty; send at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.engine.model_config.vocab_size]
+            raise SubmissionError("the prompt is empty; send at least one token", "prompt")
+        vocab = self.engine.vocab_size
+        bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise SubmissionError(f"prompt token ids out of range: {bad[:5]}")
-        if any(not stop for stop in params.stop):
-            raise SubmissionError("stop strings must be non-empty")
+            raise SubmissionError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}",
+                                  "prompt")
         room = self.max_seq_len - n
-        if params.max_tokens is not None and params.max_tokens < 1:
-            raise SubmissionError(f"max_tokens must be >= 1, got {params.max_tokens}")
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if n + max_tokens > self.max_seq_len or room < 1:
             raise RequestTooLong(
@@ -168,8 +177,7 @@ class Scheduler:
         )
         stream = holder["s"] = RequestStream(self, request)
         with self._lock:
-            if not self._accepting:  # checked again here: stop() may have run meanwhile
-                raise NotRunning("the scheduler is shutting down and accepts no new requests")
+            self._check_running()  # again under the lock: stop() or a death may have come since
             # Requests not yet admitted; those that free slots will take at once do not queue.
             queued = len(self._waiting) + len(self._inbox) - len(self._free_slots)
             if queued >= self.config.max_queue:
@@ -179,6 +187,32 @@ class Scheduler:
             self._inbox.append(request)
             self._lock.notify()
         return stream
+
+    def _check_running(self) -> None:
+        if self.dead is not None:
+            raise EngineDead(f"the engine is dead ({self.dead}); restart the server")
+        if not self._accepting:
+            raise NotRunning("the scheduler is shutting down and accepts no new requests")
+
+    @staticmethod
+    def _check_params(params: GenerationParams) -> None:
+        """What the loop relies on, checked once here rather than on the scheduler thread."""
+        if not isinstance(params.sampling, RequestSampling):
+            raise SubmissionError(f"sampling must be a RequestSampling, got {type(params.sampling).__name__}")
+        if params.max_tokens is not None and (isinstance(params.max_tokens, bool)
+                                              or not isinstance(params.max_tokens, int)
+                                              or params.max_tokens < 1):
+            raise SubmissionError(f"max_tokens must be an integer >= 1, got {params.max_tokens!r}",
+                                  "max_tokens")
+        # Stop strings are scanned on the scheduler thread for every token: bound the work.
+        if len(params.stop) > MAX_STOP_STRINGS:
+            raise SubmissionError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}",
+                                  "stop")
+        for stop in params.stop:
+            if not isinstance(stop, str) or not stop or len(stop) > MAX_STOP_LENGTH:
+                raise SubmissionError(
+                    f"stop strings must be non-empty strings of at most {MAX_STOP_LENGTH} "
+                    f"characters, got {str(stop)[:40]!r}{'...' if len(str(stop)) > 40 else ''}", "stop")
 
     def cancel(self, request: Request) -> None:
         with self._lock:
@@ -226,17 +260,21 @@ class Scheduler:
         return not (self._inbox or self._waiting or self._running or self._pending)
 
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                while self.idle() and not self._cancels and not self._stopping:
-                    self._lock.wait()
-                if self._stopping and self.idle() and not self._cancels:
-                    return
-            try:
-                self.step()
-            except Exception as e:  # the engine failed: fail in-flight requests, keep serving
-                logging.exception("iteration failed")
-                self._fail_all(f"{type(e).__name__}: {e}")
+        try:
+            while self.dead is None:
+                with self._lock:
+                    while self.idle() and not self._cancels and not self._stopping:
+                        self._lock.wait()
+                    if self._stopping and self.idle() and not self._cancels:
+                        return
+                try:
+                    self.step()
+                except Exception as e:  # an engine call failed: fail what ran, rebuild, go on
+                    logging.exception("iteration failed")
+                    self._fail_running(f"{type(e).__name__}: {e}")
+        except BaseException as e:  # a bug outside the guarded step: never die silently
+            logging.exception("the scheduler loop failed")
+            self._die(f"the scheduler loop failed: {type(e).__name__}: {e}")
 
     def step(self) -> None:
         """One iteration. Public so tests can drive the scheduler synchronously."""
@@ -279,8 +317,14 @@ class Scheduler:
             r.state = State.PREFILLING
             r.admitted = now
             self._running.append(r)
+            try:
+                self._rows.set(r.slot, r.params.sampling)
+            except Exception as e:  # this request's values, this request's failure
+                self._fail_one(r, f"its sampling parameters cannot be packed: {e}", now)
         for chunk in plan.prefill:
             r = chunk.request
+            if r.finished:
+                continue
             ids = r.prompt_ids[chunk.start : chunk.start + chunk.length]
             token = self.engine.prefill(r.slot, ids, chunk.start, r.params.sampling, chunk.final)
             r.prefilled += chunk.length
@@ -289,20 +333,20 @@ class Scheduler:
                 r.state = State.DECODING
                 r.dispatched = 1
                 self._pending.append(("first", r, token))
-        if plan.decode:
+        decode = [r for r in plan.decode if not r.finished]
+        if decode:
             positions = np.zeros(self.num_slots, np.int32)
             active = np.zeros(self.num_slots, bool)
-            rows = [RequestSampling()] * self.num_slots
-            for r in plan.decode:
+            for r in decode:
                 positions[r.slot] = r.prompt_len + r.dispatched - 1
                 active[r.slot] = True
-                rows[r.slot] = r.params.sampling
                 r.dispatched += 1
                 r.decode_steps += 1
-            tokens = self.engine.decode(positions, active, sampling_rows(rows))
-            self._pending.append(("decode", [(r, r.slot) for r in plan.decode], tokens))
+            tokens = self.engine.decode(positions, active, self._rows.params())
+            self._pending.append(("decode", [(r, r.slot) for r in decode], tokens))
 
     def _apply(self, results: list[tuple[str, Any, Any]]) -> None:
+        vocab = self.engine.vocab_size
         for kind, who, array in results:
             values = np.asarray(array)  # waits only if the device is still on that step
             now = time.monotonic()
@@ -310,7 +354,17 @@ class Scheduler:
             for r, slot in pairs:
                 if r.finished:
                     continue  # a step dispatched before the request ended: discard
-                reason = r.accept(int(values[slot if kind == "decode" else 0]), now)
+                token = int(values[slot if kind == "decode" else 0])
+                if not 0 <= token < vocab:
+                    self._fail_one(r, f"the engine returned token id {token}, outside the "
+                                      f"vocabulary [0, {vocab})", now)
+                    continue
+                try:
+                    reason = r.accept(token, now)
+                except Exception as e:  # its detokenizer or stop strings: its failure alone
+                    logging.exception("request %s failed while taking a token", r.id)
+                    self._fail_one(r, f"{type(e).__name__}: {e}", now)
+                    continue
                 if reason is not None:
                     self._finish(r, reason, now)
 
@@ -318,8 +372,17 @@ class Scheduler:
         if r in self._running:
             self._running.remove(r)
             self._free_slots.append(r.slot)
-        record = r.finish(reason, now, error)
+            self._rows.clear(r.slot)
+        try:
+            record = r.finish(reason, now, error)
+        except Exception:  # its client cannot be told; the slot is free all the same
+            logging.exception("request %s failed while finishing", r.id)
+            return
         self._notify(self.listeners, record)
+
+    def _fail_one(self, r: Request, message: str, now: float) -> None:
+        logging.error("request %s failed: %s", r.id, message)
+        self._finish(r, FinishReason.ERROR, now, message)
 
     @staticmethod
     def _notify(listeners: list, record) -> None:
@@ -329,12 +392,32 @@ class Scheduler:
             except Exception:  # a broken metrics hook must not take serving down
                 logging.exception("listener %r failed", listener)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_running(self, message: str) -> None:
+        """After a failed engine call: the running requests' KV may be lost, so they end with
+        the error; the engine rebuilds its state; waiting requests are served after. If the
+        rebuild fails too, the scheduler is dead."""
         now = time.monotonic()
         self._pending = []
         for r in list(self._running):
             self._finish(r, FinishReason.ERROR, now, message)
-        # Every slot is free now; an engine that lost device state in the failure rebuilds it.
-        recover = getattr(self.engine, "recover", None)
-        if recover is not None:
-            recover()
+        try:
+            self.engine.recover()
+        except Exception as e:
+            logging.exception("engine recovery failed")
+            self._die(f"the engine could not recover from '{message}': {type(e).__name__}: {e}")
+
+    def _die(self, reason: str) -> None:
+        """The loop cannot go on: refuse new work and end every request held with the reason."""
+        logging.error("cadence scheduler is dead: %s; every request it holds fails", reason)
+        with self._lock:
+            self.dead = reason
+            self._accepting = False
+            held = list(self._running) + list(self._waiting) + self._inbox
+            self._inbox.clear()
+            self._cancels.clear()
+        self._waiting.clear()
+        self._pending = []
+        now = time.monotonic()
+        for r in held:
+            if not r.finished:
+                self._finish(r, FinishReason.ERROR, now, f"the engine is dead: {reason}")

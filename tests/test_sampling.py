@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.sampling import RequestSampling, SamplingParams, sample
+from model.sampling import RequestSampling, SamplingParams, SamplingRows, sample
 
 VOCAB = 50
 
@@ -59,9 +59,20 @@ def test_empirical_distribution_follows_filters():
     np.testing.assert_allclose(freqs(0.5, 0, 1.0)[:4], np.array([16, 9, 4, 1]) / 30, atol=0.03)
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"temperature": -1.0}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}, {"seed": -1}]
-)
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": -1.0}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}, {"seed": -1},
+    # values that fit a Python number but not the device arrays a batch packs them into
+    {"top_k": 2**31}, {"seed": 2**32}, {"temperature": float("inf")}, {"temperature": float("nan")},
+    {"top_p": float("nan")}, {"top_k": 1.5}, {"top_k": True}, {"temperature": "0.7"},
+])
 def test_bad_request_sampling_is_rejected(kwargs):
     with pytest.raises(ValueError):
         RequestSampling(**kwargs)
+
+
+def test_the_widest_valid_values_pack_into_the_device_rows():
+    edge = RequestSampling(temperature=1e30, top_k=2**31 - 1, top_p=1.0, seed=2**32 - 1)
+    rows = SamplingRows.of([RequestSampling(), edge])
+    assert rows.top_k[1] == 2**31 - 1 and rows.seed[1] == 2**32 - 1
+    tokens = sample(jnp.zeros((2, 8)), rows.params(), jnp.zeros(2, jnp.int32))
+    assert tokens.shape == (2,) and 0 <= int(tokens[1]) < 8

@@ -31,7 +31,7 @@ from checkpoints.tokenizer import Tokenizer
 from engine.engine import EngineConfig
 from model.config import TINY
 from model.sampling import RequestSampling, SamplingParams
-from scheduler.errors import NotRunning, Overloaded, RequestTooLong, SubmissionError
+from scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
 from scheduler.policy import PolicyConfig
 from scheduler.request import GenerationParams, RequestRecord, TokenEvent
 from scheduler.scheduler import RequestStream, Scheduler, SchedulerConfig
@@ -100,8 +100,23 @@ class FakeEngine:
         self.eos_one_in = eos_one_in  # > 0: EOS when the content's hash is divisible by it
         self.decode_delay = decode_delay
         self.fail_decode_call: int | None = None  # the index of a decode call that raises
+        self.fail_recover = False  # recover() raises: the device cannot be rebuilt
+        self.poison: dict[int, int] = {}  # decode call index -> a slot whose token is garbage
         self.decode_calls = 0
+        self.recoveries = 0
         self.log: list[Prefill | Decode] = []
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def recover(self) -> None:
+        """Like the engine's: every slot's contents are gone, whatever state they were in."""
+        if self.fail_recover:
+            raise RuntimeError("device unreachable")
+        self.recoveries += 1
+        self.kv[:] = -1
+        self.last_tokens[:] = 0
 
     def next_token(self, content: Sequence[int], seed: int | None = None) -> int:
         """The "model": a pure function of the token ids a slot holds at [0, pos], and of the
@@ -152,6 +167,8 @@ class FakeEngine:
             self.kv[i, p] = self.last_tokens[i]
             seed = int(sampling.seed[i]) if sampling.temperature[i] > 0 else None
             tokens[i] = self.last_tokens[i] = self.next_token(self.kv[i, : p + 1], seed)
+        if self.decode_calls in self.poison:
+            tokens[self.poison[self.decode_calls]] = 2**31 - 1  # no such token
         return tokens
 
 
@@ -649,6 +666,112 @@ def test_engine_failure_fails_in_flight_requests_and_keeps_serving(threaded):
     prompt = ids("survivor")
     tokens, record = collect(sched.submit(prompt, GenerationParams(max_tokens=12)))
     assert (tokens, record.finish_reason) == expected(engine, prompt, 12)
+
+
+def test_a_poisoned_token_fails_its_own_request_only():
+    """A decode result whose token for one slot is outside the vocabulary ends that request
+    with an error naming the id; the requests decoding beside it in the same step are exact."""
+    engine = FakeEngine(num_slots=3)
+    engine.poison = {4: 1}  # the 4th decode call returns garbage for slot 1
+    h = Harness(engine)
+    clients = [h.submit(ids(f"neighbour {i}"), max_tokens=20) for i in range(3)]
+    h.run()
+    victim = next(c for c in clients if c.slot == 1)
+    assert victim.record.finish_reason == "error" and "2147483647" in victim.record.error
+    assert 0 < victim.record.output_tokens < 20
+    for c in clients:
+        if c is not victim:
+            c.check(engine)
+            assert c.record.finish_reason == "length"
+    assert engine.recoveries == 0  # nothing was wrong with the device
+    _serves_a_normal_request(h)
+
+
+def test_a_row_that_cannot_be_packed_fails_its_own_request_only():
+    """A sampling value that escaped validation (top_k past int32, the value that once failed
+    every request in flight) fails its own request when it takes a slot; the others are exact."""
+    h = Harness(FakeEngine(num_slots=3))
+    bad = RequestSampling(temperature=0.7, top_k=5)
+    object.__setattr__(bad, "top_k", 2**31)  # as if validation had a hole
+    before = h.submit(ids("before"), max_tokens=12)
+    h.step()
+    victim = h.submit(ids("victim"), max_tokens=12, sampling=bad)
+    after = h.submit(ids("after"), max_tokens=12)
+    h.run()
+    assert victim.record.finish_reason == "error" and "cannot be packed" in victim.record.error
+    assert victim.record.output_tokens == 0
+    before.check(h.engine)
+    after.check(h.engine)
+
+
+def test_every_failure_rebuilds_device_state(threaded):
+    """recover() runs after every failed engine call, whatever the failure left behind."""
+    engine = FakeEngine()
+    engine.fail_decode_call = 3
+    sched = threaded(engine)
+    _, record = collect(sched.submit(ids("doomed"), GenerationParams(max_tokens=20)))
+    assert record.finish_reason == "error" and engine.recoveries == 1
+    prompt = ids("after the rebuild")
+    tokens, record = collect(sched.submit(prompt, GenerationParams(max_tokens=10)))
+    assert (tokens, record.finish_reason) == expected(engine, prompt, 10)
+
+
+def test_failed_recovery_kills_the_engine_and_answers_everyone():
+    """A decode fails and then recover() fails: the scheduler is dead. The running and the
+    waiting requests all end with an error that says so, `dead` says why, the thread ends,
+    and every later submit raises EngineDead instead of waiting forever."""
+    engine = FakeEngine(num_slots=2, decode_delay=0.001)
+    engine.fail_decode_call = 6
+    engine.fail_recover = True
+    sched = Scheduler(engine, TOK, SchedulerConfig(policy=chunked()))
+    streams = [sched.submit(ids(f"request {i}"), GenerationParams(max_tokens=50)) for i in range(5)]
+    sched.start()
+    records = [collect(s)[1] for s in streams]
+    sched._thread.join(5)
+    assert not sched._thread.is_alive()
+    assert all(r.finish_reason == "error" for r in records)
+    assert sum(r.error == "RuntimeError: device lost in decode" for r in records) == 2  # running
+    assert sum(r.error.startswith("the engine is dead") for r in records) == 3  # waiting
+    assert "device unreachable" in sched.dead
+    with pytest.raises(EngineDead, match="device unreachable"):
+        sched.submit(ids("hello?"))
+    assert sched.num_running == 0 and sched.num_waiting == 0
+
+
+def test_a_bug_outside_the_step_kills_the_loop_loudly():
+    """Anything that escapes the guarded step (here the step itself is replaced by one that
+    raises past `Exception`) marks the scheduler dead and answers the waiting request."""
+    engine = FakeEngine()
+    sched = Scheduler(engine, TOK, SchedulerConfig(policy=chunked()))
+
+    class Escaped(BaseException):
+        pass
+
+    def broken_step():
+        raise Escaped("the loop itself broke")
+
+    sched.step = broken_step
+    stream = sched.submit(ids("anyone there?"), GenerationParams(max_tokens=5))
+    sched.start()
+    _, record = collect(stream)
+    sched._thread.join(5)
+    assert record.finish_reason == "error" and "the loop itself broke" in record.error
+    assert "the loop itself broke" in sched.dead
+    with pytest.raises(EngineDead):
+        sched.submit(ids("hello?"))
+
+
+@pytest.mark.parametrize("params, fragment", [
+    (GenerationParams(stop=tuple(f"s{i}" for i in range(17))), "at most 16 stop strings"),
+    (GenerationParams(stop=("x" * 257,)), "at most 256 characters"),
+    (GenerationParams(stop=("",)), "non-empty"),
+    (GenerationParams(max_tokens=0), "max_tokens"),
+])
+def test_submission_bounds_the_work_a_request_can_ask_for(params, fragment):
+    h = Harness(FakeEngine())
+    with pytest.raises(SubmissionError, match=fragment):
+        h.sched.submit(ids("x"), params)
+    _serves_a_normal_request(h)
 
 
 def test_client_threads_share_the_running_scheduler(threaded):

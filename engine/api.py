@@ -1,0 +1,56 @@
+"""The engine's contract with the scheduler: everything the host side may call, in one place.
+
+    engine.config.num_slots, engine.config.max_seq_len, engine.config.prefill_chunk
+    engine.vocab_size                                   token ids are in [0, vocab_size)
+    token = engine.prefill(slot, chunk_ids, start, sampling, final)     device array [1]
+    tokens = engine.decode(positions, active, rows.params())            device array [num_slots]
+    engine.recover()                                    after a failed call: fresh device state
+    engine.compilations_after_warmup, engine.kv_cache_bytes              for metrics
+
+`prefill` and `decode` return at once (JAX dispatch is asynchronous); the scheduler reads the
+arrays one iteration later with `np.asarray`. Any exception from `prefill`, `decode` or reading
+their results means the device state may be lost: the scheduler fails the requests that were
+running and calls `recover()`, which must rebuild the KV cache and the next-token buffer
+whatever happened. If `recover()` itself raises, the engine is dead (`EngineDead`).
+
+`RequestSampling` (one request's settings, validated when made) and `SamplingRows` (the decode
+program's per-slot arrays) are the two sampling types of this boundary; the scheduler packs a
+request's row once, when it takes a slot, so a value that cannot be packed fails that request
+alone and never a step shared with others.
+
+`engine.engine.Engine` implements this contract on the device; the scheduler's tests drive a
+NumPy fake of it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import numpy as np
+
+from engine.engine import EngineConfig
+from model.sampling import RequestSampling, SamplingParams, SamplingRows
+
+__all__ = ["EngineAPI", "EngineConfig", "RequestSampling", "SamplingParams", "SamplingRows"]
+
+
+class EngineAPI(Protocol):
+    config: EngineConfig
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def prefill(self, slot: int, chunk: list[int], start: int, sampling: RequestSampling,
+                final: bool) -> jax.Array | np.ndarray: ...
+
+    def decode(self, positions: np.ndarray, active: np.ndarray,
+               sampling: SamplingParams) -> jax.Array | np.ndarray: ...
+
+    def recover(self) -> None: ...
+
+    @property
+    def compilations_after_warmup(self) -> int: ...
+
+    @property
+    def kv_cache_bytes(self) -> int: ...
