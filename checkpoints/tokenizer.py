@@ -100,6 +100,9 @@ class Tokenizer:
         self._bytes = piece_bytes  # token_bytes is on the streaming path: keep it one lookup
         for i, (content, _) in self._added.items():
             self._bytes[i] = content.encode("utf-8")
+        # No token spans more bytes than this, so a text of B bytes needs >= B / this tokens:
+        # front doors refuse a prompt that cannot fit the context before tokenizing it.
+        self.max_token_bytes: int = max((len(b) for b in self._bytes), default=1) or 1
         ids = {p: i for i, p in reversed(list(enumerate(pieces)))}
         self._added_by_text = {c: i for i, (c, _) in self._added.items()}
         ids.update(self._added_by_text)

@@ -3,12 +3,19 @@
     app = create_app(scheduler, tokenizer, model_name="smollm2-135m", warmup=engine.warmup)
 
 Routes: POST /v1/completions, POST /v1/chat/completions (each streaming over Server-Sent Events
-or not), GET /v1/models, GET /health (200 only once warm-up is done), GET /metrics (Prometheus),
-GET /debug/timeline (the scheduler's iteration log and finished requests' timelines, read
-incrementally by `bench/` to explain client-side figures).
-All model and policy logic lives below this layer: the app tokenizes, submits, and relays
-events. A client that disconnects cancels its request, which frees its KV slot at the next
-iteration. On shutdown (uvicorn's SIGTERM handling) in-flight requests are drained first.
+or not), GET /v1/models, GET /health (200 only while the engine is warm and alive), GET /metrics
+(Prometheus), GET /debug/timeline (the scheduler's iteration log and finished requests'
+timelines, read incrementally by `bench/` to explain client-side figures), GET /openapi.json
+(this API's description, `server/openapi.json`).
+All model and policy logic lives below this layer: the app reads the body (refusing one over
+`max_body_bytes` with 413 before buffering it), parses it (`server/requests.py`), tokenizes on a
+worker thread so a long prompt never stalls the event loop, submits, and relays events. A client
+that disconnects cancels its request, which frees its KV slot at the next iteration. On shutdown
+(uvicorn's SIGTERM handling) in-flight requests are drained for up to `drain_timeout` seconds.
+
+Failures are answered, never hung on: a warm-up that fails is logged and reported by /health
+(and `on_fatal` is called, so `cadence-serve` exits); an engine that dies (`Scheduler.dead`)
+makes every route answer 503 and /health 503 with the reason.
 """
 
 from __future__ import annotations
@@ -16,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hmac
 import json
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from absl import logging
 from starlette.applications import Starlette
@@ -29,13 +38,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from checkpoints.generation import GenerationDefaults
 from checkpoints.tokenizer import Tokenizer, TokenizerError
-from scheduler.errors import NotRunning, Overloaded, RequestTooLong, SubmissionError
+from scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
 from scheduler.request import RequestRecord, TokenEvent
 from scheduler.scheduler import IterationRecord, RequestStream, Scheduler
-from server import protocol
+from server import protocol, requests
 from server.metrics import Metrics
 from server.protocol import APIError
+
+OPENAPI = Path(__file__).with_name("openapi.json")
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+MAX_REQUEST_ID = 256
 
 
 class Timeline:
@@ -78,19 +92,31 @@ def _without_text(items: list[tuple[str, object]]) -> dict:
     return {k: v for k, v in items if k != "text"}  # the client has the text already
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    api_key: str | None = None
+    protect_metrics: bool = False  # with an api_key, /metrics needs it too (/debug/timeline always does)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    drain_timeout: float = 30.0  # seconds in-flight requests may take to finish on shutdown
+
+
 class Server:
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, model_name: str,
-                 api_key: str | None = None, warmup: Callable[[], None] | None = None,
-                 drain_timeout: float = 30.0):
+                 config: ServerConfig = ServerConfig(), warmup: Callable[[], None] | None = None,
+                 generation: GenerationDefaults = GenerationDefaults(),
+                 on_fatal: Callable[[str], None] | None = None):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.api_key = api_key
+        self.config = config
+        self.defaults = protocol.OPENAI_DEFAULTS.with_model(generation)
         self.metrics = Metrics(scheduler, model_name)
         self.timeline = Timeline(scheduler)
         self.ready = threading.Event()
+        self.warmup_error: str | None = None
         self._warmup = warmup
-        self.drain_timeout = drain_timeout
+        self._warm_thread: threading.Thread | None = None
+        self._on_fatal = on_fatal
         self.created = int(time.time())
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -98,51 +124,111 @@ class Server:
     @asynccontextmanager
     async def lifespan(self, app: Starlette):
         self.scheduler.start()
-        warm = asyncio.get_running_loop().run_in_executor(None, self._warm)
+        # A daemon thread, not the loop's executor: a shutdown during warm-up must not wait
+        # for compilation to finish (nothing can interrupt XLA's compiler).
+        self._warm_thread = threading.Thread(target=self._warm, name="cadence-warmup", daemon=True)
+        self._warm_thread.start()
         try:
             yield
         finally:
             self.ready.clear()
-            await warm
-            # Drain: whatever is queued or running finishes; nothing new is accepted.
-            await asyncio.get_running_loop().run_in_executor(
-                None, lambda: self.scheduler.stop(drain=True, timeout=self.drain_timeout)
-            )
+            if self.warming:
+                logging.info("shutting down during warm-up; nothing was served")
+                self.scheduler.stop(drain=False, timeout=1)
+            else:
+                # Drain: whatever is queued or running finishes; nothing new is accepted.
+                await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: self.scheduler.stop(drain=True, timeout=self.config.drain_timeout))
+
+    @property
+    def warming(self) -> bool:
+        return self._warm_thread is not None and self._warm_thread.is_alive()
 
     def _warm(self) -> None:
-        if self._warmup is not None:
-            self._warmup()
+        try:
+            if self._warmup is not None:
+                self._warmup()
+        except Exception as e:
+            self.warmup_error = f"warm-up failed: {type(e).__name__}: {e}"
+            logging.exception("cadence cannot serve: %s", self.warmup_error)
+            if self._on_fatal is not None:
+                self._on_fatal(self.warmup_error)
+            return
         self.ready.set()
         logging.info("cadence is ready")
 
+    @property
+    def fatal(self) -> str | None:
+        """Why this server can never serve again, or None."""
+        if self.warmup_error is not None:
+            return self.warmup_error
+        if self.scheduler.dead is not None:
+            return f"the engine is dead: {self.scheduler.dead}"
+        return None
+
     # -- plumbing -----------------------------------------------------------------------------
 
+    def _authorize(self, request: Request) -> None:
+        if self.config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # Constant-time comparison: response timing must not reveal how much of a key matched.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), self.config.api_key.encode()):
+            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                           type="authentication_error", code="invalid_api_key")
+
     def _check(self, request: Request) -> None:
-        if self.api_key is not None:
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {self.api_key}":
-                raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                               type="authentication_error", code="invalid_api_key")
+        self._authorize(request)
+        fatal = self.fatal
+        if fatal is not None:
+            raise APIError(503, f"{fatal}; this server cannot serve until it is restarted",
+                           type="service_unavailable", code="engine_dead")
         if not self.ready.is_set():
             raise APIError(503, "the server is warming up or shutting down; retry shortly",
                            type="service_unavailable", headers={"Retry-After": "5"})
 
-    def _submit(self, parsed: protocol.ParsedRequest, request_id: str) -> RequestStream:
+    async def _body(self, request: Request) -> bytes:
+        """The request body, refused with 413 as soon as it exceeds the limit (never buffered)."""
+        limit = self.config.max_body_bytes
+        too_large = APIError(413, f"the request body exceeds {limit} bytes; send a shorter prompt",
+                             code="request_too_large")
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise too_large if declared.isdigit() else APIError(400, "invalid Content-Length")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _tokenize(self, parsed: protocol.ParsedRequest) -> list[int]:
+        """On a worker thread: chat rendering and tokenizing cost time in the prompt's length."""
+        if parsed.prompt_ids is not None:
+            return parsed.prompt_ids
+        if parsed.messages is not None:
+            text = requests.render_chat(parsed.messages, self.tokenizer)
+        else:
+            text = parsed.prompt_text
+        requests.check_prompt_size(text, self.tokenizer, self.scheduler.max_seq_len)
+        return self.tokenizer.encode(text)
+
+    async def _submit(self, parsed: protocol.ParsedRequest, request_id: str) -> RequestStream:
         try:
-            if parsed.messages is not None:
-                text = self.tokenizer.apply_chat_template(parsed.messages)
-                ids = self.tokenizer.encode(text)
-            elif parsed.prompt_text is not None:
-                ids = self.tokenizer.encode(parsed.prompt_text)
-            else:
-                ids = parsed.prompt_ids
+            ids = await asyncio.to_thread(self._tokenize, parsed)
             return self.scheduler.submit(ids, parsed.params, request_id=request_id)
         except RequestTooLong as e:
-            raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
-        except (SubmissionError, TokenizerError) as e:
+            raise APIError(400, str(e), param=e.param or "max_tokens", code="context_length_exceeded") from None
+        except SubmissionError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except TokenizerError as e:
             raise APIError(400, str(e)) from None
         except Overloaded as e:
             raise APIError(429, str(e), type="rate_limit_error", headers={"Retry-After": "1"}) from None
+        except EngineDead as e:
+            raise APIError(503, str(e), type="service_unavailable", code="engine_dead") from None
         except NotRunning as e:
             raise APIError(503, str(e), type="service_unavailable") from None
 
@@ -150,17 +236,20 @@ class Server:
 
     async def generate(self, request: Request, chat: bool) -> Response:
         self._check(request)
+        raw = await self._body(request)
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "the request body is not valid JSON") from None
-        parsed = protocol.parse(body, chat)
+            body = requests.load_json(raw)
+        except SubmissionError as e:
+            raise APIError(400, str(e)) from None
+        parsed = protocol.parse(body, chat, self.defaults)
         if parsed.model is not None and parsed.model != self.model_name:
             raise APIError(404, f"model '{parsed.model}' is not served here; this server serves "
                                 f"'{self.model_name}'", param="model", code="model_not_found")
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
-        stream = self._submit(parsed, request_id)
+        if len(request_id) > MAX_REQUEST_ID:
+            raise APIError(400, f"X-Request-Id is longer than {MAX_REQUEST_ID} characters")
+        stream = await self._submit(parsed, request_id)
         headers = {"X-Request-Id": request_id}
         if parsed.stream:
             frames = self._sse(stream, request_id, chat, parsed.include_usage)
@@ -218,16 +307,24 @@ class Server:
              "max_model_len": self.scheduler.max_seq_len}]})
 
     async def health(self, request: Request) -> Response:
+        fatal = self.fatal
+        if fatal is not None:
+            return JSONResponse({"status": "dead", "error": fatal}, status_code=503)
         if self.ready.is_set():
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "warming up"}, status_code=503)
 
     async def metrics_endpoint(self, request: Request) -> Response:
+        if self.config.protect_metrics:
+            self._authorize(request)
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def openapi(self, request: Request) -> Response:
+        return Response(OPENAPI.read_bytes(), media_type="application/json")
 
     async def timeline_endpoint(self, request: Request) -> Response:
         """GET /debug/timeline?since_iteration=I&since_request=R: records newer than the cursors."""
-        self._check(request)
+        self._authorize(request)
         try:
             iteration = int(request.query_params.get("since_iteration", -1))
             seq = int(request.query_params.get("since_request", 0))
@@ -249,8 +346,11 @@ def _frame(obj: dict) -> str:
 
 
 def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str, *,
-               api_key: str | None = None, warmup: Callable[[], None] | None = None) -> Starlette:
-    server = Server(scheduler, tokenizer, model_name, api_key=api_key, warmup=warmup)
+               config: ServerConfig = ServerConfig(), warmup: Callable[[], None] | None = None,
+               generation: GenerationDefaults = GenerationDefaults(),
+               on_fatal: Callable[[str], None] | None = None) -> Starlette:
+    server = Server(scheduler, tokenizer, model_name, config, warmup=warmup, generation=generation,
+                    on_fatal=on_fatal)
 
     def route(path: str, handler, methods: list[str]) -> Route:
         async def endpoint(request: Request) -> Response:
@@ -273,6 +373,7 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str, *,
             route("/health", server.health, ["GET"]),
             route("/metrics", server.metrics_endpoint, ["GET"]),
             route("/debug/timeline", server.timeline_endpoint, ["GET"]),
+            route("/openapi.json", server.openapi, ["GET"]),
         ],
         lifespan=server.lifespan,
     )

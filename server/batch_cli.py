@@ -51,7 +51,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 from checkpoints.errors import CheckpointError
-from scheduler.errors import Overloaded, SubmissionError
+from scheduler.errors import NotRunning, Overloaded, SubmissionError
 from scheduler.request import FinishReason, RequestRecord
 from server import requests, runtime
 
@@ -84,8 +84,8 @@ def parse_input(path: Path) -> tuple[list[Job], list[tuple[int, str]]]:
         if not raw.strip():
             continue
         try:
-            entry = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            entry = requests.load_json(raw)
+        except SubmissionError as e:  # malformed, too deep, out-of-range numbers, bad text
             problems.append((number, f"malformed JSON ({e})"))
             continue
         if not isinstance(entry, dict):
@@ -119,7 +119,7 @@ def load_done(path: Path) -> tuple[set[str], int]:
             continue
         try:
             done.add(id_key(json.loads(raw)["id"]))
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise BatchError(f"{path}:{number} is not a result record of this job; fix or delete "
                              "that line (or pass another --output), then rerun") from None
     torn = len(data) - end
@@ -179,7 +179,7 @@ def run_jobs(rt: runtime.Runtime, work: list[tuple[Job, list[int], Any]], output
                         in_flight += 1
                     except Overloaded:
                         break  # submitted again after the next completion
-                    except SubmissionError as e:
+                    except (SubmissionError, NotRunning) as e:  # NotRunning: the engine died
                         report(job.line, f"id {job.id!r} rejected: {e}")
                         totals.failed += 1
                         bar.update(1)
@@ -247,13 +247,14 @@ def main(argv: list[str]) -> int:
         except (CheckpointError, ValueError, OSError) as e:
             print(f"cadence-batch: error: {e}", file=sys.stderr)
             return 2
-        defaults = requests.defaults_from_flags()
+        defaults = requests.defaults_from_flags(rt.model.generation)
         work = []
         for job in todo:
             try:
                 ids, params = requests.to_request(job.entry, rt.model.tokenizer, defaults,
-                                                  extra_fields=("id",))
-            except SubmissionError as e:
+                                                  extra_fields=("id",),
+                                                  max_seq_len=rt.scheduler.max_seq_len)
+            except (SubmissionError, CheckpointError) as e:
                 report(job.line, f"id {job.id!r} invalid: {e}")
                 failed += 1
                 continue

@@ -42,9 +42,9 @@ def read_prompts(path: Path) -> list[dict]:
             continue
         if line.lstrip().startswith("{"):
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SubmissionError(f"{path}:{number}: invalid JSON ({e})") from None
+                obj = requests.load_json(line)
+            except SubmissionError as e:
+                raise SubmissionError(f"{path}:{number}: {e}") from None
             if not isinstance(obj, dict) or not ("prompt" in obj or "messages" in obj):
                 raise SubmissionError(f'{path}:{number}: a JSON line needs "prompt" or "messages"')
             entries.append(obj)
@@ -82,8 +82,9 @@ def main(argv: list[str]) -> int:
             [{"prompt": _PROMPT.value}] if _PROMPT.value is not None
             else read_prompts(Path(_PROMPTS_FILE.value))
         )
-        defaults = requests.defaults_from_flags()
-        jobs = [requests.to_request(e, tok, defaults, chat=_CHAT.value) for e in entries]
+        defaults = requests.defaults_from_flags(rt.model.generation)
+        jobs = [requests.to_request(e, tok, defaults, chat=_CHAT.value, max_seq_len=rt.scheduler.max_seq_len)
+                for e in entries]
     except (CheckpointError, SubmissionError, ValueError, OSError) as e:
         print(f"cadence-generate: error: {e}", file=sys.stderr)
         return 2

@@ -1,10 +1,14 @@
-"""The OpenAI wire format: parsing request bodies into scheduler calls, and shaping responses.
+"""The OpenAI wire format: request bodies into scheduler calls, responses into OpenAI's shapes.
 
-Parsing is strict where a silent guess would surprise a client: wrong types, unsupported
-options (n > 1, logprobs, echo, best_of) and out-of-range values raise `APIError` with the
-offending parameter named, which the app returns in OpenAI's error shape. Defaults follow the
-OpenAI API (temperature 1.0, top_p 1.0, completions max_tokens 16); chat requests without a
-max_tokens may generate up to the end of the context.
+Parsing goes through `server/requests.py`, the one parser of every front door, and is strict
+where a silent guess would surprise a client: wrong types, out-of-range values and unknown
+fields are refused with the parameter named (OpenAI, too, refuses an unrecognized argument).
+Fields that would change the answer if honoured and that cadence does not implement
+(`logit_bias`, penalties, `response_format`, tools, logprobs, `n` > 1, ...) are refused unless
+they carry their neutral value; fields that change nothing here (`user`, `metadata`, ...) are
+accepted and ignored. Sampling fields a request leaves out take the model's published defaults
+(`SamplingDefaults.with_model`), else OpenAI's (temperature 1.0, top_p 1.0); completions default
+to 16 tokens as OpenAI's do, chats to the end of the context.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import dataclasses
 import time
 from typing import Any
 
-from model.sampling import RequestSampling
+from scheduler.errors import SubmissionError
 from scheduler.request import GenerationParams, RequestRecord
+from server import requests
 
 
 class APIError(Exception):
@@ -30,48 +35,71 @@ class APIError(Exception):
                           "code": self.code}}
 
 
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
-               list: "an array", dict: "an object"}
+# OpenAI's own defaults, for a model that publishes none.
+OPENAI_DEFAULTS = requests.SamplingDefaults(max_tokens=None, temperature=1.0, top_p=1.0)
+COMPLETION_MAX_TOKENS = 16
 
-
-def _field(body: dict, name: str, types: tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    # bool is an int in Python, but a JSON true is never a valid number.
-    wrong_bool = isinstance(value, bool) and bool not in types
-    if wrong_bool or not isinstance(value, types):
-        expected = "a number" if float in types else " or ".join(_TYPE_NAMES[t] for t in types)
-        raise APIError(400, f"'{name}' must be {expected}, got {type(value).__name__}", param=name)
-    return value
+# Fields that change the answer, which cadence does not implement: refused unless neutral.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "repetition_penalty": (1,), "min_p": (0,), "logprobs": (False, 0), "top_logprobs": (0,),
+    "echo": (False,), "suffix": ("",), "best_of": (1,), "tools": ([],), "functions": ([],),
+    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},), "modalities": (["text"],), "prediction": (),
+    "audio": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+}
+# Fields that change nothing cadence does: accepted and ignored.
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+_COMMON = frozenset({"model", "stream", "stream_options", "n", *requests.SAMPLING_FIELDS})
+_ALLOWED = {
+    False: _COMMON | {"prompt"},
+    True: _COMMON | {"messages", "max_completion_tokens"},
+}
 
 
 @dataclasses.dataclass
 class ParsedRequest:
     model: str | None
-    prompt_text: str | None  # None when the prompt came as token ids
+    prompt_text: str | None  # None when the prompt came as token ids or messages
     prompt_ids: list[int] | None
-    messages: list[dict] | None
+    messages: list[dict] | None  # content already joined into strings
     params: GenerationParams
     stream: bool
     include_usage: bool
 
 
-def parse(body: Any, chat: bool) -> ParsedRequest:
+def parse(body: Any, chat: bool,
+          defaults: requests.SamplingDefaults = OPENAI_DEFAULTS) -> ParsedRequest:
+    """A request body (already `requests.load_json`'d) into a `ParsedRequest`, or `APIError` 400.
+
+    `defaults` are the sampling defaults of the model served (`max_tokens` is the route's)."""
+    try:
+        return _parse(body, chat, defaults)
+    except SubmissionError as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
+def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults) -> ParsedRequest:
     if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    for unsupported in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
-        if body.get(unsupported) not in (None, False, 0, []):
-            raise APIError(400, f"'{unsupported}' is not supported by cadence", param=unsupported)
-    n = _field(body, "n", (int,), 1)
-    if n != 1 or _field(body, "best_of", (int,), 1) != 1:
-        raise APIError(400, "only n=1 is supported", param="n")
-    model = _field(body, "model", (str,))
+        raise SubmissionError("the request body must be a JSON object")
+    for name, neutral in _NEUTRAL.items():
+        if body.get(name) is not None and body[name] not in neutral:
+            raise SubmissionError(f'"{name}" is not supported by cadence (only its neutral value '
+                                  f"{', '.join(map(repr, neutral)) or 'null'} is accepted)", name)
+    unknown = sorted(set(body) - _ALLOWED[chat] - _NEUTRAL.keys() - _IGNORED)
+    if unknown:
+        raise SubmissionError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+    if requests.field(body, "n", (int,), 1) != 1:
+        raise SubmissionError("only n=1 is supported", "n")
+    model = requests.field(body, "model", (str,))
     prompt_text = prompt_ids = messages = None
     if chat:
-        messages = _field(body, "messages", (list,))
-        if not messages:
-            raise APIError(400, "'messages' must be a non-empty array", param="messages")
+        messages = requests.chat_messages(requests.field(body, "messages", (list,)))
+        route_defaults = dataclasses.replace(defaults, max_tokens=None)
+        if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
+            params = requests.generation_params(body, route_defaults, max_tokens_field="max_completion_tokens")
+        else:
+            params = requests.generation_params(body, route_defaults)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -81,39 +109,14 @@ def parse(body: Any, chat: bool) -> ParsedRequest:
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             prompt_ids = prompt
         elif isinstance(prompt, list) and len(prompt) > 1:
-            raise APIError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
+            raise SubmissionError("batched prompts are not supported; send one prompt per request", "prompt")
         else:
-            raise APIError(400, "'prompt' must be a string or an array of token ids", param="prompt")
-    max_tokens = _field(body, "max_completion_tokens", (int,)) if chat else None
-    max_tokens = _field(body, "max_tokens", (int,), max_tokens if chat else 16)
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"'max_tokens' must be >= 1, got {max_tokens}", param="max_tokens")
-    stop = body.get("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stop = tuple(stop)
-    else:
-        raise APIError(400, "'stop' must be a string or an array of strings", param="stop")
-    if any(not s for s in stop):
-        raise APIError(400, "'stop' strings must be non-empty", param="stop")
-    top_k = _field(body, "top_k", (int,), 0)
-    try:
-        sampling = RequestSampling(
-            temperature=float(_field(body, "temperature", (int, float), 1.0)),
-            top_k=0 if top_k == -1 else top_k,  # vLLM spells "no limit" as -1
-            top_p=float(_field(body, "top_p", (int, float), 1.0)),
-            seed=_field(body, "seed", (int,), 0),
-        )
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
-    stream = _field(body, "stream", (bool,), False)
-    options = _field(body, "stream_options", (dict,), {})
-    include_usage = bool(options.get("include_usage", False))
-    params = GenerationParams(max_tokens=max_tokens, sampling=sampling, stop=stop,
-                              ignore_eos=_field(body, "ignore_eos", (bool,), False))
+            raise SubmissionError('"prompt" must be a string or an array of token ids', "prompt")
+        params = requests.generation_params(
+            body, dataclasses.replace(defaults, max_tokens=COMPLETION_MAX_TOKENS))
+    stream = requests.field(body, "stream", (bool,), False)
+    options = requests.field(body, "stream_options", (dict,), {})
+    include_usage = requests.field(options, "include_usage", (bool,), False)
     return ParsedRequest(model, prompt_text, prompt_ids, messages, params, stream, include_usage)
 
 

@@ -1,123 +1,272 @@
-"""From a JSON request entry to what the scheduler takes: prompt token ids + `GenerationParams`.
+"""Every front door's request parsing: from raw JSON to what the scheduler takes.
 
-    defaults = defaults_from_flags()               # --max_tokens, --temperature, ... (CLI only)
-    ids, params = to_request({"prompt": "Hi", "max_tokens": 8}, tokenizer, defaults)
-    ids, params = to_request({"messages": [{"role": "user", "content": "Hi"}]}, tok, defaults)
+    entry = load_json(raw_bytes)                          # strict JSON, bounded; SubmissionError
+    params = generation_params(entry, defaults)           # the sampling and stop fields
+    messages = chat_messages(entry["messages"])           # text parts joined into strings
+    ids, params = to_request(entry, tokenizer, defaults)  # a CLI or batch-job entry, whole
 
-An entry has exactly one of "prompt" (a string) or "messages" (a chat, rendered with the
-model's chat template), and optionally the sampling fields in `SAMPLING_FIELDS`. Fields absent
-from the entry take the defaults. Anything else that is wrong (unknown keys, wrong types, values
-out of range, a chat the template refuses) raises `SubmissionError` with a message that names
-the field; nothing is coerced silently (`"8"` is not a max_tokens, `true` is not a number).
-Length checks against the context are the scheduler's (`submit` raises `RequestTooLong`).
+The HTTP server (`server/protocol.py`, OpenAI's wire format), `cadence-generate` and
+`cadence-batch` all parse through here, so a field means the same thing at every door and a bad
+value gets the same message. Nothing is coerced silently (`"8"` is not a max_tokens, `true` is
+not a number); a field given as null is absent. Errors are `SubmissionError`s whose `param`
+names the field.
 
-The sampling-default flags are defined here, once, for the command-line front doors
-(`cadence-generate`, `cadence-batch`); the functions take explicit arguments and never read them.
+Bad input is refused before it can cost anything: JSON nested deeper than `MAX_JSON_DEPTH`,
+integers longer than `MAX_INT_DIGITS` digits, non-finite numbers (`1e999`, `NaN`), strings that
+are not valid Unicode text (a lone surrogate), and a prompt with more UTF-8 bytes than the
+context could hold at the tokenizer's longest token (`check_prompt_size`, before tokenizing).
+
+Sampling defaults (`SamplingDefaults`): a field the entry leaves out takes the front door's
+default, which is the model's own (`checkpoints.generation`) where the model publishes one.
+The sampling-default flags of the command-line front doors are defined here, once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from typing import Any
 
 from absl import flags
 
 from checkpoints.errors import CheckpointError
+from checkpoints.generation import GenerationDefaults
 from checkpoints.tokenizer import Tokenizer
-from model.sampling import RequestSampling
-from scheduler.errors import SubmissionError
+from engine.api import RequestSampling
+from scheduler.errors import RequestTooLong, SubmissionError
 from scheduler.request import GenerationParams
 
+MAX_JSON_DEPTH = 32
+MAX_INT_DIGITS = 40  # a uint32 seed has 10; nothing cadence takes needs more
+
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 128, "Default most tokens to generate per prompt.", lower_bound=1)
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Default sampling temperature (0: greedy).")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Default nucleus sampling mass.")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Default top-k (0: off).")
+_TEMPERATURE = flags.DEFINE_float(
+    "temperature", None, "Default sampling temperature (0: greedy; default: the model's own, else 0).")
+_TOP_P = flags.DEFINE_float("top_p", None, "Default nucleus sampling mass (default: the model's own, else 1).")
+_TOP_K = flags.DEFINE_integer("top_k", None, "Default top-k (0: off; default: the model's own, else 0).")
 _SEED = flags.DEFINE_integer("seed", 0, "Default sampling seed.")
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 
 
+# -- JSON -------------------------------------------------------------------------------------
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {digits} digits is out of range (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:20]}{'...' if len(text) > 20 else ''} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def load_json(raw: bytes | str) -> Any:
+    """Parses one JSON document strictly; `SubmissionError` says what is wrong with it."""
+    try:
+        value = json.loads(raw, parse_int=_bounded_int, parse_float=_finite_float,
+                           parse_constant=_no_constant)
+    except RecursionError:
+        raise SubmissionError(f"the JSON is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+    except UnicodeDecodeError as e:
+        raise SubmissionError(f"the body is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except ValueError as e:  # json.JSONDecodeError, and the parse hooks' errors
+        raise SubmissionError(f"the body is not valid JSON: {e}") from None
+    check_json_value(value)
+    return value
+
+
+def check_json_value(value: Any) -> None:
+    """Depth and text checks over a parsed document, iteratively (no recursion to exhaust)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            check_text(node)
+            continue
+        if not isinstance(node, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise SubmissionError(f"the JSON is nested too deeply (at most {MAX_JSON_DEPTH} levels)")
+        if isinstance(node, dict):
+            for key, item in node.items():
+                check_text(key)
+                stack.append((item, depth + 1))
+        else:
+            stack.extend((item, depth + 1) for item in node)
+
+
+def check_text(text: str, param: str | None = None) -> str:
+    """`text` if it is valid Unicode text; a lone surrogate (JSON "\\ud800") cannot be encoded,
+    tokenized or echoed back, so it is refused here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SubmissionError(f"text contains an unpaired surrogate (U+{ord(text[e.start]):04X} at "
+                              f"index {e.start}); send valid Unicode", param) from None
+    return text
+
+
+# -- fields -----------------------------------------------------------------------------------
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingDefaults:
-    max_tokens: int = 128
+    """What a request gets for each field it leaves out."""
+
+    max_tokens: int | None = 128  # None: up to the end of the context
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
 
+    def with_model(self, model: GenerationDefaults) -> SamplingDefaults:
+        """These defaults, with each value the model publishes in place of the door's own."""
+        published = {k: getattr(model, k) for k in ("temperature", "top_p", "top_k")
+                     if getattr(model, k) is not None}
+        return dataclasses.replace(self, **published)
 
-def defaults_from_flags() -> SamplingDefaults:
-    return SamplingDefaults(
-        max_tokens=_MAX_TOKENS.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
-        top_k=_TOP_K.value, seed=_SEED.value,
-    )
+
+def defaults_from_flags(model: GenerationDefaults = GenerationDefaults()) -> SamplingDefaults:
+    """The command-line doors' defaults: a flag given wins, then the model's own, then greedy."""
+    base = SamplingDefaults(max_tokens=_MAX_TOKENS.value, seed=_SEED.value).with_model(model)
+    given = {name: flag.value for name, flag in
+             (("temperature", _TEMPERATURE), ("top_p", _TOP_P), ("top_k", _TOP_K))
+             if flag.value is not None}
+    return dataclasses.replace(base, **given)
+
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+               list: "an array", dict: "an object"}
+
+
+def field(entry: dict, name: str, types: tuple[type, ...], default: Any = None) -> Any:
+    """entry[name] if it has one of `types` (null or absent: `default`), else SubmissionError."""
+    value = entry.get(name)
+    if value is None:
+        return default
+    # bool is an int in Python, but `"top_k": true` is a mistake in the request, not a 1.
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        expected = "a number" if float in types else " or ".join(_TYPE_NAMES[t] for t in types)
+        shown = repr(value) if isinstance(value, (int, float, bool)) else type(value).__name__
+        raise SubmissionError(f'"{name}" must be {expected}, got {shown}', name)
+    return value
+
+
+def generation_params(entry: dict, defaults: SamplingDefaults, *,
+                      max_tokens_field: str = "max_tokens") -> GenerationParams:
+    """The sampling and stopping fields of an entry (`SAMPLING_FIELDS`)."""
+    max_tokens = field(entry, max_tokens_field, (int,), defaults.max_tokens)
+    if max_tokens is not None and max_tokens < 1:
+        raise SubmissionError(f'"{max_tokens_field}" must be >= 1, got {max_tokens}', max_tokens_field)
+    top_k = field(entry, "top_k", (int,), defaults.top_k)
+    values = {
+        "temperature": float(field(entry, "temperature", (int, float), defaults.temperature)),
+        "top_k": 0 if top_k == -1 else top_k,  # vLLM spells "no limit" as -1
+        "top_p": float(field(entry, "top_p", (int, float), defaults.top_p)),
+        "seed": field(entry, "seed", (int,), defaults.seed),
+    }
+    try:
+        sampling = RequestSampling(**values)
+    except ValueError as e:  # RequestSampling's range checks, each naming its field
+        name = next((k for k in values if str(e).startswith(k)), None)
+        raise SubmissionError(str(e), name) from None
+    stop = field(entry, "stop", (str, list), ())
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) and s for s in stop):
+        raise SubmissionError('"stop" must be a non-empty string or an array of them', "stop")
+    return GenerationParams(max_tokens=max_tokens, sampling=sampling, stop=stop,
+                            ignore_eos=field(entry, "ignore_eos", (bool,), False))
+
+
+def chat_messages(messages: Any) -> list[dict]:
+    """A conversation with every content a string: OpenAI's arrays of text parts
+    (`[{"type": "text", "text": ...}]`) are joined with newlines, as vLLM does. Other parts
+    (images, audio) are refused: cadence serves text models."""
+    if not isinstance(messages, list) or not messages:
+        raise SubmissionError('"messages" must be a non-empty array', "messages")
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise SubmissionError(
+                        f"messages[{i}].content[{j}] must be a text part {{\"type\": \"text\", "
+                        f"\"text\": ...}}; got {kind!r} (cadence serves text only)", "messages")
+                texts.append(part["text"])
+            message = {**message, "content": "\n".join(texts)}
+        out.append(message)
+    return out
+
+
+def render_chat(messages: Any, tokenizer: Tokenizer) -> str:
+    try:  # the chat module checks the conversation's shape and runs the template sandboxed
+        return tokenizer.apply_chat_template(chat_messages(messages))
+    except CheckpointError as e:
+        raise SubmissionError(f'"messages": {e}', "messages") from None
+
+
+def check_prompt_size(text: str, tokenizer: Tokenizer, max_seq_len: int) -> None:
+    """Refuses, without tokenizing, a text too long for the context at any tokenization."""
+    size = len(text.encode("utf-8"))
+    fewest = -(-size // tokenizer.max_token_bytes)
+    if fewest > max_seq_len:
+        raise RequestTooLong(
+            f"the prompt is {size} bytes, at least {fewest} tokens, which exceeds the context of "
+            f"{max_seq_len} tokens; shorten it", "prompt")
+
+
+# -- whole entries (the command-line doors) ----------------------------------------------------
 
 
 def to_request(
-    entry: dict[str, Any],
+    entry: Any,
     tokenizer: Tokenizer,
     defaults: SamplingDefaults = SamplingDefaults(),
     *,
     chat: bool = False,
     extra_fields: tuple[str, ...] = (),
+    max_seq_len: int | None = None,
 ) -> tuple[list[int], GenerationParams]:
     """Tokenized prompt and generation parameters of one entry; `SubmissionError` if invalid.
 
-    `chat` wraps a plain "prompt" as one user message. `extra_fields` are keys the caller
-    handles itself (such as a batch job's "id") and that are therefore not unknown here.
+    An entry has exactly one of "prompt" (a string) or "messages" (a chat, rendered with the
+    model's chat template), and optionally the fields in `SAMPLING_FIELDS`. `chat` wraps a
+    plain "prompt" as one user message. `extra_fields` are keys the caller handles itself (such
+    as a batch job's "id"). With `max_seq_len`, a prompt that cannot fit is refused before it
+    is tokenized. Context-length checks on the tokens are the scheduler's (`RequestTooLong`).
     """
     if not isinstance(entry, dict):
         raise SubmissionError(f"a request must be a JSON object, got {type(entry).__name__}")
+    check_json_value(entry)
     unknown = sorted(set(entry) - {"prompt", "messages", *SAMPLING_FIELDS, *extra_fields})
     if unknown:
         allowed = ", ".join(("prompt", "messages", *SAMPLING_FIELDS, *extra_fields))
         raise SubmissionError(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {allowed}")
     if ("prompt" in entry) == ("messages" in entry):
         raise SubmissionError('a request needs exactly one of "prompt" or "messages"')
+    params = generation_params(entry, defaults)
     if "messages" in entry:
-        text = _render_chat(entry["messages"], tokenizer)
+        text = render_chat(entry["messages"], tokenizer)
     else:
-        text = entry["prompt"]
-        if not isinstance(text, str):
-            raise SubmissionError(f'"prompt" must be a string, got {type(text).__name__}')
+        text = field(entry, "prompt", (str,))
+        if text is None:
+            raise SubmissionError('"prompt" must be a string', "prompt")
         if chat:
-            text = _render_chat([{"role": "user", "content": text}], tokenizer)
-
-    def number(name: str, kind: type, default):
-        value = entry.get(name, default)
-        # bool is an int in Python, but `"top_k": true` is a mistake in the request, not a 1.
-        ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
-        if not ok:
-            raise SubmissionError(f'"{name}" must be {"a number" if kind is float else "an integer"}, '
-                                  f"got {value!r}")
-        return kind(value)
-
-    try:
-        sampling = RequestSampling(
-            temperature=number("temperature", float, defaults.temperature),
-            top_k=number("top_k", int, defaults.top_k),
-            top_p=number("top_p", float, defaults.top_p),
-            seed=number("seed", int, defaults.seed),
-        )
-    except ValueError as e:  # RequestSampling's range checks
-        raise SubmissionError(str(e)) from None
-    max_tokens = number("max_tokens", int, defaults.max_tokens)
-    if max_tokens < 1:
-        raise SubmissionError(f'"max_tokens" must be >= 1, got {max_tokens}')
-    stop = entry.get("stop", ())
-    stop = (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-        raise SubmissionError(f'"stop" must be a non-empty string or a list of them, got {stop!r}')
-    ignore_eos = entry.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise SubmissionError(f'"ignore_eos" must be true or false, got {ignore_eos!r}')
-    params = GenerationParams(max_tokens=max_tokens, sampling=sampling, stop=tuple(stop),
-                              ignore_eos=ignore_eos)
+            text = render_chat([{"role": "user", "content": text}], tokenizer)
+    if max_seq_len is not None:
+        check_prompt_size(text, tokenizer, max_seq_len)
     return tokenizer.encode(text), params
-
-
-def _render_chat(messages: Any, tokenizer: Tokenizer) -> str:
-    try:  # the chat module checks the conversation's shape and runs the template sandboxed
-        return tokenizer.apply_chat_template(messages)
-    except CheckpointError as e:
-        raise SubmissionError(f'"messages": {e}') from None

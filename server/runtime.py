@@ -105,6 +105,8 @@ def build_from_flags(warm: bool = True) -> Runtime:
         f"{engine_config.max_seq_len} tokens, KV cache {engine.kv_cache_bytes / 2**20:.0f} MiB",
         file=sys.stderr,
     )
+    print(f"cadence: {model.name}'s own sampling defaults, for requests that omit a field: "
+          f"{model.generation.describe()}", file=sys.stderr)
     warm_seconds = warm_up(engine) if warm else 0.0
     scheduler = Scheduler(engine, model.tokenizer, scheduler_config_from_flags())
     return Runtime(model=model, engine=engine, scheduler=scheduler, warmup_seconds=warm_seconds)

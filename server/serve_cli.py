@@ -1,43 +1,98 @@
 """`cadence-serve`: the OpenAI-compatible HTTP server.
 
     cadence-serve --model=smollm2-135m --port=8000
+    CADENCE_API_KEY=... cadence-serve --host=0.0.0.0          # or --api_key_file=/run/secrets/key
 
 Loads the model, starts listening at once (GET /health answers 503 while the engine compiles
 its programs), then serves /v1/completions, /v1/chat/completions, /v1/models and /metrics.
-SIGTERM or Ctrl-C stops accepting connections, drains in-flight requests, and exits.
+SIGTERM or Ctrl-C stops accepting connections, lets in-flight requests finish for up to
+--drain_timeout seconds, and exits 0; during warm-up it exits at once. A warm-up that fails is
+logged and the server exits with status 1. Binds to loopback unless --host says otherwise.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+from pathlib import Path
 
 import uvicorn
-from absl import app, flags
+from absl import app, flags, logging
 
 from checkpoints.errors import CheckpointError
 from server import runtime
-from server.app import create_app
+from server.app import DEFAULT_MAX_BODY_BYTES, ServerConfig, create_app
 
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
-_API_KEY = flags.DEFINE_string("api_key", None, "If set, clients must send 'Authorization: Bearer KEY'.")
+_API_KEY = flags.DEFINE_string(
+    "api_key", None, "If set, clients must send 'Authorization: Bearer KEY'. Prefer the "
+    "CADENCE_API_KEY environment variable or --api_key_file: argv is visible to every user.")
+_API_KEY_FILE = flags.DEFINE_string("api_key_file", None, "A file holding the API key (one line).")
+_PROTECT_METRICS = flags.DEFINE_bool("protect_metrics", False, "With an API key, /metrics needs it too.")
 _DRAIN = flags.DEFINE_float("drain_timeout", 30.0, "Seconds to let in-flight requests finish on shutdown.")
+_MAX_BODY = flags.DEFINE_string(
+    "max_body_size", f"{DEFAULT_MAX_BODY_BYTES // 2**20}MiB",
+    "Largest request body accepted (bytes, or with a unit: 512KiB, 4MiB); larger ones get 413.")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """A byte count, or a number with a unit (`4MiB`, `1.5GiB`, `512KB`)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size; write bytes or a number with a unit "
+                         f"({', '.join(u for u in ('KiB', 'MiB', 'GiB', 'KB', 'MB', 'GB'))})")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def api_key() -> str | None:
+    """--api_key, else --api_key_file, else $CADENCE_API_KEY; None: no key required."""
+    if _API_KEY.value is not None and _API_KEY_FILE.value is not None:
+        raise ValueError("pass --api_key or --api_key_file, not both")
+    if _API_KEY_FILE.value is not None:
+        key = Path(_API_KEY_FILE.value).read_text().strip()
+        if not key:
+            raise ValueError(f"--api_key_file={_API_KEY_FILE.value} is empty")
+        return key
+    return _API_KEY.value or os.environ.get("CADENCE_API_KEY") or None
 
 
 def main(argv: list[str]) -> int:
     del argv
     try:
+        config = ServerConfig(api_key=api_key(), protect_metrics=_PROTECT_METRICS.value,
+                              max_body_bytes=parse_size(_MAX_BODY.value), drain_timeout=_DRAIN.value)
         rt = runtime.build_from_flags(warm=False)
-    except (CheckpointError, ValueError) as e:
+    except (CheckpointError, ValueError, OSError) as e:
         print(f"cadence-serve: error: {e}", file=sys.stderr)
         return 2
+    server: uvicorn.Server | None = None
+    fatal: list[str] = []
+
+    def on_fatal(reason: str) -> None:  # the warm-up thread: make uvicorn shut down
+        fatal.append(reason)
+        print(f"cadence-serve: error: {reason}; exiting", file=sys.stderr)
+        server.should_exit = True
+
     application = create_app(
-        rt.scheduler, rt.model.tokenizer, runtime.MODEL_FLAG.value, api_key=_API_KEY.value,
-        warmup=lambda: runtime.warm_up(rt.engine),
-    )
+        rt.scheduler, rt.model.tokenizer, runtime.MODEL_FLAG.value, config=config,
+        warmup=lambda: runtime.warm_up(rt.engine), generation=rt.model.generation, on_fatal=on_fatal)
+    server = uvicorn.Server(uvicorn.Config(
+        application, host=_HOST.value, port=_PORT.value, log_level="warning",
+        timeout_graceful_shutdown=max(1, int(_DRAIN.value))))
     print(f"cadence: listening on http://{_HOST.value}:{_PORT.value}", file=sys.stderr)
-    uvicorn.run(application, host=_HOST.value, port=_PORT.value, log_level="warning",
-                timeout_graceful_shutdown=int(_DRAIN.value))
+    server.run()
+    if fatal:
+        return 1
+    if application.state.server.warming:
+        # XLA's compiler cannot be interrupted, and a Python exit would wait for it: leave now.
+        print("cadence-serve: stopped during warm-up", file=sys.stderr)
+        logging.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

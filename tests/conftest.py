@@ -68,6 +68,21 @@ def tiny_tokenizer(tiny_config):
     return Tokenizer.from_gguf_fields(fields)
 
 
+# The serving tests' engine: long slots, so that a request told to run long (500 tokens)
+# outlives any client-side race; short chunks, so that prompts span several.
+SERVING_ENGINE = dict(num_slots=4, max_seq_len=512, prefill_chunk=32, min_kv_bucket=256)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_params, tiny_config):
+    """The tiny model's engine, warmed up once for every test that serves over HTTP."""
+    from engine.engine import Engine, EngineConfig
+
+    engine = Engine(tiny_params, tiny_config, EngineConfig(**SERVING_ENGINE))
+    engine.warmup()
+    return engine
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_config, tiny_params, tiny_tokenizer):
     """The tiny model as a converted checkpoint at ROOT/model, for the CLIs' `--model`, and an

@@ -12,30 +12,26 @@ import httpx
 import openai
 import pytest
 
-from engine.engine import Engine, EngineConfig
 from scheduler.policy import PolicyConfig
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from server.app import create_app
+from server.app import ServerConfig, create_app
 from tests.conftest import loopback_server
 
 MODEL = "tiny"
-# Long slots so that a request told to run long (500 tokens) outlives any client-side race.
-ENGINE = EngineConfig(num_slots=4, max_seq_len=512, prefill_chunk=32, min_kv_bucket=256)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_params, tiny_config):
-    e = Engine(tiny_params, tiny_config, ENGINE)
-    e.warmup()
-    return e
+def engine(tiny_engine):
+    return tiny_engine
 
 
 @contextlib.contextmanager
-def serve(engine, tokenizer, *, api_key=None, warmup=None, max_queue=64):
+def serve(engine, tokenizer, *, warmup=None, max_queue=64, **config):
     """Serves the tiny model through the real app over loopback; yields the base URL."""
     sched = Scheduler(engine, tokenizer, SchedulerConfig(
         policy=PolicyConfig(token_budget=40, chunk=32), max_queue=max_queue))
-    with loopback_server(create_app(sched, tokenizer, MODEL, api_key=api_key, warmup=warmup)) as base:
+    app = create_app(sched, tokenizer, MODEL, config=ServerConfig(**config), warmup=warmup)
+    with loopback_server(app) as base:
         yield base
 
 
@@ -117,13 +113,13 @@ def test_sse_framing_and_utf8_integrity(url, tiny_tokenizer):
 
 @pytest.mark.parametrize("body, status, fragment", [
     (b"{not json", 400, "not valid JSON"),
-    ({"prompt": 5}, 400, "'prompt'"),
-    ({"prompt": "x", "max_tokens": "ten"}, 400, "'max_tokens' must be an integer"),
+    ({"prompt": 5}, 400, '"prompt"'),
+    ({"prompt": "x", "max_tokens": "ten"}, 400, '"max_tokens" must be an integer'),
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "n": 2}, 400, "n=1"),
     ({"prompt": "x", "max_tokens": 5000}, 400, "exceeds the context of 512"),
     ({"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
-    ({"prompt": [1, 2, 99999]}, 400, "out of range"),
+    ({"prompt": [1, 2, 99999]}, 400, "prompt token ids must be integers in [0, "),
 ])
 def test_errors_have_openai_shape_and_serving_continues(url, client, body, status, fragment):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
