@@ -1,0 +1,115 @@
+"""The paged KV pool pytree: fixed-size pages shared by every sequence, one key and one value
+array per layer.
+
+    k[layer], v[layer]   [num_kv_heads, num_pages, page_size, head_dim]
+    page_table           [rows, max_pages_per_seq] int32   (owned by the caller, not the pool)
+
+A sequence owns a list of pages, in order, given by its row of a page table: position p of the
+sequence lives at page `page_table[row, p // page_size]`, offset `p % page_size`. Pages need not
+be contiguous or ordered in the pool; which pages a sequence owns is decided on the host (a page
+allocator), never here. Entries of a page table past a sequence's live pages may hold any int32:
+readers never use them for a visible key, and `write` never writes through them.
+
+Head-major order, as in `model.kv_cache`: each (KV head, page) is a contiguous
+[page_size, head_dim] matrix, so a kernel loads a page with one strided read and a KV head's
+whole pool is one [num_pages, page_size, head_dim] block. Layers are separate arrays (not one
+stacked array) so that a jitted program updates each in place when the pool is donated.
+
+The pool is created zero-filled and only ever holds written (finite) values: the XLA readers
+mask scores, not values, so they rely on every entry of every page they touch being finite.
+
+Non-goals: page allocation, prefix sharing / copy-on-write, quantized pages.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from model.config import ModelConfig
+
+
+@struct.dataclass
+class PagedKVCache:
+    k: tuple[jax.Array, ...]  # per layer [num_kv_heads, num_pages, page_size, head_dim]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def tokens_capacity(self) -> int:
+        """Tokens the whole pool holds (every sequence together)."""
+        return self.num_pages * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in self.k + self.v)
+
+    @staticmethod
+    def shape(config: ModelConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
+        return (config.num_kv_heads, num_pages, page_size, config.head_dim)
+
+    @classmethod
+    def create(
+        cls, config: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32
+    ) -> PagedKVCache:
+        shape = cls.shape(config, num_pages, page_size)
+        k = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        v = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        return cls(k=k, v=v)
+
+    @classmethod
+    def abstract(
+        cls, config: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32
+    ) -> PagedKVCache:
+        spec = jax.ShapeDtypeStruct(cls.shape(config, num_pages, page_size), dtype)
+        layers = tuple(spec for _ in range(config.num_layers))
+        return cls(k=layers, v=layers)
+
+
+def bytes_per_token(config: ModelConfig, dtype: jnp.dtype = jnp.float32) -> int:
+    """Pool bytes one token occupies across all layers, keys and values."""
+    return config.kv_bytes_per_token(jnp.dtype(dtype).itemsize)
+
+
+def pages_for_bytes(
+    config: ModelConfig, budget_bytes: int, page_size: int, dtype: jnp.dtype = jnp.float32
+) -> int:
+    """The most whole pages a pool of at most `budget_bytes` holds (sizing by memory)."""
+    return int(budget_bytes) // (page_size * bytes_per_token(config, dtype))
+
+
+def write(
+    pages: jax.Array,
+    new: jax.Array,
+    page_table: jax.Array,
+    positions: jax.Array,
+    lengths: jax.Array,
+) -> jax.Array:
+    """Writes `new` [rows, t, kv_heads, head_dim] at absolute `positions` [rows, t] of each row's
+    sequence, through `page_table` [rows, max_pages_per_seq] int32, into one layer's `pages`
+    [kv_heads, num_pages, page_size, head_dim].
+
+    Only the first `lengths[row]` tokens of a row are written; the rest (bucket padding, or an
+    inactive decode row with length 0) and any position past the page table's reach are dropped,
+    so they can never clobber a page another sequence owns.
+    """
+    rows, t = positions.shape
+    num_pages, page_size = pages.shape[1], pages.shape[2]
+    max_pages = page_table.shape[1]
+    slot = positions // page_size  # [rows, t] index into the row's page table
+    valid = (jnp.arange(t, dtype=jnp.int32)[None, :] < lengths[:, None]) & (slot < max_pages)
+    valid &= positions >= 0
+    page = jnp.take_along_axis(page_table, jnp.clip(slot, 0, max_pages - 1), axis=1)
+    # Out-of-range indices are dropped by the scatter: route invalid tokens there.
+    page = jnp.where(valid, page, num_pages)
+    # Indices on the adjacent axes 1 and 2: the indexed view is [kv_heads, rows, t, head_dim].
+    values = new.astype(pages.dtype).transpose(2, 0, 1, 3)
+    return pages.at[:, page, positions % page_size].set(values, mode="drop")
