@@ -162,13 +162,23 @@ def test_bad_lines_are_reported_and_do_not_stop_the_others(setup, tmp_path):
         "[1, 2]",                                                    # 9 not an object
         "",                                                          # 10 blank: ignored
         {"id": "g", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},  # 11
+        '{"id": "h", "prompt": "x", "seed": ' + "9" * 5000 + "}",    # 12 a 5000-digit integer
+        '{"id": "i", "prompt": "x", "x": ' + "[" * 50_000 + "]" * 50_000 + "}",  # 13 deep nesting
+        '{"id": "j", "prompt": "lone \\ud800 surrogate"}',          # 14 not Unicode text
+        '{"id": "k", "prompt": "x", "temperature": 1e999}',          # 15 not finite
+        {"id": "l", "prompt": "x", "top_k": 2**31},                  # 16 past int32
+        {"id": "m", "prompt": "x", "stop": ["s"] * 17},              # 17 too many stop strings
+        {"id": "n", "prompt": "word " * 200_000},                    # 18 cannot fit, untokenized
     ]
     inp, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
     result = run_batch(setup, inp, out)
     assert result.returncode == 1
     expected = {2: "malformed JSON", 4: 'missing "id"', 5: "duplicate id 'a' (first on line 1)",
                 6: "exceeds the context of 256 tokens", 7: "temperature must be >= 0",
-                8: "unknown field(s) 'max_token'", 9: "expected a JSON object"}
+                8: "unknown field(s) 'max_token'", 9: "expected a JSON object",
+                12: "5000 digits", 13: "nested too deeply", 14: "unpaired surrogate",
+                15: "out of range", 16: "top_k must be in", 17: "at most 16 stop strings",
+                18: "exceeds the context of 256 tokens"}
     reported = [s for s in result.stderr.splitlines() if s.startswith(f"cadence-batch: {inp}:")]
     assert {int(s.split(":")[2]) for s in reported} == set(expected), reported
     for number, text in expected.items():
