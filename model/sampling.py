@@ -48,6 +48,7 @@ class SamplingParams:
 
 # What the device arrays can hold: top_k is int32 and the seed uint32 (`SamplingParams`).
 MAX_TOP_K = 2**31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 SEED_RANGE = 2**32
 
 
@@ -68,8 +69,9 @@ class RequestSampling:
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or abs(value) > FLOAT32_MAX):
+                raise ValueError(f"{name} must be a finite number that fits float32, got {value!r}")
         for name in ("top_k", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from absl import logging
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -365,7 +366,14 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str, *,
 
         return Route(path, endpoint, methods=methods)
 
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        # Starlette's own 404 (no such route) and 405 (wrong method), in OpenAI's shape too.
+        error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                         code="not_found" if exc.status_code == 404 else "method_not_allowed")
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
     app = Starlette(
+        exception_handlers={HTTPException: http_error},
         routes=[
             route("/v1/completions", lambda r: server.generate(r, chat=False), ["POST"]),
             route("/v1/chat/completions", lambda r: server.generate(r, chat=True), ["POST"]),

@@ -68,6 +68,11 @@ class ParsedRequest:
     include_usage: bool
 
 
+def _same(value: Any, neutral: Any) -> bool:
+    """JSON equality: `true` is not 1 and `false` is not 0, as they are in Python."""
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+
+
 def parse(body: Any, chat: bool,
           defaults: requests.SamplingDefaults = OPENAI_DEFAULTS) -> ParsedRequest:
     """A request body (already `requests.load_json`'d) into a `ParsedRequest`, or `APIError` 400.
@@ -83,7 +88,7 @@ def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults) -> Parsed
     if not isinstance(body, dict):
         raise SubmissionError("the request body must be a JSON object")
     for name, neutral in _NEUTRAL.items():
-        if body.get(name) is not None and body[name] not in neutral:
+        if body.get(name) is not None and not any(_same(body[name], n) for n in neutral):
             raise SubmissionError(f'"{name}" is not supported by cadence (only its neutral value '
                                   f"{', '.join(map(repr, neutral)) or 'null'} is accepted)", name)
     unknown = sorted(set(body) - _ALLOWED[chat] - _NEUTRAL.keys() - _IGNORED)
@@ -95,11 +100,10 @@ def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults) -> Parsed
     prompt_text = prompt_ids = messages = None
     if chat:
         messages = requests.chat_messages(requests.field(body, "messages", (list,)))
-        route_defaults = dataclasses.replace(defaults, max_tokens=None)
-        if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
-            params = requests.generation_params(body, route_defaults, max_tokens_field="max_completion_tokens")
-        else:
-            params = requests.generation_params(body, route_defaults)
+        # max_completion_tokens is OpenAI's newer name; both are checked, max_tokens wins.
+        newer = requests.generation_params(body, dataclasses.replace(defaults, max_tokens=None),
+                                           max_tokens_field="max_completion_tokens")
+        params = requests.generation_params(body, dataclasses.replace(defaults, max_tokens=newer.max_tokens))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

@@ -197,6 +197,13 @@ def chat_messages(messages: Any) -> list[dict]:
         raise SubmissionError('"messages" must be a non-empty array', "messages")
     out = []
     for i, message in enumerate(messages):
+        if isinstance(message, dict):
+            for key in ("tool_calls", "function_call", "tool_call_id"):
+                if message.get(key) is not None:
+                    raise SubmissionError(f'messages[{i}]["{key}"]: tool calls are not supported '
+                                          "by cadence", "messages")
+            if message.get("name") is not None and not isinstance(message["name"], str):
+                raise SubmissionError(f'messages[{i}]["name"] must be a string', "messages")
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
             texts = []

@@ -45,11 +45,10 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from engine.engine import Engine, EngineConfig
 from scheduler.policy import PolicyConfig
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from server.app import create_app
-from tests.conftest import loopback_server
+from tests.conftest import SERVING_ENGINE, loopback_server
 
 # Schemathesis' set-up blanks hypothesis' printer of failing examples (for its own speed), for
 # every hypothesis test in the process; put it back so a failure shows what was sent.
@@ -58,7 +57,7 @@ hypothesis.core.RepresentationPrinter = hypothesis.vendor.pretty.RepresentationP
 SPEC_PATH = Path(__file__).resolve().parent.parent / "server" / "openapi.json"
 SCHEMA = schemathesis.openapi.from_path(SPEC_PATH)
 MODEL = "tiny"
-ENGINE = EngineConfig(num_slots=4, max_seq_len=512, prefill_chunk=32, min_kv_bucket=256)
+MAX_SEQ_LEN = SERVING_ENGINE["max_seq_len"]
 
 SEED = int(os.environ.get("CADENCE_FUZZ_SEED") or random.randrange(2**32))
 SCALE = float(os.environ.get("CADENCE_FUZZ_SCALE", "1"))
@@ -93,15 +92,8 @@ def seeded(test):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_params, tiny_config):
-    e = Engine(tiny_params, tiny_config, ENGINE)
-    e.warmup()
-    return e
-
-
-@pytest.fixture(scope="module")
-def url(engine, tiny_tokenizer):
-    sched = Scheduler(engine, tiny_tokenizer, SchedulerConfig(
+def url(tiny_engine, tiny_tokenizer):
+    sched = Scheduler(tiny_engine, tiny_tokenizer, SchedulerConfig(
         policy=PolicyConfig(token_budget=40, chunk=32), max_queue=64))
     with loopback_server(create_app(sched, tiny_tokenizer, MODEL)) as base:
         deadline = time.monotonic() + 60
@@ -297,7 +289,7 @@ def check(exchange: Exchange, what: str = "") -> None:
 def _fold(value):
     # Valid max_tokens that fit the context would run long on CPU; fold them down. Values that
     # break the schema or exceed the context (answered at once with a 400) stay as drawn.
-    if isinstance(value, int) and not isinstance(value, bool) and MAX_FUZZ_TOKENS < value <= ENGINE.max_seq_len:
+    if isinstance(value, int) and not isinstance(value, bool) and MAX_FUZZ_TOKENS < value <= MAX_SEQ_LEN:
         return 1 + value % MAX_FUZZ_TOKENS
     return value
 

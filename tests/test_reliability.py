@@ -207,6 +207,11 @@ BAD_INPUTS = [
     ("tools", "chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "not supported"),
     ("an unknown field", "completions", {"prompt": "x", "temprature": 0.5}, 400, "unrecognized request argument"),
     ("an image part", "chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "text part"),
+    ("true is not the neutral 1", "completions", {"prompt": "x", "best_of": True}, 400, "not supported"),
+    ("a bad max_completion_tokens beside a good max_tokens", "chat",
+     {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": -5}, 400, "max_completion_tokens"),
+    ("a message name that is not a string", "chat", {"messages": [{"role": "user", "content": "x", "name": {}}]}, 400, "name"),
+    ("a temperature past float32", "completions", {"prompt": "x", "temperature": 1e300}, 400, "float32"),
     ("a request id too long", "long-id", {"prompt": "x", "max_tokens": 2}, 400, "X-Request-Id"),
 ]
 
@@ -259,6 +264,14 @@ def test_chat_content_as_text_parts_is_the_joined_string(server):
     joined = chat("Say\nsomething.")
     assert parts["choices"][0]["message"] == joined["choices"][0]["message"]
     assert parts["usage"] == joined["usage"]
+
+
+def test_unknown_routes_and_methods_answer_in_openai_shape(server):
+    for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
+                                 ("DELETE", "/health", 405)]:
+        response = httpx.request(method, f"{server}{path}")
+        assert response.status_code == status
+        assert response.json()["error"]["message"].startswith(f"{method} {path}")
 
 
 def test_openapi_description_is_served(server):
