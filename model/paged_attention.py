@@ -1,0 +1,209 @@
+"""Attention over a paged KV pool: the interface of `model.attention`, with KV read through
+page tables.
+
+    attend(q, k_pages, v_pages, page_table, q_positions) -> out
+      q            [rows, q_len, num_heads, head_dim]
+      k_pages      [num_kv_heads, num_pages, page_size, head_dim]   one layer's pool
+      page_table   [rows, max_pages] int32   position p: page page_table[row, p // page_size]
+      q_positions  [rows, q_len] int32   query t sees keys 0..q_positions[t] of its own sequence;
+                                         -1 sees none and gets zeros
+      out          [rows, q_len, num_heads, head_dim]
+
+The semantic is exactly `model.attention`'s on the row's sequence laid out contiguously
+(GQA by num_heads a multiple of num_kv_heads, causal by positions). Page-table entries past a
+row's visible pages may be anything; the XLA paths clamp them into the pool and mask what they
+read by position, so they rely on the pool holding finite values (it is created zero-filled).
+
+- `paged_reference_attention` ("reference"): gathers each row's pages into a contiguous tile and
+  runs `xla_attention`: the oracle.
+- `xla_paged_attention` ("xla", the CPU default): the reference for prefill chunks (compute
+  bound: the gather is small beside the matmuls) and, for decode, a per-row loop whose cost
+  follows the row's own length, reading pages in place. Two loops, one function:
+    "pages" (`paged_decode_pages`, the default): one page per iteration, a dynamic index of the
+      pool, unmasked but for the row's last page;
+    "gather" (`paged_decode_gather`): whole 512-position tiles, each a `take` of its pages, then
+      at most one tile per power-of-two page count for the rest.
+  Measured (`python -m bench.paged_attention_bench --rounds=40 --calls=8`, 2-core AMD EPYC
+  shared with other test runs, JAX 0.10.2, bench/results/paged_attention_cpu.txt): one layer
+  of SmolLM2-135M (9 heads, 3 KV heads, head_dim 64, f32), 8 rows, median ms per call, and the
+  ratio to the contiguous `_tiled_decode` over 4096-token slots:
+      context per row     128          1000         4000         7 x 128 + 1 x 4000
+      contiguous          1.40         2.60         11.6         2.29
+      pages,  page 128    0.55 (0.39)  2.60 (1.00)  9.48 (0.82)  1.49 (0.65)
+      gather, page 128    0.58 (0.41)  3.01 (1.16)  12.4 (1.07)  1.62 (0.71)
+      pages,  page 64     0.59 (0.42)  3.09 (1.19)  10.9 (0.94)  1.67 (0.73)
+      gather, page 64     0.66 (0.47)  3.47 (1.34)  13.6 (1.17)  1.78 (0.78)
+      pages,  page 16     0.76 (0.54)  5.22 (2.01)  19.1 (1.64)  2.93 (1.28)
+      gather, page 16     0.73 (0.52)  5.46 (2.10)  18.6 (1.60)  2.50 (1.09)
+  The page loop wins at pages of 64 and 128; the gather is kept because it is close there and
+  ties at 16, where both lose: XLA:CPU pays per loop step and per gathered page, so small
+  pages cost the CPU up to 2x. At 128-key pages paging costs nothing at 1k keys and is faster
+  at short and mixed contexts, because it reads only live pages where the contiguous loop reads
+  whole 512-position tiles. (A concatenation of dynamic page slices instead of `take` was
+  measured too during development: no better.)
+- `model.pallas_paged.pallas_paged_attention` ("pallas"): the GPU kernels.
+
+Non-goals: page allocation (host side), writes (`model.paged_kv.write`), sliding windows.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from model.attention import DECODE_TILE, _batched_matmul, xla_attention
+
+
+def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+    """Each row's pages, in order, as a contiguous cache:
+    [kv_heads, num_pages, page_size, d] x [rows, max_pages]
+    -> [rows, kv_heads, max_pages * page_size, d].
+    """
+    heads, _, page_size, head_dim = pages.shape
+    rows, max_pages = page_table.shape
+    tiles = jnp.take(pages, page_table, axis=1, mode="clip")  # [kv_heads, rows, max_pages, ps, d]
+    return tiles.transpose(1, 0, 2, 3, 4).reshape(rows, heads, max_pages * page_size, head_dim)
+
+
+def paged_reference_attention(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+    q_positions: jax.Array,
+) -> jax.Array:
+    """The oracle: every row's whole page table gathered, then the contiguous reference."""
+    k = gather_pages(k_pages, page_table)
+    v = gather_pages(v_pages, page_table)
+    return xla_attention(q, k, v, q_positions)
+
+
+def _online_step(carry, qr, kt, vt, valid):
+    """One tile of an online softmax in float32 (as `model.attention._tiled_decode`):
+    qr [kv_heads, group, d] (pre-scaled), kt, vt [kv_heads, n, d], valid [n] or None (all)."""
+    peak, total, acc = carry  # [kv_heads, group], [kv_heads, group], [kv_heads, group, d]
+    scores = _batched_matmul(qr, kt.astype(jnp.float32), 2, 2)  # [kv_heads, group, n]
+    if valid is not None:
+        scores = jnp.where(valid, scores, -jnp.inf)
+    new_peak = jnp.maximum(peak, jnp.max(scores, axis=-1))
+    weights = jnp.exp(scores - new_peak[..., None])
+    if valid is not None:
+        weights = jnp.where(valid, weights, 0.0)
+    correction = jnp.exp(peak - new_peak)
+    total = total * correction + jnp.sum(weights, axis=-1)
+    acc = acc * correction[..., None] + _batched_matmul(weights, vt.astype(jnp.float32), 2, 1)
+    return new_peak, total, acc
+
+
+def _paged_decode(q, k_pages, v_pages, page_table, q_positions, *, tile_pages: int):
+    """Decode over pages, one static loop per row (as `_tiled_decode`), reading only the row's
+    live pages: first a loop over the whole tiles of `tile_pages` pages below the row's length,
+    unmasked, then the pages left (fewer than a tile, or a tile's worth whose last page is
+    partial) in at most one tile of each power-of-two page count, masked by position: 1000 keys
+    in 128-key pages and 512-key tiles run a whole tile and one 4-page tile, as many steps as
+    the contiguous loop, reading less than a page past the row's last key. A tile of n > 1
+    pages is a `take` of them from the pool; one page is a dynamic index. Position -1 runs none.
+    """
+    rows, _, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    max_pages = page_table.shape[1]
+    group = num_heads // num_kv_heads
+    tile_pages = max(1, min(tile_pages, max_pages))
+    tile = tile_pages * page_size
+    scale = 1.0 / jnp.sqrt(jnp.float32(head_dim))
+
+    def read(pages, table, first, n):  # n pages of the row from table index `first`
+        if n == 1:
+            # dynamic_index clamps a garbage entry into the pool, as take's mode="clip" does.
+            return jax.lax.dynamic_index_in_dim(pages, table[first], axis=1, keepdims=False)
+        ids = jax.lax.dynamic_slice(table, (first,), (n,))  # first + n <= max_pages: no clamp
+        tiles = jnp.take(pages, ids, axis=1, mode="clip")  # [kv_heads, n, page_size, d]
+        return tiles.reshape(num_kv_heads, n * page_size, head_dim)
+
+    outputs = []
+    for row in range(rows):  # static: one small loop per row
+        qr = q[row, 0].reshape(num_kv_heads, group, head_dim).astype(jnp.float32) * scale
+        position = q_positions[row, 0]
+        table = page_table[row]  # [max_pages]
+        live = jnp.clip(position + 1, 0, max_pages * page_size)  # keys 0..position
+
+        def whole_tile(i, carry, qr=qr, table=table):
+            first = i * tile_pages
+            kt = read(k_pages, table, first, tile_pages)
+            vt = read(v_pages, table, first, tile_pages)
+            return _online_step(carry, qr, kt, vt, None)
+
+        def part_tile(carry, first, n, qr=qr, table=table, position=position):
+            kt, vt = read(k_pages, table, first, n), read(v_pages, table, first, n)
+            key_pos = first * page_size + jnp.arange(n * page_size, dtype=jnp.int32)
+            return _online_step(carry, qr, kt, vt, key_pos <= position)
+
+        carry = (
+            jnp.full((num_kv_heads, group), -1e30, jnp.float32),
+            jnp.zeros((num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_kv_heads, group, head_dim), jnp.float32),
+        )
+        whole = live // tile
+        carry = jax.lax.fori_loop(0, whole, whole_tile, carry)
+        first = whole * tile_pages
+        left = (live + page_size - 1) // page_size - first  # 0..tile_pages pages
+        n = 1 << (tile_pages.bit_length() - 1)  # the largest power of two <= tile_pages
+        while n:  # static: one optional tile per bit of `left`
+            taken = (left & n) > 0
+            carry = jax.lax.cond(
+                taken, functools.partial(part_tile, first=first, n=n), lambda c: c, carry
+            )
+            first = first + jnp.where(taken, n, 0)
+            n //= 2
+        _, total, acc = carry
+        outputs.append(acc / jnp.where(total > 0, total, 1.0)[..., None])
+    out = jnp.stack(outputs).reshape(rows, 1, num_heads, head_dim)
+    return out.astype(q.dtype)
+
+
+def paged_decode_gather(q, k_pages, v_pages, page_table, q_positions, tile: int = DECODE_TILE):
+    """CPU decode: tiles of `tile` positions gathered from their pages (q_len == 1)."""
+    tile_pages = max(1, tile // k_pages.shape[2])
+    return _paged_decode(q, k_pages, v_pages, page_table, q_positions, tile_pages=tile_pages)
+
+
+def paged_decode_pages(q, k_pages, v_pages, page_table, q_positions):
+    """CPU decode: one page read in place per iteration (q_len == 1)."""
+    return _paged_decode(q, k_pages, v_pages, page_table, q_positions, tile_pages=1)
+
+
+def xla_paged_attention(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+    q_positions: jax.Array,
+) -> jax.Array:
+    """The XLA serving path: the reference for chunks, a length-following loop for decode."""
+    if q.shape[1] == 1:
+        return paged_decode_pages(q, k_pages, v_pages, page_table, q_positions)
+    return paged_reference_attention(q, k_pages, v_pages, page_table, q_positions)
+
+
+def pallas_paged_attention(q, k_pages, v_pages, page_table, q_positions, *, interpret=None):
+    """`model.pallas_paged.pallas_paged_attention`, imported lazily (keeps Pallas off the
+    XLA-only import path)."""
+    from model import pallas_paged
+
+    return pallas_paged.pallas_paged_attention(
+        q, k_pages, v_pages, page_table, q_positions, interpret=interpret
+    )
+
+
+PAGED_IMPLEMENTATIONS: dict[str, Callable[..., jax.Array]] = {
+    "xla": xla_paged_attention,
+    "reference": paged_reference_attention,
+    "pallas": pallas_paged_attention,
+}
+
+
+def get_paged_attention(name: str) -> Callable[..., jax.Array]:
+    try:
+        return PAGED_IMPLEMENTATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention implementation {name!r}; choose one of "
+            f"{sorted(PAGED_IMPLEMENTATIONS)}"
+        ) from None

@@ -1,0 +1,266 @@
+"""Pallas GPU attention over a paged KV pool: split-K decode and chunked-prefill flash attention.
+
+    out = paged_decode(q, k_pages, v_pages, page_table, q_positions)        q_len == 1
+    out = paged_prefill(q, k_pages, v_pages, page_table, q_positions)       any q_len
+      q            [rows, q_len, num_heads, head_dim]
+      k_pages      [num_kv_heads, num_pages, page_size, head_dim]   one layer's pool
+      page_table   [rows, max_pages] int32   position p: page page_table[row, p // page_size]
+      q_positions  [rows, q_len] int32   query t sees keys 0..q_positions[t]; -1 sees none
+      out          [rows, q_len, num_heads, head_dim], zeros for a query that sees no key
+
+The same kernels as `model.pallas_decode` and `model.pallas_prefill`, not copies of them: their
+kernel bodies run unchanged (same grids, tilings, online softmax, masks, log-sum-exp combine),
+handed `PagedRows` views instead of the [kv_len, head_dim] refs of a contiguous slot. Those
+bodies read K/V only as `load(ref.at[pl.ds(start, block_k), :], mask)`, a tile of `block_k`
+consecutive positions; a `PagedRows` answers that indexing Triton style: it loads the tile's
+page-table entries (one int32 per key, a few cached bytes), turns them into row offsets of the
+KV head's pool viewed as [num_pages * page_size, head_dim], and hands back a gather view that
+the kernel's own masked load reads. So a tile may span several small pages (page size 8 with
+16-key tiles) or part of a big one, and the tile size stays a matmul choice, not a memory-layout
+one. The page table row is a small input block read inside the kernel, like scalar prefetch on
+TPU. (If the contiguous kernels ever index K/V another way, `PagedRows` refuses it loudly.)
+
+Grids and GQA are theirs: decode runs (rows, KV heads, splits) programs, each one KV head's
+group of query heads (padded to 16 matmul rows) over one range of the row's positions, split-K
+over the page table's reach, merged by `pallas_decode.combine`; prefill runs (rows, KV heads,
+query blocks) programs, causal, stopping at the block's last visible key.
+
+Keys past a row's visible range are masked in the loads themselves: pages past a row's length
+are never read, and page-table entries past its live pages may hold anything (they are masked
+too, and clamped into the pool in case a compiled masked load still forms the address).
+
+Non-goals: the deprecated `jax.experimental.pallas.ops.gpu.paged_attention` (learned from, not
+imported: it vmaps one sequence per call and needs page counts divisible by the splits), a
+Mosaic GPU port, quantized pages.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from model import pallas_decode, pallas_prefill
+from model.pallas_common import (
+    MIN_DOT, default_interpret, dot_precision, load, next_pow2, triton_call,
+)
+from model.pallas_decode import DecodeTiling, combine
+from model.pallas_prefill import PrefillTiling
+
+
+class PagedRows:
+    """One KV head's pool [num_pages * page_size, head_dim] seen through one row's page table
+    [max_pages] as that row's contiguous [max_pages * page_size, head_dim] cache, for the
+    indexing the contiguous kernels use: `view.at[pl.ds(start, n), :]`."""
+
+    def __init__(self, pool_ref, table_ref, page_size: int):
+        self.pool_ref, self.table_ref, self.page_size = pool_ref, table_ref, page_size
+
+    @property
+    def at(self) -> PagedRows:
+        return self
+
+    def __getitem__(self, index):
+        positions, columns = index
+        if not isinstance(positions, pl.Slice) or positions.stride != 1 or columns != slice(None):
+            raise NotImplementedError(f"PagedRows reads tiles [pl.ds(start, n), :], got {index}")
+        page_size, (pool_rows, head_dim) = self.page_size, self.pool_ref.shape
+        key = positions.start + jnp.arange(positions.size, dtype=jnp.int32)  # absolute positions
+        # Keys past the table's reach (a last tile overhanging it) read no entry; entries past
+        # the row's live pages hold anything and are clamped into the pool: the kernel's own
+        # mask then keeps the load from reading them.
+        in_table = key < self.table_ref.shape[0] * page_size
+        page = load(self.table_ref.at[lax.div(key, page_size)], mask=in_table, other=0)
+        row = jnp.clip(page * page_size, 0, pool_rows - page_size) + lax.rem(key, page_size)
+        return self.pool_ref.at[row[:, None], jnp.arange(head_dim, dtype=jnp.int32)[None, :]]
+
+
+def _decode_kernel(len_ref, q_ref, table_ref, k_ref, v_ref, *refs, page_size, **kwargs):
+    k, v = (PagedRows(ref, table_ref, page_size) for ref in (k_ref, v_ref))
+    pallas_decode._kernel(len_ref, q_ref, k, v, *refs, **kwargs)
+
+
+def _prefill_kernel(pos_ref, q_ref, table_ref, k_ref, v_ref, *refs, page_size, **kwargs):
+    k, v = (PagedRows(ref, table_ref, page_size) for ref in (k_ref, v_ref))
+    pallas_prefill._kernel(pos_ref, q_ref, k, v, *refs, **kwargs)
+
+
+def _paged_operands(page_table, k_pages, v_pages):
+    """The page table and both pools as pallas_call operands with their BlockSpecs, for a grid
+    whose first two axes are (row, KV head): a program gets its row's [max_pages] table and its
+    KV head's pools, each viewed (for free) as [num_pages * page_size, head_dim]."""
+    heads, num_pages, page_size, head_dim = k_pages.shape
+    pools = [p.reshape(heads, num_pages * page_size, head_dim) for p in (k_pages, v_pages)]
+    pool_spec = pl.BlockSpec((None, num_pages * page_size, head_dim), lambda b, h, _: (h, 0, 0))
+    table_spec = pl.BlockSpec((None, page_table.shape[1]), lambda b, h, _: (b, 0))
+    return [page_table.astype(jnp.int32), *pools], [table_spec, pool_spec, pool_spec]
+
+
+def paged_split_partials(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    q_positions: jax.Array,
+    *,
+    tiling: DecodeTiling | None = None,
+    interpret: bool | None = None,
+    partials: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The decode kernel alone: per-split (unnormalised output, base-2 max, sum), shaped
+    [rows, kv_heads, splits, group, head_dim], [..., group], [..., group], all float32, as
+    `pallas_decode.split_partials` returns them (`partials`: buffers written in place)."""
+    batch, q_len, num_heads, head_dim = q.shape
+    if q_len != 1:
+        raise ValueError(f"decode attention takes one query per row, got q_len={q_len}")
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    max_pages = page_table.shape[1]
+    capacity = max_pages * page_size  # the longest sequence a page table reaches
+    group = num_heads // num_kv_heads
+    tiling = tiling or pallas_decode.default_tiling(batch, num_kv_heads, capacity, head_dim)
+    interpret = default_interpret() if interpret is None else interpret
+    split_len = -(-pl.cdiv(capacity, tiling.num_splits) // tiling.block_k) * tiling.block_k
+    splits = pl.cdiv(capacity, split_len)
+
+    # Keys row b may see: 0..position, clipped to what its page table reaches.
+    lengths = jnp.clip(q_positions[:, 0].astype(jnp.int32) + 1, 0, capacity)
+    qg = q.reshape(batch, num_kv_heads, group, head_dim)
+    shapes = (
+        jax.ShapeDtypeStruct((batch, num_kv_heads, splits, group, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch, num_kv_heads, splits, group), jnp.float32),
+        jax.ShapeDtypeStruct((batch, num_kv_heads, splits, group), jnp.float32),
+    )
+    out_specs = (
+        pl.BlockSpec((None, None, None, group, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+        pl.BlockSpec((None, None, None, group), lambda b, h, s: (b, h, s, 0)),
+        pl.BlockSpec((None, None, None, group), lambda b, h, s: (b, h, s, 0)),
+    )
+    paged_args, paged_specs = _paged_operands(page_table, k_pages, v_pages)
+    in_specs = [
+        pl.BlockSpec((batch,), lambda b, h, s: (0,)),
+        pl.BlockSpec((None, None, group, head_dim), lambda b, h, s: (b, h, 0, 0)),
+        *paged_specs,
+    ]
+    args = [lengths, qg, *paged_args]
+    aliases = {}
+    if partials is not None:
+        aliases = {len(args) + i: i for i in range(3)}
+        args += [p.astype(jnp.float32) for p in partials]
+        in_specs += list(out_specs)
+
+    kernel = functools.partial(
+        _decode_kernel, group=group, rows=max(MIN_DOT, next_pow2(group)),
+        block_k=tiling.block_k, split_len=split_len, page_size=page_size,
+        precision=dot_precision(q.dtype),
+    )
+    return triton_call(
+        kernel,
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages,
+        out_shape=shapes,
+        grid=(batch, num_kv_heads, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        name="cadence_paged_decode",
+    )(*args)
+
+
+def paged_decode(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    q_positions: jax.Array,
+    *,
+    tiling: DecodeTiling | None = None,
+    interpret: bool | None = None,
+    partials: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+) -> jax.Array:
+    """Decode attention over pages for one query per row (see the module docstring)."""
+    acc, m, l = paged_split_partials(
+        q, k_pages, v_pages, page_table, q_positions, tiling=tiling, interpret=interpret,
+        partials=partials,
+    )
+    return combine(acc, m, l).reshape(q.shape).astype(q.dtype)
+
+
+def paged_prefill(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    q_positions: jax.Array,
+    *,
+    tiling: PrefillTiling | None = None,
+    interpret: bool | None = None,
+    out: jax.Array | None = None,
+) -> jax.Array:
+    """Flash attention over pages for a chunk of queries at any positions (see the module
+    docstring); `out`, when given, is a buffer of the output's shape written in place."""
+    batch, q_len, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    max_pages = page_table.shape[1]
+    group = num_heads // num_kv_heads
+    tiling = tiling or pallas_prefill.default_tiling(q_len, group, head_dim)
+    interpret = default_interpret() if interpret is None else interpret
+
+    qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)  # free: heads are h*group+g
+    q_spec = pl.BlockSpec((None, q_len, None, group, head_dim), lambda b, h, i: (b, 0, h, 0, 0))
+    paged_args, paged_specs = _paged_operands(page_table, k_pages, v_pages)
+    in_specs = [pl.BlockSpec((None, q_len), lambda b, h, i: (b, 0)), q_spec, *paged_specs]
+    args = [q_positions.astype(jnp.int32), qg, *paged_args]
+    aliases = {}
+    if out is not None:
+        args.append(out.reshape(qg.shape).astype(q.dtype))
+        in_specs.append(q_spec)
+        aliases = {len(args) - 1: 0}
+
+    kernel = functools.partial(
+        _prefill_kernel, q_len=q_len, kv_len=max_pages * page_size, group=group,
+        block_q=tiling.block_q, block_k=tiling.block_k, page_size=page_size,
+        precision=dot_precision(q.dtype),
+    )
+    result = triton_call(
+        kernel,
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages,
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        grid=(batch, num_kv_heads, pl.cdiv(q_len, tiling.block_q)),
+        in_specs=in_specs,
+        out_specs=q_spec,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        name="cadence_paged_prefill",
+    )(*args)
+    return result.reshape(batch, q_len, num_heads, head_dim)
+
+
+def pallas_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    q_positions: jax.Array,
+    *,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """The GPU default: paged decode for one query per row, paged prefill otherwise."""
+    if interpret is None:
+        interpret = default_interpret()
+    return _pallas_paged_attention(
+        q, k_pages, v_pages, page_table, q_positions, interpret=interpret
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _pallas_paged_attention(q, k_pages, v_pages, page_table, q_positions, *, interpret: bool):
+    # A jit of its own, as in model.attention: every layer calls the same traced function, so a
+    # program lowers each kernel once, not once per layer.
+    if q.shape[1] == 1:
+        return paged_decode(q, k_pages, v_pages, page_table, q_positions, interpret=interpret)
+    return paged_prefill(q, k_pages, v_pages, page_table, q_positions, interpret=interpret)

@@ -1,0 +1,264 @@
+"""The paged KV pool and attention over it, on the CPU (Pallas kernels in interpret mode).
+
+Every layout is random: each row's pages are shuffled across a pool with spare pages, the
+page-table entries past a row's live pages hold garbage (-1, far past the pool, or another
+row's live page), and everything no query may see (spare pages, the tail of a partial last
+page) is poison: NaN for the Pallas kernels, whose masked loads must never read it, and a large
+finite value for the XLA paths, which read whole tiles but must mask them. Each path is checked
+against `paged_reference_attention`, and the reference against `xla_attention` on the same
+keys laid out contiguously (built independently, in numpy). Shapes are small because interpret
+mode is slow.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import kv_cache, paged_kv
+from model.attention import xla_attention
+from model.config import TINY
+from model.paged_attention import (
+    gather_pages, get_paged_attention, paged_decode_gather, paged_decode_pages,
+    paged_reference_attention, xla_paged_attention,
+)
+from model.pallas_decode import DecodeTiling
+from model.pallas_paged import (
+    paged_decode, paged_prefill, paged_split_partials, pallas_paged_attention,
+)
+from model.pallas_prefill import PrefillTiling
+
+INTERPRET = os.environ.get("CADENCE_PALLAS_INTERPRET", "1") != "0"
+FINITE_POISON = 1e4
+ATOL = 2e-5
+
+
+def build(seed, rows, kv_heads, head_dim, page_size, max_pages, visible, poison):
+    """A random paged layout: (k_pages, v_pages, page_table, k, v) where k, v are the same keys
+    contiguous, [rows, kv_heads, max_pages * page_size, head_dim], zero past `visible[row]`."""
+    rng = np.random.default_rng(seed)
+    capacity = max_pages * page_size
+    num_pages = rows * max_pages + 3  # spare pages nobody owns
+    k = rng.standard_normal((rows, kv_heads, capacity, head_dim)).astype(np.float32)
+    v = rng.standard_normal((rows, kv_heads, capacity, head_dim)).astype(np.float32)
+    seen = np.arange(capacity)[None, :] < np.asarray(visible)[:, None]  # [rows, capacity]
+    k, v = (np.where(seen[:, None, :, None], a, 0.0).astype(np.float32) for a in (k, v))
+
+    table = rng.permutation(num_pages)[: rows * max_pages].reshape(rows, max_pages)
+    pools = [np.full((kv_heads, num_pages, page_size, head_dim), poison, np.float32) for _ in "kv"]
+    for r in range(rows):
+        for j in range(-(-visible[r] // page_size)):
+            for pool, x in zip(pools, (k, v)):
+                part = x[r, :, j * page_size:(j + 1) * page_size]
+                ok = seen[r, j * page_size:(j + 1) * page_size]
+                pool[:, table[r, j]] = np.where(ok[None, :, None], part, poison)
+    live = np.arange(max_pages)[None, :] < -(-np.asarray(visible)[:, None] // page_size)
+    garbage = rng.choice([-1, num_pages + 7, int(table[0, 0])], size=table.shape)
+    table = np.where(live, table, garbage).astype(np.int32)
+    return (*map(jnp.asarray, pools), jnp.asarray(table), jnp.asarray(k), jnp.asarray(v))
+
+
+def case(seed, rows, heads, kv_heads, head_dim, page_size, max_pages, starts, q_len, poison):
+    """Queries at positions start..start+q_len-1 per row (start -1: an empty row)."""
+    positions = np.asarray(
+        [[s + t if s >= 0 else -1 for t in range(q_len)] for s in starts], np.int32
+    )
+    visible = [int(p.max()) + 1 for p in positions]
+    pool = build(seed, rows, kv_heads, head_dim, page_size, max_pages, visible, poison)
+    q = np.random.default_rng(seed + 1).standard_normal((rows, q_len, heads, head_dim))
+    return jnp.asarray(q, jnp.float32), pool, jnp.asarray(positions)
+
+
+def reference(q, pool, positions):
+    """The oracle, checked on the way against the contiguous layout."""
+    k_pages, v_pages, table, k, v = pool
+    ref = np.asarray(jax.jit(paged_reference_attention)(q, k_pages, v_pages, table, positions))
+    contiguous = np.asarray(jax.jit(xla_attention)(q, k, v, positions))
+    np.testing.assert_allclose(ref, contiguous, atol=ATOL, rtol=ATOL)
+    assert (ref[np.asarray(positions) < 0] == 0).all()
+    return ref
+
+
+def check(out, ref, positions):
+    out = np.asarray(out)
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all(), "a path read poison: a page past a row's length, or garbage"
+    np.testing.assert_allclose(out, ref, atol=ATOL, rtol=ATOL)
+    assert (out[np.asarray(positions) < 0] == 0).all()
+
+
+# (heads, kv_heads, head_dim, page_size, max_pages, decode: visible keys per row, 0 = empty)
+DECODE = [
+    # GQA 3; page size 8: exactly on boundaries (8, 16), off by one (7, 9, 17), full, empty
+    (6, 2, 16, 8, 5, [8, 9, 7, 16, 17, 40, 0, 1]),
+    # MHA; page size 16: one key, a page and one, a page less one, full
+    (2, 2, 32, 16, 4, [1, 17, 15, 64, 0]),
+    # GQA 4; page size 32, one KV head
+    (4, 1, 16, 32, 3, [33, 96, 0, 31]),
+]
+
+
+@pytest.mark.parametrize("i", range(len(DECODE)))
+def test_xla_decode_paths_match_reference(i):
+    heads, kv_heads, head_dim, page_size, max_pages, visible = DECODE[i]
+    q, pool, positions = case(
+        i, len(visible), heads, kv_heads, head_dim, page_size, max_pages,
+        [n - 1 for n in visible], 1, FINITE_POISON,
+    )
+    ref = reference(q, pool, positions)
+    args = (q, *pool[:3], positions)
+    # The serving entry point runs the page loop; check it through the entry point once.
+    page_loop = xla_paged_attention if i == 0 else paged_decode_pages
+    check(jax.jit(page_loop)(*args), ref, positions)
+    # Two-page tiles: whole gathered tiles, then a 2-page and a 1-page tile for what is left.
+    two_pages = functools.partial(paged_decode_gather, tile=2 * page_size)
+    check(jax.jit(two_pages)(*args), ref, positions)
+    if i == 0:  # the 512-position tile clipped to the table (5 pages): 4-, 2-, 1-page tails
+        check(jax.jit(paged_decode_gather)(*args), ref, positions)
+
+
+# (heads, kv_heads, head_dim, page_size, max_pages, q_len, chunk starts per row, -1 = empty)
+PREFILL = [
+    (6, 2, 16, 8, 6, 9, [0, 15, -1, 39]),  # GQA 3; a chunk ending on a page boundary (39+9=48)
+    (2, 2, 16, 16, 3, 5, [11, 16, 0]),  # MHA; chunks starting on and off a page boundary
+    (4, 1, 32, 32, 2, 7, [25, 32, -1]),  # GQA 4; a chunk across pages, one right after it
+]
+
+
+@pytest.mark.parametrize("i", range(len(PREFILL)))
+def test_xla_prefill_chunks_match_contiguous(i):
+    heads, kv_heads, head_dim, page_size, max_pages, q_len, starts = PREFILL[i]
+    q, pool, positions = case(
+        10 + i, len(starts), heads, kv_heads, head_dim, page_size, max_pages, starts, q_len,
+        FINITE_POISON,
+    )
+    ref = reference(q, pool, positions)
+    check(jax.jit(get_paged_attention("xla"))(q, *pool[:3], positions), ref, positions)
+
+
+def _poisoned_pair(seed, *shape_args):
+    """The same case twice: NaN poison for a kernel, finite poison for the oracle."""
+    q, pool, positions = case(seed, *shape_args, np.nan)
+    _, clean, _ = case(seed, *shape_args, FINITE_POISON)
+    return q, pool, positions, reference(q, clean, positions)
+
+
+# DECODE cases with a tiling each: tiles of two pages, tiles inside a page, several splits
+DECODE_TILINGS = [DecodeTiling(16, 2), DecodeTiling(16, 3), DecodeTiling(16, 2)]
+
+
+@pytest.mark.parametrize("i", range(len(DECODE)))
+def test_pallas_paged_decode_matches_reference(i):
+    heads, kv_heads, head_dim, page_size, max_pages, visible = DECODE[i]
+    q, pool, positions, ref = _poisoned_pair(
+        20 + i, len(visible), heads, kv_heads, head_dim, page_size, max_pages,
+        [n - 1 for n in visible], 1,
+    )
+    args = (q, *pool[:3], positions)
+    tiling = DECODE_TILINGS[i]
+    shapes = jax.eval_shape(functools.partial(paged_split_partials, tiling=tiling), *args)
+    poison = tuple(jnp.full(s.shape, jnp.nan, s.dtype) for s in shapes)
+    out = paged_decode(*args, tiling=tiling, interpret=INTERPRET, partials=poison)
+    check(out, ref, positions)
+
+
+PREFILL_TILINGS = [PrefillTiling(4, 16), PrefillTiling(8, 16), PrefillTiling(4, 16)]
+
+
+@pytest.mark.parametrize("i", range(len(PREFILL)))
+def test_pallas_paged_prefill_matches_reference(i):
+    heads, kv_heads, head_dim, page_size, max_pages, q_len, starts = PREFILL[i]
+    q, pool, positions, ref = _poisoned_pair(
+        30 + i, len(starts), heads, kv_heads, head_dim, page_size, max_pages, starts, q_len
+    )
+    poison = jnp.full(q.shape, jnp.nan, q.dtype)
+    out = paged_prefill(
+        q, *pool[:3], positions, tiling=PREFILL_TILINGS[i], interpret=INTERPRET, out=poison
+    )
+    check(out, ref, positions)
+
+
+def test_pallas_paged_attention_dispatches_on_query_length():
+    """Decode for one query per row, prefill otherwise, default tilings, bfloat16 in and out."""
+    for q_len, starts in ((1, [20, -1]), (6, [3, 17])):
+        q, pool, positions, ref = _poisoned_pair(40 + q_len, 2, 4, 2, 16, 8, 4, starts, q_len)
+        bf = lambda a: a.astype(jnp.bfloat16)  # noqa: E731
+        out = pallas_paged_attention(bf(q), *map(bf, pool[:2]), pool[2], positions)
+        assert out.dtype == jnp.bfloat16
+        out = np.asarray(out.astype(jnp.float32))
+        assert np.isfinite(out).all()
+        np.testing.assert_allclose(out, ref, atol=3e-2, rtol=3e-2)
+
+
+def test_paged_kernels_lower_to_triton_for_gpu(monkeypatch):
+    """As in test_pallas: on the CPU the paged kernels still lower for a CUDA GPU, and the
+    Triton modules verify, at the Llama-3-8B and SmolLM2 shapes in bfloat16."""
+    lowering = pytest.importorskip("jax._src.pallas.triton.lowering")
+    verified = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = original(*args, **kwargs)
+        with result.module.context:
+            verified.append(result.module.operation.verify())
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    attend = jax.jit(functools.partial(pallas_paged_attention, interpret=False))
+    for heads, kv_heads, head_dim in [(32, 8, 128), (9, 3, 64)]:
+        for batch, q_len in [(1, 512), (64, 1)]:
+            q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), jnp.bfloat16)
+            pages = jax.ShapeDtypeStruct((kv_heads, 4096, 16, head_dim), jnp.bfloat16)
+            table = jax.ShapeDtypeStruct((batch, 256), jnp.int32)
+            pos = jax.ShapeDtypeStruct((batch, q_len), jnp.int32)
+            attend.trace(q, pages, pages, table, pos).lower(lowering_platforms=("cuda",))
+    assert all(verified) and (len(verified) == 4 or not INTERPRET)
+
+
+def test_pool_shapes_and_sizes():
+    pool = paged_kv.PagedKVCache.create(TINY, num_pages=10, page_size=8)
+    spec = paged_kv.PagedKVCache.abstract(TINY, num_pages=10, page_size=8)
+    assert len(pool.k) == len(pool.v) == TINY.num_layers
+    assert pool.k[0].shape == spec.k[0].shape == (TINY.num_kv_heads, 10, 8, TINY.head_dim)
+    assert (pool.num_pages, pool.page_size, pool.tokens_capacity) == (10, 8, 80)
+    per_token = paged_kv.bytes_per_token(TINY, jnp.float32)
+    assert per_token == 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 4
+    assert pool.nbytes == 80 * per_token
+    assert paged_kv.pages_for_bytes(TINY, pool.nbytes + 8 * per_token - 1, 8) == 10
+
+
+def test_write_through_page_tables_equals_contiguous_write():
+    """A prefill chunk with bucket padding, a chunk across page boundaries, an inactive row, and
+    then a decode step: read back through the page tables, the pool equals a contiguous cache
+    written with `kv_cache.write`, and no page outside the tables is touched."""
+    rng = np.random.default_rng(7)
+    kv_heads, head_dim, page_size, max_pages, rows = 2, 4, 8, 4, 3
+    num_pages = rows * max_pages + 2
+    table = jnp.asarray(rng.permutation(num_pages)[: rows * max_pages].reshape(rows, max_pages))
+    pages = jnp.zeros((kv_heads, num_pages, page_size, head_dim), jnp.float32)
+    slots = jnp.zeros((rows, kv_heads, max_pages * page_size, head_dim), jnp.float32)
+    write = jax.jit(paged_kv.write)
+    steps = [  # (positions [rows, t], lengths [rows])
+        (np.array([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [0, 1, 2, 3, 4]]), [3, 5, 0]),
+        (np.array([[3], [10], [0]]), [1, 1, 0]),
+        (np.array([[15, 16, 17], [31, 32, 33], [8, 9, 10]]), [3, 3, 2]),  # 32, 33: past reach
+    ]
+    for positions, lengths in steps:
+        new = jnp.asarray(rng.standard_normal((rows, positions.shape[1], kv_heads, head_dim)))
+        positions, lengths = jnp.asarray(positions, jnp.int32), jnp.asarray(lengths, jnp.int32)
+        pages = write(pages, new, table, positions, lengths)
+        slots = kv_cache.write(slots, new, jnp.arange(rows), positions, lengths)
+    np.testing.assert_array_equal(np.asarray(gather_pages(pages, table)), np.asarray(slots))
+    spare = np.setdiff1d(np.arange(num_pages), np.asarray(table))
+    assert spare.size == 2 and (np.asarray(pages)[:, spare] == 0).all()
+    assert np.count_nonzero(np.asarray(slots)[2]) > 0  # the third row's last write landed
+    # A negative position (an inactive row's placeholder) is dropped even inside the length,
+    # where a contiguous write would wrap it to the slot's end.
+    new = jnp.ones((rows, 1, kv_heads, head_dim))
+    after = write(pages, new, table, jnp.full((rows, 1), -1, jnp.int32), jnp.ones(rows, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(after), np.asarray(pages))
