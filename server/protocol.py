@@ -101,9 +101,8 @@ def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults) -> Parsed
     if chat:
         messages = requests.chat_messages(requests.field(body, "messages", (list,)))
         # max_completion_tokens is OpenAI's newer name; both are checked, max_tokens wins.
-        newer = requests.generation_params(body, dataclasses.replace(defaults, max_tokens=None),
-                                           max_tokens_field="max_completion_tokens")
-        params = requests.generation_params(body, dataclasses.replace(defaults, max_tokens=newer.max_tokens))
+        params = requests.generation_params(body, dataclasses.replace(defaults, max_tokens=None),
+                                            max_tokens_fields=("max_tokens", "max_completion_tokens"))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

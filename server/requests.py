@@ -164,11 +164,15 @@ def field(entry: dict, name: str, types: tuple[type, ...], default: Any = None) 
 
 
 def generation_params(entry: dict, defaults: SamplingDefaults, *,
-                      max_tokens_field: str = "max_tokens") -> GenerationParams:
-    """The sampling and stopping fields of an entry (`SAMPLING_FIELDS`)."""
-    max_tokens = field(entry, max_tokens_field, (int,), defaults.max_tokens)
-    if max_tokens is not None and max_tokens < 1:
-        raise SubmissionError(f'"{max_tokens_field}" must be >= 1, got {max_tokens}', max_tokens_field)
+                      max_tokens_fields: tuple[str, ...] = ("max_tokens",)) -> GenerationParams:
+    """The sampling and stopping fields of an entry (`SAMPLING_FIELDS`). Each of
+    `max_tokens_fields` (aliases) is checked; the first one present gives the limit."""
+    max_tokens = defaults.max_tokens
+    for name in reversed(max_tokens_fields):
+        value = field(entry, name, (int,))
+        if value is not None and value < 1:
+            raise SubmissionError(f'"{name}" must be >= 1, got {value}', name)
+        max_tokens = max_tokens if value is None else value
     top_k = field(entry, "top_k", (int,), defaults.top_k)
     values = {
         "temperature": float(field(entry, "temperature", (int, float), defaults.temperature)),
