@@ -195,8 +195,11 @@ class Server:
         too_large = APIError(413, f"the request body exceeds {limit} bytes; send a shorter prompt",
                              code="request_too_large")
         declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            raise too_large if declared.isdigit() else APIError(400, "invalid Content-Length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise APIError(400, "invalid Content-Length")
+            if int(declared) > limit:
+                raise too_large
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
