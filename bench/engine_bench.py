@@ -25,7 +25,7 @@ import numpy as np
 from absl import app, flags
 
 from checkpoints.registry import load_model
-from engine.engine import Engine, EngineConfig, sampling_rows
+from engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig, fixed_page_tables, sampling_rows
 from model.sampling import RequestSampling
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model to benchmark.")
@@ -35,6 +35,7 @@ _PROMPT = flags.DEFINE_integer("prompt_tokens", 2048, "Prompt length for prefill
 _CHUNK = flags.DEFINE_integer("prefill_chunk", 512, "Prefill chunk size.")
 _MAX_SEQ = flags.DEFINE_integer("max_seq_len", 4096, "Slot length.")
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed decode steps per point.")
+_PAGE = flags.DEFINE_integer("page_size", DEFAULT_PAGE_SIZE, "KV page size (tokens).")
 _OUT = flags.DEFINE_string("out", None, "Where to write the JSON results.")
 
 
@@ -69,12 +70,15 @@ def main(argv) -> None:
     results = {"decode": [], "prefill": []}
     for slots in map(int, _SLOTS.value):
         engine = Engine(model.params, cfg, EngineConfig(
-            num_slots=slots, max_seq_len=_MAX_SEQ.value, prefill_chunk=_CHUNK.value))
+            num_slots=slots, max_seq_len=_MAX_SEQ.value, prefill_chunk=_CHUNK.value,
+            page_size=_PAGE.value))
         rows = sampling_rows([RequestSampling()] * slots)
+        tables = fixed_page_tables(engine.config)  # each slot a run of pages, as if allocated
         for context in map(int, _CONTEXTS.value):
             positions = np.full(slots, context - 1, np.int32)
             active = np.ones(slots, bool)
-            step = timed(lambda: engine.decode(positions, active, rows).block_until_ready(), _STEPS.value)
+            step = timed(lambda: engine.decode(positions, active, rows, tables).block_until_ready(),
+                         _STEPS.value)
             kv_bytes = slots * context * cfg.kv_bytes_per_token(4)
             floor = (weight_bytes + kv_bytes) / (machine["bandwidth_gb_s"] * 1e9)
             point = {"slots": slots, "context": context, "step_ms": step * 1e3,
@@ -91,7 +95,8 @@ def main(argv) -> None:
             def prefill_all():
                 for start in range(0, n, chunk):
                     piece = prompt[start : start + chunk]
-                    token = engine.prefill(0, piece, start, RequestSampling(), start + chunk >= n)
+                    token = engine.prefill(0, piece, start, RequestSampling(), start + chunk >= n,
+                                           tables[0])
                 token.block_until_ready()
 
             seconds = timed(prefill_all, 3)
@@ -103,7 +108,7 @@ def main(argv) -> None:
             print(f"prefill {n} tokens in chunks of {chunk}: {seconds:.2f} s, {n / seconds:.0f} tok/s, "
                   f"{point['achieved_gflop_s']:.0f} GFLOP/s ({point['fraction_of_matmul_rate']:.0%} of matmul)")
     report = {
-        "model": _MODEL.value, "weight_bytes": weight_bytes, "machine": machine,
+        "model": _MODEL.value, "page_size": _PAGE.value, "weight_bytes": weight_bytes, "machine": machine,
         "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
         "cpu_count": __import__("os").cpu_count(), "device": str(jax.devices()[0]),
         "jax_version": jax.__version__, "date": datetime.date.today().isoformat(), **results,

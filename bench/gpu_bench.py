@@ -292,7 +292,7 @@ def sweep_tilings(results: dict, write) -> None:
 
 def bench_engine(results: dict, ceilings: dict, write) -> None:
     from engine import compile_counter
-    from engine.engine import Engine, EngineConfig, sampling_rows
+    from engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
     from model.config import LLAMA3_8B, TINY
     from model.llama import init_params
     from model.sampling import RequestSampling
@@ -308,6 +308,7 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
     engine = Engine(params, cfg, EngineConfig(
         num_slots=slots, max_seq_len=max(prompt_len, *contexts) + 32, prefill_chunk=prompt_len,
         attention="pallas", dtype="bfloat16"))
+    tables = fixed_page_tables(engine.config)  # each slot a run of pages, as if allocated
     del params
     info = {"weight_bytes": weight_bytes, "kv_cache_bytes": engine.kv_cache_bytes,
             "setup_s": time.monotonic() - start, "prefill": None, "decode": []}
@@ -316,9 +317,9 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
 
     prompt = np.random.default_rng(0).integers(100, cfg.vocab_size, prompt_len).tolist()
     start = time.monotonic()
-    engine.prefill(0, prompt, 0, RequestSampling(), True).block_until_ready()
+    engine.prefill(0, prompt, 0, RequestSampling(), True, tables[0]).block_until_ready()
     compile_s = time.monotonic() - start
-    seconds = wall(lambda: engine.prefill(0, prompt, 0, RequestSampling(), True), repeats=3)
+    seconds = wall(lambda: engine.prefill(0, prompt, 0, RequestSampling(), True, tables[0]), repeats=3)
     d, h, kv, hd, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_size
     layer_weights = d * h * hd * 2 + d * kv * hd * 2 + 3 * d * f
     flops = (2 * prompt_len * layer_weights * cfg.num_layers + 2 * d * cfg.vocab_size
@@ -339,14 +340,14 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
                 return
             active = np.arange(slots) < active_n
             positions = np.where(active, context - 1, -1).astype(np.int32)
-            engine.decode(positions, active, rows).block_until_ready()  # compile / warm
+            engine.decode(positions, active, rows, tables).block_until_ready()  # compile / warm
             compiles = compile_counter.count()
             steps = 20
             dispatch = []
             start = time.perf_counter()
             for _ in range(steps):
                 t0 = time.perf_counter()
-                tokens = engine.decode(positions, active, rows)
+                tokens = engine.decode(positions, active, rows, tables)
                 dispatch.append(time.perf_counter() - t0)
             tokens.block_until_ready()
             step = (time.perf_counter() - start) / steps

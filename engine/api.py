@@ -1,9 +1,15 @@
 """The engine's contract with the scheduler: everything the host side may call, in one place.
 
-    engine.config.num_slots, engine.config.max_seq_len, engine.config.prefill_chunk
+    engine.config.num_slots, .max_seq_len, .prefill_chunk, .page_size, .max_pages_per_seq
+    engine.num_pages                                    pages in the KV pool
     engine.vocab_size                                   token ids are in [0, vocab_size)
-    token = engine.prefill(slot, chunk_ids, start, sampling, final)     device array [1]
-    tokens = engine.decode(positions, active, rows.params())            device array [num_slots]
+    token = engine.prefill(slot, chunk_ids, start, sampling, final, pages)      device array [1]
+    tokens = engine.decode(positions, active, rows.params(), page_table)       device array [num_slots]
+
+KV lives in pages of the engine's pool; the scheduler decides which pages each sequence holds
+(`scheduler.pages`) and passes them: `pages` is one sequence's page ids in position order,
+`page_table` is [num_slots, max_pages_per_seq] int32 with every active slot's pages (enough for
+the position it writes) and any valid page id elsewhere (inactive rows write nothing).
     engine.recover()                                    after a failed call: fresh device state
     engine.compilations_after_warmup, engine.kv_cache_bytes              for metrics
 
@@ -41,11 +47,14 @@ class EngineAPI(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def prefill(self, slot: int, chunk: list[int], start: int, sampling: RequestSampling,
-                final: bool) -> jax.Array | np.ndarray: ...
+    @property
+    def num_pages(self) -> int: ...
 
-    def decode(self, positions: np.ndarray, active: np.ndarray,
-               sampling: SamplingParams) -> jax.Array | np.ndarray: ...
+    def prefill(self, slot: int, chunk: list[int], start: int, sampling: RequestSampling,
+                final: bool, pages: list[int]) -> jax.Array | np.ndarray: ...
+
+    def decode(self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
+               page_table: np.ndarray) -> jax.Array | np.ndarray: ...
 
     def recover(self) -> None: ...
 

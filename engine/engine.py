@@ -1,25 +1,26 @@
-"""Device state and the compiled programs: weights, KV slots, bucketed prefill, decode.
+"""Device state and the compiled programs: weights, the KV page pool, bucketed prefill, decode.
 
 The engine owns everything that lives on the device. It implements `engine.api.EngineAPI`, the
 whole of what the scheduler may use; its two programs:
 
-    token = engine.prefill(slot, chunk_ids, start, sampling, final)   # one chunk of one prompt
-    tokens = engine.decode(positions, active, sampling_rows)          # one step for every slot
+    token = engine.prefill(slot, chunk_ids, start, sampling, final, pages)   # one prompt chunk
+    tokens = engine.decode(positions, active, sampling_rows, page_table)     # every slot, one step
 
 Both return device arrays immediately (JAX dispatch is asynchronous) and have already started
 copying them to the host; the scheduler reads them one step later, so the device never waits
 for Python between steps. The token each slot decodes next never leaves the device: prefill
 (final chunk) and decode write it into `last_tokens`, which the next decode reads.
 
-Shapes are fixed per program. Prefill compiles once per (chunk bucket, KV bucket) and decode
-once per KV bucket, where a KV bucket bounds how much of each slot attention reads, so attention
-cost follows the live context rather than `max_seq_len` (with the Pallas kernels decode has one
-bucket, the whole slot: the kernel stops at each slot's length). Everything that varies per
-request is an array argument. The cache and `last_tokens` are donated into every program, so they
-are updated in place. `warmup()` compiles every program; afterwards `compilations_after_warmup`
-must stay 0.
+KV lives in a pool of fixed-size pages (`model.paged_kv`) shared by every sequence; which pages a
+sequence holds is the scheduler's business (`scheduler.pages`), passed in as page tables, so KV
+memory follows the tokens that exist and `num_slots` (sequences in flight) no longer multiplies
+`max_seq_len`. Shapes are fixed per program: prefill compiles once per (chunk bucket, page-table
+bucket) and decode once per page-table bucket, where the bucket is the width of the page table
+passed, which bounds what attention reads. Everything that varies per request is an array
+argument. The pool and `last_tokens` are donated into every program, so they are updated in
+place. `warmup()` compiles every program; afterwards `compilations_after_warmup` must stay 0.
 
-Non-goals here: paging (slots are contiguous), multi-device sharding, speculative decoding.
+Non-goals here: multi-device sharding, speculative decoding, prefix sharing.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from absl import logging
 
 from engine import compile_counter
 from model.config import ModelConfig
-from model.kv_cache import KVCache
 from model.llama import forward
+from model.paged_kv import PagedKVCache
 from model.sampling import RequestSampling, SamplingParams, SamplingRows, sample
 
 
@@ -56,15 +57,23 @@ def ladder(low: int, high: int) -> tuple[int, ...]:
     return tuple(sizes) + (high,)
 
 
+# The measured default page sizes (tokens per page): on the 2-core CPU the per-page decode loop
+# costs a step per page, so small pages are slow (16-token pages up to 2x at 1k tokens, 64 about
+# 1.2x, 128 at or below the contiguous loop; `bench/results/paged_attention_cpu.txt`).
+DEFAULT_PAGE_SIZE = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    num_slots: int = 8
-    max_seq_len: int = 2048
+    num_slots: int = 8  # most sequences in flight
+    max_seq_len: int = 2048  # longest sequence, prompt + output
     prefill_chunk: int = 256  # the largest prefill program; longer prompts go in chunks
     min_prefill_bucket: int = 16
-    min_kv_bucket: int = 256
+    min_kv_bucket: int = 256  # tokens: the narrowest page-table bucket covers this many
     attention: str = "xla"
     dtype: str = "float32"  # compute and KV dtype: float32 on CPU, bfloat16 on GPU
+    page_size: int = DEFAULT_PAGE_SIZE
+    num_pages: int | None = None  # the pool; None: every slot can hold max_seq_len at once
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -73,31 +82,52 @@ class EngineConfig:
             raise ValueError(
                 f"prefill_chunk must be in [1, max_seq_len={self.max_seq_len}], got {self.prefill_chunk}"
             )
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < self.max_pages_per_seq:
+            raise ValueError(
+                f"a KV pool of {self.num_pages} pages x {self.page_size} tokens cannot hold one "
+                f"sequence of max_seq_len={self.max_seq_len}; give it more memory or lower "
+                "max_seq_len")
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.page_size)
+
+    @property
+    def pool_pages(self) -> int:
+        return self.num_slots * self.max_pages_per_seq if self.num_pages is None else self.num_pages
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
         return ladder(min(self.min_prefill_bucket, self.prefill_chunk), self.prefill_chunk)
 
-    @property
-    def kv_buckets(self) -> tuple[int, ...]:
-        return ladder(min(self.min_kv_bucket, self.max_seq_len), self.max_seq_len)
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
 
     @property
-    def decode_kv_buckets(self) -> tuple[int, ...]:
-        """KV lengths of the length-following decode program ("xla", "pallas"): it stops at each
-        slot's own length, and the whole cache is passed as is, while a bucket's slice would be
-        copied every layer and step: one bucket. The reference has no such program."""
-        return () if self.attention == "reference" else (self.max_seq_len,)
+    def page_buckets(self) -> tuple[int, ...]:
+        """Page-table widths: powers of two from `min_kv_bucket` tokens' worth to the longest
+        sequence's (prefill, and the batched decode program)."""
+        low = min(self.pages_for(self.min_kv_bucket), self.max_pages_per_seq)
+        return ladder(low, self.max_pages_per_seq)
 
     @property
-    def batched_decode_kv_buckets(self) -> tuple[int, ...]:
-        """KV buckets of the batched (einsum) decode program: the reference's only decode path,
+    def decode_page_buckets(self) -> tuple[int, ...]:
+        """Widths of the length-following decode program ("xla", "pallas"): it stops at each
+        slot's own length, so it takes the whole table: one program. The reference has none."""
+        return () if self.attention == "reference" else (self.max_pages_per_seq,)
+
+    @property
+    def batched_decode_page_buckets(self) -> tuple[int, ...]:
+        """Widths of the batched (einsum) decode program: the reference's only decode path,
         and "xla"'s choice for short contexts of similar lengths, where the per-slot loops of
         the length-following program cost more than the padding they save."""
         if self.attention == "reference":
-            return self.kv_buckets
+            return self.page_buckets
         if self.attention == "xla":
-            return tuple(kv for kv in self.kv_buckets if kv <= BATCHED_DECODE_MAX_KV)
+            most = self.pages_for(BATCHED_DECODE_MAX_KV)
+            return tuple(p for p in self.page_buckets if p <= most)
         return ()
 
 
@@ -109,13 +139,13 @@ def bucket_for(buckets: Sequence[int], n: int) -> int:
 
 
 def _prefill_program(
-    params, cache, last_tokens, tokens, start, length, slot, sampling, final,
-    *, config, kv_len, attention, dtype,
+    params, cache, last_tokens, tokens, start, length, slot, page_table, sampling, final,
+    *, config, attention, dtype,
 ):
     t = tokens.shape[1]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     logits, cache = forward(
-        params, tokens, positions, length, cache, config=config, kv_len=kv_len, slots=slot,
+        params, tokens, positions, length, cache, page_table, config=config,
         logit_index=jnp.maximum(length - 1, 0), attention=attention, dtype=dtype,
     )
     token = sample(logits, sampling, start + length)  # step = the new token's position
@@ -124,16 +154,28 @@ def _prefill_program(
 
 
 def _decode_program(
-    params, cache, last_tokens, positions, active, sampling,
-    *, config, kv_len, attention, dtype,
+    params, cache, last_tokens, positions, active, page_table, sampling,
+    *, config, attention, dtype,
 ):
     logits, cache = forward(
         params, last_tokens[:, None], positions[:, None], active.astype(jnp.int32), cache,
-        config=config, kv_len=kv_len, logit_index=jnp.zeros_like(positions),
+        page_table, config=config, logit_index=jnp.zeros_like(positions),
         attention=attention, dtype=dtype,
     )
     tokens = sample(logits, sampling, positions + 1)
     return tokens, cache, jnp.where(active, tokens, last_tokens)
+
+
+def fixed_page_tables(config: EngineConfig, order: Sequence[int] | None = None) -> np.ndarray:
+    """A page table [num_slots, max_pages_per_seq] giving every slot its own run of pages for
+    its whole length, taken in `order` (default: 0, 1, 2, ...): the layout before paging, for
+    benchmarks and tests that drive the engine without the scheduler's allocator. Needs a pool
+    of at least num_slots x max_pages_per_seq pages (the default pool)."""
+    count = config.num_slots * config.max_pages_per_seq
+    if config.pool_pages < count:
+        raise ValueError(f"fixed page tables need {count} pages; the pool has {config.pool_pages}")
+    pages = np.arange(count) if order is None else np.asarray(order)[:count]
+    return pages.reshape(config.num_slots, config.max_pages_per_seq).astype(np.int32)
 
 
 def sampling_rows(rows: Sequence[RequestSampling]) -> SamplingParams:
@@ -152,131 +194,139 @@ class Engine:
         self.config = config
         dtype = jnp.dtype(config.dtype)
         self.params = jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, dtype), params))
-        self.cache: KVCache | None = None
+        self.cache: PagedKVCache | None = None
         self.last_tokens: jax.Array | None = None
-        self.recover()  # allocates the cache and the next-token buffer
+        self.recover()  # allocates the page pool and the next-token buffer
         static = dict(config=model_config, attention=config.attention, dtype=dtype)
         donate = ("cache", "last_tokens")
-        self._prefill = jax.jit(
-            functools.partial(_prefill_program, **static),
-            static_argnames=("kv_len",), donate_argnames=donate,
-        )
-        self._decode = jax.jit(
-            functools.partial(_decode_program, **static),
-            static_argnames=("kv_len",), donate_argnames=donate,
-        )
+        # Page-table widths are shapes: each bucket is its own program, compiled at warm-up.
+        self._prefill = jax.jit(functools.partial(_prefill_program, **static), donate_argnames=donate)
+        self._decode = jax.jit(functools.partial(_decode_program, **static), donate_argnames=donate)
         self._decode_batched = jax.jit(
             functools.partial(_decode_program, **{**static, "attention": "reference"}),
-            static_argnames=("kv_len",), donate_argnames=donate,
+            donate_argnames=donate,
         )
         self._warm_compiles: int | None = None
         logging.info(
-            "KV cache: %d slots x %d tokens, %.1f MiB", config.num_slots, config.max_seq_len,
-            self.cache.nbytes / 2**20,
+            "KV pool: %d pages x %d tokens (%d tokens), %.1f MiB", self.num_pages, config.page_size,
+            self.num_pages * config.page_size, self.cache.nbytes / 2**20,
         )
 
     # -- the two programs -------------------------------------------------------------------
 
     def prefill(
-        self, slot: int, chunk: Sequence[int], start: int, sampling: RequestSampling, final: bool
+        self, slot: int, chunk: Sequence[int], start: int, sampling: RequestSampling, final: bool,
+        pages: Sequence[int],
     ) -> jax.Array:
-        """Writes `chunk`'s KV at [start, start+len) of `slot`; returns the sampled next token.
+        """Writes `chunk`'s KV at positions [start, start+len) of the sequence whose pages, in
+        order, are `pages` (enough for start+len tokens); returns the sampled next token.
 
-        With `final`, the token is the request's first output and becomes the slot's next
+        With `final`, the token is the request's first output and becomes `slot`'s next
         decode input. The result is a device array of shape [1].
         """
+        cfg = self.config
         n = len(chunk)
-        if not 0 < n <= self.config.prefill_chunk:
-            raise ValueError(f"a prefill chunk must hold 1..{self.config.prefill_chunk} tokens, got {n}")
-        if start + n > self.config.max_seq_len:
-            raise ValueError(f"chunk [{start}, {start + n}) overflows the slot of {self.config.max_seq_len}")
-        t = bucket_for(self.config.prefill_buckets, n)
+        if not 0 < n <= cfg.prefill_chunk:
+            raise ValueError(f"a prefill chunk must hold 1..{cfg.prefill_chunk} tokens, got {n}")
+        if start + n > cfg.max_seq_len:
+            raise ValueError(f"chunk [{start}, {start + n}) overflows max_seq_len={cfg.max_seq_len}")
+        if len(pages) < cfg.pages_for(start + n):
+            raise ValueError(f"{len(pages)} pages cannot hold {start + n} tokens of {cfg.page_size}")
+        t = bucket_for(cfg.prefill_buckets, n)
         tokens = np.zeros((1, t), np.int32)
         tokens[0, :n] = chunk
+        table = np.zeros((1, bucket_for(cfg.page_buckets, cfg.pages_for(start + n))), np.int32)
+        used = min(len(pages), table.shape[1])
+        table[0, :used] = pages[:used]
         token, self.cache, self.last_tokens = self._prefill(
             self.params, self.cache, self.last_tokens, tokens,
             np.asarray([start], np.int32), np.asarray([n], np.int32),
-            np.asarray([slot], np.int32), sampling_rows([sampling]), np.asarray(final),
-            kv_len=bucket_for(self.config.kv_buckets, start + n),
+            np.asarray([slot], np.int32), table, sampling_rows([sampling]), np.asarray(final),
         )
         token.copy_to_host_async()
         return token
 
     def decode(
-        self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams
+        self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
+        page_table: np.ndarray,
     ) -> jax.Array:
         """One decode step over all slots: active slot s consumes its last token at
-        `positions[s]` and samples the next. Returns device tokens [num_slots]."""
-        program, kv_len = self._decode_plan(positions[active] + 1)
+        `positions[s]` and samples the next, with its sequence's pages in `page_table[s]`
+        ([num_slots, max_pages_per_seq] int32, enough for positions[s] + 1 tokens).
+        Returns device tokens [num_slots]."""
+        program, width = self._decode_plan(positions[active] + 1)
         tokens, self.cache, self.last_tokens = program(
-            self.params, self.cache, self.last_tokens,
-            positions.astype(np.int32), active.astype(bool), sampling, kv_len=kv_len,
+            self.params, self.cache, self.last_tokens, positions.astype(np.int32),
+            active.astype(bool), np.ascontiguousarray(page_table[:, :width], np.int32), sampling,
         )
         tokens.copy_to_host_async()
         return tokens
 
     def _decode_plan(self, lengths: np.ndarray):
-        """The cheaper decode program for these live lengths, and its KV length.
+        """The cheaper decode program for these live lengths, and its page-table width.
 
         The batched program reads every slot (active or not) up to the longest one's bucket;
         the length-following one reads each slot only up to its own length but pays a loop per
-        slot (about as much as reading a few hundred positions). Up to BATCHED_DECODE_MAX_KV
-        the padding is cheaper than the loops; beyond it, following lengths wins.
+        slot. Up to BATCHED_DECODE_MAX_KV the padding is cheaper than the loops; beyond it,
+        following lengths wins.
         """
         cfg = self.config
-        longest = int(lengths.max()) if lengths.size else 1
-        batched = cfg.batched_decode_kv_buckets
+        longest = cfg.pages_for(int(lengths.max()) if lengths.size else 1)
+        batched = cfg.batched_decode_page_buckets
         if batched and longest <= batched[-1]:
             return self._decode_batched, bucket_for(batched, longest)
-        return self._decode, bucket_for(cfg.decode_kv_buckets, longest)
+        return self._decode, bucket_for(cfg.decode_page_buckets, longest)
 
     def recover(self) -> None:
-        """After a failed call: a fresh KV cache and next-token buffer, whatever the failure
-        left behind (donated and deleted, half-written, or poisoned). Every slot's contents are
+        """After a failed call: a fresh page pool and next-token buffer, whatever the failure
+        left behind (donated and deleted, half-written, or poisoned). Every sequence's KV is
         lost, so call it only with no request running; the scheduler does, after failing the
         requests that were."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         self.cache = self.last_tokens = None  # let the old buffers go before allocating
-        self.cache = KVCache.create(self.model_config, cfg.num_slots, cfg.max_seq_len, dtype)
+        self.cache = PagedKVCache.create(self.model_config, cfg.pool_pages, cfg.page_size, dtype)
         self.last_tokens = jnp.zeros((cfg.num_slots,), jnp.int32)
 
     # -- warm-up and accounting ---------------------------------------------------------------
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Compiles every program. Runs them with nothing to write, so no slot changes."""
+        """Compiles every program. Runs them with nothing to write, so no page changes."""
         cfg = self.config
-        # A chunk bucket t serves lengths (previous bucket, t]; any KV bucket above the
-        # previous chunk bucket can hold such a chunk at some start.
+        # A chunk bucket t serves lengths (previous bucket, t]; any page bucket holding more
+        # than the previous chunk bucket can hold such a chunk at some start.
         prev = dict(zip(cfg.prefill_buckets, (0,) + cfg.prefill_buckets[:-1]))
-        prefill_shapes = [
-            (t, kv) for t in cfg.prefill_buckets for kv in cfg.kv_buckets if kv > prev[t]
-        ]
-        decode_shapes = [(self._decode_batched, kv) for kv in cfg.batched_decode_kv_buckets]
-        decode_shapes += [(self._decode, kv) for kv in cfg.decode_kv_buckets]
+        prefill_shapes = [(t, w) for t in cfg.prefill_buckets for w in cfg.page_buckets
+                          if w * cfg.page_size > prev[t]]
+        decode_shapes = [(self._decode_batched, w) for w in cfg.batched_decode_page_buckets]
+        decode_shapes += [(self._decode, w) for w in cfg.decode_page_buckets]
         total = len(prefill_shapes) + len(decode_shapes)
         greedy = sampling_rows([RequestSampling()])
         done = 0
-        for t, kv in prefill_shapes:
+        for t, width in prefill_shapes:
             token, self.cache, self.last_tokens = self._prefill(
                 self.params, self.cache, self.last_tokens, np.zeros((1, t), np.int32),
                 np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32),
-                greedy, np.asarray(False), kv_len=kv,
+                np.zeros((1, width), np.int32), greedy, np.asarray(False),
             )
             done += 1
             if progress:
                 progress(done, total)
         rows = sampling_rows([RequestSampling()] * cfg.num_slots)
-        for program, kv in decode_shapes:
+        for program, width in decode_shapes:
             tokens, self.cache, self.last_tokens = program(
                 self.params, self.cache, self.last_tokens, np.zeros(cfg.num_slots, np.int32),
-                np.zeros(cfg.num_slots, bool), rows, kv_len=kv,
+                np.zeros(cfg.num_slots, bool), np.zeros((cfg.num_slots, width), np.int32), rows,
             )
             done += 1
             if progress:
                 progress(done, total)
         jax.block_until_ready((token, tokens, self.cache))
         self._warm_compiles = compile_counter.count()
+
+    @property
+    def num_pages(self) -> int:
+        return self.config.pool_pages
 
     @property
     def warmed_up(self) -> bool:

@@ -1,9 +1,10 @@
 """The reference generator: greedy decoding in the simplest correct form.
 
-One sequence, one cache slot sized exactly for prompt + output, the whole prompt in one forward,
-then one token at a time with attention over the full slot. No batching, no buckets, no
-chunking, no donation. It is the oracle the engine's fast paths are tested against, so it stays
-boring on purpose.
+One sequence, one KV page sized exactly for prompt + output (so, a contiguous slot), the whole
+prompt in one forward, then one token at a time with the plain einsum attention ("reference")
+over that page. No batching, no buckets, no chunking, no donation, no paging to speak of. It is
+the oracle the engine's fast paths (any attention, any page layout) are tested against, so it
+stays boring on purpose.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
-from model.kv_cache import KVCache
 from model.llama import forward
+from model.paged_kv import PagedKVCache
 
 
-@partial(jax.jit, static_argnames=("config", "kv_len"))
-def _step(params, tokens, positions, cache, *, config, kv_len):
+@partial(jax.jit, static_argnames=("config",))
+def _step(params, tokens, positions, cache, *, config):
     lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+    one_page = jnp.zeros((1, 1), jnp.int32)
     logits, cache = forward(
-        params, tokens, positions, lengths, cache, config=config, kv_len=kv_len
+        params, tokens, positions, lengths, cache, one_page, config=config, attention="reference"
     )
     return logits[:, -1], cache
 
@@ -56,10 +58,10 @@ def greedy_generate(
     all_logits: list[np.ndarray] = []
     if max_tokens == 0:
         return (out, all_logits) if return_logits else out
-    cache = KVCache.create(config, 1, total)
+    cache = PagedKVCache.create(config, num_pages=1, page_size=total)
     tokens = jnp.asarray([list(prompt_ids)], jnp.int32)
     positions = jnp.arange(len(prompt_ids), dtype=jnp.int32)[None]
-    logits, cache = _step(params, tokens, positions, cache, config=config, kv_len=total)
+    logits, cache = _step(params, tokens, positions, cache, config=config)
     while True:
         token = int(jnp.argmax(logits[0]))
         out.append(token)
@@ -73,6 +75,5 @@ def greedy_generate(
             jnp.asarray([[position]], jnp.int32),
             cache,
             config=config,
-            kv_len=total,
         )
     return (out, all_logits) if return_logits else out

@@ -1,4 +1,7 @@
-"""The KV cache pytree: fixed-shape slots, one key and one value array per layer.
+"""The contiguous KV layout: fixed-shape slots, one key and one value array per layer.
+
+The engine serves from pages (`model.paged_kv`); this is the layout it had before, kept as the
+simple oracle the page pool's writes are tested against (`tests/test_paged_attention.py`).
 
     k[layer], v[layer]   [num_slots, num_kv_heads, max_len, head_dim]
 

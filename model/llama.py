@@ -1,15 +1,16 @@
-"""The Llama-family decoder in Flax, as a pure function of (params, tokens, positions, KV cache).
+"""The Llama-family decoder in Flax, as a pure function of (params, tokens, positions, KV pages).
 
-    logits, cache = forward(params, tokens, positions, lengths, cache, config=..., kv_len=...)
+    logits, cache = forward(params, tokens, positions, lengths, cache, page_table, config=...)
 
     tokens, positions  [rows, t] int32   a row is one sequence's chunk (t = 1 for decode)
     lengths            [rows] int32      valid tokens per row; the rest is bucket padding
-    slots              [rows] int32 or None (rows are the cache slots in order)
-    kv_len             static int        keys [0, kv_len) of each slot are read
+    cache              `PagedKVCache`    the page pool, every sequence's KV
+    page_table         [rows, pages] int32  each row's sequence's pages, in order; its width
+                                         bounds what attention can read (the caller buckets it)
     logit_index        [rows] int32 or None: which in-chunk token's logits to return
 
-Each layer writes the chunk's keys and values into the cache first, then attends over the slot,
-so a whole prompt, a prefill chunk at any offset and a decode step are the same computation.
+Each layer writes the chunk's keys and values into the row's pages first, then attends over
+them, so a whole prompt, a prefill chunk at any offset and a decode step are the same computation.
 The engine jits this with fixed shapes and donates the cache; nothing in here is Python-side
 state that varies per request.
 
@@ -28,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import kv_cache
-from model.attention import get_attention
+from model import paged_kv
 from model.config import ModelConfig
-from model.kv_cache import KVCache
+from model.paged_attention import get_paged_attention
+from model.paged_kv import PagedKVCache
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:
@@ -79,7 +80,7 @@ class Attention(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, positions, lengths, slots, k_cache, v_cache, kv_len):
+    def __call__(self, x, positions, lengths, page_table, k_pages, v_pages):
         cfg = self.config
         rows, t, _ = x.shape
         dense = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=self.dtype, name=name)  # noqa: E731
@@ -92,15 +93,12 @@ class Attention(nn.Module):
         inv_freq = rope_frequencies(cfg)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
-        write_slots = jnp.arange(rows, dtype=jnp.int32) if slots is None else slots
-        k_cache = kv_cache.write(k_cache, k, write_slots, positions, lengths)
-        v_cache = kv_cache.write(v_cache, v, write_slots, positions, lengths)
-        keys = kv_cache.read(k_cache, slots, kv_len)
-        values = kv_cache.read(v_cache, slots, kv_len)
+        k_pages = paged_kv.write(k_pages, k, page_table, positions, lengths)
+        v_pages = paged_kv.write(v_pages, v, page_table, positions, lengths)
         with jax.named_scope("attention"):
-            out = get_attention(self.attention)(q, keys, values, positions)
+            out = get_paged_attention(self.attention)(q, k_pages, v_pages, page_table, positions)
         out = dense(cfg.hidden_size, False, "o")(out.reshape(rows, t, -1))
-        return out, k_cache, v_cache
+        return out, k_pages, v_pages
 
 
 class MLP(nn.Module):
@@ -121,14 +119,14 @@ class Block(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, positions, lengths, slots, k_cache, v_cache, kv_len):
+    def __call__(self, x, positions, lengths, page_table, k_pages, v_pages):
         eps = self.config.rms_norm_eps
-        h, k_cache, v_cache = Attention(self.config, self.attention, self.dtype, name="attn")(
-            RMSNorm(eps, name="attn_norm")(x), positions, lengths, slots, k_cache, v_cache, kv_len
+        h, k_pages, v_pages = Attention(self.config, self.attention, self.dtype, name="attn")(
+            RMSNorm(eps, name="attn_norm")(x), positions, lengths, page_table, k_pages, v_pages
         )
         x = x + h
         x = x + MLP(self.config, self.dtype, name="mlp")(RMSNorm(eps, name="mlp_norm")(x))
-        return x, k_cache, v_cache
+        return x, k_pages, v_pages
 
 
 class Llama(nn.Module):
@@ -137,7 +135,7 @@ class Llama(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, tokens, positions, lengths, cache: KVCache, slots, kv_len, logit_index):
+    def __call__(self, tokens, positions, lengths, cache: PagedKVCache, page_table, logit_index):
         cfg = self.config
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, name="embed")
         x = embed(tokens)
@@ -145,7 +143,7 @@ class Llama(nn.Module):
         for i in range(cfg.num_layers):
             with jax.named_scope(f"layer_{i}"):
                 x, k, v = Block(cfg, self.attention, self.dtype, name=f"layers_{i}")(
-                    x, positions, lengths, slots, cache.k[i], cache.v[i], kv_len
+                    x, positions, lengths, page_table, cache.k[i], cache.v[i]
                 )
             new_k.append(k)
             new_v.append(v)
@@ -157,7 +155,7 @@ class Llama(nn.Module):
                 logits = embed.attend(x)
             else:
                 logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, name="lm_head")(x)
-        return logits.astype(jnp.float32), KVCache(k=tuple(new_k), v=tuple(new_v))
+        return logits.astype(jnp.float32), PagedKVCache(k=tuple(new_k), v=tuple(new_v))
 
 
 def forward(
@@ -165,30 +163,27 @@ def forward(
     tokens: jax.Array,
     positions: jax.Array,
     lengths: jax.Array,
-    cache: KVCache,
+    cache: PagedKVCache,
+    page_table: jax.Array,
     *,
     config: ModelConfig,
-    kv_len: int,
-    slots: jax.Array | None = None,
     logit_index: jax.Array | None = None,
     attention: str = "xla",
     dtype: jnp.dtype = jnp.float32,
-) -> tuple[jax.Array, KVCache]:
+) -> tuple[jax.Array, PagedKVCache]:
     """Runs the decoder; returns float32 logits ([rows, t, V], or [rows, V] with logit_index)."""
-    if kv_len > cache.max_len:
-        raise ValueError(f"kv_len {kv_len} exceeds the cache length {cache.max_len}")
     module = Llama(config, attention, dtype)
     return module.apply(
-        {"params": params}, tokens, positions, lengths, cache, slots, kv_len, logit_index
+        {"params": params}, tokens, positions, lengths, cache, page_table, logit_index
     )
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32):
     """Random parameters with the model's exact tree (for tests and benchmarks)."""
     tokens = jnp.zeros((1, 1), jnp.int32)
-    cache = KVCache.create(config, 1, 1)
+    cache = PagedKVCache.create(config, 1, 1)
     variables = Llama(config).init(
-        key, tokens, tokens, jnp.ones((1,), jnp.int32), cache, None, 1, None
+        key, tokens, tokens, jnp.ones((1,), jnp.int32), cache, jnp.zeros((1, 1), jnp.int32), None
     )
     return jax.tree.map(lambda a: a.astype(dtype), variables["params"])
 

@@ -49,7 +49,7 @@ class Chunk:
 
     @property
     def final(self) -> bool:
-        return self.start + self.length == self.request.prompt_len
+        return self.start + self.length == self.request.prefill_len
 
 
 @dataclasses.dataclass
@@ -69,7 +69,7 @@ def wants_decode(r: Request) -> bool:
 
 def _is_long(r: Request, config: PolicyConfig) -> bool:
     """A prompt that needs more than one chunk: it holds a partial prefill across iterations."""
-    return r.prompt_len - r.prefilled > config.chunk
+    return r.prefill_len - r.prefilled > config.chunk
 
 
 def make_plan(
@@ -82,8 +82,8 @@ def make_plan(
 
 def _chunks(r: Request, start: int, budget: int, chunk: int) -> list[Chunk]:
     out = []
-    while start < r.prompt_len and budget > 0:
-        n = min(chunk, r.prompt_len - start, budget)
+    while start < r.prefill_len and budget > 0:
+        n = min(chunk, r.prefill_len - start, budget)
         out.append(Chunk(r, start, n))
         start, budget = start + n, budget - n
     return out
@@ -92,7 +92,7 @@ def _chunks(r: Request, start: int, budget: int, chunk: int) -> list[Chunk]:
 def _prefill_first(running, waiting, free_slots, config) -> Plan:
     if waiting and free_slots:
         r = waiting[0]
-        return Plan(admit=[r], prefill=_chunks(r, 0, r.prompt_len, config.chunk))
+        return Plan(admit=[r], prefill=_chunks(r, 0, r.prefill_len, config.chunk))
     return Plan(decode=[r for r in running if wants_decode(r)])
 
 
@@ -112,7 +112,7 @@ def _chunked(running, waiting, free_slots, config) -> Plan:
         long_prompts += _is_long(r, config)
         free_slots -= 1
     # Shortest remaining prompt first: a chat passes a document that is mid-prefill.
-    prefilling.sort(key=lambda r: r.prompt_len - r.prefilled)
+    prefilling.sort(key=lambda r: r.prefill_len - r.prefilled)
     for r in prefilling:
         if budget <= 0:
             break

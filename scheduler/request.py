@@ -72,6 +72,7 @@ class RequestRecord:
     text: str
     token_times: list[float] = dataclasses.field(default_factory=list)  # one per output token
     error: str | None = None
+    preemptions: int = 0  # times its KV was dropped for lack of pages and recomputed
 
     @property
     def queue_time(self) -> float | None:
@@ -103,8 +104,14 @@ class Request:
         self.emit = emit
         self.state = State.WAITING
         self.slot: int | None = None
-        self.prefilled = 0  # prompt tokens whose KV is written
+        self.pages: list[int] = []  # the KV pages it holds, in position order
+        # What prefill computes: the prompt, and after a preemption the output so far too
+        # (recomputed, never re-emitted: the next token sampled is the next output).
+        self.prefill_ids = self.prompt_ids
+        self.prefilled = 0  # tokens of prefill_ids whose KV is written
         self.dispatched = 0  # output tokens whose computation has been dispatched
+        self.kv_tokens = 0  # positions whose KV is written in its pages
+        self.preemptions = 0
         self.output_ids: list[int] = []
         self.token_times: list[float] = []
         self.detok = IncrementalDetokenizer(tokenizer)
@@ -121,6 +128,24 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        return len(self.prefill_ids)
+
+    def preempted(self) -> None:
+        """Back to waiting, holding nothing: its KV is recomputed from prompt + output when
+        it is admitted again (`readmitted`)."""
+        self.state = State.WAITING
+        self.slot = None
+        self.prefilled = self.kv_tokens = 0
+        self.preemptions += 1
+
+    def readmitted(self) -> None:
+        """Taking a slot again after a preemption: every output so far is accepted by now (its
+        last decode step was applied before it could be planned again), so prefill covers them."""
+        self.prefill_ids = self.prompt_ids + self.output_ids
+        self.dispatched = len(self.output_ids)
 
     @property
     def finished(self) -> bool:
@@ -181,6 +206,7 @@ class Request:
             text="".join(self._text),
             token_times=self.token_times,
             error=error,
+            preemptions=self.preemptions,
         )
         self.emit(record)
         return record

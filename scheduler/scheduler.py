@@ -43,6 +43,7 @@ from absl import logging
 from checkpoints.tokenizer import Tokenizer
 from engine.api import EngineAPI, RequestSampling, SamplingRows
 from scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
+from scheduler.pages import PageAllocator
 from scheduler.policy import Plan, PolicyConfig, make_plan
 from scheduler.request import (
     MAX_STOP_LENGTH, MAX_STOP_STRINGS, FinishReason, GenerationParams, Request, RequestRecord,
@@ -50,10 +51,21 @@ from scheduler.request import (
 )
 
 
+KV_RESERVATIONS = ("live", "max")
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     policy: PolicyConfig = PolicyConfig()
     max_queue: int = 256  # waiting requests beyond this are refused with Overloaded
+    # "live": a request holds the pages its written tokens need, growing as it goes.
+    # "max": it holds max_seq_len tokens' worth from its first chunk on, as a contiguous slot
+    # does (vLLM's "Orca (Max)" baseline): the comparison point for benchmarks.
+    kv_reservation: str = "live"
+
+    def __post_init__(self) -> None:
+        if self.kv_reservation not in KV_RESERVATIONS:
+            raise ValueError(f"kv_reservation must be one of {KV_RESERVATIONS}, got {self.kv_reservation!r}")
 
 
 @dataclasses.dataclass
@@ -134,6 +146,13 @@ class Scheduler:
         self._running: list[Request] = []  # admitted, in slot-assignment order
         self._free_slots = list(range(self.num_slots))[::-1]
         self._rows = SamplingRows(self.num_slots)  # each slot's occupant's sampling row
+        cfg = engine.config
+        self.page_size = cfg.page_size
+        self._pages = PageAllocator(engine.num_pages, cfg.page_size)
+        # Each slot's occupant's pages; free slots' rows point at page 0, which any step may
+        # read (never write) without harm.
+        self._tables = np.zeros((self.num_slots, cfg.max_pages_per_seq), np.int32)
+        self.preemptions = 0
         self._pending: list[tuple[str, Any, Any]] = []  # results dispatched, not yet applied
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -232,9 +251,19 @@ class Scheduler:
 
     @property
     def kv_usage(self) -> float:
-        """Fraction of KV slot capacity holding live tokens."""
-        used = sum(r.prefilled + r.dispatched for r in self._running)
-        return used / (self.num_slots * self.max_seq_len)
+        """Fraction of the KV page pool held by requests."""
+        return self._pages.used_count / self._pages.num_pages
+
+    @property
+    def kv_pages(self) -> tuple[int, int]:
+        """(pages held, pages in the pool)."""
+        return self._pages.used_count, self._pages.num_pages
+
+    @property
+    def kv_page_utilization(self) -> float:
+        """Of the token slots in held pages, the fraction holding a real token's KV."""
+        held = self._pages.used_count * self.page_size
+        return sum(r.kv_tokens for r in self._running) / held if held else 1.0
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -315,25 +344,30 @@ class Scheduler:
             self._waiting.remove(r)
             r.slot = self._free_slots.pop()
             r.state = State.PREFILLING
-            r.admitted = now
+            r.admitted = r.admitted or now
+            if r.preemptions:
+                r.readmitted()
             self._running.append(r)
             try:
                 self._rows.set(r.slot, r.params.sampling)
             except Exception as e:  # this request's values, this request's failure
                 self._fail_one(r, f"its sampling parameters cannot be packed: {e}", now)
+        self._reserve_pages(plan, now)
         for chunk in plan.prefill:
             r = chunk.request
-            if r.finished:
-                continue
-            ids = r.prompt_ids[chunk.start : chunk.start + chunk.length]
-            token = self.engine.prefill(r.slot, ids, chunk.start, r.params.sampling, chunk.final)
+            if r.finished or r.state is State.WAITING:
+                continue  # failed, or preempted or sent back by the page reservation
+            ids = r.prefill_ids[chunk.start : chunk.start + chunk.length]
+            token = self.engine.prefill(r.slot, ids, chunk.start, r.params.sampling, chunk.final,
+                                        r.pages)
             r.prefilled += chunk.length
+            r.kv_tokens += chunk.length
             r.prefill_chunks += 1
             if chunk.final:
                 r.state = State.DECODING
-                r.dispatched = 1
+                r.dispatched = r.prefill_len - r.prompt_len + 1  # the token prefill samples
                 self._pending.append(("first", r, token))
-        decode = [r for r in plan.decode if not r.finished]
+        decode = [r for r in plan.decode if r.state is State.DECODING]
         if decode:
             positions = np.zeros(self.num_slots, np.int32)
             active = np.zeros(self.num_slots, bool)
@@ -341,9 +375,76 @@ class Scheduler:
                 positions[r.slot] = r.prompt_len + r.dispatched - 1
                 active[r.slot] = True
                 r.dispatched += 1
+                r.kv_tokens += 1
                 r.decode_steps += 1
-            tokens = self.engine.decode(positions, active, self._rows.params())
+            # A copy: JAX may alias host buffers on the CPU, and the table changes next step.
+            tokens = self.engine.decode(positions, active, self._rows.params(), self._tables.copy())
             self._pending.append(("decode", [(r, r.slot) for r in decode], tokens))
+
+    def _tokens_after(self, r: Request, plan_chunks: dict[Request, int], decoding: set[Request]) -> int:
+        """Positions `r` needs pages for once this iteration's work for it is dispatched."""
+        if r in decoding:
+            return r.prompt_len + r.dispatched  # the step writes the KV of position +dispatched-1
+        return plan_chunks.get(r, 0)
+
+    def _reserve_pages(self, plan: Plan, now: float) -> None:
+        """Gives every request the pages this iteration's work needs, before anything runs.
+
+        Requests admitted earlier go first, oldest first; when the pool runs dry, the most
+        recently admitted request is preempted (its pages freed, back to the head of the
+        queue, recomputed later), which may be the one asking. A request admitted in this very
+        plan that finds too few pages goes back to the queue instead: admission never
+        preempts. The oldest running request can always grow (the pool holds one sequence of
+        max_seq_len), so something always progresses.
+        """
+        ends: dict[Request, int] = {}
+        for chunk in plan.prefill:
+            ends[chunk.request] = max(ends.get(chunk.request, 0), chunk.start + chunk.length)
+        decoding = {r for r in plan.decode if r.state is State.DECODING}
+        admitted = set(plan.admit)
+        for r in [r for r in self._running if r not in admitted]:
+            if r not in ends and r not in decoding:
+                continue
+            while not r.finished and r.state is not State.WAITING and not self._grow(r, self._tokens_after(r, ends, decoding)):
+                victim = next(v for v in reversed(self._running) if v not in admitted)
+                self._preempt(victim, now)
+        for r in plan.admit:
+            if r.state is State.PREFILLING and not self._grow(r, ends.get(r, 0)):
+                self._send_back(r)
+
+    def _grow(self, r: Request, tokens: int) -> bool:
+        if self.config.kv_reservation == "max":
+            tokens = self.max_seq_len
+        new = self._pages.grow(r.pages, tokens)
+        if new is None:
+            return False
+        if new:
+            self._tables[r.slot, len(r.pages) - len(new) : len(r.pages)] = new
+        return True
+
+    def _release(self, r: Request) -> None:
+        """Frees its slot and its pages; the slot's row of the page table points at page 0."""
+        self._running.remove(r)
+        self._free_slots.append(r.slot)
+        self._rows.clear(r.slot)
+        self._tables[r.slot] = 0
+        self._pages.release(r.pages)
+
+    def _preempt(self, r: Request, now: float) -> None:
+        logging.info("preempting %s: the KV pool is full (%d pages)", r.id, self._pages.num_pages)
+        self._release(r)
+        r.preempted()
+        self._waiting.appendleft(r)
+        self.preemptions += 1
+
+    def _send_back(self, r: Request) -> None:
+        """An admission that found too few pages: back to the head of the queue as it was."""
+        self._release(r)
+        r.state = State.WAITING
+        r.slot = None
+        if not r.preemptions:
+            r.admitted = None  # it never really started
+        self._waiting.appendleft(r)
 
     def _apply(self, results: list[tuple[str, Any, Any]]) -> None:
         vocab = self.engine.vocab_size
@@ -370,9 +471,9 @@ class Scheduler:
 
     def _finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
         if r in self._running:
-            self._running.remove(r)
-            self._free_slots.append(r.slot)
-            self._rows.clear(r.slot)
+            self._release(r)
+        elif r in self._waiting:  # preempted, and its last step's result ended it
+            self._waiting.remove(r)
         try:
             record = r.finish(reason, now, error)
         except Exception:  # its client cannot be told; the slot is free all the same

@@ -48,7 +48,15 @@ class Metrics:
         gauges = {
             "cadence:num_requests_running": ("Requests holding a KV slot.", lambda: scheduler.num_running),
             "cadence:num_requests_waiting": ("Requests queued for a slot.", lambda: scheduler.num_waiting),
-            "cadence:kv_cache_usage_perc": ("Fraction of KV slot capacity in use (0-1).", lambda: scheduler.kv_usage),
+            "cadence:kv_cache_usage_perc": ("Fraction of the KV page pool held (0-1).", lambda: scheduler.kv_usage),
+            "cadence:kv_pages_used": ("KV pages held by requests.", lambda: scheduler.kv_pages[0]),
+            "cadence:kv_pages_total": ("KV pages in the pool.", lambda: scheduler.kv_pages[1]),
+            "cadence:kv_page_utilization_perc": (
+                "Of the token slots in held KV pages, the fraction holding a real token (0-1).",
+                lambda: scheduler.kv_page_utilization),
+            "cadence:num_preemptions_total": (
+                "Requests preempted (KV dropped, recomputed later) because the pool was full.",
+                lambda: scheduler.preemptions),
             "cadence:compilations_after_warmup": (
                 "XLA compilations since warm-up ended (should stay 0).",
                 lambda: scheduler.engine.compilations_after_warmup,

@@ -13,7 +13,6 @@ logged and the server exits with status 1. Binds to loopback unless --host says 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -37,18 +36,6 @@ _MAX_BODY = flags.DEFINE_string(
     "max_body_size", f"{DEFAULT_MAX_BODY_BYTES // 2**20}MiB",
     "Largest request body accepted (bytes, or with a unit: 512KiB, 4MiB); larger ones get 413.")
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_size(text: str) -> int:
-    """A byte count, or a number with a unit (`4MiB`, `1.5GiB`, `512KB`)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size; write bytes or a number with a unit "
-                         f"({', '.join(u for u in ('KiB', 'MiB', 'GiB', 'KB', 'MB', 'GB'))})")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
 def api_key() -> str | None:
     """--api_key, else --api_key_file, else $CADENCE_API_KEY; None: no key required."""
     if _API_KEY.value is not None and _API_KEY_FILE.value is not None:
@@ -65,7 +52,7 @@ def main(argv: list[str]) -> int:
     del argv
     try:
         config = ServerConfig(api_key=api_key(), protect_metrics=_PROTECT_METRICS.value,
-                              max_body_bytes=parse_size(_MAX_BODY.value), drain_timeout=_DRAIN.value)
+                              max_body_bytes=runtime.parse_size(_MAX_BODY.value), drain_timeout=_DRAIN.value)
         rt = runtime.build_from_flags(warm=False)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"cadence-serve: error: {e}", file=sys.stderr)

@@ -115,31 +115,32 @@ def test_decode_takes_the_cheaper_program(engine):
     """Short contexts (up to the batched buckets): the batched program at the longest slot's
     bucket, whatever the mix."""
     batched = engine._decode_batched
-    assert engine._decode_plan(np.asarray([60, 50, 64, 40])) == (batched, 64)
-    assert engine._decode_plan(np.asarray([20, 30, 20, 250])) == (batched, 256)
-    assert engine._decode_plan(np.asarray([100])) == (batched, 128)
+    # Pages of 64 tokens: page-table widths (1, 2, 4).
+    assert engine._decode_plan(np.asarray([60, 50, 64, 40])) == (batched, 1)
+    assert engine._decode_plan(np.asarray([20, 30, 20, 250])) == (batched, 4)
+    assert engine._decode_plan(np.asarray([100])) == (batched, 2)
 
 
 def test_decode_past_the_batched_buckets_follows_lengths(tiny_params, tiny_config):
     e = Engine(tiny_params, tiny_config, EngineConfig(num_slots=4, max_seq_len=512, prefill_chunk=32))
-    assert e.config.batched_decode_kv_buckets == (256,)
-    assert e._decode_plan(np.asarray([400, 400, 400, 400])) == (e._decode, 512)
-    assert e._decode_plan(np.asarray([20, 20, 20, 300])) == (e._decode, 512)  # one long slot
-    assert e._decode_plan(np.asarray([200, 200, 200, 200])) == (e._decode_batched, 256)
+    assert e.config.batched_decode_page_buckets == (4,)  # 256 tokens in pages of 64
+    assert e._decode_plan(np.asarray([400, 400, 400, 400])) == (e._decode, 8)
+    assert e._decode_plan(np.asarray([20, 20, 20, 300])) == (e._decode, 8)  # one long sequence
+    assert e._decode_plan(np.asarray([200, 200, 200, 200])) == (e._decode_batched, 4)
     reference = Engine(tiny_params, tiny_config, EngineConfig(
         num_slots=4, max_seq_len=512, prefill_chunk=32, attention="reference"))
-    assert reference._decode_plan(np.asarray([400, 10])) == (reference._decode_batched, 512)
+    assert reference._decode_plan(np.asarray([400, 10])) == (reference._decode_batched, 8)
 
 
 def test_cache_is_donated_and_updated_in_place(engine):
     before = engine.cache
-    engine.prefill(0, [5, 6, 7], 0, RequestSampling(), final=False)
+    engine.prefill(0, [5, 6, 7], 0, RequestSampling(), final=False, pages=[3])
     assert before.k[0].is_deleted() and not engine.cache.k[0].is_deleted()
     cfg = engine.config
     compiled = engine._decode.lower(
         engine.params, engine.cache, engine.last_tokens, np.zeros(cfg.num_slots, np.int32),
-        np.zeros(cfg.num_slots, bool), sampling_rows([RequestSampling()] * cfg.num_slots),
-        kv_len=cfg.kv_buckets[-1],
+        np.zeros(cfg.num_slots, bool), np.zeros((cfg.num_slots, cfg.max_pages_per_seq), np.int32),
+        sampling_rows([RequestSampling()] * cfg.num_slots),
     ).compile()
     stats = compiled.memory_analysis()
     # Every cache buffer is aliased input->output, so the program holds one copy, not two.
@@ -152,19 +153,19 @@ def test_warmup_compiles_every_program(tiny_params, tiny_config):
     e = Engine(tiny_params, tiny_config, cfg)
     e.warmup()
     assert e._prefill._cache_size() >= len(cfg.prefill_buckets)
-    assert e._decode._cache_size() == len(cfg.decode_kv_buckets) == 1  # decode skips tiles itself
-    assert e._decode_batched._cache_size() == len(cfg.batched_decode_kv_buckets) == len(cfg.kv_buckets)
+    assert e._decode._cache_size() == len(cfg.decode_page_buckets) == 1  # decode skips pages itself
+    assert e._decode_batched._cache_size() == len(cfg.batched_decode_page_buckets) == len(cfg.page_buckets)
     jax.block_until_ready(e.cache)
 
 
 def test_recover_rebuilds_a_cache_lost_to_a_failed_call(tiny_params, tiny_config):
     e = Engine(tiny_params, tiny_config, EngineConfig(num_slots=2, max_seq_len=64, prefill_chunk=16,
                                                        min_kv_bucket=64))
-    e.prefill(0, [1, 2, 3], 0, RequestSampling(), final=True)
+    e.prefill(0, [1, 2, 3], 0, RequestSampling(), final=True, pages=[0])
     for a in e.cache.k:  # what a program failing after donation leaves behind
         a.delete()
     e.recover()
-    token = e.prefill(0, [1, 2, 3], 0, RequestSampling(), final=True)
+    token = e.prefill(0, [1, 2, 3], 0, RequestSampling(), final=True, pages=[1])
     assert int(token[0]) == greedy_generate(tiny_params, tiny_config, [1, 2, 3], 1)[0]
 
 
@@ -181,3 +182,26 @@ def test_length_following_decode_matches_reference(tiny_params, tiny_config, tin
     assert e.compilations_after_warmup == 0
     for prompt, s in zip(prompts, streams):
         assert s.request.output_ids == greedy_generate(tiny_params, tiny_config, prompt, 24)
+
+
+@pytest.mark.parametrize("page_size", [16, 24])
+def test_a_pool_that_runs_dry_preempts_and_tokens_still_equal_the_reference(
+        tiny_params, tiny_config, tiny_tokenizer, page_size):
+    """Four slots over a pool that holds exactly one longest sequence: requests are preempted
+    and recomputed, pages are reused in scattered orders, and every greedy output still equals
+    the reference generator's, with nothing compiled after warm-up. Page sizes that divide
+    the chunk and that do not."""
+    cfg = EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64,
+                       page_size=page_size, num_pages=-(-192 // page_size))
+    e = Engine(tiny_params, tiny_config, cfg)
+    e.warmup()
+    rng = random.Random(5)
+    prompts = random_prompts(rng, 8, tiny_config.vocab_size, 1, 100)
+    max_tokens = [rng.randint(20, 90) for _ in prompts]
+    sched = make_scheduler(e, tiny_tokenizer, chunk=32, budget=48)
+    subs = [(p, GenerationParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, max_tokens)]
+    streams = run_all(sched, subs, sorted(rng.randint(0, 20) for _ in subs))
+    assert sched.preemptions > 0 and e.compilations_after_warmup == 0
+    assert sched.kv_pages == (0, cfg.num_pages)
+    for prompt, m, s in zip(prompts, max_tokens, streams):
+        assert s.request.output_ids == greedy_generate(tiny_params, tiny_config, prompt, m)

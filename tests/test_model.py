@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from model.config import TINY, RopeScaling
-from model.kv_cache import KVCache
+from model.paged_kv import PagedKVCache
 from model.llama import forward, rope_frequencies
 from tests.conftest import random_params
 
@@ -60,16 +60,17 @@ def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
 
 
 def full_logits(params, config, tokens: np.ndarray) -> np.ndarray:
+    """The whole sequence in one forward over one page that holds it all."""
     t = len(tokens)
-    cache = KVCache.create(config, 1, t)
     logits, _ = forward(
         params,
         jnp.asarray(tokens, jnp.int32)[None],
         jnp.arange(t, dtype=jnp.int32)[None],
         jnp.asarray([t], jnp.int32),
-        cache,
+        PagedKVCache.create(config, 1, t),
+        jnp.zeros((1, 1), jnp.int32),
         config=config,
-        kv_len=t,
+        attention="reference",
     )
     return np.asarray(logits[0])
 
@@ -91,17 +92,19 @@ def test_logits_match_float64_numpy(config):
     np.testing.assert_allclose(ours, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 
-def test_prefill_then_decode_matches_full_forward(tiny_config, tiny_params):
+@pytest.mark.parametrize("attention", ["xla", "reference"])
+def test_prefill_then_decode_over_scattered_pages_matches_full_forward(tiny_config, tiny_params, attention):
+    """A sequence on shuffled, non-contiguous pages that a "previous occupant" filled with
+    garbage, prefilled in uneven chunks and then decoded beside two inactive rows, gives the
+    whole forward's logits; nothing is written outside its pages."""
     cfg = tiny_config
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 40)
     want = full_logits(tiny_params, cfg, tokens)
-    max_len = 64
-    # Slot 1 of 3; slot 1 first filled with garbage from a "previous occupant".
-    cache = KVCache.create(cfg, 3, max_len)
-    cache = KVCache(
-        k=tuple(a.at[1].set(7.0) for a in cache.k), v=tuple(a.at[1].set(-3.0) for a in cache.v)
-    )
-    slot = jnp.asarray([1], jnp.int32)
+    page_size, pages = 8, [9, 2, 5, 11, 0, 7]  # 48 tokens' worth, in a pool of 12
+    cache = PagedKVCache.create(cfg, 12, page_size)
+    cache = PagedKVCache(k=tuple(a.at[:, pages].set(7.0) for a in cache.k),
+                         v=tuple(a.at[:, pages].set(-3.0) for a in cache.v))
+    table = jnp.asarray([pages], jnp.int32)
     got = []
     # Prefill in uneven chunks, padded to a bucket of 16, then decode one token at a time.
     start = 0
@@ -114,24 +117,27 @@ def test_prefill_then_decode_matches_full_forward(tiny_config, tiny_params):
             jnp.arange(start, start + 16, dtype=jnp.int32)[None],
             jnp.asarray([chunk], jnp.int32),
             cache,
+            table,
             config=cfg,
-            kv_len=max_len,
-            slots=slot,
+            attention=attention,
         )
         got.extend(np.asarray(logits[0, :chunk]))
         start += chunk
+    others = [1, 3, 4, 6, 8, 10]  # pages the inactive rows' tables point at
+    decode_table = jnp.asarray([others, pages, others[::-1]], jnp.int32)
     for pos in range(start, len(tokens)):
-        # A decode step over all three slots; only slot 1 is active.
+        # A decode step over three rows; only row 1 is active.
         toks = jnp.asarray([[0], [tokens[pos]], [0]], jnp.int32)
-        positions = jnp.asarray([[-1], [pos], [-1]], jnp.int32)
+        positions = jnp.asarray([[0], [pos], [0]], jnp.int32)
         logits, cache = forward(
-            tiny_params, toks, positions, jnp.asarray([0, 1, 0], jnp.int32), cache,
-            config=cfg, kv_len=48,
+            tiny_params, toks, positions, jnp.asarray([0, 1, 0], jnp.int32), cache, decode_table,
+            config=cfg, attention=attention,
         )
         got.append(np.asarray(logits[1, 0]))
     np.testing.assert_allclose(np.stack(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    # Inactive rows wrote nothing: slots 0 and 2 are still zero.
-    assert float(jnp.abs(cache.k[0][0]).max()) == 0.0 and float(jnp.abs(cache.v[1][2]).max()) == 0.0
+    # Inactive rows wrote nothing: pages outside the sequence's are still zero.
+    for layer in cache.k + cache.v:
+        assert float(jnp.abs(layer[:, jnp.asarray(others)]).max()) == 0.0
 
 
 def test_logit_index_selects_one_position(tiny_config, tiny_params):
@@ -143,25 +149,26 @@ def test_logit_index_selects_one_position(tiny_config, tiny_params):
         jnp.asarray(tokens, jnp.int32)[None],
         jnp.arange(12, dtype=jnp.int32)[None],
         jnp.asarray([9], jnp.int32),
-        KVCache.create(cfg, 1, 16),
+        PagedKVCache.create(cfg, 1, 16),
+        jnp.zeros((1, 1), jnp.int32),
         config=cfg,
-        kv_len=16,
         logit_index=jnp.asarray([8], jnp.int32),
     )
     np.testing.assert_allclose(np.asarray(logits[0]), want[8], rtol=1e-5, atol=1e-4)
 
 
-def test_write_past_the_end_is_dropped(tiny_config, tiny_params):
-    """A padded chunk near the end of a slot must not wrap around onto live entries."""
+def test_write_past_the_page_table_is_dropped(tiny_config, tiny_params):
+    """A padded chunk near the end of a sequence's pages must not land on anyone's page."""
     cfg = tiny_config
-    cache = KVCache.create(cfg, 1, 20)
+    cache = PagedKVCache.create(cfg, 3, 10)  # the sequence holds pages 2 then 0: 20 tokens
     tokens = jnp.ones((1, 16), jnp.int32)
     _, cache = forward(
         tiny_params, tokens, jnp.arange(10, 26, dtype=jnp.int32)[None], jnp.asarray([13]),
-        cache, config=cfg, kv_len=20, slots=jnp.asarray([0], jnp.int32),
+        cache, jnp.asarray([[2, 0]], jnp.int32), config=cfg,
     )
-    k = np.asarray(cache.k[0][0])  # [kv_heads, max_len, head_dim]
-    assert np.abs(k[:, :10]).max() == 0.0 and np.abs(k[:, 10:20]).min() > 0.0
+    k = np.asarray(cache.k[0])  # [kv_heads, pages, page_size, head_dim]
+    assert np.abs(k[:, 2]).max() == 0.0 and np.abs(k[:, 1]).max() == 0.0  # 0-9 unwritten; not ours
+    assert np.abs(k[:, 0]).min() > 0.0  # positions 10-19
 
 
 @pytest.mark.parametrize("chunk", [16, 64, 150])
@@ -170,15 +177,15 @@ def test_chunked_prefill_logits_match_whole_prefill(tiny_config, tiny_params, ch
     cfg = tiny_config
     tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, 150)
     want = full_logits(tiny_params, cfg, tokens)
-    cache = KVCache.create(cfg, 2, 160)
+    cache = PagedKVCache.create(cfg, 12, 16)
+    table = jnp.asarray([np.random.default_rng(6).permutation(12)[:10]], jnp.int32)  # 160 tokens
     got = []
     for start in range(0, len(tokens), chunk):
         piece = tokens[start : start + chunk]
         logits, cache = forward(
             tiny_params, jnp.asarray(piece, jnp.int32)[None],
             jnp.arange(start, start + len(piece), dtype=jnp.int32)[None],
-            jnp.asarray([len(piece)], jnp.int32), cache, config=cfg, kv_len=160,
-            slots=jnp.asarray([1], jnp.int32),
+            jnp.asarray([len(piece)], jnp.int32), cache, table, config=cfg,
         )
         got.append(np.asarray(logits[0]))
     got = np.concatenate(got)

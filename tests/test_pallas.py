@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.engine import Engine, EngineConfig, sampling_rows
+from engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
 from model.attention import get_attention, pallas_attention, xla_attention
 from model.config import TINY
 from model.pallas_decode import DecodeTiling, flash_decode, split_partials
@@ -180,14 +180,18 @@ def _undo_embedding_boost(params):
 
 def _greedy(engine, prompts, max_new, chunk_sizes):
     """Prefills each prompt in chunks of the given sizes (so chunks start at odd offsets), then
-    decodes every slot together; the last slot stays empty."""
+    decodes every slot together; the last slot stays empty. Each slot's pages are scattered
+    over the pool in a shuffled order."""
+    order = np.random.default_rng(0).permutation(engine.config.pool_pages)
+    tables = fixed_page_tables(engine.config, order)
     out = [[] for _ in prompts]
     for slot, prompt in enumerate(prompts):
         start, i = 0, 0
         while start < len(prompt):
             n = min(chunk_sizes[i % len(chunk_sizes)], len(prompt) - start)
             final = start + n == len(prompt)
-            token = engine.prefill(slot, prompt[start:start + n], start, RequestSampling(), final)
+            token = engine.prefill(slot, prompt[start:start + n], start, RequestSampling(), final,
+                                   tables[slot])
             start, i = start + n, i + 1
         out[slot].append(int(token[0]))
     slots = engine.config.num_slots
@@ -195,7 +199,8 @@ def _greedy(engine, prompts, max_new, chunk_sizes):
     for _ in range(max(max_new) - 1):
         live = [s < len(prompts) and len(out[s]) < max_new[s] for s in range(slots)]
         positions = [len(prompts[s]) + len(out[s]) - 1 if live[s] else 0 for s in range(slots)]
-        tokens = np.asarray(engine.decode(np.asarray(positions, np.int32), np.asarray(live), rows))
+        tokens = np.asarray(engine.decode(np.asarray(positions, np.int32), np.asarray(live), rows,
+                                          tables))
         for s in range(len(prompts)):
             if live[s]:
                 out[s].append(int(tokens[s]))
@@ -208,7 +213,7 @@ def test_engine_with_pallas_attention_matches_xla_token_for_token(tiny_params):
     prompts = [[rng.randrange(3, TINY.vocab_size) for _ in range(n)] for n in (5, 40, 23)]
     max_new, chunks = [12, 20, 9], [13, 16, 7]
     config = dict(num_slots=4, max_seq_len=64, prefill_chunk=16, min_prefill_bucket=16,
-                  min_kv_bucket=32)
+                  min_kv_bucket=32, page_size=8)
     results = {}
     for attention in ("xla", "pallas"):
         engine = Engine(params, TINY, EngineConfig(attention=attention, **config))

@@ -43,17 +43,18 @@ class FaultyEngine:
         self.recoveries = 0
 
     vocab_size = property(lambda self: self.engine.vocab_size)
+    num_pages = property(lambda self: self.engine.num_pages)
     compilations_after_warmup = property(lambda self: self.engine.compilations_after_warmup)
     kv_cache_bytes = property(lambda self: self.engine.kv_cache_bytes)
 
     def prefill(self, *args):
         return self.engine.prefill(*args)
 
-    def decode(self, positions, active, sampling):
+    def decode(self, positions, active, sampling, page_table):
         self.decode_calls += 1
         if self.decode_calls == self.fail_decode_at:
             raise RuntimeError("injected: the device fell over")
-        tokens = self.engine.decode(positions, active, sampling)
+        tokens = self.engine.decode(positions, active, sampling, page_table)
         if self.decode_calls == self.poison_decode_at:
             tokens = np.asarray(tokens).copy()
             tokens[int(np.flatnonzero(active)[0])] = -7

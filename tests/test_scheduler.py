@@ -84,17 +84,24 @@ class Decode:
 
 
 class FakeEngine:
-    """The engine contract, in NumPy, with a deterministic "model" over each slot's content."""
+    """The engine contract, in NumPy, with a deterministic "model" over each sequence's content.
+
+    KV is a pool of pages of token ids; every read and write goes through the page table the
+    scheduler passes, so a wrong, stale or shared page changes what the "model" sees."""
 
     def __init__(self, *, num_slots: int = 4, max_seq_len: int = 1024, prefill_chunk: int = 64,
+                 page_size: int = 16, num_pages: int | None = None,
                  script: dict[tuple[int, ...], list[int]] | None = None, eos_one_in: int = 0,
                  decode_delay: float = 0.0):
         self.config = EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len,
-                                   prefill_chunk=prefill_chunk)
+                                   prefill_chunk=prefill_chunk, page_size=page_size,
+                                   num_pages=num_pages)
         self.model_config = dataclasses.replace(TINY, vocab_size=TOK.vocab_size,
                                                 max_context=max_seq_len)
         self.compilations_after_warmup = 0
-        self.kv = np.full((num_slots, max_seq_len), -1, np.int64)  # -1: never written
+        self.num_pages = self.config.pool_pages
+        self.kv_cache_bytes = self.num_pages * page_size
+        self.pool = np.full((self.num_pages, page_size), -1, np.int64)  # -1: never written
         self.last_tokens = np.zeros(num_slots, np.int64)
         self.script = {tuple(k): list(v) for k, v in (script or {}).items()}
         self.eos_one_in = eos_one_in  # > 0: EOS when the content's hash is divisible by it
@@ -111,16 +118,27 @@ class FakeEngine:
         return self.model_config.vocab_size
 
     def recover(self) -> None:
-        """Like the engine's: every slot's contents are gone, whatever state they were in."""
+        """Like the engine's: every page's contents are gone, whatever state they were in."""
         if self.fail_recover:
             raise RuntimeError("device unreachable")
         self.recoveries += 1
-        self.kv[:] = -1
+        self.pool[:] = -1
         self.last_tokens[:] = 0
 
+    def _write(self, pages, start: int, tokens) -> None:
+        size = self.config.page_size
+        for i, token in enumerate(tokens):
+            p = start + i
+            self.pool[pages[p // size], p % size] = token
+
+    def _content(self, pages, end: int) -> np.ndarray:
+        """The sequence's token ids at positions [0, end)."""
+        size = self.config.page_size
+        return np.asarray([self.pool[pages[p // size], p % size] for p in range(end)], np.int64)
+
     def next_token(self, content: Sequence[int], seed: int | None = None) -> int:
-        """The "model": a pure function of the token ids a slot holds at [0, pos], and of the
-        request's seed when it samples (temperature > 0: pass its seed, else None)."""
+        """The "model": a pure function of the token ids a sequence holds at [0, pos], and of
+        the request's seed when it samples (temperature > 0: pass its seed, else None)."""
         if self.script:
             content_t = tuple(int(t) for t in content)
             for prompt, tokens in self.script.items():
@@ -134,23 +152,25 @@ class FakeEngine:
             return EOS
         return ALPHABET[(h // 7) % len(ALPHABET)]
 
-    def prefill(self, slot, chunk, start, sampling, final) -> np.ndarray:
+    def prefill(self, slot, chunk, start, sampling, final, pages) -> np.ndarray:
         n = len(chunk)
         assert 0 <= slot < self.config.num_slots, slot
         assert 0 < n <= self.config.prefill_chunk, n
         assert 0 <= start and start + n <= self.config.max_seq_len, (start, n)
         assert all(0 <= t < self.model_config.vocab_size for t in chunk)
+        assert len(pages) >= self.config.pages_for(start + n), (len(pages), start + n)
         self.log.append(Prefill(slot, start, n, bool(final)))
-        self.kv[slot, start : start + n] = chunk
+        self._write(pages, start, chunk)
         seed = sampling.seed if sampling.temperature > 0 else None
-        token = self.next_token(self.kv[slot, : start + n], seed)
+        token = self.next_token(self._content(pages, start + n), seed)
         if final:
             self.last_tokens[slot] = token
         return np.asarray([token], np.int32)
 
-    def decode(self, positions, active, sampling) -> np.ndarray:
+    def decode(self, positions, active, sampling, page_table) -> np.ndarray:
         s = self.config.num_slots
         assert positions.shape == (s,) and active.shape == (s,) and active.dtype == bool
+        assert page_table.shape == (s, self.config.max_pages_per_seq)
         assert isinstance(sampling, SamplingParams) and sampling.temperature.shape == (s,)
         assert active.any(), "a decode step with no active slot"
         if self.decode_delay:
@@ -164,9 +184,9 @@ class FakeEngine:
         for i in slots:
             p = int(positions[i])
             assert 0 <= p < self.config.max_seq_len, p
-            self.kv[i, p] = self.last_tokens[i]
+            self._write(page_table[i], p, [self.last_tokens[i]])
             seed = int(sampling.seed[i]) if sampling.temperature[i] > 0 else None
-            tokens[i] = self.last_tokens[i] = self.next_token(self.kv[i, : p + 1], seed)
+            tokens[i] = self.last_tokens[i] = self.next_token(self._content(page_table[i], p + 1), seed)
         if self.decode_calls in self.poison:
             tokens[self.poison[self.decode_calls]] = 2**31 - 1  # no such token
         return tokens
@@ -432,6 +452,114 @@ def test_random_arrivals_match_sequential_model(policy, seed):
     reasons = {c.record.finish_reason for c in h.clients}
     assert reasons == {"stop", "length", "abort"}  # every ending was exercised
     assert {c.slot for c in h.clients} - {None} == {0, 1, 2}
+
+
+# --- 3b: KV pages: preemption under a small pool, pages returned at every ending ------------
+
+
+def _all_pages_free(h: Harness) -> None:
+    assert h.sched.kv_pages == (0, h.engine.num_pages)
+    assert not h.sched._tables.any()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("policy", [chunked(budget=100, chunk=32), prefill_first(chunk=32)],
+                         ids=["chunked", "prefill-first"])
+def test_a_pool_that_runs_dry_preempts_and_every_output_is_still_exact(policy, seed):
+    """Four slots over a pool that holds one longest sequence (32 pages of 8): requests run out
+    of pages mid-prefill and mid-decode, are preempted, recomputed and resumed, with seeded
+    sampling, EOS and cancellations. Each client still receives exactly its lone output, no
+    token lost or repeated, and every page comes back."""
+    rng = np.random.default_rng(seed)
+    engine = FakeEngine(num_slots=4, prefill_chunk=32, max_seq_len=256, page_size=8, num_pages=32,
+                        eos_one_in=40)
+    h = Harness(engine, policy)
+    arrivals = sorted(int(a) for a in rng.integers(0, 60, size=24))
+    for step in range(20_000):
+        while arrivals and arrivals[0] <= step:
+            arrivals.pop(0)
+            sampling = RequestSampling(temperature=float(rng.choice([0.0, 0.8])),
+                                       seed=int(rng.integers(0, 2**31)))
+            h.submit(random_prompt(rng, int(rng.integers(1, 100))),
+                     max_tokens=int(rng.integers(1, 120)), sampling=sampling)
+        live = [c for c in h.clients if c.record is None]
+        if live and rng.random() < 0.01:
+            live[int(rng.integers(len(live)))].stream.cancel()
+        if not arrivals and h.sched.idle():
+            break
+        h.step()
+        used, total = h.sched.kv_pages
+        assert used <= total
+    for c in h.clients:
+        c.check(engine)
+    assert h.sched.preemptions > 0
+    assert sum(c.record.preemptions for c in h.clients) == h.sched.preemptions
+    _all_pages_free(h)
+
+
+def test_a_lone_request_always_progresses_through_a_pool_of_exactly_one_sequence():
+    engine = FakeEngine(num_slots=2, max_seq_len=128, page_size=16, num_pages=8)
+    h = Harness(engine, chunked(budget=64, chunk=64))
+    rng = np.random.default_rng(4)
+    clients = [h.submit(random_prompt(rng, 60), max_tokens=68, ignore_eos=True) for _ in range(2)]
+    h.run()
+    for c in clients:
+        c.check(engine)
+        assert c.record.output_tokens == 68
+    assert h.sched.preemptions >= 1
+    _all_pages_free(h)
+
+
+@pytest.mark.parametrize("length", [15, 16, 17, 31, 32, 33])
+def test_prompts_ending_on_and_beside_page_boundaries(length):
+    engine = FakeEngine(num_slots=2, page_size=16)
+    h = Harness(engine, chunked(budget=64, chunk=16))
+    c = h.submit(random_prompt(np.random.default_rng(length), length), max_tokens=20, ignore_eos=True)
+    h.run()
+    c.check(engine)
+    _all_pages_free(h)
+
+
+@pytest.mark.parametrize("stage", ["waiting", "prefilling", "decoding", "preempted"])
+def test_cancellation_at_every_stage_returns_every_page(stage):
+    engine = FakeEngine(num_slots=2, max_seq_len=128, page_size=8, num_pages=16, prefill_chunk=16)
+    h = Harness(engine, chunked(budget=20, chunk=16))
+    rng = np.random.default_rng(7)
+    first = h.submit(random_prompt(rng, 40), max_tokens=80, ignore_eos=True)
+    second = h.submit(random_prompt(rng, 40), max_tokens=80, ignore_eos=True)
+    third = h.submit(random_prompt(rng, 10), max_tokens=5)  # waits: two slots
+    target = {"waiting": third, "prefilling": second, "decoding": first, "preempted": second}[stage]
+
+    def reached() -> bool:
+        r = target.stream.request
+        if stage == "preempted":
+            return r.preemptions > 0 and r.state.value == "waiting"
+        return r.state.value == stage
+
+    h.run(until=reached, max_steps=500)
+    target.stream.cancel()
+    h.run()
+    assert target.record.finish_reason == "abort"
+    for c in (first, second, third):
+        c.check(engine)
+    _all_pages_free(h)
+
+
+@pytest.mark.parametrize("reservation, most", [("max", 2), ("live", 8)])
+def test_reserving_max_seq_len_is_the_contiguous_baseline(reservation, most):
+    """Eight slots over a pool of two longest sequences: reserving max_seq_len per request
+    (the contiguous layout) runs two at a time; reserving live tokens runs all eight short ones."""
+    engine = FakeEngine(num_slots=8, max_seq_len=128, page_size=16, num_pages=16)
+    h = Harness(engine, chunked(budget=256, chunk=64))
+    h.sched = Scheduler(engine, TOK, SchedulerConfig(policy=chunked(budget=256, chunk=64),
+                                                     kv_reservation=reservation))
+    rng = np.random.default_rng(8)
+    clients = [h.submit(random_prompt(rng, 20), max_tokens=10, ignore_eos=True) for _ in range(8)]
+    h.run()
+    for c in clients:
+        c.check(engine)
+    assert max(len(c.slots) for calls in h.steps for c in calls if isinstance(c, Decode)) == most
+    assert h.sched.preemptions == 0
 
 
 # --- 4, 5: stop conditions -------------------------------------------------------------------
