@@ -228,6 +228,9 @@ def format_capacity(result: dict) -> str:
     if kv.get("bytes_max") is not None:
         lines.append(f"KV memory in use at that load: mean {kv['bytes_mean'] / 2**20:.1f} MiB, "
                      f"max {kv['bytes_max'] / 2**20:.1f} MiB ({kv['usage_max']:.0%} of the cache)")
+        if kv.get("pages_max") is not None:
+            lines.append(f"KV pages held at that load: max {kv['pages_max']} of {kv['pages_total']}, "
+                         f"{kv['page_utilization_mean']:.0%} of their token slots holding real tokens")
     elif kv.get("usage_max") is not None:
         lines.append(f"KV cache in use at that load: mean {kv['usage_mean']:.0%}, max {kv['usage_max']:.0%}")
     return "\n".join(lines)

@@ -1,7 +1,10 @@
 """KV capacity at equal memory: contiguous slots (max_seq_len reserved per request) vs pages.
 
-    python -m bench.kv_capacity --kv_cache_memory=1440MiB --num_slots=32 \
+    python -m bench.kv_capacity --kv_cache_memory=1440MiB --num_slots=32 --max_seq_len=4096 \
         --out=bench/results/kv_capacity-cpu.json
+
+The engine flags are every front door's (`server/runtime.py`): --model, --num_slots,
+--max_seq_len, --kv_cache_memory, --page_size, --prefill_chunk, --dtype, --attention.
 
 One engine (one KV pool of the given bytes, warmed up once) serves the same burst of the
 seed's mixed load twice, in process: chats and long documents submitted together, greedy, with
@@ -36,19 +39,12 @@ from absl import app, flags
 
 from bench.workload import ClassSpec, WorkloadSpec
 from checkpoints.registry import load_model
-from engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig
-from model.paged_kv import pages_for_bytes
+from engine.engine import Engine
 from scheduler.policy import PolicyConfig
 from scheduler.request import GenerationParams, RequestRecord
 from scheduler.scheduler import IterationRecord, Scheduler, SchedulerConfig
-from server.runtime import parse_size
+from server import runtime
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model.")
-_MEMORY = flags.DEFINE_string("kv_cache_memory", "1440MiB", "KV pool bytes (both runs).")
-_SLOTS = flags.DEFINE_integer("num_slots", 32, "Most sequences in flight (both runs).")
-_MAX_SEQ = flags.DEFINE_integer("max_seq_len", 4096, "Longest sequence.")
-_PAGE = flags.DEFINE_integer("page_size", DEFAULT_PAGE_SIZE, "Tokens per page.")
-_CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "Prefill chunk.")
 _CHATS = flags.DEFINE_integer("chats", 28, "Chat requests in the burst.")
 _DOCS = flags.DEFINE_integer("documents", 4, "Document requests in the burst.")
 _RESERVATIONS = flags.DEFINE_list("reservations", ["max", "live"], "Runs, in order.")
@@ -71,7 +67,8 @@ def percentile(values, q) -> float | None:
 
 
 def run(engine: Engine, tokenizer, requests, reservation: str) -> dict:
-    policy = PolicyConfig(token_budget=_CHUNK.value + _SLOTS.value, chunk=_CHUNK.value)
+    cfg = engine.config
+    policy = PolicyConfig(token_budget=cfg.prefill_chunk + cfg.num_slots, chunk=cfg.prefill_chunk)
     sched = Scheduler(engine, tokenizer, SchedulerConfig(policy=policy, max_queue=len(requests),
                                                          kv_reservation=reservation))
     samples: list[tuple[int, int, float]] = []  # per iteration: running, pages held, utilization
@@ -106,7 +103,7 @@ def run(engine: Engine, tokenizer, requests, reservation: str) -> dict:
         "finished": sorted({r.finish_reason for r in records}),
         "concurrent_peak": max(running), "concurrent_mean": float(np.mean(running)),
         "pages_held_peak": max(held), "pages_total": engine.num_pages,
-        "kv_bytes_held_peak": max(held) * engine.config.page_size * engine.model_config.kv_bytes_per_token(4),
+        "kv_bytes_held_peak": max(held) * engine.kv_cache_bytes // engine.num_pages,
         "page_utilization_mean": float(np.mean(util)), "page_utilization_min": float(np.min(util)),
         "preemptions": sched.preemptions,
         "output_tokens": sum(r.output_tokens for r in records),
@@ -141,13 +138,12 @@ def table(results: list[dict]) -> str:
 
 def main(argv) -> None:
     del argv
-    model = load_model(_MODEL.value)
-    pages = pages_for_bytes(model.config, parse_size(_MEMORY.value), _PAGE.value)
-    config = EngineConfig(num_slots=_SLOTS.value, max_seq_len=_MAX_SEQ.value,
-                          prefill_chunk=_CHUNK.value, page_size=_PAGE.value, num_pages=pages)
+    model = load_model(runtime.MODEL_FLAG.value)
+    config = runtime.engine_config_from_flags(model)
     engine = Engine(model.params, model.config, config)
-    print(f"KV pool: {pages} pages x {_PAGE.value} tokens = {pages * _PAGE.value} tokens, "
-          f"{engine.kv_cache_bytes / 2**20:.0f} MiB; {_SLOTS.value} slots", file=sys.stderr)
+    pages = engine.num_pages
+    print(f"KV pool: {pages} pages x {config.page_size} tokens = {pages * config.page_size} tokens, "
+          f"{engine.kv_cache_bytes / 2**20:.0f} MiB; {config.num_slots} slots", file=sys.stderr)
     start = time.monotonic()
     engine.warmup()
     print(f"warm-up {time.monotonic() - start:.0f} s", file=sys.stderr)
@@ -158,7 +154,7 @@ def main(argv) -> None:
         print(json.dumps(results[-1]), file=sys.stderr)
     print(table(results))
     report = {
-        "command": " ".join(sys.argv), "model": _MODEL.value, "engine": {
+        "command": " ".join(sys.argv), "model": runtime.MODEL_FLAG.value, "engine": {
             "num_slots": config.num_slots, "max_seq_len": config.max_seq_len,
             "page_size": config.page_size, "num_pages": pages, "kv_cache_bytes": engine.kv_cache_bytes},
         "requests": {"chat": _CHATS.value, "document": _DOCS.value,

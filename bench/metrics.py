@@ -182,6 +182,13 @@ def server_metrics(results: Sequence[RequestResult], window: Window, chat_classe
         "bytes_mean": float(np.mean([s["kv_bytes"] for s in kv])) if kv and "kv_bytes" in kv[0] else None,
         "bytes_max": float(max(s["kv_bytes"] for s in kv)) if kv and "kv_bytes" in kv[0] else None,
     }
+    paged = [s for s in kv if s.get("kv_pages") is not None]
+    if paged:
+        out["kv"].update({
+            "pages_max": max(s["kv_pages"] for s in paged), "pages_total": paged[0]["kv_pages_total"],
+            "page_utilization_mean": float(np.mean([s["kv_page_utilization"] for s in paged
+                                                    if s["kv_pages"]] or [1.0])),
+        })
     return out
 
 

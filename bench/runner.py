@@ -106,6 +106,8 @@ class ServerPoller:
         self.samples.append({
             "t": (before + after) / 2, "kv_usage": body["kv_cache_usage"],
             "kv_bytes": body["kv_cache_usage"] * body["kv_cache_bytes"],
+            "kv_pages": body.get("kv_pages_used"), "kv_pages_total": body.get("kv_pages_total"),
+            "kv_page_utilization": body.get("kv_page_utilization"),
             "running": body["num_running"], "waiting": body["num_waiting"],
         })
 

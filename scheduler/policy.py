@@ -1,6 +1,6 @@
 """The policy: a pure planner that decides what the next iteration runs.
 
-    plan = make_plan(running, waiting, free_slots, config)
+    plan = make_plan(running, waiting, free_slots, config, pages)
 
 It reads request state and returns a `Plan` (requests to admit, prefill chunks, requests to
 decode); it never touches the engine or mutates a request. Two policies:
@@ -63,6 +63,22 @@ class Plan:
         return not (self.admit or self.prefill or self.decode)
 
 
+@dataclasses.dataclass(frozen=True)
+class PageBudget:
+    """The KV pages the plan may still hand out, so that admission follows memory, not slots.
+
+    A request costs the pages its work this iteration adds to what it holds; with `reserve`
+    (tokens, the contiguous baseline) it costs a whole reservation once, then nothing."""
+
+    free: int
+    page_size: int
+    reserve: int | None = None
+
+    def cost(self, r: Request, end: int) -> int:
+        tokens = self.reserve or end
+        return max(0, -(-tokens // self.page_size) - len(r.pages))
+
+
 def wants_decode(r: Request) -> bool:
     return r.state is State.DECODING and r.dispatched < r.max_tokens
 
@@ -73,11 +89,28 @@ def _is_long(r: Request, config: PolicyConfig) -> bool:
 
 
 def make_plan(
-    running: Sequence[Request], waiting: Sequence[Request], free_slots: int, config: PolicyConfig
+    running: Sequence[Request], waiting: Sequence[Request], free_slots: int, config: PolicyConfig,
+    pages: PageBudget | None = None,
 ) -> Plan:
+    """`pages`: admit a request only if the pages its first chunk needs are free after what the
+    running requests' next steps need (None: no limit). The scheduler still reserves the pages
+    before dispatch, and preempts if a running request cannot grow."""
+    pages = pages or PageBudget(free=2**62, page_size=1)
     if config.name == "prefill-first":
-        return _prefill_first(running, waiting, free_slots, config)
-    return _chunked(running, waiting, free_slots, config)
+        return _prefill_first(running, waiting, free_slots, config, pages)
+    return _chunked(running, waiting, free_slots, config, pages)
+
+
+def _running_cost(running: Sequence[Request], config: PolicyConfig, pages: PageBudget) -> int:
+    """Pages the running requests' next steps need: a decode's next token, a partial prefill's
+    next chunk (at most)."""
+    cost = 0
+    for r in running:
+        if wants_decode(r):
+            cost += pages.cost(r, r.prompt_len + r.dispatched)
+        elif r.state is State.PREFILLING:
+            cost += pages.cost(r, min(r.prefill_len, r.prefilled + config.chunk))
+    return cost
 
 
 def _chunks(r: Request, start: int, budget: int, chunk: int) -> list[Chunk]:
@@ -89,15 +122,16 @@ def _chunks(r: Request, start: int, budget: int, chunk: int) -> list[Chunk]:
     return out
 
 
-def _prefill_first(running, waiting, free_slots, config) -> Plan:
-    if waiting and free_slots:
+def _prefill_first(running, waiting, free_slots, config, pages) -> Plan:
+    if waiting and free_slots and pages.cost(waiting[0], waiting[0].prefill_len) <= pages.free - _running_cost(running, config, pages):
         r = waiting[0]
         return Plan(admit=[r], prefill=_chunks(r, 0, r.prefill_len, config.chunk))
     return Plan(decode=[r for r in running if wants_decode(r)])
 
 
-def _chunked(running, waiting, free_slots, config) -> Plan:
+def _chunked(running, waiting, free_slots, config, pages) -> Plan:
     plan = Plan(decode=[r for r in running if wants_decode(r)])
+    free_pages = pages.free - _running_cost(running, config, pages)
     # Decodes alone may fill the budget; a small floor keeps prompts from starving.
     budget = max(config.token_budget - len(plan.decode), MIN_PREFILL_TOKENS)
     prefilling = [r for r in running if r.state is State.PREFILLING]
@@ -107,6 +141,10 @@ def _chunked(running, waiting, free_slots, config) -> Plan:
             break
         if _is_long(r, config) and long_prompts >= config.max_partial_prefills:
             continue  # enough long prompts in flight; a short one behind this may still pass
+        cost = pages.cost(r, min(r.prefill_len, config.chunk))
+        if cost > free_pages:
+            break  # memory, not slots, is what is short; first come, first served
+        free_pages -= cost
         plan.admit.append(r)
         prefilling.append(r)
         long_prompts += _is_long(r, config)

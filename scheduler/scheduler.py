@@ -44,7 +44,7 @@ from checkpoints.tokenizer import Tokenizer
 from engine.api import EngineAPI, RequestSampling, SamplingRows
 from scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
 from scheduler.pages import PageAllocator
-from scheduler.policy import Plan, PolicyConfig, make_plan
+from scheduler.policy import PageBudget, Plan, PolicyConfig, make_plan
 from scheduler.request import (
     MAX_STOP_LENGTH, MAX_STOP_STRINGS, FinishReason, GenerationParams, Request, RequestRecord,
     State, TokenEvent,
@@ -309,7 +309,9 @@ class Scheduler:
         """One iteration. Public so tests can drive the scheduler synchronously."""
         start = time.monotonic()
         self._take_inbox()
-        plan = make_plan(self._running, self._waiting, len(self._free_slots), self.config.policy)
+        budget = PageBudget(self._pages.free_count, self.page_size,
+                            self.max_seq_len if self.config.kv_reservation == "max" else None)
+        plan = make_plan(self._running, self._waiting, len(self._free_slots), self.config.policy, budget)
         previous, self._pending = self._pending, []
         self._dispatch(plan)
         self._apply(previous)
@@ -408,9 +410,10 @@ class Scheduler:
             while not r.finished and r.state is not State.WAITING and not self._grow(r, self._tokens_after(r, ends, decoding)):
                 victim = next(v for v in reversed(self._running) if v not in admitted)
                 self._preempt(victim, now)
-        for r in plan.admit:
-            if r.state is State.PREFILLING and not self._grow(r, ends.get(r, 0)):
-                self._send_back(r)
+        short = [r for r in plan.admit
+                 if r.state is State.PREFILLING and not self._grow(r, ends.get(r, 0))]
+        for r in reversed(short):  # back to the head of the queue, in their order
+            self._send_back(r)
 
     def _grow(self, r: Request, tokens: int) -> bool:
         if self.config.kv_reservation == "max":

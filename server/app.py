@@ -341,6 +341,8 @@ class Server:
             "policy": dataclasses.asdict(sched.config.policy),
             "num_running": sched.num_running, "num_waiting": sched.num_waiting,
             "kv_cache_usage": sched.kv_usage, "kv_cache_bytes": sched.engine.kv_cache_bytes,
+            "kv_pages_used": sched.kv_pages[0], "kv_pages_total": sched.kv_pages[1],
+            "kv_page_utilization": sched.kv_page_utilization, "num_preemptions": sched.preemptions,
             **self.timeline.since(iteration, seq),
         })
 

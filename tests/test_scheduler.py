@@ -562,6 +562,25 @@ def test_reserving_max_seq_len_is_the_contiguous_baseline(reservation, most):
     assert h.sched.preemptions == 0
 
 
+@pytest.mark.parametrize("reservation", ["max", "live"])
+def test_requests_memory_cannot_hold_never_take_the_budget_from_those_it_can(reservation):
+    """Two long prompts fill the pool; shorter ones keep arriving behind them. Admission counts
+    pages, so the waiting chats never take the prefill budget from the long prompts that hold
+    the memory (which would starve them forever), and everything finishes exactly."""
+    engine = FakeEngine(num_slots=8, max_seq_len=256, page_size=16, num_pages=32)
+    h = Harness(engine)
+    h.sched = Scheduler(engine, TOK, SchedulerConfig(policy=chunked(budget=40, chunk=32),
+                                                     kv_reservation=reservation))
+    rng = np.random.default_rng(9)
+    clients = [h.submit(random_prompt(rng, 230), max_tokens=20, ignore_eos=True) for _ in range(2)]
+    h.step()
+    clients += [h.submit(random_prompt(rng, 10), max_tokens=8, ignore_eos=True) for _ in range(10)]
+    h.run(max_steps=2000)
+    for c in clients:
+        c.check(engine)
+    _all_pages_free(h)
+
+
 # --- 4, 5: stop conditions -------------------------------------------------------------------
 
 

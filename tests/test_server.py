@@ -237,5 +237,7 @@ def test_metrics_expose_histograms_and_counters(url, client):
                  "cadence:request_prefill_time_seconds_count", "cadence:request_decode_time_seconds_count",
                  "cadence:iteration_tokens_total_bucket", "cadence:prompt_tokens_total",
                  "cadence:generation_tokens_total", "cadence:kv_cache_usage_perc",
-                 "cadence:num_requests_waiting", 'cadence:compilations_after_warmup{model_name="tiny"}'):
+                 "cadence:num_requests_waiting", 'cadence:compilations_after_warmup{model_name="tiny"}',
+                 "cadence:kv_pages_used", "cadence:kv_pages_total", "cadence:kv_page_utilization_perc",
+                 "cadence:num_preemptions_total"):
         assert name in text, name
