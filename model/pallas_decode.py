@@ -112,17 +112,29 @@ def split_partials(
     `partials`, when given, are buffers of those shapes that the kernel writes in place (tests
     pass NaN-filled ones so that a partial the kernel fails to write shows up).
     """
+    kv_spec = pl.BlockSpec((None, None, k.shape[2], q.shape[-1]), lambda b, h, s: (b, h, 0, 0))
+    return split_call(q, q_positions, k.shape[1], k.shape[2], [k, v], [kv_spec, kv_spec], _kernel,
+                      name="cadence_flash_decode", tiling=tiling, interpret=interpret,
+                      partials=partials)
+
+
+def split_call(q, q_positions, num_kv_heads: int, kv_len: int, kv_args: list, kv_specs: list,
+               kernel, *, name: str, tiling: DecodeTiling | None, interpret: bool | None,
+               partials, **kernel_kw) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The split-K launch around a decode kernel body, whatever layout its keys and values
+    come in (`kv_args` with their `kv_specs`: a contiguous cache, or page tables and pools):
+    the grid, the per-row lengths, the GQA query groups, the partial outputs and their
+    aliasing. `kv_len` is the most keys a row can have; `kernel_kw` go to the kernel."""
     batch, q_len, num_heads, head_dim = q.shape
     if q_len != 1:
         raise ValueError(f"decode attention takes one query per row, got q_len={q_len}")
-    num_kv_heads, kv_len = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     tiling = tiling or default_tiling(batch, num_kv_heads, kv_len, head_dim)
     interpret = default_interpret() if interpret is None else interpret
     split_len = -(-pl.cdiv(kv_len, tiling.num_splits) // tiling.block_k) * tiling.block_k
     splits = pl.cdiv(kv_len, split_len)
 
-    # Keys row b may see: 0..position, clipped to the cache ([0, kv_len]; -1 gives 0).
+    # Keys row b may see: 0..position, clipped to [0, kv_len] (-1 gives 0).
     lengths = jnp.clip(q_positions[:, 0].astype(jnp.int32) + 1, 0, kv_len)
     qg = q.reshape(batch, num_kv_heads, group, head_dim)
     shapes = (
@@ -135,14 +147,12 @@ def split_partials(
         pl.BlockSpec((None, None, None, group), lambda b, h, s: (b, h, s, 0)),
         pl.BlockSpec((None, None, None, group), lambda b, h, s: (b, h, s, 0)),
     )
-    kv_spec = pl.BlockSpec((None, None, kv_len, head_dim), lambda b, h, s: (b, h, 0, 0))
     in_specs = [
         pl.BlockSpec((batch,), lambda b, h, s: (0,)),
         pl.BlockSpec((None, None, group, head_dim), lambda b, h, s: (b, h, 0, 0)),
-        kv_spec,
-        kv_spec,
+        *kv_specs,
     ]
-    args = [lengths, qg, k, v]
+    args = [lengths, qg, *kv_args]
     aliases = {}
     if partials is not None:
         aliases = {len(args) + i: i for i in range(3)}
@@ -150,8 +160,8 @@ def split_partials(
         in_specs += list(out_specs)
 
     kernel = functools.partial(
-        _kernel, group=group, rows=max(MIN_DOT, next_pow2(group)), block_k=tiling.block_k,
-        split_len=split_len, precision=dot_precision(q.dtype),
+        kernel, group=group, rows=max(MIN_DOT, next_pow2(group)), block_k=tiling.block_k,
+        split_len=split_len, precision=dot_precision(q.dtype), **kernel_kw,
     )
     return triton_call(
         kernel,
@@ -163,7 +173,7 @@ def split_partials(
         out_specs=out_specs,
         input_output_aliases=aliases,
         interpret=interpret,
-        name="cadence_flash_decode",
+        name=name,
     )(*args)
 
 

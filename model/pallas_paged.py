@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 
 from model import pallas_decode, pallas_prefill
 from model.pallas_common import (
-    MIN_DOT, default_interpret, dot_precision, load, next_pow2, triton_call,
+    default_interpret, dot_precision, load, triton_call,
 )
 from model.pallas_decode import DecodeTiling, combine
 from model.pallas_prefill import PrefillTiling
@@ -113,61 +113,13 @@ def paged_split_partials(
     """The decode kernel alone: per-split (unnormalised output, base-2 max, sum), shaped
     [rows, kv_heads, splits, group, head_dim], [..., group], [..., group], all float32, as
     `pallas_decode.split_partials` returns them (`partials`: buffers written in place)."""
-    batch, q_len, num_heads, head_dim = q.shape
-    if q_len != 1:
-        raise ValueError(f"decode attention takes one query per row, got q_len={q_len}")
     num_kv_heads, _, page_size, _ = k_pages.shape
-    max_pages = page_table.shape[1]
-    capacity = max_pages * page_size  # the longest sequence a page table reaches
-    group = num_heads // num_kv_heads
-    tiling = tiling or pallas_decode.default_tiling(batch, num_kv_heads, capacity, head_dim)
-    interpret = default_interpret() if interpret is None else interpret
-    split_len = -(-pl.cdiv(capacity, tiling.num_splits) // tiling.block_k) * tiling.block_k
-    splits = pl.cdiv(capacity, split_len)
-
-    # Keys row b may see: 0..position, clipped to what its page table reaches.
-    lengths = jnp.clip(q_positions[:, 0].astype(jnp.int32) + 1, 0, capacity)
-    qg = q.reshape(batch, num_kv_heads, group, head_dim)
-    shapes = (
-        jax.ShapeDtypeStruct((batch, num_kv_heads, splits, group, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((batch, num_kv_heads, splits, group), jnp.float32),
-        jax.ShapeDtypeStruct((batch, num_kv_heads, splits, group), jnp.float32),
-    )
-    out_specs = (
-        pl.BlockSpec((None, None, None, group, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
-        pl.BlockSpec((None, None, None, group), lambda b, h, s: (b, h, s, 0)),
-        pl.BlockSpec((None, None, None, group), lambda b, h, s: (b, h, s, 0)),
-    )
+    capacity = page_table.shape[1] * page_size  # the longest sequence a page table reaches
     paged_args, paged_specs = _paged_operands(page_table, k_pages, v_pages)
-    in_specs = [
-        pl.BlockSpec((batch,), lambda b, h, s: (0,)),
-        pl.BlockSpec((None, None, group, head_dim), lambda b, h, s: (b, h, 0, 0)),
-        *paged_specs,
-    ]
-    args = [lengths, qg, *paged_args]
-    aliases = {}
-    if partials is not None:
-        aliases = {len(args) + i: i for i in range(3)}
-        args += [p.astype(jnp.float32) for p in partials]
-        in_specs += list(out_specs)
-
-    kernel = functools.partial(
-        _decode_kernel, group=group, rows=max(MIN_DOT, next_pow2(group)),
-        block_k=tiling.block_k, split_len=split_len, page_size=page_size,
-        precision=dot_precision(q.dtype),
-    )
-    return triton_call(
-        kernel,
-        num_warps=tiling.num_warps,
-        num_stages=tiling.num_stages,
-        out_shape=shapes,
-        grid=(batch, num_kv_heads, splits),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        input_output_aliases=aliases,
-        interpret=interpret,
-        name="cadence_paged_decode",
-    )(*args)
+    return pallas_decode.split_call(
+        q, q_positions, num_kv_heads, capacity, paged_args, paged_specs, _decode_kernel,
+        name="cadence_paged_decode", tiling=tiling, interpret=interpret, partials=partials,
+        page_size=page_size)
 
 
 def paged_decode(
