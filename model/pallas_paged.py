@@ -44,9 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from model import pallas_decode, pallas_prefill
-from model.pallas_common import (
-    default_interpret, dot_precision, load, triton_call,
-)
+from model.pallas_common import default_interpret, load
 from model.pallas_decode import DecodeTiling, combine
 from model.pallas_prefill import PrefillTiling
 
@@ -154,42 +152,12 @@ def paged_prefill(
 ) -> jax.Array:
     """Flash attention over pages for a chunk of queries at any positions (see the module
     docstring); `out`, when given, is a buffer of the output's shape written in place."""
-    batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
-    max_pages = page_table.shape[1]
-    group = num_heads // num_kv_heads
-    tiling = tiling or pallas_prefill.default_tiling(q_len, group, head_dim)
-    interpret = default_interpret() if interpret is None else interpret
-
-    qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)  # free: heads are h*group+g
-    q_spec = pl.BlockSpec((None, q_len, None, group, head_dim), lambda b, h, i: (b, 0, h, 0, 0))
     paged_args, paged_specs = _paged_operands(page_table, k_pages, v_pages)
-    in_specs = [pl.BlockSpec((None, q_len), lambda b, h, i: (b, 0)), q_spec, *paged_specs]
-    args = [q_positions.astype(jnp.int32), qg, *paged_args]
-    aliases = {}
-    if out is not None:
-        args.append(out.reshape(qg.shape).astype(q.dtype))
-        in_specs.append(q_spec)
-        aliases = {len(args) - 1: 0}
-
-    kernel = functools.partial(
-        _prefill_kernel, q_len=q_len, kv_len=max_pages * page_size, group=group,
-        block_q=tiling.block_q, block_k=tiling.block_k, page_size=page_size,
-        precision=dot_precision(q.dtype),
-    )
-    result = triton_call(
-        kernel,
-        num_warps=tiling.num_warps,
-        num_stages=tiling.num_stages,
-        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        grid=(batch, num_kv_heads, pl.cdiv(q_len, tiling.block_q)),
-        in_specs=in_specs,
-        out_specs=q_spec,
-        input_output_aliases=aliases,
-        interpret=interpret,
-        name="cadence_paged_prefill",
-    )(*args)
-    return result.reshape(batch, q_len, num_heads, head_dim)
+    return pallas_prefill.flash_call(
+        q, q_positions, num_kv_heads, page_table.shape[1] * page_size, paged_args, paged_specs,
+        _prefill_kernel, name="cadence_paged_prefill", tiling=tiling, interpret=interpret,
+        out=out, page_size=page_size)
 
 
 def pallas_paged_attention(

@@ -129,18 +129,28 @@ def flash_prefill(
     `out`, when given, is a buffer of the output's shape that the kernel writes in place (tests
     pass a NaN-filled one so that any element the kernel fails to write shows up).
     """
+    kv_spec = pl.BlockSpec((None, None, k.shape[2], q.shape[-1]), lambda b, h, i: (b, h, 0, 0))
+    return flash_call(q, q_positions, k.shape[1], k.shape[2], [k, v], [kv_spec, kv_spec], _kernel,
+                      name="cadence_flash_prefill", tiling=tiling, interpret=interpret, out=out)
+
+
+def flash_call(q, q_positions, num_kv_heads: int, kv_len: int, kv_args: list, kv_specs: list,
+               kernel, *, name: str, tiling: PrefillTiling | None, interpret: bool | None,
+               out, **kernel_kw) -> jax.Array:
+    """The launch around a prefill kernel body, whatever layout its keys and values come in
+    (`kv_args` with their `kv_specs`: a contiguous cache, or page tables and pools): the grid
+    over (rows, KV heads, query blocks), the GQA query groups, the in-place output. `kv_len`
+    is the most keys a row can have; `kernel_kw` go to the kernel."""
     batch, q_len, num_heads, head_dim = q.shape
-    num_kv_heads, kv_len = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     tiling = tiling or default_tiling(q_len, group, head_dim)
     interpret = default_interpret() if interpret is None else interpret
 
     qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)  # free: heads are h*group+g
     q_spec = pl.BlockSpec((None, q_len, None, group, head_dim), lambda b, h, i: (b, 0, h, 0, 0))
-    kv_spec = pl.BlockSpec((None, None, kv_len, head_dim), lambda b, h, i: (b, h, 0, 0))
     pos_spec = pl.BlockSpec((None, q_len), lambda b, h, i: (b, 0))
-    args = [q_positions.astype(jnp.int32), qg, k, v]
-    in_specs = [pos_spec, q_spec, kv_spec, kv_spec]
+    args = [q_positions.astype(jnp.int32), qg, *kv_args]
+    in_specs = [pos_spec, q_spec, *kv_specs]
     aliases = {}
     if out is not None:
         args.append(out.reshape(qg.shape).astype(q.dtype))
@@ -148,8 +158,8 @@ def flash_prefill(
         aliases = {len(args) - 1: 0}
 
     kernel = functools.partial(
-        _kernel, q_len=q_len, kv_len=kv_len, group=group, block_q=tiling.block_q,
-        block_k=tiling.block_k, precision=dot_precision(q.dtype),
+        kernel, q_len=q_len, kv_len=kv_len, group=group, block_q=tiling.block_q,
+        block_k=tiling.block_k, precision=dot_precision(q.dtype), **kernel_kw,
     )
     result = triton_call(
         kernel,
@@ -161,6 +171,6 @@ def flash_prefill(
         out_specs=q_spec,
         input_output_aliases=aliases,
         interpret=interpret,
-        name="cadence_flash_prefill",
+        name=name,
     )(*args)
     return result.reshape(batch, q_len, num_heads, head_dim)
