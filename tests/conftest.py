@@ -98,6 +98,24 @@ def tiny_model_dir(tmp_path_factory, tiny_config, tiny_params, tiny_tokenizer):
     return root, dict(os.environ, CADENCE_CACHE=str(root / "cache"))
 
 
+@pytest.fixture
+def triton_verifications(monkeypatch) -> list:
+    """Every Triton module Pallas lowers during the test is MLIR-verified; the list collects
+    each verification's result (True when it passed). Skips where JAX has no Triton lowering."""
+    lowering = pytest.importorskip("jax._src.pallas.triton.lowering")
+    verified: list = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = original(*args, **kwargs)
+        with result.module.context:
+            verified.append(result.module.operation.verify())
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    return verified
+
+
 @contextlib.contextmanager
 def loopback_server(app):
     """Runs an ASGI app under a real uvicorn server on a free loopback port, in a thread;

@@ -195,20 +195,10 @@ def test_pallas_paged_attention_dispatches_on_query_length():
         np.testing.assert_allclose(out, ref, atol=3e-2, rtol=3e-2)
 
 
-def test_paged_kernels_lower_to_triton_for_gpu(monkeypatch):
+def test_paged_kernels_lower_to_triton_for_gpu(triton_verifications):
     """As in test_pallas: on the CPU the paged kernels still lower for a CUDA GPU, and the
     Triton modules verify, at the Llama-3-8B and SmolLM2 shapes in bfloat16."""
-    lowering = pytest.importorskip("jax._src.pallas.triton.lowering")
-    verified = []
-    original = lowering.lower_jaxpr_to_triton_module
-
-    def lower_and_verify(*args, **kwargs):
-        result = original(*args, **kwargs)
-        with result.module.context:
-            verified.append(result.module.operation.verify())
-        return result
-
-    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    verified = triton_verifications
     attend = jax.jit(functools.partial(pallas_paged_attention, interpret=False))
     for heads, kv_heads, head_dim in [(32, 8, 128), (9, 3, 64)]:
         for batch, q_len in [(1, 512), (64, 1)]:
