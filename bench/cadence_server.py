@@ -3,7 +3,8 @@
     with spawned(ServerConfig(policy="prefill-first", prefill_chunk=256), log="serve.log") as base_url:
         ...  # base_url = "http://127.0.0.1:PORT/v1", answering once /health says 200
 
-The server runs `python -m server.serve_cli` with this interpreter from the repository root, its
+The server runs `python -m server.serve_cli` with this interpreter from the repository root (or
+from `ServerConfig.repo`, another checkout, to compare revisions on the same load), its
 stdout and stderr go to the log file, and it is stopped with SIGTERM (it drains, then exits) or
 killed if it will not. Startup failures raise with the log's tail.
 """
@@ -34,10 +35,12 @@ class ServerConfig:
     policy: str = "chunked"
     token_budget: int | None = None
     extra_flags: tuple[str, ...] = ()
+    repo: str | None = None  # a cadence checkout to serve from (another revision); None: this one
+    name: str | None = None  # the label in tables; None: POLICY@CHUNK
 
     @property
     def label(self) -> str:
-        return f"{self.policy}@{self.prefill_chunk}"
+        return self.name or f"{self.policy}@{self.prefill_chunk}"
 
     def argv(self, port: int) -> list[str]:
         argv = [sys.executable, "-m", "server.serve_cli", f"--model={self.model}", f"--port={port}",
@@ -46,6 +49,30 @@ class ServerConfig:
         if self.token_budget:
             argv.append(f"--token_budget={self.token_budget}")
         return argv + list(self.extra_flags)
+
+
+def parse_config(item: str, base: ServerConfig) -> ServerConfig:
+    """One `cadence-bench compare --configs` entry over `base` (model, slots, context): POLICY@CHUNK,
+    then any number of :FLAG=VALUE (passed to cadence-serve as --FLAG=VALUE) or :repo=PATH (serve
+    from another checkout), e.g. `chunked@128:kv_reservation=max` or `chunked@128:repo=../old`."""
+    head, *options = item.split(":")
+    policy, _, chunk = head.partition("@")
+    if policy not in ("chunked", "prefill-first") or not chunk.isdigit():
+        raise ValueError(f"--configs entries are POLICY@CHUNK[:FLAG=VALUE...] (POLICY chunked or "
+                         f"prefill-first), got {item!r}")
+    extra, repo = [], None
+    for option in options:
+        key, eq, value = option.partition("=")
+        if not (eq and key and value):
+            raise ValueError(f"--configs option {option!r} in {item!r} is not FLAG=VALUE")
+        if key == "repo":
+            if not (Path(value) / "server" / "serve_cli.py").is_file():
+                raise ValueError(f"--configs repo={value} is not a cadence checkout (no server/serve_cli.py)")
+            repo = str(Path(value).resolve())
+        else:
+            extra.append(f"--{key}={value}")
+    return dataclasses.replace(base, policy=policy, prefill_chunk=int(chunk), extra_flags=tuple(extra),
+                               repo=repo, name=item if options else None)
 
 
 def free_port() -> int:
@@ -67,7 +94,7 @@ def spawned(config: ServerConfig, log: str | Path, health_timeout_s: float = 120
     log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
-        proc = subprocess.Popen(config.argv(port), cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(config.argv(port), cwd=config.repo or REPO, stdout=out, stderr=subprocess.STDOUT)
     root = f"http://127.0.0.1:{port}"
     try:
         start = time.monotonic()

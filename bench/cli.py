@@ -41,7 +41,8 @@ _CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "cadence --prefill_chunk.")
 _POLICY = flags.DEFINE_enum("policy", "chunked", ["chunked", "prefill-first"], "cadence --policy.")
 _BUDGET = flags.DEFINE_integer("token_budget", None, "cadence --token_budget.")
 _CONFIGS = flags.DEFINE_list("configs", ["prefill-first@256", "chunked@256", "chunked@64"],
-                             "compare: POLICY@CHUNK per server.")
+                             "compare: POLICY@CHUNK[:FLAG=VALUE...] per server; FLAG is a "
+                             "cadence-serve flag, or repo=PATH to serve from another checkout.")
 _HEALTH_TIMEOUT = flags.DEFINE_float("health_timeout", 1200, "Seconds to wait for a spawned server's /health.")
 # workload
 _CHAT_CONC = flags.DEFINE_integer("chat_concurrency", 4, "Closed-loop chat streams (the default for chats).")
@@ -160,12 +161,12 @@ def cmd_run() -> None:
 def cmd_compare() -> None:
     from bench import experiments
 
-    configs = []
-    for item in _CONFIGS.value:
-        policy, _, chunk = item.partition("@")
-        if policy not in ("chunked", "prefill-first") or not chunk.isdigit():
-            raise app.UsageError(f"--configs entries are POLICY@CHUNK (chunked or prefill-first), got {item!r}")
-        configs.append(server_config(policy, int(chunk)))
+    from bench.cadence_server import parse_config
+
+    try:
+        configs = [parse_config(item, server_config()) for item in _CONFIGS.value]
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     spec = workload()
     check_fits(spec)
     experiments.compare(spec, configs, target(), out_dir("compare"), _HEALTH_TIMEOUT.value)

@@ -20,7 +20,7 @@ from starlette.routing import Route
 from bench import plots, roofline
 from bench.bill import Prices, bill
 from bench.client import RequestResult, Target, _on_message
-from bench.cadence_server import ServerConfig
+from bench.cadence_server import REPO, ServerConfig, parse_config
 from bench.experiments import capacity, check_slos, compare, parse_slos
 from bench.metrics import chat_itl, class_metrics, percentile, stream_rate, summarize, throughput
 from bench.report import load_results, run_report, write_json
@@ -195,6 +195,19 @@ def test_compare_spawns_cadence_per_config_and_writes_table_json_and_plots(
     for name in ["compare.json", "run-prefill-first_32.json", "run-chunked_32.json", *result["plots"]]:
         assert (out / name).stat().st_size > 0, name
     assert "timeline-chunked_32.png" in result["plots"]
+
+
+def test_compare_configs_carry_serve_flags_and_another_checkout():
+    base = ServerConfig(num_slots=4, max_seq_len=512)
+    plain = parse_config("prefill-first@256", base)
+    assert (plain.policy, plain.prefill_chunk, plain.label, plain.repo) == ("prefill-first", 256, "prefill-first@256", None)
+    item = f"chunked@128:kv_reservation=max:repo={REPO}"
+    paged = parse_config(item, base)
+    assert paged.label == item and paged.repo == str(REPO) and paged.num_slots == 4
+    assert paged.argv(1)[-1] == "--kv_reservation=max" and "--prefill_chunk=128" in paged.argv(1)
+    for bad in ["chunked", "fastest@64", "chunked@64:kv_reservation", "chunked@64:repo=/nonexistent"]:
+        with pytest.raises(ValueError, match="configs"):
+            parse_config(bad, base)
 
 
 def test_capacity_bisection_against_cadence(cadence_url, tmp_path):
