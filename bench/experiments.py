@@ -78,10 +78,11 @@ def format_comparison(rows: Sequence[dict]) -> str:
     def f(x, d=3):
         return "-" if x is None else f"{x:.{d}f}"
 
-    out = [f"{'config':<20} {'chat ITL p50':>12} {'chat ITL p99':>12} {'chat ITL max':>12} "
+    width = max([20] + [len(r["config"]) for r in rows])
+    out = [f"{'config':<{width}} {'chat ITL p50':>12} {'chat ITL p99':>12} {'chat ITL max':>12} "
            f"{'chat TTFT p99':>13} {'doc TTFT p50':>12} {'doc TTFT p99':>12} {'tok/s':>7} {'err':>4}"]
     for r in rows:
-        out.append(f"{r['config']:<20} {f(r['chat_itl_p50_s']):>12} {f(r['chat_itl_p99_s']):>12} "
+        out.append(f"{r['config']:<{width}} {f(r['chat_itl_p50_s']):>12} {f(r['chat_itl_p99_s']):>12} "
                    f"{f(r['chat_itl_max_s']):>12} {f(r['chat_ttft_p99_s'], 2):>13} {f(r['doc_ttft_p50_s'], 2):>12} "
                    f"{f(r['doc_ttft_p99_s'], 2):>12} {f(r['throughput_tok_s'], 1):>7} {r['errors']:>4}")
     out.append("(seconds; ITL across chat streams in the window; throughput = output tokens in the window / "
