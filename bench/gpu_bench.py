@@ -7,12 +7,17 @@ each section written to the JSON file as soon as it is done (so a run cut short 
 
 1. ceilings, measured here: a large device copy (GB/s, bytes read + written) and a large bf16
    matmul (TFLOP/s);
-2. the kernel tests of tests/test_pallas.py compiled on the GPU (a pytest subprocess with
-   CADENCE_PALLAS_INTERPRET=0 and float32 matmuls at full precision);
+2. the kernel tests of tests/test_pallas.py and tests/test_paged_attention.py compiled on the
+   GPU (one pytest subprocess with CADENCE_PALLAS_INTERPRET=0 and float32 matmuls at full
+   precision);
 3. both kernels against `xla_attention` and cuDNN (`jax.nn.dot_product_attention(...,
    implementation="cudnn")`, given its own [batch, seq, heads, dim] layout) at the Llama-3-8B
    (32/8/128) and SmolLM2 (9/3/64) head shapes: causal prefill of 4k and 8k tokens (TFLOP/s),
-   decode at several batches and contexts (GB/s of K and V read);
+   decode at several batches and contexts (GB/s of K and V read); and, on the same K/V laid out
+   in pages of `--page_size` tokens through a shuffled page table, the paged kernels
+   (`model.pallas_paged.pallas_paged_attention`, prefill and decode) and the XLA paged decode
+   (`model.paged_attention.xla_paged_attention`), each output's largest difference from the
+   contiguous kernel's recorded with it;
 4. the engine's own prefill and decode programs for the Llama-3-8B shape with random bf16
    weights and `attention="pallas"`: a 4k-token prefill (TFLOP/s against the matmul ceiling)
    and decode steps at 1-64 active slots (against the roofline (weights + live KV) / copy GB/s),
@@ -38,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from engine.engine import DEFAULT_PAGE_SIZE
+
 _OUT = flags.DEFINE_string("out", None, "JSON results file (default: bench/results/gpu_<gpu>_<date>.json).")
 _DEADLINE = flags.DEFINE_float("deadline_s", 420.0, "Skip remaining measurements after this many seconds.")
 _SKIP_TESTS = flags.DEFINE_bool("skip_tests", False, "Skip the compiled kernel tests.")
@@ -46,6 +53,11 @@ _PREFILL_TOKENS = flags.DEFINE_list("prefill_tokens", ["4096", "8192"], "Prefill
 _DECODE_BATCHES = flags.DEFINE_list("decode_batches", ["1", "8", "64"], "Decode batch sizes for the kernels.")
 _DECODE_CONTEXTS = flags.DEFINE_list("decode_contexts", ["1024", "4096"], "Decode contexts for the kernels.")
 _ENGINE_SLOTS = flags.DEFINE_list("engine_active", ["1", "8", "32", "64"], "Active slots for 8B decode.")
+# Any size works on the GPU: the paged kernels load each key's row through the page table, so
+# their tiles (block_k) are chosen as the contiguous kernels' are, and may span pages.
+_PAGE_SIZE = flags.DEFINE_integer(
+    "page_size", DEFAULT_PAGE_SIZE, "Tokens per page for the paged kernels (default: the engine's).",
+    lower_bound=1)
 _SWEEP = flags.DEFINE_bool("sweep", True, "Also time a few kernel tilings at the Llama-3-8B shape.")
 _SMOKE = flags.DEFINE_bool(
     "smoke", False, "Tiny shapes on any backend (kernels interpreted off GPU): checks the script itself."
@@ -122,15 +134,19 @@ def _memory_seconds(x: jax.Array) -> tuple[float, float]:
 
 # -- 2. compiled kernel tests ------------------------------------------------------------------
 
+KERNEL_TESTS = ("tests/test_pallas.py", "tests/test_paged_attention.py")
+TESTS_TIMEOUT_S = 240  # two files of compiled kernel cases, in one process (one JAX start)
+
+
 def run_kernel_tests() -> dict:
     env = dict(os.environ, CADENCE_PALLAS_INTERPRET="0", JAX_DEFAULT_MATMUL_PRECISION="highest")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_pallas.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS]
     start = time.monotonic()
     try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TESTS_TIMEOUT_S)
         tail, code = (done.stdout + done.stderr)[-4000:], done.returncode
     except subprocess.TimeoutExpired as e:
-        tail, code = f"timed out after 180 s: {str(e.stdout)[-2000:]}", -1
+        tail, code = f"timed out after {TESTS_TIMEOUT_S} s: {str(e.stdout)[-2000:]}", -1
     print(tail)
     return {"passed": code == 0, "returncode": code, "seconds": time.monotonic() - start,
             "output_tail": tail}
@@ -138,10 +154,22 @@ def run_kernel_tests() -> dict:
 
 # -- 3. kernels against XLA and cuDNN ---------------------------------------------------------
 
+# Implementations that stop at each row's length, so a cache longer than the live context costs
+# them nothing; the others read the whole cache by design.
+FOLLOW_LENGTHS = ("pallas", "pallas_paged", "xla_paged")
+# xla_paged_attention's decode is a static loop per row: 16 chained copies at batch 64 are ~1000
+# loops to compile, and a loop of page-sized steps runs far longer than a dispatch anyway.
+CHAIN_AT_MOST = {"xla_paged": 2}
+
+
 def attention_impls(decode: bool):
-    """name -> (function of (q, k, v, positions) in our layout, or of cuDNN's, and its layout)."""
+    """name -> (function, its layout): "ours" takes (q, k, v, positions) with our
+    [batch, kv_heads, seq, d] cache, "paged" (q, k_pages, v_pages, page_table, positions) with
+    that cache in shuffled pages, "bshd" cuDNN's (q, k, v, kv_lengths), [batch, seq, heads, d]."""
     from model.attention import xla_attention
+    from model.paged_attention import xla_paged_attention
     from model.pallas_decode import flash_decode
+    from model.pallas_paged import pallas_paged_attention
     from model.pallas_prefill import flash_prefill
 
     pallas = flash_decode if decode else flash_prefill
@@ -154,11 +182,57 @@ def attention_impls(decode: bool):
             )
         return jax.nn.dot_product_attention(q, k_bshd, v_bshd, is_causal=True, implementation="cudnn")
 
-    return {
+    impls = {
         "pallas": (functools.partial(pallas, interpret=interpret), "ours"),
         "xla": (xla_attention, "ours"),
         "cudnn": (cudnn, "bshd"),
+        "pallas_paged": (functools.partial(pallas_paged_attention, interpret=interpret), "paged"),
     }
+    if decode:  # a paged XLA prefill is the page gather then `xla_attention`: nothing new to time
+        impls["xla_paged"] = (xla_paged_attention, "paged")
+    return impls
+
+
+def shuffled_pages(rng, k: jax.Array, v: jax.Array, page_size: int):
+    """The cache k, v [batch, kv_heads, kv_len, d] as a paged pool, in its dtype, on the device:
+    (k_pages, v_pages [kv_heads, num_pages, page_size, d], page_table [batch, max_pages] int32),
+    every row's pages scattered through a random permutation of the pool, as an allocator that
+    has run for a while leaves them. A last partial page is padded with zeros no query sees."""
+    batch, kv_heads, kv_len, head_dim = k.shape
+    max_pages = -(-kv_len // page_size)
+    table = rng.permutation(batch * max_pages).astype(np.int32)  # (row, j) -> its pool page
+    holder = jnp.asarray(np.argsort(table))  # pool page -> the (row, j) it holds
+
+    def scatter(x):
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, max_pages * page_size - kv_len), (0, 0)))
+        blocks = x.reshape(batch, kv_heads, max_pages, page_size, head_dim).transpose(1, 0, 2, 3, 4)
+        return blocks.reshape(kv_heads, batch * max_pages, page_size, head_dim)[:, holder]
+
+    return scatter(k), scatter(v), jnp.asarray(table.reshape(batch, max_pages))
+
+
+def layout_args(layout: str, q, k, v, positions, paged, kv_lengths) -> tuple:
+    """One implementation's arguments in its layout (see `attention_impls`)."""
+    if layout == "paged":
+        return (q, *paged, positions)
+    if layout == "bshd":  # transposed here, outside the timing
+        return (q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), kv_lengths)
+    return (q, k, v, positions)
+
+
+def time_impls(point: dict, impls: dict, args_of, n: int, figures) -> None:
+    """Times each implementation over a chain of `n` calls (`args_of(layout)` its arguments) into
+    `point[name]` (`figures(seconds)`, or the error), then the differences of the outputs."""
+    outs = {}
+    for name, (fn, layout) in impls.items():
+        try:
+            args = args_of(layout)
+            seconds = kernel_seconds(fn, args, n=min(n, CHAIN_AT_MOST.get(name, n)))
+            outs[name] = np.asarray(jax.jit(fn)(*args).astype(jnp.float32))
+            point[name] = figures(seconds)
+        except Exception as e:  # noqa: BLE001 - a missing cuDNN path is a result too
+            point[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    record_differences(point, outs)
 
 
 def bench_kernels(results: dict, write) -> None:
@@ -172,18 +246,11 @@ def bench_kernels(results: dict, write) -> None:
             v = jnp.asarray(rng.standard_normal((1, kv_heads, tokens, head_dim)), jnp.bfloat16)
             positions = jnp.arange(tokens, dtype=jnp.int32)[None]
             flops = 4 * heads * head_dim * tokens * (tokens + 1) / 2  # causal pairs, 2 matmuls
-            point = {"shape": shape, "tokens": tokens, "flop": flops}
-            outs = {}
-            for name, (fn, layout) in attention_impls(decode=False).items():
-                args = (q, k, v, positions) if layout == "ours" else (
-                    q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), None)
-                try:
-                    seconds = kernel_seconds(fn, args, n=4)
-                    outs[name] = np.asarray(jax.jit(fn)(*args).astype(jnp.float32))
-                    point[name] = {"ms": seconds * 1e3, "tflop_s": flops / seconds / 1e12}
-                except Exception as e:  # noqa: BLE001 - a missing cuDNN path is a result too
-                    point[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            record_differences(point, outs)
+            point = {"shape": shape, "tokens": tokens, "flop": flops, "page_size": _PAGE_SIZE.value}
+            paged = shuffled_pages(rng, k, v, _PAGE_SIZE.value)
+            time_impls(point, attention_impls(decode=False),
+                       lambda layout: layout_args(layout, q, k, v, positions, paged, None), n=4,
+                       figures=lambda s: {"ms": s * 1e3, "tflop_s": flops / s / 1e12})
             results["prefill"].append(point)
             print("prefill", json.dumps(point))
             write()
@@ -204,9 +271,10 @@ def bench_kernels(results: dict, write) -> None:
 
 
 def record_differences(point: dict, outs: dict) -> None:
-    """Largest |pallas - other| for each other implementation that produced an output."""
-    for name in ("xla", "cudnn"):
-        if "pallas" in outs and name in outs:
+    """Largest |pallas - other| for each other implementation that produced an output (the
+    paged ones included: the same keys through shuffled pages must give the same attention)."""
+    for name in outs:
+        if "pallas" in outs and name != "pallas":
             point[f"max_abs_diff_vs_{name}"] = float(np.max(np.abs(outs["pallas"] - outs[name])))
 
 
@@ -217,20 +285,13 @@ def bench_decode_point(results, rng, shape, heads, kv_heads, head_dim, batch, co
     positions = jnp.full((batch, 1), context - 1, jnp.int32)
     kv_bytes = 2 * batch * kv_heads * context * head_dim * 2
     point = {"shape": shape, "batch": batch, "context": context, "cache_len": cache_len,
-             "kv_bytes": kv_bytes}
-    outs = {}
-    for name, (fn, layout) in attention_impls(decode=True).items():
-        if cache_len != context and name != "pallas":
-            continue
-        args = (q, k, v, positions) if layout == "ours" else (
-            q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), jnp.full((batch,), context, jnp.int32))
-        try:
-            seconds = kernel_seconds(fn, args, n=16)
-            outs[name] = np.asarray(jax.jit(fn)(*args).astype(jnp.float32))
-            point[name] = {"us": seconds * 1e6, "gb_s": kv_bytes / seconds / 1e9}
-        except Exception as e:  # noqa: BLE001
-            point[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    record_differences(point, outs)
+             "kv_bytes": kv_bytes, "page_size": _PAGE_SIZE.value}
+    impls = {name: impl for name, impl in attention_impls(decode=True).items()
+             if cache_len == context or name in FOLLOW_LENGTHS}
+    paged = shuffled_pages(rng, k, v, _PAGE_SIZE.value)  # a page table as wide as the cache
+    kv_lengths = jnp.full((batch,), context, jnp.int32)
+    time_impls(point, impls, lambda layout: layout_args(layout, q, k, v, positions, paged, kv_lengths),
+               n=16, figures=lambda s: {"us": s * 1e6, "gb_s": kv_bytes / s / 1e9})
     results["decode"].append(point)
     print("decode", json.dumps(point))
 
@@ -397,6 +458,8 @@ def main(argv) -> None:
     if _SMOKE.value:
         flags.FLAGS.prefill_tokens, flags.FLAGS.decode_contexts = ["48"], ["40"]
         flags.FLAGS.decode_batches, flags.FLAGS.engine_active = ["2"], ["1", "4"]
+        if not flags.FLAGS["page_size"].present:  # pages per row: 3 (prefill), 3 with a partial last
+            flags.FLAGS.page_size = 16
     elif device.platform != "gpu":
         raise SystemExit(f"bench.gpu_bench needs a GPU; JAX sees {device} (run it where bench/GPU.md says)")
     gpu = getattr(device, "device_kind", str(device))
