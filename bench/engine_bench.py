@@ -4,7 +4,8 @@
 
 Measures the machine first (a large on-device reduction for memory bandwidth, a large matmul for
 FLOP/s), then times the engine's own compiled programs:
-- decode: one step over `num_slots` slots at several live context lengths; the floor is
+- decode: one step over `num_slots` slots at several live context lengths, with all of them or
+  only `--active` of them decoding (the rest idle, as on a lightly loaded server); the floor is
   (weight bytes + live KV bytes) / bandwidth, since a decode step must read both;
 - prefill: a long prompt in chunks of `--prefill_chunk`; tokens/s and achieved FLOP/s against
   2 * params * tokens (+ attention) / matmul rate.
@@ -31,6 +32,8 @@ from model.sampling import RequestSampling
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model to benchmark.")
 _SLOTS = flags.DEFINE_list("slots", ["1", "4", "8"], "Slot counts for decode.")
 _CONTEXTS = flags.DEFINE_list("contexts", ["128", "1024"], "Live context lengths for decode.")
+_ACTIVE = flags.DEFINE_list("active", [], "Decoding slots per point (default: all of them); "
+                            "counts above --slots are skipped.")
 _PROMPT = flags.DEFINE_integer("prompt_tokens", 2048, "Prompt length for prefill.")
 _CHUNK = flags.DEFINE_integer("prefill_chunk", 512, "Prefill chunk size.")
 _MAX_SEQ = flags.DEFINE_integer("max_seq_len", 4096, "Slot length.")
@@ -60,6 +63,21 @@ def measure_machine() -> dict:
     return {"bandwidth_gb_s": bw / 1e9, "matmul_gflop_s": flops / 1e9}
 
 
+def decode_point(engine, rows, tables, context: int, count: int, weight_bytes: int, machine: dict) -> dict:
+    """The median step with the first `count` slots decoding at `context` live tokens each."""
+    slots = engine.config.num_slots
+    positions = np.full(slots, context - 1, np.int32)
+    active = np.arange(slots) < count
+    step = timed(lambda: engine.decode(positions, active, rows, tables).block_until_ready(), _STEPS.value)
+    kv_bytes = count * context * engine.model_config.kv_bytes_per_token(4)
+    floor = (weight_bytes + kv_bytes) / (machine["bandwidth_gb_s"] * 1e9)
+    print(f"decode  slots={slots:<3} active={count:<3} context={context:<5} {step * 1e3:7.1f} ms/step "
+          f"(floor {floor * 1e3:5.1f} ms, {step / floor:4.2f}x)  {count / step:7.1f} tok/s")
+    return {"slots": slots, "active": count, "context": context, "step_ms": step * 1e3,
+            "floor_ms": floor * 1e3, "ratio_to_floor": step / floor,
+            "achieved_gb_s": (weight_bytes + kv_bytes) / step / 1e9, "tokens_per_s": count / step}
+
+
 def main(argv) -> None:
     del argv
     machine = measure_machine()
@@ -75,19 +93,8 @@ def main(argv) -> None:
         rows = sampling_rows([RequestSampling()] * slots)
         tables = fixed_page_tables(engine.config)  # each slot a run of pages, as if allocated
         for context in map(int, _CONTEXTS.value):
-            positions = np.full(slots, context - 1, np.int32)
-            active = np.ones(slots, bool)
-            step = timed(lambda: engine.decode(positions, active, rows, tables).block_until_ready(),
-                         _STEPS.value)
-            kv_bytes = slots * context * cfg.kv_bytes_per_token(4)
-            floor = (weight_bytes + kv_bytes) / (machine["bandwidth_gb_s"] * 1e9)
-            point = {"slots": slots, "context": context, "step_ms": step * 1e3,
-                     "floor_ms": floor * 1e3, "ratio_to_floor": step / floor,
-                     "achieved_gb_s": (weight_bytes + kv_bytes) / step / 1e9,
-                     "tokens_per_s": slots / step}
-            results["decode"].append(point)
-            print(f"decode  slots={slots:<3} context={context:<5} {step * 1e3:7.1f} ms/step "
-                  f"(floor {floor * 1e3:5.1f} ms, {step / floor:4.2f}x)  {slots / step:7.1f} tok/s")
+            for count in [a for a in map(int, _ACTIVE.value) if a <= slots] or [slots]:
+                results["decode"].append(decode_point(engine, rows, tables, context, count, weight_bytes, machine))
         if slots == int(_SLOTS.value[0]):
             n, chunk = _PROMPT.value, _CHUNK.value
             prompt = list(np.random.default_rng(0).integers(100, cfg.vocab_size, n))
@@ -116,7 +123,8 @@ def main(argv) -> None:
     if _OUT.value:
         Path(_OUT.value).parent.mkdir(parents=True, exist_ok=True)
         Path(_OUT.value).write_text(json.dumps(report, indent=2))
-    print(json.dumps({"decode_ms": {f"{p['slots']}x{p['context']}": round(p["step_ms"], 1) for p in results["decode"]},
+    print(json.dumps({"decode_ms": {f"{p['active']}of{p['slots']}x{p['context']}": round(p["step_ms"], 1)
+                                    for p in results["decode"]},
                       "prefill_tok_s": [round(p["tokens_per_s"]) for p in results["prefill"]]}))
 
 

@@ -5,6 +5,7 @@
     engine.vocab_size                                   token ids are in [0, vocab_size)
     token = engine.prefill(slot, chunk_ids, start, sampling, final, pages)      device array [1]
     tokens = engine.decode(positions, active, rows.params(), page_table)       device array [num_slots]
+                                                        (an inactive slot's entry: its last token)
 
 KV lives in pages of the engine's pool; the scheduler decides which pages each sequence holds
 (`scheduler.pages`) and passes them: `pages` is one sequence's page ids in position order,

@@ -4,7 +4,7 @@ The engine owns everything that lives on the device. It implements `engine.api.E
 whole of what the scheduler may use; its two programs:
 
     token = engine.prefill(slot, chunk_ids, start, sampling, final, pages)   # one prompt chunk
-    tokens = engine.decode(positions, active, sampling_rows, page_table)     # every slot, one step
+    tokens = engine.decode(positions, active, sampling_rows, page_table)     # the active slots, one step
 
 Both return device arrays immediately (JAX dispatch is asynchronous) and have already started
 copying them to the host; the scheduler reads them one step later, so the device never waits
@@ -15,9 +15,12 @@ KV lives in a pool of fixed-size pages (`model.paged_kv`) shared by every sequen
 sequence holds is the scheduler's business (`scheduler.pages`), passed in as page tables, so KV
 memory follows the tokens that exist and `num_slots` (sequences in flight) no longer multiplies
 `max_seq_len`. Shapes are fixed per program: prefill compiles once per (chunk bucket, page-table
-bucket) and decode once per page-table bucket, where the bucket is the width of the page table
-passed, which bounds what attention reads. Everything that varies per request is an array
-argument. The pool and `last_tokens` are donated into every program, so they are updated in
+bucket) and decode once per (batch bucket, page-table bucket), where the page bucket is the width
+of the page table passed, which bounds what attention reads, and the batch bucket is the
+smallest power of two holding the active slots: decode gathers their rows, runs only those, and
+scatters the tokens back, so one stream on an idle engine pays for one row, not `num_slots` (vLLM
+captures one CUDA graph per padded batch size for the same reason). Everything that varies per
+request is an array argument. The pool and `last_tokens` are donated into every program, so they are updated in
 place. `warmup()` compiles every program; afterwards `compilations_after_warmup` must stay 0.
 
 Non-goals here: multi-device sharding, speculative decoding, prefix sharing.
@@ -99,6 +102,11 @@ class EngineConfig:
         return self.num_slots * self.max_pages_per_seq if self.num_pages is None else self.num_pages
 
     @property
+    def decode_batch_buckets(self) -> tuple[int, ...]:
+        """Rows of the decode programs: powers of two below num_slots, then num_slots."""
+        return ladder(1, self.num_slots)
+
+    @property
     def prefill_buckets(self) -> tuple[int, ...]:
         return ladder(min(self.min_prefill_bucket, self.prefill_chunk), self.prefill_chunk)
 
@@ -154,16 +162,22 @@ def _prefill_program(
 
 
 def _decode_program(
-    params, cache, last_tokens, positions, active, page_table, sampling,
+    params, cache, last_tokens, slots, positions, page_table, sampling,
     *, config, attention, dtype,
 ):
+    """One step over the rows of `slots` [batch] (a slot index, or num_slots for a padding
+    row); positions, page_table and sampling are per row. Returns every slot's next token:
+    the new one where a row decoded it, the last one elsewhere."""
+    valid = slots < last_tokens.shape[0]
+    inputs = jnp.take(last_tokens, slots, mode="clip")
     logits, cache = forward(
-        params, last_tokens[:, None], positions[:, None], active.astype(jnp.int32), cache,
+        params, inputs[:, None], positions[:, None], valid.astype(jnp.int32), cache,
         page_table, config=config, logit_index=jnp.zeros_like(positions),
         attention=attention, dtype=dtype,
     )
     tokens = sample(logits, sampling, positions + 1)
-    return tokens, cache, jnp.where(active, tokens, last_tokens)
+    last_tokens = last_tokens.at[slots].set(tokens, mode="drop")  # padding rows drop out
+    return last_tokens, cache, last_tokens
 
 
 def fixed_page_tables(config: EngineConfig, order: Sequence[int] | None = None) -> np.ndarray:
@@ -180,6 +194,13 @@ def fixed_page_tables(config: EngineConfig, order: Sequence[int] | None = None) 
 
 def sampling_rows(rows: Sequence[RequestSampling]) -> SamplingParams:
     return SamplingRows.of(list(rows)).params()
+
+
+def _gather_rows(sampling: SamplingParams, pick: np.ndarray, live: np.ndarray) -> SamplingParams:
+    """The sampling rows of the slots `pick`; padding rows (not `live`) are greedy, so they
+    never send a step down the sampling path."""
+    return jax.tree.map(lambda a, greedy: np.where(live, np.asarray(a)[pick], greedy).astype(greedy.dtype),
+                        sampling, SamplingRows(1).params())
 
 
 class Engine:
@@ -250,14 +271,26 @@ class Engine:
         self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
         page_table: np.ndarray,
     ) -> jax.Array:
-        """One decode step over all slots: active slot s consumes its last token at
+        """One decode step over the active slots: slot s consumes its last token at
         `positions[s]` and samples the next, with its sequence's pages in `page_table[s]`
         ([num_slots, max_pages_per_seq] int32, enough for positions[s] + 1 tokens).
-        Returns device tokens [num_slots]."""
-        program, width = self._decode_plan(positions[active] + 1)
+        Returns device tokens [num_slots]; an inactive slot's entry is its last token.
+
+        Runs the smallest batch bucket holding the active slots: their rows are gathered here,
+        on the host (a few hundred bytes), and padded with rows that write nothing."""
+        cfg = self.config
+        slots = np.flatnonzero(active)
+        batch = bucket_for(cfg.decode_batch_buckets, max(len(slots), 1))
+        rows = np.full(batch, cfg.num_slots, np.int32)  # padding: a slot index past the last
+        rows[: len(slots)] = slots
+        live = rows < cfg.num_slots
+        pick = np.where(live, rows, 0)
+        program, width = self._decode_plan(positions[slots] + 1)
+        tables = np.where(live[:, None], page_table[pick, :width], 0).astype(np.int32)
         tokens, self.cache, self.last_tokens = program(
-            self.params, self.cache, self.last_tokens, positions.astype(np.int32),
-            active.astype(bool), np.ascontiguousarray(page_table[:, :width], np.int32), sampling,
+            self.params, self.cache, self.last_tokens, rows,
+            np.where(live, positions[pick], 0).astype(np.int32), tables,
+            _gather_rows(sampling, pick, live),
         )
         tokens.copy_to_host_async()
         return tokens
@@ -291,7 +324,8 @@ class Engine:
     # -- warm-up and accounting ---------------------------------------------------------------
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Compiles every program. Runs them with nothing to write, so no page changes."""
+        """Compiles every program. Runs them with nothing to write, so no page changes (decode
+        runs padding rows only, which write nothing and leave `last_tokens` as it was)."""
         cfg = self.config
         # A chunk bucket t serves lengths (previous bucket, t]; any page bucket holding more
         # than the previous chunk bucket can hold such a chunk at some start.
@@ -300,7 +334,7 @@ class Engine:
                           if w * cfg.page_size > prev[t]]
         decode_shapes = [(self._decode_batched, w) for w in cfg.batched_decode_page_buckets]
         decode_shapes += [(self._decode, w) for w in cfg.decode_page_buckets]
-        total = len(prefill_shapes) + len(decode_shapes)
+        total = len(prefill_shapes) + len(decode_shapes) * len(cfg.decode_batch_buckets)
         greedy = sampling_rows([RequestSampling()])
         done = 0
         for t, width in prefill_shapes:
@@ -312,15 +346,16 @@ class Engine:
             done += 1
             if progress:
                 progress(done, total)
-        rows = sampling_rows([RequestSampling()] * cfg.num_slots)
         for program, width in decode_shapes:
-            tokens, self.cache, self.last_tokens = program(
-                self.params, self.cache, self.last_tokens, np.zeros(cfg.num_slots, np.int32),
-                np.zeros(cfg.num_slots, bool), np.zeros((cfg.num_slots, width), np.int32), rows,
-            )
-            done += 1
-            if progress:
-                progress(done, total)
+            for batch in cfg.decode_batch_buckets:
+                tokens, self.cache, self.last_tokens = program(
+                    self.params, self.cache, self.last_tokens,
+                    np.full(batch, cfg.num_slots, np.int32), np.zeros(batch, np.int32),
+                    np.zeros((batch, width), np.int32), sampling_rows([RequestSampling()] * batch),
+                )
+                done += 1
+                if progress:
+                    progress(done, total)
         jax.block_until_ready((token, tokens, self.cache))
         self._warm_compiles = compile_counter.count()
 

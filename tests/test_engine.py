@@ -138,8 +138,8 @@ def test_cache_is_donated_and_updated_in_place(engine):
     assert before.k[0].is_deleted() and not engine.cache.k[0].is_deleted()
     cfg = engine.config
     compiled = engine._decode.lower(
-        engine.params, engine.cache, engine.last_tokens, np.zeros(cfg.num_slots, np.int32),
-        np.zeros(cfg.num_slots, bool), np.zeros((cfg.num_slots, cfg.max_pages_per_seq), np.int32),
+        engine.params, engine.cache, engine.last_tokens, np.arange(cfg.num_slots, dtype=np.int32),
+        np.zeros(cfg.num_slots, np.int32), np.zeros((cfg.num_slots, cfg.max_pages_per_seq), np.int32),
         sampling_rows([RequestSampling()] * cfg.num_slots),
     ).compile()
     stats = compiled.memory_analysis()
@@ -153,9 +153,50 @@ def test_warmup_compiles_every_program(tiny_params, tiny_config):
     e = Engine(tiny_params, tiny_config, cfg)
     e.warmup()
     assert e._prefill._cache_size() >= len(cfg.prefill_buckets)
-    assert e._decode._cache_size() == len(cfg.decode_page_buckets) == 1  # decode skips pages itself
-    assert e._decode_batched._cache_size() == len(cfg.batched_decode_page_buckets) == len(cfg.page_buckets)
+    batches = len(cfg.decode_batch_buckets)
+    assert cfg.decode_batch_buckets == (1, 2)
+    assert e._decode._cache_size() == len(cfg.decode_page_buckets) * batches == 2  # one width: it skips pages itself
+    assert e._decode_batched._cache_size() == len(cfg.batched_decode_page_buckets) * batches == len(cfg.page_buckets) * 2
     jax.block_until_ready(e.cache)
+
+
+@pytest.mark.parametrize("contexts", [[9, 40, 120], [9, 300, 120]], ids=["batched", "length-following"])
+def test_decode_runs_only_the_active_rows(tiny_params, tiny_config, contexts):
+    """A step decodes the smallest batch bucket holding the active slots. Which slots and how
+    many decode together changes no token; an idle slot keeps its next token and the padding
+    rows write nothing into the pool."""
+    cfg = EngineConfig(num_slots=5, max_seq_len=320, prefill_chunk=64, min_kv_bucket=64, page_size=16)
+    assert cfg.decode_batch_buckets == (1, 2, 4, 5)
+    e = Engine(tiny_params, tiny_config, cfg)
+    rng = random.Random(6)
+    prompts = {slot: random_prompts(rng, 1, tiny_config.vocab_size, n, n)[0]
+               for slot, n in zip((0, 2, 4), contexts)}
+    tables = np.arange(cfg.pool_pages, dtype=np.int32)[::-1].reshape(cfg.num_slots, -1).copy()
+    positions = np.zeros(cfg.num_slots, np.int32)
+    for slot, prompt in prompts.items():
+        for start in range(0, len(prompt), 64):
+            e.prefill(slot, prompt[start:start + 64], start, RequestSampling(), start + 64 >= len(prompt),
+                      tables[slot])
+        positions[slot] = len(prompt)
+    rows = sampling_rows([RequestSampling()] * cfg.num_slots)
+    expected = {slot: greedy_generate(tiny_params, tiny_config, p, 3)[1:] for slot, p in prompts.items()}
+    schedule = [(0, 2, 4), (2,), (0, 4)]  # three rows in a bucket of 4, one alone, two together
+    got = {slot: [] for slot in prompts}
+    for active_slots in schedule:
+        active = np.isin(np.arange(cfg.num_slots), active_slots)
+        before = np.asarray(e.last_tokens)
+        pool = [np.asarray(a) for a in e.cache.k + e.cache.v]
+        tokens = np.asarray(e.decode(positions, active, rows, tables))
+        after = [np.asarray(a) for a in e.cache.k + e.cache.v]
+        assert np.array_equal(tokens[~active], before[~active])
+        written = {int(tables[s, positions[s] // cfg.page_size]) for s in active_slots}
+        for old, new in zip(pool, after):  # only each active row's current page changed
+            changed = {int(p) for p in np.flatnonzero((old != new).any(axis=(0, 2, 3)))}
+            assert changed <= written
+        for s in active_slots:
+            got[s].append(int(tokens[s]))
+            positions[s] += 1
+    assert got == expected  # every slot decoded twice, in different company each time
 
 
 def test_recover_rebuilds_a_cache_lost_to_a_failed_call(tiny_params, tiny_config):
