@@ -88,6 +88,25 @@ def _tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
+def wait_healthy(proc: subprocess.Popen, root: str, timeout_s: float, log: Path | None) -> float:
+    """Waits until `root`/health answers 200; returns the seconds it took. Raises, with the
+    log's tail, if the process exits first or the time runs out."""
+    start = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready"
+                               + (f"; its log ({log}) ends with:\n{_tail(log)}" if log else ""))
+        try:
+            if httpx.get(f"{root}/health", timeout=5).status_code == 200:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() - start > timeout_s:
+            raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s"
+                               + (f"; log tail:\n{_tail(log)}" if log else ""))
+        time.sleep(1.0)
+
+
 @contextlib.contextmanager
 def spawned(config: ServerConfig, log: str | Path, health_timeout_s: float = 1200.0) -> Iterator[str]:
     port = free_port()
@@ -97,22 +116,8 @@ def spawned(config: ServerConfig, log: str | Path, health_timeout_s: float = 120
         proc = subprocess.Popen(config.argv(port), cwd=config.repo or REPO, stdout=out, stderr=subprocess.STDOUT)
     root = f"http://127.0.0.1:{port}"
     try:
-        start = time.monotonic()
         print(f"  starting cadence-serve ({config.label}) on port {port}; log {log}", file=sys.stderr)
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"cadence-serve exited with status {proc.returncode} before it was "
-                                   f"ready; its log ({log}) ends with:\n{_tail(log)}")
-            try:
-                if httpx.get(f"{root}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - start > health_timeout_s:
-                raise RuntimeError(f"cadence-serve was not ready after {health_timeout_s:.0f} s; "
-                                   f"log tail:\n{_tail(log)}")
-            time.sleep(1.0)
-        print(f"  ready after {time.monotonic() - start:.0f} s", file=sys.stderr)
+        print(f"  ready after {wait_healthy(proc, root, health_timeout_s, log):.0f} s", file=sys.stderr)
         yield f"{root}/v1"
     finally:
         if proc.poll() is None:

@@ -78,8 +78,16 @@ class IterationRecord:
     prefill_chunks: int
 
 
+def _put_all(items: list[tuple[RequestStream, Any]]) -> None:  # the reader's event loop
+    for stream, event in items:
+        stream._queue.put_nowait(event)
+
+
 class RequestStream:
-    """Events of one request; iterate it with `async for` or a plain `for`."""
+    """Events of one request; iterate it with `async for` or a plain `for`.
+
+    A stream made inside an event loop receives its events through that loop: the scheduler
+    hands each loop all of an iteration's events in one call (`Scheduler._deliver`)."""
 
     def __init__(self, scheduler: Scheduler, request: Request):
         self._scheduler = scheduler
@@ -98,12 +106,8 @@ class RequestStream:
     def _push(self, event: TokenEvent | RequestRecord) -> None:  # scheduler thread
         if self._loop is None:
             self._queue.put(event)
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-        except RuntimeError:  # the reader's event loop is closed: nobody will read this
-            if not self.request.finished:
-                self._scheduler.cancel(self.request)
+        else:  # delivered with the iteration's others, in one call into the reader's loop
+            self._scheduler._outbox.setdefault(self._loop, []).append((self, event))
 
     def cancel(self) -> None:
         self._scheduler.cancel(self.request)
@@ -118,6 +122,18 @@ class RequestStream:
         if isinstance(event, RequestRecord):
             self.record = event
         return event
+
+    async def next_events(self) -> list[TokenEvent | RequestRecord]:
+        """Waits for the next event, then takes every other one already queued, in order
+        (the record, if among them, is last). [] once the record has been taken."""
+        if self.record is not None:
+            return []
+        events = [await self._queue.get()]
+        while not self._queue.empty():
+            events.append(self._queue.get_nowait())
+        if isinstance(events[-1], RequestRecord):
+            self.record = events[-1]
+        return events
 
     def __iter__(self):
         while self.record is None:
@@ -154,6 +170,8 @@ class Scheduler:
         self._tables = np.zeros((self.num_slots, cfg.max_pages_per_seq), np.int32)
         self.preemptions = 0
         self._pending: list[tuple[str, Any, Any]] = []  # results dispatched, not yet applied
+        # Events for readers in event loops, per loop, until the iteration hands them over.
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._accepting = True
@@ -307,6 +325,12 @@ class Scheduler:
 
     def step(self) -> None:
         """One iteration. Public so tests can drive the scheduler synchronously."""
+        try:
+            self._iterate()
+        finally:
+            self._deliver()
+
+    def _iterate(self) -> None:
         start = time.monotonic()
         self._take_inbox()
         budget = PageBudget(self._pages.free_count, self.page_size,
@@ -326,6 +350,18 @@ class Scheduler:
             )
             self._iteration += 1
             self._notify(self.iteration_listeners, record)
+
+    def _deliver(self) -> None:
+        """Hands each event loop its readers' events in one thread-safe call, not one per token:
+        with hundreds of streams, a wake-up of the loop per token is what the host pays most."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: nobody will read these
+                for stream in {id(stream): stream for stream, _ in items}.values():
+                    if not stream.request.finished:
+                        self.cancel(stream.request)
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -504,6 +540,7 @@ class Scheduler:
         self._pending = []
         for r in list(self._running):
             self._finish(r, FinishReason.ERROR, now, message)
+        self._deliver()
         try:
             self.engine.recover()
         except Exception as e:
@@ -525,3 +562,4 @@ class Scheduler:
         for r in held:
             if not r.finished:
                 self._finish(r, FinishReason.ERROR, now, f"the engine is dead: {reason}")
+        self._deliver()

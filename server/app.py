@@ -24,7 +24,6 @@ import asyncio
 import collections
 import dataclasses
 import hmac
-import json
 import threading
 import time
 import uuid
@@ -283,23 +282,35 @@ class Server:
 
     async def _sse(self, stream: RequestStream, request_id: str, chat: bool,
                    include_usage: bool) -> AsyncIterator[str]:
+        """The stream's events as SSE frames. Every event waiting when the loop gets to this
+        stream goes out in one write: when the loop runs behind the scheduler (many streams,
+        a fast device), a stream's tokens are coalesced instead of each paying for a send."""
         created, first, name = int(time.time()), True, self.model_name
+        text_frame = protocol.TextFrames(request_id, name, chat, created)
         try:
-            async for event in stream:
-                if isinstance(event, TokenEvent):
-                    if event.text or (chat and first):
-                        yield _frame(protocol.chunk(request_id, name, chat, event.text, None, created, first))
-                        first = False
-                    continue
-                if event.finish_reason == "error":
-                    error = APIError(500, f"generation failed: {event.error}", type="server_error")
-                    yield _frame(error.body())
-                else:
-                    reason = protocol.finish_reason(event)
-                    yield _frame(protocol.chunk(request_id, name, chat, None if chat else "", reason, created))
-                    if include_usage:
-                        yield _frame(protocol.usage_chunk(request_id, name, chat, event, created))
-                yield "data: [DONE]\n\n"
+            while stream.record is None:
+                frames = []
+                for event in await stream.next_events():
+                    if isinstance(event, TokenEvent):
+                        if chat and first:
+                            frames.append(protocol.frame(
+                                protocol.chunk(request_id, name, chat, event.text, None, created, first)))
+                            first = False
+                        elif event.text:
+                            frames.append(text_frame(event.text))
+                        continue
+                    if event.finish_reason == "error":
+                        error = APIError(500, f"generation failed: {event.error}", type="server_error")
+                        frames.append(protocol.frame(error.body()))
+                    else:
+                        reason = protocol.finish_reason(event)
+                        frames.append(protocol.frame(
+                            protocol.chunk(request_id, name, chat, None if chat else "", reason, created)))
+                        if include_usage:
+                            frames.append(protocol.frame(protocol.usage_chunk(request_id, name, chat, event, created)))
+                    frames.append("data: [DONE]\n\n")
+                if frames:
+                    yield "".join(frames)
         finally:
             if stream.record is None:  # the client went away mid-stream
                 stream.cancel()
@@ -345,10 +356,6 @@ class Server:
             "kv_page_utilization": sched.kv_page_utilization, "num_preemptions": sched.preemptions,
             **self.timeline.since(iteration, seq),
         })
-
-
-def _frame(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str, *,

@@ -14,6 +14,7 @@ to 16 tokens as OpenAI's do, chats to the end of the context.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Any
 
@@ -151,6 +152,31 @@ def chunk(request_id: str, model: str, chat: bool, text: str | None, reason: str
         choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
         kind = "text_completion"
     return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [choice]}
+
+
+# json.dumps(..., ensure_ascii=False) builds an encoder per call; these are what it builds.
+_ENCODE = json.JSONEncoder(ensure_ascii=False).encode
+_ENCODE_STRING = json.encoder.encode_basestring  # a str's JSON, as _ENCODE gives it (C)
+
+
+def frame(obj: dict) -> str:
+    """One Server-Sent Event carrying `obj` as JSON."""
+    return f"data: {_ENCODE(obj)}\n\n"
+
+
+class TextFrames:
+    """The SSE frames of one stream's text chunks, `frame(chunk(..., text, None, ...))` exactly:
+    everything but the text is serialized once per stream, so a token costs one string escape
+    (this runs for every token of every stream, on the event loop)."""
+
+    _MARK = "\x00cadence text\x00"
+
+    def __init__(self, request_id: str, model: str, chat: bool, created: int):
+        whole = frame(chunk(request_id, model, chat, self._MARK, None, created))
+        self._head, self._tail = whole.split(_ENCODE_STRING(self._MARK))
+
+    def __call__(self, text: str) -> str:
+        return self._head + _ENCODE_STRING(text) + self._tail
 
 
 def usage_chunk(request_id: str, model: str, chat: bool, record: RequestRecord, created: int) -> dict:

@@ -210,6 +210,20 @@ def test_compare_configs_carry_serve_flags_and_another_checkout():
             parse_config(bad, base)
 
 
+def test_host_ceiling_streams_from_the_real_server_around_a_null_engine(tiny_model_dir, tmp_path):
+    root, env = tiny_model_dir
+    out = tmp_path / "ceiling.json"
+    done = subprocess.run([sys.executable, "-m", "bench.host_ceiling", f"--model={root / 'model'}",
+                           "--streams=1,4", "--warmup=0.5", "--duration=1", "--output_tokens=16", f"--out={out}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    points = json.loads(out.read_text())["points"]
+    assert [p["streams"] for p in points] == [1, 4]
+    for p in points:  # 16-token requests back to back for a second: many complete ones
+        assert p["errors"] == 0 and p["requests"] > 2 * p["streams"] and p["messages_per_s"] > 16
+        assert p["iterations_per_s"] > 0
+
+
 def test_capacity_bisection_against_cadence(cadence_url, tmp_path):
     # A window long enough that chat gaps are always observed: a trial with no measurement
     # fails its SLO by design, so a too-short window would make the easy case flaky.

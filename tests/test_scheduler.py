@@ -963,6 +963,27 @@ def test_async_for_over_streams(threaded):
         assert got == expected(engine, prompt, 15)
 
 
+def test_a_reader_behind_takes_every_queued_event_at_once():
+    """`next_events` hands a reader that fell behind everything queued, in order, the record
+    last: the server writes them as one chunk. Driven synchronously inside a loop, so all of
+    the request's events are queued before the first read."""
+    engine = FakeEngine(num_slots=1)
+    sched = Scheduler(engine, TOK, SchedulerConfig(policy=PolicyConfig(chunk=engine.config.prefill_chunk)))
+    prompt = ids("behind")
+
+    async def main():
+        stream = sched.submit(prompt, GenerationParams(max_tokens=12))
+        while not sched.idle():
+            sched.step()
+        await asyncio.sleep(0)  # the loop runs the scheduler's deliveries
+        first, again = await stream.next_events(), await stream.next_events()
+        return first, again, stream.record
+
+    first, again, record = asyncio.run(main())
+    assert isinstance(first[-1], RequestRecord) and first[-1] is record and again == []
+    assert ([t for e in first[:-1] for t in e.token_ids], record.finish_reason) == expected(engine, prompt, 12)
+
+
 def test_abandoned_async_stream_is_aborted_without_harm(threaded):
     """A client whose event loop closed mid-stream is aborted; the request beside it and the
     scheduler thread carry on."""

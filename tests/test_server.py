@@ -46,6 +46,15 @@ def client(url):
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
+@pytest.mark.parametrize("chat", [True, False])
+def test_text_frames_equal_the_chunk_they_template(chat):
+    from server.protocol import TextFrames, chunk, frame
+
+    frames = TextFrames("cmpl-1", 'a "model"', chat, 1700000000)
+    for text in ["Paris", " é\n\t\"\\", "\x00\u2028", "日本", "😀"]:
+        assert frames(text) == frame(chunk("cmpl-1", 'a "model"', chat, text, None, 1700000000))
+
+
 def sse_frames(raw: bytes) -> list[bytes]:
     assert raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
     frames = raw.split(b"\n\n")
