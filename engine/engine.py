@@ -20,8 +20,8 @@ of the page table passed, which bounds what attention reads, and the batch bucke
 smallest power of two holding the active slots: decode gathers their rows, runs only those, and
 scatters the tokens back, so one stream on an idle engine pays for one row, not `num_slots` (vLLM
 captures one CUDA graph per padded batch size for the same reason). Everything that varies per
-request is an array argument. The pool and `last_tokens` are donated into every program, so they are updated in
-place. `warmup()` compiles every program; afterwards `compilations_after_warmup` must stay 0.
+request is an array argument. The pool and `last_tokens` are donated into every program, so
+they are updated in place. `warmup()` compiles every program; afterwards `compilations_after_warmup` must stay 0.
 
 Non-goals here: multi-device sharding, speculative decoding, prefix sharing.
 """
@@ -196,11 +196,14 @@ def sampling_rows(rows: Sequence[RequestSampling]) -> SamplingParams:
     return SamplingRows.of(list(rows)).params()
 
 
+_GREEDY_ROW = SamplingRows(1).params()  # what a padding row samples with (read only)
+
+
 def _gather_rows(sampling: SamplingParams, pick: np.ndarray, live: np.ndarray) -> SamplingParams:
     """The sampling rows of the slots `pick`; padding rows (not `live`) are greedy, so they
     never send a step down the sampling path."""
     return jax.tree.map(lambda a, greedy: np.where(live, np.asarray(a)[pick], greedy).astype(greedy.dtype),
-                        sampling, SamplingRows(1).params())
+                        sampling, _GREEDY_ROW)
 
 
 class Engine:
