@@ -423,6 +423,27 @@ def test_single_request_matches_sequential_model(policy):
     assert len(client.token_ids) == 40
 
 
+def run_random_load(h: Harness, rng, arrivals: list[int], prompt_max: int, tokens_max: int,
+                    cancel_p: float, max_steps: int, after_step=lambda: None) -> None:
+    """Submits a request at each arrival step (random prompt up to `prompt_max` tokens, up to
+    `tokens_max` output, greedy or seeded sampling), cancels a live one with probability
+    `cancel_p` per step, and steps until everything has arrived and the scheduler is idle."""
+    for step in range(max_steps):
+        while arrivals and arrivals[0] <= step:
+            arrivals.pop(0)
+            sampling = RequestSampling(temperature=float(rng.choice([0.0, 0.8])),
+                                       seed=int(rng.integers(0, 2**31)))
+            h.submit(random_prompt(rng, int(rng.integers(1, prompt_max))),
+                     max_tokens=int(rng.integers(1, tokens_max)), sampling=sampling)
+        live = [c for c in h.clients if c.record is None]
+        if live and rng.random() < cancel_p:
+            live[int(rng.integers(len(live)))].stream.cancel()
+        if not arrivals and h.sched.idle():
+            break
+        h.step()
+        after_step()
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("policy", [chunked(budget=100, chunk=32), prefill_first(chunk=32)],
                          ids=["chunked", "prefill-first"])
@@ -433,19 +454,7 @@ def test_random_arrivals_match_sequential_model(policy, seed):
     rng = np.random.default_rng(seed)
     h = Harness(FakeEngine(num_slots=3, prefill_chunk=32, max_seq_len=256, eos_one_in=20), policy)
     arrivals = sorted(int(a) for a in rng.integers(0, 80, size=30))
-    for step in range(10_000):
-        while arrivals and arrivals[0] <= step:
-            arrivals.pop(0)
-            sampling = RequestSampling(temperature=float(rng.choice([0.0, 0.8])),
-                                       seed=int(rng.integers(0, 2**31)))
-            h.submit(random_prompt(rng, int(rng.integers(1, 120))),
-                     max_tokens=int(rng.integers(1, 40)), sampling=sampling)
-        live = [c for c in h.clients if c.record is None]
-        if live and rng.random() < 0.05:
-            live[int(rng.integers(len(live)))].stream.cancel()
-        if not arrivals and h.sched.idle():
-            break
-        h.step()
+    run_random_load(h, rng, arrivals, prompt_max=120, tokens_max=40, cancel_p=0.05, max_steps=10_000)
     assert all(c.record for c in h.clients)
     for c in h.clients:
         c.check(h.engine)
@@ -475,21 +484,13 @@ def test_a_pool_that_runs_dry_preempts_and_every_output_is_still_exact(policy, s
                         eos_one_in=40)
     h = Harness(engine, policy)
     arrivals = sorted(int(a) for a in rng.integers(0, 60, size=24))
-    for step in range(20_000):
-        while arrivals and arrivals[0] <= step:
-            arrivals.pop(0)
-            sampling = RequestSampling(temperature=float(rng.choice([0.0, 0.8])),
-                                       seed=int(rng.integers(0, 2**31)))
-            h.submit(random_prompt(rng, int(rng.integers(1, 100))),
-                     max_tokens=int(rng.integers(1, 120)), sampling=sampling)
-        live = [c for c in h.clients if c.record is None]
-        if live and rng.random() < 0.01:
-            live[int(rng.integers(len(live)))].stream.cancel()
-        if not arrivals and h.sched.idle():
-            break
-        h.step()
+
+    def pages_within_the_pool():
         used, total = h.sched.kv_pages
         assert used <= total
+
+    run_random_load(h, rng, arrivals, prompt_max=100, tokens_max=120, cancel_p=0.01, max_steps=20_000,
+                    after_step=pages_within_the_pool)
     for c in h.clients:
         c.check(engine)
     assert h.sched.preemptions > 0
