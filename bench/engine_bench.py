@@ -27,6 +27,7 @@ from absl import app, flags
 
 from checkpoints.registry import load_model
 from engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig, fixed_page_tables, sampling_rows
+from engine.packing import PrefillChunk
 from model.sampling import RequestSampling
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model to benchmark.")
@@ -102,8 +103,8 @@ def main(argv) -> None:
             def prefill_all():
                 for start in range(0, n, chunk):
                     piece = prompt[start : start + chunk]
-                    token = engine.prefill(0, piece, start, RequestSampling(), start + chunk >= n,
-                                           tables[0])
+                    token = engine.prefill([PrefillChunk(0, piece, start, start + chunk >= n, tables[0])],
+                                           rows)
                 token.block_until_ready()
 
             seconds = timed(prefill_all, 3)

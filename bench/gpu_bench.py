@@ -354,6 +354,7 @@ def sweep_tilings(results: dict, write) -> None:
 def bench_engine(results: dict, ceilings: dict, write) -> None:
     from engine import compile_counter
     from engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
+    from engine.packing import PrefillChunk
     from model.config import LLAMA3_8B, TINY
     from model.llama import init_params
     from model.sampling import RequestSampling
@@ -378,9 +379,11 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
 
     prompt = np.random.default_rng(0).integers(100, cfg.vocab_size, prompt_len).tolist()
     start = time.monotonic()
-    engine.prefill(0, prompt, 0, RequestSampling(), True, tables[0]).block_until_ready()
+    rows = sampling_rows([RequestSampling()] * slots)
+    chunk = [PrefillChunk(0, prompt, 0, True, tables[0])]
+    engine.prefill(chunk, rows).block_until_ready()
     compile_s = time.monotonic() - start
-    seconds = wall(lambda: engine.prefill(0, prompt, 0, RequestSampling(), True, tables[0]), repeats=3)
+    seconds = wall(lambda: engine.prefill(chunk, rows), repeats=3)
     d, h, kv, hd, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_size
     layer_weights = d * h * hd * 2 + d * kv * hd * 2 + 3 * d * f
     flops = (2 * prompt_len * layer_weights * cfg.num_layers + 2 * d * cfg.vocab_size
@@ -393,7 +396,6 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
     print("engine prefill", json.dumps(info["prefill"]))
     write()
 
-    rows = sampling_rows([RequestSampling()] * slots)
     kv_per_token = cfg.kv_bytes_per_token(2)
     for context in contexts:
         for active_n in map(int, _ENGINE_SLOTS.value):

@@ -3,12 +3,17 @@
     engine.config.num_slots, .max_seq_len, .prefill_chunk, .page_size, .max_pages_per_seq
     engine.num_pages                                    pages in the KV pool
     engine.vocab_size                                   token ids are in [0, vocab_size)
-    token = engine.prefill(slot, chunk_ids, start, sampling, final, pages)      device array [1]
+    tokens = engine.prefill(chunks, rows.params())     `PrefillTokens`: np.asarray(tokens)[i]
+                                                        is chunk i's token; .programs: how many
+                                                        programs ran (normally one)
     tokens = engine.decode(positions, active, rows.params(), page_table)       device array [num_slots]
                                                         (an inactive slot's entry: its last token)
+    handle = engine.extract(pages, length, slot)        `KVHandle`: a sequence's KV + next token
+    engine.insert(handle, pages, slot)                  into free pages, of this or another engine
 
 KV lives in pages of the engine's pool; the scheduler decides which pages each sequence holds
-(`scheduler.pages`) and passes them: `pages` is one sequence's page ids in position order,
+(`scheduler.pages`) and passes them: a `PrefillChunk`'s `pages` is its sequence's page ids in
+position order (all of an iteration's chunks go in one `prefill` call, which packs them),
 `page_table` is [num_slots, max_pages_per_seq] int32 with every active slot's pages (enough for
 the position it writes) and any valid page id elsewhere (inactive rows write nothing).
     engine.recover()                                    after a failed call: fresh device state
@@ -36,10 +41,12 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from engine.engine import EngineConfig
+from engine.engine import EngineConfig, KVHandle, PrefillTokens
+from engine.packing import PrefillChunk
 from model.sampling import RequestSampling, SamplingParams, SamplingRows
 
-__all__ = ["EngineAPI", "EngineConfig", "RequestSampling", "SamplingParams", "SamplingRows"]
+__all__ = ["EngineAPI", "EngineConfig", "KVHandle", "PrefillChunk", "PrefillTokens",
+           "RequestSampling", "SamplingParams", "SamplingRows"]
 
 
 class EngineAPI(Protocol):
@@ -51,11 +58,14 @@ class EngineAPI(Protocol):
     @property
     def num_pages(self) -> int: ...
 
-    def prefill(self, slot: int, chunk: list[int], start: int, sampling: RequestSampling,
-                final: bool, pages: list[int]) -> jax.Array | np.ndarray: ...
+    def prefill(self, chunks: list[PrefillChunk], sampling: SamplingParams) -> PrefillTokens: ...
 
     def decode(self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
                page_table: np.ndarray) -> jax.Array | np.ndarray: ...
+
+    def extract(self, pages: list[int], length: int, slot: int) -> KVHandle: ...
+
+    def insert(self, handle: KVHandle, pages: list[int], slot: int) -> None: ...
 
     def recover(self) -> None: ...
 

@@ -3,8 +3,13 @@
 The engine owns everything that lives on the device. It implements `engine.api.EngineAPI`, the
 whole of what the scheduler may use; its two programs:
 
-    token = engine.prefill(slot, chunk_ids, start, sampling, final, pages)   # one prompt chunk
+    tokens = engine.prefill(chunks, sampling_rows)    # every prompt chunk of an iteration, packed
     tokens = engine.decode(positions, active, sampling_rows, page_table)     # the active slots, one step
+
+and the two calls that move a sequence's KV out of one engine and into another (`KVHandle`):
+
+    handle = engine.extract(pages, length, slot)      # its pages' contents and next token
+    engine.insert(handle, pages, slot)                # into free pages of this or another engine
 
 Both return device arrays immediately (JAX dispatch is asynchronous) and have already started
 copying them to the host; the scheduler reads them one step later, so the device never waits
@@ -14,8 +19,9 @@ for Python between steps. The token each slot decodes next never leaves the devi
 KV lives in a pool of fixed-size pages (`model.paged_kv`) shared by every sequence; which pages a
 sequence holds is the scheduler's business (`scheduler.pages`), passed in as page tables, so KV
 memory follows the tokens that exist and `num_slots` (sequences in flight) no longer multiplies
-`max_seq_len`. Shapes are fixed per program: prefill compiles once per (chunk bucket, page-table
-bucket) and decode once per (batch bucket, page-table bucket), where the page bucket is the width
+`max_seq_len`. Shapes are fixed per program: prefill compiles once per (packed-token bucket,
+page-table bucket), decode once per (batch bucket, page-table bucket), extract and insert once
+per page-count bucket, where the page bucket is the width
 of the page table passed, which bounds what attention reads, and the batch bucket is the
 smallest power of two holding the active slots: decode gathers their rows, runs only those, and
 scatters the tokens back, so one stream on an idle engine pays for one row, not `num_slots` (vLLM
@@ -39,6 +45,7 @@ import numpy as np
 from absl import logging
 
 from engine import compile_counter
+from engine.packing import Pack, PrefillChunk, empty_pack, pack_chunks
 from model.config import ModelConfig
 from model.llama import forward
 from model.paged_kv import PagedKVCache
@@ -107,8 +114,16 @@ class EngineConfig:
         return ladder(1, self.num_slots)
 
     @property
+    def pack_block(self) -> int:
+        """Tokens per row of a packed prefill: every chunk starts on a multiple of it."""
+        return min(self.min_prefill_bucket, self.prefill_chunk)
+
+    @property
     def prefill_buckets(self) -> tuple[int, ...]:
-        return ladder(min(self.min_prefill_bucket, self.prefill_chunk), self.prefill_chunk)
+        """Tokens of the packed prefill programs: multiples of `pack_block` up to the first
+        that holds `prefill_chunk`."""
+        block = self.pack_block
+        return ladder(block, -(-self.prefill_chunk // block) * block)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -147,18 +162,19 @@ def bucket_for(buckets: Sequence[int], n: int) -> int:
 
 
 def _prefill_program(
-    params, cache, last_tokens, tokens, start, length, slot, page_table, sampling, final,
-    *, config, attention, dtype,
+    params, cache, last_tokens, tokens, positions, lengths, tables, logit_index, steps,
+    write_slot, sampling, *, config, attention, dtype,
 ):
-    t = tokens.shape[1]
-    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    """Every chunk of a pack (`engine.packing`) in one pass: KV written through each row's
+    table, one token sampled per chunk, and each prompt's last chunk's token written into its
+    slot's `last_tokens` (other entries of `write_slot` are num_slots and drop out)."""
     logits, cache = forward(
-        params, tokens, positions, length, cache, page_table, config=config,
-        logit_index=jnp.maximum(length - 1, 0), attention=attention, dtype=dtype,
+        params, tokens, positions, lengths, cache, tables, config=config,
+        logit_index=logit_index, attention=attention, dtype=dtype,
     )
-    token = sample(logits, sampling, start + length)  # step = the new token's position
-    last_tokens = last_tokens.at[slot].set(jnp.where(final, token, last_tokens[slot]))
-    return token, cache, last_tokens
+    sampled = sample(logits, sampling, steps)  # step = the new token's position
+    last_tokens = last_tokens.at[write_slot].set(sampled, mode="drop")
+    return sampled, cache, last_tokens
 
 
 def _decode_program(
@@ -172,12 +188,69 @@ def _decode_program(
     inputs = jnp.take(last_tokens, slots, mode="clip")
     logits, cache = forward(
         params, inputs[:, None], positions[:, None], valid.astype(jnp.int32), cache,
-        page_table, config=config, logit_index=jnp.zeros_like(positions),
+        page_table, config=config, logit_index=jnp.arange(positions.shape[0], dtype=jnp.int32),
         attention=attention, dtype=dtype,
     )
     tokens = sample(logits, sampling, positions + 1)
     last_tokens = last_tokens.at[slots].set(tokens, mode="drop")  # padding rows drop out
     return last_tokens, cache, last_tokens
+
+
+def _extract_program(cache, last_tokens, ids, slot):
+    """The pages `ids` [P] of every layer, stacked: k, v [layers, kv_heads, P, page_size, d],
+    and `slot`'s next decode input. Reads only: nothing is donated."""
+    k = jnp.stack([jnp.take(layer, ids, axis=1, mode="clip") for layer in cache.k])
+    v = jnp.stack([jnp.take(layer, ids, axis=1, mode="clip") for layer in cache.v])
+    return k, v, last_tokens[slot]
+
+
+def _insert_program(cache, last_tokens, k, v, ids, slot, token):
+    """Writes a handle's pages into pages `ids` [P] (an id past the pool, padding, writes
+    nothing) and makes `token` the slot's next decode input."""
+    def put(layers, new):
+        return tuple(layer.at[:, ids].set(new[i].astype(layer.dtype), mode="drop")
+                     for i, layer in enumerate(layers))
+
+    cache = PagedKVCache(k=put(cache.k, k), v=put(cache.v, v))
+    return cache, last_tokens.at[slot].set(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVHandle:
+    """One sequence's KV outside any engine: what `Engine.extract` returns and `Engine.insert`
+    takes, on this engine, another one, or another device (`to`). Plain arrays and metadata:
+
+        k, v        [layers, kv_heads, P, page_size, head_dim]  the sequence's pages in order;
+                    P is a page-count bucket, pages past `num_pages` are padding
+        next_token  [] int32   the token its next decode step consumes (sampled, not yet in KV)
+        length      tokens of KV the pages hold (positions 0..length-1)
+    """
+
+    k: jax.Array
+    v: jax.Array
+    next_token: jax.Array
+    length: int
+    page_size: int
+
+    @property
+    def num_pages(self) -> int:
+        return -(-self.length // self.page_size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the live pages (what a transfer must move; the bucket's padding excluded)."""
+        layers, heads, _, page_size, head_dim = self.k.shape
+        return 2 * layers * heads * self.num_pages * page_size * head_dim * self.k.dtype.itemsize
+
+    def to(self, device) -> KVHandle:
+        """The same handle with its arrays on `device` (or a sharding): `jax.device_put`, so
+        the copy is asynchronous and overlaps whatever runs meanwhile."""
+        k, v, token = jax.device_put((self.k, self.v, self.next_token), device)
+        return dataclasses.replace(self, k=k, v=v, next_token=token)
+
+    def block_until_ready(self) -> KVHandle:
+        jax.block_until_ready((self.k, self.v, self.next_token))
+        return self
 
 
 def fixed_page_tables(config: EngineConfig, order: Sequence[int] | None = None) -> np.ndarray:
@@ -206,8 +279,36 @@ def _gather_rows(sampling: SamplingParams, pick: np.ndarray, live: np.ndarray) -
                         sampling, _GREEDY_ROW)
 
 
+class PrefillTokens:
+    """What `Engine.prefill` returns: each chunk's sampled token, on the device until read.
+    `np.asarray(result)` waits for the programs and gives [len(chunks)] int32."""
+
+    def __init__(self, parts: list[tuple[jax.Array, int]]):
+        self._parts = parts  # (a program's tokens [C], how many of them are real chunks)
+
+    @property
+    def programs(self) -> int:
+        return len(self._parts)
+
+    def __len__(self) -> int:
+        return sum(n for _, n in self._parts)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        tokens = [np.asarray(a)[:n] for a, n in self._parts]
+        out = np.concatenate(tokens) if tokens else np.zeros(0, np.int32)
+        return out if dtype is None else out.astype(dtype)
+
+    def block_until_ready(self) -> PrefillTokens:
+        jax.block_until_ready([a for a, _ in self._parts])
+        return self
+
+
 class Engine:
-    def __init__(self, params, model_config: ModelConfig, config: EngineConfig = EngineConfig()):
+    def __init__(self, params, model_config: ModelConfig, config: EngineConfig = EngineConfig(),
+                 device: jax.Device | None = None):
+        """`device`: where the weights, the pool and every program live (default: the first).
+        Everything the engine holds is committed to it, so programs run there whatever device
+        a `KVHandle` or an argument comes from."""
         if config.max_seq_len > model_config.max_context:
             raise ValueError(
                 f"max_seq_len {config.max_seq_len} exceeds the model's context of "
@@ -216,8 +317,9 @@ class Engine:
         compile_counter.install()
         self.model_config = model_config
         self.config = config
+        self.device = device or jax.devices()[0]
         dtype = jnp.dtype(config.dtype)
-        self.params = jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, dtype), params))
+        self.params = jax.tree.map(lambda a: jax.device_put(a, self.device).astype(dtype), params)
         self.cache: PagedKVCache | None = None
         self.last_tokens: jax.Array | None = None
         self.recover()  # allocates the page pool and the next-token buffer
@@ -230,6 +332,8 @@ class Engine:
             functools.partial(_decode_program, **{**static, "attention": "reference"}),
             donate_argnames=donate,
         )
+        self._extract = jax.jit(_extract_program)
+        self._insert = jax.jit(_insert_program, donate_argnames=donate)
         self._warm_compiles: int | None = None
         logging.info(
             "KV pool: %d pages x %d tokens (%d tokens), %.1f MiB", self.num_pages, config.page_size,
@@ -238,37 +342,42 @@ class Engine:
 
     # -- the two programs -------------------------------------------------------------------
 
-    def prefill(
-        self, slot: int, chunk: Sequence[int], start: int, sampling: RequestSampling, final: bool,
-        pages: Sequence[int],
-    ) -> jax.Array:
-        """Writes `chunk`'s KV at positions [start, start+len) of the sequence whose pages, in
-        order, are `pages` (enough for start+len tokens); returns the sampled next token.
+    def prefill(self, chunks: Sequence[PrefillChunk], sampling: SamplingParams) -> PrefillTokens:
+        """Writes every chunk's KV and samples one token per chunk, normally in one program
+        (`engine.packing`); `sampling` holds every slot's row ([num_slots], as for decode).
 
-        With `final`, the token is the request's first output and becomes `slot`'s next
-        decode input. The result is a device array of shape [1].
+        A prompt's last chunk (`final`) makes its token the request's first output and its
+        slot's next decode input. Returns at once: `np.asarray(result)[i]` is chunk i's token.
         """
         cfg = self.config
-        n = len(chunk)
-        if not 0 < n <= cfg.prefill_chunk:
-            raise ValueError(f"a prefill chunk must hold 1..{cfg.prefill_chunk} tokens, got {n}")
-        if start + n > cfg.max_seq_len:
-            raise ValueError(f"chunk [{start}, {start + n}) overflows max_seq_len={cfg.max_seq_len}")
-        if len(pages) < cfg.pages_for(start + n):
-            raise ValueError(f"{len(pages)} pages cannot hold {start + n} tokens of {cfg.page_size}")
-        t = bucket_for(cfg.prefill_buckets, n)
-        tokens = np.zeros((1, t), np.int32)
-        tokens[0, :n] = chunk
-        table = np.zeros((1, bucket_for(cfg.page_buckets, cfg.pages_for(start + n))), np.int32)
-        used = min(len(pages), table.shape[1])
-        table[0, :used] = pages[:used]
-        token, self.cache, self.last_tokens = self._prefill(
-            self.params, self.cache, self.last_tokens, tokens,
-            np.asarray([start], np.int32), np.asarray([n], np.int32),
-            np.asarray([slot], np.int32), table, sampling_rows([sampling]), np.asarray(final),
+        for c in chunks:
+            n = len(c.tokens)
+            if not 0 < n <= cfg.prefill_chunk:
+                raise ValueError(f"a prefill chunk must hold 1..{cfg.prefill_chunk} tokens, got {n}")
+            if c.start < 0 or c.start + n > cfg.max_seq_len:
+                raise ValueError(f"chunk [{c.start}, {c.start + n}) overflows max_seq_len={cfg.max_seq_len}")
+            if len(c.pages) < cfg.pages_for(c.start + n):
+                raise ValueError(f"{len(c.pages)} pages cannot hold {c.start + n} tokens of {cfg.page_size}")
+            if not 0 <= c.slot < cfg.num_slots:
+                raise ValueError(f"slot {c.slot} is not in [0, {cfg.num_slots})")
+        packs = pack_chunks(
+            chunks, block=cfg.pack_block, token_buckets=cfg.prefill_buckets,
+            page_buckets=cfg.page_buckets, page_size=cfg.page_size, num_slots=cfg.num_slots)
+        results = []
+        for pack in packs:
+            live = pack.sampling_slot < cfg.num_slots
+            rows = _gather_rows(sampling, np.where(live, pack.sampling_slot, 0), live)
+            tokens = self._run_pack(pack, rows)
+            tokens.copy_to_host_async()
+            results.append((tokens, pack.count))
+        return PrefillTokens(results)
+
+    def _run_pack(self, pack: Pack, sampling: SamplingParams) -> jax.Array:
+        tokens, self.cache, self.last_tokens = self._prefill(
+            self.params, self.cache, self.last_tokens, pack.tokens, pack.positions, pack.lengths,
+            pack.tables, pack.logit_index, pack.steps, pack.write_slot, sampling,
         )
-        token.copy_to_host_async()
-        return token
+        return tokens
 
     def decode(
         self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
@@ -313,6 +422,49 @@ class Engine:
             return self._decode_batched, bucket_for(batched, longest)
         return self._decode, bucket_for(cfg.decode_page_buckets, longest)
 
+    # -- moving a sequence's KV ------------------------------------------------------------
+
+    def extract(self, pages: Sequence[int], length: int, slot: int) -> KVHandle:
+        """The KV of the sequence at positions [0, length), held in `pages` (in order), and
+        `slot`'s next decode input, as a `KVHandle`. The pages are left as they were: freeing
+        them is the caller's business. Returns at once (the copy runs on the device)."""
+        cfg = self.config
+        if not 0 < length <= cfg.max_seq_len:
+            raise ValueError(f"a sequence holds 1..{cfg.max_seq_len} tokens of KV, got {length}")
+        if not 0 <= slot < cfg.num_slots:
+            raise ValueError(f"slot {slot} is not in [0, {cfg.num_slots})")
+        count = cfg.pages_for(length)
+        if len(pages) < count:
+            raise ValueError(f"{len(pages)} pages cannot hold {length} tokens of {cfg.page_size}")
+        ids = np.zeros(bucket_for(cfg.page_buckets, count), np.int32)
+        ids[:count] = pages[:count]
+        k, v, token = self._extract(self.cache, self.last_tokens, ids, np.int32(slot))
+        return KVHandle(k=k, v=v, next_token=token, length=length, page_size=cfg.page_size)
+
+    def insert(self, handle: KVHandle, pages: Sequence[int], slot: int) -> None:
+        """Writes `handle`'s KV into `pages` of this engine's pool (free pages the caller
+        allocated, at least `handle.num_pages`) and makes its next token `slot`'s next decode
+        input: decoding then continues exactly where the engine it came from left off. The
+        handle stays valid (nothing of it is donated), so a failed insert loses nothing."""
+        cfg, mc = self.config, self.model_config
+        want = (mc.num_layers, mc.num_kv_heads, handle.k.shape[2], cfg.page_size, mc.head_dim)
+        if handle.page_size != cfg.page_size or handle.k.shape != want:
+            raise ValueError(
+                f"a KV handle of shape {handle.k.shape} (pages of {handle.page_size} tokens) does "
+                f"not fit this engine's pool ({mc.num_layers} layers x {mc.num_kv_heads} KV heads "
+                f"x pages of {cfg.page_size} x head_dim {mc.head_dim})")
+        if handle.length > cfg.max_seq_len:
+            raise ValueError(f"the handle holds {handle.length} tokens; max_seq_len is {cfg.max_seq_len}")
+        if len(pages) < handle.num_pages:
+            raise ValueError(f"{len(pages)} pages cannot hold the handle's {handle.num_pages}")
+        if not 0 <= slot < cfg.num_slots:
+            raise ValueError(f"slot {slot} is not in [0, {cfg.num_slots})")
+        ids = np.full(handle.k.shape[2], self.num_pages, np.int32)  # padding: past the pool
+        ids[: handle.num_pages] = pages[: handle.num_pages]
+        k, v, token = jax.device_put((handle.k, handle.v, handle.next_token), self.device)
+        self.cache, self.last_tokens = self._insert(
+            self.cache, self.last_tokens, k, v, ids, np.int32(slot), token)
+
     def recover(self) -> None:
         """After a failed call: a fresh page pool and next-token buffer, whatever the failure
         left behind (donated and deleted, half-written, or poisoned). Every sequence's KV is
@@ -321,8 +473,9 @@ class Engine:
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         self.cache = self.last_tokens = None  # let the old buffers go before allocating
-        self.cache = PagedKVCache.create(self.model_config, cfg.pool_pages, cfg.page_size, dtype)
-        self.last_tokens = jnp.zeros((cfg.num_slots,), jnp.int32)
+        self.cache = PagedKVCache.create(self.model_config, cfg.pool_pages, cfg.page_size, dtype,
+                                         device=self.device)
+        self.last_tokens = jnp.zeros((cfg.num_slots,), jnp.int32, device=self.device)
 
     # -- warm-up and accounting ---------------------------------------------------------------
 
@@ -330,22 +483,16 @@ class Engine:
         """Compiles every program. Runs them with nothing to write, so no page changes (decode
         runs padding rows only, which write nothing and leave `last_tokens` as it was)."""
         cfg = self.config
-        # A chunk bucket t serves lengths (previous bucket, t]; any page bucket holding more
-        # than the previous chunk bucket can hold such a chunk at some start.
-        prev = dict(zip(cfg.prefill_buckets, (0,) + cfg.prefill_buckets[:-1]))
-        prefill_shapes = [(t, w) for t in cfg.prefill_buckets for w in cfg.page_buckets
-                          if w * cfg.page_size > prev[t]]
+        # Packs mix sequences, so any token bucket can meet any page-table width.
+        prefill_shapes = [(t, w) for t in cfg.prefill_buckets for w in cfg.page_buckets]
         decode_shapes = [(self._decode_batched, w) for w in cfg.batched_decode_page_buckets]
         decode_shapes += [(self._decode, w) for w in cfg.decode_page_buckets]
-        total = len(prefill_shapes) + len(decode_shapes) * len(cfg.decode_batch_buckets)
-        greedy = sampling_rows([RequestSampling()])
+        total = (len(prefill_shapes) + len(decode_shapes) * len(cfg.decode_batch_buckets)
+                 + len(cfg.page_buckets))
         done = 0
         for t, width in prefill_shapes:
-            token, self.cache, self.last_tokens = self._prefill(
-                self.params, self.cache, self.last_tokens, np.zeros((1, t), np.int32),
-                np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32),
-                np.zeros((1, width), np.int32), greedy, np.asarray(False),
-            )
+            pack = empty_pack(t, width, cfg.pack_block, cfg.num_slots)
+            token = self._run_pack(pack, sampling_rows([RequestSampling()] * len(pack.steps)))
             done += 1
             if progress:
                 progress(done, total)
@@ -359,6 +506,15 @@ class Engine:
                 done += 1
                 if progress:
                     progress(done, total)
+        for width in cfg.page_buckets:  # extract and insert of page 0 into page 0: no change
+            handle = self._extract(self.cache, self.last_tokens, np.zeros(width, np.int32), np.int32(0))
+            k, v, token0 = handle
+            self.cache, self.last_tokens = self._insert(
+                self.cache, self.last_tokens, k, v, np.full(width, self.num_pages, np.int32),
+                np.int32(0), token0)
+            done += 1
+            if progress:
+                progress(done, total)
         jax.block_until_ready((token, tokens, self.cache))
         self._warm_compiles = compile_counter.count()
 

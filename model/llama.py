@@ -7,7 +7,8 @@
     cache              `PagedKVCache`    the page pool, every sequence's KV
     page_table         [rows, pages] int32  each row's sequence's pages, in order; its width
                                          bounds what attention can read (the caller buckets it)
-    logit_index        [rows] int32 or None: which in-chunk token's logits to return
+    logit_index        [n] int32 or None: the tokens whose logits to return, as flat indices
+                                         into [rows * t] (row r's token i is r * t + i)
 
 Each layer writes the chunk's keys and values into the row's pages first, then attends over
 them, so a whole prompt, a prefill chunk at any offset and a decode step are the same computation.
@@ -148,7 +149,7 @@ class Llama(nn.Module):
             new_k.append(k)
             new_v.append(v)
         if logit_index is not None:
-            x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]  # [rows, D]
+            x = x.reshape(-1, x.shape[-1])[logit_index]  # [n, D]
         x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
         with jax.named_scope("lm_head"):
             if cfg.tie_embeddings:
@@ -171,7 +172,7 @@ def forward(
     attention: str = "xla",
     dtype: jnp.dtype = jnp.float32,
 ) -> tuple[jax.Array, PagedKVCache]:
-    """Runs the decoder; returns float32 logits ([rows, t, V], or [rows, V] with logit_index)."""
+    """Runs the decoder; returns float32 logits ([rows, t, V], or [n, V] with logit_index)."""
     module = Llama(config, attention, dtype)
     return module.apply(
         {"params": params}, tokens, positions, lengths, cache, page_table, logit_index

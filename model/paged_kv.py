@@ -58,11 +58,13 @@ class PagedKVCache:
 
     @classmethod
     def create(
-        cls, config: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32
+        cls, config: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32,
+        device=None,
     ) -> PagedKVCache:
+        """A zero-filled pool; with `device`, allocated there (and committed to it)."""
         shape = cls.shape(config, num_pages, page_size)
-        k = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-        v = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        k = tuple(jnp.zeros(shape, dtype, device=device) for _ in range(config.num_layers))
+        v = tuple(jnp.zeros(shape, dtype, device=device) for _ in range(config.num_layers))
         return cls(k=k, v=v)
 
     @classmethod

@@ -41,7 +41,7 @@ import numpy as np
 from absl import logging
 
 from checkpoints.tokenizer import Tokenizer
-from engine.api import EngineAPI, RequestSampling, SamplingRows
+from engine.api import EngineAPI, PrefillChunk, RequestSampling, SamplingRows
 from scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
 from scheduler.pages import PageAllocator
 from scheduler.policy import PageBudget, Plan, PolicyConfig, make_plan
@@ -75,7 +75,8 @@ class IterationRecord:
     wall: float  # seconds from dispatch start to results applied
     decode_slots: int
     prefill_tokens: int
-    prefill_chunks: int
+    prefill_chunks: int  # chunks dispatched
+    prefill_programs: int = 0  # the packed programs that carried them (normally 1)
 
 
 def _put_all(items: list[tuple[RequestStream, Any]]) -> None:  # the reader's event loop
@@ -169,7 +170,10 @@ class Scheduler:
         # read (never write) without harm.
         self._tables = np.zeros((self.num_slots, cfg.max_pages_per_seq), np.int32)
         self.preemptions = 0
-        self._pending: list[tuple[str, Any, Any]] = []  # results dispatched, not yet applied
+        self.prefill_programs = 0  # packed prefill programs run, and the chunks they carried
+        self.prefill_chunks = 0
+        # Results dispatched, not yet applied: (requests, each with its token's index), tokens.
+        self._pending: list[tuple[list[tuple[Request, int]], Any]] = []
         # Events for readers in event loops, per loop, until the iteration hands them over.
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         self._thread: threading.Thread | None = None
@@ -337,6 +341,7 @@ class Scheduler:
                             self.max_seq_len if self.config.kv_reservation == "max" else None)
         plan = make_plan(self._running, self._waiting, len(self._free_slots), self.config.policy, budget)
         previous, self._pending = self._pending, []
+        programs, chunks = self.prefill_programs, self.prefill_chunks
         self._dispatch(plan)
         self._apply(previous)
         if not plan.empty or previous:
@@ -346,7 +351,8 @@ class Scheduler:
                 wall=time.monotonic() - start,
                 decode_slots=len(plan.decode),
                 prefill_tokens=sum(c.length for c in plan.prefill),
-                prefill_chunks=len(plan.prefill),
+                prefill_chunks=self.prefill_chunks - chunks,
+                prefill_programs=self.prefill_programs - programs,
             )
             self._iteration += 1
             self._notify(self.iteration_listeners, record)
@@ -391,20 +397,28 @@ class Scheduler:
             except Exception as e:  # this request's values, this request's failure
                 self._fail_one(r, f"its sampling parameters cannot be packed: {e}", now)
         self._reserve_pages(plan, now)
+        chunks, firsts = [], []
         for chunk in plan.prefill:
             r = chunk.request
             if r.finished or r.state is State.WAITING:
                 continue  # failed, or preempted or sent back by the page reservation
             ids = r.prefill_ids[chunk.start : chunk.start + chunk.length]
-            token = self.engine.prefill(r.slot, ids, chunk.start, r.params.sampling, chunk.final,
-                                        r.pages)
+            if chunk.final:
+                firsts.append((r, len(chunks)))
+            chunks.append(PrefillChunk(r.slot, ids, chunk.start, chunk.final, r.pages))
             r.prefilled += chunk.length
             r.kv_tokens += chunk.length
             r.prefill_chunks += 1
             if chunk.final:
                 r.state = State.DECODING
                 r.dispatched = r.prefill_len - r.prompt_len + 1  # the token prefill samples
-                self._pending.append(("first", r, token))
+        if chunks:
+            # One call for every chunk: the engine packs them into one program (usually).
+            tokens = self.engine.prefill(chunks, self._rows.params())
+            self.prefill_programs += tokens.programs
+            self.prefill_chunks += len(chunks)
+            if firsts:
+                self._pending.append((firsts, tokens))
         decode = [r for r in plan.decode if r.state is State.DECODING]
         if decode:
             positions = np.zeros(self.num_slots, np.int32)
@@ -417,7 +431,7 @@ class Scheduler:
                 r.decode_steps += 1
             # A copy: JAX may alias host buffers on the CPU, and the table changes next step.
             tokens = self.engine.decode(positions, active, self._rows.params(), self._tables.copy())
-            self._pending.append(("decode", [(r, r.slot) for r in decode], tokens))
+            self._pending.append(([(r, r.slot) for r in decode], tokens))
 
     def _tokens_after(self, r: Request, plan_chunks: dict[Request, int], decoding: set[Request]) -> int:
         """Positions `r` needs pages for once this iteration's work for it is dispatched."""
@@ -485,16 +499,16 @@ class Scheduler:
             r.admitted = None  # it never really started
         self._waiting.appendleft(r)
 
-    def _apply(self, results: list[tuple[str, Any, Any]]) -> None:
+    def _apply(self, results: list[tuple[list[tuple[Request, int]], Any]]) -> None:
+        """`results`: (requests with the index of each one's token, the engine's tokens)."""
         vocab = self.engine.vocab_size
-        for kind, who, array in results:
+        for pairs, array in results:
             values = np.asarray(array)  # waits only if the device is still on that step
             now = time.monotonic()
-            pairs = [(who, 0)] if kind == "first" else who
-            for r, slot in pairs:
+            for r, index in pairs:
                 if r.finished:
                     continue  # a step dispatched before the request ended: discard
-                token = int(values[slot if kind == "decode" else 0])
+                token = int(values[index])
                 if not 0 <= token < vocab:
                     self._fail_one(r, f"the engine returned token id {token}, outside the "
                                       f"vocabulary [0, {vocab})", now)

@@ -30,7 +30,8 @@ def chrome_trace(iterations: Iterable[IterationRecord], requests: Iterable[Reque
             "ph": "X", "pid": 1, "tid": 0, "name": kind or "idle", "ts": us(it.start),
             "dur": round(it.wall * 1e6, 1),
             "args": {"index": it.index, "decode_slots": it.decode_slots,
-                     "prefill_tokens": it.prefill_tokens, "prefill_chunks": it.prefill_chunks},
+                     "prefill_tokens": it.prefill_tokens, "prefill_chunks": it.prefill_chunks,
+                     "prefill_programs": it.prefill_programs},
         })
     for n, r in enumerate(requests, start=1):
         events.append({"ph": "M", "name": "thread_name", "pid": 2, "tid": n,

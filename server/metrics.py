@@ -45,6 +45,15 @@ class Metrics:
             "cadence:request_success", "Finished requests by finish reason.",
             ["model_name", "finished_reason"], registry=r,
         )
+        self.prefill_programs = Counter(
+            "cadence:prefill_programs", "Packed prefill programs run (each carries every "
+            "prompt chunk an iteration planned, normally in one).", ["model_name"], registry=r,
+        ).labels(**labels)
+        self.prefill_chunks = Counter(
+            "cadence:prefill_chunks", "Prompt chunks prefilled; divided by "
+            "cadence:prefill_programs_total, the chunks one program carried.", ["model_name"],
+            registry=r,
+        ).labels(**labels)
         gauges = {
             "cadence:num_requests_running": ("Requests holding a KV slot.", lambda: scheduler.num_running),
             "cadence:num_requests_waiting": ("Requests queued for a slot.", lambda: scheduler.num_waiting),
@@ -86,6 +95,8 @@ class Metrics:
 
     def on_iteration(self, record: IterationRecord) -> None:
         self.iteration_tokens.observe(record.decode_slots + record.prefill_tokens)
+        self.prefill_programs.inc(record.prefill_programs)
+        self.prefill_chunks.inc(record.prefill_chunks)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

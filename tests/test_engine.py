@@ -9,11 +9,16 @@ import numpy as np
 import pytest
 
 from engine.engine import Engine, EngineConfig, bucket_for, ladder, sampling_rows
+from engine.packing import PrefillChunk
 from engine.reference import greedy_generate
 from model.sampling import RequestSampling
 from scheduler.policy import PolicyConfig
 from scheduler.request import GenerationParams, RequestRecord
 from scheduler.scheduler import RequestStream, Scheduler, SchedulerConfig
+
+def GREEDY_ROWS(engine):  # noqa: N802 - reads as the constant it is per engine
+    return sampling_rows([RequestSampling()] * engine.config.num_slots)
+
 
 SMALL = EngineConfig(num_slots=4, max_seq_len=256, prefill_chunk=64, min_prefill_bucket=16, min_kv_bucket=64)
 
@@ -134,7 +139,7 @@ def test_decode_past_the_batched_buckets_follows_lengths(tiny_params, tiny_confi
 
 def test_cache_is_donated_and_updated_in_place(engine):
     before = engine.cache
-    engine.prefill(0, [5, 6, 7], 0, RequestSampling(), final=False, pages=[3])
+    engine.prefill([PrefillChunk(0, [5, 6, 7], 0, False, [3])], GREEDY_ROWS(engine))
     assert before.k[0].is_deleted() and not engine.cache.k[0].is_deleted()
     cfg = engine.config
     compiled = engine._decode.lower(
@@ -175,8 +180,8 @@ def test_decode_runs_only_the_active_rows(tiny_params, tiny_config, contexts):
     positions = np.zeros(cfg.num_slots, np.int32)
     for slot, prompt in prompts.items():
         for start in range(0, len(prompt), 64):
-            e.prefill(slot, prompt[start:start + 64], start, RequestSampling(), start + 64 >= len(prompt),
-                      tables[slot])
+            e.prefill([PrefillChunk(slot, prompt[start:start + 64], start, start + 64 >= len(prompt),
+                                    tables[slot])], GREEDY_ROWS(e))
         positions[slot] = len(prompt)
     rows = sampling_rows([RequestSampling()] * cfg.num_slots)
     expected = {slot: greedy_generate(tiny_params, tiny_config, p, 3)[1:] for slot, p in prompts.items()}
@@ -202,12 +207,12 @@ def test_decode_runs_only_the_active_rows(tiny_params, tiny_config, contexts):
 def test_recover_rebuilds_a_cache_lost_to_a_failed_call(tiny_params, tiny_config):
     e = Engine(tiny_params, tiny_config, EngineConfig(num_slots=2, max_seq_len=64, prefill_chunk=16,
                                                        min_kv_bucket=64))
-    e.prefill(0, [1, 2, 3], 0, RequestSampling(), final=True, pages=[0])
+    e.prefill([PrefillChunk(0, [1, 2, 3], 0, True, [0])], GREEDY_ROWS(e))
     for a in e.cache.k:  # what a program failing after donation leaves behind
         a.delete()
     e.recover()
-    token = e.prefill(0, [1, 2, 3], 0, RequestSampling(), final=True, pages=[1])
-    assert int(token[0]) == greedy_generate(tiny_params, tiny_config, [1, 2, 3], 1)[0]
+    token = e.prefill([PrefillChunk(0, [1, 2, 3], 0, True, [1])], GREEDY_ROWS(e))
+    assert int(np.asarray(token)[0]) == greedy_generate(tiny_params, tiny_config, [1, 2, 3], 1)[0]
 
 
 def test_length_following_decode_matches_reference(tiny_params, tiny_config, tiny_tokenizer):

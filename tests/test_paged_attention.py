@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from engine.packing import PrefillChunk, pack_chunks
 from model import kv_cache, paged_kv
 from model.attention import xla_attention
 from model.config import TINY
@@ -181,6 +182,47 @@ def test_pallas_paged_prefill_matches_reference(i):
         q, *pool[:3], positions, tiling=PREFILL_TILINGS[i], interpret=INTERPRET, out=poison
     )
     check(out, ref, positions)
+
+
+def test_pallas_paged_prefill_over_packed_chunks_matches_each_chunk_alone():
+    """A pack (`engine.packing`) of chunks of mixed lengths at mixed offsets, two of them of one
+    sequence, one ending on a page boundary, one of a single token: every row of the packed
+    kernel's output equals its chunk's attention computed alone over its sequence laid out
+    contiguously, and padding queries get zeros. Pages nobody owns hold NaN."""
+    heads, kv_heads, head_dim, page_size, block = 6, 2, 16, 8, 8
+    ends = [29, 16, 45]  # sequence lengths in KV (every chunk's keys already written)
+    chunks_at = [(0, 17, 12), (1, 0, 16), (2, 3, 1), (2, 30, 15)]  # (sequence, start, length)
+    rng = np.random.default_rng(9)
+    max_pages = 6
+    num_pages = len(ends) * max_pages + 2
+    tables = rng.permutation(num_pages)[: len(ends) * max_pages].reshape(len(ends), max_pages)
+    k_seq = [rng.standard_normal((1, kv_heads, n, head_dim)).astype(np.float32) for n in ends]
+    v_seq = [rng.standard_normal((1, kv_heads, n, head_dim)).astype(np.float32) for n in ends]
+    pools = [np.full((kv_heads, num_pages, page_size, head_dim), np.nan, np.float32) for _ in "kv"]
+    for seq, n in enumerate(ends):
+        for p in range(n):
+            pools[0][:, tables[seq, p // page_size], p % page_size] = k_seq[seq][0, :, p]
+            pools[1][:, tables[seq, p // page_size], p % page_size] = v_seq[seq][0, :, p]
+    chunks = [PrefillChunk(seq, [1] * n, start, False, tables[seq].tolist())
+              for seq, start, n in chunks_at]
+    (pack,) = pack_chunks(chunks, block=block, token_buckets=(32, 64), page_buckets=(max_pages,),
+                          page_size=page_size, num_slots=4)
+    rows = pack.tokens.shape[0]
+    q = jnp.asarray(rng.standard_normal((rows, block, heads, head_dim)), jnp.float32)
+    positions = jnp.asarray(pack.positions)
+    out = np.asarray(paged_prefill(q, *map(jnp.asarray, pools), jnp.asarray(pack.tables), positions,
+                                   tiling=PrefillTiling(4, 16), interpret=INTERPRET))
+    assert np.isfinite(out).all()
+    flat_q, flat_out = np.asarray(q).reshape(-1, heads, head_dim), out.reshape(-1, heads, head_dim)
+    flat_pos = pack.positions.reshape(-1)
+    row = 0
+    for (seq, start, n), c in zip(chunks_at, chunks):
+        at = row * block
+        alone = xla_attention(jnp.asarray(flat_q[at:at + n][None]), jnp.asarray(k_seq[seq]),
+                              jnp.asarray(v_seq[seq]), jnp.asarray(flat_pos[at:at + n][None]))
+        np.testing.assert_allclose(flat_out[at:at + n], np.asarray(alone)[0], atol=ATOL, rtol=ATOL)
+        row += -(-n // block)
+    assert (flat_out[flat_pos < 0] == 0).all()
 
 
 def test_pallas_paged_attention_dispatches_on_query_length():

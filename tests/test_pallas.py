@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
+from engine.packing import PrefillChunk
 from model.attention import get_attention, pallas_attention, xla_attention
 from model.config import TINY
 from model.pallas_decode import DecodeTiling, flash_decode, split_partials
@@ -169,23 +170,29 @@ def _undo_embedding_boost(params):
 
 
 def _greedy(engine, prompts, max_new, chunk_sizes):
-    """Prefills each prompt in chunks of the given sizes (so chunks start at odd offsets), then
-    decodes every slot together; the last slot stays empty. Each slot's pages are scattered
+    """Prefills the prompts in chunks of the given sizes (so chunks start at odd offsets), one
+    chunk of each prompt per packed program, then decodes every slot together; the last slot
+    stays empty. Each slot's pages are scattered
     over the pool in a shuffled order."""
     order = np.random.default_rng(0).permutation(engine.config.pool_pages)
     tables = fixed_page_tables(engine.config, order)
     out = [[] for _ in prompts]
-    for slot, prompt in enumerate(prompts):
-        start, i = 0, 0
-        while start < len(prompt):
-            n = min(chunk_sizes[i % len(chunk_sizes)], len(prompt) - start)
-            final = start + n == len(prompt)
-            token = engine.prefill(slot, prompt[start:start + n], start, RequestSampling(), final,
-                                   tables[slot])
-            start, i = start + n, i + 1
-        out[slot].append(int(token[0]))
     slots = engine.config.num_slots
     rows = sampling_rows([RequestSampling()] * slots)
+    starts, i = [0] * len(prompts), 0
+    while any(start < len(p) for start, p in zip(starts, prompts)):
+        chunks = []  # one chunk of every prompt still prefilling, packed into one program
+        for slot, prompt in enumerate(prompts):
+            if starts[slot] < len(prompt):
+                n = min(chunk_sizes[(i + slot) % len(chunk_sizes)], len(prompt) - starts[slot])
+                chunks.append(PrefillChunk(slot, prompt[starts[slot]:starts[slot] + n], starts[slot],
+                                           starts[slot] + n == len(prompt), tables[slot]))
+                starts[slot] += n
+        tokens = np.asarray(engine.prefill(chunks, rows))
+        for c, token in zip(chunks, tokens):
+            if c.final:
+                out[c.slot].append(int(token))
+        i += 1
     for _ in range(max(max_new) - 1):
         live = [s < len(prompts) and len(out[s]) < max_new[s] for s in range(slots)]
         positions = [len(prompts[s]) + len(out[s]) - 1 if live[s] else 0 for s in range(slots)]

@@ -28,7 +28,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 
 from checkpoints.detokenizer import byte_level_piece_bytes
 from checkpoints.tokenizer import Tokenizer
-from engine.engine import EngineConfig
+from engine.engine import EngineConfig, PrefillTokens
 from model.config import TINY
 from model.sampling import RequestSampling, SamplingParams
 from scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
@@ -110,6 +110,7 @@ class FakeEngine:
         self.fail_recover = False  # recover() raises: the device cannot be rebuilt
         self.poison: dict[int, int] = {}  # decode call index -> a slot whose token is garbage
         self.decode_calls = 0
+        self.prefill_calls = 0
         self.recoveries = 0
         self.log: list[Prefill | Decode] = []
 
@@ -152,20 +153,29 @@ class FakeEngine:
             return EOS
         return ALPHABET[(h // 7) % len(ALPHABET)]
 
-    def prefill(self, slot, chunk, start, sampling, final, pages) -> np.ndarray:
-        n = len(chunk)
-        assert 0 <= slot < self.config.num_slots, slot
-        assert 0 < n <= self.config.prefill_chunk, n
-        assert 0 <= start and start + n <= self.config.max_seq_len, (start, n)
-        assert all(0 <= t < self.model_config.vocab_size for t in chunk)
-        assert len(pages) >= self.config.pages_for(start + n), (len(pages), start + n)
-        self.log.append(Prefill(slot, start, n, bool(final)))
-        self._write(pages, start, chunk)
-        seed = sampling.seed if sampling.temperature > 0 else None
-        token = self.next_token(self._content(pages, start + n), seed)
-        if final:
-            self.last_tokens[slot] = token
-        return np.asarray([token], np.int32)
+    def prefill(self, chunks, sampling) -> PrefillTokens:
+        """Like the engine's packed program: every chunk's tokens are written before any
+        chunk's next token is read, so a page shared by two sequences shows."""
+        s = self.config.num_slots
+        assert chunks, "a prefill call with no chunk"
+        assert isinstance(sampling, SamplingParams) and sampling.temperature.shape == (s,)
+        for c in chunks:
+            n = len(c.tokens)
+            assert 0 <= c.slot < s, c.slot
+            assert 0 < n <= self.config.prefill_chunk, n
+            assert 0 <= c.start and c.start + n <= self.config.max_seq_len, (c.start, n)
+            assert all(0 <= t < self.model_config.vocab_size for t in c.tokens)
+            assert len(c.pages) >= self.config.pages_for(c.start + n), (len(c.pages), c.start + n)
+            self.log.append(Prefill(c.slot, c.start, n, bool(c.final)))
+            self._write(c.pages, c.start, c.tokens)
+        tokens = np.zeros(len(chunks), np.int32)
+        for i, c in enumerate(chunks):
+            seed = int(sampling.seed[c.slot]) if sampling.temperature[c.slot] > 0 else None
+            tokens[i] = self.next_token(self._content(c.pages, c.start + len(c.tokens)), seed)
+            if c.final:
+                self.last_tokens[c.slot] = tokens[i]
+        self.prefill_calls += 1
+        return PrefillTokens([(tokens, len(chunks))])
 
     def decode(self, positions, active, sampling, page_table) -> np.ndarray:
         s = self.config.num_slots
@@ -408,6 +418,25 @@ def test_prefill_first_stalls_chats_behind_the_document():
             assert not any(isinstance(c, Decode) for c in calls)
     assert doc_done not in h.decode_steps_of(chat_a)
     assert h.decode_steps_of(chat_a)[-1] > doc_done  # A was mid-stream when the doc came
+
+
+def test_prompts_that_arrive_together_share_one_prefill_program():
+    """Four chats and a document chunk planned in one iteration go to the engine in a single
+    prefill call (one packed program), and every output is still the sequential model's."""
+    h = Harness(FakeEngine(num_slots=8), chunked(budget=256, chunk=64))
+    rng = np.random.default_rng(8)
+    doc = h.submit(random_prompt(rng, 300), max_tokens=3)
+    h.step()  # the document's first chunk, alone
+    chats = [h.submit(random_prompt(rng, n), max_tokens=4) for n in (5, 17, 40, 33)]
+    calls, programs = h.engine.prefill_calls, h.sched.prefill_programs
+    h.step()
+    assert h.engine.prefill_calls - calls == 1 and h.sched.prefill_programs - programs == 1
+    packed = [c for c in h.steps[-1] if isinstance(c, Prefill)]
+    assert sorted(c.length for c in packed) == [5, 17, 33, 40, 64]  # shortest first, then the doc
+    h.run()
+    assert h.sched.prefill_chunks == sum(len(h.prefills(c)) for c in (doc, *chats))
+    for c in (doc, *chats):
+        c.check(h.engine)
 
 
 # --- 3: correctness against the sequential simulation -----------------------------------------

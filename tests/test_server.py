@@ -248,5 +248,9 @@ def test_metrics_expose_histograms_and_counters(url, client):
                  "cadence:generation_tokens_total", "cadence:kv_cache_usage_perc",
                  "cadence:num_requests_waiting", 'cadence:compilations_after_warmup{model_name="tiny"}',
                  "cadence:kv_pages_used", "cadence:kv_pages_total", "cadence:kv_page_utilization_perc",
-                 "cadence:num_preemptions_total"):
+                 "cadence:num_preemptions_total", "cadence:prefill_programs_total",
+                 "cadence:prefill_chunks_total"):
         assert name in text, name
+    value = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+             if line.startswith(("cadence:prefill_programs_total", "cadence:prefill_chunks_total"))}
+    assert value["cadence:prefill_chunks_total"] >= value["cadence:prefill_programs_total"] >= 2

@@ -1,0 +1,139 @@
+"""Packing an iteration's prefill chunks into fixed-shape programs (host side, NumPy only).
+
+    packs = pack_chunks(chunks, config)     # usually one Pack: every chunk in one program
+
+The chunks the policy plans for one iteration (several requests' prompts, each at its own
+offset) run as one program, so four short chats that arrive together read the weights once,
+not four times. The chunks' tokens are laid along one axis, each chunk starting at a multiple
+of the block size `B` (the smallest prefill bucket); the axis is then viewed as rows of `B`
+tokens, [T / B, B], so every row belongs to exactly one chunk and carries that chunk's page
+table. To the decoder a pack is a batch of rows like any other:
+
+    tokens, positions   [rows, B]   a chunk's tokens at their absolute positions; -1 is padding
+    lengths             [rows]      valid tokens per row (a chunk's last row may be partial)
+    tables              [rows, W]   the row's sequence's pages (W: the pack's page bucket)
+
+so the matmuls run over all T tokens together, KV writes go through each row's own table, and
+attention stays causal within each chunk and over its own sequence's earlier pages (the Pallas
+prefill kernel's grid is rows x KV heads x query blocks; the XLA path gathers each row's pages).
+Padding costs at most B - 1 tokens per chunk. Two chunks of one sequence may share a pack: each
+layer writes every row's KV before any row attends, so the later chunk sees the earlier one.
+
+Per chunk (C = min(rows, num_slots) entries, padded): `logit_index` (the flat index of its last
+token), `steps` (the sampled token's position, the key of seeded sampling), `sampling_slot` (the
+slot whose sampling row it uses) and `write_slot` (its slot when it is the prompt's last chunk,
+so the sampled token becomes that slot's next decode input; `num_slots`, dropped, otherwise).
+
+Chunks go into packs in order; a new pack starts only when the next chunk would overflow the
+largest token bucket or the chunk capacity, which the scheduler's budgets normally prevent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """One chunk of one sequence's prompt: write `tokens` at positions [start, start+len) of
+    the sequence whose pages, in order, are `pages` (enough for start+len tokens). With
+    `final`, the sampled token is the request's first output and `slot`'s next decode input."""
+
+    slot: int
+    tokens: Sequence[int]
+    start: int
+    final: bool
+    pages: Sequence[int]
+
+
+@dataclasses.dataclass
+class Pack:
+    tokens: np.ndarray  # [rows, B] int32
+    positions: np.ndarray  # [rows, B] int32, -1 for padding
+    lengths: np.ndarray  # [rows] int32
+    tables: np.ndarray  # [rows, W] int32
+    logit_index: np.ndarray  # [C] int32
+    steps: np.ndarray  # [C] int32
+    sampling_slot: np.ndarray  # [C] int32, num_slots for padding
+    write_slot: np.ndarray  # [C] int32, num_slots: writes nothing
+    count: int  # real chunks (the first `count` of C)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(tokens, page-table width): the program this pack runs."""
+        return self.tokens.size, self.tables.shape[1]
+
+
+def _bucket(buckets: Sequence[int], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def padded(length: int, block: int) -> int:
+    return -(-length // block) * block
+
+
+def empty_pack(tokens: int, width: int, block: int, num_slots: int) -> Pack:
+    """A pack of `tokens` tokens and page-table width `width` holding nothing (writes nothing,
+    changes no slot): what warm-up runs, and what `pack_chunks` fills in."""
+    rows = tokens // block
+    chunks = min(rows, num_slots)
+    return Pack(
+        tokens=np.zeros((rows, block), np.int32),
+        positions=np.full((rows, block), -1, np.int32),
+        lengths=np.zeros(rows, np.int32),
+        tables=np.zeros((rows, width), np.int32),
+        logit_index=np.zeros(chunks, np.int32),
+        steps=np.zeros(chunks, np.int32),
+        sampling_slot=np.full(chunks, num_slots, np.int32),
+        write_slot=np.full(chunks, num_slots, np.int32),
+        count=0,
+    )
+
+
+def pack_chunks(
+    chunks: Sequence[PrefillChunk], *, block: int, token_buckets: Sequence[int],
+    page_buckets: Sequence[int], page_size: int, num_slots: int,
+) -> list[Pack]:
+    """Packs `chunks` (in order) into as few programs as the largest token bucket allows."""
+    groups: list[list[PrefillChunk]] = [[]]
+    used = 0
+    for c in chunks:
+        need = padded(len(c.tokens), block)
+        group = groups[-1]
+        if group and (used + need > token_buckets[-1] or len(group) == num_slots):
+            groups.append([])
+            used = 0
+        groups[-1].append(c)
+        used += need
+    return [_pack(g, block, token_buckets, page_buckets, page_size, num_slots) for g in groups if g]
+
+
+def _pack(chunks, block, token_buckets, page_buckets, page_size, num_slots) -> Pack:
+    total = sum(padded(len(c.tokens), block) for c in chunks)
+    reach = max(-(-(c.start + len(c.tokens)) // page_size) for c in chunks)
+    pack = empty_pack(_bucket(token_buckets, total), _bucket(page_buckets, reach), block, num_slots)
+    flat_tokens, flat_positions = pack.tokens.reshape(-1), pack.positions.reshape(-1)
+    row = 0
+    for i, c in enumerate(chunks):
+        n = len(c.tokens)
+        at = row * block
+        flat_tokens[at : at + n] = c.tokens
+        flat_positions[at : at + n] = np.arange(c.start, c.start + n)
+        rows = -(-n // block)
+        pack.lengths[row : row + rows] = np.minimum(block, n - block * np.arange(rows))
+        used = min(len(c.pages), pack.tables.shape[1])
+        pack.tables[row : row + rows, :used] = np.asarray(c.pages[:used], np.int32)
+        pack.logit_index[i] = at + n - 1
+        pack.steps[i] = c.start + n
+        pack.sampling_slot[i] = c.slot
+        if c.final:
+            pack.write_slot[i] = c.slot
+        row += rows
+    pack.count = len(chunks)
+    return pack
