@@ -58,11 +58,13 @@ class NullEngine:
         self.num_pages = config.pool_pages
         self.compilations_after_warmup = 0
         self.kv_cache_bytes = 0
-        self._one = np.asarray([token], np.int32)
         self._all = np.full(config.num_slots, token, np.int32)
+        from engine.engine import PrefillTokens  # the server side only: the client needs no JAX
 
-    def prefill(self, slot, chunk, start, sampling, final, pages):
-        return self._one
+        self._tokens = PrefillTokens
+
+    def prefill(self, chunks, sampling):
+        return self._tokens([(self._all, len(chunks))])  # chunks <= num_slots: one program
 
     def decode(self, positions, active, sampling, page_table):
         return self._all

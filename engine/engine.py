@@ -84,6 +84,9 @@ class EngineConfig:
     dtype: str = "float32"  # compute and KV dtype: float32 on CPU, bfloat16 on GPU
     page_size: int = DEFAULT_PAGE_SIZE
     num_pages: int | None = None  # the pool; None: every slot can hold max_seq_len at once
+    # Most chunks one packed prefill program carries (None: num_slots). 1 runs every chunk as
+    # a program of its own, as cadence did before packing: the baseline of the packing bench.
+    max_prefill_chunks: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -94,6 +97,8 @@ class EngineConfig:
             )
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_prefill_chunks is not None and self.max_prefill_chunks < 1:
+            raise ValueError(f"max_prefill_chunks must be >= 1, got {self.max_prefill_chunks}")
         if self.num_pages is not None and self.num_pages < self.max_pages_per_seq:
             raise ValueError(
                 f"a KV pool of {self.num_pages} pages x {self.page_size} tokens cannot hold one "
@@ -112,6 +117,10 @@ class EngineConfig:
     def decode_batch_buckets(self) -> tuple[int, ...]:
         """Rows of the decode programs: powers of two below num_slots, then num_slots."""
         return ladder(1, self.num_slots)
+
+    @property
+    def chunks_per_program(self) -> int:
+        return self.max_prefill_chunks or self.num_slots
 
     @property
     def pack_block(self) -> int:
@@ -362,7 +371,8 @@ class Engine:
                 raise ValueError(f"slot {c.slot} is not in [0, {cfg.num_slots})")
         packs = pack_chunks(
             chunks, block=cfg.pack_block, token_buckets=cfg.prefill_buckets,
-            page_buckets=cfg.page_buckets, page_size=cfg.page_size, num_slots=cfg.num_slots)
+            page_buckets=cfg.page_buckets, page_size=cfg.page_size, num_slots=cfg.num_slots,
+            max_chunks=cfg.chunks_per_program)
         results = []
         for pack in packs:
             live = pack.sampling_slot < cfg.num_slots
@@ -491,7 +501,7 @@ class Engine:
                  + len(cfg.page_buckets))
         done = 0
         for t, width in prefill_shapes:
-            pack = empty_pack(t, width, cfg.pack_block, cfg.num_slots)
+            pack = empty_pack(t, width, cfg.pack_block, cfg.num_slots, cfg.chunks_per_program)
             token = self._run_pack(pack, sampling_rows([RequestSampling()] * len(pack.steps)))
             done += 1
             if progress:

@@ -19,7 +19,7 @@ prefill kernel's grid is rows x KV heads x query blocks; the XLA path gathers ea
 Padding costs at most B - 1 tokens per chunk. Two chunks of one sequence may share a pack: each
 layer writes every row's KV before any row attends, so the later chunk sees the earlier one.
 
-Per chunk (C = min(rows, num_slots) entries, padded): `logit_index` (the flat index of its last
+Per chunk (C = min(rows, max_chunks) entries, padded; max_chunks defaults to num_slots): `logit_index` (the flat index of its last
 token), `steps` (the sampled token's position, the key of seeded sampling), `sampling_slot` (the
 slot whose sampling row it uses) and `write_slot` (its slot when it is the prompt's last chunk,
 so the sampled token becomes that slot's next decode input; `num_slots`, dropped, otherwise).
@@ -78,11 +78,12 @@ def padded(length: int, block: int) -> int:
     return -(-length // block) * block
 
 
-def empty_pack(tokens: int, width: int, block: int, num_slots: int) -> Pack:
+def empty_pack(tokens: int, width: int, block: int, num_slots: int,
+               max_chunks: int | None = None) -> Pack:
     """A pack of `tokens` tokens and page-table width `width` holding nothing (writes nothing,
     changes no slot): what warm-up runs, and what `pack_chunks` fills in."""
     rows = tokens // block
-    chunks = min(rows, num_slots)
+    chunks = min(rows, max_chunks or num_slots)
     return Pack(
         tokens=np.zeros((rows, block), np.int32),
         positions=np.full((rows, block), -1, np.int32),
@@ -98,26 +99,30 @@ def empty_pack(tokens: int, width: int, block: int, num_slots: int) -> Pack:
 
 def pack_chunks(
     chunks: Sequence[PrefillChunk], *, block: int, token_buckets: Sequence[int],
-    page_buckets: Sequence[int], page_size: int, num_slots: int,
+    page_buckets: Sequence[int], page_size: int, num_slots: int, max_chunks: int | None = None,
 ) -> list[Pack]:
-    """Packs `chunks` (in order) into as few programs as the largest token bucket allows."""
+    """Packs `chunks` (in order) into as few programs as the largest token bucket and
+    `max_chunks` (default num_slots) chunks per program allow."""
+    max_chunks = max_chunks or num_slots
     groups: list[list[PrefillChunk]] = [[]]
     used = 0
     for c in chunks:
         need = padded(len(c.tokens), block)
         group = groups[-1]
-        if group and (used + need > token_buckets[-1] or len(group) == num_slots):
+        if group and (used + need > token_buckets[-1] or len(group) == max_chunks):
             groups.append([])
             used = 0
         groups[-1].append(c)
         used += need
-    return [_pack(g, block, token_buckets, page_buckets, page_size, num_slots) for g in groups if g]
+    return [_pack(g, block, token_buckets, page_buckets, page_size, num_slots, max_chunks)
+            for g in groups if g]
 
 
-def _pack(chunks, block, token_buckets, page_buckets, page_size, num_slots) -> Pack:
+def _pack(chunks, block, token_buckets, page_buckets, page_size, num_slots, max_chunks) -> Pack:
     total = sum(padded(len(c.tokens), block) for c in chunks)
     reach = max(-(-(c.start + len(c.tokens)) // page_size) for c in chunks)
-    pack = empty_pack(_bucket(token_buckets, total), _bucket(page_buckets, reach), block, num_slots)
+    pack = empty_pack(_bucket(token_buckets, total), _bucket(page_buckets, reach), block,
+                      num_slots, max_chunks)
     flat_tokens, flat_positions = pack.tokens.reshape(-1), pack.positions.reshape(-1)
     row = 0
     for i, c in enumerate(chunks):

@@ -7,7 +7,8 @@ decode); it never touches the engine or mutates a request. Two policies:
 
 - `chunked` (default, after Sarathi-Serve): every decoding request advances every iteration;
   prefill fills what is left of a per-iteration token budget, at most `chunk` tokens per request
-  per iteration. At most `max_partial_prefills` long prompts (more than one chunk) are in flight
+  per iteration, all of them in one packed prefill program (each chunk charged its size padded
+  to the engine's pack block, and no more than one program holds). At most `max_partial_prefills` long prompts (more than one chunk) are in flight
   at once, while short ones are admitted whenever a slot is free, even past long ones waiting;
   the shortest remaining prompt is served first. A chat that arrives behind long documents thus
   reaches its first token within an iteration or two instead of waiting for the documents.
@@ -33,12 +34,22 @@ class PolicyConfig:
     token_budget: int = 256  # tokens per iteration, decode and prefill together
     chunk: int = 256  # most prompt tokens one request prefills per iteration
     max_partial_prefills: int = 2  # long prompts (more than one chunk) prefilling at once
+    # The engine's packed prefill (set by the scheduler from the engine): chunks are laid out on
+    # multiples of `pack_block` tokens, at most `pack_tokens` per program. The chunked policy
+    # charges each chunk its padded size and plans at most one program's worth per iteration.
+    pack_block: int = 1
+    pack_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
             raise ValueError(f"unknown policy {self.name!r}; choose one of {', '.join(POLICIES)}")
         if self.chunk < 1 or self.token_budget < 1 or self.max_partial_prefills < 1:
             raise ValueError("token_budget, chunk and max_partial_prefills must all be >= 1")
+        if self.pack_block < 1 or (self.pack_tokens is not None and self.pack_tokens < self.pack_block):
+            raise ValueError("pack_block must be >= 1 and pack_tokens >= pack_block")
+
+    def padded(self, tokens: int) -> int:
+        return -(-tokens // self.pack_block) * self.pack_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,12 +124,18 @@ def _running_cost(running: Sequence[Request], config: PolicyConfig, pages: PageB
     return cost
 
 
-def _chunks(r: Request, start: int, budget: int, chunk: int) -> list[Chunk]:
+def _chunks(r: Request, start: int, budget: int, chunk: int, block: int = 1) -> list[Chunk]:
+    """Chunks of at most `chunk` tokens from `start` whose sizes padded to `block` fit
+    `budget`; a chunk that is not the prompt's last is a whole number of blocks."""
     out = []
-    while start < r.prefill_len and budget > 0:
-        n = min(chunk, r.prefill_len - start, budget)
+    while start < r.prefill_len:
+        n = min(chunk, r.prefill_len - start)
+        if -(-n // block) * block > budget:
+            n = budget // block * block  # what fits, in whole blocks
+        if n <= 0:
+            break
         out.append(Chunk(r, start, n))
-        start, budget = start + n, budget - n
+        start, budget = start + n, budget - -(-n // block) * block
     return out
 
 
@@ -132,8 +149,11 @@ def _prefill_first(running, waiting, free_slots, config, pages) -> Plan:
 def _chunked(running, waiting, free_slots, config, pages) -> Plan:
     plan = Plan(decode=[r for r in running if wants_decode(r)])
     free_pages = pages.free - _running_cost(running, config, pages)
-    # Decodes alone may fill the budget; a small floor keeps prompts from starving.
-    budget = max(config.token_budget - len(plan.decode), MIN_PREFILL_TOKENS)
+    # Decodes alone may fill the budget; a small floor keeps prompts from starving. Prefill
+    # counts padded tokens and stays within one packed program.
+    budget = max(config.token_budget - len(plan.decode), MIN_PREFILL_TOKENS, config.pack_block)
+    if config.pack_tokens is not None:
+        budget = min(budget, config.pack_tokens)
     prefilling = [r for r in running if r.state is State.PREFILLING]
     long_prompts = sum(1 for r in prefilling if _is_long(r, config))
     for r in waiting:
@@ -154,7 +174,8 @@ def _chunked(running, waiting, free_slots, config, pages) -> Plan:
     for r in prefilling:
         if budget <= 0:
             break
-        chunk = _chunks(r, r.prefilled, min(budget, config.chunk), config.chunk)
+        chunk = _chunks(r, r.prefilled, min(budget, config.padded(config.chunk)), config.chunk,
+                        config.pack_block)
         plan.prefill.extend(chunk)
-        budget -= sum(c.length for c in chunk)
+        budget -= sum(config.padded(c.length) for c in chunk)
     return plan

@@ -153,6 +153,10 @@ class Scheduler:
             )
         self.engine = engine
         self.tokenizer = tokenizer
+        # The policy plans for the engine's packed prefill programs.
+        config = dataclasses.replace(config, policy=dataclasses.replace(
+            config.policy, pack_block=engine.config.pack_block,
+            pack_tokens=engine.config.prefill_buckets[-1]))
         self.config = config
         self.num_slots = engine.config.num_slots
         self.max_seq_len = engine.config.max_seq_len

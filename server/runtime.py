@@ -32,6 +32,10 @@ _KV_MEMORY = flags.DEFINE_string(
     "Bytes for the KV page pool (a count, or with a unit: 1440MiB, 1.5GiB). Default: on a GPU "
     "90% of what is free after the weights; elsewhere num_slots x max_seq_len tokens' worth.")
 _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "Largest prefill chunk (tokens).", lower_bound=16)
+_MAX_PREFILL_CHUNKS = flags.DEFINE_integer(
+    "max_prefill_chunks", None,
+    "Most prompt chunks one prefill program carries (default: num_slots). 1 runs each chunk as "
+    "a program of its own, the baseline packing is measured against.", lower_bound=1)
 _TOKEN_BUDGET = flags.DEFINE_integer(
     "token_budget", None, "Tokens per iteration, decode + prefill (default: prefill_chunk + num_slots)."
 )
@@ -108,6 +112,7 @@ def engine_config_from_flags(model: LoadedModel | None = None) -> EngineConfig:
         dtype=dtype,
         page_size=_PAGE_SIZE.value,
         num_pages=None if model is None else kv_pool_pages(model, dtype, _PAGE_SIZE.value),
+        max_prefill_chunks=_MAX_PREFILL_CHUNKS.value,
     )
 
 

@@ -423,7 +423,7 @@ def test_prefill_first_stalls_chats_behind_the_document():
 def test_prompts_that_arrive_together_share_one_prefill_program():
     """Four chats and a document chunk planned in one iteration go to the engine in a single
     prefill call (one packed program), and every output is still the sequential model's."""
-    h = Harness(FakeEngine(num_slots=8), chunked(budget=256, chunk=64))
+    h = Harness(FakeEngine(num_slots=8, prefill_chunk=256), chunked(budget=256, chunk=64))
     rng = np.random.default_rng(8)
     doc = h.submit(random_prompt(rng, 300), max_tokens=3)
     h.step()  # the document's first chunk, alone
@@ -807,7 +807,7 @@ def test_records_hold_the_timeline():
     """Each record has queue_time >= 0, ttft >= queue_time, ceil(prompt/chunk) prefill chunks,
     max_tokens - 1 decode steps (the first token comes from prefill), and its outputs; listeners
     get the same records."""
-    h = Harness(FakeEngine(num_slots=5), chunked(budget=1024, chunk=64, max_partial_prefills=5))
+    h = Harness(FakeEngine(num_slots=5, prefill_chunk=512), chunked(budget=1024, chunk=64, max_partial_prefills=5))
     heard: list[RequestRecord] = []
     h.sched.listeners.append(heard.append)
     rng = np.random.default_rng(9)
