@@ -77,7 +77,10 @@ DEFAULT_PAGE_SIZE = 64
 class EngineConfig:
     num_slots: int = 8  # most sequences in flight
     max_seq_len: int = 2048  # longest sequence, prompt + output
-    prefill_chunk: int = 256  # the largest prefill program; longer prompts go in chunks
+    prefill_chunk: int = 256  # the longest chunk of one prompt; longer prompts go in chunks
+    # The most tokens one packed prefill program carries, padding included (None:
+    # prefill_chunk): every chunk of an iteration, up to this, runs in one program.
+    prefill_tokens: int | None = None
     min_prefill_bucket: int = 16
     min_kv_bucket: int = 256  # tokens: the narrowest page-table bucket covers this many
     attention: str = "xla"
@@ -97,6 +100,9 @@ class EngineConfig:
             )
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.prefill_tokens is not None and self.prefill_tokens < self.prefill_chunk:
+            raise ValueError(f"prefill_tokens ({self.prefill_tokens}) must hold one prefill_chunk "
+                             f"({self.prefill_chunk})")
         if self.max_prefill_chunks is not None and self.max_prefill_chunks < 1:
             raise ValueError(f"max_prefill_chunks must be >= 1, got {self.max_prefill_chunks}")
         if self.num_pages is not None and self.num_pages < self.max_pages_per_seq:
@@ -130,9 +136,9 @@ class EngineConfig:
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
         """Tokens of the packed prefill programs: multiples of `pack_block` up to the first
-        that holds `prefill_chunk`."""
+        that holds `prefill_tokens`."""
         block = self.pack_block
-        return ladder(block, -(-self.prefill_chunk // block) * block)
+        return ladder(block, -(-(self.prefill_tokens or self.prefill_chunk) // block) * block)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)

@@ -113,11 +113,17 @@ def engine_config_from_flags(model: LoadedModel | None = None) -> EngineConfig:
         page_size=_PAGE_SIZE.value,
         num_pages=None if model is None else kv_pool_pages(model, dtype, _PAGE_SIZE.value),
         max_prefill_chunks=_MAX_PREFILL_CHUNKS.value,
+        # An iteration's prompt chunks, packed, fit one program even with every slot decoding.
+        prefill_tokens=max(_PREFILL_CHUNK.value, token_budget() - _NUM_SLOTS.value),
     )
 
 
+def token_budget() -> int:
+    return _TOKEN_BUDGET.value or _PREFILL_CHUNK.value + _NUM_SLOTS.value
+
+
 def scheduler_config_from_flags() -> SchedulerConfig:
-    budget = _TOKEN_BUDGET.value or _PREFILL_CHUNK.value + _NUM_SLOTS.value
+    budget = token_budget()
     policy = PolicyConfig(
         name=_POLICY.value, token_budget=budget, chunk=_PREFILL_CHUNK.value
     )
