@@ -178,16 +178,18 @@ def test_a_kv_handle_moves_a_sequence_to_another_engine(tiny_params, tiny_config
 
 
 def test_warm_engines_compile_nothing_to_pack_extract_or_insert(tiny_params, tiny_config):
-    e = Engine(tiny_params, tiny_config, CONFIG)
+    cfg = EngineConfig(num_slots=4, max_seq_len=64, prefill_chunk=32, min_prefill_bucket=16,
+                       min_kv_bucket=32, page_size=16)
+    e = Engine(tiny_params, tiny_config, cfg)
     e.warmup()
     rng = random.Random(13)
-    prompts = [[rng.randrange(3, tiny_config.vocab_size) for _ in range(n)] for n in (3, 64, 20, 33)]
-    tables = np.arange(CONFIG.num_slots * CONFIG.max_pages_per_seq).reshape(CONFIG.num_slots, -1)
+    prompts = [[rng.randrange(3, tiny_config.vocab_size) for _ in range(n)] for n in (3, 32, 20, 9)]
+    tables = np.arange(cfg.num_slots * cfg.max_pages_per_seq).reshape(cfg.num_slots, -1)
     before = e.compilations_after_warmup
     for size in (1, 2, 4):  # packs of every token bucket, one and several chunks
         chunks = [PrefillChunk(i, p, 0, True, tables[i]) for i, p in enumerate(prompts[:size])]
-        np.asarray(e.prefill(chunks, greedy_rows(CONFIG)))
-    for length in (1, 16, 17, 70, 160):
+        np.asarray(e.prefill(chunks, greedy_rows(cfg)))
+    for length in (1, 16, 17, 33, 64):  # every page-count bucket
         handle = e.extract(tables[0], length, 0)
         e.insert(handle, tables[1], 1)
     jax.block_until_ready(e.cache)
