@@ -151,6 +151,14 @@ class EngineConfig:
         return ladder(low, self.max_pages_per_seq)
 
     @property
+    def prefill_page_buckets(self) -> tuple[int, ...]:
+        """Widths of the packed prefill programs. "xla" and "pallas" attention walk each query
+        tile's pages only up to its own positions, so the width costs nothing but int32s and
+        one program per token bucket serves every length (a quarter of the compiles at 4096
+        tokens); the reference gathers the whole table, so it keeps the ladder."""
+        return self.page_buckets if self.attention == "reference" else (self.max_pages_per_seq,)
+
+    @property
     def decode_page_buckets(self) -> tuple[int, ...]:
         """Widths of the length-following decode program ("xla", "pallas"): it stops at each
         slot's own length, so it takes the whole table: one program. The reference has none."""
@@ -377,7 +385,7 @@ class Engine:
                 raise ValueError(f"slot {c.slot} is not in [0, {cfg.num_slots})")
         packs = pack_chunks(
             chunks, block=cfg.pack_block, token_buckets=cfg.prefill_buckets,
-            page_buckets=cfg.page_buckets, page_size=cfg.page_size, num_slots=cfg.num_slots,
+            page_buckets=cfg.prefill_page_buckets, page_size=cfg.page_size, num_slots=cfg.num_slots,
             max_chunks=cfg.chunks_per_program)
         results = []
         for pack in packs:
@@ -500,7 +508,7 @@ class Engine:
         runs padding rows only, which write nothing and leave `last_tokens` as it was)."""
         cfg = self.config
         # Packs mix sequences, so any token bucket can meet any page-table width.
-        prefill_shapes = [(t, w) for t in cfg.prefill_buckets for w in cfg.page_buckets]
+        prefill_shapes = [(t, w) for t in cfg.prefill_buckets for w in cfg.prefill_page_buckets]
         decode_shapes = [(self._decode_batched, w) for w in cfg.batched_decode_page_buckets]
         decode_shapes += [(self._decode, w) for w in cfg.decode_page_buckets]
         total = (len(prefill_shapes) + len(decode_shapes) * len(cfg.decode_batch_buckets)

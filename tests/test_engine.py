@@ -157,7 +157,9 @@ def test_warmup_compiles_every_program(tiny_params, tiny_config):
     cfg = EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=32, min_kv_bucket=64)
     e = Engine(tiny_params, tiny_config, cfg)
     e.warmup()
-    assert e._prefill._cache_size() >= len(cfg.prefill_buckets)
+    # One width per token bucket: the XLA prefill walks each tile's own pages, whatever the width.
+    assert cfg.prefill_page_buckets == (cfg.max_pages_per_seq,)
+    assert e._prefill._cache_size() == len(cfg.prefill_buckets)
     batches = len(cfg.decode_batch_buckets)
     assert cfg.decode_batch_buckets == (1, 2)
     assert e._decode._cache_size() == len(cfg.decode_page_buckets) * batches == 2  # one width: it skips pages itself
