@@ -19,9 +19,9 @@ for Python between steps. The token each slot decodes next never leaves the devi
 KV lives in a pool of fixed-size pages (`model.paged_kv`) shared by every sequence; which pages a
 sequence holds is the scheduler's business (`scheduler.pages`), passed in as page tables, so KV
 memory follows the tokens that exist and `num_slots` (sequences in flight) no longer multiplies
-`max_seq_len`. Shapes are fixed per program: prefill compiles once per (packed-token bucket,
-page-table bucket), decode once per (batch bucket, page-table bucket), extract and insert once
-per page-count bucket, where the page bucket is the width
+`max_seq_len`. Shapes are fixed per program: prefill compiles once per packed-token bucket (and
+per page-table bucket for the reference attention), decode once per (batch bucket, page-table
+bucket), extract and insert once per page-count bucket, where the page bucket is the width
 of the page table passed, which bounds what attention reads, and the batch bucket is the
 smallest power of two holding the active slots: decode gathers their rows, runs only those, and
 scatters the tokens back, so one stream on an idle engine pays for one row, not `num_slots` (vLLM

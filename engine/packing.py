@@ -15,7 +15,8 @@ table. To the decoder a pack is a batch of rows like any other:
 
 so the matmuls run over all T tokens together, KV writes go through each row's own table, and
 attention stays causal within each chunk and over its own sequence's earlier pages (the Pallas
-prefill kernel's grid is rows x KV heads x query blocks; the XLA path gathers each row's pages).
+prefill kernel's grid is rows x KV heads x query blocks; the XLA path regroups a chunk's rows
+into query tiles and walks their own pages, `model.paged_attention.paged_prefill_tiled`).
 Padding costs at most B - 1 tokens per chunk. Two chunks of one sequence may share a pack: each
 layer writes every row's KV before any row attends, so the later chunk sees the earlier one.
 

@@ -401,6 +401,7 @@ class Scheduler:
             except Exception as e:  # this request's values, this request's failure
                 self._fail_one(r, f"its sampling parameters cannot be packed: {e}", now)
         self._reserve_pages(plan, now)
+        rows = self._rows.params()  # every slot's sampling row, for both programs
         chunks, firsts = [], []
         for chunk in plan.prefill:
             r = chunk.request
@@ -418,7 +419,7 @@ class Scheduler:
                 r.dispatched = r.prefill_len - r.prompt_len + 1  # the token prefill samples
         if chunks:
             # One call for every chunk: the engine packs them into one program (usually).
-            tokens = self.engine.prefill(chunks, self._rows.params())
+            tokens = self.engine.prefill(chunks, rows)
             self.prefill_programs += tokens.programs
             self.prefill_chunks += len(chunks)
             if firsts:
@@ -434,7 +435,7 @@ class Scheduler:
                 r.kv_tokens += 1
                 r.decode_steps += 1
             # A copy: JAX may alias host buffers on the CPU, and the table changes next step.
-            tokens = self.engine.decode(positions, active, self._rows.params(), self._tables.copy())
+            tokens = self.engine.decode(positions, active, rows, self._tables.copy())
             self._pending.append(([(r, r.slot) for r in decode], tokens))
 
     def _tokens_after(self, r: Request, plan_chunks: dict[Request, int], decoding: set[Request]) -> int:
