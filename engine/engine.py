@@ -34,7 +34,6 @@ Non-goals here: multi-device sharding, speculative decoding, prefix sharing.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -45,7 +44,7 @@ import numpy as np
 from absl import logging
 
 from engine import compile_counter
-from engine.packing import Pack, PrefillChunk, empty_pack, pack_chunks
+from engine.packing import Pack, PrefillChunk, bucket_for, empty_pack, pack_chunks
 from model.config import ModelConfig
 from model.llama import forward
 from model.paged_kv import PagedKVCache
@@ -175,13 +174,6 @@ class EngineConfig:
             most = self.pages_for(BATCHED_DECODE_MAX_KV)
             return tuple(p for p in self.page_buckets if p <= most)
         return ()
-
-
-def bucket_for(buckets: Sequence[int], n: int) -> int:
-    i = bisect.bisect_left(buckets, n)
-    if i == len(buckets):
-        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-    return buckets[i]
 
 
 def _prefill_program(
@@ -379,10 +371,7 @@ class Engine:
                 raise ValueError(f"a prefill chunk must hold 1..{cfg.prefill_chunk} tokens, got {n}")
             if c.start < 0 or c.start + n > cfg.max_seq_len:
                 raise ValueError(f"chunk [{c.start}, {c.start + n}) overflows max_seq_len={cfg.max_seq_len}")
-            if len(c.pages) < cfg.pages_for(c.start + n):
-                raise ValueError(f"{len(c.pages)} pages cannot hold {c.start + n} tokens of {cfg.page_size}")
-            if not 0 <= c.slot < cfg.num_slots:
-                raise ValueError(f"slot {c.slot} is not in [0, {cfg.num_slots})")
+            self._check(c.slot, c.pages, cfg.pages_for(c.start + n))
         packs = pack_chunks(
             chunks, block=cfg.pack_block, token_buckets=cfg.prefill_buckets,
             page_buckets=cfg.prefill_page_buckets, page_size=cfg.page_size, num_slots=cfg.num_slots,
@@ -446,6 +435,14 @@ class Engine:
             return self._decode_batched, bucket_for(batched, longest)
         return self._decode, bucket_for(cfg.decode_page_buckets, longest)
 
+    def _check(self, slot: int, pages: Sequence[int], needed: int) -> None:
+        """A call's slot and pages: the slot exists, and `pages` holds `needed` pages."""
+        if not 0 <= slot < self.config.num_slots:
+            raise ValueError(f"slot {slot} is not in [0, {self.config.num_slots})")
+        if len(pages) < needed:
+            raise ValueError(f"{len(pages)} pages cannot hold {needed} pages of "
+                             f"{self.config.page_size} tokens")
+
     # -- moving a sequence's KV ------------------------------------------------------------
 
     def extract(self, pages: Sequence[int], length: int, slot: int) -> KVHandle:
@@ -455,11 +452,8 @@ class Engine:
         cfg = self.config
         if not 0 < length <= cfg.max_seq_len:
             raise ValueError(f"a sequence holds 1..{cfg.max_seq_len} tokens of KV, got {length}")
-        if not 0 <= slot < cfg.num_slots:
-            raise ValueError(f"slot {slot} is not in [0, {cfg.num_slots})")
         count = cfg.pages_for(length)
-        if len(pages) < count:
-            raise ValueError(f"{len(pages)} pages cannot hold {length} tokens of {cfg.page_size}")
+        self._check(slot, pages, count)
         ids = np.zeros(bucket_for(cfg.page_buckets, count), np.int32)
         ids[:count] = pages[:count]
         k, v, token = self._extract(self.cache, self.last_tokens, ids, np.int32(slot))
@@ -479,10 +473,7 @@ class Engine:
                 f"x pages of {cfg.page_size} x head_dim {mc.head_dim})")
         if handle.length > cfg.max_seq_len:
             raise ValueError(f"the handle holds {handle.length} tokens; max_seq_len is {cfg.max_seq_len}")
-        if len(pages) < handle.num_pages:
-            raise ValueError(f"{len(pages)} pages cannot hold the handle's {handle.num_pages}")
-        if not 0 <= slot < cfg.num_slots:
-            raise ValueError(f"slot {slot} is not in [0, {cfg.num_slots})")
+        self._check(slot, pages, handle.num_pages)
         ids = np.full(handle.k.shape[2], self.num_pages, np.int32)  # padding: past the pool
         ids[: handle.num_pages] = pages[: handle.num_pages]
         k, v, token = jax.device_put((handle.k, handle.v, handle.next_token), self.device)

@@ -31,6 +31,7 @@ largest token bucket or the chunk capacity, which the scheduler's budgets normal
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 
@@ -68,11 +69,12 @@ class Pack:
         return self.tokens.size, self.tables.shape[1]
 
 
-def _bucket(buckets: Sequence[int], n: int) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+def bucket_for(buckets: Sequence[int], n: int) -> int:
+    """The smallest of the sorted `buckets` that holds `n`."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
 
 
 def padded(length: int, block: int) -> int:
@@ -122,7 +124,7 @@ def pack_chunks(
 def _pack(chunks, block, token_buckets, page_buckets, page_size, num_slots, max_chunks) -> Pack:
     total = sum(padded(len(c.tokens), block) for c in chunks)
     reach = max(-(-(c.start + len(c.tokens)) // page_size) for c in chunks)
-    pack = empty_pack(_bucket(token_buckets, total), _bucket(page_buckets, reach), block,
+    pack = empty_pack(bucket_for(token_buckets, total), bucket_for(page_buckets, reach), block,
                       num_slots, max_chunks)
     flat_tokens, flat_positions = pack.tokens.reshape(-1), pack.positions.reshape(-1)
     row = 0
