@@ -9,7 +9,10 @@
     tokens = engine.decode(positions, active, rows.params(), page_table)       device array [num_slots]
                                                         (an inactive slot's entry: its last token)
     handle = engine.extract(pages, length, slot)        `KVHandle`: a sequence's KV + next token
-    engine.insert(handle, pages, slot)                  into free pages, of this or another engine
+    engine.insert(handle, pages, slot)                  into free pages, of this or another engine;
+                                                        returns the handle as copied to its device
+    engine.config.role                                  "both", or "prefill"/"decode" (one phase
+                                                        of a disaggregated pair: the other raises)
 
 KV lives in pages of the engine's pool; the scheduler decides which pages each sequence holds
 (`scheduler.pages`) and passes them: a `PrefillChunk`'s `pages` is its sequence's page ids in
@@ -65,7 +68,7 @@ class EngineAPI(Protocol):
 
     def extract(self, pages: list[int], length: int, slot: int) -> KVHandle: ...
 
-    def insert(self, handle: KVHandle, pages: list[int], slot: int) -> None: ...
+    def insert(self, handle: KVHandle, pages: list[int], slot: int) -> KVHandle: ...
 
     def recover(self) -> None: ...
 

@@ -71,6 +71,8 @@ def ladder(low: int, high: int) -> tuple[int, ...]:
 # 1.2x, 128 at or below the contiguous loop; `bench/results/paged_attention_cpu.txt`).
 DEFAULT_PAGE_SIZE = 64
 
+ROLES = ("both", "prefill", "decode")
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -89,8 +91,14 @@ class EngineConfig:
     # Most chunks one packed prefill program carries (None: num_slots). 1 runs every chunk as
     # a program of its own, as cadence did before packing: the baseline of the packing bench.
     max_prefill_chunks: int | None = None
+    # Which programs this engine runs: "both" (colocated serving), or one phase of a
+    # disaggregated pair: "prefill" (prefill, and extract to hand KV on) or "decode" (decode,
+    # and insert to take it); warm-up compiles only the role's programs.
+    role: str = "both"
 
     def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
         if self.prefill_chunk < 1 or self.prefill_chunk > self.max_seq_len:
@@ -365,6 +373,7 @@ class Engine:
         slot's next decode input. Returns at once: `np.asarray(result)[i]` is chunk i's token.
         """
         cfg = self.config
+        self._check_role("prefill")
         for c in chunks:
             n = len(c.tokens)
             if not 0 < n <= cfg.prefill_chunk:
@@ -404,6 +413,7 @@ class Engine:
         Runs the smallest batch bucket holding the active slots: their rows are gathered here,
         on the host (a few hundred bytes), and padded with rows that write nothing."""
         cfg = self.config
+        self._check_role("decode")
         slots = np.flatnonzero(active)
         batch = bucket_for(cfg.decode_batch_buckets, max(len(slots), 1))
         rows = np.full(batch, cfg.num_slots, np.int32)  # padding: a slot index past the last
@@ -435,6 +445,11 @@ class Engine:
             return self._decode_batched, bucket_for(batched, longest)
         return self._decode, bucket_for(cfg.decode_page_buckets, longest)
 
+    def _check_role(self, phase: str) -> None:
+        if self.config.role not in ("both", phase):
+            raise ValueError(f"this engine runs {self.config.role} only; {phase} belongs to the "
+                             f"other engine of the pair")
+
     def _check(self, slot: int, pages: Sequence[int], needed: int) -> None:
         """A call's slot and pages: the slot exists, and `pages` holds `needed` pages."""
         if not 0 <= slot < self.config.num_slots:
@@ -459,11 +474,13 @@ class Engine:
         k, v, token = self._extract(self.cache, self.last_tokens, ids, np.int32(slot))
         return KVHandle(k=k, v=v, next_token=token, length=length, page_size=cfg.page_size)
 
-    def insert(self, handle: KVHandle, pages: Sequence[int], slot: int) -> None:
+    def insert(self, handle: KVHandle, pages: Sequence[int], slot: int) -> KVHandle:
         """Writes `handle`'s KV into `pages` of this engine's pool (free pages the caller
         allocated, at least `handle.num_pages`) and makes its next token `slot`'s next decode
         input: decoding then continues exactly where the engine it came from left off. The
-        handle stays valid (nothing of it is donated), so a failed insert loses nothing."""
+        handle stays valid (nothing of it is donated), so a failed insert loses nothing.
+        Returns the handle as copied onto this engine's device (the same one if it was there):
+        it is ready when the transfer is done. Returns at once."""
         cfg, mc = self.config, self.model_config
         want = (mc.num_layers, mc.num_kv_heads, handle.k.shape[2], cfg.page_size, mc.head_dim)
         if handle.page_size != cfg.page_size or handle.k.shape != want:
@@ -476,9 +493,10 @@ class Engine:
         self._check(slot, pages, handle.num_pages)
         ids = np.full(handle.k.shape[2], self.num_pages, np.int32)  # padding: past the pool
         ids[: handle.num_pages] = pages[: handle.num_pages]
-        k, v, token = jax.device_put((handle.k, handle.v, handle.next_token), self.device)
+        here = handle.to(self.device)
         self.cache, self.last_tokens = self._insert(
-            self.cache, self.last_tokens, k, v, ids, np.int32(slot), token)
+            self.cache, self.last_tokens, here.k, here.v, ids, np.int32(slot), here.next_token)
+        return here
 
     def recover(self) -> None:
         """After a failed call: a fresh page pool and next-token buffer, whatever the failure
@@ -502,6 +520,11 @@ class Engine:
         prefill_shapes = [(t, w) for t in cfg.prefill_buckets for w in cfg.prefill_page_buckets]
         decode_shapes = [(self._decode_batched, w) for w in cfg.batched_decode_page_buckets]
         decode_shapes += [(self._decode, w) for w in cfg.decode_page_buckets]
+        if cfg.role == "decode":
+            prefill_shapes = []
+        if cfg.role == "prefill":
+            decode_shapes = []
+        token = tokens = None  # the last program's outputs, waited for at the end
         total = (len(prefill_shapes) + len(decode_shapes) * len(cfg.decode_batch_buckets)
                  + len(cfg.page_buckets))
         done = 0
@@ -521,7 +544,7 @@ class Engine:
                 done += 1
                 if progress:
                     progress(done, total)
-        for width in cfg.page_buckets:  # extract and insert of page 0 into page 0: no change
+        for width in cfg.page_buckets:  # extract and insert of page 0 into nothing: no change
             handle = self._extract(self.cache, self.last_tokens, np.zeros(width, np.int32), np.int32(0))
             k, v, token0 = handle
             self.cache, self.last_tokens = self._insert(
@@ -530,7 +553,7 @@ class Engine:
             done += 1
             if progress:
                 progress(done, total)
-        jax.block_until_ready((token, tokens, self.cache))
+        jax.block_until_ready([x for x in (token, tokens, self.cache, self.last_tokens) if x is not None])
         self._warm_compiles = compile_counter.count()
 
     @property
