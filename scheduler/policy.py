@@ -112,7 +112,7 @@ def make_plan(
     return _chunked(running, waiting, free_slots, config, pages)
 
 
-def _running_cost(running: Sequence[Request], config: PolicyConfig, pages: PageBudget) -> int:
+def running_cost(running: Sequence[Request], config: PolicyConfig, pages: PageBudget) -> int:
     """Pages the running requests' next steps need: a decode's next token, a partial prefill's
     next chunk (at most)."""
     cost = 0
@@ -140,7 +140,7 @@ def _chunks(r: Request, start: int, budget: int, chunk: int, block: int = 1) -> 
 
 
 def _prefill_first(running, waiting, free_slots, config, pages) -> Plan:
-    if waiting and free_slots and pages.cost(waiting[0], waiting[0].prefill_len) <= pages.free - _running_cost(running, config, pages):
+    if waiting and free_slots and pages.cost(waiting[0], waiting[0].prefill_len) <= pages.free - running_cost(running, config, pages):
         r = waiting[0]
         return Plan(admit=[r], prefill=_chunks(r, 0, r.prefill_len, config.chunk))
     return Plan(decode=[r for r in running if wants_decode(r)])
@@ -148,7 +148,7 @@ def _prefill_first(running, waiting, free_slots, config, pages) -> Plan:
 
 def _chunked(running, waiting, free_slots, config, pages) -> Plan:
     plan = Plan(decode=[r for r in running if wants_decode(r)])
-    free_pages = pages.free - _running_cost(running, config, pages)
+    free_pages = pages.free - running_cost(running, config, pages)
     # Decodes alone may fill the budget; a small floor keeps prompts from starving. Prefill
     # counts padded tokens and stays within one packed program.
     budget = max(config.token_budget - len(plan.decode), MIN_PREFILL_TOKENS, config.pack_block)

@@ -1,7 +1,8 @@
 """One request's host-side state: what it asked for, where it is, what it has produced.
 
-A request moves WAITING -> PREFILLING -> DECODING -> FINISHED. The scheduler owns the state
-transitions; this module only keeps the bookkeeping honest and turns accepted tokens into
+A request moves WAITING -> PREFILLING -> DECODING -> FINISHED; served disaggregated, it is
+TRANSFERRING between PREFILLING and DECODING while its KV waits for, or moves to, the decode
+pool. The scheduler owns the state transitions; this module only keeps the bookkeeping honest and turns accepted tokens into
 events (ids, UTF-8-safe text deltas, timestamps) with stop strings applied on the text.
 """
 
@@ -21,6 +22,7 @@ from model.sampling import RequestSampling
 class State(enum.Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"  # prefilled on the prefill pool, waiting for the decode pool
     DECODING = "decoding"
     FINISHED = "finished"
 
@@ -73,6 +75,12 @@ class RequestRecord:
     token_times: list[float] = dataclasses.field(default_factory=list)  # one per output token
     error: str | None = None
     preemptions: int = 0  # times its KV was dropped for lack of pages and recomputed
+    # The phases around the first decode step (None where they did not happen, e.g. colocated;
+    # the prefill ends, on the host, at first_token):
+    transfer_start: float | None = None  # disaggregated: its KV was ready to leave the prefill pool
+    transfer_end: float | None = None  # ... and had arrived on the decode pool's device
+    transfer_bytes: int = 0  # KV bytes moved (all transfers, if it was preempted and moved again)
+    first_decode: float | None = None  # its first decode step was dispatched
 
     @property
     def queue_time(self) -> float | None:
@@ -104,7 +112,9 @@ class Request:
         self.emit = emit
         self.state = State.WAITING
         self.slot: int | None = None
-        self.pages: list[int] = []  # the KV pages it holds, in position order
+        self.pool = None  # the scheduler.pool.Pool whose slot it holds, if any
+        self.pages: list[int] = []  # the KV pages it holds (in its pool), in position order
+        self.unapplied = 0  # dispatched results that include it, not yet applied
         # What prefill computes: the prompt, and after a preemption the output so far too
         # (recomputed, never re-emitted: the next token sampled is the next output).
         self.prefill_ids = self.prompt_ids
@@ -124,6 +134,10 @@ class Request:
         self.first_token: float | None = None
         self.prefill_chunks = 0
         self.decode_steps = 0
+        self.transfer_start: float | None = None
+        self.transfer_end: float | None = None
+        self.transfer_bytes = 0
+        self.first_decode: float | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -207,6 +221,10 @@ class Request:
             token_times=self.token_times,
             error=error,
             preemptions=self.preemptions,
+            transfer_start=self.transfer_start,
+            transfer_end=self.transfer_end,
+            transfer_bytes=self.transfer_bytes,
+            first_decode=self.first_decode,
         )
         self.emit(record)
         return record

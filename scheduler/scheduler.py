@@ -6,6 +6,8 @@
     async for event in stream: ...                 # TokenEvent..., then a RequestRecord
     # or, from plain threads: for event in stream: ...
 
+    Scheduler(prefill_engine, tokenizer, config, decode_engine=decode_engine)   # disaggregated
+
 Each iteration: take new submissions and cancellations, ask the policy for a plan, dispatch the
 plan's prefill chunks and one decode step to the engine (asynchronous), then apply the results
 of the *previous* iteration while the device works on this one. Tokens therefore reach clients
@@ -15,15 +17,26 @@ A request that stops on EOS or a stop string is discovered a step late, so one e
 may run for it; its token is discarded. Requests that end on max_tokens never over-run, because
 the host counts dispatched tokens.
 
+Disaggregated (DistServe's design), two engines on their own devices each have a pool
+(`scheduler.pool`) and a loop thread of their own, so a long prefill never holds up a decode
+step. The prefill loop admits and prefills (packed, chunked, as colocated); a prompt's last
+chunk samples its first token, which streams from there, and the request joins the transfer
+backlog holding its prefill pages. Whenever the decode pool has a free slot and pages for it
+(oldest first), its KV is extracted, copied to the decode device (`jax.device_put`,
+asynchronous) and inserted there, and its prefill slot and pages are freed; decoding continues
+on the decode loop. The backlog is bounded by the prefill pool's slots: when it is full,
+admission waits. A transfer thread observes each copy land, for the metrics. A request whose
+decode pool runs dry is preempted there and recomputed through the prefill pool.
+
 Faults stay where they belong. A request whose own host-side work fails (packing its sampling
 row, turning its token into text, a token id outside the vocabulary) ends with an error alone.
-An engine call that raises fails the requests that were running (their KV may be gone), the
-engine rebuilds its device state, and waiting requests are served after. If that rebuild fails,
-or anything else stops the loop, the scheduler is dead: every request it holds ends with an
-error, `dead` says why, and `submit` raises `EngineDead`. The loop never dies silently.
+An engine call that raises fails the requests that pool was running (their KV may be gone), the
+engine rebuilds its device state, and everything else goes on. If that rebuild fails, or
+anything else stops a loop, the scheduler is dead: every request it holds ends with an error,
+`dead` says why, and `submit` raises `EngineDead`. The loops never die silently.
 
-The scheduler talks to the engine only through `engine.api.EngineAPI`, so tests can drive it
-with a fake engine in milliseconds.
+The scheduler talks to the engines only through `engine.api.EngineAPI`, so tests can drive it
+with fake engines in milliseconds.
 """
 
 from __future__ import annotations
@@ -43,8 +56,8 @@ from absl import logging
 from checkpoints.tokenizer import Tokenizer
 from engine.api import EngineAPI, PrefillChunk, RequestSampling, SamplingRows
 from scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
-from scheduler.pages import PageAllocator
-from scheduler.policy import PageBudget, Plan, PolicyConfig, make_plan
+from scheduler.policy import PageBudget, Plan, PolicyConfig, make_plan, running_cost, wants_decode
+from scheduler.pool import Pool
 from scheduler.request import (
     MAX_STOP_LENGTH, MAX_STOP_STRINGS, FinishReason, GenerationParams, Request, RequestRecord,
     State, TokenEvent,
@@ -77,6 +90,33 @@ class IterationRecord:
     prefill_tokens: int
     prefill_chunks: int  # chunks dispatched
     prefill_programs: int = 0  # the packed programs that carried them (normally 1)
+    pool: str = "colocated"  # whose loop ran it: "colocated", or "prefill" / "decode"
+    transfers: int = 0  # KV handoffs to the decode pool this iteration started
+
+
+@dataclasses.dataclass(frozen=True)
+class KVTransfer:
+    """One request's KV handed from the prefill pool to the decode pool (times: monotonic)."""
+
+    request_id: str
+    bytes: int  # live pages moved
+    tokens: int  # positions of KV they hold
+    start: float  # the KV was ready on the prefill device (its last chunk and the extract ran)
+    end: float  # ... and had landed on the decode device
+
+
+def _check_pair(prefill: EngineAPI, decode: EngineAPI) -> None:
+    """Two engines that can serve one model disaggregated: the same vocabulary, context and KV
+    page layout (a handle from one fits the other), each in its role."""
+    p, d = prefill.config, decode.config
+    if p.role not in ("both", "prefill") or d.role not in ("both", "decode"):
+        raise ValueError(f"a disaggregated pair needs a prefill engine and a decode engine, got "
+                         f"roles {p.role!r} and {d.role!r}")
+    if (prefill.vocab_size, p.max_seq_len, p.page_size) != (decode.vocab_size, d.max_seq_len, d.page_size):
+        raise ValueError(
+            f"the prefill and decode engines differ: vocabulary {prefill.vocab_size} vs "
+            f"{decode.vocab_size}, max_seq_len {p.max_seq_len} vs {d.max_seq_len}, page_size "
+            f"{p.page_size} vs {d.page_size}")
 
 
 def _put_all(items: list[tuple[RequestStream, Any]]) -> None:  # the reader's event loop
@@ -145,42 +185,50 @@ class RequestStream:
 
 
 class Scheduler:
-    def __init__(self, engine: EngineAPI, tokenizer: Tokenizer, config: SchedulerConfig = SchedulerConfig()):
+    def __init__(self, engine: EngineAPI, tokenizer: Tokenizer, config: SchedulerConfig = SchedulerConfig(),
+                 decode_engine: EngineAPI | None = None):
+        """`engine` prefills and decodes; with `decode_engine`, `engine` only prefills and
+        `decode_engine` decodes (disaggregated serving: two devices, two loops)."""
         if config.policy.chunk > engine.config.prefill_chunk:
             raise ValueError(
                 f"policy chunk {config.policy.chunk} exceeds the engine's prefill_chunk "
                 f"{engine.config.prefill_chunk}"
             )
-        self.engine = engine
+        if decode_engine is not None:
+            _check_pair(engine, decode_engine)
+        self.engine = engine  # the engine that prefills (and, colocated, decodes)
         self.tokenizer = tokenizer
         # The policy plans for the engine's packed prefill programs.
         config = dataclasses.replace(config, policy=dataclasses.replace(
             config.policy, pack_block=engine.config.pack_block,
             pack_tokens=engine.config.prefill_buckets[-1]))
         self.config = config
-        self.num_slots = engine.config.num_slots
+        self._prefill_pool = Pool(engine, "colocated" if decode_engine is None else "prefill")
+        self._decode_pool = self._prefill_pool if decode_engine is None else Pool(decode_engine, "decode")
+        self.pools = tuple(dict.fromkeys((self._prefill_pool, self._decode_pool)))
+        self.num_slots = self._decode_pool.num_slots  # sequences that decode at once
         self.max_seq_len = engine.config.max_seq_len
-        self._lock = threading.Condition()
+        self.page_size = engine.config.page_size
+        self._lock = threading.Condition()  # submissions, cancellations and wake-ups
+        self._changes = 0  # bumped (under _lock) whenever a loop may have new work
+        # Request state, shared by the two loops when disaggregated (one loop: uncontended).
+        # Held while planning, dispatching and applying, never while waiting for the device.
+        self._state = threading.RLock()
         self._inbox: list[Request] = []
         self._cancels: list[Request] = []
         self._waiting: collections.deque[Request] = collections.deque()
-        self._running: list[Request] = []  # admitted, in slot-assignment order
-        self._free_slots = list(range(self.num_slots))[::-1]
-        self._rows = SamplingRows(self.num_slots)  # each slot's occupant's sampling row
-        cfg = engine.config
-        self.page_size = cfg.page_size
-        self._pages = PageAllocator(engine.num_pages, cfg.page_size)
-        # Each slot's occupant's pages; free slots' rows point at page 0, which any step may
-        # read (never write) without harm.
-        self._tables = np.zeros((self.num_slots, cfg.max_pages_per_seq), np.int32)
+        # Disaggregated: prefilled requests waiting for the decode pool, oldest first.
+        self._transfers: collections.deque[Request] = collections.deque()
+        self._landing: queue.Queue = queue.Queue()  # transfers in flight, for the watcher
         self.preemptions = 0
         self.prefill_programs = 0  # packed prefill programs run, and the chunks they carried
         self.prefill_chunks = 0
-        # Results dispatched, not yet applied: (requests, each with its token's index), tokens.
-        self._pending: list[tuple[list[tuple[Request, int]], Any]] = []
+        self.kv_transfers = 0  # KV handoffs started, and the bytes they moved
+        self.kv_transfer_bytes = 0
         # Events for readers in event loops, per loop, until the iteration hands them over.
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._watcher: threading.Thread | None = None
         self._stopping = False
         self._accepting = True
         self._iteration = 0
@@ -188,7 +236,16 @@ class Scheduler:
         # Observers (metrics, the server's timeline, traces) subscribe here; the scheduler
         # itself keeps no history.
         self.listeners: list = []  # callables(RequestRecord) for finished requests
-        self.iteration_listeners: list = []  # callables(IterationRecord)
+        self.iteration_listeners: list = []  # callables(IterationRecord), from the loop threads
+        self.transfer_listeners: list = []  # callables(KVTransfer), from the transfer watcher
+
+    @property
+    def disaggregated(self) -> bool:
+        return self._decode_pool is not self._prefill_pool
+
+    @property
+    def engines(self) -> tuple[EngineAPI, ...]:
+        return tuple(pool.engine for pool in self.pools)
 
     # -- submission -------------------------------------------------------------------------
 
@@ -224,13 +281,13 @@ class Scheduler:
         with self._lock:
             self._check_running()  # again under the lock: stop() or a death may have come since
             # Requests not yet admitted; those that free slots will take at once do not queue.
-            queued = len(self._waiting) + len(self._inbox) - len(self._free_slots)
+            queued = len(self._waiting) + len(self._inbox) - len(self._prefill_pool.free_slots)
             if queued >= self.config.max_queue:
                 raise Overloaded(
                     f"{self.config.max_queue} requests are already waiting; retry later"
                 )
             self._inbox.append(request)
-            self._lock.notify()
+            self._changed()
         return stream
 
     def _check_running(self) -> None:
@@ -263,108 +320,232 @@ class Scheduler:
         with self._lock:
             request.cancelled = True
             self._cancels.append(request)
-            self._lock.notify()
+            self._changed()
 
     # -- state for metrics ------------------------------------------------------------------
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return sum(len(pool.running) for pool in self.pools)
 
     @property
     def num_waiting(self) -> int:
         return len(self._waiting) + len(self._inbox)
 
     @property
+    def transfer_backlog(self) -> int:
+        """Prefilled requests waiting for the decode pool (0 unless disaggregated)."""
+        return sum(1 for r in self._transfers if r.state is State.TRANSFERRING)
+
+    @property
     def kv_usage(self) -> float:
-        """Fraction of the KV page pool held by requests."""
-        return self._pages.used_count / self._pages.num_pages
+        """Fraction of the KV page pools held by requests."""
+        used, total = self.kv_pages
+        return used / total
 
     @property
     def kv_pages(self) -> tuple[int, int]:
-        """(pages held, pages in the pool)."""
-        return self._pages.used_count, self._pages.num_pages
+        """(pages held, pages in the pools)."""
+        return (sum(p.pages.used_count for p in self.pools), sum(p.pages.num_pages for p in self.pools))
 
     @property
     def kv_page_utilization(self) -> float:
         """Of the token slots in held pages, the fraction holding a real token's KV."""
-        held = self._pages.used_count * self.page_size
-        return sum(r.kv_tokens for r in self._running) / held if held else 1.0
+        held = self.kv_pages[0] * self.page_size
+        return sum(p.kv_tokens for p in self.pools) / held if held else 1.0
+
+    @property
+    def compilations_after_warmup(self) -> int:
+        # The compile counter is the process's: what came after the last engine's warm-up is
+        # the smallest of the engines' counts (an engine not yet warm says 0).
+        return min(e.compilations_after_warmup for e in self.engines)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(e.kv_cache_bytes for e in self.engines)
 
     # -- the loop ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="cadence-scheduler", daemon=True)
-            self._thread.start()
+        """Starts the loop thread (disaggregated: a prefill loop and a decode loop)."""
+        if self._threads:
+            return
+        if self.disaggregated:
+            loops = [("cadence-prefill", self._iterate_prefill), ("cadence-decode", self._iterate_decode)]
+        else:
+            loops = [("cadence-scheduler", self._iterate)]
+        self._threads = [threading.Thread(target=self._run, args=(iterate,), name=name, daemon=True)
+                         for name, iterate in loops]
+        for thread in self._threads:
+            thread.start()
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stops accepting; with `drain`, finishes what is queued and running, else aborts it."""
         self._accepting = False
         with self._lock:
             if not drain:
-                for r in list(self._waiting) + self._inbox + self._running:
+                for r in [*self._waiting, *self._inbox, *(r for p in self.pools for r in p.running)]:
                     r.cancelled = True
                     self._cancels.append(r)
             self._stopping = True
-            self._lock.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+            self._changed()
+        self.join(timeout)
+        if self._watcher is not None and not self.alive:
+            self._landing.put(None)
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    @property
+    def alive(self) -> bool:
+        """Whether a loop thread is running."""
+        return any(thread.is_alive() for thread in self._threads)
 
     def idle(self) -> bool:
-        return not (self._inbox or self._waiting or self._running or self._pending)
+        return not (self._inbox or self._waiting or self._transfers
+                    or any(not pool.idle for pool in self.pools))
 
-    def _run(self) -> None:
+    def _changed(self) -> None:
+        """Wakes the loops: something may have given one of them work. Call under _lock."""
+        self._changes += 1
+        self._lock.notify_all()
+
+    def _run(self, iterate) -> None:
+        """A loop thread: iterates while there is work, waits for a change when there is none."""
         try:
             while self.dead is None:
                 with self._lock:
-                    while self.idle() and not self._cancels and not self._stopping:
-                        self._lock.wait()
-                    if self._stopping and self.idle() and not self._cancels:
+                    seen = self._changes
+                progressed = self._guarded(iterate)
+                with self._lock:
+                    if progressed:
+                        self._changed()  # the other loop may have work now
+                    elif self._stopping and self.idle() and not self._cancels:
                         return
-                try:
-                    self.step()
-                except Exception as e:  # an engine call failed: fail what ran, rebuild, go on
-                    logging.exception("iteration failed")
-                    self._fail_running(f"{type(e).__name__}: {e}")
+                    else:
+                        while self._changes == seen and self.dead is None:
+                            self._lock.wait()
         except BaseException as e:  # a bug outside the guarded step: never die silently
             logging.exception("the scheduler loop failed")
             self._die(f"the scheduler loop failed: {type(e).__name__}: {e}")
 
     def step(self) -> None:
-        """One iteration. Public so tests can drive the scheduler synchronously."""
+        """One iteration (of both loops, disaggregated) on the caller's thread. Public so tests
+        can drive the scheduler synchronously."""
+        if self.disaggregated:
+            self._guarded(self._iterate_prefill)
+            self._guarded(self._iterate_decode)
+        else:
+            self._guarded(self._iterate)
+
+    def _guarded(self, iterate) -> bool:
+        """Runs one iteration; an engine call that raised fails the requests of its pool, which
+        rebuilds its device state, and the loop goes on. Returns whether anything ran."""
+        pool = self._decode_pool if iterate == self._iterate_decode else self._prefill_pool
         try:
-            self._iterate()
+            return iterate()
+        except Exception as e:
+            logging.exception("%s iteration failed", pool.name)
+            with self._state:
+                self._fail_pool(pool, f"{type(e).__name__}: {e}")
+            return True
         finally:
             self._deliver()
 
-    def _iterate(self) -> None:
-        start = time.monotonic()
-        self._take_inbox()
-        budget = PageBudget(self._pages.free_count, self.page_size,
+    def _iterate(self) -> bool:
+        """Colocated: one engine prefills and decodes in the same iteration."""
+        pool = self._prefill_pool
+        with self._state:
+            start = time.monotonic()
+            self._take_inbox()
+            plan = self._plan(pool)
+            previous = self._begin(pool)
+            programs, chunks = self.prefill_programs, self.prefill_chunks
+            self._admit(plan, pool, start)
+            self._reserve_pages(pool, plan, start)
+            rows = pool.rows.params()  # every slot's sampling row, for both programs
+            self._dispatch_prefill(plan, pool, rows)
+            self._dispatch_decode(plan.decode, pool, rows)
+        return self._finish_iteration(pool, previous, start, plan, programs, chunks)
+
+    def _iterate_prefill(self) -> bool:
+        """Disaggregated: admit and prefill on the prefill pool, then hand finished prompts to
+        the decode pool if it has room."""
+        pool = self._prefill_pool
+        with self._state:
+            start = time.monotonic()
+            self._take_inbox()
+            plan = self._plan(pool)  # nothing decodes here, so prefill has the whole budget
+            previous = self._begin(pool)
+            programs, chunks = self.prefill_programs, self.prefill_chunks
+            self._admit(plan, pool, start)
+            self._reserve_pages(pool, plan, start)
+            self._dispatch_prefill(plan, pool, pool.rows.params())
+            transfers = self._start_transfers()
+        return self._finish_iteration(pool, previous, start, plan, programs, chunks, transfers)
+
+    def _iterate_decode(self) -> bool:
+        """Disaggregated: take what the backlog's room allows, then one decode step."""
+        pool = self._decode_pool
+        with self._state:
+            start = time.monotonic()
+            self._take_inbox()
+            transfers = self._start_transfers()
+            plan = Plan(decode=[r for r in pool.running if wants_decode(r)])
+            previous = self._begin(pool)
+            self._reserve_pages(pool, plan, start)
+            self._dispatch_decode(plan.decode, pool, pool.rows.params())
+        return self._finish_iteration(pool, previous, start, plan, self.prefill_programs,
+                                      self.prefill_chunks, transfers)
+
+    def _plan(self, pool: Pool) -> Plan:
+        budget = PageBudget(pool.pages.free_count, self.page_size,
                             self.max_seq_len if self.config.kv_reservation == "max" else None)
-        plan = make_plan(self._running, self._waiting, len(self._free_slots), self.config.policy, budget)
-        previous, self._pending = self._pending, []
-        programs, chunks = self.prefill_programs, self.prefill_chunks
-        self._dispatch(plan)
-        self._apply(previous)
-        if not plan.empty or previous:
+        # A request with a result still in flight (disaggregated: preempted on the decode pool
+        # while its last step runs) is admitted again only once that result is applied.
+        waiting = [r for r in self._waiting if not r.unapplied]
+        return make_plan(pool.running, waiting, len(pool.free_slots), self.config.policy, budget)
+
+    @staticmethod
+    def _begin(pool: Pool) -> list:
+        """The pool's results of the previous iteration, to apply after this one's dispatch."""
+        pool.applying, pool.pending = pool.pending, []
+        return pool.applying
+
+    def _finish_iteration(self, pool: Pool, previous: list, start: float, plan: Plan,
+                          programs: int, chunks: int, transfers: int = 0) -> bool:
+        """Waits for the previous iteration's results (outside the state lock: the other loop
+        goes on meanwhile), applies them, and records the iteration if anything ran."""
+        values = [np.asarray(tokens) for _, tokens in previous]  # waits only if still running
+        with self._state:
+            self._apply(previous, values)
+            pool.applying = []
+            if plan.empty and not previous and not transfers:
+                return False
+            wall = time.monotonic() - start
+            pool.busy_seconds += wall
             record = IterationRecord(
                 index=self._iteration,
                 start=start,
-                wall=time.monotonic() - start,
+                wall=wall,
                 decode_slots=len(plan.decode),
                 prefill_tokens=sum(c.length for c in plan.prefill),
                 prefill_chunks=self.prefill_chunks - chunks,
                 prefill_programs=self.prefill_programs - programs,
+                pool=pool.name,
+                transfers=transfers,
             )
             self._iteration += 1
-            self._notify(self.iteration_listeners, record)
+        self._notify(self.iteration_listeners, record)
+        return True
 
     def _deliver(self) -> None:
         """Hands each event loop its readers' events in one thread-safe call, not one per token:
         with hundreds of streams, a wake-up of the loop per token is what the host pays most."""
-        outbox, self._outbox = self._outbox, {}
+        with self._state:
+            outbox, self._outbox = self._outbox, {}
         for loop, items in outbox.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -380,28 +561,23 @@ class Scheduler:
             cancels, self._cancels = self._cancels, []
         now = time.monotonic()
         for r in cancels:
-            if r.finished:
-                continue
-            if r.state is State.WAITING:
-                self._waiting.remove(r)
-            self._finish(r, FinishReason.ABORT, now)
+            if not r.finished:
+                self._finish(r, FinishReason.ABORT, now)
 
-    def _dispatch(self, plan: Plan) -> None:
-        now = time.monotonic()
+    def _admit(self, plan: Plan, pool: Pool, now: float) -> None:
         for r in plan.admit:
             self._waiting.remove(r)
-            r.slot = self._free_slots.pop()
+            pool.take(r)
             r.state = State.PREFILLING
             r.admitted = r.admitted or now
             if r.preemptions:
                 r.readmitted()
-            self._running.append(r)
             try:
-                self._rows.set(r.slot, r.params.sampling)
+                pool.rows.set(r.slot, r.params.sampling)
             except Exception as e:  # this request's values, this request's failure
                 self._fail_one(r, f"its sampling parameters cannot be packed: {e}", now)
-        self._reserve_pages(plan, now)
-        rows = self._rows.params()  # every slot's sampling row, for both programs
+
+    def _dispatch_prefill(self, plan: Plan, pool: Pool, rows) -> None:
         chunks, firsts = [], []
         for chunk in plan.prefill:
             r = chunk.request
@@ -415,28 +591,116 @@ class Scheduler:
             r.kv_tokens += chunk.length
             r.prefill_chunks += 1
             if chunk.final:
-                r.state = State.DECODING
                 r.dispatched = r.prefill_len - r.prompt_len + 1  # the token prefill samples
+                r.state = State.DECODING
+                if self.disaggregated and r.dispatched < r.max_tokens:
+                    r.state = State.TRANSFERRING  # its decode steps run on the decode pool
+                    self._transfers.append(r)
         if chunks:
             # One call for every chunk: the engine packs them into one program (usually).
-            tokens = self.engine.prefill(chunks, rows)
+            tokens = pool.engine.prefill(chunks, rows)
             self.prefill_programs += tokens.programs
             self.prefill_chunks += len(chunks)
             if firsts:
-                self._pending.append((firsts, tokens))
-        decode = [r for r in plan.decode if r.state is State.DECODING]
-        if decode:
-            positions = np.zeros(self.num_slots, np.int32)
-            active = np.zeros(self.num_slots, bool)
-            for r in decode:
-                positions[r.slot] = r.prompt_len + r.dispatched - 1
-                active[r.slot] = True
-                r.dispatched += 1
-                r.kv_tokens += 1
-                r.decode_steps += 1
-            # A copy: JAX may alias host buffers on the CPU, and the table changes next step.
-            tokens = self.engine.decode(positions, active, rows, self._tables.copy())
-            self._pending.append(([(r, r.slot) for r in decode], tokens))
+                self._expect(pool, firsts, tokens)
+
+    def _dispatch_decode(self, decode: list[Request], pool: Pool, rows) -> None:
+        decode = [r for r in decode if r.state is State.DECODING and r.pool is pool]
+        if not decode:
+            return
+        now = time.monotonic()
+        positions = np.zeros(pool.num_slots, np.int32)
+        active = np.zeros(pool.num_slots, bool)
+        for r in decode:
+            positions[r.slot] = r.prompt_len + r.dispatched - 1
+            active[r.slot] = True
+            r.dispatched += 1
+            r.kv_tokens += 1
+            r.decode_steps += 1
+            r.first_decode = r.first_decode or now
+        # A copy: JAX may alias host buffers on the CPU, and the table changes next step.
+        tokens = pool.engine.decode(positions, active, rows, pool.tables.copy())
+        self._expect(pool, [(r, r.slot) for r in decode], tokens)
+
+    @staticmethod
+    def _expect(pool: Pool, pairs: list[tuple[Request, int]], tokens) -> None:
+        for r, _ in pairs:
+            r.unapplied += 1
+        pool.pending.append((pairs, tokens))
+
+    # -- the handoff between the two pools ---------------------------------------------------
+
+    def _start_transfers(self) -> int:
+        """Moves prefilled requests to the decode pool, oldest first, while it has a free slot
+        and pages for the request's next step beside what its running requests' next steps
+        need. Each move: extract on the prefill engine, copy to the decode device and insert
+        there (all asynchronous), free the prefill slot and pages. Returns how many moved."""
+        moved = 0
+        source, target = self._prefill_pool, self._decode_pool
+        while self._transfers:
+            r = self._transfers[0]
+            if r.state is not State.TRANSFERRING:  # finished, failed or preempted meanwhile
+                self._transfers.popleft()
+                continue
+            tokens = self.max_seq_len if self.config.kv_reservation == "max" else r.kv_tokens + 1
+            free = target.pages.free_count - running_cost(target.running, self.config.policy, self._page_budget(target))
+            if not target.free_slots or target.pages.pages_for(tokens) > free:
+                break  # the decode pool is full: r waits, holding its prefill pages
+            self._transfers.popleft()
+            now = time.monotonic()
+            try:
+                handle = source.engine.extract(r.pages, r.kv_tokens, r.slot)
+            except Exception as e:
+                logging.exception("extracting %s's KV failed", r.id)
+                self._fail_pool(source, f"{type(e).__name__}: {e}")
+                return moved
+            source.release(r)
+            target.take(r)
+            target.grow(r, tokens)  # cannot fail: the pages were counted above
+            r.state = State.DECODING
+            try:
+                target.rows.set(r.slot, r.params.sampling)
+            except Exception as e:
+                self._fail_one(r, f"its sampling parameters cannot be packed: {e}", now)
+                continue
+            try:
+                landed = target.engine.insert(handle, r.pages, r.slot)
+            except Exception as e:
+                logging.exception("inserting %s's KV failed", r.id)
+                self._fail_pool(target, f"{type(e).__name__}: {e}")
+                return moved
+            moved += 1
+            self.kv_transfers += 1
+            self.kv_transfer_bytes += handle.nbytes
+            r.transfer_bytes += handle.nbytes
+            self._watch(r, handle, landed)
+        return moved
+
+    def _page_budget(self, pool: Pool) -> PageBudget:
+        return PageBudget(pool.pages.free_count, self.page_size,
+                          self.max_seq_len if self.config.kv_reservation == "max" else None)
+
+    def _watch(self, r: Request, handle, landed) -> None:
+        """Hands a started transfer to the watcher thread, which times it as it lands."""
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch_transfers, name="cadence-transfers",
+                                             daemon=True)
+            self._watcher.start()
+        self._landing.put((r, handle, landed))
+
+    def _watch_transfers(self) -> None:
+        while (item := self._landing.get()) is not None:
+            r, handle, landed = item
+            try:
+                handle.block_until_ready()  # the last chunk and the extract have run
+                start = time.monotonic()
+                landed.block_until_ready()  # the copy has landed on the decode device
+                end = time.monotonic()
+            except Exception:  # the pools' own calls report the failure to the requests
+                logging.exception("KV transfer of %s failed", r.id)
+                continue
+            r.transfer_start, r.transfer_end = start, end
+            self._notify(self.transfer_listeners, KVTransfer(r.id, handle.nbytes, handle.length, start, end))
 
     def _tokens_after(self, r: Request, plan_chunks: dict[Request, int], decoding: set[Request]) -> int:
         """Positions `r` needs pages for once this iteration's work for it is dispatched."""
@@ -444,8 +708,9 @@ class Scheduler:
             return r.prompt_len + r.dispatched  # the step writes the KV of position +dispatched-1
         return plan_chunks.get(r, 0)
 
-    def _reserve_pages(self, plan: Plan, now: float) -> None:
-        """Gives every request the pages this iteration's work needs, before anything runs.
+    def _reserve_pages(self, pool: Pool, plan: Plan, now: float) -> None:
+        """Gives every request of `pool` the pages this iteration's work needs, before anything
+        runs.
 
         Requests admitted earlier go first, oldest first; when the pool runs dry, the most
         recently admitted request is preempted (its pages freed, back to the head of the
@@ -459,11 +724,11 @@ class Scheduler:
             ends[chunk.request] = max(ends.get(chunk.request, 0), chunk.start + chunk.length)
         decoding = {r for r in plan.decode if r.state is State.DECODING}
         admitted = set(plan.admit)
-        for r in [r for r in self._running if r not in admitted]:
+        for r in [r for r in pool.running if r not in admitted]:
             if r not in ends and r not in decoding:
                 continue
-            while not r.finished and r.state is not State.WAITING and not self._grow(r, self._tokens_after(r, ends, decoding)):
-                victim = next(v for v in reversed(self._running) if v not in admitted)
+            while r.pool is pool and not self._grow(r, self._tokens_after(r, ends, decoding)):
+                victim = next(v for v in reversed(pool.running) if v not in admitted)
                 self._preempt(victim, now)
         short = [r for r in plan.admit
                  if r.state is State.PREFILLING and not self._grow(r, ends.get(r, 0))]
@@ -473,44 +738,33 @@ class Scheduler:
     def _grow(self, r: Request, tokens: int) -> bool:
         if self.config.kv_reservation == "max":
             tokens = self.max_seq_len
-        new = self._pages.grow(r.pages, tokens)
-        if new is None:
-            return False
-        if new:
-            self._tables[r.slot, len(r.pages) - len(new) : len(r.pages)] = new
-        return True
-
-    def _release(self, r: Request) -> None:
-        """Frees its slot and its pages; the slot's row of the page table points at page 0."""
-        self._running.remove(r)
-        self._free_slots.append(r.slot)
-        self._rows.clear(r.slot)
-        self._tables[r.slot] = 0
-        self._pages.release(r.pages)
+        return r.pool.grow(r, tokens)
 
     def _preempt(self, r: Request, now: float) -> None:
-        logging.info("preempting %s: the KV pool is full (%d pages)", r.id, self._pages.num_pages)
-        self._release(r)
+        logging.info("preempting %s: the %s KV pool is full (%d pages)", r.id, r.pool.name,
+                     r.pool.pages.num_pages)
+        r.pool.release(r)
         r.preempted()
         self._waiting.appendleft(r)
         self.preemptions += 1
 
     def _send_back(self, r: Request) -> None:
         """An admission that found too few pages: back to the head of the queue as it was."""
-        self._release(r)
+        r.pool.release(r)
         r.state = State.WAITING
         r.slot = None
         if not r.preemptions:
             r.admitted = None  # it never really started
         self._waiting.appendleft(r)
 
-    def _apply(self, results: list[tuple[list[tuple[Request, int]], Any]]) -> None:
-        """`results`: (requests with the index of each one's token, the engine's tokens)."""
+    def _apply(self, results: list[tuple[list[tuple[Request, int]], Any]], arrays: list[np.ndarray]) -> None:
+        """`results`: (requests with the index of each one's token, the engine's tokens), and
+        those tokens as read."""
         vocab = self.engine.vocab_size
-        for pairs, array in results:
-            values = np.asarray(array)  # waits only if the device is still on that step
+        for (pairs, _), values in zip(results, arrays):
             now = time.monotonic()
             for r, index in pairs:
+                r.unapplied -= 1
                 if r.finished:
                     continue  # a step dispatched before the request ended: discard
                 token = int(values[index])
@@ -528,9 +782,9 @@ class Scheduler:
                     self._finish(r, reason, now)
 
     def _finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
-        if r in self._running:
-            self._release(r)
-        elif r in self._waiting:  # preempted, and its last step's result ended it
+        if r.pool is not None:
+            r.pool.release(r)
+        elif r in self._waiting:  # waiting, or preempted and its last step's result ended it
             self._waiting.remove(r)
         try:
             record = r.finish(reason, now, error)
@@ -551,17 +805,19 @@ class Scheduler:
             except Exception:  # a broken metrics hook must not take serving down
                 logging.exception("listener %r failed", listener)
 
-    def _fail_running(self, message: str) -> None:
-        """After a failed engine call: the running requests' KV may be lost, so they end with
-        the error; the engine rebuilds its state; waiting requests are served after. If the
-        rebuild fails too, the scheduler is dead."""
+    def _fail_pool(self, pool: Pool, message: str) -> None:
+        """After a failed engine call: the pool's requests' KV may be lost, so they end with
+        the error; its engine rebuilds its state; everything else goes on. If the rebuild
+        fails too, the scheduler is dead. Under the state lock."""
         now = time.monotonic()
-        self._pending = []
-        for r in list(self._running):
+        for pairs, _ in pool.pending + pool.applying:
+            for r, _ in pairs:
+                r.unapplied -= 1
+        pool.pending, pool.applying = [], []
+        for r in list(pool.running):
             self._finish(r, FinishReason.ERROR, now, message)
-        self._deliver()
         try:
-            self.engine.recover()
+            pool.engine.recover()
         except Exception as e:
             logging.exception("engine recovery failed")
             self._die(f"the engine could not recover from '{message}': {type(e).__name__}: {e}")
@@ -569,16 +825,21 @@ class Scheduler:
     def _die(self, reason: str) -> None:
         """The loop cannot go on: refuse new work and end every request held with the reason."""
         logging.error("cadence scheduler is dead: %s; every request it holds fails", reason)
-        with self._lock:
-            self.dead = reason
-            self._accepting = False
-            held = list(self._running) + list(self._waiting) + self._inbox
-            self._inbox.clear()
-            self._cancels.clear()
-        self._waiting.clear()
-        self._pending = []
-        now = time.monotonic()
-        for r in held:
-            if not r.finished:
-                self._finish(r, FinishReason.ERROR, now, f"the engine is dead: {reason}")
+        with self._state:
+            with self._lock:
+                self.dead = reason
+                self._accepting = False
+                held = [*(r for p in self.pools for r in p.running), *self._waiting, *self._inbox]
+                self._inbox.clear()
+                self._cancels.clear()
+                self._changed()
+            self._waiting.clear()
+            self._transfers.clear()
+            for pool in self.pools:
+                pool.pending, pool.applying = [], []
+            now = time.monotonic()
+            for r in held:
+                if not r.finished:
+                    self._finish(r, FinishReason.ERROR, now, f"the engine is dead: {reason}")
         self._deliver()
+        self._landing.put(None)

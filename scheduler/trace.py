@@ -1,7 +1,9 @@
 """The server-side timeline as a Chrome trace (open it in Perfetto or chrome://tracing).
 
-One track shows every scheduler iteration (its decode slots and prefill tokens in the args);
-one track per request shows its phases: queued, prefill (admission to first token), decode.
+One track per pool shows its loop's iterations (their decode slots and prefill tokens in the
+args): one track colocated, a prefill and a decode track disaggregated. One track per request
+shows its phases: queued, prefill (admission to first token), the KV transfer when
+disaggregated, decode.
 A long prefill iteration and the chat decodes it delayed line up visually, which is the
 picture the seed paints in words.
 """
@@ -21,13 +23,17 @@ def chrome_trace(iterations: Iterable[IterationRecord], requests: Iterable[Reque
     starts = [i.start for i in iterations] + [r.submitted for r in requests]
     origin = min(starts, default=0.0)
     us = lambda t: round((t - origin) * 1e6, 1)  # noqa: E731
+    pools = list(dict.fromkeys(it.pool for it in iterations))
     events: list[dict] = [
-        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 0, "args": {"name": "iterations"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": tid,
+         "args": {"name": "iterations" if pool == "colocated" else f"{pool} iterations"}}
+        for tid, pool in enumerate(pools)
     ]
     for it in iterations:
-        kind = "+".join(k for k, n in (("decode", it.decode_slots), ("prefill", it.prefill_tokens)) if n)
+        kind = "+".join(k for k, n in (("decode", it.decode_slots), ("prefill", it.prefill_tokens),
+                                       ("transfer", it.transfers)) if n)
         events.append({
-            "ph": "X", "pid": 1, "tid": 0, "name": kind or "idle", "ts": us(it.start),
+            "ph": "X", "pid": 1, "tid": pools.index(it.pool), "name": kind or "idle", "ts": us(it.start),
             "dur": round(it.wall * 1e6, 1),
             "args": {"index": it.index, "decode_slots": it.decode_slots,
                      "prefill_tokens": it.prefill_tokens, "prefill_chunks": it.prefill_chunks,
@@ -37,7 +43,7 @@ def chrome_trace(iterations: Iterable[IterationRecord], requests: Iterable[Reque
         events.append({"ph": "M", "name": "thread_name", "pid": 2, "tid": n,
                        "args": {"name": f"{r.request_id} ({r.prompt_tokens} prompt tokens)"}})
         phases = [("queued", r.submitted, r.admitted), ("prefill", r.admitted, r.first_token),
-                  ("decode", r.first_token, r.finished)]
+                  ("transfer", r.transfer_start, r.transfer_end), ("decode", r.first_token, r.finished)]
         for name, begin, end in phases:
             if begin is not None and end is not None:
                 events.append({"ph": "X", "pid": 2, "tid": n, "name": name, "ts": us(begin),

@@ -107,10 +107,14 @@ class FakeEngine:
         self.eos_one_in = eos_one_in  # > 0: EOS when the content's hash is divisible by it
         self.decode_delay = decode_delay
         self.fail_decode_call: int | None = None  # the index of a decode call that raises
+        self.fail_prefill_call: int | None = None  # ... of a prefill call
+        self.fail_insert_call: int | None = None  # ... of an insert
         self.fail_recover = False  # recover() raises: the device cannot be rebuilt
         self.poison: dict[int, int] = {}  # decode call index -> a slot whose token is garbage
         self.decode_calls = 0
         self.prefill_calls = 0
+        self.extracts = 0
+        self.inserts = 0
         self.recoveries = 0
         self.log: list[Prefill | Decode] = []
 
@@ -158,6 +162,9 @@ class FakeEngine:
         chunk's next token is read, so a page shared by two sequences shows."""
         s = self.config.num_slots
         assert chunks, "a prefill call with no chunk"
+        if self.fail_prefill_call == self.prefill_calls + 1:
+            self.prefill_calls += 1
+            raise RuntimeError("device lost in prefill")
         assert isinstance(sampling, SamplingParams) and sampling.temperature.shape == (s,)
         for c in chunks:
             n = len(c.tokens)
@@ -200,6 +207,40 @@ class FakeEngine:
         if self.decode_calls in self.poison:
             tokens[self.poison[self.decode_calls]] = 2**31 - 1  # no such token
         return tokens
+
+    def extract(self, pages, length, slot) -> FakeHandle:
+        assert 0 <= slot < self.config.num_slots and 0 < length <= self.config.max_seq_len
+        assert len(pages) >= self.config.pages_for(length)
+        self.extracts += 1
+        return FakeHandle(self._content(pages, length).copy(), int(self.last_tokens[slot]), length)
+
+    def insert(self, handle: FakeHandle, pages, slot) -> FakeHandle:
+        """Like the engine's: the content lands in `pages`, the next token in `slot`."""
+        assert 0 <= slot < self.config.num_slots
+        assert len(pages) >= self.config.pages_for(handle.length), (len(pages), handle.length)
+        self.inserts += 1
+        if self.fail_insert_call == self.inserts:
+            raise RuntimeError("device lost in insert")
+        assert (handle.content >= 0).all(), "a handle of KV that was never written"
+        self._write(pages, 0, handle.content)
+        self.last_tokens[slot] = handle.next_token
+        return handle
+
+
+@dataclasses.dataclass
+class FakeHandle:
+    """A FakeEngine's KVHandle: the sequence's token ids and the token it decodes next."""
+
+    content: np.ndarray
+    next_token: int
+    length: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.content.nbytes
+
+    def block_until_ready(self) -> FakeHandle:
+        return self
 
 
 def expected(engine: FakeEngine, prompt: Sequence[int], max_tokens: int,
@@ -274,10 +315,13 @@ class Client:
 class Harness:
     """A scheduler over a FakeEngine, stepped by hand; keeps each step's engine calls."""
 
-    def __init__(self, engine: FakeEngine, policy: PolicyConfig | None = None, max_queue: int = 256):
-        self.engine = engine
+    def __init__(self, engine: FakeEngine, policy: PolicyConfig | None = None, max_queue: int = 256,
+                 decode_engine: FakeEngine | None = None, **config):
+        self.engine = engine  # prefills (and decodes, without decode_engine)
+        self.decode_engine = decode_engine or engine
         policy = policy or PolicyConfig(chunk=engine.config.prefill_chunk)
-        self.sched = Scheduler(engine, TOK, SchedulerConfig(policy=policy, max_queue=max_queue))
+        self.sched = Scheduler(engine, TOK, SchedulerConfig(policy=policy, max_queue=max_queue, **config),
+                               decode_engine=decode_engine)
         self.clients: list[Client] = []
         self.steps: list[list[Prefill | Decode]] = []  # engine calls made by each step
 
@@ -288,9 +332,10 @@ class Harness:
         return client
 
     def step(self) -> None:
-        n = len(self.engine.log)
+        engines = list(dict.fromkeys((self.engine, self.decode_engine)))
+        n = [len(e.log) for e in engines]
         self.sched.step()
-        self.steps.append(self.engine.log[n:])
+        self.steps.append([call for e, i in zip(engines, n) for call in e.log[i:]])
         for c in self.clients:
             c.poll(len(self.steps) - 1)
 
@@ -336,7 +381,7 @@ def threaded():
     yield make
     for sched in started:
         sched.stop(drain=False, timeout=5)
-        assert not sched._thread.is_alive()
+        assert not sched.alive
 
 
 def collect(stream: RequestStream, timeout: float = 5) -> tuple[list[int], RequestRecord]:
@@ -497,7 +542,7 @@ def test_random_arrivals_match_sequential_model(policy, seed):
 
 def _all_pages_free(h: Harness) -> None:
     assert h.sched.kv_pages == (0, h.engine.num_pages)
-    assert not h.sched._tables.any()
+    assert not h.sched.pools[0].tables.any()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -904,8 +949,8 @@ def test_failed_recovery_kills_the_engine_and_answers_everyone():
     streams = [sched.submit(ids(f"request {i}"), GenerationParams(max_tokens=50)) for i in range(5)]
     sched.start()
     records = [collect(s)[1] for s in streams]
-    sched._thread.join(5)
-    assert not sched._thread.is_alive()
+    sched.join(5)
+    assert not sched.alive
     assert all(r.finish_reason == "error" for r in records)
     assert sum(r.error == "RuntimeError: device lost in decode" for r in records) == 2  # running
     assert sum(r.error.startswith("the engine is dead") for r in records) == 3  # waiting
@@ -916,22 +961,22 @@ def test_failed_recovery_kills_the_engine_and_answers_everyone():
 
 
 def test_a_bug_outside_the_step_kills_the_loop_loudly():
-    """Anything that escapes the guarded step (here the step itself is replaced by one that
-    raises past `Exception`) marks the scheduler dead and answers the waiting request."""
+    """Anything that escapes the guarded step (here the iteration itself is replaced by one
+    that raises past `Exception`) marks the scheduler dead and answers the waiting request."""
     engine = FakeEngine()
     sched = Scheduler(engine, TOK, SchedulerConfig(policy=chunked()))
 
     class Escaped(BaseException):
         pass
 
-    def broken_step():
+    def broken_iteration():
         raise Escaped("the loop itself broke")
 
-    sched.step = broken_step
+    sched._iterate = broken_iteration
     stream = sched.submit(ids("anyone there?"), GenerationParams(max_tokens=5))
     sched.start()
     _, record = collect(stream)
-    sched._thread.join(5)
+    sched.join(5)
     assert record.finish_reason == "error" and "the loop itself broke" in record.error
     assert "the loop itself broke" in sched.dead
     with pytest.raises(EngineDead):
@@ -1052,7 +1097,7 @@ def test_stop_with_drain_finishes_everything():
     jobs = [(random_prompt(rng, 40), 20) for _ in range(5)]
     streams = [sched.submit(p, GenerationParams(max_tokens=n)) for p, n in jobs]
     sched.stop(drain=True, timeout=5)
-    assert not sched._thread.is_alive()
+    assert not sched.alive
     for (prompt, n), stream in zip(jobs, streams):
         assert collect(stream, timeout=1)[0] == expected(engine, prompt, n)[0]
         assert stream.record.finish_reason == "length"
@@ -1069,7 +1114,7 @@ def test_stop_without_drain_aborts_in_flight_work():
     waiting = sched.submit(ids("never served"), GenerationParams(max_tokens=10))
     assert isinstance(running._queue.get(timeout=5), TokenEvent)  # the request is mid-stream
     sched.stop(drain=False, timeout=5)
-    assert not sched._thread.is_alive()
+    assert not sched.alive
     tokens, record = collect(running, timeout=1)
     assert record.finish_reason == "abort" and record.output_tokens < 1500
     assert collect(waiting, timeout=1) == ([], waiting.record)

@@ -1,0 +1,76 @@
+"""One engine's slots, KV pages and page table, as the scheduler keeps them.
+
+    pool = Pool(engine, "colocated")          # or "prefill" / "decode": a disaggregated pair
+    pool.take(r)                              # a free slot; r.pool is this pool
+    pool.grow(r, tokens)                      # pages for `tokens` positions, all or nothing
+    pool.release(r)                           # slot and pages back, the slot's rows reset
+
+Colocated serving has one pool that prefills and decodes. Disaggregated serving has two, each
+over its own engine (its own device, weights and page pool): a request holds a slot and pages in
+exactly one of them at a time, and moves from the prefill pool to the decode pool when its KV is
+handed over (`Scheduler._start_transfers`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from engine.api import EngineAPI, SamplingRows
+from scheduler.pages import PageAllocator
+from scheduler.request import Request
+
+
+class Pool:
+    def __init__(self, engine: EngineAPI, name: str):
+        cfg = engine.config
+        self.engine = engine
+        self.name = name
+        self.num_slots = cfg.num_slots
+        self.page_size = cfg.page_size
+        self.pages = PageAllocator(engine.num_pages, cfg.page_size)
+        # Each slot's occupant's pages; free slots' rows point at page 0, which any step may
+        # read (never write) without harm.
+        self.tables = np.zeros((cfg.num_slots, cfg.max_pages_per_seq), np.int32)
+        self.rows = SamplingRows(cfg.num_slots)  # each slot's occupant's sampling row
+        self.free_slots = list(range(cfg.num_slots))[::-1]
+        self.running: list[Request] = []  # holding a slot here, in slot-assignment order
+        # Results dispatched on this engine, not yet applied: (requests, each with its token's
+        # index), tokens.
+        self.pending: list[tuple[list[tuple[Request, int]], Any]] = []
+        self.applying: list[tuple[list[tuple[Request, int]], Any]] = []  # being read and applied
+        self.busy_seconds = 0.0  # wall time of this pool's iterations that ran a program
+
+    def take(self, r: Request) -> None:
+        """Gives `r` a free slot (the caller checked there is one); its sampling row is set
+        separately (`rows.set`), since a value that cannot be packed fails the request alone."""
+        r.slot = self.free_slots.pop()
+        r.pool = self
+        self.running.append(r)
+
+    def grow(self, r: Request, tokens: int) -> bool:
+        """Pages so that `r` holds `tokens` positions; False (nothing changed) if too few are free."""
+        new = self.pages.grow(r.pages, tokens)
+        if new is None:
+            return False
+        if new:
+            self.tables[r.slot, len(r.pages) - len(new) : len(r.pages)] = new
+        return True
+
+    def release(self, r: Request) -> None:
+        """Frees its slot and its pages; the slot's row of the page table points at page 0."""
+        self.running.remove(r)
+        self.free_slots.append(r.slot)
+        self.rows.clear(r.slot)
+        self.tables[r.slot] = 0
+        self.pages.release(r.pages)
+        r.pool = None  # r.slot keeps the number, for the record of where it ran
+
+    @property
+    def idle(self) -> bool:
+        return not (self.running or self.pending or self.applying)
+
+    @property
+    def kv_tokens(self) -> int:
+        return sum(r.kv_tokens for r in self.running)
