@@ -351,9 +351,14 @@ class Server:
             "num_slots": sched.num_slots, "max_seq_len": sched.max_seq_len,
             "policy": dataclasses.asdict(sched.config.policy),
             "num_running": sched.num_running, "num_waiting": sched.num_waiting,
-            "kv_cache_usage": sched.kv_usage, "kv_cache_bytes": sched.engine.kv_cache_bytes,
+            "kv_cache_usage": sched.kv_usage, "kv_cache_bytes": sched.kv_cache_bytes,
             "kv_pages_used": sched.kv_pages[0], "kv_pages_total": sched.kv_pages[1],
             "kv_page_utilization": sched.kv_page_utilization, "num_preemptions": sched.preemptions,
+            "disaggregated": sched.disaggregated, "kv_transfers": sched.kv_transfers,
+            "kv_transfer_bytes": sched.kv_transfer_bytes, "transfer_backlog": sched.transfer_backlog,
+            "pools": [{"name": p.name, "num_slots": p.num_slots, "running": len(p.running),
+                       "kv_pages_used": p.pages.used_count, "kv_pages_total": p.pages.num_pages,
+                       "busy_seconds": p.busy_seconds} for p in sched.pools],
             **self.timeline.since(iteration, seq),
         })
 

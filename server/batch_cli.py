@@ -265,7 +265,7 @@ def main(argv: list[str]) -> int:
             print("cadence-batch: interrupted; rerun the same command to resume", file=sys.stderr)
             return 130
         failed += totals.failed
-        compilations = rt.engine.compilations_after_warmup
+        compilations = rt.scheduler.compilations_after_warmup
     summary = {
         "done": totals.done,
         "skipped": len(jobs) - len(todo),

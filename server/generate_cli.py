@@ -151,7 +151,7 @@ def main(argv: list[str]) -> int:
     print(
         f"aggregate throughput: {total / elapsed:.1f} tok/s ({total} tokens in {elapsed:.2f} s); "
         f"warm-up {rt.warmup_seconds:.1f} s; "
-        f"compilations_after_warmup: {rt.engine.compilations_after_warmup}",
+        f"compilations_after_warmup: {rt.scheduler.compilations_after_warmup}",
         file=sys.stderr,
     )
     return 1 if rejected else 0

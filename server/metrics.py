@@ -10,10 +10,12 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from scheduler.request import RequestRecord
-from scheduler.scheduler import IterationRecord, Scheduler
+from scheduler.scheduler import IterationRecord, KVTransfer, Scheduler
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                     1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                     0.5, 1.0, 2.5)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -68,14 +70,43 @@ class Metrics:
                 lambda: scheduler.preemptions),
             "cadence:compilations_after_warmup": (
                 "XLA compilations since warm-up ended (should stay 0).",
-                lambda: scheduler.engine.compilations_after_warmup,
+                lambda: scheduler.compilations_after_warmup,
             ),
         }
+        gauges["cadence:kv_transfer_backlog"] = (
+            "Disaggregated: prefilled requests waiting for the decode pool's slots or pages.",
+            lambda: scheduler.transfer_backlog)
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, ["model_name"], registry=r).labels(**labels).set_function(fn)
+        # Each engine's pool: "colocated", or "prefill" and "decode".
+        self.transfer_seconds = histogram(
+            "cadence:kv_transfer_seconds", "Disaggregated: a request's KV, from ready on the "
+            "prefill device to landed on the decode device.", buckets=_TRANSFER_BUCKETS)
+        self.transfer_bytes = Counter(
+            "cadence:kv_transfer_bytes", "Disaggregated: KV bytes moved from the prefill pool to "
+            "the decode pool.", ["model_name"], registry=r).labels(**labels)
+        self.busy = Counter(
+            "cadence:pool_busy_seconds", "Wall time of each pool's iterations that ran a program; "
+            "its rate is the pool's busy fraction.", ["model_name", "pool"], registry=r)
+        pool_gauges = {
+            "cadence:pool_queue_length": (
+                "Requests waiting for the pool: the queue for the one that admits, the transfer "
+                "backlog for the decode pool.",
+                lambda p: scheduler.num_waiting if p is scheduler.pools[0] else scheduler.transfer_backlog),
+            "cadence:pool_requests_running": ("Requests holding a slot of the pool.", lambda p: len(p.running)),
+            "cadence:pool_kv_pages_used": ("KV pages of the pool held by requests.", lambda p: p.pages.used_count),
+            "cadence:pool_kv_pages_total": ("KV pages in the pool.", lambda p: p.pages.num_pages),
+        }
+        for name, (doc, fn) in pool_gauges.items():
+            gauge = Gauge(name, doc, ["model_name", "pool"], registry=r)
+            for pool in scheduler.pools:
+                gauge.labels(pool=pool.name, **labels).set_function(lambda fn=fn, pool=pool: fn(pool))
+        for pool in scheduler.pools:
+            self.busy.labels(pool=pool.name, **labels)
         self._labels = labels
         scheduler.listeners.append(self.on_request)
         scheduler.iteration_listeners.append(self.on_iteration)
+        scheduler.transfer_listeners.append(self.on_transfer)
 
     def on_request(self, record: RequestRecord) -> None:  # scheduler thread
         self.finished.labels(finished_reason=record.finish_reason, **self._labels).inc()
@@ -93,10 +124,15 @@ class Metrics:
         for earlier, later in zip(times, times[1:]):
             self.itl.observe(later - earlier)
 
-    def on_iteration(self, record: IterationRecord) -> None:
+    def on_iteration(self, record: IterationRecord) -> None:  # a loop thread
+        self.busy.labels(pool=record.pool, **self._labels).inc(record.wall)
         self.iteration_tokens.observe(record.decode_slots + record.prefill_tokens)
         self.prefill_programs.inc(record.prefill_programs)
         self.prefill_chunks.inc(record.prefill_chunks)
+
+    def on_transfer(self, transfer: KVTransfer) -> None:  # the transfer watcher
+        self.transfer_seconds.observe(transfer.end - transfer.start)
+        self.transfer_bytes.inc(transfer.bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,8 +1,11 @@
-"""Building a serving stack from flags: model -> engine (warmed up) -> scheduler.
+"""Building a serving stack from flags: model -> engine(s) (warmed up) -> scheduler.
 
-Shared by the front doors (`cadence-generate`, and later the HTTP server and the batch job) so
-that each of them stays a thin layer. The absl flags defined here are the engine and scheduler
-knobs every front door has, with the same names everywhere.
+Shared by the front doors (`cadence-serve`, `cadence-generate`, `cadence-batch`) so that each of
+them stays a thin layer. The absl flags defined here are the engine and scheduler knobs every
+front door has, with the same names everywhere, the disaggregated mode's included:
+`--prefill_devices=0 --decode_devices=1` builds a prefill engine and a decode engine on those
+JAX devices (each with its own weights and KV pool) under one scheduler; on the CPU,
+`--num_cpu_devices=2` first makes two devices of it.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import dataclasses
 import re
 import sys
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -53,14 +57,76 @@ _ATTENTION = flags.DEFINE_enum(
 _DTYPE = flags.DEFINE_enum(
     "dtype", None, ["float32", "bfloat16"], "Compute dtype (default: bfloat16 on GPU, float32 on CPU)."
 )
+_NUM_CPU_DEVICES = flags.DEFINE_integer(
+    "num_cpu_devices", None,
+    "On the CPU, how many JAX devices to make of it (jax_num_cpu_devices), e.g. 2 for "
+    "--prefill_devices=0 --decode_devices=1. They share the same cores and memory bandwidth: "
+    "the disaggregated mode can be checked and its protocol's cost measured, not its isolation.",
+    lower_bound=1)
+_PREFILL_DEVICES = flags.DEFINE_list(
+    "prefill_devices", None,
+    "Disaggregated serving (with --decode_devices): the JAX device index of the prefill engine, "
+    "which admits and prefills prompts and hands their KV on.")
+_DECODE_DEVICES = flags.DEFINE_list(
+    "decode_devices", None,
+    "Disaggregated serving (with --prefill_devices): the JAX device index of the decode engine.")
+_PREFILL_SLOTS = flags.DEFINE_integer(
+    "prefill_slots", None,
+    "Disaggregated: sequences the prefill engine holds at once, prefilling or waiting for the "
+    "decode engine (the transfer backlog's bound; default num_slots).", lower_bound=1)
 
 
 @dataclasses.dataclass
 class Runtime:
     model: LoadedModel
-    engine: Engine
+    engines: tuple[Engine, ...]  # one, or the prefill engine and the decode engine
     scheduler: Scheduler
     warmup_seconds: float
+
+    def warm_up(self) -> float:
+        return warm_up(self.engines)
+
+
+def configure_devices() -> None:
+    """--num_cpu_devices, which JAX takes only before its first operation."""
+    if _NUM_CPU_DEVICES.value is None:
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", _NUM_CPU_DEVICES.value)
+    except RuntimeError as e:
+        raise ValueError(f"--num_cpu_devices could not be applied: {e}") from None
+
+
+def pool_devices() -> tuple[jax.Device, jax.Device] | None:
+    """The (prefill, decode) devices of --prefill_devices and --decode_devices; None when
+    serving colocated. Refuses what cannot run, saying why."""
+    given = (_PREFILL_DEVICES.value, _DECODE_DEVICES.value)
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError("disaggregated serving needs both --prefill_devices and --decode_devices")
+    devices = jax.devices()
+    if len(devices) < 2:
+        hint = (" On the CPU, --num_cpu_devices=2 makes two (sharing the same cores)."
+                if devices[0].platform == "cpu" else "")
+        raise ValueError(f"disaggregated serving needs two devices; this machine has one "
+                         f"{devices[0].platform} device.{hint}")
+    picked = []
+    for name, value in zip(("prefill", "decode"), given):
+        if len(value) != 1:
+            raise ValueError(f"--{name}_devices takes one device index for now (a pool over "
+                             f"several devices needs tensor parallelism), got {','.join(value)}")
+        try:
+            index = int(value[0])
+        except ValueError:
+            raise ValueError(f"--{name}_devices takes a device index, got {value[0]!r}") from None
+        if not 0 <= index < len(devices):
+            raise ValueError(f"--{name}_devices={index}: the devices are 0..{len(devices) - 1} "
+                             f"({len(devices)} {devices[0].platform} devices)")
+        picked.append(devices[index])
+    if picked[0] == picked[1]:
+        raise ValueError("--prefill_devices and --decode_devices must be different devices")
+    return picked[0], picked[1]
 
 
 def enable_compilation_cache() -> None:
@@ -81,13 +147,15 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int) -> int | None:
-    """Pages for --kv_cache_memory; on a GPU without it, 90% of the memory left after the
-    weights; None (the engine's default: every slot at max_seq_len) otherwise."""
+def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int,
+                  device: jax.Device | None = None) -> int | None:
+    """Pages for --kv_cache_memory (per engine); on a GPU without it, 90% of the memory left
+    after the weights on `device`; None (the engine's default: every slot at max_seq_len)
+    otherwise."""
     if _KV_MEMORY.value is not None:
         budget = parse_size(_KV_MEMORY.value)
     elif jax.default_backend() == "gpu":
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = (device or jax.devices()[0]).memory_stats() or {}
         if "bytes_limit" not in stats:
             return None
         weight_bytes = sum(a.size for a in jax.tree.leaves(model.params)) * jnp.dtype(dtype).itemsize
@@ -100,8 +168,9 @@ def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int) -> int | None:
     return pages
 
 
-def engine_config_from_flags(model: LoadedModel | None = None) -> EngineConfig:
-    """The engine the flags describe; with the model, the KV pool is sized by memory."""
+def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Device | None = None) -> EngineConfig:
+    """The engine the flags describe; with the model, the KV pool is sized by memory (on
+    `device`, default the first)."""
     on_gpu = jax.default_backend() == "gpu"
     dtype = _DTYPE.value or ("bfloat16" if on_gpu else "float32")
     return EngineConfig(
@@ -111,7 +180,7 @@ def engine_config_from_flags(model: LoadedModel | None = None) -> EngineConfig:
         attention=_ATTENTION.value or ("pallas" if on_gpu else "xla"),
         dtype=dtype,
         page_size=_PAGE_SIZE.value,
-        num_pages=None if model is None else kv_pool_pages(model, dtype, _PAGE_SIZE.value),
+        num_pages=None if model is None else kv_pool_pages(model, dtype, _PAGE_SIZE.value, device),
         max_prefill_chunks=_MAX_PREFILL_CHUNKS.value,
         # An iteration's prompt chunks, packed, fit one program even with every slot decoding.
         prefill_tokens=max(_PREFILL_CHUNK.value, token_budget() - _NUM_SLOTS.value),
@@ -131,16 +200,18 @@ def scheduler_config_from_flags() -> SchedulerConfig:
                            kv_reservation=_KV_RESERVATION.value)
 
 
-def warm_up(engine: Engine) -> float:
-    """Compiles every program with a progress bar; returns the seconds it took."""
+def warm_up(engines: Sequence[Engine]) -> float:
+    """Compiles every program of every engine with a progress bar; returns the seconds it took."""
     start = time.monotonic()
-    with tqdm(desc="warm-up (compiling)", unit="program", file=sys.stderr, leave=False) as bar:
+    for engine in engines:
+        role = "" if engine.config.role == "both" else f" {engine.config.role} engine"
+        with tqdm(desc=f"warm-up{role} (compiling)", unit="program", file=sys.stderr, leave=False) as bar:
 
-        def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
+            def progress(done: int, total: int) -> None:
+                bar.total = total
+                bar.update(done - bar.n)
 
-        engine.warmup(progress)
+            engine.warmup(progress)
     seconds = time.monotonic() - start
     logging.info("warm-up took %.1f s", seconds)
     print(f"cadence: warm-up compiled every program in {seconds:.1f} s", file=sys.stderr)
@@ -148,26 +219,46 @@ def warm_up(engine: Engine) -> float:
 
 
 def build_from_flags(warm: bool = True) -> Runtime:
-    """Loads the model and builds engine and scheduler; `warm=False` leaves warm-up to the
-    caller (the server warms up while already answering /health with 503)."""
+    """Loads the model and builds the engine(s) and the scheduler; `warm=False` leaves warm-up
+    to the caller (the server warms up while already answering /health with 503)."""
+    configure_devices()
     enable_compilation_cache()
+    pair = pool_devices()
     model = load_model(MODEL_FLAG.value)
-    engine_config = engine_config_from_flags(model)
+    engine_config = engine_config_from_flags(model, pair[0] if pair else None)
     if engine_config.max_seq_len > model.config.max_context:
         raise ValueError(
             f"--max_seq_len={engine_config.max_seq_len} exceeds {model.name}'s context of "
             f"{model.config.max_context} tokens"
         )
-    engine = Engine(model.params, model.config, engine_config)
-    cfg = engine.config
-    print(
-        f"cadence: {model.name} on {jax.devices()[0].platform}, up to {cfg.num_slots} sequences of "
-        f"up to {cfg.max_seq_len} tokens; KV pool {engine.num_pages} pages x {cfg.page_size} tokens "
-        f"= {engine.num_pages * cfg.page_size} tokens, {engine.kv_cache_bytes / 2**20:.0f} MiB",
-        file=sys.stderr,
-    )
+    if pair is None:
+        engines = (Engine(model.params, model.config, engine_config),)
+        where = jax.devices()[0].platform
+    else:
+        # Nothing decodes on the prefill engine, so its packs may take the whole token budget.
+        prefill_config = dataclasses.replace(
+            engine_config, role="prefill", num_slots=_PREFILL_SLOTS.value or engine_config.num_slots,
+            prefill_tokens=max(engine_config.prefill_chunk, token_budget()))
+        decode_config = dataclasses.replace(
+            engine_config_from_flags(model, pair[1]), role="decode")
+        engines = (Engine(model.params, model.config, prefill_config, device=pair[0]),
+                   Engine(model.params, model.config, decode_config, device=pair[1]))
+        where = f"{pair[0]} (prefill) and {pair[1]} (decode), disaggregated"
+    for engine in engines:
+        cfg = engine.config
+        role = "" if cfg.role == "both" else f"{cfg.role} engine: "
+        print(
+            f"cadence: {role}{model.name} on {where if cfg.role == 'both' else engine.device}, up "
+            f"to {cfg.num_slots} sequences of up to {cfg.max_seq_len} tokens; KV pool "
+            f"{engine.num_pages} pages x {cfg.page_size} tokens = {engine.num_pages * cfg.page_size} "
+            f"tokens, {engine.kv_cache_bytes / 2**20:.0f} MiB",
+            file=sys.stderr,
+        )
+    if pair is not None:
+        print(f"cadence: serving {where}", file=sys.stderr)
     print(f"cadence: {model.name}'s own sampling defaults, for requests that omit a field: "
           f"{model.generation.describe()}", file=sys.stderr)
-    warm_seconds = warm_up(engine) if warm else 0.0
-    scheduler = Scheduler(engine, model.tokenizer, scheduler_config_from_flags())
-    return Runtime(model=model, engine=engine, scheduler=scheduler, warmup_seconds=warm_seconds)
+    warm_seconds = warm_up(engines) if warm else 0.0
+    scheduler = Scheduler(engines[0], model.tokenizer, scheduler_config_from_flags(),
+                          decode_engine=engines[1] if pair else None)
+    return Runtime(model=model, engines=engines, scheduler=scheduler, warmup_seconds=warm_seconds)

@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
 
     application = create_app(
         rt.scheduler, rt.model.tokenizer, runtime.MODEL_FLAG.value, config=config,
-        warmup=lambda: runtime.warm_up(rt.engine), generation=rt.model.generation, on_fatal=on_fatal)
+        warmup=rt.warm_up, generation=rt.model.generation, on_fatal=on_fatal)
     server = uvicorn.Server(uvicorn.Config(
         application, host=_HOST.value, port=_PORT.value, log_level="warning",
         timeout_graceful_shutdown=max(1, int(_DRAIN.value))))

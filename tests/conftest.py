@@ -8,11 +8,17 @@ import threading
 import time
 
 import jax
-import numpy as np
-import pytest
 
-from model.config import TINY, ModelConfig
-from model.llama import init_params
+# Four host devices, as `--num_cpu_devices=4` makes them, for the tests of serving over several
+# (disaggregated pools). JAX takes this only before its first operation. Everything else runs
+# on device 0, as it would with one.
+jax.config.update("jax_num_cpu_devices", 4)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from model.config import TINY, ModelConfig  # noqa: E402
+from model.llama import init_params  # noqa: E402
 
 
 def random_params(config: ModelConfig, seed: int = 0) -> dict:

@@ -58,25 +58,44 @@ def test_bad_model_names_get_one_line_errors(spec, message):
     assert result.stderr.strip().count("\n") == 0 and message in result.stderr
 
 
-def test_engine_matches_reference_on_the_default_model(smollm2):
-    """cadence-generate's path (engine + scheduler, chunked, batched) equals the reference."""
+@pytest.fixture(scope="module")
+def default_model_cases(smollm2):
+    """Prompts (token ids) and the reference's 12 greedy tokens for each."""
+    tok = smollm2.tokenizer
+    prompts = [
+        tok.encode("The capital of France is"),
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three colours."}])),
+        tok.encode("def fibonacci(n):\n    " * 6),  # long enough to take two 64-token chunks
+        tok.encode("The history of the Roman Empire spans many centuries, " * 8)[:64],  # one whole page
+    ]
+    assert len(prompts[3]) == 64
+    return [(p, greedy_generate(smollm2.params, smollm2.config, p, 12, tok.eos_ids)) for p in prompts]
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_engine_matches_reference_on_the_default_model(smollm2, default_model_cases, mode):
+    """cadence-generate's path (engine + scheduler, chunked, batched) equals the reference;
+    disaggregated, with the prefill engine on CPU device 0 and the decode engine on device 1."""
+    import dataclasses
+
+    import jax
+
     from engine.engine import Engine, EngineConfig
     from scheduler.policy import PolicyConfig
     from scheduler.request import GenerationParams
     from scheduler.scheduler import Scheduler, SchedulerConfig
 
-    tok = smollm2.tokenizer
-    texts = [
-        "The capital of France is",
-        tok.apply_chat_template([{"role": "user", "content": "Name three colours."}]),
-        "def fibonacci(n):\n    " * 6,  # long enough to take two 64-token chunks
-    ]
-    engine = Engine(smollm2.params, smollm2.config,
-                    EngineConfig(num_slots=2, max_seq_len=256, prefill_chunk=64, min_kv_bucket=256))
-    sched = Scheduler(engine, tok, SchedulerConfig(policy=PolicyConfig(token_budget=66, chunk=64)))
-    streams = [sched.submit(tok.encode(t), GenerationParams(max_tokens=12)) for t in texts]
+    config = EngineConfig(num_slots=2, max_seq_len=256, prefill_chunk=64, min_kv_bucket=256)
+    engine = Engine(smollm2.params, smollm2.config, config if mode == "colocated" else
+                    dataclasses.replace(config, role="prefill"))
+    decode = None if mode == "colocated" else Engine(
+        smollm2.params, smollm2.config, dataclasses.replace(config, role="decode"), device=jax.devices()[1])
+    sched = Scheduler(engine, smollm2.tokenizer, SchedulerConfig(policy=PolicyConfig(token_budget=66, chunk=64)),
+                      decode_engine=decode)
+    streams = [sched.submit(p, GenerationParams(max_tokens=12)) for p, _ in default_model_cases]
     while not sched.idle():
         sched.step()
-    for text, stream in zip(texts, streams):
-        want = greedy_generate(smollm2.params, smollm2.config, tok.encode(text), 12, tok.eos_ids)
-        assert stream.request.output_ids == want, text
+    for (prompt, want), stream in zip(default_model_cases, streams):
+        assert stream.request.output_ids == want, prompt
+    if decode is not None:
+        assert sched.kv_transfers == len(streams)

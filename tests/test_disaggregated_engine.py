@@ -1,0 +1,174 @@
+"""Disaggregated serving with the real engines, on two of the test session's four CPU devices.
+
+The prefill engine runs on device 1 and the decode engine on device 2, each with its own
+weights and KV pool; every request's KV moves between them through `extract`, `jax.device_put`
+and `insert`. The outputs must equal colocated serving's and the reference generator's token for
+token, and warm engines must compile nothing while serving.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import jax
+import numpy as np
+import pytest
+
+from checkpoints.tokenizer import Tokenizer
+from engine import compile_counter
+from engine.engine import Engine, EngineConfig
+from engine.reference import greedy_generate
+from scheduler.policy import PolicyConfig
+from scheduler.request import GenerationParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from server.app import create_app
+from tests.conftest import loopback_server
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = EngineConfig(num_slots=3, max_seq_len=192, prefill_chunk=32, page_size=16, min_kv_bucket=64)
+POLICY = SchedulerConfig(policy=PolicyConfig(token_budget=64, chunk=32))
+
+
+def engines(params, config, colocated: bool = True):
+    """(prefill engine on device 1, decode engine on device 2[, a colocated one on device 0]),
+    all warmed up."""
+    devices = jax.devices()
+    made = [Engine(params, config, dataclasses_replace(CONFIG, role="prefill"), device=devices[1]),
+            Engine(params, config, dataclasses_replace(CONFIG, role="decode"), device=devices[2])]
+    if colocated:
+        made.append(Engine(params, config, CONFIG, device=devices[0]))
+    for engine in made:
+        engine.warmup()
+    return made
+
+
+def dataclasses_replace(config: EngineConfig, **changes) -> EngineConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+def run(sched: Scheduler, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    sched.start()
+    streams = [sched.submit(p, GenerationParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+    outputs = [[t for e in s for t in getattr(e, "token_ids", [])] for s in streams]
+    sched.stop(drain=True, timeout=30)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_params, tiny_config):
+    return engines(tiny_params, tiny_config)
+
+
+def test_disaggregated_equals_colocated_and_the_reference(pair, tiny_params, tiny_config, tiny_tokenizer):
+    """Prompts ending exactly on a page boundary (16, 32, 48 tokens), beside one and mid-page,
+    five of them over three decode slots (so some wait in the backlog): the same greedy tokens
+    disaggregated, colocated and from the reference, and no compile in either pool."""
+    prefill, decode, colocated = pair
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(3, tiny_config.vocab_size, n)] for n in (16, 32, 48, 17, 5)]
+    disaggregated = Scheduler(prefill, tiny_tokenizer, POLICY, decode_engine=decode)
+    before = compile_counter.count()  # the process's: other tests compile their own programs
+    got = run(disaggregated, prompts, 12)
+    assert compile_counter.count() == before
+    want = run(Scheduler(colocated, tiny_tokenizer, POLICY), prompts, 12)
+    for prompt, a, b in zip(prompts, got, want):
+        assert a == b == greedy_generate(tiny_params, tiny_config, prompt, 12, frozenset())
+    assert disaggregated.kv_transfers == len(prompts)
+    # Live pages only: 2 (K, V) x layers x kv_heads x head_dim x 4 bytes per token, whole pages.
+    per_page = 2 * tiny_config.num_layers * tiny_config.num_kv_heads * tiny_config.head_dim * 4 * 16
+    assert disaggregated.kv_transfer_bytes == per_page * sum(-(-n // 16) for n in (16, 32, 48, 17, 5))
+    assert disaggregated.kv_pages == (0, prefill.num_pages + decode.num_pages)
+
+
+def test_each_engine_of_a_pair_runs_its_own_phase_only(pair):
+    prefill, decode, _ = pair
+    with pytest.raises(ValueError, match="runs prefill only"):
+        prefill.decode(np.zeros(3, np.int32), np.ones(3, bool), None, np.zeros((3, 12), np.int32))
+    with pytest.raises(ValueError, match="runs decode only"):
+        decode.prefill([], None)
+
+
+def test_the_server_streams_disaggregated_and_reports_the_transfers(pair, tiny_tokenizer, tiny_params, tiny_config):
+    prefill, decode, _ = pair
+    sched = Scheduler(prefill, tiny_tokenizer, POLICY, decode_engine=decode)
+    app = create_app(sched, tiny_tokenizer, "tiny")
+    prompt = "a prompt long enough to need two chunks of prefill " * 2
+    before = compile_counter.count()
+    with loopback_server(app) as base:
+        r = httpx.post(f"{base}/v1/completions", json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "stream": True}, timeout=60)
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+                       if line.startswith("data: {"))
+        metrics = httpx.get(f"{base}/metrics").text
+        timeline = httpx.get(f"{base}/debug/timeline").json()
+    assert compile_counter.count() == before
+    ids = greedy_generate(tiny_params, tiny_config, tiny_tokenizer.encode(prompt), 10, frozenset())
+    assert text == tiny_tokenizer.decode(ids)
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("cadence:")}
+    assert values['cadence:kv_transfer_seconds_count{model_name="tiny"}'] == 1
+    assert values['cadence:kv_transfer_bytes_total{model_name="tiny"}'] > 0
+    for pool in ("prefill", "decode"):
+        assert values[f'cadence:pool_busy_seconds_total{{model_name="tiny",pool="{pool}"}}'] > 0
+        assert f'cadence:pool_queue_length{{model_name="tiny",pool="{pool}"}}' in values
+    assert timeline["disaggregated"] and [p["name"] for p in timeline["pools"]] == ["prefill", "decode"]
+    record = timeline["requests"][-1]
+    assert record["first_token"] <= record["transfer_end"] or record["transfer_start"] <= record["transfer_end"]
+    assert record["admitted"] < record["first_decode"] < record["finished"]
+    assert {i["pool"] for i in timeline["iterations"]} == {"prefill", "decode"}
+
+
+def cli(tiny_model_dir, module: str, *flags: str) -> subprocess.CompletedProcess:
+    root, env = tiny_model_dir
+    cmd = [sys.executable, "-m", module, f"--model={root / 'model'}", "--num_slots=2",
+           "--max_seq_len=128", "--prefill_chunk=32", *flags]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+DISAGGREGATED = ["--num_cpu_devices=2", "--prefill_devices=0", "--decode_devices=1"]
+
+
+def test_cadence_generate_disaggregated_gives_the_reference_text(tiny_model_dir, tiny_params, tiny_config):
+    result = cli(tiny_model_dir, "server.generate_cli", "--prompt=The capital of France is",
+                 "--max_tokens=12", "--temperature=0", *DISAGGREGATED)
+    assert result.returncode == 0, result.stderr
+    tok = Tokenizer.from_hf_dir(tiny_model_dir[0] / "model")
+    ids = greedy_generate(tiny_params, tiny_config, tok.encode("The capital of France is"), 12, tok.eos_ids)
+    assert result.stdout.rstrip("\n") == tok.decode(ids, skip_special=True)
+    assert "compilations_after_warmup: 0" in result.stderr
+    assert "cpu:0 (prefill) and cpu:1 (decode), disaggregated" in result.stderr
+
+
+def test_cadence_batch_disaggregated_gives_the_reference_text(tiny_model_dir, tiny_params, tiny_config, tmp_path):
+    tok = Tokenizer.from_hf_dir(tiny_model_dir[0] / "model")
+    prompts = {f"r{i}": "word " * (3 + 7 * i) for i in range(4)}
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": k, "prompt": v, "max_tokens": 8, "temperature": 0}) + "\n"
+                           for k, v in prompts.items()))
+    out = tmp_path / "out.jsonl"
+    result = cli(tiny_model_dir, "server.batch_cli", f"--input={inp}", f"--output={out}", *DISAGGREGATED)
+    assert result.returncode == 0, result.stderr
+    for line in out.read_text().splitlines():
+        row = json.loads(line)
+        ids = greedy_generate(tiny_params, tiny_config, tok.encode(prompts[row["id"]]), 8, tok.eos_ids)
+        assert row["text"] == tok.decode(ids, skip_special=True), row["id"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prefill_devices=0", "--decode_devices=1"], "needs two devices; this machine has one cpu device. "
+                                                    "On the CPU, --num_cpu_devices=2"),
+    (["--num_cpu_devices=2", "--prefill_devices=0"], "needs both --prefill_devices and --decode_devices"),
+    (["--num_cpu_devices=2", "--prefill_devices=1", "--decode_devices=1"], "must be different devices"),
+    (["--num_cpu_devices=2", "--prefill_devices=0", "--decode_devices=2"], "the devices are 0..1"),
+    (["--num_cpu_devices=3", "--prefill_devices=0,1", "--decode_devices=2"], "one device index for now"),
+])
+def test_a_mode_that_cannot_run_is_refused_with_the_reason(tiny_model_dir, flags, message):
+    result = cli(tiny_model_dir, "server.generate_cli", "--prompt=x", *flags)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
