@@ -51,16 +51,25 @@ class ServerConfig:
         return argv + list(self.extra_flags)
 
 
+# `disaggregated@CHUNK`: the prefill engine on device 0, the decode engine on device 1 (on the
+# CPU, --num_cpu_devices=2 makes them; on a GPU machine that flag changes nothing).
+DISAGGREGATED_FLAGS = ("--num_cpu_devices=2", "--prefill_devices=0", "--decode_devices=1")
+
+
 def parse_config(item: str, base: ServerConfig) -> ServerConfig:
     """One `cadence-bench compare --configs` entry over `base` (model, slots, context): POLICY@CHUNK,
     then any number of :FLAG=VALUE (passed to cadence-serve as --FLAG=VALUE) or :repo=PATH (serve
-    from another checkout), e.g. `chunked@128:kv_reservation=max` or `chunked@128:repo=../old`."""
+    from another checkout), e.g. `chunked@128:kv_reservation=max` or `chunked@128:repo=../old`;
+    `disaggregated@128` is `chunked@128` over a prefill device and a decode device."""
     head, *options = item.split(":")
     policy, _, chunk = head.partition("@")
-    if policy not in ("chunked", "prefill-first") or not chunk.isdigit():
-        raise ValueError(f"--configs entries are POLICY@CHUNK[:FLAG=VALUE...] (POLICY chunked or "
-                         f"prefill-first), got {item!r}")
+    if policy not in ("chunked", "prefill-first", "disaggregated") or not chunk.isdigit():
+        raise ValueError(f"--configs entries are POLICY@CHUNK[:FLAG=VALUE...] (POLICY chunked, "
+                         f"prefill-first, or disaggregated: chunked with a prefill and a decode "
+                         f"device), got {item!r}")
     extra, repo = [], None
+    if policy == "disaggregated":  # on the CPU, two host devices of the same cores
+        policy, extra = "chunked", list(DISAGGREGATED_FLAGS)
     for option in options:
         key, eq, value = option.partition("=")
         if not (eq and key and value):
@@ -72,7 +81,7 @@ def parse_config(item: str, base: ServerConfig) -> ServerConfig:
         else:
             extra.append(f"--{key}={value}")
     return dataclasses.replace(base, policy=policy, prefill_chunk=int(chunk), extra_flags=tuple(extra),
-                               repo=repo, name=item if options else None)
+                               repo=repo, name=item if options or extra else None)
 
 
 def free_port() -> int:

@@ -2,6 +2,7 @@
 
     cadence-bench run       [--base_url=URL | cadence flags]  one run: JSON, table, plots
     cadence-bench compare   --configs=prefill-first@256,chunked@256,chunked@64
+    cadence-bench compare   --configs=chunked@128,disaggregated@128 --slo=chat_itl_p99=0.25,chat_ttft_p99=2
     cadence-bench capacity  --slo=chat_itl_p99=0.25,chat_ttft_p99=2 [--load_low=.. --load_high=..]
     cadence-bench roofline  [--run=run.json] [--bandwidth_gb_s=.. --flops_gflop_s=..]
     cadence-bench bill      --run=run.json --price_input=.. --price_cached_input=.. --price_output=..
@@ -42,7 +43,8 @@ _POLICY = flags.DEFINE_enum("policy", "chunked", ["chunked", "prefill-first"], "
 _BUDGET = flags.DEFINE_integer("token_budget", None, "cadence --token_budget.")
 _CONFIGS = flags.DEFINE_list("configs", ["prefill-first@256", "chunked@256", "chunked@64"],
                              "compare: POLICY@CHUNK[:FLAG=VALUE...] per server; FLAG is a "
-                             "cadence-serve flag, or repo=PATH to serve from another checkout.")
+                             "cadence-serve flag, or repo=PATH to serve from another checkout; "
+                             "POLICY disaggregated is chunked on a prefill and a decode device.")
 _HEALTH_TIMEOUT = flags.DEFINE_float("health_timeout", 1200, "Seconds to wait for a spawned server's /health.")
 # workload
 _CHAT_CONC = flags.DEFINE_integer("chat_concurrency", 4, "Closed-loop chat streams (the default for chats).")
@@ -61,7 +63,7 @@ _DRAIN = flags.DEFINE_float("drain_timeout", 300, "Seconds in-flight requests ma
 # outputs and experiment knobs
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Output folder (default bench/results/<command>-<time>).")
 _SLO = flags.DEFINE_list("slo", ["chat_itl_p99=0.25", "chat_ttft_p99=2", "error_rate=0"],
-                         "capacity: KEY=VALUE SLOs: chat_itl_p99 (or _max), <class>_ttft_p99, "
+                         "capacity, and compare's verdict: KEY=VALUE SLOs: chat_itl_p99 (or _max), <class>_ttft_p99, "
                          "<class>_completion_p99, <class>_rate_p10 (a minimum), error_rate.")
 _LOAD_LOW = flags.DEFINE_float("load_low", 0.25, "capacity: lowest load factor tried.")
 _LOAD_HIGH = flags.DEFINE_float("load_high", 4.0, "capacity: highest load factor tried.")
@@ -169,7 +171,21 @@ def cmd_compare() -> None:
         raise app.UsageError(str(e)) from None
     spec = workload()
     check_fits(spec)
-    experiments.compare(spec, configs, target(), out_dir("compare"), _HEALTH_TIMEOUT.value)
+    estimate = None
+    if any("--prefill_devices" in " ".join(c.extra_flags) for c in configs):
+        from bench import roofline
+        from model.config import LLAMA3_8B
+
+        served = roofline.load_config("smollm2-135m" if _MODEL.value == "smollm2-135m" else _MODEL.value)
+        estimate = roofline.format_transfer_estimate([
+            roofline.transfer_estimate(served, 4, (512, 2048, 3500)),
+            roofline.transfer_estimate(LLAMA3_8B, 2, (512, 2048, 8192))])
+    try:
+        slos = experiments.parse_slos(_SLO.value) if _SLO.present or estimate else None
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    experiments.compare(spec, configs, target(), out_dir("compare"), _HEALTH_TIMEOUT.value,
+                        slos=slos, estimate=estimate)
 
 
 def cmd_capacity() -> None:

@@ -66,12 +66,30 @@ def comparison_row(label: str, summary: dict) -> dict:
     def ttft(name: str, q: str = "p99"):
         return classes.get(name, {}).get("ttft_s", {}).get(q)
 
+    server = summary.get("server", {})
+    transfers = server.get("transfers", {})
+
+    def stat(name: str, q: str):
+        return transfers.get(name, {}).get(q)
+
     return {"config": label, "chat_itl_p50_s": itl["p50"], "chat_itl_p99_s": itl["p99"],
             "chat_itl_max_s": itl["max"], "chat_ttft_p99_s": ttft("chat"), "doc_ttft_p99_s": ttft("document"),
             "doc_ttft_p50_s": ttft("document", "p50"),
+            "chat_rate_p50_tok_s": classes.get("chat", {}).get("stream_rate_tok_s", {}).get("p50"),
             "throughput_tok_s": summary["throughput"]["tokens_per_s"],
             "errors": summary["errors"] + summary["rejected"] + summary["incomplete"],
-            "itl_basis": itl["basis"]}
+            "itl_basis": itl["basis"],
+            # per pool, and the KV handoff when disaggregated (None otherwise)
+            "busy": {pool: v["busy_fraction"] for pool, v in server.get("pools", {}).items()},
+            "chat_queue_p99_s": server.get("classes", {}).get("chat", {}).get("queue_s", {}).get("p99"),
+            "doc_queue_p99_s": server.get("classes", {}).get("document", {}).get("queue_s", {}).get("p99"),
+            "transfers": transfers.get("requests"),
+            "transfer_p50_s": stat("transfer_s", "p50"), "transfer_p99_s": stat("transfer_s", "p99"),
+            "transfer_bytes_p50": stat("transfer_bytes", "p50"),
+            "transfer_bytes_p99": stat("transfer_bytes", "p99"),
+            "decode_pool_wait_p50_s": stat("decode_pool_wait_s", "p50"),
+            "decode_pool_wait_p99_s": stat("decode_pool_wait_s", "p99"),
+            "first_gap_p99_s": stat("first_gap_s", "p99")}
 
 
 def format_comparison(rows: Sequence[dict]) -> str:
@@ -87,12 +105,57 @@ def format_comparison(rows: Sequence[dict]) -> str:
                    f"{f(r['doc_ttft_p99_s'], 2):>12} {f(r['throughput_tok_s'], 1):>7} {r['errors']:>4}")
     out.append("(seconds; ITL across chat streams in the window; throughput = output tokens in the window / "
                "its length; " + (rows[0]["itl_basis"] if rows else "") + ")")
+    if any(r.get("busy") for r in rows):
+        out.append("")
+        out.append(f"{'config':<{width}} {'busy (per pool)':>28} {'chat queue p99':>14} {'doc queue p99':>13} "
+                   f"{'moved':>5} {'KV/request p50':>14} {'transfer p50':>12} {'p99':>8} "
+                   f"{'decode wait p99':>15} {'1st gap p99':>11}")
+        for r in rows:
+            busy = " ".join(f"{pool} {v:.0%}" for pool, v in sorted((r.get("busy") or {}).items())
+                            if v is not None)
+            kib = None if r["transfer_bytes_p50"] is None else r["transfer_bytes_p50"] / 2**20
+            ms = lambda x: "-" if x is None else f"{1e3 * x:.1f} ms"  # noqa: E731
+            out.append(f"{r['config']:<{width}} {busy:>28} {f(r['chat_queue_p99_s'], 2):>14} "
+                       f"{f(r['doc_queue_p99_s'], 2):>13} {r['transfers'] or '-':>5} "
+                       f"{'-' if kib is None else f'{kib:.1f} MiB':>14} {ms(r['transfer_p50_s']):>12} "
+                       f"{ms(r['transfer_p99_s']):>8} {f(r['decode_pool_wait_p99_s'], 3):>15} "
+                       f"{f(r['first_gap_p99_s'], 3):>11}")
+        out.append("(busy: the share of the window each pool's loop spent in iterations; queue: submission "
+                   "to admission; transfer: KV ready on the prefill device to landed on the decode device; "
+                   "decode wait: first token to the transfer's start, waiting for the decode pool's room; "
+                   "1st gap: first to second token, server side)")
+    return "\n".join(out)
+
+
+def slo_verdicts(rows: Sequence[dict], summaries: dict[str, dict], slos: dict[str, float]) -> str:
+    """Which configuration meets every target, and whether the colocated one already does (the
+    seed's test: if it does, splitting phases is not warranted by this load)."""
+    out = ["targets: " + ", ".join(f"{k} {'>=' if '_rate_' in k else '<='} {v:g}" for k, v in slos.items())]
+    met = {}
+    for r in rows:
+        ok, details = check_slos(summaries[r["config"]], slos)
+        met[r["config"]] = ok
+        misses = [f"{k} {d['value']:.3g}" if d["value"] is not None else f"{k} -"
+                  for k, d in details.items() if not d["ok"]]
+        out.append(f"  {r['config']}: {'meets every target' if ok else 'misses ' + ', '.join(misses)}")
+    colocated = [r["config"] for r in rows if not r.get("transfers") and "disaggregated" not in r["config"]]
+    if colocated:
+        if any(met[c] for c in colocated):
+            out.append(f"the colocated baseline ({', '.join(c for c in colocated if met[c])}) already meets "
+                       "the targets on this load: disaggregation is not warranted by it")
+        else:
+            split = [c for c in met if met[c] and c not in colocated]
+            out.append("no colocated configuration meets the targets"
+                       + (f"; {', '.join(split)} does" if split else "; neither does any other"))
     return "\n".join(out)
 
 
 def compare(spec: WorkloadSpec, configs: Sequence[ServerConfig], target: Target, out: Path,
-            health_timeout_s: float = 1200.0) -> dict:
-    """`target` gives the client settings; its base_url is replaced by each spawned server's."""
+            health_timeout_s: float = 1200.0, slos: dict[str, float] | None = None,
+            estimate: str | None = None) -> dict:
+    """`target` gives the client settings; its base_url is replaced by each spawned server's.
+    With `slos`, the report says which configurations meet them; `estimate` (text) is the
+    paper-style transfer estimate printed beside the measurement."""
     reports: dict[str, dict] = {}
     for config in configs:
         with spawned(config, out / f"serve-{_safe(config.label)}.log", health_timeout_s) as base_url:
@@ -101,9 +164,13 @@ def compare(spec: WorkloadSpec, configs: Sequence[ServerConfig], target: Target,
                                                label=f"run-{_safe(config.label)}")
     rows = [comparison_row(label, r["summary"]) for label, r in reports.items()]
     table = format_comparison(rows)
+    if slos:
+        table += "\n\n" + slo_verdicts(rows, {k: r["summary"] for k, r in reports.items()}, slos)
+    if estimate:
+        table += "\n\nKV handoff, estimated from the model shape:\n" + estimate
     images = _plots(reports, out)
     result = {"workload": spec.describe(), "machine": machine(),
-              "servers": [dataclasses.asdict(c) for c in configs], "table": rows,
+              "servers": [dataclasses.asdict(c) for c in configs], "table": rows, "slos": slos,
               "runs": {label: f"run-{_safe(label)}.json" for label in reports},
               "plots": [p.name for p in images]}
     write_json(out / "compare.json", result)

@@ -174,6 +174,10 @@ def server_metrics(results: Sequence[RequestResult], window: Window, chat_classe
             server_gaps += [t[i] - t[i - 1] for i in range(1, len(t)) if _in(t[i], window)]
     out["chat_inter_token_server_s"] = distribution(server_gaps, (50, 99), with_max=True)
     out["stalls"] = explain_stalls(results, window, chat_classes, iterations)
+    out["pools"] = pool_metrics(iterations, window)
+    transfers = transfer_metrics(joined, window)
+    if transfers:
+        out["transfers"] = transfers
     kv = [s for s in samples if _in(s["t"], window)]
     out["kv"] = {
         "samples": len(kv),
@@ -192,12 +196,51 @@ def server_metrics(results: Sequence[RequestResult], window: Window, chat_classe
     return out
 
 
+def pool_metrics(iterations: Sequence[dict], window: Window) -> dict:
+    """Per pool (one colocated; prefill and decode disaggregated): its iterations in the window
+    and the fraction of the window they took (busy: a program ran or its result was awaited)."""
+    length = window[1] - window[0]
+    out = {}
+    for pool in sorted({it.get("pool", "colocated") for it in iterations}):
+        mine = [it for it in iterations if it.get("pool", "colocated") == pool and _in(it["start"], window)]
+        out[pool] = {"iterations": len(mine),
+                     "busy_fraction": sum(it["wall"] for it in mine) / length if length > 0 else None,
+                     "transfers": sum(it.get("transfers", 0) for it in mine)}
+    return out
+
+
+def transfer_metrics(joined: Sequence[RequestResult], window: Window) -> dict:
+    """Disaggregated serving, per request sent in the window: the KV moved and how long it took
+    (ready on the prefill device -> landed on the decode device), how long it waited for the
+    decode pool's room after its first token, and the first inter-token gap it sat in."""
+    moved = [r.server for r in joined if r.server.get("transfer_end") is not None]
+    if not moved:
+        return {}
+    times = [s["token_times"] for s in moved]
+    return {
+        "requests": len(moved),
+        "transfer_s": distribution([s["transfer_end"] - s["transfer_start"] for s in moved], (50, 99)),
+        "transfer_bytes": distribution([s["transfer_bytes"] for s in moved], (50, 99)),
+        "decode_pool_wait_s": distribution(
+            [max(0.0, s["transfer_start"] - s["first_token"]) for s in moved if s["first_token"] is not None],
+            (50, 99)),
+        "first_gap_s": distribution([t[1] - t[0] for t in times if len(t) > 1], (50, 99)),
+    }
+
+
 def device_view(iterations: Sequence[dict]) -> list[dict]:
     """cadence applies iteration i's results while iteration i + 1 runs, so i + 1's wall time is
-    mostly the wait for i's device work: each row is i + 1's interval with i's contents."""
-    return [{**after, "prefill_tokens": it["prefill_tokens"], "prefill_chunks": it["prefill_chunks"],
-             "decode_slots": it["decode_slots"]}
-            for it, after in zip(iterations, iterations[1:]) if after["index"] == it["index"] + 1]
+    mostly the wait for i's device work: each row is i + 1's interval with i's contents. With
+    two loops (disaggregated), an iteration is paired with the next of its own pool."""
+    rows, last = [], {}
+    for it in sorted(iterations, key=lambda it: it["index"]):
+        pool = it.get("pool", "colocated")
+        before = last.get(pool)
+        if before is not None:
+            rows.append({**it, "prefill_tokens": before["prefill_tokens"],
+                         "prefill_chunks": before["prefill_chunks"], "decode_slots": before["decode_slots"]})
+        last[pool] = it
+    return rows
 
 
 def explain_stalls(results: Sequence[RequestResult], window: Window, chat_classes: set[str],

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -257,3 +258,41 @@ def format_comparison(result: dict) -> str:
 
 def load_run(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+# -- the disaggregation handoff ---------------------------------------------------------------
+
+# Effective one-way link bandwidths (GB/s) for the estimate: PCIe 4.0 and 5.0 x16 as measured
+# host-device copies reach (~80% of 32 and 64), and NVLink 4 between two H100/H200s (450 per
+# direction).
+LINKS = {"PCIe 4.0 x16": 25.0, "PCIe 5.0 x16": 50.0, "NVLink 4": 450.0}
+
+
+def kv_bytes_per_token(c: ModelConfig, itemsize: int) -> int:
+    """What a prompt token's KV occupies, and so what a prefill-to-decode handoff moves per
+    token: K and V of every layer, 2 x layers x kv_heads x head_dim x dtype bytes."""
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
+
+
+def transfer_estimate(c: ModelConfig, itemsize: int, prompt_tokens: Sequence[int],
+                      links: dict[str, float] = LINKS) -> dict:
+    """DistServe-style estimate of the handoff: bytes per prompt and the seconds each link takes."""
+    per_token = kv_bytes_per_token(c, itemsize)
+    return {"model": c.name, "itemsize": itemsize, "bytes_per_token": per_token,
+            "prompts": [{"tokens": n, "bytes": n * per_token,
+                         "seconds": {name: n * per_token / (gb_s * 1e9) for name, gb_s in links.items()}}
+                        for n in prompt_tokens]}
+
+
+def format_transfer_estimate(estimates: Sequence[dict]) -> str:
+    out = []
+    for e in estimates:
+        links = list(e["prompts"][0]["seconds"]) if e["prompts"] else []
+        out.append(f"{e['model']} ({8 * e['itemsize']}-bit KV): {e['bytes_per_token'] / 1024:.1f} KiB per "
+                   f"prompt token (2 x layers x kv_heads x head_dim x {e['itemsize']} bytes)")
+        out.append(f"  {'prompt':>7} {'KV':>10} " + " ".join(f"{name:>14}" for name in links))
+        for p in e["prompts"]:
+            out.append(f"  {p['tokens']:>7} {p['bytes'] / 2**20:>7.1f} MiB "
+                       + " ".join(f"{1e3 * p['seconds'][name]:>11.2f} ms" for name in links))
+    out.append("  (links: " + ", ".join(f"{k} {v:g} GB/s" for k, v in LINKS.items()) + ", one way, effective)")
+    return "\n".join(out)

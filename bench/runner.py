@@ -99,6 +99,7 @@ class ServerPoller:
             self._since_iteration = body["iterations"][-1]["index"]
         self._since_request = body["next_request"]
         self.info = {k: body[k] for k in ("num_slots", "max_seq_len", "policy", "kv_cache_bytes")}
+        self.info["disaggregated"] = body.get("disaggregated", False)
         if not record:
             return
         self.iterations += body["iterations"]
@@ -237,6 +238,11 @@ def join_server(data: RunData) -> None:
             "prompt_tokens": record["prompt_tokens"], "output_tokens": record["output_tokens"],
             "finish_reason": record["finish_reason"],
             "token_times": [local(t) for t in record["token_times"]],
+            # disaggregated serving: the KV handoff, and the first decode step's dispatch
+            "transfer_start": local(record.get("transfer_start")),
+            "transfer_end": local(record.get("transfer_end")),
+            "transfer_bytes": record.get("transfer_bytes", 0),
+            "first_decode": local(record.get("first_decode")),
         }
     server["iterations_client_clock"] = [
         {**it, "start": local(it["start"])} for it in server.get("iterations", [])

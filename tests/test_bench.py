@@ -184,17 +184,26 @@ def test_compare_spawns_cadence_per_config_and_writes_table_json_and_plots(
     root, env = tiny_model_dir
     monkeypatch.setenv("CADENCE_CACHE", env["CADENCE_CACHE"])  # the servers' compilation cache
     model = root / "model"
-    configs = [ServerConfig(model=str(model), num_slots=4, max_seq_len=256, prefill_chunk=32, policy=policy)
-               for policy in ("prefill-first", "chunked")]
+    base = ServerConfig(model=str(model), num_slots=4, max_seq_len=256, prefill_chunk=32)
+    configs = [parse_config(item, base) for item in ("prefill-first@32", "disaggregated@32")]
     out = tmp_path / "compare"
     result = compare(tiny_workload(duration_s=1.0), configs, Target("http://unused/v1", "x"), out,
-                     health_timeout_s=120)
-    assert [row["config"] for row in result["table"]] == ["prefill-first@32", "chunked@32"]
+                     health_timeout_s=120, slos={"chat_ttft_p99": 60.0, "error_rate": 0.0},
+                     estimate="(the estimate)")
+    assert [row["config"] for row in result["table"]] == ["prefill-first@32", "disaggregated@32"]
     assert all(row["errors"] == 0 and row["chat_itl_max_s"] > 0 for row in result["table"])
-    assert (out / "compare.txt").read_text().startswith("config")
-    for name in ["compare.json", "run-prefill-first_32.json", "run-chunked_32.json", *result["plots"]]:
+    colocated, split = result["table"]
+    assert colocated["transfers"] is None and set(colocated["busy"]) == {"colocated"}
+    assert set(split["busy"]) == {"prefill", "decode"} and split["transfers"] > 0
+    assert 0 < split["transfer_p50_s"] <= split["transfer_p99_s"] < 1
+    assert split["transfer_bytes_p50"] > 0 and split["decode_pool_wait_p99_s"] >= 0
+    text = (out / "compare.txt").read_text()
+    assert text.startswith("config") and "decode wait p99" in text and "(the estimate)" in text
+    assert "prefill-first@32: meets every target" in text
+    assert "the colocated baseline (prefill-first@32) already meets the targets" in text
+    for name in ["compare.json", "run-prefill-first_32.json", "run-disaggregated_32.json", *result["plots"]]:
         assert (out / name).stat().st_size > 0, name
-    assert "timeline-chunked_32.png" in result["plots"]
+    assert "timeline-disaggregated_32.png" in result["plots"]
 
 
 def test_compare_configs_carry_serve_flags_and_another_checkout():
@@ -205,6 +214,9 @@ def test_compare_configs_carry_serve_flags_and_another_checkout():
     paged = parse_config(item, base)
     assert paged.label == item and paged.repo == str(REPO) and paged.num_slots == 4
     assert paged.argv(1)[-1] == "--kv_reservation=max" and "--prefill_chunk=128" in paged.argv(1)
+    split = parse_config("disaggregated@64", base)
+    assert split.policy == "chunked" and split.label == "disaggregated@64"
+    assert split.argv(1)[-3:] == ["--num_cpu_devices=2", "--prefill_devices=0", "--decode_devices=1"]
     for bad in ["chunked", "fastest@64", "chunked@64:kv_reservation", "chunked@64:repo=/nonexistent"]:
         with pytest.raises(ValueError, match="configs"):
             parse_config(bad, base)
@@ -351,6 +363,18 @@ def test_bill_arithmetic_and_cumulative_usage_is_not_summed():
     assert estimate["classes"]["document"]["cost"] == pytest.approx(5000e-6 + 200e-6)
     assert estimate["total"]["cost"] == pytest.approx(chat["cost"] + 5200e-6)
     assert Prices(1.0, 2.0).cached_rate == 1.0
+
+
+def test_kv_handoff_estimate():
+    """Llama-3-8B in bf16: 2 x 32 layers x 8 KV heads x 128 x 2 bytes = 128 KiB per token, so
+    an 8k-token prompt moves 1 GiB: 21.5 ms at 50 GB/s."""
+    from model.config import LLAMA3_8B
+
+    e = roofline.transfer_estimate(LLAMA3_8B, 2, (8192,), {"link": 50.0})
+    assert e["bytes_per_token"] == 131072
+    assert e["prompts"][0]["bytes"] == 2**30
+    assert e["prompts"][0]["seconds"]["link"] == pytest.approx(2**30 / 50e9)
+    assert "128.0 KiB per prompt token" in roofline.format_transfer_estimate([e])
 
 
 def test_roofline_arithmetic():
