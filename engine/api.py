@@ -9,6 +9,8 @@
     tokens = engine.decode(positions, active, rows.params(), page_table)       device array [num_slots]
                                                         (an inactive slot's entry: its last token)
     handle = engine.extract(pages, length, slot)        `KVHandle`: a sequence's KV + next token
+    landed = engine.receive(handle)                     starts copying it onto this engine's
+                                                        device; landed.is_ready() once there
     engine.insert(handle, pages, slot)                  into free pages, of this or another engine;
                                                         returns the handle as copied to its device
     engine.config.role                                  "both", or "prefill"/"decode" (one phase
@@ -67,6 +69,8 @@ class EngineAPI(Protocol):
                page_table: np.ndarray) -> jax.Array | np.ndarray: ...
 
     def extract(self, pages: list[int], length: int, slot: int) -> KVHandle: ...
+
+    def receive(self, handle: KVHandle) -> KVHandle: ...
 
     def insert(self, handle: KVHandle, pages: list[int], slot: int) -> KVHandle: ...
 

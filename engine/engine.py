@@ -6,10 +6,11 @@ whole of what the scheduler may use; its two programs:
     tokens = engine.prefill(chunks, sampling_rows)    # every prompt chunk of an iteration, packed
     tokens = engine.decode(positions, active, sampling_rows, page_table)     # the active slots, one step
 
-and the two calls that move a sequence's KV out of one engine and into another (`KVHandle`):
+and the calls that move a sequence's KV out of one engine and into another (`KVHandle`):
 
     handle = engine.extract(pages, length, slot)      # its pages' contents and next token
-    engine.insert(handle, pages, slot)                # into free pages of this or another engine
+    landed = other.receive(handle)                    # the copy to the other engine's device
+    other.insert(landed, pages, slot)                 # into free pages of that engine
 
 Both return device arrays immediately (JAX dispatch is asynchronous) and have already started
 copying them to the host; the scheduler reads them one step later, so the device never waits
@@ -275,6 +276,10 @@ class KVHandle:
         jax.block_until_ready((self.k, self.v, self.next_token))
         return self
 
+    def is_ready(self) -> bool:
+        """Whether its arrays are computed (or copied) already; never waits."""
+        return all(a.is_ready() for a in (self.k, self.v, self.next_token))
+
 
 def fixed_page_tables(config: EngineConfig, order: Sequence[int] | None = None) -> np.ndarray:
     """A page table [num_slots, max_pages_per_seq] giving every slot its own run of pages for
@@ -473,6 +478,11 @@ class Engine:
         ids[:count] = pages[:count]
         k, v, token = self._extract(self.cache, self.last_tokens, ids, np.int32(slot))
         return KVHandle(k=k, v=v, next_token=token, length=length, page_size=cfg.page_size)
+
+    def receive(self, handle: KVHandle) -> KVHandle:
+        """Starts copying `handle` onto this engine's device and returns the copy at once; it
+        is ready (`is_ready`) when the copy has landed, and `insert` then waits for nothing."""
+        return handle.to(self.device)
 
     def insert(self, handle: KVHandle, pages: Sequence[int], slot: int) -> KVHandle:
         """Writes `handle`'s KV into `pages` of this engine's pool (free pages the caller

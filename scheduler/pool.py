@@ -66,6 +66,7 @@ class Pool:
         self.tables[r.slot] = 0
         self.pages.release(r.pages)
         r.pool = None  # r.slot keeps the number, for the record of where it ran
+        r.landing = None  # KV on its way to this slot has nowhere to go now
 
     @property
     def idle(self) -> bool:

@@ -22,7 +22,9 @@ from model.sampling import RequestSampling
 class State(enum.Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
-    TRANSFERRING = "transferring"  # prefilled on the prefill pool, waiting for the decode pool
+    # Disaggregated: prefilled, waiting for the decode pool's room (holding prefill pages), or
+    # with its KV on its way there (holding decode pages).
+    TRANSFERRING = "transferring"
     DECODING = "decoding"
     FINISHED = "finished"
 
@@ -115,6 +117,8 @@ class Request:
         self.pool = None  # the scheduler.pool.Pool whose slot it holds, if any
         self.pages: list[int] = []  # the KV pages it holds (in its pool), in position order
         self.unapplied = 0  # dispatched results that include it, not yet applied
+        self.landing = None  # disaggregated: its KV handle on its way to the decode device
+        self.transfer_error: str | None = None  # ... and why it never arrived, if it did not
         # What prefill computes: the prompt, and after a preemption the output so far too
         # (recomputed, never re-emitted: the next token sampled is the next output).
         self.prefill_ids = self.prompt_ids

@@ -217,8 +217,10 @@ class Scheduler:
         self._inbox: list[Request] = []
         self._cancels: list[Request] = []
         self._waiting: collections.deque[Request] = collections.deque()
-        # Disaggregated: prefilled requests waiting for the decode pool, oldest first.
+        # Disaggregated: prefilled requests waiting for the decode pool, oldest first, and
+        # those whose KV is on its way there.
         self._transfers: collections.deque[Request] = collections.deque()
+        self._moving: list[Request] = []
         self._landing: queue.Queue = queue.Queue()  # transfers in flight, for the watcher
         self.preemptions = 0
         self.prefill_programs = 0  # packed prefill programs run, and the chunks they carried
@@ -334,8 +336,13 @@ class Scheduler:
 
     @property
     def transfer_backlog(self) -> int:
-        """Prefilled requests waiting for the decode pool (0 unless disaggregated)."""
-        return sum(1 for r in self._transfers if r.state is State.TRANSFERRING)
+        """Prefilled requests waiting for the decode pool's room (0 unless disaggregated)."""
+        return sum(1 for r in self._transfers if r.state is State.TRANSFERRING and r.pool is self._prefill_pool)
+
+    @property
+    def transfers_in_flight(self) -> int:
+        """Requests whose KV is on its way to the decode pool."""
+        return sum(1 for r in self._moving if r.state is State.TRANSFERRING)
 
     @property
     def kv_usage(self) -> float:
@@ -404,7 +411,7 @@ class Scheduler:
         return any(thread.is_alive() for thread in self._threads)
 
     def idle(self) -> bool:
-        return not (self._inbox or self._waiting or self._transfers
+        return not (self._inbox or self._waiting or self._transfers or self._moving
                     or any(not pool.idle for pool in self.pools))
 
     def _changed(self) -> None:
@@ -462,11 +469,10 @@ class Scheduler:
             self._take_inbox()
             plan = self._plan(pool)
             previous = self._begin(pool)
-            programs, chunks = self.prefill_programs, self.prefill_chunks
             self._admit(plan, pool, start)
             self._reserve_pages(pool, plan, start)
             rows = pool.rows.params()  # every slot's sampling row, for both programs
-            self._dispatch_prefill(plan, pool, rows)
+            programs, chunks = self._dispatch_prefill(plan, pool, rows)
             self._dispatch_decode(plan.decode, pool, rows)
         return self._finish_iteration(pool, previous, start, plan, programs, chunks)
 
@@ -479,26 +485,26 @@ class Scheduler:
             self._take_inbox()
             plan = self._plan(pool)  # nothing decodes here, so prefill has the whole budget
             previous = self._begin(pool)
-            programs, chunks = self.prefill_programs, self.prefill_chunks
             self._admit(plan, pool, start)
             self._reserve_pages(pool, plan, start)
-            self._dispatch_prefill(plan, pool, pool.rows.params())
-            transfers = self._start_transfers()
+            programs, chunks = self._dispatch_prefill(plan, pool, pool.rows.params())
+            transfers = self._start_transfers()  # a prompt just finished moves right behind it
         return self._finish_iteration(pool, previous, start, plan, programs, chunks, transfers)
 
     def _iterate_decode(self) -> bool:
-        """Disaggregated: take what the backlog's room allows, then one decode step."""
+        """Disaggregated: insert the KV that has landed, start moving what the freed room
+        allows, then one decode step."""
         pool = self._decode_pool
         with self._state:
             start = time.monotonic()
             self._take_inbox()
+            landed = self._insert_landed()
             transfers = self._start_transfers()
             plan = Plan(decode=[r for r in pool.running if wants_decode(r)])
             previous = self._begin(pool)
             self._reserve_pages(pool, plan, start)
             self._dispatch_decode(plan.decode, pool, pool.rows.params())
-        return self._finish_iteration(pool, previous, start, plan, self.prefill_programs,
-                                      self.prefill_chunks, transfers)
+        return self._finish_iteration(pool, previous, start, plan, 0, 0, transfers + landed)
 
     def _plan(self, pool: Pool) -> Plan:
         budget = PageBudget(pool.pages.free_count, self.page_size,
@@ -515,14 +521,14 @@ class Scheduler:
         return pool.applying
 
     def _finish_iteration(self, pool: Pool, previous: list, start: float, plan: Plan,
-                          programs: int, chunks: int, transfers: int = 0) -> bool:
+                          programs: int, chunks: int, handoffs: int = 0) -> bool:
         """Waits for the previous iteration's results (outside the state lock: the other loop
         goes on meanwhile), applies them, and records the iteration if anything ran."""
         values = [np.asarray(tokens) for _, tokens in previous]  # waits only if still running
         with self._state:
             self._apply(previous, values)
             pool.applying = []
-            if plan.empty and not previous and not transfers:
+            if plan.empty and not previous and not handoffs:
                 return False
             wall = time.monotonic() - start
             pool.busy_seconds += wall
@@ -532,10 +538,10 @@ class Scheduler:
                 wall=wall,
                 decode_slots=len(plan.decode),
                 prefill_tokens=sum(c.length for c in plan.prefill),
-                prefill_chunks=self.prefill_chunks - chunks,
-                prefill_programs=self.prefill_programs - programs,
+                prefill_chunks=chunks,
+                prefill_programs=programs,
                 pool=pool.name,
-                transfers=transfers,
+                transfers=handoffs,
             )
             self._iteration += 1
         self._notify(self.iteration_listeners, record)
@@ -577,7 +583,8 @@ class Scheduler:
             except Exception as e:  # this request's values, this request's failure
                 self._fail_one(r, f"its sampling parameters cannot be packed: {e}", now)
 
-    def _dispatch_prefill(self, plan: Plan, pool: Pool, rows) -> None:
+    def _dispatch_prefill(self, plan: Plan, pool: Pool, rows) -> tuple[int, int]:
+        """Returns (programs, chunks) dispatched."""
         chunks, firsts = [], []
         for chunk in plan.prefill:
             r = chunk.request
@@ -596,13 +603,16 @@ class Scheduler:
                 if self.disaggregated and r.dispatched < r.max_tokens:
                     r.state = State.TRANSFERRING  # its decode steps run on the decode pool
                     self._transfers.append(r)
-        if chunks:
-            # One call for every chunk: the engine packs them into one program (usually).
-            tokens = pool.engine.prefill(chunks, rows)
-            self.prefill_programs += tokens.programs
-            self.prefill_chunks += len(chunks)
-            if firsts:
-                self._expect(pool, firsts, tokens)
+        if not chunks:
+            return 0, 0
+        # One call for every chunk: the engine packs them into one program (usually). Its
+        # result is awaited next iteration even without a final chunk among them, so the
+        # device never queues more than one pack ahead of what the host has seen.
+        tokens = pool.engine.prefill(chunks, rows)
+        self.prefill_programs += tokens.programs
+        self.prefill_chunks += len(chunks)
+        self._expect(pool, firsts, tokens)
+        return tokens.programs, len(chunks)
 
     def _dispatch_decode(self, decode: list[Request], pool: Pool, rows) -> None:
         decode = [r for r in decode if r.state is State.DECODING and r.pool is pool]
@@ -631,57 +641,87 @@ class Scheduler:
     # -- the handoff between the two pools ---------------------------------------------------
 
     def _start_transfers(self) -> int:
-        """Moves prefilled requests to the decode pool, oldest first, while it has a free slot
-        and pages for the request's next step beside what its running requests' next steps
-        need. Each move: extract on the prefill engine, copy to the decode device and insert
-        there (all asynchronous), free the prefill slot and pages. Returns how many moved."""
-        moved = 0
+        """Starts moving prefilled requests to the decode pool, oldest first, while it has a
+        free slot and pages for the request's next step beside what its running requests'
+        next steps need. A move takes the decode slot and pages, extracts the KV on the
+        prefill engine (queued right behind the prompt's last chunk) and starts its copy to the
+        decode device, all asynchronous, and frees the prefill slot and pages; the decode loop
+        inserts the KV once it has landed (`_insert_landed`), so a decode step never waits for
+        the prefill device. Returns how many started."""
+        started = 0
         source, target = self._prefill_pool, self._decode_pool
         while self._transfers:
             r = self._transfers[0]
-            if r.state is not State.TRANSFERRING:  # finished, failed or preempted meanwhile
+            if r.state is not State.TRANSFERRING or r.pool is not source:  # ended meanwhile
                 self._transfers.popleft()
                 continue
             tokens = self.max_seq_len if self.config.kv_reservation == "max" else r.kv_tokens + 1
-            free = target.pages.free_count - running_cost(target.running, self.config.policy, self._page_budget(target))
+            free = target.pages.free_count - running_cost(target.running, self.config.policy,
+                                                          self._page_budget(target))
             if not target.free_slots or target.pages.pages_for(tokens) > free:
                 break  # the decode pool is full: r waits, holding its prefill pages
             self._transfers.popleft()
-            now = time.monotonic()
             try:
                 handle = source.engine.extract(r.pages, r.kv_tokens, r.slot)
             except Exception as e:
                 logging.exception("extracting %s's KV failed", r.id)
                 self._fail_pool(source, f"{type(e).__name__}: {e}")
-                return moved
+                return started
             source.release(r)
             target.take(r)
             target.grow(r, tokens)  # cannot fail: the pages were counted above
-            r.state = State.DECODING
             try:
-                target.rows.set(r.slot, r.params.sampling)
-            except Exception as e:
-                self._fail_one(r, f"its sampling parameters cannot be packed: {e}", now)
+                r.landing = target.engine.receive(handle)
+            except Exception as e:  # a copy that cannot even start: this request's failure
+                logging.exception("moving %s's KV failed", r.id)
+                self._fail_one(r, f"its KV could not be moved: {type(e).__name__}: {e}", time.monotonic())
                 continue
-            try:
-                landed = target.engine.insert(handle, r.pages, r.slot)
-            except Exception as e:
-                logging.exception("inserting %s's KV failed", r.id)
-                self._fail_pool(target, f"{type(e).__name__}: {e}")
-                return moved
-            moved += 1
+            started += 1
             self.kv_transfers += 1
             self.kv_transfer_bytes += handle.nbytes
             r.transfer_bytes += handle.nbytes
-            self._watch(r, handle, landed)
-        return moved
+            self._moving.append(r)
+            self._watch(r, handle, r.landing)
+        return started
+
+    def _insert_landed(self) -> int:
+        """Inserts into the decode pool the KV of every moving request whose copy has landed;
+        they decode from the next step. Returns how many."""
+        pool, inserted = self._decode_pool, 0
+        for r in list(self._moving):
+            if r.state is not State.TRANSFERRING or r.pool is not pool:  # ended or preempted
+                self._moving.remove(r)
+                continue
+            if r.transfer_error is not None:
+                self._moving.remove(r)
+                self._fail_one(r, f"its KV transfer failed: {r.transfer_error}", time.monotonic())
+                continue
+            if not r.landing.is_ready():
+                continue
+            self._moving.remove(r)
+            try:
+                pool.rows.set(r.slot, r.params.sampling)
+            except Exception as e:
+                self._fail_one(r, f"its sampling parameters cannot be packed: {e}", time.monotonic())
+                continue
+            try:
+                pool.engine.insert(r.landing, r.pages, r.slot)
+            except Exception as e:
+                logging.exception("inserting %s's KV failed", r.id)
+                self._fail_pool(pool, f"{type(e).__name__}: {e}")
+                return inserted
+            r.landing = None
+            r.state = State.DECODING
+            inserted += 1
+        return inserted
 
     def _page_budget(self, pool: Pool) -> PageBudget:
         return PageBudget(pool.pages.free_count, self.page_size,
                           self.max_seq_len if self.config.kv_reservation == "max" else None)
 
     def _watch(self, r: Request, handle, landed) -> None:
-        """Hands a started transfer to the watcher thread, which times it as it lands."""
+        """Hands a started transfer to the watcher thread, which times it as it lands and
+        wakes the decode loop."""
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch_transfers, name="cadence-transfers",
                                              daemon=True)
@@ -696,11 +736,15 @@ class Scheduler:
                 start = time.monotonic()
                 landed.block_until_ready()  # the copy has landed on the decode device
                 end = time.monotonic()
-            except Exception:  # the pools' own calls report the failure to the requests
+            except Exception as e:  # the request fails alone, on the decode loop
                 logging.exception("KV transfer of %s failed", r.id)
-                continue
-            r.transfer_start, r.transfer_end = start, end
-            self._notify(self.transfer_listeners, KVTransfer(r.id, handle.nbytes, handle.length, start, end))
+                r.transfer_error = f"{type(e).__name__}: {e}"
+            else:
+                r.transfer_start, r.transfer_end = start, end
+                self._notify(self.transfer_listeners,
+                             KVTransfer(r.id, handle.nbytes, handle.length, start, end))
+            with self._lock:
+                self._changed()
 
     def _tokens_after(self, r: Request, plan_chunks: dict[Request, int], decoding: set[Request]) -> int:
         """Positions `r` needs pages for once this iteration's work for it is dispatched."""
@@ -835,6 +879,7 @@ class Scheduler:
                 self._changed()
             self._waiting.clear()
             self._transfers.clear()
+            self._moving.clear()
             for pool in self.pools:
                 pool.pending, pool.applying = [], []
             now = time.monotonic()

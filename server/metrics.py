@@ -76,6 +76,9 @@ class Metrics:
         gauges["cadence:kv_transfer_backlog"] = (
             "Disaggregated: prefilled requests waiting for the decode pool's slots or pages.",
             lambda: scheduler.transfer_backlog)
+        gauges["cadence:kv_transfers_in_flight"] = (
+            "Disaggregated: requests whose KV is on its way to the decode pool.",
+            lambda: scheduler.transfers_in_flight)
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, ["model_name"], registry=r).labels(**labels).set_function(fn)
         # Each engine's pool: "colocated", or "prefill" and "decode".

@@ -109,6 +109,7 @@ class FakeEngine:
         self.fail_decode_call: int | None = None  # the index of a decode call that raises
         self.fail_prefill_call: int | None = None  # ... of a prefill call
         self.fail_insert_call: int | None = None  # ... of an insert
+        self.landing_polls = 0  # a received handle is not ready for this many is_ready() calls
         self.fail_recover = False  # recover() raises: the device cannot be rebuilt
         self.poison: dict[int, int] = {}  # decode call index -> a slot whose token is garbage
         self.decode_calls = 0
@@ -214,6 +215,9 @@ class FakeEngine:
         self.extracts += 1
         return FakeHandle(self._content(pages, length).copy(), int(self.last_tokens[slot]), length)
 
+    def receive(self, handle: FakeHandle) -> FakeHandle:
+        return dataclasses.replace(handle, polls=self.landing_polls)
+
     def insert(self, handle: FakeHandle, pages, slot) -> FakeHandle:
         """Like the engine's: the content lands in `pages`, the next token in `slot`."""
         assert 0 <= slot < self.config.num_slots
@@ -234,6 +238,7 @@ class FakeHandle:
     content: np.ndarray
     next_token: int
     length: int
+    polls: int = 0  # is_ready() calls that say "not yet"
 
     @property
     def nbytes(self) -> int:
@@ -241,6 +246,10 @@ class FakeHandle:
 
     def block_until_ready(self) -> FakeHandle:
         return self
+
+    def is_ready(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
 
 
 def expected(engine: FakeEngine, prompt: Sequence[int], max_tokens: int,

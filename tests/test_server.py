@@ -249,7 +249,9 @@ def test_metrics_expose_histograms_and_counters(url, client):
                  "cadence:num_requests_waiting", 'cadence:compilations_after_warmup{model_name="tiny"}',
                  "cadence:kv_pages_used", "cadence:kv_pages_total", "cadence:kv_page_utilization_perc",
                  "cadence:num_preemptions_total", "cadence:prefill_programs_total",
-                 "cadence:prefill_chunks_total"):
+                 "cadence:prefill_chunks_total", 'cadence:kv_transfer_backlog{model_name="tiny"} 0.0',
+                 'cadence:pool_busy_seconds_total{model_name="tiny",pool="colocated"}',
+                 'cadence:pool_queue_length{model_name="tiny",pool="colocated"}'):
         assert name in text, name
     value = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
              if line.startswith(("cadence:prefill_programs_total", "cadence:prefill_chunks_total"))}
