@@ -1,0 +1,36 @@
+"""The other process of tests/test_kv_transfer.py: prefills a prompt on the tiny model and
+offers its KV to whoever pulls it.
+
+    python -m tests.kv_peer PROMPT_IDS_JSON    # prints the ticket (JSON), serves until stdin closes
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+from engine.engine import Engine, sampling_rows
+from engine.kv_transfer import KVSender
+from engine.packing import PrefillChunk
+from model.config import TINY
+from model.sampling import RequestSampling
+from tests.conftest import random_params
+from tests.test_kv_transfer import PEER_CONFIG, PEER_PAGES, PEER_SLOT
+
+
+def main() -> None:
+    prompt = json.loads(sys.argv[1])
+    engine = Engine(random_params(TINY), TINY, PEER_CONFIG)
+    rows = sampling_rows([RequestSampling()] * PEER_CONFIG.num_slots)
+    first = engine.prefill([PrefillChunk(PEER_SLOT, prompt, 0, True, PEER_PAGES)], rows)
+    handle = engine.extract(PEER_PAGES, len(prompt), PEER_SLOT).block_until_ready()
+    sender = KVSender(address="127.0.0.1:0", transport_addresses=("127.0.0.1:0",))
+    ticket = sender.offer(handle)
+    print(json.dumps({"ticket": ticket.to_json(), "first": int(np.asarray(first)[0])}), flush=True)
+    sys.stdin.read()  # the arrays must outlive the pull: serve until the test is done
+
+
+if __name__ == "__main__":
+    main()
