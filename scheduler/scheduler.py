@@ -397,8 +397,9 @@ class Scheduler:
             self._stopping = True
             self._changed()
         self.join(timeout)
-        if self._watcher is not None and not self.alive:
+        if self._watcher is not None and not self.alive:  # nothing more will move: let it end
             self._landing.put(None)
+            self._watcher.join(timeout)
 
     def join(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -745,6 +746,9 @@ class Scheduler:
                              KVTransfer(r.id, handle.nbytes, handle.length, start, end))
             with self._lock:
                 self._changed()
+            # Hold no device array while waiting for the next: a daemon thread that still
+            # references one when the interpreter exits aborts the process.
+            del r, handle, landed, item
 
     def _tokens_after(self, r: Request, plan_chunks: dict[Request, int], decoding: set[Request]) -> int:
         """Positions `r` needs pages for once this iteration's work for it is dispatched."""
