@@ -119,6 +119,13 @@ def _check_pair(prefill: EngineAPI, decode: EngineAPI) -> None:
             f"{p.page_size} vs {d.page_size}")
 
 
+def _forget(results: list[tuple[list[tuple[Request, int]], Any]]) -> None:
+    """Dispatched results that will never be applied: their requests no longer wait for them."""
+    for pairs, _ in results:
+        for r, _ in pairs:
+            r.unapplied -= 1
+
+
 def _put_all(items: list[tuple[RequestStream, Any]]) -> None:  # the reader's event loop
     for stream, event in items:
         stream._queue.put_nowait(event)
@@ -457,6 +464,9 @@ class Scheduler:
         except Exception as e:
             logging.exception("%s iteration failed", pool.name)
             with self._state:
+                # This iteration will not apply the results it took: they are dropped here.
+                _forget(pool.applying)
+                pool.applying = []
                 self._fail_pool(pool, f"{type(e).__name__}: {e}")
             return True
         finally:
@@ -856,12 +866,12 @@ class Scheduler:
     def _fail_pool(self, pool: Pool, message: str) -> None:
         """After a failed engine call: the pool's requests' KV may be lost, so they end with
         the error; its engine rebuilds its state; everything else goes on. If the rebuild
-        fails too, the scheduler is dead. Under the state lock."""
+        fails too, the scheduler is dead. Under the state lock, from either loop."""
         now = time.monotonic()
-        for pairs, _ in pool.pending + pool.applying:
-            for r, _ in pairs:
-                r.unapplied -= 1
-        pool.pending, pool.applying = [], []
+        # Results not yet taken by an iteration are dropped; those an iteration is reading
+        # (`applying`) it still applies, to requests that are finished by then.
+        _forget(pool.pending)
+        pool.pending = []
         for r in list(pool.running):
             self._finish(r, FinishReason.ERROR, now, message)
         try:

@@ -225,6 +225,31 @@ def test_a_failed_insert_fails_the_decode_pool_and_nothing_else():
     all_pages_free(h)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_failures_under_load_end_every_request_and_spare_the_other_pool(seed):
+    """Random load over a decode pool that runs dry (preemptions), with extracts failing now
+    and then (each fails the prefill pool's requests): every request ends, those that fail
+    fail with the prefill pool's error, the rest are exact, and no request is left waiting
+    for a result that will never come."""
+    rng = np.random.default_rng(seed)
+    h = disaggregated(chunked(budget=64, chunk=32), max_seq_len=128, page_size=8, prefill_chunk=32,
+                      num_slots=3, decode=dict(num_pages=16))
+    h.decode_engine.landing_polls = 1
+    h.engine.fail_extract_calls = {5, 11, 12, 20}
+    run_random_load(h, rng, sorted(int(a) for a in rng.integers(0, 60, size=20)), prompt_max=60,
+                    tokens_max=60, cancel_p=0.0, max_steps=5000)
+    for c in h.clients:
+        assert c.record is not None
+        if c.record.finish_reason == "error":
+            assert "device lost in extract" in c.record.error
+        else:
+            c.check(h.engine)
+    assert h.engine.recoveries >= 1 and h.decode_engine.recoveries == 0
+    assert all(c.stream.request.unapplied == 0 for c in h.clients)
+    assert h.sched.preemptions > 0
+    all_pages_free(h)
+
+
 def test_the_two_loops_serve_concurrent_clients():
     """Started: a prefill thread and a decode thread share the requests; many streams at once
     get exact outputs, every transfer is reported, and stop() drains both loops."""

@@ -109,6 +109,7 @@ class FakeEngine:
         self.fail_decode_call: int | None = None  # the index of a decode call that raises
         self.fail_prefill_call: int | None = None  # ... of a prefill call
         self.fail_insert_call: int | None = None  # ... of an insert
+        self.fail_extract_calls: set[int] = set()  # ... of extracts
         self.landing_polls = 0  # a received handle is not ready for this many is_ready() calls
         self.fail_recover = False  # recover() raises: the device cannot be rebuilt
         self.poison: dict[int, int] = {}  # decode call index -> a slot whose token is garbage
@@ -213,6 +214,8 @@ class FakeEngine:
         assert 0 <= slot < self.config.num_slots and 0 < length <= self.config.max_seq_len
         assert len(pages) >= self.config.pages_for(length)
         self.extracts += 1
+        if self.extracts in self.fail_extract_calls:
+            raise RuntimeError("device lost in extract")
         return FakeHandle(self._content(pages, length).copy(), int(self.last_tokens[slot]), length)
 
     def receive(self, handle: FakeHandle) -> FakeHandle:
