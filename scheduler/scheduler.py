@@ -119,13 +119,6 @@ def _check_pair(prefill: EngineAPI, decode: EngineAPI) -> None:
             f"{p.page_size} vs {d.page_size}")
 
 
-def _forget(results: list[tuple[list[tuple[Request, int]], Any]]) -> None:
-    """Dispatched results that will never be applied: their requests no longer wait for them."""
-    for pairs, _ in results:
-        for r, _ in pairs:
-            r.unapplied -= 1
-
-
 def _put_all(items: list[tuple[RequestStream, Any]]) -> None:  # the reader's event loop
     for stream, event in items:
         stream._queue.put_nowait(event)
@@ -464,10 +457,11 @@ class Scheduler:
         except Exception as e:
             logging.exception("%s iteration failed", pool.name)
             with self._state:
+                message = f"{type(e).__name__}: {e}"
                 # This iteration will not apply the results it took: they are dropped here.
-                _forget(pool.applying)
+                self._forget(pool.applying, message)
                 pool.applying = []
-                self._fail_pool(pool, f"{type(e).__name__}: {e}")
+                self._fail_pool(pool, message)
             return True
         finally:
             self._deliver()
@@ -707,7 +701,9 @@ class Scheduler:
                 self._moving.remove(r)
                 self._fail_one(r, f"its KV transfer failed: {r.transfer_error}", time.monotonic())
                 continue
-            if not r.landing.is_ready():
+            # Decode only once its first token (read by the prefill loop, normally before the
+            # copy lands) is taken, so its tokens are accepted in order.
+            if r.unapplied or not r.landing.is_ready():
                 continue
             self._moving.remove(r)
             try:
@@ -863,6 +859,17 @@ class Scheduler:
             except Exception:  # a broken metrics hook must not take serving down
                 logging.exception("listener %r failed", listener)
 
+    def _forget(self, results: list[tuple[list[tuple[Request, int]], Any]], message: str) -> None:
+        """Dispatched results that will never be applied. A request that was waiting for one
+        and still runs (disaggregated: moved on to the decode pool before its first token was
+        read) has lost that token and fails; a waiting one recomputes it when admitted again."""
+        now = time.monotonic()
+        for pairs, _ in results:
+            for r, _ in pairs:
+                r.unapplied -= 1
+                if not r.finished and r.state is not State.WAITING:
+                    self._fail_one(r, message, now)
+
     def _fail_pool(self, pool: Pool, message: str) -> None:
         """After a failed engine call: the pool's requests' KV may be lost, so they end with
         the error; its engine rebuilds its state; everything else goes on. If the rebuild
@@ -870,7 +877,7 @@ class Scheduler:
         now = time.monotonic()
         # Results not yet taken by an iteration are dropped; those an iteration is reading
         # (`applying`) it still applies, to requests that are finished by then.
-        _forget(pool.pending)
+        self._forget(pool.pending, message)
         pool.pending = []
         for r in list(pool.running):
             self._finish(r, FinishReason.ERROR, now, message)
