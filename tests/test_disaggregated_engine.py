@@ -29,21 +29,19 @@ from server.app import create_app
 from tests.conftest import loopback_server
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = EngineConfig(num_slots=3, max_seq_len=192, prefill_chunk=32, page_size=16, min_kv_bucket=64)
+CONFIG = EngineConfig(num_slots=3, max_seq_len=128, prefill_chunk=32, page_size=16, min_kv_bucket=64)
 POLICY = SchedulerConfig(policy=PolicyConfig(token_budget=64, chunk=32))
 
 
-def engines(params, config, colocated: bool = True):
-    """(prefill engine on device 1, decode engine on device 2[, a colocated one on device 0]),
-    all warmed up."""
+def engines(params, config):
+    """The prefill engine on device 1 and the decode engine on device 2, warmed up, and a
+    colocated one on device 0 to compare with (not warmed: it compiles what it runs)."""
     devices = jax.devices()
-    made = [Engine(params, config, dataclasses_replace(CONFIG, role="prefill"), device=devices[1]),
+    pair = [Engine(params, config, dataclasses_replace(CONFIG, role="prefill"), device=devices[1]),
             Engine(params, config, dataclasses_replace(CONFIG, role="decode"), device=devices[2])]
-    if colocated:
-        made.append(Engine(params, config, CONFIG, device=devices[0]))
-    for engine in made:
+    for engine in pair:
         engine.warmup()
-    return made
+    return [*pair, Engine(params, config, CONFIG, device=devices[0])]
 
 
 def dataclasses_replace(config: EngineConfig, **changes) -> EngineConfig:
@@ -89,7 +87,7 @@ def test_disaggregated_equals_colocated_and_the_reference(pair, tiny_params, tin
 def test_each_engine_of_a_pair_runs_its_own_phase_only(pair):
     prefill, decode, _ = pair
     with pytest.raises(ValueError, match="runs prefill only"):
-        prefill.decode(np.zeros(3, np.int32), np.ones(3, bool), None, np.zeros((3, 12), np.int32))
+        prefill.decode(np.zeros(3, np.int32), np.ones(3, bool), None, np.zeros((3, 8), np.int32))
     with pytest.raises(ValueError, match="runs decode only"):
         decode.prefill([], None)
 
