@@ -113,11 +113,11 @@ def format_comparison(rows: Sequence[dict]) -> str:
         for r in rows:
             busy = " ".join(f"{pool} {v:.0%}" for pool, v in sorted((r.get("busy") or {}).items())
                             if v is not None)
-            kib = None if r["transfer_bytes_p50"] is None else r["transfer_bytes_p50"] / 2**20
+            mib = None if r["transfer_bytes_p50"] is None else r["transfer_bytes_p50"] / 2**20
             ms = lambda x: "-" if x is None else f"{1e3 * x:.1f} ms"  # noqa: E731
             out.append(f"{r['config']:<{width}} {busy:>28} {f(r['chat_queue_p99_s'], 2):>14} "
                        f"{f(r['doc_queue_p99_s'], 2):>13} {r['transfers'] or '-':>5} "
-                       f"{'-' if kib is None else f'{kib:.1f} MiB':>14} {ms(r['transfer_p50_s']):>12} "
+                       f"{'-' if mib is None else f'{mib:.1f} MiB':>14} {ms(r['transfer_p50_s']):>12} "
                        f"{ms(r['transfer_p99_s']):>8} {f(r['decode_pool_wait_p99_s'], 3):>15} "
                        f"{f(r['first_gap_p99_s'], 3):>11}")
         out.append("(busy: the share of the window each pool's loop spent in iterations; queue: submission "

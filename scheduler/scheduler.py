@@ -512,12 +512,11 @@ class Scheduler:
         return self._finish_iteration(pool, previous, start, plan, 0, 0, transfers + landed)
 
     def _plan(self, pool: Pool) -> Plan:
-        budget = PageBudget(pool.pages.free_count, self.page_size,
-                            self.max_seq_len if self.config.kv_reservation == "max" else None)
         # A request with a result still in flight (disaggregated: preempted on the decode pool
         # while its last step runs) is admitted again only once that result is applied.
         waiting = [r for r in self._waiting if not r.unapplied]
-        return make_plan(pool.running, waiting, len(pool.free_slots), self.config.policy, budget)
+        return make_plan(pool.running, waiting, len(pool.free_slots), self.config.policy,
+                         self._page_budget(pool))
 
     @staticmethod
     def _begin(pool: Pool) -> list:
@@ -723,6 +722,7 @@ class Scheduler:
         return inserted
 
     def _page_budget(self, pool: Pool) -> PageBudget:
+        """What the pool's free pages allow the policy, per the reservation mode."""
         return PageBudget(pool.pages.free_count, self.page_size,
                           self.max_seq_len if self.config.kv_reservation == "max" else None)
 
