@@ -378,7 +378,7 @@ class Scheduler:
         if self._threads:
             return
         if self.disaggregated:
-            loops = [("cadence-prefill", self._iterate_prefill), ("cadence-decode", self._iterate_decode)]
+            loops = [("cadence-prefill", self._iterate), ("cadence-decode", self._iterate_decode)]
         else:
             loops = [("cadence-scheduler", self._iterate)]
         self._threads = [threading.Thread(target=self._run, args=(iterate,), name=name, daemon=True)
@@ -442,11 +442,9 @@ class Scheduler:
     def step(self) -> None:
         """One iteration (of both loops, disaggregated) on the caller's thread. Public so tests
         can drive the scheduler synchronously."""
+        self._guarded(self._iterate)
         if self.disaggregated:
-            self._guarded(self._iterate_prefill)
             self._guarded(self._iterate_decode)
-        else:
-            self._guarded(self._iterate)
 
     def _guarded(self, iterate) -> bool:
         """Runs one iteration; an engine call that raised fails the requests of its pool, which
@@ -467,7 +465,9 @@ class Scheduler:
             self._deliver()
 
     def _iterate(self) -> bool:
-        """Colocated: one engine prefills and decodes in the same iteration."""
+        """The admitting pool's iteration: admit and prefill, decode what is decoding here
+        (colocated: everything; disaggregated: nothing, so prefill has the whole budget), and
+        hand prompts that just finished to the decode pool if it has room (disaggregated)."""
         pool = self._prefill_pool
         with self._state:
             start = time.monotonic()
@@ -479,20 +479,6 @@ class Scheduler:
             rows = pool.rows.params()  # every slot's sampling row, for both programs
             programs, chunks = self._dispatch_prefill(plan, pool, rows)
             self._dispatch_decode(plan.decode, pool, rows)
-        return self._finish_iteration(pool, previous, start, plan, programs, chunks)
-
-    def _iterate_prefill(self) -> bool:
-        """Disaggregated: admit and prefill on the prefill pool, then hand finished prompts to
-        the decode pool if it has room."""
-        pool = self._prefill_pool
-        with self._state:
-            start = time.monotonic()
-            self._take_inbox()
-            plan = self._plan(pool)  # nothing decodes here, so prefill has the whole budget
-            previous = self._begin(pool)
-            self._admit(plan, pool, start)
-            self._reserve_pages(pool, plan, start)
-            programs, chunks = self._dispatch_prefill(plan, pool, pool.rows.params())
             transfers = self._start_transfers()  # a prompt just finished moves right behind it
         return self._finish_iteration(pool, previous, start, plan, programs, chunks, transfers)
 
@@ -660,8 +646,8 @@ class Scheduler:
                 self._transfers.popleft()
                 continue
             tokens = self.max_seq_len if self.config.kv_reservation == "max" else r.kv_tokens + 1
-            free = target.pages.free_count - running_cost(target.running, self.config.policy,
-                                                          self._page_budget(target))
+            budget = self._page_budget(target)
+            free = budget.free - running_cost(target.running, self.config.policy, budget)
             if not target.free_slots or target.pages.pages_for(tokens) > free:
                 break  # the decode pool is full: r waits, holding its prefill pages
             self._transfers.popleft()
