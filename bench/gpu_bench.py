@@ -356,12 +356,12 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
     from engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
     from engine.packing import PrefillChunk
     from model.config import LLAMA3_8B, TINY
-    from model.llama import init_params
+    from model.params import random_params
     from model.sampling import RequestSampling
 
     cfg = TINY if _SMOKE.value else LLAMA3_8B
     start = time.monotonic()
-    params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), jnp.bfloat16)
+    params = jax.jit(random_params, static_argnums=(0, 2))(cfg, jax.random.key(0), jnp.bfloat16)
     jax.block_until_ready(params)
     weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
     slots = max(map(int, _ENGINE_SLOTS.value))

@@ -2,7 +2,7 @@
 
     config, params, fields = load_gguf(path)
 
-`params` follows the tree documented in `model/llama.py` (float32 NumPy arrays, kernels
+`params` follows the tree `model.params` describes (float32 NumPy arrays, kernels
 [in, out]); `fields` is every metadata key decoded to plain Python values, from which
 `checkpoints.tokenizer.Tokenizer.from_gguf_fields` builds the tokenizer.
 
@@ -28,6 +28,7 @@ import numpy as np
 
 from checkpoints.errors import CheckpointError
 from model.config import ModelConfig
+from model.params import ParamSpec, build_tree, param_specs
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -138,38 +139,15 @@ def load_gguf(
             progress(done, total)
         return array
 
-    c = config
-    d, hd, f = c.hidden_size, c.head_dim, c.ffn_size
     permute = arch == "llama"
-    params: dict[str, Any] = {"embed": {"embedding": take("token_embd.weight", (c.vocab_size, d))}}
-    for i in range(c.num_layers):
-        blk = f"blk.{i}."
-        q = take(blk + "attn_q.weight", (c.num_heads * hd, d))
-        k = take(blk + "attn_k.weight", (c.num_kv_heads * hd, d))
-        if permute:
-            q, k = unpermute_rope_rows(q, c.num_heads), unpermute_rope_rows(k, c.num_kv_heads)
-        attn = {
-            "q": {"kernel": q.T},
-            "k": {"kernel": k.T},
-            "v": {"kernel": take(blk + "attn_v.weight", (c.num_kv_heads * hd, d)).T},
-            "o": {"kernel": take(blk + "attn_output.weight", (d, c.num_heads * hd)).T},
-        }
-        if c.attention_bias:
-            for proj, n in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
-                attn[proj]["bias"] = take(f"{blk}attn_{proj}.bias", (n * hd,))
-        params[f"layers_{i}"] = {
-            "attn_norm": {"scale": take(blk + "attn_norm.weight", (d,))},
-            "attn": attn,
-            "mlp_norm": {"scale": take(blk + "ffn_norm.weight", (d,))},
-            "mlp": {
-                "gate": {"kernel": take(blk + "ffn_gate.weight", (f, d)).T},
-                "up": {"kernel": take(blk + "ffn_up.weight", (f, d)).T},
-                "down": {"kernel": take(blk + "ffn_down.weight", (d, f)).T},
-            },
-        }
-    params["final_norm"] = {"scale": take("output_norm.weight", (d,))}
-    if not tied:
-        params["lm_head"] = {"kernel": take("output.weight", (c.vocab_size, d)).T}
+
+    def tensor(spec: ParamSpec) -> np.ndarray:
+        array = take(spec.gguf_name, spec.stored_shape)
+        if permute and spec.rope_heads:
+            array = unpermute_rope_rows(array, spec.rope_heads)
+        return array.T if spec.transpose else array
+
+    params = build_tree(param_specs(config), tensor)
     # Transposes above are views; make every array contiguous once, here.
     params = jax.tree.map(np.ascontiguousarray, params)
     return config, params, fields

@@ -6,8 +6,8 @@ other activations, biases outside q/k/v, RoPE scaling other than Llama 3's, a sl
 shorter than the context. `load_hf_params` reads one `*.safetensors` file or the shards named by
 `model.safetensors.index.json`, checks every expected tensor is there with the expected shape
 before reading any data, and returns float32 numpy arrays with kernels transposed to [in, out].
-`tensor_specs` is the single table that maps HF names onto params paths; `abstract_params`
-derives the shapes from it. `save_hf` writes the same layout back (tests, export).
+Which tensor goes where, in which shape, is `model.params.param_specs`, the one description of
+the parameter tree that every loader reads. `save_hf` writes the same layout back (tests, export).
 
 Non-goals: pytorch `.bin` files, quantized safetensors (GPTQ, AWQ, FP8), Mistral's
 `consolidated.safetensors` naming, sliding-window attention.
@@ -15,7 +15,6 @@ Non-goals: pytorch `.bin` files, quantized safetensors (GPTQ, AWQ, FP8), Mistral
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from tqdm import tqdm
 
 from checkpoints.errors import CheckpointError
 from model.config import ModelConfig, RopeScaling
+from model.params import param_specs
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}
@@ -37,46 +37,6 @@ _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat1
 _SAVE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 _INDEX = "model.safetensors.index.json"
 Params = dict[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    hf_name: str
-    path: tuple[str, ...]  # keys into the params tree
-    shape: tuple[int, ...]  # shape in the params tree: kernels are [in, out]
-    transpose: bool  # HF Linear weights are [out, in]
-
-    @property
-    def hf_shape(self) -> tuple[int, ...]:
-        return self.shape[::-1] if self.transpose else self.shape
-
-
-def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
-    """Every tensor of `config`'s params, in HF checkpoint order."""
-    d, f, v = config.hidden_size, config.ffn_size, config.vocab_size
-    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    specs = [TensorSpec("model.embed_tokens.weight", ("embed", "embedding"), (v, d), False)]
-    for i in range(config.num_layers):
-        hf, ours = f"model.layers.{i}.", f"layers_{i}"
-        specs.append(TensorSpec(hf + "input_layernorm.weight", (ours, "attn_norm", "scale"),
-                                (d,), False))
-        for proj, out in (("q", q_out), ("k", kv_out), ("v", kv_out)):
-            specs.append(TensorSpec(f"{hf}self_attn.{proj}_proj.weight",
-                                    (ours, "attn", proj, "kernel"), (d, out), True))
-            if config.attention_bias:
-                specs.append(TensorSpec(f"{hf}self_attn.{proj}_proj.bias",
-                                        (ours, "attn", proj, "bias"), (out,), False))
-        specs.append(TensorSpec(hf + "self_attn.o_proj.weight", (ours, "attn", "o", "kernel"),
-                                (q_out, d), True))
-        specs.append(TensorSpec(hf + "post_attention_layernorm.weight",
-                                (ours, "mlp_norm", "scale"), (d,), False))
-        for proj, shape in (("gate", (d, f)), ("up", (d, f)), ("down", (f, d))):
-            specs.append(TensorSpec(f"{hf}mlp.{proj}_proj.weight", (ours, "mlp", proj, "kernel"),
-                                    shape, True))
-    specs.append(TensorSpec("model.norm.weight", ("final_norm", "scale"), (d,), False))
-    if not config.tie_embeddings:
-        specs.append(TensorSpec("lm_head.weight", ("lm_head", "kernel"), (d, v), True))
-    return specs
 
 
 def load_hf_config(folder: str | Path, *, name: str | None = None) -> ModelConfig:
@@ -130,7 +90,7 @@ def load_hf_params(folder: str | Path, config: ModelConfig) -> Params:
     """Reads every tensor of `config` from `folder`'s safetensors as float32 numpy arrays."""
     folder = Path(folder)
     files = _tensor_files(folder)
-    specs = {s.hf_name: s for s in tensor_specs(config)}
+    specs = {s.hf_name: s for s in param_specs(config)}
     missing = [n for n in specs if n not in files]
     unexpected = [n for n in files if n not in specs and not _ignorable(n, config)]
     if missing or unexpected:
@@ -148,9 +108,9 @@ def load_hf_params(folder: str | Path, config: ModelConfig) -> Params:
             for hf_name in names:
                 header = f.get_slice(hf_name)
                 shape, dtype = tuple(header.get_shape()), header.get_dtype()
-                if shape != specs[hf_name].hf_shape or dtype not in _FLOAT_DTYPES:
+                if shape != specs[hf_name].stored_shape or dtype not in _FLOAT_DTYPES:
                     bad.append(f"{hf_name} {dtype}{list(shape)} (want "
-                               f"{list(specs[hf_name].hf_shape)} in F32/F16/BF16)")
+                               f"{list(specs[hf_name].stored_shape)} in F32/F16/BF16)")
     if bad:
         raise CheckpointError(f"{folder}: tensors with the wrong shape or dtype for "
                               f"{config.name}: {_listing(bad)}; check config.json matches the "
@@ -179,7 +139,7 @@ def save_hf(folder: str | Path, config: ModelConfig, params: Params, *, dtype: s
         raise CheckpointError(f"{folder} already holds safetensors; save into an empty folder")
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for spec in tensor_specs(config):
+    for spec in param_specs(config):
         array = np.asarray(_get(params, spec.path))
         if array.shape != spec.shape:
             raise CheckpointError(f"params {'/'.join(spec.path)} has shape {list(array.shape)}, "

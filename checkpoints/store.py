@@ -30,7 +30,7 @@ from absl import logging
 from checkpoints.errors import CheckpointError
 from checkpoints.hf import Params
 from model.config import ModelConfig
-from model.llama import abstract_params
+from model.params import abstract_params
 
 FORMAT_VERSION = 1
 MARKER = "cadence.json"

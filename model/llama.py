@@ -15,14 +15,13 @@ them, so a whole prompt, a prefill chunk at any offset and a decode step are the
 The engine jits this with fixed shapes and donates the cache; nothing in here is Python-side
 state that varies per request.
 
-The parameter tree (kernels are [in, out]; query/key weights in the rotate-half RoPE layout):
-    embed/embedding [V, D]; layers_i/{attn_norm,mlp_norm}/scale [D];
-    layers_i/attn/{q,k,v,o}/kernel (+ q,k,v bias when config.attention_bias);
-    layers_i/mlp/{gate,up,down}/kernel; final_norm/scale [D]; lm_head/kernel [D, V] when untied.
+The parameter tree is described once, in `model.params` (kernels are [in, out]; query/key
+weights in the rotate-half RoPE layout); these modules build exactly that tree.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -30,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import paged_kv
+from model import paged_kv, sharding
 from model.config import ModelConfig
 from model.paged_attention import get_paged_attention
 from model.paged_kv import PagedKVCache
@@ -79,6 +78,7 @@ class Attention(nn.Module):
     config: ModelConfig
     attention: str
     dtype: jnp.dtype
+    mesh: jax.sharding.Mesh | None = None  # heads sharded over its tensor-parallel axis
 
     @nn.compact
     def __call__(self, x, positions, lengths, page_table, k_pages, v_pages):
@@ -94,12 +94,20 @@ class Attention(nn.Module):
         inv_freq = rope_frequencies(cfg)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
-        k_pages = paged_kv.write(k_pages, k, page_table, positions, lengths)
-        v_pages = paged_kv.write(v_pages, v, page_table, positions, lengths)
+        attend = functools.partial(_write_and_attend, get_paged_attention(self.attention))
+        if self.mesh is not None:  # each device writes and reads its own heads' pages
+            attend = sharding.per_head(attend, self.mesh)
         with jax.named_scope("attention"):
-            out = get_paged_attention(self.attention)(q, k_pages, v_pages, page_table, positions)
+            out, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, page_table, positions, lengths)
         out = dense(cfg.hidden_size, False, "o")(out.reshape(rows, t, -1))
         return out, k_pages, v_pages
+
+
+def _write_and_attend(attention, q, k, v, k_pages, v_pages, page_table, positions, lengths):
+    """Writes the chunk's keys and values into its pages, then attends over them."""
+    k_pages = paged_kv.write(k_pages, k, page_table, positions, lengths)
+    v_pages = paged_kv.write(v_pages, v, page_table, positions, lengths)
+    return attention(q, k_pages, v_pages, page_table, positions), k_pages, v_pages
 
 
 class MLP(nn.Module):
@@ -118,11 +126,12 @@ class Block(nn.Module):
     config: ModelConfig
     attention: str
     dtype: jnp.dtype
+    mesh: jax.sharding.Mesh | None = None
 
     @nn.compact
     def __call__(self, x, positions, lengths, page_table, k_pages, v_pages):
         eps = self.config.rms_norm_eps
-        h, k_pages, v_pages = Attention(self.config, self.attention, self.dtype, name="attn")(
+        h, k_pages, v_pages = Attention(self.config, self.attention, self.dtype, self.mesh, name="attn")(
             RMSNorm(eps, name="attn_norm")(x), positions, lengths, page_table, k_pages, v_pages
         )
         x = x + h
@@ -134,6 +143,7 @@ class Llama(nn.Module):
     config: ModelConfig
     attention: str = "xla"
     dtype: jnp.dtype = jnp.float32
+    mesh: jax.sharding.Mesh | None = None
 
     @nn.compact
     def __call__(self, tokens, positions, lengths, cache: PagedKVCache, page_table, logit_index):
@@ -143,7 +153,7 @@ class Llama(nn.Module):
         new_k, new_v = [], []
         for i in range(cfg.num_layers):
             with jax.named_scope(f"layer_{i}"):
-                x, k, v = Block(cfg, self.attention, self.dtype, name=f"layers_{i}")(
+                x, k, v = Block(cfg, self.attention, self.dtype, self.mesh, name=f"layers_{i}")(
                     x, positions, lengths, page_table, cache.k[i], cache.v[i]
                 )
             new_k.append(k)
@@ -171,24 +181,25 @@ def forward(
     logit_index: jax.Array | None = None,
     attention: str = "xla",
     dtype: jnp.dtype = jnp.float32,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[jax.Array, PagedKVCache]:
-    """Runs the decoder; returns float32 logits ([rows, t, V], or [n, V] with logit_index)."""
-    module = Llama(config, attention, dtype)
+    """Runs the decoder; returns float32 logits ([rows, t, V], or [n, V] with logit_index).
+
+    `mesh`: attention runs per device over the heads its tensor-parallel axis holds
+    (`model.sharding`); the params and pool must be sharded to match. Everything outside
+    attention is left to XLA's SPMD partitioner, which follows the shardings of the params."""
+    module = Llama(config, attention, dtype, mesh)
     return module.apply(
         {"params": params}, tokens, positions, lengths, cache, page_table, logit_index
     )
 
 
-def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32):
-    """Random parameters with the model's exact tree (for tests and benchmarks)."""
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    cache = PagedKVCache.create(config, 1, 1)
-    variables = Llama(config).init(
-        key, tokens, tokens, jnp.ones((1,), jnp.int32), cache, jnp.zeros((1, 1), jnp.int32), None
-    )
-    return jax.tree.map(lambda a: a.astype(dtype), variables["params"])
+def module_tree(config: ModelConfig):
+    """The tree the Flax modules themselves build (shapes only), which must be
+    `model.params`'s: the check that the modules and the description agree."""
+    def init():
+        tokens = jnp.zeros((1, 1), jnp.int32)
+        return Llama(config).init(jax.random.key(0), tokens, tokens, jnp.ones((1,), jnp.int32),
+                                  PagedKVCache.create(config, 1, 1), tokens, None)["params"]
 
-
-def abstract_params(config: ModelConfig, dtype: jnp.dtype = jnp.float32):
-    """Shapes and dtypes of the parameter tree, without allocating it."""
-    return jax.eval_shape(lambda: init_params(config, jax.random.key(0), dtype))
+    return jax.eval_shape(init)

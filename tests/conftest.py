@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from model.config import TINY, ModelConfig  # noqa: E402
-from model.llama import init_params  # noqa: E402
+from model.params import random_params as init_params  # noqa: E402
 
 
 def random_params(config: ModelConfig, seed: int = 0) -> dict:

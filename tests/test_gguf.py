@@ -11,7 +11,9 @@ import pytest
 
 from checkpoints.errors import CheckpointError
 from checkpoints.gguf import load_gguf, permute_rope_rows
+from model import params as params_lib
 from model.config import TINY
+from model.params import param_specs
 from tests.conftest import random_params
 from tests.test_model import full_logits
 
@@ -32,55 +34,44 @@ def write_gguf(path: Path, config, params, quantize: bool, arch: str = "llama") 
     w.add_vocab_size(config.vocab_size)
     w.add_rope_dimension_count(config.head_dim)
 
-    def add(name: str, array: np.ndarray, qtype=Q.F32) -> None:
-        array = np.ascontiguousarray(array, np.float32)
-        if quantize and qtype != Q.F32:
-            w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    for spec in param_specs(config):
+        array = np.asarray(params_lib.get(params, spec.path), np.float32)
+        array = array.T if spec.transpose else array  # [out, in] rows, as llama.cpp stores them
+        if arch == "llama" and spec.rope_heads:
+            array = permute_rope_rows(array, spec.rope_heads)
+        qtype = _qtype(spec) if quantize else Q.F32
+        array = np.ascontiguousarray(array)
+        if qtype == Q.F32:
+            w.add_tensor(spec.gguf_name, array)
         else:
-            w.add_tensor(name, array)
-
-    add("token_embd.weight", params["embed"]["embedding"], Q.Q8_0)
-    for i in range(config.num_layers):
-        L, blk = params[f"layers_{i}"], f"blk.{i}."
-        add(blk + "attn_norm.weight", L["attn_norm"]["scale"])
-        add(blk + "attn_q.weight", permute_rope_rows(L["attn"]["q"]["kernel"].T, config.num_heads), Q.Q4_1)
-        add(blk + "attn_k.weight", permute_rope_rows(L["attn"]["k"]["kernel"].T, config.num_kv_heads), Q.Q4_1)
-        add(blk + "attn_v.weight", L["attn"]["v"]["kernel"].T, Q.Q4_1)
-        add(blk + "attn_output.weight", L["attn"]["o"]["kernel"].T, Q.Q8_0)
-        add(blk + "ffn_norm.weight", L["mlp_norm"]["scale"])
-        for proj in ("gate", "up", "down"):
-            add(f"{blk}ffn_{proj}.weight", L["mlp"][proj]["kernel"].T, Q.Q4_1)
-    add("output_norm.weight", params["final_norm"]["scale"])
+            w.add_tensor(spec.gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-def quantize_like_the_writer(params):
-    """What the quantized file holds, in cadence's layout: each tensor through quantize/dequantize."""
-    def rows(a, qtype):  # quantization blocks run along rows as stored in the file
-        a = np.ascontiguousarray(a, np.float32)
-        return gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype)
+def _qtype(spec) -> gguf.GGMLQuantizationType:
+    """The quantized file's type per tensor, as llama.cpp's Q4_1 mixes choose them."""
+    if len(spec.shape) == 1:
+        return Q.F32  # norms and biases stay float
+    return Q.Q8_0 if spec.gguf_name.endswith(("token_embd.weight", "attn_output.weight")) else Q.Q4_1
 
-    def qd(kernel, qtype):  # kernels are stored as [out, in]
-        return rows(kernel.T, qtype).T
 
-    out = {"embed": {"embedding": rows(params["embed"]["embedding"], Q.Q8_0)},
-           "final_norm": params["final_norm"]}
-    for i in range(TINY.num_layers):
-        L = params[f"layers_{i}"]
-        # Quantization blocks run along rows of the [out, in] matrix, so permuting rows first
-        # (as the file does) quantizes the same blocks: the round trip commutes with it.
-        out[f"layers_{i}"] = {
-            "attn_norm": L["attn_norm"], "mlp_norm": L["mlp_norm"],
-            "attn": {"q": {"kernel": qd(L["attn"]["q"]["kernel"], Q.Q4_1)},
-                     "k": {"kernel": qd(L["attn"]["k"]["kernel"], Q.Q4_1)},
-                     "v": {"kernel": qd(L["attn"]["v"]["kernel"], Q.Q4_1)},
-                     "o": {"kernel": qd(L["attn"]["o"]["kernel"], Q.Q8_0)}},
-            "mlp": {p: {"kernel": qd(L["mlp"][p]["kernel"], Q.Q4_1)} for p in ("gate", "up", "down")},
-        }
-    return out
+def quantize_like_the_writer(params, config=TINY):
+    """What the quantized file holds, in cadence's layout: each tensor through quantize/dequantize.
+    Quantization blocks run along rows of the [out, in] matrix, so permuting rows first (as the
+    file does) quantizes the same blocks: the round trip commutes with it."""
+    def tensor(spec):
+        array = np.asarray(params_lib.get(params, spec.path), np.float32)
+        qtype = _qtype(spec)
+        if qtype == Q.F32:
+            return array
+        rows = np.ascontiguousarray(array.T if spec.transpose else array)
+        rows = gguf.quants.dequantize(gguf.quants.quantize(rows, qtype), qtype)
+        return rows.T if spec.transpose else rows
+
+    return params_lib.build_tree(param_specs(config), tensor)
 
 
 def test_f32_round_trip_is_exact(tmp_path, tiny_params):
@@ -91,6 +82,21 @@ def test_f32_round_trip_is_exact(tmp_path, tiny_params):
     assert fields["general.architecture"] == "llama"
     for (pa, a), (pb, b) in zip(_leaves(params), _leaves(tiny_params)):
         assert pa == pb
+        np.testing.assert_array_equal(a, b, err_msg=pa)
+
+
+def test_qwen2_round_trip_keeps_biases_and_rows(tmp_path):
+    """A Qwen2 file (q/k/v biases, an untied head, rows not permuted) through the same
+    description of the tree."""
+    from tests.test_hf_and_store import QWEN_TINY
+
+    params = random_params(QWEN_TINY)
+    path = tmp_path / "qwen.gguf"
+    write_gguf(path, QWEN_TINY, params, quantize=False, arch="qwen2")
+    config, loaded, _ = load_gguf(path)
+    assert config.attention_bias and not config.tie_embeddings
+    assert [p for p, _ in _leaves(loaded)] == [p for p, _ in _leaves(params)]
+    for (pa, a), (_, b) in zip(_leaves(loaded), _leaves(params)):
         np.testing.assert_array_equal(a, b, err_msg=pa)
 
 

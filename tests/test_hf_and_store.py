@@ -12,7 +12,7 @@ import pytest
 import safetensors.numpy
 
 from checkpoints.errors import CheckpointError
-from checkpoints.hf import load_hf_config, load_hf_params, save_hf, tensor_specs
+from checkpoints.hf import load_hf_config, load_hf_params, save_hf
 from tests.conftest import random_params
 from checkpoints.store import (
     is_converted, load_converted, load_tokenizer_files, save_converted,
@@ -194,12 +194,12 @@ def test_real_configs(tmp_path, raw, want):
 
 @pytest.mark.parametrize("config", [TINY, QWEN_TINY], ids=lambda c: c.name)
 def test_params_tree_is_the_models(config):
-    from model import llama  # the consumer of this tree
+    """The one description (`model.params`) is the tree the Flax modules build."""
+    from model import llama, params
 
     def flat(tree):
         return {jax.tree_util.keystr(path): (leaf.shape, np.dtype(leaf.dtype))
                 for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
-    specs = {jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in s.path)):
-             (s.shape, np.dtype(np.float32)) for s in tensor_specs(config)}
-    assert specs == flat(llama.abstract_params(config))
+    assert flat(params.abstract_params(config)) == flat(llama.module_tree(config))
+    assert flat(params.random_params(config, jax.random.key(0))) == flat(llama.module_tree(config))

@@ -1,0 +1,153 @@
+"""The one description of a model's parameters: every tensor's path, shape, logical axes and
+checkpoint names, from which everything else that needs the tree is derived.
+
+    specs = param_specs(config)          # every tensor, in Hugging Face checkpoint order
+    abstract_params(config)              # ShapeDtypeStructs: orbax restore targets, checks
+    random_params(config, key)           # random weights for tests and benchmarks
+    build_tree(specs, lambda s: ...)     # any tree of the same paths (shardings, loaders)
+
+A `ParamSpec` carries
+    path       keys into the params tree (what the Flax modules of `model.llama` name)
+    shape      the tensor in the params tree: kernels are [in, out]
+    axes       one logical axis name per dimension (below), which `model.sharding` maps onto
+               mesh axes: the sharding rules are data, not code per tensor
+    hf_name    the safetensors name (`checkpoints.hf`)
+    gguf_name  the GGUF name (`checkpoints.gguf`)
+    transpose  checkpoints store it [out, in] (HF `Linear` weights, GGUF rows)
+    rope_heads llama.cpp permutes the rows of a llama GGUF's q/k weights per head for its
+               adjacent-pair RoPE: the head count to undo it with (0: not permuted)
+    init       how `random_params` draws it: "fan_in" (truncated normal / sqrt(fan in), as
+               Flax's `Dense`), "embed" (Flax's `Embed` default), "ones", "zeros"
+
+Logical axes: VOCAB, EMBED (the residual stream), HEADS (query heads x head_dim, flattened),
+KV_HEADS (KV heads x head_dim, flattened), FFN (the MLP's hidden dimension). The KV page pool
+describes its own axes (`model.paged_kv.AXES`) in the same names.
+
+Adding a family's tensor (Qwen2's q/k/v biases are one) is one entry here: the loaders, the
+converted-checkpoint checks, random weights and the shardings all follow. `model.llama`'s
+modules must build the same tree; `tests/test_model.py` checks they do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from model.config import ModelConfig
+
+VOCAB, EMBED, HEADS, KV_HEADS, FFN = "vocab", "embed", "heads", "kv_heads", "ffn"
+INITS = ("fan_in", "embed", "ones", "zeros")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    hf_name: str
+    gguf_name: str
+    transpose: bool = False
+    rope_heads: int = 0
+    init: str = "fan_in"
+
+    def __post_init__(self) -> None:
+        if len(self.axes) != len(self.shape):
+            raise ValueError(f"{self.key}: {len(self.axes)} axis names for a {len(self.shape)}-d tensor")
+        if self.init not in INITS:
+            raise ValueError(f"{self.key}: init must be one of {INITS}, got {self.init!r}")
+
+    @property
+    def key(self) -> str:
+        return "/".join(self.path)
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape checkpoints store: [out, in] for transposed kernels."""
+        return self.shape[::-1] if self.transpose else self.shape
+
+
+def param_specs(config: ModelConfig) -> list[ParamSpec]:
+    """Every tensor of `config`'s params, in Hugging Face checkpoint order."""
+    c = config
+    d, f, v = c.hidden_size, c.ffn_size, c.vocab_size
+    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    specs = [ParamSpec(("embed", "embedding"), (v, d), (VOCAB, EMBED), "model.embed_tokens.weight",
+                       "token_embd.weight", init="embed")]
+    for i in range(c.num_layers):
+        hf, gg, ours = f"model.layers.{i}.", f"blk.{i}.", f"layers_{i}"
+        specs.append(ParamSpec((ours, "attn_norm", "scale"), (d,), (EMBED,),
+                               hf + "input_layernorm.weight", gg + "attn_norm.weight", init="ones"))
+        for proj, out, axis, heads in (("q", q_out, HEADS, c.num_heads),
+                                       ("k", kv_out, KV_HEADS, c.num_kv_heads),
+                                       ("v", kv_out, KV_HEADS, 0)):
+            specs.append(ParamSpec((ours, "attn", proj, "kernel"), (d, out), (EMBED, axis),
+                                   f"{hf}self_attn.{proj}_proj.weight", f"{gg}attn_{proj}.weight",
+                                   transpose=True, rope_heads=heads))
+            if c.attention_bias:
+                specs.append(ParamSpec((ours, "attn", proj, "bias"), (out,), (axis,),
+                                       f"{hf}self_attn.{proj}_proj.bias", f"{gg}attn_{proj}.bias",
+                                       init="zeros"))
+        specs.append(ParamSpec((ours, "attn", "o", "kernel"), (q_out, d), (HEADS, EMBED),
+                               hf + "self_attn.o_proj.weight", gg + "attn_output.weight",
+                               transpose=True))
+        specs.append(ParamSpec((ours, "mlp_norm", "scale"), (d,), (EMBED,),
+                               hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight",
+                               init="ones"))
+        for proj, shape, axes in (("gate", (d, f), (EMBED, FFN)), ("up", (d, f), (EMBED, FFN)),
+                                  ("down", (f, d), (FFN, EMBED))):
+            specs.append(ParamSpec((ours, "mlp", proj, "kernel"), shape, axes,
+                                   f"{hf}mlp.{proj}_proj.weight", f"{gg}ffn_{proj}.weight",
+                                   transpose=True))
+    specs.append(ParamSpec(("final_norm", "scale"), (d,), (EMBED,), "model.norm.weight",
+                           "output_norm.weight", init="ones"))
+    if not c.tie_embeddings:
+        specs.append(ParamSpec(("lm_head", "kernel"), (d, v), (EMBED, VOCAB), "lm_head.weight",
+                               "output.weight", transpose=True))
+    return specs
+
+
+def build_tree(specs: Iterable[ParamSpec], leaf: Callable[[ParamSpec], Any]) -> dict[str, Any]:
+    """The nested dict with `leaf(spec)` at each spec's path."""
+    tree: dict[str, Any] = {}
+    for spec in specs:
+        node = tree
+        for key in spec.path[:-1]:
+            node = node.setdefault(key, {})
+        node[spec.path[-1]] = leaf(spec)
+    return tree
+
+
+def get(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def abstract_params(config: ModelConfig, dtype: jnp.dtype = jnp.float32,
+                    shardings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Shapes and dtypes of the parameter tree, without allocating it; with `shardings` (a tree
+    of the same paths), each leaf carries its sharding, as orbax's restore target wants."""
+    return build_tree(param_specs(config), lambda s: jax.ShapeDtypeStruct(
+        s.shape, dtype, sharding=None if shardings is None else get(shardings, s.path)))
+
+
+_INITIALIZERS = {
+    "fan_in": nn.initializers.lecun_normal(),
+    "embed": nn.linear.default_embed_init,
+    "ones": nn.initializers.ones,
+    "zeros": nn.initializers.zeros,
+}
+
+
+def random_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32) -> dict[str, Any]:
+    """Random weights with the model's exact tree, drawn as Flax's own initializers would
+    (one key per tensor, folded in from its position in the spec)."""
+    specs = param_specs(config)
+    index = {s.path: i for i, s in enumerate(specs)}
+    return build_tree(specs, lambda s: _INITIALIZERS[s.init](
+        jax.random.fold_in(key, index[s.path]), s.shape, jnp.float32).astype(dtype))
