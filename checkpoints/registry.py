@@ -175,9 +175,11 @@ def resolve(spec: str, cache: Path | None = None) -> Path:
     return folder
 
 
-def load_model(spec: str = DEFAULT_MODEL, cache: Path | None = None) -> LoadedModel:
+def load_model(spec: str = DEFAULT_MODEL, cache: Path | None = None,
+               shardings: store.Shardings | None = None) -> LoadedModel:
+    """`shardings`: restore the weights straight into shards (`store.load_converted`)."""
     folder = resolve(spec, cache)
-    config, params = store.load_converted(folder)
+    config, params = store.load_converted(folder, shardings)
     generation = GenerationDefaults.load(folder)
     if generation.empty and spec in KNOWN_MODELS:
         generation = KNOWN_MODELS[spec].generation

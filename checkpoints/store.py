@@ -10,7 +10,8 @@ the folder into place, so a crash never leaves something `is_converted` accepts.
 checked against `abstract_params(config)`: a tree with other names, shapes or dtypes is refused
 with a `CheckpointError` before any data is read.
 
-Non-goals: sharded (multi-device) restore, quantized storage, keeping several versions.
+Non-goals: sharded saves (a converted checkpoint is written from one host), quantized storage,
+keeping several versions.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -32,6 +33,7 @@ from checkpoints.hf import Params
 from model.config import ModelConfig
 from model.params import abstract_params
 
+Shardings = Callable[[ModelConfig], Any]
 FORMAT_VERSION = 1
 MARKER = "cadence.json"
 _RESERVED = {MARKER, "config.json", "params"}
@@ -66,9 +68,13 @@ def save_converted(folder: str | Path, config: ModelConfig, params: Params,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_converted(folder: str | Path) -> tuple[ModelConfig, Params]:
+def load_converted(folder: str | Path, shardings: Shardings | None = None,
+                   ) -> tuple[ModelConfig, Params]:
     """Restores (config, params) from a folder `save_converted` wrote. Leaves come back as the
-    kind that was saved: numpy arrays, or jax arrays on the default device."""
+    kind that was saved: numpy arrays, or jax arrays on the default device. With `shardings`
+    (config -> a tree of shardings, e.g. `TensorParallel.storage_shardings`), each leaf is
+    restored straight into its shards: every device reads only its part, and no host holds a
+    whole copy."""
     folder = Path(folder).absolute()
     marker = read_marker(folder)
     if marker["dtype"] != "float32":
@@ -87,7 +93,8 @@ def load_converted(folder: str | Path) -> tuple[ModelConfig, Params]:
                                   "and convert again") from e
         _check_tree(_shapes(stored), config, f"{folder / 'params'}",
                     f"delete {folder} and convert again")
-        params = checkpointer.restore(folder / "params", abstract_params(config))
+        target = abstract_params(config, shardings=shardings(config) if shardings else None)
+        params = checkpointer.restore(folder / "params", target)
     return config, params
 
 

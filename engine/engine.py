@@ -30,7 +30,10 @@ captures one CUDA graph per padded batch size for the same reason). Everything t
 request is an array argument. The pool and `last_tokens` are donated into every program, so
 they are updated in place. `warmup()` compiles every program; afterwards `compilations_after_warmup` must stay 0.
 
-Non-goals here: multi-device sharding, speculative decoding, prefix sharing.
+With several `devices` the engine is tensor parallel (`model.sharding`): the same programs,
+partitioned by XLA over the mesh, with attention run per device over its own heads.
+
+Non-goals here: pipeline parallelism, speculative decoding, prefix sharing.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from engine import compile_counter
 from engine.packing import Pack, PrefillChunk, bucket_for, empty_pack, pack_chunks
 from model.config import ModelConfig
 from model.llama import forward
+from model.sharding import TensorParallel
 from model.paged_kv import PagedKVCache
 from model.sampling import RequestSampling, SamplingParams, SamplingRows, sample
 
@@ -187,14 +191,14 @@ class EngineConfig:
 
 def _prefill_program(
     params, cache, last_tokens, tokens, positions, lengths, tables, logit_index, steps,
-    write_slot, sampling, *, config, attention, dtype,
+    write_slot, sampling, *, config, attention, dtype, mesh,
 ):
     """Every chunk of a pack (`engine.packing`) in one pass: KV written through each row's
     table, one token sampled per chunk, and each prompt's last chunk's token written into its
     slot's `last_tokens` (other entries of `write_slot` are num_slots and drop out)."""
     logits, cache = forward(
         params, tokens, positions, lengths, cache, tables, config=config,
-        logit_index=logit_index, attention=attention, dtype=dtype,
+        logit_index=logit_index, attention=attention, dtype=dtype, mesh=mesh,
     )
     sampled = sample(logits, sampling, steps)  # step = the new token's position
     last_tokens = last_tokens.at[write_slot].set(sampled, mode="drop")
@@ -203,7 +207,7 @@ def _prefill_program(
 
 def _decode_program(
     params, cache, last_tokens, slots, positions, page_table, sampling,
-    *, config, attention, dtype,
+    *, config, attention, dtype, mesh,
 ):
     """One step over the rows of `slots` [batch] (a slot index, or num_slots for a padding
     row); positions, page_table and sampling are per row. Returns every slot's next token:
@@ -213,7 +217,7 @@ def _decode_program(
     logits, cache = forward(
         params, inputs[:, None], positions[:, None], valid.astype(jnp.int32), cache,
         page_table, config=config, logit_index=jnp.arange(positions.shape[0], dtype=jnp.int32),
-        attention=attention, dtype=dtype,
+        attention=attention, dtype=dtype, mesh=mesh,
     )
     tokens = sample(logits, sampling, positions + 1)
     last_tokens = last_tokens.at[slots].set(tokens, mode="drop")  # padding rows drop out
@@ -266,10 +270,12 @@ class KVHandle:
         layers, heads, _, page_size, head_dim = self.k.shape
         return 2 * layers * heads * self.num_pages * page_size * head_dim * self.k.dtype.itemsize
 
-    def to(self, device) -> KVHandle:
-        """The same handle with its arrays on `device` (or a sharding): `jax.device_put`, so
-        the copy is asynchronous and overlaps whatever runs meanwhile."""
-        k, v, token = jax.device_put((self.k, self.v, self.next_token), device)
+    def to(self, device, token_device=None) -> KVHandle:
+        """The same handle with its arrays on `device` (or a sharding of the pages, with the
+        next token on `token_device`): `jax.device_put`, so the copy is asynchronous and
+        overlaps whatever runs meanwhile."""
+        k, v = jax.device_put((self.k, self.v), device)
+        token = jax.device_put(self.next_token, token_device or device)
         return dataclasses.replace(self, k=k, v=v, next_token=token)
 
     def block_until_ready(self) -> KVHandle:
@@ -333,35 +339,63 @@ class PrefillTokens:
 
 class Engine:
     def __init__(self, params, model_config: ModelConfig, config: EngineConfig = EngineConfig(),
-                 device: jax.Device | None = None):
+                 device: jax.Device | None = None, devices: Sequence[jax.Device] | None = None):
         """`device`: where the weights, the pool and every program live (default: the first).
         Everything the engine holds is committed to it, so programs run there whatever device
-        a `KVHandle` or an argument comes from."""
+        a `KVHandle` or an argument comes from.
+
+        `devices` (more than one): tensor parallelism over them (`model.sharding`): each holds
+        its shards of the weights and of the page pool, every program runs on all of them as
+        one SPMD program, and `self.tp` says how the model was split."""
         if config.max_seq_len > model_config.max_context:
             raise ValueError(
                 f"max_seq_len {config.max_seq_len} exceeds the model's context of "
                 f"{model_config.max_context} tokens"
             )
         compile_counter.install()
+        if device is not None and devices is not None:
+            raise ValueError("pass one device, or the devices of a tensor-parallel mesh, not both")
         self.model_config = model_config
         self.config = config
-        self.device = device or jax.devices()[0]
         dtype = jnp.dtype(config.dtype)
-        self.params = jax.tree.map(lambda a: jax.device_put(a, self.device).astype(dtype), params)
+        self.tp = TensorParallel.plan(model_config, devices) if devices and len(devices) > 1 else None
+        if self.tp is None:
+            self.device = device or (devices[0] if devices else jax.devices()[0])
+            self.params = jax.tree.map(lambda a: jax.device_put(a, self.device).astype(dtype), params)
+            # What the programs run: the model as given, or with KV heads repeated (sharding).
+            self.compute_config = model_config
+            self._pool_at = self._token_at = self._handle_at = self.device
+        else:
+            self.device = devices[0]
+            self.params = self.tp.place(params, dtype)
+            self.compute_config = self.tp.compute_config
+            self._pool_at, self._token_at = self.tp.pool_sharding, self.tp.replicated
+            self._handle_at = self.tp.handle_sharding
+            logging.info("%s", self.tp.describe())
         self.cache: PagedKVCache | None = None
         self.last_tokens: jax.Array | None = None
         self.recover()  # allocates the page pool and the next-token buffer
-        static = dict(config=model_config, attention=config.attention, dtype=dtype)
+        static = dict(config=self.compute_config, attention=config.attention, dtype=dtype,
+                      mesh=self.tp.attention_mesh if self.tp else None)
         donate = ("cache", "last_tokens")
+
+        def jit(fn, out, **kw):  # sharded: outputs pinned where the inputs live, so donation holds
+            placed = {} if self.tp is None else {"out_shardings": out}
+            return jax.jit(fn, **placed, **kw)
+
+        pool, token, handle = self._pool_at, self._token_at, self._handle_at
+        stepped = (token, pool, token)
         # Page-table widths are shapes: each bucket is its own program, compiled at warm-up.
-        self._prefill = jax.jit(functools.partial(_prefill_program, **static), donate_argnames=donate)
-        self._decode = jax.jit(functools.partial(_decode_program, **static), donate_argnames=donate)
-        self._decode_batched = jax.jit(
-            functools.partial(_decode_program, **{**static, "attention": "reference"}),
+        self._prefill = jit(functools.partial(_prefill_program, **static), stepped,
+                            donate_argnames=donate)
+        self._decode = jit(functools.partial(_decode_program, **static), stepped,
+                           donate_argnames=donate)
+        self._decode_batched = jit(
+            functools.partial(_decode_program, **{**static, "attention": "reference"}), stepped,
             donate_argnames=donate,
         )
-        self._extract = jax.jit(_extract_program)
-        self._insert = jax.jit(_insert_program, donate_argnames=donate)
+        self._extract = jit(_extract_program, (handle, handle, token))
+        self._insert = jit(_insert_program, (pool, token), donate_argnames=donate)
         self._warm_compiles: int | None = None
         logging.info(
             "KV pool: %d pages x %d tokens (%d tokens), %.1f MiB", self.num_pages, config.page_size,
@@ -482,7 +516,10 @@ class Engine:
     def receive(self, handle: KVHandle) -> KVHandle:
         """Starts copying `handle` onto this engine's device and returns the copy at once; it
         is ready (`is_ready`) when the copy has landed, and `insert` then waits for nothing."""
-        return handle.to(self.device)
+        return self._place(handle)
+
+    def _place(self, handle: KVHandle) -> KVHandle:
+        return handle.to(self._handle_at, self._token_at)
 
     def insert(self, handle: KVHandle, pages: Sequence[int], slot: int) -> KVHandle:
         """Writes `handle`'s KV into `pages` of this engine's pool (free pages the caller
@@ -491,7 +528,7 @@ class Engine:
         handle stays valid (nothing of it is donated), so a failed insert loses nothing.
         Returns the handle as copied onto this engine's device (the same one if it was there):
         it is ready when the transfer is done. Returns at once."""
-        cfg, mc = self.config, self.model_config
+        cfg, mc = self.config, self.compute_config
         want = (mc.num_layers, mc.num_kv_heads, handle.k.shape[2], cfg.page_size, mc.head_dim)
         if handle.page_size != cfg.page_size or handle.k.shape != want:
             raise ValueError(
@@ -503,7 +540,7 @@ class Engine:
         self._check(slot, pages, handle.num_pages)
         ids = np.full(handle.k.shape[2], self.num_pages, np.int32)  # padding: past the pool
         ids[: handle.num_pages] = pages[: handle.num_pages]
-        here = handle.to(self.device)
+        here = self._place(handle)
         self.cache, self.last_tokens = self._insert(
             self.cache, self.last_tokens, here.k, here.v, ids, np.int32(slot), here.next_token)
         return here
@@ -516,9 +553,9 @@ class Engine:
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         self.cache = self.last_tokens = None  # let the old buffers go before allocating
-        self.cache = PagedKVCache.create(self.model_config, cfg.pool_pages, cfg.page_size, dtype,
-                                         device=self.device)
-        self.last_tokens = jnp.zeros((cfg.num_slots,), jnp.int32, device=self.device)
+        self.cache = PagedKVCache.create(self.compute_config, cfg.pool_pages, cfg.page_size, dtype,
+                                         device=self._pool_at)
+        self.last_tokens = jnp.zeros((cfg.num_slots,), jnp.int32, device=self._token_at)
 
     # -- warm-up and accounting ---------------------------------------------------------------
 

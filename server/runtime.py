@@ -5,12 +5,14 @@ them stays a thin layer. The absl flags defined here are the engine and schedule
 front door has, with the same names everywhere, the disaggregated mode's included:
 `--prefill_devices=0 --decode_devices=1` builds a prefill engine and a decode engine on those
 JAX devices (each with its own weights and KV pool) under one scheduler; on the CPU,
-`--num_cpu_devices=2` first makes two devices of it.
+`--num_cpu_devices=2` first makes two devices of it. `--tensor_parallel=N` spans one engine over
+the first N devices instead (`model.sharding`), its weights restored straight into their shards.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import sys
 import time
@@ -24,6 +26,7 @@ from tqdm import tqdm
 from checkpoints.registry import DEFAULT_MODEL, LoadedModel, cache_dir, load_model
 from engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig
 from model.paged_kv import pages_for_bytes
+from model.sharding import TensorParallel
 from scheduler.policy import POLICIES, PolicyConfig
 from scheduler.scheduler import KV_RESERVATIONS, Scheduler, SchedulerConfig
 
@@ -70,6 +73,12 @@ _PREFILL_DEVICES = flags.DEFINE_list(
 _DECODE_DEVICES = flags.DEFINE_list(
     "decode_devices", None,
     "Disaggregated serving (with --prefill_devices): the JAX device index of the decode engine.")
+_TENSOR_PARALLEL = flags.DEFINE_integer(
+    "tensor_parallel", 1,
+    "Devices one engine spans (tensor parallelism over the first N JAX devices): heads, the "
+    "MLP and the vocabulary are split where they divide, the KV pool by KV head. On the CPU, "
+    "--num_cpu_devices=N makes N devices (which check the protocol, not the speed).",
+    lower_bound=1)
 _PREFILL_SLOTS = flags.DEFINE_integer(
     "prefill_slots", None,
     "Disaggregated: sequences the prefill engine holds at once, prefilling or waiting for the "
@@ -129,6 +138,23 @@ def pool_devices() -> tuple[jax.Device, jax.Device] | None:
     return picked[0], picked[1]
 
 
+def tensor_parallel_devices() -> list[jax.Device] | None:
+    """The devices of --tensor_parallel (None for one); refuses what cannot run, saying why."""
+    n = _TENSOR_PARALLEL.value
+    if n == 1:
+        return None
+    if _PREFILL_DEVICES.value or _DECODE_DEVICES.value:
+        raise ValueError("--tensor_parallel with disaggregated serving (--prefill_devices/"
+                         "--decode_devices) is not supported yet: each pool runs on one device")
+    devices = jax.devices()
+    if len(devices) < n:
+        hint = (f" On the CPU, --num_cpu_devices={n} makes {n} (sharing the same cores)."
+                if devices[0].platform == "cpu" else "")
+        raise ValueError(f"--tensor_parallel={n} needs {n} devices; this machine has "
+                         f"{len(devices)} {devices[0].platform} device(s).{hint}")
+    return devices[:n]
+
+
 def enable_compilation_cache() -> None:
     """JAX's persistent compilation cache in the cadence cache folder: fast restarts."""
     jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
@@ -148,10 +174,11 @@ def parse_size(text: str) -> int:
 
 
 def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int,
-                  device: jax.Device | None = None) -> int | None:
-    """Pages for --kv_cache_memory (per engine); on a GPU without it, 90% of the memory left
-    after the weights on `device`; None (the engine's default: every slot at max_seq_len)
-    otherwise."""
+                  device: jax.Device | None = None, tp: TensorParallel | None = None) -> int | None:
+    """Pages for --kv_cache_memory (per engine, all its devices together); on a GPU without
+    it, 90% of the memory left after the weights on `device` (with `tp`, on each of its
+    devices, which hold a share of the weights and of the pool); None (the engine's default:
+    every slot at max_seq_len) otherwise."""
     if _KV_MEMORY.value is not None:
         budget = parse_size(_KV_MEMORY.value)
     elif jax.default_backend() == "gpu":
@@ -159,7 +186,10 @@ def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int,
         if "bytes_limit" not in stats:
             return None
         weight_bytes = sum(a.size for a in jax.tree.leaves(model.params)) * jnp.dtype(dtype).itemsize
-        budget = int(0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0) - weight_bytes))
+        shares = 1 if tp is None else tp.size
+        budget = int(0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0) - weight_bytes / shares))
+        if tp is not None and tp.heads_sharded:  # each device holds kv_repeat / size of the pool
+            budget = budget * tp.size // tp.kv_repeat
     else:
         return None
     pages = pages_for_bytes(model.config, budget, page_size, jnp.dtype(dtype))
@@ -168,9 +198,10 @@ def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int,
     return pages
 
 
-def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Device | None = None) -> EngineConfig:
+def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Device | None = None,
+                             tp: TensorParallel | None = None) -> EngineConfig:
     """The engine the flags describe; with the model, the KV pool is sized by memory (on
-    `device`, default the first)."""
+    `device`, default the first, or over `tp`'s devices)."""
     on_gpu = jax.default_backend() == "gpu"
     dtype = _DTYPE.value or ("bfloat16" if on_gpu else "float32")
     return EngineConfig(
@@ -180,7 +211,7 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
         attention=_ATTENTION.value or ("pallas" if on_gpu else "xla"),
         dtype=dtype,
         page_size=_PAGE_SIZE.value,
-        num_pages=None if model is None else kv_pool_pages(model, dtype, _PAGE_SIZE.value, device),
+        num_pages=None if model is None else kv_pool_pages(model, dtype, _PAGE_SIZE.value, device, tp),
         max_prefill_chunks=_MAX_PREFILL_CHUNKS.value,
         # An iteration's prompt chunks, packed, fit one program even with every slot decoding.
         prefill_tokens=max(_PREFILL_CHUNK.value, token_budget() - _NUM_SLOTS.value),
@@ -224,16 +255,23 @@ def build_from_flags(warm: bool = True) -> Runtime:
     configure_devices()
     enable_compilation_cache()
     pair = pool_devices()
-    model = load_model(MODEL_FLAG.value)
-    engine_config = engine_config_from_flags(model, pair[0] if pair else None)
+    mesh_devices = tensor_parallel_devices()
+    plan = functools.cache(lambda config: TensorParallel.plan(config, mesh_devices))
+    # Restored straight into the shards the engine's plan gives each device.
+    model = load_model(MODEL_FLAG.value, shardings=(
+        (lambda config: plan(config).storage_shardings()) if mesh_devices else None))
+    tp = plan(model.config) if mesh_devices else None
+    engine_config = engine_config_from_flags(model, pair[0] if pair else None, tp)
     if engine_config.max_seq_len > model.config.max_context:
         raise ValueError(
             f"--max_seq_len={engine_config.max_seq_len} exceeds {model.name}'s context of "
             f"{model.config.max_context} tokens"
         )
     if pair is None:
-        engines = (Engine(model.params, model.config, engine_config),)
+        engines = (Engine(model.params, model.config, engine_config, devices=mesh_devices),)
         where = jax.devices()[0].platform
+        if tp is not None:
+            where = f"{tp.size} {where} devices ({tp.describe()})"
     else:
         # Nothing decodes on the prefill engine, so its packs may take the whole token budget.
         prefill_config = dataclasses.replace(

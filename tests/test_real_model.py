@@ -72,10 +72,12 @@ def default_model_cases(smollm2):
     return [(p, greedy_generate(smollm2.params, smollm2.config, p, 12, tok.eos_ids)) for p in prompts]
 
 
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "tp2", "tp3"])
 def test_engine_matches_reference_on_the_default_model(smollm2, default_model_cases, mode):
     """cadence-generate's path (engine + scheduler, chunked, batched) equals the reference;
-    disaggregated, with the prefill engine on CPU device 0 and the decode engine on device 1."""
+    disaggregated, with the prefill engine on CPU device 0 and the decode engine on device 1;
+    tensor parallel over 2 devices (9 heads: attention replicated, the MLP and vocabulary
+    split) and over 3 (3 query heads and one KV head per device)."""
     import dataclasses
 
     import jax
@@ -86,9 +88,10 @@ def test_engine_matches_reference_on_the_default_model(smollm2, default_model_ca
     from scheduler.scheduler import Scheduler, SchedulerConfig
 
     config = EngineConfig(num_slots=2, max_seq_len=256, prefill_chunk=64, min_kv_bucket=256)
-    engine = Engine(smollm2.params, smollm2.config, config if mode == "colocated" else
-                    dataclasses.replace(config, role="prefill"))
-    decode = None if mode == "colocated" else Engine(
+    devices = jax.devices()[:int(mode[2:])] if mode.startswith("tp") else None
+    engine = Engine(smollm2.params, smollm2.config, config if mode != "disaggregated" else
+                    dataclasses.replace(config, role="prefill"), devices=devices)
+    decode = None if mode != "disaggregated" else Engine(
         smollm2.params, smollm2.config, dataclasses.replace(config, role="decode"), device=jax.devices()[1])
     sched = Scheduler(engine, smollm2.tokenizer, SchedulerConfig(policy=PolicyConfig(token_budget=66, chunk=64)),
                       decode_engine=decode)
