@@ -244,6 +244,44 @@ def _insert_program(cache, last_tokens, k, v, ids, slot, token):
 
 
 @dataclasses.dataclass(frozen=True)
+class Programs:
+    """An engine's jitted programs (each compiles once per shape bucket)."""
+
+    prefill: Callable
+    decode: Callable  # the length-following decode
+    decode_batched: Callable  # the einsum decode over a page-table bucket
+    extract: Callable
+    insert: Callable
+
+
+def jit_programs(model_config: ModelConfig, config: EngineConfig,
+                 tp: TensorParallel | None = None) -> Programs:
+    """The programs an engine runs, for `model_config` as computed (KV heads repeated, under
+    `tp`). With `tp`, every output is pinned to where its input lives (the pool by KV head,
+    tokens replicated), so each donated buffer is updated in place on every device.
+    `bench.tp_collectives` lowers the same programs from shapes alone."""
+    static = dict(config=model_config, attention=config.attention, dtype=jnp.dtype(config.dtype),
+                  mesh=tp.attention_mesh if tp else None)
+    donate = ("cache", "last_tokens")
+
+    def jit(fn, out, **kw):
+        return jax.jit(fn, **({} if tp is None else {"out_shardings": out}), **kw)
+
+    pool, token, handle = (None, None, None) if tp is None else (
+        tp.pool_sharding, tp.replicated, tp.handle_sharding)
+    stepped = (token, pool, token)
+    # Page-table widths are shapes: each bucket is its own program, compiled at warm-up.
+    return Programs(
+        prefill=jit(functools.partial(_prefill_program, **static), stepped, donate_argnames=donate),
+        decode=jit(functools.partial(_decode_program, **static), stepped, donate_argnames=donate),
+        decode_batched=jit(functools.partial(_decode_program, **{**static, "attention": "reference"}),
+                           stepped, donate_argnames=donate),
+        extract=jit(_extract_program, (handle, handle, token)),
+        insert=jit(_insert_program, (pool, token), donate_argnames=donate),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class KVHandle:
     """One sequence's KV outside any engine: what `Engine.extract` returns and `Engine.insert`
     takes, on this engine, another one, or another device (`to`). Plain arrays and metadata:
@@ -375,27 +413,10 @@ class Engine:
         self.cache: PagedKVCache | None = None
         self.last_tokens: jax.Array | None = None
         self.recover()  # allocates the page pool and the next-token buffer
-        static = dict(config=self.compute_config, attention=config.attention, dtype=dtype,
-                      mesh=self.tp.attention_mesh if self.tp else None)
-        donate = ("cache", "last_tokens")
-
-        def jit(fn, out, **kw):  # sharded: outputs pinned where the inputs live, so donation holds
-            placed = {} if self.tp is None else {"out_shardings": out}
-            return jax.jit(fn, **placed, **kw)
-
-        pool, token, handle = self._pool_at, self._token_at, self._handle_at
-        stepped = (token, pool, token)
-        # Page-table widths are shapes: each bucket is its own program, compiled at warm-up.
-        self._prefill = jit(functools.partial(_prefill_program, **static), stepped,
-                            donate_argnames=donate)
-        self._decode = jit(functools.partial(_decode_program, **static), stepped,
-                           donate_argnames=donate)
-        self._decode_batched = jit(
-            functools.partial(_decode_program, **{**static, "attention": "reference"}), stepped,
-            donate_argnames=donate,
-        )
-        self._extract = jit(_extract_program, (handle, handle, token))
-        self._insert = jit(_insert_program, (pool, token), donate_argnames=donate)
+        programs = jit_programs(self.compute_config, config, self.tp)
+        self._prefill, self._decode = programs.prefill, programs.decode
+        self._decode_batched = programs.decode_batched
+        self._extract, self._insert = programs.extract, programs.insert
         self._warm_compiles: int | None = None
         logging.info(
             "KV pool: %d pages x %d tokens (%d tokens), %.1f MiB", self.num_pages, config.page_size,
