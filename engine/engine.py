@@ -351,6 +351,12 @@ def _gather_rows(sampling: SamplingParams, pick: np.ndarray, live: np.ndarray) -
                         sampling, _GREEDY_ROW)
 
 
+def _local(tokens: jax.Array) -> jax.Array:
+    """This process's copy of replicated tokens: the array itself on one host; across hosts
+    (`engine.multihost`) the whole array is never addressable here, its local copy is."""
+    return tokens if tokens.is_fully_addressable else tokens.addressable_data(0)
+
+
 class PrefillTokens:
     """What `Engine.prefill` returns: each chunk's sampled token, on the device until read.
     `np.asarray(result)` waits for the programs and gives [len(chunks)] int32."""
@@ -459,7 +465,7 @@ class Engine:
             self.params, self.cache, self.last_tokens, pack.tokens, pack.positions, pack.lengths,
             pack.tables, pack.logit_index, pack.steps, pack.write_slot, sampling,
         )
-        return tokens
+        return _local(tokens)
 
     def decode(
         self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
@@ -487,6 +493,7 @@ class Engine:
             np.where(live, positions[pick], 0).astype(np.int32), tables,
             _gather_rows(sampling, pick, live),
         )
+        tokens = _local(tokens)
         tokens.copy_to_host_async()
         return tokens
 

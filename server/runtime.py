@@ -11,6 +11,7 @@ the first N devices instead (`model.sharding`), its weights restored straight in
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import re
@@ -23,7 +24,8 @@ import jax.numpy as jnp
 from absl import flags, logging
 from tqdm import tqdm
 
-from checkpoints.registry import DEFAULT_MODEL, LoadedModel, cache_dir, load_model
+from checkpoints.registry import DEFAULT_MODEL, LoadedModel, cache_dir, load_model, resolve
+from engine import multihost
 from engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig
 from model.paged_kv import pages_for_bytes
 from model.sharding import TensorParallel
@@ -79,6 +81,14 @@ _TENSOR_PARALLEL = flags.DEFINE_integer(
     "MLP and the vocabulary are split where they divide, the KV pool by KV head. On the CPU, "
     "--num_cpu_devices=N makes N devices (which check the protocol, not the speed).",
     lower_bound=1)
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None,
+    "Multi-host (with --num_processes and --process_id): process 0's host:port, where "
+    "jax.distributed's coordinator listens; the engine's plan goes over the next port. Every "
+    "process runs the same command; process 0 serves, the others follow it.")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", 1, "Multi-host: how many processes (hosts) one engine spans.", lower_bound=1)
+_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "Multi-host: this process's index.", lower_bound=0)
 _PREFILL_SLOTS = flags.DEFINE_integer(
     "prefill_slots", None,
     "Disaggregated: sequences the prefill engine holds at once, prefilling or waiting for the "
@@ -97,13 +107,24 @@ class Runtime:
 
 
 def configure_devices() -> None:
-    """--num_cpu_devices, which JAX takes only before its first operation."""
-    if _NUM_CPU_DEVICES.value is None:
-        return
-    try:
-        jax.config.update("jax_num_cpu_devices", _NUM_CPU_DEVICES.value)
-    except RuntimeError as e:
-        raise ValueError(f"--num_cpu_devices could not be applied: {e}") from None
+    """--num_cpu_devices and the multi-host flags, which JAX takes only before its first
+    operation."""
+    if _NUM_CPU_DEVICES.value is not None:
+        try:
+            jax.config.update("jax_num_cpu_devices", _NUM_CPU_DEVICES.value)
+        except RuntimeError as e:
+            raise ValueError(f"--num_cpu_devices could not be applied: {e}") from None
+    if _NUM_PROCESSES.value > 1:
+        if not _COORDINATOR.value:
+            raise ValueError("--num_processes > 1 needs --coordinator_address (process 0's host:port)")
+        if _PROCESS_ID.value >= _NUM_PROCESSES.value:
+            raise ValueError(f"--process_id={_PROCESS_ID.value} is not in [0, {_NUM_PROCESSES.value})")
+        multihost.plan_address(_COORDINATOR.value)  # refuses a malformed address now
+        multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+
+
+def multi_process() -> bool:
+    return _NUM_PROCESSES.value > 1
 
 
 def pool_devices() -> tuple[jax.Device, jax.Device] | None:
@@ -141,6 +162,9 @@ def pool_devices() -> tuple[jax.Device, jax.Device] | None:
 def tensor_parallel_devices() -> list[jax.Device] | None:
     """The devices of --tensor_parallel (None for one); refuses what cannot run, saying why."""
     n = _TENSOR_PARALLEL.value
+    if multi_process() and n != jax.device_count():
+        raise ValueError(f"over {_NUM_PROCESSES.value} processes the engine spans every "
+                         f"process's devices: pass --tensor_parallel={jax.device_count()}")
     if n == 1:
         return None
     if _PREFILL_DEVICES.value or _DECODE_DEVICES.value:
@@ -182,7 +206,7 @@ def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int,
     if _KV_MEMORY.value is not None:
         budget = parse_size(_KV_MEMORY.value)
     elif jax.default_backend() == "gpu":
-        stats = (device or jax.devices()[0]).memory_stats() or {}
+        stats = (device or jax.local_devices()[0]).memory_stats() or {}
         if "bytes_limit" not in stats:
             return None
         weight_bytes = sum(a.size for a in jax.tree.leaves(model.params)) * jnp.dtype(dtype).itemsize
@@ -258,6 +282,10 @@ def build_from_flags(warm: bool = True) -> Runtime:
     mesh_devices = tensor_parallel_devices()
     plan = functools.cache(lambda config: TensorParallel.plan(config, mesh_devices))
     # Restored straight into the shards the engine's plan gives each device.
+    if multi_process():  # process 0 converts the model first; the others then find it done
+        if jax.process_index() == 0:
+            resolve(MODEL_FLAG.value)
+        multihost.barrier("cadence: the model is converted")
     model = load_model(MODEL_FLAG.value, shardings=(
         (lambda config: plan(config).storage_shardings()) if mesh_devices else None))
     tp = plan(model.config) if mesh_devices else None
@@ -296,6 +324,21 @@ def build_from_flags(warm: bool = True) -> Runtime:
         print(f"cadence: serving {where}", file=sys.stderr)
     print(f"cadence: {model.name}'s own sampling defaults, for requests that omit a field: "
           f"{model.generation.describe()}", file=sys.stderr)
+    if multi_process():
+        address = multihost.plan_address(_COORDINATOR.value)
+        if jax.process_index() > 0:  # a follower: run process 0's plan until it stops
+            print(f"cadence: process {jax.process_index()} follows process 0's plan from "
+                  f"{address[0]}:{address[1]}", file=sys.stderr)
+            calls = multihost.follow(engines[0], address)
+            print(f"cadence: process {jax.process_index()} ran {calls} engine calls; stopping",
+                  file=sys.stderr)
+            sys.exit(0)
+        print(f"cadence: process 0 of {jax.process_count()}, waiting for the others to follow "
+              f"on {address[0]}:{address[1]}", file=sys.stderr)
+        engines = (multihost.Leader(engines[0], address, jax.process_count() - 1),)
+        # Before jax.distributed's own exit hook (registered earlier, so run later), which waits
+        # for every process: the followers must first be told to stop.
+        atexit.register(engines[0].close)
     warm_seconds = warm_up(engines) if warm else 0.0
     scheduler = Scheduler(engines[0], model.tokenizer, scheduler_config_from_flags(),
                           decode_engine=engines[1] if pair else None)

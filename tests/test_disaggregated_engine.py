@@ -151,19 +151,29 @@ def test_cadence_generate_disaggregated_gives_the_reference_text(tiny_model_dir,
     assert "cpu:0 (prefill) and cpu:1 (decode), disaggregated" in stderr
 
 
-def test_cadence_batch_disaggregated_gives_the_reference_text(tiny_model_dir, tiny_params, tiny_config, tmp_path):
-    tok = Tokenizer.from_hf_dir(tiny_model_dir[0] / "model")
+def batch_job(tmp_path) -> tuple[dict[str, str], list[str]]:
+    """Four greedy prompts of 3..24 words for `cadence-batch`, and the flags naming its files."""
     prompts = {f"r{i}": "word " * (3 + 7 * i) for i in range(4)}
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"id": k, "prompt": v, "max_tokens": 8, "temperature": 0}) + "\n"
                            for k, v in prompts.items()))
-    out = tmp_path / "out.jsonl"
-    result = cli(tiny_model_dir, "server.batch_cli", f"--input={inp}", f"--output={out}", *DISAGGREGATED)
-    assert result.returncode == 0, result.stderr
-    for line in out.read_text().splitlines():
-        row = json.loads(line)
+    return prompts, [f"--input={inp}", f"--output={tmp_path / 'out.jsonl'}"]
+
+
+def assert_batch_is_the_reference(tmp_path, prompts, tiny_model_dir, tiny_params, tiny_config) -> None:
+    tok = Tokenizer.from_hf_dir(tiny_model_dir[0] / "model")
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == sorted(prompts)
+    for row in rows:
         ids = greedy_generate(tiny_params, tiny_config, tok.encode(prompts[row["id"]]), 8, tok.eos_ids)
         assert row["text"] == tok.decode(ids, skip_special=True), row["id"]
+
+
+def test_cadence_batch_disaggregated_gives_the_reference_text(tiny_model_dir, tiny_params, tiny_config, tmp_path):
+    prompts, files = batch_job(tmp_path)
+    result = cli(tiny_model_dir, "server.batch_cli", *files, *DISAGGREGATED)
+    assert result.returncode == 0, result.stderr
+    assert_batch_is_the_reference(tmp_path, prompts, tiny_model_dir, tiny_params, tiny_config)
 
 
 @pytest.mark.parametrize("flags, message", [

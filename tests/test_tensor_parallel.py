@@ -195,6 +195,10 @@ def test_cadence_generate_tensor_parallel_gives_the_reference_text(tiny_model_di
                                                      "machine has 2 cpu device(s). On the CPU, --num_cpu_devices=3"),
     (["--num_cpu_devices=3", "--tensor_parallel=2", "--prefill_devices=0", "--decode_devices=2"],
      "--tensor_parallel with disaggregated serving"),
+    (["--num_processes=2"], "--num_processes > 1 needs --coordinator_address"),
+    (["--num_processes=2", "--process_id=2", "--coordinator_address=127.0.0.1:1"],
+     "--process_id=2 is not in [0, 2)"),
+    (["--num_processes=2", "--coordinator_address=nowhere"], "must be host:port"),
 ])
 def test_a_tensor_parallel_mode_that_cannot_run_is_refused(tiny_model_dir, flags, message):
     result = cli(tiny_model_dir, "server.generate_cli", "--prompt=x", *flags)

@@ -1,0 +1,160 @@
+"""One engine over the devices of several processes (hosts): JAX's multi-controller model.
+
+    host 0:  cadence-serve --tensor_parallel=2 --coordinator_address=10.0.0.1:1234 \
+                 --num_processes=2 --process_id=0
+    host 1:  the same command with --process_id=1
+
+`jax.distributed.initialize` joins the processes; `jax.devices()` is then every process's
+devices, a tensor-parallel mesh spans them, and each process holds (and restores from the
+checkpoint) only its own shards. JAX requires every process to run the same programs in the
+same order with the same host arguments. So process 0 runs the front door and the scheduler
+as always, with its engine wrapped in a `Leader`: each engine call that runs a program
+(prefill, decode, recover, warmup) is first sent to the other processes, then run. They run
+`follow`, which makes the same call on their own engine, in the order received. The plan is
+the calls' host arguments (a few KB of NumPy per iteration), pickled over
+`multiprocessing.connection` on the port after the coordinator's, with an authentication key
+(`CADENCE_PLAN_KEY`, default "cadence": set one wherever the network is not private).
+
+Only process 0 reads results: the sampled tokens are replicated, so each process holds a
+whole copy, and the engine hands the scheduler its local one.
+
+Limits: a follower that dies stalls the leader's next collective (JAX has no recovery for a
+lost process; restart them all). Moving KV between engines (disaggregation) is single-process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from multiprocessing.connection import Client, Connection, Listener
+
+import jax
+from absl import logging
+
+# The calls that run programs on every process; everything else an engine answers locally.
+BROADCAST = ("prefill", "decode", "recover", "warmup")
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """Joins this process to the others (before any JAX operation). On the CPU, collectives
+    across processes go through gloo."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address, num_processes=num_processes,
+                               process_id=process_id)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """gloo announces its first connection on the C++ stdout, which is the front doors' output
+    (`cadence-generate` prints the text there): send file descriptor 1 to stderr meanwhile."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def barrier(name: str) -> None:
+    """Every process waits here for the others: the first collective, so gloo connects here."""
+    from jax.experimental import multihost_utils
+
+    with stdout_to_stderr():
+        multihost_utils.sync_global_devices(name)
+
+
+def plan_address(coordinator_address: str) -> tuple[str, int]:
+    """Where the leader sends the plan: the coordinator's host, the port after its own."""
+    host, _, port = coordinator_address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--coordinator_address must be host:port, got {coordinator_address!r}")
+    return host, int(port) + 1
+
+
+def _authkey() -> bytes:
+    return os.environ.get("CADENCE_PLAN_KEY", "cadence").encode()
+
+
+class Leader:
+    """Process 0's engine: the same engine, whose program-running calls go to every follower
+    first. Everything else (config, pages, counters) is the wrapped engine's."""
+
+    def __init__(self, engine, address: tuple[str, int], followers: int):
+        self.engine = engine
+        with Listener(address, authkey=_authkey()) as listener:
+            logging.info("waiting for %d follower(s) on %s:%d", followers, *address)
+            self._followers: list[Connection] = [listener.accept() for _ in range(followers)]
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def _send(self, name: str, *args) -> None:
+        for conn in self._followers:
+            conn.send((name, args))
+
+    def prefill(self, chunks, sampling):
+        self._send("prefill", list(chunks), sampling)
+        return self.engine.prefill(chunks, sampling)
+
+    def decode(self, positions, active, sampling, page_table):
+        self._send("decode", positions, active, sampling, page_table)
+        return self.engine.decode(positions, active, sampling, page_table)
+
+    def recover(self) -> None:
+        self._send("recover")
+        self.engine.recover()
+
+    def warmup(self, progress=None) -> None:
+        self._send("warmup")
+        self.engine.warmup(progress)
+
+    def extract(self, *args):
+        raise ValueError("moving KV between engines is not supported across processes")
+
+    insert = receive = extract
+
+    def close(self) -> None:
+        """Tells the followers to stop (they also stop when the connection drops)."""
+        for conn in self._followers:
+            try:
+                conn.send(("stop", ()))
+                conn.close()
+            except OSError:
+                pass
+        self._followers = []
+
+
+def follow(engine, address: tuple[str, int], connect_timeout: float = 120.0) -> int:
+    """A follower's whole life: connect to the leader, then make each call it sends on
+    `engine`, in order, until it says stop or goes away. Returns the calls made."""
+    deadline = time.monotonic() + connect_timeout
+    while True:
+        try:
+            conn = Client(address, authkey=_authkey())
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no leader listening on {address[0]}:{address[1]} after "
+                                   f"{connect_timeout:.0f} s; start process 0") from None
+            time.sleep(0.2)
+    calls = 0
+    with conn:
+        while True:
+            try:
+                name, args = conn.recv()
+            except (EOFError, OSError):
+                return calls
+            if name == "stop":
+                return calls
+            if name not in BROADCAST:
+                raise ValueError(f"the leader sent {name!r}, which is not an engine program")
+            try:
+                getattr(engine, name)(*args)
+            except Exception:  # noqa: BLE001 - the leader's call failed the same way and recovers
+                logging.exception("follower: %s failed, as it must have on the leader", name)
+            calls += 1
