@@ -53,6 +53,7 @@ _PREFILL_TOKENS = flags.DEFINE_list("prefill_tokens", ["4096", "8192"], "Prefill
 _DECODE_BATCHES = flags.DEFINE_list("decode_batches", ["1", "8", "64"], "Decode batch sizes for the kernels.")
 _DECODE_CONTEXTS = flags.DEFINE_list("decode_contexts", ["1024", "4096"], "Decode contexts for the kernels.")
 _ENGINE_SLOTS = flags.DEFINE_list("engine_active", ["1", "8", "32", "64"], "Active slots for 8B decode.")
+_TP_DEGREES = flags.DEFINE_list("tp", ["1", "2", "4", "8"], "Tensor-parallel degrees to time (those the machine has devices for).")
 # Any size works on the GPU: the paged kernels load each key's row through the page table, so
 # their tiles (block_k) are chosen as the contiguous kernels' are, and may span pages.
 _PAGE_SIZE = flags.DEFINE_integer(
@@ -351,8 +352,72 @@ def sweep_tilings(results: dict, write) -> None:
 
 # -- 4. the engine at the Llama-3-8B shape ----------------------------------------------------
 
-def bench_engine(results: dict, ceilings: dict, write) -> None:
+def time_decode(engine, active_n: int, context: int, rows, tables, steps: int = 20):
+    """Seconds per decode step of `active_n` slots at `context`, the median host dispatch time,
+    and the compiles while timed (after one untimed step that compiles)."""
     from engine import compile_counter
+
+    slots = engine.config.num_slots
+    active = np.arange(slots) < active_n
+    positions = np.where(active, context - 1, -1).astype(np.int32)
+    engine.decode(positions, active, rows, tables).block_until_ready()  # compile / warm
+    compiles = compile_counter.count()
+    dispatch = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        tokens = engine.decode(positions, active, rows, tables)
+        dispatch.append(time.perf_counter() - t0)
+    tokens.block_until_ready()
+    return ((time.perf_counter() - start) / steps, float(np.median(dispatch)),
+            compile_counter.count() - compiles)
+
+
+def bench_tensor_parallel(results: dict, write) -> None:
+    """Prefill and decode of one engine over 1, 2, 4, ... of the machine's devices
+    (`--tensor_parallel`), Llama-3-8B bf16 (the tiny model with --smoke): what the split
+    buys and what its all-reduces cost. Needs more than one device."""
+    from engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
+    from engine.packing import PrefillChunk
+    from model.config import LLAMA3_8B, TINY
+    from model.params import random_params
+    from model.sampling import RequestSampling
+
+    degrees = [n for n in map(int, _TP_DEGREES.value) if n <= jax.device_count()]
+    if jax.device_count() < 2:
+        results["tensor_parallel"] = {"skipped": f"one {jax.devices()[0].platform} device"}
+        write()
+        return
+    cfg = TINY if _SMOKE.value else LLAMA3_8B
+    prompt_len, context, slots = (32, 64, 4) if _SMOKE.value else (2048, 2048, 64)
+    params = jax.tree.map(np.asarray, jax.jit(random_params, static_argnums=(0, 2))(
+        cfg, jax.random.key(0), jnp.bfloat16))
+    prompt = np.random.default_rng(0).integers(100, cfg.vocab_size, prompt_len).tolist()
+    points = results["tensor_parallel"] = []
+    for n in degrees:
+        if over_deadline():
+            break
+        engine = Engine(params, cfg, EngineConfig(
+            num_slots=slots, max_seq_len=context + 32, prefill_chunk=prompt_len,
+            attention="pallas", dtype="bfloat16"), devices=jax.devices()[:n])
+        tables = fixed_page_tables(engine.config)
+        rows = sampling_rows([RequestSampling()] * slots)
+        chunk = [PrefillChunk(0, prompt, 0, True, tables[0])]
+        engine.prefill(chunk, rows).block_until_ready()
+        point = {"tp": n, "split": engine.tp.describe() if engine.tp else "one device",
+                 "prefill_tokens": prompt_len,
+                 "prefill_s": wall(lambda: engine.prefill(chunk, rows), repeats=3)}
+        for active_n in (1, slots):
+            step, dispatch, compiles = time_decode(engine, active_n, context, rows, tables)
+            point[f"decode_{active_n}_ms"] = step * 1e3
+            point[f"decode_{active_n}_compiles"] = compiles
+        points.append(point)
+        print("tensor parallel", json.dumps(point))
+        del engine
+        write()
+
+
+def bench_engine(results: dict, ceilings: dict, write) -> None:
     from engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
     from engine.packing import PrefillChunk
     from model.config import LLAMA3_8B, TINY
@@ -401,25 +466,12 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
         for active_n in map(int, _ENGINE_SLOTS.value):
             if over_deadline():
                 return
-            active = np.arange(slots) < active_n
-            positions = np.where(active, context - 1, -1).astype(np.int32)
-            engine.decode(positions, active, rows, tables).block_until_ready()  # compile / warm
-            compiles = compile_counter.count()
-            steps = 20
-            dispatch = []
-            start = time.perf_counter()
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                tokens = engine.decode(positions, active, rows, tables)
-                dispatch.append(time.perf_counter() - t0)
-            tokens.block_until_ready()
-            step = (time.perf_counter() - start) / steps
+            step, dispatch, compiles = time_decode(engine, active_n, context, rows, tables)
             roofline = (weight_bytes + active_n * context * kv_per_token) / (ceilings["copy_gb_s"] * 1e9)
             point = {"active": active_n, "context": context, "step_ms": step * 1e3,
                      "roofline_ms": roofline * 1e3, "ratio_to_roofline": step / roofline,
-                     "dispatch_ms": float(np.median(dispatch)) * 1e3,
-                     "host_fraction": float(np.median(dispatch)) / step,
-                     "compilations_while_timed": compile_counter.count() - compiles}
+                     "dispatch_ms": dispatch * 1e3, "host_fraction": dispatch / step,
+                     "compilations_while_timed": compiles}
             info["decode"].append(point)
             print("engine decode", json.dumps(point))
             write()
@@ -491,6 +543,11 @@ def main(argv) -> None:
             bench_engine(results, ceilings, write)
         except Exception as e:  # noqa: BLE001 - keep everything measured so far
             results["engine_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+    if not over_deadline():
+        try:
+            bench_tensor_parallel(results, write)
+        except Exception as e:  # noqa: BLE001
+            results["tensor_parallel_error"] = f"{type(e).__name__}: {str(e)[:500]}"
     write()
     print(json.dumps(results["targets"], indent=2))
     print(f"wrote {out} after {elapsed():.0f} s")
