@@ -101,6 +101,7 @@ def compile_counts(config, n: int, batch: int, chunk: int) -> dict[str, dict]:
 
     from engine.engine import EngineConfig, jit_programs, sampling_rows
     from engine.packing import empty_pack
+    from model.paged_kv import PagedKVCache
     from model.params import abstract_params
     from model.sampling import RequestSampling
     from model.sharding import POOL_AXES, TensorParallel
@@ -113,8 +114,6 @@ def compile_counts(config, n: int, batch: int, chunk: int) -> dict[str, dict]:
     params = abstract_params(cc, jnp.bfloat16, shardings=tp.param_shardings())
     layer = jax.ShapeDtypeStruct((cc.num_kv_heads, engine.pool_pages, engine.page_size, cc.head_dim),
                                  jnp.bfloat16, sharding=tp.sharding(POOL_AXES))
-    from model.paged_kv import PagedKVCache
-
     cache = PagedKVCache(k=(layer,) * cc.num_layers, v=(layer,) * cc.num_layers)
     last = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=tp.replicated)
     width = engine.max_pages_per_seq

@@ -67,7 +67,7 @@ DEFAULT_MODEL = "smollm2-135m"
 class LoadedModel:
     name: str
     config: ModelConfig
-    params: dict
+    params: dict | None  # None once the engines hold theirs (`server.runtime`)
     tokenizer: Tokenizer
     path: Path  # the converted checkpoint folder
     generation: GenerationDefaults = GenerationDefaults()  # the model's own sampling defaults
@@ -176,10 +176,11 @@ def resolve(spec: str, cache: Path | None = None) -> Path:
 
 
 def load_model(spec: str = DEFAULT_MODEL, cache: Path | None = None,
-               shardings: store.Shardings | None = None) -> LoadedModel:
-    """`shardings`: restore the weights straight into shards (`store.load_converted`)."""
+               shardings: store.Shardings | None = None, dtype: str | None = None) -> LoadedModel:
+    """`shardings`, `dtype`: restore the weights straight into shards, in that dtype
+    (`store.load_converted`)."""
     folder = resolve(spec, cache)
-    config, params = store.load_converted(folder, shardings)
+    config, params = store.load_converted(folder, shardings, dtype)
     generation = GenerationDefaults.load(folder)
     if generation.empty and spec in KNOWN_MODELS:
         generation = KNOWN_MODELS[spec].generation

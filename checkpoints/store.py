@@ -69,12 +69,12 @@ def save_converted(folder: str | Path, config: ModelConfig, params: Params,
 
 
 def load_converted(folder: str | Path, shardings: Shardings | None = None,
-                   ) -> tuple[ModelConfig, Params]:
+                   dtype: str | None = None) -> tuple[ModelConfig, Params]:
     """Restores (config, params) from a folder `save_converted` wrote. Leaves come back as the
     kind that was saved: numpy arrays, or jax arrays on the default device. With `shardings`
     (config -> a tree of shardings, e.g. `TensorParallel.storage_shardings`), each leaf is
     restored straight into its shards: every device reads only its part, and no host holds a
-    whole copy."""
+    whole copy. `dtype`: cast to it as restored (default: float32, as stored)."""
     folder = Path(folder).absolute()
     marker = read_marker(folder)
     if marker["dtype"] != "float32":
@@ -93,7 +93,8 @@ def load_converted(folder: str | Path, shardings: Shardings | None = None,
                                   "and convert again") from e
         _check_tree(_shapes(stored), config, f"{folder / 'params'}",
                     f"delete {folder} and convert again")
-        target = abstract_params(config, shardings=shardings(config) if shardings else None)
+        target = abstract_params(config, dtype or "float32",
+                                 shardings=shardings(config) if shardings else None)
         params = checkpointer.restore(folder / "params", target)
     return config, params
 

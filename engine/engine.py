@@ -260,6 +260,8 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
     `tp`). With `tp`, every output is pinned to where its input lives (the pool by KV head,
     tokens replicated), so each donated buffer is updated in place on every device.
     `bench.tp_collectives` lowers the same programs from shapes alone."""
+    if tp is not None:
+        model_config = tp.compute_config  # the KV heads as the plan repeats them
     static = dict(config=model_config, attention=config.attention, dtype=jnp.dtype(config.dtype),
                   mesh=tp.attention_mesh if tp else None)
     donate = ("cache", "last_tokens")
@@ -651,4 +653,9 @@ class Engine:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.cache.nbytes
+        """Bytes the pool holds on this process's devices: under tensor parallelism with
+        attention replicated (or KV heads repeated), more than one copy's worth."""
+        if self.tp is None:
+            return self.cache.nbytes
+        return sum(shard.data.nbytes for layer in self.cache.k + self.cache.v
+                   for shard in layer.addressable_shards)

@@ -18,8 +18,9 @@ the calls' host arguments (a few KB of NumPy per iteration), pickled over
 Only process 0 reads results: the sampled tokens are replicated, so each process holds a
 whole copy, and the engine hands the scheduler its local one.
 
-Limits: a follower that dies stalls the leader's next collective (JAX has no recovery for a
-lost process; restart them all). Moving KV between engines (disaggregation) is single-process.
+Limits: JAX has no recovery for a lost process. When a follower dies, the leader's next send
+fails, or its next collective waits until jax.distributed's heartbeats give up; restart them
+all. Moving KV between engines (disaggregation) is single-process.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
 
 import jax
+import numpy as np
 from absl import logging
 
 # The calls that run programs on every process; everything else an engine answers locally.
@@ -68,11 +71,23 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def agree_min(value: int) -> int:
+    """The smallest of every process's `value` (each process must call it)."""
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.int32(value))))
+
+
 def plan_address(coordinator_address: str) -> tuple[str, int]:
-    """Where the leader sends the plan: the coordinator's host, the port after its own."""
+    """Where the leader sends the plan: the coordinator's host, the port after its own.
+    Followers unpickle what arrives there, so off the loopback interface a key of one's own
+    (`CADENCE_PLAN_KEY`) is required."""
     host, _, port = coordinator_address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"--coordinator_address must be host:port, got {coordinator_address!r}")
+    if "CADENCE_PLAN_KEY" not in os.environ and host not in ("127.0.0.1", "localhost", "::1"):
+        raise ValueError("serving over several hosts needs CADENCE_PLAN_KEY (the same secret in "
+                         "every process's environment): the engine's plan is authenticated by it")
     return host, int(port) + 1
 
 
@@ -86,6 +101,7 @@ class Leader:
 
     def __init__(self, engine, address: tuple[str, int], followers: int):
         self.engine = engine
+        self._lock = threading.Lock()  # a call's send and its run are one step, in one order
         with Listener(address, authkey=_authkey()) as listener:
             logging.info("waiting for %d follower(s) on %s:%d", followers, *address)
             self._followers: list[Connection] = [listener.accept() for _ in range(followers)]
@@ -97,21 +113,22 @@ class Leader:
         for conn in self._followers:
             conn.send((name, args))
 
+    def _call(self, name: str, *args, local=()):
+        with self._lock:
+            self._send(name, *args)
+            return getattr(self.engine, name)(*args, *local)
+
     def prefill(self, chunks, sampling):
-        self._send("prefill", list(chunks), sampling)
-        return self.engine.prefill(chunks, sampling)
+        return self._call("prefill", list(chunks), sampling)
 
     def decode(self, positions, active, sampling, page_table):
-        self._send("decode", positions, active, sampling, page_table)
-        return self.engine.decode(positions, active, sampling, page_table)
+        return self._call("decode", positions, active, sampling, page_table)
 
     def recover(self) -> None:
-        self._send("recover")
-        self.engine.recover()
+        self._call("recover")
 
     def warmup(self, progress=None) -> None:
-        self._send("warmup")
-        self.engine.warmup(progress)
+        self._call("warmup", local=(progress,))
 
     def extract(self, *args):
         raise ValueError("moving KV between engines is not supported across processes")
@@ -155,6 +172,13 @@ def follow(engine, address: tuple[str, int], connect_timeout: float = 120.0) -> 
                 raise ValueError(f"the leader sent {name!r}, which is not an engine program")
             try:
                 getattr(engine, name)(*args)
-            except Exception:  # noqa: BLE001 - the leader's call failed the same way and recovers
-                logging.exception("follower: %s failed, as it must have on the leader", name)
+            except ValueError:
+                # The engine refused the call before running anything: the leader's engine,
+                # given the same arguments, refused it too, and its scheduler recovers.
+                logging.exception("follower: the engine refused %s, as the leader's did", name)
+            except Exception:
+                # Failed here alone, perhaps: running on would leave the processes out of
+                # step. Exit, so jax.distributed ends the others too.
+                logging.exception("follower: %s failed; stopping this process", name)
+                raise
             calls += 1

@@ -20,12 +20,12 @@ A `ParamSpec` carries
                Flax's `Dense`), "embed" (Flax's `Embed` default), "ones", "zeros"
 
 Logical axes: VOCAB, EMBED (the residual stream), HEADS (query heads x head_dim, flattened),
-KV_HEADS (KV heads x head_dim, flattened), FFN (the MLP's hidden dimension). The KV page pool
-describes its own axes (`model.paged_kv.AXES`) in the same names.
+KV_HEADS (KV heads x head_dim, flattened), FFN (the MLP's hidden dimension). The KV page pool's
+axes are named in the same terms (`model.sharding.POOL_AXES`).
 
 Adding a family's tensor (Qwen2's q/k/v biases are one) is one entry here: the loaders, the
 converted-checkpoint checks, random weights and the shardings all follow. `model.llama`'s
-modules must build the same tree; `tests/test_model.py` checks they do.
+modules must build the same tree; `tests/test_hf_and_store.py` checks they do.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
     tp.pool_sharding                            # each layer of the KV page pool
 
 One mesh axis, `AXIS`, over the devices. The sharding rules are data: a map from the logical
-axis names of `model.params` (and `model.paged_kv.AXES`) to the mesh axis or None, decided once
+axis names of `model.params` (and the pool's, `POOL_AXES`) to the mesh axis or None, decided once
 per model from its shape (Megatron-style, as vLLM and jax-llm-examples lay a Llama out):
 - query heads and KV heads (q/k/v column-split, o row-split, the pool split by KV head), when
   both divide over the devices. With fewer KV heads than devices (but a whole number of
@@ -132,14 +132,12 @@ class TensorParallel:
         """`params` (as stored: NumPy arrays, or jax arrays restored with `storage_shardings`)
         as the programs take them: k/v heads repeated where planned, cast to `dtype`, and
         each device holding only its shards."""
-        compute = {s.path: s for s in param_specs(self.compute_config)}
-
         def leaf(spec: ParamSpec) -> jax.Array:
             array = get(params, spec.path)
             if self._repeats(spec):
                 array = _repeat_heads(array, spec.axes.index(KV_HEADS), self.config.num_kv_heads,
                                       self.kv_repeat)
-            return jax.device_put(array, self.sharding(compute[spec.path].axes)).astype(dtype)
+            return jax.device_put(array, self.sharding(spec.axes)).astype(dtype)
 
         return build_tree(param_specs(self.config), leaf)
 

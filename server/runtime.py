@@ -38,8 +38,9 @@ _MAX_SEQ_LEN = flags.DEFINE_integer("max_seq_len", 4096, "Longest sequence: prom
 _PAGE_SIZE = flags.DEFINE_integer("page_size", DEFAULT_PAGE_SIZE, "Tokens per KV page.", lower_bound=1)
 _KV_MEMORY = flags.DEFINE_string(
     "kv_cache_memory", None,
-    "Bytes for the KV page pool (a count, or with a unit: 1440MiB, 1.5GiB). Default: on a GPU "
-    "90% of what is free after the weights; elsewhere num_slots x max_seq_len tokens' worth.")
+    "Bytes for the KV page pool (a count, or with a unit: 1440MiB, 1.5GiB); with "
+    "--tensor_parallel, per device. Default: on a GPU 90% of what is free after the weights; "
+    "elsewhere num_slots x max_seq_len tokens' worth.")
 _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "Largest prefill chunk (tokens).", lower_bound=16)
 _MAX_PREFILL_CHUNKS = flags.DEFINE_integer(
     "max_prefill_chunks", None,
@@ -199,24 +200,26 @@ def parse_size(text: str) -> int:
 
 def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int,
                   device: jax.Device | None = None, tp: TensorParallel | None = None) -> int | None:
-    """Pages for --kv_cache_memory (per engine, all its devices together); on a GPU without
-    it, 90% of the memory left after the weights on `device` (with `tp`, on each of its
-    devices, which hold a share of the weights and of the pool); None (the engine's default:
-    every slot at max_seq_len) otherwise."""
+    """Pages for --kv_cache_memory; on a GPU without it, 90% of the memory left after the
+    weights on `device`; None (the engine's default: every slot at max_seq_len) otherwise.
+    With `tp` the budget is each device's: the weights are on the devices already (restored
+    into their shards), and a device holds its KV heads' share of every page, or all of it
+    where attention is replicated."""
     if _KV_MEMORY.value is not None:
         budget = parse_size(_KV_MEMORY.value)
     elif jax.default_backend() == "gpu":
         stats = (device or jax.local_devices()[0]).memory_stats() or {}
         if "bytes_limit" not in stats:
             return None
-        weight_bytes = sum(a.size for a in jax.tree.leaves(model.params)) * jnp.dtype(dtype).itemsize
-        shares = 1 if tp is None else tp.size
-        budget = int(0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0) - weight_bytes / shares))
-        if tp is not None and tp.heads_sharded:  # each device holds kv_repeat / size of the pool
-            budget = budget * tp.size // tp.kv_repeat
+        on_host = 0 if tp is not None else (
+            sum(a.size for a in jax.tree.leaves(model.params)) * jnp.dtype(dtype).itemsize)
+        budget = int(0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0) - on_host))
     else:
         return None
-    pages = pages_for_bytes(model.config, budget, page_size, jnp.dtype(dtype))
+    pages = pages_for_bytes(model.config if tp is None else tp.compute_config, budget, page_size,
+                            jnp.dtype(dtype))
+    if tp is not None and tp.heads_sharded:
+        pages *= tp.size
     if pages < 1:
         raise ValueError(f"--kv_cache_memory={_KV_MEMORY.value} holds no page of {page_size} tokens")
     return pages
@@ -227,7 +230,7 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
     """The engine the flags describe; with the model, the KV pool is sized by memory (on
     `device`, default the first, or over `tp`'s devices)."""
     on_gpu = jax.default_backend() == "gpu"
-    dtype = _DTYPE.value or ("bfloat16" if on_gpu else "float32")
+    dtype = compute_dtype()
     return EngineConfig(
         num_slots=_NUM_SLOTS.value,
         max_seq_len=_MAX_SEQ_LEN.value,
@@ -240,6 +243,10 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
         # An iteration's prompt chunks, packed, fit one program even with every slot decoding.
         prefill_tokens=max(_PREFILL_CHUNK.value, token_budget() - _NUM_SLOTS.value),
     )
+
+
+def compute_dtype() -> str:
+    return _DTYPE.value or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
 
 
 def token_budget() -> int:
@@ -286,10 +293,16 @@ def build_from_flags(warm: bool = True) -> Runtime:
         if jax.process_index() == 0:
             resolve(MODEL_FLAG.value)
         multihost.barrier("cadence: the model is converted")
+    # Sharded, the weights land on the devices in the engine's dtype (no float32 copy left there).
     model = load_model(MODEL_FLAG.value, shardings=(
-        (lambda config: plan(config).storage_shardings()) if mesh_devices else None))
+        (lambda config: plan(config).storage_shardings()) if mesh_devices else None),
+        dtype=compute_dtype() if mesh_devices else None)
     tp = plan(model.config) if mesh_devices else None
     engine_config = engine_config_from_flags(model, pair[0] if pair else None, tp)
+    if multi_process() and engine_config.num_pages is not None and _KV_MEMORY.value is None:
+        # Each process sized the pool by its own free memory; every one must run the same
+        # programs, so all take the smallest.
+        engine_config = dataclasses.replace(engine_config, num_pages=multihost.agree_min(engine_config.num_pages))
     if engine_config.max_seq_len > model.config.max_context:
         raise ValueError(
             f"--max_seq_len={engine_config.max_seq_len} exceeds {model.name}'s context of "
@@ -322,6 +335,7 @@ def build_from_flags(warm: bool = True) -> Runtime:
         )
     if pair is not None:
         print(f"cadence: serving {where}", file=sys.stderr)
+    model = dataclasses.replace(model, params=None)  # the engines hold their own copies
     print(f"cadence: {model.name}'s own sampling defaults, for requests that omit a field: "
           f"{model.generation.describe()}", file=sys.stderr)
     if multi_process():

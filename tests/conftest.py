@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from model.config import TINY, ModelConfig  # noqa: E402
-from model.params import random_params as init_params  # noqa: E402
+from model import params as model_params  # noqa: E402
 
 
 def random_params(config: ModelConfig, seed: int = 0) -> dict:
@@ -27,7 +27,7 @@ def random_params(config: ModelConfig, seed: int = 0) -> dict:
     Norm scales are perturbed away from 1 so a loader that drops them is caught, and the
     embedding is scaled up so logits have gaps much larger than float32 noise.
     """
-    params = init_params(config, jax.random.key(seed))
+    params = model_params.random_params(config, jax.random.key(seed))
     rng = np.random.default_rng(seed)
 
     def perturb(path, leaf):

@@ -140,6 +140,14 @@ def test_a_sharded_engine_serves_the_references_tokens_without_compiling(config,
         assert tokens == greedy_generate(params, config, prompt, 10, frozenset()), len(prompt)
 
 
+def test_the_pool_counts_the_bytes_every_device_holds(tiny_params, tiny_config):
+    """Split by KV head, the pool's bytes are one copy's; replicated, one per device."""
+    split = Engine(tiny_params, tiny_config, ENGINE, devices=jax.devices()[:2])
+    replicated = Engine(random_params(SIX), SIX, ENGINE, devices=jax.devices()[:2])
+    assert split.kv_cache_bytes == split.cache.nbytes
+    assert replicated.kv_cache_bytes == 2 * replicated.cache.nbytes
+
+
 def test_kv_moves_in_and_out_of_a_sharded_pool(tiny_params, tiny_config):
     """A sequence's KV extracted from a TP=2 engine (sharded by KV head) and inserted into other
     pages of a single-device engine decodes exactly as it would have in place."""
@@ -199,6 +207,7 @@ def test_cadence_generate_tensor_parallel_gives_the_reference_text(tiny_model_di
     (["--num_processes=2", "--process_id=2", "--coordinator_address=127.0.0.1:1"],
      "--process_id=2 is not in [0, 2)"),
     (["--num_processes=2", "--coordinator_address=nowhere"], "must be host:port"),
+    (["--num_processes=2", "--coordinator_address=10.0.0.1:1234"], "needs CADENCE_PLAN_KEY"),
 ])
 def test_a_tensor_parallel_mode_that_cannot_run_is_refused(tiny_model_dir, flags, message):
     result = cli(tiny_model_dir, "server.generate_cli", "--prompt=x", *flags)
