@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from checkpoints.errors import CheckpointError
 from model.config import ModelConfig, RopeScaling
-from model.params import param_specs
+from model.params import build_tree, get, param_specs
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}
@@ -116,16 +116,16 @@ def load_hf_params(folder: str | Path, config: ModelConfig) -> Params:
                               f"{config.name}: {_listing(bad)}; check config.json matches the "
                               "weights (quantized safetensors are not supported)")
 
-    params: Params = {}
+    arrays: dict[str, np.ndarray] = {}
     with tqdm(total=len(specs), desc=f"loading {folder.name}", unit="tensor", disable=None) as bar:
         for path, names in by_file.items():
             with safe_open(path, framework="numpy") as f:
                 for hf_name in names:
                     spec, array = specs[hf_name], f.get_tensor(hf_name)
                     array = array.T if spec.transpose else array
-                    _put(params, spec.path, np.ascontiguousarray(array, dtype=np.float32))
+                    arrays[hf_name] = np.ascontiguousarray(array, dtype=np.float32)
                     bar.update()
-    return params
+    return build_tree(specs.values(), lambda spec: arrays[spec.hf_name])
 
 
 def save_hf(folder: str | Path, config: ModelConfig, params: Params, *, dtype: str = "float32",
@@ -289,17 +289,9 @@ def _listing(names: list[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def _put(tree: Params, path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
-
 def _get(tree: Params, path: tuple[str, ...]) -> Any:
     try:
-        for key in path:
-            tree = tree[key]
+        return get(tree, path)
     except KeyError as e:
         raise CheckpointError(f"params lack {'/'.join(path)}; build them for this "
                               "config") from e
-    return tree
