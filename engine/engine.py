@@ -654,8 +654,6 @@ class Engine:
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes the pool holds on this process's devices: under tensor parallelism with
-        attention replicated (or KV heads repeated), more than one copy's worth."""
-        if self.tp is None:
-            return self.cache.nbytes
+        attention replicated, one copy per device."""
         return sum(shard.data.nbytes for layer in self.cache.k + self.cache.v
                    for shard in layer.addressable_shards)

@@ -288,7 +288,6 @@ def build_from_flags(warm: bool = True) -> Runtime:
     pair = pool_devices()
     mesh_devices = tensor_parallel_devices()
     plan = functools.cache(lambda config: TensorParallel.plan(config, mesh_devices))
-    # Restored straight into the shards the engine's plan gives each device.
     if multi_process():  # process 0 converts the model first; the others then find it done
         if jax.process_index() == 0:
             resolve(MODEL_FLAG.value)
