@@ -586,6 +586,10 @@ class Engine:
         self.cache = PagedKVCache.create(self.compute_config, cfg.pool_pages, cfg.page_size, dtype,
                                          device=self._pool_at)
         self.last_tokens = jnp.zeros((cfg.num_slots,), jnp.int32, device=self._token_at)
+        # Counted here, once: a metrics reader on another thread may otherwise meet the pool
+        # between a program's donation of it and the return of its successor.
+        self._kv_cache_bytes = sum(shard.data.nbytes for layer in self.cache.k + self.cache.v
+                                   for shard in layer.addressable_shards)
 
     # -- warm-up and accounting ---------------------------------------------------------------
 
@@ -654,6 +658,5 @@ class Engine:
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes the pool holds on this process's devices: under tensor parallelism with
-        attention replicated, one copy per device."""
-        return sum(shard.data.nbytes for layer in self.cache.k + self.cache.v
-                   for shard in layer.addressable_shards)
+        attention replicated, one copy per device. Fixed at allocation."""
+        return self._kv_cache_bytes

@@ -153,6 +153,20 @@ def test_cache_is_donated_and_updated_in_place(engine):
     assert stats.temp_size_in_bytes < engine.kv_cache_bytes
 
 
+def test_pool_bytes_are_readable_while_a_program_holds_the_pool(engine):
+    """`/metrics` and `/debug/timeline` read the pool's size on the HTTP thread, which can meet
+    the engine between a program's donation of the pool and the return of the new one."""
+    expected = engine.kv_cache_bytes
+    donated = engine.cache
+    engine.prefill([PrefillChunk(0, [5, 6, 7], 0, False, [3])], GREEDY_ROWS(engine))
+    assert donated.k[0].is_deleted()
+    engine.cache, live = donated, engine.cache  # as another thread sees it mid-call
+    try:
+        assert engine.kv_cache_bytes == expected == live.nbytes
+    finally:
+        engine.cache = live
+
+
 def test_warmup_compiles_every_program(tiny_params, tiny_config):
     cfg = EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=32, min_kv_bucket=64)
     e = Engine(tiny_params, tiny_config, cfg)
