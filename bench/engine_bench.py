@@ -5,8 +5,9 @@
 Measures the machine first (a large on-device reduction for memory bandwidth, a large matmul for
 FLOP/s), then times the engine's own compiled programs:
 - decode: one step over `num_slots` slots at several live context lengths, with all of them or
-  only `--active` of them decoding (the rest idle, as on a lightly loaded server); the floor is
-  (weight bytes + live KV bytes) / bandwidth, since a decode step must read both;
+  only `--active` of them decoding (the rest idle, as on a lightly loaded server), and with k
+  steps per dispatch (`--decode_steps`); the floor is (weight bytes + live KV bytes) /
+  bandwidth, since a decode step must read both;
 - prefill: a long prompt in chunks of `--prefill_chunk`; tokens/s and achieved FLOP/s against
   2 * params * tokens (+ attention) / matmul rate.
 Prints a table and writes one JSON file (machine, JAX version, date, every figure).
@@ -38,7 +39,9 @@ _ACTIVE = flags.DEFINE_list("active", [], "Decoding slots per point (default: al
 _PROMPT = flags.DEFINE_integer("prompt_tokens", 2048, "Prompt length for prefill.")
 _CHUNK = flags.DEFINE_integer("prefill_chunk", 512, "Prefill chunk size.")
 _MAX_SEQ = flags.DEFINE_integer("max_seq_len", 4096, "Slot length.")
-_STEPS = flags.DEFINE_integer("steps", 20, "Timed decode steps per point.")
+_STEPS = flags.DEFINE_integer("steps", 20, "Timed decode dispatches per point.")
+_DECODE_STEPS = flags.DEFINE_list("decode_steps", ["1"], "Decode steps per dispatch (k) to time; "
+                                  "a point's step time is its dispatch's time / k.")
 _PAGE = flags.DEFINE_integer("page_size", DEFAULT_PAGE_SIZE, "KV page size (tokens).")
 _OUT = flags.DEFINE_string("out", None, "Where to write the JSON results.")
 
@@ -64,17 +67,21 @@ def measure_machine() -> dict:
     return {"bandwidth_gb_s": bw / 1e9, "matmul_gflop_s": flops / 1e9}
 
 
-def decode_point(engine, rows, tables, context: int, count: int, weight_bytes: int, machine: dict) -> dict:
-    """The median step with the first `count` slots decoding at `context` live tokens each."""
+def decode_point(engine, rows, tables, context: int, count: int, weight_bytes: int, machine: dict,
+                 k: int = 1) -> dict:
+    """The median step with the first `count` slots decoding at `context` live tokens each, in
+    dispatches of `k` steps."""
     slots = engine.config.num_slots
     positions = np.full(slots, context - 1, np.int32)
     active = np.arange(slots) < count
-    step = timed(lambda: engine.decode(positions, active, rows, tables).block_until_ready(), _STEPS.value)
+    step = timed(lambda: engine.decode(positions, active, rows, tables, k).block_until_ready(),
+                 _STEPS.value) / k
     kv_bytes = count * context * engine.model_config.kv_bytes_per_token(4)
     floor = (weight_bytes + kv_bytes) / (machine["bandwidth_gb_s"] * 1e9)
-    print(f"decode  slots={slots:<3} active={count:<3} context={context:<5} {step * 1e3:7.1f} ms/step "
+    print(f"decode  slots={slots:<3} active={count:<3} context={context:<5} k={k:<2} {step * 1e3:7.1f} ms/step "
           f"(floor {floor * 1e3:5.1f} ms, {step / floor:4.2f}x)  {count / step:7.1f} tok/s")
-    return {"slots": slots, "active": count, "context": context, "step_ms": step * 1e3,
+    return {"slots": slots, "active": count, "context": context, "steps_per_dispatch": k,
+            "step_ms": step * 1e3,
             "floor_ms": floor * 1e3, "ratio_to_floor": step / floor,
             "achieved_gb_s": (weight_bytes + kv_bytes) / step / 1e9, "tokens_per_s": count / step}
 
@@ -90,12 +97,14 @@ def main(argv) -> None:
     for slots in map(int, _SLOTS.value):
         engine = Engine(model.params, cfg, EngineConfig(
             num_slots=slots, max_seq_len=_MAX_SEQ.value, prefill_chunk=_CHUNK.value,
-            page_size=_PAGE.value))
+            page_size=_PAGE.value, decode_steps=max(map(int, _DECODE_STEPS.value))))
         rows = sampling_rows([RequestSampling()] * slots)
         tables = fixed_page_tables(engine.config)  # each slot a run of pages, as if allocated
         for context in map(int, _CONTEXTS.value):
             for count in [a for a in map(int, _ACTIVE.value) if a <= slots] or [slots]:
-                results["decode"].append(decode_point(engine, rows, tables, context, count, weight_bytes, machine))
+                for k in map(int, _DECODE_STEPS.value):
+                    results["decode"].append(decode_point(engine, rows, tables, context, count,
+                                                          weight_bytes, machine, k))
         if slots == int(_SLOTS.value[0]):
             n, chunk = _PROMPT.value, _CHUNK.value
             prompt = list(np.random.default_rng(0).integers(100, cfg.vocab_size, n))
@@ -124,7 +133,8 @@ def main(argv) -> None:
     if _OUT.value:
         Path(_OUT.value).parent.mkdir(parents=True, exist_ok=True)
         Path(_OUT.value).write_text(json.dumps(report, indent=2))
-    print(json.dumps({"decode_ms": {f"{p['active']}of{p['slots']}x{p['context']}": round(p["step_ms"], 1)
+    print(json.dumps({"decode_ms": {f"{p['active']}of{p['slots']}x{p['context']}k{p['steps_per_dispatch']}":
+                                    round(p["step_ms"], 1)
                                     for p in results["decode"]},
                       "prefill_tok_s": [round(p["tokens_per_s"]) for p in results["prefill"]]}))
 

@@ -66,8 +66,8 @@ class NullEngine:
     def prefill(self, chunks, sampling):
         return self._tokens([(self._all, len(chunks))])  # chunks <= num_slots: one program
 
-    def decode(self, positions, active, sampling, page_table):
-        return self._all
+    def decode(self, positions, active, sampling, page_table, steps=1):
+        return np.broadcast_to(self._all, (steps, len(self._all)))
 
     def recover(self) -> None:
         pass

@@ -10,7 +10,9 @@
   messages whose later message arrived in the window, p50/p99/max. Exact when each message
   carried one token (or the server reported usage per message); otherwise a message with k
   tokens contributes k gaps of (gap / k): a chunk-normalized estimate, labelled as such. The
-  measured message gaps are always reported beside it.
+  measured message gaps are always reported beside it, and so are deliveries: messages that
+  arrive within TOGETHER_S of the one before (k decode steps per dispatch send k tokens at
+  once) count as one delivery, whose gaps and sizes say how the tokens really came.
 - Aggregate output throughput: output tokens whose message arrived in the window, divided by
   the window's length (the stated interval).
 
@@ -91,6 +93,20 @@ def message_gaps(r: RequestResult, window: Window) -> list[float]:
     return [t[i] - t[i - 1] for i in range(1, len(t)) if _in(t[i], window)]
 
 
+# Messages closer than this arrived together: one read of the socket, one delivery.
+TOGETHER_S = 0.001
+
+
+def deliveries(r: RequestResult, window: Window) -> tuple[list[float], list[int]]:
+    """Gaps between deliveries whose first message arrived in the window (messages within
+    TOGETHER_S of the previous one join its delivery), and each delivery's message count."""
+    t = r.message_times
+    starts = [0] + [i for i in range(1, len(t)) if t[i] - t[i - 1] >= TOGETHER_S]
+    sizes = [b - a for a, b in zip(starts, starts[1:] + [len(t)])]
+    gaps = [t[b] - t[a] for a, b in zip(starts, starts[1:]) if _in(t[b], window)]
+    return gaps, [n for i, n in zip(starts, sizes) if _in(t[i], window)]
+
+
 def token_gaps(r: RequestResult, window: Window) -> list[float]:
     """One gap per token after the first message; chunk-normalized unless exact one-per-message."""
     t, k = r.message_times, r.message_tokens()
@@ -106,6 +122,8 @@ def chat_itl(results: Sequence[RequestResult], window: Window, chat_classes: set
     exact = all(r.tokens_exact and all(k == 1 for k in r.message_tokens()) for r in streams)
     tokens = [g for r in streams for g in token_gaps(r, window)]
     messages = [g for r in streams for g in message_gaps(r, window)]
+    both = [deliveries(r, window) for r in streams]
+    gaps, sizes = [g for d in both for g in d[0]], [n for d in both for n in d[1]]
     return {
         "population": f"gaps between consecutive output messages of {sorted(chat_classes)} streams "
                       f"whose later message arrived in [{window[0]:g}, {window[1]:g}) s",
@@ -113,6 +131,12 @@ def chat_itl(results: Sequence[RequestResult], window: Window, chat_classes: set
                  "estimate: chunk-normalized (a k-token message counts k gaps of gap/k)",
         **distribution(tokens, (50, 99), with_max=True),
         "message_gaps_s": distribution(messages, (50, 99), with_max=True),
+        "deliveries": {
+            "together": f"messages within {TOGETHER_S * 1e3:g} ms of the previous one",
+            "gaps_s": distribution(gaps, (50, 99), with_max=True),
+            "messages_per_delivery_mean": float(np.mean(sizes)) if sizes else None,
+            "messages_per_delivery_max": max(sizes) if sizes else None,
+        },
     }
 
 

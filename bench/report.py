@@ -107,6 +107,13 @@ def format_summary(summary: dict) -> str:
     itl = summary["chat_inter_token_s"]
     lines.append(f"chat inter-token delay ({itl['basis']}): p50 {_f(itl['p50'], 3)} s, p99 {_f(itl['p99'], 3)} s, "
                  f"max {_f(itl['max'], 3)} s (n={itl['n']})")
+    together = itl.get("deliveries")
+    if together and together["messages_per_delivery_max"] and together["messages_per_delivery_max"] > 1:
+        g = together["gaps_s"]
+        lines.append(f"  tokens arrived together ({together['together']}): "
+                     f"{_f(together['messages_per_delivery_mean'], 2)} messages per delivery (max "
+                     f"{together['messages_per_delivery_max']}); gaps between deliveries p50 "
+                     f"{_f(g['p50'], 3)} s, p99 {_f(g['p99'], 3)} s, max {_f(g['max'], 3)} s")
     tp = summary["throughput"]
     lines.append(f"aggregate output throughput: {tp['tokens_per_s']:.1f} tok/s over [{w[0]:g}, {w[1]:g}) s "
                  f"({tp['output_tokens']} tokens, {tp['basis']})")

@@ -194,13 +194,15 @@ def compare_run(run: dict, config: ModelConfig, machine: Machine, itemsize: int,
         j = i + pipeline_offset
         if j >= len(shapes):
             break
-        p = predict(iteration_cost(config, shape, itemsize), machine)
-        rows.append({"index": it["index"], "decode_slots": len(shape.decode_contexts),
+        steps = it.get("decode_steps", 1)  # k decode steps in one dispatch: k programs' cost
+        p = predict(iteration_cost(config, shape, itemsize) * steps, machine)
+        rows.append({"index": it["index"], "decode_slots": len(shape.decode_contexts), "decode_steps": steps,
                      "prefill_tokens": sum(n for _, n in shape.prefill), "measured_s": shapes[j][0]["wall"], **p})
     groups: dict[str, list[dict]] = {}
     for r in rows:
         if r["prefill_tokens"] == 0:
-            key = f"decode only, {r['decode_slots']} slots"
+            key = f"decode only, {r['decode_slots']} slots" + (
+                f", {r['decode_steps']} steps per dispatch" if r["decode_steps"] > 1 else "")
         else:
             bucket = next(b for b in (64, 256, 1024, 4096, 1 << 30) if r["prefill_tokens"] <= b)
             key = f"with prefill <= {bucket if bucket < 1 << 30 else 'any'} tokens"

@@ -119,7 +119,8 @@ def compile_counts(config, n: int, batch: int, chunk: int) -> dict[str, dict]:
     width = engine.max_pages_per_seq
     decode = programs.decode.lower(
         params, cache, last, np.arange(batch, dtype=np.int32), np.full(batch, 512, np.int32),
-        np.zeros((batch, width), np.int32), sampling_rows([RequestSampling()] * batch))
+        np.zeros((batch, width), np.int32), sampling_rows([RequestSampling()] * batch),
+        np.int32(1))
     pack = empty_pack(chunk, width, engine.pack_block, batch, engine.chunks_per_program)
     prefill = programs.prefill.lower(
         params, cache, last, pack.tokens, pack.positions, pack.lengths, pack.tables,

@@ -100,6 +100,9 @@ class EngineConfig:
     # disaggregated pair: "prefill" (prefill, and extract to hand KV on) or "decode" (decode,
     # and insert to take it); warm-up compiles only the role's programs.
     role: str = "both"
+    # The most decode steps one dispatch runs (`decode(..., steps=k)`, k <= this); the same
+    # program runs any k, so this costs no compile.
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -110,6 +113,8 @@ class EngineConfig:
             raise ValueError(
                 f"prefill_chunk must be in [1, max_seq_len={self.max_seq_len}], got {self.prefill_chunk}"
             )
+        if self.decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.prefill_tokens is not None and self.prefill_tokens < self.prefill_chunk:
@@ -206,22 +211,42 @@ def _prefill_program(
 
 
 def _decode_program(
-    params, cache, last_tokens, slots, positions, page_table, sampling,
-    *, config, attention, dtype, mesh,
+    params, cache, last_tokens, slots, positions, page_table, sampling, steps,
+    *, config, attention, dtype, mesh, max_steps,
 ):
-    """One step over the rows of `slots` [batch] (a slot index, or num_slots for a padding
-    row); positions, page_table and sampling are per row. Returns every slot's next token:
-    the new one where a row decoded it, the last one elsewhere."""
-    valid = slots < last_tokens.shape[0]
+    """Up to `steps` decode steps (at most `max_steps`) over the rows of `slots` [batch] (a
+    slot index, or num_slots for a padding row); positions (each row's first step), page_table
+    and sampling are per row. A row ends on the device when it samples one of its stop ids (or
+    comes in with one, a request that ended in the step before): it writes nothing after, and
+    the loop exits once every row has ended. Returns [max_steps, num_slots]: every slot's next
+    token after each step (its last one where a row did not decode, and after the last step
+    run, the state it left)."""
+    num_slots = last_tokens.shape[0]
     inputs = jnp.take(last_tokens, slots, mode="clip")
-    logits, cache = forward(
-        params, inputs[:, None], positions[:, None], valid.astype(jnp.int32), cache,
-        page_table, config=config, logit_index=jnp.arange(positions.shape[0], dtype=jnp.int32),
-        attention=attention, dtype=dtype, mesh=mesh,
-    )
-    tokens = sample(logits, sampling, positions + 1)
-    last_tokens = last_tokens.at[slots].set(tokens, mode="drop")  # padding rows drop out
-    return last_tokens, cache, last_tokens
+    live = (slots < num_slots) & ~sampling.stops(inputs)
+    out = jnp.broadcast_to(last_tokens, (max_steps, num_slots))
+    rows = jnp.arange(positions.shape[0], dtype=jnp.int32)
+
+    def more(state):
+        step, live = state[:2]
+        return (step < steps) & jnp.any(live)
+
+    def one_step(state):
+        step, live, inputs, cache, last_tokens, out = state
+        at = positions + step
+        logits, cache = forward(
+            params, inputs[:, None], at[:, None], live.astype(jnp.int32), cache, page_table,
+            config=config, logit_index=rows, attention=attention, dtype=dtype, mesh=mesh,
+        )
+        tokens = jnp.where(live, sample(logits, sampling, at + 1), inputs)
+        last_tokens = last_tokens.at[jnp.where(live, slots, num_slots)].set(tokens, mode="drop")
+        out = jax.lax.dynamic_update_index_in_dim(out, last_tokens, step, 0)
+        return step + 1, live & ~sampling.stops(tokens), tokens, cache, last_tokens, out
+
+    ran, _, _, cache, last_tokens, out = jax.lax.while_loop(
+        more, one_step, (jnp.int32(0), live, inputs, cache, last_tokens, out))
+    out = jnp.where((jnp.arange(max_steps) < ran)[:, None], out, last_tokens[None])
+    return out, cache, last_tokens
 
 
 def _extract_program(cache, last_tokens, ids, slot):
@@ -264,6 +289,7 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
         model_config = tp.compute_config  # the KV heads as the plan repeats them
     static = dict(config=model_config, attention=config.attention, dtype=jnp.dtype(config.dtype),
                   mesh=tp.attention_mesh if tp else None)
+    decode = dict(static, max_steps=config.decode_steps)
     donate = ("cache", "last_tokens")
 
     def jit(fn, out, **kw):
@@ -275,8 +301,8 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
     # Page-table widths are shapes: each bucket is its own program, compiled at warm-up.
     return Programs(
         prefill=jit(functools.partial(_prefill_program, **static), stepped, donate_argnames=donate),
-        decode=jit(functools.partial(_decode_program, **static), stepped, donate_argnames=donate),
-        decode_batched=jit(functools.partial(_decode_program, **{**static, "attention": "reference"}),
+        decode=jit(functools.partial(_decode_program, **decode), stepped, donate_argnames=donate),
+        decode_batched=jit(functools.partial(_decode_program, **{**decode, "attention": "reference"}),
                            stepped, donate_argnames=donate),
         extract=jit(_extract_program, (handle, handle, token)),
         insert=jit(_insert_program, (pool, token), donate_argnames=donate),
@@ -349,8 +375,11 @@ _GREEDY_ROW = SamplingRows(1).params()  # what a padding row samples with (read 
 def _gather_rows(sampling: SamplingParams, pick: np.ndarray, live: np.ndarray) -> SamplingParams:
     """The sampling rows of the slots `pick`; padding rows (not `live`) are greedy, so they
     never send a step down the sampling path."""
-    return jax.tree.map(lambda a, greedy: np.where(live, np.asarray(a)[pick], greedy).astype(greedy.dtype),
-                        sampling, _GREEDY_ROW)
+    def gather(a, greedy):
+        rows = live.reshape(live.shape + (1,) * (greedy.ndim - 1))
+        return np.where(rows, np.asarray(a)[pick], greedy).astype(greedy.dtype)
+
+    return jax.tree.map(gather, sampling, _GREEDY_ROW)
 
 
 def _local(tokens: jax.Array) -> jax.Array:
@@ -380,6 +409,23 @@ class PrefillTokens:
 
     def block_until_ready(self) -> PrefillTokens:
         jax.block_until_ready([a for a, _ in self._parts])
+        return self
+
+
+class DecodeTokens:
+    """What `Engine.decode` returns: every slot's token after each step, on the device until
+    read. `np.asarray(result)` waits for the program and gives [steps, num_slots] int32."""
+
+    def __init__(self, tokens: jax.Array, steps: int):
+        self._tokens = tokens  # [decode_steps, num_slots]: the program's whole buffer
+        self.steps = steps
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.asarray(self._tokens)[: self.steps]
+        return out if dtype is None else out.astype(dtype)
+
+    def block_until_ready(self) -> DecodeTokens:
+        self._tokens.block_until_ready()
         return self
 
 
@@ -471,33 +517,41 @@ class Engine:
 
     def decode(
         self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
-        page_table: np.ndarray,
-    ) -> jax.Array:
-        """One decode step over the active slots: slot s consumes its last token at
-        `positions[s]` and samples the next, with its sequence's pages in `page_table[s]`
-        ([num_slots, max_pages_per_seq] int32, enough for positions[s] + 1 tokens).
-        Returns device tokens [num_slots]; an inactive slot's entry is its last token.
+        page_table: np.ndarray, steps: int = 1,
+    ) -> DecodeTokens:
+        """`steps` decode steps over the active slots in one program: slot s consumes its last
+        token at `positions[s]` and samples the next, then the next at positions[s] + 1, and so
+        on, with its sequence's pages in `page_table[s]` ([num_slots, max_pages_per_seq] int32,
+        enough for positions[s] + steps tokens). A slot stops early, on the device, at one of
+        its stop ids (`SamplingParams.stop_ids`). Returns at once: `np.asarray(result)` is
+        [steps, num_slots], every slot's next token after each step (an inactive slot's: its
+        last token; a stopped slot's: its stop token).
 
         Runs the smallest batch bucket holding the active slots: their rows are gathered here,
         on the host (a few hundred bytes), and padded with rows that write nothing."""
         cfg = self.config
         self._check_role("decode")
+        if not 1 <= steps <= cfg.decode_steps:
+            raise ValueError(f"a decode call runs 1..{cfg.decode_steps} steps (decode_steps), got {steps}")
         slots = np.flatnonzero(active)
+        if slots.size and int(positions[slots].max()) + steps > cfg.max_seq_len:
+            raise ValueError(f"{steps} steps from position {int(positions[slots].max())} overflow "
+                             f"max_seq_len={cfg.max_seq_len}")
         batch = bucket_for(cfg.decode_batch_buckets, max(len(slots), 1))
         rows = np.full(batch, cfg.num_slots, np.int32)  # padding: a slot index past the last
         rows[: len(slots)] = slots
         live = rows < cfg.num_slots
         pick = np.where(live, rows, 0)
-        program, width = self._decode_plan(positions[slots] + 1)
+        program, width = self._decode_plan(positions[slots] + steps)
         tables = np.where(live[:, None], page_table[pick, :width], 0).astype(np.int32)
         tokens, self.cache, self.last_tokens = program(
             self.params, self.cache, self.last_tokens, rows,
             np.where(live, positions[pick], 0).astype(np.int32), tables,
-            _gather_rows(sampling, pick, live),
+            _gather_rows(sampling, pick, live), np.int32(steps),
         )
         tokens = _local(tokens)
         tokens.copy_to_host_async()
-        return tokens
+        return DecodeTokens(tokens, steps)
 
     def _decode_plan(self, lengths: np.ndarray):
         """The cheaper decode program for these live lengths, and its page-table width.
@@ -621,6 +675,7 @@ class Engine:
                     self.params, self.cache, self.last_tokens,
                     np.full(batch, cfg.num_slots, np.int32), np.zeros(batch, np.int32),
                     np.zeros((batch, width), np.int32), sampling_rows([RequestSampling()] * batch),
+                    np.int32(1),
                 )
                 done += 1
                 if progress:

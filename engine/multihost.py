@@ -121,8 +121,8 @@ class Leader:
     def prefill(self, chunks, sampling):
         return self._call("prefill", list(chunks), sampling)
 
-    def decode(self, positions, active, sampling, page_table):
-        return self._call("decode", positions, active, sampling, page_table)
+    def decode(self, positions, active, sampling, page_table, steps=1):
+        return self._call("decode", positions, active, sampling, page_table, steps)
 
     def recover(self) -> None:
         self._call("recover")

@@ -8,6 +8,8 @@ greedy and sampled requests:
     top_k        [rows] i32   0 means no top-k limit
     top_p        [rows] f32   1.0 means no nucleus limit
     seed         [rows] u32   with `step` [rows] i32 gives the row's key: fold_in(key(seed), step)
+    stop_ids     [rows, MAX_STOP_TOKENS] i32   token ids that end the row's request (its EOS
+                 ids; -1 pads), so a program of several decode steps stops a row on the device
 
 A row's randomness depends only on its own seed and step (e.g. its position), never on which
 other requests share the batch, so a seeded request is reproducible alone or batched.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +34,7 @@ class SamplingParams:
     top_k: jax.Array
     top_p: jax.Array
     seed: jax.Array
+    stop_ids: jax.Array
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingParams:
@@ -38,18 +42,27 @@ class SamplingParams:
 
     @classmethod
     def make(cls, temperature, top_k, top_p, seed) -> SamplingParams:
+        rows = len(temperature)
         return cls(
             temperature=jnp.asarray(temperature, jnp.float32),
             top_k=jnp.asarray(top_k, jnp.int32),
             top_p=jnp.asarray(top_p, jnp.float32),
             seed=jnp.asarray(seed, jnp.uint32),
+            stop_ids=jnp.full((rows, MAX_STOP_TOKENS), -1, jnp.int32),
         )
+
+    def stops(self, tokens: jax.Array) -> jax.Array:
+        """[rows] bool: whether each row's token ends its request."""
+        return jnp.any(tokens[:, None] == self.stop_ids, axis=-1)
 
 
 # What the device arrays can hold: top_k is int32 and the seed uint32 (`SamplingParams`).
 MAX_TOP_K = 2**31 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 SEED_RANGE = 2**32
+# Stop token ids a row carries to the device. A request with more EOS ids than this is still
+# stopped by the host on every one of them; the device just runs its surplus steps.
+MAX_STOP_TOKENS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +107,7 @@ class SamplingRows:
         self.top_k = np.zeros(num_slots, np.int32)
         self.top_p = np.ones(num_slots, np.float32)
         self.seed = np.zeros(num_slots, np.uint32)
+        self.stop_ids = np.full((num_slots, MAX_STOP_TOKENS), -1, np.int32)
 
     @classmethod
     def of(cls, rows: list[RequestSampling]) -> SamplingRows:
@@ -102,11 +116,16 @@ class SamplingRows:
             packed.set(slot, row)
         return packed
 
-    def set(self, slot: int, sampling: RequestSampling) -> None:
-        """Packs one row; raises (and changes nothing) if a value does not fit its dtype."""
+    def set(self, slot: int, sampling: RequestSampling, stop_ids: Iterable[int] = ()) -> None:
+        """Packs one row (and the first MAX_STOP_TOKENS of `stop_ids`, in order); raises (and
+        changes nothing) if a value does not fit its dtype."""
         values = (np.float32(sampling.temperature), np.int32(sampling.top_k),
                   np.float32(sampling.top_p), np.uint32(sampling.seed))
+        stops = np.full(MAX_STOP_TOKENS, -1, np.int32)
+        ids = sorted(stop_ids)[:MAX_STOP_TOKENS]
+        stops[: len(ids)] = np.asarray(ids, np.int32)
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.seed[slot] = values
+        self.stop_ids[slot] = stops
 
     def clear(self, slot: int) -> None:
         """Greedy again: a free slot must not make a step take the sampling path."""
@@ -115,7 +134,8 @@ class SamplingRows:
     def params(self) -> SamplingParams:
         # Copies: JAX may alias host buffers on the CPU, and these arrays change next step.
         return SamplingParams(temperature=self.temperature.copy(), top_k=self.top_k.copy(),
-                              top_p=self.top_p.copy(), seed=self.seed.copy())
+                              top_p=self.top_p.copy(), seed=self.seed.copy(),
+                              stop_ids=self.stop_ids.copy())
 
 
 def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:

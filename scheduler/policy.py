@@ -68,6 +68,7 @@ class Plan:
     admit: list[Request] = dataclasses.field(default_factory=list)
     prefill: list[Chunk] = dataclasses.field(default_factory=list)
     decode: list[Request] = dataclasses.field(default_factory=list)
+    steps: int = 1  # decode steps each request of `decode` runs, in one dispatch
 
     @property
     def empty(self) -> bool:

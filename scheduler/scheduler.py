@@ -13,9 +13,15 @@ plan's prefill chunks and one decode step to the engine (asynchronous), then app
 of the *previous* iteration while the device works on this one. Tokens therefore reach clients
 one iteration after they are computed, and the device is never idle waiting for Python.
 
-A request that stops on EOS or a stop string is discovered a step late, so one extra decode step
-may run for it; its token is discarded. Requests that end on max_tokens never over-run, because
-the host counts dispatched tokens.
+When an iteration has nothing to do but decode, and no decoding request could end sooner on
+the host's word (each has k tokens to go, and no stop strings), it runs k steps in one dispatch
+(the engine's `decode_steps` at most): a k-th of the host's work per token, and the k tokens of
+a request reach its client together. EOS ends a row on the device within the k steps.
+
+A request that stops on EOS or a stop string is discovered a dispatch late, so the next
+dispatch may run for it; its tokens are discarded (on the device, a row whose input is its EOS
+writes nothing). Requests that end on max_tokens never over-run, because the host counts
+dispatched tokens.
 
 Disaggregated (DistServe's design), two engines on their own devices each have a pool
 (`scheduler.pool`) and a loop thread of their own, so a long prefill never holds up a decode
@@ -92,6 +98,7 @@ class IterationRecord:
     prefill_programs: int = 0  # the packed programs that carried them (normally 1)
     pool: str = "colocated"  # whose loop ran it: "colocated", or "prefill" / "decode"
     transfers: int = 0  # KV handoffs to the decode pool this iteration started
+    decode_steps: int = 1  # steps each of the decode_slots ran, in one dispatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -473,12 +480,13 @@ class Scheduler:
             start = time.monotonic()
             self._take_inbox()
             plan = self._plan(pool)
+            plan.steps = self._decode_steps(pool, plan)
             previous = self._begin(pool)
             self._admit(plan, pool, start)
             self._reserve_pages(pool, plan, start)
             rows = pool.rows.params()  # every slot's sampling row, for both programs
             programs, chunks = self._dispatch_prefill(plan, pool, rows)
-            self._dispatch_decode(plan.decode, pool, rows)
+            self._dispatch_decode(plan, pool, rows)
             transfers = self._start_transfers()  # a prompt just finished moves right behind it
         return self._finish_iteration(pool, previous, start, plan, programs, chunks, transfers)
 
@@ -492,9 +500,10 @@ class Scheduler:
             landed = self._insert_landed()
             transfers = self._start_transfers()
             plan = Plan(decode=[r for r in pool.running if wants_decode(r)])
+            plan.steps = self._decode_steps(pool, plan)
             previous = self._begin(pool)
             self._reserve_pages(pool, plan, start)
-            self._dispatch_decode(plan.decode, pool, pool.rows.params())
+            self._dispatch_decode(plan, pool, pool.rows.params())
         return self._finish_iteration(pool, previous, start, plan, 0, 0, transfers + landed)
 
     def _plan(self, pool: Pool) -> Plan:
@@ -532,6 +541,7 @@ class Scheduler:
                 prefill_programs=programs,
                 pool=pool.name,
                 transfers=handoffs,
+                decode_steps=plan.steps,
             )
             self._iteration += 1
         self._notify(self.iteration_listeners, record)
@@ -569,7 +579,7 @@ class Scheduler:
             if r.preemptions:
                 r.readmitted()
             try:
-                pool.rows.set(r.slot, r.params.sampling)
+                pool.rows.set(r.slot, r.params.sampling, r.eos_ids)
             except Exception as e:  # this request's values, this request's failure
                 self._fail_one(r, f"its sampling parameters cannot be packed: {e}", now)
 
@@ -604,22 +614,40 @@ class Scheduler:
         self._expect(pool, firsts, tokens)
         return tokens.programs, len(chunks)
 
-    def _dispatch_decode(self, decode: list[Request], pool: Pool, rows) -> None:
-        decode = [r for r in decode if r.state is State.DECODING and r.pool is pool]
+    @staticmethod
+    def _decode_steps(pool: Pool, plan: Plan) -> int:
+        """Decode steps for this iteration's one dispatch: 1, unless the plan does nothing but
+        decode, every request of the pool is decoding (none mid-prompt, none with KV on its
+        way in) and none has stop strings (the host finds those in text); then as many as the
+        engine allows and every request has tokens left for, so none ends sooner on its
+        length, and the free pages hold, so nobody is preempted for them."""
+        most = pool.engine.config.decode_steps
+        if most == 1 or plan.admit or plan.prefill or not plan.decode:
+            return 1
+        if any(r.state is not State.DECODING or r.params.stop for r in pool.running):
+            return 1
+        steps = min(most, min(r.max_tokens - r.dispatched for r in plan.decode))
+        wanted = sum(max(0, pool.pages.pages_for(r.prompt_len + r.dispatched + steps - 1)
+                         - len(r.pages)) for r in plan.decode)
+        return max(steps, 1) if wanted <= pool.pages.free_count else 1
+
+    def _dispatch_decode(self, plan: Plan, pool: Pool, rows) -> None:
+        decode = [r for r in plan.decode if r.state is State.DECODING and r.pool is pool]
         if not decode:
             return
         now = time.monotonic()
+        steps = plan.steps
         positions = np.zeros(pool.num_slots, np.int32)
         active = np.zeros(pool.num_slots, bool)
         for r in decode:
             positions[r.slot] = r.prompt_len + r.dispatched - 1
             active[r.slot] = True
-            r.dispatched += 1
-            r.kv_tokens += 1
-            r.decode_steps += 1
+            r.dispatched += steps
+            r.kv_tokens += steps
+            r.decode_steps += steps
             r.first_decode = r.first_decode or now
         # A copy: JAX may alias host buffers on the CPU, and the table changes next step.
-        tokens = pool.engine.decode(positions, active, rows, pool.tables.copy())
+        tokens = pool.engine.decode(positions, active, rows, pool.tables.copy(), steps)
         self._expect(pool, [(r, r.slot) for r in decode], tokens)
 
     @staticmethod
@@ -692,7 +720,7 @@ class Scheduler:
                 continue
             self._moving.remove(r)
             try:
-                pool.rows.set(r.slot, r.params.sampling)
+                pool.rows.set(r.slot, r.params.sampling, r.eos_ids)
             except Exception as e:
                 self._fail_one(r, f"its sampling parameters cannot be packed: {e}", time.monotonic())
                 continue
@@ -742,10 +770,11 @@ class Scheduler:
             # references one when the interpreter exits aborts the process.
             del r, handle, landed, item
 
-    def _tokens_after(self, r: Request, plan_chunks: dict[Request, int], decoding: set[Request]) -> int:
+    def _tokens_after(self, r: Request, plan_chunks: dict[Request, int], decoding: set[Request],
+                      steps: int) -> int:
         """Positions `r` needs pages for once this iteration's work for it is dispatched."""
-        if r in decoding:
-            return r.prompt_len + r.dispatched  # the step writes the KV of position +dispatched-1
+        if r in decoding:  # the steps write the KV of positions +dispatched-1 onwards
+            return r.prompt_len + r.dispatched + steps - 1
         return plan_chunks.get(r, 0)
 
     def _reserve_pages(self, pool: Pool, plan: Plan, now: float) -> None:
@@ -767,7 +796,7 @@ class Scheduler:
         for r in [r for r in pool.running if r not in admitted]:
             if r not in ends and r not in decoding:
                 continue
-            while r.pool is pool and not self._grow(r, self._tokens_after(r, ends, decoding)):
+            while r.pool is pool and not self._grow(r, self._tokens_after(r, ends, decoding, plan.steps)):
                 victim = next(v for v in reversed(pool.running) if v not in admitted)
                 self._preempt(victim, now)
         short = [r for r in plan.admit
@@ -799,27 +828,33 @@ class Scheduler:
 
     def _apply(self, results: list[tuple[list[tuple[Request, int]], Any]], arrays: list[np.ndarray]) -> None:
         """`results`: (requests with the index of each one's token, the engine's tokens), and
-        those tokens as read."""
-        vocab = self.engine.vocab_size
+        those tokens as read: [n] (prefill: a token per chunk) or [steps, n] (decode: a row of
+        tokens per step, taken in order until the request ends)."""
         for (pairs, _), values in zip(results, arrays):
             now = time.monotonic()
+            steps = np.atleast_2d(values)
             for r, index in pairs:
                 r.unapplied -= 1
-                if r.finished:
-                    continue  # a step dispatched before the request ended: discard
-                token = int(values[index])
-                if not 0 <= token < vocab:
-                    self._fail_one(r, f"the engine returned token id {token}, outside the "
-                                      f"vocabulary [0, {vocab})", now)
-                    continue
-                try:
-                    reason = r.accept(token, now)
-                except Exception as e:  # its detokenizer or stop strings: its failure alone
-                    logging.exception("request %s failed while taking a token", r.id)
-                    self._fail_one(r, f"{type(e).__name__}: {e}", now)
-                    continue
-                if reason is not None:
-                    self._finish(r, reason, now)
+                for token in steps[:, index].tolist():
+                    if r.finished:
+                        break  # a step dispatched before the request ended: discard
+                    self._take(r, token, now)
+
+    def _take(self, r: Request, token: int, now: float) -> None:
+        """One of `r`'s tokens: accepted and streamed, or the reason it ends."""
+        vocab = self.engine.vocab_size
+        if not 0 <= token < vocab:
+            self._fail_one(r, f"the engine returned token id {token}, outside the vocabulary "
+                              f"[0, {vocab})", now)
+            return
+        try:
+            reason = r.accept(token, now)
+        except Exception as e:  # its detokenizer or stop strings: its failure alone
+            logging.exception("request %s failed while taking a token", r.id)
+            self._fail_one(r, f"{type(e).__name__}: {e}", now)
+            return
+        if reason is not None:
+            self._finish(r, reason, now)
 
     def _finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
         if r.pool is not None:

@@ -35,7 +35,7 @@ def chrome_trace(iterations: Iterable[IterationRecord], requests: Iterable[Reque
         events.append({
             "ph": "X", "pid": 1, "tid": pools.index(it.pool), "name": kind or "idle", "ts": us(it.start),
             "dur": round(it.wall * 1e6, 1),
-            "args": {"index": it.index, "decode_slots": it.decode_slots,
+            "args": {"index": it.index, "decode_slots": it.decode_slots, "decode_steps": it.decode_steps,
                      "prefill_tokens": it.prefill_tokens, "prefill_chunks": it.prefill_chunks,
                      "prefill_programs": it.prefill_programs},
         })

@@ -129,7 +129,7 @@ class Metrics:
 
     def on_iteration(self, record: IterationRecord) -> None:  # a loop thread
         self.busy.labels(pool=record.pool, **self._labels).inc(record.wall)
-        self.iteration_tokens.observe(record.decode_slots + record.prefill_tokens)
+        self.iteration_tokens.observe(record.decode_slots * record.decode_steps + record.prefill_tokens)
         self.prefill_programs.inc(record.prefill_programs)
         self.prefill_chunks.inc(record.prefill_chunks)
 

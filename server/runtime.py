@@ -50,6 +50,11 @@ _TOKEN_BUDGET = flags.DEFINE_integer(
     "token_budget", None, "Tokens per iteration, decode + prefill (default: prefill_chunk + num_slots)."
 )
 _POLICY = flags.DEFINE_enum("policy", "chunked", POLICIES, "Iteration policy.")
+_DECODE_STEPS = flags.DEFINE_integer(
+    "decode_steps", 1,
+    "Most decode steps one dispatch runs when an iteration has only decoding to do (every "
+    "request with that many tokens to go and no stop strings): less host work per token, "
+    "tokens reach clients k at a time.", lower_bound=1)
 _KV_RESERVATION = flags.DEFINE_enum(
     "kv_reservation", "live", KV_RESERVATIONS,
     "live: a request holds the KV pages its tokens fill; max: max_seq_len tokens' worth from the "
@@ -240,6 +245,7 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
         page_size=_PAGE_SIZE.value,
         num_pages=None if model is None else kv_pool_pages(model, dtype, _PAGE_SIZE.value, device, tp),
         max_prefill_chunks=_MAX_PREFILL_CHUNKS.value,
+        decode_steps=_DECODE_STEPS.value,
         # An iteration's prompt chunks, packed, fit one program even with every slot decoding.
         prefill_tokens=max(_PREFILL_CHUNK.value, token_budget() - _NUM_SLOTS.value),
     )

@@ -302,6 +302,17 @@ def test_chunk_normalized_gaps_are_labelled_estimates():
     assert itl["max"] == pytest.approx(0.4 / k) and itl["message_gaps_s"]["max"] == pytest.approx(0.4)
 
 
+def test_tokens_that_arrive_together_are_counted_as_one_delivery():
+    """Several decode steps per dispatch: three messages at once, then two, then one."""
+    r = record("chat", 0.0, [1.0, 1.0002, 1.0004, 1.05, 1.0501, 1.1], rid="a")
+    d = chat_itl([r], (0.0, 10.0), {"chat"})["deliveries"]
+    assert d["messages_per_delivery_mean"] == pytest.approx(2.0) and d["messages_per_delivery_max"] == 3
+    assert d["gaps_s"]["n"] == 2 and d["gaps_s"]["max"] == pytest.approx(0.05)
+    one_by_one = chat_itl([record("chat", 0.0, [1.0, 1.1, 1.3], rid="b")], (0.0, 10.0), {"chat"})
+    assert one_by_one["deliveries"]["messages_per_delivery_max"] == 1
+    assert one_by_one["deliveries"]["gaps_s"]["max"] == pytest.approx(0.2)
+
+
 def test_throughput_counts_tokens_arriving_in_the_interval():
     rs = [record("chat", 0.0, [0.5, 1.5, 2.5, 3.5]), record("document", 0.0, [2.0, 9.0])]
     tp = throughput(rs, (1.0, 3.0))

@@ -145,7 +145,7 @@ def test_cache_is_donated_and_updated_in_place(engine):
     compiled = engine._decode.lower(
         engine.params, engine.cache, engine.last_tokens, np.arange(cfg.num_slots, dtype=np.int32),
         np.zeros(cfg.num_slots, np.int32), np.zeros((cfg.num_slots, cfg.max_pages_per_seq), np.int32),
-        sampling_rows([RequestSampling()] * cfg.num_slots),
+        sampling_rows([RequestSampling()] * cfg.num_slots), np.int32(1),
     ).compile()
     stats = compiled.memory_analysis()
     # Every cache buffer is aliased input->output, so the program holds one copy, not two.
@@ -207,7 +207,7 @@ def test_decode_runs_only_the_active_rows(tiny_params, tiny_config, contexts):
         active = np.isin(np.arange(cfg.num_slots), active_slots)
         before = np.asarray(e.last_tokens)
         pool = [np.asarray(a) for a in e.cache.k + e.cache.v]
-        tokens = np.asarray(e.decode(positions, active, rows, tables))
+        tokens = np.asarray(e.decode(positions, active, rows, tables))[0]
         after = [np.asarray(a) for a in e.cache.k + e.cache.v]
         assert np.array_equal(tokens[~active], before[~active])
         written = {int(tables[s, positions[s] // cfg.page_size]) for s in active_slots}

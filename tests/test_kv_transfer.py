@@ -44,7 +44,7 @@ def test_a_kv_handle_moves_to_another_process_and_decoding_continues_there(tiny_
         got = [offer["first"]]
         for position in range(40, 48):
             positions = np.array([position, 0], np.int32)
-            got.append(int(np.asarray(engine.decode(positions, np.array([True, False]), rows, table))[slot]))
+            got.append(int(np.asarray(engine.decode(positions, np.array([True, False]), rows, table))[0, slot]))
     finally:
         peer.stdin.close()
         peer.wait(30)

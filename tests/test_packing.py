@@ -103,7 +103,7 @@ def test_packed_prefill_equals_one_chunk_at_a_time_and_the_reference(tiny_params
         positions = np.asarray([len(p) for p in prompts], np.int32)
         for _ in range(6):
             at = positions + np.asarray([len(o) for o in outputs], np.int32)
-            step = np.asarray(e.decode(at, np.ones(4, bool), greedy_rows(CONFIG), tables))
+            step = np.asarray(e.decode(at, np.ones(4, bool), greedy_rows(CONFIG), tables))[0]
             for i in range(4):
                 outputs[i].append(int(step[i]))
         results[packed] = tokens, pool, outputs
@@ -140,7 +140,7 @@ def test_a_kv_handle_moves_a_sequence_to_another_engine(tiny_params, tiny_config
             positions = np.zeros(4, np.int32)
             positions[slot] = position
             out.append(int(np.asarray(engine.decode(positions, np.arange(4) == slot,
-                                                    greedy_rows(engine.config), table))[slot]))
+                                                    greedy_rows(engine.config), table))[0, slot]))
             position += 1
         return out
 

@@ -197,7 +197,7 @@ def _greedy(engine, prompts, max_new, chunk_sizes):
         live = [s < len(prompts) and len(out[s]) < max_new[s] for s in range(slots)]
         positions = [len(prompts[s]) + len(out[s]) - 1 if live[s] else 0 for s in range(slots)]
         tokens = np.asarray(engine.decode(np.asarray(positions, np.int32), np.asarray(live), rows,
-                                          tables))
+                                          tables))[0]
         for s in range(len(prompts)):
             if live[s]:
                 out[s].append(int(tokens[s]))

@@ -50,14 +50,14 @@ class FaultyEngine:
     def prefill(self, *args):
         return self.engine.prefill(*args)
 
-    def decode(self, positions, active, sampling, page_table):
+    def decode(self, positions, active, sampling, page_table, steps=1):
         self.decode_calls += 1
         if self.decode_calls == self.fail_decode_at:
             raise RuntimeError("injected: the device fell over")
-        tokens = self.engine.decode(positions, active, sampling, page_table)
+        tokens = self.engine.decode(positions, active, sampling, page_table, steps)
         if self.decode_calls == self.poison_decode_at:
             tokens = np.asarray(tokens).copy()
-            tokens[int(np.flatnonzero(active)[0])] = -7
+            tokens[:, int(np.flatnonzero(active)[0])] = -7
         if self.decode_calls == self.unreadable_decode_at:
             return Unreadable()
         return tokens

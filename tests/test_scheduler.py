@@ -80,7 +80,8 @@ class Prefill:
 @dataclasses.dataclass(frozen=True)
 class Decode:
     slots: tuple[int, ...]  # active slots
-    positions: tuple[int, ...]  # their positions, in the same order
+    positions: tuple[int, ...]  # their positions, in the same order (of the first step)
+    steps: int = 1
 
 
 class FakeEngine:
@@ -92,10 +93,10 @@ class FakeEngine:
     def __init__(self, *, num_slots: int = 4, max_seq_len: int = 1024, prefill_chunk: int = 64,
                  page_size: int = 16, num_pages: int | None = None,
                  script: dict[tuple[int, ...], list[int]] | None = None, eos_one_in: int = 0,
-                 decode_delay: float = 0.0):
+                 decode_delay: float = 0.0, decode_steps: int = 1):
         self.config = EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len,
                                    prefill_chunk=prefill_chunk, page_size=page_size,
-                                   num_pages=num_pages)
+                                   num_pages=num_pages, decode_steps=decode_steps)
         self.model_config = dataclasses.replace(TINY, vocab_size=TOK.vocab_size,
                                                 max_context=max_seq_len)
         self.compilations_after_warmup = 0
@@ -186,28 +187,36 @@ class FakeEngine:
         self.prefill_calls += 1
         return PrefillTokens([(tokens, len(chunks))])
 
-    def decode(self, positions, active, sampling, page_table) -> np.ndarray:
+    def decode(self, positions, active, sampling, page_table, steps=1) -> np.ndarray:
+        """Like the engine's: `steps` steps, a slot ending at one of its stop ids (and writing
+        nothing from then on, nor when it comes in with one)."""
         s = self.config.num_slots
         assert positions.shape == (s,) and active.shape == (s,) and active.dtype == bool
         assert page_table.shape == (s, self.config.max_pages_per_seq)
         assert isinstance(sampling, SamplingParams) and sampling.temperature.shape == (s,)
         assert active.any(), "a decode step with no active slot"
+        assert 1 <= steps <= self.config.decode_steps, steps
         if self.decode_delay:
             time.sleep(self.decode_delay)
         self.decode_calls += 1
         if self.fail_decode_call == self.decode_calls:
             raise RuntimeError("device lost in decode")
         slots = tuple(int(i) for i in np.flatnonzero(active))
-        self.log.append(Decode(slots, tuple(int(positions[i]) for i in slots)))
-        tokens = np.full(s, -1, np.int32)  # inactive slots: garbage the scheduler must not read
+        self.log.append(Decode(slots, tuple(int(positions[i]) for i in slots), steps))
+        # Inactive slots, and steps after a slot's end: garbage the scheduler must not read.
+        tokens = np.full((steps, s), -1, np.int32)
         for i in slots:
-            p = int(positions[i])
-            assert 0 <= p < self.config.max_seq_len, p
-            self._write(page_table[i], p, [self.last_tokens[i]])
-            seed = int(sampling.seed[i]) if sampling.temperature[i] > 0 else None
-            tokens[i] = self.last_tokens[i] = self.next_token(self._content(page_table[i], p + 1), seed)
+            for step in range(steps):
+                if self.last_tokens[i] in sampling.stop_ids[i]:
+                    break
+                p = int(positions[i]) + step
+                assert 0 <= p < self.config.max_seq_len, p
+                self._write(page_table[i], p, [self.last_tokens[i]])
+                seed = int(sampling.seed[i]) if sampling.temperature[i] > 0 else None
+                tokens[step, i] = self.last_tokens[i] = self.next_token(
+                    self._content(page_table[i], p + 1), seed)
         if self.decode_calls in self.poison:
-            tokens[self.poison[self.decode_calls]] = 2**31 - 1  # no such token
+            tokens[0, self.poison[self.decode_calls]] = 2**31 - 1  # no such token
         return tokens
 
     def extract(self, pages, length, slot) -> FakeHandle:

@@ -86,8 +86,10 @@ def single_and_sharded(config, n, attention="xla"):
                          ids=["tiny-tp2", "tiny-tp4-kv-repeated", "six-tp2-replicated", "six-tp4"])
 def test_sharded_logits_and_kv_equal_one_devices(config, n):
     (chunk1, step1, kv1), (chunk, step, kv) = single_and_sharded(config, n)
-    np.testing.assert_allclose(chunk, chunk1, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(step, step1, rtol=1e-5, atol=1e-5)
+    # Logits reach ~50 here, and a sharded sum adds in another order: float32 rounding of the
+    # large terms (~50 x 1e-7 per add) bounds what a small logit may differ by.
+    np.testing.assert_allclose(chunk, chunk1, rtol=1e-5, atol=5e-5)
+    np.testing.assert_allclose(step, step1, rtol=1e-5, atol=5e-5)
     for a, b in zip(kv, kv1):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
@@ -166,7 +168,7 @@ def test_kv_moves_in_and_out_of_a_sharded_pool(tiny_params, tiny_config):
     table = np.zeros((ENGINE.num_slots, ENGINE.max_pages_per_seq), np.int32)
     table[1, :2] = [5, 2]
     positions = np.array([0, len(prompt), 0], np.int32)
-    token = np.asarray(single.decode(positions, np.array([False, True, False]), rows, table))[1]
+    token = np.asarray(single.decode(positions, np.array([False, True, False]), rows, table))[0, 1]
     want = greedy_generate(tiny_params, tiny_config, prompt, 2, frozenset())
     assert [first, int(token)] == want
 
