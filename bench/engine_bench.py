@@ -29,6 +29,7 @@ from absl import app, flags
 from checkpoints.registry import load_model
 from engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig, fixed_page_tables, sampling_rows
 from engine.packing import PrefillChunk
+from model.quant import quantize
 from model.sampling import RequestSampling
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model to benchmark.")
@@ -43,6 +44,8 @@ _STEPS = flags.DEFINE_integer("steps", 20, "Timed decode dispatches per point.")
 _DECODE_STEPS = flags.DEFINE_list("decode_steps", ["1"], "Decode steps per dispatch (k) to time; "
                                   "a point's step time is its dispatch's time / k.")
 _PAGE = flags.DEFINE_integer("page_size", DEFAULT_PAGE_SIZE, "KV page size (tokens).")
+_WEIGHTS = flags.DEFINE_enum("weights", "float", ["float", "int8"],
+                             "float32 weights, or int8 with per-channel scales (`model.quant`).")
 _OUT = flags.DEFINE_string("out", None, "Where to write the JSON results.")
 
 
@@ -92,10 +95,11 @@ def main(argv) -> None:
     print(f"machine: {machine['bandwidth_gb_s']:.1f} GB/s read, {machine['matmul_gflop_s']:.0f} GFLOP/s matmul")
     model = load_model(_MODEL.value)
     cfg = model.config
-    weight_bytes = sum(a.size * 4 for a in jax.tree.leaves(model.params))
+    params = quantize(model.params, cfg) if _WEIGHTS.value == "int8" else model.params
+    weight_bytes = sum(a.size * (1 if a.dtype == np.int8 else 4) for a in jax.tree.leaves(params))
     results = {"decode": [], "prefill": []}
     for slots in map(int, _SLOTS.value):
-        engine = Engine(model.params, cfg, EngineConfig(
+        engine = Engine(params, cfg, EngineConfig(
             num_slots=slots, max_seq_len=_MAX_SEQ.value, prefill_chunk=_CHUNK.value,
             page_size=_PAGE.value, decode_steps=max(map(int, _DECODE_STEPS.value))))
         rows = sampling_rows([RequestSampling()] * slots)
@@ -125,7 +129,8 @@ def main(argv) -> None:
             print(f"prefill {n} tokens in chunks of {chunk}: {seconds:.2f} s, {n / seconds:.0f} tok/s, "
                   f"{point['achieved_gflop_s']:.0f} GFLOP/s ({point['fraction_of_matmul_rate']:.0%} of matmul)")
     report = {
-        "model": _MODEL.value, "page_size": _PAGE.value, "weight_bytes": weight_bytes, "machine": machine,
+        "model": _MODEL.value, "weights": _WEIGHTS.value, "page_size": _PAGE.value,
+        "weight_bytes": weight_bytes, "machine": machine,
         "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
         "cpu_count": __import__("os").cpu_count(), "device": str(jax.devices()[0]),
         "jax_version": jax.__version__, "date": datetime.date.today().isoformat(), **results,

@@ -65,6 +65,7 @@ _SMOKE = flags.DEFINE_bool(
 )
 
 SHAPES = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # query heads, KV heads, head_dim
+MULTI_STEP = 8  # decode steps per dispatch for the engine's multi-step points
 START = time.monotonic()
 
 
@@ -352,24 +353,25 @@ def sweep_tilings(results: dict, write) -> None:
 
 # -- 4. the engine at the Llama-3-8B shape ----------------------------------------------------
 
-def time_decode(engine, active_n: int, context: int, rows, tables, steps: int = 20):
-    """Seconds per decode step of `active_n` slots at `context`, the median host dispatch time,
-    and the compiles while timed (after one untimed step that compiles)."""
+def time_decode(engine, active_n: int, context: int, rows, tables, steps: int = 20, k: int = 1):
+    """Seconds per decode step of `active_n` slots at `context` in dispatches of `k` steps,
+    the median host dispatch time, and the compiles while timed (after one untimed dispatch
+    that compiles)."""
     from engine import compile_counter
 
     slots = engine.config.num_slots
     active = np.arange(slots) < active_n
     positions = np.where(active, context - 1, -1).astype(np.int32)
-    engine.decode(positions, active, rows, tables).block_until_ready()  # compile / warm
+    engine.decode(positions, active, rows, tables, k).block_until_ready()  # compile / warm
     compiles = compile_counter.count()
     dispatch = []
     start = time.perf_counter()
     for _ in range(steps):
         t0 = time.perf_counter()
-        tokens = engine.decode(positions, active, rows, tables)
+        tokens = engine.decode(positions, active, rows, tables, k)
         dispatch.append(time.perf_counter() - t0)
     tokens.block_until_ready()
-    return ((time.perf_counter() - start) / steps, float(np.median(dispatch)),
+    return ((time.perf_counter() - start) / (steps * k), float(np.median(dispatch)),
             compile_counter.count() - compiles)
 
 
@@ -417,11 +419,23 @@ def bench_tensor_parallel(results: dict, write) -> None:
         write()
 
 
+def roofline_point(engine, active_n: int, context: int, rows, tables, weight_bytes: int,
+                   kv_per_token: int, ceilings: dict) -> dict:
+    """One timed decode point against its roofline: (weights + live KV) / copy bandwidth."""
+    step, dispatch, compiles = time_decode(engine, active_n, context, rows, tables)
+    roofline = (weight_bytes + active_n * context * kv_per_token) / (ceilings["copy_gb_s"] * 1e9)
+    return {"active": active_n, "context": context, "step_ms": step * 1e3,
+            "roofline_ms": roofline * 1e3, "ratio_to_roofline": step / roofline,
+            "dispatch_ms": dispatch * 1e3, "host_fraction": dispatch / step,
+            "compilations_while_timed": compiles}
+
+
 def bench_engine(results: dict, ceilings: dict, write) -> None:
     from engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
     from engine.packing import PrefillChunk
     from model.config import LLAMA3_8B, TINY
     from model.params import random_params
+    from model.quant import quantize
     from model.sampling import RequestSampling
 
     cfg = TINY if _SMOKE.value else LLAMA3_8B
@@ -432,10 +446,12 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
     slots = max(map(int, _ENGINE_SLOTS.value))
     prompt_len = 32 if _SMOKE.value else 4096
     contexts = (16, 64) if _SMOKE.value else (1024, 4096)
-    engine = Engine(params, cfg, EngineConfig(
-        num_slots=slots, max_seq_len=max(prompt_len, *contexts) + 32, prefill_chunk=prompt_len,
-        attention="pallas", dtype="bfloat16"))
+    config = EngineConfig(num_slots=slots, max_seq_len=max(prompt_len, *contexts) + 32,
+                          prefill_chunk=prompt_len, attention="pallas", dtype="bfloat16",
+                          decode_steps=MULTI_STEP)
+    engine = Engine(params, cfg, config)
     tables = fixed_page_tables(engine.config)  # each slot a run of pages, as if allocated
+    int8 = quantize(params, cfg)
     del params
     info = {"weight_bytes": weight_bytes, "kv_cache_bytes": engine.kv_cache_bytes,
             "setup_s": time.monotonic() - start, "prefill": None, "decode": []}
@@ -466,15 +482,34 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
         for active_n in map(int, _ENGINE_SLOTS.value):
             if over_deadline():
                 return
-            step, dispatch, compiles = time_decode(engine, active_n, context, rows, tables)
-            roofline = (weight_bytes + active_n * context * kv_per_token) / (ceilings["copy_gb_s"] * 1e9)
-            point = {"active": active_n, "context": context, "step_ms": step * 1e3,
-                     "roofline_ms": roofline * 1e3, "ratio_to_roofline": step / roofline,
-                     "dispatch_ms": dispatch * 1e3, "host_fraction": dispatch / step,
-                     "compilations_while_timed": compiles}
+            point = roofline_point(engine, active_n, context, rows, tables, weight_bytes,
+                                   kv_per_token, ceilings)
             info["decode"].append(point)
             print("engine decode", json.dumps(point))
             write()
+    # Several steps per dispatch, then int8 weights (`model.quant`), at the longer context.
+    context, info["multistep"], info["int8"] = contexts[-1], [], {"weight_bytes": 0, "decode": []}
+    for active_n in (1, slots):
+        if over_deadline():
+            return
+        step, dispatch, compiles = time_decode(engine, active_n, context, rows, tables, k=MULTI_STEP)
+        point = {"active": active_n, "context": context, "steps_per_dispatch": MULTI_STEP,
+                 "step_ms": step * 1e3, "dispatch_ms": dispatch * 1e3, "compilations_while_timed": compiles}
+        info["multistep"].append(point)
+        print("engine decode multistep", json.dumps(point))
+        write()
+    engine = None  # its weights and pool go before the int8 engine's arrive
+    q_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(int8))
+    engine = Engine(int8, cfg, config)
+    del int8
+    info["int8"]["weight_bytes"] = q_bytes
+    for active_n in (1, slots):
+        if over_deadline():
+            return
+        point = roofline_point(engine, active_n, context, rows, tables, q_bytes, kv_per_token, ceilings)
+        info["int8"]["decode"].append(point)
+        print("engine decode int8", json.dumps(point))
+        write()
 
 
 # -- targets and main ----------------------------------------------------------------------

@@ -51,6 +51,7 @@ from engine import compile_counter
 from engine.packing import Pack, PrefillChunk, bucket_for, empty_pack, pack_chunks
 from model.config import ModelConfig
 from model.llama import forward
+from model.params import cast
 from model.sharding import TensorParallel
 from model.paged_kv import PagedKVCache
 from model.sampling import RequestSampling, SamplingParams, SamplingRows, sample
@@ -453,7 +454,7 @@ class Engine:
         self.tp = TensorParallel.plan(model_config, devices) if devices and len(devices) > 1 else None
         if self.tp is None:
             self.device = device or (devices[0] if devices else jax.devices()[0])
-            self.params = jax.tree.map(lambda a: jax.device_put(a, self.device).astype(dtype), params)
+            self.params = jax.tree.map(lambda a: cast(jax.device_put(a, self.device), dtype), params)
             # What the programs run: the model as given, or with KV heads repeated (sharding).
             self.compute_config = model_config
             self._pool_at = self._token_at = self._handle_at = self.device

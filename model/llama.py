@@ -16,7 +16,9 @@ The engine jits this with fixed shapes and donates the cache; nothing in here is
 state that varies per request.
 
 The parameter tree is described once, in `model.params` (kernels are [in, out]; query/key
-weights in the rotate-half RoPE layout); these modules build exactly that tree.
+weights in the rotate-half RoPE layout); these modules build exactly that tree. Given int8
+matrices (`model.quant`), `Linear` and `Embed` read them with their per-channel scales: the
+same modules, whatever the weights.
 """
 
 from __future__ import annotations
@@ -63,6 +65,52 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+class Linear(nn.Module):
+    """`nn.Dense`, over a float kernel [in, out] or an int8 one with `kernel_scale` [out]: the
+    matmul reads the kernel converted to `dtype` and scales each output channel."""
+
+    features: int
+    use_bias: bool
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
+                            jnp.float32)
+        x = x.astype(self.dtype)
+        y = jax.lax.dot_general(x, kernel.astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())))
+        if kernel.dtype == jnp.int8:
+            y = y * self.param("kernel_scale", nn.initializers.ones, (self.features,),
+                               jnp.float32).astype(self.dtype)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(self.dtype)
+        return y
+
+
+class Embed(nn.Module):
+    """`nn.Embed`, over a float table [vocab, d] or an int8 one with `embedding_scale` [vocab]
+    (a row's scale serves its lookup and, tied, its logit)."""
+
+    num_embeddings: int
+    features: int
+    dtype: jnp.dtype
+
+    def setup(self) -> None:
+        self.embedding = self.param("embedding", nn.linear.default_embed_init,
+                                    (self.num_embeddings, self.features), jnp.float32)
+        self.scale = (self.param("embedding_scale", nn.initializers.ones, (self.num_embeddings,),
+                                 jnp.float32).astype(self.dtype)
+                      if self.embedding.dtype == jnp.int8 else None)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        rows = jnp.take(self.embedding.astype(self.dtype), tokens, axis=0)
+        return rows if self.scale is None else rows * jnp.take(self.scale, tokens)[..., None]
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        logits = jnp.dot(x.astype(self.dtype), self.embedding.astype(self.dtype).T)
+        return logits if self.scale is None else logits * self.scale
+
+
 class RMSNorm(nn.Module):
     eps: float
 
@@ -84,7 +132,7 @@ class Attention(nn.Module):
     def __call__(self, x, positions, lengths, page_table, k_pages, v_pages):
         cfg = self.config
         rows, t, _ = x.shape
-        dense = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=self.dtype, name=name)  # noqa: E731
+        dense = lambda n, bias, name: Linear(n, bias, self.dtype, name=name)  # noqa: E731
         q = dense(cfg.num_heads * cfg.head_dim, cfg.attention_bias, "q")(x)
         k = dense(cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias, "k")(x)
         v = dense(cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias, "v")(x)
@@ -117,9 +165,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         f, d = self.config.ffn_size, self.config.hidden_size
-        gate = nn.Dense(f, use_bias=False, dtype=self.dtype, name="gate")(x)
-        up = nn.Dense(f, use_bias=False, dtype=self.dtype, name="up")(x)
-        return nn.Dense(d, use_bias=False, dtype=self.dtype, name="down")(nn.silu(gate) * up)
+        gate = Linear(f, False, self.dtype, name="gate")(x)
+        up = Linear(f, False, self.dtype, name="up")(x)
+        return Linear(d, False, self.dtype, name="down")(nn.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -148,7 +196,7 @@ class Llama(nn.Module):
     @nn.compact
     def __call__(self, tokens, positions, lengths, cache: PagedKVCache, page_table, logit_index):
         cfg = self.config
-        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, name="embed")
+        embed = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed")
         x = embed(tokens)
         new_k, new_v = [], []
         for i in range(cfg.num_layers):
@@ -165,7 +213,7 @@ class Llama(nn.Module):
             if cfg.tie_embeddings:
                 logits = embed.attend(x)
             else:
-                logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, name="lm_head")(x)
+                logits = Linear(cfg.vocab_size, False, self.dtype, name="lm_head")(x)
         return logits.astype(jnp.float32), PagedKVCache(k=tuple(new_k), v=tuple(new_v))
 
 

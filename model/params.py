@@ -2,6 +2,7 @@
 checkpoint names, from which everything else that needs the tree is derived.
 
     specs = param_specs(config)          # every tensor, in Hugging Face checkpoint order
+    param_specs(config, "int8")          # the same, with int8 matrices and their scales
     abstract_params(config)              # ShapeDtypeStructs: orbax restore targets, checks
     random_params(config, key)           # random weights for tests and benchmarks
     build_tree(specs, lambda s: ...)     # any tree of the same paths (shardings, loaders)
@@ -18,10 +19,16 @@ A `ParamSpec` carries
                adjacent-pair RoPE: the head count to undo it with (0: not permuted)
     init       how `random_params` draws it: "fan_in" (truncated normal / sqrt(fan in), as
                Flax's `Dense`), "embed" (Flax's `Embed` default), "ones", "zeros"
+    dtype      None: the engine's compute dtype; "int8": weight-only int8 (`model.quant`)
 
 Logical axes: VOCAB, EMBED (the residual stream), HEADS (query heads x head_dim, flattened),
 KV_HEADS (KV heads x head_dim, flattened), FFN (the MLP's hidden dimension). The KV page pool's
 axes are named in the same terms (`model.sharding.POOL_AXES`).
+
+Weights "int8" (`model.quant`) store every matrix (the kernels and the embedding) as int8 with
+a float scale per output channel beside it, `<name>_scale`: a kernel's columns, the embedding's
+rows (which are the tied LM head's output channels). Checkpoints hold the float tree; the int8
+tree is derived from it when the weights are loaded.
 
 Adding a family's tensor (Qwen2's q/k/v biases are one) is one entry here: the loaders, the
 converted-checkpoint checks, random weights and the shardings all follow. `model.llama`'s
@@ -42,6 +49,8 @@ from model.config import ModelConfig
 
 VOCAB, EMBED, HEADS, KV_HEADS, FFN = "vocab", "embed", "heads", "kv_heads", "ffn"
 INITS = ("fan_in", "embed", "ones", "zeros")
+WEIGHTS = ("float", "int8")  # how the matrices are stored
+MATRICES = ("kernel", "embedding")  # the leaves int8 weights quantize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +63,7 @@ class ParamSpec:
     transpose: bool = False
     rope_heads: int = 0
     init: str = "fan_in"
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape):
@@ -66,13 +76,37 @@ class ParamSpec:
         return "/".join(self.path)
 
     @property
+    def channel_axis(self) -> int:
+        """A matrix's output channels: a kernel's columns, the embedding's rows."""
+        return 0 if self.path[-1] == "embedding" else len(self.shape) - 1
+
+    @property
     def stored_shape(self) -> tuple[int, ...]:
         """The shape checkpoints store: [out, in] for transposed kernels."""
         return self.shape[::-1] if self.transpose else self.shape
 
 
-def param_specs(config: ModelConfig) -> list[ParamSpec]:
-    """Every tensor of `config`'s params, in Hugging Face checkpoint order."""
+def param_specs(config: ModelConfig, weights: str = "float") -> list[ParamSpec]:
+    """Every tensor of `config`'s params, in Hugging Face checkpoint order; with int8 `weights`,
+    each matrix int8 and followed by its scales (which no checkpoint holds)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    specs = _float_specs(config)
+    if weights == "float":
+        return specs
+    out = []
+    for s in specs:
+        if s.path[-1] not in MATRICES:
+            out.append(s)
+            continue
+        axis = s.channel_axis
+        out.append(dataclasses.replace(s, dtype="int8"))
+        out.append(ParamSpec(s.path[:-1] + (s.path[-1] + "_scale",), (s.shape[axis],), (s.axes[axis],),
+                             hf_name="", gguf_name="", init="ones"))
+    return out
+
+
+def _float_specs(config: ModelConfig) -> list[ParamSpec]:
     c = config
     d, f, v = c.hidden_size, c.ffn_size, c.vocab_size
     q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -129,11 +163,21 @@ def get(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
 
 
 def abstract_params(config: ModelConfig, dtype: jnp.dtype = jnp.float32,
-                    shardings: dict[str, Any] | None = None) -> dict[str, Any]:
+                    shardings: dict[str, Any] | None = None, weights: str = "float") -> dict[str, Any]:
     """Shapes and dtypes of the parameter tree, without allocating it; with `shardings` (a tree
     of the same paths), each leaf carries its sharding, as orbax's restore target wants."""
-    return build_tree(param_specs(config), lambda s: jax.ShapeDtypeStruct(
-        s.shape, dtype, sharding=None if shardings is None else get(shardings, s.path)))
+    return build_tree(param_specs(config, weights), lambda s: jax.ShapeDtypeStruct(
+        s.shape, s.dtype or dtype, sharding=None if shardings is None else get(shardings, s.path)))
+
+
+def weights_of(params: dict[str, Any]) -> str:
+    """Which WEIGHTS a params tree holds."""
+    return "int8" if get(params, ("embed", "embedding")).dtype == jnp.int8 else "float"
+
+
+def cast(array, dtype: jnp.dtype):
+    """A leaf in the dtype the engine computes in; int8 weights stay int8."""
+    return array if array.dtype == jnp.int8 else array.astype(dtype)
 
 
 _INITIALIZERS = {

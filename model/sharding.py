@@ -37,7 +37,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from model.config import ModelConfig
-from model.params import EMBED, FFN, HEADS, KV_HEADS, VOCAB, ParamSpec, build_tree, get, param_specs
+from model.params import (
+    EMBED, FFN, HEADS, KV_HEADS, VOCAB, ParamSpec, build_tree, cast, get, param_specs, weights_of,
+)
 
 AXIS = "tp"
 POOL_AXES = (KV_HEADS, None, None, None)  # a pool layer [kv_heads, pages, page_size, head_dim]
@@ -118,9 +120,10 @@ class TensorParallel:
     def handle_sharding(self) -> NamedSharding:
         return self.sharding(HANDLE_AXES)
 
-    def param_shardings(self) -> dict[str, Any]:
-        """A tree of the compute params' shardings."""
-        return build_tree(param_specs(self.compute_config), lambda s: self.sharding(s.axes))
+    def param_shardings(self, weights: str = "float") -> dict[str, Any]:
+        """A tree of the compute params' shardings (int8 `weights`: scales beside the matrices,
+        split as their channels are)."""
+        return build_tree(param_specs(self.compute_config, weights), lambda s: self.sharding(s.axes))
 
     def storage_shardings(self) -> dict[str, Any]:
         """A tree of shardings for the params as stored (a restore target): what `place` then
@@ -130,16 +133,16 @@ class TensorParallel:
 
     def place(self, params: dict[str, Any], dtype: jnp.dtype) -> dict[str, Any]:
         """`params` (as stored: NumPy arrays, or jax arrays restored with `storage_shardings`)
-        as the programs take them: k/v heads repeated where planned, cast to `dtype`, and
-        each device holding only its shards."""
+        as the programs take them: k/v heads repeated where planned, cast to `dtype` (int8
+        weights stay int8), and each device holding only its shards."""
         def leaf(spec: ParamSpec) -> jax.Array:
             array = get(params, spec.path)
             if self._repeats(spec):
                 array = _repeat_heads(array, spec.axes.index(KV_HEADS), self.config.num_kv_heads,
                                       self.kv_repeat)
-            return jax.device_put(array, self.sharding(spec.axes)).astype(dtype)
+            return cast(jax.device_put(array, self.sharding(spec.axes)), dtype)
 
-        return build_tree(param_specs(self.config), leaf)
+        return build_tree(param_specs(self.config, weights_of(params)), leaf)
 
     def _repeats(self, spec: ParamSpec) -> bool:
         return self.kv_repeat > 1 and KV_HEADS in spec.axes

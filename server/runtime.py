@@ -28,6 +28,8 @@ from checkpoints.registry import DEFAULT_MODEL, LoadedModel, cache_dir, load_mod
 from engine import multihost
 from engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig
 from model.paged_kv import pages_for_bytes
+from model.params import WEIGHTS
+from model.quant import quantize
 from model.sharding import TensorParallel
 from scheduler.policy import POLICIES, PolicyConfig
 from scheduler.scheduler import KV_RESERVATIONS, Scheduler, SchedulerConfig
@@ -65,6 +67,10 @@ _ATTENTION = flags.DEFINE_enum(
     "Attention implementation (default: pallas on GPU, xla on CPU; pallas on CPU runs "
     "interpreted; reference is the plain einsum oracle).",
 )
+_WEIGHTS = flags.DEFINE_enum(
+    "weights", "float", WEIGHTS,
+    "float: the weights in --dtype; int8: every matrix as int8 with a scale per output channel "
+    "(weight-only; activations and the KV cache stay in --dtype), quantized when loaded.")
 _DTYPE = flags.DEFINE_enum(
     "dtype", None, ["float32", "bfloat16"], "Compute dtype (default: bfloat16 on GPU, float32 on CPU)."
 )
@@ -216,8 +222,9 @@ def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int,
         stats = (device or jax.local_devices()[0]).memory_stats() or {}
         if "bytes_limit" not in stats:
             return None
-        on_host = 0 if tp is not None else (
-            sum(a.size for a in jax.tree.leaves(model.params)) * jnp.dtype(dtype).itemsize)
+        on_host = 0 if tp is not None else sum(  # the engine casts floats to `dtype`
+            a.size * (1 if a.dtype == jnp.int8 else jnp.dtype(dtype).itemsize)
+            for a in jax.tree.leaves(model.params))
         budget = int(0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0) - on_host))
     else:
         return None
@@ -302,6 +309,8 @@ def build_from_flags(warm: bool = True) -> Runtime:
     model = load_model(MODEL_FLAG.value, shardings=(
         (lambda config: plan(config).storage_shardings()) if mesh_devices else None),
         dtype=compute_dtype() if mesh_devices else None)
+    if _WEIGHTS.value == "int8":
+        model = dataclasses.replace(model, params=quantize(model.params, model.config))
     tp = plan(model.config) if mesh_devices else None
     engine_config = engine_config_from_flags(model, pair[0] if pair else None, tp)
     if multi_process() and engine_config.num_pages is not None and _KV_MEMORY.value is None:
@@ -335,7 +344,8 @@ def build_from_flags(warm: bool = True) -> Runtime:
             f"cadence: {role}{model.name} on {where if cfg.role == 'both' else engine.device}, up "
             f"to {cfg.num_slots} sequences of up to {cfg.max_seq_len} tokens; KV pool "
             f"{engine.num_pages} pages x {cfg.page_size} tokens = {engine.num_pages * cfg.page_size} "
-            f"tokens, {engine.kv_cache_bytes / 2**20:.0f} MiB",
+            f"tokens, {engine.kv_cache_bytes / 2**20:.0f} MiB"
+            + ("; int8 weights" if _WEIGHTS.value == "int8" else ""),
             file=sys.stderr,
         )
     if pair is not None:

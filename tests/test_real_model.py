@@ -72,12 +72,13 @@ def default_model_cases(smollm2):
     return [(p, greedy_generate(smollm2.params, smollm2.config, p, 12, tok.eos_ids)) for p in prompts]
 
 
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "tp2", "tp3"])
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "tp2", "tp3", "multistep"])
 def test_engine_matches_reference_on_the_default_model(smollm2, default_model_cases, mode):
     """cadence-generate's path (engine + scheduler, chunked, batched) equals the reference;
     disaggregated, with the prefill engine on CPU device 0 and the decode engine on device 1;
     tensor parallel over 2 devices (9 heads: attention replicated, the MLP and vocabulary
-    split) and over 3 (3 query heads and one KV head per device)."""
+    split) and over 3 (3 query heads and one KV head per device); with up to 4 decode steps
+    per dispatch."""
     import dataclasses
 
     import jax
@@ -87,7 +88,8 @@ def test_engine_matches_reference_on_the_default_model(smollm2, default_model_ca
     from scheduler.request import GenerationParams
     from scheduler.scheduler import Scheduler, SchedulerConfig
 
-    config = EngineConfig(num_slots=2, max_seq_len=256, prefill_chunk=64, min_kv_bucket=256)
+    config = EngineConfig(num_slots=2, max_seq_len=256, prefill_chunk=64, min_kv_bucket=256,
+                          decode_steps=4 if mode == "multistep" else 1)
     devices = jax.devices()[:int(mode[2:])] if mode.startswith("tp") else None
     engine = Engine(smollm2.params, smollm2.config, config if mode != "disaggregated" else
                     dataclasses.replace(config, role="prefill"), devices=devices)
@@ -102,3 +104,33 @@ def test_engine_matches_reference_on_the_default_model(smollm2, default_model_ca
         assert stream.request.output_ids == want, prompt
     if decode is not None:
         assert sched.kv_transfers == len(streams)
+
+
+@pytest.mark.parametrize("devices", [1, 3], ids=["one-device", "tp3"])
+def test_int8_weights_on_the_default_model(smollm2, devices):
+    """The engine over int8 weights gives, token for token, the reference generator's greedy
+    output over the float weights they stand for (`dequantize`), alone and tensor parallel;
+    and it still knows the capital of France."""
+    import jax
+
+    from engine.engine import Engine, EngineConfig
+    from model.quant import dequantize, quantize
+    from scheduler.policy import PolicyConfig
+    from scheduler.request import GenerationParams
+    from scheduler.scheduler import Scheduler, SchedulerConfig
+
+    tok = smollm2.tokenizer
+    int8 = quantize(smollm2.params, smollm2.config)
+    floats = dequantize(int8, smollm2.config)
+    prompts = [tok.encode("The capital of France is"),
+               tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three colours."}]))]
+    engine = Engine(int8, smollm2.config, EngineConfig(num_slots=2, max_seq_len=256, prefill_chunk=64,
+                                                       decode_steps=4),
+                    devices=jax.devices()[:devices] if devices > 1 else None)
+    sched = Scheduler(engine, tok, SchedulerConfig(policy=PolicyConfig(token_budget=66, chunk=64)))
+    streams = [sched.submit(p, GenerationParams(max_tokens=12)) for p in prompts]
+    while not sched.idle():
+        sched.step()
+    for prompt, stream in zip(prompts, streams):
+        assert stream.request.output_ids == greedy_generate(floats, smollm2.config, prompt, 12, tok.eos_ids)
+    assert tok.decode(streams[0].request.output_ids).startswith(" Paris")

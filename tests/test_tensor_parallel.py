@@ -23,6 +23,7 @@ from model.config import LLAMA3_8B, SMOLLM2_135M, TINY
 from model.llama import forward
 from model.paged_kv import PagedKVCache
 from model.params import EMBED, FFN, HEADS, KV_HEADS, VOCAB, param_specs
+from model.quant import quantize
 from model.sharding import TensorParallel
 from scheduler.policy import PolicyConfig
 from scheduler.request import GenerationParams
@@ -60,10 +61,12 @@ def test_the_plan_splits_what_divides_and_says_why_not(config, n, split, repeat,
     assert tp.pool_sharding.spec == (P("tp", None, None, None) if HEADS in split else P(None, None, None, None))
 
 
-def single_and_sharded(config, n, attention="xla"):
+def single_and_sharded(config, n, attention="xla", weights="float"):
     """Logits and the pool after a two-row prefill at a page offset, then one decode step of
     both rows, on one device and over `n` (pools compared in the stored KV-head order)."""
     params = random_params(config)
+    if weights == "int8":
+        params = quantize(params, config)
     tokens = np.arange(1, 33, dtype=np.int32).reshape(2, 16)
     positions = np.stack([np.arange(16), np.arange(16) + 16]).astype(np.int32)
     table = np.array([[0, 1], [2, 3]], np.int32)
@@ -88,6 +91,17 @@ def test_sharded_logits_and_kv_equal_one_devices(config, n):
     (chunk1, step1, kv1), (chunk, step, kv) = single_and_sharded(config, n)
     # Logits reach ~50 here, and a sharded sum adds in another order: float32 rounding of the
     # large terms (~50 x 1e-7 per add) bounds what a small logit may differ by.
+    np.testing.assert_allclose(chunk, chunk1, rtol=1e-5, atol=5e-5)
+    np.testing.assert_allclose(step, step1, rtol=1e-5, atol=5e-5)
+    for a, b in zip(kv, kv1):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [2, 4], ids=["tp2", "tp4-kv-repeated"])
+def test_int8_weights_shard_as_float_ones_do(n):
+    """Scales split with their channels (and repeat with their KV heads): sharded int8 logits
+    equal one device's."""
+    (chunk1, step1, kv1), (chunk, step, kv) = single_and_sharded(TINY, n, weights="int8")
     np.testing.assert_allclose(chunk, chunk1, rtol=1e-5, atol=5e-5)
     np.testing.assert_allclose(step, step1, rtol=1e-5, atol=5e-5)
     for a, b in zip(kv, kv1):
