@@ -34,6 +34,9 @@ _API_KEY = flags.DEFINE_string("api_key", None, "Bearer token for --base_url.")
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model name sent in requests (and served, when spawning).")
 _ENDPOINT = flags.DEFINE_enum("endpoint", "chat", ["chat", "completions"], "/v1/chat/completions or /v1/completions.")
 _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", True, "Send ignore_eos so outputs have the drawn lengths.")
+_EXTRA_BODY = flags.DEFINE_string(
+    "extra_body", None, 'JSON object merged into every request, e.g. \'{"cache_prompt": false}\' '
+    "for llama.cpp's llama-server.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature sent with each request.")
 # cadence, when spawned
 _SLOTS = flags.DEFINE_integer("num_slots", 8, "cadence --num_slots.")
@@ -134,7 +137,8 @@ def target(base_url: str | None = None):
 
     return Target(base_url=base_url or _BASE_URL.value or "http://unset/v1", model=_MODEL.value,
                   api_key=_API_KEY.value, endpoint=_ENDPOINT.value, ignore_eos=_IGNORE_EOS.value,
-                  temperature=_TEMPERATURE.value)
+                  temperature=_TEMPERATURE.value,
+                  extra_body=tuple(json.loads(_EXTRA_BODY.value).items()) if _EXTRA_BODY.value else ())
 
 
 def out_dir(command: str) -> Path:

@@ -39,6 +39,9 @@ class Target:
     ignore_eos: bool = True  # a vLLM/cadence extension: exact output lengths; hosted APIs reject it
     temperature: float = 0.0
     timeout_s: float = 900.0
+    # Server-specific fields added to every request, e.g. {"cache_prompt": false} for
+    # llama.cpp's llama-server, so that neither server reuses a prompt's KV.
+    extra_body: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("chat", "completions"):
@@ -76,6 +79,7 @@ class Target:
             body["prompt"] = spec.prompt
         if self.ignore_eos:
             body["ignore_eos"] = True
+        body.update(self.extra_body)
         return body
 
 
