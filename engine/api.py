@@ -6,8 +6,14 @@
     tokens = engine.prefill(chunks, rows.params())     `PrefillTokens`: np.asarray(tokens)[i]
                                                         is chunk i's token; .programs: how many
                                                         programs ran (normally one)
-    tokens = engine.decode(positions, active, rows.params(), page_table)       device array [num_slots]
-                                                        (an inactive slot's entry: its last token)
+    tokens = engine.decode(positions, active, rows.params(), page_table, steps)
+                                                        `DecodeTokens`: np.asarray(tokens) is
+                                                        [steps, num_slots], each slot's next token
+                                                        after each step (an inactive slot's entry:
+                                                        its last token); 1 <= steps <=
+                                                        engine.config.decode_steps. A row stops
+                                                        at one of its `stop_ids` (its EOS): the
+                                                        scheduler reads no token of it after that
     handle = engine.extract(pages, length, slot)        `KVHandle`: a sequence's KV + next token
     landed = engine.receive(handle)                     starts copying it onto this engine's
                                                         device; landed.is_ready() once there
@@ -20,7 +26,7 @@ KV lives in pages of the engine's pool; the scheduler decides which pages each s
 (`scheduler.pages`) and passes them: a `PrefillChunk`'s `pages` is its sequence's page ids in
 position order (all of an iteration's chunks go in one `prefill` call, which packs them),
 `page_table` is [num_slots, max_pages_per_seq] int32 with every active slot's pages (enough for
-the position it writes) and any valid page id elsewhere (inactive rows write nothing).
+the positions its steps write) and any valid page id elsewhere (inactive rows write nothing).
     engine.recover()                                    after a failed call: fresh device state
     engine.compilations_after_warmup, engine.kv_cache_bytes              for metrics
 
@@ -43,14 +49,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import jax
 import numpy as np
 
-from engine.engine import EngineConfig, KVHandle, PrefillTokens
+from engine.engine import DecodeTokens, EngineConfig, KVHandle, PrefillTokens
 from engine.packing import PrefillChunk
 from model.sampling import RequestSampling, SamplingParams, SamplingRows
 
-__all__ = ["EngineAPI", "EngineConfig", "KVHandle", "PrefillChunk", "PrefillTokens",
+__all__ = ["DecodeTokens", "EngineAPI", "EngineConfig", "KVHandle", "PrefillChunk", "PrefillTokens",
            "RequestSampling", "SamplingParams", "SamplingRows"]
 
 
@@ -66,7 +71,7 @@ class EngineAPI(Protocol):
     def prefill(self, chunks: list[PrefillChunk], sampling: SamplingParams) -> PrefillTokens: ...
 
     def decode(self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
-               page_table: np.ndarray) -> jax.Array | np.ndarray: ...
+               page_table: np.ndarray, steps: int = 1) -> DecodeTokens | np.ndarray: ...
 
     def extract(self, pages: list[int], length: int, slot: int) -> KVHandle: ...
 

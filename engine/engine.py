@@ -4,7 +4,8 @@ The engine owns everything that lives on the device. It implements `engine.api.E
 whole of what the scheduler may use; its two programs:
 
     tokens = engine.prefill(chunks, sampling_rows)    # every prompt chunk of an iteration, packed
-    tokens = engine.decode(positions, active, sampling_rows, page_table)     # the active slots, one step
+    tokens = engine.decode(positions, active, sampling_rows, page_table, steps)  # the active slots,
+                                                      # `steps` steps (default 1) in one program
 
 and the calls that move a sequence's KV out of one engine and into another (`KVHandle`):
 

@@ -103,7 +103,7 @@ class Embed(nn.Module):
                       if self.embedding.dtype == jnp.int8 else None)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        rows = jnp.take(self.embedding.astype(self.dtype), tokens, axis=0)
+        rows = jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)  # convert the rows only
         return rows if self.scale is None else rows * jnp.take(self.scale, tokens)[..., None]
 
     def attend(self, x: jax.Array) -> jax.Array:

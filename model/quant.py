@@ -11,8 +11,10 @@ computes the dequantized model's function up to float rounding, and `dequantize`
 reference generator the same model to check against. Norm scales and biases stay float.
 
 The weights a decode step must read shrink to a quarter of float32 (a half of bfloat16), which
-is the whole point on a memory-bound step, where XLA fuses the int8 -> float conversion into
-the matmul (GPU). Non-goals: activation quantization, int4, calibration-based schemes.
+is the whole point on a memory-bound step, provided XLA fuses the int8 -> float conversion into
+the matmul. XLA:CPU does not (`bench/results/int8-cpu/`: 4.5x slower than float32); on a GPU
+`bench/gpu_bench.py` measures it. Non-goals: activation quantization, int4, per-group scales,
+calibration-based schemes.
 """
 
 from __future__ import annotations
