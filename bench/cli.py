@@ -137,8 +137,19 @@ def target(base_url: str | None = None):
 
     return Target(base_url=base_url or _BASE_URL.value or "http://unset/v1", model=_MODEL.value,
                   api_key=_API_KEY.value, endpoint=_ENDPOINT.value, ignore_eos=_IGNORE_EOS.value,
-                  temperature=_TEMPERATURE.value,
-                  extra_body=tuple(json.loads(_EXTRA_BODY.value).items()) if _EXTRA_BODY.value else ())
+                  temperature=_TEMPERATURE.value, extra_body=extra_body())
+
+
+def extra_body() -> tuple[tuple[str, object], ...]:
+    if not _EXTRA_BODY.value:
+        return ()
+    try:
+        fields = json.loads(_EXTRA_BODY.value)
+    except json.JSONDecodeError as e:
+        raise app.UsageError(f"--extra_body is not JSON: {e}") from None
+    if not isinstance(fields, dict):
+        raise app.UsageError(f"--extra_body must be a JSON object, got {_EXTRA_BODY.value}")
+    return tuple(fields.items())
 
 
 def out_dir(command: str) -> Path:

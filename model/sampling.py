@@ -117,8 +117,8 @@ class SamplingRows:
         return packed
 
     def set(self, slot: int, sampling: RequestSampling, stop_ids: Iterable[int] = ()) -> None:
-        """Packs one row (and the first MAX_STOP_TOKENS of `stop_ids`, in order); raises (and
-        changes nothing) if a value does not fit its dtype."""
+        """Packs one row (and the MAX_STOP_TOKENS smallest of `stop_ids`); raises (and changes
+        nothing) if a value does not fit its dtype."""
         values = (np.float32(sampling.temperature), np.int32(sampling.top_k),
                   np.float32(sampling.top_p), np.uint32(sampling.seed))
         stops = np.full(MAX_STOP_TOKENS, -1, np.int32)

@@ -25,7 +25,7 @@ from bench.experiments import capacity, check_slos, compare, parse_slos
 from bench.metrics import chat_itl, class_metrics, percentile, stream_rate, summarize, throughput
 from bench.report import load_results, run_report, write_json
 from bench.runner import run_workload
-from bench.workload import ClassSpec, WorkloadSpec, approx_tokens, corpus
+from bench.workload import ClassSpec, RequestSpec, WorkloadSpec, approx_tokens, corpus
 from engine.engine import Engine, EngineConfig
 from model.config import TINY
 from scheduler.policy import PolicyConfig
@@ -165,6 +165,13 @@ def test_client_against_another_openai_compatible_server():
     assert summary["chat_inter_token_s"]["n"] == 2 * summary["chat_inter_token_s"]["message_gaps_s"]["n"]
     p = next(r for r in plain.results if r.ok)
     assert p.tokens_basis.startswith("estimate: tokens spread") and sum(p.message_tokens()) == p.max_tokens
+
+
+def test_extra_body_fields_go_into_every_request():
+    spec = RequestSpec("r", "chat", "hi", 1, 8)
+    body = Target("http://x/v1", "m", extra_body=(("cache_prompt", False),)).body(spec)
+    assert body["cache_prompt"] is False and body["max_tokens"] == 8 and body["stream"] is True
+    assert "cache_prompt" not in Target("http://x/v1", "m").body(spec)
 
 
 def test_client_imports_nothing_of_the_engine():
