@@ -5,7 +5,7 @@
 # (see README.md here).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-out=bench/results/llama-server-cpu
+out=${OUT:-bench/results/llama-server-cpu}; mkdir -p $out
 gguf=${GGUF:-$HOME/.cache/cadence/downloads/SmolLM2-135M-Instruct.Q4_1.gguf}
 load=(--chat_concurrency=4 --chat_prompt=50,400 --chat_output=64,128 --doc_rate=0.05
       --doc_prompt=2000,3000 --doc_output=32,128 --warmup=10 --duration=60 --drain_timeout=120 --seed=1)
