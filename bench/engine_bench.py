@@ -44,6 +44,7 @@ _STEPS = flags.DEFINE_integer("steps", 20, "Timed decode dispatches per point.")
 _DECODE_STEPS = flags.DEFINE_list("decode_steps", ["1"], "Decode steps per dispatch (k) to time; "
                                   "a point's step time is its dispatch's time / k.")
 _PAGE = flags.DEFINE_integer("page_size", DEFAULT_PAGE_SIZE, "KV page size (tokens).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute and KV dtype.")
 _WEIGHTS = flags.DEFINE_enum("weights", "float", ["float", "int8"],
                              "float32 weights, or int8 with per-channel scales (`model.quant`).")
 _OUT = flags.DEFINE_string("out", None, "Where to write the JSON results.")
@@ -79,7 +80,7 @@ def decode_point(engine, rows, tables, context: int, count: int, weight_bytes: i
     active = np.arange(slots) < count
     step = timed(lambda: engine.decode(positions, active, rows, tables, k).block_until_ready(),
                  _STEPS.value) / k
-    kv_bytes = count * context * engine.model_config.kv_bytes_per_token(4)
+    kv_bytes = count * context * engine.model_config.kv_bytes_per_token(jnp.dtype(engine.config.dtype).itemsize)
     floor = (weight_bytes + kv_bytes) / (machine["bandwidth_gb_s"] * 1e9)
     print(f"decode  slots={slots:<3} active={count:<3} context={context:<5} k={k:<2} {step * 1e3:7.1f} ms/step "
           f"(floor {floor * 1e3:5.1f} ms, {step / floor:4.2f}x)  {count / step:7.1f} tok/s")
@@ -96,12 +97,13 @@ def main(argv) -> None:
     model = load_model(_MODEL.value)
     cfg = model.config
     params = quantize(model.params, cfg) if _WEIGHTS.value == "int8" else model.params
-    weight_bytes = sum(a.size * (1 if a.dtype == np.int8 else 4) for a in jax.tree.leaves(params))
+    itemsize = jnp.dtype(_DTYPE.value).itemsize
+    weight_bytes = sum(a.size * (1 if a.dtype == np.int8 else itemsize) for a in jax.tree.leaves(params))
     results = {"decode": [], "prefill": []}
     for slots in map(int, _SLOTS.value):
         engine = Engine(params, cfg, EngineConfig(
             num_slots=slots, max_seq_len=_MAX_SEQ.value, prefill_chunk=_CHUNK.value,
-            page_size=_PAGE.value, decode_steps=max(map(int, _DECODE_STEPS.value))))
+            page_size=_PAGE.value, decode_steps=max(map(int, _DECODE_STEPS.value)), dtype=_DTYPE.value))
         rows = sampling_rows([RequestSampling()] * slots)
         tables = fixed_page_tables(engine.config)  # each slot a run of pages, as if allocated
         for context in map(int, _CONTEXTS.value):
@@ -129,7 +131,7 @@ def main(argv) -> None:
             print(f"prefill {n} tokens in chunks of {chunk}: {seconds:.2f} s, {n / seconds:.0f} tok/s, "
                   f"{point['achieved_gflop_s']:.0f} GFLOP/s ({point['fraction_of_matmul_rate']:.0%} of matmul)")
     report = {
-        "model": _MODEL.value, "weights": _WEIGHTS.value, "page_size": _PAGE.value,
+        "model": _MODEL.value, "weights": _WEIGHTS.value, "dtype": _DTYPE.value, "page_size": _PAGE.value,
         "weight_bytes": weight_bytes, "machine": machine,
         "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
         "cpu_count": __import__("os").cpu_count(), "device": str(jax.devices()[0]),
