@@ -29,6 +29,7 @@ from absl import app, flags
 from checkpoints.registry import load_model
 from engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig, fixed_page_tables, sampling_rows
 from engine.packing import PrefillChunk
+from model.params import cast_bytes
 from model.quant import quantize
 from model.sampling import RequestSampling
 
@@ -97,8 +98,7 @@ def main(argv) -> None:
     model = load_model(_MODEL.value)
     cfg = model.config
     params = quantize(model.params, cfg) if _WEIGHTS.value == "int8" else model.params
-    itemsize = jnp.dtype(_DTYPE.value).itemsize
-    weight_bytes = sum(a.size * (1 if a.dtype == np.int8 else itemsize) for a in jax.tree.leaves(params))
+    weight_bytes = cast_bytes(params, _DTYPE.value)
     results = {"decode": [], "prefill": []}
     for slots in map(int, _SLOTS.value):
         engine = Engine(params, cfg, EngineConfig(

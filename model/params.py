@@ -180,6 +180,12 @@ def cast(array, dtype: jnp.dtype):
     return array if array.dtype == jnp.int8 else array.astype(dtype)
 
 
+def cast_bytes(params: dict[str, Any], dtype: jnp.dtype) -> int:
+    """The bytes `params` take once every leaf is `cast` to `dtype`."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return sum(a.size * (1 if a.dtype == jnp.int8 else itemsize) for a in jax.tree.leaves(params))
+
+
 _INITIALIZERS = {
     "fan_in": nn.initializers.lecun_normal(),
     "embed": nn.linear.default_embed_init,

@@ -120,10 +120,9 @@ class TensorParallel:
     def handle_sharding(self) -> NamedSharding:
         return self.sharding(HANDLE_AXES)
 
-    def param_shardings(self, weights: str = "float") -> dict[str, Any]:
-        """A tree of the compute params' shardings (int8 `weights`: scales beside the matrices,
-        split as their channels are)."""
-        return build_tree(param_specs(self.compute_config, weights), lambda s: self.sharding(s.axes))
+    def param_shardings(self) -> dict[str, Any]:
+        """A tree of the compute params' shardings."""
+        return build_tree(param_specs(self.compute_config), lambda s: self.sharding(s.axes))
 
     def storage_shardings(self) -> dict[str, Any]:
         """A tree of shardings for the params as stored (a restore target): what `place` then

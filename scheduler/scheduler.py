@@ -112,6 +112,12 @@ class KVTransfer:
     end: float  # ... and had landed on the decode device
 
 
+def _decoded_end(r: Request, steps: int) -> int:
+    """Positions `r` holds once `steps` decode steps from its next one are written: they
+    write the KV of positions prompt_len + dispatched - 1 onwards."""
+    return r.prompt_len + r.dispatched + steps - 1
+
+
 def _check_pair(prefill: EngineAPI, decode: EngineAPI) -> None:
     """Two engines that can serve one model disaggregated: the same vocabulary, context and KV
     page layout (a handle from one fits the other), each in its role."""
@@ -627,8 +633,8 @@ class Scheduler:
         if any(r.state is not State.DECODING or r.params.stop for r in pool.running):
             return 1
         steps = min(most, min(r.max_tokens - r.dispatched for r in plan.decode))
-        wanted = sum(max(0, pool.pages.pages_for(r.prompt_len + r.dispatched + steps - 1)
-                         - len(r.pages)) for r in plan.decode)
+        wanted = sum(max(0, pool.pages.pages_for(_decoded_end(r, steps)) - len(r.pages))
+                     for r in plan.decode)
         return max(steps, 1) if wanted <= pool.pages.free_count else 1
 
     def _dispatch_decode(self, plan: Plan, pool: Pool, rows) -> None:
@@ -773,8 +779,8 @@ class Scheduler:
     def _tokens_after(self, r: Request, plan_chunks: dict[Request, int], decoding: set[Request],
                       steps: int) -> int:
         """Positions `r` needs pages for once this iteration's work for it is dispatched."""
-        if r in decoding:  # the steps write the KV of positions +dispatched-1 onwards
-            return r.prompt_len + r.dispatched + steps - 1
+        if r in decoding:
+            return _decoded_end(r, steps)
         return plan_chunks.get(r, 0)
 
     def _reserve_pages(self, pool: Pool, plan: Plan, now: float) -> None:
@@ -830,6 +836,7 @@ class Scheduler:
         """`results`: (requests with the index of each one's token, the engine's tokens), and
         those tokens as read: [n] (prefill: a token per chunk) or [steps, n] (decode: a row of
         tokens per step, taken in order until the request ends)."""
+        vocab = self.engine.vocab_size
         for (pairs, _), values in zip(results, arrays):
             now = time.monotonic()
             steps = np.atleast_2d(values)
@@ -838,11 +845,10 @@ class Scheduler:
                 for token in steps[:, index].tolist():
                     if r.finished:
                         break  # a step dispatched before the request ended: discard
-                    self._take(r, token, now)
+                    self._take(r, token, vocab, now)
 
-    def _take(self, r: Request, token: int, now: float) -> None:
+    def _take(self, r: Request, token: int, vocab: int, now: float) -> None:
         """One of `r`'s tokens: accepted and streamed, or the reason it ends."""
-        vocab = self.engine.vocab_size
         if not 0 <= token < vocab:
             self._fail_one(r, f"the engine returned token id {token}, outside the vocabulary "
                               f"[0, {vocab})", now)

@@ -28,7 +28,7 @@ from checkpoints.registry import DEFAULT_MODEL, LoadedModel, cache_dir, load_mod
 from engine import multihost
 from engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig
 from model.paged_kv import pages_for_bytes
-from model.params import WEIGHTS
+from model.params import WEIGHTS, cast_bytes
 from model.quant import quantize
 from model.sharding import TensorParallel
 from scheduler.policy import POLICIES, PolicyConfig
@@ -222,9 +222,7 @@ def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int,
         stats = (device or jax.local_devices()[0]).memory_stats() or {}
         if "bytes_limit" not in stats:
             return None
-        on_host = 0 if tp is not None else sum(  # the engine casts floats to `dtype`
-            a.size * (1 if a.dtype == jnp.int8 else jnp.dtype(dtype).itemsize)
-            for a in jax.tree.leaves(model.params))
+        on_host = 0 if tp is not None else cast_bytes(model.params, dtype)
         budget = int(0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0) - on_host))
     else:
         return None
