@@ -48,6 +48,9 @@ _PAGE = flags.DEFINE_integer("page_size", DEFAULT_PAGE_SIZE, "KV page size (toke
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute and KV dtype.")
 _WEIGHTS = flags.DEFINE_enum("weights", "float", ["float", "int8"],
                              "float32 weights, or int8 with per-channel scales (`model.quant`).")
+_ATTENTION = flags.DEFINE_string("attention", "xla", "Attention implementation (xla, cpu, pallas, reference).")
+_DECODE_MATMUL = flags.DEFINE_enum("decode_matmul", "xla", ["xla", "cpu"],
+                                   "Decode's matmuls: XLA's, or the CPU kernel (`model.cpu_kernels`).")
 _OUT = flags.DEFINE_string("out", None, "Where to write the JSON results.")
 
 
@@ -103,7 +106,8 @@ def main(argv) -> None:
     for slots in map(int, _SLOTS.value):
         engine = Engine(params, cfg, EngineConfig(
             num_slots=slots, max_seq_len=_MAX_SEQ.value, prefill_chunk=_CHUNK.value,
-            page_size=_PAGE.value, decode_steps=max(map(int, _DECODE_STEPS.value)), dtype=_DTYPE.value))
+            page_size=_PAGE.value, decode_steps=max(map(int, _DECODE_STEPS.value)), dtype=_DTYPE.value,
+            attention=_ATTENTION.value, decode_matmul=_DECODE_MATMUL.value))
         rows = sampling_rows([RequestSampling()] * slots)
         tables = fixed_page_tables(engine.config)  # each slot a run of pages, as if allocated
         for context in map(int, _CONTEXTS.value):
@@ -132,6 +136,7 @@ def main(argv) -> None:
                   f"{point['achieved_gflop_s']:.0f} GFLOP/s ({point['fraction_of_matmul_rate']:.0%} of matmul)")
     report = {
         "model": _MODEL.value, "weights": _WEIGHTS.value, "dtype": _DTYPE.value, "page_size": _PAGE.value,
+        "attention": _ATTENTION.value, "decode_matmul": _DECODE_MATMUL.value,
         "weight_bytes": weight_bytes, "machine": machine,
         "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
         "cpu_count": __import__("os").cpu_count(), "device": str(jax.devices()[0]),

@@ -50,6 +50,7 @@ from absl import logging
 
 from engine import compile_counter
 from engine.packing import Pack, PrefillChunk, bucket_for, empty_pack, pack_chunks
+from model import cpu_kernels
 from model.config import ModelConfig
 from model.llama import forward
 from model.params import cast
@@ -79,6 +80,7 @@ def ladder(low: int, high: int) -> tuple[int, ...]:
 DEFAULT_PAGE_SIZE = 64
 
 ROLES = ("both", "prefill", "decode")
+DECODE_MATMULS = ("xla", "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,9 @@ class EngineConfig:
     # The most decode steps one dispatch runs (`decode(..., steps=k)`, k <= this); the same
     # program runs any k, so this costs no compile.
     decode_steps: int = 1
+    # Decode's matmuls: "xla", or "cpu": the CPU kernel (`model.cpu_kernels`) over a copy of
+    # the weights in its blocked layout, made when the engine places them (float32, one device).
+    decode_matmul: str = "xla"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -115,6 +120,10 @@ class EngineConfig:
             raise ValueError(
                 f"prefill_chunk must be in [1, max_seq_len={self.max_seq_len}], got {self.prefill_chunk}"
             )
+        if self.decode_matmul not in DECODE_MATMULS:
+            raise ValueError(f"decode_matmul must be one of {DECODE_MATMULS}, got {self.decode_matmul!r}")
+        if self.decode_matmul == "cpu" and jnp.dtype(self.dtype) != jnp.float32:
+            raise ValueError(f"decode_matmul='cpu' computes in float32; dtype is {self.dtype}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.page_size < 1:
@@ -190,7 +199,7 @@ class EngineConfig:
         the length-following program cost more than the padding they save."""
         if self.attention == "reference":
             return self.page_buckets
-        if self.attention == "xla":
+        if self.attention == "xla":  # "cpu" and "pallas" follow lengths without loop steps
             most = self.pages_for(BATCHED_DECODE_MAX_KV)
             return tuple(p for p in self.page_buckets if p <= most)
         return ()
@@ -466,6 +475,7 @@ class Engine:
             self._pool_at, self._token_at = self.tp.pool_sharding, self.tp.replicated
             self._handle_at = self.tp.handle_sharding
             logging.info("%s", self.tp.describe())
+        self.decode_params = self._decode_params()
         self.cache: PagedKVCache | None = None
         self.last_tokens: jax.Array | None = None
         self.recover()  # allocates the page pool and the next-token buffer
@@ -478,6 +488,17 @@ class Engine:
             "KV pool: %d pages x %d tokens (%d tokens), %.1f MiB", self.num_pages, config.page_size,
             self.num_pages * config.page_size, self.cache.nbytes / 2**20,
         )
+
+    def _decode_params(self):
+        """What the decode program reads: the weights as placed, or with decode_matmul="cpu"
+        a tree whose matrices are in the CPU kernel's blocked layout (prefill keeps the [in,
+        out] matrices, which XLA's large GEMMs read faster)."""
+        if self.config.decode_matmul == "xla" or self.config.role == "prefill":
+            return self.params
+        if self.tp is not None or self.device.platform != "cpu":
+            raise ValueError("decode_matmul='cpu' runs on one CPU device; use 'xla' with tensor "
+                             "parallelism or an accelerator")
+        return cpu_kernels.decode_params(self.params)
 
     # -- the two programs -------------------------------------------------------------------
 
@@ -547,7 +568,7 @@ class Engine:
         program, width = self._decode_plan(positions[slots] + steps)
         tables = np.where(live[:, None], page_table[pick, :width], 0).astype(np.int32)
         tokens, self.cache, self.last_tokens = program(
-            self.params, self.cache, self.last_tokens, rows,
+            self.decode_params, self.cache, self.last_tokens, rows,
             np.where(live, positions[pick], 0).astype(np.int32), tables,
             _gather_rows(sampling, pick, live), np.int32(steps),
         )
@@ -674,7 +695,7 @@ class Engine:
         for program, width in decode_shapes:
             for batch in cfg.decode_batch_buckets:
                 tokens, self.cache, self.last_tokens = program(
-                    self.params, self.cache, self.last_tokens,
+                    self.decode_params, self.cache, self.last_tokens,
                     np.full(batch, cfg.num_slots, np.int32), np.zeros(batch, np.int32),
                     np.zeros((batch, width), np.int32), sampling_rows([RequestSampling()] * batch),
                     np.int32(1),

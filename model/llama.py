@@ -17,8 +17,10 @@ state that varies per request.
 
 The parameter tree is described once, in `model.params` (kernels are [in, out]; query/key
 weights in the rotate-half RoPE layout); these modules build exactly that tree. Given int8
-matrices (`model.quant`), `Linear` and `Embed` read them with their per-channel scales: the
-same modules, whatever the weights.
+matrices (`model.quant`), `Linear` and `Embed` read them with their per-channel scales; given a
+decode tree (`model.cpu_kernels.decode_params`: `kernel_blocked` for `kernel`, and the tied LM
+head's `embedding_blocked`), they run the CPU matmul kernel over it: the same modules, whatever
+the weights.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import paged_kv, sharding
+from model import cpu_kernels, paged_kv, sharding
 from model.config import ModelConfig
 from model.paged_attention import get_paged_attention
 from model.paged_kv import PagedKVCache
@@ -75,6 +77,10 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.has_variable("params", "kernel_blocked"):  # a decode tree (`model.cpu_kernels`)
+            y = cpu_kernels.blocked_matmul(x, self.get_variable("params", "kernel_blocked"),
+                                           self.features).astype(self.dtype)
+            return y + self._bias() if self.use_bias else y
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
                             jnp.float32)
         x = x.astype(self.dtype)
@@ -82,9 +88,10 @@ class Linear(nn.Module):
         if kernel.dtype == jnp.int8:
             y = y * self.param("kernel_scale", nn.initializers.ones, (self.features,),
                                jnp.float32).astype(self.dtype)
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(self.dtype)
-        return y
+        return y + self._bias() if self.use_bias else y
+
+    def _bias(self) -> jax.Array:
+        return self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(self.dtype)
 
 
 class Embed(nn.Module):
@@ -107,6 +114,9 @@ class Embed(nn.Module):
         return rows if self.scale is None else rows * jnp.take(self.scale, tokens)[..., None]
 
     def attend(self, x: jax.Array) -> jax.Array:
+        if self.has_variable("params", "embedding_blocked"):  # a decode tree (`model.cpu_kernels`)
+            return cpu_kernels.blocked_matmul(x, self.get_variable("params", "embedding_blocked"),
+                                              self.num_embeddings).astype(self.dtype)
         logits = jnp.dot(x.astype(self.dtype), self.embedding.astype(self.dtype).T)
         return logits if self.scale is None else logits * self.scale
 

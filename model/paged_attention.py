@@ -42,6 +42,8 @@ read by position, so they rely on the pool holding finite values (it is created 
   at short and mixed contexts, because it reads only live pages where the contiguous loop reads
   whole 512-position tiles. (A concatenation of dynamic page slices instead of `take` was
   measured too during development: no better.)
+- `cpu_paged_attention` ("cpu", the CPU default where `model.cpu_kernels` builds): decode by the
+  C++ kernel, which reads each row's live pages once with no loop steps, prefill as "xla".
 - `model.pallas_paged.pallas_paged_attention` ("pallas"): the GPU kernels.
 
 Non-goals: page allocation (host side), writes (`model.paged_kv.write`), sliding windows.
@@ -55,6 +57,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from model import cpu_kernels
 from model.attention import DECODE_TILE, _batched_matmul, xla_attention
 
 
@@ -263,6 +266,14 @@ def xla_paged_attention(
     return paged_prefill_tiled(q, k_pages, v_pages, page_table, q_positions)
 
 
+def cpu_paged_attention(q, k_pages, v_pages, page_table, q_positions):
+    """The CPU kernels' path: decode by `model.cpu_kernels.paged_decode` (the row's live pages
+    read once, no loop steps), prefill by the XLA tiles above."""
+    if q.shape[1] == 1:
+        return cpu_kernels.paged_decode(q, k_pages, v_pages, page_table, q_positions)
+    return paged_prefill_tiled(q, k_pages, v_pages, page_table, q_positions)
+
+
 def pallas_paged_attention(q, k_pages, v_pages, page_table, q_positions, *, interpret=None):
     """`model.pallas_paged.pallas_paged_attention`, imported lazily (keeps Pallas off the
     XLA-only import path)."""
@@ -277,6 +288,7 @@ PAGED_IMPLEMENTATIONS: dict[str, Callable[..., jax.Array]] = {
     "xla": xla_paged_attention,
     "reference": paged_reference_attention,
     "pallas": pallas_paged_attention,
+    "cpu": cpu_paged_attention,
 }
 
 

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from checkpoints.registry import DEFAULT_MODEL, LoadedModel, cache_dir, load_model, resolve
 from engine import multihost
 from engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig
+from model import cpu_kernels
 from model.paged_kv import pages_for_bytes
 from model.params import WEIGHTS, cast_bytes
 from model.quant import quantize
@@ -63,10 +64,15 @@ _KV_RESERVATION = flags.DEFINE_enum(
     "start, like a contiguous slot (a baseline for benchmarks).")
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Waiting requests before refusing new ones.", lower_bound=1)
 _ATTENTION = flags.DEFINE_enum(
-    "attention", None, ["pallas", "xla", "reference"],
-    "Attention implementation (default: pallas on GPU, xla on CPU; pallas on CPU runs "
-    "interpreted; reference is the plain einsum oracle).",
+    "attention", None, ["pallas", "cpu", "xla", "reference"],
+    "Attention implementation (default: pallas on GPU; on CPU, cpu where --cpu_kernels applies, "
+    "else xla; pallas on CPU runs interpreted; reference is the plain einsum oracle).",
 )
+_CPU_KERNELS = flags.DEFINE_bool(
+    "cpu_kernels", True,
+    "On the CPU, decode with cadence's C++ kernels (model/cpu_kernels.cc, built once with the "
+    "system's compiler): paged attention, and the matmuls over a blocked copy of the weights "
+    "(the weights' memory twice). Applies to float32 weights on one device; false: XLA's paths.")
 _WEIGHTS = flags.DEFINE_enum(
     "weights", "float", WEIGHTS,
     "float: the weights in --dtype; int8: every matrix as int8 with a scale per output channel "
@@ -241,11 +247,13 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
     `device`, default the first, or over `tp`'s devices)."""
     on_gpu = jax.default_backend() == "gpu"
     dtype = compute_dtype()
+    kernels = cpu_kernels_apply(dtype, tp)
     return EngineConfig(
         num_slots=_NUM_SLOTS.value,
         max_seq_len=_MAX_SEQ_LEN.value,
         prefill_chunk=_PREFILL_CHUNK.value,
-        attention=_ATTENTION.value or ("pallas" if on_gpu else "xla"),
+        attention=_ATTENTION.value or ("pallas" if on_gpu else "cpu" if kernels else "xla"),
+        decode_matmul="cpu" if kernels else "xla",
         dtype=dtype,
         page_size=_PAGE_SIZE.value,
         num_pages=None if model is None else kv_pool_pages(model, dtype, _PAGE_SIZE.value, device, tp),
@@ -254,6 +262,25 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
         # An iteration's prompt chunks, packed, fit one program even with every slot decoding.
         prefill_tokens=max(_PREFILL_CHUNK.value, token_budget() - _NUM_SLOTS.value),
     )
+
+
+def cpu_kernels_apply(dtype: str, tp: TensorParallel | None) -> bool:
+    """Whether the engine decodes with the CPU kernels (`model.cpu_kernels`): --cpu_kernels, on
+    the CPU, float32 weights and compute, one device, and the kernels built here; a reason
+    they do not apply is logged once."""
+    if not _CPU_KERNELS.value or jax.default_backend() != "cpu":
+        return False
+    why = ("--dtype is not float32" if dtype != "float32" else
+           "--weights=int8" if _WEIGHTS.value != "float" else
+           "tensor parallelism" if tp is not None else cpu_kernels.unavailable_reason())
+    if why:
+        _log_once(f"cadence: the CPU kernels do not apply ({why}); decoding with XLA's paths")
+    return why is None
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def compute_dtype() -> str:
@@ -343,7 +370,8 @@ def build_from_flags(warm: bool = True) -> Runtime:
             f"to {cfg.num_slots} sequences of up to {cfg.max_seq_len} tokens; KV pool "
             f"{engine.num_pages} pages x {cfg.page_size} tokens = {engine.num_pages * cfg.page_size} "
             f"tokens, {engine.kv_cache_bytes / 2**20:.0f} MiB"
-            + ("; int8 weights" if _WEIGHTS.value == "int8" else ""),
+            + ("; int8 weights" if _WEIGHTS.value == "int8" else "")
+            + ("; decode on the CPU kernels" if cfg.decode_matmul == "cpu" and cfg.role != "prefill" else ""),
             file=sys.stderr,
         )
     if pair is not None:

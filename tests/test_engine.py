@@ -11,6 +11,7 @@ import pytest
 from engine.engine import Engine, EngineConfig, bucket_for, ladder, sampling_rows
 from engine.packing import PrefillChunk
 from engine.reference import greedy_generate
+from model import cpu_kernels
 from model.sampling import RequestSampling
 from scheduler.policy import PolicyConfig
 from scheduler.request import GenerationParams, RequestRecord
@@ -19,6 +20,9 @@ from scheduler.scheduler import RequestStream, Scheduler, SchedulerConfig
 def GREEDY_ROWS(engine):  # noqa: N802 - reads as the constant it is per engine
     return sampling_rows([RequestSampling()] * engine.config.num_slots)
 
+
+needs_cpu_kernels = pytest.mark.skipif(
+    not cpu_kernels.available(), reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
 
 SMALL = EngineConfig(num_slots=4, max_seq_len=256, prefill_chunk=64, min_prefill_bucket=16, min_kv_bucket=64)
 
@@ -246,15 +250,23 @@ def test_length_following_decode_matches_reference(tiny_params, tiny_config, tin
         assert s.request.output_ids == greedy_generate(tiny_params, tiny_config, prompt, 24)
 
 
-@pytest.mark.parametrize("page_size", [16, 24])
+CPU_KERNELS = dict(attention="cpu", decode_matmul="cpu")
+
+
+@pytest.mark.parametrize("page_size, kernels", [
+    (16, {}), (24, {}),
+    pytest.param(16, CPU_KERNELS, marks=needs_cpu_kernels),
+    pytest.param(24, dict(CPU_KERNELS, decode_steps=4), marks=needs_cpu_kernels),
+], ids=["xla-16", "xla-24", "cpu_kernels-16", "cpu_kernels-24-4steps"])
 def test_a_pool_that_runs_dry_preempts_and_tokens_still_equal_the_reference(
-        tiny_params, tiny_config, tiny_tokenizer, page_size):
+        tiny_params, tiny_config, tiny_tokenizer, page_size, kernels):
     """Four slots over a pool that holds exactly one longest sequence: requests are preempted
     and recomputed, pages are reused in scattered orders, and every greedy output still equals
     the reference generator's, with nothing compiled after warm-up. Page sizes that divide
-    the chunk and that do not."""
+    the chunk and that do not; XLA's decode, and the CPU kernels' (`model.cpu_kernels`), one
+    and four steps per dispatch."""
     cfg = EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64,
-                       page_size=page_size, num_pages=-(-192 // page_size))
+                       page_size=page_size, num_pages=-(-192 // page_size), **kernels)
     e = Engine(tiny_params, tiny_config, cfg)
     e.warmup()
     rng = random.Random(5)

@@ -72,13 +72,13 @@ def default_model_cases(smollm2):
     return [(p, greedy_generate(smollm2.params, smollm2.config, p, 12, tok.eos_ids)) for p in prompts]
 
 
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "tp2", "tp3", "multistep"])
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "tp2", "tp3", "multistep", "cpu_kernels"])
 def test_engine_matches_reference_on_the_default_model(smollm2, default_model_cases, mode):
     """cadence-generate's path (engine + scheduler, chunked, batched) equals the reference;
     disaggregated, with the prefill engine on CPU device 0 and the decode engine on device 1;
     tensor parallel over 2 devices (9 heads: attention replicated, the MLP and vocabulary
     split) and over 3 (3 query heads and one KV head per device); with up to 4 decode steps
-    per dispatch."""
+    per dispatch; decoding on the CPU kernels (`model.cpu_kernels`), 4 steps per dispatch."""
     import dataclasses
 
     import jax
@@ -89,7 +89,8 @@ def test_engine_matches_reference_on_the_default_model(smollm2, default_model_ca
     from scheduler.scheduler import Scheduler, SchedulerConfig
 
     config = EngineConfig(num_slots=2, max_seq_len=256, prefill_chunk=64, min_kv_bucket=256,
-                          decode_steps=4 if mode == "multistep" else 1)
+                          decode_steps=4 if mode in ("multistep", "cpu_kernels") else 1,
+                          **(dict(attention="cpu", decode_matmul="cpu") if mode == "cpu_kernels" else {}))
     devices = jax.devices()[:int(mode[2:])] if mode.startswith("tp") else None
     engine = Engine(smollm2.params, smollm2.config, config if mode != "disaggregated" else
                     dataclasses.replace(config, role="prefill"), devices=devices)

@@ -1,0 +1,193 @@
+"""cadence's CPU kernels for the decode step (`model/cpu_kernels.cc`), as XLA custom calls.
+
+    if cpu_kernels.available():
+        tree = cpu_kernels.decode_params(params)     # once: matrices blocked for the kernel
+        y = cpu_kernels.blocked_matmul(x, blocked, n)  # x [..., K] @ W [K, n]
+        out = cpu_kernels.paged_decode(q, k_pages, v_pages, page_table, q_positions)
+
+Why they exist. A decode step must read every weight and every live KV entry once, so its floor
+is those bytes over the memory bandwidth. XLA:CPU misses it twice (`bench/results/small_gemm_cpu.txt`,
+`bench/results/cpu_kernels/`): its GEMM packs the weight matrix anew on every call, so 2-16
+rows read the weights at a third of the bandwidth a single row gets; and the paged decode
+attention, an XLA loop with a step per page, spends most of its time in loop steps rather than
+in reading the pages. The kernels read each byte once, in memory order:
+- `blocked_matmul` takes the weights stored blocked, [N / 16, K, 16] (`block`): each run of 16
+  output columns is contiguous, so a block streams once while up to four rows accumulate in
+  registers, and no packing happens at run time. The layout is made once, when an engine
+  places its weights; prefill's large GEMMs stay on XLA over the [K, N] weights, where XLA is
+  compute-bound and fast (and slower over the blocked layout), so an engine that uses the
+  kernel holds each matrix twice.
+- `paged_decode` is `model.paged_attention`'s interface for one query token per row: per (row,
+  KV head), the row's pages up to its position, online softmax in float32.
+
+Both are float32 only, and each is checked against its XLA twin (`tests/test_cpu_kernels.py`);
+the engine that runs them against the reference generator.
+
+Building: the first use compiles `cpu_kernels.cc` with the system's C++ compiler (`$CXX`, else
+`c++`) against the XLA FFI headers jaxlib ships, into `$CADENCE_CACHE/kernels/` under a name
+that hashes the source, the flags and the jaxlib version (a few seconds, once), loads it with
+ctypes and registers its two handlers with `jax.ffi`. Where that cannot work (not x86-64 with
+AVX2 and FMA, no compiler, `CADENCE_CPU_KERNELS=0`), `available()` is False,
+`unavailable_reason()` says why, and the front doors use XLA's paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+BLOCK = 16  # output columns per block of the blocked layout (cpu_kernels.cc's kBlock)
+MATMUL, ATTENTION = "cadence_cpu_blocked_matmul", "cadence_cpu_paged_decode"
+
+
+class KernelsUnavailable(RuntimeError):
+    """The CPU kernels cannot run here; the message says why."""
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("CADENCE_CACHE") or Path.home() / ".cache" / "cadence") / "kernels"
+
+
+def _cpu_supports() -> str | None:
+    """Why this CPU cannot run the kernels, or None."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the kernels are x86-64 (AVX2 + FMA); this machine is {platform.machine()}"
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo")
+                      if line.startswith("flags")), [])
+    except OSError:
+        return "cannot read /proc/cpuinfo to check for AVX2 and FMA"
+    missing = [f for f in ("avx2", "fma") if f not in flags]
+    return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        raise KernelsUnavailable("no C++ compiler (set $CXX, or install g++)")
+    include = jax.ffi.include_dir()
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
+                            + jax.__version__.encode() + compiler.encode()).hexdigest()[:16]
+    target = _cache_root() / f"cadence_cpu_kernels-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: processes racing to build both succeed.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(built)],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelsUnavailable(f"{compiler} failed to build {SOURCE.name}:\n{result.stderr[-2000:]}")
+        os.replace(built, target)
+    return target
+
+
+@functools.cache
+def _load() -> str | None:
+    """Builds, loads and registers the kernels once per process; the reason they are
+    unavailable, or None."""
+    if os.environ.get("CADENCE_CPU_KERNELS", "1") == "0":
+        return "CADENCE_CPU_KERNELS=0"
+    reason = _cpu_supports()
+    if reason:
+        return reason
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build()))
+    except (KernelsUnavailable, OSError) as e:
+        return str(e)
+    for name in (MATMUL, ATTENTION):
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, name)), platform="cpu")
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """None where the kernels run; else why not (building them on the first call)."""
+    return _load()
+
+
+def available() -> bool:
+    return _load() is None
+
+
+def _require() -> None:
+    reason = _load()
+    if reason:
+        raise KernelsUnavailable(f"cadence's CPU kernels are unavailable: {reason}")
+
+
+# -- the blocked matmul --------------------------------------------------------------------------
+
+def block(w):
+    """A [K, N] matrix in the kernel's layout [ceil(N / 16), K, 16] (columns past N are zero).
+    NumPy in, NumPy out; a jax array stays where it lies."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    k, n = w.shape
+    blocks = -(-n // BLOCK)
+    w = xp.pad(w, ((0, 0), (0, blocks * BLOCK - n)))
+    return w.reshape(k, blocks, BLOCK).transpose(1, 0, 2)
+
+
+def unblock(blocked, n: int):
+    """`block`'s inverse: the [K, n] matrix."""
+    blocks, k, _ = blocked.shape
+    return blocked.transpose(1, 0, 2).reshape(k, blocks * BLOCK)[:, :n]
+
+
+def blocked_matmul(x: jax.Array, blocked: jax.Array, n: int) -> jax.Array:
+    """x [..., K] @ W [K, n] in float32, W given as `block(W)`."""
+    _require()
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    out = jax.ffi.ffi_call(MATMUL, jax.ShapeDtypeStruct((rows.shape[0], blocked.shape[0] * BLOCK),
+                                                        jnp.float32))(rows, blocked)
+    return out[:, :n].reshape(*lead, n)
+
+
+def decode_params(params: dict[str, Any]) -> dict[str, Any]:
+    """The tree a decode program reads with the kernel: every float `kernel` [in, out] replaced
+    by `kernel_blocked`, and the embedding given `embedding_blocked` beside it (its transpose,
+    blocked: the tied LM head); the lookup table and everything else is the same array."""
+    def convert(node):
+        if not isinstance(node, dict):
+            return node
+        node = {name: convert(child) for name, child in node.items()}
+        if "kernel" in node:
+            node["kernel_blocked"] = block(node.pop("kernel"))
+        if "embedding" in node:
+            node["embedding_blocked"] = block(node["embedding"].T)
+        return node
+
+    if any(leaf.dtype == jnp.int8 for leaf in jax.tree.leaves(params)):
+        raise ValueError("the CPU matmul kernel reads float32 weights; int8 weights use XLA's matmul")
+    return convert(params)
+
+
+# -- paged decode attention ----------------------------------------------------------------------
+
+def paged_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                 q_positions: jax.Array) -> jax.Array:
+    """`model.paged_attention`'s interface for one query per row (q [rows, 1, heads, d]):
+    keys 0..q_positions[row, 0] of the row's pages; -1 gives zeros. float32."""
+    _require()
+    rows, q_len, heads, head_dim = q.shape
+    if q_len != 1:
+        raise ValueError(f"paged_decode takes one query per row, got {q_len}")
+    out = jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct((rows, heads, head_dim), jnp.float32))(
+        q.reshape(rows, heads, head_dim).astype(jnp.float32), k_pages.astype(jnp.float32),
+        v_pages.astype(jnp.float32), page_table.astype(jnp.int32), q_positions[:, 0].astype(jnp.int32))
+    return out.reshape(rows, 1, heads, head_dim).astype(q.dtype)
