@@ -8,6 +8,7 @@ float32) at 8 rows, each row at the same live context (128, 1000, 4000 tokens) a
 - "contiguous": today's `model.attention._tiled_decode` on [8, 3, max_seq_len, 64] slots;
 - "gather/ps": `paged_decode_gather`, 512-position tiles taken from their pages;
 - "pages/ps": `paged_decode_pages`, one page per iteration;
+- "kernel/ps": the CPU kernel, `model.cpu_kernels.paged_decode` (where it builds);
 at page sizes 16, 64 and 128, with each row's pages shuffled across the pool (the same KV bytes
 as the slots: 8 x max_seq_len tokens). The machine is shared and has 2 cores, so variants are
 interleaved round by round (in a random order each round), and each figure is the median over
@@ -31,6 +32,7 @@ from absl import app, flags
 
 from model.attention import _tiled_decode
 from model.config import SMOLLM2_135M
+from model import cpu_kernels
 from model.paged_attention import paged_decode_gather, paged_decode_pages
 
 _ROWS = flags.DEFINE_integer("rows", 8, "Decode rows (slots).")
@@ -110,6 +112,7 @@ def main(argv) -> None:
     layouts = {int(ps): paged_layout(rng, k, v, int(ps)) for ps in _PAGE_SIZES.value}
     contiguous = jax.jit(_tiled_decode)
     gather, pages = jax.jit(paged_decode_gather), jax.jit(paged_decode_pages)
+    kernel = jax.jit(cpu_kernels.paged_decode) if cpu_kernels.available() else None
     k, v = jnp.asarray(k), jnp.asarray(v)
 
     results = {}
@@ -119,6 +122,8 @@ def main(argv) -> None:
         for ps, (kp, vp, table) in layouts.items():
             fns[f"gather/{ps}"] = lambda a=(q, kp, vp, table, pos): gather(*a)
             fns[f"pages/{ps}"] = lambda a=(q, kp, vp, table, pos): pages(*a)
+            if kernel is not None:
+                fns[f"kernel/{ps}"] = lambda a=(q, kp, vp, table, pos): kernel(*a)
         want = np.asarray(fns["contiguous"]())
         for name, fn in fns.items():  # compiles each, and checks the layouts agree
             np.testing.assert_allclose(np.asarray(fn()), want, atol=1e-4, rtol=1e-4, err_msg=name)
@@ -138,6 +143,8 @@ def main(argv) -> None:
         "contiguous: model.attention._tiled_decode (512-position tiles of each slot)",
         "pages/ps: model.paged_attention.paged_decode_pages (one page per step; the default)",
         "gather/ps: model.paged_attention.paged_decode_gather (512-position tiles taken from pages)",
+        "kernel/ps: model.cpu_kernels.paged_decode (the C++ kernel: each row's live pages read once)"
+        if kernel is not None else f"kernel/ps: not run ({cpu_kernels.unavailable_reason()})",
         "columns: the live context of every row; mixed = 7 rows at 128 and one at 4000",
         "",
         "median over rounds:",

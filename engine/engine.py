@@ -31,6 +31,10 @@ captures one CUDA graph per padded batch size for the same reason). Everything t
 request is an array argument. The pool and `last_tokens` are donated into every program, so
 they are updated in place. `warmup()` compiles every program; afterwards `compilations_after_warmup` must stay 0.
 
+On the CPU, decode can run cadence's own kernels (`model.cpu_kernels`): `attention="cpu"` for
+its attention and `decode_matmul="cpu"` for its matmuls, which read a copy of the weights in
+the kernel's blocked layout (`decode_params`); prefill stays on XLA over the weights as given.
+
 With several `devices` the engine is tensor parallel (`model.sharding`): the same programs,
 partitioned by XLA over the mesh, with attention run per device over its own heads.
 
