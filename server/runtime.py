@@ -373,7 +373,9 @@ def build_from_flags(warm: bool = True) -> Runtime:
             f"{engine.num_pages} pages x {cfg.page_size} tokens = {engine.num_pages * cfg.page_size} "
             f"tokens, {engine.kv_cache_bytes / 2**20:.0f} MiB"
             + ("; int8 weights" if _WEIGHTS.value == "int8" else "")
-            + ("; decode on the CPU kernels" if cfg.decode_matmul == "cpu" and cfg.role != "prefill" else ""),
+            + (f"; decode on the CPU kernels, over a blocked copy of the weights "
+               f"(+{cast_bytes(model.params, cfg.dtype) / 2**20:.0f} MiB)"
+               if cfg.decode_matmul == "cpu" and cfg.role != "prefill" else ""),
             file=sys.stderr,
         )
     if pair is not None:
