@@ -59,6 +59,7 @@ class KernelsUnavailable(RuntimeError):
 
 
 def _cache_root() -> Path:
+    """`checkpoints.registry.cache_dir()`'s folder (model/ does not import checkpoints/)."""
     return Path(os.environ.get("CADENCE_CACHE") or Path.home() / ".cache" / "cadence") / "kernels"
 
 
