@@ -9,6 +9,8 @@
 //   cadence_cpu_blocked_matmul   y[M, N] = x[M, K] @ W, with W stored blocked as [N / 16, K, 16]:
 //                            each block of 16 output columns is one contiguous run, streamed
 //                            once while 1-4 rows accumulate in registers.
+//   cadence_cpu_blocked_matmul_int8   the same over int8 blocks, widened in registers, with a
+//                            float scale per output column: a quarter of the bytes to read.
 //   cadence_cpu_paged_decode     one query token per row over its pages of a paged KV pool,
 //                            online softmax in float32, keys 0..position of the row.
 //
@@ -74,18 +76,41 @@ constexpr int64_t kBlock = 16;  // output columns per block: two 8-lane vectors
 // AMD EPYC (1 KiB to 16 KiB and the T0/NTA hints all measured alike).
 constexpr int64_t kPrefetch = 2048;
 
-// Rows [0, MR) of x against one block: w points at the block's [K, 16] run.
-template <int MR>
-inline void matmul_tile(const float* x, int64_t K, const float* w, float* y, int64_t N) {
+// The 16 weights of k-row k of a block, as two 8-lane float vectors: float32 as stored, int8
+// widened (its per-column scale is applied to the sums, once).
+inline void load_row(const float* w, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(w);
+  w1 = _mm256_loadu_ps(w + 8);
+}
+
+inline void load_row(const int8_t* w, __m256& w0, __m256& w1) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+  w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q)));
+}
+
+// Rows [0, MR) of x against one block: w points at the block's [K, 16] run; `scale` (16
+// floats, or null) multiplies the sums.
+template <int MR, typename W>
+inline void matmul_tile(const float* x, int64_t K, const W* w, const float* scale, float* y,
+                        int64_t N) {
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k, w += kBlock) {
     _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    __m256 w0, w1;
+    load_row(w, w0, w1);
     for (int m = 0; m < MR; ++m) {
       const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
       acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
       acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
+    }
+  }
+  if (scale) {
+    const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+    for (int m = 0; m < MR; ++m) {
+      acc[m][0] = _mm256_mul_ps(acc[m][0], s0);
+      acc[m][1] = _mm256_mul_ps(acc[m][1], s1);
     }
   }
   for (int m = 0; m < MR; ++m) {
@@ -94,40 +119,58 @@ inline void matmul_tile(const float* x, int64_t K, const float* w, float* y, int
   }
 }
 
-void matmul_blocks(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N,
-                   int64_t first, int64_t last) {
+template <typename W>
+void matmul_blocks(const float* x, int64_t M, int64_t K, const W* w, const float* scale, float* y,
+                   int64_t N, int64_t first, int64_t last) {
   for (int64_t b = first; b < last; ++b) {
-    const float* wb = w + b * K * kBlock;
+    const W* wb = w + b * K * kBlock;
+    const float* sb = scale ? scale + b * kBlock : nullptr;
     float* yb = y + b * kBlock;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) matmul_tile<4>(x + m * K, K, wb, yb + m * N, N);
+    for (; m + 4 <= M; m += 4) matmul_tile<4>(x + m * K, K, wb, sb, yb + m * N, N);
     switch (M - m) {
-      case 3: matmul_tile<3>(x + m * K, K, wb, yb + m * N, N); break;
-      case 2: matmul_tile<2>(x + m * K, K, wb, yb + m * N, N); break;
-      case 1: matmul_tile<1>(x + m * K, K, wb, yb + m * N, N); break;
+      case 3: matmul_tile<3>(x + m * K, K, wb, sb, yb + m * N, N); break;
+      case 2: matmul_tile<2>(x + m * K, K, wb, sb, yb + m * N, N); break;
+      case 1: matmul_tile<1>(x + m * K, K, wb, sb, yb + m * N, N); break;
       default: break;
     }
   }
 }
 
-ffi::Error BlockedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                         ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
+// y = x @ W for float32 or int8 blocks (with `scale`), split over the thread pool.
+template <typename W>
+ffi::Error matmul(ffi::ThreadPool& pool, const ffi::AnyBuffer::Dimensions xd,
+                  const ffi::AnyBuffer::Dimensions wd, const float* xp, const W* wp,
+                  const float* scale, float* yp) {
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != kBlock || wd[1] != xd[1]) {
     return ffi::Error::InvalidArgument(
         "cadence_cpu_blocked_matmul takes x [M, K] and w [N / 16, K, 16]");
   }
   const int64_t M = xd[0], K = xd[1], blocks = wd[0], N = blocks * kBlock;
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* yp = y->typed_data();
-  // About 256 KiB of weights per work item: long enough runs for the hardware prefetcher (64
-  // KiB items made the whole decode step 1.2x slower), short enough to balance the threads.
+  // About 256 KiB of float32 weights per work item: long enough runs for the hardware
+  // prefetcher (64 KiB items made the whole decode step 1.2x slower), short enough to balance
+  // the threads.
   const int64_t grain = std::max<int64_t>(1, (256 << 10) / (K * kBlock * 4));
   parallel_for(pool, blocks, grain, [=](int64_t first, int64_t last) {
-    matmul_blocks(xp, M, K, wp, yp, N, first, last);
+    matmul_blocks(xp, M, K, wp, scale, yp, N, first, last);
   });
   return ffi::Error::Success();
+}
+
+ffi::Error BlockedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  return matmul(pool, x.dimensions(), w.dimensions(), x.typed_data(), w.typed_data(), nullptr,
+                y->typed_data());
+}
+
+ffi::Error BlockedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                             ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  if (scale.element_count() != w.dimensions()[0] * kBlock) {
+    return ffi::Error::InvalidArgument(
+        "cadence_cpu_blocked_matmul_int8 takes a scale per (padded) output column");
+  }
+  return matmul(pool, x.dimensions(), w.dimensions(), x.typed_data(), w.typed_data(),
+                scale.typed_data(), y->typed_data());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -321,6 +364,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_blocked_matmul, BlockedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_blocked_matmul_int8, BlockedMatmulInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 

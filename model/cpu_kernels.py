@@ -13,14 +13,16 @@ attention, an XLA loop with a step per page, spends most of its time in loop ste
 in reading the pages. The kernels read each byte once, in memory order:
 - `blocked_matmul` takes the weights stored blocked, [N / 16, K, 16] (`block`): each run of 16
   output columns is contiguous, so a block streams once while up to four rows accumulate in
-  registers, and no packing happens at run time. The layout is made once, when an engine
+  registers, and no packing happens at run time. Over int8 weights (`model.quant`) it widens
+  each block in registers and scales the sums per column, so it reads a quarter of the bytes
+  (XLA:CPU materializes the conversion instead: `bench/results/int8-cpu/`). The layout is made once, when an engine
   places its weights; prefill's large GEMMs stay on XLA over the [K, N] weights, where XLA is
   compute-bound and fast (and slower over the blocked layout), so an engine that uses the
   kernel holds each matrix twice.
 - `paged_decode` is `model.paged_attention`'s interface for one query token per row: per (row,
   KV head), the row's pages up to its position, online softmax in float32.
 
-Both are float32 only, and each is checked against its XLA twin (`tests/test_cpu_kernels.py`);
+Both compute in float32, and each is checked against its XLA twin (`tests/test_cpu_kernels.py`);
 the engine that runs them against the reference generator.
 
 Building: the first use compiles `cpu_kernels.cc` with the system's C++ compiler (`$CXX`, else
@@ -51,7 +53,8 @@ import numpy as np
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 BLOCK = 16  # output columns per block of the blocked layout (cpu_kernels.cc's kBlock)
-MATMUL, ATTENTION = "cadence_cpu_blocked_matmul", "cadence_cpu_paged_decode"
+MATMUL, MATMUL_INT8 = "cadence_cpu_blocked_matmul", "cadence_cpu_blocked_matmul_int8"
+ATTENTION = "cadence_cpu_paged_decode"
 
 
 class KernelsUnavailable(RuntimeError):
@@ -111,7 +114,7 @@ def _load() -> str | None:
         library = ctypes.cdll.LoadLibrary(str(_build()))
     except (KernelsUnavailable, OSError) as e:
         return str(e)
-    for name in (MATMUL, ATTENTION):
+    for name in (MATMUL, MATMUL_INT8, ATTENTION):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, name)), platform="cpu")
     return None
 
@@ -149,20 +152,28 @@ def unblock(blocked, n: int):
     return blocked.transpose(1, 0, 2).reshape(k, blocks * BLOCK)[:, :n]
 
 
-def blocked_matmul(x: jax.Array, blocked: jax.Array, n: int) -> jax.Array:
-    """x [..., K] @ W [K, n] in float32, W given as `block(W)`."""
+def blocked_matmul(x: jax.Array, blocked: jax.Array, n: int, scale: jax.Array | None = None) -> jax.Array:
+    """x [..., K] @ W [K, n] in float32, W given as `block(W)`: float32, or int8 with `scale`
+    [n], one per output column (`model.quant`), applied to the sums."""
     _require()
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    out = jax.ffi.ffi_call(MATMUL, jax.ShapeDtypeStruct((rows.shape[0], blocked.shape[0] * BLOCK),
-                                                        jnp.float32))(rows, blocked)
-    return out[:, :n].reshape(*lead, n)
+    out = jax.ShapeDtypeStruct((rows.shape[0], blocked.shape[0] * BLOCK), jnp.float32)
+    if blocked.dtype == jnp.int8:
+        if scale is None:
+            raise ValueError("int8 blocks need their per-column scale")
+        scale = jnp.pad(scale.astype(jnp.float32), (0, blocked.shape[0] * BLOCK - n))
+        y = jax.ffi.ffi_call(MATMUL_INT8, out)(rows, blocked, scale)
+    else:
+        y = jax.ffi.ffi_call(MATMUL, out)(rows, blocked.astype(jnp.float32))
+    return y[:, :n].reshape(*lead, n)
 
 
 def decode_params(params: dict[str, Any]) -> dict[str, Any]:
-    """The tree a decode program reads with the kernel: every float `kernel` [in, out] replaced
-    by `kernel_blocked`, and the embedding given `embedding_blocked` beside it (its transpose,
-    blocked: the tied LM head); the lookup table and everything else is the same array."""
+    """The tree a decode program reads with the kernel: every `kernel` [in, out] replaced by
+    `kernel_blocked`, and the embedding given `embedding_blocked` beside it (its transpose,
+    blocked: the tied LM head); float32 or int8 as given (int8 keeps its `_scale` leaves). The
+    lookup table and everything else is the same array."""
     def convert(node):
         if not isinstance(node, dict):
             return node
@@ -173,8 +184,6 @@ def decode_params(params: dict[str, Any]) -> dict[str, Any]:
             node["embedding_blocked"] = block(node["embedding"].T)
         return node
 
-    if any(leaf.dtype == jnp.int8 for leaf in jax.tree.leaves(params)):
-        raise ValueError("the CPU matmul kernel reads float32 weights; int8 weights use XLA's matmul")
     return convert(params)
 
 

@@ -78,8 +78,10 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.has_variable("params", "kernel_blocked"):  # a decode tree (`model.cpu_kernels`)
+            scale = (self.get_variable("params", "kernel_scale")
+                     if self.has_variable("params", "kernel_scale") else None)
             y = cpu_kernels.blocked_matmul(x, self.get_variable("params", "kernel_blocked"),
-                                           self.features).astype(self.dtype)
+                                           self.features, scale).astype(self.dtype)
             return y + self._bias() if self.use_bias else y
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
                             jnp.float32)
@@ -116,7 +118,7 @@ class Embed(nn.Module):
     def attend(self, x: jax.Array) -> jax.Array:
         if self.has_variable("params", "embedding_blocked"):  # a decode tree (`model.cpu_kernels`)
             return cpu_kernels.blocked_matmul(x, self.get_variable("params", "embedding_blocked"),
-                                              self.num_embeddings).astype(self.dtype)
+                                              self.num_embeddings, self.scale).astype(self.dtype)
         logits = jnp.dot(x.astype(self.dtype), self.embedding.astype(self.dtype).T)
         return logits if self.scale is None else logits * self.scale
 

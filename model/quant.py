@@ -12,8 +12,10 @@ reference generator the same model to check against. Norm scales and biases stay
 
 The weights a decode step must read shrink to a quarter of float32 (a half of bfloat16), which
 is the whole point on a memory-bound step, provided XLA fuses the int8 -> float conversion into
-the matmul. XLA:CPU does not (`bench/results/int8-cpu/`: 4.5x slower than float32); on a GPU
-`bench/gpu_bench.py` measures it. Non-goals: activation quantization, int4, per-group scales,
+the matmul. XLA:CPU does not (`bench/results/int8-cpu/`: 4.5x slower than float32), so on
+the CPU decode's matmuls run `model.cpu_kernels`, which widens the int8 blocks in registers
+(1.2-2x faster than float32, `bench/results/cpu_kernels/`); on a GPU `bench/gpu_bench.py`
+measures XLA's fusion. Non-goals: activation quantization, int4, per-group scales,
 calibration-based schemes.
 """
 

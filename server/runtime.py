@@ -71,8 +71,9 @@ _ATTENTION = flags.DEFINE_enum(
 _CPU_KERNELS = flags.DEFINE_bool(
     "cpu_kernels", True,
     "On the CPU, decode with cadence's C++ kernels (model/cpu_kernels.cc, built once with the "
-    "system's compiler): paged attention, and with float weights the matmuls over a blocked copy "
-    "of them (the weights' memory twice). float32 compute on one device; false: XLA's paths.")
+    "system's compiler): paged attention, and the matmuls over a blocked copy of the weights "
+    "(float32 or int8; the weights' memory twice). float32 compute on one device; false: XLA's "
+    "paths.")
 _WEIGHTS = flags.DEFINE_enum(
     "weights", "float", WEIGHTS,
     "float: the weights in --dtype; int8: every matrix as int8 with a scale per output channel "
@@ -248,15 +249,12 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
     on_gpu = jax.default_backend() == "gpu"
     dtype = compute_dtype()
     kernels = cpu_kernels_apply(dtype, tp)
-    if kernels and _WEIGHTS.value != "float":
-        _log_once("cadence: the CPU matmul kernel reads float32 weights; with --weights=int8 the "
-                  "decode matmuls run on XLA, attention on the CPU kernel")
     return EngineConfig(
         num_slots=_NUM_SLOTS.value,
         max_seq_len=_MAX_SEQ_LEN.value,
         prefill_chunk=_PREFILL_CHUNK.value,
         attention=_ATTENTION.value or ("pallas" if on_gpu else "cpu" if kernels else "xla"),
-        decode_matmul="cpu" if kernels and _WEIGHTS.value == "float" else "xla",
+        decode_matmul="cpu" if kernels else "xla",
         dtype=dtype,
         page_size=_PAGE_SIZE.value,
         num_pages=None if model is None else kv_pool_pages(model, dtype, _PAGE_SIZE.value, device, tp),
@@ -270,7 +268,7 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
 def cpu_kernels_apply(dtype: str, tp: TensorParallel | None) -> bool:
     """Whether the engine decodes with the CPU kernels (`model.cpu_kernels`): --cpu_kernels, on
     the CPU, float32 compute, one device, and the kernels built here; a reason they do not
-    apply is logged once. (The matmul kernel also needs float weights.)"""
+    apply is logged once."""
     if not _CPU_KERNELS.value or jax.default_backend() != "cpu":
         return False
     why = ("--dtype is not float32" if dtype != "float32" else

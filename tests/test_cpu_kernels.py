@@ -114,9 +114,29 @@ def test_decode_params_block_every_matrix(tiny_params):
                                                       embedding.shape[0]), embedding.T)
 
 
-def test_decode_params_refuse_int8(tiny_params, tiny_config):
-    with pytest.raises(ValueError, match="float32 weights"):
-        cpu_kernels.decode_params(quantize(tiny_params, tiny_config))
+@needs_cpu_kernels
+@pytest.mark.parametrize("rows", [1, 4, 7])
+def test_int8_blocked_matmul_matches_xla_on_the_dequantized_weights(rows):
+    """int8 blocks widened in registers and scaled per column: x @ (q * scale), as XLA computes
+    it over the dequantized matrix (widths that are not multiples of 16 pad the scale too)."""
+    from model.quant import quantize_matrix
+
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 96), np.float32)
+    q, scale = quantize_matrix(rng.standard_normal((96, 40), np.float32), 1)
+    got = cpu_kernels.blocked_matmul(jnp.asarray(x), jnp.asarray(cpu_kernels.block(q)), 40,
+                                     jnp.asarray(scale))
+    np.testing.assert_allclose(np.asarray(got), x @ (q.astype(np.float32) * scale), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="scale"):
+        cpu_kernels.blocked_matmul(jnp.asarray(x), jnp.asarray(cpu_kernels.block(q)), 40)
+
+
+def test_int8_decode_params_keep_their_scales(tiny_params, tiny_config):
+    int8 = quantize(tiny_params, tiny_config)
+    tree = cpu_kernels.decode_params(int8)
+    up = tree["layers_0"]["mlp"]["up"]
+    assert up["kernel_blocked"].dtype == np.int8 and up["kernel_scale"] is int8["layers_0"]["mlp"]["up"]["kernel_scale"]
+    assert tree["embed"]["embedding_blocked"].dtype == np.int8
 
 
 def test_engine_refuses_the_cpu_matmul_in_bfloat16(tiny_params, tiny_config):
@@ -126,7 +146,8 @@ def test_engine_refuses_the_cpu_matmul_in_bfloat16(tiny_params, tiny_config):
 
 @needs_cpu_kernels
 def test_kernel_decode_logits_match_xla_decode(tiny_params, tiny_config):
-    """One decode step's logits over the same pool, XLA against the kernels."""
+    """One decode step's logits over the same pool, XLA against the kernels, with float and
+    int8 weights."""
     from model.llama import forward
     from model.paged_kv import PagedKVCache
 
@@ -143,6 +164,7 @@ def test_kernel_decode_logits_match_xla_decode(tiny_params, tiny_config):
             params, tokens, positions, lengths, cache, table, config=tiny_config, attention=attention)
         return np.asarray(logits)
 
-    want = run(tiny_params, "xla")
-    got = run(cpu_kernels.decode_params(tiny_params), "cpu")
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+    for params in (tiny_params, quantize(tiny_params, tiny_config)):  # float and int8 weights
+        want = run(params, "xla")
+        got = run(cpu_kernels.decode_params(params), "cpu")
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)

@@ -107,11 +107,13 @@ def test_engine_matches_reference_on_the_default_model(smollm2, default_model_ca
         assert sched.kv_transfers == len(streams)
 
 
-@pytest.mark.parametrize("devices", [1, 3], ids=["one-device", "tp3"])
-def test_int8_weights_on_the_default_model(smollm2, devices):
+@pytest.mark.parametrize("devices, kernels", [(1, {}), (3, {}),
+                                              (1, dict(attention="cpu", decode_matmul="cpu"))],
+                         ids=["one-device", "tp3", "cpu_kernels"])
+def test_int8_weights_on_the_default_model(smollm2, devices, kernels):
     """The engine over int8 weights gives, token for token, the reference generator's greedy
-    output over the float weights they stand for (`dequantize`), alone and tensor parallel;
-    and it still knows the capital of France."""
+    output over the float weights they stand for (`dequantize`), alone, tensor parallel, and
+    decoding on the CPU kernels (int8 blocks); and it still knows the capital of France."""
     import jax
 
     from engine.engine import Engine, EngineConfig
@@ -126,7 +128,7 @@ def test_int8_weights_on_the_default_model(smollm2, devices):
     prompts = [tok.encode("The capital of France is"),
                tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three colours."}]))]
     engine = Engine(int8, smollm2.config, EngineConfig(num_slots=2, max_seq_len=256, prefill_chunk=64,
-                                                       decode_steps=4),
+                                                       decode_steps=4, **kernels),
                     devices=jax.devices()[:devices] if devices > 1 else None)
     sched = Scheduler(engine, tok, SchedulerConfig(policy=PolicyConfig(token_budget=66, chunk=64)))
     streams = [sched.submit(p, GenerationParams(max_tokens=12)) for p in prompts]

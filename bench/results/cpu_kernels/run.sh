@@ -15,4 +15,8 @@ for run in 1 2; do
   .venv/bin/python -m bench.engine_bench "${engine[@]}" --attention=cpu --decode_matmul=cpu \
     --out=$out/engine-cpu-$run.json > $out/engine-cpu-$run.txt 2>/dev/null
 done
+for weights in int8 float; do  # int8 blocks against float32, back to back
+  .venv/bin/python -m bench.engine_bench "${engine[@]}" --attention=cpu --decode_matmul=cpu \
+    --weights=$weights --out=$out/engine-cpu-$weights-3.json > $out/engine-cpu-$weights-3.txt 2>/dev/null
+done
 grep -h -E '^(machine|decode|prefill)' $out/engine-*.txt
