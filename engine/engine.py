@@ -112,7 +112,8 @@ class EngineConfig:
     # program runs any k, so this costs no compile.
     decode_steps: int = 1
     # Decode's matmuls: "xla", or "cpu": the CPU kernel (`model.cpu_kernels`) over a copy of
-    # the weights in its blocked layout, made when the engine places them (float32, one device).
+    # the weights in its blocked layout, made when the engine places them (float32 or int8
+    # weights, float32 compute, one device).
     decode_matmul: str = "xla"
 
     def __post_init__(self) -> None:
