@@ -127,8 +127,11 @@ class EngineConfig:
             )
         if self.decode_matmul not in DECODE_MATMULS:
             raise ValueError(f"decode_matmul must be one of {DECODE_MATMULS}, got {self.decode_matmul!r}")
-        if self.decode_matmul == "cpu" and jnp.dtype(self.dtype) != jnp.float32:
-            raise ValueError(f"decode_matmul='cpu' computes in float32; dtype is {self.dtype}")
+        if "cpu" in (self.attention, self.decode_matmul) and jnp.dtype(self.dtype) != jnp.float32:
+            # The kernels read float32 pools and activations: another dtype would be cast whole
+            # on every layer of every step.
+            raise ValueError(f"the CPU kernels (attention or decode_matmul 'cpu') compute in "
+                             f"float32; dtype is {self.dtype}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.page_size < 1:

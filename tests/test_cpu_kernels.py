@@ -142,6 +142,8 @@ def test_int8_decode_params_keep_their_scales(tiny_params, tiny_config):
 def test_engine_refuses_the_cpu_matmul_in_bfloat16(tiny_params, tiny_config):
     with pytest.raises(ValueError, match="float32"):
         EngineConfig(decode_matmul="cpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="float32"):
+        EngineConfig(attention="cpu", dtype="bfloat16")
 
 
 @needs_cpu_kernels
