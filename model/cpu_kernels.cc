@@ -90,14 +90,16 @@ inline void load_row(const int8_t* w, __m256& w0, __m256& w1) {
 }
 
 // Rows [0, MR) of x against one block: w points at the block's [K, 16] run; `scale` (16
-// floats, or null) multiplies the sums.
+// floats, or null) multiplies the sums. At k-row k the tile prefetches the 64 bytes at
+// ahead + ((start + k) >> shift) * 16 (see matmul_blocks).
 template <int MR, typename W>
 inline void matmul_tile(const float* x, int64_t K, const W* w, const float* scale, float* y,
-                        int64_t N) {
+                        int64_t N, const W* ahead, int64_t start, int shift) {
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k, w += kBlock) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + ((start + k) >> shift) * kBlock),
+                 _MM_HINT_T0);
     __m256 w0, w1;
     load_row(w, w0, w1);
     for (int m = 0; m < MR; ++m) {
@@ -119,19 +121,30 @@ inline void matmul_tile(const float* x, int64_t K, const W* w, const float* scal
   }
 }
 
+// Blocks [first, last) for all M rows, four rows per pass over a block. One pass (M <= 4)
+// prefetches its own stream 8 KiB ahead. With several passes, the later ones read the block
+// from cache and memory would idle, so every pass prefetches a share of the next block instead
+// (half of it per pass; a quarter from three passes on): 8 rows read 1.15x faster than with
+// the first pass alone prefetching, 16 rows 1.4x (2-core AMD EPYC).
 template <typename W>
 void matmul_blocks(const float* x, int64_t M, int64_t K, const W* w, const float* scale, float* y,
                    int64_t N, int64_t first, int64_t last) {
+  const int passes = static_cast<int>((M + 3) / 4);
+  const int shift = passes == 1 ? 0 : passes == 2 ? 1 : 2;
   for (int64_t b = first; b < last; ++b) {
     const W* wb = w + b * K * kBlock;
+    const W* ahead = passes == 1 ? wb + kPrefetch : wb + K * kBlock;
     const float* sb = scale ? scale + b * kBlock : nullptr;
     float* yb = y + b * kBlock;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) matmul_tile<4>(x + m * K, K, wb, sb, yb + m * N, N);
+    for (; m + 4 <= M; m += 4) {
+      matmul_tile<4>(x + m * K, K, wb, sb, yb + m * N, N, ahead, m / 4 * K, shift);
+    }
+    const int64_t start = m / 4 * K;
     switch (M - m) {
-      case 3: matmul_tile<3>(x + m * K, K, wb, sb, yb + m * N, N); break;
-      case 2: matmul_tile<2>(x + m * K, K, wb, sb, yb + m * N, N); break;
-      case 1: matmul_tile<1>(x + m * K, K, wb, sb, yb + m * N, N); break;
+      case 3: matmul_tile<3>(x + m * K, K, wb, sb, yb + m * N, N, ahead, start, shift); break;
+      case 2: matmul_tile<2>(x + m * K, K, wb, sb, yb + m * N, N, ahead, start, shift); break;
+      case 1: matmul_tile<1>(x + m * K, K, wb, sb, yb + m * N, N, ahead, start, shift); break;
       default: break;
     }
   }
