@@ -3,7 +3,8 @@
     python -m bench.engine_bench --model=smollm2-135m --out=bench/results/engine_cpu.json
 
 Measures the machine first (a large on-device reduction for memory bandwidth, a large matmul for
-FLOP/s), then times the engine's own compiled programs:
+FLOP/s; the bandwidth again after each timed decode dispatch), then times the engine's own compiled
+programs:
 - decode: one step over `num_slots` slots at several live context lengths, with all of them or
   only `--active` of them decoding (the rest idle, as on a lightly loaded server), and with k
   steps per dispatch (`--decode_steps`); the floor is (weight bytes + live KV bytes) /
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from bench import roofline
 from checkpoints.registry import load_model
 from engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig, fixed_page_tables, sampling_rows
 from engine.packing import PrefillChunk
@@ -54,43 +56,38 @@ _DECODE_MATMUL = flags.DEFINE_enum("decode_matmul", "xla", ["xla", "cpu"],
 _OUT = flags.DEFINE_string("out", None, "Where to write the JSON results.")
 
 
-def timed(fn, repeats: int) -> float:
-    """Median seconds of `fn()` (which must block) over `repeats` runs after one warm run."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def measure_machine() -> dict:
-    x = jnp.ones((64 * 2**20,), jnp.float32)  # 256 MiB
-    total = jax.jit(jnp.sum)
-    bw = x.nbytes / timed(lambda: total(x).block_until_ready(), 5)
-    a = jnp.ones((2048, 2048), jnp.float32)
-    mm = jax.jit(jnp.matmul)
-    flops = 2 * 2048**3 / timed(lambda: mm(a, a).block_until_ready(), 5)
-    return {"bandwidth_gb_s": bw / 1e9, "matmul_gflop_s": flops / 1e9}
+    machine = roofline.measure_machine()
+    return {"bandwidth_gb_s": machine.bandwidth_gb_s, "matmul_gflop_s": machine.flops_gflop_s}
 
 
-def decode_point(engine, rows, tables, context: int, count: int, weight_bytes: int, machine: dict,
-                 k: int = 1) -> dict:
+def decode_point(engine, rows, tables, context: int, count: int, weight_bytes: int, k: int = 1) -> dict:
     """The median step with the first `count` slots decoding at `context` live tokens each, in
-    dispatches of `k` steps."""
+    dispatches of `k` steps, and its ratio to the floor. Each timed dispatch is followed by a
+    probe of the memory's bandwidth, and the ratio is the median over the (dispatch, probe)
+    pairs: this shared machine's bandwidth drifts by 2x within minutes, and a floor measured
+    once would hold a point to another moment's memory."""
     slots = engine.config.num_slots
     positions = np.full(slots, context - 1, np.int32)
     active = np.arange(slots) < count
-    step = timed(lambda: engine.decode(positions, active, rows, tables, k).block_until_ready(),
-                 _STEPS.value) / k
     kv_bytes = count * context * engine.model_config.kv_bytes_per_token(jnp.dtype(engine.config.dtype).itemsize)
-    floor = (weight_bytes + kv_bytes) / (machine["bandwidth_gb_s"] * 1e9)
+    probe = roofline.bandwidth_probe()
+    engine.decode(positions, active, rows, tables, k).block_until_ready()
+    steps, bandwidths = [], []
+    for _ in range(_STEPS.value):
+        start = time.perf_counter()
+        engine.decode(positions, active, rows, tables, k).block_until_ready()
+        steps.append((time.perf_counter() - start) / k)
+        bandwidths.append(probe())
+    floors = (weight_bytes + kv_bytes) / np.array(bandwidths)
+    step, floor = float(np.median(steps)), float(np.median(floors))
+    ratio = float(np.median(np.array(steps) / floors))
     print(f"decode  slots={slots:<3} active={count:<3} context={context:<5} k={k:<2} {step * 1e3:7.1f} ms/step "
-          f"(floor {floor * 1e3:5.1f} ms, {step / floor:4.2f}x)  {count / step:7.1f} tok/s")
+          f"(floor {floor * 1e3:5.1f} ms, {ratio:4.2f}x; memory {np.min(bandwidths) / 1e9:.1f}-"
+          f"{np.max(bandwidths) / 1e9:.1f} GB/s)  {count / step:7.1f} tok/s")
     return {"slots": slots, "active": count, "context": context, "steps_per_dispatch": k,
-            "step_ms": step * 1e3,
-            "floor_ms": floor * 1e3, "ratio_to_floor": step / floor,
+            "step_ms": step * 1e3, "bandwidth_gb_s": float(np.median(bandwidths)) / 1e9,
+            "floor_ms": floor * 1e3, "ratio_to_floor": ratio,
             "achieved_gb_s": (weight_bytes + kv_bytes) / step / 1e9, "tokens_per_s": count / step}
 
 
@@ -114,7 +111,7 @@ def main(argv) -> None:
             for count in [a for a in map(int, _ACTIVE.value) if a <= slots] or [slots]:
                 for k in map(int, _DECODE_STEPS.value):
                     results["decode"].append(decode_point(engine, rows, tables, context, count,
-                                                          weight_bytes, machine, k))
+                                                          weight_bytes, k))
         if slots == int(_SLOTS.value[0]):
             n, chunk = _PROMPT.value, _CHUNK.value
             prompt = list(np.random.default_rng(0).integers(100, cfg.vocab_size, n))
@@ -126,7 +123,7 @@ def main(argv) -> None:
                                            rows)
                 token.block_until_ready()
 
-            seconds = timed(prefill_all, 3)
+            seconds = roofline.timed(prefill_all, 3)
             flops = 2 * cfg.num_params() * n + 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n / 2
             point = {"prompt_tokens": n, "chunk": chunk, "seconds": seconds, "tokens_per_s": n / seconds,
                      "achieved_gflop_s": flops / seconds / 1e9,

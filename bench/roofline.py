@@ -110,27 +110,51 @@ def predict(programs: list[dict], machine: Machine) -> dict:
             "bound": "compute" if t_compute > t_memory else "memory"}
 
 
-def measure_machine() -> Machine:
-    """A 256 MiB on-device reduction (bandwidth) and a 2048^3 f32 matmul (FLOP/s), medians of 5."""
+def timed(fn, repeats: int = 5) -> float:
+    """Median seconds of `fn()` (which must block) over `repeats` runs after one warm run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def bandwidth_probe():
+    """A function that reads 256 MiB on the device once (a reduction) and returns the bytes/s
+    it got: for probing the memory between the timed runs of a benchmark on a machine that
+    drifts."""
     import jax
     import jax.numpy as jnp
 
-    def timed(fn) -> float:
-        fn()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return float(np.median(times))
-
     x = jnp.ones((64 * 2**20,), jnp.float32)
     total = jax.jit(jnp.sum)
-    bandwidth = x.nbytes / timed(lambda: total(x).block_until_ready())
+    total(x).block_until_ready()
+
+    def probe() -> float:
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        return x.nbytes / (time.perf_counter() - start)
+
+    return probe
+
+
+def measure_bandwidth() -> float:
+    """Bytes/s of a 256 MiB on-device reduction, the median of 5."""
+    probe = bandwidth_probe()
+    return float(np.median([probe() for _ in range(5)]))
+
+
+def measure_machine() -> Machine:
+    """`measure_bandwidth` and a 2048^3 f32 matmul (FLOP/s), medians of 5."""
+    import jax
+    import jax.numpy as jnp
+
     a = jnp.ones((2048, 2048), jnp.float32)
     mm = jax.jit(jnp.matmul)
     flops = 2 * 2048**3 / timed(lambda: mm(a, a).block_until_ready())
-    return Machine(bandwidth / 1e9, flops / 1e9, source=f"measured on {jax.devices()[0].platform}")
+    return Machine(measure_bandwidth() / 1e9, flops / 1e9, source=f"measured on {jax.devices()[0].platform}")
 
 
 def standard_shapes(max_context: int = 4096) -> list[tuple[str, Shape]]:
