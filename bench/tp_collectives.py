@@ -116,14 +116,16 @@ def compile_counts(config, n: int, batch: int, chunk: int) -> dict[str, dict]:
                                  jnp.bfloat16, sharding=tp.sharding(POOL_AXES))
     cache = PagedKVCache(k=(layer,) * cc.num_layers, v=(layer,) * cc.num_layers)
     last = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=tp.replicated)
+    rope = jax.ShapeDtypeStruct((2, engine.max_seq_len, cc.head_dim // 2), jnp.float32,
+                                sharding=tp.replicated)
     width = engine.max_pages_per_seq
     decode = programs.decode.lower(
-        params, cache, last, np.arange(batch, dtype=np.int32), np.full(batch, 512, np.int32),
+        params, rope, cache, last, np.arange(batch, dtype=np.int32), np.full(batch, 512, np.int32),
         np.zeros((batch, width), np.int32), sampling_rows([RequestSampling()] * batch),
         np.int32(1))
     pack = empty_pack(chunk, width, engine.pack_block, batch, engine.chunks_per_program)
     prefill = programs.prefill.lower(
-        params, cache, last, pack.tokens, pack.positions, pack.lengths, pack.tables,
+        params, rope, cache, last, pack.tokens, pack.positions, pack.lengths, pack.tables,
         pack.logit_index, pack.steps, pack.write_slot,
         sampling_rows([RequestSampling()] * len(pack.steps)))
     return {name: collectives(lowered.compile().as_text())

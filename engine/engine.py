@@ -56,7 +56,7 @@ from engine import compile_counter
 from engine.packing import Pack, PrefillChunk, bucket_for, empty_pack, pack_chunks
 from model import cpu_kernels
 from model.config import ModelConfig
-from model.llama import forward
+from model.llama import forward, rope_table
 from model.params import cast
 from model.sharding import TensorParallel
 from model.paged_kv import PagedKVCache
@@ -214,7 +214,7 @@ class EngineConfig:
 
 
 def _prefill_program(
-    params, cache, last_tokens, tokens, positions, lengths, tables, logit_index, steps,
+    params, rope, cache, last_tokens, tokens, positions, lengths, tables, logit_index, steps,
     write_slot, sampling, *, config, attention, dtype, mesh,
 ):
     """Every chunk of a pack (`engine.packing`) in one pass: KV written through each row's
@@ -222,7 +222,7 @@ def _prefill_program(
     slot's `last_tokens` (other entries of `write_slot` are num_slots and drop out)."""
     logits, cache = forward(
         params, tokens, positions, lengths, cache, tables, config=config,
-        logit_index=logit_index, attention=attention, dtype=dtype, mesh=mesh,
+        logit_index=logit_index, attention=attention, dtype=dtype, mesh=mesh, rope_table=rope,
     )
     sampled = sample(logits, sampling, steps)  # step = the new token's position
     last_tokens = last_tokens.at[write_slot].set(sampled, mode="drop")
@@ -230,7 +230,7 @@ def _prefill_program(
 
 
 def _decode_program(
-    params, cache, last_tokens, slots, positions, page_table, sampling, steps,
+    params, rope, cache, last_tokens, slots, positions, page_table, sampling, steps,
     *, config, attention, dtype, mesh, max_steps,
 ):
     """Up to `steps` decode steps (at most `max_steps`) over the rows of `slots` [batch] (a
@@ -256,6 +256,7 @@ def _decode_program(
         logits, cache = forward(
             params, inputs[:, None], at[:, None], live.astype(jnp.int32), cache, page_table,
             config=config, logit_index=rows, attention=attention, dtype=dtype, mesh=mesh,
+            rope_table=rope,
         )
         tokens = jnp.where(live, sample(logits, sampling, at + 1), inputs)
         last_tokens = last_tokens.at[jnp.where(live, slots, num_slots)].set(tokens, mode="drop")
@@ -484,6 +485,8 @@ class Engine:
             self._handle_at = self.tp.handle_sharding
             logging.info("%s", self.tp.describe())
         self.decode_params = self._decode_params()
+        # cos and sin of every position a slot holds, looked up by both programs
+        self.rope = jax.device_put(rope_table(self.compute_config, config.max_seq_len), self._token_at)
         self.cache: PagedKVCache | None = None
         self.last_tokens: jax.Array | None = None
         self.recover()  # allocates the page pool and the next-token buffer
@@ -541,7 +544,7 @@ class Engine:
 
     def _run_pack(self, pack: Pack, sampling: SamplingParams) -> jax.Array:
         tokens, self.cache, self.last_tokens = self._prefill(
-            self.params, self.cache, self.last_tokens, pack.tokens, pack.positions, pack.lengths,
+            self.params, self.rope, self.cache, self.last_tokens, pack.tokens, pack.positions, pack.lengths,
             pack.tables, pack.logit_index, pack.steps, pack.write_slot, sampling,
         )
         return _local(tokens)
@@ -576,7 +579,7 @@ class Engine:
         program, width = self._decode_plan(positions[slots] + steps)
         tables = np.where(live[:, None], page_table[pick, :width], 0).astype(np.int32)
         tokens, self.cache, self.last_tokens = program(
-            self.decode_params, self.cache, self.last_tokens, rows,
+            self.decode_params, self.rope, self.cache, self.last_tokens, rows,
             np.where(live, positions[pick], 0).astype(np.int32), tables,
             _gather_rows(sampling, pick, live), np.int32(steps),
         )
@@ -703,7 +706,7 @@ class Engine:
         for program, width in decode_shapes:
             for batch in cfg.decode_batch_buckets:
                 tokens, self.cache, self.last_tokens = program(
-                    self.decode_params, self.cache, self.last_tokens,
+                    self.decode_params, self.rope, self.cache, self.last_tokens,
                     np.full(batch, cfg.num_slots, np.int32), np.zeros(batch, np.int32),
                     np.zeros((batch, width), np.int32), sampling_rows([RequestSampling()] * batch),
                     np.int32(1),

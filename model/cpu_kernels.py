@@ -169,11 +169,32 @@ def blocked_matmul(x: jax.Array, blocked: jax.Array, n: int, scale: jax.Array | 
     return y[:, :n].reshape(*lead, n)
 
 
+# Projections that read the same input, run as one kernel call in a decode tree: the fused
+# matrix is the parts' blocks one after another, so each part starts on a block boundary.
+FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+
+
+def _padded(n: int) -> int:
+    return -(-n // BLOCK) * BLOCK
+
+
 def decode_params(params: dict[str, Any]) -> dict[str, Any]:
     """The tree a decode program reads with the kernel: every `kernel` [in, out] replaced by
     `kernel_blocked`, and the embedding given `embedding_blocked` beside it (its transpose,
     blocked: the tied LM head); float32 or int8 as given (int8 keeps its `_scale` leaves). The
-    lookup table and everything else is the same array."""
+    projections of one input (`FUSED`: q/k/v, gate/up) become one matrix each, `qkv` and
+    `gate_up`, read by `fused_matmul`: 4 matmul calls per layer instead of 7, and each longer to
+    split over the threads (a decode step of SmolLM2-135M at 8 rows 1-3% faster, interleaved
+    A/B on a 2-core EPYC). The lookup table and everything else is the same array."""
+    def fuse(parts: list[dict[str, Any]]) -> dict[str, Any]:
+        fused = {"kernel_blocked": jnp.concatenate([p["kernel_blocked"] for p in parts])}
+        for leaf in ("kernel_scale", "bias"):  # per column: padded to each part's blocks
+            if leaf in parts[0]:
+                fused[leaf] = jnp.concatenate([
+                    jnp.pad(p[leaf], (0, _padded(p[leaf].shape[0]) - p[leaf].shape[0]))
+                    for p in parts])
+        return fused
+
     def convert(node):
         if not isinstance(node, dict):
             return node
@@ -182,9 +203,23 @@ def decode_params(params: dict[str, Any]) -> dict[str, Any]:
             node["kernel_blocked"] = block(node.pop("kernel"))
         if "embedding" in node:
             node["embedding_blocked"] = block(node["embedding"].T)
+        for name, parts in FUSED.items():
+            if all(isinstance(node.get(p), dict) and "kernel_blocked" in node[p] for p in parts):
+                node[name] = fuse([node.pop(p) for p in parts])
         return node
 
     return convert(params)
+
+
+def fused_matmul(x: jax.Array, fused: dict[str, jax.Array], sizes: tuple[int, ...]) -> list[jax.Array]:
+    """x @ each part of a fused matrix (`decode_params`' `qkv`, `gate_up`) whose parts have
+    `sizes` output columns, in one kernel call; bias added where the tree has one."""
+    y = blocked_matmul(x, fused["kernel_blocked"], fused["kernel_blocked"].shape[0] * BLOCK,
+                       fused.get("kernel_scale"))
+    if "bias" in fused:
+        y = y + fused["bias"]
+    starts = np.cumsum([0] + [_padded(n) for n in sizes])
+    return [y[..., start:start + n] for start, n in zip(starts, sizes)]
 
 
 # -- paged decode attention ----------------------------------------------------------------------

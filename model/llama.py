@@ -18,9 +18,9 @@ state that varies per request.
 The parameter tree is described once, in `model.params` (kernels are [in, out]; query/key
 weights in the rotate-half RoPE layout); these modules build exactly that tree. Given int8
 matrices (`model.quant`), `Linear` and `Embed` read them with their per-channel scales; given a
-decode tree (`model.cpu_kernels.decode_params`: `kernel_blocked` for `kernel`, and the tied LM
-head's `embedding_blocked`), they run the CPU matmul kernel over it: the same modules, whatever
-the weights.
+decode tree (`model.cpu_kernels.decode_params`: `kernel_blocked` for `kernel`, q/k/v and
+gate/up fused into `qkv` and `gate_up`, and the tied LM head's `embedding_blocked`), they run
+the CPU matmul kernel over it: the same modules, whatever the weights.
 """
 
 from __future__ import annotations
@@ -58,11 +58,23 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
     return scaled.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE. x [rows, t, heads, head_dim], positions [rows, t]."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [rows, t, head_dim/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+def rope_tables(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of each position's angles, [*positions.shape, head_dim / 2], float32."""
+    angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(config)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rope_table(config: ModelConfig, length: int) -> jax.Array:
+    """`rope_tables` of positions 0..length-1, stacked: [2, length, head_dim / 2]. An engine
+    makes it once and its programs look positions up in it (`forward`'s `rope_table`): computed
+    inside a program, XLA fuses the cos and sin into each of the 2 * layers projections that
+    use them and evaluates them anew in each, per head (on XLA:CPU ~50 ms of trigonometry per
+    512-token prefill chunk of SmolLM2-135M, ~1 ms per decode step at 8 rows)."""
+    return jnp.stack(rope_tables(jnp.arange(length), config))
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x [rows, t, heads, head_dim]; cos, sin [rows, t, 1, head_dim / 2]."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -94,6 +106,12 @@ class Linear(nn.Module):
 
     def _bias(self) -> jax.Array:
         return self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(self.dtype)
+
+
+def fused(module: nn.Module, name: str, x: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
+    """The projections of a decode tree's fused matrix `name` (`cpu_kernels.FUSED`) over x."""
+    parts = cpu_kernels.fused_matmul(x, module.get_variable("params", name), sizes)
+    return [part.astype(module.dtype) for part in parts]
 
 
 class Embed(nn.Module):
@@ -141,18 +159,20 @@ class Attention(nn.Module):
     mesh: jax.sharding.Mesh | None = None  # heads sharded over its tensor-parallel axis
 
     @nn.compact
-    def __call__(self, x, positions, lengths, page_table, k_pages, v_pages):
+    def __call__(self, x, positions, rope, lengths, page_table, k_pages, v_pages):
         cfg = self.config
         rows, t, _ = x.shape
         dense = lambda n, bias, name: Linear(n, bias, self.dtype, name=name)  # noqa: E731
-        q = dense(cfg.num_heads * cfg.head_dim, cfg.attention_bias, "q")(x)
-        k = dense(cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias, "k")(x)
-        v = dense(cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias, "v")(x)
+        widths = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+                  cfg.num_kv_heads * cfg.head_dim)
+        if self.has_variable("params", "qkv"):  # a decode tree: one kernel call
+            q, k, v = fused(self, "qkv", x, widths)
+        else:
+            q, k, v = (dense(n, cfg.attention_bias, name)(x) for n, name in zip(widths, "qkv"))
         q = q.reshape(rows, t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(rows, t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(rows, t, cfg.num_kv_heads, cfg.head_dim)
-        inv_freq = rope_frequencies(cfg)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 
         attend = functools.partial(_write_and_attend, get_paged_attention(self.attention))
         if self.mesh is not None:  # each device writes and reads its own heads' pages
@@ -177,8 +197,11 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         f, d = self.config.ffn_size, self.config.hidden_size
-        gate = Linear(f, False, self.dtype, name="gate")(x)
-        up = Linear(f, False, self.dtype, name="up")(x)
+        if self.has_variable("params", "gate_up"):  # a decode tree: one kernel call
+            gate, up = fused(self, "gate_up", x, (f, f))
+        else:
+            gate = Linear(f, False, self.dtype, name="gate")(x)
+            up = Linear(f, False, self.dtype, name="up")(x)
         return Linear(d, False, self.dtype, name="down")(nn.silu(gate) * up)
 
 
@@ -189,10 +212,10 @@ class Block(nn.Module):
     mesh: jax.sharding.Mesh | None = None
 
     @nn.compact
-    def __call__(self, x, positions, lengths, page_table, k_pages, v_pages):
+    def __call__(self, x, positions, rope, lengths, page_table, k_pages, v_pages):
         eps = self.config.rms_norm_eps
         h, k_pages, v_pages = Attention(self.config, self.attention, self.dtype, self.mesh, name="attn")(
-            RMSNorm(eps, name="attn_norm")(x), positions, lengths, page_table, k_pages, v_pages
+            RMSNorm(eps, name="attn_norm")(x), positions, rope, lengths, page_table, k_pages, v_pages
         )
         x = x + h
         x = x + MLP(self.config, self.dtype, name="mlp")(RMSNorm(eps, name="mlp_norm")(x))
@@ -206,15 +229,21 @@ class Llama(nn.Module):
     mesh: jax.sharding.Mesh | None = None
 
     @nn.compact
-    def __call__(self, tokens, positions, lengths, cache: PagedKVCache, page_table, logit_index):
+    def __call__(self, tokens, positions, lengths, cache: PagedKVCache, page_table, logit_index,
+                 rope_table=None):
         cfg = self.config
         embed = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed")
         x = embed(tokens)
+        if rope_table is None:
+            cos, sin = rope_tables(positions, cfg)
+        else:
+            cos, sin = (jnp.take(rope_table[i], positions, axis=0, mode="clip") for i in (0, 1))
+        rope = cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
         new_k, new_v = [], []
         for i in range(cfg.num_layers):
             with jax.named_scope(f"layer_{i}"):
                 x, k, v = Block(cfg, self.attention, self.dtype, self.mesh, name=f"layers_{i}")(
-                    x, positions, lengths, page_table, cache.k[i], cache.v[i]
+                    x, positions, rope, lengths, page_table, cache.k[i], cache.v[i]
                 )
             new_k.append(k)
             new_v.append(v)
@@ -242,15 +271,19 @@ def forward(
     attention: str = "xla",
     dtype: jnp.dtype = jnp.float32,
     mesh: jax.sharding.Mesh | None = None,
+    rope_table: jax.Array | None = None,
 ) -> tuple[jax.Array, PagedKVCache]:
     """Runs the decoder; returns float32 logits ([rows, t, V], or [n, V] with logit_index).
+
+    `rope_table`: `rope_table(config, n)` for positions below n, looked up rather than computed
+    (the engine's programs pass one); None computes the rotations from the positions.
 
     `mesh`: attention runs per device over the heads its tensor-parallel axis holds
     (`model.sharding`); the params and pool must be sharded to match. Everything outside
     attention is left to XLA's SPMD partitioner, which follows the shardings of the params."""
     module = Llama(config, attention, dtype, mesh)
     return module.apply(
-        {"params": params}, tokens, positions, lengths, cache, page_table, logit_index
+        {"params": params}, tokens, positions, lengths, cache, page_table, logit_index, rope_table
     )
 
 

@@ -105,13 +105,49 @@ def test_decode_params_block_every_matrix(tiny_params):
     tree = cpu_kernels.decode_params(tiny_params)
     leaves = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)}
     assert not any(name.endswith("['kernel']") for name in leaves)
-    q = tiny_params["layers_0"]["attn"]["q"]["kernel"]
-    np.testing.assert_array_equal(cpu_kernels.unblock(tree["layers_0"]["attn"]["q"]["kernel_blocked"],
-                                                      q.shape[1]), q)
+    attn, mlp = tiny_params["layers_0"]["attn"], tiny_params["layers_0"]["mlp"]
+    np.testing.assert_array_equal(
+        cpu_kernels.unblock(tree["layers_0"]["attn"]["o"]["kernel_blocked"], attn["o"]["kernel"].shape[1]),
+        attn["o"]["kernel"])
+    # q, k, v (and gate, up) are one matrix, the parts' blocks one after another
+    assert set(tree["layers_0"]["attn"]) == {"qkv", "o"} and set(tree["layers_0"]["mlp"]) == {"gate_up", "down"}
+    qkv = cpu_kernels.unblock(tree["layers_0"]["attn"]["qkv"]["kernel_blocked"],
+                              tree["layers_0"]["attn"]["qkv"]["kernel_blocked"].shape[0] * 16)
+    np.testing.assert_array_equal(qkv, np.concatenate([attn[p]["kernel"] for p in "qkv"], axis=1))
+    gate_up = tree["layers_0"]["mlp"]["gate_up"]["kernel_blocked"]
+    np.testing.assert_array_equal(cpu_kernels.unblock(gate_up, gate_up.shape[0] * 16),
+                                  np.concatenate([mlp["gate"]["kernel"], mlp["up"]["kernel"]], axis=1))
     embedding = tiny_params["embed"]["embedding"]
     assert tree["embed"]["embedding"] is embedding  # the lookup table is shared, not copied
     np.testing.assert_array_equal(cpu_kernels.unblock(tree["embed"]["embedding_blocked"],
                                                       embedding.shape[0]), embedding.T)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("int8", [False, True])
+def test_fused_matmul_matches_each_projection(int8):
+    """Parts whose widths are not multiples of 16 (each padded to its blocks), with biases and,
+    over int8, per-column scales: each part equals its own projection."""
+    from model.quant import quantize_matrix
+
+    rng = np.random.default_rng(int8)
+    widths = (40, 8, 24)
+    x = rng.standard_normal((5, 48), np.float32)
+    parts, want = {}, []
+    for name, n in zip("qkv", widths):
+        w, bias = rng.standard_normal((48, n), np.float32), rng.standard_normal(n).astype(np.float32)
+        if int8:
+            q, scale = quantize_matrix(w, 1)
+            parts[name] = {"kernel": q, "kernel_scale": scale, "bias": bias}
+            w = q.astype(np.float32) * scale
+        else:
+            parts[name] = {"kernel": w, "bias": bias}
+        want.append(x @ w + bias)
+    fused = cpu_kernels.decode_params({"attn": parts})["attn"]
+    assert set(fused) == {"qkv"}
+    got = jax.jit(lambda x, f: cpu_kernels.fused_matmul(x, f, widths))(x, fused["qkv"])
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-4)
 
 
 @needs_cpu_kernels
@@ -134,8 +170,10 @@ def test_int8_blocked_matmul_matches_xla_on_the_dequantized_weights(rows):
 def test_int8_decode_params_keep_their_scales(tiny_params, tiny_config):
     int8 = quantize(tiny_params, tiny_config)
     tree = cpu_kernels.decode_params(int8)
-    up = tree["layers_0"]["mlp"]["up"]
-    assert up["kernel_blocked"].dtype == np.int8 and up["kernel_scale"] is int8["layers_0"]["mlp"]["up"]["kernel_scale"]
+    down = tree["layers_0"]["mlp"]["down"]
+    assert down["kernel_blocked"].dtype == np.int8
+    assert down["kernel_scale"] is int8["layers_0"]["mlp"]["down"]["kernel_scale"]
+    assert tree["layers_0"]["mlp"]["gate_up"]["kernel_blocked"].dtype == np.int8
     assert tree["embed"]["embedding_blocked"].dtype == np.int8
 
 

@@ -147,7 +147,7 @@ def test_cache_is_donated_and_updated_in_place(engine):
     assert before.k[0].is_deleted() and not engine.cache.k[0].is_deleted()
     cfg = engine.config
     compiled = engine._decode.lower(
-        engine.params, engine.cache, engine.last_tokens, np.arange(cfg.num_slots, dtype=np.int32),
+        engine.params, engine.rope, engine.cache, engine.last_tokens, np.arange(cfg.num_slots, dtype=np.int32),
         np.zeros(cfg.num_slots, np.int32), np.zeros((cfg.num_slots, cfg.max_pages_per_seq), np.int32),
         sampling_rows([RequestSampling()] * cfg.num_slots), np.int32(1),
     ).compile()

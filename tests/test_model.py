@@ -10,7 +10,7 @@ import pytest
 
 from model.config import TINY, RopeScaling
 from model.paged_kv import PagedKVCache
-from model.llama import forward, rope_frequencies
+from model.llama import forward, rope_frequencies, rope_table
 from tests.conftest import random_params
 
 
@@ -59,8 +59,9 @@ def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
     return x @ head
 
 
-def full_logits(params, config, tokens: np.ndarray) -> np.ndarray:
-    """The whole sequence in one forward over one page that holds it all."""
+def full_logits(params, config, tokens: np.ndarray, rope_lookup: bool = False) -> np.ndarray:
+    """The whole sequence in one forward over one page that holds it all; with `rope_lookup`,
+    the rotations looked up in a `rope_table`, as the engine's programs do."""
     t = len(tokens)
     logits, _ = forward(
         params,
@@ -71,6 +72,7 @@ def full_logits(params, config, tokens: np.ndarray) -> np.ndarray:
         jnp.zeros((1, 1), jnp.int32),
         config=config,
         attention="reference",
+        rope_table=rope_table(config, t + 5) if rope_lookup else None,
     )
     return np.asarray(logits[0])
 
@@ -83,11 +85,12 @@ LLAMA3_LIKE = dataclasses.replace(
 MHA = dataclasses.replace(TINY, name="tiny-mha", num_kv_heads=4)
 
 
+@pytest.mark.parametrize("rope_lookup", [False, True], ids=["rope-computed", "rope-table"])
 @pytest.mark.parametrize("config", [TINY, QWEN_LIKE, LLAMA3_LIKE, MHA], ids=lambda c: c.name)
-def test_logits_match_float64_numpy(config):
+def test_logits_match_float64_numpy(config, rope_lookup):
     params = random_params(config, seed=1)
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, 37)
-    ours = full_logits(params, config, tokens)
+    ours = full_logits(params, config, tokens, rope_lookup)
     want = numpy_forward(params, config, tokens)
     np.testing.assert_allclose(ours, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
