@@ -68,8 +68,8 @@ def rope_table(config: ModelConfig, length: int) -> jax.Array:
     """`rope_tables` of positions 0..length-1, stacked: [2, length, head_dim / 2]. An engine
     makes it once and its programs look positions up in it (`forward`'s `rope_table`): computed
     inside a program, XLA fuses the cos and sin into each of the 2 * layers projections that
-    use them and evaluates them anew in each, per head (on XLA:CPU ~50 ms of trigonometry per
-    512-token prefill chunk of SmolLM2-135M, ~1 ms per decode step at 8 rows)."""
+    use them and evaluates them anew in each, per head (on XLA:CPU, over 50 ms of trigonometry
+    per 512-token prefill chunk of SmolLM2-135M, ~2.5 ms per decode step at 8 rows)."""
     return jnp.stack(rope_tables(jnp.arange(length), config))
 
 
