@@ -101,6 +101,7 @@ def compile_counts(config, n: int, batch: int, chunk: int) -> dict[str, dict]:
 
     from engine.engine import EngineConfig, jit_programs, sampling_rows
     from engine.packing import empty_pack
+    from model.llama import rope_table
     from model.paged_kv import PagedKVCache
     from model.params import abstract_params
     from model.sampling import RequestSampling
@@ -116,8 +117,8 @@ def compile_counts(config, n: int, batch: int, chunk: int) -> dict[str, dict]:
                                  jnp.bfloat16, sharding=tp.sharding(POOL_AXES))
     cache = PagedKVCache(k=(layer,) * cc.num_layers, v=(layer,) * cc.num_layers)
     last = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=tp.replicated)
-    rope = jax.ShapeDtypeStruct((2, engine.max_seq_len, cc.head_dim // 2), jnp.float32,
-                                sharding=tp.replicated)
+    rope = jax.eval_shape(lambda: rope_table(cc, engine.max_seq_len))
+    rope = jax.ShapeDtypeStruct(rope.shape, rope.dtype, sharding=tp.replicated)
     width = engine.max_pages_per_seq
     decode = programs.decode.lower(
         params, rope, cache, last, np.arange(batch, dtype=np.int32), np.full(batch, 512, np.int32),

@@ -72,9 +72,10 @@ void parallel_for(ffi::ThreadPool& pool, int64_t items, int64_t grain, Body body
 // Blocked matmul.
 
 constexpr int64_t kBlock = 16;  // output columns per block: two 8-lane vectors
-// Prefetched 8 KiB ahead of the block's stream: 10% more bandwidth at 1-16 rows on a 2-core
-// AMD EPYC (1 KiB to 16 KiB and the T0/NTA hints all measured alike).
-constexpr int64_t kPrefetch = 2048;
+// A single pass over a block prefetches its own stream this many k-rows ahead (8 KiB of
+// float32, 2 KiB of int8): 10% more bandwidth at 1-16 rows on a 2-core AMD EPYC (1 KiB to
+// 16 KiB and the T0/NTA hints all measured alike).
+constexpr int64_t kPrefetchRows = 128;
 
 // The 16 weights of k-row k of a block, as two 8-lane float vectors: float32 as stored, int8
 // widened (its per-column scale is applied to the sums, once).
@@ -90,16 +91,17 @@ inline void load_row(const int8_t* w, __m256& w0, __m256& w1) {
 }
 
 // Rows [0, MR) of x against one block: w points at the block's [K, 16] run; `scale` (16
-// floats, or null) multiplies the sums. At k-row k the tile prefetches the 64 bytes at
-// ahead + ((start + k) >> shift) * 16 (see matmul_blocks).
+// floats, or null) multiplies the sums. At k-row k the tile prefetches k-row
+// (start + k) * share / 2^32 of the run at address `ahead` (see matmul_blocks). The address is
+// an integer: past the last block it is never read, and prefetching it does not fault.
 template <int MR, typename W>
 inline void matmul_tile(const float* x, int64_t K, const W* w, const float* scale, float* y,
-                        int64_t N, const W* ahead, int64_t start, int shift) {
+                        int64_t N, uintptr_t ahead, uint64_t start, uint64_t share) {
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k, w += kBlock) {
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + ((start + k) >> shift) * kBlock),
-                 _MM_HINT_T0);
+    const uint64_t row = ((start + k) * share) >> 32;
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + row * kBlock * sizeof(W)), _MM_HINT_T0);
     __m256 w0, w1;
     load_row(w, w0, w1);
     for (int m = 0; m < MR; ++m) {
@@ -122,29 +124,30 @@ inline void matmul_tile(const float* x, int64_t K, const W* w, const float* scal
 }
 
 // Blocks [first, last) for all M rows, four rows per pass over a block. One pass (M <= 4)
-// prefetches its own stream 8 KiB ahead. With several passes, the later ones read the block
-// from cache and memory would idle, so every pass prefetches a share of the next block instead
-// (half of it per pass; a quarter from three passes on): 8 rows read 1.15x faster than with
-// the first pass alone prefetching, 16 rows 1.4x (2-core AMD EPYC).
+// prefetches its own stream kPrefetchRows ahead. With several passes, the later ones read the
+// block from cache and memory would idle, so pass p prefetches k-rows [p, p + 1) * K / passes of
+// the next block instead, and the next block streams in during all of them: 8 rows read 1.15x
+// faster than with the first pass alone prefetching, 16 rows 1.4x (2-core AMD EPYC).
 template <typename W>
 void matmul_blocks(const float* x, int64_t M, int64_t K, const W* w, const float* scale, float* y,
                    int64_t N, int64_t first, int64_t last) {
-  const int passes = static_cast<int>((M + 3) / 4);
-  const int shift = passes == 1 ? 0 : passes == 2 ? 1 : 2;
+  const uint64_t passes = (M + 3) / 4;
+  const uint64_t share = ((uint64_t{1} << 32) + passes - 1) / passes;  // 2^32 / passes, rounded up
+  const int64_t lead = passes == 1 ? kPrefetchRows : K;                // k-rows to the prefetched run
   for (int64_t b = first; b < last; ++b) {
     const W* wb = w + b * K * kBlock;
-    const W* ahead = passes == 1 ? wb + kPrefetch : wb + K * kBlock;
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(wb) + lead * kBlock * sizeof(W);
     const float* sb = scale ? scale + b * kBlock : nullptr;
     float* yb = y + b * kBlock;
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) {
-      matmul_tile<4>(x + m * K, K, wb, sb, yb + m * N, N, ahead, m / 4 * K, shift);
+      matmul_tile<4>(x + m * K, K, wb, sb, yb + m * N, N, ahead, m / 4 * K, share);
     }
-    const int64_t start = m / 4 * K;
+    const uint64_t start = m / 4 * K;
     switch (M - m) {
-      case 3: matmul_tile<3>(x + m * K, K, wb, sb, yb + m * N, N, ahead, start, shift); break;
-      case 2: matmul_tile<2>(x + m * K, K, wb, sb, yb + m * N, N, ahead, start, shift); break;
-      case 1: matmul_tile<1>(x + m * K, K, wb, sb, yb + m * N, N, ahead, start, shift); break;
+      case 3: matmul_tile<3>(x + m * K, K, wb, sb, yb + m * N, N, ahead, start, share); break;
+      case 2: matmul_tile<2>(x + m * K, K, wb, sb, yb + m * N, N, ahead, start, share); break;
+      case 1: matmul_tile<1>(x + m * K, K, wb, sb, yb + m * N, N, ahead, start, share); break;
       default: break;
     }
   }

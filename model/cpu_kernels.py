@@ -3,6 +3,7 @@
     if cpu_kernels.available():
         tree = cpu_kernels.decode_params(params)     # once: matrices blocked for the kernel
         y = cpu_kernels.blocked_matmul(x, blocked, n)  # x [..., K] @ W [K, n]
+        q, k, v = cpu_kernels.fused_matmul(x, tree[...]["qkv"], (nq, nk, nv))  # one call
         out = cpu_kernels.paged_decode(q, k_pages, v_pages, page_table, q_positions)
 
 Why they exist. A decode step must read every weight and every live KV entry once, so its floor
@@ -186,6 +187,15 @@ def decode_params(params: dict[str, Any]) -> dict[str, Any]:
     `gate_up`, read by `fused_matmul`: 4 matmul calls per layer instead of 7, and each longer to
     split over the threads (a decode step of SmolLM2-135M at 8 rows 1-3% faster, interleaved
     A/B on a 2-core EPYC). The lookup table and everything else is the same array."""
+    def fusible(parts: list[Any]) -> bool:
+        """Projections alike: blocked matrices of one dtype, with the same per-column leaves."""
+        if not all(isinstance(p, dict) and "kernel_blocked" in p for p in parts):
+            return False
+        leaves = set(parts[0])
+        return (leaves <= {"kernel_blocked", "kernel_scale", "bias"}
+                and all(set(p) == leaves for p in parts)
+                and len({p["kernel_blocked"].dtype for p in parts}) == 1)
+
     def fuse(parts: list[dict[str, Any]]) -> dict[str, Any]:
         fused = {"kernel_blocked": jnp.concatenate([p["kernel_blocked"] for p in parts])}
         for leaf in ("kernel_scale", "bias"):  # per column: padded to each part's blocks
@@ -204,7 +214,7 @@ def decode_params(params: dict[str, Any]) -> dict[str, Any]:
         if "embedding" in node:
             node["embedding_blocked"] = block(node["embedding"].T)
         for name, parts in FUSED.items():
-            if all(isinstance(node.get(p), dict) and "kernel_blocked" in node[p] for p in parts):
+            if fusible([node.get(p) for p in parts]):
                 node[name] = fuse([node.pop(p) for p in parts])
         return node
 
@@ -214,8 +224,10 @@ def decode_params(params: dict[str, Any]) -> dict[str, Any]:
 def fused_matmul(x: jax.Array, fused: dict[str, jax.Array], sizes: tuple[int, ...]) -> list[jax.Array]:
     """x @ each part of a fused matrix (`decode_params`' `qkv`, `gate_up`) whose parts have
     `sizes` output columns, in one kernel call; bias added where the tree has one."""
-    y = blocked_matmul(x, fused["kernel_blocked"], fused["kernel_blocked"].shape[0] * BLOCK,
-                       fused.get("kernel_scale"))
+    columns = fused["kernel_blocked"].shape[0] * BLOCK
+    if sum(_padded(n) for n in sizes) != columns:
+        raise ValueError(f"parts of {sizes} columns do not make the fused matrix's {columns}")
+    y = blocked_matmul(x, fused["kernel_blocked"], columns, fused.get("kernel_scale"))
     if "bias" in fused:
         y = y + fused["bias"]
     starts = np.cumsum([0] + [_padded(n) for n in sizes])

@@ -9,6 +9,8 @@
                                          bounds what attention can read (the caller buckets it)
     logit_index        [n] int32 or None: the tokens whose logits to return, as flat indices
                                          into [rows * t] (row r's token i is r * t + i)
+    rope_table         [2, n, head_dim / 2] or None: `rope_table(config, n)`, RoPE's cos and
+                                         sin looked up for positions below n, else computed
 
 Each layer writes the chunk's keys and values into the row's pages first, then attends over
 them, so a whole prompt, a prefill chunk at any offset and a decode step are the same computation.

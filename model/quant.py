@@ -14,7 +14,8 @@ The weights a decode step must read shrink to a quarter of float32 (a half of bf
 is the whole point on a memory-bound step, provided XLA fuses the int8 -> float conversion into
 the matmul. XLA:CPU does not (`bench/results/int8-cpu/`: 4.5x slower than float32), so on
 the CPU decode's matmuls run `model.cpu_kernels`, which widens the int8 blocks in registers
-(1.2-2x faster than float32, `bench/results/cpu_kernels/`); on a GPU `bench/gpu_bench.py`
+(2.3x faster than float32 for one sequence, level at eight:
+`bench/results/decode-roofline-cpu/`); on a GPU `bench/gpu_bench.py`
 measures XLA's fusion. Non-goals: activation quantization, int4, per-group scales,
 calibration-based schemes.
 """

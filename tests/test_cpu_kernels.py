@@ -148,10 +148,24 @@ def test_fused_matmul_matches_each_projection(int8):
     got = jax.jit(lambda x, f: cpu_kernels.fused_matmul(x, f, widths))(x, fused["qkv"])
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="do not make"):
+        cpu_kernels.fused_matmul(x, fused["qkv"], (40, 8, 8))
+
+
+def test_projections_unlike_each_other_stay_apart():
+    """Only alike projections fuse: a bias on one part alone, or another leaf, keeps them apart."""
+    rng = np.random.default_rng(0)
+    part = lambda: {"kernel": rng.standard_normal((8, 16), np.float32)}  # noqa: E731
+    biased = {**part(), "bias": np.zeros(16, np.float32)}
+    tree = cpu_kernels.decode_params({"mlp": {"gate": biased, "up": part()}})
+    assert set(tree["mlp"]) == {"gate", "up"}
+    assert "kernel_blocked" in tree["mlp"]["gate"] and "bias" in tree["mlp"]["gate"]
+    tree = cpu_kernels.decode_params({"mlp": {"gate": part(), "up": part()}})
+    assert set(tree["mlp"]) == {"gate_up"}
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("rows", [1, 4, 7])
+@pytest.mark.parametrize("rows", [1, 4, 7, 13])
 def test_int8_blocked_matmul_matches_xla_on_the_dequantized_weights(rows):
     """int8 blocks widened in registers and scaled per column: x @ (q * scale), as XLA computes
     it over the dequantized matrix (widths that are not multiples of 16 pad the scale too)."""
