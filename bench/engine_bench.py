@@ -61,17 +61,17 @@ def measure_machine() -> dict:
     return {"bandwidth_gb_s": machine.bandwidth_gb_s, "matmul_gflop_s": machine.flops_gflop_s}
 
 
-def decode_point(engine, rows, tables, context: int, count: int, weight_bytes: int, k: int = 1) -> dict:
+def decode_point(engine, rows, tables, context: int, count: int, weight_bytes: int, probe,
+                 k: int = 1) -> dict:
     """The median step with the first `count` slots decoding at `context` live tokens each, in
     dispatches of `k` steps, and its ratio to the floor. Each timed dispatch is followed by a
     probe of the memory's bandwidth, and the ratio is the median over the (dispatch, probe)
     pairs: this shared machine's bandwidth drifts by 2x within minutes, and a floor measured
-    once would hold a point to another moment's memory."""
+    once would hold a point to another moment's memory. `probe`: `roofline.bandwidth_probe()`."""
     slots = engine.config.num_slots
     positions = np.full(slots, context - 1, np.int32)
     active = np.arange(slots) < count
     kv_bytes = count * context * engine.model_config.kv_bytes_per_token(jnp.dtype(engine.config.dtype).itemsize)
-    probe = roofline.bandwidth_probe()
     engine.decode(positions, active, rows, tables, k).block_until_ready()
     steps, bandwidths = [], []
     for _ in range(_STEPS.value):
@@ -100,6 +100,7 @@ def main(argv) -> None:
     params = quantize(model.params, cfg) if _WEIGHTS.value == "int8" else model.params
     weight_bytes = cast_bytes(params, _DTYPE.value)
     results = {"decode": [], "prefill": []}
+    probe = roofline.bandwidth_probe()  # one 256 MiB array and program for every point
     for slots in map(int, _SLOTS.value):
         engine = Engine(params, cfg, EngineConfig(
             num_slots=slots, max_seq_len=_MAX_SEQ.value, prefill_chunk=_CHUNK.value,
@@ -111,7 +112,7 @@ def main(argv) -> None:
             for count in [a for a in map(int, _ACTIVE.value) if a <= slots] or [slots]:
                 for k in map(int, _DECODE_STEPS.value):
                     results["decode"].append(decode_point(engine, rows, tables, context, count,
-                                                          weight_bytes, k))
+                                                          weight_bytes, probe, k))
         if slots == int(_SLOTS.value[0]):
             n, chunk = _PROMPT.value, _CHUNK.value
             prompt = list(np.random.default_rng(0).integers(100, cfg.vocab_size, n))
