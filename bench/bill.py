@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from bench.client import RequestResult
+from cadence.bench.client import RequestResult
 
 
 @dataclasses.dataclass(frozen=True)

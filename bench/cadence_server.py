@@ -3,7 +3,7 @@
     with spawned(ServerConfig(policy="prefill-first", prefill_chunk=256), log="serve.log") as base_url:
         ...  # base_url = "http://127.0.0.1:PORT/v1", answering once /health says 200
 
-The server runs `python -m server.serve_cli` with this interpreter from the repository root (or
+The server runs `python -m cadence.server.serve_cli` with this interpreter from the repository root (or
 from `ServerConfig.repo`, another checkout, to compare revisions on the same load), its
 stdout and stderr go to the log file, and it is stopped with SIGTERM (it drains, then exits) or
 killed if it will not. Startup failures raise with the log's tail.
@@ -43,7 +43,7 @@ class ServerConfig:
         return self.name or f"{self.policy}@{self.prefill_chunk}"
 
     def argv(self, port: int) -> list[str]:
-        argv = [sys.executable, "-m", "server.serve_cli", f"--model={self.model}", f"--port={port}",
+        argv = [sys.executable, "-m", "cadence.server.serve_cli", f"--model={self.model}", f"--port={port}",
                 "--host=127.0.0.1", f"--num_slots={self.num_slots}", f"--max_seq_len={self.max_seq_len}",
                 f"--prefill_chunk={self.prefill_chunk}", f"--policy={self.policy}"]
         if self.token_budget:

@@ -93,7 +93,7 @@ def _range(values: list[str], name: str) -> tuple[int, int]:
 
 
 def workload():
-    from bench.workload import ClassSpec, WorkloadSpec
+    from cadence.bench.workload import ClassSpec, WorkloadSpec
 
     def loop(rate, concurrency, default_open: bool) -> dict:
         """An explicitly given --X_rate means open loop, --X_concurrency closed; else the default."""
@@ -113,7 +113,7 @@ def workload():
 
 
 def server_config(policy: str | None = None, chunk: int | None = None):
-    from bench.cadence_server import ServerConfig
+    from cadence.bench.cadence_server import ServerConfig
 
     return ServerConfig(model=_MODEL.value, num_slots=_SLOTS.value, max_seq_len=_MAX_SEQ.value,
                         prefill_chunk=chunk or _CHUNK.value, policy=policy or _POLICY.value,
@@ -133,7 +133,7 @@ def check_fits(spec) -> None:
 
 
 def target(base_url: str | None = None):
-    from bench.client import Target
+    from cadence.bench.client import Target
 
     return Target(base_url=base_url or _BASE_URL.value or "http://unset/v1", model=_MODEL.value,
                   api_key=_API_KEY.value, endpoint=_ENDPOINT.value, ignore_eos=_IGNORE_EOS.value,
@@ -160,8 +160,8 @@ def out_dir(command: str) -> Path:
 
 
 def cmd_run() -> None:
-    from bench import experiments
-    from bench.cadence_server import spawned
+    from cadence.bench import experiments
+    from cadence.bench.cadence_server import spawned
 
     spec, out = workload(), out_dir("run")
     if _BASE_URL.value:
@@ -176,9 +176,9 @@ def cmd_run() -> None:
 
 
 def cmd_compare() -> None:
-    from bench import experiments
+    from cadence.bench import experiments
 
-    from bench.cadence_server import parse_config
+    from cadence.bench.cadence_server import parse_config
 
     try:
         configs = [parse_config(item, server_config()) for item in _CONFIGS.value]
@@ -188,8 +188,8 @@ def cmd_compare() -> None:
     check_fits(spec)
     estimate = None
     if any("--prefill_devices" in " ".join(c.extra_flags) for c in configs):
-        from bench import roofline
-        from model.config import LLAMA3_8B
+        from cadence.bench import roofline
+        from cadence.model.config import LLAMA3_8B
 
         served = roofline.load_config("smollm2-135m" if _MODEL.value == "smollm2-135m" else _MODEL.value)
         estimate = roofline.format_transfer_estimate([
@@ -204,7 +204,7 @@ def cmd_compare() -> None:
 
 
 def cmd_capacity() -> None:
-    from bench import experiments
+    from cadence.bench import experiments
 
     spec = workload()
     slos = experiments.parse_slos(_SLO.value)
@@ -217,8 +217,8 @@ def cmd_capacity() -> None:
 
 
 def cmd_roofline() -> None:
-    from bench import roofline
-    from bench.report import write_json
+    from cadence.bench import roofline
+    from cadence.bench.report import write_json
 
     config = roofline.load_config(_MODEL.value)
     if _BANDWIDTH.value and _FLOPS.value:
@@ -238,8 +238,8 @@ def cmd_roofline() -> None:
 
 
 def cmd_bill() -> None:
-    from bench.bill import Prices, bill, format_bill
-    from bench.report import load_results
+    from cadence.bench.bill import Prices, bill, format_bill
+    from cadence.bench.report import load_results
 
     if _PRICE_IN.value is None or _PRICE_OUT.value is None or not _RUN.value:
         raise app.UsageError("bill needs --run=RUN.json and --price_input and --price_output (per million tokens)")
@@ -251,7 +251,7 @@ def cmd_bill() -> None:
 
 
 def cmd_plot() -> None:
-    from bench import experiments
+    from cadence.bench import experiments
 
     if not _RUNS.value:
         raise app.UsageError("plot needs --runs=a.json[,b.json...]")

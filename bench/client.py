@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from bench.workload import RequestSpec, approx_tokens
+from cadence.bench.workload import RequestSpec, approx_tokens
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Engine microbenchmark: decode step time and prefill throughput against this machine's roofline.
 
-    python -m bench.engine_bench --model=smollm2-135m --out=bench/results/engine_cpu.json
+    python -m cadence.bench.engine_bench --model=smollm2-135m --out=bench/results/engine_cpu.json
 
 Measures the machine first (a large on-device reduction for memory bandwidth, a large matmul for
 FLOP/s; the bandwidth again after each timed decode dispatch), then times the engine's own compiled
@@ -27,13 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from bench import roofline
-from checkpoints.registry import load_model
-from engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig, fixed_page_tables, sampling_rows
-from engine.packing import PrefillChunk
-from model.params import cast_bytes
-from model.quant import quantize
-from model.sampling import RequestSampling
+from cadence.bench import roofline
+from cadence.checkpoints.registry import load_model
+from cadence.engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig, fixed_page_tables, sampling_rows
+from cadence.engine.packing import PrefillChunk
+from cadence.model.params import cast_bytes
+from cadence.model.quant import quantize
+from cadence.model.sampling import RequestSampling
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model to benchmark.")
 _SLOTS = flags.DEFINE_list("slots", ["1", "4", "8"], "Slot counts for decode.")

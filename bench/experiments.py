@@ -21,13 +21,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import plots
-from bench.cadence_server import ServerConfig, spawned
-from bench.client import Target
-from bench.metrics import token_gaps
-from bench.report import format_summary, load_results, machine, run_report, write_json
-from bench.runner import run_workload
-from bench.workload import WorkloadSpec
+from cadence.bench import plots
+from cadence.bench.cadence_server import ServerConfig, spawned
+from cadence.bench.client import Target
+from cadence.bench.metrics import token_gaps
+from cadence.bench.report import format_summary, load_results, machine, run_report, write_json
+from cadence.bench.runner import run_workload
+from cadence.bench.workload import WorkloadSpec
 
 
 def single_run(spec: WorkloadSpec, target: Target, out: Path, config: dict | None = None,

@@ -1,6 +1,6 @@
 """GPU benchmark of the Pallas attention kernels and the engine, in one run of a few minutes.
 
-    python -m bench.gpu_bench --out=bench/results/gpu_h200.json
+    python -m cadence.bench.gpu_bench --out=bench/results/gpu_h200.json
 
 A script for a machine with an NVIDIA GPU (see bench/GPU.md), never part of the test suite. In order,
 each section written to the JSON file as soon as it is done (so a run cut short keeps what it had):
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from engine.engine import DEFAULT_PAGE_SIZE
+from cadence.engine.engine import DEFAULT_PAGE_SIZE
 
 _OUT = flags.DEFINE_string("out", None, "JSON results file (default: bench/results/gpu_<gpu>_<date>.json).")
 _DEADLINE = flags.DEFINE_float("deadline_s", 420.0, "Skip remaining measurements after this many seconds.")
@@ -168,11 +168,11 @@ def attention_impls(decode: bool):
     """name -> (function, its layout): "ours" takes (q, k, v, positions) with our
     [batch, kv_heads, seq, d] cache, "paged" (q, k_pages, v_pages, page_table, positions) with
     that cache in shuffled pages, "bshd" cuDNN's (q, k, v, kv_lengths), [batch, seq, heads, d]."""
-    from model.attention import xla_attention
-    from model.paged_attention import xla_paged_attention
-    from model.pallas_decode import flash_decode
-    from model.pallas_paged import pallas_paged_attention
-    from model.pallas_prefill import flash_prefill
+    from cadence.model.attention import xla_attention
+    from cadence.model.paged_attention import xla_paged_attention
+    from cadence.model.pallas_decode import flash_decode
+    from cadence.model.pallas_paged import pallas_paged_attention
+    from cadence.model.pallas_prefill import flash_prefill
 
     pallas = flash_decode if decode else flash_prefill
     interpret = jax.default_backend() != "gpu"  # only with --smoke
@@ -300,8 +300,8 @@ def bench_decode_point(results, rng, shape, heads, kv_heads, head_dim, batch, co
 
 def sweep_tilings(results: dict, write) -> None:
     """A few tilings of each kernel at the Llama-3-8B shape, for choosing the defaults."""
-    from model.pallas_decode import DecodeTiling, default_tiling, flash_decode
-    from model.pallas_prefill import PrefillTiling, flash_prefill
+    from cadence.model.pallas_decode import DecodeTiling, default_tiling, flash_decode
+    from cadence.model.pallas_prefill import PrefillTiling, flash_prefill
 
     interpret = jax.default_backend() != "gpu"
     rng = np.random.default_rng(1)
@@ -357,7 +357,7 @@ def time_decode(engine, active_n: int, context: int, rows, tables, steps: int = 
     """Seconds per decode step of `active_n` slots at `context` in dispatches of `k` steps,
     the median host dispatch time, and the compiles while timed (after one untimed dispatch
     that compiles)."""
-    from engine import compile_counter
+    from cadence.engine import compile_counter
 
     slots = engine.config.num_slots
     active = np.arange(slots) < active_n
@@ -379,11 +379,11 @@ def bench_tensor_parallel(results: dict, write) -> None:
     """Prefill and decode of one engine over 1, 2, 4, ... of the machine's devices
     (`--tensor_parallel`), Llama-3-8B bf16 (the tiny model with --smoke): what the split
     buys and what its all-reduces cost. Needs more than one device."""
-    from engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
-    from engine.packing import PrefillChunk
-    from model.config import LLAMA3_8B, TINY
-    from model.params import random_params
-    from model.sampling import RequestSampling
+    from cadence.engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
+    from cadence.engine.packing import PrefillChunk
+    from cadence.model.config import LLAMA3_8B, TINY
+    from cadence.model.params import random_params
+    from cadence.model.sampling import RequestSampling
 
     degrees = [n for n in map(int, _TP_DEGREES.value) if n <= jax.device_count()]
     if jax.device_count() < 2:
@@ -431,12 +431,12 @@ def roofline_point(engine, active_n: int, context: int, rows, tables, weight_byt
 
 
 def bench_engine(results: dict, ceilings: dict, write) -> None:
-    from engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
-    from engine.packing import PrefillChunk
-    from model.config import LLAMA3_8B, TINY
-    from model.params import random_params
-    from model.quant import quantize
-    from model.sampling import RequestSampling
+    from cadence.engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
+    from cadence.engine.packing import PrefillChunk
+    from cadence.model.config import LLAMA3_8B, TINY
+    from cadence.model.params import random_params
+    from cadence.model.quant import quantize
+    from cadence.model.sampling import RequestSampling
 
     cfg = TINY if _SMOKE.value else LLAMA3_8B
     start = time.monotonic()

@@ -1,7 +1,7 @@
 """The host ceiling: how many streamed messages per second cadence's host side delivers when the
 engine costs nothing.
 
-    python -m bench.host_ceiling --streams=64,256 --out=bench/results/host_ceiling-cpu.json
+    python -m cadence.bench.host_ceiling --streams=64,256 --out=bench/results/host_ceiling-cpu.json
 
 A GPU runs an 8B model's decode step at batch 256 in ~10 ms: ~25,000 tokens/s that the host
 must schedule, detokenize, frame as SSE and write to sockets. This bench measures how many of
@@ -59,7 +59,7 @@ class NullEngine:
         self.compilations_after_warmup = 0
         self.kv_cache_bytes = 0
         self._all = np.full(config.num_slots, token, np.int32)
-        from engine.engine import PrefillTokens  # the server side only: the client needs no JAX
+        from cadence.engine.engine import PrefillTokens  # the server side only: the client needs no JAX
 
         self._tokens = PrefillTokens
 
@@ -76,11 +76,11 @@ class NullEngine:
 def serve(port: int) -> None:
     import uvicorn
 
-    from checkpoints.registry import load_model
-    from engine.engine import EngineConfig
-    from scheduler.policy import PolicyConfig
-    from scheduler.scheduler import Scheduler, SchedulerConfig
-    from server.app import create_app
+    from cadence.checkpoints.registry import load_model
+    from cadence.engine.engine import EngineConfig
+    from cadence.scheduler.policy import PolicyConfig
+    from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+    from cadence.server.app import create_app
 
     model = load_model(_MODEL.value)
     token = model.tokenizer.encode(WORD)[0]  # the whole word in a real vocabulary; its text is never empty
@@ -158,11 +158,11 @@ def main(argv) -> None:
     if _SERVE_PORT.value:
         serve(_SERVE_PORT.value)
         return
-    from bench.cadence_server import REPO, free_port, wait_healthy
+    from cadence.bench.cadence_server import REPO, free_port, wait_healthy
 
     counts = [int(s) for s in _STREAMS.value]
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "bench.host_ceiling", f"--serve_port={port}",
+    proc = subprocess.Popen([sys.executable, "-m", "cadence.bench.host_ceiling", f"--serve_port={port}",
                              f"--serve_slots={max(counts)}", f"--model={_MODEL.value}",
                              f"--http={_HTTP.value}"], cwd=REPO)
     try:

@@ -1,6 +1,6 @@
 """How far int8 weights move the default model: logits and greedy tokens against float32.
 
-    python -m bench.int8_quality --out=bench/results/int8-cpu/quality.json
+    python -m cadence.bench.int8_quality --out=bench/results/int8-cpu/quality.json
 
 For a few prompts (plain text, a chat, code): the largest logit difference over the prompt's
 positions (relative to the largest logit magnitude), whether the top-1 token agrees at each
@@ -18,11 +18,11 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from checkpoints.registry import load_model
-from engine.reference import greedy_generate
-from model.llama import forward
-from model.paged_kv import PagedKVCache
-from model.quant import dequantize, quantize
+from cadence.checkpoints.registry import load_model
+from cadence.engine.reference import greedy_generate
+from cadence.model.llama import forward
+from cadence.model.paged_kv import PagedKVCache
+from cadence.model.quant import dequantize, quantize
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model.")
 _TOKENS = flags.DEFINE_integer("tokens", 32, "Greedy tokens per prompt.")

@@ -1,6 +1,6 @@
 """KV capacity at equal memory: contiguous slots (max_seq_len reserved per request) vs pages.
 
-    python -m bench.kv_capacity --kv_cache_memory=1440MiB --num_slots=32 --max_seq_len=4096 \
+    python -m cadence.bench.kv_capacity --kv_cache_memory=1440MiB --num_slots=32 --max_seq_len=4096 \
         --out=bench/results/kv_capacity-cpu.json
 
 The engine flags are every front door's (`server/runtime.py`): --model, --num_slots,
@@ -37,13 +37,13 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from bench.workload import ClassSpec, WorkloadSpec
-from checkpoints.registry import load_model
-from engine.engine import Engine
-from scheduler.policy import PolicyConfig
-from scheduler.request import GenerationParams, RequestRecord
-from scheduler.scheduler import IterationRecord, Scheduler, SchedulerConfig
-from server import runtime
+from cadence.bench.workload import ClassSpec, WorkloadSpec
+from cadence.checkpoints.registry import load_model
+from cadence.engine.engine import Engine
+from cadence.scheduler.policy import PolicyConfig
+from cadence.scheduler.request import GenerationParams, RequestRecord
+from cadence.scheduler.scheduler import IterationRecord, Scheduler, SchedulerConfig
+from cadence.server import runtime
 
 _CHATS = flags.DEFINE_integer("chats", 28, "Chat requests in the burst.")
 _DOCS = flags.DEFINE_integer("documents", 4, "Document requests in the burst.")

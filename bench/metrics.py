@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from bench.client import RequestResult
+from cadence.bench.client import RequestResult
 
 PERCENTILES = "numpy.percentile, linear interpolation"
 Window = tuple[float, float]

@@ -1,6 +1,6 @@
 """Short prompts arriving together: packed prefill against one program per chunk.
 
-    python -m bench.packed_prefill_bench --model=smollm2-135m --counts=4,8,16 --rounds=3 \
+    python -m cadence.bench.packed_prefill_bench --model=smollm2-135m --counts=4,8,16 --rounds=3 \
         --out=bench/results/packed_prefill_cpu.json
 
 N short prompts (seeded lengths in `--prompt_tokens`) are submitted at the same instant to the
@@ -26,12 +26,12 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from checkpoints.registry import load_model
-from engine import compile_counter
-from engine.engine import Engine, EngineConfig
-from scheduler.policy import PolicyConfig
-from scheduler.request import GenerationParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from cadence.checkpoints.registry import load_model
+from cadence.engine import compile_counter
+from cadence.engine.engine import Engine, EngineConfig
+from cadence.scheduler.policy import PolicyConfig
+from cadence.scheduler.request import GenerationParams
+from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model to benchmark.")
 _COUNTS = flags.DEFINE_list("counts", ["4", "8", "16"], "Prompts arriving together.")
@@ -102,7 +102,7 @@ def main(argv) -> None:
         print(f"{'':>10} packed reaches every first token {row['speedup_every_first_token']:.2f}x sooner")
         table.append(row)
     report = {
-        "command": "python -m bench.packed_prefill_bench " + " ".join(
+        "command": "python -m cadence.bench.packed_prefill_bench " + " ".join(
             f"--{k}={v}" for k, v in (("model", _MODEL.value), ("counts", ",".join(_COUNTS.value)),
                                       ("prompt_tokens", ",".join(_PROMPT.value)), ("chunk", _CHUNK.value),
                                       ("rounds", _ROUNDS.value), ("seed", _SEED.value))),

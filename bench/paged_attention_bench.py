@@ -1,6 +1,6 @@
 """CPU decode attention over pages against the contiguous slots: which paged loop to keep.
 
-    python -m bench.paged_attention_bench --out=bench/results/paged_attention_cpu.txt
+    python -m cadence.bench.paged_attention_bench --out=bench/results/paged_attention_cpu.txt
 
 Times one layer's decode attention (SmolLM2-135M's 9 query heads, 3 KV heads, head_dim 64,
 float32) at 8 rows, each row at the same live context (128, 1000, 4000 tokens) and a mixed step
@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from model.attention import _tiled_decode
-from model.config import SMOLLM2_135M
-from model import cpu_kernels
-from model.paged_attention import paged_decode_gather, paged_decode_pages
+from cadence.model.attention import _tiled_decode
+from cadence.model.config import SMOLLM2_135M
+from cadence.model import cpu_kernels
+from cadence.model.paged_attention import paged_decode_gather, paged_decode_pages
 
 _ROWS = flags.DEFINE_integer("rows", 8, "Decode rows (slots).")
 _MAX_SEQ = flags.DEFINE_integer("max_seq_len", 4096, "Longest sequence (contiguous slot length).")
@@ -134,7 +134,7 @@ def main(argv) -> None:
     lines = [
         "Paged vs contiguous CPU decode attention, one layer, ms per call "
         f"({_ROUNDS.value} interleaved rounds x {_CALLS.value} calls)",
-        f"command: python -m bench.paged_attention_bench {' '.join(sys.argv[1:])}".rstrip(),
+        f"command: python -m cadence.bench.paged_attention_bench {' '.join(sys.argv[1:])}".rstrip(),
         f"cpu: {cpu_model()} ({os.cpu_count()} cores); the machine was shared with another "
         "engineer's test runs, so rounds vary: the median is the figure, the best round a bound",
         f"jax {jax.__version__}, {datetime.datetime.now().isoformat(timespec='minutes')}",

@@ -24,8 +24,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.client import RequestResult  # noqa: E402
-from bench.metrics import device_view  # noqa: E402
+from cadence.bench.client import RequestResult  # noqa: E402
+from cadence.bench.metrics import device_view  # noqa: E402
 
 
 def itl_cdf(gaps: Mapping[str, Sequence[float]], path: str | Path, title: str = "") -> Path:

@@ -18,9 +18,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from bench.client import RequestResult
-from bench.metrics import server_metrics, summarize
-from bench.runner import RunData
+from cadence.bench.client import RequestResult
+from cadence.bench.metrics import server_metrics, summarize
+from cadence.bench.runner import RunData
 
 
 def machine() -> dict:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from model.config import PRESETS, ModelConfig
+from cadence.model.config import PRESETS, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,8 +28,8 @@ import time
 
 import httpx
 
-from bench.client import RequestResult, Target, stream_into
-from bench.workload import RequestSpec, WorkloadSpec, corpus
+from cadence.bench.client import RequestResult, Target, stream_into
+from cadence.bench.workload import RequestSpec, WorkloadSpec, corpus
 
 POLL_S = 1.0
 _KV_GAUGE = re.compile(r"^\S*(?:kv_cache_usage_perc|gpu_cache_usage_perc)(?:\{[^}]*\})?\s+(\S+)$", re.M)

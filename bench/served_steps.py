@@ -1,6 +1,6 @@
 """Served decode iterations per step, from saved `cadence-bench run` results.
 
-    python -m bench.served_steps bench/results/multistep-cpu/k1-chat1/run.json ...
+    python -m cadence.bench.served_steps bench/results/multistep-cpu/k1-chat1/run.json ...
 
 For each run: the server's decode-only iterations (from its timeline), grouped by decoding
 slots and steps per dispatch, with the median wall time per iteration and per step; and what

@@ -1,6 +1,6 @@
 """How fast XLA:CPU reads weights in the 1-32-row matmuls of a decode step, by formulation.
 
-    python -m bench.small_gemm_bench                      # XLA_FLAGS=... to try compiler flags
+    python -m cadence.bench.small_gemm_bench                      # XLA_FLAGS=... to try compiler flags
 
 A decode step multiplies a few rows (the decoding slots) by every weight matrix, so it should
 run at the speed of reading the weights. This times a chain of 30 matmuls of SmolLM2-135M's MLP
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from model import cpu_kernels
+from cadence.model import cpu_kernels
 
 _ROWS = flags.DEFINE_list("rows", ["1", "2", "4", "8", "16", "32"], "Row counts.")
 _REDUCE = flags.DEFINE_bool("reduce", True, "Also time the multiply-and-reduce formulations (slow).")

@@ -1,6 +1,6 @@
 """What tensor parallelism costs in communication, counted from the compiled programs.
 
-    python -m bench.tp_collectives --model=llama3-8b --tp=2,4,8 --batch=64 --chunk=512
+    python -m cadence.bench.tp_collectives --model=llama3-8b --tp=2,4,8 --batch=64 --chunk=512
 
 For each TP degree this compiles the engine's own programs (`engine.engine.jit_programs`, the
 ones `Engine(devices=...)` runs) on that many CPU devices from shapes alone (nothing the size of
@@ -99,13 +99,13 @@ def compile_counts(config, n: int, batch: int, chunk: int) -> dict[str, dict]:
     import jax.numpy as jnp
     import numpy as np
 
-    from engine.engine import EngineConfig, jit_programs, sampling_rows
-    from engine.packing import empty_pack
-    from model.llama import rope_table
-    from model.paged_kv import PagedKVCache
-    from model.params import abstract_params
-    from model.sampling import RequestSampling
-    from model.sharding import POOL_AXES, TensorParallel
+    from cadence.engine.engine import EngineConfig, jit_programs, sampling_rows
+    from cadence.engine.packing import empty_pack
+    from cadence.model.llama import rope_table
+    from cadence.model.paged_kv import PagedKVCache
+    from cadence.model.params import abstract_params
+    from cadence.model.sampling import RequestSampling
+    from cadence.model.sharding import POOL_AXES, TensorParallel
 
     tp = TensorParallel.plan(config, jax.devices()[:n])
     cc = tp.compute_config
@@ -158,7 +158,7 @@ def _listing(found: dict[str, dict[str, int]], sizes: bool = False) -> str:
 
 
 def report(config, results: dict[int, dict], batch: int, chunk: int) -> str:
-    from bench.roofline import LINKS
+    from cadence.bench.roofline import LINKS
 
     lines = [f"{config.name}: {config.num_layers} layers, {config.num_heads} heads / "
              f"{config.num_kv_heads} KV heads, bf16; decode step of {batch} rows, prefill of "
@@ -183,7 +183,7 @@ def main(argv) -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", max(degrees))
-    from model.config import PRESETS
+    from cadence.model.config import PRESETS
 
     config = PRESETS[_MODEL.value]
     results = {}

@@ -24,7 +24,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from checkpoints.tokenizer import Tokenizer
+    from cadence.checkpoints.tokenizer import Tokenizer
 
 # Where a SentencePiece-style tokenizer inserted the dummy-prefix space that decode drops:
 # nowhere, at the start of the text only, or also after every added token (tokenizer.model

@@ -23,7 +23,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from checkpoints.errors import CheckpointError
+from cadence.checkpoints.errors import CheckpointError
 
 FILE = "generation.json"  # in a converted folder
 

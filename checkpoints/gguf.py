@@ -26,9 +26,9 @@ import gguf
 import jax
 import numpy as np
 
-from checkpoints.errors import CheckpointError
-from model.config import ModelConfig
-from model.params import ParamSpec, build_tree, param_specs
+from cadence.checkpoints.errors import CheckpointError
+from cadence.model.config import ModelConfig
+from cadence.model.params import ParamSpec, build_tree, param_specs
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 

@@ -25,9 +25,9 @@ import safetensors.numpy
 from safetensors import safe_open
 from tqdm import tqdm
 
-from checkpoints.errors import CheckpointError
-from model.config import ModelConfig, RopeScaling
-from model.params import build_tree, get, param_specs
+from cadence.checkpoints.errors import CheckpointError
+from cadence.model.config import ModelConfig, RopeScaling
+from cadence.model.params import build_tree, get, param_specs
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}

@@ -29,13 +29,13 @@ from pathlib import Path
 from absl import logging
 from tqdm import tqdm
 
-from checkpoints import gguf as gguf_loader
-from checkpoints import hf, store
-from checkpoints.errors import CheckpointError
-from checkpoints.generation import FILE as GENERATION_FILE
-from checkpoints.generation import GenerationDefaults
-from checkpoints.tokenizer import Tokenizer
-from model.config import ModelConfig
+from cadence.checkpoints import gguf as gguf_loader
+from cadence.checkpoints import hf, store
+from cadence.checkpoints.errors import CheckpointError
+from cadence.checkpoints.generation import FILE as GENERATION_FILE
+from cadence.checkpoints.generation import GenerationDefaults
+from cadence.checkpoints.tokenizer import Tokenizer
+from cadence.model.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,10 +28,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from checkpoints.errors import CheckpointError
-from checkpoints.hf import Params
-from model.config import ModelConfig
-from model.params import abstract_params
+from cadence.checkpoints.errors import CheckpointError
+from cadence.checkpoints.hf import Params
+from cadence.model.config import ModelConfig
+from cadence.model.params import abstract_params
 
 Shardings = Callable[[ModelConfig], Any]
 FORMAT_VERSION = 1

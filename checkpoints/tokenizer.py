@@ -28,9 +28,9 @@ import sentencepiece
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
-from checkpoints.detokenizer import (PREFIX_EACH, PREFIX_FIRST, PREFIX_NONE, TokenByteStream,
+from cadence.checkpoints.detokenizer import (PREFIX_EACH, PREFIX_FIRST, PREFIX_NONE, TokenByteStream,
                                      byte_level_piece_bytes, sentencepiece_piece_bytes)
-from checkpoints.errors import CheckpointError
+from cadence.checkpoints.errors import CheckpointError
 
 
 class TokenizerError(CheckpointError):
@@ -163,7 +163,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], *,
                             add_generation_prompt: bool = True) -> str:
-        from checkpoints import chat  # chat imports TokenizerError from this module
+        from cadence.checkpoints import chat  # chat imports TokenizerError from this module
 
         return chat.render_chat(self.chat_template, messages,
                                 add_generation_prompt=add_generation_prompt,

@@ -51,9 +51,9 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.engine import DecodeTokens, EngineConfig, KVHandle, PrefillTokens
-from engine.packing import PrefillChunk
-from model.sampling import RequestSampling, SamplingParams, SamplingRows
+from cadence.engine.engine import DecodeTokens, EngineConfig, KVHandle, PrefillTokens
+from cadence.engine.packing import PrefillChunk
+from cadence.model.sampling import RequestSampling, SamplingParams, SamplingRows
 
 __all__ = ["DecodeTokens", "EngineAPI", "EngineConfig", "KVHandle", "PrefillChunk", "PrefillTokens",
            "RequestSampling", "SamplingParams", "SamplingRows"]

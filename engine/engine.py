@@ -52,15 +52,15 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from engine import compile_counter
-from engine.packing import Pack, PrefillChunk, bucket_for, empty_pack, pack_chunks
-from model import cpu_kernels
-from model.config import ModelConfig
-from model.llama import forward, rope_table
-from model.params import cast
-from model.sharding import TensorParallel
-from model.paged_kv import PagedKVCache
-from model.sampling import RequestSampling, SamplingParams, SamplingRows, sample
+from cadence.engine import compile_counter
+from cadence.engine.packing import Pack, PrefillChunk, bucket_for, empty_pack, pack_chunks
+from cadence.model import cpu_kernels
+from cadence.model.config import ModelConfig
+from cadence.model.llama import forward, rope_table
+from cadence.model.params import cast
+from cadence.model.sharding import TensorParallel
+from cadence.model.paged_kv import PagedKVCache
+from cadence.model.sampling import RequestSampling, SamplingParams, SamplingRows, sample
 
 
 # Measured with SmolLM2-135M on the 2-core CPU: batched decode beat the per-slot loops at 128

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.config import ModelConfig
-from model.llama import forward
-from model.paged_kv import PagedKVCache
+from cadence.model.config import ModelConfig
+from cadence.model.llama import forward
+from cadence.model.paged_kv import PagedKVCache
 
 
 @partial(jax.jit, static_argnames=("config",))

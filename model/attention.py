@@ -91,7 +91,7 @@ def pallas_attention(
 
     `interpret=None` compiles the kernels on a GPU and interprets them anywhere else.
     """
-    from model import pallas_common  # keeps Pallas off the XLA-only import path
+    from cadence.model import pallas_common  # keeps Pallas off the XLA-only import path
 
     if interpret is None:
         interpret = pallas_common.default_interpret()
@@ -102,7 +102,7 @@ def pallas_attention(
 def _pallas_attention(q, k, v, q_positions, *, interpret: bool) -> jax.Array:
     # A jit of its own: every layer calls the same traced function, so a program lowers (and
     # hands Triton) each kernel once, not once per layer.
-    from model import pallas_decode, pallas_prefill
+    from cadence.model import pallas_decode, pallas_prefill
 
     if q.shape[1] == 1:
         return pallas_decode.flash_decode(q, k, v, q_positions, interpret=interpret)

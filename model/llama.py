@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import cpu_kernels, paged_kv, sharding
-from model.config import ModelConfig
-from model.paged_attention import get_paged_attention
-from model.paged_kv import PagedKVCache
+from cadence.model import cpu_kernels, paged_kv, sharding
+from cadence.model.config import ModelConfig
+from cadence.model.paged_attention import get_paged_attention
+from cadence.model.paged_kv import PagedKVCache
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:

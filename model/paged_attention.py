@@ -24,7 +24,7 @@ read by position, so they rely on the pool holding finite values (it is created 
       pool, unmasked but for the row's last page;
     "gather" (`paged_decode_gather`): whole 512-position tiles, each a `take` of its pages, then
       at most one tile per power-of-two page count for the rest.
-  Measured (`python -m bench.paged_attention_bench --rounds=40 --calls=8`, 2-core AMD EPYC
+  Measured (`python -m cadence.bench.paged_attention_bench --rounds=40 --calls=8`, 2-core AMD EPYC
   shared with other test runs, JAX 0.10.2, bench/results/paged_attention_cpu.txt): one layer
   of SmolLM2-135M (9 heads, 3 KV heads, head_dim 64, f32), 8 rows, median ms per call, and the
   ratio to the contiguous `_tiled_decode` over 4096-token slots:
@@ -57,8 +57,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from model import cpu_kernels
-from model.attention import DECODE_TILE, _batched_matmul, xla_attention
+from cadence.model import cpu_kernels
+from cadence.model.attention import DECODE_TILE, _batched_matmul, xla_attention
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -277,7 +277,7 @@ def cpu_paged_attention(q, k_pages, v_pages, page_table, q_positions):
 def pallas_paged_attention(q, k_pages, v_pages, page_table, q_positions, *, interpret=None):
     """`model.pallas_paged.pallas_paged_attention`, imported lazily (keeps Pallas off the
     XLA-only import path)."""
-    from model import pallas_paged
+    from cadence.model import pallas_paged
 
     return pallas_paged.pallas_paged_attention(
         q, k_pages, v_pages, page_table, q_positions, interpret=interpret

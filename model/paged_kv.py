@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from model.config import ModelConfig
+from cadence.model.config import ModelConfig
 
 
 @struct.dataclass

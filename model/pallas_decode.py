@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from model.pallas_common import (
+from cadence.model.pallas_common import (
     MIN_DOT, NEG, default_interpret, dot_nn, dot_nt, dot_precision, load, next_pow2,
     score_scale, store, triton_call,
 )

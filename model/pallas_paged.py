@@ -43,10 +43,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from model import pallas_decode, pallas_prefill
-from model.pallas_common import default_interpret, load
-from model.pallas_decode import DecodeTiling, combine
-from model.pallas_prefill import PrefillTiling
+from cadence.model import pallas_decode, pallas_prefill
+from cadence.model.pallas_common import default_interpret, load
+from cadence.model.pallas_decode import DecodeTiling, combine
+from cadence.model.pallas_prefill import PrefillTiling
 
 
 class PagedRows:

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from model.config import ModelConfig
+from cadence.model.config import ModelConfig
 
 VOCAB, EMBED, HEADS, KV_HEADS, FFN = "vocab", "embed", "heads", "kv_heads", "ffn"
 INITS = ("fan_in", "embed", "ones", "zeros")

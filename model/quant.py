@@ -27,8 +27,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from model.config import ModelConfig
-from model.params import MATRICES, build_tree, get, param_specs
+from cadence.model.config import ModelConfig
+from cadence.model.params import MATRICES, build_tree, get, param_specs
 
 QMAX = 127
 

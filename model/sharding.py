@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from model.config import ModelConfig
-from model.params import (
+from cadence.model.config import ModelConfig
+from cadence.model.params import (
     EMBED, FFN, HEADS, KV_HEADS, VOCAB, ParamSpec, build_tree, cast, get, param_specs, weights_of,
 )
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from scheduler.request import Request, State
+from cadence.scheduler.request import Request, State
 
 POLICIES = ("chunked", "prefill-first")
 MIN_PREFILL_TOKENS = 16

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.api import EngineAPI, SamplingRows
-from scheduler.pages import PageAllocator
-from scheduler.request import Request
+from cadence.engine.api import EngineAPI, SamplingRows
+from cadence.scheduler.pages import PageAllocator
+from cadence.scheduler.request import Request
 
 
 class Pool:

@@ -14,9 +14,9 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 
-from checkpoints.detokenizer import IncrementalDetokenizer
-from checkpoints.tokenizer import Tokenizer
-from model.sampling import RequestSampling
+from cadence.checkpoints.detokenizer import IncrementalDetokenizer
+from cadence.checkpoints.tokenizer import Tokenizer
+from cadence.model.sampling import RequestSampling
 
 
 class State(enum.Enum):

@@ -59,12 +59,12 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from checkpoints.tokenizer import Tokenizer
-from engine.api import EngineAPI, PrefillChunk, RequestSampling, SamplingRows
-from scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
-from scheduler.policy import PageBudget, Plan, PolicyConfig, make_plan, running_cost, wants_decode
-from scheduler.pool import Pool
-from scheduler.request import (
+from cadence.checkpoints.tokenizer import Tokenizer
+from cadence.engine.api import EngineAPI, PrefillChunk, RequestSampling, SamplingRows
+from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
+from cadence.scheduler.policy import PageBudget, Plan, PolicyConfig, make_plan, running_cost, wants_decode
+from cadence.scheduler.pool import Pool
+from cadence.scheduler.request import (
     MAX_STOP_LENGTH, MAX_STOP_STRINGS, FinishReason, GenerationParams, Request, RequestRecord,
     State, TokenEvent,
 )

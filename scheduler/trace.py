@@ -14,8 +14,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from scheduler.request import RequestRecord
-from scheduler.scheduler import IterationRecord
+from cadence.scheduler.request import RequestRecord
+from cadence.scheduler.scheduler import IterationRecord
 
 
 def chrome_trace(iterations: Iterable[IterationRecord], requests: Iterable[RequestRecord]) -> dict:

@@ -38,14 +38,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from checkpoints.generation import GenerationDefaults
-from checkpoints.tokenizer import Tokenizer, TokenizerError
-from scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
-from scheduler.request import RequestRecord, TokenEvent
-from scheduler.scheduler import IterationRecord, RequestStream, Scheduler
-from server import protocol, requests
-from server.metrics import Metrics
-from server.protocol import APIError
+from cadence.checkpoints.generation import GenerationDefaults
+from cadence.checkpoints.tokenizer import Tokenizer, TokenizerError
+from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
+from cadence.scheduler.request import RequestRecord, TokenEvent
+from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
+from cadence.server import protocol, requests
+from cadence.server.metrics import Metrics
+from cadence.server.protocol import APIError
 
 OPENAPI = Path(__file__).with_name("openapi.json")
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20

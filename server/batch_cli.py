@@ -50,10 +50,10 @@ from typing import Any
 from absl import app, flags
 from tqdm import tqdm
 
-from checkpoints.errors import CheckpointError
-from scheduler.errors import NotRunning, Overloaded, SubmissionError
-from scheduler.request import FinishReason, RequestRecord
-from server import requests, runtime
+from cadence.checkpoints.errors import CheckpointError
+from cadence.scheduler.errors import NotRunning, Overloaded, SubmissionError
+from cadence.scheduler.request import FinishReason, RequestRecord
+from cadence.server import requests, runtime
 
 _INPUT = flags.DEFINE_string("input", None, "JSONL file of requests, each with a unique id.")
 _OUTPUT = flags.DEFINE_string("output", None, "JSONL file results are appended to (resumable).")

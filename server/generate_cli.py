@@ -20,11 +20,11 @@ from pathlib import Path
 
 from absl import app, flags
 
-from checkpoints.errors import CheckpointError
-from scheduler.errors import Overloaded, SubmissionError
-from scheduler.request import RequestRecord, TokenEvent
-from scheduler.trace import write_chrome_trace
-from server import requests, runtime
+from cadence.checkpoints.errors import CheckpointError
+from cadence.scheduler.errors import Overloaded, SubmissionError
+from cadence.scheduler.request import RequestRecord, TokenEvent
+from cadence.scheduler.trace import write_chrome_trace
+from cadence.server import requests, runtime
 
 _PROMPT = flags.DEFINE_string("prompt", None, "A prompt.")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "File of prompts: one per line, or JSONL.")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from scheduler.request import RequestRecord
-from scheduler.scheduler import IterationRecord, KVTransfer, Scheduler
+from cadence.scheduler.request import RequestRecord
+from cadence.scheduler.scheduler import IterationRecord, KVTransfer, Scheduler
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                     1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)

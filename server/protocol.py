@@ -18,9 +18,9 @@ import json
 import time
 from typing import Any
 
-from scheduler.errors import SubmissionError
-from scheduler.request import GenerationParams, RequestRecord
-from server import requests
+from cadence.scheduler.errors import SubmissionError
+from cadence.scheduler.request import GenerationParams, RequestRecord
+from cadence.server import requests
 
 
 class APIError(Exception):

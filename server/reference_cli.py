@@ -14,10 +14,10 @@ import sys
 
 from absl import app, flags
 
-from checkpoints.errors import CheckpointError
-from checkpoints.registry import load_model
-from engine.reference import greedy_generate
-from server.runtime import MODEL_FLAG as _MODEL
+from cadence.checkpoints.errors import CheckpointError
+from cadence.checkpoints.registry import load_model
+from cadence.engine.reference import greedy_generate
+from cadence.server.runtime import MODEL_FLAG as _MODEL
 
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text.", required=True)
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 16, "Tokens to generate (0: tokenize only).", lower_bound=0)

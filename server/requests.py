@@ -30,12 +30,12 @@ from typing import Any
 
 from absl import flags
 
-from checkpoints.errors import CheckpointError
-from checkpoints.generation import GenerationDefaults
-from checkpoints.tokenizer import Tokenizer
-from engine.api import RequestSampling
-from scheduler.errors import RequestTooLong, SubmissionError
-from scheduler.request import GenerationParams
+from cadence.checkpoints.errors import CheckpointError
+from cadence.checkpoints.generation import GenerationDefaults
+from cadence.checkpoints.tokenizer import Tokenizer
+from cadence.engine.api import RequestSampling
+from cadence.scheduler.errors import RequestTooLong, SubmissionError
+from cadence.scheduler.request import GenerationParams
 
 MAX_JSON_DEPTH = 32
 MAX_INT_DIGITS = 40  # a uint32 seed has 10; nothing cadence takes needs more

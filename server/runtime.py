@@ -24,16 +24,16 @@ import jax.numpy as jnp
 from absl import flags, logging
 from tqdm import tqdm
 
-from checkpoints.registry import DEFAULT_MODEL, LoadedModel, cache_dir, load_model, resolve
-from engine import multihost
-from engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig
-from model import cpu_kernels
-from model.paged_kv import pages_for_bytes
-from model.params import WEIGHTS, cast_bytes
-from model.quant import quantize
-from model.sharding import TensorParallel
-from scheduler.policy import POLICIES, PolicyConfig
-from scheduler.scheduler import KV_RESERVATIONS, Scheduler, SchedulerConfig
+from cadence.checkpoints.registry import DEFAULT_MODEL, LoadedModel, cache_dir, load_model, resolve
+from cadence.engine import multihost
+from cadence.engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig
+from cadence.model import cpu_kernels
+from cadence.model.paged_kv import pages_for_bytes
+from cadence.model.params import WEIGHTS, cast_bytes
+from cadence.model.quant import quantize
+from cadence.model.sharding import TensorParallel
+from cadence.scheduler.policy import POLICIES, PolicyConfig
+from cadence.scheduler.scheduler import KV_RESERVATIONS, Scheduler, SchedulerConfig
 
 MODEL_FLAG = flags.DEFINE_string("model", DEFAULT_MODEL, "Model name, GGUF file, HF folder or converted checkpoint.")
 _NUM_SLOTS = flags.DEFINE_integer("num_slots", 8, "Most sequences in flight at once.", lower_bound=1)

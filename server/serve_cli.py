@@ -20,9 +20,9 @@ from pathlib import Path
 import uvicorn
 from absl import app, flags, logging
 
-from checkpoints.errors import CheckpointError
-from server import runtime
-from server.app import DEFAULT_MAX_BODY_BYTES, ServerConfig, create_app
+from cadence.checkpoints.errors import CheckpointError
+from cadence.server import runtime
+from cadence.server.app import DEFAULT_MAX_BODY_BYTES, ServerConfig, create_app
 
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")

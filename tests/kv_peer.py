@@ -11,11 +11,11 @@ import sys
 
 import numpy as np
 
-from engine.engine import Engine, sampling_rows
-from engine.kv_transfer import KVSender
-from engine.packing import PrefillChunk
-from model.config import TINY
-from model.sampling import RequestSampling
+from cadence.engine.engine import Engine, sampling_rows
+from cadence.engine.kv_transfer import KVSender
+from cadence.engine.packing import PrefillChunk
+from cadence.model.config import TINY
+from cadence.model.sampling import RequestSampling
 from tests.conftest import random_params
 from tests.test_kv_transfer import PEER_CONFIG, PEER_PAGES, PEER_SLOT
 

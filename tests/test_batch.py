@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints.tokenizer import Tokenizer
-from engine.reference import greedy_generate
-from server.batch_cli import BatchError, load_done
+from cadence.checkpoints.tokenizer import Tokenizer
+from cadence.engine.reference import greedy_generate
+from cadence.server.batch_cli import BatchError, load_done
 
 ROOT = Path(__file__).resolve().parent.parent
 # A token budget that covers every slot's chunk at once: no prompt is ever split by budget
@@ -39,7 +39,7 @@ def setup(tiny_model_dir):
 
 def command(setup, inp: Path, out: Path, *flags: str) -> list[str]:
     root, _ = setup
-    return [sys.executable, "-m", "server.batch_cli", f"--input={inp}", f"--output={out}",
+    return [sys.executable, "-m", "cadence.server.batch_cli", f"--input={inp}", f"--output={out}",
             f"--model={root / 'model'}", *ENGINE_FLAGS, *flags]
 
 

@@ -17,20 +17,20 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from bench import plots, roofline
-from bench.bill import Prices, bill
-from bench.client import RequestResult, Target, _on_message
-from bench.cadence_server import REPO, ServerConfig, parse_config
-from bench.experiments import capacity, check_slos, compare, parse_slos
-from bench.metrics import chat_itl, class_metrics, percentile, stream_rate, summarize, throughput
-from bench.report import load_results, run_report, write_json
-from bench.runner import run_workload
-from bench.workload import ClassSpec, RequestSpec, WorkloadSpec, approx_tokens, corpus
-from engine.engine import Engine, EngineConfig
-from model.config import TINY
-from scheduler.policy import PolicyConfig
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from server.app import create_app
+from cadence.bench import plots, roofline
+from cadence.bench.bill import Prices, bill
+from cadence.bench.client import RequestResult, Target, _on_message
+from cadence.bench.cadence_server import REPO, ServerConfig, parse_config
+from cadence.bench.experiments import capacity, check_slos, compare, parse_slos
+from cadence.bench.metrics import chat_itl, class_metrics, percentile, stream_rate, summarize, throughput
+from cadence.bench.report import load_results, run_report, write_json
+from cadence.bench.runner import run_workload
+from cadence.bench.workload import ClassSpec, RequestSpec, WorkloadSpec, approx_tokens, corpus
+from cadence.engine.engine import Engine, EngineConfig
+from cadence.model.config import TINY
+from cadence.scheduler.policy import PolicyConfig
+from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+from cadence.server.app import create_app
 from tests.conftest import loopback_server
 
 ENGINE = EngineConfig(num_slots=4, max_seq_len=256, prefill_chunk=32)  # one KV bucket: quick warm-up
@@ -232,7 +232,7 @@ def test_compare_configs_carry_serve_flags_and_another_checkout():
 def test_host_ceiling_streams_from_the_real_server_around_a_null_engine(tiny_model_dir, tmp_path):
     root, env = tiny_model_dir
     out = tmp_path / "ceiling.json"
-    done = subprocess.run([sys.executable, "-m", "bench.host_ceiling", f"--model={root / 'model'}",
+    done = subprocess.run([sys.executable, "-m", "cadence.bench.host_ceiling", f"--model={root / 'model'}",
                            "--streams=1,4", "--warmup=0.5", "--duration=1", "--output_tokens=16", f"--out={out}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -386,7 +386,7 @@ def test_bill_arithmetic_and_cumulative_usage_is_not_summed():
 def test_kv_handoff_estimate():
     """Llama-3-8B in bf16: 2 x 32 layers x 8 KV heads x 128 x 2 bytes = 128 KiB per token, so
     an 8k-token prompt moves 1 GiB: 21.5 ms at 50 GB/s."""
-    from model.config import LLAMA3_8B
+    from cadence.model.config import LLAMA3_8B
 
     e = roofline.transfer_estimate(LLAMA3_8B, 2, (8192,), {"link": 50.0})
     assert e["bytes_per_token"] == 131072

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.engine import EngineConfig
-from model import cpu_kernels
-from model.paged_attention import paged_reference_attention
-from model.quant import quantize
+from cadence.engine.engine import EngineConfig
+from cadence.model import cpu_kernels
+from cadence.model.paged_attention import paged_reference_attention
+from cadence.model.quant import quantize
 from tests.test_engine import needs_cpu_kernels
 
 
@@ -128,7 +128,7 @@ def test_decode_params_block_every_matrix(tiny_params):
 def test_fused_matmul_matches_each_projection(int8):
     """Parts whose widths are not multiples of 16 (each padded to its blocks), with biases and,
     over int8, per-column scales: each part equals its own projection."""
-    from model.quant import quantize_matrix
+    from cadence.model.quant import quantize_matrix
 
     rng = np.random.default_rng(int8)
     widths = (40, 8, 24)
@@ -169,7 +169,7 @@ def test_projections_unlike_each_other_stay_apart():
 def test_int8_blocked_matmul_matches_xla_on_the_dequantized_weights(rows):
     """int8 blocks widened in registers and scaled per column: x @ (q * scale), as XLA computes
     it over the dequantized matrix (widths that are not multiples of 16 pad the scale too)."""
-    from model.quant import quantize_matrix
+    from cadence.model.quant import quantize_matrix
 
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, 96), np.float32)
@@ -202,8 +202,8 @@ def test_engine_refuses_the_cpu_matmul_in_bfloat16(tiny_params, tiny_config):
 def test_kernel_decode_logits_match_xla_decode(tiny_params, tiny_config):
     """One decode step's logits over the same pool, XLA against the kernels, with float and
     int8 weights."""
-    from model.llama import forward
-    from model.paged_kv import PagedKVCache
+    from cadence.model.llama import forward
+    from cadence.model.paged_kv import PagedKVCache
 
     rng = np.random.default_rng(3)
     cache = PagedKVCache.create(tiny_config, 16, 8)

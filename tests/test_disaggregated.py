@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler.scheduler import KVTransfer, Scheduler, SchedulerConfig
+from cadence.scheduler.scheduler import KVTransfer, Scheduler, SchedulerConfig
 from tests.test_scheduler import (
     TOK, FakeEngine, GenerationParams, Harness, chunked, collect, expected, ids, prefill_first,
     random_prompt, run_random_load,

@@ -18,14 +18,14 @@ import jax
 import numpy as np
 import pytest
 
-from checkpoints.tokenizer import Tokenizer
-from engine import compile_counter
-from engine.engine import Engine, EngineConfig
-from engine.reference import greedy_generate
-from scheduler.policy import PolicyConfig
-from scheduler.request import GenerationParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from server.app import create_app
+from cadence.checkpoints.tokenizer import Tokenizer
+from cadence.engine import compile_counter
+from cadence.engine.engine import Engine, EngineConfig
+from cadence.engine.reference import greedy_generate
+from cadence.scheduler.policy import PolicyConfig
+from cadence.scheduler.request import GenerationParams
+from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+from cadence.server.app import create_app
 from tests.conftest import loopback_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,7 +136,7 @@ DISAGGREGATED = ["--num_cpu_devices=2", "--prefill_devices=0", "--decode_devices
 def generate_gives_the_reference_text(tiny_model_dir, tiny_params, tiny_config, *flags: str) -> str:
     """Runs `cadence-generate` greedy with `flags`; checks its text is the reference's and
     nothing compiled after warm-up; returns its stderr."""
-    result = cli(tiny_model_dir, "server.generate_cli", "--prompt=The capital of France is",
+    result = cli(tiny_model_dir, "cadence.server.generate_cli", "--prompt=The capital of France is",
                  "--max_tokens=12", "--temperature=0", *flags)
     assert result.returncode == 0, result.stderr
     tok = Tokenizer.from_hf_dir(tiny_model_dir[0] / "model")
@@ -171,7 +171,7 @@ def assert_batch_is_the_reference(tmp_path, prompts, tiny_model_dir, tiny_params
 
 def test_cadence_batch_disaggregated_gives_the_reference_text(tiny_model_dir, tiny_params, tiny_config, tmp_path):
     prompts, files = batch_job(tmp_path)
-    result = cli(tiny_model_dir, "server.batch_cli", *files, *DISAGGREGATED)
+    result = cli(tiny_model_dir, "cadence.server.batch_cli", *files, *DISAGGREGATED)
     assert result.returncode == 0, result.stderr
     assert_batch_is_the_reference(tmp_path, prompts, tiny_model_dir, tiny_params, tiny_config)
 
@@ -185,5 +185,5 @@ def test_cadence_batch_disaggregated_gives_the_reference_text(tiny_model_dir, ti
     (["--num_cpu_devices=3", "--prefill_devices=0,1", "--decode_devices=2"], "one device index for now"),
 ])
 def test_a_mode_that_cannot_run_is_refused_with_the_reason(tiny_model_dir, flags, message):
-    result = cli(tiny_model_dir, "server.generate_cli", "--prompt=x", *flags)
+    result = cli(tiny_model_dir, "cadence.server.generate_cli", "--prompt=x", *flags)
     assert result.returncode == 2 and message in result.stderr, result.stderr

@@ -8,14 +8,14 @@ import jax
 import numpy as np
 import pytest
 
-from engine.engine import Engine, EngineConfig, bucket_for, ladder, sampling_rows
-from engine.packing import PrefillChunk
-from engine.reference import greedy_generate
-from model import cpu_kernels
-from model.sampling import RequestSampling
-from scheduler.policy import PolicyConfig
-from scheduler.request import GenerationParams, RequestRecord
-from scheduler.scheduler import RequestStream, Scheduler, SchedulerConfig
+from cadence.engine.engine import Engine, EngineConfig, bucket_for, ladder, sampling_rows
+from cadence.engine.packing import PrefillChunk
+from cadence.engine.reference import greedy_generate
+from cadence.model import cpu_kernels
+from cadence.model.sampling import RequestSampling
+from cadence.scheduler.policy import PolicyConfig
+from cadence.scheduler.request import GenerationParams, RequestRecord
+from cadence.scheduler.scheduler import RequestStream, Scheduler, SchedulerConfig
 
 def GREEDY_ROWS(engine):  # noqa: N802 - reads as the constant it is per engine
     return sampling_rows([RequestSampling()] * engine.config.num_slots)

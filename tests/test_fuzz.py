@@ -45,9 +45,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from scheduler.policy import PolicyConfig
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from server.app import create_app
+from cadence.scheduler.policy import PolicyConfig
+from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+from cadence.server.app import create_app
 from tests.conftest import SERVING_ENGINE, loopback_server
 
 # Schemathesis' set-up blanks hypothesis' printer of failing examples (for its own speed), for

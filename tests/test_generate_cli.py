@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from checkpoints.tokenizer import Tokenizer
-from engine.reference import greedy_generate
+from cadence.checkpoints.tokenizer import Tokenizer
+from cadence.engine.reference import greedy_generate
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_FLAGS = ["--num_slots=4", "--max_seq_len=256", "--prefill_chunk=32"]
@@ -16,7 +16,7 @@ ENGINE_FLAGS = ["--num_slots=4", "--max_seq_len=256", "--prefill_chunk=32"]
 
 def generate(tiny_model_dir, *flags: str) -> subprocess.CompletedProcess:
     root, env = tiny_model_dir
-    cmd = [sys.executable, "-m", "server.generate_cli", f"--model={root / 'model'}", *ENGINE_FLAGS, *flags]
+    cmd = [sys.executable, "-m", "cadence.server.generate_cli", f"--model={root / 'model'}", *ENGINE_FLAGS, *flags]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
 
 

@@ -9,11 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-from checkpoints.errors import CheckpointError
-from checkpoints.gguf import load_gguf, permute_rope_rows
-from model import params as params_lib
-from model.config import TINY
-from model.params import param_specs
+from cadence.checkpoints.errors import CheckpointError
+from cadence.checkpoints.gguf import load_gguf, permute_rope_rows
+from cadence.model import params as params_lib
+from cadence.model.config import TINY
+from cadence.model.params import param_specs
 from tests.conftest import random_params
 from tests.test_model import full_logits
 

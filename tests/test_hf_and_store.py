@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from checkpoints.errors import CheckpointError
-from checkpoints.hf import load_hf_config, load_hf_params, save_hf
+from cadence.checkpoints.errors import CheckpointError
+from cadence.checkpoints.hf import load_hf_config, load_hf_params, save_hf
 from tests.conftest import random_params
-from checkpoints.store import (
+from cadence.checkpoints.store import (
     is_converted, load_converted, load_tokenizer_files, save_converted,
 )
-from model.config import LLAMA3_8B, SMOLLM2_135M, TINY, RopeScaling
+from cadence.model.config import LLAMA3_8B, SMOLLM2_135M, TINY, RopeScaling
 
 # Qwen2-style: q/k/v biases and an untied lm_head; also one KV head and Llama-3 RoPE scaling.
 QWEN_TINY = dataclasses.replace(
@@ -195,7 +195,7 @@ def test_real_configs(tmp_path, raw, want):
 @pytest.mark.parametrize("config", [TINY, QWEN_TINY], ids=lambda c: c.name)
 def test_params_tree_is_the_models(config):
     """The one description (`model.params`) is the tree the Flax modules build."""
-    from model import llama, params
+    from cadence.model import llama, params
 
     def flat(tree):
         return {jax.tree_util.keystr(path): (leaf.shape, np.dtype(leaf.dtype))

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.engine import Engine, EngineConfig, sampling_rows
-from engine.kv_transfer import KVReceiver, KVTicket
-from engine.reference import greedy_generate
-from model.sampling import RequestSampling
+from cadence.engine.engine import Engine, EngineConfig, sampling_rows
+from cadence.engine.kv_transfer import KVReceiver, KVTicket
+from cadence.engine.reference import greedy_generate
+from cadence.model.sampling import RequestSampling
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_CONFIG = EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=64, page_size=16, min_kv_bucket=64)

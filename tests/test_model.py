@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.config import TINY, RopeScaling
-from model.paged_kv import PagedKVCache
-from model.llama import forward, rope_frequencies, rope_table
+from cadence.model.config import TINY, RopeScaling
+from cadence.model.paged_kv import PagedKVCache
+from cadence.model.llama import forward, rope_frequencies, rope_table
 from tests.conftest import random_params
 
 
@@ -201,7 +201,7 @@ def test_tiled_decode_matches_the_reference_and_skips_unseen_tiles(kv_len, tile)
     """Per-row tiled decode equals the reference for rows of every length (empty, inside one
     tile, on tile edges, in an overlapping last tile); the cache past the tile holding a row's
     position is NaN, so reading a tile the row does not need would show."""
-    from model.attention import _tiled_decode, xla_attention
+    from cadence.model.attention import _tiled_decode, xla_attention
 
     rng = np.random.default_rng(6)
     positions = np.asarray([-1, 0, tile - 1, tile, kv_len - 2, kv_len - 1])

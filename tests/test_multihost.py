@@ -8,8 +8,8 @@ import socket
 import subprocess
 import sys
 
-from checkpoints.tokenizer import Tokenizer
-from engine.reference import greedy_generate
+from cadence.checkpoints.tokenizer import Tokenizer
+from cadence.engine.reference import greedy_generate
 from tests.test_disaggregated_engine import ROOT, assert_batch_is_the_reference, batch_job
 
 
@@ -48,7 +48,7 @@ def run_two_processes(tiny_model_dir, module: str, *flags: str, timeout: float =
 
 def test_cadence_generate_over_two_processes_gives_the_reference_text(tiny_model_dir, tiny_params, tiny_config):
     leader, follower = run_two_processes(
-        tiny_model_dir, "server.generate_cli", "--prompt=The capital of France is",
+        tiny_model_dir, "cadence.server.generate_cli", "--prompt=The capital of France is",
         "--max_tokens=12", "--temperature=0")
     assert leader.returncode == 0, leader.stderr[-3000:]
     assert follower.returncode == 0, follower.stderr[-3000:]
@@ -62,6 +62,6 @@ def test_cadence_generate_over_two_processes_gives_the_reference_text(tiny_model
 
 def test_cadence_batch_over_two_processes_gives_the_reference_text(tiny_model_dir, tiny_params, tiny_config, tmp_path):
     prompts, files = batch_job(tmp_path)
-    leader, follower = run_two_processes(tiny_model_dir, "server.batch_cli", *files)
+    leader, follower = run_two_processes(tiny_model_dir, "cadence.server.batch_cli", *files)
     assert leader.returncode == 0 and follower.returncode == 0, leader.stderr[-3000:] + follower.stderr[-3000:]
     assert_batch_is_the_reference(tmp_path, prompts, tiny_model_dir, tiny_params, tiny_config)

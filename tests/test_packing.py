@@ -10,11 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from engine.engine import Engine, EngineConfig, KVHandle, sampling_rows
-from engine.packing import PrefillChunk, pack_chunks
-from engine.reference import greedy_generate
-from model.sampling import RequestSampling
-from scheduler.pages import PageAllocator
+from cadence.engine.engine import Engine, EngineConfig, KVHandle, sampling_rows
+from cadence.engine.packing import PrefillChunk, pack_chunks
+from cadence.engine.reference import greedy_generate
+from cadence.model.sampling import RequestSampling
+from cadence.scheduler.pages import PageAllocator
 
 CONFIG = EngineConfig(num_slots=4, max_seq_len=160, prefill_chunk=96, min_prefill_bucket=16,
                       min_kv_bucket=64, page_size=16)

@@ -20,19 +20,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.packing import PrefillChunk, pack_chunks
-from model import kv_cache, paged_kv
-from model.attention import xla_attention
-from model.config import TINY
-from model.paged_attention import (
+from cadence.engine.packing import PrefillChunk, pack_chunks
+from cadence.model import kv_cache, paged_kv
+from cadence.model.attention import xla_attention
+from cadence.model.config import TINY
+from cadence.model.paged_attention import (
     gather_pages, get_paged_attention, paged_decode_gather, paged_decode_pages,
     paged_reference_attention, xla_paged_attention,
 )
-from model.pallas_decode import DecodeTiling
-from model.pallas_paged import (
+from cadence.model.pallas_decode import DecodeTiling
+from cadence.model.pallas_paged import (
     paged_decode, paged_prefill, paged_split_partials, pallas_paged_attention,
 )
-from model.pallas_prefill import PrefillTiling
+from cadence.model.pallas_prefill import PrefillTiling
 
 INTERPRET = os.environ.get("CADENCE_PALLAS_INTERPRET", "1") != "0"
 FINITE_POISON = 1e4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler.pages import PageAllocator
+from cadence.scheduler.pages import PageAllocator
 
 
 def test_grow_adds_exactly_the_pages_a_length_needs():

@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
-from engine.packing import PrefillChunk
-from model.attention import get_attention, pallas_attention, xla_attention
-from model.config import TINY
-from model.pallas_decode import DecodeTiling, flash_decode, split_partials
-from model.pallas_prefill import PrefillTiling, flash_prefill
-from model.sampling import RequestSampling
+from cadence.engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
+from cadence.engine.packing import PrefillChunk
+from cadence.model.attention import get_attention, pallas_attention, xla_attention
+from cadence.model.config import TINY
+from cadence.model.pallas_decode import DecodeTiling, flash_decode, split_partials
+from cadence.model.pallas_prefill import PrefillTiling, flash_prefill
+from cadence.model.sampling import RequestSampling
 
 INTERPRET = os.environ.get("CADENCE_PALLAS_INTERPRET", "1") != "0"
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}

@@ -7,12 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from checkpoints.tokenizer import Tokenizer
-from engine.reference import greedy_generate
-from model import params as params_lib
-from model.llama import forward
-from model.paged_kv import PagedKVCache
-from model.quant import QMAX, dequantize, quantize, quantize_matrix
+from cadence.checkpoints.tokenizer import Tokenizer
+from cadence.engine.reference import greedy_generate
+from cadence.model import params as params_lib
+from cadence.model.llama import forward
+from cadence.model.paged_kv import PagedKVCache
+from cadence.model.quant import QMAX, dequantize, quantize, quantize_matrix
 from tests.test_disaggregated_engine import cli
 
 
@@ -70,7 +70,7 @@ def test_the_int8_model_computes_the_model_its_weights_stand_for(tiny_params, ti
 
 def test_cadence_generate_with_int8_weights_gives_the_dequantized_reference(tiny_model_dir, tiny_params,
                                                                             tiny_config):
-    result = cli(tiny_model_dir, "server.generate_cli", "--prompt=The capital of France is",
+    result = cli(tiny_model_dir, "cadence.server.generate_cli", "--prompt=The capital of France is",
                  "--max_tokens=12", "--temperature=0", "--weights=int8", "--decode_steps=4")
     assert result.returncode == 0, result.stderr
     tok = Tokenizer.from_hf_dir(tiny_model_dir[0] / "model")

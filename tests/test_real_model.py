@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from checkpoints.errors import CheckpointError
-from checkpoints.registry import load_model
-from engine.reference import greedy_generate
+from cadence.checkpoints.errors import CheckpointError
+from cadence.checkpoints.registry import load_model
+from cadence.engine.reference import greedy_generate
 
 pytestmark = pytest.mark.real_model
 
@@ -28,7 +28,7 @@ def test_capital_of_france(smollm2):
 
 
 def test_reference_cli_prints_one_json_object():
-    cmd = [sys.executable, "-m", "server.reference_cli", "--model=smollm2-135m",
+    cmd = [sys.executable, "-m", "cadence.server.reference_cli", "--model=smollm2-135m",
            "--prompt=The capital of France is", "--max_tokens=8"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -38,7 +38,7 @@ def test_reference_cli_prints_one_json_object():
 
 
 def test_reference_cli_tokenize_only_and_chat():
-    cmd = [sys.executable, "-m", "server.reference_cli", "--prompt=Hi", "--chat", "--max_tokens=0"]
+    cmd = [sys.executable, "-m", "cadence.server.reference_cli", "--prompt=Hi", "--chat", "--max_tokens=0"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     obj = json.loads(result.stdout)
     assert obj["output_ids"] == [] and obj["text"] == ""
@@ -52,7 +52,7 @@ def test_reference_cli_tokenize_only_and_chat():
 def test_bad_model_names_get_one_line_errors(spec, message):
     with pytest.raises(CheckpointError, match=message):
         load_model(spec)
-    cmd = [sys.executable, "-m", "server.reference_cli", f"--model={spec}", "--prompt=x"]
+    cmd = [sys.executable, "-m", "cadence.server.reference_cli", f"--model={spec}", "--prompt=x"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and message in result.stderr
@@ -83,10 +83,10 @@ def test_engine_matches_reference_on_the_default_model(smollm2, default_model_ca
 
     import jax
 
-    from engine.engine import Engine, EngineConfig
-    from scheduler.policy import PolicyConfig
-    from scheduler.request import GenerationParams
-    from scheduler.scheduler import Scheduler, SchedulerConfig
+    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.scheduler.policy import PolicyConfig
+    from cadence.scheduler.request import GenerationParams
+    from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 
     config = EngineConfig(num_slots=2, max_seq_len=256, prefill_chunk=64, min_kv_bucket=256,
                           decode_steps=4 if mode in ("multistep", "cpu_kernels") else 1,
@@ -116,11 +116,11 @@ def test_int8_weights_on_the_default_model(smollm2, devices, kernels):
     decoding on the CPU kernels (int8 blocks); and it still knows the capital of France."""
     import jax
 
-    from engine.engine import Engine, EngineConfig
-    from model.quant import dequantize, quantize
-    from scheduler.policy import PolicyConfig
-    from scheduler.request import GenerationParams
-    from scheduler.scheduler import Scheduler, SchedulerConfig
+    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.model.quant import dequantize, quantize
+    from cadence.scheduler.policy import PolicyConfig
+    from cadence.scheduler.request import GenerationParams
+    from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 
     tok = smollm2.tokenizer
     int8 = quantize(smollm2.params, smollm2.config)

@@ -19,10 +19,10 @@ import httpx
 import numpy as np
 import pytest
 
-from checkpoints.generation import GenerationDefaults
-from scheduler.policy import PolicyConfig
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from server.app import ServerConfig, create_app
+from cadence.checkpoints.generation import GenerationDefaults
+from cadence.scheduler.policy import PolicyConfig
+from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+from cadence.server.app import ServerConfig, create_app
 from tests.conftest import loopback_server
 
 MODEL = "tiny"

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.sampling import RequestSampling, SamplingParams, SamplingRows, sample
+from cadence.model.sampling import RequestSampling, SamplingParams, SamplingRows, sample
 
 VOCAB = 50
 

@@ -26,15 +26,15 @@ import pytest
 
 from tokenizers.pre_tokenizers import ByteLevel
 
-from checkpoints.detokenizer import byte_level_piece_bytes
-from checkpoints.tokenizer import Tokenizer
-from engine.engine import EngineConfig, PrefillTokens
-from model.config import TINY
-from model.sampling import RequestSampling, SamplingParams
-from scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
-from scheduler.policy import PolicyConfig
-from scheduler.request import GenerationParams, RequestRecord, TokenEvent
-from scheduler.scheduler import RequestStream, Scheduler, SchedulerConfig
+from cadence.checkpoints.detokenizer import byte_level_piece_bytes
+from cadence.checkpoints.tokenizer import Tokenizer
+from cadence.engine.engine import EngineConfig, PrefillTokens
+from cadence.model.config import TINY
+from cadence.model.sampling import RequestSampling, SamplingParams
+from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
+from cadence.scheduler.policy import PolicyConfig
+from cadence.scheduler.request import GenerationParams, RequestRecord, TokenEvent
+from cadence.scheduler.scheduler import RequestStream, Scheduler, SchedulerConfig
 
 # --- a byte-level tokenizer: id b is byte b, then three special tokens --------------------------
 

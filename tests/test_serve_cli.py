@@ -22,7 +22,7 @@ def start(tiny_model_dir, log: Path, *flags: str, env: dict | None = None
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "server.serve_cli", f"--model={root / 'model'}", f"--port={port}",
+    cmd = [sys.executable, "-m", "cadence.server.serve_cli", f"--model={root / 'model'}", f"--port={port}",
            *flags]
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**base_env, **(env or {})},

@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
-from scheduler.policy import PolicyConfig
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from server.app import ServerConfig, create_app
+from cadence.scheduler.policy import PolicyConfig
+from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+from cadence.server.app import ServerConfig, create_app
 from tests.conftest import loopback_server
 
 MODEL = "tiny"
@@ -48,7 +48,7 @@ def client(url):
 
 @pytest.mark.parametrize("chat", [True, False])
 def test_text_frames_equal_the_chunk_they_template(chat):
-    from server.protocol import TextFrames, chunk, frame
+    from cadence.server.protocol import TextFrames, chunk, frame
 
     frames = TextFrames("cmpl-1", 'a "model"', chat, 1700000000)
     for text in ["Paris", " é\n\t\"\\", "\x00\u2028", "日本", "😀"]:

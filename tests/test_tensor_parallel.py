@@ -15,19 +15,19 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from checkpoints.store import load_converted, save_converted
-from engine import compile_counter
-from engine.engine import Engine, EngineConfig
-from engine.reference import greedy_generate
-from model.config import LLAMA3_8B, SMOLLM2_135M, TINY
-from model.llama import forward
-from model.paged_kv import PagedKVCache
-from model.params import EMBED, FFN, HEADS, KV_HEADS, VOCAB, param_specs
-from model.quant import quantize
-from model.sharding import TensorParallel
-from scheduler.policy import PolicyConfig
-from scheduler.request import GenerationParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from cadence.checkpoints.store import load_converted, save_converted
+from cadence.engine import compile_counter
+from cadence.engine.engine import Engine, EngineConfig
+from cadence.engine.reference import greedy_generate
+from cadence.model.config import LLAMA3_8B, SMOLLM2_135M, TINY
+from cadence.model.llama import forward
+from cadence.model.paged_kv import PagedKVCache
+from cadence.model.params import EMBED, FFN, HEADS, KV_HEADS, VOCAB, param_specs
+from cadence.model.quant import quantize
+from cadence.model.sharding import TensorParallel
+from cadence.scheduler.policy import PolicyConfig
+from cadence.scheduler.request import GenerationParams
+from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.conftest import random_params
 from tests.test_disaggregated_engine import cli, generate_gives_the_reference_text
 
@@ -167,9 +167,9 @@ def test_the_pool_counts_the_bytes_every_device_holds(tiny_params, tiny_config):
 def test_kv_moves_in_and_out_of_a_sharded_pool(tiny_params, tiny_config):
     """A sequence's KV extracted from a TP=2 engine (sharded by KV head) and inserted into other
     pages of a single-device engine decodes exactly as it would have in place."""
-    from engine.engine import sampling_rows
-    from engine.packing import PrefillChunk
-    from model.sampling import RequestSampling
+    from cadence.engine.engine import sampling_rows
+    from cadence.engine.packing import PrefillChunk
+    from cadence.model.sampling import RequestSampling
 
     sharded = Engine(tiny_params, tiny_config, ENGINE, devices=jax.devices()[:2])
     single = Engine(tiny_params, tiny_config, ENGINE, device=jax.devices()[3])
@@ -226,7 +226,7 @@ def test_cadence_generate_tensor_parallel_gives_the_reference_text(tiny_model_di
     (["--num_processes=2", "--coordinator_address=10.0.0.1:1234"], "needs CADENCE_PLAN_KEY"),
 ])
 def test_a_tensor_parallel_mode_that_cannot_run_is_refused(tiny_model_dir, flags, message):
-    result = cli(tiny_model_dir, "server.generate_cli", "--prompt=x", *flags)
+    result = cli(tiny_model_dir, "cadence.server.generate_cli", "--prompt=x", *flags)
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
@@ -235,7 +235,7 @@ def test_the_server_app_runs_unchanged_over_a_sharded_engine(tiny_params, tiny_c
     """The OpenAI endpoint, streaming, over a TP=2 engine: the reference's text."""
     import httpx
 
-    from server.app import create_app
+    from cadence.server.app import create_app
     from tests.conftest import loopback_server
 
     engine = warm_engine(tiny_config, 2)

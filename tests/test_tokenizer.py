@@ -16,8 +16,8 @@ import tokenizers
 from tokenizers import (AddedToken, decoders, models, normalizers, pre_tokenizers, processors,
                         trainers)
 
-from checkpoints.detokenizer import IncrementalDetokenizer
-from checkpoints.tokenizer import Tokenizer, TokenizerError
+from cadence.checkpoints.detokenizer import IncrementalDetokenizer
+from cadence.checkpoints.tokenizer import Tokenizer, TokenizerError
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [

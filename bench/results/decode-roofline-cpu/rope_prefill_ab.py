@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from checkpoints.registry import load_model
-from model.llama import forward, rope_table
-from model.paged_kv import PagedKVCache
+from cadence.checkpoints.registry import load_model
+from cadence.model.llama import forward, rope_table
+from cadence.model.paged_kv import PagedKVCache
 
 TOKENS, PAGE, ROUNDS = 512, 64, 8
 

@@ -3,6 +3,8 @@
 # gate/up calls, RoPE looked up in a table), in one session, alternating, with the same bench (the
 # new engine_bench, which holds each point to the memory bandwidth probed between its dispatches);
 # then served decode iterations against the engine alone, and the host ceiling.
+# It ran before the modules moved under `cadence.` (issue 23): at those commits `bench.engine_bench`
+# was a top-level module, so the script reproduces them only from a checkout of that time.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 out=bench/results/decode-roofline-cpu

@@ -16,8 +16,8 @@ for c in 1 4 8; do
     --out_dir=$out/served/chat$c > /dev/null 2>&1
 done
 kill $server; wait $server 2>/dev/null || true
-.venv/bin/python -m bench.served_steps $out/served/chat*/run.json > $out/served_steps.txt
-.venv/bin/python -m bench.engine_bench --slots=8 --active=1,4,8 --contexts=128,256 --steps=20 \
+.venv/bin/python -m cadence.bench.served_steps $out/served/chat*/run.json > $out/served_steps.txt
+.venv/bin/python -m cadence.bench.engine_bench --slots=8 --active=1,4,8 --contexts=128,256 --steps=20 \
   --prompt_tokens=64 --prefill_chunk=64 --attention=cpu --decode_matmul=cpu \
   --out=$out/served-engine.json > $out/served-engine.txt 2>/dev/null
 cat $out/served_steps.txt; grep -E '^decode' $out/served-engine.txt

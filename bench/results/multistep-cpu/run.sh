@@ -16,4 +16,4 @@ for k in 1 4 8; do
   done
   kill $server; wait $server || true
 done
-.venv/bin/python -m bench.served_steps $out/k{1,4,8}-chat{1,4}/run.json | tee $out/served.txt
+.venv/bin/python -m cadence.bench.served_steps $out/k{1,4,8}-chat{1,4}/run.json | tee $out/served.txt
