@@ -14,11 +14,21 @@ import jax
 # on device 0, as it would with one.
 jax.config.update("jax_num_cpu_devices", 4)
 
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+# XLA's persistent compilation cache, kept between runs: most of a test's time on the tiny
+# models is compiling programs, which are the same from one run to the next. The CLIs that tests
+# start as subprocesses share it (`tiny_model_dir`'s environment). CADENCE_TEST_CACHE moves it.
+TEST_CACHE = Path(os.environ.get("CADENCE_TEST_CACHE") or Path.home() / ".cache" / "cadence" / "tests")
+jax.config.update("jax_compilation_cache_dir", str(TEST_CACHE / "xla"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from model.config import TINY, ModelConfig  # noqa: E402
-from model import params as model_params  # noqa: E402
+from cadence.model.config import TINY, ModelConfig  # noqa: E402
+from cadence.model import params as model_params  # noqa: E402
 
 
 def random_params(config: ModelConfig, seed: int = 0) -> dict:
@@ -58,7 +68,7 @@ def tiny_params(tiny_config) -> dict:
 def tiny_tokenizer(tiny_config):
     """A byte-level BPE trained on a small corpus, padded with reserved control tokens to
     exactly the tiny model's vocabulary, so any sampled id has a meaning."""
-    from checkpoints.tokenizer import Tokenizer
+    from cadence.checkpoints.tokenizer import Tokenizer
     from tests.test_tokenizer import _gguf_fields, _trained_bpe
 
     fields = _gguf_fields(_trained_bpe(), "smollm")
@@ -82,7 +92,7 @@ SERVING_ENGINE = dict(num_slots=4, max_seq_len=512, prefill_chunk=32, min_kv_buc
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_params, tiny_config):
     """The tiny model's engine, warmed up once for every test that serves over HTTP."""
-    from engine.engine import Engine, EngineConfig
+    from cadence.engine.engine import Engine, EngineConfig
 
     engine = Engine(tiny_params, tiny_config, EngineConfig(**SERVING_ENGINE))
     engine.warmup()
@@ -92,16 +102,15 @@ def tiny_engine(tiny_params, tiny_config):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_config, tiny_params, tiny_tokenizer):
     """The tiny model as a converted checkpoint at ROOT/model, for the CLIs' `--model`, and an
-    environment whose CADENCE_CACHE (and so XLA's compilation cache) is shared by every run."""
-    import os
-
-    from checkpoints.store import save_converted
+    environment whose CADENCE_CACHE (XLA's compilation cache and the built CPU kernels) is
+    shared by every run, and kept for the next test session."""
+    from cadence.checkpoints.store import save_converted
 
     root = tmp_path_factory.mktemp("tiny-model")
     tiny_tokenizer.save(root / "tok")
     files = {p.name: p.read_bytes() for p in (root / "tok").iterdir() if p.is_file()}
     save_converted(root / "model", tiny_config, tiny_params, files)
-    return root, dict(os.environ, CADENCE_CACHE=str(root / "cache"))
+    return root, dict(os.environ, CADENCE_CACHE=str(TEST_CACHE / "cli"))
 
 
 @pytest.fixture

@@ -106,6 +106,7 @@ def test_batch_run_matches_the_reference(setup, tmp_path, tiny_config, tiny_para
         assert by_id[key]["text"] == tok.decode(expected, skip_special=True)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume_has_every_id_once(setup, tmp_path):
     n = 64
     entries = [{"id": f"r{i}", "prompt": f"the cat {i}", "max_tokens": 160, "ignore_eos": True}
@@ -133,6 +134,7 @@ def test_sigkill_mid_run_then_resume_has_every_id_once(setup, tmp_path):
     assert stats["skipped"] == before and stats["done"] == n - before
 
 
+@pytest.mark.slow
 def test_torn_final_line_is_truncated_and_redone(setup, tmp_path):
     entries = [{"id": f"t{i}", "prompt": f"the mat {i}", "max_tokens": 4} for i in range(5)]
     inp, out = write_jsonl(tmp_path / "in.jsonl", entries), tmp_path / "out.jsonl"
@@ -148,6 +150,7 @@ def test_torn_final_line_is_truncated_and_redone(setup, tmp_path):
     assert stats["skipped"] == 2 and stats["done"] == 3
 
 
+@pytest.mark.slow
 def test_bad_lines_are_reported_and_do_not_stop_the_others(setup, tmp_path):
     good = {"id": "a", "prompt": "the cat", "max_tokens": 3}
     lines = [

@@ -186,6 +186,7 @@ def test_client_imports_nothing_of_the_engine():
 # -- experiments ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_compare_spawns_cadence_per_config_and_writes_table_json_and_plots(
         tiny_model_dir, tmp_path, monkeypatch):
     root, env = tiny_model_dir
@@ -229,6 +230,7 @@ def test_compare_configs_carry_serve_flags_and_another_checkout():
             parse_config(bad, base)
 
 
+@pytest.mark.slow
 def test_host_ceiling_streams_from_the_real_server_around_a_null_engine(tiny_model_dir, tmp_path):
     root, env = tiny_model_dir
     out = tmp_path / "ceiling.json"
@@ -243,6 +245,7 @@ def test_host_ceiling_streams_from_the_real_server_around_a_null_engine(tiny_mod
         assert p["iterations_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_capacity_bisection_against_cadence(cadence_url, tmp_path):
     # A window long enough that chat gaps are always observed: a trial with no measurement
     # fails its SLO by design, so a too-short window would make the easy case flaky.

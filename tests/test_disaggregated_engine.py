@@ -28,6 +28,8 @@ from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from cadence.server.app import create_app
 from tests.conftest import loopback_server
 
+pytestmark = pytest.mark.slow  # the full tier: disaggregated engines on two devices
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = EngineConfig(num_slots=3, max_seq_len=128, prefill_chunk=32, page_size=16, min_kv_bucket=64)
 POLICY = SchedulerConfig(policy=PolicyConfig(token_budget=64, chunk=32))

@@ -254,7 +254,7 @@ CPU_KERNELS = dict(attention="cpu", decode_matmul="cpu")
 
 
 @pytest.mark.parametrize("page_size, kernels", [
-    (16, {}), (24, {}),
+    pytest.param(16, {}, marks=pytest.mark.slow), (24, {}),
     pytest.param(16, CPU_KERNELS, marks=needs_cpu_kernels),
     pytest.param(24, dict(CPU_KERNELS, decode_steps=4), marks=needs_cpu_kernels),
 ], ids=["xla-16", "xla-24", "cpu_kernels-16", "cpu_kernels-24-4steps"])

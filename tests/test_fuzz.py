@@ -50,6 +50,8 @@ from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from cadence.server.app import create_app
 from tests.conftest import SERVING_ENGINE, loopback_server
 
+pytestmark = pytest.mark.slow  # the full tier: the long API fuzz run
+
 # Schemathesis' set-up blanks hypothesis' printer of failing examples (for its own speed), for
 # every hypothesis test in the process; put it back so a failure shows what was sent.
 hypothesis.core.RepresentationPrinter = hypothesis.vendor.pretty.RepresentationPrinter

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.reference import greedy_generate
 
@@ -52,6 +54,7 @@ def test_mixed_prompts_file_compiles_nothing_after_warmup_and_writes_a_trace(tin
     assert phases == {"queued", "prefill", "decode"}
 
 
+@pytest.mark.slow
 def test_bad_arguments_get_one_line_errors(tiny_model_dir, tmp_path):
     result = generate(tiny_model_dir)
     assert result.returncode == 2 and "exactly one of --prompt or --prompts_file" in result.stderr
@@ -61,6 +64,7 @@ def test_bad_arguments_get_one_line_errors(tiny_model_dir, tmp_path):
     assert result.returncode == 2 and "bad.jsonl:2" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_prompt_too_long_is_reported_not_dropped(tiny_model_dir, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("fine\n" + " ".join(f"word{i}" for i in range(200)) + "\n")

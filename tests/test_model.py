@@ -95,7 +95,7 @@ def test_logits_match_float64_numpy(config, rope_lookup):
     np.testing.assert_allclose(ours, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("attention", ["xla", "reference"])
+@pytest.mark.parametrize("attention", [pytest.param("xla", marks=pytest.mark.slow), "reference"])
 def test_prefill_then_decode_over_scattered_pages_matches_full_forward(tiny_config, tiny_params, attention):
     """A sequence on shuffled, non-contiguous pages that a "previous occupant" filled with
     garbage, prefilled in uneven chunks and then decoded beside two inactive rows, gives the
@@ -174,7 +174,7 @@ def test_write_past_the_page_table_is_dropped(tiny_config, tiny_params):
     assert np.abs(k[:, 0]).min() > 0.0  # positions 10-19
 
 
-@pytest.mark.parametrize("chunk", [16, 64, 150])
+@pytest.mark.parametrize("chunk", [pytest.param(16, marks=pytest.mark.slow), 64, 150])
 def test_chunked_prefill_logits_match_whole_prefill(tiny_config, tiny_params, chunk):
     """A 150-token prompt prefilled in chunks of 16, 64 or whole gives the whole forward's logits."""
     cfg = tiny_config

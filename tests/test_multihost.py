@@ -7,10 +7,13 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import pytest
 
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.reference import greedy_generate
 from tests.test_disaggregated_engine import ROOT, assert_batch_is_the_reference, batch_job
+
+pytestmark = pytest.mark.slow  # the full tier: two processes
 
 
 def free_port_pair() -> int:

@@ -169,6 +169,7 @@ def test_random_arrivals_with_several_steps_match_sequential_model(policy, seed)
     assert h.sched.kv_pages == (0, engine.num_pages)
 
 
+@pytest.mark.slow
 def test_cadence_generate_with_several_steps_gives_the_reference_text(tiny_model_dir, tiny_params,
                                                                        tiny_config):
     generate_gives_the_reference_text(tiny_model_dir, tiny_params, tiny_config, "--decode_steps=4")

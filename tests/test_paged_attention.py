@@ -153,6 +153,7 @@ def _poisoned_pair(seed, *shape_args):
 DECODE_TILINGS = [DecodeTiling(16, 2), DecodeTiling(16, 3), DecodeTiling(16, 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(DECODE)))
 def test_pallas_paged_decode_matches_reference(i):
     heads, kv_heads, head_dim, page_size, max_pages, visible = DECODE[i]
@@ -171,6 +172,7 @@ def test_pallas_paged_decode_matches_reference(i):
 PREFILL_TILINGS = [PrefillTiling(4, 16), PrefillTiling(8, 16), PrefillTiling(4, 16)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(PREFILL)))
 def test_pallas_paged_prefill_matches_reference(i):
     heads, kv_heads, head_dim, page_size, max_pages, q_len, starts = PREFILL[i]
@@ -184,6 +186,7 @@ def test_pallas_paged_prefill_matches_reference(i):
     check(out, ref, positions)
 
 
+@pytest.mark.slow
 def test_pallas_paged_prefill_over_packed_chunks_matches_each_chunk_alone():
     """A pack (`engine.packing`) of chunks of mixed lengths at mixed offsets, two of them of one
     sequence, one ending on a page boundary, one of a single token: every row of the packed
@@ -225,6 +228,7 @@ def test_pallas_paged_prefill_over_packed_chunks_matches_each_chunk_alone():
     assert (flat_out[flat_pos < 0] == 0).all()
 
 
+@pytest.mark.slow
 def test_pallas_paged_attention_dispatches_on_query_length():
     """Decode for one query per row, prefill otherwise, default tilings, bfloat16 in and out."""
     for q_len, starts in ((1, [20, -1]), (6, [3, 17])):

@@ -80,6 +80,7 @@ PREFILL_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
 def test_prefill_kernel_matches_reference(case):
     dtype, head_dim, heads, kv_heads, q_len, kv_len, starts, tiling = PREFILL_CASES[case]
@@ -92,6 +93,7 @@ def test_prefill_kernel_matches_reference(case):
     check(out, q, clean, positions, dtype)
 
 
+@pytest.mark.slow
 def test_prefill_kernel_with_arbitrary_positions():
     """The contract allows any positions: unordered, past the cache, and -1 (sees nothing)
     mixed with live queries inside one query block."""
@@ -118,6 +120,7 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(DECODE_CASES)))
 def test_decode_kernel_matches_reference(case):
     dtype, head_dim, heads, kv_heads, kv_len, lengths, tiling = DECODE_CASES[case]
@@ -131,6 +134,7 @@ def test_decode_kernel_matches_reference(case):
     check(out, q, clean, positions, dtype)
 
 
+@pytest.mark.slow
 def test_pallas_attention_dispatches_on_query_length():
     """`get_attention("pallas")` runs decode for one query per row and prefill otherwise; both
     agree with the reference on the same rows."""

@@ -68,6 +68,7 @@ def test_the_int8_model_computes_the_model_its_weights_stand_for(tiny_params, ti
     assert not np.array_equal(got, original)  # it did read the int8 weights
 
 
+@pytest.mark.slow
 def test_cadence_generate_with_int8_weights_gives_the_dequantized_reference(tiny_model_dir, tiny_params,
                                                                             tiny_config):
     result = cli(tiny_model_dir, "cadence.server.generate_cli", "--prompt=The capital of France is",

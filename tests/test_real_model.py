@@ -27,6 +27,7 @@ def test_capital_of_france(smollm2):
     assert tok.decode(out).startswith(" Paris")
 
 
+@pytest.mark.slow
 def test_reference_cli_prints_one_json_object():
     cmd = [sys.executable, "-m", "cadence.server.reference_cli", "--model=smollm2-135m",
            "--prompt=The capital of France is", "--max_tokens=8"]
@@ -37,6 +38,7 @@ def test_reference_cli_prints_one_json_object():
     assert obj["prompt_ids"] == [504, 3575, 282, 4649, 314]
 
 
+@pytest.mark.slow
 def test_reference_cli_tokenize_only_and_chat():
     cmd = [sys.executable, "-m", "cadence.server.reference_cli", "--prompt=Hi", "--chat", "--max_tokens=0"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -72,7 +74,8 @@ def default_model_cases(smollm2):
     return [(p, greedy_generate(smollm2.params, smollm2.config, p, 12, tok.eos_ids)) for p in prompts]
 
 
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "tp2", "tp3", "multistep", "cpu_kernels"])
+@pytest.mark.parametrize("mode", [*(pytest.param(m, marks=pytest.mark.slow) for m in (
+    "colocated", "disaggregated", "tp2", "tp3", "multistep")), "cpu_kernels"])
 def test_engine_matches_reference_on_the_default_model(smollm2, default_model_cases, mode):
     """cadence-generate's path (engine + scheduler, chunked, batched) equals the reference;
     disaggregated, with the prefill engine on CPU device 0 and the decode engine on device 1;
@@ -110,6 +113,7 @@ def test_engine_matches_reference_on_the_default_model(smollm2, default_model_ca
 @pytest.mark.parametrize("devices, kernels", [(1, {}), (3, {}),
                                               (1, dict(attention="cpu", decode_matmul="cpu"))],
                          ids=["one-device", "tp3", "cpu_kernels"])
+@pytest.mark.slow
 def test_int8_weights_on_the_default_model(smollm2, devices, kernels):
     """The engine over int8 weights gives, token for token, the reference generator's greedy
     output over the float weights they stand for (`dequantize`), alone, tensor parallel, and

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,6 +71,7 @@ def test_sigterm_mid_stream_drains_it_and_the_key_comes_from_the_environment(tin
         proc.wait()
 
 
+@pytest.mark.slow
 def test_sigterm_during_warm_up_exits_at_once(tiny_model_dir, tmp_path):
     # A cache of its own: nothing compiled before, so warm-up is still running when we stop it.
     log = tmp_path / "serve.log"

@@ -31,6 +31,8 @@ from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.conftest import random_params
 from tests.test_disaggregated_engine import cli, generate_gives_the_reference_text
 
+pytestmark = pytest.mark.slow  # the full tier: tensor parallelism over several CPU devices
+
 # Six query heads over three KV heads, and a vocabulary of 510: at TP=2 and 4 the heads do not
 # split (attention replicated), and at 4 neither does the vocabulary.
 SIX = dataclasses.replace(TINY, name="six-heads", num_heads=6, num_kv_heads=3, ffn_size=96,
