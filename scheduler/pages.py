@@ -1,40 +1,100 @@
-"""The KV page allocator: which pages of the engine's pool each sequence holds.
+"""The KV page allocator: which pages of the engine's pool each sequence holds, and which pages
+hold a prefix that another sequence may reuse (automatic prefix caching).
 
-    pages = PageAllocator(num_pages=1024, page_size=64)
-    got = pages.grow(request_pages, to_tokens=300)   # pages added so 300 tokens fit, or None
-    pages.release(request_pages)                     # all back, at the end or on preemption
+    pages = PageAllocator(num_pages=1024, page_size=64, caching=True)
+    got = pages.grow(seq_pages, to_tokens=300)   # pages added so 300 tokens fit, or None
+    hit = pages.lookup(keys)                     # cached pages of a prompt's leading full pages
+    pages.share(seq_pages, hit)                  # ... now held by this sequence too
+    pages.publish(page, key)                     # a full page's KV is written: reusable
+    pages.release(seq_pages)                     # all back, at the end or on preemption
 
-Pure host-side bookkeeping, in plain Python: the scheduler asks for pages as a prompt's chunks
+Pure host-side bookkeeping, in plain Python. The scheduler asks for pages as a prompt's chunks
 are admitted and as decode crosses a page boundary, and gives them all back when a request ends,
 is cancelled or is preempted. Growth is all-or-nothing (a request never holds half of what a
 step needs), so a failed `grow` changes nothing and the scheduler can preempt and retry.
-Page 0 upward are the pool's pages; the lowest free ones are handed out first, so a fresh
-engine fills its pool from the front (easy to read in a trace, nothing depends on it).
 
-Non-goals: sharing pages between sequences (prefix caching), swapping pages to the host.
+With `caching`, pages are content-addressed (vLLM v1's design). A full page's key chains its
+parent page's key with the page's token ids (`PageKeys`), so equal keys mean equal tokens at
+equal positions after an equal prefix, and so equal KV. Every page has a reference count: the
+sequences holding it. A page whose count falls to 0 keeps its key and its KV, and waits in an
+eviction queue, least recently released first and, of one sequence, its tail before its head.
+An allocation takes a page that holds no key first, and evicts only when there is none. A page
+is only ever written by the one sequence that allocated it, before it is full: a shared page is
+full, and its KV is never written again until it is evicted and allocated afresh.
+
+Page 0 upward are the pool's pages; the lowest key-less free ones are handed out first, so a
+fresh engine fills its pool from the front (easy to read in a trace, nothing depends on it).
+
+Non-goals: swapping pages to the host; sharing partial pages.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import heapq
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class PageKeys:
+    """The cache keys of one sequence's full pages, computed as its tokens become known.
+
+    key(i) = blake2b-256(key(i - 1) || page i's token ids), and key(-1) is a digest of the
+    namespace (what else the KV depends on: the model, its weights, the compute dtype) and the
+    request's cache salt. So a page's key names its whole prefix, not only its own tokens."""
+
+    def __init__(self, page_size: int, namespace: bytes = b"", salt: str | None = None):
+        self.page_size = page_size
+        root = hashlib.blake2b(b"cadence-kv-prefix\0" + namespace, digest_size=32)
+        if salt is not None:
+            root.update(b"\0salt\0" + salt.encode("utf-8", "surrogatepass"))
+        self._root = root.digest()
+        self.keys: list[bytes] = []
+
+    def upto(self, tokens: Sequence[int], pages: int) -> list[bytes]:
+        """The keys of the first `pages` full pages of `tokens` (which must hold that many)."""
+        if pages * self.page_size > len(tokens):
+            raise ValueError(f"{len(tokens)} tokens fill {len(tokens) // self.page_size} pages, not {pages}")
+        size = self.page_size
+        while len(self.keys) < pages:
+            i = len(self.keys)
+            h = hashlib.blake2b(self.keys[-1] if self.keys else self._root, digest_size=32)
+            h.update(np.asarray(tokens[i * size : (i + 1) * size], np.int64).tobytes())
+            self.keys.append(h.digest())
+        return self.keys[:pages]
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, caching: bool = False):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need at least one page of at least one token, got {num_pages} x {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free = list(range(num_pages))  # a min-heap
-        self._held: set[int] = set()
+        self.caching = caching
+        self._free = list(range(num_pages))  # key-less pages nobody holds: a min-heap
+        self._refs = [0] * num_pages  # sequences holding each page
+        self._key: dict[int, bytes] = {}  # page -> key, for published pages (held or not)
+        self._page: dict[bytes, int] = {}  # key -> page, the inverse
+        # Published pages nobody holds, in eviction order: the first is evicted first.
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.evictions = 0
 
     @property
     def free_count(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take: key-less free ones and cached ones nobody holds."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def used_count(self) -> int:
-        return len(self._held)
+        """Pages some sequence holds."""
+        return self.num_pages - self.free_count
+
+    @property
+    def cached_count(self) -> int:
+        """Pages holding a published prefix, held or not."""
+        return len(self._key)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -45,18 +105,102 @@ class PageAllocator:
         wanted = self.pages_for(to_tokens) - len(pages)
         if wanted <= 0:
             return []
-        if wanted > len(self._free):
+        if wanted > self.free_count:
             return None
-        new = [heapq.heappop(self._free) for _ in range(wanted)]
-        self._held.update(new)
+        new = [self._take_free() for _ in range(wanted)]
         pages.extend(new)
         return new
 
+    def _take_free(self) -> int:
+        if self._free:
+            page = heapq.heappop(self._free)
+        else:  # evict the page released longest ago; its prefix is forgotten
+            page, _ = self._evictable.popitem(last=False)
+            del self._page[self._key.pop(page)]
+            self.evictions += 1
+        self._refs[page] = 1
+        return page
+
     def release(self, pages: list[int]) -> None:
-        """Returns every page in `pages` to the pool and empties the list."""
-        for page in pages:
-            if page not in self._held:
+        """Gives back one hold on every page in `pages` and empties the list. A page nobody
+        holds any more is free; a published one stays cached until it is evicted, the
+        sequence's tail queued for eviction before its head."""
+        for page, count in collections.Counter(pages).items():
+            if not 0 <= page < self.num_pages or self._refs[page] < count:
                 raise ValueError(f"page {page} is not held; freed twice or never allocated")
-            self._held.remove(page)
-            heapq.heappush(self._free, page)
+        for page in reversed(pages):
+            self._refs[page] -= 1
+            if self._refs[page]:
+                continue
+            if page in self._key:
+                self._evictable[page] = None
+            else:
+                heapq.heappush(self._free, page)
         pages.clear()
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """The cached pages of the longest run of `keys` from the first: a prompt's prefix hit.
+        Changes nothing; `share` takes them."""
+        hit = []
+        for key in keys:
+            page = self._page.get(key)
+            if page is None:
+                break
+            hit.append(page)
+        return hit
+
+    def evictable_among(self, pages: Sequence[int]) -> int:
+        """How many of `pages` nobody holds: sharing them takes as many from `free_count`."""
+        return sum(1 for page in pages if not self._refs[page])
+
+    def share(self, pages: list[int], hit: Sequence[int]) -> None:
+        """Appends the cached pages `hit` (a `lookup`'s answer, in this same state) to `pages`,
+        holding each once more."""
+        for page in hit:
+            if page not in self._key:
+                raise ValueError(f"page {page} holds no published prefix")
+        for page in hit:
+            if not self._refs[page]:
+                del self._evictable[page]
+            self._refs[page] += 1
+        pages.extend(hit)
+
+    def publish(self, page: int, key: bytes) -> bool:
+        """Makes a held page's KV (now written in full) reusable under `key`. False if caching
+        is off, the page is published already, or another page holds that key already (two
+        sequences computed the same prefix at once: the first stays the cached one)."""
+        if not self.caching or page in self._key or key in self._page:
+            return False
+        if self._refs[page] < 1:
+            raise ValueError(f"page {page} is not held; only its writer may publish it")
+        self._key[page] = key
+        self._page[key] = page
+        return True
+
+    def clear_cache(self) -> None:
+        """Forgets every cached prefix (the engine's KV was rebuilt): the pages nobody holds are
+        free again, and held ones are freed, not cached, when released."""
+        for page in self._evictable:
+            heapq.heappush(self._free, page)
+        self._evictable.clear()
+        self._key.clear()
+        self._page.clear()
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+    def published(self, page: int) -> bool:
+        return page in self._key
+
+    def check(self) -> None:
+        """Raises AssertionError if the bookkeeping is inconsistent (for tests)."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a page is free twice"
+        evictable = set(self._evictable)
+        assert not free & evictable, "a page is both free and cached"
+        for page in range(self.num_pages):
+            held = self._refs[page] > 0
+            assert held + (page in free) + (page in evictable) == 1, f"page {page} is in two states or none"
+            assert page not in free or page not in self._key, f"free page {page} has a key"
+            assert page not in evictable or page in self._key, f"evictable page {page} has no key"
+        assert {self._page[k]: k for k in self._page} == self._key, "the key maps disagree"

@@ -3,7 +3,9 @@
     plan = make_plan(running, waiting, free_slots, config, pages)
 
 It reads request state and returns a `Plan` (requests to admit, prefill chunks, requests to
-decode); it never touches the engine or mutates a request. Two policies:
+decode); it never touches the engine or mutates a request. A waiting request whose prompt
+starts with cached pages has them as `prefix` and `prefilled` already (the scheduler looked them
+up): its prefill starts after them. Two policies:
 
 - `chunked` (default, after Sarathi-Serve): every decoding request advances every iteration;
   prefill fills what is left of a per-iteration token budget, at most `chunk` tokens per request
@@ -80,7 +82,9 @@ class PageBudget:
     """The KV pages the plan may still hand out, so that admission follows memory, not slots.
 
     A request costs the pages its work this iteration adds to what it holds; with `reserve`
-    (tokens, the contiguous baseline) it costs a whole reservation once, then nothing."""
+    (tokens, the contiguous baseline) it costs a whole reservation once, then nothing. A waiting
+    request's prefix-cache hit (`Request.prefix`) needs no new pages, but the cached pages of it
+    that nobody holds leave the free count when it takes them."""
 
     free: int
     page_size: int
@@ -88,7 +92,7 @@ class PageBudget:
 
     def cost(self, r: Request, end: int) -> int:
         tokens = self.reserve or end
-        return max(0, -(-tokens // self.page_size) - len(r.pages))
+        return max(0, -(-tokens // self.page_size) - len(r.pages) - len(r.prefix)) + r.prefix_evictable
 
 
 def wants_decode(r: Request) -> bool:
@@ -143,7 +147,7 @@ def _chunks(r: Request, start: int, budget: int, chunk: int, block: int = 1) -> 
 def _prefill_first(running, waiting, free_slots, config, pages) -> Plan:
     if waiting and free_slots and pages.cost(waiting[0], waiting[0].prefill_len) <= pages.free - running_cost(running, config, pages):
         r = waiting[0]
-        return Plan(admit=[r], prefill=_chunks(r, 0, r.prefill_len, config.chunk))
+        return Plan(admit=[r], prefill=_chunks(r, r.prefilled, r.prefill_len, config.chunk))
     return Plan(decode=[r for r in running if wants_decode(r)])
 
 
@@ -162,7 +166,7 @@ def _chunked(running, waiting, free_slots, config, pages) -> Plan:
             break
         if _is_long(r, config) and long_prompts >= config.max_partial_prefills:
             continue  # enough long prompts in flight; a short one behind this may still pass
-        cost = pages.cost(r, min(r.prefill_len, config.chunk))
+        cost = pages.cost(r, min(r.prefill_len, r.prefilled + config.chunk))
         if cost > free_pages:
             break  # memory, not slots, is what is short; first come, first served
         free_pages -= cost

@@ -4,11 +4,13 @@
     pool.take(r)                              # a free slot; r.pool is this pool
     pool.grow(r, tokens)                      # pages for `tokens` positions, all or nothing
     pool.release(r)                           # slot and pages back, the slot's rows reset
+    pool.publish(r)                           # r's newly full pages join the prefix cache
 
 Colocated serving has one pool that prefills and decodes. Disaggregated serving has two, each
 over its own engine (its own device, weights and page pool): a request holds a slot and pages in
 exactly one of them at a time, and moves from the prefill pool to the decode pool when its KV is
-handed over (`Scheduler._start_transfers`).
+handed over (`Scheduler._start_transfers`). The admitting pool keeps the prefix cache
+(`caching`): admission looks prompts up in it, and its requests publish their pages to it.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ from cadence.scheduler.request import Request
 
 
 class Pool:
-    def __init__(self, engine: EngineAPI, name: str):
+    def __init__(self, engine: EngineAPI, name: str, caching: bool = False):
         cfg = engine.config
         self.engine = engine
         self.name = name
         self.num_slots = cfg.num_slots
         self.page_size = cfg.page_size
-        self.pages = PageAllocator(engine.num_pages, cfg.page_size)
+        self.pages = PageAllocator(engine.num_pages, cfg.page_size, caching)
         # Each slot's occupant's pages; free slots' rows point at page 0, which any step may
         # read (never write) without harm.
         self.tables = np.zeros((cfg.num_slots, cfg.max_pages_per_seq), np.int32)
@@ -58,6 +60,26 @@ class Pool:
             self.tables[r.slot, len(r.pages) - len(new) : len(r.pages)] = new
         return True
 
+    def share(self, r: Request, hit: list[int]) -> None:
+        """Gives `r`, which holds no page yet, the cached pages `hit` as its first pages."""
+        assert not r.pages, "a prefix hit comes before any page of its own"
+        self.pages.share(r.pages, hit)
+        self.tables[r.slot, : len(hit)] = hit
+        r.published = len(hit)
+
+    def publish(self, r: Request) -> None:
+        """Publishes each of `r`'s pages that is full of KV written for tokens the host knows,
+        under the key of its prefix (`Request.written_tokens`)."""
+        if not self.pages.caching or r.page_keys is None:
+            return
+        full = min(r.written_tokens() // self.page_size, len(r.pages))
+        if full <= r.published:
+            return
+        keys = r.page_keys.upto(r.token_ids(full * self.page_size), full)
+        for i in range(r.published, full):
+            self.pages.publish(r.pages[i], keys[i])
+        r.published = full
+
     def release(self, r: Request) -> None:
         """Frees its slot and its pages; the slot's row of the page table points at page 0."""
         self.running.remove(r)
@@ -65,6 +87,7 @@ class Pool:
         self.rows.clear(r.slot)
         self.tables[r.slot] = 0
         self.pages.release(r.pages)
+        r.published = 0
         r.pool = None  # r.slot keeps the number, for the record of where it ran
         r.landing = None  # KV on its way to this slot has nowhere to go now
 

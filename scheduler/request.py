@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.model.sampling import RequestSampling
+from cadence.scheduler.pages import PageKeys
 
 
 class State(enum.Enum):
@@ -48,6 +49,9 @@ class GenerationParams:
     sampling: RequestSampling = RequestSampling()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Requests with different salts never share cached KV pages (vLLM's `cache_salt`): a
+    # tenant's prompts cannot be probed by another's timing.
+    cache_salt: str | None = None
 
 
 @dataclasses.dataclass
@@ -77,6 +81,7 @@ class RequestRecord:
     token_times: list[float] = dataclasses.field(default_factory=list)  # one per output token
     error: str | None = None
     preemptions: int = 0  # times its KV was dropped for lack of pages and recomputed
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, not prefill
     # The phases around the first decode step (None where they did not happen, e.g. colocated;
     # the prefill ends, on the host, at first_token):
     transfer_start: float | None = None  # disaggregated: its KV was ready to leave the prefill pool
@@ -125,6 +130,13 @@ class Request:
         self.prefilled = 0  # tokens of prefill_ids whose KV is written
         self.dispatched = 0  # output tokens whose computation has been dispatched
         self.kv_tokens = 0  # positions whose KV is written in its pages
+        # The prefix cache (`scheduler.pages`): its full pages' keys, how many of its pages are
+        # published, and, while it waits, the cached pages its prefill would start after.
+        self.page_keys: PageKeys | None = None
+        self.published = 0
+        self.prefix: list[int] = []
+        self.prefix_evictable = 0  # of `prefix`, pages nobody holds (admission takes them)
+        self.cached_tokens = 0  # prompt tokens the cache gave it, at its first admission
         self.preemptions = 0
         self.output_ids: list[int] = []
         self.token_times: list[float] = []
@@ -150,6 +162,23 @@ class Request:
     @property
     def prefill_len(self) -> int:
         return len(self.prefill_ids)
+
+    def token_ids(self, end: int) -> list[int]:
+        """Its sequence's token ids at positions [0, end): the prompt, then the output."""
+        if end <= self.prompt_len:
+            return self.prompt_ids[:end]
+        return (self.prompt_ids + self.output_ids)[:end]
+
+    def written_tokens(self) -> int:
+        """Leading positions whose tokens the host knows and whose KV has been dispatched to be
+        written: what its pages may publish. Decoding, output j's KV is written by the step that
+        takes it as input, and an EOS's by none (its row stops)."""
+        if self.state in (State.PREFILLING, State.TRANSFERRING):  # prefilled, in the prefill pool
+            return self.prefilled
+        if self.state is not State.DECODING:
+            return 0
+        known = len(self.output_ids) - (1 if self.output_ids and self.output_ids[-1] in self.eos_ids else 0)
+        return self.prompt_len + max(0, min(known, self.dispatched - 1))
 
     def preempted(self) -> None:
         """Back to waiting, holding nothing: its KV is recomputed from prompt + output when
@@ -225,6 +254,7 @@ class Request:
             token_times=self.token_times,
             error=error,
             preemptions=self.preemptions,
+            cached_tokens=self.cached_tokens,
             transfer_start=self.transfer_start,
             transfer_end=self.transfer_end,
             transfer_bytes=self.transfer_bytes,

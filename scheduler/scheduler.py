@@ -63,6 +63,7 @@ from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.api import EngineAPI, PrefillChunk, RequestSampling, SamplingRows
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
 from cadence.scheduler.policy import PageBudget, Plan, PolicyConfig, make_plan, running_cost, wants_decode
+from cadence.scheduler.pages import PageKeys
 from cadence.scheduler.pool import Pool
 from cadence.scheduler.request import (
     MAX_STOP_LENGTH, MAX_STOP_STRINGS, FinishReason, GenerationParams, Request, RequestRecord,
@@ -81,6 +82,12 @@ class SchedulerConfig:
     # "max": it holds max_seq_len tokens' worth from its first chunk on, as a contiguous slot
     # does (vLLM's "Orca (Max)" baseline): the comparison point for benchmarks.
     kv_reservation: str = "live"
+    # Automatic prefix caching: a prompt's leading full pages whose KV some request computed
+    # already (and that are not evicted yet) are reused, not prefilled again (`scheduler.pages`).
+    prefix_caching: bool = True
+    # What else the KV depends on besides the tokens (the model, its weights, the compute
+    # dtype), folded into every page's key.
+    cache_namespace: str = ""
 
     def __post_init__(self) -> None:
         if self.kv_reservation not in KV_RESERVATIONS:
@@ -216,7 +223,8 @@ class Scheduler:
             config.policy, pack_block=engine.config.pack_block,
             pack_tokens=engine.config.prefill_buckets[-1]))
         self.config = config
-        self._prefill_pool = Pool(engine, "colocated" if decode_engine is None else "prefill")
+        self._prefill_pool = Pool(engine, "colocated" if decode_engine is None else "prefill",
+                                  caching=config.prefix_caching)
         self._decode_pool = self._prefill_pool if decode_engine is None else Pool(decode_engine, "decode")
         self.pools = tuple(dict.fromkeys((self._prefill_pool, self._decode_pool)))
         self.num_slots = self._decode_pool.num_slots  # sequences that decode at once
@@ -239,6 +247,9 @@ class Scheduler:
         self.prefill_programs = 0  # packed prefill programs run, and the chunks they carried
         self.prefill_chunks = 0
         self.kv_transfers = 0  # KV handoffs started, and the bytes they moved
+        # Prefix caching: prompt tokens looked up at admission, and those found cached.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         self.kv_transfer_bytes = 0
         # Events for readers in event loops, per loop, until the iteration hands them over.
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
@@ -292,6 +303,9 @@ class Scheduler:
             prompt_ids, params, max_tokens, self.tokenizer,
             emit=lambda e: holder["s"]._push(e), request_id=request_id,
         )
+        if self.config.prefix_caching:
+            request.page_keys = PageKeys(self.page_size, self.config.cache_namespace.encode(),
+                                         params.cache_salt)
         stream = holder["s"] = RequestStream(self, request)
         with self._lock:
             self._check_running()  # again under the lock: stop() or a death may have come since
@@ -367,6 +381,11 @@ class Scheduler:
     def kv_pages(self) -> tuple[int, int]:
         """(pages held, pages in the pools)."""
         return (sum(p.pages.used_count for p in self.pools), sum(p.pages.num_pages for p in self.pools))
+
+    @property
+    def kv_pages_cached(self) -> int:
+        """Pages holding a reusable prefix, held by requests or waiting to be evicted."""
+        return sum(p.pages.cached_count for p in self.pools)
 
     @property
     def kv_page_utilization(self) -> float:
@@ -485,6 +504,7 @@ class Scheduler:
         with self._state:
             start = time.monotonic()
             self._take_inbox()
+            self._match_prefixes(pool)
             plan = self._plan(pool)
             plan.steps = self._decode_steps(pool, plan)
             previous = self._begin(pool)
@@ -493,6 +513,7 @@ class Scheduler:
             rows = pool.rows.params()  # every slot's sampling row, for both programs
             programs, chunks = self._dispatch_prefill(plan, pool, rows)
             self._dispatch_decode(plan, pool, rows)
+            self._publish(pool)  # the prompt pages just dispatched are reusable at once
             transfers = self._start_transfers()  # a prompt just finished moves right behind it
         return self._finish_iteration(pool, previous, start, plan, programs, chunks, transfers)
 
@@ -511,6 +532,28 @@ class Scheduler:
             self._reserve_pages(pool, plan, start)
             self._dispatch_decode(plan, pool, pool.rows.params())
         return self._finish_iteration(pool, previous, start, plan, 0, 0, transfers + landed)
+
+    def _match_prefixes(self, pool: Pool) -> None:
+        """Looks every waiting request's prompt up in the prefix cache, before the plan: a hit
+        (`Request.prefix`) makes it start prefilling after the cached pages. A prompt's last
+        token is always computed (its logits give the first output), so the page holding it
+        is never taken from the cache. Admission takes the hit (`_admit`)."""
+        caching = pool.pages.caching and pool.free_slots
+        for r in self._waiting:
+            r.prefix, r.prefix_evictable = [], 0
+            if not caching or r.unapplied or r.page_keys is None:
+                r.prefilled = r.kv_tokens = 0
+                continue
+            if r.preemptions:  # it will recompute its output too (`readmitted`)
+                r.prefill_ids = r.prompt_ids + r.output_ids
+            pages = (r.prefill_len - 1) // self.page_size
+            r.prefix = pool.pages.lookup(r.page_keys.upto(r.prefill_ids, pages))
+            r.prefix_evictable = pool.pages.evictable_among(r.prefix)
+            r.prefilled = r.kv_tokens = len(r.prefix) * self.page_size
+
+    def _publish(self, pool: Pool) -> None:
+        for r in pool.running:
+            pool.publish(r)
 
     def _plan(self, pool: Pool) -> Plan:
         # A request with a result still in flight (disaggregated: preempted on the decode pool
@@ -533,6 +576,7 @@ class Scheduler:
         with self._state:
             self._apply(previous, values)
             pool.applying = []
+            self._publish(pool)  # pages filled by the tokens just accepted
             if plan.empty and not previous and not handoffs:
                 return False
             wall = time.monotonic() - start
@@ -584,6 +628,15 @@ class Scheduler:
             r.admitted = r.admitted or now
             if r.preemptions:
                 r.readmitted()
+            hit = len(r.prefix) * self.page_size
+            if r.prefix:
+                pool.share(r, r.prefix)
+            r.prefix, r.prefix_evictable = [], 0
+            if pool.pages.caching:
+                self.prefix_queries += r.prefill_len
+                self.prefix_hits += hit
+            if not r.preemptions:
+                r.cached_tokens = hit
             try:
                 pool.rows.set(r.slot, r.params.sampling, r.eos_ids)
             except Exception as e:  # this request's values, this request's failure
@@ -818,6 +871,7 @@ class Scheduler:
     def _preempt(self, r: Request, now: float) -> None:
         logging.info("preempting %s: the %s KV pool is full (%d pages)", r.id, r.pool.name,
                      r.pool.pages.num_pages)
+        r.pool.publish(r)  # what it computed stays cached: its recompute is mostly a hit
         r.pool.release(r)
         r.preempted()
         self._waiting.appendleft(r)
@@ -825,7 +879,11 @@ class Scheduler:
 
     def _send_back(self, r: Request) -> None:
         """An admission that found too few pages: back to the head of the queue as it was."""
+        if r.pool.pages.caching:  # it prefills nothing now: its lookup counts next time
+            self.prefix_queries -= r.prefill_len
+            self.prefix_hits -= r.prefilled
         r.pool.release(r)
+        r.prefilled = r.kv_tokens = 0
         r.state = State.WAITING
         r.slot = None
         if not r.preemptions:
@@ -864,6 +922,8 @@ class Scheduler:
 
     def _finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
         if r.pool is not None:
+            if reason is not FinishReason.ERROR:  # a failed engine's KV is not to be trusted
+                r.pool.publish(r)
             r.pool.release(r)
         elif r in self._waiting:  # waiting, or preempted and its last step's result ended it
             self._waiting.remove(r)
@@ -908,6 +968,7 @@ class Scheduler:
         pool.pending = []
         for r in list(pool.running):
             self._finish(r, FinishReason.ERROR, now, message)
+        pool.pages.clear_cache()  # recover() rebuilds the KV: no cached page holds its prefix now
         try:
             pool.engine.recover()
         except Exception as e:

@@ -141,3 +141,43 @@ def test_int8_weights_on_the_default_model(smollm2, devices, kernels):
     for prompt, stream in zip(prompts, streams):
         assert stream.request.output_ids == greedy_generate(floats, smollm2.config, prompt, 12, tok.eos_ids)
     assert tok.decode(streams[0].request.output_ids).startswith(" Paris")
+
+
+@pytest.mark.slow
+def test_multi_turn_chats_on_the_default_model_reuse_the_cache_and_equal_the_reference(smollm2):
+    """Two conversations of three turns with one system prompt, served together on the CPU
+    kernels with the prefix cache on (pages of 16 tokens): the later turns come mostly from the
+    cache, and every greedy reply equals the reference generator's over the whole prompt."""
+    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.model import cpu_kernels
+    from cadence.scheduler.policy import PolicyConfig
+    from cadence.scheduler.request import GenerationParams
+    from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    tok = smollm2.tokenizer
+    kernels = dict(attention="cpu", decode_matmul="cpu") if cpu_kernels.available() else {}
+    engine = Engine(smollm2.params, smollm2.config, EngineConfig(
+        num_slots=2, max_seq_len=512, prefill_chunk=64, page_size=16, min_kv_bucket=512, **kernels))
+    sched = Scheduler(engine, tok, SchedulerConfig(policy=PolicyConfig(token_budget=66, chunk=64)))
+    system = {"role": "system", "content": "You are a terse assistant. Answer every question in "
+                                           "one short sentence, and never use lists."}
+    questions = [["What is a prime number?", "Is 9 one?", "And 11?"],
+                 ["Name a fruit.", "What colour is it?", "Where does it grow?"]]
+    histories = [[system], [system]]
+    served = []
+    for turn in range(3):
+        prompts = []
+        for c in range(2):
+            histories[c].append({"role": "user", "content": questions[c][turn]})
+            prompts.append(tok.encode(tok.apply_chat_template(histories[c])))
+        streams = [sched.submit(p, GenerationParams(max_tokens=16)) for p in prompts]
+        while not sched.idle():
+            sched.step()
+        for c, (prompt, stream) in enumerate(zip(prompts, streams)):
+            *_, record = list(stream)
+            served.append((prompt, stream.request.output_ids, record.cached_tokens))
+            histories[c].append({"role": "assistant", "content": record.text})
+    assert sched.prefix_hits == sum(cached for *_, cached in served)
+    assert all(cached >= 32 for _, _, cached in served[2:])  # the system prompt's pages and more
+    for prompt, output, _ in served:
+        assert output == greedy_generate(smollm2.params, smollm2.config, prompt, 16, tok.eos_ids)

@@ -120,6 +120,9 @@ class FakeEngine:
         self.inserts = 0
         self.recoveries = 0
         self.log: list[Prefill | Decode] = []
+        # Pages that must not be written (the prefix cache's published pages, when a test
+        # hands it in): a write to one is a sequence overwriting KV that others read.
+        self.frozen = lambda page: False
 
     @property
     def vocab_size(self) -> int:
@@ -137,6 +140,7 @@ class FakeEngine:
         size = self.config.page_size
         for i, token in enumerate(tokens):
             p = start + i
+            assert not self.frozen(int(pages[p // size])), f"a write into published page {pages[p // size]}"
             self.pool[pages[p // size], p % size] = token
 
     def _content(self, pages, end: int) -> np.ndarray:

@@ -1,0 +1,444 @@
+"""Automatic prefix caching: the allocator's reference counts and eviction order, and the
+scheduler reusing cached pages on the fake engine, whose "model" reads every token through the
+page tables, so a page holding another sequence's KV changes the output.
+
+A cache that serves wrong KV is the worst bug the engine can have. The random-load test checks
+every output against the sequential model, the allocator's invariants after every step, that no
+write ever lands in a published page, and that every reference is returned; one test corrupts
+the cache on purpose and shows the harness catches it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cadence.model.sampling import RequestSampling
+from cadence.scheduler.pages import PageAllocator, PageKeys
+from tests.test_scheduler import ALPHABET, FakeEngine, Harness, chunked, expected, prefill_first, random_prompt
+
+
+def keys(tokens, page_size=4, salt=None):
+    return PageKeys(page_size, b"test", salt).upto(tokens, len(tokens) // page_size)
+
+
+# --- the allocator ----------------------------------------------------------------------------
+
+
+def test_page_keys_name_the_whole_prefix():
+    a = keys(list(range(12)))
+    assert a == keys(list(range(12))) and len(set(a)) == 3
+    changed = keys([99] + list(range(1, 12)))  # the first page differs: so do all after it
+    assert all(x != y for x, y in zip(a, changed))
+    assert keys(list(range(12)))[:2] == keys(list(range(8)) + [7, 7, 7, 7])[:2]
+    assert keys(list(range(12)), salt="tenant-a") != a != keys(list(range(12)), salt="tenant-b")
+    assert PageKeys(4, b"other model").upto(list(range(12)), 3) != a
+
+
+def test_a_published_page_is_shared_and_stays_cached_after_release():
+    pages = PageAllocator(num_pages=4, page_size=4, caching=True)
+    a: list[int] = []
+    pages.grow(a, 8)
+    k = keys(list(range(8)))
+    assert pages.publish(a[0], k[0]) and pages.publish(a[1], k[1])
+    assert not pages.publish(a[1], k[1])  # published already
+    b: list[int] = []
+    pages.share(b, pages.lookup(k))
+    assert b == a and pages.refcount(a[0]) == 2
+    pages.release(a)
+    assert pages.refcount(b[0]) == 1 and pages.used_count == 2
+    pages.release(b)
+    assert pages.used_count == 0 and pages.free_count == 4 and pages.cached_count == 2
+    assert pages.lookup(k) == [0, 1] and pages.evictable_among([0, 1]) == 2
+    pages.check()
+
+
+def test_a_second_page_with_a_published_key_is_not_cached():
+    pages = PageAllocator(num_pages=4, page_size=4, caching=True)
+    a, b = [], []
+    pages.grow(a, 4), pages.grow(b, 4)
+    k = keys([1, 2, 3, 4])
+    assert pages.publish(a[0], k[0]) and not pages.publish(b[0], k[0])
+    pages.release(b)
+    assert pages.cached_count == 1 and pages.lookup(k) == a
+    pages.check()
+
+
+def test_allocation_takes_keyless_pages_first_then_evicts_the_oldest_release_tail_first():
+    pages = PageAllocator(num_pages=6, page_size=2, caching=True)
+    first, second = [], []
+    pages.grow(first, 4), pages.grow(second, 4)  # pages 0, 1 and 2, 3
+    k1, k2 = keys([1, 2, 3, 4], 2), keys([5, 6, 7, 8], 2)
+    for seq, k in ((first, k1), (second, k2)):
+        for page, key in zip(seq, k):
+            pages.publish(page, key)
+    pages.release(first)  # queued for eviction: 1 (its tail), then 0
+    pages.release(second)  # then 3, then 2
+    taken: list[int] = []
+    assert pages.grow(taken, 4) == [4, 5]  # the key-less ones first
+    assert pages.evictions == 0 and pages.cached_count == 4
+    assert pages.grow(taken, 10) == [1, 0, 3]
+    assert pages.evictions == 3 and pages.lookup(k1) == [] and pages.lookup(k2) == [2]  # its head
+    assert pages.cached_count == 1 and pages.evictable_among([2]) == 1
+    pages.check()
+
+
+def test_a_hit_takes_a_page_off_the_eviction_queue():
+    pages = PageAllocator(num_pages=2, page_size=2, caching=True)
+    seq: list[int] = []
+    pages.grow(seq, 4)
+    k = keys([1, 2, 3, 4], 2)
+    pages.publish(seq[0], k[0]), pages.publish(seq[1], k[1])
+    pages.release(seq)
+    again: list[int] = []
+    pages.share(again, pages.lookup(k[:1]))
+    other: list[int] = []
+    assert pages.grow(other, 2) == [1]  # the page the hit holds is not evicted
+    assert pages.grow(other, 4) is None
+    pages.check()
+
+
+def test_clear_cache_forgets_every_prefix():
+    pages = PageAllocator(num_pages=3, page_size=2, caching=True)
+    held, gone = [], []
+    pages.grow(held, 2), pages.grow(gone, 2)
+    pages.publish(held[0], b"held"), pages.publish(gone[0], b"gone")
+    pages.release(gone)
+    pages.clear_cache()
+    assert pages.cached_count == 0 and pages.lookup([b"held"]) == pages.lookup([b"gone"]) == []
+    pages.release(held)
+    assert pages.free_count == 3
+    pages.check()
+
+
+def test_without_caching_nothing_is_published():
+    pages = PageAllocator(num_pages=2, page_size=2)
+    seq: list[int] = []
+    pages.grow(seq, 2)
+    assert not pages.publish(seq[0], b"k") and pages.lookup([b"k"]) == []
+
+
+def test_random_traffic_keeps_every_count_exact():
+    """Growth, sharing, publishing and release at random: after every operation each page is in
+    exactly one state, its count is the number of sequences holding it, and a lookup only ever
+    returns pages published under those keys."""
+    rng = np.random.default_rng(0)
+    pages = PageAllocator(num_pages=24, page_size=2, caching=True)
+    stems = [[int(t) for t in rng.integers(0, 5, 16)] for _ in range(3)]
+    seqs: dict[int, tuple[list[int], list[int]]] = {}  # id -> (pages, tokens)
+    for step in range(4000):
+        sid = int(rng.integers(0, 10))
+        if sid in seqs and rng.random() < 0.3:
+            pages.release(seqs.pop(sid)[0])
+        elif sid not in seqs:
+            tokens = stems[int(rng.integers(3))][: int(rng.integers(1, 17))]
+            held: list[int] = []
+            full = len(tokens) // 2
+            hit = pages.lookup(keys(tokens, 2)[: full])
+            for page, key in zip(hit, keys(tokens, 2)):
+                assert pages.published(page) and pages._key[page] == key
+            pages.share(held, hit)
+            if pages.grow(held, len(tokens)) is None:
+                pages.release(held)
+                continue
+            seqs[sid] = (held, tokens)
+        else:
+            held, tokens = seqs[sid]
+            for page, key in zip(held, keys(tokens, 2)):
+                pages.publish(page, key)
+        pages.check()
+        counts = np.zeros(24, int)
+        for held, _ in seqs.values():
+            for page in held:
+                counts[page] += 1
+        assert [pages.refcount(p) for p in range(24)] == counts.tolist()
+    for held, _ in seqs.values():
+        pages.release(held)
+    assert pages.used_count == 0
+    pages.check()
+
+
+# --- the scheduler on the fake engine ---------------------------------------------------------
+
+
+def prefills_since(h: Harness, step: int, client) -> list[tuple[int, int]]:
+    """(start, length) of the chunks prefilled in `client`'s slot from step `step` on."""
+    return [(p.start, p.length) for i, p in h.prefills(client) if i >= step]
+
+
+def cached_harness(engine: FakeEngine, policy=None, **config) -> Harness:
+    h = Harness(engine, policy, **config)
+    allocator = h.sched.pools[0].pages
+    engine.frozen = allocator.published
+    return h
+
+
+def test_a_repeated_prompt_prefills_only_its_last_page():
+    engine = FakeEngine(num_slots=2, page_size=16)
+    h = cached_harness(engine, chunked(budget=128, chunk=64))
+    prompt = random_prompt(np.random.default_rng(0), 64)  # exactly four pages
+    first = h.submit(prompt, max_tokens=5, ignore_eos=True)
+    h.run()
+    step = len(h.steps)
+    second = h.submit(prompt, max_tokens=5, ignore_eos=True)
+    h.run()
+    assert prefills_since(h, step, second) == [(48, 16)]
+    assert (first.record.cached_tokens, second.record.cached_tokens) == (0, 48)
+    assert (h.sched.prefix_queries, h.sched.prefix_hits) == (128, 48)
+    for c in (first, second):
+        c.check(engine)
+    assert first.token_ids == second.token_ids
+
+
+@pytest.mark.parametrize("shared", [16, 40, 47, 48, 63])
+def test_a_hit_covers_the_whole_pages_before_the_first_difference(shared):
+    """Two prompts that agree on their first `shared` tokens: the second reuses every full page
+    inside the shared run, and its output is its own, not the first's."""
+    rng = np.random.default_rng(shared)
+    engine = FakeEngine(num_slots=2, page_size=16)
+    h = cached_harness(engine, chunked(budget=128, chunk=64))
+    a = random_prompt(rng, 80)
+    b = a[:shared] + [t for t in random_prompt(rng, 80 - shared)]
+    b[shared] = ALPHABET[(ALPHABET.index(a[shared]) + 1) % len(ALPHABET)]  # they differ right here
+    first = h.submit(a, max_tokens=8, ignore_eos=True)
+    h.run()
+    step = len(h.steps)
+    second = h.submit(b, max_tokens=8, ignore_eos=True)
+    h.run()
+    assert second.record.cached_tokens == shared // 16 * 16
+    assert prefills_since(h, step, second)[0][0] == shared // 16 * 16
+    for c in (first, second):
+        c.check(engine)
+
+
+def test_a_corrupted_cache_shows_in_the_output():
+    """The harness catches wrong KV: with two cached pages' keys swapped, a prompt that hits
+    them reads the other page's tokens, and its output is no longer the model's."""
+    engine = FakeEngine(num_slots=2, page_size=16)
+    h = Harness(engine, chunked(budget=128, chunk=64))
+    prompt = random_prompt(np.random.default_rng(1), 60)
+    h.submit(prompt, max_tokens=4, ignore_eos=True)
+    h.run()
+    allocator = h.sched.pools[0].pages
+    hit = allocator.lookup(h.clients[0].stream.request.page_keys.keys[:3])
+    assert len(hit) == 3
+    k0, k1 = allocator._key[hit[0]], allocator._key[hit[1]]
+    allocator._key[hit[0]], allocator._key[hit[1]] = k1, k0
+    allocator._page[k0], allocator._page[k1] = hit[1], hit[0]
+    again = h.submit(prompt, max_tokens=4, ignore_eos=True)
+    h.run()
+    assert again.record.cached_tokens == 48
+    want, _ = expected(engine, prompt, 4, ignore_eos=True)
+    assert again.token_ids != want
+
+
+def test_the_next_turn_reuses_the_pages_the_reply_filled():
+    """A conversation's second prompt is the first, the reply and a new message: the pages the
+    reply's decode steps filled are cached too (a reply's last token, never written, is not)."""
+    engine = FakeEngine(num_slots=2, page_size=8)
+    h = cached_harness(engine, chunked(budget=64, chunk=32))
+    rng = np.random.default_rng(2)
+    turn1 = random_prompt(rng, 21)
+    first = h.submit(turn1, max_tokens=30, ignore_eos=True)
+    h.run()
+    turn2 = turn1 + first.token_ids + random_prompt(rng, 9)
+    second = h.submit(turn2, max_tokens=6, ignore_eos=True)
+    h.run()
+    # 21 + 30 tokens: the KV of 50 of them was written (the last output was never an input).
+    assert second.record.cached_tokens == 50 // 8 * 8
+    for c in (first, second):
+        c.check(engine)
+
+
+def test_an_eos_ended_reply_publishes_only_the_pages_its_kv_filled():
+    """A row that samples EOS writes no KV for it: a reply ending on EOS at a page's last
+    position leaves that page unpublished."""
+    engine = FakeEngine(num_slots=1, page_size=4)
+    prompt = random_prompt(np.random.default_rng(3), 6)
+    want, _ = expected(engine, prompt, 2, ignore_eos=True)
+    engine.script = {tuple(prompt): [want[0], 258]}  # the second output is EOS, at position 7
+    h = cached_harness(engine, chunked(budget=16, chunk=16))
+    c = h.submit(prompt, max_tokens=10)
+    h.run()
+    assert c.token_ids == [want[0], 258] and c.record.finish_reason == "stop"
+    assert h.sched.kv_pages_cached == 1  # positions 0-3; 4-7 lack the EOS's KV
+
+
+def test_salted_requests_share_pages_only_with_the_same_salt():
+    engine = FakeEngine(num_slots=2, page_size=16)
+    h = cached_harness(engine, chunked(budget=128, chunk=64))
+    prompt = random_prompt(np.random.default_rng(4), 70)
+    runs = []
+    for salt in ("a", "b", "a", None, None):
+        runs.append(h.submit(prompt, max_tokens=3, ignore_eos=True, cache_salt=salt))
+        h.run()
+    assert [c.record.cached_tokens for c in runs] == [0, 0, 64, 0, 64]
+    for c in runs:
+        c.check(engine)
+
+
+def test_with_caching_off_nothing_is_reused():
+    engine = FakeEngine(num_slots=2, page_size=16)
+    h = cached_harness(engine, chunked(budget=128, chunk=64), prefix_caching=False)
+    prompt = random_prompt(np.random.default_rng(5), 70)
+    for _ in range(2):
+        h.submit(prompt, max_tokens=3, ignore_eos=True)
+        h.run()
+    assert [c.record.cached_tokens for c in h.clients] == [0, 0]
+    assert h.sched.kv_pages_cached == 0 and h.sched.prefix_queries == 0
+
+
+def test_an_engine_failure_forgets_the_cache():
+    """recover() rebuilds the KV pool: a prompt cached before the failure is computed afresh."""
+    engine = FakeEngine(num_slots=2, page_size=16)
+    h = cached_harness(engine, chunked(budget=128, chunk=64))
+    prompt = random_prompt(np.random.default_rng(6), 70)
+    h.submit(prompt, max_tokens=3, ignore_eos=True)
+    h.run()
+    assert h.sched.kv_pages_cached == 4
+    engine.fail_decode_call = engine.decode_calls + 2
+    failed = h.submit(random_prompt(np.random.default_rng(7), 20), max_tokens=20, ignore_eos=True)
+    h.run()
+    assert failed.record.finish_reason == "error" and engine.recoveries == 1
+    again = h.submit(prompt, max_tokens=3, ignore_eos=True)
+    h.run()
+    assert again.record.cached_tokens == 0
+    again.check(engine)
+
+
+def test_the_disaggregated_prefill_pool_caches():
+    prefill = FakeEngine(num_slots=2, page_size=16)
+    decode = FakeEngine(num_slots=2, page_size=16)
+    h = Harness(prefill, chunked(budget=128, chunk=64), decode_engine=decode)
+    prefill.frozen = h.sched.pools[0].pages.published
+    prompt = random_prompt(np.random.default_rng(8), 70)
+    runs = []
+    for _ in range(2):
+        runs.append(h.submit(prompt, max_tokens=6, ignore_eos=True))
+        h.run()
+    assert [c.record.cached_tokens for c in runs] == [0, 64]
+    assert runs[0].token_ids == runs[1].token_ids == expected(prefill, prompt, 6, True)[0]
+
+
+def shared_prefix_load(h: Harness, rng, arrivals: list[int], after_step) -> None:
+    """Requests built from three long shared stems (system prompts), cut at random lengths and
+    followed by random tails; some resubmit an earlier request's prompt and output (a next
+    turn); greedy and seeded sampling, EOS, cancellations."""
+    stems = [random_prompt(rng, 90) for _ in range(3)]
+    for step in range(20_000):
+        while arrivals and arrivals[0] <= step:
+            arrivals.pop(0)
+            done = [c for c in h.clients if c.record and c.record.finish_reason != "abort"]
+            if done and rng.random() < 0.3:
+                prev = done[int(rng.integers(len(done)))]
+                prompt = prev.prompt + [t for t in prev.token_ids if t != 258] + random_prompt(rng, 5)
+            else:
+                stem = stems[int(rng.integers(3))]
+                prompt = stem[: int(rng.integers(1, 91))] + random_prompt(rng, int(rng.integers(0, 30)))
+            sampling = RequestSampling(temperature=float(rng.choice([0.0, 0.8])),
+                                       seed=int(rng.integers(0, 2**31)))
+            h.submit(prompt[:200], max_tokens=int(rng.integers(1, 50)), sampling=sampling)
+        live = [c for c in h.clients if c.record is None]
+        if live and rng.random() < 0.02:
+            live[int(rng.integers(len(live)))].stream.cancel()
+        if not arrivals and h.sched.idle():
+            return
+        h.step()
+        after_step()
+    raise AssertionError("the load did not finish")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("policy", [chunked(budget=100, chunk=32), prefill_first(chunk=32)],
+                         ids=["chunked", "prefill-first"])
+def test_shared_prefixes_under_a_small_pool_equal_the_uncached_outputs(policy, seed):
+    """Random arrivals sharing long prefixes over a pool too small for the working set: pages
+    are hit, evicted, and preempted requests come back mostly from the cache. Every output
+    equals the sequential model's, the allocator is consistent after every step, no write lands
+    in a published page, and every reference is returned at the end."""
+    rng = np.random.default_rng(seed)
+    engine = FakeEngine(num_slots=4, prefill_chunk=32, max_seq_len=256, page_size=8, num_pages=32,
+                        eos_one_in=40)
+    h = cached_harness(engine, policy)
+    allocator = h.sched.pools[0].pages
+    hits = []
+
+    def after_step():
+        allocator.check()
+        counts = np.zeros(allocator.num_pages, int)
+        for r in h.sched.pools[0].running:
+            for page in r.pages:
+                counts[page] += 1
+        assert [allocator.refcount(p) for p in range(allocator.num_pages)] == counts.tolist()
+        hits.append(h.sched.prefix_hits)
+
+    shared_prefix_load(h, rng, sorted(int(a) for a in rng.integers(0, 150, size=40)), after_step)
+    for c in h.clients:
+        c.check(engine)
+    assert h.sched.prefix_hits > 0 and allocator.evictions > 0 and h.sched.preemptions > 0
+    fresh = [c for c in h.clients if not c.record.preemptions]
+    assert sum(c.record.cached_tokens for c in h.clients) <= h.sched.prefix_hits
+    assert all(c.record.cached_tokens % 8 == 0 for c in fresh)
+    assert h.sched.kv_pages[0] == 0 and allocator.used_count == 0
+    assert not h.sched.pools[0].tables.any()
+
+
+def test_cached_tokens_add_up_to_the_hit_counter():
+    """Without preemption, the usage every request reports sums to the scheduler's counter,
+    and the queries are every prompt token admitted."""
+    rng = np.random.default_rng(9)
+    engine = FakeEngine(num_slots=4, prefill_chunk=32, page_size=8)
+    h = cached_harness(engine, chunked(budget=100, chunk=32))
+    shared_prefix_load(h, rng, sorted(int(a) for a in rng.integers(0, 60, size=20)), lambda: None)
+    assert h.sched.preemptions == 0 and h.sched.prefix_hits > 0
+    assert sum(c.record.cached_tokens for c in h.clients) == h.sched.prefix_hits
+    admitted = [c for c in h.clients if c.record.admitted is not None]
+    assert sum(len(c.prompt) for c in admitted) == h.sched.prefix_queries
+    for c in h.clients:
+        c.check(engine)
+
+
+# --- the real engine --------------------------------------------------------------------------
+
+
+def test_multi_turn_conversations_on_the_engine_equal_the_reference(tiny_params, tiny_config, tiny_tokenizer):
+    """Three conversations of three turns share a system prompt; each turn re-sends the history
+    with the replies. Served together on the tiny model's engine with the cache on, every greedy
+    reply equals the reference generator's over the whole prompt, later turns reuse pages the
+    earlier ones computed (prompt and reply), and the usage adds up to the hit counter."""
+    import random
+
+    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.engine.reference import greedy_generate
+    from cadence.scheduler.policy import PolicyConfig
+    from cadence.scheduler.request import GenerationParams
+    from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    cfg = EngineConfig(num_slots=3, max_seq_len=256, prefill_chunk=32, min_kv_bucket=64, page_size=16)
+    engine = Engine(tiny_params, tiny_config, cfg)
+    engine.warmup()
+    sched = Scheduler(engine, tiny_tokenizer, SchedulerConfig(policy=PolicyConfig(token_budget=48, chunk=32)))
+    rng = random.Random(0)
+    system = [rng.randrange(3, tiny_config.vocab_size) for _ in range(40)]
+    histories = [list(system) for _ in range(3)]
+    records, served = [], []
+    for turn in range(3):
+        prompts = [h + [rng.randrange(3, tiny_config.vocab_size) for _ in range(rng.randint(3, 12))]
+                   for h in histories]
+        streams = [sched.submit(p, GenerationParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+        while not sched.idle():
+            sched.step()
+        for i, (prompt, stream) in enumerate(zip(prompts, streams)):
+            *_, record = list(stream)
+            histories[i] = prompt + stream.request.output_ids
+            records.append(record)
+            served.append((prompt, stream.request.output_ids))
+    assert engine.compilations_after_warmup == 0  # before the reference compiles its own
+    for prompt, output in served:
+        assert output == greedy_generate(tiny_params, tiny_config, prompt, 12)
+    assert sum(r.cached_tokens for r in records) == sched.prefix_hits > 0
+    later = [r.cached_tokens for r in records[3:]]
+    assert all(c >= 32 for c in later)  # at least the system prompt's two full pages
+    # A later turn also reuses its own previous turn's pages past the system prompt.
+    assert max(later) > 40
+    assert sched.kv_pages[0] == 0
