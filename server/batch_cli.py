@@ -6,9 +6,9 @@ Input, one JSON object a line (blank lines are skipped):
     {"id": "a1", "prompt": "Once upon a time"}
     {"id": 2, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7, "seed": 3}
 Ids are strings or integers, unique in the file. The optional sampling fields are those of
-`server/requests.py` (max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos); absent ones
-take the flags' defaults. Output, one JSON object a line, in the order requests finish:
-    {"id", "text", "prompt_tokens", "completion_tokens", "finish_reason",
+`server/requests.py` (max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, cache_salt);
+absent ones take the flags' defaults. Output, one JSON object a line, in the order requests finish:
+    {"id", "text", "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason",
      "queue_time", "ttft", "total_time", "prefill_chunks", "decode_steps"}
 with times in seconds, measured by the scheduler from the moment it accepted the request.
 
@@ -138,6 +138,7 @@ def result_json(job: Job, record: RequestRecord) -> dict[str, Any]:
         "id": job.id,
         "text": record.text,
         "prompt_tokens": record.prompt_tokens,
+        "cached_tokens": record.cached_tokens,
         "completion_tokens": record.output_tokens,
         "finish_reason": record.finish_reason,
         "queue_time": seconds(record.queue_time),

@@ -8,6 +8,7 @@ compared against it. Gauges are computed when scraped, so they are never stale.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from cadence.scheduler.request import RequestRecord
 from cadence.scheduler.scheduler import IterationRecord, KVTransfer, Scheduler
@@ -17,6 +18,25 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.
 _TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                      0.5, 1.0, 2.5)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class _SchedulerCounters:
+    """Counters the scheduler keeps itself, read when scraped (a Counter cannot take a function)."""
+
+    def __init__(self, scheduler: Scheduler, model_name: str):
+        self.scheduler, self.model_name = scheduler, model_name
+
+    def collect(self):
+        counters = {
+            "cadence:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache at admission "
+                                             "(vLLM's prefix_cache_queries).", self.scheduler.prefix_queries),
+            "cadence:prefix_cache_hits": ("Of those, tokens whose KV the cache held, not prefilled "
+                                          "(vLLM's prefix_cache_hits).", self.scheduler.prefix_hits),
+        }
+        for name, (doc, value) in counters.items():
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
 
 
 class Metrics:
@@ -62,6 +82,9 @@ class Metrics:
             "cadence:kv_cache_usage_perc": ("Fraction of the KV page pool held (0-1).", lambda: scheduler.kv_usage),
             "cadence:kv_pages_used": ("KV pages held by requests.", lambda: scheduler.kv_pages[0]),
             "cadence:kv_pages_total": ("KV pages in the pool.", lambda: scheduler.kv_pages[1]),
+            "cadence:kv_pages_cached": (
+                "KV pages holding a reusable prefix, held by requests or evictable.",
+                lambda: scheduler.kv_pages_cached),
             "cadence:kv_page_utilization_perc": (
                 "Of the token slots in held KV pages, the fraction holding a real token (0-1).",
                 lambda: scheduler.kv_page_utilization),
@@ -81,6 +104,7 @@ class Metrics:
             lambda: scheduler.transfers_in_flight)
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, ["model_name"], registry=r).labels(**labels).set_function(fn)
+        r.register(_SchedulerCounters(scheduler, model_name))
         # Each engine's pool: "colocated", or "prefill" and "decode".
         self.transfer_seconds = histogram(
             "cadence:kv_transfer_seconds", "Disaggregated: a request's KV, from ready on the "

@@ -129,7 +129,7 @@ def usage(record: RequestRecord) -> dict[str, Any]:
         "prompt_tokens": record.prompt_tokens,
         "completion_tokens": record.output_tokens,
         "total_tokens": record.prompt_tokens + record.output_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": record.cached_tokens},
     }
 
 

@@ -47,7 +47,8 @@ _TOP_P = flags.DEFINE_float("top_p", None, "Default nucleus sampling mass (defau
 _TOP_K = flags.DEFINE_integer("top_k", None, "Default top-k (0: off; default: the model's own, else 0).")
 _SEED = flags.DEFINE_integer("seed", 0, "Default sampling seed.")
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "cache_salt")
+MAX_CACHE_SALT = 256
 
 
 # -- JSON -------------------------------------------------------------------------------------
@@ -189,8 +190,11 @@ def generation_params(entry: dict, defaults: SamplingDefaults, *,
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if not all(isinstance(s, str) and s for s in stop):
         raise SubmissionError('"stop" must be a non-empty string or an array of them', "stop")
+    salt = field(entry, "cache_salt", (str,))
+    if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT:
+        raise SubmissionError(f'"cache_salt" must be a string of 1 to {MAX_CACHE_SALT} characters', "cache_salt")
     return GenerationParams(max_tokens=max_tokens, sampling=sampling, stop=stop,
-                            ignore_eos=field(entry, "ignore_eos", (bool,), False))
+                            ignore_eos=field(entry, "ignore_eos", (bool,), False), cache_salt=salt)
 
 
 def chat_messages(messages: Any) -> list[dict]:

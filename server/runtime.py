@@ -63,6 +63,11 @@ _KV_RESERVATION = flags.DEFINE_enum(
     "live: a request holds the KV pages its tokens fill; max: max_seq_len tokens' worth from the "
     "start, like a contiguous slot (a baseline for benchmarks).")
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Waiting requests before refusing new ones.", lower_bound=1)
+_PREFIX_CACHING = flags.DEFINE_bool(
+    "prefix_caching", True,
+    "Reuse the KV of prompt prefixes computed before (automatic prefix caching: a full page's KV "
+    "is found by the hash of its tokens and everything before them); --noprefix_caching "
+    "computes every prompt from scratch.")
 _ATTENTION = flags.DEFINE_enum(
     "attention", None, ["pallas", "cpu", "xla", "reference"],
     "Attention implementation (default: pallas on GPU; on CPU, cpu where --cpu_kernels applies, "
@@ -291,13 +296,14 @@ def token_budget() -> int:
     return _TOKEN_BUDGET.value or _PREFILL_CHUNK.value + _NUM_SLOTS.value
 
 
-def scheduler_config_from_flags() -> SchedulerConfig:
+def scheduler_config_from_flags(model_name: str) -> SchedulerConfig:
     budget = token_budget()
     policy = PolicyConfig(
         name=_POLICY.value, token_budget=budget, chunk=_PREFILL_CHUNK.value
     )
     return SchedulerConfig(policy=policy, max_queue=_MAX_QUEUE.value,
-                           kv_reservation=_KV_RESERVATION.value)
+                           kv_reservation=_KV_RESERVATION.value, prefix_caching=_PREFIX_CACHING.value,
+                           cache_namespace=f"{model_name}/{_WEIGHTS.value}/{_DTYPE.value}")
 
 
 def warm_up(engines: Sequence[Engine]) -> float:
@@ -397,6 +403,9 @@ def build_from_flags(warm: bool = True) -> Runtime:
         # for every process: the followers must first be told to stop.
         atexit.register(engines[0].close)
     warm_seconds = warm_up(engines) if warm else 0.0
-    scheduler = Scheduler(engines[0], model.tokenizer, scheduler_config_from_flags(),
-                          decode_engine=engines[1] if pair else None)
+    config = scheduler_config_from_flags(model.name)
+    scheduler = Scheduler(engines[0], model.tokenizer, config, decode_engine=engines[1] if pair else None)
+    print(f"cadence: prefix caching {'on' if config.prefix_caching else 'off (--noprefix_caching)'}"
+          + (f": prompts reuse the KV of cached {engines[0].config.page_size}-token pages"
+             if config.prefix_caching else ""), file=sys.stderr)
     return Runtime(model=model, engines=engines, scheduler=scheduler, warmup_seconds=warm_seconds)

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # default budget (chunk + slots) several short prompts admitted together share it, and
 # whether one is split then depends on arrival timing.
 ENGINE_FLAGS = ["--num_slots=4", "--max_seq_len=256", "--prefill_chunk=32", "--token_budget=160"]
-FIELDS = {"id", "text", "prompt_tokens", "completion_tokens", "finish_reason", "queue_time",
+FIELDS = {"id", "text", "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason", "queue_time",
           "ttft", "total_time", "prefill_chunks", "decode_steps"}
 
 
@@ -91,6 +91,7 @@ def test_batch_run_matches_the_reference(setup, tmp_path, tiny_config, tiny_para
     by_id = {r["id"]: r for r in results}
     for r in results:
         assert set(r) == FIELDS
+        assert 0 <= r["cached_tokens"] < r["prompt_tokens"]
         assert r["finish_reason"] in ("stop", "length")
         assert 0 <= r["queue_time"] <= r["ttft"] <= r["total_time"]
         assert r["prefill_chunks"] == -(-r["prompt_tokens"] // 32)

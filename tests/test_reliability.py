@@ -264,6 +264,10 @@ def test_chat_content_as_text_parts_is_the_joined_string(server):
     parts = chat([{"type": "text", "text": "Say"}, {"type": "text", "text": "something."}])
     joined = chat("Say\nsomething.")
     assert parts["choices"][0]["message"] == joined["choices"][0]["message"]
+    # The same tokens: the second request finds the first's full pages in the prefix cache.
+    cached = joined["usage"].pop("prompt_tokens_details")["cached_tokens"]
+    assert cached == (joined["usage"]["prompt_tokens"] - 1) // 64 * 64 > 0
+    del parts["usage"]["prompt_tokens_details"]
     assert parts["usage"] == joined["usage"]
 
 
