@@ -7,9 +7,13 @@
     cadence-bench roofline  [--run=run.json] [--bandwidth_gb_s=.. --flops_gflop_s=..]
     cadence-bench bill      --run=run.json --price_input=.. --price_cached_input=.. --price_output=..
     cadence-bench plot      --runs=a.json,b.json
+    cadence-bench conversations [--conversations=4 --turns=5 --system_tokens=600]   multi-turn chat
+    cadence-bench shared_prefix [--groups=4 --prompts_per_group=8 --prefix_tokens=1000]
 
 Without --base_url, `run` and `capacity` start cadence-serve themselves (--model, --num_slots,
---max_seq_len, --prefill_chunk, --policy); `compare` always does, once per configuration. With
+--max_seq_len, --prefill_chunk, --policy), as do `conversations` and `shared_prefix`, which
+report per turn how much of each prompt the server reused; `compare` always does, once per
+configuration. With
 --base_url (ending in /v1) the client talks to any OpenAI-compatible server: pass --api_key,
 --model, --endpoint, and --noignore_eos for APIs that reject vLLM's `ignore_eos`.
 """
@@ -26,7 +30,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-COMMANDS = ("run", "compare", "capacity", "roofline", "bill", "plot")
+COMMANDS = ("run", "compare", "capacity", "roofline", "bill", "plot", "conversations", "shared_prefix")
 
 # target
 _BASE_URL = flags.DEFINE_string("base_url", None, "OpenAI-compatible base URL (…/v1); unset: start cadence.")
@@ -82,6 +86,20 @@ _PRICE_CACHED = flags.DEFINE_float("price_cached_input", None,
                                    "bill: cached input price per million (default: the input price).")
 _PRICE_OUT = flags.DEFINE_float("price_output", None, "bill: output price per million tokens.")
 _CURRENCY = flags.DEFINE_string("currency", "USD", "bill: currency label.")
+# conversations / shared_prefix
+_CONVERSATIONS = flags.DEFINE_integer("conversations", 4, "conversations: concurrent conversations.", lower_bound=1)
+_TURNS = flags.DEFINE_integer("turns", 5, "conversations: turns per conversation.", lower_bound=1)
+_SYSTEM_TOKENS = flags.DEFINE_integer("system_tokens", 600, "conversations: system prompt tokens (approximate).",
+                                      lower_bound=1)
+_USER_TOKENS = flags.DEFINE_list("user_tokens", ["40", "120"], "conversations: user message tokens LOW,HIGH.")
+_REPLY_TOKENS = flags.DEFINE_integer("reply_tokens", 32, "conversations / shared_prefix: max_tokens per reply.",
+                                     lower_bound=1)
+_GROUPS = flags.DEFINE_integer("groups", 4, "shared_prefix: distinct prefixes.", lower_bound=1)
+_PER_GROUP = flags.DEFINE_integer("prompts_per_group", 8, "shared_prefix: questions per prefix.", lower_bound=1)
+_PREFIX_TOKENS = flags.DEFINE_integer("prefix_tokens", 1000, "shared_prefix: prefix tokens (approximate).",
+                                      lower_bound=1)
+_QUESTION_TOKENS = flags.DEFINE_list("question_tokens", ["20", "60"], "shared_prefix: question tokens LOW,HIGH.")
+_CONCURRENCY = flags.DEFINE_integer("concurrency", 4, "shared_prefix: requests in flight.", lower_bound=1)
 
 
 def _range(values: list[str], name: str) -> tuple[int, int]:
@@ -248,6 +266,50 @@ def cmd_bill() -> None:
     estimate = bill(results, prices)
     print(format_bill(estimate))
     print(json.dumps({"bill_total": round(estimate["total"]["cost"], 6), "currency": prices.currency}))
+
+
+def _prefix_workload(command: str, run) -> None:
+    """Runs a prefix-reuse workload against --base_url, or a cadence-serve it starts; writes
+    the table and every request to OUT/COMMAND.json."""
+    import asyncio
+
+    from cadence.bench import conversations
+    from cadence.bench.cadence_server import spawned
+    from cadence.bench.report import machine, write_json
+
+    out = out_dir(command)
+    out.mkdir(parents=True, exist_ok=True)
+    if _BASE_URL.value:
+        results, wall = asyncio.run(run(target()))
+        server = {"base_url": _BASE_URL.value}
+    else:
+        config = server_config()
+        with spawned(config, out / "serve.log", _HEALTH_TIMEOUT.value) as base_url:
+            results, wall = asyncio.run(run(target(base_url)))
+        server = dataclasses.asdict(config)
+    table = conversations.prefix_table(results, wall)
+    print(conversations.format_table(table))
+    path = write_json(out / f"{command}.json", {
+        "command": " ".join(sys.argv), "server": server, "machine": machine(), "table": table,
+        "results": [r.to_dict() for r in results]})
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def cmd_conversations() -> None:
+    from cadence.bench.conversations import ConversationSpec, run_conversations
+
+    spec = ConversationSpec(_CONVERSATIONS.value, _TURNS.value, _SYSTEM_TOKENS.value,
+                            _range(_USER_TOKENS.value, "user_tokens"), _REPLY_TOKENS.value, _SEED.value)
+    _prefix_workload("conversations", lambda t: run_conversations(spec, t))
+
+
+def cmd_shared_prefix() -> None:
+    from cadence.bench.conversations import SharedPrefixSpec, run_shared_prefix
+
+    spec = SharedPrefixSpec(_GROUPS.value, _PER_GROUP.value, _PREFIX_TOKENS.value,
+                            _range(_QUESTION_TOKENS.value, "question_tokens"), _REPLY_TOKENS.value,
+                            _CONCURRENCY.value, _SEED.value)
+    _prefix_workload("shared_prefix", lambda t: run_shared_prefix(spec, t))
 
 
 def cmd_plot() -> None:

@@ -74,7 +74,8 @@ class Target:
             "stream": True, "stream_options": {"include_usage": True},
         }
         if self.endpoint == "chat":
-            body["messages"] = [{"role": "user", "content": spec.prompt}]
+            turns = spec.messages or (("user", spec.prompt),)
+            body["messages"] = [{"role": role, "content": content} for role, content in turns]
         else:
             body["prompt"] = spec.prompt
         if self.ignore_eos:
@@ -101,6 +102,7 @@ class RequestResult:
     message_texts: list[str] = dataclasses.field(default_factory=list)
     message_usage: list[int | None] = dataclasses.field(default_factory=list)  # cumulative, if sent
     usage: dict | None = None  # the last usage object received
+    timings: dict | None = None  # llama.cpp's llama-server: its last `timings` object
     finish_reason: str | None = None
     done: float | None = None
     server: dict | None = None  # cadence's own record of this request, joined after the run
@@ -137,8 +139,12 @@ class RequestResult:
 
     @property
     def cached_tokens(self) -> int:
+        """Prompt tokens the server says it did not compute: OpenAI's `prompt_tokens_details.
+        cached_tokens`, else llama.cpp's `timings.cache_n`."""
         details = (self.usage or {}).get("prompt_tokens_details") or {}
-        return int(details.get("cached_tokens") or 0)
+        if details.get("cached_tokens") is not None:
+            return int(details["cached_tokens"])
+        return int((self.timings or {}).get("cache_n") or 0)
 
     @property
     def output_tokens(self) -> int | None:
@@ -234,6 +240,8 @@ def _on_message(result: RequestResult, message: dict, now: float) -> None:
     usage = message.get("usage")
     if usage:
         result.usage = usage  # the latest wins: cumulative usages are never summed
+    if message.get("timings"):
+        result.timings = message["timings"]
     for choice in message.get("choices") or []:
         if "delta" in choice:
             delta = choice.get("delta") or {}

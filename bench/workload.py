@@ -166,6 +166,9 @@ class RequestSpec:
     prompt: str
     approx_prompt_tokens: int
     max_tokens: int
+    # A whole conversation, (role, content) pairs, sent instead of `prompt` as one user message
+    # (`bench.conversations`: a system prompt and the history of earlier turns).
+    messages: tuple[tuple[str, str], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

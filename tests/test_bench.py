@@ -441,3 +441,32 @@ def test_plots_are_written_as_png(cadence_report, tmp_path):
     ]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_conversations_resend_their_history_and_later_turns_hit_the_cache(cadence_url):
+    """The multi-turn workload against cadence: each turn sends the system prompt and every
+    earlier message and reply, so its prompt grows turn by turn, and from the second turn on
+    the server reports most of it cached (the system prompt is shared by all conversations)."""
+    from cadence.bench.conversations import (ConversationSpec, SharedPrefixSpec, format_table, prefix_table,
+                                             run_conversations, run_shared_prefix)
+
+    spec = ConversationSpec(conversations=3, turns=2, system_tokens=5, user_tokens=(1, 2), max_tokens=4)
+    results, wall = asyncio.run(run_conversations(spec, Target(cadence_url, "tiny")))
+    assert len(results) == 6 and all(r.ok for r in results), [r.error for r in results]
+    for c in range(3):
+        turns = sorted((r for r in results if r.id.startswith(f"conv{c}-")), key=lambda r: r.id)
+        prompts = [r.prompt_tokens for r in turns]
+        assert prompts[0] < prompts[1]
+        assert all(r.cached_tokens > 0 for r in turns[1:])
+    table = prefix_table(results, wall)
+    rows = {row["class"]: row for row in table["rows"]}
+    assert set(rows) == {"turn-1", "turn-2", "later turns", "all"}
+    assert rows["all"]["prompt_tokens"] == sum(r.prompt_tokens for r in results)
+    assert rows["later turns"]["cached_share"] > 0.5
+    assert rows["all"]["computed_tokens"] == rows["all"]["prompt_tokens"] - rows["all"]["cached_tokens"]
+    assert "later turns" in format_table(table)
+    shared, _ = asyncio.run(run_shared_prefix(
+        SharedPrefixSpec(groups=2, prompts_per_group=3, prefix_tokens=5, question_tokens=(1, 2), max_tokens=4,
+                         concurrency=2), Target(cadence_url, "tiny")))
+    assert len(shared) == 6 and all(r.ok for r in shared)
+    assert sum(r.cached_tokens > 0 for r in shared) >= 4  # all but each group's first (or two, racing)
