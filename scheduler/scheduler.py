@@ -388,6 +388,11 @@ class Scheduler:
         return sum(p.pages.cached_count for p in self.pools)
 
     @property
+    def kv_pages_evicted(self) -> int:
+        """Cached pages whose prefix was forgotten to make room, since the start."""
+        return sum(p.pages.evictions for p in self.pools)
+
+    @property
     def kv_page_utilization(self) -> float:
         """Of the token slots in held pages, the fraction holding a real token's KV."""
         held = self.kv_pages[0] * self.page_size

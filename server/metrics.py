@@ -32,6 +32,8 @@ class _SchedulerCounters:
                                              "(vLLM's prefix_cache_queries).", self.scheduler.prefix_queries),
             "cadence:prefix_cache_hits": ("Of those, tokens whose KV the cache held, not prefilled "
                                           "(vLLM's prefix_cache_hits).", self.scheduler.prefix_hits),
+            "cadence:kv_pages_evicted": ("Cached KV pages evicted (their prefix forgotten) to make room.",
+                                         self.scheduler.kv_pages_evicted),
         }
         for name, (doc, value) in counters.items():
             family = CounterMetricFamily(name, doc, labels=["model_name"])
