@@ -6,6 +6,8 @@
 #                  turn re-sending the history with the replies (greedy, 32 tokens a reply);
 #   shared_prefix: 4 prefixes of ~1000 tokens, 8 questions after each, shuffled, 4 in flight;
 #   mixed:         the seed's mixed load (no shared prefixes), cadence with and without the cache.
+# ORDER picks the servers and their order (default: cache nocache llama; also page16, smallpool);
+# MIXED= (empty) skips the mixed load; OUT moves the results.
 # LLAMA_SERVER: the llama-server binary (bench/results/llama-server-cpu/README.md builds it).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -27,11 +29,12 @@ cadence() {  # $1: label; then cadence-serve flags
   server=$!
   until curl -sf http://127.0.0.1:8123/health > /dev/null; do sleep 2; done
   workloads $label http://127.0.0.1:8123/v1
-  if [ -n "${MIXED:-1}" ]; then
+  if [ -n "${MIXED-1}" ]; then
     .venv/bin/cadence-bench run --base_url=http://127.0.0.1:8123/v1 "${mixed[@]}" \
       --out_dir=$out/$label/mixed > $out/$label-mixed.txt 2>&1
   fi
-  curl -s http://127.0.0.1:8123/metrics | grep -E '^cadence:(prefix_cache|kv_pages_cached|num_preemptions)' > $out/$label-metrics.txt
+  curl -s http://127.0.0.1:8123/metrics | grep -E '^cadence:(prefix_cache|kv_pages_(cached|evicted)|num_preemptions)' \
+    > $out/$label-metrics.txt
   kill $server; wait $server || true
 }
 
@@ -48,6 +51,9 @@ for server in ${ORDER:-cache nocache llama}; do
   case $server in
     cache) cadence cadence ;;
     nocache) cadence cadence-nocache --noprefix_caching ;;
+    page16) cadence cadence-page16 --page_size=16 ;;  # a finer cache: less of each prompt recomputed
+    smallpool) cadence cadence-smallpool --kv_cache_memory=200MiB ;;  # 71 pages: one 4k sequence and a little
+    tinypool) cadence cadence-tinypool --max_seq_len=2048 --kv_cache_memory=100MiB ;;  # 35 pages: too few
     llama) llama ;;
   esac
 done
