@@ -543,10 +543,11 @@ class Scheduler:
         (`Request.prefix`) makes it start prefilling after the cached pages. A prompt's last
         token is always computed (its logits give the first output), so the page holding it
         is never taken from the cache. Admission takes the hit (`_admit`)."""
-        caching = pool.pages.caching and pool.free_slots
+        if not pool.pages.caching:
+            return  # nothing is ever looked up: every waiting request's prefix stays empty
         for r in self._waiting:
             r.prefix, r.prefix_evictable = [], 0
-            if not caching or r.unapplied or r.page_keys is None:
+            if not pool.free_slots or r.unapplied or r.page_keys is None:
                 r.prefilled = r.kv_tokens = 0
                 continue
             if r.preemptions:  # it will recompute its output too (`readmitted`)

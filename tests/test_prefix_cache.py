@@ -13,9 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cadence.model.sampling import RequestSampling
 from cadence.scheduler.pages import PageAllocator, PageKeys
-from tests.test_scheduler import ALPHABET, FakeEngine, Harness, chunked, expected, prefill_first, random_prompt
+from tests.test_scheduler import (
+    ALPHABET, FakeEngine, Harness, chunked, expected, prefill_first, random_prompt, run_random_load,
+)
 
 
 def keys(tokens, page_size=4, salt=None):
@@ -321,31 +322,23 @@ def test_the_disaggregated_prefill_pool_caches():
 
 
 def shared_prefix_load(h: Harness, rng, arrivals: list[int], after_step) -> None:
-    """Requests built from three long shared stems (system prompts), cut at random lengths and
-    followed by random tails; some resubmit an earlier request's prompt and output (a next
-    turn); greedy and seeded sampling, EOS, cancellations."""
+    """`run_random_load` with prompts built from three long shared stems (system prompts), cut
+    at random lengths and followed by random tails; some resubmit an earlier request's prompt
+    and output (a next turn); greedy and seeded sampling, EOS, cancellations."""
     stems = [random_prompt(rng, 90) for _ in range(3)]
-    for step in range(20_000):
-        while arrivals and arrivals[0] <= step:
-            arrivals.pop(0)
-            done = [c for c in h.clients if c.record and c.record.finish_reason != "abort"]
-            if done and rng.random() < 0.3:
-                prev = done[int(rng.integers(len(done)))]
-                prompt = prev.prompt + [t for t in prev.token_ids if t != 258] + random_prompt(rng, 5)
-            else:
-                stem = stems[int(rng.integers(3))]
-                prompt = stem[: int(rng.integers(1, 91))] + random_prompt(rng, int(rng.integers(0, 30)))
-            sampling = RequestSampling(temperature=float(rng.choice([0.0, 0.8])),
-                                       seed=int(rng.integers(0, 2**31)))
-            h.submit(prompt[:200], max_tokens=int(rng.integers(1, 50)), sampling=sampling)
-        live = [c for c in h.clients if c.record is None]
-        if live and rng.random() < 0.02:
-            live[int(rng.integers(len(live)))].stream.cancel()
-        if not arrivals and h.sched.idle():
-            return
-        h.step()
-        after_step()
-    raise AssertionError("the load did not finish")
+
+    def prompt(rng) -> list[int]:
+        done = [c for c in h.clients if c.record and c.record.finish_reason != "abort"]
+        if done and rng.random() < 0.3:
+            prev = done[int(rng.integers(len(done)))]
+            ids = prev.prompt + [t for t in prev.token_ids if t != 258] + random_prompt(rng, 5)
+        else:
+            stem = stems[int(rng.integers(3))]
+            ids = stem[: int(rng.integers(1, 91))] + random_prompt(rng, int(rng.integers(0, 30)))
+        return ids[:200]
+
+    run_random_load(h, rng, arrivals, prompt_max=200, tokens_max=50, cancel_p=0.02, max_steps=20_000,
+                    after_step=after_step, prompt=prompt)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

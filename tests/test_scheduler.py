@@ -523,24 +523,26 @@ def test_single_request_matches_sequential_model(policy):
 
 
 def run_random_load(h: Harness, rng, arrivals: list[int], prompt_max: int, tokens_max: int,
-                    cancel_p: float, max_steps: int, after_step=lambda: None) -> None:
-    """Submits a request at each arrival step (random prompt up to `prompt_max` tokens, up to
-    `tokens_max` output, greedy or seeded sampling), cancels a live one with probability
-    `cancel_p` per step, and steps until everything has arrived and the scheduler is idle."""
+                    cancel_p: float, max_steps: int, after_step=lambda: None, prompt=None) -> None:
+    """Submits a request at each arrival step (random prompt up to `prompt_max` tokens, or one
+    `prompt(rng)` draws; up to `tokens_max` output; greedy or seeded sampling), cancels a live
+    one with probability `cancel_p` per step, and steps until everything has arrived and the
+    scheduler is idle (within `max_steps`)."""
+    prompt = prompt or (lambda rng: random_prompt(rng, int(rng.integers(1, prompt_max))))
     for step in range(max_steps):
         while arrivals and arrivals[0] <= step:
             arrivals.pop(0)
             sampling = RequestSampling(temperature=float(rng.choice([0.0, 0.8])),
                                        seed=int(rng.integers(0, 2**31)))
-            h.submit(random_prompt(rng, int(rng.integers(1, prompt_max))),
-                     max_tokens=int(rng.integers(1, tokens_max)), sampling=sampling)
+            h.submit(prompt(rng), max_tokens=int(rng.integers(1, tokens_max)), sampling=sampling)
         live = [c for c in h.clients if c.record is None]
         if live and rng.random() < cancel_p:
             live[int(rng.integers(len(live)))].stream.cancel()
         if not arrivals and h.sched.idle():
-            break
+            return
         h.step()
         after_step()
+    raise AssertionError(f"the load did not finish in {max_steps} steps")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
