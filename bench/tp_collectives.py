@@ -48,7 +48,8 @@ _SHAPE = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 
 
 _BRANCH = re.compile(r"/cond/branch_(\d+)_fun")
-# `model.sampling.sample`'s one `lax.cond`: branch 0 when every row is greedy, 1 otherwise.
+# `model.sampling`'s `lax.cond`s: branch 0 when no row uses the stage (all greedy, no bias,
+# penalties or logprobs), 1 otherwise; each runs on logits every device holds whole.
 STEP_KINDS = {"greedy": "0", "sampling": "1"}
 
 
@@ -104,7 +105,7 @@ def compile_counts(config, n: int, batch: int, chunk: int) -> dict[str, dict]:
     from cadence.model.llama import rope_table
     from cadence.model.paged_kv import PagedKVCache
     from cadence.model.params import abstract_params
-    from cadence.model.sampling import RequestSampling
+    from cadence.model.sampling import RequestSampling, TokenHistory
     from cadence.model.sharding import POOL_AXES, TensorParallel
 
     tp = TensorParallel.plan(config, jax.devices()[:n])
@@ -119,15 +120,17 @@ def compile_counts(config, n: int, batch: int, chunk: int) -> dict[str, dict]:
     last = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=tp.replicated)
     rope = jax.eval_shape(lambda: rope_table(cc, engine.max_seq_len))
     rope = jax.ShapeDtypeStruct(rope.shape, rope.dtype, sharding=tp.replicated)
+    history = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=tp.replicated),
+                           jax.eval_shape(lambda: TokenHistory.create(batch, cc.vocab_size)))
     width = engine.max_pages_per_seq
     decode = programs.decode.lower(
-        params, rope, cache, last, np.arange(batch, dtype=np.int32), np.full(batch, 512, np.int32),
+        params, rope, cache, last, history, np.arange(batch, dtype=np.int32), np.full(batch, 512, np.int32),
         np.zeros((batch, width), np.int32), sampling_rows([RequestSampling()] * batch),
         np.int32(1))
     pack = empty_pack(chunk, width, engine.pack_block, batch, engine.chunks_per_program)
     prefill = programs.prefill.lower(
-        params, rope, cache, last, pack.tokens, pack.positions, pack.lengths, pack.tables,
-        pack.logit_index, pack.steps, pack.write_slot,
+        params, rope, cache, last, history, pack.tokens, pack.positions, pack.lengths, pack.tables,
+        pack.logit_index, pack.steps, pack.write_slot, pack.sampling_slot,
         sampling_rows([RequestSampling()] * len(pack.steps)))
     return {name: collectives(lowered.compile().as_text())
             for name, lowered in (("decode", decode), ("prefill", prefill))}

@@ -21,6 +21,13 @@
                                                         returns the handle as copied to its device
     engine.config.role                                  "both", or "prefill"/"decode" (one phase
                                                         of a disaggregated pair: the other raises)
+    engine.set_history(slot, prompt_ids, output_ids)    the slot's token history (what penalties
+                                                        read): call it when a penalized request
+                                                        takes a slot, before its next program
+    tokens.logprobs()                                   of a prefill or decode result: `HostLogprobs`
+                                                        shaped like its tokens (and [..., k] for
+                                                        the max_logprobs alternatives), real for
+                                                        the rows whose sampling asked
 
 KV lives in pages of the engine's pool; the scheduler decides which pages each sequence holds
 (`scheduler.pages`) and passes them: a `PrefillChunk`'s `pages` is its sequence's page ids in

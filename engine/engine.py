@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,8 @@ from cadence.model.llama import forward, rope_table
 from cadence.model.params import cast
 from cadence.model.sharding import TensorParallel
 from cadence.model.paged_kv import PagedKVCache
-from cadence.model.sampling import RequestSampling, SamplingParams, SamplingRows, sample
+from cadence.model.sampling import (NO_TOKEN, Logprobs, RequestSampling, SamplingParams, SamplingRows,
+                                    TokenHistory, choose)
 
 
 # Measured with SmolLM2-135M on the 2-core CPU: batched decode beat the per-slot loops at 128
@@ -111,6 +113,10 @@ class EngineConfig:
     # The most decode steps one dispatch runs (`decode(..., steps=k)`, k <= this); the same
     # program runs any k, so this costs no compile.
     decode_steps: int = 1
+    # The most top_logprobs a request may ask for: both programs compute this many
+    # alternatives per token (only in steps where some row asks for logprobs), so the number
+    # a request asks for costs no compile.
+    max_logprobs: int = 20
     # Decode's matmuls: "xla", or "cpu": the CPU kernel (`model.cpu_kernels`) over a copy of
     # the weights in its blocked layout, made when the engine places them (float32 or int8
     # weights, float32 compute, one device).
@@ -134,6 +140,8 @@ class EngineConfig:
                              f"float32; dtype is {self.dtype}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.prefill_tokens is not None and self.prefill_tokens < self.prefill_chunk:
@@ -214,24 +222,27 @@ class EngineConfig:
 
 
 def _prefill_program(
-    params, rope, cache, last_tokens, tokens, positions, lengths, tables, logit_index, steps,
-    write_slot, sampling, *, config, attention, dtype, mesh,
+    params, rope, cache, last_tokens, history, tokens, positions, lengths, tables, logit_index,
+    steps, write_slot, sampling_slot, sampling, *, config, attention, dtype, mesh, max_logprobs,
 ):
     """Every chunk of a pack (`engine.packing`) in one pass: KV written through each row's
-    table, one token sampled per chunk, and each prompt's last chunk's token written into its
-    slot's `last_tokens` (other entries of `write_slot` are num_slots and drop out)."""
+    table, one token sampled per chunk (with its slot's history, `sampling_slot`), and each
+    prompt's last chunk's token written into its slot's `last_tokens` and counted into its
+    history (other entries of `write_slot` are num_slots and drop out)."""
     logits, cache = forward(
         params, tokens, positions, lengths, cache, tables, config=config,
         logit_index=logit_index, attention=attention, dtype=dtype, mesh=mesh, rope_table=rope,
     )
-    sampled = sample(logits, sampling, steps)  # step = the new token's position
+    # step = the new token's position
+    sampled, logprobs = choose(logits, sampling, history, sampling_slot, steps, max_logprobs)
     last_tokens = last_tokens.at[write_slot].set(sampled, mode="drop")
-    return sampled, cache, last_tokens
+    history = history.count(write_slot, sampled, sampling)
+    return (sampled, logprobs), cache, last_tokens, history
 
 
 def _decode_program(
-    params, rope, cache, last_tokens, slots, positions, page_table, sampling, steps,
-    *, config, attention, dtype, mesh, max_steps,
+    params, rope, cache, last_tokens, history, slots, positions, page_table, sampling, steps,
+    *, config, attention, dtype, mesh, max_steps, max_logprobs,
 ):
     """Up to `steps` decode steps (at most `max_steps`) over the rows of `slots` [batch] (a
     slot index, or num_slots for a padding row); positions (each row's first step), page_table
@@ -239,11 +250,15 @@ def _decode_program(
     comes in with one, a request that ended in the step before): it writes nothing after, and
     the loop exits once every row has ended. Returns [max_steps, num_slots]: every slot's next
     token after each step (its last one where a row did not decode, and after the last step
-    run, the state it left)."""
+    run, the state it left), and each step's `Logprobs` per slot (zeros where none was asked
+    for or nothing decoded)."""
     num_slots = last_tokens.shape[0]
     inputs = jnp.take(last_tokens, slots, mode="clip")
     live = (slots < num_slots) & ~sampling.stops(inputs)
     out = jnp.broadcast_to(last_tokens, (max_steps, num_slots))
+    lp_out = Logprobs(token=jnp.zeros((max_steps, num_slots), jnp.float32),
+                      ids=jnp.zeros((max_steps, num_slots, max_logprobs), jnp.int32),
+                      values=jnp.zeros((max_steps, num_slots, max_logprobs), jnp.float32))
     rows = jnp.arange(positions.shape[0], dtype=jnp.int32)
 
     def more(state):
@@ -251,22 +266,32 @@ def _decode_program(
         return (step < steps) & jnp.any(live)
 
     def one_step(state):
-        step, live, inputs, cache, last_tokens, out = state
+        step, live, inputs, cache, last_tokens, history, out, lp_out = state
         at = positions + step
         logits, cache = forward(
             params, inputs[:, None], at[:, None], live.astype(jnp.int32), cache, page_table,
             config=config, logit_index=rows, attention=attention, dtype=dtype, mesh=mesh,
             rope_table=rope,
         )
-        tokens = jnp.where(live, sample(logits, sampling, at + 1), inputs)
-        last_tokens = last_tokens.at[jnp.where(live, slots, num_slots)].set(tokens, mode="drop")
+        sampled, logprobs = choose(logits, sampling, history, slots, at + 1, max_logprobs)
+        tokens = jnp.where(live, sampled, inputs)
+        into = jnp.where(live, slots, num_slots)
+        last_tokens = last_tokens.at[into].set(tokens, mode="drop")
+        history = history.count(into, tokens, sampling)
         out = jax.lax.dynamic_update_index_in_dim(out, last_tokens, step, 0)
-        return step + 1, live & ~sampling.stops(tokens), tokens, cache, last_tokens, out
+        lp_out = jax.tree.map(lambda a, new: a.at[step, into].set(new, mode="drop"), lp_out, logprobs)
+        return (step + 1, live & ~sampling.stops(tokens), tokens, cache, last_tokens, history, out,
+                lp_out)
 
-    ran, _, _, cache, last_tokens, out = jax.lax.while_loop(
-        more, one_step, (jnp.int32(0), live, inputs, cache, last_tokens, out))
+    ran, _, _, cache, last_tokens, history, out, lp_out = jax.lax.while_loop(
+        more, one_step, (jnp.int32(0), live, inputs, cache, last_tokens, history, out, lp_out))
     out = jnp.where((jnp.arange(max_steps) < ran)[:, None], out, last_tokens[None])
-    return out, cache, last_tokens
+    return (out, lp_out), cache, last_tokens, history
+
+
+def _history_program(history, slot, tokens, prompt_len):
+    """Writes slot `slot`'s token history from its sequence so far (`TokenHistory.set_row`)."""
+    return history.set_row(slot, tokens, prompt_len)
 
 
 def _extract_program(cache, last_tokens, ids, slot):
@@ -297,6 +322,7 @@ class Programs:
     decode_batched: Callable  # the einsum decode over a page-table bucket
     extract: Callable
     insert: Callable
+    history: Callable  # a slot's TokenHistory row from its tokens
 
 
 def jit_programs(model_config: ModelConfig, config: EngineConfig,
@@ -308,16 +334,16 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
     if tp is not None:
         model_config = tp.compute_config  # the KV heads as the plan repeats them
     static = dict(config=model_config, attention=config.attention, dtype=jnp.dtype(config.dtype),
-                  mesh=tp.attention_mesh if tp else None)
+                  mesh=tp.attention_mesh if tp else None, max_logprobs=config.max_logprobs)
     decode = dict(static, max_steps=config.decode_steps)
-    donate = ("cache", "last_tokens")
+    donate = ("cache", "last_tokens", "history")
 
     def jit(fn, out, **kw):
         return jax.jit(fn, **({} if tp is None else {"out_shardings": out}), **kw)
 
     pool, token, handle = (None, None, None) if tp is None else (
         tp.pool_sharding, tp.replicated, tp.handle_sharding)
-    stepped = (token, pool, token)
+    stepped = (token, pool, token, token)  # (tokens, logprobs), pool, last_tokens, history
     # Page-table widths are shapes: each bucket is its own program, compiled at warm-up.
     return Programs(
         prefill=jit(functools.partial(_prefill_program, **static), stepped, donate_argnames=donate),
@@ -325,7 +351,8 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
         decode_batched=jit(functools.partial(_decode_program, **{**decode, "attention": "reference"}),
                            stepped, donate_argnames=donate),
         extract=jit(_extract_program, (handle, handle, token)),
-        insert=jit(_insert_program, (pool, token), donate_argnames=donate),
+        insert=jit(_insert_program, (pool, token), donate_argnames=("cache", "last_tokens")),
+        history=jit(_history_program, token, donate_argnames=("history",)),
     )
 
 
@@ -402,18 +429,38 @@ def _gather_rows(sampling: SamplingParams, pick: np.ndarray, live: np.ndarray) -
     return jax.tree.map(gather, sampling, _GREEDY_ROW)
 
 
+def _copy_to_host(logprobs: Logprobs) -> None:
+    for a in (logprobs.token, logprobs.ids, logprobs.values):
+        a.copy_to_host_async()
+
+
 def _local(tokens: jax.Array) -> jax.Array:
     """This process's copy of replicated tokens: the array itself on one host; across hosts
     (`engine.multihost`) the whole array is never addressable here, its local copy is."""
     return tokens if tokens.is_fully_addressable else tokens.addressable_data(0)
 
 
+class HostLogprobs(NamedTuple):
+    """`Logprobs` as read to the host: token [...], ids and values [..., max_logprobs]."""
+
+    token: np.ndarray
+    ids: np.ndarray
+    values: np.ndarray
+
+
+def _read_logprobs(logprobs: Logprobs, rows: slice | None = None) -> HostLogprobs:
+    arrays = (np.asarray(a) for a in (logprobs.token, logprobs.ids, logprobs.values))
+    return HostLogprobs(*(a if rows is None else a[rows] for a in arrays))
+
+
 class PrefillTokens:
     """What `Engine.prefill` returns: each chunk's sampled token, on the device until read.
-    `np.asarray(result)` waits for the programs and gives [len(chunks)] int32."""
+    `np.asarray(result)` waits for the programs and gives [len(chunks)] int32;
+    `result.logprobs()` the chunks' `HostLogprobs` (zeros unless a chunk's row asked)."""
 
-    def __init__(self, parts: list[tuple[jax.Array, int]]):
+    def __init__(self, parts: list[tuple[jax.Array, int]], logprobs: list[Logprobs] = ()):
         self._parts = parts  # (a program's tokens [C], how many of them are real chunks)
+        self._logprobs = list(logprobs)  # each program's
 
     @property
     def programs(self) -> int:
@@ -431,14 +478,23 @@ class PrefillTokens:
         jax.block_until_ready([a for a, _ in self._parts])
         return self
 
+    def logprobs(self) -> HostLogprobs:
+        parts = [_read_logprobs(lp, slice(0, n)) for lp, (_, n) in zip(self._logprobs, self._parts)]
+        return HostLogprobs(*(np.concatenate(a) for a in zip(*parts)))
+
 
 class DecodeTokens:
     """What `Engine.decode` returns: every slot's token after each step, on the device until
     read. `np.asarray(result)` waits for the program and gives [steps, num_slots] int32."""
 
-    def __init__(self, tokens: jax.Array, steps: int):
+    def __init__(self, tokens: jax.Array, steps: int, logprobs: Logprobs | None = None):
         self._tokens = tokens  # [decode_steps, num_slots]: the program's whole buffer
         self.steps = steps
+        self._logprobs = logprobs
+
+    def logprobs(self) -> HostLogprobs:
+        """[steps, num_slots] (and [..., max_logprobs]): each step's, per slot."""
+        return _read_logprobs(self._logprobs, slice(0, self.steps))
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         out = np.asarray(self._tokens)[: self.steps]
@@ -489,11 +545,13 @@ class Engine:
         self.rope = jax.device_put(rope_table(self.compute_config, config.max_seq_len), self._token_at)
         self.cache: PagedKVCache | None = None
         self.last_tokens: jax.Array | None = None
-        self.recover()  # allocates the page pool and the next-token buffer
+        self.history: TokenHistory | None = None
+        self.recover()  # allocates the page pool, the next-token buffer and the token history
         programs = jit_programs(self.compute_config, config, self.tp)
         self._prefill, self._decode = programs.prefill, programs.decode
         self._decode_batched = programs.decode_batched
         self._extract, self._insert = programs.extract, programs.insert
+        self._history = programs.history
         self._warm_compiles: int | None = None
         logging.info(
             "KV pool: %d pages x %d tokens (%d tokens), %.1f MiB", self.num_pages, config.page_size,
@@ -533,21 +591,26 @@ class Engine:
             chunks, block=cfg.pack_block, token_buckets=cfg.prefill_buckets,
             page_buckets=cfg.prefill_page_buckets, page_size=cfg.page_size, num_slots=cfg.num_slots,
             max_chunks=cfg.chunks_per_program)
-        results = []
+        results, logprobs = [], []
+        wanted = bool(np.asarray(sampling.logprobs).any())
         for pack in packs:
             live = pack.sampling_slot < cfg.num_slots
             rows = _gather_rows(sampling, np.where(live, pack.sampling_slot, 0), live)
-            tokens = self._run_pack(pack, rows)
+            tokens, lp = self._run_pack(pack, rows)
             tokens.copy_to_host_async()
+            if wanted:
+                _copy_to_host(lp)
             results.append((tokens, pack.count))
-        return PrefillTokens(results)
+            logprobs.append(lp)
+        return PrefillTokens(results, logprobs)
 
-    def _run_pack(self, pack: Pack, sampling: SamplingParams) -> jax.Array:
-        tokens, self.cache, self.last_tokens = self._prefill(
-            self.params, self.rope, self.cache, self.last_tokens, pack.tokens, pack.positions, pack.lengths,
-            pack.tables, pack.logit_index, pack.steps, pack.write_slot, sampling,
+    def _run_pack(self, pack: Pack, sampling: SamplingParams) -> tuple[jax.Array, Logprobs]:
+        (tokens, logprobs), self.cache, self.last_tokens, self.history = self._prefill(
+            self.params, self.rope, self.cache, self.last_tokens, self.history, pack.tokens,
+            pack.positions, pack.lengths, pack.tables, pack.logit_index, pack.steps,
+            pack.write_slot, pack.sampling_slot, sampling,
         )
-        return _local(tokens)
+        return _local(tokens), jax.tree.map(_local, logprobs)
 
     def decode(
         self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
@@ -578,14 +641,31 @@ class Engine:
         pick = np.where(live, rows, 0)
         program, width = self._decode_plan(positions[slots] + steps)
         tables = np.where(live[:, None], page_table[pick, :width], 0).astype(np.int32)
-        tokens, self.cache, self.last_tokens = program(
-            self.decode_params, self.rope, self.cache, self.last_tokens, rows,
+        (tokens, logprobs), self.cache, self.last_tokens, self.history = program(
+            self.decode_params, self.rope, self.cache, self.last_tokens, self.history, rows,
             np.where(live, positions[pick], 0).astype(np.int32), tables,
             _gather_rows(sampling, pick, live), np.int32(steps),
         )
-        tokens = _local(tokens)
+        tokens, logprobs = _local(tokens), jax.tree.map(_local, logprobs)
         tokens.copy_to_host_async()
-        return DecodeTokens(tokens, steps)
+        if np.asarray(sampling.logprobs)[slots].any():
+            _copy_to_host(logprobs)
+        return DecodeTokens(tokens, steps, logprobs)
+
+    def set_history(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int] = ()) -> None:
+        """Makes `slot`'s token history (what presence, frequency and repetition penalties
+        read) that of a sequence with this prompt and output so far; the programs count every
+        token the slot samples after. Call it when a penalized request takes a slot, before
+        its next prefill or decode. Returns at once."""
+        cfg = self.config
+        if not 0 <= slot < cfg.num_slots:
+            raise ValueError(f"slot {slot} is not in [0, {cfg.num_slots})")
+        n = len(prompt_ids) + len(output_ids)
+        if n > cfg.max_seq_len:
+            raise ValueError(f"a history of {n} tokens overflows max_seq_len={cfg.max_seq_len}")
+        tokens = np.full(cfg.max_seq_len, NO_TOKEN, np.int32)
+        tokens[:n] = np.asarray([*prompt_ids, *output_ids], np.int32)
+        self.history = self._history(self.history, np.int32(slot), tokens, np.int32(len(prompt_ids)))
 
     def _decode_plan(self, lengths: np.ndarray):
         """The cheaper decode program for these live lengths, and its page-table width.
@@ -670,10 +750,12 @@ class Engine:
         requests that were."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        self.cache = self.last_tokens = None  # let the old buffers go before allocating
+        self.cache = self.last_tokens = self.history = None  # let the old buffers go first
         self.cache = PagedKVCache.create(self.compute_config, cfg.pool_pages, cfg.page_size, dtype,
                                          device=self._pool_at)
         self.last_tokens = jnp.zeros((cfg.num_slots,), jnp.int32, device=self._token_at)
+        self.history = TokenHistory.create(cfg.num_slots, self.model_config.vocab_size,
+                                           device=self._token_at)
         # Counted here, once: a metrics reader on another thread may otherwise meet the pool
         # between a program's donation of it and the return of its successor.
         self._kv_cache_bytes = sum(shard.data.nbytes for layer in self.cache.k + self.cache.v
@@ -699,14 +781,14 @@ class Engine:
         done = 0
         for t, width in prefill_shapes:
             pack = empty_pack(t, width, cfg.pack_block, cfg.num_slots, cfg.chunks_per_program)
-            token = self._run_pack(pack, sampling_rows([RequestSampling()] * len(pack.steps)))
+            token, _ = self._run_pack(pack, sampling_rows([RequestSampling()] * len(pack.steps)))
             done += 1
             if progress:
                 progress(done, total)
         for program, width in decode_shapes:
             for batch in cfg.decode_batch_buckets:
-                tokens, self.cache, self.last_tokens = program(
-                    self.decode_params, self.rope, self.cache, self.last_tokens,
+                (tokens, _), self.cache, self.last_tokens, self.history = program(
+                    self.decode_params, self.rope, self.cache, self.last_tokens, self.history,
                     np.full(batch, cfg.num_slots, np.int32), np.zeros(batch, np.int32),
                     np.zeros((batch, width), np.int32), sampling_rows([RequestSampling()] * batch),
                     np.int32(1),
@@ -723,7 +805,10 @@ class Engine:
             done += 1
             if progress:
                 progress(done, total)
-        jax.block_until_ready([x for x in (token, tokens, self.cache, self.last_tokens) if x is not None])
+        # The history of a slot nobody holds: rewritten whole by whoever takes it with penalties.
+        self.set_history(0, [])
+        jax.block_until_ready([x for x in (token, tokens, self.cache, self.last_tokens, self.history)
+                               if x is not None])
         self._warm_compiles = compile_counter.count()
 
     @property

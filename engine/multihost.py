@@ -37,7 +37,7 @@ import numpy as np
 from absl import logging
 
 # The calls that run programs on every process; everything else an engine answers locally.
-BROADCAST = ("prefill", "decode", "recover", "warmup")
+BROADCAST = ("prefill", "decode", "set_history", "recover", "warmup")
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
@@ -123,6 +123,9 @@ class Leader:
 
     def decode(self, positions, active, sampling, page_table, steps=1):
         return self._call("decode", positions, active, sampling, page_table, steps)
+
+    def set_history(self, slot, prompt_ids, output_ids=()):
+        self._call("set_history", slot, list(prompt_ids), list(output_ids))
 
     def recover(self) -> None:
         self._call("recover")

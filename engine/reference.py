@@ -5,10 +5,16 @@ prompt in one forward, then one token at a time with the plain einsum attention 
 over that page. No batching, no buckets, no chunking, no donation, no paging to speak of. It is
 the oracle the engine's fast paths (any attention, any page layout) are tested against, so it
 stays boring on purpose.
+
+With a `RequestSampling`, greedy picks from the logits after its logit_bias and penalties,
+applied here in NumPy one row at a time (`adjusted_logits`), written apart from the device's
+vectorized version (`model.sampling.adjust_logits`) so that each checks the other. With
+`return_logprobs`, it also gives each output token's log-softmax values over the raw logits.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from functools import partial
 
@@ -19,6 +25,7 @@ import numpy as np
 from cadence.model.config import ModelConfig
 from cadence.model.llama import forward
 from cadence.model.paged_kv import PagedKVCache
+from cadence.model.sampling import RequestSampling
 
 
 @partial(jax.jit, static_argnames=("config",))
@@ -31,6 +38,25 @@ def _step(params, tokens, positions, cache, *, config):
     return logits[:, -1], cache
 
 
+def adjusted_logits(logits: np.ndarray, sampling: RequestSampling, prompt_ids: Sequence[int],
+                    output_ids: Sequence[int]) -> np.ndarray:
+    """One row's logits after `sampling`'s logit_bias, repetition penalty (HF's: over every id
+    of prompt and output, a positive logit divided by it, a negative one multiplied), then
+    frequency and presence penalties (OpenAI's: minus frequency x the id's count in the output,
+    minus presence if it occurs there at all)."""
+    out = np.array(logits, np.float32)
+    for token, bias in sampling.logit_bias:
+        out[token] += np.float32(bias)
+    rep = np.float32(sampling.repetition_penalty)
+    for token in set(prompt_ids) | set(output_ids):
+        out[token] = out[token] / rep if out[token] > 0 else out[token] * rep
+    counts = collections.Counter(output_ids)
+    for token, n in counts.items():
+        out[token] -= np.float32(sampling.frequency_penalty) * np.float32(n)
+        out[token] -= np.float32(sampling.presence_penalty)
+    return out
+
+
 def greedy_generate(
     params,
     config: ModelConfig,
@@ -39,10 +65,13 @@ def greedy_generate(
     eos_ids: frozenset[int] = frozenset(),
     *,
     return_logits: bool = False,
+    sampling: RequestSampling | None = None,
 ) -> list[int] | tuple[list[int], list[np.ndarray]]:
-    """Greedy continuation of `prompt_ids`: at most `max_tokens` ids, stopping after an EOS id.
+    """Greedy continuation of `prompt_ids`: at most `max_tokens` ids, stopping after an EOS id,
+    each the argmax of the logits after `sampling`'s bias and penalties (its temperature and
+    filters are not used: this is greedy).
 
-    With `return_logits`, also returns the float32 logits that chose each output token.
+    With `return_logits`, also returns the raw float32 logits of each output token's step.
     """
     if not prompt_ids:
         raise ValueError("the prompt must contain at least one token")
@@ -63,7 +92,10 @@ def greedy_generate(
     positions = jnp.arange(len(prompt_ids), dtype=jnp.int32)[None]
     logits, cache = _step(params, tokens, positions, cache, config=config)
     while True:
-        token = int(jnp.argmax(logits[0]))
+        row = np.asarray(logits[0])
+        if sampling is not None:
+            row = adjusted_logits(row, sampling, prompt_ids, out)
+        token = int(np.argmax(row))
         out.append(token)
         all_logits.append(np.asarray(logits[0]))
         if token in eos_ids or len(out) == max_tokens:
@@ -77,3 +109,22 @@ def greedy_generate(
             config=config,
         )
     return (out, all_logits) if return_logits else out
+
+
+def sequence_logits(params, config: ModelConfig, token_ids: Sequence[int]) -> np.ndarray:
+    """[len(token_ids), vocab] float32: the logits after each position, from one forward pass
+    over the whole sequence (row i scores token i + 1)."""
+    cache = PagedKVCache.create(config, num_pages=1, page_size=len(token_ids))
+    lengths = jnp.full((1,), len(token_ids), jnp.int32)
+    logits, _ = forward(params, jnp.asarray([list(token_ids)], jnp.int32),
+                        jnp.arange(len(token_ids), dtype=jnp.int32)[None], lengths, cache,
+                        jnp.zeros((1, 1), jnp.int32), config=config, attention="reference",
+                        logit_index=None)
+    return np.asarray(logits[0], np.float32)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """In float64, over the last axis: the reference's logprobs."""
+    x = np.asarray(logits, np.float64)
+    top = x.max(axis=-1, keepdims=True)
+    return x - top - np.log(np.exp(x - top).sum(axis=-1, keepdims=True))

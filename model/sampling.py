@@ -10,10 +10,21 @@ greedy and sampled requests:
     seed         [rows] u32   with `step` [rows] i32 gives the row's key: fold_in(key(seed), step)
     stop_ids     [rows, MAX_STOP_TOKENS] i32   token ids that end the row's request (its EOS
                  ids; -1 pads), so a program of several decode steps stops a row on the device
+    min_p        [rows] f32   0 means off: drop tokens less likely than min_p x the likeliest
+    presence_penalty, frequency_penalty   [rows] f32   0 means off (OpenAI's, over the output)
+    repetition_penalty                    [rows] f32   1 means off (HF/vLLM's, prompt + output)
+    bias_ids, bias_values  [rows, MAX_LOGIT_BIAS]  logit_bias entries (NO_TOKEN pads)
+    logprobs     [rows] bool  whether the row's request asks for logprobs (`token_logprobs`)
+
+The order is vLLM's: logit_bias and the penalties change the logits (greedy rows too), then
+temperature, min_p, top-k and top-p shape the distribution a sampled row draws from. The
+penalties read the row's token history, device state the programs carry and update
+(`TokenHistory`): how often each id was generated, and which ids the prompt holds.
 
 A row's randomness depends only on its own seed and step (e.g. its position), never on which
 other requests share the batch, so a seeded request is reproducible alone or batched.
-When every row is greedy the sort-based path is skipped entirely (`lax.cond`).
+Each stage runs only if some row of the batch uses it (`lax.cond`): an all-greedy batch without
+penalties or biases is one argmax, as before any of them existed.
 """
 
 from __future__ import annotations
@@ -35,6 +46,13 @@ class SamplingParams:
     top_p: jax.Array
     seed: jax.Array
     stop_ids: jax.Array
+    min_p: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    repetition_penalty: jax.Array
+    bias_ids: jax.Array
+    bias_values: jax.Array
+    logprobs: jax.Array
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingParams:
@@ -42,14 +60,19 @@ class SamplingParams:
 
     @classmethod
     def make(cls, temperature, top_k, top_p, seed) -> SamplingParams:
-        rows = len(temperature)
-        return cls(
-            temperature=jnp.asarray(temperature, jnp.float32),
-            top_k=jnp.asarray(top_k, jnp.int32),
-            top_p=jnp.asarray(top_p, jnp.float32),
-            seed=jnp.asarray(seed, jnp.uint32),
-            stop_ids=jnp.full((rows, MAX_STOP_TOKENS), -1, jnp.int32),
-        )
+        """Rows with these values and every other setting off (tests' shorthand)."""
+        rows = SamplingRows.of([RequestSampling()] * len(temperature))
+        rows.temperature[:] = temperature
+        rows.top_k[:] = top_k
+        rows.top_p[:] = top_p
+        rows.seed[:] = seed
+        return rows.params()
+
+    @property
+    def penalized(self) -> jax.Array:
+        """[rows] bool: whether a row's logits depend on its token history."""
+        return ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
+                | (self.repetition_penalty != 1))
 
     def stops(self, tokens: jax.Array) -> jax.Array:
         """[rows] bool: whether each row's token ends its request."""
@@ -63,6 +86,14 @@ SEED_RANGE = 2**32
 # Stop token ids a row carries to the device. A request with more EOS ids than this is still
 # stopped by the host on every one of them; the device just runs its surplus steps.
 MAX_STOP_TOKENS = 4
+# logit_bias entries per request (OpenAI's limit); a row's unused entries hold NO_TOKEN, an id
+# past any vocabulary, which the scatter that applies them drops.
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = 100.0
+NO_TOKEN = 2**31 - 1
+# OpenAI's range for presence_penalty and frequency_penalty; vLLM's for repetition_penalty.
+PENALTY_RANGE = 2.0
+MAX_REPETITION_PENALTY = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +109,23 @@ class RequestSampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # (token id, bias) pairs, ids distinct; whether an id is in the vocabulary is the
+    # scheduler's check (it knows the model).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the request's logits depend on its token history (`TokenHistory`)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
             value = getattr(self, name)
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not math.isfinite(value) or abs(value) > FLOAT32_MAX):
@@ -97,6 +142,37 @@ class RequestSampling:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.seed < SEED_RANGE:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -PENALTY_RANGE <= getattr(self, name) <= PENALTY_RANGE:
+                raise ValueError(f"{name} must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], "
+                                 f"got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 "
+                             f"disables it), got {self.repetition_penalty}")
+        _check_logit_bias(self.logit_bias)
+
+
+def _check_logit_bias(bias) -> None:
+    if not isinstance(bias, tuple):
+        raise ValueError(f"logit_bias must be a tuple of (token id, bias) pairs, got {type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    seen = set()
+    for entry in bias:
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            raise ValueError(f"logit_bias entries are (token id, bias) pairs, got {entry!r}")
+        token, value = entry
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < NO_TOKEN:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        if token in seen:
+            raise ValueError(f"logit_bias names token {token} twice")
+        seen.add(token)
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE):
+            raise ValueError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_RANGE:g}, "
+                             f"{LOGIT_BIAS_RANGE:g}], got {value!r} for token {token}")
 
 
 class SamplingRows:
@@ -108,6 +184,13 @@ class SamplingRows:
         self.top_p = np.ones(num_slots, np.float32)
         self.seed = np.zeros(num_slots, np.uint32)
         self.stop_ids = np.full((num_slots, MAX_STOP_TOKENS), -1, np.int32)
+        self.min_p = np.zeros(num_slots, np.float32)
+        self.presence_penalty = np.zeros(num_slots, np.float32)
+        self.frequency_penalty = np.zeros(num_slots, np.float32)
+        self.repetition_penalty = np.ones(num_slots, np.float32)
+        self.bias_ids = np.full((num_slots, MAX_LOGIT_BIAS), NO_TOKEN, np.int32)
+        self.bias_values = np.zeros((num_slots, MAX_LOGIT_BIAS), np.float32)
+        self.logprobs = np.zeros(num_slots, bool)
 
     @classmethod
     def of(cls, rows: list[RequestSampling]) -> SamplingRows:
@@ -116,16 +199,28 @@ class SamplingRows:
             packed.set(slot, row)
         return packed
 
-    def set(self, slot: int, sampling: RequestSampling, stop_ids: Iterable[int] = ()) -> None:
-        """Packs one row (and the MAX_STOP_TOKENS smallest of `stop_ids`); raises (and changes
-        nothing) if a value does not fit its dtype."""
+    def set(self, slot: int, sampling: RequestSampling, stop_ids: Iterable[int] = (),
+            logprobs: bool = False) -> None:
+        """Packs one row (the MAX_STOP_TOKENS smallest of `stop_ids`, and whether its request
+        wants logprobs); raises (and changes nothing) if a value does not fit its dtype."""
         values = (np.float32(sampling.temperature), np.int32(sampling.top_k),
                   np.float32(sampling.top_p), np.uint32(sampling.seed))
         stops = np.full(MAX_STOP_TOKENS, -1, np.int32)
         ids = sorted(stop_ids)[:MAX_STOP_TOKENS]
         stops[: len(ids)] = np.asarray(ids, np.int32)
+        bias_ids = np.full(MAX_LOGIT_BIAS, NO_TOKEN, np.int32)
+        bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
+        if sampling.logit_bias:
+            bias_ids[: len(sampling.logit_bias)], bias_values[: len(sampling.logit_bias)] = zip(
+                *sampling.logit_bias)
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.seed[slot] = values
         self.stop_ids[slot] = stops
+        self.min_p[slot] = sampling.min_p
+        self.presence_penalty[slot] = sampling.presence_penalty
+        self.frequency_penalty[slot] = sampling.frequency_penalty
+        self.repetition_penalty[slot] = sampling.repetition_penalty
+        self.bias_ids[slot], self.bias_values[slot] = bias_ids, bias_values
+        self.logprobs[slot] = logprobs
 
     def clear(self, slot: int) -> None:
         """Greedy again: a free slot must not make a step take the sampling path."""
@@ -133,9 +228,98 @@ class SamplingRows:
 
     def params(self) -> SamplingParams:
         # Copies: JAX may alias host buffers on the CPU, and these arrays change next step.
-        return SamplingParams(temperature=self.temperature.copy(), top_k=self.top_k.copy(),
-                              top_p=self.top_p.copy(), seed=self.seed.copy(),
-                              stop_ids=self.stop_ids.copy())
+        return SamplingParams(**{f.name: getattr(self, f.name).copy()
+                                 for f in dataclasses.fields(SamplingParams)})
+
+
+@struct.dataclass
+class TokenHistory:
+    """What the penalties read, per slot, on the device (donated through every program):
+
+        counts  [slots, vocab] int32  how often each id was generated (the output so far)
+        prompt  [slots, vocab] bool   which ids the prompt holds
+
+    A row is written whole when a penalized request takes its slot (`history_row`, from the
+    tokens the host knows) and then counted on: every token a penalized row samples adds one.
+    Rows of other requests are neither read (their penalties are neutral) nor kept current."""
+
+    counts: jax.Array
+    prompt: jax.Array
+
+    @classmethod
+    def create(cls, slots: int, vocab: int, device=None) -> TokenHistory:
+        return cls(counts=jnp.zeros((slots, vocab), jnp.int32, device=device),
+                   prompt=jnp.zeros((slots, vocab), bool, device=device))
+
+    def count(self, slots: jax.Array, tokens: jax.Array, params: SamplingParams) -> TokenHistory:
+        """Adds `tokens` [rows] to the rows `slots` [rows] (a slot past the last drops out)
+        whose request is penalized."""
+        add = params.penalized.astype(jnp.int32)
+        return self.replace(counts=self.counts.at[slots, tokens].add(add, mode="drop"))
+
+    def set_row(self, slot: jax.Array, tokens: jax.Array, prompt_len: jax.Array) -> TokenHistory:
+        """Row `slot` from a sequence `tokens` [n] (NO_TOKEN pads): the first `prompt_len` are
+        the prompt, the rest output."""
+        vocab = self.counts.shape[1]
+        in_prompt = jnp.arange(tokens.shape[0]) < prompt_len
+        counts = jnp.zeros(vocab, jnp.int32).at[tokens].add((~in_prompt).astype(jnp.int32), mode="drop")
+        prompt = jnp.zeros(vocab, bool).at[jnp.where(in_prompt, tokens, NO_TOKEN)].set(True, mode="drop")
+        return self.replace(counts=self.counts.at[slot].set(counts),
+                            prompt=self.prompt.at[slot].set(prompt))
+
+
+def adjust_logits(logits: jax.Array, params: SamplingParams, history: TokenHistory,
+                  slots: jax.Array) -> jax.Array:
+    """logit_bias, then the penalties over each row's history (row i's is `slots[i]`'s). Each
+    runs only if some row uses it; unused rows come out bit-identical."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+
+    def bias(logits):
+        return logits.at[rows, params.bias_ids].add(params.bias_values, mode="drop")
+
+    def penalize(logits):
+        counts = jnp.take(history.counts, slots, axis=0, mode="clip")
+        generated = counts > 0
+        seen = generated | jnp.take(history.prompt, slots, axis=0, mode="clip")
+        rep = params.repetition_penalty[:, None]
+        logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+        logits = logits - params.frequency_penalty[:, None] * counts.astype(logits.dtype)
+        return logits - params.presence_penalty[:, None] * generated.astype(logits.dtype)
+
+    logits = jax.lax.cond(jnp.any(params.bias_ids != NO_TOKEN), bias, lambda x: x, logits)
+    return jax.lax.cond(jnp.any(params.penalized), penalize, lambda x: x, logits)
+
+
+@struct.dataclass
+class Logprobs:
+    """The model's raw distribution at each sampled token (log_softmax of the logits, before
+    bias, penalties, temperature and filters, as OpenAI and vLLM report it):
+
+        token  [rows] f32      the sampled token's logprob
+        ids    [rows, k] i32   the k likeliest ids, likeliest first
+        values [rows, k] f32   their logprobs"""
+
+    token: jax.Array
+    ids: jax.Array
+    values: jax.Array
+
+
+def logprobs_of(logits: jax.Array, tokens: jax.Array, k: int, wanted: jax.Array) -> Logprobs:
+    """`Logprobs` of `tokens` [rows] under `logits` [rows, vocab], computed only if some row is
+    `wanted` (zeros otherwise)."""
+    rows = logits.shape[0]
+
+    def compute(logits):
+        lsm = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        token = jnp.take_along_axis(lsm, tokens[:, None], axis=-1)[:, 0]
+        values, ids = jax.lax.top_k(lsm, k) if k else (jnp.zeros((rows, 0)), jnp.zeros((rows, 0), jnp.int32))
+        return Logprobs(token=token, ids=ids.astype(jnp.int32), values=values.astype(jnp.float32))
+
+    def skip(logits):
+        return Logprobs(token=jnp.zeros(rows, jnp.float32), ids=jnp.zeros((rows, k), jnp.int32),
+                        values=jnp.zeros((rows, k), jnp.float32))
+
+    return jax.lax.cond(jnp.any(wanted), compute, skip, logits)
 
 
 def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:
@@ -146,7 +330,10 @@ def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     rank = jnp.arange(vocab, dtype=jnp.int32)[None, :]
     top_k = jnp.where(params.top_k > 0, params.top_k, vocab)
-    keep = rank < top_k[:, None]
+    # min_p: a token stays if its probability is at least min_p x the likeliest one's, i.e. its
+    # scaled logit is within log(min_p) of the first (min_p 0: log 0 = -inf keeps every one).
+    floor = sorted_logits[:, :1] + jnp.log(params.min_p)[:, None]
+    keep = (rank < top_k[:, None]) & (sorted_logits >= floor)
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     # Nucleus: keep a token while the mass before it is below top_p (the first always stays).
     mass_before = jnp.cumsum(probs, axis=-1) - probs
@@ -160,10 +347,19 @@ def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array)
 
 
 def sample(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:
-    """Picks one token per row. `step` [rows] makes each draw distinct (use the position)."""
+    """Picks one token per row from logits already adjusted (`adjust_logits`). `step` [rows]
+    makes each draw distinct (use the position)."""
     greedy = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)  # noqa: E731
     return jax.lax.cond(
         jnp.any(params.temperature > 0),
         lambda: _sample_filtered(logits, params, step),
         greedy,
     )
+
+
+def choose(logits: jax.Array, params: SamplingParams, history: TokenHistory, slots: jax.Array,
+           step: jax.Array, k: int) -> tuple[jax.Array, Logprobs]:
+    """Every stage for the rows of `logits` [rows, vocab], row i being slot `slots[i]`: the
+    adjusted logits' token per row, and the raw logits' `Logprobs` (top `k`) of it."""
+    tokens = sample(adjust_logits(logits, params, history, slots), params, step)
+    return tokens, logprobs_of(logits, tokens, k, params.logprobs)

@@ -52,6 +52,24 @@ class GenerationParams:
     # Requests with different salts never share cached KV pages (vLLM's `cache_salt`): a
     # tenant's prompts cannot be probed by another's timing.
     cache_salt: str | None = None
+    # None: no logprobs; k: each output token's logprob and its k likeliest alternatives
+    # (`TokenEvent.logprobs`), k at most the engine's max_logprobs.
+    logprobs: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's logprob under the model's raw distribution (`model.sampling.Logprobs`)
+    and its likeliest alternatives, as a request with `logprobs` receives it.
+
+    `text` is what the token added to the decoded output: "" for a token that ends inside a
+    UTF-8 character (the next one carries the character), and every byte still held at the end,
+    so the texts of a request's tokens concatenate to its whole output exactly."""
+
+    token_id: int
+    logprob: float
+    text: str
+    top: tuple[tuple[int, float], ...]  # (id, logprob), likeliest first
 
 
 @dataclasses.dataclass
@@ -61,6 +79,7 @@ class TokenEvent:
     token_ids: list[int]
     text: str
     time: float  # time.monotonic() when the scheduler accepted the token
+    logprobs: list[TokenLogprob] | None = None  # one per token, if the request asked
 
 
 @dataclasses.dataclass
@@ -79,6 +98,7 @@ class RequestRecord:
     decode_steps: int
     text: str
     token_times: list[float] = dataclasses.field(default_factory=list)  # one per output token
+    logprobs: list[TokenLogprob] | None = None  # one per output token, if the request asked
     error: str | None = None
     preemptions: int = 0  # times its KV was dropped for lack of pages and recomputed
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, not prefill
@@ -140,6 +160,7 @@ class Request:
         self.preemptions = 0
         self.output_ids: list[int] = []
         self.token_times: list[float] = []
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.detok = IncrementalDetokenizer(tokenizer)
         self._held = ""  # text withheld because it may be the start of a stop string
         self._text: list[str] = []
@@ -198,8 +219,11 @@ class Request:
     def finished(self) -> bool:
         return self.state is State.FINISHED
 
-    def accept(self, token: int, now: float) -> FinishReason | None:
-        """Takes one sampled token; emits its event; returns a reason if the request ends."""
+    def accept(self, token: int, now: float,
+               logprob: tuple[float, Sequence[int], Sequence[float]] | None = None) -> FinishReason | None:
+        """Takes one sampled token (and, if the request asked, its logprob and the engine's
+        alternatives: the first `params.logprobs` are kept); emits its event; returns a reason
+        if the request ends."""
         if self.first_token is None:
             self.first_token = now
         self.output_ids.append(token)
@@ -216,7 +240,16 @@ class Request:
         if stopped:
             reason = FinishReason.STOP
         self._text.append(text)
-        self.emit(TokenEvent([token], text, now))
+        entry = None
+        if self.logprobs is not None:
+            if logprob is None:
+                raise ValueError("the engine gave no logprobs for a request that asked for them")
+            value, ids, values = logprob
+            k = self.params.logprobs
+            entry = TokenLogprob(token, float(value), delta,
+                                 tuple(zip(map(int, ids[:k]), map(float, values[:k]))))
+            self.logprobs.append(entry)
+        self.emit(TokenEvent([token], text, now, None if entry is None else [entry]))
         return reason
 
     def _apply_stop(self, delta: str, final: bool) -> tuple[str, bool]:
@@ -252,6 +285,7 @@ class Request:
             decode_steps=self.decode_steps,
             text="".join(self._text),
             token_times=self.token_times,
+            logprobs=self.logprobs,
             error=error,
             preemptions=self.preemptions,
             cached_tokens=self.cached_tokens,

@@ -325,11 +325,20 @@ class Scheduler:
         if not self._accepting:
             raise NotRunning("the scheduler is shutting down and accepts no new requests")
 
-    @staticmethod
-    def _check_params(params: GenerationParams) -> None:
+    def _check_params(self, params: GenerationParams) -> None:
         """What the loop relies on, checked once here rather than on the scheduler thread."""
         if not isinstance(params.sampling, RequestSampling):
             raise SubmissionError(f"sampling must be a RequestSampling, got {type(params.sampling).__name__}")
+        vocab = self.engine.vocab_size
+        outside = [token for token, _ in params.sampling.logit_bias if token >= vocab]
+        if outside:
+            raise SubmissionError(f"logit_bias names token id {outside[0]}, outside the model's "
+                                  f"vocabulary [0, {vocab})", "logit_bias")
+        most = self.engine.config.max_logprobs
+        if params.logprobs is not None and not (isinstance(params.logprobs, int)
+                                                and 0 <= params.logprobs <= most):
+            raise SubmissionError(f"at most {most} logprobs per token (the server's --max_logprobs), "
+                                  f"got {params.logprobs!r}", "logprobs")
         if params.max_tokens is not None and (isinstance(params.max_tokens, bool)
                                               or not isinstance(params.max_tokens, int)
                                               or params.max_tokens < 1):
@@ -644,9 +653,17 @@ class Scheduler:
             if not r.preemptions:
                 r.cached_tokens = hit
             try:
-                pool.rows.set(r.slot, r.params.sampling, r.eos_ids)
+                pool.rows.set(r.slot, r.params.sampling, r.eos_ids, r.params.logprobs is not None)
             except Exception as e:  # this request's values, this request's failure
                 self._fail_one(r, f"its sampling parameters cannot be packed: {e}", now)
+                continue
+            if r.params.sampling.penalized:  # its slot's history, before its prefill samples
+                try:
+                    pool.engine.set_history(r.slot, r.prompt_ids, r.output_ids)
+                except Exception as e:  # the history buffer went into a failed program
+                    logging.exception("setting %s's token history failed", r.id)
+                    self._fail_pool(pool, f"{type(e).__name__}: {e}")
+                    return
 
     def _dispatch_prefill(self, plan: Plan, pool: Pool, rows) -> tuple[int, int]:
         """Returns (programs, chunks) dispatched."""
@@ -785,12 +802,14 @@ class Scheduler:
                 continue
             self._moving.remove(r)
             try:
-                pool.rows.set(r.slot, r.params.sampling, r.eos_ids)
+                pool.rows.set(r.slot, r.params.sampling, r.eos_ids, r.params.logprobs is not None)
             except Exception as e:
                 self._fail_one(r, f"its sampling parameters cannot be packed: {e}", time.monotonic())
                 continue
             try:
                 pool.engine.insert(r.landing, r.pages, r.slot)
+                if r.params.sampling.penalized:  # prompt and first token, on this engine too
+                    pool.engine.set_history(r.slot, r.prompt_ids, r.output_ids)
             except Exception as e:
                 logging.exception("inserting %s's KV failed", r.id)
                 self._fail_pool(pool, f"{type(e).__name__}: {e}")
@@ -899,26 +918,36 @@ class Scheduler:
     def _apply(self, results: list[tuple[list[tuple[Request, int]], Any]], arrays: list[np.ndarray]) -> None:
         """`results`: (requests with the index of each one's token, the engine's tokens), and
         those tokens as read: [n] (prefill: a token per chunk) or [steps, n] (decode: a row of
-        tokens per step, taken in order until the request ends)."""
+        tokens per step, taken in order until the request ends). Logprobs are read from a
+        result only when one of its requests asked for them."""
         vocab = self.engine.vocab_size
-        for (pairs, _), values in zip(results, arrays):
+        for (pairs, tokens), values in zip(results, arrays):
             now = time.monotonic()
             steps = np.atleast_2d(values)
+            logprobs = None
+            if any(r.logprobs is not None for r, _ in pairs):
+                token, ids, top = tokens.logprobs()
+                logprobs = (np.atleast_2d(token), ids.reshape(steps.shape + ids.shape[-1:]),
+                            top.reshape(steps.shape + top.shape[-1:]))
             for r, index in pairs:
                 r.unapplied -= 1
-                for token in steps[:, index].tolist():
+                for step, token in enumerate(steps[:, index].tolist()):
                     if r.finished:
                         break  # a step dispatched before the request ended: discard
-                    self._take(r, token, vocab, now)
+                    logprob = None
+                    if logprobs is not None and r.logprobs is not None:
+                        logprob = tuple(a[step, index] for a in logprobs)
+                    self._take(r, token, vocab, now, logprob)
 
-    def _take(self, r: Request, token: int, vocab: int, now: float) -> None:
-        """One of `r`'s tokens: accepted and streamed, or the reason it ends."""
+    def _take(self, r: Request, token: int, vocab: int, now: float, logprob=None) -> None:
+        """One of `r`'s tokens (and its logprobs, if it asked): accepted and streamed, or the
+        reason it ends."""
         if not 0 <= token < vocab:
             self._fail_one(r, f"the engine returned token id {token}, outside the vocabulary "
                               f"[0, {vocab})", now)
             return
         try:
-            reason = r.accept(token, now)
+            reason = r.accept(token, now, logprob)
         except Exception as e:  # its detokenizer or stop strings: its failure alone
             logging.exception("request %s failed while taking a token", r.id)
             self._fail_one(r, f"{type(e).__name__}: {e}", now)

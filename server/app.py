@@ -261,8 +261,8 @@ class Server:
         record = await self._collect(request, stream)
         if record.finish_reason == "error":
             raise APIError(500, f"generation failed: {record.error}", type="server_error")
-        return JSONResponse(protocol.full_response(request_id, self.model_name, chat, record),
-                            headers=headers)
+        return JSONResponse(protocol.full_response(request_id, self.model_name, chat, record,
+                                                   self.tokenizer), headers=headers)
 
     async def _collect(self, request: Request, stream: RequestStream) -> RequestRecord:
         """Waits for the whole answer; a client that hangs up meanwhile cancels it."""
@@ -287,14 +287,17 @@ class Server:
         a fast device), a stream's tokens are coalesced instead of each paying for a send."""
         created, first, name = int(time.time()), True, self.model_name
         text_frame = protocol.TextFrames(request_id, name, chat, created)
+        logprobs = protocol.LogprobFormat(self.tokenizer, chat)
         try:
             while stream.record is None:
                 frames = []
                 for event in await stream.next_events():
                     if isinstance(event, TokenEvent):
-                        if chat and first:
-                            frames.append(protocol.frame(
-                                protocol.chunk(request_id, name, chat, event.text, None, created, first)))
+                        if (chat and first) or event.logprobs is not None:
+                            # with logprobs, every token's chunk goes out, text or not
+                            lp = None if event.logprobs is None else logprobs(event.logprobs)
+                            frames.append(protocol.frame(protocol.chunk(
+                                request_id, name, chat, event.text, None, created, first, lp)))
                             first = False
                         elif event.text:
                             frames.append(text_frame(event.text))

@@ -4,8 +4,8 @@ Parsing goes through `server/requests.py`, the one parser of every front door, a
 where a silent guess would surprise a client: wrong types, out-of-range values and unknown
 fields are refused with the parameter named (OpenAI, too, refuses an unrecognized argument).
 Fields that would change the answer if honoured and that cadence does not implement
-(`logit_bias`, penalties, `response_format`, tools, logprobs, `n` > 1, ...) are refused unless
-they carry their neutral value; fields that change nothing here (`user`, `metadata`, ...) are
+(`response_format`, tools, `echo`, `n` > 1, ...) are refused unless they carry their neutral
+value; fields that change nothing here (`user`, `metadata`, ...) are
 accepted and ignored. Sampling fields a request leaves out take the model's published defaults
 (`SamplingDefaults.with_model`), else OpenAI's (temperature 1.0, top_p 1.0); completions default
 to 16 tokens as OpenAI's do, chats to the end of the context.
@@ -19,7 +19,8 @@ import time
 from typing import Any
 
 from cadence.scheduler.errors import SubmissionError
-from cadence.scheduler.request import GenerationParams, RequestRecord
+from cadence.checkpoints.tokenizer import Tokenizer
+from cadence.scheduler.request import GenerationParams, RequestRecord, TokenLogprob
 from cadence.server import requests
 
 
@@ -42,8 +43,6 @@ COMPLETION_MAX_TOKENS = 16
 
 # Fields that change the answer, which cadence does not implement: refused unless neutral.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
-    "repetition_penalty": (1,), "min_p": (0,), "logprobs": (False, 0), "top_logprobs": (0,),
     "echo": (False,), "suffix": ("",), "best_of": (1,), "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},), "modalities": (["text"],), "prediction": (),
@@ -53,8 +52,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 _COMMON = frozenset({"model", "stream", "stream_options", "n", *requests.SAMPLING_FIELDS})
 _ALLOWED = {
-    False: _COMMON | {"prompt"},
-    True: _COMMON | {"messages", "max_completion_tokens"},
+    False: _COMMON | {"prompt", "logprobs"},
+    True: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
 }
 
 
@@ -118,10 +117,32 @@ def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults) -> Parsed
             raise SubmissionError('"prompt" must be a string or an array of token ids', "prompt")
         params = requests.generation_params(
             body, dataclasses.replace(defaults, max_tokens=COMPLETION_MAX_TOKENS))
+    params = dataclasses.replace(params, logprobs=_logprobs(body, chat))
     stream = requests.field(body, "stream", (bool,), False)
     options = requests.field(body, "stream_options", (dict,), {})
     include_usage = requests.field(options, "include_usage", (bool,), False)
     return ParsedRequest(model, prompt_text, prompt_ids, messages, params, stream, include_usage)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token the request wants, or None for no logprobs: chat's
+    `logprobs: true` with `top_logprobs: k` (default 0), completions' `logprobs: k`. The upper
+    bound is the server's `--max_logprobs` (the scheduler's check)."""
+    if chat:
+        wanted = requests.field(body, "logprobs", (bool,), False)
+        k = requests.field(body, "top_logprobs", (int,))
+        if k and not wanted:
+            raise SubmissionError('"top_logprobs" needs "logprobs": true', "top_logprobs")
+        name = "top_logprobs"
+    else:
+        k = requests.field(body, "logprobs", (int,))
+        wanted, name = k is not None, "logprobs"
+    if not wanted:
+        return None
+    k = k or 0
+    if k < 0:
+        raise SubmissionError(f'"{name}" must be >= 0, got {k}', name)
+    return k
 
 
 def usage(record: RequestRecord) -> dict[str, Any]:
@@ -138,18 +159,56 @@ def finish_reason(record: RequestRecord) -> str:
     return "length" if record.finish_reason == "length" else "stop"
 
 
+class LogprobFormat:
+    """A request's `TokenLogprob`s in OpenAI's shapes, in order (a stream's chunks one after
+    another, or a whole answer at once):
+
+        chat:        {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
+                     "logprob", "bytes"}]}], "refusal": null}
+        completions: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
+                     "text_offset"}  (offsets into the completion's text, counted across calls)
+
+    A sampled token's "token" is the text it added to the output (`TokenLogprob.text`), so the
+    tokens spell the content exactly; "bytes" are its own bytes in the vocabulary, so a
+    character split across tokens is in their bytes. An alternative's text is its bytes decoded
+    alone (U+FFFD for a partial character)."""
+
+    def __init__(self, tokenizer: Tokenizer, chat: bool):
+        self._tokenizer, self._chat, self._offset = tokenizer, chat, 0
+
+    def _alternative(self, token_id: int) -> str:
+        return self._tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def __call__(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        raw = self._tokenizer.token_bytes
+        if self._chat:
+            return {"content": [
+                {"token": e.text, "logprob": e.logprob, "bytes": list(raw(e.token_id)),
+                 "top_logprobs": [{"token": self._alternative(t), "logprob": v, "bytes": list(raw(t))}
+                                  for t, v in e.top]}
+                for e in entries], "refusal": None}
+        offsets = []
+        for e in entries:
+            offsets.append(self._offset)
+            self._offset += len(e.text)
+        return {"tokens": [e.text for e in entries],
+                "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._alternative(t): v for t, v in e.top} for e in entries],
+                "text_offset": offsets}
+
+
 def chunk(request_id: str, model: str, chat: bool, text: str | None, reason: str | None,
-          created: int, first: bool = False) -> dict[str, Any]:
+          created: int, first: bool = False, logprobs: dict | None = None) -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {}
         if first:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         kind = "text_completion"
     return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [choice]}
 
@@ -185,14 +244,19 @@ def usage_chunk(request_id: str, model: str, chat: bool, record: RequestRecord, 
             "usage": usage(record)}
 
 
-def full_response(request_id: str, model: str, chat: bool, record: RequestRecord) -> dict[str, Any]:
+def full_response(request_id: str, model: str, chat: bool, record: RequestRecord,
+                  tokenizer: Tokenizer | None = None) -> dict[str, Any]:
+    """The whole answer; `tokenizer` spells its logprobs, if it has any."""
     created = int(time.time())
+    logprobs = None
+    if record.logprobs is not None:
+        logprobs = LogprobFormat(tokenizer, chat)(record.logprobs)
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": record.text},
-                  "finish_reason": finish_reason(record), "logprobs": None}
+                  "finish_reason": finish_reason(record), "logprobs": logprobs}
         kind = "chat.completion"
     else:
-        choice = {"index": 0, "text": record.text, "finish_reason": finish_reason(record), "logprobs": None}
+        choice = {"index": 0, "text": record.text, "finish_reason": finish_reason(record), "logprobs": logprobs}
         kind = "text_completion"
     return {"id": request_id, "object": kind, "created": created, "model": model,
             "choices": [choice], "usage": usage(record)}

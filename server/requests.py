@@ -47,7 +47,9 @@ _TOP_P = flags.DEFINE_float("top_p", None, "Default nucleus sampling mass (defau
 _TOP_K = flags.DEFINE_integer("top_k", None, "Default top-k (0: off; default: the model's own, else 0).")
 _SEED = flags.DEFINE_integer("seed", 0, "Default sampling seed.")
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "cache_salt")
+PENALTY_FIELDS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", *PENALTY_FIELDS,
+                   "logit_bias", "stop", "ignore_eos", "cache_salt")
 MAX_CACHE_SALT = 256
 
 
@@ -180,6 +182,9 @@ def generation_params(entry: dict, defaults: SamplingDefaults, *,
         "top_k": 0 if top_k == -1 else top_k,  # vLLM spells "no limit" as -1
         "top_p": float(field(entry, "top_p", (int, float), defaults.top_p)),
         "seed": field(entry, "seed", (int,), defaults.seed),
+        **{name: float(field(entry, name, (int, float), default)) for name, default in
+           zip(PENALTY_FIELDS, (0.0, 0.0, 0.0, 1.0))},
+        "logit_bias": logit_bias(field(entry, "logit_bias", (dict,), {})),
     }
     try:
         sampling = RequestSampling(**values)
@@ -195,6 +200,22 @@ def generation_params(entry: dict, defaults: SamplingDefaults, *,
         raise SubmissionError(f'"cache_salt" must be a string of 1 to {MAX_CACHE_SALT} characters', "cache_salt")
     return GenerationParams(max_tokens=max_tokens, sampling=sampling, stop=stop,
                             ignore_eos=field(entry, "ignore_eos", (bool,), False), cache_salt=salt)
+
+
+def logit_bias(bias: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` object ({"token id": bias}, ids as decimal strings) as
+    `RequestSampling` pairs; the ranges are RequestSampling's checks, the vocabulary the
+    scheduler's."""
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= MAX_INT_DIGITS):
+            raise SubmissionError(f'"logit_bias" keys must be token ids (decimal integers), got {key[:40]!r}',
+                                  "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SubmissionError(f'"logit_bias" values must be numbers, got {type(value).__name__} '
+                                  f"for token {key}", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def chat_messages(messages: Any) -> list[dict]:

@@ -58,6 +58,11 @@ _DECODE_STEPS = flags.DEFINE_integer(
     "Most decode steps one dispatch runs when an iteration has only decoding to do (every "
     "request with that many tokens to go and no stop strings): less host work per token, "
     "tokens reach clients k at a time.", lower_bound=1)
+_MAX_LOGPROBS = flags.DEFINE_integer(
+    "max_logprobs", 20,
+    "Most alternatives per token a request may ask for (top_logprobs; logprobs on completions); "
+    "more is a 400. The programs compute this many, in steps where some request asks.",
+    lower_bound=0)
 _KV_RESERVATION = flags.DEFINE_enum(
     "kv_reservation", "live", KV_RESERVATIONS,
     "live: a request holds the KV pages its tokens fill; max: max_seq_len tokens' worth from the "
@@ -265,6 +270,7 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
         num_pages=None if model is None else kv_pool_pages(model, dtype, _PAGE_SIZE.value, device, tp),
         max_prefill_chunks=_MAX_PREFILL_CHUNKS.value,
         decode_steps=_DECODE_STEPS.value,
+        max_logprobs=_MAX_LOGPROBS.value,
         # An iteration's prompt chunks, packed, fit one program even with every slot decoding.
         prefill_tokens=max(_PREFILL_CHUNK.value, token_budget() - _NUM_SLOTS.value),
     )

@@ -147,13 +147,16 @@ def test_cache_is_donated_and_updated_in_place(engine):
     assert before.k[0].is_deleted() and not engine.cache.k[0].is_deleted()
     cfg = engine.config
     compiled = engine._decode.lower(
-        engine.params, engine.rope, engine.cache, engine.last_tokens, np.arange(cfg.num_slots, dtype=np.int32),
+        engine.params, engine.rope, engine.cache, engine.last_tokens, engine.history,
+        np.arange(cfg.num_slots, dtype=np.int32),
         np.zeros(cfg.num_slots, np.int32), np.zeros((cfg.num_slots, cfg.max_pages_per_seq), np.int32),
         sampling_rows([RequestSampling()] * cfg.num_slots), np.int32(1),
     ).compile()
     stats = compiled.memory_analysis()
-    # Every cache buffer is aliased input->output, so the program holds one copy, not two.
-    assert stats.alias_size_in_bytes >= engine.kv_cache_bytes
+    # Every cache buffer (and the token history) is aliased input->output, so the program
+    # holds one copy, not two.
+    history = engine.history.counts.nbytes + engine.history.prompt.nbytes
+    assert stats.alias_size_in_bytes >= engine.kv_cache_bytes + history
     assert stats.temp_size_in_bytes < engine.kv_cache_bytes
 
 

@@ -202,8 +202,14 @@ BAD_INPUTS = [
     ("chunked body over the limit", "chunked", {"prompt": "x" * (3 * 2**20)}, 413, "exceeds 1048576 bytes"),
     ("a prompt that cannot fit", "completions", {"prompt": "word " * 150_000}, 400, "exceeds the context of 512"),
     ("a huge messages array", "chat", {"messages": [{"role": "user", "content": "hi"}] * 20_000}, 400, "exceeds the context of 512"),
-    ("logit_bias", "completions", {"prompt": "x", "logit_bias": {"5": 100}}, 400, "not supported"),
-    ("presence_penalty", "chat", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, 400, "not supported"),
+    ("a logit_bias id past the vocabulary", "completions", {"prompt": "x", "logit_bias": {"512": 1}}, 400, "outside the model's vocabulary"),
+    ("a logit_bias key that is no id", "completions", {"prompt": "x", "logit_bias": {"-5": 1}}, 400, "token ids"),
+    ("a logit_bias value past 100", "chat", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}, 400, "[-100, 100]"),
+    ("a logit_bias value that is text", "completions", {"prompt": "x", "logit_bias": {"5": "1"}}, 400, "must be numbers"),
+    ("301 logit_bias entries", "completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "at most 300"),
+    ("presence_penalty past 2", "chat", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}, 400, "presence_penalty must be in"),
+    ("a repetition_penalty of 0", "completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty must be in"),
+    ("min_p past 1", "completions", {"prompt": "x", "min_p": 1.5}, 400, "min_p must be in"),
     ("response_format", "chat", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400, "not supported"),
     ("tools", "chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "not supported"),
     ("an unknown field", "completions", {"prompt": "x", "temprature": 0.5}, 400, "unrecognized request argument"),
@@ -246,6 +252,8 @@ def test_edge_values_and_neutral_fields_are_served(server):
         {"prompt": "x", "max_tokens": 3, "top_k": 2**31 - 1, "seed": 2**32 - 1, "temperature": 1.5},
         {"prompt": "x", "max_tokens": 3, "top_k": -1, "presence_penalty": 0, "logit_bias": {},
          "user": "someone", "logprobs": None, "echo": False},
+        {"prompt": "x", "max_tokens": 3, "presence_penalty": -2, "frequency_penalty": 2,
+         "repetition_penalty": 2, "min_p": 1, "temperature": 1, "logit_bias": {"0": -100, "511": 100}},
     ]
     for body in edges:
         response = httpx.post(f"{server}/v1/completions", json=body, timeout=TIMEOUT)

@@ -1,0 +1,151 @@
+"""Logprobs, computed on the device in the prefill and decode programs, against the reference's
+log-softmax over one forward pass of the whole sequence; and their OpenAI shapes over HTTP."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import numpy as np
+import pytest
+
+from cadence.engine.engine import Engine, EngineConfig
+from cadence.engine.reference import greedy_generate, log_softmax, sequence_logits
+from cadence.model.sampling import RequestSampling
+from cadence.scheduler.errors import SubmissionError
+from cadence.scheduler.policy import PolicyConfig
+from cadence.scheduler.request import GenerationParams
+from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+from tests.test_engine import random_prompts, run_all
+from tests.test_reliability import serving
+
+ENGINE = EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64, page_size=16,
+                      max_logprobs=8)
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["1step", "4steps"])
+def engine(request, tiny_params, tiny_config):
+    e = Engine(tiny_params, tiny_config, EngineConfig(**{**ENGINE.__dict__, "decode_steps": request.param}))
+    e.warmup()
+    return e
+
+
+def scheduler(engine, tokenizer) -> Scheduler:
+    return Scheduler(engine, tokenizer, SchedulerConfig(
+        policy=PolicyConfig(name="chunked", token_budget=48, chunk=32)))
+
+
+def check_against_reference(params, config, prompt, request, k):
+    """Every output token's logprob, and its top k, equal the reference's log-softmax at that
+    position (within 1e-4); top ids equal where the values are not tied."""
+    entries = request.logprobs
+    assert [e.token_id for e in entries] == request.output_ids
+    reference = log_softmax(sequence_logits(params, config, prompt + request.output_ids))
+    for i, e in enumerate(entries):
+        row = reference[len(prompt) - 1 + i]
+        assert e.logprob == pytest.approx(row[e.token_id], abs=1e-4)
+        assert len(e.top) == k
+        ids, values = [t for t, _ in e.top], np.asarray([v for _, v in e.top])
+        np.testing.assert_allclose(values, row[ids], atol=1e-4)
+        ranked = np.argsort(-row, kind="stable")
+        ordered = row[ranked]
+        np.testing.assert_allclose(values, ordered[:k], atol=1e-4)
+        for j in range(k):  # an id whose value is apart from its neighbours' has one place
+            if (j == 0 or ordered[j - 1] - ordered[j] > 1e-4) and ordered[j] - ordered[j + 1] > 1e-4:
+                assert ids[j] == ranked[j]
+
+
+def test_logprobs_equal_the_reference_greedy_and_sampled(engine, tiny_params, tiny_config, tiny_tokenizer):
+    """Greedy and sampled requests with 0, 3 and 8 alternatives (8: the engine's max_logprobs),
+    beside requests without logprobs, prompts over several chunks: the first token's logprobs
+    come from the prefill program, the rest from decode."""
+    rng = random.Random(4)
+    prompts = random_prompts(rng, 7, tiny_config.vocab_size, 3, 80)
+    ks = [0, 3, None, 8, 3, None, 1]
+    samplings = [RequestSampling(temperature=0.9 * (i % 2), seed=i, top_k=50 * (i % 3))
+                 for i in range(len(prompts))]
+    subs = [(p, GenerationParams(max_tokens=14, ignore_eos=True, sampling=s, logprobs=k))
+            for p, s, k in zip(prompts, samplings, ks)]
+    streams = run_all(scheduler(engine, tiny_tokenizer), subs, [rng.randint(0, 5) for _ in subs])
+    assert engine.compilations_after_warmup == 0
+    for prompt, sampling, k, s in zip(prompts, samplings, ks, streams):
+        if k is None:
+            assert s.request.logprobs is None and s.record.logprobs is None
+            continue
+        if sampling.temperature == 0:
+            assert s.request.output_ids == greedy_generate(tiny_params, tiny_config, prompt, 14)
+        check_against_reference(tiny_params, tiny_config, prompt, s.request, k)
+        text = "".join(e.text for e in s.record.logprobs)
+        assert text == tiny_tokenizer.decode(s.request.output_ids)
+
+
+def test_logprobs_are_the_raw_distribution_whatever_the_penalties(engine, tiny_params, tiny_config, tiny_tokenizer):
+    prompt = [7, 8, 9, 10, 11, 12]
+    sampling = RequestSampling(repetition_penalty=1.7, logit_bias=((99, 5.0),))
+    (s,) = run_all(scheduler(engine, tiny_tokenizer),
+                   [(prompt, GenerationParams(max_tokens=8, ignore_eos=True, sampling=sampling, logprobs=2))])
+    assert s.request.output_ids == greedy_generate(tiny_params, tiny_config, prompt, 8, sampling=sampling)
+    check_against_reference(tiny_params, tiny_config, prompt, s.request, 2)
+
+
+def test_more_logprobs_than_the_engine_computes_are_refused(engine, tiny_tokenizer):
+    sched = scheduler(engine, tiny_tokenizer)
+    with pytest.raises(SubmissionError, match="at most 8 logprobs"):
+        sched.submit([1, 2, 3], GenerationParams(max_tokens=2, logprobs=9))
+
+
+def lines(response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+
+
+def test_openai_shapes_streamed_and_whole(tiny_engine, tiny_tokenizer, tiny_params, tiny_config):
+    """Completions' {tokens, token_logprobs, top_logprobs, text_offset} and chat's
+    content[{token, logprob, bytes, top_logprobs}], streamed chunk by chunk and whole, with the
+    same values, spelling the text exactly."""
+    prompt = "the quick brown fox jumps over"
+    ids = tiny_tokenizer.encode(prompt)
+    want = greedy_generate(tiny_params, tiny_config, ids, 10)
+    reference = log_softmax(sequence_logits(tiny_params, tiny_config, ids + want))[len(ids) - 1:]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "logprobs": 3}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 10,
+            "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+    with serving(tiny_engine, tiny_tokenizer) as (base, _):
+        whole = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+        streamed = httpx.post(f"{base}/v1/completions", json={**body, "stream": True}, timeout=60)
+        chat_whole = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=60).json()
+        chat_streamed = httpx.post(f"{base}/v1/chat/completions", json={**chat, "stream": True}, timeout=60)
+        plain = httpx.post(f"{base}/v1/completions", json={**body, "logprobs": None}, timeout=60).json()
+        for bad, fragment in [({"top_logprobs": 21}, "at most 20 logprobs"),
+                              ({"logprobs": False, "top_logprobs": 2}, "needs"),
+                              ({"top_logprobs": -1}, ">= 0"), ({"logprobs": 1}, "true or false")]:
+            r = httpx.post(f"{base}/v1/chat/completions", json={**chat, **bad}, timeout=60)
+            assert r.status_code == 400 and fragment in r.json()["error"]["message"], (bad, r.text)
+        r = httpx.post(f"{base}/v1/completions", json={**body, "logprobs": 21}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    assert plain["choices"][0]["logprobs"] is None
+    choice = whole["choices"][0]
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == choice["text"] == tiny_tokenizer.decode(want)
+    np.testing.assert_allclose(lp["token_logprobs"], [reference[i, t] for i, t in enumerate(want)], atol=1e-4)
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(want))]
+    assert all(len(top) <= 3 for top in lp["top_logprobs"])
+    parts = [c["choices"][0] for c in lines(streamed) if c["choices"] and c["choices"][0]["logprobs"]]
+    assert sum((p["logprobs"]["tokens"] for p in parts), []) == lp["tokens"]
+    assert sum((p["logprobs"]["text_offset"] for p in parts), []) == lp["text_offset"]
+    np.testing.assert_allclose(sum((p["logprobs"]["token_logprobs"] for p in parts), []),
+                               lp["token_logprobs"], atol=1e-6)
+
+    content = chat_whole["choices"][0]["logprobs"]["content"]
+    text = chat_whole["choices"][0]["message"]["content"]
+    assert "".join(c["token"] for c in content) == text
+    assert b"".join(bytes(c["bytes"]) for c in content).decode("utf-8", errors="replace").strip() == text.strip()
+    assert all(len(c["top_logprobs"]) == 2 and {"token", "logprob", "bytes"} <= c["top_logprobs"][0].keys()
+               for c in content)
+    assert all(c["top_logprobs"][0]["logprob"] >= c["logprob"] - 1e-6 for c in content)  # greedy
+    streamed_content = sum((c["choices"][0]["logprobs"]["content"] for c in lines(chat_streamed)
+                            if c["choices"] and c["choices"][0].get("logprobs")), [])
+    assert [c["token"] for c in streamed_content] == [c["token"] for c in content]
+    np.testing.assert_allclose([c["logprob"] for c in streamed_content], [c["logprob"] for c in content],
+                               atol=1e-6)

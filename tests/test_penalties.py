@@ -1,0 +1,183 @@
+"""logit_bias, presence/frequency/repetition penalties and min_p: the device's vectorized stages
+against the reference's row-at-a-time NumPy (`engine.reference.adjusted_logits`), and the real
+engine under the scheduler against the reference generator, through chunked prefill, several
+steps per dispatch, the prefix cache and preemption."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cadence.engine.engine import Engine, EngineConfig
+from cadence.engine.reference import adjusted_logits, greedy_generate
+from cadence.model.sampling import (
+    RequestSampling, SamplingParams, SamplingRows, TokenHistory, adjust_logits, sample)
+from cadence.scheduler.policy import PolicyConfig
+from cadence.scheduler.request import GenerationParams
+from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+from tests.test_engine import random_prompts, run_all
+
+PENALIZED = [
+    RequestSampling(repetition_penalty=1.8),
+    RequestSampling(frequency_penalty=1.5),
+    RequestSampling(presence_penalty=2.0, frequency_penalty=-0.5),
+    RequestSampling(repetition_penalty=0.7, presence_penalty=0.5),
+]
+
+
+def test_adjust_logits_equals_the_reference_row_by_row():
+    """Random logits and histories; rows with every stage, one stage, and none (which must come
+    out bit-identical): the device's stages equal the NumPy reference's."""
+    vocab, slots = 64, 6
+    rng = np.random.default_rng(0)
+    rows = [RequestSampling(), *PENALIZED,
+            RequestSampling(logit_bias=((3, 100.0), (7, -100.0), (63, 0.5)), repetition_penalty=1.3)]
+    logits = rng.normal(size=(len(rows), vocab)).astype(np.float32) * 4
+    sequences = [(list(rng.integers(0, vocab, rng.integers(1, 30))), list(rng.integers(0, vocab, rng.integers(0, 20))))
+                 for _ in rows]
+    slot_of = rng.permutation(slots)[: len(rows)]
+    history = TokenHistory.create(slots, vocab)
+    for slot, (prompt, output) in zip(slot_of, sequences):
+        tokens = np.full(40, 2**31 - 1, np.int32)
+        tokens[: len(prompt) + len(output)] = prompt + output
+        history = history.set_row(jnp.int32(slot), tokens, jnp.int32(len(prompt)))
+    got = np.asarray(jax.jit(adjust_logits)(logits, SamplingRows.of(rows).params(), history, slot_of))
+    for i, (row, (prompt, output)) in enumerate(zip(rows, sequences)):
+        np.testing.assert_allclose(got[i], adjusted_logits(logits[i], row, prompt, output), rtol=1e-6)
+    np.testing.assert_array_equal(got[0], logits[0])
+    assert not np.array_equal(got[1:], logits[1:])
+
+
+def test_history_counts_only_penalized_rows():
+    history = TokenHistory.create(3, 8)
+    params = SamplingRows.of([RequestSampling(), RequestSampling(frequency_penalty=1.0),
+                              RequestSampling()]).params()
+    history = history.count(jnp.asarray([0, 1, 3]), jnp.asarray([5, 5, 5]), params)  # 3: dropped
+    history = history.count(jnp.asarray([0, 1, 3]), jnp.asarray([5, 6, 5]), params)
+    np.testing.assert_array_equal(np.asarray(history.counts)[:, 5:7], [[0, 0], [1, 1], [0, 0]])
+
+
+def test_min_p_keeps_tokens_within_its_share_of_the_likeliest():
+    n = 4000
+    logits = jnp.log(jnp.asarray([0.4, 0.3, 0.2, 0.1] + [1e-9] * 4))[None].repeat(n, 0)
+    rows = SamplingRows.of([RequestSampling(temperature=1.0, seed=11, min_p=0.6)] * n)
+    got = np.asarray(jax.jit(sample)(logits, rows.params(), jnp.arange(n, dtype=jnp.int32)))
+    # 0.6 x 0.4 = 0.24: 0.4 and 0.3 stay, renormalized.
+    np.testing.assert_allclose(np.bincount(got, minlength=8)[:4] / n, [4 / 7, 3 / 7, 0, 0], atol=0.03)
+    rows = SamplingRows.of([RequestSampling(temperature=1.0, seed=11, min_p=1.0)] * 8)
+    assert (np.asarray(sample(logits[:8], rows.params(), jnp.arange(8, dtype=jnp.int32))) == 0).all()
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"min_p": -0.1}, {"min_p": 1.5}, {"presence_penalty": 2.5}, {"frequency_penalty": -3},
+    {"repetition_penalty": 0.0}, {"repetition_penalty": 2.5}, {"presence_penalty": float("nan")},
+    {"logit_bias": ((1, 101.0),)}, {"logit_bias": ((-1, 1.0),)}, {"logit_bias": ((1, 1.0), (1, 2.0))},
+    {"logit_bias": tuple((i, 1.0) for i in range(301))}, {"logit_bias": ((True, 1.0),)},
+    {"logit_bias": ((1, float("inf")),)}, {"logit_bias": [(1, 1.0)]},
+])
+def test_bad_penalties_and_biases_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        RequestSampling(**kwargs)
+
+
+def test_make_keeps_every_other_stage_off():
+    params = SamplingParams.make([0.5], [3], [0.9], [4])
+    assert not bool(params.penalized[0]) and float(params.min_p[0]) == 0
+
+
+ENGINE = EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64, page_size=16)
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["1step", "4steps"])
+def engine(request, tiny_params, tiny_config):
+    e = Engine(tiny_params, tiny_config, EngineConfig(**{**ENGINE.__dict__, "decode_steps": request.param}))
+    e.warmup()
+    return e
+
+
+def scheduler(engine, tokenizer, **config) -> Scheduler:
+    return Scheduler(engine, tokenizer, SchedulerConfig(
+        policy=PolicyConfig(name="chunked", token_budget=48, chunk=32), **config))
+
+
+def test_penalized_greedy_equals_the_reference_beside_plain_rows(engine, tiny_params, tiny_config, tiny_tokenizer):
+    """Penalized requests (prompts longer than a chunk, so their first token samples after
+    several chunks) batched with plain greedy ones: each equals the reference generator with
+    its penalties, the plain ones equal plain greedy, and the penalties change outputs."""
+    rng = random.Random(3)
+    prompts = random_prompts(rng, 8, tiny_config.vocab_size, 5, 90)
+    rows = [PENALIZED[i % 4] if i % 2 else RequestSampling() for i in range(len(prompts))]
+    subs = [(p, GenerationParams(max_tokens=24, ignore_eos=True, sampling=s)) for p, s in zip(prompts, rows)]
+    streams = run_all(scheduler(engine, tiny_tokenizer), subs, [rng.randint(0, 6) for _ in subs])
+    assert engine.compilations_after_warmup == 0  # (the process's: before the reference compiles)
+    changed = 0
+    for prompt, row, s in zip(prompts, rows, streams):
+        assert s.request.output_ids == greedy_generate(tiny_params, tiny_config, prompt, 24, sampling=row)
+        changed += s.request.output_ids != greedy_generate(tiny_params, tiny_config, prompt, 24)
+    assert changed >= 1  # (the tiny model repeats itself little in 24 tokens)
+
+
+def test_logit_bias_forces_and_bans_tokens(engine, tiny_params, tiny_config, tiny_tokenizer):
+    prompt = [5, 9, 11, 40]
+    plain = greedy_generate(tiny_params, tiny_config, prompt, 6)
+    banned = RequestSampling(logit_bias=tuple((t, -100.0) for t in set(plain)))
+    forced = RequestSampling(logit_bias=((77, 100.0),))
+    a, b = run_all(scheduler(engine, tiny_tokenizer), [
+        (prompt, GenerationParams(max_tokens=6, ignore_eos=True, sampling=banned)),
+        (prompt, GenerationParams(max_tokens=6, ignore_eos=True, sampling=forced))])
+    assert not set(a.request.output_ids) & set(plain)
+    assert a.request.output_ids == greedy_generate(tiny_params, tiny_config, prompt, 6, sampling=banned)
+    assert b.request.output_ids == [77] * 6
+
+
+def test_history_covers_cached_prefixes_and_preempted_outputs(tiny_params, tiny_config, tiny_tokenizer):
+    """The history is the sequence's, whatever prefill skipped: a prompt whose pages came from
+    the prefix cache, and a request recomputed after a preemption, still equal the reference."""
+    cfg = EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64, page_size=16,
+                       num_pages=12)
+    e = Engine(tiny_params, tiny_config, cfg)
+    e.warmup()
+    rng = random.Random(8)
+    shared = random_prompts(rng, 1, tiny_config.vocab_size, 64, 64)[0]
+    prompts = [shared + p for p in random_prompts(rng, 6, tiny_config.vocab_size, 1, 40)]
+    rows = [PENALIZED[i % 4] for i in range(len(prompts))]
+    sched = scheduler(e, tiny_tokenizer, prefix_caching=True)
+    subs = [(p, GenerationParams(max_tokens=40, ignore_eos=True, sampling=s)) for p, s in zip(prompts, rows)]
+    streams = run_all(sched, subs, [0, 6, 7, 8, 9, 10])
+    assert sched.preemptions > 0 and sched.prefix_hits > 0
+    for prompt, row, s in zip(prompts, rows, streams):
+        assert s.request.output_ids == greedy_generate(tiny_params, tiny_config, prompt, 40, sampling=row)
+
+
+def test_the_api_serves_penalties_and_biases_as_the_reference_computes_them(
+        tiny_engine, tiny_params, tiny_config, tiny_tokenizer):
+    """The OpenAI fields reach the device as the reference takes them: chat and completions,
+    streamed and not, beside a plain request that they must not change."""
+    from tests.test_reliability import serving
+
+    import httpx
+
+    prompt = "the quick brown fox jumps over the lazy dog " * 3
+    ids = tiny_tokenizer.encode(prompt)
+    fields = {"repetition_penalty": 1.5, "frequency_penalty": 0.75, "presence_penalty": 0.25,
+              "logit_bias": {"17": 2.5, "40": -3}}
+    row = RequestSampling(repetition_penalty=1.5, frequency_penalty=0.75, presence_penalty=0.25,
+                          logit_bias=((17, 2.5), (40, -3.0)))
+    want = greedy_generate(tiny_params, tiny_config, ids, 12, sampling=row)
+    plain = greedy_generate(tiny_params, tiny_config, ids, 12)
+    assert want != plain  # so that fields dropped on the way would show
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with serving(tiny_engine, tiny_tokenizer) as (base, _):
+        got = httpx.post(f"{base}/v1/completions", json={**body, **fields}, timeout=60).json()
+        untouched = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+        streamed = httpx.post(f"{base}/v1/completions", json={**body, **fields, "stream": True}, timeout=60)
+    assert got["choices"][0]["text"] == tiny_tokenizer.decode(want)
+    assert untouched["choices"][0]["text"] == tiny_tokenizer.decode(plain)
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in streamed.text.splitlines()
+                   if line.startswith("data: {"))
+    assert text == tiny_tokenizer.decode(want)
