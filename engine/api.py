@@ -21,6 +21,8 @@
                                                         returns the handle as copied to its device
     engine.config.role                                  "both", or "prefill"/"decode" (one phase
                                                         of a disaggregated pair: the other raises)
+    engine.copy_pages(sources, targets)                 page KV onto other pages (a forked
+                                                        sequence's copy of a partial page)
     engine.set_history(slot, prompt_ids, output_ids)    the slot's token history (what penalties
                                                         read): call it when a penalized request
                                                         takes a slot, before its next program

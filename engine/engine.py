@@ -289,6 +289,16 @@ def _decode_program(
     return (out, lp_out), cache, last_tokens, history
 
 
+def _copy_program(cache, sources, targets):
+    """Copies pages `sources` [W] onto pages `targets` [W] in every layer (a target past the
+    pool, padding, writes nothing)."""
+    def copy(layers):
+        return tuple(layer.at[:, targets].set(jnp.take(layer, sources, axis=1, mode="clip"), mode="drop")
+                     for layer in layers)
+
+    return PagedKVCache(k=copy(cache.k), v=copy(cache.v))
+
+
 def _history_program(history, slot, tokens, prompt_len):
     """Writes slot `slot`'s token history from its sequence so far (`TokenHistory.set_row`)."""
     return history.set_row(slot, tokens, prompt_len)
@@ -323,6 +333,7 @@ class Programs:
     extract: Callable
     insert: Callable
     history: Callable  # a slot's TokenHistory row from its tokens
+    copy: Callable  # pages onto other pages
 
 
 def jit_programs(model_config: ModelConfig, config: EngineConfig,
@@ -353,6 +364,7 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
         extract=jit(_extract_program, (handle, handle, token)),
         insert=jit(_insert_program, (pool, token), donate_argnames=("cache", "last_tokens")),
         history=jit(_history_program, token, donate_argnames=("history",)),
+        copy=jit(_copy_program, pool, donate_argnames=("cache",)),
     )
 
 
@@ -552,6 +564,7 @@ class Engine:
         self._decode_batched = programs.decode_batched
         self._extract, self._insert = programs.extract, programs.insert
         self._history = programs.history
+        self._copy = programs.copy
         self._warm_compiles: int | None = None
         logging.info(
             "KV pool: %d pages x %d tokens (%d tokens), %.1f MiB", self.num_pages, config.page_size,
@@ -651,6 +664,22 @@ class Engine:
         if np.asarray(sampling.logprobs)[slots].any():
             _copy_to_host(logprobs)
         return DecodeTokens(tokens, steps, logprobs)
+
+    def copy_pages(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        """Copies the KV of pages `sources` onto pages `targets` (pairwise, at most num_slots
+        pairs a call): how a later sequence of a group (n > 1) gets its own copy of the page
+        holding the prompt's last token. Returns at once."""
+        cfg = self.config
+        if len(sources) != len(targets) or len(sources) > cfg.num_slots:
+            raise ValueError(f"copy_pages takes up to {cfg.num_slots} (source, target) pairs, got "
+                             f"{len(sources)} sources and {len(targets)} targets")
+        for page in (*sources, *targets):
+            if not 0 <= page < self.num_pages:
+                raise ValueError(f"page {page} is not in the pool [0, {self.num_pages})")
+        src = np.zeros(cfg.num_slots, np.int32)
+        dst = np.full(cfg.num_slots, self.num_pages, np.int32)  # padding: past the pool
+        src[: len(sources)], dst[: len(targets)] = sources, targets
+        self.cache = self._copy(self.cache, src, dst)
 
     def set_history(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int] = ()) -> None:
         """Makes `slot`'s token history (what presence, frequency and repetition penalties
@@ -807,6 +836,7 @@ class Engine:
                 progress(done, total)
         # The history of a slot nobody holds: rewritten whole by whoever takes it with penalties.
         self.set_history(0, [])
+        self.copy_pages([], [])
         jax.block_until_ready([x for x in (token, tokens, self.cache, self.last_tokens, self.history)
                                if x is not None])
         self._warm_compiles = compile_counter.count()

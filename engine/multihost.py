@@ -37,7 +37,7 @@ import numpy as np
 from absl import logging
 
 # The calls that run programs on every process; everything else an engine answers locally.
-BROADCAST = ("prefill", "decode", "set_history", "recover", "warmup")
+BROADCAST = ("prefill", "decode", "set_history", "copy_pages", "recover", "warmup")
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
@@ -126,6 +126,9 @@ class Leader:
 
     def set_history(self, slot, prompt_ids, output_ids=()):
         self._call("set_history", slot, list(prompt_ids), list(output_ids))
+
+    def copy_pages(self, sources, targets):
+        self._call("copy_pages", list(sources), list(targets))
 
     def recover(self) -> None:
         self._call("recover")

@@ -153,12 +153,15 @@ class PageAllocator:
         """How many of `pages` nobody holds: sharing them takes as many from `free_count`."""
         return sum(1 for page in pages if not self._refs[page])
 
-    def share(self, pages: list[int], hit: Sequence[int]) -> None:
+    def share(self, pages: list[int], hit: Sequence[int], cached: bool = True) -> None:
         """Appends the cached pages `hit` (a `lookup`'s answer, in this same state) to `pages`,
-        holding each once more."""
+        holding each once more. Not `cached`: pages another sequence holds, whose KV it will
+        not write again (the full prompt pages of a group's first sequence, `n` > 1)."""
         for page in hit:
-            if page not in self._key:
+            if cached and page not in self._key:
                 raise ValueError(f"page {page} holds no published prefix")
+            if not cached and not (0 <= page < self.num_pages and self._refs[page]):
+                raise ValueError(f"page {page} is not held; only held pages are shared uncached")
         for page in hit:
             if not self._refs[page]:
                 del self._evictable[page]

@@ -60,12 +60,22 @@ class Pool:
             self.tables[r.slot, len(r.pages) - len(new) : len(r.pages)] = new
         return True
 
-    def share(self, r: Request, hit: list[int]) -> None:
-        """Gives `r`, which holds no page yet, the cached pages `hit` as its first pages."""
+    def share(self, r: Request, hit: list[int], cached: bool = True) -> None:
+        """Gives `r`, which holds no page yet, the pages `hit` as its first pages: cached ones,
+        or (not `cached`) full pages of its group's first sequence (`PageAllocator.share`)."""
         assert not r.pages, "a prefix hit comes before any page of its own"
-        self.pages.share(r.pages, hit)
+        self.pages.share(r.pages, hit, cached=cached)
         self.tables[r.slot, : len(hit)] = hit
         r.published = len(hit)
+
+    def hold_copy(self, r: Request, page: int) -> None:
+        """`r` (forked) will copy `page`, another sequence's, into its next page: held till then."""
+        self.pages.share(r.fork_hold, [page], cached=False)
+        r.fork_copy = (page, len(r.pages))
+
+    def release_copy(self, r: Request) -> None:
+        self.pages.release(r.fork_hold)
+        r.fork_copy = None
 
     def publish(self, r: Request) -> None:
         """Publishes each of `r`'s pages that is full of KV written for tokens the host knows,
@@ -87,6 +97,7 @@ class Pool:
         self.rows.clear(r.slot)
         self.tables[r.slot] = 0
         self.pages.release(r.pages)
+        self.release_copy(r)
         r.published = 0
         r.pool = None  # r.slot keeps the number, for the record of where it ran
         r.landing = None  # KV on its way to this slot has nowhere to go now

@@ -125,6 +125,14 @@ def _decoded_end(r: Request, steps: int) -> int:
     return r.prompt_len + r.dispatched + steps - 1
 
 
+def _awaits_parent(r: Request) -> bool:
+    """A later sequence of a group waits while the first one's prompt is not yet dispatched:
+    once it is, it takes the prompt's KV from it instead of prefilling it again."""
+    parent = r.fork_parent
+    return (parent is not None and not r.preemptions and not parent.finished
+            and parent.state in (State.WAITING, State.PREFILLING))
+
+
 def _check_pair(prefill: EngineAPI, decode: EngineAPI) -> None:
     """Two engines that can serve one model disaggregated: the same vocabulary, context and KV
     page layout (a handle from one fits the other), each in its role."""
@@ -250,6 +258,8 @@ class Scheduler:
         # Prefix caching: prompt tokens looked up at admission, and those found cached.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Prompt tokens later sequences of a group (n > 1) took from the first one's KV.
+        self.forked_tokens = 0
         self.kv_transfer_bytes = 0
         # Events for readers in event loops, per loop, until the iteration hands them over.
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
@@ -281,7 +291,34 @@ class Scheduler:
         params: GenerationParams = GenerationParams(),
         request_id: str | None = None,
     ) -> RequestStream:
+        return self.submit_group(prompt_ids, [params], [request_id])[0]
+
+    def submit_group(self, prompt_ids: Sequence[int], params: Sequence[GenerationParams],
+                     request_ids: Sequence[str | None]) -> list[RequestStream]:
+        """Several sequences from one prompt (OpenAI's `n`), queued together or not at all.
+        The first prefills the prompt; each other one, once that prefill is dispatched, takes
+        the prompt's KV from it (`_match_forks`): its full pages shared, the page holding the
+        prompt's last token copied, and only that token computed again, to sample its own first
+        token. If the first is gone from the pool by then, the others prefill as usual."""
         self._check_running()
+        streams = [self._stream(prompt_ids, p, i) for p, i in zip(params, request_ids, strict=True)]
+        first = streams[0].request
+        for stream in streams[1:]:
+            stream.request.fork_parent = first
+        with self._lock:
+            self._check_running()  # again under the lock: stop() or a death may have come since
+            # Requests not yet admitted; those that free slots will take at once do not queue.
+            queued = len(self._waiting) + len(self._inbox) - len(self._prefill_pool.free_slots)
+            if queued + len(streams) > self.config.max_queue:
+                raise Overloaded(
+                    f"{self.config.max_queue} requests are already waiting; retry later"
+                )
+            self._inbox.extend(s.request for s in streams)
+            self._changed()
+        return streams
+
+    def _stream(self, prompt_ids: Sequence[int], params: GenerationParams,
+                request_id: str | None) -> RequestStream:
         self._check_params(params)
         n = len(prompt_ids)
         if n == 0:
@@ -307,16 +344,6 @@ class Scheduler:
             request.page_keys = PageKeys(self.page_size, self.config.cache_namespace.encode(),
                                          params.cache_salt)
         stream = holder["s"] = RequestStream(self, request)
-        with self._lock:
-            self._check_running()  # again under the lock: stop() or a death may have come since
-            # Requests not yet admitted; those that free slots will take at once do not queue.
-            queued = len(self._waiting) + len(self._inbox) - len(self._prefill_pool.free_slots)
-            if queued >= self.config.max_queue:
-                raise Overloaded(
-                    f"{self.config.max_queue} requests are already waiting; retry later"
-                )
-            self._inbox.append(request)
-            self._changed()
         return stream
 
     def _check_running(self) -> None:
@@ -519,6 +546,7 @@ class Scheduler:
             start = time.monotonic()
             self._take_inbox()
             self._match_prefixes(pool)
+            self._match_forks(pool)
             plan = self._plan(pool)
             plan.steps = self._decode_steps(pool, plan)
             previous = self._begin(pool)
@@ -566,6 +594,28 @@ class Scheduler:
             r.prefix_evictable = pool.pages.evictable_among(r.prefix)
             r.prefilled = r.kv_tokens = len(r.prefix) * self.page_size
 
+    def _match_forks(self, pool: Pool) -> None:
+        """After `_match_prefixes`: each waiting later sequence of a group whose first one holds
+        the prompt's KV in this pool takes that as its prefix: the full pages before the one
+        holding the prompt's last token (shared), that page's other positions (copied into a
+        page of its own when it dispatches, `fork_tail`), and it computes the last token only."""
+        size = self.page_size
+        for r in self._waiting:
+            parent = r.fork_parent
+            if parent is None:
+                continue
+            r.forking, r.fork_tail = False, None
+            if not (pool.free_slots and not r.unapplied and not r.preemptions
+                    and parent.pool is pool and not parent.finished
+                    and parent.state in (State.DECODING, State.TRANSFERRING)):
+                if not pool.pages.caching:  # (else `_match_prefixes` has just set them)
+                    r.prefix, r.prefix_evictable, r.prefilled, r.kv_tokens = [], 0, 0, 0
+                continue
+            full, partial = divmod(r.prompt_len - 1, size)
+            r.prefix, r.prefix_evictable = parent.pages[:full], 0
+            r.forking, r.fork_tail = True, parent.pages[full] if partial else None
+            r.prefilled = r.kv_tokens = r.prompt_len - 1
+
     def _publish(self, pool: Pool) -> None:
         for r in pool.running:
             pool.publish(r)
@@ -573,7 +623,7 @@ class Scheduler:
     def _plan(self, pool: Pool) -> Plan:
         # A request with a result still in flight (disaggregated: preempted on the decode pool
         # while its last step runs) is admitted again only once that result is applied.
-        waiting = [r for r in self._waiting if not r.unapplied]
+        waiting = [r for r in self._waiting if not r.unapplied and not _awaits_parent(r)]
         return make_plan(pool.running, waiting, len(pool.free_slots), self.config.policy,
                          self._page_budget(pool))
 
@@ -644,12 +694,19 @@ class Scheduler:
             if r.preemptions:
                 r.readmitted()
             hit = len(r.prefix) * self.page_size
+            forked = r.forking
             if r.prefix:
-                pool.share(r, r.prefix)
-            r.prefix, r.prefix_evictable = [], 0
-            if pool.pages.caching:
+                pool.share(r, r.prefix, cached=not forked)
+            if forked:
+                hit = r.prompt_len - 1
+                if r.fork_tail is not None:  # held until its copy is dispatched
+                    pool.hold_copy(r, r.fork_tail)
+            r.prefix, r.prefix_evictable, r.forking, r.fork_tail = [], 0, False, None
+            if pool.pages.caching and not forked:
                 self.prefix_queries += r.prefill_len
                 self.prefix_hits += hit
+            if forked:
+                self.forked_tokens += hit
             if not r.preemptions:
                 r.cached_tokens = hit
             try:
@@ -667,6 +724,7 @@ class Scheduler:
 
     def _dispatch_prefill(self, plan: Plan, pool: Pool, rows) -> tuple[int, int]:
         """Returns (programs, chunks) dispatched."""
+        self._copy_forked_pages(pool)
         chunks, firsts = [], []
         for chunk in plan.prefill:
             r = chunk.request
@@ -695,6 +753,25 @@ class Scheduler:
         self.prefill_chunks += len(chunks)
         self._expect(pool, firsts, tokens)
         return tokens.programs, len(chunks)
+
+    def _copy_forked_pages(self, pool: Pool) -> None:
+        """Each forked sequence whose first chunk runs this iteration (its pages are reserved by
+        now) gets its copy of the page holding the prompt's last token, in one engine call
+        queued before the prefill that computes that token; then the pages copied are let go."""
+        forked = [r for r in pool.running  # (one whose chunk waits for budget has no page yet)
+                  if r.fork_copy is not None and len(r.pages) > r.fork_copy[1]]
+        if not forked:
+            return
+        sources = [r.fork_copy[0] for r in forked]
+        targets = [r.pages[r.fork_copy[1]] for r in forked]
+        try:
+            pool.engine.copy_pages(sources, targets)
+        except Exception as e:
+            logging.exception("copying forked pages failed")
+            self._fail_pool(pool, f"{type(e).__name__}: {e}")
+            return
+        for r in forked:
+            pool.release_copy(r)
 
     @staticmethod
     def _decode_steps(pool: Pool, plan: Plan) -> int:

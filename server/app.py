@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -95,6 +96,7 @@ def _without_text(items: list[tuple[str, object]]) -> dict:
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     api_key: str | None = None
+    max_n: int = protocol.DEFAULT_MAX_N  # most choices a request may ask for (n, best_of)
     protect_metrics: bool = False  # with an api_key, /metrics needs it too (/debug/timeline always does)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout: float = 30.0  # seconds in-flight requests may take to finish on shutdown
@@ -218,10 +220,14 @@ class Server:
         requests.check_prompt_size(text, self.tokenizer, self.scheduler.max_seq_len)
         return self.tokenizer.encode(text)
 
-    async def _submit(self, parsed: protocol.ParsedRequest, request_id: str) -> RequestStream:
+    async def _submit(self, parsed: protocol.ParsedRequest, request_id: str) -> list[RequestStream]:
+        """One stream per sequence generated (n, or best_of): choice i's request id is the
+        request's, then `-i` for i > 0."""
         try:
             ids = await asyncio.to_thread(self._tokenize, parsed)
-            return self.scheduler.submit(ids, parsed.params, request_id=request_id)
+            params = parsed.choice_params()
+            names = [request_id] + [f"{request_id}-{i}" for i in range(1, len(params))]
+            return self.scheduler.submit_group(ids, params, names)
         except RequestTooLong as e:
             raise APIError(400, str(e), param=e.param or "max_tokens", code="context_length_exceeded") from None
         except SubmissionError as e:
@@ -244,7 +250,7 @@ class Server:
             body = requests.load_json(raw)
         except SubmissionError as e:
             raise APIError(400, str(e)) from None
-        parsed = protocol.parse(body, chat, self.defaults)
+        parsed = protocol.parse(body, chat, self.defaults, self.config.max_n)
         if parsed.model is not None and parsed.model != self.model_name:
             raise APIError(404, f"model '{parsed.model}' is not served here; this server serves "
                                 f"'{self.model_name}'", param="model", code="model_not_found")
@@ -252,71 +258,86 @@ class Server:
         request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
         if len(request_id) > MAX_REQUEST_ID:
             raise APIError(400, f"X-Request-Id is longer than {MAX_REQUEST_ID} characters")
-        stream = await self._submit(parsed, request_id)
+        streams = await self._submit(parsed, request_id)
         headers = {"X-Request-Id": request_id}
         if parsed.stream:
-            frames = self._sse(stream, request_id, chat, parsed.include_usage)
+            frames = self._sse(streams, request_id, chat, parsed.include_usage)
             return StreamingResponse(frames, media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
-        record = await self._collect(request, stream)
-        if record.finish_reason == "error":
-            raise APIError(500, f"generation failed: {record.error}", type="server_error")
-        return JSONResponse(protocol.full_response(request_id, self.model_name, chat, record,
-                                                   self.tokenizer), headers=headers)
+        records = await self._collect(request, streams)
+        failed = next((r for r in records if r.finish_reason == "error"), None)
+        if failed is not None:
+            raise APIError(500, f"generation failed: {failed.error}", type="server_error")
+        return JSONResponse(protocol.full_response(
+            request_id, self.model_name, chat, protocol.best(records, parsed.n), self.tokenizer,
+            logprobs=parsed.params.logprobs is not None, generated=records), headers=headers)
 
-    async def _collect(self, request: Request, stream: RequestStream) -> RequestRecord:
+    async def _collect(self, request: Request, streams: list[RequestStream]) -> list[RequestRecord]:
         """Waits for the whole answer; a client that hangs up meanwhile cancels it."""
 
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            stream.cancel()
+            for stream in streams:
+                stream.cancel()
 
-        watcher = asyncio.create_task(watch())
-        try:
+        async def drain(stream: RequestStream) -> RequestRecord:
             async for _ in stream:
                 pass
             return stream.record
+
+        watcher = asyncio.create_task(watch())
+        try:
+            return list(await asyncio.gather(*map(drain, streams)))
         finally:
             watcher.cancel()
 
-    async def _sse(self, stream: RequestStream, request_id: str, chat: bool,
+    async def _sse(self, streams: list[RequestStream], request_id: str, chat: bool,
                    include_usage: bool) -> AsyncIterator[str]:
-        """The stream's events as SSE frames. Every event waiting when the loop gets to this
-        stream goes out in one write: when the loop runs behind the scheduler (many streams,
-        a fast device), a stream's tokens are coalesced instead of each paying for a send."""
-        created, first, name = int(time.time()), True, self.model_name
-        text_frame = protocol.TextFrames(request_id, name, chat, created)
-        logprobs = protocol.LogprobFormat(self.tokenizer, chat)
+        """The streams' events as SSE frames, each choice's chunks under its index. Every event
+        waiting when the loop gets to this request goes out in one write: when the loop runs
+        behind the scheduler (many streams, a fast device), tokens are coalesced instead of
+        each paying for a send. One choice failing ends the response with the error."""
+        created, name = int(time.time()), self.model_name
+        first = [True] * len(streams)
+        text_frames = [protocol.TextFrames(request_id, name, chat, created, i) for i in range(len(streams))]
+        logprobs = [protocol.LogprobFormat(self.tokenizer, chat) for _ in streams]
+        records: list[RequestRecord | None] = [None] * len(streams)
         try:
-            while stream.record is None:
+            async for batch in _merged(streams):
                 frames = []
-                for event in await stream.next_events():
+                for i, event in batch:
                     if isinstance(event, TokenEvent):
-                        if (chat and first) or event.logprobs is not None:
+                        if (chat and first[i]) or event.logprobs is not None:
                             # with logprobs, every token's chunk goes out, text or not
-                            lp = None if event.logprobs is None else logprobs(event.logprobs)
+                            lp = None if event.logprobs is None else logprobs[i](event.logprobs)
                             frames.append(protocol.frame(protocol.chunk(
-                                request_id, name, chat, event.text, None, created, first, lp)))
-                            first = False
+                                request_id, name, chat, event.text, None, created, first[i], lp, i)))
+                            first[i] = False
                         elif event.text:
-                            frames.append(text_frame(event.text))
+                            frames.append(text_frames[i](event.text))
                         continue
+                    records[i] = event
                     if event.finish_reason == "error":
                         error = APIError(500, f"generation failed: {event.error}", type="server_error")
-                        frames.append(protocol.frame(error.body()))
-                    else:
-                        reason = protocol.finish_reason(event)
-                        frames.append(protocol.frame(
-                            protocol.chunk(request_id, name, chat, None if chat else "", reason, created)))
+                        frames.append(protocol.frame(error.body()) + "data: [DONE]\n\n")
+                        break
+                    frames.append(protocol.frame(protocol.chunk(
+                        request_id, name, chat, None if chat else "", protocol.finish_reason(event),
+                        created, index=i)))
+                    if all(r is not None for r in records):
                         if include_usage:
-                            frames.append(protocol.frame(protocol.usage_chunk(request_id, name, chat, event, created)))
-                    frames.append("data: [DONE]\n\n")
+                            frames.append(protocol.frame(protocol.usage_chunk(
+                                request_id, name, chat, records, created)))
+                        frames.append("data: [DONE]\n\n")
                 if frames:
                     yield "".join(frames)
+                if any(r is not None and r.finish_reason == "error" for r in records):
+                    break
         finally:
-            if stream.record is None:  # the client went away mid-stream
-                stream.cancel()
+            for stream in streams:
+                if stream.record is None:  # the client went away mid-stream, or a choice failed
+                    stream.cancel()
 
     async def models(self, request: Request) -> Response:
         self._check(request)
@@ -364,6 +385,28 @@ class Server:
                        "busy_seconds": p.busy_seconds} for p in sched.pools],
             **self.timeline.since(iteration, seq),
         })
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[list[tuple[int, Any]]]:
+    """The events of several streams as they come, each with its stream's index, until every
+    one has its record. One stream is read directly (the common case pays for no task)."""
+    if len(streams) == 1:
+        while streams[0].record is None:
+            yield [(0, e) for e in await streams[0].next_events()]
+        return
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        while stream.record is None:
+            arrived.put_nowait([(i, e) for e in await stream.next_events()])
+
+    pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        while not all(s.record is not None for s in streams) or not arrived.empty():
+            yield await arrived.get()
+    finally:
+        for task in pumps:
+            task.cancel()
 
 
 def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str, *,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from cadence.scheduler.errors import SubmissionError
@@ -40,10 +41,11 @@ class APIError(Exception):
 # OpenAI's own defaults, for a model that publishes none.
 OPENAI_DEFAULTS = requests.SamplingDefaults(max_tokens=None, temperature=1.0, top_p=1.0)
 COMPLETION_MAX_TOKENS = 16
+DEFAULT_MAX_N = 8  # choices per request (n, and best_of on completions): the server's --max_n
 
 # Fields that change the answer, which cadence does not implement: refused unless neutral.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "echo": (False,), "suffix": ("",), "best_of": (1,), "tools": ([],), "functions": ([],),
+    "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},), "modalities": (["text"],), "prediction": (),
     "audio": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
@@ -52,7 +54,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 _COMMON = frozenset({"model", "stream", "stream_options", "n", *requests.SAMPLING_FIELDS})
 _ALLOWED = {
-    False: _COMMON | {"prompt", "logprobs"},
+    False: _COMMON | {"prompt", "logprobs", "best_of"},
     True: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
 }
 
@@ -66,6 +68,20 @@ class ParsedRequest:
     params: GenerationParams
     stream: bool
     include_usage: bool
+    n: int = 1  # choices returned
+    best_of: int = 1  # sequences generated (completions: >= n; the n likeliest are returned)
+
+    def choice_params(self) -> list[GenerationParams]:
+        """Each generated sequence's parameters: its own seed (`requests.choice_seed`), and
+        with best_of > n logprobs computed for the ranking (stripped if not asked for)."""
+        logprobs = self.params.logprobs
+        if self.best_of > self.n and logprobs is None:
+            logprobs = 0
+        return [dataclasses.replace(
+                    self.params, logprobs=logprobs,
+                    sampling=dataclasses.replace(self.params.sampling,
+                                                 seed=requests.choice_seed(self.params.sampling.seed, i)))
+                for i in range(self.best_of)]
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -73,18 +89,19 @@ def _same(value: Any, neutral: Any) -> bool:
     return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
 
 
-def parse(body: Any, chat: bool,
-          defaults: requests.SamplingDefaults = OPENAI_DEFAULTS) -> ParsedRequest:
+def parse(body: Any, chat: bool, defaults: requests.SamplingDefaults = OPENAI_DEFAULTS,
+          max_n: int = DEFAULT_MAX_N) -> ParsedRequest:
     """A request body (already `requests.load_json`'d) into a `ParsedRequest`, or `APIError` 400.
 
-    `defaults` are the sampling defaults of the model served (`max_tokens` is the route's)."""
+    `defaults` are the sampling defaults of the model served (`max_tokens` is the route's);
+    `max_n` bounds n and best_of."""
     try:
-        return _parse(body, chat, defaults)
+        return _parse(body, chat, defaults, max_n)
     except SubmissionError as e:
         raise APIError(400, str(e), param=e.param) from None
 
 
-def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults) -> ParsedRequest:
+def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults, max_n: int) -> ParsedRequest:
     if not isinstance(body, dict):
         raise SubmissionError("the request body must be a JSON object")
     for name, neutral in _NEUTRAL.items():
@@ -94,8 +111,12 @@ def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults) -> Parsed
     unknown = sorted(set(body) - _ALLOWED[chat] - _NEUTRAL.keys() - _IGNORED)
     if unknown:
         raise SubmissionError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
-    if requests.field(body, "n", (int,), 1) != 1:
-        raise SubmissionError("only n=1 is supported", "n")
+    n = requests.field(body, "n", (int,), 1)
+    if not 1 <= n <= max_n:
+        raise SubmissionError(f'"n" must be in [1, {max_n}] (the server\'s --max_n), got {n}', "n")
+    best_of = requests.field(body, "best_of", (int,), n)
+    if not n <= best_of <= max_n:
+        raise SubmissionError(f'"best_of" must be in [n={n}, {max_n}], got {best_of}', "best_of")
     model = requests.field(body, "model", (str,))
     prompt_text = prompt_ids = messages = None
     if chat:
@@ -121,7 +142,10 @@ def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults) -> Parsed
     stream = requests.field(body, "stream", (bool,), False)
     options = requests.field(body, "stream_options", (dict,), {})
     include_usage = requests.field(options, "include_usage", (bool,), False)
-    return ParsedRequest(model, prompt_text, prompt_ids, messages, params, stream, include_usage)
+    if stream and best_of > n:
+        raise SubmissionError('"best_of" > n cannot be streamed (the best are known at the end)', "best_of")
+    return ParsedRequest(model, prompt_text, prompt_ids, messages, params, stream, include_usage,
+                         n, best_of)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -145,12 +169,15 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return k
 
 
-def usage(record: RequestRecord) -> dict[str, Any]:
+def usage(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """One request's usage over its choices' records: the prompt counted once (the first
+    choice's, which prefilled it), every choice's tokens."""
+    first, completion = records[0], sum(r.output_tokens for r in records)
     return {
-        "prompt_tokens": record.prompt_tokens,
-        "completion_tokens": record.output_tokens,
-        "total_tokens": record.prompt_tokens + record.output_tokens,
-        "prompt_tokens_details": {"cached_tokens": record.cached_tokens},
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
 
 
@@ -198,17 +225,18 @@ class LogprobFormat:
 
 
 def chunk(request_id: str, model: str, chat: bool, text: str | None, reason: str | None,
-          created: int, first: bool = False, logprobs: dict | None = None) -> dict[str, Any]:
+          created: int, first: bool = False, logprobs: dict | None = None,
+          index: int = 0) -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {}
         if first:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
+        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
+        choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         kind = "text_completion"
     return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [choice]}
 
@@ -230,33 +258,49 @@ class TextFrames:
 
     _MARK = "\x00cadence text\x00"
 
-    def __init__(self, request_id: str, model: str, chat: bool, created: int):
-        whole = frame(chunk(request_id, model, chat, self._MARK, None, created))
+    def __init__(self, request_id: str, model: str, chat: bool, created: int, index: int = 0):
+        whole = frame(chunk(request_id, model, chat, self._MARK, None, created, index=index))
         self._head, self._tail = whole.split(_ENCODE_STRING(self._MARK))
 
     def __call__(self, text: str) -> str:
         return self._head + _ENCODE_STRING(text) + self._tail
 
 
-def usage_chunk(request_id: str, model: str, chat: bool, record: RequestRecord, created: int) -> dict:
+def usage_chunk(request_id: str, model: str, chat: bool, records: Sequence[RequestRecord],
+                created: int) -> dict:
     kind = "chat.completion.chunk" if chat else "text_completion"
     return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [],
-            "usage": usage(record)}
+            "usage": usage(records)}
 
 
-def full_response(request_id: str, model: str, chat: bool, record: RequestRecord,
-                  tokenizer: Tokenizer | None = None) -> dict[str, Any]:
-    """The whole answer; `tokenizer` spells its logprobs, if it has any."""
+def best(records: Sequence[RequestRecord], n: int) -> list[RequestRecord]:
+    """best_of: the `n` sequences of highest cumulative logprob (vLLM's ranking), in the order
+    they were generated. Every record must carry logprobs (`ParsedRequest.choice_params`)."""
+    if len(records) == n:
+        return list(records)
+    ranked = sorted(range(len(records)), key=lambda i: -sum(e.logprob for e in records[i].logprobs))
+    return [records[i] for i in sorted(ranked[:n])]
+
+
+def full_response(request_id: str, model: str, chat: bool, records: Sequence[RequestRecord],
+                  tokenizer: Tokenizer | None = None, logprobs: bool = True,
+                  generated: Sequence[RequestRecord] | None = None) -> dict[str, Any]:
+    """The whole answer, a choice per record; `tokenizer` spells their logprobs, if they have
+    any and `logprobs` (False: computed for best_of's ranking only). Usage counts every
+    sequence `generated` (default: the records)."""
     created = int(time.time())
-    logprobs = None
-    if record.logprobs is not None:
-        logprobs = LogprobFormat(tokenizer, chat)(record.logprobs)
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": record.text},
-                  "finish_reason": finish_reason(record), "logprobs": logprobs}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": record.text, "finish_reason": finish_reason(record), "logprobs": logprobs}
-        kind = "text_completion"
+    choices = []
+    for index, record in enumerate(records):
+        lp = None
+        if logprobs and record.logprobs is not None:
+            lp = LogprobFormat(tokenizer, chat)(record.logprobs)
+        if chat:
+            choice = {"index": index, "message": {"role": "assistant", "content": record.text},
+                      "finish_reason": finish_reason(record), "logprobs": lp}
+        else:
+            choice = {"index": index, "text": record.text, "finish_reason": finish_reason(record),
+                      "logprobs": lp}
+        choices.append(choice)
+    kind = "chat.completion" if chat else "text_completion"
     return {"id": request_id, "object": kind, "created": created, "model": model,
-            "choices": [choice], "usage": usage(record)}
+            "choices": choices, "usage": usage(generated or records)}

@@ -24,6 +24,7 @@ The sampling-default flags of the command-line front doors are defined here, onc
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from typing import Any
@@ -200,6 +201,15 @@ def generation_params(entry: dict, defaults: SamplingDefaults, *,
         raise SubmissionError(f'"cache_salt" must be a string of 1 to {MAX_CACHE_SALT} characters', "cache_salt")
     return GenerationParams(max_tokens=max_tokens, sampling=sampling, stop=stop,
                             ignore_eos=field(entry, "ignore_eos", (bool,), False), cache_salt=salt)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request with `seed` (n > 1): choice 0 keeps the seed,
+    so it is the request with n=1; the others draw from a hash of (seed, index)."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"cadence-choice:{seed}:{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
 
 
 def logit_bias(bias: dict) -> tuple[tuple[int, float], ...]:

@@ -35,6 +35,9 @@ _DRAIN = flags.DEFINE_float("drain_timeout", 30.0, "Seconds to let in-flight req
 _MAX_BODY = flags.DEFINE_string(
     "max_body_size", f"{DEFAULT_MAX_BODY_BYTES // 2**20}MiB",
     "Largest request body accepted (bytes, or with a unit: 512KiB, 4MiB); larger ones get 413.")
+_MAX_N = flags.DEFINE_integer(
+    "max_n", 8, "Most choices one request may ask for (n, and best_of on completions); the "
+    "later choices of a request take its prompt's KV from the first.", lower_bound=1)
 
 def api_key() -> str | None:
     """--api_key, else --api_key_file, else $CADENCE_API_KEY; None: no key required."""
@@ -52,7 +55,8 @@ def main(argv: list[str]) -> int:
     del argv
     try:
         config = ServerConfig(api_key=api_key(), protect_metrics=_PROTECT_METRICS.value,
-                              max_body_bytes=runtime.parse_size(_MAX_BODY.value), drain_timeout=_DRAIN.value)
+                              max_body_bytes=runtime.parse_size(_MAX_BODY.value), drain_timeout=_DRAIN.value,
+                              max_n=_MAX_N.value)
         rt = runtime.build_from_flags(warm=False)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"cadence-serve: error: {e}", file=sys.stderr)

@@ -120,6 +120,8 @@ class FakeEngine:
         self.inserts = 0
         self.recoveries = 0
         self.log: list[Prefill | Decode] = []
+        self.copies: list[tuple[int, int]] = []
+        self.histories: list[tuple[int, list[int], list[int]]] = []
         # Pages that must not be written (the prefix cache's published pages, when a test
         # hands it in): a write to one is a sequence overwriting KV that others read.
         self.frozen = lambda page: False
@@ -222,6 +224,19 @@ class FakeEngine:
         if self.decode_calls in self.poison:
             tokens[0, self.poison[self.decode_calls]] = 2**31 - 1  # no such token
         return tokens
+
+    def copy_pages(self, sources, targets) -> None:
+        """Like the engine's: each target page's contents become its source's."""
+        assert len(sources) == len(targets) <= self.config.num_slots
+        for source, target in zip(sources, targets):
+            assert not self.frozen(int(target)), f"a copy onto published page {target}"
+            assert (self.pool[source][:1] >= 0).all(), f"a copy of page {source}, never written"
+            self.pool[target] = self.pool[source]
+            self.copies.append((int(source), int(target)))
+
+    def set_history(self, slot, prompt_ids, output_ids=()) -> None:
+        # The fake "model" has no penalties; recorded so tests can see when it is set.
+        self.histories.append((slot, list(prompt_ids), list(output_ids)))
 
     def extract(self, pages, length, slot) -> FakeHandle:
         assert 0 <= slot < self.config.num_slots and 0 < length <= self.config.max_seq_len
@@ -355,6 +370,13 @@ class Harness:
         client = Client(self.sched.submit(list(prompt), gp), list(prompt), gp)
         self.clients.append(client)
         return client
+
+    def submit_group(self, prompt: Sequence[int], params: list[dict]) -> list[Client]:
+        gps = [GenerationParams(**p) for p in params]
+        streams = self.sched.submit_group(list(prompt), gps, [None] * len(gps))
+        clients = [Client(s, list(prompt), gp) for s, gp in zip(streams, gps)]
+        self.clients.extend(clients)
+        return clients
 
     def step(self) -> None:
         engines = list(dict.fromkeys((self.engine, self.decode_engine)))
