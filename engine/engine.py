@@ -62,7 +62,7 @@ from cadence.model.params import cast
 from cadence.model.sharding import TensorParallel
 from cadence.model.paged_kv import PagedKVCache
 from cadence.model.sampling import (NO_TOKEN, Logprobs, RequestSampling, SamplingParams, SamplingRows,
-                                    TokenHistory, choose)
+                                    TokenHistory, choose, logprobs_of)
 
 
 # Measured with SmolLM2-135M on the 2-core CPU: batched decode beat the per-slot loops at 128
@@ -178,6 +178,11 @@ class EngineConfig:
         return min(self.min_prefill_bucket, self.prefill_chunk)
 
     @property
+    def score_bucket(self) -> int:
+        """Tokens of the scoring prefill program (`PrefillChunk.targets`): one chunk."""
+        return bucket_for(self.prefill_buckets, -(-self.prefill_chunk // self.pack_block) * self.pack_block)
+
+    @property
     def prefill_buckets(self) -> tuple[int, ...]:
         """Tokens of the packed prefill programs: multiples of `pack_block` up to the first
         that holds `prefill_tokens`."""
@@ -238,6 +243,25 @@ def _prefill_program(
     last_tokens = last_tokens.at[write_slot].set(sampled, mode="drop")
     history = history.count(write_slot, sampled, sampling)
     return (sampled, logprobs), cache, last_tokens, history
+
+
+def _scored_prefill_program(
+    params, rope, cache, last_tokens, history, tokens, positions, lengths, tables, logit_index,
+    steps, write_slot, sampling_slot, sampling, targets, *, config, attention, dtype, mesh,
+    max_logprobs,
+):
+    """`_prefill_program`, with the logits of every position of the pack: also returns each
+    position's `Logprobs` of `targets` [T] (its next token; -1 where none: ignored)."""
+    every = jnp.arange(tokens.size, dtype=jnp.int32)
+    logits, cache = forward(
+        params, tokens, positions, lengths, cache, tables, config=config, logit_index=every,
+        attention=attention, dtype=dtype, mesh=mesh, rope_table=rope,
+    )
+    sampled, logprobs = choose(logits[logit_index], sampling, history, sampling_slot, steps, max_logprobs)
+    last_tokens = last_tokens.at[write_slot].set(sampled, mode="drop")
+    history = history.count(write_slot, sampled, sampling)
+    scores = logprobs_of(logits, jnp.maximum(targets, 0), max_logprobs, jnp.ones(1, bool))
+    return (sampled, logprobs, scores), cache, last_tokens, history
 
 
 def _decode_program(
@@ -328,6 +352,7 @@ class Programs:
     """An engine's jitted programs (each compiles once per shape bucket)."""
 
     prefill: Callable
+    prefill_scored: Callable  # prefill with every position's logprobs (echo), a chunk at a time
     decode: Callable  # the length-following decode
     decode_batched: Callable  # the einsum decode over a page-table bucket
     extract: Callable
@@ -358,6 +383,8 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
     # Page-table widths are shapes: each bucket is its own program, compiled at warm-up.
     return Programs(
         prefill=jit(functools.partial(_prefill_program, **static), stepped, donate_argnames=donate),
+        prefill_scored=jit(functools.partial(_scored_prefill_program, **static), stepped,
+                           donate_argnames=donate),
         decode=jit(functools.partial(_decode_program, **decode), stepped, donate_argnames=donate),
         decode_batched=jit(functools.partial(_decode_program, **{**decode, "attention": "reference"}),
                            stepped, donate_argnames=donate),
@@ -468,11 +495,26 @@ def _read_logprobs(logprobs: Logprobs, rows: slice | None = None) -> HostLogprob
 class PrefillTokens:
     """What `Engine.prefill` returns: each chunk's sampled token, on the device until read.
     `np.asarray(result)` waits for the programs and gives [len(chunks)] int32;
-    `result.logprobs()` the chunks' `HostLogprobs` (zeros unless a chunk's row asked)."""
+    `result.logprobs()` the chunks' `HostLogprobs` (zeros unless a chunk's row asked);
+    `result.scores()` each scored chunk's (`PrefillChunk.targets`) by its index: [n] and
+    [n, max_logprobs], position by position."""
 
-    def __init__(self, parts: list[tuple[jax.Array, int]], logprobs: list[Logprobs] = ()):
+    def __init__(self, parts: list[tuple[jax.Array, int]], logprobs: list[Logprobs] = (),
+                 order: list[int] | None = None, scores: dict[int, tuple[Logprobs, int]] | None = None):
         self._parts = parts  # (a program's tokens [C], how many of them are real chunks)
         self._logprobs = list(logprobs)  # each program's
+        self._order = order  # the chunk index of each token the programs give, in their order
+        self._scores = scores or {}
+
+    def _in_order(self, a: np.ndarray) -> np.ndarray:
+        if self._order is None:
+            return a
+        out = np.empty_like(a)
+        out[np.asarray(self._order, np.int64)] = a
+        return out
+
+    def scores(self) -> dict[int, HostLogprobs]:
+        return {i: _read_logprobs(lp, slice(0, n)) for i, (lp, n) in self._scores.items()}
 
     @property
     def programs(self) -> int:
@@ -483,7 +525,7 @@ class PrefillTokens:
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         tokens = [np.asarray(a)[:n] for a, n in self._parts]
-        out = np.concatenate(tokens) if tokens else np.zeros(0, np.int32)
+        out = self._in_order(np.concatenate(tokens)) if tokens else np.zeros(0, np.int32)
         return out if dtype is None else out.astype(dtype)
 
     def block_until_ready(self) -> PrefillTokens:
@@ -492,7 +534,7 @@ class PrefillTokens:
 
     def logprobs(self) -> HostLogprobs:
         parts = [_read_logprobs(lp, slice(0, n)) for lp, (_, n) in zip(self._logprobs, self._parts)]
-        return HostLogprobs(*(np.concatenate(a) for a in zip(*parts)))
+        return HostLogprobs(*(self._in_order(np.concatenate(a)) for a in zip(*parts)))
 
 
 class DecodeTokens:
@@ -561,6 +603,7 @@ class Engine:
         self.recover()  # allocates the page pool, the next-token buffer and the token history
         programs = jit_programs(self.compute_config, config, self.tp)
         self._prefill, self._decode = programs.prefill, programs.decode
+        self._prefill_scored = programs.prefill_scored
         self._decode_batched = programs.decode_batched
         self._extract, self._insert = programs.extract, programs.insert
         self._history = programs.history
@@ -600,30 +643,46 @@ class Engine:
             if c.start < 0 or c.start + n > cfg.max_seq_len:
                 raise ValueError(f"chunk [{c.start}, {c.start + n}) overflows max_seq_len={cfg.max_seq_len}")
             self._check(c.slot, c.pages, cfg.pages_for(c.start + n))
-        packs = pack_chunks(
-            chunks, block=cfg.pack_block, token_buckets=cfg.prefill_buckets,
-            page_buckets=cfg.prefill_page_buckets, page_size=cfg.page_size, num_slots=cfg.num_slots,
-            max_chunks=cfg.chunks_per_program)
-        results, logprobs = [], []
+        plain = [i for i, c in enumerate(chunks) if c.targets is None]
+        scored = [i for i, c in enumerate(chunks) if c.targets is not None]
+        pack = functools.partial(
+            pack_chunks, block=cfg.pack_block, page_buckets=cfg.prefill_page_buckets,
+            page_size=cfg.page_size, num_slots=cfg.num_slots, max_chunks=cfg.chunks_per_program)
+        packs = pack([chunks[i] for i in plain], token_buckets=cfg.prefill_buckets) if plain else []
+        # A chunk whose every position is scored runs alone, in the one-chunk scoring program.
+        packs += [pack([chunks[i]], token_buckets=(cfg.score_bucket,))[0] for i in scored]
+        results, logprobs, scores = [], [], {}
         wanted = bool(np.asarray(sampling.logprobs).any())
-        for pack in packs:
-            live = pack.sampling_slot < cfg.num_slots
-            rows = _gather_rows(sampling, np.where(live, pack.sampling_slot, 0), live)
-            tokens, lp = self._run_pack(pack, rows)
+        for j, p in enumerate(packs):
+            live = p.sampling_slot < cfg.num_slots
+            rows = _gather_rows(sampling, np.where(live, p.sampling_slot, 0), live)
+            if j < len(packs) - len(scored):
+                tokens, lp = self._run_pack(p, rows)
+            else:
+                i = scored[j - len(packs) + len(scored)]
+                targets = np.full(p.tokens.size, -1, np.int32)
+                targets[: len(chunks[i].targets)] = np.asarray(chunks[i].targets, np.int32)
+                tokens, lp, score = self._run_pack(p, rows, targets)
+                _copy_to_host(score)
+                scores[i] = (score, len(chunks[i].tokens))
             tokens.copy_to_host_async()
             if wanted:
                 _copy_to_host(lp)
-            results.append((tokens, pack.count))
+            results.append((tokens, p.count))
             logprobs.append(lp)
-        return PrefillTokens(results, logprobs)
+        return PrefillTokens(results, logprobs, order=plain + scored, scores=scores)
 
-    def _run_pack(self, pack: Pack, sampling: SamplingParams) -> tuple[jax.Array, Logprobs]:
-        (tokens, logprobs), self.cache, self.last_tokens, self.history = self._prefill(
-            self.params, self.rope, self.cache, self.last_tokens, self.history, pack.tokens,
-            pack.positions, pack.lengths, pack.tables, pack.logit_index, pack.steps,
-            pack.write_slot, pack.sampling_slot, sampling,
-        )
-        return _local(tokens), jax.tree.map(_local, logprobs)
+    def _run_pack(self, pack: Pack, sampling: SamplingParams, targets: np.ndarray | None = None):
+        """(tokens, logprobs), and with `targets` the scoring program's, and its scores."""
+        args = (self.params, self.rope, self.cache, self.last_tokens, self.history, pack.tokens,
+                pack.positions, pack.lengths, pack.tables, pack.logit_index, pack.steps,
+                pack.write_slot, pack.sampling_slot, sampling)
+        if targets is None:
+            out, self.cache, self.last_tokens, self.history = self._prefill(*args)
+        else:
+            out, self.cache, self.last_tokens, self.history = self._prefill_scored(*args, targets)
+        tokens, *rest = out
+        return (_local(tokens), *(jax.tree.map(_local, x) for x in rest))
 
     def decode(
         self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
@@ -806,11 +865,14 @@ class Engine:
             decode_shapes = []
         token = tokens = None  # the last program's outputs, waited for at the end
         total = (len(prefill_shapes) + len(decode_shapes) * len(cfg.decode_batch_buckets)
-                 + len(cfg.page_buckets))
+                 + len(cfg.page_buckets) + (len(cfg.prefill_page_buckets) if prefill_shapes else 0))
         done = 0
-        for t, width in prefill_shapes:
+        # ... and the scoring program, once per page-table width (its one token bucket).
+        scored = [(cfg.score_bucket, w, True) for w in cfg.prefill_page_buckets] if prefill_shapes else []
+        for t, width, scoring in [(t, w, False) for t, w in prefill_shapes] + scored:
             pack = empty_pack(t, width, cfg.pack_block, cfg.num_slots, cfg.chunks_per_program)
-            token, _ = self._run_pack(pack, sampling_rows([RequestSampling()] * len(pack.steps)))
+            rows = sampling_rows([RequestSampling()] * len(pack.steps))
+            token = self._run_pack(pack, rows, np.full(t, -1, np.int32) if scoring else None)[0]
             done += 1
             if progress:
                 progress(done, total)

@@ -49,6 +49,10 @@ class PrefillChunk:
     start: int
     final: bool
     pages: Sequence[int]
+    # Prompt logprobs (echo): the token after each position (-1 where none is known, as after
+    # a prompt's last token); such a chunk runs in the scoring program, which gives each
+    # position's logprob of its target and the alternatives (`PrefillTokens.scores`).
+    targets: Sequence[int] | None = None
 
 
 @dataclasses.dataclass

@@ -55,6 +55,9 @@ class GenerationParams:
     # None: no logprobs; k: each output token's logprob and its k likeliest alternatives
     # (`TokenEvent.logprobs`), k at most the engine's max_logprobs.
     logprobs: int | None = None
+    # With logprobs: also each prompt token's (echo), from the prompt's forward pass; the
+    # prompt is then prefilled whole, never taken from the prefix cache.
+    prompt_logprobs: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +70,9 @@ class TokenLogprob:
     so the texts of a request's tokens concatenate to its whole output exactly."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which nothing predicts
     text: str
-    top: tuple[tuple[int, float], ...]  # (id, logprob), likeliest first
+    top: tuple[tuple[int, float], ...] | None  # (id, logprob), likeliest first
 
 
 @dataclasses.dataclass
@@ -99,6 +102,7 @@ class RequestRecord:
     text: str
     token_times: list[float] = dataclasses.field(default_factory=list)  # one per output token
     logprobs: list[TokenLogprob] | None = None  # one per output token, if the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first None)
     error: str | None = None
     preemptions: int = 0  # times its KV was dropped for lack of pages and recomputed
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, not prefill
@@ -170,6 +174,10 @@ class Request:
         self.output_ids: list[int] = []
         self.token_times: list[float] = []
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
+        # Prompt logprobs (`params.prompt_logprobs`): entry p is prompt token p's (p >= 1), with
+        # `text` empty (the front door spells the prompt); entry 0 stays None.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] * len(self.prompt_ids) if params.prompt_logprobs else None)
         self.detok = IncrementalDetokenizer(tokenizer)
         self._held = ""  # text withheld because it may be the start of a stop string
         self._text: list[str] = []
@@ -295,6 +303,7 @@ class Request:
             text="".join(self._text),
             token_times=self.token_times,
             logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             error=error,
             preemptions=self.preemptions,
             cached_tokens=self.cached_tokens,

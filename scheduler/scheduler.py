@@ -67,7 +67,7 @@ from cadence.scheduler.pages import PageKeys
 from cadence.scheduler.pool import Pool
 from cadence.scheduler.request import (
     MAX_STOP_LENGTH, MAX_STOP_STRINGS, FinishReason, GenerationParams, Request, RequestRecord,
-    State, TokenEvent,
+    State, TokenEvent, TokenLogprob,
 )
 
 
@@ -123,6 +123,15 @@ def _decoded_end(r: Request, steps: int) -> int:
     """Positions `r` holds once `steps` decode steps from its next one are written: they
     write the KV of positions prompt_len + dispatched - 1 onwards."""
     return r.prompt_len + r.dispatched + steps - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    """In a prefill result's (request, index) pairs: the prompt logprobs of the chunk `chunk`
+    (its index in the call), which starts at position `start`."""
+
+    chunk: int
+    start: int
 
 
 def _awaits_parent(r: Request) -> bool:
@@ -340,7 +349,7 @@ class Scheduler:
             prompt_ids, params, max_tokens, self.tokenizer,
             emit=lambda e: holder["s"]._push(e), request_id=request_id,
         )
-        if self.config.prefix_caching:
+        if self.config.prefix_caching and not params.prompt_logprobs:
             request.page_keys = PageKeys(self.page_size, self.config.cache_namespace.encode(),
                                          params.cache_salt)
         stream = holder["s"] = RequestStream(self, request)
@@ -362,6 +371,8 @@ class Scheduler:
             raise SubmissionError(f"logit_bias names token id {outside[0]}, outside the model's "
                                   f"vocabulary [0, {vocab})", "logit_bias")
         most = self.engine.config.max_logprobs
+        if params.prompt_logprobs and params.logprobs is None:
+            raise SubmissionError("prompt logprobs (echo) need logprobs", "logprobs")
         if params.logprobs is not None and not (isinstance(params.logprobs, int)
                                                 and 0 <= params.logprobs <= most):
             raise SubmissionError(f"at most {most} logprobs per token (the server's --max_logprobs), "
@@ -725,15 +736,21 @@ class Scheduler:
     def _dispatch_prefill(self, plan: Plan, pool: Pool, rows) -> tuple[int, int]:
         """Returns (programs, chunks) dispatched."""
         self._copy_forked_pages(pool)
-        chunks, firsts = [], []
+        chunks, firsts, scored = [], [], []
         for chunk in plan.prefill:
             r = chunk.request
             if r.finished or r.state is State.WAITING:
                 continue  # failed, or preempted or sent back by the page reservation
-            ids = r.prefill_ids[chunk.start : chunk.start + chunk.length]
+            start, end = chunk.start, chunk.start + chunk.length
+            ids = r.prefill_ids[start:end]
+            targets = None
+            if r.prompt_logprobs is not None and None in r.prompt_logprobs[start + 1 : end + 1]:
+                # each position's next prompt token (none after the prompt's last)
+                targets = r.prompt_ids[start + 1 : end + 1] + [-1] * max(0, end + 1 - r.prompt_len)
+                scored.append((r, Scores(len(chunks), start)))
             if chunk.final:
                 firsts.append((r, len(chunks)))
-            chunks.append(PrefillChunk(r.slot, ids, chunk.start, chunk.final, r.pages))
+            chunks.append(PrefillChunk(r.slot, ids, start, chunk.final, r.pages, targets))
             r.prefilled += chunk.length
             r.kv_tokens += chunk.length
             r.prefill_chunks += 1
@@ -751,7 +768,7 @@ class Scheduler:
         tokens = pool.engine.prefill(chunks, rows)
         self.prefill_programs += tokens.programs
         self.prefill_chunks += len(chunks)
-        self._expect(pool, firsts, tokens)
+        self._expect(pool, scored + firsts, tokens)  # a prompt's scores before its first token
         return tokens.programs, len(chunks)
 
     def _copy_forked_pages(self, pool: Pool) -> None:
@@ -1008,6 +1025,9 @@ class Scheduler:
                             top.reshape(steps.shape + top.shape[-1:]))
             for r, index in pairs:
                 r.unapplied -= 1
+                if isinstance(index, Scores):
+                    self._take_scores(r, tokens.scores()[index.chunk], index.start)
+                    continue
                 for step, token in enumerate(steps[:, index].tolist()):
                     if r.finished:
                         break  # a step dispatched before the request ended: discard
@@ -1015,6 +1035,19 @@ class Scheduler:
                     if logprobs is not None and r.logprobs is not None:
                         logprob = tuple(a[step, index] for a in logprobs)
                     self._take(r, token, vocab, now, logprob)
+
+    @staticmethod
+    def _take_scores(r: Request, scores, start: int) -> None:
+        """A scored chunk's prompt logprobs: position p's scores are prompt token p + 1's."""
+        if r.finished:
+            return
+        k = r.params.logprobs
+        for i, (value, ids, values) in enumerate(zip(*scores)):
+            p = start + i + 1
+            if p >= r.prompt_len:
+                break
+            r.prompt_logprobs[p] = TokenLogprob(r.prompt_ids[p], float(value), "", tuple(
+                zip(map(int, ids[:k]), map(float, values[:k]))))
 
     def _take(self, r: Request, token: int, vocab: int, now: float, logprob=None) -> None:
         """One of `r`'s tokens (and its logprobs, if it asked): accepted and streamed, or the

@@ -260,8 +260,9 @@ class Server:
             raise APIError(400, f"X-Request-Id is longer than {MAX_REQUEST_ID} characters")
         streams = await self._submit(parsed, request_id)
         headers = {"X-Request-Id": request_id}
+        echo = streams[0].request.prompt_ids if parsed.echo else None
         if parsed.stream:
-            frames = self._sse(streams, request_id, chat, parsed.include_usage)
+            frames = self._sse(streams, request_id, chat, parsed.include_usage, echo)
             return StreamingResponse(frames, media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         records = await self._collect(request, streams)
@@ -270,7 +271,7 @@ class Server:
             raise APIError(500, f"generation failed: {failed.error}", type="server_error")
         return JSONResponse(protocol.full_response(
             request_id, self.model_name, chat, protocol.best(records, parsed.n), self.tokenizer,
-            logprobs=parsed.params.logprobs is not None, generated=records), headers=headers)
+            logprobs=parsed.params.logprobs is not None, generated=records, echo=echo), headers=headers)
 
     async def _collect(self, request: Request, streams: list[RequestStream]) -> list[RequestRecord]:
         """Waits for the whole answer; a client that hangs up meanwhile cancels it."""
@@ -293,11 +294,12 @@ class Server:
             watcher.cancel()
 
     async def _sse(self, streams: list[RequestStream], request_id: str, chat: bool,
-                   include_usage: bool) -> AsyncIterator[str]:
+                   include_usage: bool, echo: list[int] | None = None) -> AsyncIterator[str]:
         """The streams' events as SSE frames, each choice's chunks under its index. Every event
         waiting when the loop gets to this request goes out in one write: when the loop runs
         behind the scheduler (many streams, a fast device), tokens are coalesced instead of
-        each paying for a send. One choice failing ends the response with the error."""
+        each paying for a send. One choice failing ends the response with the error. With
+        `echo` (completions: the prompt's ids), each choice's first chunk is the prompt."""
         created, name = int(time.time()), self.model_name
         first = [True] * len(streams)
         text_frames = [protocol.TextFrames(request_id, name, chat, created, i) for i in range(len(streams))]
@@ -307,6 +309,13 @@ class Server:
             async for batch in _merged(streams):
                 frames = []
                 for i, event in batch:
+                    if echo is not None and first[i]:  # (the prompt's logprobs are the first choice's)
+                        lp = (logprobs[i].prompt(echo, streams[0].request.prompt_logprobs)
+                              if streams[i].request.logprobs is not None else None)
+                        frames.append(protocol.frame(protocol.chunk(
+                            request_id, name, chat, "".join(protocol.token_texts(self.tokenizer, echo)),
+                            None, created, logprobs=lp, index=i)))
+                        first[i] = False
                     if isinstance(event, TokenEvent):
                         if (chat and first[i]) or event.logprobs is not None:
                             # with logprobs, every token's chunk goes out, text or not

@@ -4,8 +4,7 @@ Parsing goes through `server/requests.py`, the one parser of every front door, a
 where a silent guess would surprise a client: wrong types, out-of-range values and unknown
 fields are refused with the parameter named (OpenAI, too, refuses an unrecognized argument).
 Fields that would change the answer if honoured and that cadence does not implement
-(`response_format`, tools, `echo`, `n` > 1, ...) are refused unless they carry their neutral
-value; fields that change nothing here (`user`, `metadata`, ...) are
+(`response_format`, tools, `suffix`, ...) are refused unless they carry their neutral value; fields that change nothing here (`user`, `metadata`, ...) are
 accepted and ignored. Sampling fields a request leaves out take the model's published defaults
 (`SamplingDefaults.with_model`), else OpenAI's (temperature 1.0, top_p 1.0); completions default
 to 16 tokens as OpenAI's do, chats to the end of the context.
@@ -20,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cadence.scheduler.errors import SubmissionError
+from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenLogprob
 from cadence.server import requests
@@ -45,7 +45,7 @@ DEFAULT_MAX_N = 8  # choices per request (n, and best_of on completions): the se
 
 # Fields that change the answer, which cadence does not implement: refused unless neutral.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
+    "suffix": ("",), "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},), "modalities": (["text"],), "prediction": (),
     "audio": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
@@ -54,7 +54,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 _COMMON = frozenset({"model", "stream", "stream_options", "n", *requests.SAMPLING_FIELDS})
 _ALLOWED = {
-    False: _COMMON | {"prompt", "logprobs", "best_of"},
+    False: _COMMON | {"prompt", "logprobs", "best_of", "echo"},
     True: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
 }
 
@@ -70,6 +70,7 @@ class ParsedRequest:
     include_usage: bool
     n: int = 1  # choices returned
     best_of: int = 1  # sequences generated (completions: >= n; the n likeliest are returned)
+    echo: bool = False  # completions: the prompt before each choice's text (and its logprobs)
 
     def choice_params(self) -> list[GenerationParams]:
         """Each generated sequence's parameters: its own seed (`requests.choice_seed`), and
@@ -77,8 +78,10 @@ class ParsedRequest:
         logprobs = self.params.logprobs
         if self.best_of > self.n and logprobs is None:
             logprobs = 0
+        # The prompt's logprobs are the same for every choice: the first computes them.
         return [dataclasses.replace(
                     self.params, logprobs=logprobs,
+                    prompt_logprobs=self.echo and i == 0 and self.params.logprobs is not None,
                     sampling=dataclasses.replace(self.params.sampling,
                                                  seed=requests.choice_seed(self.params.sampling.seed, i)))
                 for i in range(self.best_of)]
@@ -144,8 +147,9 @@ def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults, max_n: in
     include_usage = requests.field(options, "include_usage", (bool,), False)
     if stream and best_of > n:
         raise SubmissionError('"best_of" > n cannot be streamed (the best are known at the end)', "best_of")
+    echo = not chat and requests.field(body, "echo", (bool,), False)
     return ParsedRequest(model, prompt_text, prompt_ids, messages, params, stream, include_usage,
-                         n, best_of)
+                         n, best_of, echo)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -206,6 +210,14 @@ class LogprobFormat:
     def _alternative(self, token_id: int) -> str:
         return self._tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
+    def prompt(self, prompt_ids: Sequence[int], entries: list[TokenLogprob | None] | None) -> dict:
+        """Completions' echo: the prompt's tokens (spelled by the detokenizer), with their
+        logprobs (the first has none: null), in the same shape and offsets as the output's."""
+        texts = token_texts(self._tokenizer, prompt_ids)
+        entries = entries or [None] * len(prompt_ids)
+        return self([TokenLogprob(t, None if e is None else e.logprob, text, None if e is None else e.top)
+                     for t, e, text in zip(prompt_ids, entries, texts)])
+
     def __call__(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         raw = self._tokenizer.token_bytes
         if self._chat:
@@ -220,7 +232,8 @@ class LogprobFormat:
             self._offset += len(e.text)
         return {"tokens": [e.text for e in entries],
                 "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._alternative(t): v for t, v in e.top} for e in entries],
+                "top_logprobs": [None if e.top is None else {self._alternative(t): v for t, v in e.top}
+                                 for e in entries],
                 "text_offset": offsets}
 
 
@@ -282,18 +295,40 @@ def best(records: Sequence[RequestRecord], n: int) -> list[RequestRecord]:
     return [records[i] for i in sorted(ranked[:n])]
 
 
+def token_texts(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
+    """What each token of `ids` adds to their text, as the detokenizer streams it (special
+    tokens add nothing): they join into the text echo returns."""
+    detok = IncrementalDetokenizer(tokenizer)
+    texts = [detok.add(t) for t in ids]
+    texts[-1] += detok.flush()
+    return texts
+
+
+def merge_logprobs(first: dict, second: dict) -> dict:
+    """Two completions logprobs objects, one after the other (echo: the prompt's, the output's)."""
+    return {key: first[key] + second[key] for key in first}
+
+
 def full_response(request_id: str, model: str, chat: bool, records: Sequence[RequestRecord],
                   tokenizer: Tokenizer | None = None, logprobs: bool = True,
-                  generated: Sequence[RequestRecord] | None = None) -> dict[str, Any]:
+                  generated: Sequence[RequestRecord] | None = None,
+                  echo: Sequence[int] | None = None) -> dict[str, Any]:
     """The whole answer, a choice per record; `tokenizer` spells their logprobs, if they have
     any and `logprobs` (False: computed for best_of's ranking only). Usage counts every
-    sequence `generated` (default: the records)."""
+    sequence `generated` (default: the records). `echo` (completions): the prompt's ids, whose
+    text goes before each choice's, and with logprobs its tokens' (the first record's)."""
     created = int(time.time())
     choices = []
+    prompt_logprobs = next((r.prompt_logprobs for r in generated or records if r.prompt_logprobs), None)
     for index, record in enumerate(records):
         lp = None
         if logprobs and record.logprobs is not None:
-            lp = LogprobFormat(tokenizer, chat)(record.logprobs)
+            spell = LogprobFormat(tokenizer, chat)
+            head = spell.prompt(echo, prompt_logprobs) if echo else None
+            lp = spell(record.logprobs)
+            lp = merge_logprobs(head, lp) if head else lp
+        if echo:
+            record = dataclasses.replace(record, text="".join(token_texts(tokenizer, echo)) + record.text)
         if chat:
             choice = {"index": index, "message": {"role": "assistant", "content": record.text},
                       "finish_reason": finish_reason(record), "logprobs": lp}

@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
+from cadence.engine import compile_counter
 from cadence.engine.engine import Engine, EngineConfig
 from cadence.engine.reference import greedy_generate, log_softmax, sequence_logits
 from cadence.model.sampling import RequestSampling
@@ -149,3 +150,60 @@ def test_openai_shapes_streamed_and_whole(tiny_engine, tiny_tokenizer, tiny_para
     assert [c["token"] for c in streamed_content] == [c["token"] for c in content]
     np.testing.assert_allclose([c["logprob"] for c in streamed_content], [c["logprob"] for c in content],
                                atol=1e-6)
+
+
+def test_prompt_logprobs_equal_the_reference_forward_pass(engine, tiny_params, tiny_config, tiny_tokenizer):
+    """echo's prompt logprobs: a prompt over three chunks, scored chunk by chunk in the scoring
+    program beside a plain request packed as usual; every prompt token's logprob (the first
+    has none) and alternatives equal the reference's forward pass, and the outputs are still
+    the reference generator's."""
+    rng = random.Random(9)
+    prompt, other = random_prompts(rng, 2, tiny_config.vocab_size, 70, 80)
+    subs = [(prompt, GenerationParams(max_tokens=6, ignore_eos=True, logprobs=4, prompt_logprobs=True)),
+            (other, GenerationParams(max_tokens=6, ignore_eos=True))]
+    before = compile_counter.count()  # the process's: other tests compile their own programs
+    scored, plain = run_all(scheduler(engine, tiny_tokenizer), subs)
+    assert compile_counter.count() == before
+    assert scored.request.output_ids == greedy_generate(tiny_params, tiny_config, prompt, 6)
+    assert plain.request.output_ids == greedy_generate(tiny_params, tiny_config, other, 6)
+    entries = scored.record.prompt_logprobs
+    assert entries[0] is None and len(entries) == len(prompt)
+    reference = log_softmax(sequence_logits(tiny_params, tiny_config, prompt))
+    for p in range(1, len(prompt)):
+        e = entries[p]
+        assert e.token_id == prompt[p]
+        assert e.logprob == pytest.approx(reference[p - 1, prompt[p]], abs=1e-4)
+        np.testing.assert_allclose([v for _, v in e.top], np.sort(reference[p - 1])[::-1][:4], atol=1e-4)
+    check_against_reference(tiny_params, tiny_config, prompt, scored.request, 4)
+
+
+def test_echo_over_http(tiny_engine, tiny_tokenizer, tiny_params, tiny_config):
+    prompt = "a b c the cat sat on the mat"
+    ids = tiny_tokenizer.encode(prompt)
+    want = greedy_generate(tiny_params, tiny_config, ids, 5)
+    reference = log_softmax(sequence_logits(tiny_params, tiny_config, ids + want))
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "echo": True}
+    with serving(tiny_engine, tiny_tokenizer) as (base, _):
+        bare = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+        whole = httpx.post(f"{base}/v1/completions", json={**body, "logprobs": 2}, timeout=60).json()
+        streamed = httpx.post(f"{base}/v1/completions", json={**body, "logprobs": 2, "stream": True}, timeout=60)
+        two = httpx.post(f"{base}/v1/completions", json={**body, "n": 2, "logprobs": 1}, timeout=60).json()
+        r = httpx.post(f"{base}/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "x"}], "echo": True}, timeout=60)
+        assert r.status_code == 400  # chat has no echo
+    text = tiny_tokenizer.decode(ids) + tiny_tokenizer.decode(want)
+    assert bare["choices"][0]["text"] == text and bare["choices"][0]["logprobs"] is None
+    choice = whole["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == text == "".join(lp["tokens"])
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    everything = ids + want
+    np.testing.assert_allclose(lp["token_logprobs"][1:], [reference[p - 1, everything[p]] for p in range(1, len(everything))],
+                               atol=1e-4)
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(everything))]
+    chunks = [json.loads(line[6:])["choices"][0] for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["text"] for c in chunks) == text
+    assert sum((c["logprobs"]["tokens"] for c in chunks if c["logprobs"]), []) == lp["tokens"]
+    assert all(c["text"] == text and c["logprobs"]["token_logprobs"][0] is None for c in two["choices"])
+    assert two["usage"]["prompt_tokens"] == len(ids)

@@ -74,10 +74,30 @@ def default_model_cases(smollm2):
     return [(p, greedy_generate(smollm2.params, smollm2.config, p, 12, tok.eos_ids)) for p in prompts]
 
 
+# A penalized request with logprobs, beside the plain ones of every mode below: the code prompt
+# repeats itself, so the penalties change what greedy picks.
+PENALIZED = dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25,
+                 logit_bias=((28, -5.0), (314, 2.0)))
+
+
+@pytest.fixture(scope="module")
+def penalized_case(smollm2, default_model_cases):
+    from cadence.engine.reference import log_softmax, sequence_logits
+    from cadence.model.sampling import RequestSampling
+
+    prompt = default_model_cases[2][0]
+    row = RequestSampling(**PENALIZED)
+    want = greedy_generate(smollm2.params, smollm2.config, prompt, 12, smollm2.tokenizer.eos_ids, sampling=row)
+    assert want != default_model_cases[2][1]
+    reference = log_softmax(sequence_logits(smollm2.params, smollm2.config, prompt + want))
+    return prompt, row, want, [reference[len(prompt) - 1 + i, t] for i, t in enumerate(want)]
+
+
 @pytest.mark.parametrize("mode", [*(pytest.param(m, marks=pytest.mark.slow) for m in (
     "colocated", "disaggregated", "tp2", "tp3", "multistep")), "cpu_kernels"])
-def test_engine_matches_reference_on_the_default_model(smollm2, default_model_cases, mode):
-    """cadence-generate's path (engine + scheduler, chunked, batched) equals the reference;
+def test_engine_matches_reference_on_the_default_model(smollm2, default_model_cases, penalized_case, mode):
+    """cadence-generate's path (engine + scheduler, chunked, batched) equals the reference, and
+    so does a request with penalties, a logit_bias and logprobs (within 1e-4);
     disaggregated, with the prefill engine on CPU device 0 and the decode engine on device 1;
     tensor parallel over 2 devices (9 heads: attention replicated, the MLP and vocabulary
     split) and over 3 (3 query heads and one KV head per device); with up to 4 decode steps
@@ -102,12 +122,16 @@ def test_engine_matches_reference_on_the_default_model(smollm2, default_model_ca
     sched = Scheduler(engine, smollm2.tokenizer, SchedulerConfig(policy=PolicyConfig(token_budget=66, chunk=64)),
                       decode_engine=decode)
     streams = [sched.submit(p, GenerationParams(max_tokens=12)) for p, _ in default_model_cases]
+    penalized_prompt, row, penalized_want, logprobs = penalized_case
+    penalized = sched.submit(penalized_prompt, GenerationParams(max_tokens=12, sampling=row, logprobs=2))
     while not sched.idle():
         sched.step()
     for (prompt, want), stream in zip(default_model_cases, streams):
         assert stream.request.output_ids == want, prompt
+    assert penalized.request.output_ids == penalized_want
+    assert [e.logprob for e in penalized.request.logprobs] == pytest.approx(logprobs, abs=1e-4)
     if decode is not None:
-        assert sched.kv_transfers == len(streams)
+        assert sched.kv_transfers == len(streams) + 1
 
 
 @pytest.mark.parametrize("devices, kernels", [(1, {}), (3, {}),
