@@ -11,6 +11,8 @@ programs:
   bandwidth, since a decode step must read both;
 - prefill: a long prompt in chunks of `--prefill_chunk`; tokens/s and achieved FLOP/s against
   2 * params * tokens (+ attention) / matmul rate.
+`--sampling` times decode with every row's settings of a kind (`SAMPLING_KINDS`: greedy, or
+sampled, penalized, with logprobs, or all of them), what each stage of `model.sampling` costs.
 Prints a table and writes one JSON file (machine, JAX version, date, every figure).
 """
 
@@ -33,7 +35,7 @@ from cadence.engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig, fixed
 from cadence.engine.packing import PrefillChunk
 from cadence.model.params import cast_bytes
 from cadence.model.quant import quantize
-from cadence.model.sampling import RequestSampling
+from cadence.model.sampling import RequestSampling, SamplingRows
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model to benchmark.")
 _SLOTS = flags.DEFINE_list("slots", ["1", "4", "8"], "Slot counts for decode.")
@@ -55,6 +57,27 @@ _DECODE_MATMUL = flags.DEFINE_enum("decode_matmul", "xla", ["xla", "cpu"],
                                    "Decode's matmuls: XLA's, or the CPU kernel (`model.cpu_kernels`).")
 _OUT = flags.DEFINE_string("out", None, "Where to write the JSON results.")
 
+# Each kind's row, and whether it asks for logprobs: what `--sampling` times decode with.
+SAMPLED = dict(temperature=0.7, top_p=0.9, top_k=50, seed=1)
+PENALIZED = dict(repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5,
+                 logit_bias=tuple((i, 1.0) for i in range(300)))
+SAMPLING_KINDS = {
+    "greedy": (RequestSampling(), False),
+    "sampled": (RequestSampling(**SAMPLED), False),
+    "penalized": (RequestSampling(**PENALIZED), False),
+    "logprobs": (RequestSampling(), True),
+    "all": (RequestSampling(**SAMPLED, **PENALIZED, min_p=0.05), True),
+}
+_SAMPLING = flags.DEFINE_list("sampling", ["greedy"], f"Sampling kinds to time decode with: {list(SAMPLING_KINDS)}.")
+
+
+def sampling_rows_of(kind: str, slots: int):
+    sampling, logprobs = SAMPLING_KINDS[kind]
+    rows = SamplingRows(slots)
+    for slot in range(slots):
+        rows.set(slot, sampling, logprobs=logprobs)
+    return rows.params()
+
 
 def measure_machine() -> dict:
     machine = roofline.measure_machine()
@@ -62,7 +85,7 @@ def measure_machine() -> dict:
 
 
 def decode_point(engine, rows, tables, context: int, count: int, weight_bytes: int, probe,
-                 k: int = 1) -> dict:
+                 k: int = 1, kind: str = "greedy") -> dict:
     """The median step with the first `count` slots decoding at `context` live tokens each, in
     dispatches of `k` steps, and its ratio to the floor. Each timed dispatch is followed by a
     probe of the memory's bandwidth, and the ratio is the median over the (dispatch, probe)
@@ -82,11 +105,11 @@ def decode_point(engine, rows, tables, context: int, count: int, weight_bytes: i
     floors = (weight_bytes + kv_bytes) / np.array(bandwidths)
     step, floor = float(np.median(steps)), float(np.median(floors))
     ratio = float(np.median(np.array(steps) / floors))
-    print(f"decode  slots={slots:<3} active={count:<3} context={context:<5} k={k:<2} {step * 1e3:7.1f} ms/step "
+    print(f"decode  slots={slots:<3} active={count:<3} context={context:<5} k={k:<2} {kind:<9} {step * 1e3:7.1f} ms/step "
           f"(floor {floor * 1e3:5.1f} ms, {ratio:4.2f}x; memory {np.min(bandwidths) / 1e9:.1f}-"
           f"{np.max(bandwidths) / 1e9:.1f} GB/s)  {count / step:7.1f} tok/s")
     return {"slots": slots, "active": count, "context": context, "steps_per_dispatch": k,
-            "step_ms": step * 1e3, "bandwidth_gb_s": float(np.median(bandwidths)) / 1e9,
+            "sampling": kind, "step_ms": step * 1e3, "bandwidth_gb_s": float(np.median(bandwidths)) / 1e9,
             "floor_ms": floor * 1e3, "ratio_to_floor": ratio,
             "achieved_gb_s": (weight_bytes + kv_bytes) / step / 1e9, "tokens_per_s": count / step}
 
@@ -108,11 +131,15 @@ def main(argv) -> None:
             attention=_ATTENTION.value, decode_matmul=_DECODE_MATMUL.value))
         rows = sampling_rows([RequestSampling()] * slots)
         tables = fixed_page_tables(engine.config)  # each slot a run of pages, as if allocated
+        for slot in range(slots):  # what the penalties read: a prompt's worth of history
+            engine.set_history(slot, list(range(100, 228)))
         for context in map(int, _CONTEXTS.value):
             for count in [a for a in map(int, _ACTIVE.value) if a <= slots] or [slots]:
                 for k in map(int, _DECODE_STEPS.value):
-                    results["decode"].append(decode_point(engine, rows, tables, context, count,
-                                                          weight_bytes, probe, k))
+                    for kind in _SAMPLING.value:
+                        results["decode"].append(decode_point(
+                            engine, sampling_rows_of(kind, slots), tables, context, count,
+                            weight_bytes, probe, k, kind))
         if slots == int(_SLOTS.value[0]):
             n, chunk = _PROMPT.value, _CHUNK.value
             prompt = list(np.random.default_rng(0).integers(100, cfg.vocab_size, n))
@@ -143,7 +170,8 @@ def main(argv) -> None:
     if _OUT.value:
         Path(_OUT.value).parent.mkdir(parents=True, exist_ok=True)
         Path(_OUT.value).write_text(json.dumps(report, indent=2))
-    print(json.dumps({"decode_ms": {f"{p['active']}of{p['slots']}x{p['context']}k{p['steps_per_dispatch']}":
+    print(json.dumps({"decode_ms": {f"{p['active']}of{p['slots']}x{p['context']}k{p['steps_per_dispatch']}"
+                                    f"{'' if p['sampling'] == 'greedy' else '-' + p['sampling']}":
                                     round(p["step_ms"], 1)
                                     for p in results["decode"]},
                       "prefill_tok_s": [round(p["tokens_per_s"]) for p in results["prefill"]]}))

@@ -30,6 +30,9 @@
                                                         shaped like its tokens (and [..., k] for
                                                         the max_logprobs alternatives), real for
                                                         the rows whose sampling asked
+    tokens.scores()                                     of a prefill result: {chunk index:
+                                                        `HostLogprobs`} for the chunks with
+                                                        `targets` (prompt logprobs, echo)
 
 KV lives in pages of the engine's pool; the scheduler decides which pages each sequence holds
 (`scheduler.pages`) and passes them: a `PrefillChunk`'s `pages` is its sequence's page ids in

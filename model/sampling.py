@@ -322,26 +322,63 @@ def logprobs_of(logits: jax.Array, tokens: jax.Array, k: int, wanted: jax.Array)
     return jax.lax.cond(jnp.any(wanted), compute, skip, logits)
 
 
-def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:
-    rows, vocab = logits.shape
+def _order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same order (negative floats' bits flipped whole, positive
+    ones' sign bit set), so a bisection over keys visits every float32 between two values."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _threshold(keys: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Array:
+    """Per row, the largest key t with sum(weights[keys >= t]) >= target: keeping `keys >= t`
+    keeps the fewest values from the top whose weight reaches the target (with ties at the
+    boundary, all of them). 32 halvings of the key range, each one masked sum over the row:
+    no sort, which on a CPU costs several times a decode step over a large vocabulary."""
+    def halve(_, bounds):
+        lo, hi = bounds
+        gap = hi - lo
+        mid = lo + gap // 2 + (gap & 1)  # the upper middle, without overflowing uint32
+        enough = jnp.sum(jnp.where(keys >= mid[:, None], weights, 0), axis=-1) >= target
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid - 1)
+
+    rows = keys.shape[0]
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (jnp.zeros(rows, jnp.uint32),
+                                             jnp.full(rows, 2**32 - 1, jnp.uint32)))
+    return lo
+
+
+def kept(logits: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+    """(the temperature-scaled logits, which tokens a sampled row may draw): min_p, top-k and
+    top-p as thresholds on the scaled logits, found by bisection (`_threshold`). top-k keeps
+    the k likeliest (and any tied with the k-th); top-p then keeps, from the likeliest down,
+    tokens while the mass before them is below top_p of what top-k and min_p kept (the first
+    always stays). Each filter runs only if some row uses it."""
+    vocab = logits.shape[-1]
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = logits / temperature[:, None]
-    order = jnp.argsort(-scaled, axis=-1)  # descending
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(vocab, dtype=jnp.int32)[None, :]
-    top_k = jnp.where(params.top_k > 0, params.top_k, vocab)
+    keys = _order_keys(scaled)
     # min_p: a token stays if its probability is at least min_p x the likeliest one's, i.e. its
-    # scaled logit is within log(min_p) of the first (min_p 0: log 0 = -inf keeps every one).
-    floor = sorted_logits[:, :1] + jnp.log(params.min_p)[:, None]
-    keep = (rank < top_k[:, None]) & (sorted_logits >= floor)
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    # Nucleus: keep a token while the mass before it is below top_p (the first always stays).
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= mass_before < params.top_p[:, None]
-    filtered = jnp.where(keep, sorted_logits, -jnp.inf)
-    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, step)
-    choice = jax.vmap(jax.random.categorical)(keys, filtered)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    # scaled logit is within log(min_p) of the largest (min_p 0: log 0 = -inf keeps every one).
+    keep = scaled >= jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(params.min_p)[:, None]
+    top_k = jnp.where((params.top_k > 0) & (params.top_k < vocab), params.top_k, vocab)
+
+    def top(keep):
+        return keep & (keys >= _threshold(keys, jnp.ones_like(scaled), top_k.astype(scaled.dtype))[:, None])
+
+    def nucleus(keep):
+        probs = jnp.where(keep, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0)
+        cut = _threshold(jnp.where(keep, keys, 0), probs, params.top_p * jnp.sum(probs, axis=-1))
+        return keep & ((keys >= cut[:, None]) | (params.top_p >= 1)[:, None])
+
+    keep = jax.lax.cond(jnp.any(top_k < vocab), top, lambda keep: keep, keep)
+    return scaled, jax.lax.cond(jnp.any(params.top_p < 1), nucleus, lambda keep: keep, keep)
+
+
+def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:
+    """One categorical draw per row over what `kept` leaves of its scaled logits."""
+    scaled, keep = kept(logits, params)
+    rngs = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, step)
+    sampled = jax.vmap(jax.random.categorical)(rngs, jnp.where(keep, scaled, -jnp.inf))
     greedy = jnp.argmax(logits, axis=-1)
     return jnp.where(params.temperature > 0, sampled, greedy).astype(jnp.int32)
 

@@ -90,14 +90,16 @@ def penalized_case(smollm2, default_model_cases):
     want = greedy_generate(smollm2.params, smollm2.config, prompt, 12, smollm2.tokenizer.eos_ids, sampling=row)
     assert want != default_model_cases[2][1]
     reference = log_softmax(sequence_logits(smollm2.params, smollm2.config, prompt + want))
-    return prompt, row, want, [reference[len(prompt) - 1 + i, t] for i, t in enumerate(want)]
+    sequence = prompt + want
+    return prompt, row, want, [reference[p - 1, sequence[p]] for p in range(1, len(sequence))]
 
 
 @pytest.mark.parametrize("mode", [*(pytest.param(m, marks=pytest.mark.slow) for m in (
     "colocated", "disaggregated", "tp2", "tp3", "multistep")), "cpu_kernels"])
 def test_engine_matches_reference_on_the_default_model(smollm2, default_model_cases, penalized_case, mode):
     """cadence-generate's path (engine + scheduler, chunked, batched) equals the reference, and
-    so does a request with penalties, a logit_bias and logprobs (within 1e-4);
+    so does a request with penalties, a logit_bias and logprobs of its prompt (echo's, from the
+    scoring prefill program) and output (within 1e-4);
     disaggregated, with the prefill engine on CPU device 0 and the decode engine on device 1;
     tensor parallel over 2 devices (9 heads: attention replicated, the MLP and vocabulary
     split) and over 3 (3 query heads and one KV head per device); with up to 4 decode steps
@@ -123,13 +125,15 @@ def test_engine_matches_reference_on_the_default_model(smollm2, default_model_ca
                       decode_engine=decode)
     streams = [sched.submit(p, GenerationParams(max_tokens=12)) for p, _ in default_model_cases]
     penalized_prompt, row, penalized_want, logprobs = penalized_case
-    penalized = sched.submit(penalized_prompt, GenerationParams(max_tokens=12, sampling=row, logprobs=2))
+    penalized = sched.submit(penalized_prompt, GenerationParams(max_tokens=12, sampling=row, logprobs=2,
+                                                                prompt_logprobs=True))
     while not sched.idle():
         sched.step()
     for (prompt, want), stream in zip(default_model_cases, streams):
         assert stream.request.output_ids == want, prompt
     assert penalized.request.output_ids == penalized_want
-    assert [e.logprob for e in penalized.request.logprobs] == pytest.approx(logprobs, abs=1e-4)
+    scored = [e.logprob for e in penalized.request.prompt_logprobs[1:] + penalized.request.logprobs]
+    assert scored == pytest.approx(logprobs, abs=1e-4)
     if decode is not None:
         assert sched.kv_transfers == len(streams) + 1
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cadence.model.sampling import RequestSampling, SamplingParams, SamplingRows, sample
+from cadence.model.sampling import RequestSampling, SamplingParams, SamplingRows, kept, sample
 
 VOCAB = 50
 
@@ -76,3 +76,33 @@ def test_the_widest_valid_values_pack_into_the_device_rows():
     assert rows.top_k[1] == 2**31 - 1 and rows.seed[1] == 2**32 - 1
     tokens = sample(jnp.zeros((2, 8)), rows.params(), jnp.zeros(2, jnp.int32))
     assert tokens.shape == (2,) and 0 <= int(tokens[1]) < 8
+
+
+def kept_by_sorting(row: np.ndarray, sampling: RequestSampling) -> set[int]:
+    """The slow reference of `kept`: sort the scaled logits, cut by rank, by min_p, and by the
+    mass before each token in that order."""
+    scaled = row.astype(np.float64) / (sampling.temperature or 1.0)
+    order = np.argsort(-scaled, kind="stable")
+    ranked = scaled[order]
+    keep = np.ones(len(row), bool)
+    if sampling.top_k:
+        keep &= np.arange(len(row)) < sampling.top_k
+    keep &= ranked >= ranked[0] + (np.log(sampling.min_p) if sampling.min_p else -np.inf)
+    probs = np.where(keep, np.exp(ranked - ranked[0]), 0)
+    probs /= probs.sum()
+    keep &= np.cumsum(probs) - probs < sampling.top_p
+    return set(order[keep].tolist())
+
+
+def test_the_threshold_filters_keep_what_sorting_keeps():
+    """`kept`'s bisections against a sort, over rows of every filter alone and together, on a
+    vocabulary the size of a real model's."""
+    rng = np.random.default_rng(5)
+    rows = [RequestSampling(temperature=t, top_k=k, top_p=p, min_p=m, seed=1)
+            for t, k, p, m in [(1.0, 0, 0.9, 0), (0.7, 50, 1.0, 0), (1.3, 0, 1.0, 0.05), (0.5, 40, 0.8, 0.01),
+                               (1.0, 1, 1.0, 0), (2.0, 0, 0.5, 0), (1.0, 3000, 0.95, 0), (0.9, 0, 1e-6, 0)]]
+    logits = (rng.normal(size=(len(rows), 49152)) * 3).astype(np.float32)
+    _, keep = jax.jit(kept)(logits, SamplingRows.of(rows).params())
+    keep = np.asarray(keep)
+    for i, sampling in enumerate(rows):
+        assert set(np.flatnonzero(keep[i]).tolist()) == kept_by_sorting(logits[i], sampling), sampling
