@@ -34,6 +34,9 @@ class _SchedulerCounters:
                                           "(vLLM's prefix_cache_hits).", self.scheduler.prefix_hits),
             "cadence:kv_pages_evicted": ("Cached KV pages evicted (their prefix forgotten) to make room.",
                                          self.scheduler.kv_pages_evicted),
+            "cadence:prompt_tokens_forked": ("Prompt tokens the later choices of an n > 1 request took "
+                                             "from the first one's KV, not prefilled.",
+                                             self.scheduler.forked_tokens),
         }
         for name, (doc, value) in counters.items():
             family = CounterMetricFamily(name, doc, labels=["model_name"])

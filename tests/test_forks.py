@@ -144,7 +144,7 @@ def test_the_api_returns_n_choices_streamed_and_whole(tiny_engine, tiny_tokenize
     import httpx
 
     from cadence.server.requests import choice_seed
-    from tests.test_reliability import serving
+    from tests.test_reliability import gauge, serving
 
     body = {"model": "tiny", "prompt": "once upon a time there was", "max_tokens": 8,
             "temperature": 100.0, "seed": 99, "ignore_eos": True}
@@ -157,9 +157,11 @@ def test_the_api_returns_n_choices_streamed_and_whole(tiny_engine, tiny_tokenize
         chat = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
             "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
             "temperature": 1.0, "seed": 5, "n": 2, "stream": True}).text
+        forked = gauge(base, "prompt_tokens_forked_total")
     texts = [c["text"] for c in sorted(whole["choices"], key=lambda c: c["index"])]
     assert texts == [a["choices"][0]["text"] for a in alone] and len(set(texts)) > 1
     assert whole["usage"]["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]
+    assert forked >= 2 * (whole["usage"]["prompt_tokens"] - 1)  # n=3's two later choices at least
     assert whole["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     joined = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)

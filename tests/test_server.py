@@ -255,6 +255,7 @@ def test_metrics_expose_histograms_and_counters(url, client):
                  "cadence:kv_pages_used", "cadence:kv_pages_total", "cadence:kv_page_utilization_perc",
                  "cadence:num_preemptions_total", "cadence:prefill_programs_total",
                  "cadence:prefix_cache_queries_total", "cadence:kv_pages_evicted_total",
+                 "cadence:prompt_tokens_forked_total",
                  "cadence:prefill_chunks_total", 'cadence:kv_transfer_backlog{model_name="tiny"} 0.0',
                  'cadence:pool_busy_seconds_total{model_name="tiny",pool="colocated"}',
                  'cadence:pool_queue_length{model_name="tiny",pool="colocated"}'):
