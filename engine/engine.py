@@ -238,11 +238,19 @@ def _prefill_program(
         params, tokens, positions, lengths, cache, tables, config=config,
         logit_index=logit_index, attention=attention, dtype=dtype, mesh=mesh, rope_table=rope,
     )
-    # step = the new token's position
+    sampled, logprobs, last_tokens, history = _take_chunk_tokens(
+        logits, last_tokens, history, steps, write_slot, sampling_slot, sampling, max_logprobs)
+    return (sampled, logprobs), cache, last_tokens, history
+
+
+def _take_chunk_tokens(logits, last_tokens, history, steps, write_slot, sampling_slot, sampling,
+                       max_logprobs):
+    """Both prefill programs' end: each chunk's token from its logits [C, vocab] (step = the
+    new token's position), written into the slot of a prompt's last chunk and counted into its
+    history."""
     sampled, logprobs = choose(logits, sampling, history, sampling_slot, steps, max_logprobs)
     last_tokens = last_tokens.at[write_slot].set(sampled, mode="drop")
-    history = history.count(write_slot, sampled, sampling)
-    return (sampled, logprobs), cache, last_tokens, history
+    return sampled, logprobs, last_tokens, history.count(write_slot, sampled, sampling)
 
 
 def _scored_prefill_program(
@@ -257,9 +265,9 @@ def _scored_prefill_program(
         params, tokens, positions, lengths, cache, tables, config=config, logit_index=every,
         attention=attention, dtype=dtype, mesh=mesh, rope_table=rope,
     )
-    sampled, logprobs = choose(logits[logit_index], sampling, history, sampling_slot, steps, max_logprobs)
-    last_tokens = last_tokens.at[write_slot].set(sampled, mode="drop")
-    history = history.count(write_slot, sampled, sampling)
+    sampled, logprobs, last_tokens, history = _take_chunk_tokens(
+        logits[logit_index], last_tokens, history, steps, write_slot, sampling_slot, sampling,
+        max_logprobs)
     scores = logprobs_of(logits, jnp.maximum(targets, 0), max_logprobs, jnp.ones(1, bool))
     return (sampled, logprobs, scores), cache, last_tokens, history
 
@@ -487,9 +495,8 @@ class HostLogprobs(NamedTuple):
     values: np.ndarray
 
 
-def _read_logprobs(logprobs: Logprobs, rows: slice | None = None) -> HostLogprobs:
-    arrays = (np.asarray(a) for a in (logprobs.token, logprobs.ids, logprobs.values))
-    return HostLogprobs(*(a if rows is None else a[rows] for a in arrays))
+def _read_logprobs(logprobs: Logprobs, rows: slice) -> HostLogprobs:
+    return HostLogprobs(*(np.asarray(a)[rows] for a in (logprobs.token, logprobs.ids, logprobs.values)))
 
 
 class PrefillTokens:
@@ -648,28 +655,29 @@ class Engine:
         pack = functools.partial(
             pack_chunks, block=cfg.pack_block, page_buckets=cfg.prefill_page_buckets,
             page_size=cfg.page_size, num_slots=cfg.num_slots, max_chunks=cfg.chunks_per_program)
-        packs = pack([chunks[i] for i in plain], token_buckets=cfg.prefill_buckets) if plain else []
-        # A chunk whose every position is scored runs alone, in the one-chunk scoring program.
-        packs += [pack([chunks[i]], token_buckets=(cfg.score_bucket,))[0] for i in scored]
         results, logprobs, scores = [], [], {}
         wanted = bool(np.asarray(sampling.logprobs).any())
-        for j, p in enumerate(packs):
+
+        def run(p: Pack, targets: np.ndarray | None = None):
             live = p.sampling_slot < cfg.num_slots
-            rows = _gather_rows(sampling, np.where(live, p.sampling_slot, 0), live)
-            if j < len(packs) - len(scored):
-                tokens, lp = self._run_pack(p, rows)
-            else:
-                i = scored[j - len(packs) + len(scored)]
-                targets = np.full(p.tokens.size, -1, np.int32)
-                targets[: len(chunks[i].targets)] = np.asarray(chunks[i].targets, np.int32)
-                tokens, lp, score = self._run_pack(p, rows, targets)
-                _copy_to_host(score)
-                scores[i] = (score, len(chunks[i].tokens))
+            tokens, lp, *score = self._run_pack(
+                p, _gather_rows(sampling, np.where(live, p.sampling_slot, 0), live), targets)
             tokens.copy_to_host_async()
             if wanted:
                 _copy_to_host(lp)
             results.append((tokens, p.count))
             logprobs.append(lp)
+            return score
+
+        for p in pack([chunks[i] for i in plain], token_buckets=cfg.prefill_buckets) if plain else []:
+            run(p)
+        for i in scored:  # a chunk whose every position is scored runs alone, in its program
+            p = pack([chunks[i]], token_buckets=(cfg.score_bucket,))[0]
+            targets = np.full(p.tokens.size, -1, np.int32)
+            targets[: len(chunks[i].targets)] = np.asarray(chunks[i].targets, np.int32)
+            (score,) = run(p, targets)
+            _copy_to_host(score)
+            scores[i] = (score, len(chunks[i].tokens))
         return PrefillTokens(results, logprobs, order=plain + scored, scores=scores)
 
     def _run_pack(self, pack: Pack, sampling: SamplingParams, targets: np.ndarray | None = None):

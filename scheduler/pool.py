@@ -71,11 +71,11 @@ class Pool:
     def hold_copy(self, r: Request, page: int) -> None:
         """`r` (forked) will copy `page`, another sequence's, into its next page: held till then."""
         self.pages.share(r.fork_hold, [page], cached=False)
-        r.fork_copy = (page, len(r.pages))
+        r.fork_copy_at = len(r.pages)
 
     def release_copy(self, r: Request) -> None:
         self.pages.release(r.fork_hold)
-        r.fork_copy = None
+        r.fork_copy_at = None
 
     def publish(self, r: Request) -> None:
         """Publishes each of `r`'s pages that is full of KV written for tokens the host knows,

@@ -164,12 +164,13 @@ class Request:
         # A later sequence of a group (n > 1): the group's first, whose prompt KV it takes
         # (`Scheduler._match_forks`); while it waits, whether it will (`forking`) and the page
         # holding the prompt's last token, to copy (`fork_tail`); admitted, that page (held by
-        # it until the copy is dispatched) and where in its own pages the copy goes.
+        # it until the copy is dispatched, `fork_hold`) and where in its own pages the copy goes
+        # (`fork_copy_at`).
         self.fork_parent: Request | None = None
         self.forking = False
         self.fork_tail: int | None = None
-        self.fork_copy: tuple[int, int] | None = None
         self.fork_hold: list[int] = []
+        self.fork_copy_at: int | None = None
         self.preemptions = 0
         self.output_ids: list[int] = []
         self.token_times: list[float] = []

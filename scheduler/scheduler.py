@@ -776,11 +776,11 @@ class Scheduler:
         now) gets its copy of the page holding the prompt's last token, in one engine call
         queued before the prefill that computes that token; then the pages copied are let go."""
         forked = [r for r in pool.running  # (one whose chunk waits for budget has no page yet)
-                  if r.fork_copy is not None and len(r.pages) > r.fork_copy[1]]
+                  if r.fork_copy_at is not None and len(r.pages) > r.fork_copy_at]
         if not forked:
             return
-        sources = [r.fork_copy[0] for r in forked]
-        targets = [r.pages[r.fork_copy[1]] for r in forked]
+        sources = [r.fork_hold[0] for r in forked]
+        targets = [r.pages[r.fork_copy_at] for r in forked]
         try:
             pool.engine.copy_pages(sources, targets)
         except Exception as e:
