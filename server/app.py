@@ -260,7 +260,7 @@ class Server:
             raise APIError(400, f"X-Request-Id is longer than {MAX_REQUEST_ID} characters")
         streams = await self._submit(parsed, request_id)
         headers = {"X-Request-Id": request_id}
-        echo = streams[0].request.prompt_ids if parsed.echo else None
+        echo = protocol.Echo.of(self.tokenizer, streams[0].request.prompt_ids) if parsed.echo else None
         if parsed.stream:
             frames = self._sse(streams, request_id, chat, parsed.include_usage, echo)
             return StreamingResponse(frames, media_type="text/event-stream",
@@ -294,12 +294,12 @@ class Server:
             watcher.cancel()
 
     async def _sse(self, streams: list[RequestStream], request_id: str, chat: bool,
-                   include_usage: bool, echo: list[int] | None = None) -> AsyncIterator[str]:
+                   include_usage: bool, echo: protocol.Echo | None = None) -> AsyncIterator[str]:
         """The streams' events as SSE frames, each choice's chunks under its index. Every event
         waiting when the loop gets to this request goes out in one write: when the loop runs
         behind the scheduler (many streams, a fast device), tokens are coalesced instead of
         each paying for a send. One choice failing ends the response with the error. With
-        `echo` (completions: the prompt's ids), each choice's first chunk is the prompt."""
+        `echo` (completions), each choice's first chunk is the prompt."""
         created, name = int(time.time()), self.model_name
         first = [True] * len(streams)
         text_frames = [protocol.TextFrames(request_id, name, chat, created, i) for i in range(len(streams))]
@@ -313,7 +313,7 @@ class Server:
                         lp = (logprobs[i].prompt(echo, streams[0].request.prompt_logprobs)
                               if streams[i].request.logprobs is not None else None)
                         frames.append(protocol.frame(protocol.chunk(
-                            request_id, name, chat, "".join(protocol.token_texts(self.tokenizer, echo)),
+                            request_id, name, chat, echo.text,
                             None, created, logprobs=lp, index=i)))
                         first[i] = False
                     if isinstance(event, TokenEvent):

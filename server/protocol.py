@@ -210,13 +210,12 @@ class LogprobFormat:
     def _alternative(self, token_id: int) -> str:
         return self._tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def prompt(self, prompt_ids: Sequence[int], entries: list[TokenLogprob | None] | None) -> dict:
-        """Completions' echo: the prompt's tokens (spelled by the detokenizer), with their
-        logprobs (the first has none: null), in the same shape and offsets as the output's."""
-        texts = token_texts(self._tokenizer, prompt_ids)
-        entries = entries or [None] * len(prompt_ids)
+    def prompt(self, echo: Echo, entries: list[TokenLogprob | None] | None) -> dict:
+        """Completions' echo: the prompt's tokens, with their logprobs (the first has none:
+        null), in the same shape and offsets as the output's."""
+        entries = entries or [None] * len(echo.ids)
         return self([TokenLogprob(t, None if e is None else e.logprob, text, None if e is None else e.top)
-                     for t, e, text in zip(prompt_ids, entries, texts)])
+                     for t, e, text in zip(echo.ids, entries, echo.texts)])
 
     def __call__(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         raw = self._tokenizer.token_bytes
@@ -295,13 +294,24 @@ def best(records: Sequence[RequestRecord], n: int) -> list[RequestRecord]:
     return [records[i] for i in sorted(ranked[:n])]
 
 
-def token_texts(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
-    """What each token of `ids` adds to their text, as the detokenizer streams it (special
-    tokens add nothing): they join into the text echo returns."""
-    detok = IncrementalDetokenizer(tokenizer)
-    texts = [detok.add(t) for t in ids]
-    texts[-1] += detok.flush()
-    return texts
+@dataclasses.dataclass(frozen=True)
+class Echo:
+    """A completion's prompt as echo returns it, spelled once per request: its ids, what each
+    adds to the text as the detokenizer streams it (special tokens add nothing), the text."""
+
+    ids: Sequence[int]
+    texts: list[str]
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, ids: Sequence[int]) -> Echo:
+        detok = IncrementalDetokenizer(tokenizer)
+        texts = [detok.add(t) for t in ids]
+        texts[-1] += detok.flush()
+        return cls(ids, texts)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
 
 
 def merge_logprobs(first: dict, second: dict) -> dict:
@@ -312,11 +322,11 @@ def merge_logprobs(first: dict, second: dict) -> dict:
 def full_response(request_id: str, model: str, chat: bool, records: Sequence[RequestRecord],
                   tokenizer: Tokenizer | None = None, logprobs: bool = True,
                   generated: Sequence[RequestRecord] | None = None,
-                  echo: Sequence[int] | None = None) -> dict[str, Any]:
+                  echo: Echo | None = None) -> dict[str, Any]:
     """The whole answer, a choice per record; `tokenizer` spells their logprobs, if they have
     any and `logprobs` (False: computed for best_of's ranking only). Usage counts every
-    sequence `generated` (default: the records). `echo` (completions): the prompt's ids, whose
-    text goes before each choice's, and with logprobs its tokens' (the first record's)."""
+    sequence `generated` (default: the records). `echo` (completions): the prompt, whose text
+    goes before each choice's, and with logprobs its tokens' (the first record's)."""
     created = int(time.time())
     choices = []
     prompt_logprobs = next((r.prompt_logprobs for r in generated or records if r.prompt_logprobs), None)
@@ -328,7 +338,7 @@ def full_response(request_id: str, model: str, chat: bool, records: Sequence[Req
             lp = spell(record.logprobs)
             lp = merge_logprobs(head, lp) if head else lp
         if echo:
-            record = dataclasses.replace(record, text="".join(token_texts(tokenizer, echo)) + record.text)
+            record = dataclasses.replace(record, text=echo.text + record.text)
         if chat:
             choice = {"index": index, "message": {"role": "assistant", "content": record.text},
                       "finish_reason": finish_reason(record), "logprobs": lp}
