@@ -17,7 +17,12 @@ class RequestTooLong(SubmissionError):
 
 
 class Overloaded(RuntimeError):
-    """The waiting queue is full; retry later."""
+    """The waiting queue is full, or the request would miss its class's latency target
+    (`scheduler.priority`); retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class NotRunning(RuntimeError):

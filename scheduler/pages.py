@@ -153,6 +153,10 @@ class PageAllocator:
         """How many of `pages` nobody holds: sharing them takes as many from `free_count`."""
         return sum(1 for page in pages if not self._refs[page])
 
+    def releasable(self, pages: Sequence[int]) -> int:
+        """How many pages releasing `pages` would add to `free_count`: those it holds alone."""
+        return sum(1 for page, count in collections.Counter(pages).items() if self._refs[page] == count)
+
     def share(self, pages: list[int], hit: Sequence[int], cached: bool = True) -> None:
         """Appends the cached pages `hit` (a `lookup`'s answer, in this same state) to `pages`,
         holding each once more. Not `cached`: pages another sequence holds, whose KV it will

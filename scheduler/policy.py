@@ -17,12 +17,34 @@ up): its prefill starts after them. Two policies:
 - `prefill-first`: a waiting prompt is admitted and prefilled whole (in as many chunk programs as
   it takes) in one iteration during which no decode runs: the classic baseline, and the source
   of the prefill-decode interference cadence exists to remove.
+
+Priorities (`Request.priority`, lower first, vLLM's semantics; every request 0 unless a client
+or the server's priority classes say otherwise). With all priorities equal, none of this
+changes a plan. Otherwise (`order_waiting`, then the chunked policy):
+
+- the waiting queue is served by priority, in queue order within one (a preempted request
+  first among its equals), except that a class with requests waiting and none running has its
+  first one served before everybody: every class keeps a request in flight;
+- a waiting request that finds no free slot, or too few pages, preempts running requests of a
+  strictly lower priority (the lowest first, the most recently admitted among them), never
+  the earliest-admitted running request of a class, and only if that makes room; equal
+  priorities never preempt each other;
+- the prefill budget goes to the best priority prefilling first (shortest remaining first),
+  but while lower classes have prompts prefilling they get at least `lower_share` of it (at
+  least one pack block), whatever arrives above them.
+
+Hence the starvation bound: the earliest-admitted request of every class is never preempted
+for priority, decodes every iteration and prefills at least `lower_share` of the budget per
+iteration (its class's share, taken shortest first), so a class never stops progressing, and
+requests of one class are served in arrival order. A request can still lose its pages to
+memory pressure (the lowest priority, most recently admitted goes first), as without
+priorities.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from cadence.scheduler.request import Request, State
 
@@ -41,6 +63,9 @@ class PolicyConfig:
     # charges each chunk its padded size and plans at most one program's worth per iteration.
     pack_block: int = 1
     pack_tokens: int | None = None
+    # With several priorities prefilling: the least share of the prefill budget the lower ones
+    # get, so that documents below chats are slowed, never starved.
+    lower_share: float = 0.25
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -49,6 +74,8 @@ class PolicyConfig:
             raise ValueError("token_budget, chunk and max_partial_prefills must all be >= 1")
         if self.pack_block < 1 or (self.pack_tokens is not None and self.pack_tokens < self.pack_block):
             raise ValueError("pack_block must be >= 1 and pack_tokens >= pack_block")
+        if not 0.0 <= self.lower_share <= 1.0:
+            raise ValueError(f"lower_share must be in [0, 1], got {self.lower_share}")
 
     def padded(self, tokens: int) -> int:
         return -(-tokens // self.pack_block) * self.pack_block
@@ -71,10 +98,13 @@ class Plan:
     prefill: list[Chunk] = dataclasses.field(default_factory=list)
     decode: list[Request] = dataclasses.field(default_factory=list)
     steps: int = 1  # decode steps each request of `decode` runs, in one dispatch
+    # Running requests to preempt before admitting (`admit` needs their slots or pages): lower
+    # priorities than those admitted.
+    preempt: list[Request] = dataclasses.field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.admit or self.prefill or self.decode)
+        return not (self.admit or self.prefill or self.decode or self.preempt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +119,15 @@ class PageBudget:
     free: int
     page_size: int
     reserve: int | None = None
+    # Pages releasing a running request would free (those it holds alone); None: all it holds.
+    releasable: Callable[[Request], int] | None = None
 
     def cost(self, r: Request, end: int) -> int:
         tokens = self.reserve or end
         return max(0, -(-tokens // self.page_size) - len(r.pages) - len(r.prefix)) + r.prefix_evictable
+
+    def freed(self, r: Request) -> int:
+        return len(r.pages) if self.releasable is None else self.releasable(r)
 
 
 def wants_decode(r: Request) -> bool:
@@ -104,14 +139,38 @@ def _is_long(r: Request, config: PolicyConfig) -> bool:
     return r.prefill_len - r.prefilled > config.chunk
 
 
+def order_waiting(running: Sequence[Request], waiting: Sequence[Request]) -> list[Request]:
+    """The order admission considers `waiting` in (queue order): by priority, except that the
+    first waiting request of each class with none running comes first."""
+    if all(r.priority == waiting[0].priority for r in waiting):
+        return list(waiting)  # one class: queue order (running ones cannot be of another here)
+    ordered = sorted(waiting, key=lambda r: r.priority)  # stable: queue order within a class
+    present = {r.priority for r in running}
+    firsts = {}
+    for r in ordered:
+        if r.priority not in present:
+            firsts.setdefault(r.priority, r)
+    return [*firsts.values(), *(r for r in ordered if firsts.get(r.priority) is not r)]
+
+
+def protected(running: Sequence[Request]) -> set[Request]:
+    """The earliest-admitted running request of each class: never preempted for priority."""
+    firsts: dict[int, Request] = {}
+    for r in running:  # in slot-assignment order
+        firsts.setdefault(r.priority, r)
+    return set(firsts.values())
+
+
 def make_plan(
     running: Sequence[Request], waiting: Sequence[Request], free_slots: int, config: PolicyConfig,
     pages: PageBudget | None = None,
 ) -> Plan:
-    """`pages`: admit a request only if the pages its first chunk needs are free after what the
-    running requests' next steps need (None: no limit). The scheduler still reserves the pages
-    before dispatch, and preempts if a running request cannot grow."""
+    """`waiting` in queue order. `pages`: admit a request only if the pages its first chunk
+    needs are free after what the running requests' next steps need (None: no limit). The
+    scheduler still reserves the pages before dispatch, and preempts if a running request
+    cannot grow."""
     pages = pages or PageBudget(free=2**62, page_size=1)
+    waiting = order_waiting(running, waiting) if waiting else []
     if config.name == "prefill-first":
         return _prefill_first(running, waiting, free_slots, config, pages)
     return _chunked(running, waiting, free_slots, config, pages)
@@ -161,26 +220,92 @@ def _chunked(running, waiting, free_slots, config, pages) -> Plan:
         budget = min(budget, config.pack_tokens)
     prefilling = [r for r in running if r.state is State.PREFILLING]
     long_prompts = sum(1 for r in prefilling if _is_long(r, config))
+    victims = _Victims(running, config, pages)
     for r in waiting:
-        if free_slots == 0:
-            break
         if _is_long(r, config) and long_prompts >= config.max_partial_prefills:
+            if free_slots == 0:
+                break
             continue  # enough long prompts in flight; a short one behind this may still pass
         cost = pages.cost(r, min(r.prefill_len, r.prefilled + config.chunk))
-        if cost > free_pages:
-            break  # memory, not slots, is what is short; first come, first served
+        if free_slots == 0 or cost > free_pages:
+            # Memory or slots are short: room from lower priorities, or first come, first served.
+            taken = victims.make_room(r.priority, slots=0 if free_slots else 1,
+                                      pages=max(0, cost - free_pages))
+            if taken is None:
+                break
+            for v in taken:
+                plan.preempt.append(v)
+                if v in plan.decode:
+                    plan.decode.remove(v)
+                if v in prefilling:
+                    prefilling.remove(v)
+                    long_prompts -= _is_long(v, config)
+                free_slots += 1
+                free_pages += victims.frees(v)
         free_pages -= cost
         plan.admit.append(r)
         prefilling.append(r)
         long_prompts += _is_long(r, config)
         free_slots -= 1
-    # Shortest remaining prompt first: a chat passes a document that is mid-prefill.
-    prefilling.sort(key=lambda r: r.prefill_len - r.prefilled)
-    for r in prefilling:
+    # The best priority first, and among equals the shortest remaining prompt: a chat passes a
+    # document that is mid-prefill. Lower priorities keep their share.
+    prefilling.sort(key=lambda r: (r.priority, r.prefill_len - r.prefilled))
+    best = [r for r in prefilling if r.priority == prefilling[0].priority] if prefilling else []
+    lower = prefilling[len(best):]
+    reserve = 0
+    if lower:
+        wanted = sum(config.padded(min(config.chunk, r.prefill_len - r.prefilled)) for r in lower)
+        floor = max(config.pack_block, int(budget * config.lower_share) // config.pack_block * config.pack_block)
+        reserve = min(wanted, floor, budget)
+    left = _fill(plan, best, budget - reserve, config)
+    _fill(plan, lower, left + reserve, config)
+    return plan
+
+
+def _fill(plan: Plan, requests: list[Request], budget: int, config: PolicyConfig) -> int:
+    """Adds chunks of `requests`, in order, within `budget` padded tokens; returns what is left."""
+    for r in requests:
         if budget <= 0:
             break
         chunk = _chunks(r, r.prefilled, min(budget, config.padded(config.chunk)), config.chunk,
                         config.pack_block)
         plan.prefill.extend(chunk)
         budget -= sum(config.padded(c.length) for c in chunk)
-    return plan
+    return budget
+
+
+class _Victims:
+    """Running requests a waiting one of a better priority may preempt (`make_room`)."""
+
+    def __init__(self, running: Sequence[Request], config: PolicyConfig, pages: PageBudget):
+        self.config, self.pages = config, pages
+        keep = protected(running)
+        # Lowest priority first, the most recently admitted first among equals. A request in
+        # the middle of a handoff (disaggregated) is not preempted here.
+        self.candidates = sorted(
+            (r for r in reversed(running)
+             if r not in keep and r.state in (State.PREFILLING, State.DECODING)),
+            key=lambda r: -r.priority)
+
+    def frees(self, r: Request) -> int:
+        """Pages preempting `r` gives back: those it holds alone, and what its next step would
+        have taken."""
+        return self.pages.freed(r) + running_cost([r], self.config, self.pages)
+
+    def make_room(self, priority: int, slots: int, pages: int) -> list[Request] | None:
+        """The fewest candidates of priority worse than `priority`, in order, whose preemption
+        frees `slots` slots and `pages` pages; None (nothing taken) if they cannot."""
+        taken: list[Request] = []
+        for r in self.candidates:
+            if slots <= 0 and pages <= 0:
+                break
+            if r.priority <= priority:
+                break  # the rest are no worse
+            taken.append(r)
+            slots -= 1
+            pages -= self.frees(r)
+        if slots > 0 or pages > 0:
+            return None
+        for r in taken:
+            self.candidates.remove(r)
+        return taken

@@ -58,6 +58,9 @@ class GenerationParams:
     # With logprobs: also each prompt token's (echo), from the prompt's forward pass; the
     # prompt is then prefilled whole, never taken from the prefix cache.
     prompt_logprobs: bool = False
+    # Lower runs first (vLLM's semantics): it may preempt running requests of a higher number.
+    # None: the server's priority classes decide from the prompt's length (0 without classes).
+    priority: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +107,8 @@ class RequestRecord:
     logprobs: list[TokenLogprob] | None = None  # one per output token, if the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first None)
     error: str | None = None
-    preemptions: int = 0  # times its KV was dropped for lack of pages and recomputed
+    preemptions: int = 0  # times its KV was dropped (for pages or for a higher priority) and recomputed
+    priority: int = 0  # the priority it ran at (`GenerationParams.priority`, or its class's)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, not prefill
     # The phases around the first decode step (None where they did not happen, e.g. colocated;
     # the prefill ends, on the host, at first_token):
@@ -134,10 +138,12 @@ class Request:
         tokenizer: Tokenizer,
         emit: Callable[[TokenEvent | RequestRecord], None],
         request_id: str | None = None,
+        priority: int = 0,
     ):
         self.id = request_id or f"req-{next(_ids)}"
         self.prompt_ids = list(prompt_ids)
         self.params = params
+        self.priority = priority  # lower first (`scheduler.policy`)
         self.max_tokens = max_tokens
         self.eos_ids = frozenset() if params.ignore_eos else tokenizer.eos_ids
         self.emit = emit
@@ -307,6 +313,7 @@ class Request:
             prompt_logprobs=self.prompt_logprobs,
             error=error,
             preemptions=self.preemptions,
+            priority=self.priority,
             cached_tokens=self.cached_tokens,
             transfer_start=self.transfer_start,
             transfer_end=self.transfer_end,

@@ -63,6 +63,7 @@ from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.api import EngineAPI, PrefillChunk, RequestSampling, SamplingRows
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
 from cadence.scheduler.policy import PageBudget, Plan, PolicyConfig, make_plan, running_cost, wants_decode
+from cadence.scheduler.priority import SLO, AdmissionControl, PriorityClasses
 from cadence.scheduler.pages import PageKeys
 from cadence.scheduler.pool import Pool
 from cadence.scheduler.request import (
@@ -72,6 +73,7 @@ from cadence.scheduler.request import (
 
 
 KV_RESERVATIONS = ("live", "max")
+MAX_PRIORITY = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +90,10 @@ class SchedulerConfig:
     # What else the KV depends on besides the tokens (the model, its weights, the compute
     # dtype), folded into every page's key.
     cache_namespace: str = ""
+    # The priority of a request that sends none, from its prompt's length (`scheduler.priority`).
+    priority_classes: PriorityClasses = PriorityClasses()
+    # Per-priority latency targets: a request predicted to miss its class's is refused at once.
+    slo: SLO = SLO()
 
     def __post_init__(self) -> None:
         if self.kv_reservation not in KV_RESERVATIONS:
@@ -261,6 +267,7 @@ class Scheduler:
         self._moving: list[Request] = []
         self._landing: queue.Queue = queue.Queue()  # transfers in flight, for the watcher
         self.preemptions = 0
+        self.priority_preemptions = 0  # of those, for a better priority's slot or pages (the rest: growth)
         self.prefill_programs = 0  # packed prefill programs run, and the chunks they carried
         self.prefill_chunks = 0
         self.kv_transfers = 0  # KV handoffs started, and the bytes they moved
@@ -270,6 +277,12 @@ class Scheduler:
         # Prompt tokens later sequences of a group (n > 1) took from the first one's KV.
         self.forked_tokens = 0
         self.kv_transfer_bytes = 0
+        # Submissions refused for load, by reason: "queue_full", "ttft_slo", "itl_slo".
+        self.rejections: collections.Counter[str] = collections.Counter()
+        self.admission = AdmissionControl(config.slo)
+        # Per priority: (requests waiting, prompt tokens waiting or mid-prefill), as of the last
+        # iteration (read by submitters and metrics, written by the admitting loop).
+        self._backlog: dict[int, tuple[int, int]] = {}
         # Events for readers in event loops, per loop, until the iteration hands them over.
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         self._threads: list[threading.Thread] = []
@@ -319,12 +332,24 @@ class Scheduler:
             # Requests not yet admitted; those that free slots will take at once do not queue.
             queued = len(self._waiting) + len(self._inbox) - len(self._prefill_pool.free_slots)
             if queued + len(streams) > self.config.max_queue:
+                self.rejections["queue_full"] += 1
                 raise Overloaded(
                     f"{self.config.max_queue} requests are already waiting; retry later"
                 )
+            if self.config.slo.active:
+                rejection = self.admission.check(first.priority, self._tokens_ahead(first))
+                if rejection is not None:
+                    self.rejections[rejection.reason] += 1
+                    raise Overloaded(rejection.message, rejection.retry_after)
             self._inbox.extend(s.request for s in streams)
             self._changed()
         return streams
+
+    def _tokens_ahead(self, r: Request) -> int:
+        """(Under `_lock`.) Prompt tokens to prefill before `r`'s first token: the backlog of its
+        priority and better, those submitted since, and its own."""
+        ahead = sum(tokens for p, (_, tokens) in self._backlog.items() if p <= r.priority)
+        return ahead + sum(q.prompt_len for q in self._inbox if q.priority <= r.priority) + r.prompt_len
 
     def _stream(self, prompt_ids: Sequence[int], params: GenerationParams,
                 request_id: str | None) -> RequestStream:
@@ -345,9 +370,10 @@ class Scheduler:
                 f"context of {self.max_seq_len} tokens; shorten the prompt or lower max_tokens"
             )
         holder: dict[str, RequestStream] = {}
+        priority = self.config.priority_classes.of(n) if params.priority is None else params.priority
         request = Request(
             prompt_ids, params, max_tokens, self.tokenizer,
-            emit=lambda e: holder["s"]._push(e), request_id=request_id,
+            emit=lambda e: holder["s"]._push(e), request_id=request_id, priority=priority,
         )
         if self.config.prefix_caching and not params.prompt_logprobs:
             request.page_keys = PageKeys(self.page_size, self.config.cache_namespace.encode(),
@@ -377,6 +403,11 @@ class Scheduler:
                                                 and 0 <= params.logprobs <= most):
             raise SubmissionError(f"at most {most} logprobs per token (the server's --max_logprobs), "
                                   f"got {params.logprobs!r}", "logprobs")
+        if params.priority is not None and (isinstance(params.priority, bool)
+                                            or not isinstance(params.priority, int)
+                                            or not -MAX_PRIORITY <= params.priority <= MAX_PRIORITY):
+            raise SubmissionError(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}] "
+                                  f"(lower runs first), got {params.priority!r}", "priority")
         if params.max_tokens is not None and (isinstance(params.max_tokens, bool)
                                               or not isinstance(params.max_tokens, int)
                                               or params.max_tokens < 1):
@@ -407,6 +438,13 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting) + len(self._inbox)
+
+    def waiting_by_priority(self) -> dict[int, int]:
+        """Requests waiting per priority (as of the last iteration, and those submitted since)."""
+        with self._lock:
+            counts = collections.Counter({p: n for p, (n, _) in self._backlog.items() if n})
+            counts.update(r.priority for r in self._inbox)
+        return dict(counts)
 
     @property
     def transfer_backlog(self) -> int:
@@ -595,7 +633,7 @@ class Scheduler:
             return  # nothing is ever looked up: every waiting request's prefix stays empty
         for r in self._waiting:
             r.prefix, r.prefix_evictable = [], 0
-            if not pool.free_slots or r.unapplied or r.page_keys is None:
+            if not self._may_admit(pool, r) or r.unapplied or r.page_keys is None:
                 r.prefilled = r.kv_tokens = 0
                 continue
             if r.preemptions:  # it will recompute its output too (`readmitted`)
@@ -616,7 +654,7 @@ class Scheduler:
             if parent is None:
                 continue
             r.forking, r.fork_tail = False, None
-            if not (pool.free_slots and not r.unapplied and not r.preemptions
+            if not (self._may_admit(pool, r) and not r.unapplied and not r.preemptions
                     and parent.pool is pool and not parent.finished
                     and parent.state in (State.DECODING, State.TRANSFERRING)):
                 if not pool.pages.caching:  # (else `_match_prefixes` has just set them)
@@ -626,6 +664,12 @@ class Scheduler:
             r.prefix, r.prefix_evictable = parent.pages[:full], 0
             r.forking, r.fork_tail = True, parent.pages[full] if partial else None
             r.prefilled = r.kv_tokens = r.prompt_len - 1
+
+    @staticmethod
+    def _may_admit(pool: Pool, r: Request) -> bool:
+        """Whether the plan may admit `r` now: a slot is free, or a running request has a lower
+        priority than `r`'s (it may be preempted for it)."""
+        return bool(pool.free_slots) or any(q.priority > r.priority for q in pool.running)
 
     def _publish(self, pool: Pool) -> None:
         for r in pool.running:
@@ -670,8 +714,26 @@ class Scheduler:
                 decode_steps=plan.steps,
             )
             self._iteration += 1
+            if pool is self._prefill_pool:
+                self._count_backlog(pool)
+        self.admission.observe(record.start, record.wall, record.prefill_tokens, record.decode_slots,
+                               record.decode_steps)
         self._notify(self.iteration_listeners, record)
         return True
+
+    def _count_backlog(self, pool: Pool) -> None:
+        """(Under `_state`.) The per-priority backlog admission and the metrics read."""
+        backlog: dict[int, list[int]] = {}
+        for r in self._waiting:
+            entry = backlog.setdefault(r.priority, [0, 0])
+            entry[0] += 1
+            entry[1] += r.prefill_len - r.prefilled
+        for r in pool.running:
+            if r.state is State.PREFILLING:
+                backlog.setdefault(r.priority, [0, 0])[1] += r.prefill_len - r.prefilled
+        snapshot = {p: (n, tokens) for p, (n, tokens) in backlog.items()}
+        with self._lock:
+            self._backlog = snapshot
 
     def _deliver(self) -> None:
         """Hands each event loop its readers' events in one thread-safe call, not one per token:
@@ -697,6 +759,9 @@ class Scheduler:
                 self._finish(r, FinishReason.ABORT, now)
 
     def _admit(self, plan: Plan, pool: Pool, now: float) -> None:
+        for r in plan.preempt:  # lower priorities making room for those admitted
+            self._preempt(r, now, f"a request of priority {plan.admit[0].priority} needs its room")
+            self.priority_preemptions += 1
         for r in plan.admit:
             self._waiting.remove(r)
             pool.take(r)
@@ -835,9 +900,9 @@ class Scheduler:
     # -- the handoff between the two pools ---------------------------------------------------
 
     def _start_transfers(self) -> int:
-        """Starts moving prefilled requests to the decode pool, oldest first, while it has a
-        free slot and pages for the request's next step beside what its running requests'
-        next steps need. A move takes the decode slot and pages, extracts the KV on the
+        """Starts moving prefilled requests to the decode pool, by priority and oldest first
+        among equals, while it has a free slot and pages for the request's next step beside
+        what its running requests' next steps need. A move takes the decode slot and pages, extracts the KV on the
         prefill engine (queued right behind the prompt's last chunk) and starts its copy to the
         decode device, all asynchronous, and frees the prefill slot and pages; the decode loop
         inserts the KV once it has landed (`_insert_landed`), so a decode step never waits for
@@ -845,16 +910,16 @@ class Scheduler:
         started = 0
         source, target = self._prefill_pool, self._decode_pool
         while self._transfers:
-            r = self._transfers[0]
+            r = min(self._transfers, key=lambda q: q.priority)  # the first of the best
             if r.state is not State.TRANSFERRING or r.pool is not source:  # ended meanwhile
-                self._transfers.popleft()
+                self._transfers.remove(r)
                 continue
             tokens = self.max_seq_len if self.config.kv_reservation == "max" else r.kv_tokens + 1
             budget = self._page_budget(target)
             free = budget.free - running_cost(target.running, self.config.policy, budget)
             if not target.free_slots or target.pages.pages_for(tokens) > free:
                 break  # the decode pool is full: r waits, holding its prefill pages
-            self._transfers.popleft()
+            self._transfers.remove(r)
             try:
                 handle = source.engine.extract(r.pages, r.kv_tokens, r.slot)
             except Exception as e:
@@ -916,7 +981,8 @@ class Scheduler:
     def _page_budget(self, pool: Pool) -> PageBudget:
         """What the pool's free pages allow the policy, per the reservation mode."""
         return PageBudget(pool.pages.free_count, self.page_size,
-                          self.max_seq_len if self.config.kv_reservation == "max" else None)
+                          self.max_seq_len if self.config.kv_reservation == "max" else None,
+                          releasable=lambda r: pool.pages.releasable(r.pages + r.fork_hold))
 
     def _watch(self, r: Request, handle, landed) -> None:
         """Hands a started transfer to the watcher thread, which times it as it lands and
@@ -959,23 +1025,26 @@ class Scheduler:
         """Gives every request of `pool` the pages this iteration's work needs, before anything
         runs.
 
-        Requests admitted earlier go first, oldest first; when the pool runs dry, the most
-        recently admitted request is preempted (its pages freed, back to the head of the
-        queue, recomputed later), which may be the one asking. A request admitted in this very
-        plan that finds too few pages goes back to the queue instead: admission never
-        preempts. The oldest running request can always grow (the pool holds one sequence of
-        max_seq_len), so something always progresses.
+        Requests admitted earlier go first, by priority, oldest first among equals; when the
+        pool runs dry, the most recently admitted request of the lowest priority is preempted
+        (its pages freed, back to the head of the queue, recomputed later), which may be the
+        one asking. A request admitted in this very plan that finds too few pages goes back to
+        the queue instead: admission preempts only what the plan said (`Plan.preempt`). The
+        first request to grow can always grow (the pool holds one sequence of max_seq_len), so
+        something always progresses.
         """
         ends: dict[Request, int] = {}
         for chunk in plan.prefill:
             ends[chunk.request] = max(ends.get(chunk.request, 0), chunk.start + chunk.length)
         decoding = {r for r in plan.decode if r.state is State.DECODING}
         admitted = set(plan.admit)
-        for r in [r for r in pool.running if r not in admitted]:
+        earlier = [r for r in pool.running if r not in admitted]
+        for r in sorted(earlier, key=lambda r: r.priority):  # stable: oldest first among equals
             if r not in ends and r not in decoding:
                 continue
             while r.pool is pool and not self._grow(r, self._tokens_after(r, ends, decoding, plan.steps)):
-                victim = next(v for v in reversed(pool.running) if v not in admitted)
+                victim = max((v for v in reversed(pool.running) if v not in admitted),
+                             key=lambda v: v.priority)  # the first of the lowest: the newest
                 self._preempt(victim, now)
         short = [r for r in plan.admit
                  if r.state is State.PREFILLING and not self._grow(r, ends.get(r, 0))]
@@ -987,9 +1056,9 @@ class Scheduler:
             tokens = self.max_seq_len
         return r.pool.grow(r, tokens)
 
-    def _preempt(self, r: Request, now: float) -> None:
-        logging.info("preempting %s: the %s KV pool is full (%d pages)", r.id, r.pool.name,
-                     r.pool.pages.num_pages)
+    def _preempt(self, r: Request, now: float, why: str | None = None) -> None:
+        logging.info("preempting %s (priority %d): %s", r.id, r.priority,
+                     why or f"the {r.pool.name} KV pool is full ({r.pool.pages.num_pages} pages)")
         r.pool.publish(r)  # what it computed stays cached: its recompute is mostly a hit
         r.pool.release(r)
         r.preempted()
