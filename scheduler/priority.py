@@ -102,9 +102,13 @@ class SLO:
         return bool(self.ttft or self.itl)
 
 
+# Why a submission was refused (HTTP 429): the labels of cadence:requests_rejected_total.
+REJECTION_REASONS = ("queue_full", "ttft_slo", "itl_slo")
+
+
 @dataclasses.dataclass(frozen=True)
 class Rejection:
-    reason: str  # "ttft_slo" or "itl_slo": the label of cadence:requests_rejected_total
+    reason: str  # "ttft_slo" or "itl_slo" (REJECTION_REASONS)
     retry_after: int  # seconds, for the Retry-After header
     message: str
 

@@ -41,6 +41,7 @@ class FinishReason(str, enum.Enum):
 # that work small for every slot. (OpenAI allows 4 stop strings; vLLM and llama.cpp more.)
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+MAX_PRIORITY = 2**31 - 1  # priorities are integers in [-MAX_PRIORITY, MAX_PRIORITY]
 
 
 @dataclasses.dataclass(frozen=True)

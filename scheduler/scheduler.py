@@ -67,13 +67,12 @@ from cadence.scheduler.priority import SLO, AdmissionControl, PriorityClasses
 from cadence.scheduler.pages import PageKeys
 from cadence.scheduler.pool import Pool
 from cadence.scheduler.request import (
-    MAX_STOP_LENGTH, MAX_STOP_STRINGS, FinishReason, GenerationParams, Request, RequestRecord,
+    MAX_PRIORITY, MAX_STOP_LENGTH, MAX_STOP_STRINGS, FinishReason, GenerationParams, Request, RequestRecord,
     State, TokenEvent, TokenLogprob,
 )
 
 
 KV_RESERVATIONS = ("live", "max")
-MAX_PRIORITY = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -235,7 +235,8 @@ class Server:
         except TokenizerError as e:
             raise APIError(400, str(e)) from None
         except Overloaded as e:
-            raise APIError(429, str(e), type="rate_limit_error", headers={"Retry-After": "1"}) from None
+            raise APIError(429, str(e), type="rate_limit_error",
+                           headers={"Retry-After": str(e.retry_after)}) from None
         except EngineDead as e:
             raise APIError(503, str(e), type="service_unavailable", code="engine_dead") from None
         except NotRunning as e:

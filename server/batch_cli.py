@@ -6,8 +6,9 @@ Input, one JSON object a line (blank lines are skipped):
     {"id": "a1", "prompt": "Once upon a time"}
     {"id": 2, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7, "seed": 3}
 Ids are strings or integers, unique in the file. The optional sampling fields are those of
-`server/requests.py` (max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, cache_salt);
-absent ones take the flags' defaults. Output, one JSON object a line, in the order requests finish:
+`server/requests.py` (max_tokens, temperature, top_p, top_k, seed, the penalties, logit_bias,
+stop, ignore_eos, cache_salt, priority); absent ones take the flags' defaults. A job with
+--priority_classes or a priority per line runs its lower numbers first. Output, one JSON object a line, in the order requests finish:
     {"id", "text", "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason",
      "queue_time", "ttft", "total_time", "prefill_chunks", "decode_steps"}
 with times in seconds, measured by the scheduler from the moment it accepted the request.
@@ -178,7 +179,9 @@ def run_jobs(rt: runtime.Runtime, work: list[tuple[Job, list[int], Any]], output
                     try:
                         sched.submit(ids, params, request_id=f"batch-line-{job.line}")
                         in_flight += 1
-                    except Overloaded:
+                    except Overloaded as e:  # the queue is full, or an --slo_* target refuses it
+                        if not in_flight:  # nothing to wait for: wait as the scheduler says
+                            time.sleep(e.retry_after)
                         break  # submitted again after the next completion
                     except (SubmissionError, NotRunning) as e:  # NotRunning: the engine died
                         report(job.line, f"id {job.id!r} rejected: {e}")

@@ -8,9 +8,10 @@ compared against it. Gauges are computed when scraped, so they are never stale.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cadence.scheduler.request import RequestRecord
+from cadence.scheduler.priority import REJECTION_REASONS
 from cadence.scheduler.scheduler import IterationRecord, KVTransfer, Scheduler
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -42,6 +43,19 @@ class _SchedulerCounters:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        rejected = CounterMetricFamily(
+            "cadence:requests_rejected", "Requests refused with 429 at submission, by reason: the "
+            "queue was full, or the request was predicted to miss its class's TTFT or ITL target.",
+            labels=["model_name", "reason"])
+        for reason in REJECTION_REASONS:
+            rejected.add_metric([self.model_name, reason], self.scheduler.rejections[reason])
+        yield rejected
+        waiting = GaugeMetricFamily("cadence:num_requests_waiting_by_priority",
+                                    "Requests queued for a slot, per priority.",
+                                    labels=["model_name", "priority"])
+        for priority, count in sorted({0: 0, **self.scheduler.waiting_by_priority()}.items()):
+            waiting.add_metric([self.model_name, str(priority)], count)
+        yield waiting
 
 
 class Metrics:
@@ -52,10 +66,17 @@ class Metrics:
         def histogram(name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
             return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(**labels)
 
-        self.ttft = histogram("cadence:time_to_first_token_seconds", "Submission to first token, server side.")
-        self.itl = histogram("cadence:inter_token_latency_seconds", "Gap between consecutive output tokens.")
-        self.e2e = histogram("cadence:e2e_request_latency_seconds", "Submission to finish.")
-        self.queue = histogram("cadence:request_queue_time_seconds", "Time waiting for a KV slot.")
+        def by_priority(name: str, doc: str) -> Histogram:
+            """Per request priority (`priority` label; sum over it for all requests)."""
+            family = Histogram(name, doc, ["model_name", "priority"], buckets=_LATENCY_BUCKETS, registry=r)
+            family.labels(priority="0", **labels)  # the default class's series exist from the start
+            return family
+
+        self.ttft = by_priority("cadence:time_to_first_token_seconds", "Submission to first token, server side.")
+        self.itl = by_priority("cadence:inter_token_latency_seconds", "Gap between consecutive output tokens.")
+        self.e2e = by_priority("cadence:e2e_request_latency_seconds", "Submission to finish.")
+        self.queue = by_priority("cadence:request_queue_time_seconds",
+                                 "Time waiting for a KV slot (the first time).")
         self.prefill = histogram("cadence:request_prefill_time_seconds", "Admission to first token.")
         self.decode = histogram("cadence:request_decode_time_seconds", "First token to finish.")
         self.iteration_tokens = histogram(
@@ -94,8 +115,12 @@ class Metrics:
                 "Of the token slots in held KV pages, the fraction holding a real token (0-1).",
                 lambda: scheduler.kv_page_utilization),
             "cadence:num_preemptions_total": (
-                "Requests preempted (KV dropped, recomputed later) because the pool was full.",
+                "Requests preempted (KV dropped, recomputed later): the pool was full, or a better "
+                "priority needed the room.",
                 lambda: scheduler.preemptions),
+            "cadence:num_priority_preemptions_total": (
+                "Of those, preempted to make room for a request of a better priority.",
+                lambda: scheduler.priority_preemptions),
             "cadence:compilations_after_warmup": (
                 "XLA compilations since warm-up ended (should stay 0).",
                 lambda: scheduler.compilations_after_warmup,
@@ -144,17 +169,19 @@ class Metrics:
         self.finished.labels(finished_reason=record.finish_reason, **self._labels).inc()
         self.prompt_tokens.inc(record.prompt_tokens)
         self.generation_tokens.inc(record.output_tokens)
-        self.e2e.observe(record.finished - record.submitted)
+        labels = {"priority": str(record.priority), **self._labels}
+        self.e2e.labels(**labels).observe(record.finished - record.submitted)
         if record.queue_time is not None:
-            self.queue.observe(record.queue_time)
+            self.queue.labels(**labels).observe(record.queue_time)
         if record.first_token is not None:
-            self.ttft.observe(record.first_token - record.submitted)
+            self.ttft.labels(**labels).observe(record.first_token - record.submitted)
             self.decode.observe(record.finished - record.first_token)
             if record.admitted is not None:
                 self.prefill.observe(record.first_token - record.admitted)
         times = record.token_times
+        itl = self.itl.labels(**labels)
         for earlier, later in zip(times, times[1:]):
-            self.itl.observe(later - earlier)
+            itl.observe(later - earlier)
 
     def on_iteration(self, record: IterationRecord) -> None:  # a loop thread
         self.busy.labels(pool=record.pool, **self._labels).inc(record.wall)

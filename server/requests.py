@@ -36,7 +36,7 @@ from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.api import RequestSampling
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
-from cadence.scheduler.request import GenerationParams
+from cadence.scheduler.request import MAX_PRIORITY, GenerationParams
 
 MAX_JSON_DEPTH = 32
 MAX_INT_DIGITS = 40  # a uint32 seed has 10; nothing cadence takes needs more
@@ -50,7 +50,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "Default sampling seed.")
 
 PENALTY_FIELDS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", *PENALTY_FIELDS,
-                   "logit_bias", "stop", "ignore_eos", "cache_salt")
+                   "logit_bias", "stop", "ignore_eos", "cache_salt", "priority")
 MAX_CACHE_SALT = 256
 
 
@@ -199,8 +199,13 @@ def generation_params(entry: dict, defaults: SamplingDefaults, *,
     salt = field(entry, "cache_salt", (str,))
     if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT:
         raise SubmissionError(f'"cache_salt" must be a string of 1 to {MAX_CACHE_SALT} characters', "cache_salt")
+    priority = field(entry, "priority", (int,))
+    if priority is not None and not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise SubmissionError(f'"priority" must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}] '
+                              f"(lower runs first), got {priority}", "priority")
     return GenerationParams(max_tokens=max_tokens, sampling=sampling, stop=stop,
-                            ignore_eos=field(entry, "ignore_eos", (bool,), False), cache_salt=salt)
+                            ignore_eos=field(entry, "ignore_eos", (bool,), False), cache_salt=salt,
+                            priority=priority)
 
 
 def choice_seed(seed: int, index: int) -> int:

@@ -33,6 +33,7 @@ from cadence.model.params import WEIGHTS, cast_bytes
 from cadence.model.quant import quantize
 from cadence.model.sharding import TensorParallel
 from cadence.scheduler.policy import POLICIES, PolicyConfig
+from cadence.scheduler.priority import SLO, PriorityClasses
 from cadence.scheduler.scheduler import KV_RESERVATIONS, Scheduler, SchedulerConfig
 
 MODEL_FLAG = flags.DEFINE_string("model", DEFAULT_MODEL, "Model name, GGUF file, HF folder or converted checkpoint.")
@@ -68,6 +69,42 @@ _KV_RESERVATION = flags.DEFINE_enum(
     "live: a request holds the KV pages its tokens fill; max: max_seq_len tokens' worth from the "
     "start, like a contiguous slot (a baseline for benchmarks).")
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Waiting requests before refusing new ones.", lower_bound=1)
+_PRIORITY_CLASSES = flags.DEFINE_string(
+    "priority_classes", "",
+    "The priority of a request that sends none, by prompt length: TOKENS=PRIORITY[,...], e.g. "
+    "1024=1 (prompts of more than 1024 tokens get priority 1, below the default 0; lower runs "
+    "first and may preempt higher numbers).")
+_LOWER_SHARE = flags.DEFINE_float(
+    "lower_share", 0.25,
+    "With several priorities prefilling, the least fraction of the prefill budget the lower ones "
+    "get (they are slowed, never starved).", lower_bound=0.0, upper_bound=1.0)
+_SLO_TTFT = flags.DEFINE_string(
+    "slo_ttft", "",
+    "Time-to-first-token targets per priority, PRIORITY=SECONDS[,...], e.g. 0=2,1=120: a request "
+    "predicted to miss its target (by more than --slo_margin) is refused at once with 429 and "
+    "Retry-After.")
+_SLO_ITL = flags.DEFINE_string(
+    "slo_itl", "",
+    "Inter-token targets per priority, PRIORITY=SECONDS[,...]: while decode steps take longer "
+    "(by more than --slo_margin), new requests of that priority are refused with 429.")
+_SLO_MARGIN = flags.DEFINE_float(
+    "slo_margin", 0.25, "How far past a target a prediction must be to refuse (a fraction).",
+    lower_bound=0.0)
+
+
+def _parses(parse):
+    def check(value: str) -> bool:
+        try:
+            parse(value)
+        except ValueError as e:
+            raise flags.ValidationError(str(e)) from None
+        return True
+    return check
+
+
+flags.register_validator("priority_classes", _parses(PriorityClasses.parse))
+flags.register_validator("slo_ttft", _parses(lambda v: SLO.parse(ttft=v)))
+flags.register_validator("slo_itl", _parses(lambda v: SLO.parse(itl=v)))
 _PREFIX_CACHING = flags.DEFINE_bool(
     "prefix_caching", True,
     "Reuse the KV of prompt prefixes computed before (automatic prefix caching: a full page's KV "
@@ -305,11 +342,14 @@ def token_budget() -> int:
 def scheduler_config_from_flags(model_name: str) -> SchedulerConfig:
     budget = token_budget()
     policy = PolicyConfig(
-        name=_POLICY.value, token_budget=budget, chunk=_PREFILL_CHUNK.value
+        name=_POLICY.value, token_budget=budget, chunk=_PREFILL_CHUNK.value, lower_share=_LOWER_SHARE.value
     )
+    classes = PriorityClasses.parse(_PRIORITY_CLASSES.value)
+    slo = SLO.parse(_SLO_TTFT.value, _SLO_ITL.value, _SLO_MARGIN.value)
     return SchedulerConfig(policy=policy, max_queue=_MAX_QUEUE.value,
                            kv_reservation=_KV_RESERVATION.value, prefix_caching=_PREFIX_CACHING.value,
-                           cache_namespace=f"{model_name}/{_WEIGHTS.value}/{_DTYPE.value}")
+                           cache_namespace=f"{model_name}/{_WEIGHTS.value}/{_DTYPE.value}",
+                           priority_classes=classes, slo=slo)
 
 
 def warm_up(engines: Sequence[Engine]) -> float:

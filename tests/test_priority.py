@@ -339,3 +339,41 @@ def test_slo_targets_parse_and_refuse_nonsense():
     for ttft in ("0=0", "0=-1", "0=inf", "zero=1", "0"):
         with pytest.raises(ValueError):
             SLO.parse(ttft=ttft)
+
+
+# --- through the server ----------------------------------------------------------------------
+
+
+def test_the_server_takes_priority_refuses_with_429_and_counts_per_class(tiny_engine, tiny_tokenizer):
+    """On the tiny model: `priority` on both endpoints; a class whose TTFT target cannot be met
+    gets 429 with Retry-After once the server has measured its rates, another class is served;
+    /metrics counts the refusal and labels latencies by priority; a bad priority is a 400."""
+    import httpx
+
+    from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+    from cadence.server.app import create_app
+    from tests.conftest import loopback_server
+
+    sched = Scheduler(tiny_engine, tiny_tokenizer, SchedulerConfig(
+        policy=chunked(budget=40, chunk=32), slo=SLO(ttft={0: 1e-6}, margin=0.0)))
+    with loopback_server(create_app(sched, tiny_tokenizer, "tiny")) as base:
+        def post(path, **body):
+            return httpx.post(f"{base}/v1/{path}", json={"max_tokens": 3, **body}, timeout=60)
+
+        assert post("completions", prompt="measure the rates", priority=1).status_code == 200
+        refused = post("completions", prompt="too slow for a microsecond", priority=0)
+        assert refused.status_code == 429
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        assert "first token" in refused.json()["error"]["message"]
+        chat = post("chat/completions", messages=[{"role": "user", "content": "hi"}], priority=1)
+        assert chat.status_code == 200
+        metrics = httpx.get(f"{base}/metrics").text
+        assert 'cadence:requests_rejected_total{model_name="tiny",reason="ttft_slo"} 1.0' in metrics
+        assert 'cadence:requests_rejected_total{model_name="tiny",reason="queue_full"} 0.0' in metrics
+        assert 'cadence:time_to_first_token_seconds_count{model_name="tiny",priority="1"} 2.0' in metrics
+        assert 'cadence:num_requests_waiting_by_priority{model_name="tiny",priority="0"} 0.0' in metrics
+        for bad in ("high", 1.5, True, 2**31):
+            response = post("completions", prompt="x", priority=bad)
+            assert response.status_code == 400, bad
+            assert response.json()["error"]["param"] == "priority"
