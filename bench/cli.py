@@ -4,6 +4,8 @@
     cadence-bench compare   --configs=prefill-first@256,chunked@256,chunked@64
     cadence-bench compare   --configs=chunked@128,disaggregated@128 --slo=chat_itl_p99=0.25,chat_ttft_p99=2
     cadence-bench capacity  --slo=chat_itl_p99=0.25,chat_ttft_p99=2 [--load_low=.. --load_high=..]
+    cadence-bench compare   --configs=chunked@256,chunked@256:priority_classes=1024=1 --doc_rate=0.3
+    cadence-bench capacity  --scale_class=document --configs=chunked@256:priority_classes=1024=1
     cadence-bench roofline  [--run=run.json] [--bandwidth_gb_s=.. --flops_gflop_s=..]
     cadence-bench bill      --run=run.json --price_input=.. --price_cached_input=.. --price_output=..
     cadence-bench plot      --runs=a.json,b.json
@@ -75,6 +77,8 @@ _SLO = flags.DEFINE_list("slo", ["chat_itl_p99=0.25", "chat_ttft_p99=2", "error_
 _LOAD_LOW = flags.DEFINE_float("load_low", 0.25, "capacity: lowest load factor tried.")
 _LOAD_HIGH = flags.DEFINE_float("load_high", 4.0, "capacity: highest load factor tried.")
 _STEPS = flags.DEFINE_integer("bisect_steps", 4, "capacity: bisection steps between low and high.")
+_SCALE_CLASS = flags.DEFINE_enum("scale_class", None, ["chat", "document"],
+                                 "capacity: scale this class's load alone (unset: every class).")
 _RUN = flags.DEFINE_list("run", None, "roofline/bill: run JSON file(s).")
 _RUNS = flags.DEFINE_list("runs", None, "plot: run JSON files.")
 _BANDWIDTH = flags.DEFINE_float("bandwidth_gb_s", None, "roofline: memory bandwidth (unset: measure).")
@@ -224,14 +228,24 @@ def cmd_compare() -> None:
 def cmd_capacity() -> None:
     from cadence.bench import experiments
 
+    from cadence.bench.cadence_server import parse_config
+
     spec = workload()
     slos = experiments.parse_slos(_SLO.value)
+    server = None
     if not _BASE_URL.value:
         check_fits(spec)
-    experiments.capacity(spec, slos, target(), out_dir("capacity"),
-                         server=None if _BASE_URL.value else server_config(),
+        server = server_config()
+        if _CONFIGS.present:  # one entry: the server to search, e.g. with its priority flags
+            if len(_CONFIGS.value) != 1:
+                raise app.UsageError("capacity searches one server: give --configs one entry")
+            try:
+                server = parse_config(_CONFIGS.value[0], server)
+            except ValueError as e:
+                raise app.UsageError(str(e)) from None
+    experiments.capacity(spec, slos, target(), out_dir("capacity"), server=server,
                          low=_LOAD_LOW.value, high=_LOAD_HIGH.value, steps=_STEPS.value,
-                         health_timeout_s=_HEALTH_TIMEOUT.value)
+                         health_timeout_s=_HEALTH_TIMEOUT.value, only=_SCALE_CLASS.value)
 
 
 def cmd_roofline() -> None:

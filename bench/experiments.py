@@ -77,6 +77,13 @@ def comparison_row(label: str, summary: dict) -> dict:
             "doc_ttft_p50_s": ttft("document", "p50"),
             "chat_rate_p50_tok_s": classes.get("chat", {}).get("stream_rate_tok_s", {}).get("p50"),
             "throughput_tok_s": summary["throughput"]["tokens_per_s"],
+            # Documents: those sent in the window that finished, of all sent (the rest were
+            # refused, failed, or never finished: starved), and prompt tokens served per second.
+            "doc_done": classes.get("document", {}).get("ok"),
+            "doc_sent": classes.get("document", {}).get("requests"),
+            "doc_unfinished": classes.get("document", {}).get("incomplete"),
+            "doc_prompt_tok_s": summary["throughput"].get("by_class", {}).get("document", {}).get(
+                "prompt_tokens_per_s"),
             "errors": summary["errors"] + summary["rejected"] + summary["incomplete"],
             "itl_basis": itl["basis"],
             # per pool, and the KV handoff when disaggregated (None otherwise)
@@ -98,13 +105,18 @@ def format_comparison(rows: Sequence[dict]) -> str:
 
     width = max([20] + [len(r["config"]) for r in rows])
     out = [f"{'config':<{width}} {'chat ITL p50':>12} {'chat ITL p99':>12} {'chat ITL max':>12} "
-           f"{'chat TTFT p99':>13} {'doc TTFT p50':>12} {'doc TTFT p99':>12} {'tok/s':>7} {'err':>4}"]
+           f"{'chat TTFT p99':>13} {'doc TTFT p50':>12} {'doc TTFT p99':>12} {'tok/s':>7} {'err':>4} "
+           f"{'docs done':>9} {'doc in tok/s':>12}"]
     for r in rows:
+        done = "-" if not r.get("doc_sent") else f"{r['doc_done']}/{r['doc_sent']}"
         out.append(f"{r['config']:<{width}} {f(r['chat_itl_p50_s']):>12} {f(r['chat_itl_p99_s']):>12} "
                    f"{f(r['chat_itl_max_s']):>12} {f(r['chat_ttft_p99_s'], 2):>13} {f(r['doc_ttft_p50_s'], 2):>12} "
-                   f"{f(r['doc_ttft_p99_s'], 2):>12} {f(r['throughput_tok_s'], 1):>7} {r['errors']:>4}")
+                   f"{f(r['doc_ttft_p99_s'], 2):>12} {f(r['throughput_tok_s'], 1):>7} {r['errors']:>4} "
+                   f"{done:>9} {f(r.get('doc_prompt_tok_s'), 0):>12}")
     out.append("(seconds; ITL across chat streams in the window; throughput = output tokens in the window / "
-               "its length; " + (rows[0]["itl_basis"] if rows else "") + ")")
+               "its length; " + (rows[0]["itl_basis"] if rows else "") + "; docs done: documents sent in "
+               "the window that finished, of those sent; doc in tok/s: prompt tokens of documents that "
+               "finished in the window, per second)")
     if any(r.get("busy") for r in rows):
         out.append("")
         out.append(f"{'config':<{width}} {'busy (per pool)':>28} {'chat queue p99':>14} {'doc queue p99':>13} "
@@ -221,8 +233,10 @@ def check_slos(summary: dict, slos: dict[str, float]) -> tuple[bool, dict]:
 
 def capacity(spec: WorkloadSpec, slos: dict[str, float], target: Target, out: Path,
              server: ServerConfig | None = None, low: float = 0.25, high: float = 4.0, steps: int = 4,
-             health_timeout_s: float = 1200.0) -> dict:
-    """Bisects the load factor in [low, high]; with `server`, starts one cadence for all trials."""
+             health_timeout_s: float = 1200.0, only: str | None = None) -> dict:
+    """Bisects the load factor in [low, high] (of every class, or of class `only` alone, e.g.
+    the highest document rate that keeps the chat SLOs); with `server`, starts one cadence for
+    all trials."""
     trials: list[dict] = []
     context = spawned(server, out / "serve-capacity.log", health_timeout_s) if server else contextlib.nullcontext(None)
     with context as base_url:
@@ -230,7 +244,7 @@ def capacity(spec: WorkloadSpec, slos: dict[str, float], target: Target, out: Pa
         done: dict[str, dict] = {}
 
         def trial(factor: float) -> dict:
-            scaled = spec.scaled(factor)
+            scaled = spec.scaled(factor, only)
             key = repr(scaled.classes)
             if key not in done:  # concurrency rounding can map two factors to the same load
                 label = f"capacity-x{factor:.3f}"
@@ -265,7 +279,7 @@ def capacity(spec: WorkloadSpec, slos: dict[str, float], target: Target, out: Pa
         note = "the highest load tried met the SLOs: capacity is at least this; raise --load_high"
     else:
         note = "bisection between a load that met the SLOs and one that did not"
-    result = {"slos": slos, "low": low, "high": high, "steps": steps,
+    result = {"slos": slos, "low": low, "high": high, "steps": steps, "scaled_class": only,
               "capacity_factor": None if best is None else best["factor"], "capacity": best, "note": note,
               "trials": trials, "machine": machine(), "workload": spec.describe(),
               "server": dataclasses.asdict(server) if server else {"base_url": target.base_url}}

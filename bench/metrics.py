@@ -147,11 +147,20 @@ def throughput(results: Sequence[RequestResult], window: Window) -> dict:
         exact &= r.tokens_exact
         tokens += sum(k for t, k in zip(r.message_times, counts) if _in(t, window))
     interval = window[1] - window[0]
+    finished = [r for r in results if r.ok and _in(r.done, window)]
+    by_class = {}
+    for r in finished:
+        entry = by_class.setdefault(r.cls, {"finished": 0, "prompt_tokens": 0})
+        entry["finished"] += 1
+        entry["prompt_tokens"] += r.prompt_tokens or 0
+    for entry in by_class.values():  # prompts served per second: a class's share of prefill
+        entry["prompt_tokens_per_s"] = entry["prompt_tokens"] / interval
     return {
         "interval_s": [window[0], window[1]], "output_tokens": tokens,
         "tokens_per_s": tokens / interval,
         "basis": "exact" if exact else "estimate: some messages' token counts estimated",
-        "requests_finished": sum(1 for r in results if r.ok and _in(r.done, window)),
+        "requests_finished": len(finished),
+        "by_class": by_class,  # requests that finished in the window, and their prompt tokens
     }
 
 

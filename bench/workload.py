@@ -219,8 +219,10 @@ class WorkloadSpec:
                 return out
             out.append(t)
 
-    def scaled(self, factor: float) -> WorkloadSpec:
-        return dataclasses.replace(self, classes=tuple(c.scaled(factor) for c in self.classes))
+    def scaled(self, factor: float, only: str | None = None) -> WorkloadSpec:
+        """Every class at `factor` times its load, or (`only`) that class alone."""
+        return dataclasses.replace(self, classes=tuple(
+            c.scaled(factor) if only in (None, c.name) else c for c in self.classes))
 
     def describe(self) -> dict:
         return {**dataclasses.asdict(self), "corpus": "Python stdlib docstrings",

@@ -328,6 +328,9 @@ def test_throughput_counts_tokens_arriving_in_the_interval():
     tp = throughput(rs, (1.0, 3.0))
     assert tp["output_tokens"] == 3 and tp["tokens_per_s"] == pytest.approx(1.5)
     assert tp["interval_s"] == [1.0, 3.0] and tp["basis"] == "exact"
+    # Of requests that finished in the interval, per class: how many, and their prompt tokens.
+    tp = throughput(rs + [record("document", 0.0, [1.0, 2.5], rid="d")], (1.0, 3.0))
+    assert tp["by_class"] == {"document": {"finished": 1, "prompt_tokens": 12, "prompt_tokens_per_s": 6.0}}
 
 
 def test_slos_parse_and_check():
@@ -362,6 +365,8 @@ def test_workload_is_reproducible_with_a_seed():
     assert abs(approx_tokens(doc.prompt) - 3000) < 60
     assert tiny_workload().scaled(2.0).get("document").rate == 4.0
     assert tiny_workload().scaled(2.0).get("chat").concurrency == 4
+    only = tiny_workload().scaled(3.0, only="document")
+    assert only.get("document").rate == 6.0 and only.get("chat") == tiny_workload().get("chat")
 
 
 # -- billing and roofline arithmetic ----------------------------------------------------------
