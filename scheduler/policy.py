@@ -161,19 +161,29 @@ def protected(running: Sequence[Request]) -> set[Request]:
     return set(firsts.values())
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefillLimit:
+    """This iteration, requests of a priority worse than `priority` prefill at most `tokens`
+    together (never less than their `lower_share` floor): what keeps the decode step of
+    `priority` and better within their inter-token target (`scheduler.priority`)."""
+
+    priority: int
+    tokens: int
+
+
 def make_plan(
     running: Sequence[Request], waiting: Sequence[Request], free_slots: int, config: PolicyConfig,
-    pages: PageBudget | None = None,
+    pages: PageBudget | None = None, limit: PrefillLimit | None = None,
 ) -> Plan:
     """`waiting` in queue order. `pages`: admit a request only if the pages its first chunk
     needs are free after what the running requests' next steps need (None: no limit). The
     scheduler still reserves the pages before dispatch, and preempts if a running request
-    cannot grow."""
+    cannot grow. `limit`: the chunked policy's cap on lower priorities' prefill."""
     pages = pages or PageBudget(free=2**62, page_size=1)
     waiting = order_waiting(running, waiting) if waiting else []
     if config.name == "prefill-first":
         return _prefill_first(running, waiting, free_slots, config, pages)
-    return _chunked(running, waiting, free_slots, config, pages)
+    return _chunked(running, waiting, free_slots, config, pages, limit)
 
 
 def running_cost(running: Sequence[Request], config: PolicyConfig, pages: PageBudget) -> int:
@@ -210,7 +220,7 @@ def _prefill_first(running, waiting, free_slots, config, pages) -> Plan:
     return Plan(decode=[r for r in running if wants_decode(r)])
 
 
-def _chunked(running, waiting, free_slots, config, pages) -> Plan:
+def _chunked(running, waiting, free_slots, config, pages, limit=None) -> Plan:
     plan = Plan(decode=[r for r in running if wants_decode(r)])
     free_pages = pages.free - running_cost(running, config, pages)
     # Decodes alone may fill the budget; a small floor keeps prompts from starving. Prefill
@@ -220,7 +230,7 @@ def _chunked(running, waiting, free_slots, config, pages) -> Plan:
         budget = min(budget, config.pack_tokens)
     prefilling = [r for r in running if r.state is State.PREFILLING]
     long_prompts = sum(1 for r in prefilling if _is_long(r, config))
-    victims = _Victims(running, config, pages)
+    victims = _Victims(running, waiting, config, pages)
     for r in waiting:
         if _is_long(r, config) and long_prompts >= config.max_partial_prefills:
             if free_slots == 0:
@@ -252,34 +262,60 @@ def _chunked(running, waiting, free_slots, config, pages) -> Plan:
     prefilling.sort(key=lambda r: (r.priority, r.prefill_len - r.prefilled))
     best = [r for r in prefilling if r.priority == prefilling[0].priority] if prefilling else []
     lower = prefilling[len(best):]
+    block = config.pack_block
+    floor = max(block, int(budget * config.lower_share) // block * block)
     reserve = 0
     if lower:
         wanted = sum(config.padded(min(config.chunk, r.prefill_len - r.prefilled)) for r in lower)
-        floor = max(config.pack_block, int(budget * config.lower_share) // config.pack_block * config.pack_block)
         reserve = min(wanted, floor, budget)
-    left = _fill(plan, best, budget - reserve, config)
-    _fill(plan, lower, left + reserve, config)
+    # Below the limit's priority, at most its tokens, and never less than the floor.
+    capped = _Cap(limit.priority, max(floor, limit.tokens // block * block)) if limit else None
+    # Capped too, the best ones leave the lower ones their reserve out of the cap.
+    held = reserve if capped and best and best[0].priority > capped.priority else 0
+    if held:
+        capped.tokens -= held
+    left = _fill(plan, best, budget - reserve, config, capped)
+    if held:
+        capped.tokens += held
+    _fill(plan, lower, left + reserve, config, capped)
     return plan
 
 
-def _fill(plan: Plan, requests: list[Request], budget: int, config: PolicyConfig) -> int:
-    """Adds chunks of `requests`, in order, within `budget` padded tokens; returns what is left."""
+@dataclasses.dataclass
+class _Cap:
+    priority: int  # requests of a worse priority share `tokens`
+    tokens: int
+
+
+def _fill(plan: Plan, requests: list[Request], budget: int, config: PolicyConfig,
+          cap: _Cap | None = None) -> int:
+    """Adds chunks of `requests`, in order, within `budget` padded tokens (and, for those
+    below `cap`'s priority, within its tokens); returns what is left of `budget`."""
     for r in requests:
         if budget <= 0:
             break
-        chunk = _chunks(r, r.prefilled, min(budget, config.padded(config.chunk)), config.chunk,
-                        config.pack_block)
+        room = min(budget, config.padded(config.chunk))
+        limited = cap is not None and r.priority > cap.priority
+        if limited:
+            room = min(room, cap.tokens)
+        chunk = _chunks(r, r.prefilled, room, config.chunk, config.pack_block)
         plan.prefill.extend(chunk)
-        budget -= sum(config.padded(c.length) for c in chunk)
+        used = sum(config.padded(c.length) for c in chunk)
+        budget -= used
+        if limited:
+            cap.tokens -= used
     return budget
 
 
 class _Victims:
     """Running requests a waiting one of a better priority may preempt (`make_room`)."""
 
-    def __init__(self, running: Sequence[Request], config: PolicyConfig, pages: PageBudget):
+    def __init__(self, running: Sequence[Request], waiting: Sequence[Request], config: PolicyConfig,
+                 pages: PageBudget):
         self.config, self.pages = config, pages
-        keep = protected(running)
+        # Kept: each class's first, and the first sequence of a group whose later ones wait to
+        # take its prompt's pages (`Request.forking`).
+        keep = protected(running) | {r.fork_parent for r in waiting if r.forking}
         # Lowest priority first, the most recently admitted first among equals. A request in
         # the middle of a handoff (disaggregated) is not preempted here.
         self.candidates = sorted(

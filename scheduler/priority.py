@@ -16,9 +16,15 @@ over the prefill rate the server measured in its recent iterations, plus the two
 first token takes to reach the client (it is computed, then applied one iteration behind).
 A request whose prediction exceeds its class's TTFT target by more than the margin is refused
 at once (HTTP 429 with Retry-After: the seconds by which the queue ahead of it must shrink):
-queueing it would only make it, and everything behind it, miss. With an ITL target, a request
-is refused while the server's recent time per decode step already exceeds its class's target
-by the margin. Until the server has measured a rate, everything is admitted.
+queueing it would only make it, and everything behind it, miss. Until the server has measured a
+rate, everything is admitted.
+
+An inter-token (ITL) target shapes the plan first: while requests of a priority with one are
+decoding, the prompts of worse priorities prefill at most what an iteration can carry within
+the target (`prefill_tokens_within`, from a line fitted through recent iterations; never less
+than their `lower_share` floor). What that cannot save is refused: a request is refused while
+the recent decode step exceeds by the margin the target of a better priority that is running,
+or its own when nothing worse is running (when something is, the cap is what serves it).
 """
 
 from __future__ import annotations
@@ -162,15 +168,37 @@ class AdmissionControl:
         steps = sum(s.decode_steps for s in decoded)
         return sum(s.wall for s in decoded) / steps if steps else None
 
+    def prefill_tokens_within(self, seconds: float) -> int | None:
+        """The most prompt tokens an iteration can carry and still take `seconds`, from a
+        least-squares line (iteration wall = base + per-token cost x prompt tokens) through the
+        recent single-step iterations; None until it can be drawn. When the tokens barely vary
+        (a saturated server), the whole wall is charged to them: a smaller answer, never a
+        larger one, and the iterations it shapes then vary enough to fit."""
+        samples = [s for s in self._recent() if s.decode_steps <= 1]
+        if not any(s.prefill_tokens for s in samples):
+            return None
+        x = [float(s.prefill_tokens) for s in samples]
+        y = [s.wall for s in samples]
+        mx, my = sum(x) / len(x), sum(y) / len(y)
+        var = sum((v - mx) ** 2 for v in x)
+        slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / var if var > 0 else 0.0
+        if var < (0.1 * mx) ** 2 * len(x) or slope <= 0:
+            slope, base = my / mx, 0.0
+        else:
+            base = max(0.0, my - slope * mx)
+        return max(0, int((seconds - base) / slope))
+
     def predicted_ttft(self, tokens_ahead: int) -> float | None:
         rate, iteration = self.prefill_rate(), self.iteration_time()
         if rate is None or iteration is None:
             return None
         return tokens_ahead / rate + 2 * iteration
 
-    def check(self, priority: int, tokens_ahead: int) -> Rejection | None:
+    def check(self, priority: int, tokens_ahead: int, running: frozenset[int] = frozenset()
+              ) -> Rejection | None:
         """Whether to refuse a request of `priority` with `tokens_ahead` prompt tokens to
-        prefill before its first token (its own included)."""
+        prefill before its first token (its own included); `running`: the priorities of the
+        requests running now."""
         slo = self.slo
         target = slo.ttft.get(priority)
         if target is not None:
@@ -181,12 +209,18 @@ class AdmissionControl:
                     f"the server is overloaded: a request of priority {priority} would wait about "
                     f"{predicted:.1f} s for its first token ({tokens_ahead} prompt tokens ahead at "
                     f"{self.prefill_rate():.0f} tokens/s), past its {target:g} s target; retry later")
-        target = slo.itl.get(priority)
-        if target is not None:
-            step = self.step_time()
-            if step is not None and step > target * (1 + slo.margin):
+        # Inter-token targets: its own, unless worse priorities are running (the policy caps
+        # their prefill for it, and refusing it would not help), and those of better ones
+        # running (its prefill would slow them).
+        missed = [p for p in slo.itl
+                  if (p < priority and p in running)
+                  or (p == priority and not any(q > priority for q in running))]
+        step = self.step_time() if missed else None
+        for p in sorted(missed):
+            if step is not None and step > slo.itl[p] * (1 + slo.margin):
+                whose = "its" if p == priority else f"the running priority {p}'s"
                 return Rejection(
                     "itl_slo", max(1, math.ceil(slo.window / 2)),
-                    f"the server is overloaded: decode steps take {step * 1000:.0f} ms, past the "
-                    f"{target * 1000:g} ms inter-token target of priority {priority}; retry later")
+                    f"the server is overloaded: decode steps take {step * 1000:.0f} ms, past "
+                    f"{whose} {slo.itl[p] * 1000:g} ms inter-token target; retry later")
         return None

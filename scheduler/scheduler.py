@@ -62,7 +62,9 @@ from absl import logging
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.api import EngineAPI, PrefillChunk, RequestSampling, SamplingRows
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
-from cadence.scheduler.policy import PageBudget, Plan, PolicyConfig, make_plan, running_cost, wants_decode
+from cadence.scheduler.policy import (
+    PageBudget, Plan, PolicyConfig, PrefillLimit, make_plan, running_cost, wants_decode,
+)
 from cadence.scheduler.priority import SLO, AdmissionControl, PriorityClasses
 from cadence.scheduler.pages import PageKeys
 from cadence.scheduler.pool import Pool
@@ -282,6 +284,7 @@ class Scheduler:
         # Per priority: (requests waiting, prompt tokens waiting or mid-prefill), as of the last
         # iteration (read by submitters and metrics, written by the admitting loop).
         self._backlog: dict[int, tuple[int, int]] = {}
+        self._running_priorities: frozenset[int] = frozenset()
         # Events for readers in event loops, per loop, until the iteration hands them over.
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         self._threads: list[threading.Thread] = []
@@ -336,7 +339,8 @@ class Scheduler:
                     f"{self.config.max_queue} requests are already waiting; retry later"
                 )
             if self.config.slo.active:
-                rejection = self.admission.check(first.priority, self._tokens_ahead(first))
+                rejection = self.admission.check(first.priority, self._tokens_ahead(first),
+                                                 self._running_priorities)
                 if rejection is not None:
                     self.rejections[rejection.reason] += 1
                     raise Overloaded(rejection.message, rejection.retry_after)
@@ -679,7 +683,17 @@ class Scheduler:
         # while its last step runs) is admitted again only once that result is applied.
         waiting = [r for r in self._waiting if not r.unapplied and not _awaits_parent(r)]
         return make_plan(pool.running, waiting, len(pool.free_slots), self.config.policy,
-                         self._page_budget(pool))
+                         self._page_budget(pool), self._prefill_limit(pool))
+
+    def _prefill_limit(self, pool: Pool) -> PrefillLimit | None:
+        """With inter-token targets: while requests of targeted priorities decode, the prompt
+        tokens worse priorities may prefill within the tightest of their targets."""
+        targets = self.config.slo.itl
+        decoding = {r.priority for r in pool.running if r.state is State.DECODING} & targets.keys()
+        if not decoding:
+            return None
+        tokens = self.admission.prefill_tokens_within(min(targets[p] for p in decoding))
+        return None if tokens is None else PrefillLimit(max(decoding), tokens)
 
     @staticmethod
     def _begin(pool: Pool) -> list:
@@ -731,8 +745,9 @@ class Scheduler:
             if r.state is State.PREFILLING:
                 backlog.setdefault(r.priority, [0, 0])[1] += r.prefill_len - r.prefilled
         snapshot = {p: (n, tokens) for p, (n, tokens) in backlog.items()}
+        running = frozenset(r.priority for p in self.pools for r in p.running)
         with self._lock:
-            self._backlog = snapshot
+            self._backlog, self._running_priorities = snapshot, running
 
     def _deliver(self) -> None:
         """Hands each event loop its readers' events in one thread-safe call, not one per token:

@@ -145,8 +145,9 @@ def test_lower_priorities_keep_their_share_of_the_prefill_budget():
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_random_mixed_priorities_preempt_and_every_output_is_exact(seed):
     """Random arrivals of three priorities into few slots and a small page pool, seeded
-    sampling, EOS and cancellations: requests are preempted for priority and for pages, and
-    every client still receives exactly its lone output; every page comes back."""
+    sampling, groups of two sequences (forks), EOS and cancellations: requests are preempted
+    for priority and for pages, and every client still receives exactly its lone output;
+    every page comes back."""
     rng = np.random.default_rng(seed)
     engine = FakeEngine(num_slots=4, prefill_chunk=32, max_seq_len=256, page_size=8, num_pages=48,
                         eos_one_in=40)
@@ -155,9 +156,11 @@ def test_random_mixed_priorities_preempt_and_every_output_is_exact(seed):
         if step < 80 and rng.random() < 0.5:
             priority = int(rng.choice([0, 0, 1, 1, 2]))
             length = int(rng.integers(1, 30 if priority == 0 else 150))
-            h.submit(random_prompt(rng, length), max_tokens=int(rng.integers(1, 60)), priority=priority,
-                     sampling=RequestSampling(temperature=float(rng.choice([0.0, 0.8])),
-                                              seed=int(rng.integers(0, 2**31))))
+            choices = [dict(max_tokens=int(rng.integers(1, 60)), priority=priority,
+                            sampling=RequestSampling(temperature=float(rng.choice([0.0, 0.8])),
+                                                     seed=int(rng.integers(0, 2**31))))
+                       for _ in range(int(rng.choice([1, 1, 1, 2])))]  # sometimes n = 2: a fork
+            h.submit_group(random_prompt(rng, length), choices)
         live = [c for c in h.clients if c.record is None]
         if live and rng.random() < 0.01:
             live[int(rng.integers(len(live)))].stream.cancel()
@@ -310,7 +313,86 @@ def test_admission_refuses_while_decode_steps_miss_the_itl_target():
     control = _loaded(SLO(itl={0: 0.05}, margin=0.2), clock, iteration=0.1)
     rejection = control.check(0, 1)
     assert rejection.reason == "itl_slo" and rejection.retry_after >= 1
+    assert control.check(0, 1, frozenset({0})).reason == "itl_slo"
+    # Worse priorities running: the policy caps their prefill for it; refusing it cannot help.
+    assert control.check(0, 1, frozenset({0, 1})) is None
+    # A worse one is refused while the better one it would slow is running, not otherwise.
+    assert "priority 0" in control.check(1, 1, frozenset({0})).message
+    assert control.check(1, 1, frozenset({1})) is None
     assert _loaded(SLO(itl={0: 0.2}), Clock(), iteration=0.1).check(0, 1) is None
+
+
+def test_the_prompt_tokens_an_iteration_can_carry_within_a_time():
+    clock = Clock()
+    control = AdmissionControl(SLO(itl={0: 0.25}), clock)
+    assert control.prefill_tokens_within(0.25) is None  # nothing measured
+    for tokens in (0, 64, 128, 256, 0, 192):  # wall = 50 ms + 1 ms per prompt token
+        control.observe(clock.now, 0.05 + 0.001 * tokens, tokens, 4, 1)
+    assert control.prefill_tokens_within(0.25) == pytest.approx(200, abs=1)
+    assert control.prefill_tokens_within(0.01) == 0
+    saturated = AdmissionControl(SLO(itl={0: 0.25}), clock)
+    for _ in range(5):  # every iteration full: the whole wall is charged to its tokens
+        saturated.observe(clock.now, 0.3, 256, 4, 1)
+    assert saturated.prefill_tokens_within(0.25) == int(0.25 / (0.3 / 256))
+
+
+def _planned(running, limit=None, budget=256):
+    from cadence.scheduler.policy import PolicyConfig, make_plan
+
+    config = PolicyConfig(token_budget=budget, chunk=256, pack_block=16, lower_share=0.25)
+    plan = make_plan(running, [], 8 - len(running), config, limit=limit)
+    return {r: sum(c.length for c in plan.prefill if c.request is r) for r in running}
+
+
+def _request(tokens, priority, state, prefilled=0):
+    from cadence.scheduler.request import GenerationParams, Request, State
+    from tests.test_scheduler import TOK
+
+    r = Request([5] * tokens, GenerationParams(), 16, TOK, emit=lambda e: None, priority=priority)
+    r.state, r.prefilled = State[state], prefilled
+    return r
+
+
+def test_an_itl_limit_caps_the_worse_priorities_prefill_never_below_the_floor():
+    from cadence.scheduler.policy import PrefillLimit
+
+    chat = _request(10, 0, "DECODING", prefilled=10)
+    doc, other = _request(3000, 1, "PREFILLING"), _request(3000, 2, "PREFILLING")
+    assert _planned([chat, doc]) == {chat: 0, doc: 255 // 16 * 16}
+    assert _planned([chat, doc], PrefillLimit(0, 100)) == {chat: 0, doc: 96}
+    floor = int(255 * 0.25) // 16 * 16  # 48: the cap never goes below the starvation floor
+    assert _planned([chat, doc], PrefillLimit(0, 10)) == {chat: 0, doc: floor}
+    assert _planned([chat, doc], PrefillLimit(1, 10)) == {chat: 0, doc: 240}  # not below the limit
+    # Two classes below the limit share its tokens, the worse keeping its floor.
+    assert _planned([chat, doc, other], PrefillLimit(0, 100)) == {chat: 0, doc: 96 - floor, other: floor}
+
+
+def test_the_scheduler_caps_documents_while_chats_with_an_itl_target_decode():
+    """A chat with a 0.1 s ITL target decodes while a document prefills: with iterations
+    measured at 20 ms + 1 ms per prompt token, the document's chunks stay within 80 tokens
+    (its floor is 16); once the chat has finished the document takes the whole budget."""
+    rng = np.random.default_rng(10)
+    slo = SLO(itl={0: 0.1})
+    h = Harness(FakeEngine(num_slots=2, prefill_chunk=256), chunked(budget=256, chunk=256, lower_share=0.1),
+                slo=slo)
+    clock = Clock()
+    clock.now = 1e12  # far past the fake engine's own iterations, which it then ignores
+    h.sched.admission = AdmissionControl(slo, clock)
+    for tokens in (0, 32, 64, 128, 0, 96):
+        h.sched.admission.observe(clock.now, 0.02 + 0.001 * tokens, tokens, 2, 1)
+    chat = h.submit(random_prompt(rng, 10), max_tokens=8, ignore_eos=True, priority=0)
+    _started(h, chat)
+    doc = h.submit(random_prompt(rng, 1000), max_tokens=2, ignore_eos=True, priority=1)
+    h.run()
+    steps = h.decode_steps_of(chat)
+    doc_chunks = [[c for c in calls if isinstance(c, Prefill) and c.slot == doc.slot] for calls in h.steps]
+    while_chatting = [sum(c.length for c in chunks) for i, chunks in enumerate(doc_chunks)
+                      if chunks and steps[0] <= i <= steps[-1]]
+    after = [sum(c.length for c in chunks) for i, chunks in enumerate(doc_chunks) if chunks and i > steps[-1]]
+    assert while_chatting and max(while_chatting) <= 80
+    assert after and max(after) > 80
+    for c in h.clients:
+        c.check(h.engine)
 
 
 def test_the_scheduler_refuses_what_its_admission_predicts_will_miss_and_counts_it():
