@@ -31,12 +31,15 @@ changes a plan. Otherwise (`order_waiting`, then the chunked policy):
   priorities never preempt each other;
 - the prefill budget goes to the best priority prefilling first (shortest remaining first),
   but while lower classes have prompts prefilling they get at least `lower_share` of it (at
-  least one pack block), whatever arrives above them.
+  least one pack block), whatever arrives above them;
+- with a `PrefillLimit` (the scheduler's, from an inter-token target of a class that is
+  decoding), the classes below it prefill at most its tokens together, never less than that
+  floor.
 
 Hence the starvation bound: the earliest-admitted request of every class is never preempted
-for priority, decodes every iteration and prefills at least `lower_share` of the budget per
-iteration (its class's share, taken shortest first), so a class never stops progressing, and
-requests of one class are served in arrival order. A request can still lose its pages to
+for priority and decodes every iteration, its class prefills at least `lower_share` of the
+budget per iteration (shortest remaining first within it), so a class never stops progressing,
+and requests of one class are admitted in arrival order. A request can still lose its pages to
 memory pressure (the lowest priority, most recently admitted goes first), as without
 priorities.
 """
