@@ -41,6 +41,12 @@ engine rebuilds its device state, and everything else goes on. If that rebuild f
 anything else stops a loop, the scheduler is dead: every request it holds ends with an error,
 `dead` says why, and `submit` raises `EngineDead`. The loops never die silently.
 
+Priorities (`GenerationParams.priority`, or the class `SchedulerConfig.priority_classes` gives a
+prompt's length) order the queue, preempt lower ones for slots or pages and share the prefill
+budget (`scheduler.policy`); latency targets (`SchedulerConfig.slo`) refuse at submission what
+would miss them and cap lower classes' prefill while a targeted class decodes
+(`scheduler.priority`).
+
 The scheduler talks to the engines only through `engine.api.EngineAPI`, so tests can drive it
 with fake engines in milliseconds.
 """
@@ -774,7 +780,7 @@ class Scheduler:
 
     def _admit(self, plan: Plan, pool: Pool, now: float) -> None:
         for r in plan.preempt:  # lower priorities making room for those admitted
-            self._preempt(r, now, f"a request of priority {plan.admit[0].priority} needs its room")
+            self._preempt(r, now, "a request of a better priority needs its slot or pages")
             self.priority_preemptions += 1
         for r in plan.admit:
             self._waiting.remove(r)
@@ -916,11 +922,11 @@ class Scheduler:
     def _start_transfers(self) -> int:
         """Starts moving prefilled requests to the decode pool, by priority and oldest first
         among equals, while it has a free slot and pages for the request's next step beside
-        what its running requests' next steps need. A move takes the decode slot and pages, extracts the KV on the
-        prefill engine (queued right behind the prompt's last chunk) and starts its copy to the
-        decode device, all asynchronous, and frees the prefill slot and pages; the decode loop
-        inserts the KV once it has landed (`_insert_landed`), so a decode step never waits for
-        the prefill device. Returns how many started."""
+        what its running requests' next steps need. A move takes the decode slot and pages,
+        extracts the KV on the prefill engine (queued right behind the prompt's last chunk) and
+        starts its copy to the decode device, all asynchronous, and frees the prefill slot and
+        pages; the decode loop inserts the KV once it has landed (`_insert_landed`), so a decode
+        step never waits for the prefill device. Returns how many started."""
         started = 0
         source, target = self._prefill_pool, self._decode_pool
         while self._transfers:
