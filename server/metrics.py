@@ -39,6 +39,9 @@ class _SchedulerCounters:
                                              "from the first one's KV, not prefilled.",
                                              self.scheduler.forked_tokens),
         }
+        # vLLM's own names for the same counters, which routers and dashboards read.
+        counters["vllm:prefix_cache_queries"] = counters["cadence:prefix_cache_queries"]
+        counters["vllm:prefix_cache_hits"] = counters["cadence:prefix_cache_hits"]
         for name, (doc, value) in counters.items():
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
@@ -126,6 +129,13 @@ class Metrics:
                 lambda: scheduler.compilations_after_warmup,
             ),
         }
+        # The vLLM names of the same gauges, with vLLM's meaning: what routers (sglang-router,
+        # the Gateway API inference extension) and vLLM dashboards read.
+        gauges["vllm:num_requests_running"] = gauges["cadence:num_requests_running"]
+        gauges["vllm:num_requests_waiting"] = gauges["cadence:num_requests_waiting"]
+        gauges["vllm:kv_cache_usage_perc"] = gauges["cadence:kv_cache_usage_perc"]
+        gauges["vllm:gpu_cache_usage_perc"] = (  # vLLM v0's name, still read by some routers
+            "Fraction of the KV page pool held (0-1); vLLM v0's name.", lambda: scheduler.kv_usage)
         gauges["cadence:kv_transfer_backlog"] = (
             "Disaggregated: prefilled requests waiting for the decode pool's slots or pages.",
             lambda: scheduler.transfer_backlog)

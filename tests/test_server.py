@@ -65,9 +65,7 @@ def sse_frames(raw: bytes) -> list[bytes]:
 
 
 def running(url: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    line = next(l for l in text.splitlines() if l.startswith("cadence:num_requests_running{"))
-    return float(line.rsplit(" ", 1)[1])
+    return gauges(url, "cadence:num_requests_running")[0]
 
 
 def test_completion_streaming_and_not_agree(client):
@@ -232,9 +230,7 @@ def test_32_concurrent_streams_on_4_slots(url):
 
 
 def compilations(url: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    line = next(l for l in text.splitlines() if l.startswith("cadence:compilations_after_warmup{"))
-    return float(line.rsplit(" ", 1)[1])
+    return gauges(url, "cadence:compilations_after_warmup")[0]
 
 
 def test_metrics_expose_histograms_and_counters(url, client):
@@ -255,7 +251,8 @@ def test_metrics_expose_histograms_and_counters(url, client):
                  "cadence:kv_pages_used", "cadence:kv_pages_total", "cadence:kv_page_utilization_perc",
                  "cadence:num_preemptions_total", "cadence:prefill_programs_total",
                  "cadence:prefix_cache_queries_total", "cadence:kv_pages_evicted_total",
-                 "cadence:prompt_tokens_forked_total",
+                 "cadence:prompt_tokens_forked_total", 'vllm:prefix_cache_queries_total{model_name="tiny"}',
+                 'vllm:prefix_cache_hits_total{model_name="tiny"}', 'vllm:gpu_cache_usage_perc{model_name="tiny"}',
                  "cadence:prefill_chunks_total", 'cadence:kv_transfer_backlog{model_name="tiny"} 0.0',
                  'cadence:pool_busy_seconds_total{model_name="tiny",pool="colocated"}',
                  'cadence:pool_queue_length{model_name="tiny",pool="colocated"}'):
@@ -293,3 +290,28 @@ def test_a_repeated_prompt_reports_its_cached_tokens_and_the_counters_agree(url,
     assert metric(url, "cadence:kv_pages_cached") >= 4
     bad = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "cache_salt": ""})
     assert bad.status_code == 400 and "cache_salt" in bad.text
+
+
+def gauges(url: str, *names: str) -> list[float]:
+    """The values of `names` (single-series gauges) from one scrape of /metrics."""
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return [float(next(l for l in lines if l.startswith(name + "{")).rsplit(" ", 1)[1]) for name in names]
+
+
+def test_vllm_named_gauges_move_with_the_load(url):
+    """The gauges routers read under vLLM's names say what cadence's own say, while a request
+    runs and after it ends."""
+    names = ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting",
+             "vllm:gpu_cache_usage_perc", "cadence:kv_cache_usage_perc")
+    body = {"prompt": "keep going", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        running_now, usage, waiting, old_name, own = gauges(url, *names)
+        assert running_now == 1 and 0 < usage <= 1 and waiting == 0
+        assert usage == old_name == own
+    deadline = time.monotonic() + 10
+    while gauges(url, "vllm:num_requests_running") != [0.0]:
+        assert time.monotonic() < deadline, "the request never left"
+        time.sleep(0.02)
+    assert gauges(url, "vllm:kv_cache_usage_perc") == [0.0]
