@@ -142,6 +142,14 @@ def _is_long(r: Request, config: PolicyConfig) -> bool:
     return r.prefill_len - r.prefilled > config.chunk
 
 
+def _firsts(requests: Sequence[Request]) -> dict[int, Request]:
+    """The first request of each priority in `requests`, by priority."""
+    firsts: dict[int, Request] = {}
+    for r in requests:
+        firsts.setdefault(r.priority, r)
+    return firsts
+
+
 def order_waiting(running: Sequence[Request], waiting: Sequence[Request]) -> list[Request]:
     """The order admission considers `waiting` in (queue order): by priority, except that the
     first waiting request of each class with none running comes first."""
@@ -149,19 +157,14 @@ def order_waiting(running: Sequence[Request], waiting: Sequence[Request]) -> lis
         return list(waiting)  # one class: queue order (running ones cannot be of another here)
     ordered = sorted(waiting, key=lambda r: r.priority)  # stable: queue order within a class
     present = {r.priority for r in running}
-    firsts = {}
-    for r in ordered:
-        if r.priority not in present:
-            firsts.setdefault(r.priority, r)
+    firsts = {p: r for p, r in _firsts(ordered).items() if p not in present}
     return [*firsts.values(), *(r for r in ordered if firsts.get(r.priority) is not r)]
 
 
 def protected(running: Sequence[Request]) -> set[Request]:
-    """The earliest-admitted running request of each class: never preempted for priority."""
-    firsts: dict[int, Request] = {}
-    for r in running:  # in slot-assignment order
-        firsts.setdefault(r.priority, r)
-    return set(firsts.values())
+    """The earliest-admitted running request of each class (`running` is in slot-assignment
+    order): never preempted for priority."""
+    return set(_firsts(running).values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,10 +245,11 @@ def _chunked(running, waiting, free_slots, config, pages, limit=None) -> Plan:
         cost = pages.cost(r, min(r.prefill_len, r.prefilled + config.chunk))
         if free_slots == 0 or cost > free_pages:
             # Memory or slots are short: room from lower priorities, or first come, first served.
-            taken = victims.make_room(r.priority, slots=0 if free_slots else 1,
-                                      pages=max(0, cost - free_pages))
-            if taken is None:
+            room = victims.make_room(r.priority, slots=0 if free_slots else 1,
+                                     pages=max(0, cost - free_pages))
+            if room is None:
                 break
+            taken, freed = room
             for v in taken:
                 plan.preempt.append(v)
                 if v in plan.decode:
@@ -253,8 +257,8 @@ def _chunked(running, waiting, free_slots, config, pages, limit=None) -> Plan:
                 if v in prefilling:
                     prefilling.remove(v)
                     long_prompts -= _is_long(v, config)
-                free_slots += 1
-                free_pages += victims.frees(v)
+            free_slots += len(taken)
+            free_pages += freed
         free_pages -= cost
         plan.admit.append(r)
         prefilling.append(r)
@@ -274,12 +278,7 @@ def _chunked(running, waiting, free_slots, config, pages, limit=None) -> Plan:
     # Below the limit's priority, at most its tokens, and never less than the floor.
     capped = _Cap(limit.priority, max(floor, limit.tokens // block * block)) if limit else None
     # Capped too, the best ones leave the lower ones their reserve out of the cap.
-    held = reserve if capped and best and best[0].priority > capped.priority else 0
-    if held:
-        capped.tokens -= held
-    left = _fill(plan, best, budget - reserve, config, capped)
-    if held:
-        capped.tokens += held
+    left = _fill(plan, best, budget - reserve, config, capped, keep=reserve)
     _fill(plan, lower, left + reserve, config, capped)
     return plan
 
@@ -291,16 +290,16 @@ class _Cap:
 
 
 def _fill(plan: Plan, requests: list[Request], budget: int, config: PolicyConfig,
-          cap: _Cap | None = None) -> int:
+          cap: _Cap | None = None, keep: int = 0) -> int:
     """Adds chunks of `requests`, in order, within `budget` padded tokens (and, for those
-    below `cap`'s priority, within its tokens); returns what is left of `budget`."""
+    below `cap`'s priority, within its tokens but `keep`); returns what is left of `budget`."""
     for r in requests:
         if budget <= 0:
             break
         room = min(budget, config.padded(config.chunk))
         limited = cap is not None and r.priority > cap.priority
         if limited:
-            room = min(room, cap.tokens)
+            room = min(room, cap.tokens - keep)
         chunk = _chunks(r, r.prefilled, room, config.chunk, config.pack_block)
         plan.prefill.extend(chunk)
         used = sum(config.padded(c.length) for c in chunk)
@@ -331,20 +330,21 @@ class _Victims:
         have taken."""
         return self.pages.freed(r) + running_cost([r], self.config, self.pages)
 
-    def make_room(self, priority: int, slots: int, pages: int) -> list[Request] | None:
+    def make_room(self, priority: int, slots: int, pages: int) -> tuple[list[Request], int] | None:
         """The fewest candidates of priority worse than `priority`, in order, whose preemption
-        frees `slots` slots and `pages` pages; None (nothing taken) if they cannot."""
+        frees `slots` slots and `pages` pages, and the pages they free; None (nothing taken)
+        if they cannot."""
         taken: list[Request] = []
+        freed = 0
         for r in self.candidates:
-            if slots <= 0 and pages <= 0:
+            if slots <= len(taken) and pages <= freed:
                 break
             if r.priority <= priority:
                 break  # the rest are no worse
             taken.append(r)
-            slots -= 1
-            pages -= self.frees(r)
-        if slots > 0 or pages > 0:
+            freed += self.frees(r)
+        if slots > len(taken) or pages > freed:
             return None
         for r in taken:
             self.candidates.remove(r)
-        return taken
+        return taken, freed

@@ -188,12 +188,6 @@ class AdmissionControl:
             base = max(0.0, my - slope * mx)
         return max(0, int((seconds - base) / slope))
 
-    def predicted_ttft(self, tokens_ahead: int) -> float | None:
-        rate, iteration = self.prefill_rate(), self.iteration_time()
-        if rate is None or iteration is None:
-            return None
-        return tokens_ahead / rate + 2 * iteration
-
     def check(self, priority: int, tokens_ahead: int, running: frozenset[int] = frozenset()
               ) -> Rejection | None:
         """Whether to refuse a request of `priority` with `tokens_ahead` prompt tokens to
@@ -201,14 +195,16 @@ class AdmissionControl:
         requests running now."""
         slo = self.slo
         target = slo.ttft.get(priority)
-        if target is not None:
-            predicted = self.predicted_ttft(tokens_ahead)
-            if predicted is not None and predicted > target * (1 + slo.margin):
+        rate = None if target is None else self.prefill_rate()
+        iteration = None if rate is None else self.iteration_time()
+        if iteration is not None:
+            predicted = tokens_ahead / rate + 2 * iteration
+            if predicted > target * (1 + slo.margin):
                 return Rejection(
                     "ttft_slo", max(1, math.ceil(predicted - target)),
                     f"the server is overloaded: a request of priority {priority} would wait about "
                     f"{predicted:.1f} s for its first token ({tokens_ahead} prompt tokens ahead at "
-                    f"{self.prefill_rate():.0f} tokens/s), past its {target:g} s target; retry later")
+                    f"{rate:.0f} tokens/s), past its {target:g} s target; retry later")
         # Inter-token targets: its own, unless worse priorities are running (the policy caps
         # their prefill for it, and refusing it would not help), and those of better ones
         # running (its prefill would slow them).

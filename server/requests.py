@@ -36,7 +36,7 @@ from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.api import RequestSampling
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
-from cadence.scheduler.request import MAX_PRIORITY, GenerationParams
+from cadence.scheduler.request import GenerationParams
 
 MAX_JSON_DEPTH = 32
 MAX_INT_DIGITS = 40  # a uint32 seed has 10; nothing cadence takes needs more
@@ -199,13 +199,10 @@ def generation_params(entry: dict, defaults: SamplingDefaults, *,
     salt = field(entry, "cache_salt", (str,))
     if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT:
         raise SubmissionError(f'"cache_salt" must be a string of 1 to {MAX_CACHE_SALT} characters', "cache_salt")
-    priority = field(entry, "priority", (int,))
-    if priority is not None and not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
-        raise SubmissionError(f'"priority" must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}] '
-                              f"(lower runs first), got {priority}", "priority")
+    # Its range is the scheduler's to check (`Scheduler._check_params`), for every door alike.
     return GenerationParams(max_tokens=max_tokens, sampling=sampling, stop=stop,
                             ignore_eos=field(entry, "ignore_eos", (bool,), False), cache_salt=salt,
-                            priority=priority)
+                            priority=field(entry, "priority", (int,)))
 
 
 def choice_seed(seed: int, index: int) -> int:
