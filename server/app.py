@@ -4,7 +4,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (each streaming over Server-Sent Events
 or not), GET /v1/models, GET /health (200 only while the engine is warm and alive), GET /metrics
-(Prometheus), GET /debug/timeline (the scheduler's iteration log and finished requests'
+(Prometheus, under cadence's names and the vLLM names routers read), GET /server_info,
+GET /model_info and GET /get_load (what sglang-router asks a worker when it registers it and
+when it balances load: see `Server.server_info`), GET /debug/timeline (the scheduler's iteration log and finished requests'
 timelines, read incrementally by `bench/` to explain client-side figures), GET /openapi.json
 (this API's description, `server/openapi.json`).
 All model and policy logic lives below this layer: the app reads the body (refusing one over
@@ -39,6 +41,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+import cadence
 from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer, TokenizerError
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
@@ -355,6 +358,36 @@ class Server:
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "cadence",
              "max_model_len": self.scheduler.max_seq_len}]})
 
+    # -- what a router asks a worker ------------------------------------------------------------
+    # sglang-router (the SGLang Model Gateway) reads /server_info and /model_info when it
+    # registers a worker (the model's name, parallelism, capacity; answered before warm-up
+    # ends, as they do not change) and /get_load to balance on load, in SGLang's shapes.
+
+    async def server_info(self, request: Request) -> Response:
+        self._authorize(request)
+        sched = self.scheduler
+        tp = sched.engine.tp
+        return JSONResponse({
+            "model_path": self.model_name, "served_model_name": self.model_name,
+            "tp_size": tp.mesh.size if tp else 1, "dp_size": 1, "version": f"cadence {cadence.__version__}",
+            "max_running_requests": sched.num_slots, "max_total_tokens": sched.kv_pages[1] * sched.page_size,
+            "max_prefill_tokens": sched.config.policy.chunk, "context_length": sched.max_seq_len})
+
+    async def model_info(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"model_path": self.model_name, "tokenizer_path": self.model_name,
+                             "is_generation": True, "model_type": "llama",
+                             "architectures": ["LlamaForCausalLM"]})
+
+    async def load(self, request: Request) -> Response:
+        """One entry per data-parallel rank (cadence has one): requests held and waiting, and
+        the tokens whose KV they hold."""
+        self._authorize(request)
+        sched = self.scheduler
+        return JSONResponse([{"dp_rank": 0, "num_reqs": sched.num_running + sched.num_waiting,
+                              "num_waiting_reqs": sched.num_waiting,
+                              "num_tokens": sum(p.kv_tokens for p in sched.pools)}])
+
     async def health(self, request: Request) -> Response:
         fatal = self.fatal
         if fatal is not None:
@@ -453,6 +486,9 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str, *,
             route("/v1/models", server.models, ["GET"]),
             route("/health", server.health, ["GET"]),
             route("/metrics", server.metrics_endpoint, ["GET"]),
+            route("/server_info", server.server_info, ["GET"]),
+            route("/model_info", server.model_info, ["GET"]),
+            route("/get_load", server.load, ["GET"]),
             route("/debug/timeline", server.timeline_endpoint, ["GET"]),
             route("/openapi.json", server.openapi, ["GET"]),
         ],

@@ -50,6 +50,15 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},), "modalities": (["text"],), "prediction": (),
     "audio": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
 }
+# SGLang's own request fields, which sglang-router writes into every request it forwards (with
+# these values unless its client set others): accepted at the values that mean what cadence does.
+_SGLANG_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "no_stop_trim": (False,), "skip_special_tokens": (True,), "continue_final_message": (False,),
+    "return_hidden_states": (False,),
+    # Reasoning is separated only by a reasoning parser, which cadence has none of: either value.
+    "separate_reasoning": (True, False), "stream_reasoning": (True, False),
+}
+_NEUTRAL.update(_SGLANG_NEUTRAL)
 # Fields that change nothing cadence does: accepted and ignored.
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 _COMMON = frozenset({"model", "stream", "stream_options", "n", *requests.SAMPLING_FIELDS})

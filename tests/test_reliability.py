@@ -216,6 +216,9 @@ BAD_INPUTS = [
     ("an image part", "chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "text part"),
     ("0 is not false", "completions", {"prompt": "x", "echo": 0}, 400, "must be true or false"),
     ("an empty suffix is neutral, another is not", "completions", {"prompt": "x", "suffix": "y"}, 400, "not supported"),
+    ("SGLang's no_stop_trim, not neutral", "completions", {"prompt": "x", "no_stop_trim": True}, 400, "no_stop_trim"),
+    ("SGLang's skip_special_tokens, not neutral", "chat", {"messages": [{"role": "user", "content": "x"}], "skip_special_tokens": False}, 400, "skip_special_tokens"),
+    ("SGLang's return_hidden_states, not neutral", "completions", {"prompt": "x", "return_hidden_states": True}, 400, "return_hidden_states"),
     ("true is not an n", "completions", {"prompt": "x", "best_of": True}, 400, "must be an integer"),
     ("n past --max_n", "chat", {"messages": [{"role": "user", "content": "x"}], "n": 100}, 400, "--max_n"),
     ("a bad max_completion_tokens beside a good max_tokens", "chat",
@@ -264,6 +267,23 @@ def test_edge_values_and_neutral_fields_are_served(server):
         assert response.json()["usage"]["completion_tokens"] == 3
 
 
+def test_the_fields_sglang_router_adds_are_accepted_and_change_nothing(server):
+    """sglang-router rewrites every request it forwards with SGLang's own fields at their
+    defaults (as captured from sglang-router 0.3.2): the answer is the one without them."""
+    added = {"no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+             "return_hidden_states": False}
+    chat_added = {**added, "continue_final_message": False, "separate_reasoning": True,
+                  "stream_reasoning": True, "logprobs": False}
+    for route, body, extra in [
+            ("completions", {"prompt": "routed", "max_tokens": 6, "temperature": 0}, {**added, "echo": False}),
+            ("chat", {"messages": [{"role": "user", "content": "routed"}], "max_completion_tokens": 6,
+                      "temperature": 0}, chat_added)]:
+        plain, routed = send(server, route, body), send(server, route, {**body, **extra})
+        assert routed.status_code == 200, routed.text
+        key = "text" if route == "completions" else "message"
+        assert routed.json()["choices"][0][key] == plain.json()["choices"][0][key]
+
+
 def test_chat_content_as_text_parts_is_the_joined_string(server):
     def chat(content) -> dict:
         body = {"messages": [{"role": "user", "content": content}], "max_tokens": 8,
@@ -293,7 +313,7 @@ def test_unknown_routes_and_methods_answer_in_openai_shape(server):
 def test_openapi_description_is_served(server):
     spec = httpx.get(f"{server}/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-            "/debug/timeline"} <= spec["paths"].keys()
+            "/debug/timeline", "/server_info", "/model_info", "/get_load"} <= spec["paths"].keys()
 
 
 def test_omitted_sampling_fields_take_the_models_defaults(tiny_engine, tiny_tokenizer):
