@@ -90,7 +90,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tail(path: Path, lines: int = 20) -> str:
+def log_tail(path: Path, lines: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").replace("\r", "\n").splitlines()[-lines:])
     except OSError:
@@ -104,7 +104,7 @@ def wait_healthy(proc: subprocess.Popen, root: str, timeout_s: float, log: Path 
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready"
-                               + (f"; its log ({log}) ends with:\n{_tail(log)}" if log else ""))
+                               + (f"; its log ({log}) ends with:\n{log_tail(log)}" if log else ""))
         try:
             if httpx.get(f"{root}/health", timeout=5).status_code == 200:
                 return time.monotonic() - start
@@ -112,8 +112,20 @@ def wait_healthy(proc: subprocess.Popen, root: str, timeout_s: float, log: Path 
             pass
         if time.monotonic() - start > timeout_s:
             raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s"
-                               + (f"; log tail:\n{_tail(log)}" if log else ""))
+                               + (f"; log tail:\n{log_tail(log)}" if log else ""))
         time.sleep(1.0)
+
+
+def stop(proc: subprocess.Popen | None, timeout_s: float = 60) -> None:
+    """SIGTERM (a cadence-serve drains, then exits), and SIGKILL if it has not after `timeout_s`."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @contextlib.contextmanager
@@ -129,10 +141,4 @@ def spawned(config: ServerConfig, log: str | Path, health_timeout_s: float = 120
         print(f"  ready after {wait_healthy(proc, root, health_timeout_s, log):.0f} s", file=sys.stderr)
         yield f"{root}/v1"
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)

@@ -11,11 +11,13 @@
     cadence-bench plot      --runs=a.json,b.json
     cadence-bench conversations [--conversations=4 --turns=5 --system_tokens=600]   multi-turn chat
     cadence-bench shared_prefix [--groups=4 --prompts_per_group=8 --prefix_tokens=1000]
+    cadence-bench fleet     [--replicas=2 --router_policies=cache_aware,round_robin
+                             --fleet_workload=conversations]       replicas behind sglang-router
 
 Without --base_url, `run` and `capacity` start cadence-serve themselves (--model, --num_slots,
 --max_seq_len, --prefill_chunk, --policy), as do `conversations` and `shared_prefix`, which
 report per turn how much of each prompt the server reused; `compare` always does, once per
-configuration. With
+configuration, and `fleet` starts --replicas of them behind sglang-router (`bench/fleet.py`). With
 --base_url (ending in /v1) the client talks to any OpenAI-compatible server: pass --api_key,
 --model, --endpoint, and --noignore_eos for APIs that reject vLLM's `ignore_eos`.
 """
@@ -32,7 +34,8 @@ from pathlib import Path
 
 from absl import app, flags
 
-COMMANDS = ("run", "compare", "capacity", "roofline", "bill", "plot", "conversations", "shared_prefix")
+COMMANDS = ("run", "compare", "capacity", "roofline", "bill", "plot", "conversations", "shared_prefix",
+            "fleet")
 
 # target
 _BASE_URL = flags.DEFINE_string("base_url", None, "OpenAI-compatible base URL (…/v1); unset: start cadence.")
@@ -104,6 +107,18 @@ _PREFIX_TOKENS = flags.DEFINE_integer("prefix_tokens", 1000, "shared_prefix: pre
                                       lower_bound=1)
 _QUESTION_TOKENS = flags.DEFINE_list("question_tokens", ["20", "60"], "shared_prefix: question tokens LOW,HIGH.")
 _CONCURRENCY = flags.DEFINE_integer("concurrency", 4, "shared_prefix: requests in flight.", lower_bound=1)
+_REPLICAS = flags.DEFINE_integer("replicas", 2, "fleet: cadence-serve replicas behind sglang-router.", lower_bound=1)
+_ROUTER_POLICIES = flags.DEFINE_list(
+    "router_policies", ["cache_aware", "round_robin"],
+    "fleet: sglang-router policies, one fleet each (fresh replicas: every fleet starts with cold "
+    "caches); POLICY[:FLAG=VALUE...] passes --FLAG VALUE to that router, e.g. "
+    "cache_aware:balance-abs-threshold=2.")
+_FLEET_WORKLOAD = flags.DEFINE_enum("fleet_workload", "conversations", ["conversations", "shared_prefix"],
+                                    "fleet: the prefix-reuse workload sent through the router.")
+_SINGLE = flags.DEFINE_bool("single_replica", True,
+                            "fleet: first run the workload on one replica (behind the router, on every "
+                            "core), for the hit rate a fleet should keep.")
+_ROUTER_FLAGS = flags.DEFINE_string("router_flags", "", "fleet: more sglang-router flags, space-separated.")
 
 
 def _range(values: list[str], name: str) -> tuple[int, int]:
@@ -309,21 +324,67 @@ def _prefix_workload(command: str, run) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
-def cmd_conversations() -> None:
-    from cadence.bench.conversations import ConversationSpec, run_conversations
+def prefix_run(name: str):
+    """The prefix-reuse workload `name` from the flags: a function of a `Target` to run it."""
+    from cadence.bench import conversations as c
 
-    spec = ConversationSpec(_CONVERSATIONS.value, _TURNS.value, _SYSTEM_TOKENS.value,
-                            _range(_USER_TOKENS.value, "user_tokens"), _REPLY_TOKENS.value, _SEED.value)
-    _prefix_workload("conversations", lambda t: run_conversations(spec, t))
+    if name == "conversations":
+        spec = c.ConversationSpec(_CONVERSATIONS.value, _TURNS.value, _SYSTEM_TOKENS.value,
+                                  _range(_USER_TOKENS.value, "user_tokens"), _REPLY_TOKENS.value, _SEED.value)
+        return lambda t: c.run_conversations(spec, t)
+    spec = c.SharedPrefixSpec(_GROUPS.value, _PER_GROUP.value, _PREFIX_TOKENS.value,
+                              _range(_QUESTION_TOKENS.value, "question_tokens"), _REPLY_TOKENS.value,
+                              _CONCURRENCY.value, _SEED.value)
+    return lambda t: c.run_shared_prefix(spec, t)
+
+
+def cmd_conversations() -> None:
+    _prefix_workload("conversations", prefix_run("conversations"))
 
 
 def cmd_shared_prefix() -> None:
-    from cadence.bench.conversations import SharedPrefixSpec, run_shared_prefix
+    _prefix_workload("shared_prefix", prefix_run("shared_prefix"))
 
-    spec = SharedPrefixSpec(_GROUPS.value, _PER_GROUP.value, _PREFIX_TOKENS.value,
-                            _range(_QUESTION_TOKENS.value, "question_tokens"), _REPLY_TOKENS.value,
-                            _CONCURRENCY.value, _SEED.value)
-    _prefix_workload("shared_prefix", lambda t: run_shared_prefix(spec, t))
+
+def cmd_fleet() -> None:
+    """A prefix-reuse workload through sglang-router in front of --replicas cadence-serve
+    replicas, once per --router_policies entry (and first on one replica alone): hit rate,
+    TTFT and throughput per fleet, in OUT/fleet.json."""
+    import asyncio
+
+    from cadence.bench import conversations, fleet
+    from cadence.bench.report import machine, write_json
+
+    why = fleet.router_available()
+    if why:
+        raise app.UsageError(why)
+    try:
+        policies = [fleet.parse_policy(entry) for entry in _ROUTER_POLICIES.value]
+    except ValueError as e:
+        raise app.UsageError(f"--router_policies: {e}") from None
+    run, out = prefix_run(_FLEET_WORKLOAD.value), out_dir("fleet")
+    plan = [("1 replica", 1, "round_robin", ())] if _SINGLE.value else []
+    plan += [(f"{_REPLICAS.value} replicas, {entry}", _REPLICAS.value, policy, extra)
+             for entry, (policy, extra) in zip(_ROUTER_POLICIES.value, policies)]
+    rows, runs = [], []
+    for label, replicas, policy, extra in plan:
+        print(f"{label}:", file=sys.stderr)
+        folder = out / "".join(c if c.isalnum() or c in "-_=" else "-" for c in label)
+        with fleet.Fleet(server_config(), replicas, policy, folder, health_timeout_s=_HEALTH_TIMEOUT.value,
+                         router_flags=(*extra, *_ROUTER_FLAGS.value.split())) as f:
+            before = [fleet.counters(r.url) for r in f.replicas]
+            results, wall = asyncio.run(run(target(f.base_url)))
+            split = fleet.replica_deltas(before, [fleet.counters(r.url) for r in f.replicas])
+            described = f.describe()
+        rows.append(fleet.summary(label, results, wall, split))
+        table = conversations.prefix_table(results, wall)
+        print(conversations.format_table(table), file=sys.stderr)
+        runs.append({**described, "label": label, "replica_counters": split, "table": table,
+                     "results": [r.to_dict() for r in results]})
+    print(fleet.format_summaries(rows))
+    path = write_json(out / "fleet.json", {"command": " ".join(sys.argv), "workload": _FLEET_WORKLOAD.value,
+                                           "machine": machine(), "summary": rows, "runs": runs})
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def cmd_plot() -> None:
