@@ -121,14 +121,16 @@ def test_through_the_router_answers_equal_direct_calls_and_the_gauges_move(tiny_
 
         # The vLLM-named gauges a router reads move while a routed request runs, and fall back.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            long = pool.submit(streamed_text, f.router_url, "a long one", 200)
-            deadline = time.monotonic() + 60
-            while sum(running(r.url) for r in f.replicas) < 1:
-                assert time.monotonic() < deadline and not long.done(), "the routed request never ran"
-                time.sleep(0.05)
-            loads = [httpx.get(f"{r.url}/get_load", timeout=10).json()[0] for r in f.replicas]
-            assert sum(entry["num_reqs"] for entry in loads) == 1
-            assert sum(entry["num_tokens"] for entry in loads) > 0
+            long = pool.submit(streamed_text, f.router_url, "a long one", 230)
+            seen = None  # the replicas' loads, once the routed request shows in them
+            while seen is None and not long.done():
+                loads = [httpx.get(f"{r.url}/get_load", timeout=10).json()[0] for r in f.replicas]
+                if (sum(e["num_reqs"] for e in loads) == 1
+                        and sum(running(r.url) for r in f.replicas) == 1):
+                    seen = loads
+                time.sleep(0.01)
+            assert seen is not None, "the routed request never showed in the gauges while it ran"
+            assert sum(entry["num_tokens"] for entry in seen) > 0
             assert long.result()[1] == "length"
         assert sum(running(r.url) for r in f.replicas) == 0
         assert sum(counters(r.url, ("vllm:prefix_cache_queries_total",))["vllm:prefix_cache_queries_total"]
