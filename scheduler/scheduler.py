@@ -487,10 +487,15 @@ class Scheduler:
         return sum(p.pages.evictions for p in self.pools)
 
     @property
+    def kv_tokens(self) -> int:
+        """Positions whose KV the running requests hold."""
+        return sum(p.kv_tokens for p in self.pools)
+
+    @property
     def kv_page_utilization(self) -> float:
         """Of the token slots in held pages, the fraction holding a real token's KV."""
         held = self.kv_pages[0] * self.page_size
-        return sum(p.kv_tokens for p in self.pools) / held if held else 1.0
+        return self.kv_tokens / held if held else 1.0
 
     @property
     def compilations_after_warmup(self) -> int:

@@ -386,7 +386,7 @@ class Server:
         sched = self.scheduler
         return JSONResponse([{"dp_rank": 0, "num_reqs": sched.num_running + sched.num_waiting,
                               "num_waiting_reqs": sched.num_waiting,
-                              "num_tokens": sum(p.kv_tokens for p in sched.pools)}])
+                              "num_tokens": sched.kv_tokens}])
 
     async def health(self, request: Request) -> Response:
         fatal = self.fatal
