@@ -11,6 +11,14 @@
 //                            once while 1-4 rows accumulate in registers.
 //   cadence_cpu_blocked_matmul_int8   the same over int8 blocks, widened in registers, with a
 //                            float scale per output column: a quarter of the bytes to read.
+//   cadence_cpu_grouped_matmul_q8 / _q4   the same over weights quantized in groups of 32
+//                            k-rows, as GGUF's Q8_0 / Q4_0 / Q4_1 blocks store them: each group
+//                            of a block is one record (its 16 float16 scales, for q4 its 16
+//                            float16 minimums, then its 32 k-rows of int8 or of 4-bit codes), so
+//                            a block is still one contiguous run. Each k-row is widened and
+//                            dequantized in registers (w = q * scale + min, exact in float32)
+//                            before the same FMAs as the float32 kernel, so the sums are the
+//                            float32 kernel's over the dequantized weights, bit for bit.
 //   cadence_cpu_paged_decode     one query token per row over its pages of a paged KV pool,
 //                            online softmax in float32, keys 0..position of the row.
 //
@@ -187,6 +195,158 @@ ffi::Error BlockedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   }
   return matmul(pool, x.dimensions(), w.dimensions(), x.typed_data(), w.typed_data(),
                 scale.typed_data(), y->typed_data());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grouped (block-quantized) matmul.
+//
+// A block of 16 output columns is K / 32 records, one per group of 32 k-rows:
+//   q8: scale f16[16], then q int8[32][16]                       (w = q * scale)
+//   q4: scale f16[16], min f16[16], then codes u8[16][16]        (w = q * scale + min)
+// where q4's byte (j, c) holds column c of k-row 2j in its low nibble and of k-row 2j + 1 in
+// its high nibble. model/cpu_kernels.py packs them (`pack_grouped`).
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kQ8Record = 2 * kBlock + kGroup * kBlock;          // 544 bytes
+constexpr int64_t kQ4Record = 4 * kBlock + kGroup * kBlock / 2;      // 320 bytes
+constexpr int64_t kPrefetchBytes = 4096;  // a single pass prefetches this far ahead
+
+inline __m256 half8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// acc[m] += x[m][k] * w for the 16 weights w0, w1 of one k-row.
+template <int MR>
+inline void fma_row(__m256 (&acc)[MR][2], const float* x, int64_t K, __m256 w0, __m256 w1) {
+  for (int m = 0; m < MR; ++m) {
+    const __m256 xv = _mm256_broadcast_ss(x + m * K);
+    acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
+    acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
+  }
+}
+
+// 16 4-bit codes (one per byte of `codes`), or 16 int8, as two 8-lane float vectors.
+inline void widen4(__m128i codes, __m256& q0, __m256& q1) {
+  q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+  q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
+}
+
+// Rows [0, MR) of x against one block of records (see matmul_tile for the prefetch, here
+// counted in bytes of the run rather than k-rows). The scales are factored out of each group:
+// its sums over the integer codes, sum_k x[k] q[k] (exact products), are scaled once, and
+// q4's minimum adds min * sum_k x[k] (`xsum` [MR][K / 32], the group sums of x). One FMA per
+// weight and row instead of a dequantizing FMA per weight on top: decode on one core is
+// bound by these instructions, not by the bytes.
+template <int MR, bool kQ4>
+inline void grouped_tile(const float* x, const float* xsum, int64_t K, const uint8_t* w, float* y,
+                         int64_t N, uintptr_t ahead, uint64_t start, uint64_t share) {
+  constexpr int64_t record = kQ4 ? kQ4Record : kQ8Record;
+  const int64_t groups = K / kGroup;
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g, w += record) {
+    for (int64_t line = 0; line < record; line += 64) {
+      const uint64_t at = ((start + g * record + line) * share) >> 32;
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
+    }
+    const float* xg = x + g * kGroup;
+    __m256 sums[MR][2];
+    for (int m = 0; m < MR; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_ps();
+    __m256 q0, q1;
+    if constexpr (kQ4) {
+      const uint8_t* q = w + 4 * kBlock;
+      for (int64_t k = 0; k < kGroup; k += 2, q += kBlock) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+        widen4(_mm_and_si128(bytes, low4), q0, q1);
+        fma_row<MR>(sums, xg + k, K, q0, q1);
+        widen4(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), q0, q1);
+        fma_row<MR>(sums, xg + k + 1, K, q0, q1);
+      }
+    } else {
+      const int8_t* q = reinterpret_cast<const int8_t*>(w + 2 * kBlock);
+      for (int64_t k = 0; k < kGroup; ++k, q += kBlock) {
+        load_row(q, q0, q1);
+        fma_row<MR>(sums, xg + k, K, q0, q1);
+      }
+    }
+    const __m256 s0 = half8(w), s1 = half8(w + 16);
+    for (int m = 0; m < MR; ++m) {
+      acc[m][0] = _mm256_fmadd_ps(sums[m][0], s0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(sums[m][1], s1, acc[m][1]);
+    }
+    if constexpr (kQ4) {
+      const __m256 m0 = half8(w + 32), m1 = half8(w + 48);
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xs = _mm256_broadcast_ss(xsum + m * groups + g);
+        acc[m][0] = _mm256_fmadd_ps(xs, m0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(xs, m1, acc[m][1]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(y + m * N, acc[m][0]);
+    _mm256_storeu_ps(y + m * N + 8, acc[m][1]);
+  }
+}
+
+// Blocks [first, last) for all M rows, as matmul_blocks.
+template <bool kQ4>
+void grouped_blocks(const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+                    float* y, int64_t N, int64_t first, int64_t last) {
+  const int64_t groups = K / kGroup;
+  const int64_t run = groups * (kQ4 ? kQ4Record : kQ8Record);  // bytes per block
+  const uint64_t passes = (M + 3) / 4;
+  const uint64_t share = ((uint64_t{1} << 32) + passes - 1) / passes;
+  const int64_t lead = passes == 1 ? kPrefetchBytes : run;
+  for (int64_t b = first; b < last; ++b) {
+    const uint8_t* wb = w + b * run;
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(wb) + lead;
+    float* yb = y + b * kBlock;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+      grouped_tile<4, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, m / 4 * run, share);
+    }
+    const uint64_t start = m / 4 * run;
+    switch (M - m) {
+      case 3: grouped_tile<3, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
+      case 2: grouped_tile<2, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
+      case 1: grouped_tile<1, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
+      default: break;
+    }
+  }
+}
+
+template <bool kQ4>
+ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  const int64_t record = kQ4 ? kQ4Record : kQ8Record;
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != record || xd[1] % kGroup ||
+      wd[1] != xd[1] / kGroup) {
+    return ffi::Error::InvalidArgument(
+        "cadence_cpu_grouped_matmul takes x [M, K] (K a multiple of 32) and w [N / 16, K / 32, "
+        "record bytes]");
+  }
+  const int64_t M = xd[0], K = xd[1], blocks = wd[0], N = blocks * kBlock;
+  // Work items of about the float32 kernel's 256 KiB weights' worth of columns: the same
+  // balance of threads, over a quarter to an eighth of the bytes.
+  const int64_t grain = std::max<int64_t>(1, (256 << 10) / (K * kBlock * 4));
+  const float* xp = x.typed_data();
+  const uint8_t* wp = w.typed_data();
+  float* yp = y->typed_data();
+  // Each row's group sums, for q4's minimums (q8 has none).
+  std::unique_ptr<float[]> sums(new float[kQ4 ? M * K / kGroup : 1]);
+  for (int64_t i = 0; kQ4 && i < M * K / kGroup; ++i) {
+    float total = 0.0f;
+    for (int64_t k = 0; k < kGroup; ++k) total += xp[i * kGroup + k];
+    sums[i] = total;
+  }
+  const float* xsum = sums.get();
+  parallel_for(pool, blocks, grain, [=](int64_t first, int64_t last) {
+    grouped_blocks<kQ4>(xp, xsum, M, K, wp, yp, N, first, last);
+  });
+  return ffi::Error::Success();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -399,4 +559,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_paged_decode, PagedDecode,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_grouped_matmul_q8, GroupedMatmul<false>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_grouped_matmul_q4, GroupedMatmul<true>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

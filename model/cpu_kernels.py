@@ -52,9 +52,15 @@ import jax.numpy as jnp
 import numpy as np
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC", "-w")
 BLOCK = 16  # output columns per block of the blocked layout (cpu_kernels.cc's kBlock)
 MATMUL, MATMUL_INT8 = "cadence_cpu_blocked_matmul", "cadence_cpu_blocked_matmul_int8"
+GROUP = 32  # k-rows per group of the grouped formats (GGUF's block of 32 weights)
+# The grouped formats, by the bytes of one group's record in a block (cpu_kernels.cc):
+# q8: 16 float16 scales, then 32 k-rows of 16 int8; q4: 16 scales, 16 minimums, then 32 k-rows
+# of 16 4-bit codes, two k-rows to a byte.
+RECORD = {"q8": 2 * BLOCK + GROUP * BLOCK, "q4": 4 * BLOCK + GROUP * BLOCK // 2}
+GROUPED = {"q8": "cadence_cpu_grouped_matmul_q8", "q4": "cadence_cpu_grouped_matmul_q4"}
 ATTENTION = "cadence_cpu_paged_decode"
 
 
@@ -76,7 +82,7 @@ def _cpu_supports() -> str | None:
                       if line.startswith("flags")), [])
     except OSError:
         return "cannot read /proc/cpuinfo to check for AVX2 and FMA"
-    missing = [f for f in ("avx2", "fma") if f not in flags]
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags]
     return f"this CPU lacks {', '.join(missing)}" if missing else None
 
 
@@ -115,7 +121,7 @@ def _load() -> str | None:
         library = ctypes.cdll.LoadLibrary(str(_build()))
     except (KernelsUnavailable, OSError) as e:
         return str(e)
-    for name in (MATMUL, MATMUL_INT8, ATTENTION):
+    for name in (MATMUL, MATMUL_INT8, *GROUPED.values(), ATTENTION):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, name)), platform="cpu")
     return None
 
@@ -155,12 +161,15 @@ def unblock(blocked, n: int):
 
 def blocked_matmul(x: jax.Array, blocked: jax.Array, n: int, scale: jax.Array | None = None) -> jax.Array:
     """x [..., K] @ W [K, n] in float32, W given as `block(W)`: float32, or int8 with `scale`
-    [n], one per output column (`model.quant`), applied to the sums."""
+    [n], one per output column (`model.quant`), applied to the sums; or W's groups as
+    `pack_grouped` lays them out (uint8 records, their scales inside)."""
     _require()
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     out = jax.ShapeDtypeStruct((rows.shape[0], blocked.shape[0] * BLOCK), jnp.float32)
-    if blocked.dtype == jnp.int8:
+    if blocked.dtype == jnp.uint8:
+        y = jax.ffi.ffi_call(GROUPED[grouped_format(blocked)], out)(rows, blocked)
+    elif blocked.dtype == jnp.int8:
         if scale is None:
             raise ValueError("int8 blocks need their per-column scale")
         scale = jnp.pad(scale.astype(jnp.float32), (0, blocked.shape[0] * BLOCK - n))
@@ -168,6 +177,67 @@ def blocked_matmul(x: jax.Array, blocked: jax.Array, n: int, scale: jax.Array | 
     else:
         y = jax.ffi.ffi_call(MATMUL, out)(rows, blocked.astype(jnp.float32))
     return y[:, :n].reshape(*lead, n)
+
+
+# -- grouped formats ----------------------------------------------------------------------------
+
+def grouped_format(blocked) -> str:
+    """"q8" or "q4": which grouped format a uint8 array of records holds (by its record size)."""
+    for name, size in RECORD.items():
+        if blocked.ndim == 3 and blocked.shape[-1] == size:
+            return name
+    raise ValueError(f"{blocked.dtype}{list(blocked.shape)} is not a grouped matrix; want "
+                     f"[N / 16, K / 32, record] with a record of {sorted(RECORD.values())} bytes")
+
+
+def pack_grouped(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None = None) -> np.ndarray:
+    """A matrix W [K, N] quantized in groups of 32 k-rows, as the grouped kernels read it:
+    uint8 [ceil(N / 16), K / 32, record]. q8: q int8 [K, N], W = q * scale; q4: q the 4-bit
+    codes 0..15 [K, N] (any integer dtype), W = q * scale + minimum; `scale`, `minimum`
+    [K / 32, N], stored as float16 (the values GGUF files hold). Columns past N are zero."""
+    k, n = q.shape
+    if k % GROUP or scale.shape != (k // GROUP, n) or (minimum is not None and minimum.shape != scale.shape):
+        raise ValueError(f"q {list(q.shape)} needs K a multiple of {GROUP} and scales of shape "
+                         f"[{k // GROUP}, {n}], got {list(scale.shape)}")
+    blocks, groups = -(-n // BLOCK), k // GROUP
+    pad = ((0, 0), (0, blocks * BLOCK - n))
+
+    def per_group(a: np.ndarray) -> np.ndarray:  # [G, N] -> [blocks, G, 32 bytes]
+        a = np.pad(np.asarray(a, np.float16), pad).reshape(groups, blocks, BLOCK)
+        return a.transpose(1, 0, 2).copy().view(np.uint8)
+
+    if minimum is None:
+        rows = np.pad(np.asarray(q, np.int8), pad).reshape(groups, GROUP, blocks, BLOCK)
+        rows = rows.transpose(2, 0, 1, 3).copy().view(np.uint8).reshape(blocks, groups, -1)
+        return np.concatenate([per_group(scale), rows], axis=-1)
+    codes = np.pad(np.asarray(q, np.uint8), pad)
+    if codes.max(initial=0) > 15:
+        raise ValueError("q4 codes must lie in 0..15")
+    codes = codes.reshape(groups, GROUP // 2, 2, blocks, BLOCK)
+    pairs = codes[:, :, 0] | (codes[:, :, 1] << 4)  # [G, 16, blocks, 16]
+    pairs = pairs.transpose(2, 0, 1, 3).reshape(blocks, groups, -1)
+    return np.concatenate([per_group(scale), per_group(minimum), pairs], axis=-1)
+
+
+def unpack_grouped(blocked: np.ndarray, n: int) -> np.ndarray:
+    """The float32 W [K, n] a `pack_grouped` array stands for (the slow path the kernels are
+    checked against, and the weights prefill and the reference read)."""
+    blocked = np.asarray(blocked)
+    fmt = grouped_format(blocked)
+    blocks, groups, _ = blocked.shape
+
+    def per_group(at: int) -> np.ndarray:  # [blocks, G, 16] float32
+        return blocked[..., at:at + 2 * BLOCK].copy().view(np.float16).astype(np.float32)
+
+    scale = per_group(0)[:, :, None, :]  # [blocks, G, 1, 16]
+    if fmt == "q8":
+        q = blocked[..., 2 * BLOCK:].copy().view(np.int8).reshape(blocks, groups, GROUP, BLOCK)
+        w = q.astype(np.float32) * scale
+    else:
+        pairs = blocked[..., 4 * BLOCK:].reshape(blocks, groups, GROUP // 2, 1, BLOCK)
+        codes = np.concatenate([pairs & 15, pairs >> 4], axis=3).reshape(blocks, groups, GROUP, BLOCK)
+        w = codes.astype(np.float32) * scale + per_group(2 * BLOCK)[:, :, None, :]
+    return w.transpose(1, 2, 0, 3).reshape(groups * GROUP, blocks * BLOCK)[:, :n]
 
 
 # Projections that read the same input, run as one kernel call in a decode tree: the fused
@@ -179,22 +249,28 @@ def _padded(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
 
-def decode_params(params: dict[str, Any]) -> dict[str, Any]:
+def decode_params(params: dict[str, Any], packed: dict[tuple[str, ...], Any] | None = None) -> dict[str, Any]:
     """The tree a decode program reads with the kernel: every `kernel` [in, out] replaced by
     `kernel_blocked`, and the embedding given `embedding_blocked` beside it (its transpose,
-    blocked: the tied LM head); float32 or int8 as given (int8 keeps its `_scale` leaves). The
-    projections of one input (`FUSED`: q/k/v, gate/up) become one matrix each, `qkv` and
-    `gate_up`, read by `fused_matmul`: 4 matmul calls per layer instead of 7, and each longer to
-    split over the threads (a decode step of SmolLM2-135M at 8 rows 1-3% faster, interleaved
-    A/B on a 2-core EPYC). The lookup table and everything else is the same array."""
+    blocked: the tied LM head); float32 or int8 as given (int8 keeps its `_scale` leaves).
+    `packed`: matrices already in a grouped format (`pack_grouped`; GGUF's own blocks, from
+    `checkpoints.gguf.load_packed`) by their path in `params`, which the kernel reads instead
+    of blocking the float matrix (the embedding's entry is the tied head's; the lookup table
+    stays as given). The projections of one input (`FUSED`: q/k/v, gate/up) become one matrix
+    each, `qkv` and `gate_up`, read by `fused_matmul`: 4 matmul calls per layer instead of 7,
+    and each longer to split over the threads (a decode step of SmolLM2-135M at 8 rows 1-3%
+    faster, interleaved A/B on a 2-core EPYC). Everything else is the same array."""
+    packed = packed or {}
+
     def fusible(parts: list[Any]) -> bool:
-        """Projections alike: blocked matrices of one dtype, with the same per-column leaves."""
+        """Projections alike: blocked matrices of one dtype and layout, with the same
+        per-column leaves."""
         if not all(isinstance(p, dict) and "kernel_blocked" in p for p in parts):
             return False
         leaves = set(parts[0])
         return (leaves <= {"kernel_blocked", "kernel_scale", "bias"}
                 and all(set(p) == leaves for p in parts)
-                and len({p["kernel_blocked"].dtype for p in parts}) == 1)
+                and len({(p["kernel_blocked"].dtype, p["kernel_blocked"].shape[1:]) for p in parts}) == 1)
 
     def fuse(parts: list[dict[str, Any]]) -> dict[str, Any]:
         fused = {"kernel_blocked": jnp.concatenate([p["kernel_blocked"] for p in parts])}
@@ -205,20 +281,38 @@ def decode_params(params: dict[str, Any]) -> dict[str, Any]:
                     for p in parts])
         return fused
 
-    def convert(node):
+    def matrix(path: tuple[str, ...], array):
+        if path in packed:
+            return jax.device_put(packed[path], _device_of(array))
+        return block(array.T if path[-1] == "embedding" else array)
+
+    def convert(node, path: tuple[str, ...]):
         if not isinstance(node, dict):
             return node
-        node = {name: convert(child) for name, child in node.items()}
+        node = {name: convert(child, path + (name,)) for name, child in node.items()}
         if "kernel" in node:
-            node["kernel_blocked"] = block(node.pop("kernel"))
+            node["kernel_blocked"] = matrix(path + ("kernel",), node.pop("kernel"))
         if "embedding" in node:
-            node["embedding_blocked"] = block(node["embedding"].T)
+            node["embedding_blocked"] = matrix(path + ("embedding",), node["embedding"])
         for name, parts in FUSED.items():
             if fusible([node.get(p) for p in parts]):
                 node[name] = fuse([node.pop(p) for p in parts])
         return node
 
-    return convert(params)
+    return convert(params, ())
+
+
+def blocked_bytes(tree: dict[str, Any]) -> int:
+    """Bytes of the kernel-layout matrices in a `decode_params` tree (its copy of the weights)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return sum(leaf.nbytes for path, leaf in leaves
+               if str(getattr(path[-1], "key", "")).endswith("_blocked"))
+
+
+def _device_of(array) -> jax.Device | None:
+    """Where a leaf lies (None for NumPy: jax's default)."""
+    devices = getattr(array, "devices", None)
+    return next(iter(devices())) if devices else None
 
 
 def fused_matmul(x: jax.Array, fused: dict[str, jax.Array], sizes: tuple[int, ...]) -> list[jax.Array]:

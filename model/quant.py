@@ -1,7 +1,14 @@
-"""Weight-only int8: every matrix stored as int8 with a float scale per output channel.
+"""Weight-only quantization: int8 per output channel, and int8 or int4 in groups of 32.
 
     params = quantize(params, config)      # the float tree -> the int8 tree (`model.params`)
     floats = dequantize(params, config)    # what the int8 weights stand for, in float32
+    floats, packed = quantize_grouped(params, config, "q4")   # grouped, for the CPU kernels
+
+Grouped (`quantize_grouped`, GGUF's block formats' arithmetic): each column's 32 consecutive
+input rows share a float16 scale; "q8" is symmetric (w ~= q * scale, q in [-127, 127], as Q8_0),
+"q4" asymmetric with a float16 minimum (w ~= q * scale + min, q in [0, 15], as Q4_1). It gives
+the matrices packed for `model.cpu_kernels`' grouped matmul, which decode reads, and the float
+tree they stand for exactly, which prefill and the reference generator read.
 
 A channel's scale is its largest magnitude / 127, so w ~= q * scale with q in [-127, 127]
 (symmetric, round to nearest; an all-zero channel keeps scale 1). Activations stay in the
@@ -16,8 +23,8 @@ the matmul. XLA:CPU does not (`bench/results/int8-cpu/`: 4.5x slower than float3
 the CPU decode's matmuls run `model.cpu_kernels`, which widens the int8 blocks in registers
 (2.3x faster than float32 for one sequence, level at eight:
 `bench/results/decode-roofline-cpu/`); on a GPU `bench/gpu_bench.py`
-measures XLA's fusion. Non-goals: activation quantization, int4, per-group scales,
-calibration-based schemes.
+measures XLA's fusion. Non-goals: activation quantization, calibration-based schemes (AWQ,
+GPTQ), grouped weights on XLA's paths.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from cadence.model import cpu_kernels
 from cadence.model.config import ModelConfig
 from cadence.model.params import MATRICES, build_tree, get, param_specs
 
@@ -70,3 +78,52 @@ def dequantize(params: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
                                                            1 - spec.channel_axis)
 
     return build_tree(param_specs(config), leaf)
+
+
+GROUPED = ("q8", "q4")
+
+
+def quantize_group_matrix(w: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(q, scale, minimum) of a [K, N] matrix in groups of `cpu_kernels.GROUP` rows per column
+    (`fmt` "q8": q int8, minimum None; "q4": q codes 0..15 uint8), scales and minimums float16
+    [K / 32, N], round to nearest: what `cpu_kernels.pack_grouped` takes."""
+    if fmt not in GROUPED:
+        raise ValueError(f"grouped formats are {GROUPED}, got {fmt!r}")
+    w = np.asarray(w, np.float32)
+    k, n = w.shape
+    if k % cpu_kernels.GROUP:
+        raise ValueError(f"grouped weights need rows in multiples of {cpu_kernels.GROUP}, got {k}")
+    groups = w.reshape(k // cpu_kernels.GROUP, cpu_kernels.GROUP, n)
+
+    def half(a: np.ndarray) -> np.ndarray:  # a nonzero float16 scale (all-equal groups: 1)
+        a = a.astype(np.float16)
+        return np.where((a > 0) & np.isfinite(a), a, np.float16(1))
+
+    if fmt == "q8":
+        scale = half(np.abs(groups).max(axis=1) / QMAX)
+        q = np.clip(np.round(groups / scale[:, None].astype(np.float32)), -QMAX, QMAX)
+        return q.reshape(k, n).astype(np.int8), scale, None
+    minimum = groups.min(axis=1).astype(np.float16)
+    scale = half((groups.max(axis=1) - minimum.astype(np.float32)) / 15)
+    q = np.round((groups - minimum[:, None].astype(np.float32)) / scale[:, None].astype(np.float32))
+    return np.clip(q, 0, 15).reshape(k, n).astype(np.uint8), scale, minimum
+
+
+def quantize_grouped(params: dict[str, Any], config: ModelConfig, fmt: str):
+    """(floats, packed): every matrix quantized in groups (`quantize_group_matrix`); `packed`
+    maps each matrix's path to its `cpu_kernels.pack_grouped` array (the embedding's entry is
+    the tied LM head's, its transpose) and `floats` is the float32 tree of what they stand for,
+    exactly (the embedding of an untied model stays as given: only a lookup reads it). NumPy
+    in and out, on the host."""
+    floats, packed = {}, {}
+    for spec in param_specs(config):
+        array = np.asarray(get(params, spec.path), np.float32)
+        floats[spec.path] = array
+        if spec.path[-1] not in MATRICES or (spec.path[-1] == "embedding" and not config.tie_embeddings):
+            continue
+        matrix = array.T if spec.path[-1] == "embedding" else array  # [in, out]
+        blocks = cpu_kernels.pack_grouped(*quantize_group_matrix(matrix, fmt))
+        packed[spec.path] = blocks
+        dequantized = cpu_kernels.unpack_grouped(blocks, matrix.shape[1])
+        floats[spec.path] = np.ascontiguousarray(dequantized.T if spec.path[-1] == "embedding" else dequantized)
+    return build_tree(param_specs(config), lambda s: floats[s.path]), packed

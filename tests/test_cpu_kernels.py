@@ -14,7 +14,7 @@ import pytest
 from cadence.engine.engine import EngineConfig
 from cadence.model import cpu_kernels
 from cadence.model.paged_attention import paged_reference_attention
-from cadence.model.quant import quantize
+from cadence.model.quant import quantize, quantize_grouped
 from tests.test_engine import needs_cpu_kernels
 
 
@@ -200,8 +200,8 @@ def test_engine_refuses_the_cpu_matmul_in_bfloat16(tiny_params, tiny_config):
 
 @needs_cpu_kernels
 def test_kernel_decode_logits_match_xla_decode(tiny_params, tiny_config):
-    """One decode step's logits over the same pool, XLA against the kernels, with float and
-    int8 weights."""
+    """One decode step's logits over the same pool, XLA against the kernels, with float, int8
+    and grouped weights."""
     from cadence.model.llama import forward
     from cadence.model.paged_kv import PagedKVCache
 
@@ -222,3 +222,95 @@ def test_kernel_decode_logits_match_xla_decode(tiny_params, tiny_config):
         want = run(params, "xla")
         got = run(cpu_kernels.decode_params(params), "cpu")
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+    for fmt in ("q8", "q4"):  # grouped: the kernels over the packed matrices, XLA over their floats
+        floats, packed = quantize_grouped(tiny_params, tiny_config, fmt)
+        want = run(floats, "xla")
+        got = run(cpu_kernels.decode_params(floats, packed), "cpu")
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+        assert not np.allclose(want, run(tiny_params, "xla"), rtol=1e-4, atol=1e-3)  # they differ
+
+
+# -- grouped (block-quantized) weights ------------------------------------------------------------
+
+def _grouped(rng, fmt: str, k: int, n: int):
+    """Random (q, scale, minimum) of a [k, n] matrix in `fmt`, scales of several magnitudes."""
+    scale = rng.uniform(1e-3, 5e-2, (k // 32, n)).astype(np.float16)
+    if fmt == "q8":
+        return rng.integers(-127, 128, (k, n)).astype(np.int8), scale, None
+    return (rng.integers(0, 16, (k, n)).astype(np.uint8), scale,
+            rng.uniform(-0.4, 0.1, (k // 32, n)).astype(np.float16))
+
+
+def _dequantized(q, scale, minimum):
+    w = q.astype(np.float32) * np.repeat(scale.astype(np.float32), 32, axis=0)
+    return w if minimum is None else w + np.repeat(minimum.astype(np.float32), 32, axis=0)
+
+
+def test_grouped_layout_is_one_record_per_group_of_a_block():
+    """A block's records: 16 float16 scales (q4: then 16 minimums), then the k-rows: q8's int8
+    16 to a row, q4's two k-rows to a byte (the even row in the low nibble)."""
+    rng = np.random.default_rng(0)
+    for fmt, record in (("q8", 544), ("q4", 320)):
+        q, scale, minimum = _grouped(rng, fmt, 64, 37)
+        packed = cpu_kernels.pack_grouped(q, scale, minimum)
+        assert packed.dtype == np.uint8 and packed.shape == (3, 2, record)
+        assert cpu_kernels.grouped_format(packed) == fmt
+        group1_block2 = packed[2, 1]
+        assert group1_block2[:32].view(np.float16)[4] == scale[1, 32 + 4]
+        if fmt == "q8":
+            assert group1_block2[32:].view(np.int8).reshape(32, 16)[7, 3] == q[32 + 7, 32 + 3]
+        else:
+            assert group1_block2[32:64].view(np.float16)[4] == minimum[1, 32 + 4]
+            byte = group1_block2[64:].reshape(16, 16)[3, 2]
+            assert (byte & 15, byte >> 4) == (q[32 + 6, 32 + 2], q[32 + 7, 32 + 2])
+        assert not packed[2, :, :32].view(np.float16)[:, 5:].any()  # columns past N: zero scales
+        np.testing.assert_array_equal(cpu_kernels.unpack_grouped(packed, 37), _dequantized(q, scale, minimum))
+
+
+def test_grouped_packing_refuses_what_the_kernels_do_not_read():
+    rng = np.random.default_rng(1)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_kernels.pack_grouped(np.zeros((48, 16), np.int8), np.ones((1, 16), np.float16))
+    with pytest.raises(ValueError, match="0..15"):
+        cpu_kernels.pack_grouped(np.full((32, 16), 16, np.uint8), *_grouped(rng, "q4", 32, 16)[1:])
+    with pytest.raises(ValueError, match="not a grouped matrix"):
+        cpu_kernels.grouped_format(np.zeros((2, 2, 100), np.uint8))
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("k, n", [(32, 5), (96, 37), (576, 192), (1536, 48)])
+def test_grouped_matmul_matches_numpy_dequantize_then_matmul(fmt, rows, k, n):
+    """The grouped kernels against NumPy's float64 matmul over the dequantized matrix: the
+    same numbers, summed in another order (per group, scaled once), so within float32
+    rounding of the sum."""
+    rng = np.random.default_rng(rows * 1000 + k + n)
+    parts = _grouped(rng, fmt, k, n)
+    x = rng.standard_normal((rows, k), np.float32)
+    got = np.asarray(cpu_kernels.blocked_matmul(jnp.asarray(x), jnp.asarray(cpu_kernels.pack_grouped(*parts)), n))
+    want = x.astype(np.float64) @ _dequantized(*parts).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(want).max())
+
+
+def test_decode_params_read_packed_matrices_in_place_of_blocking(tiny_params, tiny_config):
+    """Packed matrices replace the blocking of theirs (fused alike: q/k/v, gate/up), the tied
+    head reads the packed embedding while the lookup table stays float; the rest is blocked."""
+    from cadence.model.quant import quantize_grouped
+
+    _, packed = quantize_grouped(tiny_params, tiny_config, "q4")
+    packed.pop(("layers_1", "mlp", "down", "kernel"))
+    tree = cpu_kernels.decode_params(tiny_params, packed)
+    layer = tree["layers_0"]
+    assert layer["attn"]["qkv"]["kernel_blocked"].dtype == np.uint8
+    np.testing.assert_array_equal(np.asarray(layer["mlp"]["down"]["kernel_blocked"]),
+                                  packed[("layers_0", "mlp", "down", "kernel")])
+    assert tree["layers_1"]["mlp"]["down"]["kernel_blocked"].dtype == np.float32
+    assert tree["embed"]["embedding_blocked"].dtype == np.uint8
+    assert tree["embed"]["embedding"].dtype == np.float32
+    mixed = dict(packed)
+    mixed[("layers_0", "attn", "v", "kernel")] = quantize_grouped(tiny_params, tiny_config, "q8")[1][
+        ("layers_0", "attn", "v", "kernel")]
+    tree = cpu_kernels.decode_params(tiny_params, mixed)  # q4 and q8 parts do not fuse
+    assert {"q", "k", "v"} <= set(tree["layers_0"]["attn"])
+    assert cpu_kernels.blocked_bytes(tree) > 0
