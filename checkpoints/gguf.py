@@ -6,13 +6,21 @@
 [in, out]); `fields` is every metadata key decoded to plain Python values, from which
 `checkpoints.tokenizer.Tokenizer.from_gguf_fields` builds the tokenizer.
 
+    packed = load_packed(path, config)    # the block-quantized matrices, kept as they are
+
+`packed` holds every matrix stored in a format the CPU decode kernels read directly (Q8_0,
+Q4_0, Q4_1: 32 weights per float16 scale, and for Q4_1 a float16 minimum), re-laid into the
+kernels' grouped layout (`model.cpu_kernels.pack_grouped`) with the same values: dequantizing a
+packed matrix gives `params`' float32 matrix exactly. Other formats (Q4_K, Q6_K, F16...) are
+left to `params` alone.
+
 Two details matter for logits that match the Hugging Face model:
 - Quantized tensors (Q8_0, Q4_1, ... anything the `gguf` package can dequantize) become float32.
 - llama.cpp's converter permutes the rows of the query and key projections of "llama" models so
   its RoPE can rotate adjacent pairs; cadence rotates halves (as HF does), so the permutation is
   undone here. Qwen2 GGUFs are not permuted.
 
-Non-goals: keeping weights quantized on device; Llama-3.1 `rope_freqs` tensors (load the HF
+Non-goals: the K-quants (Q4_K, Q6_K) in the kernels' format; Llama-3.1 `rope_freqs` tensors (load the HF
 folder for those); architectures other than llama and qwen2.
 """
 
@@ -27,8 +35,9 @@ import jax
 import numpy as np
 
 from cadence.checkpoints.errors import CheckpointError
+from cadence.model import cpu_kernels
 from cadence.model.config import ModelConfig
-from cadence.model.params import ParamSpec, build_tree, param_specs
+from cadence.model.params import MATRICES, ParamSpec, build_tree, param_specs
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -151,3 +160,54 @@ def load_gguf(
     # Transposes above are views; make every array contiguous once, here.
     params = jax.tree.map(np.ascontiguousarray, params)
     return config, params, fields
+
+
+# GGUF's block formats the grouped kernels read, by the bytes of a block of 32 weights: a float16
+# scale d, Q4_1's float16 minimum m, then the weights (Q8_0: int8 q, w = d q; Q4_x: 16 bytes,
+# weight j in byte j's low nibble and weight j + 16 in its high one, w = d q + m, Q4_0's m
+# being -8 d).
+PACKABLE = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+def unpack_blocks(data: np.ndarray, kind: str, columns: int):
+    """A GGUF tensor's rows of blocks (uint8 [rows, columns / 32 * block bytes]) as (q, scale,
+    minimum): q [rows, columns] (int8 for Q8_0, codes 0..15 for Q4_x), scale and minimum
+    [rows, columns / 32] float16 (minimum None for Q8_0)."""
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(rows, columns // 32, PACKABLE[kind])
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    if kind == "Q8_0":
+        return blocks[..., 2:].copy().view(np.int8).reshape(rows, columns), scale, None
+    if kind == "Q4_1":
+        minimum, nibbles = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
+    else:
+        minimum, nibbles = (scale.astype(np.float32) * -8).astype(np.float16), blocks[..., 2:]
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, columns)
+    return q, scale, minimum
+
+
+def load_packed(path: str | Path, config: ModelConfig) -> dict[tuple[str, ...], tuple[np.ndarray, str]]:
+    """Every matrix of the file in a `PACKABLE` format, as (`cpu_kernels.pack_grouped` array,
+    the GGUF type's name), by its path in the params tree. The embedding's entry is the tied
+    LM head's matrix (the embedding transposed: its rows are the head's output columns)."""
+    reader = gguf.GGUFReader(Path(path))
+    tensors = {t.name: t for t in reader.tensors}
+    permute = read_fields(reader).get("general.architecture") == "llama"
+    out = {}
+    for spec in param_specs(config):
+        t = tensors.get(spec.gguf_name)
+        kind = t.tensor_type.name if t is not None else None
+        if spec.path[-1] not in MATRICES or kind not in PACKABLE:
+            continue
+        rows, columns = spec.stored_shape if spec.transpose else spec.shape  # GGUF [out, in]
+        if spec.path[-1] == "embedding" and not config.tie_embeddings:
+            continue  # a lookup table only: the untied head is lm_head's own matrix
+        q, scale, minimum = unpack_blocks(t.data, kind, columns)
+        if q.shape[0] != rows:
+            raise CheckpointError(f"{path}: tensor {spec.gguf_name} has {q.shape[0]} rows, expected {rows}")
+        if permute and spec.rope_heads:
+            q, scale = (unpermute_rope_rows(a, spec.rope_heads) for a in (q, scale))
+            minimum = None if minimum is None else unpermute_rope_rows(minimum, spec.rope_heads)
+        packed = cpu_kernels.pack_grouped(q.T, scale.T, None if minimum is None else minimum.T)
+        out[spec.path] = (packed, kind)
+    return out

@@ -71,6 +71,9 @@ class LoadedModel:
     tokenizer: Tokenizer
     path: Path  # the converted checkpoint folder
     generation: GenerationDefaults = GenerationDefaults()  # the model's own sampling defaults
+    # The matrices the source stored block-quantized, as they are (`store.load_packed`): what
+    # the CPU decode kernels read with --weights=auto
+    packed: store.Packed = dataclasses.field(default_factory=dict)
 
 
 def cache_dir() -> Path:
@@ -123,6 +126,7 @@ def _convert(source: Path, kind: str, folder: Path) -> None:
                 bar.update(done - bar.n)
 
             config, params, fields = gguf_loader.load_gguf(source, progress)
+        packed = gguf_loader.load_packed(source, config)
         tokenizer = Tokenizer.from_gguf_fields(fields)
         generation = GenerationDefaults.from_gguf_fields(fields)
     else:
@@ -130,12 +134,13 @@ def _convert(source: Path, kind: str, folder: Path) -> None:
         params = hf.load_hf_params(source, config)
         tokenizer = Tokenizer.from_hf_dir(source)
         generation = GenerationDefaults.from_hf_dir(source)
+        packed = None
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save(tmp)
         files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
     if not generation.empty:
         files[GENERATION_FILE] = generation.file_bytes()
-    store.save_converted(folder, config, params, files, source=str(source))
+    store.save_converted(folder, config, params, files, source=str(source), packed=packed)
 
 
 def _source_key(path: Path) -> str:
@@ -185,4 +190,5 @@ def load_model(spec: str = DEFAULT_MODEL, cache: Path | None = None,
     if generation.empty and spec in KNOWN_MODELS:
         generation = KNOWN_MODELS[spec].generation
     return LoadedModel(name=spec, config=config, params=params,
-                       tokenizer=Tokenizer.from_hf_dir(folder), path=folder, generation=generation)
+                       tokenizer=Tokenizer.from_hf_dir(folder), path=folder, generation=generation,
+                       packed=store.load_packed(folder))

@@ -3,6 +3,9 @@
 A converted folder holds
     config.json     `ModelConfig.to_json()`
     params/         the params pytree, saved with orbax (float32)
+    packed/         where the source stored matrices block-quantized (GGUF Q8_0, Q4_0, Q4_1),
+                    those matrices as they are, in the CPU kernels' grouped layout (orbax,
+                    uint8); the marker's "packed" names them, with their formats and shapes
     <tokenizer>     tokenizer files, byte for byte as given (tokenizer.json, tokenizer.model, ...)
     cadence.json    the marker: format version, source, dtype, tokenizer file names
 `save_converted` builds it in a sibling temporary folder, writes the marker last and renames
@@ -10,8 +13,8 @@ the folder into place, so a crash never leaves something `is_converted` accepts.
 checked against `abstract_params(config)`: a tree with other names, shapes or dtypes is refused
 with a `CheckpointError` before any data is read.
 
-Non-goals: sharded saves (a converted checkpoint is written from one host), quantized storage,
-keeping several versions.
+Non-goals: sharded saves (a converted checkpoint is written from one host), keeping several
+versions.
 """
 
 from __future__ import annotations
@@ -34,14 +37,17 @@ from cadence.model.config import ModelConfig
 from cadence.model.params import abstract_params
 
 Shardings = Callable[[ModelConfig], Any]
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: packed/
 MARKER = "cadence.json"
-_RESERVED = {MARKER, "config.json", "params"}
+_RESERVED = {MARKER, "config.json", "params", "packed"}
+Packed = dict[tuple[str, ...], tuple[np.ndarray, str]]  # path -> (grouped array, GGUF type)
 
 
 def save_converted(folder: str | Path, config: ModelConfig, params: Params,
-                   tokenizer_files: dict[str, bytes] | None = None, *, source: str = "") -> None:
-    """Writes a complete converted checkpoint at `folder`, replacing any folder already there."""
+                   tokenizer_files: dict[str, bytes] | None = None, *, source: str = "",
+                   packed: Packed | None = None) -> None:
+    """Writes a complete converted checkpoint at `folder`, replacing any folder already there;
+    `packed`: the source's block-quantized matrices (`checkpoints.gguf.load_packed`)."""
     folder = Path(folder).absolute()
     tokenizer_files = tokenizer_files or {}
     for name in tokenizer_files:
@@ -58,10 +64,14 @@ def save_converted(folder: str | Path, config: ModelConfig, params: Params,
         (tmp / "config.json").write_text(config.to_json())
         with _quiet(), ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp / "params", params)
+            if packed:
+                checkpointer.save(tmp / "packed", _nest({p: a for p, (a, _) in packed.items()}))
         for name, data in tokenizer_files.items():
             (tmp / name).write_bytes(data)
         marker = {"format_version": FORMAT_VERSION, "source": source, "dtype": "float32",
-                  "tokenizer_files": sorted(tokenizer_files)}
+                  "tokenizer_files": sorted(tokenizer_files),
+                  "packed": {"/".join(p): {"type": kind, "shape": list(a.shape)}
+                             for p, (a, kind) in (packed or {}).items()}}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2))
         _replace(tmp, folder)
     finally:
@@ -99,6 +109,37 @@ def load_converted(folder: str | Path, shardings: Shardings | None = None,
     return config, params
 
 
+def load_packed(folder: str | Path) -> Packed:
+    """The block-quantized matrices `save_converted` stored with the checkpoint (NumPy), by
+    path; empty where the source had none."""
+    folder = Path(folder).absolute()
+    entries = read_marker(folder).get("packed") or {}
+    if not entries:
+        return {}
+    target = _nest({tuple(key.split("/")): jax.ShapeDtypeStruct(tuple(e["shape"]), np.uint8)
+                    for key, e in entries.items()})
+    with _quiet(), ocp.StandardCheckpointer() as checkpointer:
+        try:
+            arrays = checkpointer.restore(folder / "packed", target)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{folder / 'packed'} is unreadable ({e}); delete {folder} "
+                                  "and convert again") from e
+    flat = {tuple(str(getattr(k, "key", k)) for k in path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]}
+    return {path: (flat[path], entries["/".join(path)]["type"]) for path in flat}
+
+
+def _nest(flat: dict[tuple[str, ...], Any]) -> dict[str, Any]:
+    """A nested dict of `flat`'s leaves by their paths."""
+    tree: dict[str, Any] = {}
+    for path, leaf in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = leaf
+    return tree
+
+
 def is_converted(folder: str | Path) -> bool:
     """True when `folder` is a complete converted checkpoint of this format version."""
     try:
@@ -123,7 +164,8 @@ def read_marker(folder: str | Path) -> dict[str, Any]:
         version = marker.get("format_version") if isinstance(marker, dict) else None
         raise CheckpointError(f"{folder} has converted-checkpoint format {version!r}, this "
                               f"cadence reads {FORMAT_VERSION}; delete it and convert again")
-    for name in ("config.json", "params", *marker.get("tokenizer_files", [])):
+    for name in ("config.json", "params", *(["packed"] if marker.get("packed") else []),
+                 *marker.get("tokenizer_files", [])):
         if not (folder / name).exists():
             raise CheckpointError(f"{folder} lacks {name}; delete it and convert again")
     return marker

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -119,7 +119,8 @@ class EngineConfig:
     max_logprobs: int = 20
     # Decode's matmuls: "xla", or "cpu": the CPU kernel (`model.cpu_kernels`) over a copy of
     # the weights in its blocked layout, made when the engine places them (float32 or int8
-    # weights, float32 compute, one device).
+    # weights, or the checkpoint's block-quantized matrices as they are: `Engine(packed=)`;
+    # float32 compute, one device).
     decode_matmul: str = "xla"
 
     def __post_init__(self) -> None:
@@ -568,14 +569,20 @@ class DecodeTokens:
 
 class Engine:
     def __init__(self, params, model_config: ModelConfig, config: EngineConfig = EngineConfig(),
-                 device: jax.Device | None = None, devices: Sequence[jax.Device] | None = None):
+                 device: jax.Device | None = None, devices: Sequence[jax.Device] | None = None,
+                 packed: Mapping[tuple[str, ...], np.ndarray] | None = None):
         """`device`: where the weights, the pool and every program live (default: the first).
         Everything the engine holds is committed to it, so programs run there whatever device
         a `KVHandle` or an argument comes from.
 
         `devices` (more than one): tensor parallelism over them (`model.sharding`): each holds
         its shards of the weights and of the page pool, every program runs on all of them as
-        one SPMD program, and `self.tp` says how the model was split."""
+        one SPMD program, and `self.tp` says how the model was split.
+
+        `packed`: matrices in a grouped block-quantized format (`model.cpu_kernels.pack_grouped`,
+        GGUF's own blocks: `LoadedModel.packed`), by path, that decode_matmul="cpu" reads in
+        place of blocking their float matrices; `params` must hold what they dequantize to,
+        which prefill reads."""
         if config.max_seq_len > model_config.max_context:
             raise ValueError(
                 f"max_seq_len {config.max_seq_len} exceeds the model's context of "
@@ -601,7 +608,7 @@ class Engine:
             self._pool_at, self._token_at = self.tp.pool_sharding, self.tp.replicated
             self._handle_at = self.tp.handle_sharding
             logging.info("%s", self.tp.describe())
-        self.decode_params = self._decode_params()
+        self.decode_params = self._decode_params(packed)
         # cos and sin of every position a slot holds, looked up by both programs
         self.rope = jax.device_put(rope_table(self.compute_config, config.max_seq_len), self._token_at)
         self.cache: PagedKVCache | None = None
@@ -621,16 +628,18 @@ class Engine:
             self.num_pages * config.page_size, self.cache.nbytes / 2**20,
         )
 
-    def _decode_params(self):
+    def _decode_params(self, packed):
         """What the decode program reads: the weights as placed, or with decode_matmul="cpu"
         a tree whose matrices are in the CPU kernel's blocked layout (prefill keeps the [in,
         out] matrices, which XLA's large GEMMs read faster)."""
         if self.config.decode_matmul == "xla" or self.config.role == "prefill":
+            if packed and self.config.role != "prefill":
+                raise ValueError("packed matrices are read by decode_matmul='cpu' only")
             return self.params
         if self.tp is not None or self.device.platform != "cpu":
             raise ValueError("decode_matmul='cpu' runs on one CPU device; use 'xla' with tensor "
                              "parallelism or an accelerator")
-        return cpu_kernels.decode_params(self.params)
+        return cpu_kernels.decode_params(self.params, packed)
 
     # -- the two programs -------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ the first N devices instead (`model.sharding`), its weights restored straight in
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import functools
 import re
@@ -29,8 +30,8 @@ from cadence.engine import multihost
 from cadence.engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig
 from cadence.model import cpu_kernels
 from cadence.model.paged_kv import pages_for_bytes
-from cadence.model.params import WEIGHTS, cast_bytes
-from cadence.model.quant import quantize
+from cadence.model.params import MATRICES, cast_bytes, param_specs
+from cadence.model.quant import quantize, quantize_grouped
 from cadence.model.sharding import TensorParallel
 from cadence.scheduler.policy import POLICIES, PolicyConfig
 from cadence.scheduler.priority import SLO, PriorityClasses
@@ -122,9 +123,14 @@ _CPU_KERNELS = flags.DEFINE_bool(
     "(float32 or int8; the weights' memory twice). float32 compute on one device; false: XLA's "
     "paths.")
 _WEIGHTS = flags.DEFINE_enum(
-    "weights", "float", WEIGHTS,
-    "float: the weights in --dtype; int8: every matrix as int8 with a scale per output channel "
-    "(weight-only; activations and the KV cache stay in --dtype), quantized when loaded.")
+    "weights", "auto", ("auto", "float", "int8", "int4"),
+    "auto: where decode runs on the CPU kernels, the matrices a GGUF checkpoint stores "
+    "block-quantized (Q8_0, Q4_0, Q4_1) are read as they are, everything else as float; "
+    "float: every matrix in --dtype (a GGUF's blocks dequantized); int8, int4: every matrix "
+    "quantized when loaded, weight-only (activations and the KV cache stay in --dtype): on the "
+    "CPU kernels in groups of 32 weights with a float16 scale (int4 also a minimum, as GGUF's "
+    "Q8_0 and Q4_1), decode reading them and prefill what they stand for; elsewhere int8 has a "
+    "scale per output channel, and int4 is refused.")
 _DTYPE = flags.DEFINE_enum(
     "dtype", None, ["float32", "bfloat16"], "Compute dtype (default: bfloat16 on GPU, float32 on CPU)."
 )
@@ -313,6 +319,47 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
     )
 
 
+def quantize_from_flags(model: LoadedModel, kernels: bool):
+    """(model, packed): the weights --weights asks for. `packed` (path -> grouped matrix, or
+    None) is what the CPU decode kernels read in place of blocking a float matrix: with auto,
+    the checkpoint's own blocks; with int8 / int4, every matrix quantized in groups of 32
+    (`model.quant.quantize_grouped`), the model's params then being what they stand for. Off
+    the CPU kernels int8 is per output channel (`model.quant.quantize`), and int4 is refused."""
+    weights = _WEIGHTS.value
+    if weights == "auto":
+        return model, ({path: blocks for path, (blocks, _) in model.packed.items()} if kernels else None)
+    if weights in GROUPED_WEIGHTS and kernels:
+        floats, packed = quantize_grouped(model.params, model.config, GROUPED_WEIGHTS[weights])
+        return dataclasses.replace(model, params=floats), packed
+    if weights == "int4":
+        raise ValueError("--weights=int4 runs on the CPU decode kernels (model/cpu_kernels.cc: one "
+                         "device, float32, --cpu_kernels); elsewhere use int8 or float")
+    if weights == "int8":
+        return dataclasses.replace(model, params=quantize(model.params, model.config)), None
+    return model, None
+
+
+GROUPED_WEIGHTS = {"int8": "q8", "int4": "q4"}  # --weights: the grouped format on the CPU kernels
+
+
+def describe_decode_weights(model: LoadedModel, packed) -> str:
+    """What the CPU decode kernels read, for the start-up line: the checkpoint's own formats
+    and how many matrices each, and what is blocked from float (dequantized, where the
+    checkpoint stored it block-quantized in a format the kernels lack)."""
+    matrices = [s.path for s in param_specs(model.config) if s.path[-1] in MATRICES
+                and (s.path[-1] != "embedding" or model.config.tie_embeddings)]
+    if _WEIGHTS.value in GROUPED_WEIGHTS:
+        return f"{len(matrices)} matrices in {_WEIGHTS.value}, a float16 scale per 32 weights"
+    own = collections.Counter(model.packed[p][1] for p in matrices if p in (packed or {}))
+    rest = len(matrices) - sum(own.values())
+    parts = [f"{n} matrices in the checkpoint's own {kind}" for kind, n in sorted(own.items())]
+    if rest:
+        parts.append(f"{rest} blocked from float32"
+                     + (" (--weights=auto reads a GGUF's Q8_0/Q4_0/Q4_1 as they are)"
+                        if _WEIGHTS.value != "auto" and model.packed else ""))
+    return ", ".join(parts)
+
+
 def cpu_kernels_apply(dtype: str, tp: TensorParallel | None) -> bool:
     """Whether the engine decodes with the CPU kernels (`model.cpu_kernels`): --cpu_kernels, on
     the CPU, float32 compute, one device, and the kernels built here; a reason they do not
@@ -386,9 +433,8 @@ def build_from_flags(warm: bool = True) -> Runtime:
     model = load_model(MODEL_FLAG.value, shardings=(
         (lambda config: plan(config).storage_shardings()) if mesh_devices else None),
         dtype=compute_dtype() if mesh_devices else None)
-    if _WEIGHTS.value == "int8":
-        model = dataclasses.replace(model, params=quantize(model.params, model.config))
     tp = plan(model.config) if mesh_devices else None
+    model, packed = quantize_from_flags(model, cpu_kernels_apply(compute_dtype(), tp))
     engine_config = engine_config_from_flags(model, pair[0] if pair else None, tp)
     if multi_process() and engine_config.num_pages is not None and _KV_MEMORY.value is None:
         # Each process sized the pool by its own free memory; every one must run the same
@@ -400,7 +446,8 @@ def build_from_flags(warm: bool = True) -> Runtime:
             f"{model.config.max_context} tokens"
         )
     if pair is None:
-        engines = (Engine(model.params, model.config, engine_config, devices=mesh_devices),)
+        engines = (Engine(model.params, model.config, engine_config, devices=mesh_devices,
+                          packed=packed),)
         where = jax.devices()[0].platform
         if tp is not None:
             where = f"{tp.size} {where} devices ({tp.describe()})"
@@ -412,7 +459,7 @@ def build_from_flags(warm: bool = True) -> Runtime:
         decode_config = dataclasses.replace(
             engine_config_from_flags(model, pair[1]), role="decode")
         engines = (Engine(model.params, model.config, prefill_config, device=pair[0]),
-                   Engine(model.params, model.config, decode_config, device=pair[1]))
+                   Engine(model.params, model.config, decode_config, device=pair[1], packed=packed))
         where = f"{pair[0]} (prefill) and {pair[1]} (decode), disaggregated"
     for engine in engines:
         cfg = engine.config
@@ -422,9 +469,9 @@ def build_from_flags(warm: bool = True) -> Runtime:
             f"to {cfg.num_slots} sequences of up to {cfg.max_seq_len} tokens; KV pool "
             f"{engine.num_pages} pages x {cfg.page_size} tokens = {engine.num_pages * cfg.page_size} "
             f"tokens, {engine.kv_cache_bytes / 2**20:.0f} MiB"
-            + ("; int8 weights" if _WEIGHTS.value == "int8" else "")
-            + (f"; decode on the CPU kernels, over a blocked copy of the weights "
-               f"(+{cast_bytes(model.params, cfg.dtype) / 2**20:.0f} MiB)"
+            + (f"; {_WEIGHTS.value} weights" if _WEIGHTS.value in GROUPED_WEIGHTS else "")
+            + (f"; decode on the CPU kernels, over {describe_decode_weights(model, packed)} "
+               f"(+{cpu_kernels.blocked_bytes(engine.decode_params) / 2**20:.0f} MiB)"
                if cfg.decode_matmul == "cpu" and cfg.role != "prefill" else ""),
             file=sys.stderr,
         )

@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from cadence.checkpoints.errors import CheckpointError
-from cadence.checkpoints.gguf import load_gguf, permute_rope_rows
+from cadence.checkpoints.gguf import load_gguf, load_packed, permute_rope_rows
 from cadence.model import params as params_lib
 from cadence.model.config import TINY
 from cadence.model.params import param_specs
 from tests.conftest import random_params
+from cadence.scheduler.request import GenerationParams
+from tests.test_engine import make_scheduler, needs_cpu_kernels, run_all
 from tests.test_model import full_logits
 
 Q = gguf.GGMLQuantizationType
@@ -52,9 +54,14 @@ def write_gguf(path: Path, config, params, quantize: bool, arch: str = "llama") 
 
 
 def _qtype(spec) -> gguf.GGMLQuantizationType:
-    """The quantized file's type per tensor, as llama.cpp's Q4_1 mixes choose them."""
+    """The quantized file's type per tensor, as llama.cpp's Q4_1 mixes choose them, with one
+    Q4_0 and one Q5_0 (a format the CPU kernels do not read: it is dequantized)."""
     if len(spec.shape) == 1:
         return Q.F32  # norms and biases stay float
+    if spec.gguf_name == "blk.1.attn_v.weight":
+        return Q.Q5_0
+    if spec.gguf_name.endswith("ffn_down.weight"):
+        return Q.Q4_0
     return Q.Q8_0 if spec.gguf_name.endswith(("token_embd.weight", "attn_output.weight")) else Q.Q4_1
 
 
@@ -112,6 +119,68 @@ def test_quantized_round_trip_matches_dequantized_weights_and_logits(tmp_path, t
     np.testing.assert_allclose(
         full_logits(params, config, tokens), full_logits(want, TINY, tokens), rtol=1e-4, atol=1e-3
     )
+
+
+def test_packed_matrices_are_the_files_blocks_as_they_are(tmp_path, tiny_params):
+    """Every Q8_0 / Q4_0 / Q4_1 matrix comes back in the kernels' grouped layout, holding
+    exactly the values the dequantizing loader gives (q/k rows unpermuted alike; the tied
+    embedding as the head's [in, out]); the Q5_0 one is left to the float tree."""
+    from cadence.model import cpu_kernels
+
+    path = tmp_path / "tiny-q.gguf"
+    write_gguf(path, TINY, tiny_params, quantize=True)
+    config, floats, _ = load_gguf(path)
+    packed = load_packed(path, config)
+    kinds = {spec.path: _qtype(spec).name for spec in param_specs(TINY) if len(spec.shape) == 2}
+    assert ("layers_1", "attn", "v", "kernel") not in packed
+    assert {p: kind for p, (_, kind) in packed.items()} == {
+        p: kind for p, kind in kinds.items() if kind != "Q5_0"}
+    assert {kind for _, kind in packed.values()} == {"Q8_0", "Q4_0", "Q4_1"}
+    for p, (blocks, kind) in packed.items():
+        want = params_lib.get(floats, p)
+        want = want.T if p[-1] == "embedding" else want
+        np.testing.assert_array_equal(cpu_kernels.unpack_grouped(blocks, want.shape[1]), want, err_msg=str(p))
+
+
+def test_converted_checkpoints_keep_the_packed_matrices(tmp_path, tiny_params):
+    from cadence.checkpoints import store
+
+    path = tmp_path / "tiny-q.gguf"
+    write_gguf(path, TINY, tiny_params, quantize=True)
+    config, floats, _ = load_gguf(path)
+    packed = load_packed(path, config)
+    store.save_converted(tmp_path / "converted", config, floats, packed=packed)
+    back = store.load_packed(tmp_path / "converted")
+    assert set(back) == set(packed)
+    for p, (blocks, kind) in packed.items():
+        assert back[p][1] == kind
+        np.testing.assert_array_equal(back[p][0], blocks)
+    store.save_converted(tmp_path / "plain", config, floats)
+    assert store.load_packed(tmp_path / "plain") == {}
+
+
+@needs_cpu_kernels
+def test_the_engine_over_the_files_blocks_equals_the_reference(tmp_path, tiny_params, tiny_tokenizer):
+    """Decode on the CPU kernels over the file's own blocks (and the Q5_0 matrix blocked from
+    float), batched and chunked, gives the reference generator's greedy tokens over the float
+    weights they stand for."""
+    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.engine.reference import greedy_generate
+
+    path = tmp_path / "tiny-q.gguf"
+    write_gguf(path, TINY, tiny_params, quantize=True)
+    config, floats, _ = load_gguf(path)
+    packed = {p: blocks for p, (blocks, _) in load_packed(path, config).items()}
+    engine = Engine(floats, config, EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=16,
+                                                 attention="cpu", decode_matmul="cpu", decode_steps=2),
+                    packed=packed)
+    prompts = [list(range(5, 40)), [7, 300, 41, 9], list(range(100, 190))]
+    streams = run_all(make_scheduler(engine, tiny_tokenizer, chunk=16, budget=18),
+                      [(p, GenerationParams(max_tokens=16)) for p in prompts])
+    for prompt, stream in zip(prompts, streams):
+        assert stream.request.output_ids == greedy_generate(floats, config, prompt, 16, tiny_tokenizer.eos_ids)
+    with pytest.raises(ValueError, match="decode_matmul='cpu'"):
+        Engine(floats, config, EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=16), packed=packed)
 
 
 def test_bad_files_get_clear_errors(tmp_path, tiny_params):

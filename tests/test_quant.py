@@ -1,5 +1,6 @@
-"""Weight-only int8 (`model.quant`): the quantizer, the int8 tree against its spec, the model
-over int8 weights against the float model they stand for, and the front doors' --weights."""
+"""Weight-only quantization (`model.quant`): the quantizers (per channel and grouped), the int8
+tree against its spec, the model over int8 weights against the float model they stand for, and
+the front doors' --weights."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from cadence.engine.reference import greedy_generate
 from cadence.model import params as params_lib
 from cadence.model.llama import forward
 from cadence.model.paged_kv import PagedKVCache
-from cadence.model.quant import QMAX, dequantize, quantize, quantize_matrix
+from cadence.model import cpu_kernels
+from cadence.model.quant import (QMAX, dequantize, quantize, quantize_group_matrix, quantize_grouped,
+                                   quantize_matrix)
 from tests.test_disaggregated_engine import cli
 
 
@@ -69,13 +72,64 @@ def test_the_int8_model_computes_the_model_its_weights_stand_for(tiny_params, ti
 
 
 @pytest.mark.slow
-def test_cadence_generate_with_int8_weights_gives_the_dequantized_reference(tiny_model_dir, tiny_params,
-                                                                            tiny_config):
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_cadence_generate_with_quantized_weights_gives_the_dequantized_reference(
+        tiny_model_dir, tiny_params, tiny_config, weights):
+    """On the CPU kernels --weights=int8/int4 are grouped (q8/q4), elsewhere int8 is per
+    channel; either way the output is the reference's over the floats they stand for."""
     result = cli(tiny_model_dir, "cadence.server.generate_cli", "--prompt=The capital of France is",
-                 "--max_tokens=12", "--temperature=0", "--weights=int8", "--decode_steps=4")
+                 "--max_tokens=12", "--temperature=0", f"--weights={weights}", "--decode_steps=4")
+    if weights == "int4" and not cpu_kernels.available():
+        assert result.returncode == 2 and "int4 runs on the CPU decode kernels" in result.stderr
+        return
     assert result.returncode == 0, result.stderr
     tok = Tokenizer.from_hf_dir(tiny_model_dir[0] / "model")
-    floats = dequantize(quantize(tiny_params, tiny_config), tiny_config)
+    if cpu_kernels.available():
+        floats = quantize_grouped(tiny_params, tiny_config, {"int8": "q8", "int4": "q4"}[weights])[0]
+        assert f"matrices in {weights}, a float16 scale per 32 weights" in result.stderr
+    else:
+        floats = dequantize(quantize(tiny_params, tiny_config), tiny_config)
     ids = greedy_generate(floats, tiny_config, tok.encode("The capital of France is"), 12, tok.eos_ids)
     assert result.stdout.rstrip("\n") == tok.decode(ids, skip_special=True)
-    assert "int8 weights" in result.stderr and "compilations_after_warmup: 0" in result.stderr
+    assert f"{weights} weights" in result.stderr and "compilations_after_warmup: 0" in result.stderr
+
+
+def test_int4_is_refused_off_the_cpu_kernels(tiny_model_dir):
+    result = cli(tiny_model_dir, "cadence.server.generate_cli", "--prompt=Hi", "--weights=int4",
+                 "--nocpu_kernels")
+    assert result.returncode == 2
+    assert "--weights=int4 runs on the CPU decode kernels" in result.stderr
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_grouped_quantization_is_within_half_a_step_of_each_weight(fmt):
+    """Each group of 32 rows of a column gets its own float16 scale (q4: and minimum); every
+    weight is within half a step of what it becomes, a constant group included, and the
+    grouped error is below the per-channel int8 one on columns whose magnitude varies."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((128, 40)).astype(np.float32) * np.linspace(0.01, 2, 128, dtype=np.float32)[:, None]
+    w[32:64, 3] = 0.25  # a constant group
+    q, scale, minimum = quantize_group_matrix(w, fmt)
+    assert scale.dtype == np.float16 and scale.shape == (4, 40) and q.shape == w.shape
+    assert (minimum is None) == (fmt == "q8")
+    step = np.repeat(scale.astype(np.float32), 32, axis=0)
+    back = cpu_kernels.unpack_grouped(cpu_kernels.pack_grouped(q, scale, minimum), 40)
+    assert np.all(np.abs(back - w) <= step / 2 + 1e-3 * np.abs(w) + 1e-7)
+    assert np.abs(back[32:64, 3] - 0.25).max() <= 1e-3
+    per_channel, channel_scale = quantize_matrix(w, 1)
+    if fmt == "q8":
+        assert np.abs(back - w).mean() < 0.75 * np.abs(per_channel * channel_scale - w).mean()
+    with pytest.raises(ValueError, match="multiples of 32"):
+        quantize_group_matrix(w[:48], fmt)
+
+
+def test_the_grouped_tree_stands_for_its_packed_matrices(tiny_params, tiny_config):
+    floats, packed = quantize_grouped(tiny_params, tiny_config, "q4")
+    for spec in params_lib.param_specs(tiny_config):
+        array = params_lib.get(floats, spec.path)
+        if spec.path not in packed:
+            assert spec.path[-1] not in params_lib.MATRICES
+            np.testing.assert_array_equal(array, params_lib.get(tiny_params, spec.path))
+            continue
+        matrix = array.T if spec.path[-1] == "embedding" else array
+        np.testing.assert_array_equal(cpu_kernels.unpack_grouped(packed[spec.path], matrix.shape[1]), matrix)

@@ -95,7 +95,7 @@ def penalized_case(smollm2, default_model_cases):
 
 
 @pytest.mark.parametrize("mode", [*(pytest.param(m, marks=pytest.mark.slow) for m in (
-    "colocated", "disaggregated", "tp2", "tp3", "multistep")), "cpu_kernels"])
+    "colocated", "disaggregated", "tp2", "tp3", "multistep")), "cpu_kernels", "gguf_native"])
 def test_engine_matches_reference_on_the_default_model(smollm2, default_model_cases, penalized_case, mode):
     """cadence-generate's path (engine + scheduler, chunked, batched) equals the reference, and
     so does a request with penalties, a logit_bias and logprobs of its prompt (echo's, from the
@@ -103,7 +103,10 @@ def test_engine_matches_reference_on_the_default_model(smollm2, default_model_ca
     disaggregated, with the prefill engine on CPU device 0 and the decode engine on device 1;
     tensor parallel over 2 devices (9 heads: attention replicated, the MLP and vocabulary
     split) and over 3 (3 query heads and one KV head per device); with up to 4 decode steps
-    per dispatch; decoding on the CPU kernels (`model.cpu_kernels`), 4 steps per dispatch."""
+    per dispatch; decoding on the CPU kernels (`model.cpu_kernels`), 4 steps per dispatch; and
+    on the CPU kernels over the file's own Q4_1 and Q8_0 blocks (what cadence-serve runs by
+    default), against the reference over the float32 weights they dequantize to: the same
+    numbers summed in another order, so greedy is the same and logprobs are within 1e-4."""
     import dataclasses
 
     import jax
@@ -115,10 +118,19 @@ def test_engine_matches_reference_on_the_default_model(smollm2, default_model_ca
 
     config = EngineConfig(num_slots=2, max_seq_len=256, prefill_chunk=64, min_kv_bucket=256,
                           decode_steps=4 if mode in ("multistep", "cpu_kernels") else 1,
-                          **(dict(attention="cpu", decode_matmul="cpu") if mode == "cpu_kernels" else {}))
+                          **(dict(attention="cpu", decode_matmul="cpu")
+                             if mode in ("cpu_kernels", "gguf_native") else {}))
+    packed = None
+    if mode == "gguf_native":
+        from cadence.model import cpu_kernels
+
+        if not cpu_kernels.available():
+            pytest.skip(f"the CPU kernels are unavailable: {cpu_kernels.unavailable_reason()}")
+        assert {kind for _, kind in smollm2.packed.values()} == {"Q4_1", "Q8_0"}
+        packed = {path: blocks for path, (blocks, _) in smollm2.packed.items()}
     devices = jax.devices()[:int(mode[2:])] if mode.startswith("tp") else None
     engine = Engine(smollm2.params, smollm2.config, config if mode != "disaggregated" else
-                    dataclasses.replace(config, role="prefill"), devices=devices)
+                    dataclasses.replace(config, role="prefill"), devices=devices, packed=packed)
     decode = None if mode != "disaggregated" else Engine(
         smollm2.params, smollm2.config, dataclasses.replace(config, role="decode"), device=jax.devices()[1])
     sched = Scheduler(engine, smollm2.tokenizer, SchedulerConfig(policy=PolicyConfig(token_budget=66, chunk=64)),
