@@ -4,6 +4,7 @@ default model, `tests/test_real_model.py`."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import jax
@@ -314,3 +315,33 @@ def test_decode_params_read_packed_matrices_in_place_of_blocking(tiny_params, ti
     tree = cpu_kernels.decode_params(tiny_params, mixed)  # q4 and q8 parts do not fuse
     assert {"q", "k", "v"} <= set(tree["layers_0"]["attn"])
     assert cpu_kernels.blocked_bytes(tree) > 0
+
+
+@needs_cpu_kernels
+def test_grouped_matmul_gives_the_same_bits_with_and_without_avx512(tmp_path):
+    """The AVX-512 tile (where the CPU has it) computes each column as the AVX2 one does:
+    CADENCE_CPU_AVX512=0 in a fresh process gives the same bits."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(7)
+    cases = {f"{fmt}-{rows}": (rng.standard_normal((rows, 96), np.float32),
+                               cpu_kernels.pack_grouped(*_grouped(rng, fmt, 96, 40)))
+             for fmt in ("q8", "q4") for rows in (1, 6)}
+    np.savez(tmp_path / "cases.npz", **{f"{k}-{part}": a for k, (x, w) in cases.items()
+                                        for part, a in (("x", x), ("w", w))})
+    script = (
+        "import sys, numpy as np, jax.numpy as jnp\n"
+        "from cadence.model import cpu_kernels\n"
+        "c = np.load(sys.argv[1])\n"
+        "keys = sorted({k.rsplit('-', 1)[0] for k in c.files})\n"
+        "np.savez(sys.argv[2], **{k: np.asarray(cpu_kernels.blocked_matmul(jnp.asarray(c[k + '-x']), "
+        "jnp.asarray(c[k + '-w']), 40)) for k in keys})\n")
+    outs = []
+    for env in ({}, {"CADENCE_CPU_AVX512": "0"}):
+        out = tmp_path / f"out{len(outs)}.npz"
+        subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.npz"), str(out)],
+                       check=True, env={**os.environ, **env}, timeout=300)
+        outs.append(np.load(out))
+    for key in cases:
+        np.testing.assert_array_equal(outs[0][key], outs[1][key], err_msg=key)
