@@ -119,7 +119,9 @@ class Workers {
       auto since = std::chrono::steady_clock::now();
       for (int spins = 0; current_id_.load(std::memory_order_relaxed) == seen; ++spins) {
         _mm_pause();
-        if ((spins & 255) == 255 && std::chrono::steady_clock::now() - since > kSpin) {
+        if ((spins & 63) != 63) continue;
+        std::this_thread::yield();  // a thread waiting for this core (the host's) runs first
+        if (std::chrono::steady_clock::now() - since > kSpin) {
           std::unique_lock<std::mutex> lock(sleep_);
           sleepers_.fetch_add(1);
           wake_.wait(lock, [&] { return current_id_.load() != seen; });

@@ -2,6 +2,7 @@
 
     if cpu_kernels.available():
         tree = cpu_kernels.decode_params(params)     # once: matrices blocked for the kernel
+        tree = cpu_kernels.decode_params(params, packed)  # or some already packed in groups
         y = cpu_kernels.blocked_matmul(x, blocked, n)  # x [..., K] @ W [K, n]
         q, k, v = cpu_kernels.fused_matmul(x, tree[...]["qkv"], (nq, nk, nv))  # one call
         out = cpu_kernels.paged_decode(q, k_pages, v_pages, page_table, q_positions)
@@ -16,21 +17,29 @@ in reading the pages. The kernels read each byte once, in memory order:
   output columns is contiguous, so a block streams once while up to four rows accumulate in
   registers, and no packing happens at run time. Over int8 weights (`model.quant`) it widens
   each block in registers and scales the sums per column, so it reads a quarter of the bytes
-  (XLA:CPU materializes the conversion instead: `bench/results/int8-cpu/`). The layout is made once, when an engine
+  (XLA:CPU materializes the conversion instead: `bench/results/int8-cpu/`). Over weights
+  quantized in groups of 32 input rows (`pack_grouped`: GGUF's Q8_0 / Q4_0 / Q4_1 blocks as
+  the file stores them, or `model.quant.quantize_grouped`), each group of a block is one record
+  of float16 scales (and minimums) and int8 or 4-bit codes; the kernel widens the codes in
+  registers, sums them against x and scales each group's sums once: the numbers of the float32
+  kernel over the dequantized weights, summed in another order, from an eighth to a quarter of
+  the bytes, with AVX-512 where the CPU has it. The layout is made once, when an engine
   places its weights; prefill's large GEMMs stay on XLA over the [K, N] weights, where XLA is
   compute-bound and fast (and slower over the blocked layout), so an engine that uses the
   kernel holds each matrix twice.
 - `paged_decode` is `model.paged_attention`'s interface for one query token per row: per (row,
   KV head), the row's pages up to its position, online softmax in float32.
 
-Both compute in float32, and each is checked against its XLA twin (`tests/test_cpu_kernels.py`);
-the engine that runs them against the reference generator.
+They compute in float32, and each is checked against its XLA twin or NumPy
+(`tests/test_cpu_kernels.py`); the engine that runs them against the reference generator. Their
+work is split between the calling thread and workers of their own, which spin between the
+~150 kernel calls of a decode step rather than sleep (`cpu_kernels.cc`'s `Workers`).
 
 Building: the first use compiles `cpu_kernels.cc` with the system's C++ compiler (`$CXX`, else
 `c++`) against the XLA FFI headers jaxlib ships, into `$CADENCE_CACHE/kernels/` under a name
 that hashes the source, the flags and the jaxlib version (a few seconds, once), loads it with
-ctypes and registers its two handlers with `jax.ffi`. Where that cannot work (not x86-64 with
-AVX2 and FMA, no compiler, `CADENCE_CPU_KERNELS=0`), `available()` is False,
+ctypes and registers its handlers with `jax.ffi`. Where that cannot work (not x86-64 with
+AVX2, FMA and F16C, no compiler, `CADENCE_CPU_KERNELS=0`), `available()` is False,
 `unavailable_reason()` says why, and the front doors use XLA's paths.
 """
 

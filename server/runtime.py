@@ -352,7 +352,8 @@ def describe_decode_weights(model: LoadedModel, packed) -> str:
         return f"{len(matrices)} matrices in {_WEIGHTS.value}, a float16 scale per 32 weights"
     own = collections.Counter(model.packed[p][1] for p in matrices if p in (packed or {}))
     rest = len(matrices) - sum(own.values())
-    parts = [f"{n} matrices in the checkpoint's own {kind}" for kind, n in sorted(own.items())]
+    parts = [f"{n} {'matrix' if n == 1 else 'matrices'} in the checkpoint's own {kind}"
+             for kind, n in sorted(own.items())]
     if rest:
         parts.append(f"{rest} blocked from float32"
                      + (" (--weights=auto reads a GGUF's Q8_0/Q4_0/Q4_1 as they are)"

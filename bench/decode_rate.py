@@ -1,0 +1,103 @@
+"""Decode rate as a client sees it: one stream alone, then several at once, on any server.
+
+    python -m cadence.bench.decode_rate --base_url=http://127.0.0.1:8000/v1 --concurrency=1,8 \
+        --out=bench/results/weights-cpu/cadence-auto.json
+
+Each round sends `concurrency` identical streaming chat requests at once (a short prompt,
+`max_tokens` output with `ignore_eos`, temperature 0), `--rounds` times, one round after the
+other. Per stream, the decode rate is (completion tokens - 1) / (last text - first text): the
+time to first token is left out, so it is the rate of the decode steps. A round's aggregate
+is every stream's tokens over the round's wall time (first token included). Token counts are
+the server's `usage`, never re-tokenized. Works against cadence and llama.cpp's llama-server
+alike (`--extra_body='{"cache_prompt": false}'` keeps llama-server from reusing the prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import logging
+
+from absl import app, flags
+
+_BASE_URL = flags.DEFINE_string("base_url", "http://127.0.0.1:8000/v1", "OpenAI-compatible base URL.")
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model name sent in requests.")
+_CONCURRENCY = flags.DEFINE_list("concurrency", ["1", "8"], "Streams per round, one setting after another.")
+_ROUNDS = flags.DEFINE_integer("rounds", 5, "Rounds per concurrency.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 256, "Output tokens per stream.")
+_PROMPT = flags.DEFINE_string("prompt", "Write a long story about a lighthouse keeper and the sea.",
+                              "The user message.")
+_EXTRA_BODY = flags.DEFINE_string("extra_body", "{}", "JSON object merged into every request.")
+_LABEL = flags.DEFINE_string("label", None, "Name of this server in the output.")
+_OUT = flags.DEFINE_string("out", None, "Where to write the JSON results.")
+
+
+def one_stream(client: httpx.Client, body: dict, out: list, index: int) -> None:
+    start = time.perf_counter()
+    times, usage = [], None
+    with client.stream("POST", f"{_BASE_URL.value.rstrip('/')}/chat/completions", json=body) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"HTTP {reply.status_code}: {reply.read()[:500]!r}")
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            message = json.loads(line[6:])
+            usage = message.get("usage") or usage
+            if any((c.get("delta") or {}).get("content") for c in message.get("choices", [])):
+                times.append(time.perf_counter())
+    tokens = (usage or {}).get("completion_tokens")
+    if not tokens or len(times) < 2:
+        raise RuntimeError(f"stream {index} returned {len(times)} text messages and usage {usage}")
+    out[index] = {"tokens": tokens, "ttft_s": times[0] - start,
+                  "decode_tok_s": (tokens - 1) / (times[-1] - times[0]), "end": times[-1]}
+
+
+def run_round(client: httpx.Client, body: dict, streams: int) -> dict:
+    out: list = [None] * streams
+    start = time.perf_counter()
+    threads = [threading.Thread(target=one_stream, args=(client, body, out, i)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if any(o is None for o in out):
+        raise RuntimeError("a stream failed (see above)")
+    wall = max(o["end"] for o in out) - start
+    return {"streams": streams, "aggregate_tok_s": sum(o["tokens"] for o in out) / wall,
+            "per_stream_decode_tok_s": [o["decode_tok_s"] for o in out],
+            "ttft_s": [o["ttft_s"] for o in out]}
+
+
+def main(argv) -> None:
+    del argv
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    body = {"model": _MODEL.value, "messages": [{"role": "user", "content": _PROMPT.value}],
+            "max_tokens": _MAX_TOKENS.value, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, **json.loads(_EXTRA_BODY.value)}
+    results = {"label": _LABEL.value, "base_url": _BASE_URL.value, "max_tokens": _MAX_TOKENS.value,
+               "settings": []}
+    with httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
+        run_round(client, dict(body, max_tokens=8), 1)  # a first request: nothing cold in the rounds
+        for streams in map(int, _CONCURRENCY.value):
+            rounds = [run_round(client, body, streams) for _ in range(_ROUNDS.value)]
+            per_stream = [r for rd in rounds for r in rd["per_stream_decode_tok_s"]]
+            setting = {"streams": streams, "rounds": rounds,
+                       "median_stream_decode_tok_s": statistics.median(per_stream),
+                       "median_aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in rounds)}
+            results["settings"].append(setting)
+            print(f"{_LABEL.value or _BASE_URL.value}: {streams} stream(s): per-stream decode "
+                  f"{setting['median_stream_decode_tok_s']:.1f} tok/s (median of {len(per_stream)}), "
+                  f"aggregate {setting['median_aggregate_tok_s']:.1f} tok/s (median of {len(rounds)} rounds)",
+                  flush=True)
+    if _OUT.value:
+        Path(_OUT.value).parent.mkdir(parents=True, exist_ok=True)
+        Path(_OUT.value).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)
