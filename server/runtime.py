@@ -129,8 +129,8 @@ _WEIGHTS = flags.DEFINE_enum(
     "float: every matrix in --dtype (a GGUF's blocks dequantized); int8, int4: every matrix "
     "quantized when loaded, weight-only (activations and the KV cache stay in --dtype): on the "
     "CPU kernels in groups of 32 weights with a float16 scale (int4 also a minimum, as GGUF's "
-    "Q8_0 and Q4_1), decode reading them and prefill what they stand for; elsewhere int8 has a "
-    "scale per output channel, and int4 is refused.")
+    "Q8_0 and Q4_1; int4 keeps a tied LM head in int8), decode reading them and prefill what "
+    "they stand for; elsewhere int8 has a scale per output channel, and int4 is refused.")
 _DTYPE = flags.DEFINE_enum(
     "dtype", None, ["float32", "bfloat16"], "Compute dtype (default: bfloat16 on GPU, float32 on CPU)."
 )
@@ -349,7 +349,8 @@ def describe_decode_weights(model: LoadedModel, packed) -> str:
     matrices = [s.path for s in param_specs(model.config) if s.path[-1] in MATRICES
                 and (s.path[-1] != "embedding" or model.config.tie_embeddings)]
     if _WEIGHTS.value in GROUPED_WEIGHTS:
-        return f"{len(matrices)} matrices in {_WEIGHTS.value}, a float16 scale per 32 weights"
+        head = " (the tied LM head in int8)" if _WEIGHTS.value == "int4" and model.config.tie_embeddings else ""
+        return f"{len(matrices)} matrices in {_WEIGHTS.value}{head}, a float16 scale per 32 weights"
     own = collections.Counter(model.packed[p][1] for p in matrices if p in (packed or {}))
     rest = len(matrices) - sum(own.values())
     parts = [f"{n} {'matrix' if n == 1 else 'matrices'} in the checkpoint's own {kind}"
