@@ -21,7 +21,10 @@ each section written to the JSON file as soon as it is done (so a run cut short 
 4. the engine's own prefill and decode programs for the Llama-3-8B shape with random bf16
    weights and `attention="pallas"`: a 4k-token prefill (TFLOP/s against the matmul ceiling)
    and decode steps at 1-64 active slots (against the roofline (weights + live KV) / copy GB/s),
-   with the host's dispatch time per step.
+   with the host's dispatch time per step;
+5. the weight-only grouped matmul (`model.pallas_quant`, int8 and int4 in groups of 32) at
+   decode's 1-32 rows over Llama-3-8B's MLP and SmolLM2's matrices, against XLA's bf16 matmul
+   over the same weights dequantized: GB/s of the weights' bytes, and the largest difference.
 
 Kernel times come from a chain of calls inside one jitted program (each call's input depends on
 the previous output), so Python dispatch does not hide a 10-microsecond kernel.
@@ -541,6 +544,54 @@ def evaluate(results: dict) -> dict:
             for k, v in verdict.items()}
 
 
+# -- 5. the weight-only grouped matmul -----------------------------------------------------------
+
+QUANT_SHAPES = {"llama3-8b-up": (4096, 14336), "llama3-8b-down": (14336, 4096), "smollm2-up": (576, 1536)}
+
+
+def bench_quant_matmul(results: dict, write) -> None:
+    """Each format's kernel time per call in a chain, its weight bytes over that time, beside
+    XLA's bfloat16 matmul over the dequantized weights."""
+    from cadence.model.pallas_quant import dequantize_gpu, grouped_matmul, pack_gpu
+    from cadence.model.quant import quantize_group_matrix
+
+    interpret = jax.default_backend() != "gpu"
+    rng = np.random.default_rng(0)
+    shapes = {"tiny": (64, 48)} if _SMOKE.value else QUANT_SHAPES
+    results["quant_matmul"] = []
+    for name, (k, n) in shapes.items():
+        w = rng.standard_normal((k, n)).astype(np.float32) * 0.02
+        for fmt in ("q8", "q4"):
+            packed = pack_gpu(*quantize_group_matrix(w, fmt))
+            dense = jnp.asarray(dequantize_gpu(packed), jnp.bfloat16)
+            on_device = jax.tree.map(jnp.asarray, packed)
+            weight_bytes = sum(a.nbytes for a in packed.values())
+            for rows in ([2] if _SMOKE.value else [1, 8, 32]):
+                if over_deadline():
+                    return
+                x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+                # Each call's output, summed, nudges the next call's input (`chained`).
+                kernel = lambda x, w=on_device: grouped_matmul(  # noqa: E731
+                    x, w, interpret=interpret).sum(keepdims=True).astype(x.dtype)
+                xla = lambda x, d=dense: jnp.dot(  # noqa: E731
+                    x, d, preferred_element_type=jnp.float32).sum(keepdims=True).astype(x.dtype)
+                point = {"shape": name, "k": k, "n": n, "format": fmt, "rows": rows, "weight_bytes": weight_bytes}
+                calls = 1 if _SMOKE.value else 20
+                try:
+                    point["kernel_s"] = kernel_seconds(kernel, [x], calls)
+                    point["kernel_gb_s"] = weight_bytes / point["kernel_s"] / 1e9
+                    point["xla_bf16_s"] = kernel_seconds(xla, [x], calls)
+                    point["xla_bf16_gb_s"] = dense.nbytes / point["xla_bf16_s"] / 1e9
+                    got = np.asarray(grouped_matmul(x, on_device, interpret=interpret))
+                    want = np.asarray(jnp.dot(x, dense, preferred_element_type=jnp.float32))
+                    point["max_abs_diff_vs_xla"] = float(np.max(np.abs(got - want)))
+                except Exception as e:  # noqa: BLE001 - record it, keep the rest
+                    point["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                results["quant_matmul"].append(point)
+                print(json.dumps(point))
+                write()
+
+
 def main(argv) -> None:
     del argv
     device = jax.devices()[0]
@@ -578,6 +629,11 @@ def main(argv) -> None:
             bench_engine(results, ceilings, write)
         except Exception as e:  # noqa: BLE001 - keep everything measured so far
             results["engine_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+    if not over_deadline():
+        try:
+            bench_quant_matmul(results, write)
+        except Exception as e:  # noqa: BLE001
+            results["quant_matmul_error"] = f"{type(e).__name__}: {str(e)[:500]}"
     if not over_deadline():
         try:
             bench_tensor_parallel(results, write)
