@@ -34,7 +34,8 @@ from cadence.checkpoints.registry import load_model
 from cadence.engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig, fixed_page_tables, sampling_rows
 from cadence.engine.packing import PrefillChunk
 from cadence.model.params import cast_bytes
-from cadence.model.quant import quantize
+from cadence.model import cpu_kernels
+from cadence.model.quant import quantize, quantize_grouped
 from cadence.model.sampling import RequestSampling, SamplingRows
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model to benchmark.")
@@ -50,8 +51,11 @@ _DECODE_STEPS = flags.DEFINE_list("decode_steps", ["1"], "Decode steps per dispa
                                   "a point's step time is its dispatch's time / k.")
 _PAGE = flags.DEFINE_integer("page_size", DEFAULT_PAGE_SIZE, "KV page size (tokens).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute and KV dtype.")
-_WEIGHTS = flags.DEFINE_enum("weights", "float", ["float", "int8"],
-                             "float32 weights, or int8 with per-channel scales (`model.quant`).")
+_WEIGHTS = flags.DEFINE_enum(
+    "weights", "float", ["float", "int8", "gguf", "int8-grouped", "int4-grouped"],
+    "float; int8 (per output channel); with --decode_matmul=cpu also gguf (the checkpoint's own "
+    "block-quantized matrices) and int8-grouped / int4-grouped (groups of 32), the floor then "
+    "counting the bytes decode reads.")
 _ATTENTION = flags.DEFINE_string("attention", "xla", "Attention implementation (xla, cpu, pallas, reference).")
 _DECODE_MATMUL = flags.DEFINE_enum("decode_matmul", "xla", ["xla", "cpu"],
                                    "Decode's matmuls: XLA's, or the CPU kernel (`model.cpu_kernels`).")
@@ -120,7 +124,13 @@ def main(argv) -> None:
     print(f"machine: {machine['bandwidth_gb_s']:.1f} GB/s read, {machine['matmul_gflop_s']:.0f} GFLOP/s matmul")
     model = load_model(_MODEL.value)
     cfg = model.config
-    params = quantize(model.params, cfg) if _WEIGHTS.value == "int8" else model.params
+    params, packed = model.params, None
+    if _WEIGHTS.value == "int8":
+        params = quantize(model.params, cfg)
+    elif _WEIGHTS.value == "gguf":
+        packed = {path: blocks for path, (blocks, _) in model.packed.items()}
+    elif _WEIGHTS.value.endswith("-grouped"):
+        params, packed = quantize_grouped(model.params, cfg, {"int8-grouped": "q8", "int4-grouped": "q4"}[_WEIGHTS.value])
     weight_bytes = cast_bytes(params, _DTYPE.value)
     results = {"decode": [], "prefill": []}
     probe = roofline.bandwidth_probe()  # one 256 MiB array and program for every point
@@ -128,7 +138,10 @@ def main(argv) -> None:
         engine = Engine(params, cfg, EngineConfig(
             num_slots=slots, max_seq_len=_MAX_SEQ.value, prefill_chunk=_CHUNK.value,
             page_size=_PAGE.value, decode_steps=max(map(int, _DECODE_STEPS.value)), dtype=_DTYPE.value,
-            attention=_ATTENTION.value, decode_matmul=_DECODE_MATMUL.value))
+            attention=_ATTENTION.value, decode_matmul=_DECODE_MATMUL.value), packed=packed)
+        if _DECODE_MATMUL.value == "cpu":  # what decode reads: the blocked (or packed) matrices
+            weight_bytes = cpu_kernels.blocked_bytes(engine.decode_params) + sum(
+                a.nbytes for a in jax.tree.leaves(engine.decode_params) if a.ndim == 1)
         rows = sampling_rows([RequestSampling()] * slots)
         tables = fixed_page_tables(engine.config)  # each slot a run of pages, as if allocated
         for slot in range(slots):  # what the penalties read: a prompt's worth of history
