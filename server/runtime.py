@@ -356,7 +356,7 @@ def describe_decode_weights(model: LoadedModel, packed) -> str:
     parts = [f"{n} {'matrix' if n == 1 else 'matrices'} in the checkpoint's own {kind}"
              for kind, n in sorted(own.items())]
     if rest:
-        parts.append(f"{rest} blocked from float32"
+        parts.append(f"{rest} {'matrix' if rest == 1 else 'matrices'} blocked from float32"
                      + (" (--weights=auto reads a GGUF's Q8_0/Q4_0/Q4_1 as they are)"
                         if _WEIGHTS.value != "auto" and model.packed else ""))
     return ", ".join(parts)
