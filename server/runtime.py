@@ -120,8 +120,8 @@ _CPU_KERNELS = flags.DEFINE_bool(
     "cpu_kernels", True,
     "On the CPU, decode with cadence's C++ kernels (model/cpu_kernels.cc, built once with the "
     "system's compiler): paged attention, and the matmuls over a blocked copy of the weights "
-    "(float32 or int8; the weights' memory twice). float32 compute on one device; false: XLA's "
-    "paths.")
+    "(float32, int8, or a GGUF's own blocks: --weights). float32 compute on one device; false: "
+    "XLA's paths.")
 _WEIGHTS = flags.DEFINE_enum(
     "weights", "auto", ("auto", "float", "int8", "int4"),
     "auto: where decode runs on the CPU kernels, the matrices a GGUF checkpoint stores "
