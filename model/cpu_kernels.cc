@@ -373,34 +373,7 @@ inline void grouped_tile(const float* x, const float* xsum, int64_t K, const uin
   }
 }
 
-// Blocks [first, last) for all M rows, as matmul_blocks.
-template <bool kQ4>
-void grouped_blocks(const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
-                    float* y, int64_t N, int64_t first, int64_t last) {
-  const int64_t groups = K / kGroup;
-  const int64_t run = groups * (kQ4 ? kQ4Record : kQ8Record);  // bytes per block
-  const uint64_t passes = (M + 3) / 4;
-  const uint64_t share = ((uint64_t{1} << 32) + passes - 1) / passes;
-  const int64_t lead = passes == 1 ? kPrefetchBytes : run;
-  for (int64_t b = first; b < last; ++b) {
-    const uint8_t* wb = w + b * run;
-    const uintptr_t ahead = reinterpret_cast<uintptr_t>(wb) + lead;
-    float* yb = y + b * kBlock;
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
-      grouped_tile<4, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, m / 4 * run, share);
-    }
-    const uint64_t start = m / 4 * run;
-    switch (M - m) {
-      case 3: grouped_tile<3, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
-      case 2: grouped_tile<2, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
-      case 1: grouped_tile<1, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
-      default: break;
-    }
-  }
-}
-
-// The same tile with AVX-512, where the CPU has it (`grouped_blocks` picks at run time): a
+// The same tile with AVX-512, where the CPU has it (`GroupedMatmul` picks at run time): a
 // block's 16 columns are one 16-lane register, so each k-row is one widening, one conversion
 // and one FMA per row where AVX2 needs two of each. Every lane computes what the AVX2 lane of
 // its column computes, in the same order: the results are the same bits.
@@ -453,13 +426,24 @@ CADENCE_AVX512 inline void grouped_tile512(const float* x, const float* xsum, in
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * N, acc[m]);
 }
 
-// grouped_blocks' loop over the AVX-512 tile.
-template <bool kQ4>
-CADENCE_AVX512 void grouped_blocks512(const float* x, const float* xsum, int64_t M, int64_t K,
-                                      const uint8_t* w, float* y, int64_t N, int64_t first,
-                                      int64_t last) {
+// One tile of rows [0, MR): AVX-512's or AVX2's. The loop below is compiled for AVX2 alone, so
+// the AVX-512 tile is called, not inlined: a call per block and four rows.
+template <bool kWide, int MR, bool kQ4>
+inline void tile(const float* x, const float* xsum, int64_t K, const uint8_t* w, float* y,
+                 int64_t N, uintptr_t ahead, uint64_t start, uint64_t share) {
+  if constexpr (kWide) {
+    grouped_tile512<MR, kQ4>(x, xsum, K, w, y, N, ahead, start, share);
+  } else {
+    grouped_tile<MR, kQ4>(x, xsum, K, w, y, N, ahead, start, share);
+  }
+}
+
+// Blocks [first, last) for all M rows, as matmul_blocks.
+template <bool kWide, bool kQ4>
+void grouped_blocks(const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+                    float* y, int64_t N, int64_t first, int64_t last) {
   const int64_t groups = K / kGroup;
-  const int64_t run = groups * (kQ4 ? kQ4Record : kQ8Record);
+  const int64_t run = groups * (kQ4 ? kQ4Record : kQ8Record);  // bytes per block
   const uint64_t passes = (M + 3) / 4;
   const uint64_t share = ((uint64_t{1} << 32) + passes - 1) / passes;
   const int64_t lead = passes == 1 ? kPrefetchBytes : run;
@@ -469,13 +453,13 @@ CADENCE_AVX512 void grouped_blocks512(const float* x, const float* xsum, int64_t
     float* yb = y + b * kBlock;
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) {
-      grouped_tile512<4, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, m / 4 * run, share);
+      tile<kWide, 4, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, m / 4 * run, share);
     }
     const uint64_t start = m / 4 * run;
     switch (M - m) {
-      case 3: grouped_tile512<3, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
-      case 2: grouped_tile512<2, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
-      case 1: grouped_tile512<1, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
+      case 3: tile<kWide, 3, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
+      case 2: tile<kWide, 2, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
+      case 1: tile<kWide, 1, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
       default: break;
     }
   }
@@ -519,9 +503,9 @@ ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const bool wide = use_avx512();
   parallel_for(pool, blocks, grain, [=](int64_t first, int64_t last) {
     if (wide) {
-      grouped_blocks512<kQ4>(xp, xsum, M, K, wp, yp, N, first, last);
+      grouped_blocks<true, kQ4>(xp, xsum, M, K, wp, yp, N, first, last);
     } else {
-      grouped_blocks<kQ4>(xp, xsum, M, K, wp, yp, N, first, last);
+      grouped_blocks<false, kQ4>(xp, xsum, M, K, wp, yp, N, first, last);
     }
   });
   return ffi::Error::Success();
