@@ -28,7 +28,6 @@ import platform
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 

@@ -192,14 +192,15 @@ def load_packed(path: str | Path, config: ModelConfig) -> dict[tuple[str, ...], 
     LM head's matrix (the embedding transposed: its rows are the head's output columns)."""
     reader = gguf.GGUFReader(Path(path))
     tensors = {t.name: t for t in reader.tensors}
-    permute = read_fields(reader).get("general.architecture") == "llama"
+    arch = reader.fields.get("general.architecture")  # only this field: not the vocabulary's
+    permute = arch is not None and arch.contents() == "llama"
     out = {}
     for spec in param_specs(config):
         t = tensors.get(spec.gguf_name)
         kind = t.tensor_type.name if t is not None else None
         if spec.path[-1] not in MATRICES or kind not in PACKABLE:
             continue
-        rows, columns = spec.stored_shape if spec.transpose else spec.shape  # GGUF [out, in]
+        rows, columns = spec.stored_shape  # GGUF [out, in]
         if spec.path[-1] == "embedding" and not config.tie_embeddings:
             continue  # a lookup table only: the untied head is lm_head's own matrix
         q, scale, minimum = unpack_blocks(t.data, kind, columns)

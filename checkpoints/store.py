@@ -34,7 +34,7 @@ from absl import logging
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.hf import Params
 from cadence.model.config import ModelConfig
-from cadence.model.params import abstract_params
+from cadence.model.params import abstract_params, nest
 
 Shardings = Callable[[ModelConfig], Any]
 FORMAT_VERSION = 2  # 2: packed/
@@ -65,7 +65,7 @@ def save_converted(folder: str | Path, config: ModelConfig, params: Params,
         with _quiet(), ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp / "params", params)
             if packed:
-                checkpointer.save(tmp / "packed", _nest({p: a for p, (a, _) in packed.items()}))
+                checkpointer.save(tmp / "packed", nest((p, a) for p, (a, _) in packed.items()))
         for name, data in tokenizer_files.items():
             (tmp / name).write_bytes(data)
         marker = {"format_version": FORMAT_VERSION, "source": source, "dtype": "float32",
@@ -116,28 +116,16 @@ def load_packed(folder: str | Path) -> Packed:
     entries = read_marker(folder).get("packed") or {}
     if not entries:
         return {}
-    target = _nest({tuple(key.split("/")): jax.ShapeDtypeStruct(tuple(e["shape"]), np.uint8)
-                    for key, e in entries.items()})
+    target = nest((tuple(key.split("/")), jax.ShapeDtypeStruct(tuple(e["shape"]), np.uint8))
+                  for key, e in entries.items())
     with _quiet(), ocp.StandardCheckpointer() as checkpointer:
         try:
             arrays = checkpointer.restore(folder / "packed", target)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{folder / 'packed'} is unreadable ({e}); delete {folder} "
                                   "and convert again") from e
-    flat = {tuple(str(getattr(k, "key", k)) for k in path): np.asarray(leaf)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]}
-    return {path: (flat[path], entries["/".join(path)]["type"]) for path in flat}
-
-
-def _nest(flat: dict[tuple[str, ...], Any]) -> dict[str, Any]:
-    """A nested dict of `flat`'s leaves by their paths."""
-    tree: dict[str, Any] = {}
-    for path, leaf in flat.items():
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = leaf
-    return tree
+    return {path: (np.asarray(leaf), entries["/".join(path)]["type"])
+            for path, leaf in _flatten(arrays).items()}
 
 
 def is_converted(folder: str | Path) -> bool:
@@ -177,11 +165,15 @@ def load_tokenizer_files(folder: str | Path) -> dict[str, bytes]:
     return {name: (folder / name).read_bytes() for name in read_marker(folder)["tokenizer_files"]}
 
 
+def _flatten(tree: Any) -> dict[tuple[str, ...], Any]:
+    """A pytree's leaves by their paths of keys."""
+    return {tuple(str(getattr(k, "key", k)) for k in path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def _shapes(tree: Any) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
     """Flattens a pytree of arrays (or array metadata) to path → (shape, dtype)."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {tuple(str(getattr(k, "key", k)) for k in path):
-            (tuple(leaf.shape), np.dtype(leaf.dtype)) for path, leaf in leaves}
+    return {path: (tuple(leaf.shape), np.dtype(leaf.dtype)) for path, leaf in _flatten(tree).items()}
 
 
 def _check_tree(found: dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]],

@@ -147,12 +147,17 @@ def _float_specs(config: ModelConfig) -> list[ParamSpec]:
 
 def build_tree(specs: Iterable[ParamSpec], leaf: Callable[[ParamSpec], Any]) -> dict[str, Any]:
     """The nested dict with `leaf(spec)` at each spec's path."""
+    return nest((spec.path, leaf(spec)) for spec in specs)
+
+
+def nest(leaves: Iterable[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
+    """The nested dict with each leaf at its path."""
     tree: dict[str, Any] = {}
-    for spec in specs:
+    for path, leaf in leaves:
         node = tree
-        for key in spec.path[:-1]:
+        for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[spec.path[-1]] = leaf(spec)
+        node[path[-1]] = leaf
     return tree
 
 
