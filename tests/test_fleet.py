@@ -95,7 +95,7 @@ def served(f: Fleet) -> list[int]:
 
 @needs_router
 def test_through_the_router_answers_equal_direct_calls_and_the_gauges_move(tiny_model_dir, tmp_path):
-    with tiny_fleet(tiny_model_dir, tmp_path, "round_robin") as f:
+    with tiny_fleet(tiny_model_dir, tmp_path, "round_robin", max_seq_len=512) as f:
         direct = f.replicas[0].url
         info = httpx.get(f"{direct}/server_info", timeout=10).json()
         assert info["served_model_name"].endswith("model") and info["dp_size"] == 1
@@ -121,7 +121,8 @@ def test_through_the_router_answers_equal_direct_calls_and_the_gauges_move(tiny_
 
         # The vLLM-named gauges a router reads move while a routed request runs, and fall back.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            long = pool.submit(streamed_text, f.router_url, "a long one", 230)
+            # LONG tokens: the CPU kernels decode the tiny model's 230 before a poll might see them
+            long = pool.submit(streamed_text, f.router_url, "a long one", LONG)
             seen = None  # the replicas' loads, once the routed request shows in them
             while seen is None and not long.done():
                 loads = [httpx.get(f"{r.url}/get_load", timeout=10).json()[0] for r in f.replicas]
