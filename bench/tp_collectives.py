@@ -105,7 +105,7 @@ def compile_counts(config, n: int, batch: int, chunk: int) -> dict[str, dict]:
     from cadence.model.llama import rope_table
     from cadence.model.paged_kv import PagedKVCache
     from cadence.model.params import abstract_params
-    from cadence.model.sampling import RequestSampling, TokenHistory
+    from cadence.model.sampling import RequestSampling, TokenHistory, all_allowed
     from cadence.model.sharding import POOL_AXES, TensorParallel
 
     tp = TensorParallel.plan(config, jax.devices()[:n])
@@ -131,7 +131,7 @@ def compile_counts(config, n: int, batch: int, chunk: int) -> dict[str, dict]:
     prefill = programs.prefill.lower(
         params, rope, cache, last, history, pack.tokens, pack.positions, pack.lengths, pack.tables,
         pack.logit_index, pack.steps, pack.write_slot, pack.sampling_slot,
-        sampling_rows([RequestSampling()] * len(pack.steps)))
+        sampling_rows([RequestSampling()] * len(pack.steps)), all_allowed(len(pack.steps), cc.vocab_size))
     return {name: collectives(lowered.compile().as_text())
             for name, lowered in (("decode", decode), ("prefill", prefill))}
 

@@ -3,9 +3,12 @@
     engine.config.num_slots, .max_seq_len, .prefill_chunk, .page_size, .max_pages_per_seq
     engine.num_pages                                    pages in the KV pool
     engine.vocab_size                                   token ids are in [0, vocab_size)
-    tokens = engine.prefill(chunks, rows.params())     `PrefillTokens`: np.asarray(tokens)[i]
+    tokens = engine.prefill(chunks, rows.params(), allowed)
+                                                        `PrefillTokens`: np.asarray(tokens)[i]
                                                         is chunk i's token; .programs: how many
-                                                        programs ran (normally one)
+                                                        programs ran (normally one); `allowed`:
+                                                        each slot's token bitmask, [num_slots,
+                                                        ceil(vocab / 32)] int32 (None: all)
     tokens = engine.decode(positions, active, rows.params(), page_table, steps)
                                                         `DecodeTokens`: np.asarray(tokens) is
                                                         [steps, num_slots], each slot's next token
@@ -14,6 +17,15 @@
                                                         engine.config.decode_steps. A row stops
                                                         at one of its `stop_ids` (its EOS): the
                                                         scheduler reads no token of it after that
+    engine.decode_forward(positions, active, rows.params(), page_table)
+    tokens = engine.decode_sample(allowed, drop)        one decode step in two halves (with
+                                                        engine.config.structured_output): the
+                                                        forward pass, then, once the host has
+                                                        filled the rows' bitmasks from the step
+                                                        before's tokens, the sampling: as
+                                                        decode(..., steps=1) returns; the slots
+                                                        in `drop` take no token. Nothing else
+                                                        runs on the engine in between
     handle = engine.extract(pages, length, slot)        `KVHandle`: a sequence's KV + next token
     landed = engine.receive(handle)                     starts copying it onto this engine's
                                                         device; landed.is_ready() once there
@@ -59,6 +71,7 @@ NumPy fake of it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -80,10 +93,16 @@ class EngineAPI(Protocol):
     @property
     def num_pages(self) -> int: ...
 
-    def prefill(self, chunks: list[PrefillChunk], sampling: SamplingParams) -> PrefillTokens: ...
+    def prefill(self, chunks: list[PrefillChunk], sampling: SamplingParams,
+                allowed: np.ndarray | None = None) -> PrefillTokens: ...
 
     def decode(self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
                page_table: np.ndarray, steps: int = 1) -> DecodeTokens | np.ndarray: ...
+
+    def decode_forward(self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
+                       page_table: np.ndarray) -> None: ...
+
+    def decode_sample(self, allowed: np.ndarray, drop: Sequence[int] = ()) -> DecodeTokens | np.ndarray: ...
 
     def extract(self, pages: list[int], length: int, slot: int) -> KVHandle: ...
 

@@ -61,8 +61,9 @@ from cadence.model.llama import forward, rope_table
 from cadence.model.params import cast
 from cadence.model.sharding import TensorParallel
 from cadence.model.paged_kv import PagedKVCache
-from cadence.model.sampling import (NO_TOKEN, Logprobs, RequestSampling, SamplingParams, SamplingRows,
-                                    TokenHistory, choose, logprobs_of)
+from cadence.model.sampling import (ALL_ALLOWED, NO_TOKEN, Logprobs, RequestSampling, SamplingParams,
+                                    SamplingRows, TokenHistory, all_allowed, bitmask_words, choose,
+                                    logprobs_of)
 
 
 # Measured with SmolLM2-135M on the 2-core CPU: batched decode beat the per-slot loops at 128
@@ -122,6 +123,9 @@ class EngineConfig:
     # weights, or the checkpoint's block-quantized matrices as they are: `Engine(packed=)`;
     # float32 compute, one device).
     decode_matmul: str = "xla"
+    # Also compile the two halves of a decode step (`decode_forward`, `decode_sample`) that a
+    # grammar-constrained row needs: its bitmask is filled on the host between them.
+    structured_output: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -229,10 +233,12 @@ class EngineConfig:
 
 def _prefill_program(
     params, rope, cache, last_tokens, history, tokens, positions, lengths, tables, logit_index,
-    steps, write_slot, sampling_slot, sampling, *, config, attention, dtype, mesh, max_logprobs,
+    steps, write_slot, sampling_slot, sampling, allowed, *, config, attention, dtype, mesh,
+    max_logprobs,
 ):
     """Every chunk of a pack (`engine.packing`) in one pass: KV written through each row's
-    table, one token sampled per chunk (with its slot's history, `sampling_slot`), and each
+    table, one token sampled per chunk (with its slot's history, `sampling_slot`, among the
+    tokens its bitmask `allowed` allows), and each
     prompt's last chunk's token written into its slot's `last_tokens` and counted into its
     history (other entries of `write_slot` are num_slots and drop out)."""
     logits, cache = forward(
@@ -240,24 +246,24 @@ def _prefill_program(
         logit_index=logit_index, attention=attention, dtype=dtype, mesh=mesh, rope_table=rope,
     )
     sampled, logprobs, last_tokens, history = _take_chunk_tokens(
-        logits, last_tokens, history, steps, write_slot, sampling_slot, sampling, max_logprobs)
+        logits, last_tokens, history, steps, write_slot, sampling_slot, sampling, allowed, max_logprobs)
     return (sampled, logprobs), cache, last_tokens, history
 
 
 def _take_chunk_tokens(logits, last_tokens, history, steps, write_slot, sampling_slot, sampling,
-                       max_logprobs):
+                       allowed, max_logprobs):
     """Both prefill programs' end: each chunk's token from its logits [C, vocab] (step = the
     new token's position), written into the slot of a prompt's last chunk and counted into its
     history."""
-    sampled, logprobs = choose(logits, sampling, history, sampling_slot, steps, max_logprobs)
+    sampled, logprobs = choose(logits, sampling, history, sampling_slot, steps, max_logprobs, allowed)
     last_tokens = last_tokens.at[write_slot].set(sampled, mode="drop")
     return sampled, logprobs, last_tokens, history.count(write_slot, sampled, sampling)
 
 
 def _scored_prefill_program(
     params, rope, cache, last_tokens, history, tokens, positions, lengths, tables, logit_index,
-    steps, write_slot, sampling_slot, sampling, targets, *, config, attention, dtype, mesh,
-    max_logprobs,
+    steps, write_slot, sampling_slot, sampling, allowed, targets, *, config, attention, dtype,
+    mesh, max_logprobs,
 ):
     """`_prefill_program`, with the logits of every position of the pack: also returns each
     position's `Logprobs` of `targets` [T] (its next token; -1 where none: ignored)."""
@@ -268,7 +274,7 @@ def _scored_prefill_program(
     )
     sampled, logprobs, last_tokens, history = _take_chunk_tokens(
         logits[logit_index], last_tokens, history, steps, write_slot, sampling_slot, sampling,
-        max_logprobs)
+        allowed, max_logprobs)
     scores = logprobs_of(logits, jnp.maximum(targets, 0), max_logprobs, jnp.ones(1, bool))
     return (sampled, logprobs, scores), cache, last_tokens, history
 
@@ -286,13 +292,9 @@ def _decode_program(
     run, the state it left), and each step's `Logprobs` per slot (zeros where none was asked
     for or nothing decoded)."""
     num_slots = last_tokens.shape[0]
-    inputs = jnp.take(last_tokens, slots, mode="clip")
-    live = (slots < num_slots) & ~sampling.stops(inputs)
+    inputs, live = _decode_inputs(last_tokens, slots, sampling)
     out = jnp.broadcast_to(last_tokens, (max_steps, num_slots))
-    lp_out = Logprobs(token=jnp.zeros((max_steps, num_slots), jnp.float32),
-                      ids=jnp.zeros((max_steps, num_slots, max_logprobs), jnp.int32),
-                      values=jnp.zeros((max_steps, num_slots, max_logprobs), jnp.float32))
-    rows = jnp.arange(positions.shape[0], dtype=jnp.int32)
+    lp_out = _no_logprobs((max_steps, num_slots), max_logprobs)
 
     def more(state):
         step, live = state[:2]
@@ -301,18 +303,11 @@ def _decode_program(
     def one_step(state):
         step, live, inputs, cache, last_tokens, history, out, lp_out = state
         at = positions + step
-        logits, cache = forward(
-            params, inputs[:, None], at[:, None], live.astype(jnp.int32), cache, page_table,
-            config=config, logit_index=rows, attention=attention, dtype=dtype, mesh=mesh,
-            rope_table=rope,
-        )
-        sampled, logprobs = choose(logits, sampling, history, slots, at + 1, max_logprobs)
-        tokens = jnp.where(live, sampled, inputs)
-        into = jnp.where(live, slots, num_slots)
-        last_tokens = last_tokens.at[into].set(tokens, mode="drop")
-        history = history.count(into, tokens, sampling)
-        out = jax.lax.dynamic_update_index_in_dim(out, last_tokens, step, 0)
-        lp_out = jax.tree.map(lambda a, new: a.at[step, into].set(new, mode="drop"), lp_out, logprobs)
+        logits, cache = _decode_forward(params, rope, cache, inputs, live, at, page_table,
+                                        config=config, attention=attention, dtype=dtype, mesh=mesh)
+        tokens, last_tokens, history, out, lp_out = _decode_sample(
+            logits, live, inputs, slots, at, sampling, history, last_tokens, out, lp_out, step,
+            max_logprobs=max_logprobs)
         return (step + 1, live & ~sampling.stops(tokens), tokens, cache, last_tokens, history, out,
                 lp_out)
 
@@ -320,6 +315,69 @@ def _decode_program(
         more, one_step, (jnp.int32(0), live, inputs, cache, last_tokens, history, out, lp_out))
     out = jnp.where((jnp.arange(max_steps) < ran)[:, None], out, last_tokens[None])
     return (out, lp_out), cache, last_tokens, history
+
+
+def _decode_inputs(last_tokens, slots, sampling):
+    """Each row's input token, and whether it decodes: a real slot (not padding, num_slots)
+    whose input is not one of its stop ids (a request that ended in the step before)."""
+    inputs = jnp.take(last_tokens, slots, mode="clip")
+    return inputs, (slots < last_tokens.shape[0]) & ~sampling.stops(inputs)
+
+
+def _no_logprobs(shape, max_logprobs):
+    return Logprobs(token=jnp.zeros(shape, jnp.float32),
+                    ids=jnp.zeros((*shape, max_logprobs), jnp.int32),
+                    values=jnp.zeros((*shape, max_logprobs), jnp.float32))
+
+
+def _decode_forward(params, rope, cache, inputs, live, at, page_table, *, config, attention, dtype,
+                    mesh):
+    """One decode step's forward pass: each live row's KV at `at` written, its logits."""
+    rows = jnp.arange(inputs.shape[0], dtype=jnp.int32)
+    return forward(params, inputs[:, None], at[:, None], live.astype(jnp.int32), cache, page_table,
+                   config=config, logit_index=rows, attention=attention, dtype=dtype, mesh=mesh,
+                   rope_table=rope)
+
+
+def _decode_sample(logits, live, inputs, slots, at, sampling, history, last_tokens, out, lp_out,
+                   step, *, max_logprobs, allowed=None):
+    """One decode step's sampling: each live row's token (its input where it does not decode)
+    written into its slot's `last_tokens`, counted into its history, and recorded as step
+    `step` of `out` and `lp_out`."""
+    num_slots = last_tokens.shape[0]
+    sampled, logprobs = choose(logits, sampling, history, slots, at + 1, max_logprobs, allowed)
+    tokens = jnp.where(live, sampled, inputs)
+    into = jnp.where(live, slots, num_slots)
+    last_tokens = last_tokens.at[into].set(tokens, mode="drop")
+    history = history.count(into, tokens, sampling)
+    out = jax.lax.dynamic_update_index_in_dim(out, last_tokens, step, 0)
+    lp_out = jax.tree.map(lambda a, new: a.at[step, into].set(new, mode="drop"), lp_out, logprobs)
+    return tokens, last_tokens, history, out, lp_out
+
+
+def _decode_forward_program(params, rope, cache, last_tokens, slots, positions, page_table, sampling,
+                            *, config, attention, dtype, mesh):
+    """The first half of a decode step whose sampling waits for the host (a grammar's bitmask,
+    filled from the token the step before sampled): the forward pass of `_decode_program`'s
+    first step, returning the logits [batch, vocab] that `_decode_sample_program` samples."""
+    inputs, live = _decode_inputs(last_tokens, slots, sampling)
+    return _decode_forward(params, rope, cache, inputs, live, positions, page_table, config=config,
+                           attention=attention, dtype=dtype, mesh=mesh)
+
+
+def _decode_sample_program(logits, last_tokens, history, slots, positions, sampling, allowed, *,
+                           max_logprobs):
+    """The second half: the step's tokens from `logits`, each row among those its bitmask
+    `allowed` [batch, words] allows, as `_decode_program` returns one step's ([1, num_slots]).
+    A row whose slot is num_slots here (its request ended while the forward ran) writes
+    nothing; its KV, written by the forward, is in pages it no longer holds."""
+    num_slots = last_tokens.shape[0]
+    inputs, live = _decode_inputs(last_tokens, slots, sampling)
+    _, last_tokens, history, out, lp_out = _decode_sample(
+        logits, live, inputs, slots, positions, sampling, history, last_tokens,
+        last_tokens[None], _no_logprobs((1, num_slots), max_logprobs), 0,
+        max_logprobs=max_logprobs, allowed=allowed)
+    return (out, lp_out), last_tokens, history
 
 
 def _copy_program(cache, sources, targets):
@@ -364,6 +422,11 @@ class Programs:
     prefill_scored: Callable  # prefill with every position's logprobs (echo), a chunk at a time
     decode: Callable  # the length-following decode
     decode_batched: Callable  # the einsum decode over a page-table bucket
+    # A decode step in two halves, for rows whose bitmask the host fills in between: the
+    # forward pass (length-following, and batched) and the sampling.
+    decode_forward: Callable
+    decode_forward_batched: Callable
+    decode_sample: Callable
     extract: Callable
     insert: Callable
     history: Callable  # a slot's TokenHistory row from its tokens
@@ -381,6 +444,7 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
     static = dict(config=model_config, attention=config.attention, dtype=jnp.dtype(config.dtype),
                   mesh=tp.attention_mesh if tp else None, max_logprobs=config.max_logprobs)
     decode = dict(static, max_steps=config.decode_steps)
+    forward_only = {k: v for k, v in static.items() if k != "max_logprobs"}
     donate = ("cache", "last_tokens", "history")
 
     def jit(fn, out, **kw):
@@ -397,6 +461,13 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
         decode=jit(functools.partial(_decode_program, **decode), stepped, donate_argnames=donate),
         decode_batched=jit(functools.partial(_decode_program, **{**decode, "attention": "reference"}),
                            stepped, donate_argnames=donate),
+        decode_forward=jit(functools.partial(_decode_forward_program, **forward_only), (token, pool),
+                           donate_argnames=("cache",)),
+        decode_forward_batched=jit(
+            functools.partial(_decode_forward_program, **{**forward_only, "attention": "reference"}),
+            (token, pool), donate_argnames=("cache",)),
+        decode_sample=jit(functools.partial(_decode_sample_program, max_logprobs=config.max_logprobs),
+                          (token, token, token), donate_argnames=("last_tokens", "history")),
         extract=jit(_extract_program, (handle, handle, token)),
         insert=jit(_insert_program, (pool, token), donate_argnames=("cache", "last_tokens")),
         history=jit(_history_program, token, donate_argnames=("history",)),
@@ -486,6 +557,32 @@ def _local(tokens: jax.Array) -> jax.Array:
     """This process's copy of replicated tokens: the array itself on one host; across hosts
     (`engine.multihost`) the whole array is never addressable here, its local copy is."""
     return tokens if tokens.is_fully_addressable else tokens.addressable_data(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecodeBatch:
+    """A decode call's rows: `rows` [batch] the slots (num_slots: padding), `live` which are
+    real, `pick` a valid slot index per row, each row's first position and page table, whether
+    the batched program runs, and the active slots."""
+
+    rows: np.ndarray
+    live: np.ndarray
+    pick: np.ndarray
+    positions: np.ndarray
+    tables: np.ndarray
+    batched: bool
+    slots: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class _PendingStep:
+    """A decode step between its halves: its batch, the sampling rows (per slot, and gathered
+    per row) and its logits on the device."""
+
+    batch: _DecodeBatch
+    sampling: SamplingParams
+    gathered: SamplingParams
+    logits: jax.Array
 
 
 class HostLogprobs(NamedTuple):
@@ -619,6 +716,9 @@ class Engine:
         self._prefill, self._decode = programs.prefill, programs.decode
         self._prefill_scored = programs.prefill_scored
         self._decode_batched = programs.decode_batched
+        self._decode_forward, self._decode_sample = programs.decode_forward, programs.decode_sample
+        self._decode_forward_batched = programs.decode_forward_batched
+        self._pending: _PendingStep | None = None  # a decode_forward awaiting its decode_sample
         self._extract, self._insert = programs.extract, programs.insert
         self._history = programs.history
         self._copy = programs.copy
@@ -643,9 +743,11 @@ class Engine:
 
     # -- the two programs -------------------------------------------------------------------
 
-    def prefill(self, chunks: Sequence[PrefillChunk], sampling: SamplingParams) -> PrefillTokens:
+    def prefill(self, chunks: Sequence[PrefillChunk], sampling: SamplingParams,
+                allowed: np.ndarray | None = None) -> PrefillTokens:
         """Writes every chunk's KV and samples one token per chunk, normally in one program
-        (`engine.packing`); `sampling` holds every slot's row ([num_slots], as for decode).
+        (`engine.packing`); `sampling` holds every slot's row ([num_slots], as for decode), and
+        `allowed` every slot's token bitmask ([num_slots, words] int32; None: every token).
 
         A prompt's last chunk (`final`) makes its token the request's first output and its
         slot's next decode input. Returns at once: `np.asarray(result)[i]` is chunk i's token.
@@ -669,8 +771,10 @@ class Engine:
 
         def run(p: Pack, targets: np.ndarray | None = None):
             live = p.sampling_slot < cfg.num_slots
+            pick = np.where(live, p.sampling_slot, 0)
             tokens, lp, *score = self._run_pack(
-                p, _gather_rows(sampling, np.where(live, p.sampling_slot, 0), live), targets)
+                p, _gather_rows(sampling, pick, live), self._gather_allowed(allowed, pick, live),
+                targets)
             tokens.copy_to_host_async()
             if wanted:
                 _copy_to_host(lp)
@@ -689,11 +793,12 @@ class Engine:
             scores[i] = (score, len(chunks[i].tokens))
         return PrefillTokens(results, logprobs, order=plain + scored, scores=scores)
 
-    def _run_pack(self, pack: Pack, sampling: SamplingParams, targets: np.ndarray | None = None):
+    def _run_pack(self, pack: Pack, sampling: SamplingParams, allowed: np.ndarray,
+                  targets: np.ndarray | None = None):
         """(tokens, logprobs), and with `targets` the scoring program's, and its scores."""
         args = (self.params, self.rope, self.cache, self.last_tokens, self.history, pack.tokens,
                 pack.positions, pack.lengths, pack.tables, pack.logit_index, pack.steps,
-                pack.write_slot, pack.sampling_slot, sampling)
+                pack.write_slot, pack.sampling_slot, sampling, allowed)
         if targets is None:
             out, self.cache, self.last_tokens, self.history = self._prefill(*args)
         else:
@@ -715,31 +820,93 @@ class Engine:
 
         Runs the smallest batch bucket holding the active slots: their rows are gathered here,
         on the host (a few hundred bytes), and padded with rows that write nothing."""
+        if not 1 <= steps <= self.config.decode_steps:
+            raise ValueError(f"a decode call runs 1..{self.config.decode_steps} steps "
+                             f"(decode_steps), got {steps}")
+        batch = self._decode_batch(positions, active, page_table, steps)
+        program = self._decode_batched if batch.batched else self._decode
+        (tokens, logprobs), self.cache, self.last_tokens, self.history = program(
+            self.decode_params, self.rope, self.cache, self.last_tokens, self.history, batch.rows,
+            batch.positions, batch.tables, _gather_rows(sampling, batch.pick, batch.live),
+            np.int32(steps),
+        )
+        return self._decode_result(tokens, logprobs, steps, sampling, batch)
+
+    def decode_forward(self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
+                       page_table: np.ndarray) -> None:
+        """The first half of one decode step (`decode`'s arguments, one step), for a batch
+        whose bitmasks the host fills from the tokens of the step before, while this runs: the
+        forward pass, its KV written and its logits kept on the device for `decode_sample`,
+        which must be the next decode call. Returns at once. Needs `structured_output`."""
+        if not self.config.structured_output:
+            raise ValueError("this engine was built without structured_output: its decode steps "
+                             "cannot be split to take a bitmask")
+        if self._pending is not None:
+            raise ValueError("decode_forward twice: decode_sample the step in flight first")
+        batch = self._decode_batch(positions, active, page_table, 1)
+        program = self._decode_forward_batched if batch.batched else self._decode_forward
+        gathered = _gather_rows(sampling, batch.pick, batch.live)
+        logits, self.cache = program(self.decode_params, self.rope, self.cache, self.last_tokens,
+                                     batch.rows, batch.positions, batch.tables, gathered)
+        self._pending = _PendingStep(batch, sampling, gathered, logits)
+
+    def decode_sample(self, allowed: np.ndarray, drop: Sequence[int] = ()) -> DecodeTokens:
+        """The second half: the step's tokens, each active slot's among those its bitmask
+        (`allowed` [num_slots, words] int32) allows, as `decode(..., steps=1)` returns them.
+        The slots in `drop` (their requests ended while the forward ran) take no token, and
+        their entries are their last tokens. Returns at once."""
+        pending = self._pending
+        if pending is None:
+            raise ValueError("decode_sample without a decode_forward before it")
+        batch = pending.batch
+        masks = self._gather_allowed(allowed, batch.pick, batch.live)
+        rows = np.where(np.isin(batch.rows, np.asarray(drop, np.int32)), self.config.num_slots,
+                        batch.rows).astype(np.int32)
+        self._pending = None
+        (tokens, logprobs), self.last_tokens, self.history = self._decode_sample(
+            pending.logits, self.last_tokens, self.history, rows, batch.positions, pending.gathered,
+            masks)
+        return self._decode_result(tokens, logprobs, 1, pending.sampling, batch)
+
+    def _decode_batch(self, positions: np.ndarray, active: np.ndarray, page_table: np.ndarray,
+                      steps: int) -> _DecodeBatch:
+        """The active slots' rows, in the smallest batch bucket that holds them."""
         cfg = self.config
         self._check_role("decode")
-        if not 1 <= steps <= cfg.decode_steps:
-            raise ValueError(f"a decode call runs 1..{cfg.decode_steps} steps (decode_steps), got {steps}")
+        if self._pending is not None:
+            raise ValueError("a decode step's sampling is still to run (decode_sample)")
         slots = np.flatnonzero(active)
         if slots.size and int(positions[slots].max()) + steps > cfg.max_seq_len:
             raise ValueError(f"{steps} steps from position {int(positions[slots].max())} overflow "
                              f"max_seq_len={cfg.max_seq_len}")
-        batch = bucket_for(cfg.decode_batch_buckets, max(len(slots), 1))
-        rows = np.full(batch, cfg.num_slots, np.int32)  # padding: a slot index past the last
+        rows = np.full(bucket_for(cfg.decode_batch_buckets, max(len(slots), 1)), cfg.num_slots,
+                       np.int32)  # padding: a slot index past the last
         rows[: len(slots)] = slots
         live = rows < cfg.num_slots
         pick = np.where(live, rows, 0)
-        program, width = self._decode_plan(positions[slots] + steps)
+        batched, width = self._decode_plan(positions[slots] + steps)
         tables = np.where(live[:, None], page_table[pick, :width], 0).astype(np.int32)
-        (tokens, logprobs), self.cache, self.last_tokens, self.history = program(
-            self.decode_params, self.rope, self.cache, self.last_tokens, self.history, rows,
-            np.where(live, positions[pick], 0).astype(np.int32), tables,
-            _gather_rows(sampling, pick, live), np.int32(steps),
-        )
+        return _DecodeBatch(rows, live, pick, np.where(live, positions[pick], 0).astype(np.int32),
+                            tables, batched, slots)
+
+    def _decode_result(self, tokens, logprobs, steps: int, sampling: SamplingParams,
+                       batch: _DecodeBatch) -> DecodeTokens:
         tokens, logprobs = _local(tokens), jax.tree.map(_local, logprobs)
         tokens.copy_to_host_async()
-        if np.asarray(sampling.logprobs)[slots].any():
+        if np.asarray(sampling.logprobs)[batch.slots].any():
             _copy_to_host(logprobs)
         return DecodeTokens(tokens, steps, logprobs)
+
+    def _gather_allowed(self, allowed: np.ndarray | None, pick: np.ndarray, live: np.ndarray) -> np.ndarray:
+        """The bitmasks of the slots `pick` ([num_slots, words], or None: every token allowed);
+        padding rows (not `live`) allow every token."""
+        words = bitmask_words(self.model_config.vocab_size)
+        if allowed is None:
+            return all_allowed(len(pick), self.model_config.vocab_size)
+        if allowed.shape != (self.config.num_slots, words) or allowed.dtype != np.int32:
+            raise ValueError(f"token bitmasks are int32 [{self.config.num_slots}, {words}], got "
+                             f"{allowed.dtype} {list(allowed.shape)}")
+        return np.where(live[:, None], allowed[pick], ALL_ALLOWED).astype(np.int32)
 
     def copy_pages(self, sources: Sequence[int], targets: Sequence[int]) -> None:
         """Copies the KV of pages `sources` onto pages `targets` (pairwise, at most num_slots
@@ -772,8 +939,9 @@ class Engine:
         tokens[:n] = np.asarray([*prompt_ids, *output_ids], np.int32)
         self.history = self._history(self.history, np.int32(slot), tokens, np.int32(len(prompt_ids)))
 
-    def _decode_plan(self, lengths: np.ndarray):
-        """The cheaper decode program for these live lengths, and its page-table width.
+    def _decode_plan(self, lengths: np.ndarray) -> tuple[bool, int]:
+        """The cheaper decode program for these live lengths (whether the batched one), and its
+        page-table width.
 
         The batched program reads every slot (active or not) up to the longest one's bucket;
         the length-following one reads each slot only up to its own length but pays a loop per
@@ -784,8 +952,8 @@ class Engine:
         longest = cfg.pages_for(int(lengths.max()) if lengths.size else 1)
         batched = cfg.batched_decode_page_buckets
         if batched and longest <= batched[-1]:
-            return self._decode_batched, bucket_for(batched, longest)
-        return self._decode, bucket_for(cfg.decode_page_buckets, longest)
+            return True, bucket_for(batched, longest)
+        return False, bucket_for(cfg.decode_page_buckets, longest)
 
     def _check_role(self, phase: str) -> None:
         if self.config.role not in ("both", phase):
@@ -856,6 +1024,7 @@ class Engine:
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         self.cache = self.last_tokens = self.history = None  # let the old buffers go first
+        self._pending = None  # a split decode step's logits went with them
         self.cache = PagedKVCache.create(self.compute_config, cfg.pool_pages, cfg.page_size, dtype,
                                          device=self._pool_at)
         self.last_tokens = jnp.zeros((cfg.num_slots,), jnp.int32, device=self._token_at)
@@ -881,7 +1050,9 @@ class Engine:
         if cfg.role == "prefill":
             decode_shapes = []
         token = tokens = None  # the last program's outputs, waited for at the end
-        total = (len(prefill_shapes) + len(decode_shapes) * len(cfg.decode_batch_buckets)
+        # A split decode step (`structured_output`): each forward program, and the sampling.
+        split = len(decode_shapes) + 1 if cfg.structured_output else 0
+        total = (len(prefill_shapes) + (len(decode_shapes) + split) * len(cfg.decode_batch_buckets)
                  + len(cfg.page_buckets) + (len(cfg.prefill_page_buckets) if prefill_shapes else 0))
         done = 0
         # ... and the scoring program, once per page-table width (its one token bucket).
@@ -889,7 +1060,8 @@ class Engine:
         for t, width, scoring in [(t, w, False) for t, w in prefill_shapes] + scored:
             pack = empty_pack(t, width, cfg.pack_block, cfg.num_slots, cfg.chunks_per_program)
             rows = sampling_rows([RequestSampling()] * len(pack.steps))
-            token = self._run_pack(pack, rows, np.full(t, -1, np.int32) if scoring else None)[0]
+            token = self._run_pack(pack, rows, all_allowed(len(pack.steps), self.vocab_size),
+                                   np.full(t, -1, np.int32) if scoring else None)[0]
             done += 1
             if progress:
                 progress(done, total)
@@ -902,6 +1074,21 @@ class Engine:
                     np.int32(1),
                 )
                 done += 1
+                if progress:
+                    progress(done, total)
+        if cfg.structured_output and decode_shapes:
+            halves = {self._decode: self._decode_forward, self._decode_batched: self._decode_forward_batched}
+            for batch in cfg.decode_batch_buckets:
+                rows, zeros = np.full(batch, cfg.num_slots, np.int32), np.zeros(batch, np.int32)
+                sampling = sampling_rows([RequestSampling()] * batch)
+                for program, width in decode_shapes:
+                    logits, self.cache = halves[program](
+                        self.decode_params, self.rope, self.cache, self.last_tokens, rows, zeros,
+                        np.zeros((batch, width), np.int32), sampling)
+                (tokens, _), self.last_tokens, self.history = self._decode_sample(
+                    logits, self.last_tokens, self.history, rows, zeros, sampling,
+                    all_allowed(batch, self.vocab_size))
+                done += len(decode_shapes) + 1
                 if progress:
                     progress(done, total)
         for width in cfg.page_buckets:  # extract and insert of page 0 into nothing: no change

@@ -37,7 +37,8 @@ import numpy as np
 from absl import logging
 
 # The calls that run programs on every process; everything else an engine answers locally.
-BROADCAST = ("prefill", "decode", "set_history", "copy_pages", "recover", "warmup")
+BROADCAST = ("prefill", "decode", "decode_forward", "decode_sample", "set_history", "copy_pages",
+             "recover", "warmup")
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
@@ -118,11 +119,17 @@ class Leader:
             self._send(name, *args)
             return getattr(self.engine, name)(*args, *local)
 
-    def prefill(self, chunks, sampling):
-        return self._call("prefill", list(chunks), sampling)
+    def prefill(self, chunks, sampling, allowed=None):
+        return self._call("prefill", list(chunks), sampling, allowed)
 
     def decode(self, positions, active, sampling, page_table, steps=1):
         return self._call("decode", positions, active, sampling, page_table, steps)
+
+    def decode_forward(self, positions, active, sampling, page_table):
+        self._call("decode_forward", positions, active, sampling, page_table)
+
+    def decode_sample(self, allowed, drop=()):
+        return self._call("decode_sample", allowed, list(drop))
 
     def set_history(self, slot, prompt_ids, output_ids=()):
         self._call("set_history", slot, list(prompt_ids), list(output_ids))

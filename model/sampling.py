@@ -16,8 +16,13 @@ greedy and sampled requests:
     bias_ids, bias_values  [rows, MAX_LOGIT_BIAS]  logit_bias entries (NO_TOKEN pads)
     logprobs     [rows] bool  whether the row's request asks for logprobs (`token_logprobs`)
 
-The order is vLLM's: logit_bias and the penalties change the logits (greedy rows too), then
-temperature, min_p, top-k and top-p shape the distribution a sampled row draws from. The
+Beside them, `choose` takes each row's token bitmask (`allowed`, [rows, ceil(vocab / 32)] int32,
+llguidance's layout: bit j of word i allows token 32 i + j), which a grammar fills on the host
+for structured output; a row of all ones (`ALL_ALLOWED`) constrains nothing.
+
+The order is vLLM's: logit_bias and the penalties change the logits (greedy rows too), the
+bitmask sends the tokens it forbids to -inf, then temperature, min_p, top-k and top-p shape the
+distribution a sampled row draws from. The
 penalties read the row's token history, device state the programs carry and update
 (`TokenHistory`): how often each id was generated, and which ids the prompt holds.
 
@@ -268,6 +273,33 @@ class TokenHistory:
                             prompt=self.prompt.at[slot].set(prompt))
 
 
+def bitmask_words(vocab: int) -> int:
+    """int32 words of one row's token bitmask."""
+    return -(-vocab // 32)
+
+
+ALL_ALLOWED = -1  # a bitmask word with every bit set: the row is not constrained
+
+
+def all_allowed(rows: int, vocab: int) -> np.ndarray:
+    """[rows, bitmask_words(vocab)] int32 bitmasks that allow every token."""
+    return np.full((rows, bitmask_words(vocab)), ALL_ALLOWED, np.int32)
+
+
+def apply_bitmask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """`logits` [rows, vocab] with every token a row's bitmask `allowed` [rows, words] forbids
+    at -inf; runs only if some row is constrained (unconstrained rows come out bit-identical)."""
+    vocab = logits.shape[-1]
+
+    def mask(logits):
+        shifts = jnp.arange(32, dtype=jnp.int32)
+        bits = (allowed[:, :, None] >> shifts) & 1  # [rows, words, 32]: arithmetic shift, then the bit
+        keep = bits.reshape(allowed.shape[0], -1)[:, :vocab] == 1
+        return jnp.where(keep, logits, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(allowed != ALL_ALLOWED), mask, lambda x: x, logits)
+
+
 def adjust_logits(logits: jax.Array, params: SamplingParams, history: TokenHistory,
                   slots: jax.Array) -> jax.Array:
     """logit_bias, then the penalties over each row's history (row i's is `slots[i]`'s). Each
@@ -395,8 +427,12 @@ def sample(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Ar
 
 
 def choose(logits: jax.Array, params: SamplingParams, history: TokenHistory, slots: jax.Array,
-           step: jax.Array, k: int) -> tuple[jax.Array, Logprobs]:
+           step: jax.Array, k: int, allowed: jax.Array | None = None) -> tuple[jax.Array, Logprobs]:
     """Every stage for the rows of `logits` [rows, vocab], row i being slot `slots[i]`: the
-    adjusted logits' token per row, and the raw logits' `Logprobs` (top `k`) of it."""
-    tokens = sample(adjust_logits(logits, params, history, slots), params, step)
+    adjusted logits' token per row, among those its bitmask `allowed` [rows, words] allows
+    (None: every token), and the raw logits' `Logprobs` (top `k`) of it."""
+    adjusted = adjust_logits(logits, params, history, slots)
+    if allowed is not None:
+        adjusted = apply_bitmask(adjusted, allowed)
+    tokens = sample(adjusted, params, step)
     return tokens, logprobs_of(logits, tokens, k, params.logprobs)

@@ -123,22 +123,21 @@ def test_no_compilations_after_warmup(engine, tiny_config, tiny_tokenizer, polic
 def test_decode_takes_the_cheaper_program(engine):
     """Short contexts (up to the batched buckets): the batched program at the longest slot's
     bucket, whatever the mix."""
-    batched = engine._decode_batched
     # Pages of 64 tokens: page-table widths (1, 2, 4).
-    assert engine._decode_plan(np.asarray([60, 50, 64, 40])) == (batched, 1)
-    assert engine._decode_plan(np.asarray([20, 30, 20, 250])) == (batched, 4)
-    assert engine._decode_plan(np.asarray([100])) == (batched, 2)
+    assert engine._decode_plan(np.asarray([60, 50, 64, 40])) == (True, 1)
+    assert engine._decode_plan(np.asarray([20, 30, 20, 250])) == (True, 4)
+    assert engine._decode_plan(np.asarray([100])) == (True, 2)
 
 
 def test_decode_past_the_batched_buckets_follows_lengths(tiny_params, tiny_config):
     e = Engine(tiny_params, tiny_config, EngineConfig(num_slots=4, max_seq_len=512, prefill_chunk=32))
     assert e.config.batched_decode_page_buckets == (4,)  # 256 tokens in pages of 64
-    assert e._decode_plan(np.asarray([400, 400, 400, 400])) == (e._decode, 8)
-    assert e._decode_plan(np.asarray([20, 20, 20, 300])) == (e._decode, 8)  # one long sequence
-    assert e._decode_plan(np.asarray([200, 200, 200, 200])) == (e._decode_batched, 4)
+    assert e._decode_plan(np.asarray([400, 400, 400, 400])) == (False, 8)
+    assert e._decode_plan(np.asarray([20, 20, 20, 300])) == (False, 8)  # one long sequence
+    assert e._decode_plan(np.asarray([200, 200, 200, 200])) == (True, 4)
     reference = Engine(tiny_params, tiny_config, EngineConfig(
         num_slots=4, max_seq_len=512, prefill_chunk=32, attention="reference"))
-    assert reference._decode_plan(np.asarray([400, 10])) == (reference._decode_batched, 8)
+    assert reference._decode_plan(np.asarray([400, 10])) == (True, 8)
 
 
 def test_cache_is_donated_and_updated_in_place(engine):
@@ -246,7 +245,7 @@ def test_length_following_decode_matches_reference(tiny_params, tiny_config, tin
     rng = random.Random(4)
     prompts = [random_prompts(rng, 1, tiny_config.vocab_size, 300, 300)[0], [5, 6, 7]]
     params = GenerationParams(max_tokens=24, ignore_eos=True)
-    assert e._decode_plan(np.asarray([301, 4]))[0] is e._decode  # the path under test
+    assert not e._decode_plan(np.asarray([301, 4]))[0]  # the path under test
     streams = run_all(make_scheduler(e, tiny_tokenizer), [(p, params) for p in prompts])
     assert e.compilations_after_warmup == 0
     for prompt, s in zip(prompts, streams):
