@@ -42,6 +42,9 @@ class Pool:
         # index), tokens.
         self.pending: list[tuple[list[tuple[Request, int]], Any]] = []
         self.applying: list[tuple[list[tuple[Request, int]], Any]] = []  # being read and applied
+        # A decode step whose forward pass is dispatched and whose sampling waits for the
+        # previous tokens (grammar bitmasks): its requests, each with its slot.
+        self.split: list[tuple[Request, int]] | None = None
         self.busy_seconds = 0.0  # wall time of this pool's iterations that ran a program
 
     def take(self, r: Request) -> None:

@@ -13,11 +13,15 @@ import enum
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.model.sampling import RequestSampling
 from cadence.scheduler.pages import PageKeys
+
+if TYPE_CHECKING:
+    from cadence.scheduler.grammar import Grammar
 
 
 class State(enum.Enum):
@@ -62,6 +66,9 @@ class GenerationParams:
     # Lower runs first (vLLM's semantics): it may preempt running requests of a higher number.
     # None: the server's priority classes decide from the prompt's length (0 without classes).
     priority: int | None = None
+    # Structured output (`scheduler.grammar`): every token is one the grammar allows, and the
+    # request ends ("stop") when the grammar is complete.
+    grammar: Grammar | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +194,8 @@ class Request:
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] * len(self.prompt_ids) if params.prompt_logprobs else None)
         self.detok = IncrementalDetokenizer(tokenizer)
+        # Its place in its grammar (structured output), advanced by every token it accepts.
+        self.matcher = params.grammar.matcher() if params.grammar is not None else None
         self._held = ""  # text withheld because it may be the start of a stop string
         self._text: list[str] = []
         self._hold = max((len(s) for s in params.stop), default=1) - 1
@@ -249,17 +258,24 @@ class Request:
         """Takes one sampled token (and, if the request asked, its logprob and the engine's
         alternatives: the first `params.logprobs` are kept); emits its event; returns a reason
         if the request ends."""
+        eos = token in self.eos_ids
+        if self.matcher is not None and not eos and not self.matcher.accept(token):
+            raise ValueError(f"the engine gave token {token}, which the request's grammar does "
+                             f"not allow ({self.matcher.error})")
         if self.first_token is None:
             self.first_token = now
         self.output_ids.append(token)
         self.token_times.append(now)
         reason = None
-        if token in self.eos_ids:
+        if eos:
             reason, delta = FinishReason.STOP, self.detok.flush()
         else:
             delta = self.detok.add(token)
             if len(self.output_ids) >= self.max_tokens:
                 reason = FinishReason.LENGTH
+            elif self.matcher is not None and self.matcher.done:  # nothing may follow
+                reason = FinishReason.STOP
+            if reason is not None:
                 delta += self.detok.flush()
         text, stopped = self._apply_stop(delta, final=reason is not None)
         if stopped:

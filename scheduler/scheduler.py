@@ -13,6 +13,14 @@ plan's prefill chunks and one decode step to the engine (asynchronous), then app
 of the *previous* iteration while the device works on this one. Tokens therefore reach clients
 one iteration after they are computed, and the device is never idle waiting for Python.
 
+A request with a grammar (structured output, `scheduler.grammar`) samples among the tokens its
+grammar allows next: the host fills each such row's bitmask from the token before. Its prompt's
+last chunk takes the mask of the grammar's start (known when it is dispatched). A decode step
+with such a row runs in two halves: the iteration dispatches the forward pass, applies the
+previous iteration's tokens while it runs (which advances each grammar), fills the bitmasks,
+then dispatches the sampling (`engine.decode_forward` / `decode_sample`). The device stays busy
+while the host works, as ever, and the rows beside decode exactly as they would alone.
+
 When an iteration has nothing to do but decode, and no decoding request could end sooner on
 the host's word (each has k tokens to go, and no stop strings), it runs k steps in one dispatch
 (the engine's `decode_steps` at most): a k-th of the host's work per token, and the k tokens of
@@ -67,6 +75,7 @@ from absl import logging
 
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.api import EngineAPI, PrefillChunk, RequestSampling, SamplingRows
+from cadence.model.sampling import all_allowed
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
 from cadence.scheduler.policy import (
     PageBudget, Plan, PolicyConfig, PrefillLimit, make_plan, running_cost, wants_decode,
@@ -401,6 +410,8 @@ class Scheduler:
         if not isinstance(params.sampling, RequestSampling):
             raise SubmissionError(f"sampling must be a RequestSampling, got {type(params.sampling).__name__}")
         vocab = self.engine.vocab_size
+        if params.grammar is not None:
+            self._check_grammar(params)
         outside = [token for token, _ in params.sampling.logit_bias if token >= vocab]
         if outside:
             raise SubmissionError(f"logit_bias names token id {outside[0]}, outside the model's "
@@ -431,6 +442,19 @@ class Scheduler:
                 raise SubmissionError(
                     f"stop strings must be non-empty strings of at most {MAX_STOP_LENGTH} "
                     f"characters, got {str(stop)[:40]!r}{'...' if len(str(stop)) > 40 else ''}", "stop")
+
+    def _check_grammar(self, params: GenerationParams) -> None:
+        decoders = [e for e in self.engines if e.config.role != "prefill"]
+        if not all(e.config.structured_output for e in decoders):
+            raise SubmissionError("this server runs without structured output (start it with "
+                                  "--structured_output)", "response_format")
+        if params.grammar.vocab_size != self.engine.vocab_size:
+            raise SubmissionError(f"the grammar was compiled for a vocabulary of "
+                                  f"{params.grammar.vocab_size} tokens; the model has "
+                                  f"{self.engine.vocab_size}", "response_format")
+        if params.ignore_eos:
+            raise SubmissionError("ignore_eos cannot go with a grammar: the request ends where "
+                                  "the grammar does", "ignore_eos")
 
     def cancel(self, request: Request) -> None:
         with self._lock:
@@ -720,6 +744,8 @@ class Scheduler:
         with self._state:
             self._apply(previous, values)
             pool.applying = []
+            if pool.split is not None:  # a decode step whose sampling waited for these tokens
+                self._sample_split(pool)
             self._publish(pool)  # pages filled by the tokens just accepted
             if plan.empty and not previous and not handoffs:
                 return False
@@ -827,10 +853,17 @@ class Scheduler:
         """Returns (programs, chunks) dispatched."""
         self._copy_forked_pages(pool)
         chunks, firsts, scored = [], [], []
+        allowed = None  # the token bitmasks of the slots whose first token a grammar constrains
         for chunk in plan.prefill:
             r = chunk.request
             if r.finished or r.state is State.WAITING:
                 continue  # failed, or preempted or sent back by the page reservation
+            if chunk.final and r.matcher is not None:
+                if allowed is None:
+                    allowed = all_allowed(pool.num_slots, pool.engine.vocab_size)
+                if not r.matcher.fill(allowed[r.slot]):
+                    self._fail_one(r, f"its grammar allows no token: {r.matcher.error}", time.monotonic())
+                    continue
             start, end = chunk.start, chunk.start + chunk.length
             ids = r.prefill_ids[start:end]
             targets = None
@@ -855,7 +888,7 @@ class Scheduler:
         # One call for every chunk: the engine packs them into one program (usually). Its
         # result is awaited next iteration even without a final chunk among them, so the
         # device never queues more than one pack ahead of what the host has seen.
-        tokens = pool.engine.prefill(chunks, rows)
+        tokens = pool.engine.prefill(chunks, rows, allowed)
         self.prefill_programs += tokens.programs
         self.prefill_chunks += len(chunks)
         self._expect(pool, scored + firsts, tokens)  # a prompt's scores before its first token
@@ -884,13 +917,15 @@ class Scheduler:
     def _decode_steps(pool: Pool, plan: Plan) -> int:
         """Decode steps for this iteration's one dispatch: 1, unless the plan does nothing but
         decode, every request of the pool is decoding (none mid-prompt, none with KV on its
-        way in) and none has stop strings (the host finds those in text); then as many as the
+        way in) and none has stop strings (the host finds those in text) or a grammar (the host
+        fills its masks step by step); then as many as the
         engine allows and every request has tokens left for, so none ends sooner on its
         length, and the free pages hold, so nobody is preempted for them."""
         most = pool.engine.config.decode_steps
         if most == 1 or plan.admit or plan.prefill or not plan.decode:
             return 1
-        if any(r.state is not State.DECODING or r.params.stop for r in pool.running):
+        if any(r.state is not State.DECODING or r.params.stop or r.matcher is not None
+               for r in pool.running):
             return 1
         steps = min(most, min(r.max_tokens - r.dispatched for r in plan.decode))
         wanted = sum(max(0, pool.pages.pages_for(_decoded_end(r, steps)) - len(r.pages))
@@ -913,8 +948,30 @@ class Scheduler:
             r.decode_steps += steps
             r.first_decode = r.first_decode or now
         # A copy: JAX may alias host buffers on the CPU, and the table changes next step.
+        if any(r.matcher is not None for r in decode):  # sampled once the bitmasks are filled
+            pool.engine.decode_forward(positions, active, rows, pool.tables.copy())
+            pool.split = [(r, r.slot) for r in decode]
+            return
         tokens = pool.engine.decode(positions, active, rows, pool.tables.copy(), steps)
         self._expect(pool, [(r, r.slot) for r in decode], tokens)
+
+    def _sample_split(self, pool: Pool) -> None:
+        """The second half of a split decode step, once the tokens before it are applied: each
+        constrained row's bitmask from its grammar, then the sampling. A request that ended
+        meanwhile takes no token, and one whose grammar allows none fails alone."""
+        decode, pool.split = pool.split, None
+        allowed = all_allowed(pool.num_slots, pool.engine.vocab_size)
+        drop, kept = [], []
+        for r, slot in decode:
+            if r.finished or r.pool is not pool:
+                drop.append(slot)
+            elif r.matcher is not None and not r.matcher.fill(allowed[slot]):
+                self._fail_one(r, f"its grammar allows no token: {r.matcher.error}", time.monotonic())
+                drop.append(slot)
+            else:
+                kept.append((r, slot))
+        tokens = pool.engine.decode_sample(allowed, drop)
+        self._expect(pool, kept, tokens)
 
     @staticmethod
     def _expect(pool: Pool, pairs: list[tuple[Request, int]], tokens) -> None:
@@ -1204,7 +1261,7 @@ class Scheduler:
         # Results not yet taken by an iteration are dropped; those an iteration is reading
         # (`applying`) it still applies, to requests that are finished by then.
         self._forget(pool.pending, message)
-        pool.pending = []
+        pool.pending, pool.split = [], None  # (a split step's sampling will not run)
         for r in list(pool.running):
             self._finish(r, FinishReason.ERROR, now, message)
         pool.pages.clear_cache()  # recover() rebuilds the KV: no cached page holds its prefix now
@@ -1229,7 +1286,7 @@ class Scheduler:
             self._transfers.clear()
             self._moving.clear()
             for pool in self.pools:
-                pool.pending, pool.applying = [], []
+                pool.pending, pool.applying, pool.split = [], [], None
             now = time.monotonic()
             for r in held:
                 if not r.finished:

@@ -96,7 +96,8 @@ class FakeEngine:
                  decode_delay: float = 0.0, decode_steps: int = 1):
         self.config = EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len,
                                    prefill_chunk=prefill_chunk, page_size=page_size,
-                                   num_pages=num_pages, decode_steps=decode_steps)
+                                   num_pages=num_pages, decode_steps=decode_steps,
+                                   structured_output=True)
         self.model_config = dataclasses.replace(TINY, vocab_size=TOK.vocab_size,
                                                 max_context=max_seq_len)
         self.compilations_after_warmup = 0
@@ -115,6 +116,8 @@ class FakeEngine:
         self.fail_recover = False  # recover() raises: the device cannot be rebuilt
         self.poison: dict[int, int] = {}  # decode call index -> a slot whose token is garbage
         self.decode_calls = 0
+        self.split_steps = 0  # decode steps run in two halves (decode_forward, decode_sample)
+        self._forward: tuple | None = None  # a decode_forward awaiting its decode_sample
         self.prefill_calls = 0
         self.extracts = 0
         self.inserts = 0
@@ -135,6 +138,7 @@ class FakeEngine:
         if self.fail_recover:
             raise RuntimeError("device unreachable")
         self.recoveries += 1
+        self._forward = None
         self.pool[:] = -1
         self.last_tokens[:] = 0
 
@@ -166,7 +170,20 @@ class FakeEngine:
             return EOS
         return ALPHABET[(h // 7) % len(ALPHABET)]
 
-    def prefill(self, chunks, sampling) -> PrefillTokens:
+    def pick(self, content: Sequence[int], seed: int | None, allowed: np.ndarray | None) -> int:
+        """`next_token`, among the ids a bitmask row `allowed` allows (None: any): the model's
+        own token where allowed, else one of the allowed ids chosen by the content's hash."""
+        token = self.next_token(content, seed)
+        if allowed is None:
+            return token
+        bits = np.unpackbits(allowed.view(np.uint8), bitorder="little")[: self.vocab_size]
+        ids = np.flatnonzero(bits)
+        assert ids.size, "a bitmask that allows no token reached the engine"
+        if bits[token]:
+            return token
+        return int(ids[zlib.crc32(np.asarray(content, np.int64).tobytes()) % ids.size])
+
+    def prefill(self, chunks, sampling, allowed=None) -> PrefillTokens:
         """Like the engine's packed program: every chunk's tokens are written before any
         chunk's next token is read, so a page shared by two sequences shows."""
         s = self.config.num_slots
@@ -175,6 +192,7 @@ class FakeEngine:
             self.prefill_calls += 1
             raise RuntimeError("device lost in prefill")
         assert isinstance(sampling, SamplingParams) and sampling.temperature.shape == (s,)
+        assert self._forward is None, "a prefill between a decode step's halves"
         for c in chunks:
             n = len(c.tokens)
             assert 0 <= c.slot < s, c.slot
@@ -187,7 +205,8 @@ class FakeEngine:
         tokens = np.zeros(len(chunks), np.int32)
         for i, c in enumerate(chunks):
             seed = int(sampling.seed[c.slot]) if sampling.temperature[c.slot] > 0 else None
-            tokens[i] = self.next_token(self._content(c.pages, c.start + len(c.tokens)), seed)
+            tokens[i] = self.pick(self._content(c.pages, c.start + len(c.tokens)), seed,
+                                  None if allowed is None else allowed[c.slot])
             if c.final:
                 self.last_tokens[c.slot] = tokens[i]
         self.prefill_calls += 1
@@ -202,6 +221,7 @@ class FakeEngine:
         assert isinstance(sampling, SamplingParams) and sampling.temperature.shape == (s,)
         assert active.any(), "a decode step with no active slot"
         assert 1 <= steps <= self.config.decode_steps, steps
+        assert self._forward is None, "a decode step between another's halves"
         if self.decode_delay:
             time.sleep(self.decode_delay)
         self.decode_calls += 1
@@ -223,6 +243,38 @@ class FakeEngine:
                     self._content(page_table[i], p + 1), seed)
         if self.decode_calls in self.poison:
             tokens[0, self.poison[self.decode_calls]] = 2**31 - 1  # no such token
+        return tokens
+
+    def decode_forward(self, positions, active, sampling, page_table) -> None:
+        """Like the engine's: the KV of one step written, its sampling left to decode_sample."""
+        s = self.config.num_slots
+        assert positions.shape == (s,) and active.any() and page_table.shape[0] == s
+        assert self._forward is None, "decode_forward twice"
+        slots = tuple(int(i) for i in np.flatnonzero(active))
+        self.log.append(Decode(slots, tuple(int(positions[i]) for i in slots), 1))
+        live = [i for i in slots if self.last_tokens[i] not in sampling.stop_ids[i]]
+        for i in live:
+            self._write(page_table[i], int(positions[i]), [self.last_tokens[i]])
+        self._forward = (positions, live, sampling, page_table.copy())
+
+    def decode_sample(self, allowed, drop=()) -> np.ndarray:
+        """Like the engine's: each live row's token among those its bitmask allows; the rows of
+        `drop` take none."""
+        assert self._forward is not None, "decode_sample without decode_forward"
+        positions, live, sampling, page_table = self._forward
+        self._forward = None
+        self.decode_calls += 1
+        self.split_steps += 1
+        if self.fail_decode_call == self.decode_calls:
+            raise RuntimeError("device lost in decode")
+        assert allowed.dtype == np.int32 and allowed.shape == (self.config.num_slots, -(-self.vocab_size // 32))
+        tokens = np.full((1, self.config.num_slots), -1, np.int32)
+        for i in live:
+            if i in drop:
+                continue
+            seed = int(sampling.seed[i]) if sampling.temperature[i] > 0 else None
+            tokens[0, i] = self.last_tokens[i] = self.pick(
+                self._content(page_table[i], int(positions[i]) + 1), seed, allowed[i])
         return tokens
 
     def copy_pages(self, sources, targets) -> None:
