@@ -8,13 +8,15 @@ Contract:
   way `transformers` does: a sandboxed, immutable environment with `trim_blocks` and
   `lstrip_blocks`, loop controls, a `raise_exception(msg)` helper, a `tojson` filter that keeps
   non-ASCII text as is, `strftime_now(fmt)`, and the variables `messages`,
-  `add_generation_prompt`, `bos_token` and `eos_token`. With no template it renders ChatML.
+  `add_generation_prompt`, `bos_token` and `eos_token`, and `tools` (OpenAI's function tools)
+  when a request has them. With no template it renders ChatML.
 - Any template failure (syntax error, `raise_exception`, undefined variable, sandbox
   violation) becomes a `TokenizerError`, so a bad request maps to a 4xx and never reaches the
   engine.
 
-Non-goals: tool/function-calling arguments (`tools`, `documents`), multimodal content parts
-(content must already be a string), and generation-prompt masks for training.
+Non-goals: `documents` (retrieval templates), multimodal content parts (content must already be
+a string), and generation-prompt masks for training. Tools reach a template only as given:
+rewriting a conversation for a template that knows no tools is `server.tools`' business.
 """
 
 from __future__ import annotations
@@ -94,13 +96,16 @@ def _compile(template: str) -> jinja2.Template:
 
 
 def render_chat(template: str | None, messages: Any, *, add_generation_prompt: bool = True,
-                bos_token: str | None = None, eos_token: str | None = None) -> str:
-    """Renders `messages` with `template` (ChatML when None) and returns the prompt text."""
+                bos_token: str | None = None, eos_token: str | None = None,
+                tools: list[dict] | None = None) -> str:
+    """Renders `messages` with `template` (ChatML when None) and returns the prompt text;
+    `tools`, if given, is the template's `tools` variable."""
     messages = validate_messages(messages)
     compiled = _compile(template if template is not None else CHATML_TEMPLATE)
+    extra = {} if tools is None else {"tools": tools}
     try:
         return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=bos_token or "", eos_token=eos_token or "")
+                               bos_token=bos_token or "", eos_token=eos_token or "", **extra)
     except Exception as e:  # noqa: BLE001 - template code can raise anything; none may escape.
         # raise_exception, undefined attributes, sandbox violations and type errors inside
         # the template (e.g. `content + 1`) all mean "this template cannot format this input".

@@ -161,14 +161,14 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special
 
-    def apply_chat_template(self, messages: list[dict], *,
-                            add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         from cadence.checkpoints import chat  # chat imports TokenizerError from this module
 
         return chat.render_chat(self.chat_template, messages,
                                 add_generation_prompt=add_generation_prompt,
                                 bos_token=self._text_of(self.bos_id),
-                                eos_token=self._text_of(self._eos_id))
+                                eos_token=self._text_of(self._eos_id), tools=tools)
 
     def _text_of(self, token_id: int | None) -> str | None:
         if token_id is None:

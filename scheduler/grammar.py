@@ -141,8 +141,8 @@ class Matcher:
 
 
 def _first_line(message: str) -> str:
-    """llguidance's message without the parser state and grammar it may append."""
-    return message.split("\n<state>")[0].strip()
+    """llguidance's message on one line, without the parser state and grammar it may append."""
+    return " ".join(message.split("\n<state>")[0].split())
 
 
 def token_view(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
@@ -189,7 +189,8 @@ class GrammarCompiler:
 
     def compile(self, spec: Spec) -> Grammar:
         """The grammar of `spec`, from the cache or compiled now (waiting at most `timeout`);
-        GrammarError if it cannot be compiled, or not in time."""
+        GrammarError if it cannot be compiled, or its compile takes longer than `timeout` (even
+        one that finished while the caller was not looking)."""
         key = _key(spec)
         with self._lock:
             future = self._cache.get(key)
@@ -198,16 +199,20 @@ class GrammarCompiler:
                 while len(self._cache) > self._cached:
                     self._cache.popitem(last=False)
             self._cache.move_to_end(key)
+        slow = GrammarError(f"the grammar took longer than {self.timeout:g} s to compile; "
+                            "simplify the schema")
         try:
-            return future.result(timeout=self.timeout)
+            grammar = future.result(timeout=self.timeout)
         except concurrent.futures.TimeoutError:
-            raise GrammarError(f"the grammar took longer than {self.timeout:g} s to compile; "
-                               "simplify the schema") from None
+            raise slow from None
         except GrammarError:
             with self._lock:  # not worth keeping: a resend is as bad
                 if self._cache.get(key) is future:
                     del self._cache[key]
             raise
+        if grammar.compile_seconds > self.timeout:  # done in time only by luck: the same answer
+            raise slow
+        return grammar
 
     def _build(self, spec: Spec) -> Grammar:
         start = time.perf_counter()

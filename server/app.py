@@ -45,11 +45,13 @@ import cadence
 from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer, TokenizerError
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
+from cadence.scheduler.grammar import Grammar, GrammarCompiler
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
 from cadence.server import protocol, requests
 from cadence.server.metrics import Metrics
 from cadence.server.protocol import APIError
+from cadence.server.tool_calls import ToolCallParser
 
 OPENAPI = Path(__file__).with_name("openapi.json")
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
@@ -103,6 +105,7 @@ class ServerConfig:
     protect_metrics: bool = False  # with an api_key, /metrics needs it too (/debug/timeline always does)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout: float = 30.0  # seconds in-flight requests may take to finish on shutdown
+    grammar_timeout: float = 10.0  # seconds a response format's grammar may take to compile
 
 
 class Server:
@@ -123,6 +126,17 @@ class Server:
         self._warm_thread: threading.Thread | None = None
         self._on_fatal = on_fatal
         self.created = int(time.time())
+        self._grammars: GrammarCompiler | None = None  # built with the first grammar asked for
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The model's grammar compiler (`scheduler.grammar`), built once, when first needed."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.scheduler.engine.vocab_size,
+                                                 timeout=self.config.grammar_timeout)
+            return self._grammars
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -212,23 +226,28 @@ class Server:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _tokenize(self, parsed: protocol.ParsedRequest) -> list[int]:
-        """On a worker thread: chat rendering and tokenizing cost time in the prompt's length."""
+    def _prepare(self, parsed: protocol.ParsedRequest) -> tuple[list[int], Grammar | None]:
+        """On a worker thread: chat rendering and tokenizing cost time in the prompt's length,
+        and a grammar in its size (compiled on the compiler's threads, within its time limit)."""
+        grammar = None
+        if parsed.response_format is not None or (parsed.tools and parsed.tools.forces_call):
+            grammar = requests.grammar_of(parsed.response_format, parsed.tools, self.tokenizer,
+                                          self.grammars)
         if parsed.prompt_ids is not None:
-            return parsed.prompt_ids
+            return parsed.prompt_ids, grammar
         if parsed.messages is not None:
-            text = requests.render_chat(parsed.messages, self.tokenizer)
+            text = requests.render_chat(parsed.messages, self.tokenizer, parsed.tools)
         else:
             text = parsed.prompt_text
         requests.check_prompt_size(text, self.tokenizer, self.scheduler.max_seq_len)
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text), grammar
 
     async def _submit(self, parsed: protocol.ParsedRequest, request_id: str) -> list[RequestStream]:
         """One stream per sequence generated (n, or best_of): choice i's request id is the
         request's, then `-i` for i > 0."""
         try:
-            ids = await asyncio.to_thread(self._tokenize, parsed)
-            params = parsed.choice_params()
+            ids, grammar = await asyncio.to_thread(self._prepare, parsed)
+            params = [dataclasses.replace(p, grammar=grammar) for p in parsed.choice_params()]
             names = [request_id] + [f"{request_id}-{i}" for i in range(1, len(params))]
             return self.scheduler.submit_group(ids, params, names)
         except RequestTooLong as e:
@@ -265,8 +284,9 @@ class Server:
         streams = await self._submit(parsed, request_id)
         headers = {"X-Request-Id": request_id}
         echo = protocol.Echo.of(self.tokenizer, streams[0].request.prompt_ids) if parsed.echo else None
+        tools = parsed.tools if parsed.parses_tool_calls else None
         if parsed.stream:
-            frames = self._sse(streams, request_id, chat, parsed.include_usage, echo)
+            frames = self._sse(streams, request_id, chat, parsed.include_usage, echo, tools)
             return StreamingResponse(frames, media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         records = await self._collect(request, streams)
@@ -275,7 +295,8 @@ class Server:
             raise APIError(500, f"generation failed: {failed.error}", type="server_error")
         return JSONResponse(protocol.full_response(
             request_id, self.model_name, chat, protocol.best(records, parsed.n), self.tokenizer,
-            logprobs=parsed.params.logprobs is not None, generated=records, echo=echo), headers=headers)
+            logprobs=parsed.params.logprobs is not None, generated=records, echo=echo, tools=tools),
+            headers=headers)
 
     async def _collect(self, request: Request, streams: list[RequestStream]) -> list[RequestRecord]:
         """Waits for the whole answer; a client that hangs up meanwhile cancels it."""
@@ -298,16 +319,21 @@ class Server:
             watcher.cancel()
 
     async def _sse(self, streams: list[RequestStream], request_id: str, chat: bool,
-                   include_usage: bool, echo: protocol.Echo | None = None) -> AsyncIterator[str]:
+                   include_usage: bool, echo: protocol.Echo | None = None,
+                   tools=None) -> AsyncIterator[str]:
         """The streams' events as SSE frames, each choice's chunks under its index. Every event
         waiting when the loop gets to this request goes out in one write: when the loop runs
         behind the scheduler (many streams, a fast device), tokens are coalesced instead of
         each paying for a send. One choice failing ends the response with the error. With
-        `echo` (completions), each choice's first chunk is the prompt."""
+        `echo` (completions), each choice's first chunk is the prompt. With `tools` (chat,
+        calls parsed), each choice's text goes through its `ToolCallParser`: content as
+        content, calls as `tool_calls` deltas, and "tool_calls" as the finish reason of an
+        answer with calls that was not cut off."""
         created, name = int(time.time()), self.model_name
         first = [True] * len(streams)
         text_frames = [protocol.TextFrames(request_id, name, chat, created, i) for i in range(len(streams))]
         logprobs = [protocol.LogprobFormat(self.tokenizer, chat) for _ in streams]
+        parsers = [ToolCallParser(tools.names) if tools else None for _ in streams]
         records: list[RequestRecord | None] = [None] * len(streams)
         try:
             async for batch in _merged(streams):
@@ -321,23 +347,36 @@ class Server:
                             None, created, logprobs=lp, index=i)))
                         first[i] = False
                     if isinstance(event, TokenEvent):
-                        if (chat and first[i]) or event.logprobs is not None:
+                        text, calls = event.text, None
+                        if parsers[i] is not None:
+                            delta = parsers[i].feed(text)
+                            text, calls = delta.content, delta.tool_calls
+                        if (chat and first[i]) or event.logprobs is not None or calls:
                             # with logprobs, every token's chunk goes out, text or not
                             lp = None if event.logprobs is None else logprobs[i](event.logprobs)
                             frames.append(protocol.frame(protocol.chunk(
-                                request_id, name, chat, event.text, None, created, first[i], lp, i)))
+                                request_id, name, chat, text, None, created, first[i], lp, i, calls)))
                             first[i] = False
-                        elif event.text:
-                            frames.append(text_frames[i](event.text))
+                        elif text:
+                            frames.append(text_frames[i](text))
                         continue
                     records[i] = event
+                    called = False
+                    if parsers[i] is not None and event.finish_reason != "error":
+                        delta = parsers[i].finish()  # what it held back, at the end
+                        if delta.content or delta.tool_calls:
+                            frames.append(protocol.frame(protocol.chunk(
+                                request_id, name, chat, delta.content, None, created, first[i],
+                                None, i, delta.tool_calls)))
+                            first[i] = False
+                        called = bool(parsers[i].calls)
+                    reason = protocol.finish_reason(event, called)
                     if event.finish_reason == "error":
                         error = APIError(500, f"generation failed: {event.error}", type="server_error")
                         frames.append(protocol.frame(error.body()) + "data: [DONE]\n\n")
                         break
                     frames.append(protocol.frame(protocol.chunk(
-                        request_id, name, chat, None if chat else "", protocol.finish_reason(event),
-                        created, index=i)))
+                        request_id, name, chat, None if chat else "", reason, created, index=i)))
                     if all(r is not None for r in records):
                         if include_usage:
                             frames.append(protocol.frame(protocol.usage_chunk(

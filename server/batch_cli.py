@@ -5,12 +5,18 @@
 Input, one JSON object a line (blank lines are skipped):
     {"id": "a1", "prompt": "Once upon a time"}
     {"id": 2, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7, "seed": 3}
+    {"id": 3, "messages": [...], "response_format": {"type": "json_schema", "json_schema": {...}}}
+    {"id": 4, "messages": [...], "tools": [{"type": "function", "function": {...}}], "tool_choice": "required"}
 Ids are strings or integers, unique in the file. The optional sampling fields are those of
 `server/requests.py` (max_tokens, temperature, top_p, top_k, seed, the penalties, logit_bias,
-stop, ignore_eos, cache_salt, priority); absent ones take the flags' defaults. A job with
+stop, ignore_eos, cache_salt, priority); absent ones take the flags' defaults. So are OpenAI's
+response_format and, with messages, tools, tool_choice and parallel_tool_calls. A job with
 --priority_classes or a priority per line runs its lower numbers first. Output, one JSON object a line, in the order requests finish:
     {"id", "text", "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason",
      "queue_time", "ttft", "total_time", "prefill_chunks", "decode_steps"}
+and, where a line with tools was answered with calls, "tool_calls" (the chat API's shape, "text"
+then being the rest of the answer) and finish_reason "tool_calls" (unless it was cut off:
+"length").
 with times in seconds, measured by the scheduler from the moment it accepted the request.
 
 Contract:
@@ -55,6 +61,8 @@ from cadence.checkpoints.errors import CheckpointError
 from cadence.scheduler.errors import NotRunning, Overloaded, SubmissionError
 from cadence.scheduler.request import FinishReason, RequestRecord
 from cadence.server import requests, runtime
+from cadence.server.tool_calls import parse_tool_calls
+from cadence.server.tools import ToolRequest
 
 _INPUT = flags.DEFINE_string("input", None, "JSONL file of requests, each with a unique id.")
 _OUTPUT = flags.DEFINE_string("output", None, "JSONL file results are appended to (resumable).")
@@ -69,6 +77,7 @@ class Job:
     line: int  # 1-based line number in the input
     id: str | int
     entry: dict[str, Any]
+    tools: ToolRequest | None = None  # a chat's tools, whose calls its answer is parsed for
 
 
 def id_key(value: Any) -> str:
@@ -135,7 +144,7 @@ def result_json(job: Job, record: RequestRecord) -> dict[str, Any]:
     def seconds(value: float | None) -> float | None:
         return None if value is None else round(value, 6)
 
-    return {
+    result = {
         "id": job.id,
         "text": record.text,
         "prompt_tokens": record.prompt_tokens,
@@ -148,6 +157,12 @@ def result_json(job: Job, record: RequestRecord) -> dict[str, Any]:
         "prefill_chunks": record.prefill_chunks,
         "decode_steps": record.decode_steps,
     }
+    if job.tools is not None:  # the answer's calls, as the chat API returns them
+        content, calls = parse_tool_calls(record.text, job.tools.names)
+        if calls:
+            result.update(text=content or "", tool_calls=[c.message() for c in calls],
+                          finish_reason="length" if record.finish_reason == "length" else "tool_calls")
+    return result
 
 
 @dataclasses.dataclass
@@ -252,17 +267,19 @@ def main(argv: list[str]) -> int:
             print(f"cadence-batch: error: {e}", file=sys.stderr)
             return 2
         defaults = requests.defaults_from_flags(rt.model.generation)
+        grammars = rt.grammars()
         work = []
         for job in todo:
             try:
-                ids, params = requests.to_request(job.entry, rt.model.tokenizer, defaults,
-                                                  extra_fields=("id",),
-                                                  max_seq_len=rt.scheduler.max_seq_len)
+                entry = requests.to_request(job.entry, rt.model.tokenizer, defaults,
+                                            extra_fields=("id",), max_seq_len=rt.scheduler.max_seq_len,
+                                            grammars=grammars)
             except (SubmissionError, CheckpointError) as e:
                 report(job.line, f"id {job.id!r} invalid: {e}")
                 failed += 1
                 continue
-            work.append((job, ids, params))
+            job.tools = entry.tools
+            work.append((job, entry.ids, entry.params))
         try:
             totals = run_jobs(rt, work, output, report)
         except KeyboardInterrupt:

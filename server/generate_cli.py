@@ -4,7 +4,8 @@
     cadence-generate --prompts_file=prompts.jsonl --chat --num_slots=8
 
 One prompt streams its text to stdout as it is generated. A prompts file (one prompt per line,
-or JSONL objects with "prompt" or "messages" and optional sampling fields) runs every prompt
+or JSONL objects with "prompt" or "messages" and optional sampling fields, and response_format
+or tools as the batch job takes them: the text is printed as written) runs every prompt
 concurrently through the scheduler and prints each result as it finishes. A summary goes to
 stderr: per-request TTFT and per-stream rate, aggregate throughput, and
 `compilations_after_warmup`.
@@ -83,8 +84,9 @@ def main(argv: list[str]) -> int:
             else read_prompts(Path(_PROMPTS_FILE.value))
         )
         defaults = requests.defaults_from_flags(rt.model.generation)
-        jobs = [requests.to_request(e, tok, defaults, chat=_CHAT.value, max_seq_len=rt.scheduler.max_seq_len)
-                for e in entries]
+        grammars = rt.grammars()
+        jobs = [requests.to_request(e, tok, defaults, chat=_CHAT.value, grammars=grammars,
+                                    max_seq_len=rt.scheduler.max_seq_len)[:2] for e in entries]
     except (CheckpointError, SubmissionError, ValueError, OSError) as e:
         print(f"cadence-generate: error: {e}", file=sys.stderr)
         return 2

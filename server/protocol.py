@@ -3,9 +3,12 @@
 Parsing goes through `server/requests.py`, the one parser of every front door, and is strict
 where a silent guess would surprise a client: wrong types, out-of-range values and unknown
 fields are refused with the parameter named (OpenAI, too, refuses an unrecognized argument).
-Fields that would change the answer if honoured and that cadence does not implement
-(`response_format`, tools, `suffix`, ...) are refused unless they carry their neutral value; fields that change nothing here (`user`, `metadata`, ...) are
-accepted and ignored. Sampling fields a request leaves out take the model's published defaults
+Fields that would change the answer if honoured and that cadence does not implement (`suffix`,
+the legacy `functions`, vLLM's `guided_*`, ...) are refused unless they carry their neutral
+value; fields that change nothing here (`user`, `metadata`, ...) are accepted and ignored.
+`response_format` (`json_object`, `json_schema`) constrains the answer with a grammar
+(`scheduler.grammar`); chat's `tools`, `tool_choice` and `parallel_tool_calls` are
+`server.tools`', and an answer's calls come back as `tool_calls` (`server.tool_calls`). Sampling fields a request leaves out take the model's published defaults
 (`SamplingDefaults.with_model`), else OpenAI's (temperature 1.0, top_p 1.0); completions default
 to 16 tokens as OpenAI's do, chats to the end of the context.
 """
@@ -21,8 +24,10 @@ from typing import Any
 from cadence.scheduler.errors import SubmissionError
 from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer
+from cadence.scheduler.grammar import Spec
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenLogprob
-from cadence.server import requests
+from cadence.server import requests, tools as tool_requests
+from cadence.server.tool_calls import ToolCall, parse_tool_calls
 
 
 class APIError(Exception):
@@ -45,9 +50,8 @@ DEFAULT_MAX_N = 8  # choices per request (n, and best_of on completions): the se
 
 # Fields that change the answer, which cadence does not implement: refused unless neutral.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "suffix": ("",), "tools": ([],), "functions": ([],),
-    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},), "modalities": (["text"],), "prediction": (),
+    "suffix": ("",), "functions": ([],), "function_call": ("none", "auto"),
+    "modalities": (["text"],), "prediction": (),
     "audio": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
 }
 # SGLang's own request fields, which sglang-router writes into every request it forwards (with
@@ -60,11 +64,13 @@ _SGLANG_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 _NEUTRAL.update(_SGLANG_NEUTRAL)
 # Fields that change nothing cadence does: accepted and ignored.
-_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
-_COMMON = frozenset({"model", "stream", "stream_options", "n", *requests.SAMPLING_FIELDS})
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
+_COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format",
+                     *requests.SAMPLING_FIELDS})
 _ALLOWED = {
-    False: _COMMON | {"prompt", "logprobs", "best_of", "echo"},
-    True: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+    False: _COMMON | {"prompt", "logprobs", "best_of", "echo", "parallel_tool_calls"},
+    True: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                     "tool_choice", "parallel_tool_calls"},
 }
 
 
@@ -80,6 +86,12 @@ class ParsedRequest:
     n: int = 1  # choices returned
     best_of: int = 1  # sequences generated (completions: >= n; the n likeliest are returned)
     echo: bool = False  # completions: the prompt before each choice's text (and its logprobs)
+    response_format: Spec | None = None  # the grammar its answer must follow, if any
+    tools: tool_requests.ToolRequest | None = None  # chat: its tools and tool_choice
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return self.tools is not None and self.tools.parses_calls
 
     def choice_params(self) -> list[GenerationParams]:
         """Each generated sequence's parameters: its own seed (`requests.choice_seed`), and
@@ -157,8 +169,9 @@ def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults, max_n: in
     if stream and best_of > n:
         raise SubmissionError('"best_of" > n cannot be streamed (the best are known at the end)', "best_of")
     echo = not chat and requests.field(body, "echo", (bool,), False)
+    response_format, tools = requests.structure(body, chat)
     return ParsedRequest(model, prompt_text, prompt_ids, messages, params, stream, include_usage,
-                         n, best_of, echo)
+                         n, best_of, echo, response_format, tools)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -194,9 +207,12 @@ def usage(records: Sequence[RequestRecord]) -> dict[str, Any]:
     }
 
 
-def finish_reason(record: RequestRecord) -> str:
-    # Aborted or failed requests never reach a client as a normal answer.
-    return "length" if record.finish_reason == "length" else "stop"
+def finish_reason(record: RequestRecord, calls: bool = False) -> str:
+    """OpenAI's finish reason: "length" when cut off, else "tool_calls" for an answer with
+    calls, else "stop". (Aborted or failed requests never reach a client as a normal answer.)"""
+    if record.finish_reason == "length":
+        return "length"
+    return "tool_calls" if calls else "stop"
 
 
 class LogprobFormat:
@@ -247,13 +263,15 @@ class LogprobFormat:
 
 def chunk(request_id: str, model: str, chat: bool, text: str | None, reason: str | None,
           created: int, first: bool = False, logprobs: dict | None = None,
-          index: int = 0) -> dict[str, Any]:
+          index: int = 0, tool_calls: list[dict] | None = None) -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {}
         if first:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         kind = "chat.completion.chunk"
     else:
@@ -285,6 +303,11 @@ class TextFrames:
 
     def __call__(self, text: str) -> str:
         return self._head + _ENCODE_STRING(text) + self._tail
+
+
+def assistant_calls(content: str | None, calls: Sequence[ToolCall]) -> dict[str, Any]:
+    """An assistant message that calls tools (OpenAI's shape)."""
+    return {"role": "assistant", "content": content, "tool_calls": [c.message() for c in calls]}
 
 
 def usage_chunk(request_id: str, model: str, chat: bool, records: Sequence[RequestRecord],
@@ -331,11 +354,13 @@ def merge_logprobs(first: dict, second: dict) -> dict:
 def full_response(request_id: str, model: str, chat: bool, records: Sequence[RequestRecord],
                   tokenizer: Tokenizer | None = None, logprobs: bool = True,
                   generated: Sequence[RequestRecord] | None = None,
-                  echo: Echo | None = None) -> dict[str, Any]:
+                  echo: Echo | None = None,
+                  tools: tool_requests.ToolRequest | None = None) -> dict[str, Any]:
     """The whole answer, a choice per record; `tokenizer` spells their logprobs, if they have
     any and `logprobs` (False: computed for best_of's ranking only). Usage counts every
     sequence `generated` (default: the records). `echo` (completions): the prompt, whose text
-    goes before each choice's, and with logprobs its tokens' (the first record's)."""
+    goes before each choice's, and with logprobs its tokens' (the first record's). With `tools`
+    (chat) whose calls are parsed, a choice's calls are its message's `tool_calls`."""
     created = int(time.time())
     choices = []
     prompt_logprobs = next((r.prompt_logprobs for r in generated or records if r.prompt_logprobs), None)
@@ -351,6 +376,11 @@ def full_response(request_id: str, model: str, chat: bool, records: Sequence[Req
         if chat:
             choice = {"index": index, "message": {"role": "assistant", "content": record.text},
                       "finish_reason": finish_reason(record), "logprobs": lp}
+            if tools is not None and tools.parses_calls:
+                content, calls = parse_tool_calls(record.text, tools.names)
+                if calls:
+                    choice["message"] = assistant_calls(content, calls)
+                    choice["finish_reason"] = finish_reason(record, calls=True)
         else:
             choice = {"index": index, "text": record.text, "finish_reason": finish_reason(record),
                       "logprobs": lp}

@@ -27,7 +27,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from absl import flags
 
@@ -37,6 +37,8 @@ from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.api import RequestSampling
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.request import GenerationParams
+from cadence.scheduler.grammar import Grammar, GrammarCompiler, GrammarError, JsonObject, JsonSchema, Spec
+from cadence.server.tools import NAME, ToolRequest, call_style, parse_tools, template_inputs
 
 MAX_JSON_DEPTH = 32
 MAX_INT_DIGITS = 40  # a uint32 seed has 10; nothing cadence takes needs more
@@ -205,6 +207,79 @@ def generation_params(entry: dict, defaults: SamplingDefaults, *,
                             priority=field(entry, "priority", (int,)))
 
 
+def response_format(entry: dict) -> Spec | None:
+    """OpenAI's `response_format`: None for text, else the grammar spec of its JSON."""
+    fmt = field(entry, "response_format", (dict,))
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if (kind not in ("text", "json_object", "json_schema") or set(fmt) - {"type", "json_schema"}
+            or (kind != "json_schema" and "json_schema" in fmt)):
+        raise SubmissionError('"response_format" must be {"type": "text"}, {"type": "json_object"} '
+                              'or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                              "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JsonObject()
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise SubmissionError('"response_format": "json_schema" needs a "json_schema" object', "response_format")
+    unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if unknown:
+        raise SubmissionError(f'"response_format".json_schema has unknown field(s) {", ".join(unknown)}',
+                              "response_format")
+    name = spec.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise SubmissionError('"response_format".json_schema.name must be 1-64 letters, digits, _ or -',
+                              "response_format")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise SubmissionError('"response_format".json_schema.strict must be true or false', "response_format")
+    if spec.get("description") is not None and not isinstance(spec["description"], str):
+        raise SubmissionError('"response_format".json_schema.description must be a string', "response_format")
+    schema = spec.get("schema", {})  # none: any JSON value
+    if not isinstance(schema, dict):
+        raise SubmissionError('"response_format".json_schema.schema must be a JSON schema object',
+                              "response_format")
+    return JsonSchema(schema)
+
+
+STRUCTURE_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
+
+
+def structure(entry: dict, chat: bool) -> tuple[Spec | None, ToolRequest | None]:
+    """An entry's `response_format` and, for a chat, its tools (`server.tools`); a format
+    cannot go with a tool choice that forces a call (the call's format is the answer's)."""
+    fmt = response_format(entry)
+    if not chat:
+        given = [name for name in ("tools", "tool_choice") if entry.get(name) is not None]
+        if given:
+            raise SubmissionError(f'"{given[0]}" needs a chat ("messages")', given[0])
+        return fmt, None
+    tools = parse_tools(entry)
+    if fmt is not None and tools is not None and tools.forces_call:
+        raise SubmissionError('"response_format" cannot go with a "tool_choice" that forces a '
+                              "call: the call's format is the answer's", "response_format")
+    return fmt, tools
+
+
+def grammar_of(fmt: Spec | None, tools: ToolRequest | None, tokenizer: Tokenizer,
+               grammars: GrammarCompiler | None) -> Grammar | None:
+    """The compiled grammar an answer must follow: a forced tool call's (in the style of the
+    model's template), else the response format's; a GrammarError names the field at fault."""
+    forced = tools is not None and tools.forces_call
+    spec = tools.grammar(call_style(tokenizer)) if forced else fmt
+    if spec is None:
+        return None
+    param = "tools" if forced else "response_format"
+    if grammars is None:
+        raise SubmissionError("structured output is off here (--nostructured_output)", param)
+    try:
+        return grammars.compile(spec)
+    except GrammarError as e:
+        raise GrammarError(str(e), param) from None
+
+
 def choice_seed(seed: int, index: int) -> int:
     """The seed of choice `index` of a request with `seed` (n > 1): choice 0 keeps the seed,
     so it is the request with n=1; the others draw from a hash of (seed, index)."""
@@ -233,18 +308,20 @@ def logit_bias(bias: dict) -> tuple[tuple[int, float], ...]:
 def chat_messages(messages: Any) -> list[dict]:
     """A conversation with every content a string: OpenAI's arrays of text parts
     (`[{"type": "text", "text": ...}]`) are joined with newlines, as vLLM does. Other parts
-    (images, audio) are refused: cadence serves text models."""
+    (images, audio) are refused: cadence serves text models. An assistant turn may carry its
+    `tool_calls` (its content then may be null: ""), and a "tool" turn answers one of them
+    (`tool_call_id`); the legacy `function_call` is refused."""
     if not isinstance(messages, list) or not messages:
         raise SubmissionError('"messages" must be a non-empty array', "messages")
     out = []
     for i, message in enumerate(messages):
         if isinstance(message, dict):
-            for key in ("tool_calls", "function_call", "tool_call_id"):
-                if message.get(key) is not None:
-                    raise SubmissionError(f'messages[{i}]["{key}"]: tool calls are not supported '
-                                          "by cadence", "messages")
+            if message.get("function_call") is not None:
+                raise SubmissionError(f'messages[{i}]["function_call"] is the legacy form; send '
+                                      '"tool_calls"', "messages")
             if message.get("name") is not None and not isinstance(message["name"], str):
                 raise SubmissionError(f'messages[{i}]["name"] must be a string', "messages")
+            message = _tool_fields(i, message)
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
             texts = []
@@ -260,9 +337,37 @@ def chat_messages(messages: Any) -> list[dict]:
     return out
 
 
-def render_chat(messages: Any, tokenizer: Tokenizer) -> str:
+def _tool_fields(i: int, message: dict) -> dict:
+    """Checks a message's tool-calling fields; an assistant turn of calls alone gets content ""."""
+    calls, answers = message.get("tool_calls"), message.get("tool_call_id")
+    role = message.get("role")
+    if calls is not None:
+        if role != "assistant" or not isinstance(calls, list):
+            raise SubmissionError(f'messages[{i}]["tool_calls"] must be an array, on an assistant '
+                                  "message", "messages")
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if (not isinstance(function, dict) or call.get("type", "function") != "function"
+                    or not isinstance(call.get("id"), str) or not isinstance(function.get("name"), str)
+                    or not isinstance(function.get("arguments"), str)):
+                raise SubmissionError(
+                    f'messages[{i}]["tool_calls"][{j}] must be {{"id": str, "type": "function", '
+                    '"function": {"name": str, "arguments": str}}', "messages")
+        if message.get("content") is None:
+            message = {**message, "content": ""}
+    if role == "tool" and not isinstance(answers, str):
+        raise SubmissionError(f'messages[{i}] (role "tool") needs "tool_call_id", the id of the '
+                              "call it answers", "messages")
+    if answers is not None and role != "tool":
+        raise SubmissionError(f'messages[{i}]["tool_call_id"] belongs on a "tool" message', "messages")
+    return message
+
+
+def render_chat(messages: Any, tokenizer: Tokenizer, tools: ToolRequest | None = None) -> str:
+    """The prompt of a conversation (and its tools, `server.tools`), in the model's template."""
     try:  # the chat module checks the conversation's shape and runs the template sandboxed
-        return tokenizer.apply_chat_template(chat_messages(messages))
+        conversation, shown = template_inputs(chat_messages(messages), tokenizer, tools)
+        return tokenizer.apply_chat_template(conversation, tools=shown)
     except CheckpointError as e:
         raise SubmissionError(f'"messages": {e}', "messages") from None
 
@@ -280,6 +385,14 @@ def check_prompt_size(text: str, tokenizer: Tokenizer, max_seq_len: int) -> None
 # -- whole entries (the command-line doors) ----------------------------------------------------
 
 
+class EntryRequest(NamedTuple):
+    """A command-line door's entry, ready to submit."""
+
+    ids: list[int]
+    params: GenerationParams
+    tools: ToolRequest | None  # a chat's tools, whose calls its answer is parsed for
+
+
 def to_request(
     entry: Any,
     tokenizer: Tokenizer,
@@ -288,33 +401,40 @@ def to_request(
     chat: bool = False,
     extra_fields: tuple[str, ...] = (),
     max_seq_len: int | None = None,
-) -> tuple[list[int], GenerationParams]:
-    """Tokenized prompt and generation parameters of one entry; `SubmissionError` if invalid.
+    grammars: GrammarCompiler | None = None,
+) -> EntryRequest:
+    """Tokenized prompt, generation parameters and tools of one entry; `SubmissionError` if
+    invalid.
 
     An entry has exactly one of "prompt" (a string) or "messages" (a chat, rendered with the
-    model's chat template), and optionally the fields in `SAMPLING_FIELDS`. `chat` wraps a
-    plain "prompt" as one user message. `extra_fields` are keys the caller handles itself (such
-    as a batch job's "id"). With `max_seq_len`, a prompt that cannot fit is refused before it
-    is tokenized. Context-length checks on the tokens are the scheduler's (`RequestTooLong`).
+    model's chat template), and optionally the fields in `SAMPLING_FIELDS` and in
+    `STRUCTURE_FIELDS` (OpenAI's response_format, and a chat's tools; their grammar compiled
+    by `grammars`). `chat` wraps a plain "prompt" as one user message. `extra_fields` are keys
+    the caller handles itself (such as a batch job's "id"). With `max_seq_len`, a prompt that
+    cannot fit is refused before it is tokenized. Context-length checks on the tokens are the
+    scheduler's (`RequestTooLong`).
     """
     if not isinstance(entry, dict):
         raise SubmissionError(f"a request must be a JSON object, got {type(entry).__name__}")
     check_json_value(entry)
-    unknown = sorted(set(entry) - {"prompt", "messages", *SAMPLING_FIELDS, *extra_fields})
+    known = ("prompt", "messages", *SAMPLING_FIELDS, *STRUCTURE_FIELDS, *extra_fields)
+    unknown = sorted(set(entry) - set(known))
     if unknown:
-        allowed = ", ".join(("prompt", "messages", *SAMPLING_FIELDS, *extra_fields))
-        raise SubmissionError(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {allowed}")
+        raise SubmissionError(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(known)}")
     if ("prompt" in entry) == ("messages" in entry):
         raise SubmissionError('a request needs exactly one of "prompt" or "messages"')
     params = generation_params(entry, defaults)
+    fmt, tools = structure(entry, chat or "messages" in entry)
     if "messages" in entry:
-        text = render_chat(entry["messages"], tokenizer)
+        text = render_chat(entry["messages"], tokenizer, tools)
     else:
         text = field(entry, "prompt", (str,))
         if text is None:
             raise SubmissionError('"prompt" must be a string', "prompt")
         if chat:
-            text = render_chat([{"role": "user", "content": text}], tokenizer)
+            text = render_chat([{"role": "user", "content": text}], tokenizer, tools)
     if max_seq_len is not None:
         check_prompt_size(text, tokenizer, max_seq_len)
-    return tokenizer.encode(text), params
+    grammar = grammar_of(fmt, tools, tokenizer, grammars)
+    params = dataclasses.replace(params, grammar=grammar)
+    return EntryRequest(tokenizer.encode(text), params, tools if tools and tools.parses_calls else None)

@@ -33,6 +33,7 @@ from cadence.model.paged_kv import pages_for_bytes
 from cadence.model.params import MATRICES, cast_bytes, param_specs
 from cadence.model.quant import quantize, quantize_grouped
 from cadence.model.sharding import TensorParallel
+from cadence.scheduler.grammar import GrammarCompiler
 from cadence.scheduler.policy import POLICIES, PolicyConfig
 from cadence.scheduler.priority import SLO, PriorityClasses
 from cadence.scheduler.scheduler import KV_RESERVATIONS, Scheduler, SchedulerConfig
@@ -106,6 +107,15 @@ def _parses(parse):
 flags.register_validator("priority_classes", _parses(PriorityClasses.parse))
 flags.register_validator("slo_ttft", _parses(lambda v: SLO.parse(ttft=v)))
 flags.register_validator("slo_itl", _parses(lambda v: SLO.parse(itl=v)))
+_STRUCTURED_OUTPUT = flags.DEFINE_bool(
+    "structured_output", True,
+    "Serve response_format and forced tool calls: compiles the two halves of a decode step that "
+    "a grammar's bitmask goes between (more programs to warm up); --nostructured_output refuses "
+    "those requests with a 400.")
+GRAMMAR_TIMEOUT = flags.DEFINE_float(
+    "grammar_timeout", 10.0,
+    "Seconds a response format's or a tool choice's grammar may take to compile (on threads of "
+    "its own, never delaying other requests); longer is a 400.", lower_bound=0.001)
 _PREFIX_CACHING = flags.DEFINE_bool(
     "prefix_caching", True,
     "Reuse the KV of prompt prefixes computed before (automatic prefix caching: a full page's KV "
@@ -176,6 +186,13 @@ class Runtime:
 
     def warm_up(self) -> float:
         return warm_up(self.engines)
+
+    def grammars(self) -> GrammarCompiler | None:
+        """A grammar compiler for the model (structured output), or None where it is off."""
+        if not self.engines[-1].config.structured_output:
+            return None
+        return GrammarCompiler(self.model.tokenizer, self.engines[-1].vocab_size,
+                               timeout=GRAMMAR_TIMEOUT.value)
 
 
 def configure_devices() -> None:
@@ -314,6 +331,7 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
         max_prefill_chunks=_MAX_PREFILL_CHUNKS.value,
         decode_steps=_DECODE_STEPS.value,
         max_logprobs=_MAX_LOGPROBS.value,
+        structured_output=_STRUCTURED_OUTPUT.value,
         # An iteration's prompt chunks, packed, fit one program even with every slot decoding.
         prefill_tokens=max(_PREFILL_CHUNK.value, token_budget() - _NUM_SLOTS.value),
     )

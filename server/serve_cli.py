@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     try:
         config = ServerConfig(api_key=api_key(), protect_metrics=_PROTECT_METRICS.value,
                               max_body_bytes=runtime.parse_size(_MAX_BODY.value), drain_timeout=_DRAIN.value,
-                              max_n=_MAX_N.value)
+                              max_n=_MAX_N.value, grammar_timeout=runtime.GRAMMAR_TIMEOUT.value)
         rt = runtime.build_from_flags(warm=False)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"cadence-serve: error: {e}", file=sys.stderr)

@@ -86,7 +86,8 @@ def tiny_tokenizer(tiny_config):
 
 # The serving tests' engine: long slots, so that a request told to run long (500 tokens)
 # outlives any client-side race; short chunks, so that prompts span several.
-SERVING_ENGINE = dict(num_slots=4, max_seq_len=512, prefill_chunk=32, min_kv_bucket=256)
+SERVING_ENGINE = dict(num_slots=4, max_seq_len=512, prefill_chunk=32, min_kv_bucket=256,
+                      structured_output=True)
 
 
 @pytest.fixture(scope="session")

@@ -201,6 +201,37 @@ def test_bad_lines_are_reported_and_do_not_stop_the_others(setup, tmp_path):
     assert len(read_results(out)) == 3
 
 
+def test_response_formats_and_tool_calls(setup, tmp_path):
+    """The chat API's structure fields, line by line: a schema's answer validates, a forced
+    call comes back as tool_calls, and a line whose grammar cannot be built is reported."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "f"}}
+    chat = [{"role": "user", "content": "hi"}]
+    lines = [
+        {"id": "schema", "prompt": "x", "max_tokens": 60, "temperature": 0.8,
+         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+        {"id": "call", "messages": chat, "max_tokens": 60, "tools": [tool], "tool_choice": "required",
+         "parallel_tool_calls": False},
+        {"id": "bad", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"type": "string", "pattern": "(["}}}},
+        {"id": "no-chat", "prompt": "x", "tools": [tool]},
+    ]
+    inp, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    result = run_batch(setup, inp, out, "--max_seq_len=512")
+    assert result.returncode == 1
+    reported = [s for s in result.stderr.splitlines() if s.startswith(f"cadence-batch: {inp}:")]
+    assert len(reported) == 2 and "unclosed" in reported[0] and "needs a chat" in reported[1], reported
+    results = {r["id"]: r for r in read_results(out)}
+    assert set(results) == {"schema", "call"}
+    jsonschema.validate(json.loads(results["schema"]["text"]), schema)
+    call = results["call"]
+    assert call["finish_reason"] == "tool_calls" and call["text"] == ""
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in call["tool_calls"]][0] == ("f", {})
+
+
 def test_load_done_refuses_a_corrupt_middle_line(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": 1}\nnot json\n{"id": 2}\n')

@@ -221,3 +221,72 @@ def test_multi_turn_chats_on_the_default_model_reuse_the_cache_and_equal_the_ref
     assert all(cached >= 32 for _, _, cached in served[2:])  # the system prompt's pages and more
     for prompt, output, _ in served:
         assert output == greedy_generate(smollm2.params, smollm2.config, prompt, 16, tok.eos_ids)
+
+
+def test_structured_output_and_tool_calls_on_the_default_model(smollm2):
+    """The default model as cadence-serve runs it (the CPU kernels over its own Q4_1 blocks),
+    over HTTP: answers to schemas of several shapes, greedy and sampled, streamed and not, all
+    parse and validate; forced tool calls are valid calls; a free request served beside them
+    is the reference's, token for token."""
+    import concurrent.futures
+
+    import jsonschema
+
+    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.model import cpu_kernels
+    from cadence.scheduler.policy import PolicyConfig
+    from cadence.scheduler.request import GenerationParams
+    from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+    from cadence.server.app import create_app
+    from tests.conftest import loopback_server
+    from tests.test_structured import SCHEMAS, TOOL_SCHEMAS, TOOLS, assembled, check_calls, schema_format
+
+    if not cpu_kernels.available():
+        pytest.skip(f"the CPU kernels are unavailable: {cpu_kernels.unavailable_reason()}")
+    import httpx
+
+    packed = {path: blocks for path, (blocks, _) in smollm2.packed.items()}
+    engine = Engine(smollm2.params, smollm2.config, EngineConfig(
+        num_slots=4, max_seq_len=1024, prefill_chunk=128, attention="cpu", decode_matmul="cpu",
+        structured_output=True), packed=packed)
+    engine.warmup()
+    tok = smollm2.tokenizer
+    sched = Scheduler(engine, tok, SchedulerConfig(policy=PolicyConfig(token_budget=132, chunk=128)))
+    app = create_app(sched, tok, "smollm2-135m")
+    ask = [{"role": "user", "content": "Describe a person, a colour, a point and some booleans as JSON."}]
+    free_prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three colours."}]))
+    with loopback_server(app) as base:
+        def post(body):
+            return httpx.post(f"{base}/v1/chat/completions", json={"model": "smollm2-135m", **body},
+                              timeout=600).json()
+
+        def stream(body):
+            with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=600,
+                              json={"model": "smollm2-135m", "stream": True, **body}) as r:
+                lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            return assembled([json.loads(line) for line in lines[:-1]])[0]
+
+        jobs = []
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            for i, name in enumerate(sorted(SCHEMAS)):
+                for temperature in (0.0, 0.8):
+                    body = {"messages": ask, "response_format": schema_format(name), "max_tokens": 300,
+                            "temperature": temperature, "seed": i}
+                    send = stream if (i + int(temperature)) % 2 else post
+                    jobs.append((name, pool.submit(send, body)))
+            weather = [{"role": "user", "content": "What is the weather like in Paris, in celsius?"}]
+            calls = [pool.submit(post, {"messages": weather, "tools": TOOLS, "max_tokens": 200,
+                                        "temperature": t, "tool_choice": choice})
+                     for t in (0.0, 0.8) for choice in ("required", {"type": "function", "function": {"name": "get_weather"}})]
+            free = sched.submit(free_prompt, GenerationParams(max_tokens=12))
+            for name, job in jobs:
+                answer = job.result()
+                text = answer["content"] if "content" in answer else answer["choices"][0]["message"]["content"]
+                jsonschema.validate(json.loads(text), SCHEMAS[name])
+            for job in calls:
+                choice = job.result()["choices"][0]
+                assert choice["finish_reason"] == "tool_calls", choice
+                check_calls(choice["message"]["tool_calls"], set(TOOL_SCHEMAS))
+            list(free)
+    assert sched.compilations_after_warmup == 0  # (before the reference compiles its own)
+    assert free.request.output_ids == greedy_generate(smollm2.params, smollm2.config, free_prompt, 12, tok.eos_ids)

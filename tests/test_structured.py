@@ -1,0 +1,285 @@
+"""Structured output and tool calls over HTTP: response_format and forced tool calls with the
+tiny model (every answer parses and validates, streamed or not, greedy or sampled), tool calls
+that a model writes on its own (a scripted fake model), and every bad input a 400."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from cadence.engine.engine import Engine, EngineConfig
+from cadence.server import requests
+from cadence.server.tools import parse_tools
+from tests.test_scheduler import EOS, TOK, FakeEngine
+from tests.test_server import serve
+
+MODEL = "tiny"
+
+# Every value bounded, so that even a random model's answer ends well within max_tokens.
+SCHEMAS = {
+    "flat": {"type": "object", "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "member": {"type": "boolean"}},
+        "required": ["name", "age", "member"], "additionalProperties": False},
+    "enum_and_array": {"type": "object", "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                   "minItems": 1, "maxItems": 4}},
+        "required": ["colour", "scores"], "additionalProperties": False},
+    "nested": {"type": "object", "properties": {
+        "point": {"type": "object", "properties": {
+            # multipleOf bounds the digits: a greedy model may write "1.000..." forever otherwise
+            "x": {"type": "number", "minimum": -1, "maximum": 1, "multipleOf": 0.25},
+            "y": {"type": "number", "minimum": -10, "maximum": 10, "multipleOf": 0.01}},
+            "required": ["x", "y"], "additionalProperties": False},
+        "label": {"type": ["string", "null"], "maxLength": 5}},
+        "required": ["point", "label"], "additionalProperties": False},
+    "array": {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 3},
+}
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "minLength": 1, "maxLength": 10},
+            "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time"}},
+]
+TOOL_SCHEMAS = {"get_weather": TOOLS[0]["function"]["parameters"],
+                "get_time": {"type": "object", "properties": {}, "additionalProperties": False}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def url(tiny_engine, tiny_tokenizer):
+    with serve(tiny_engine, tiny_tokenizer) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def fake_url():
+    """The fake engine (`tests.test_scheduler`) behind the real server: a "model" that picks
+    among the tokens each bitmask allows by a hash of the sequence, with a context long enough
+    for a prompt that lists tools (the tiny model's 512 tokens are not, with its tokenizer)."""
+    with serve(FakeEngine(num_slots=4, max_seq_len=2048, page_size=16), TOK) as base:
+        yield base
+
+
+def post(url: str, body: dict, chat: bool = True) -> httpx.Response:
+    path = "chat/completions" if chat else "completions"
+    return httpx.post(f"{url}/v1/{path}", json={"model": MODEL, **body}, timeout=120)
+
+
+def stream(url: str, body: dict, chat: bool = True) -> list[dict]:
+    """The chunks of a streamed answer (the [DONE] checked)."""
+    path = "chat/completions" if chat else "completions"
+    with httpx.stream("POST", f"{url}/v1/{path}", json={"model": MODEL, "stream": True, **body},
+                      timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def assembled(chunks: list[dict]) -> dict[int, dict]:
+    """Per choice index: its streamed content, tool calls (deltas put together) and finish."""
+    out: dict[int, dict] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            entry = out.setdefault(choice["index"], {"content": "", "calls": {}, "finish": None})
+            delta = choice.get("delta", {})
+            entry["content"] += delta.get("content") or choice.get("text") or ""
+            for call in delta.get("tool_calls") or []:
+                got = entry["calls"].setdefault(call["index"], {"name": None, "arguments": "", "id": None})
+                if "id" in call:
+                    assert got["id"] is None, "a call's header came twice"
+                    got["id"], got["name"] = call["id"], call["function"]["name"]
+                got["arguments"] += call["function"].get("arguments", "")
+            entry["finish"] = choice["finish_reason"] or entry["finish"]
+    return out
+
+
+def schema_format(name: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_every_answer_validates_against_its_schema(url, name, temperature):
+    """Chat and completions, whole and streamed, two choices when sampled: all parse and
+    validate, and end where the JSON ends."""
+    n = 2 if temperature else 1
+    body = {"response_format": schema_format(name), "max_tokens": 300, "temperature": temperature,
+            "seed": 11, "n": n}
+    whole = post(url, {**body, "messages": ASK}).json()
+    texts = [c["message"]["content"] for c in whole["choices"]]
+    texts += [c["text"] for c in post(url, {**body, "prompt": "Data:"}, chat=False).json()["choices"]]
+    streamed = assembled(stream(url, {**body, "messages": ASK}))
+    assert len(streamed) == n and all(e["finish"] == "stop" for e in streamed.values())
+    texts += [e["content"] for e in streamed.values()]
+    assert all(c["finish_reason"] == "stop" for c in whole["choices"])
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMAS[name])
+    if not temperature:  # greedy: the stream is the whole answer, chunk by chunk
+        assert streamed[0]["content"] == texts[0]
+
+
+def test_json_object_starts_an_object_and_free_requests_are_untouched(url):
+    """json_object: the answer is an object (the random model may not close it in time);
+    the same request without a format answers as it always did."""
+    free = post(url, {"messages": ASK, "max_tokens": 12, "temperature": 0}).json()
+    constrained = post(url, {"messages": ASK, "max_tokens": 12, "temperature": 0,
+                             "response_format": {"type": "json_object"}}).json()
+    assert constrained["choices"][0]["message"]["content"].startswith("{")
+    again = post(url, {"messages": ASK, "max_tokens": 12, "temperature": 0,
+                       "response_format": {"type": "text"}}).json()
+    assert again["choices"][0]["message"] == free["choices"][0]["message"]
+
+
+def check_calls(calls: list[dict], names: set[str]) -> None:
+    assert calls
+    for call in calls:
+        name = call["function"]["name"] if "function" in call else call["name"]
+        arguments = call["function"]["arguments"] if "function" in call else call["arguments"]
+        assert name in names
+        jsonschema.validate(json.loads(arguments), TOOL_SCHEMAS[name])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_required_and_named_tool_choices_always_call(fake_url, temperature):
+    url = fake_url
+    base = {"messages": ASK, "tools": TOOLS, "max_tokens": 400, "temperature": temperature, "seed": 3}
+    for extra, names, most in [({"tool_choice": "required"}, {"get_weather", "get_time"}, None),
+                               ({"tool_choice": "required", "parallel_tool_calls": False},
+                                {"get_weather", "get_time"}, 1),
+                               ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+                                {"get_weather"}, 1)]:
+        answer = post(url, {**base, **extra}).json()["choices"][0]
+        assert answer["finish_reason"] == "tool_calls", answer
+        calls = answer["message"]["tool_calls"]
+        check_calls(calls, names)
+        assert most is None or len(calls) == most
+        assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+        streamed = assembled(stream(url, {**base, **extra}))[0]
+        assert streamed["finish"] == "tool_calls"
+        check_calls(list(streamed["calls"].values()), names)
+        if not temperature:  # the same calls, streamed in pieces
+            assert [(c["name"], c["arguments"]) for c in streamed["calls"].values()] == [
+                (c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+def test_tool_choice_none_returns_text(fake_url):
+    url = fake_url
+    answer = post(url, {"messages": ASK, "tools": TOOLS, "tool_choice": "none", "max_tokens": 8}).json()
+    choice = answer["choices"][0]
+    assert "tool_calls" not in choice["message"] and choice["finish_reason"] in ("stop", "length")
+
+
+def test_a_conversation_with_calls_and_results_renders(fake_url, tiny_tokenizer):
+    url = fake_url
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
+    ]
+    prompt = requests.render_chat(messages, tiny_tokenizer, parse_tools({"tools": TOOLS}))
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n18 C and sunny\n</tool_response>" in prompt
+    assert '"name": "get_time"' in prompt.split("<tools>")[1].split("</tools>")[0]
+    answer = post(url, {"messages": messages, "tools": TOOLS, "max_tokens": 6})
+    assert answer.status_code == 200
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+     "response_format", "name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
+     "response_format", "schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "(["}}}}, "response_format", "unclosed"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}},
+     "response_format", "nowhere"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "function"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools", "name"),
+    ({"tools": [TOOLS[1], TOOLS[1]]}, "tools", "more than once"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools", "parameters"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "send_email"}}},
+     "tool_choice", "send_email"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
+    ({"tool_choice": "required"}, "tool_choice", "needs"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format", "forces a call"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(["}}}}}],
+      "tool_choice": "required"}, "tools", "unclosed"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "tool_call_id"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": "f"}}]}]},
+     "messages", "tool_calls"),
+])
+def test_bad_structure_is_a_400_naming_the_field(url, body, param, fragment):
+    response = post(url, {"messages": ASK, "max_tokens": 4, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and fragment in error["message"], error
+    assert post(url, {"messages": ASK, "max_tokens": 2}).status_code == 200
+
+
+def test_tools_are_for_chats(url):
+    response = post(url, {"prompt": "x", "tools": TOOLS}, chat=False)
+    assert response.status_code == 400 and "tools" in response.json()["error"]["message"]
+
+
+def test_a_slow_grammar_is_refused_and_others_are_served(tiny_engine, tiny_tokenizer):
+    with serve(tiny_engine, tiny_tokenizer, grammar_timeout=1e-6) as base:
+        slow = post(base, {"messages": ASK, "response_format": schema_format("nested")})
+        assert slow.status_code == 400 and "longer than" in slow.json()["error"]["message"]
+        assert post(base, {"messages": ASK, "max_tokens": 3}).status_code == 200
+
+
+def test_an_engine_without_structured_output_refuses_formats(tiny_params, tiny_config, tiny_tokenizer):
+    engine = Engine(tiny_params, tiny_config, EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=32))
+    with serve(engine, tiny_tokenizer) as base:
+        response = post(base, {"messages": ASK, "response_format": {"type": "json_object"}})
+        assert response.status_code == 400 and "--structured_output" in response.json()["error"]["message"]
+
+
+# -- calls a model writes on its own (tool_choice auto) -----------------------------------------
+
+WRITTEN = {
+    "hermes": 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+              '"unit": "c"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+    "llama3": '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}',
+    "text": "It is sunny {mostly} in <b>Paris</b>.",
+}
+
+
+@pytest.mark.parametrize("style", sorted(WRITTEN))
+def test_calls_a_model_writes_come_back_as_tool_calls(style):
+    """A fake model scripted to write each style: "auto" returns its calls (content beside
+    them), whole and streamed alike; text that is no call stays text."""
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 400}
+    prompt = TOK.encode(requests.render_chat(ASK, TOK, parse_tools(body)))
+    engine = FakeEngine(num_slots=2, max_seq_len=2048, script={tuple(prompt): TOK.encode(WRITTEN[style]) + [EOS]})
+    with serve(engine, TOK) as base:
+        whole = post(base, body).json()["choices"][0]
+        streamed = assembled(stream(base, body))[0]
+    if style == "text":
+        assert whole["message"]["content"] == WRITTEN["text"] and whole["finish_reason"] == "stop"
+        assert streamed["content"] == WRITTEN["text"] and not streamed["calls"]
+        return
+    expected = [("get_weather", {"city": "Paris", "unit": "c"})] + ([("get_time", {})] if style == "hermes" else [])
+    calls = whole["message"]["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == expected
+    assert whole["finish_reason"] == streamed["finish"] == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"].values()] == expected
+    content = "Let me look." if style == "hermes" else None
+    assert whole["message"]["content"] == content and streamed["content"] == (content or "")
