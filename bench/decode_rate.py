@@ -10,6 +10,12 @@ time to first token is left out, so it is the rate of the decode steps. A round'
 is every stream's tokens over the round's wall time (first token included). Token counts are
 the server's `usage`, never re-tokenized. Works against cadence and llama.cpp's llama-server
 alike (`--extra_body='{"cache_prompt": false}'` keeps llama-server from reusing the prompt).
+
+Structured output: `--constrained='{"response_format": ...}'` merges those fields into the first
+`--constrained_streams` streams of each round (default: every one), which then end where their
+grammar does or at max_tokens (ignore_eos cannot go with a grammar); the summary gives the
+per-token time of constrained and free streams apart, so one run measures a schema's cost and
+another what constrained streams cost the free ones beside them.
 """
 
 from __future__ import annotations
@@ -34,6 +40,12 @@ _PROMPT = flags.DEFINE_string("prompt", "Write a long story about a lighthouse k
                               "The user message.")
 _EXTRA_BODY = flags.DEFINE_string("extra_body", "{}", "JSON object merged into every request.")
 _LABEL = flags.DEFINE_string("label", None, "Name of this server in the output.")
+_CONSTRAINED = flags.DEFINE_string(
+    "constrained", None, "JSON object merged into the constrained streams' requests (e.g. a "
+    "response_format); they drop ignore_eos.")
+_CONSTRAINED_STREAMS = flags.DEFINE_integer(
+    "constrained_streams", None, "How many of each round's streams are constrained (default: all).",
+    lower_bound=0)
 _OUT = flags.DEFINE_string("out", None, "Where to write the JSON results.")
 
 
@@ -57,10 +69,20 @@ def one_stream(client: httpx.Client, body: dict, out: list, index: int) -> None:
                   "decode_tok_s": (tokens - 1) / (times[-1] - times[0]), "end": times[-1]}
 
 
+def bodies(body: dict, streams: int) -> list[dict]:
+    """Each stream's request: the first `--constrained_streams` with the `--constrained` fields."""
+    if not _CONSTRAINED.value:
+        return [body] * streams
+    constrained = {k: v for k, v in body.items() if k != "ignore_eos"} | json.loads(_CONSTRAINED.value)
+    k = streams if _CONSTRAINED_STREAMS.value is None else min(_CONSTRAINED_STREAMS.value, streams)
+    return [constrained] * k + [body] * (streams - k)
+
+
 def run_round(client: httpx.Client, body: dict, streams: int) -> dict:
     out: list = [None] * streams
     start = time.perf_counter()
-    threads = [threading.Thread(target=one_stream, args=(client, body, out, i)) for i in range(streams)]
+    sent = bodies(body, streams)
+    threads = [threading.Thread(target=one_stream, args=(client, b, out, i)) for i, b in enumerate(sent)]
     for t in threads:
         t.start()
     for t in threads:
@@ -70,6 +92,8 @@ def run_round(client: httpx.Client, body: dict, streams: int) -> dict:
     wall = max(o["end"] for o in out) - start
     return {"streams": streams, "aggregate_tok_s": sum(o["tokens"] for o in out) / wall,
             "per_stream_decode_tok_s": [o["decode_tok_s"] for o in out],
+            "tokens": [o["tokens"] for o in out],
+            "constrained": [b is not body for b in sent],
             "ttft_s": [o["ttft_s"] for o in out]}
 
 
@@ -89,11 +113,18 @@ def main(argv) -> None:
             setting = {"streams": streams, "rounds": rounds,
                        "median_stream_decode_tok_s": statistics.median(per_stream),
                        "median_aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in rounds)}
-            results["settings"].append(setting)
             print(f"{_LABEL.value or _BASE_URL.value}: {streams} stream(s): per-stream decode "
                   f"{setting['median_stream_decode_tok_s']:.1f} tok/s (median of {len(per_stream)}), "
                   f"aggregate {setting['median_aggregate_tok_s']:.1f} tok/s (median of {len(rounds)} rounds)",
                   flush=True)
+            for kind, wanted in (("constrained", True), ("free", False)):
+                rates = [rate for rd in rounds for rate, c in zip(rd["per_stream_decode_tok_s"],
+                                                                  rd["constrained"]) if c == wanted]
+                if rates:  # per-token time: the mean over streams of 1/rate
+                    setting[f"{kind}_ms_per_token"] = 1e3 * statistics.mean(1 / r for r in rates)
+                    print(f"  {kind}: {setting[f'{kind}_ms_per_token']:.2f} ms per token "
+                          f"(mean of {len(rates)} streams)", flush=True)
+            results["settings"].append(setting)
     if _OUT.value:
         Path(_OUT.value).parent.mkdir(parents=True, exist_ok=True)
         Path(_OUT.value).write_text(json.dumps(results, indent=2))
