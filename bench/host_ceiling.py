@@ -63,7 +63,7 @@ class NullEngine:
 
         self._tokens = PrefillTokens
 
-    def prefill(self, chunks, sampling):
+    def prefill(self, chunks, sampling, allowed=None):
         return self._tokens([(self._all, len(chunks))])  # chunks <= num_slots: one program
 
     def decode(self, positions, active, sampling, page_table, steps=1):

@@ -3,7 +3,9 @@
     entry = load_json(raw_bytes)                          # strict JSON, bounded; SubmissionError
     params = generation_params(entry, defaults)           # the sampling and stop fields
     messages = chat_messages(entry["messages"])           # text parts joined into strings
-    ids, params = to_request(entry, tokenizer, defaults)  # a CLI or batch-job entry, whole
+    fmt, tools = structure(entry, chat)                   # response_format; a chat's tools
+    grammar = grammar_of(fmt, tools, tokenizer, grammars) # what the answer must follow, compiled
+    ids, params, tools = to_request(entry, tokenizer, defaults)  # a CLI or batch-job entry, whole
 
 The HTTP server (`server/protocol.py`, OpenAI's wire format), `cadence-generate` and
 `cadence-batch` all parse through here, so a field means the same thing at every door and a bad
@@ -31,6 +33,7 @@ from typing import Any, NamedTuple
 
 from absl import flags
 
+from cadence.checkpoints.chat import validate_messages
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer
@@ -366,7 +369,8 @@ def _tool_fields(i: int, message: dict) -> dict:
 def render_chat(messages: Any, tokenizer: Tokenizer, tools: ToolRequest | None = None) -> str:
     """The prompt of a conversation (and its tools, `server.tools`), in the model's template."""
     try:  # the chat module checks the conversation's shape and runs the template sandboxed
-        conversation, shown = template_inputs(chat_messages(messages), tokenizer, tools)
+        conversation = validate_messages(chat_messages(messages))
+        conversation, shown = template_inputs(conversation, tokenizer, tools)
         return tokenizer.apply_chat_template(conversation, tools=shown)
     except CheckpointError as e:
         raise SubmissionError(f'"messages": {e}', "messages") from None

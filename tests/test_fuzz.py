@@ -486,8 +486,10 @@ def test_hostile_bodies(http, neighbour, case):
     method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
     path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
                           "/debug/timeline", "/v1", "/v1/nope", "/", "/v1/completions/x", "/%ff", "/v1/models/tiny"]),
+    # (a header value cannot begin or end with white space: the client refuses to send one)
     request_id=st.one_of(st.none(), st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF,
-                                                           blacklist_characters="\x7f"), max_size=200)),
+                                                           blacklist_characters="\x7f"), max_size=200)
+                         .map(lambda s: s.strip(" \t"))),
     query=st.dictionaries(st.sampled_from(["since_iteration", "since_request", "x"]),
                           st.one_of(st.integers().map(str), huge_int, st.text(max_size=20)), max_size=2),
 )

@@ -283,3 +283,13 @@ def test_calls_a_model_writes_come_back_as_tool_calls(style):
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"].values()] == expected
     content = "Let me look." if style == "hermes" else None
     assert whole["message"]["content"] == content and streamed["content"] == (content or "")
+
+
+@pytest.mark.parametrize("messages", [
+    [-1], [{"role": "tool", "tool_call_id": "c"}], [{"role": "assistant", "content": 3}],
+    [{"role": "tool", "tool_call_id": "c", "content": None}],
+])
+def test_malformed_conversations_with_tools_are_400(fake_url, messages):
+    """Found by the fuzz: a conversation is checked before tools rewrite it."""
+    response = post(fake_url, {"messages": messages, "tools": TOOLS, "max_tokens": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages", response.text
