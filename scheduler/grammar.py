@@ -152,15 +152,37 @@ def token_view(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
     eos = sorted(tokenizer.eos_ids)
     if not eos:
         raise ValueError("structured output needs a tokenizer with an end-of-sequence token")
+    special = {i for i in range(tokenizer.vocab_size) if tokenizer.is_special(i)}
+    pieces = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+    by_bytes: dict[bytes, int] = {}
+    for i, piece in enumerate(pieces):
+        if i not in special and piece:
+            by_bytes.setdefault(piece, i)
+    longest = max(map(len, by_bytes), default=1)
+
+    def greedy(text: bytes) -> list[int]:
+        """The longest piece at each point: bytes as they are, where the tokenizer's own
+        encoding is not (a byte that is no UTF-8 alone; SentencePiece's leading space)."""
+        ids, at = [], 0
+        while at < len(text):
+            for size in range(min(longest, len(text) - at), 0, -1):
+                if (token := by_bytes.get(text[at: at + size])) is not None:
+                    ids.append(token)
+                    at += size
+                    break
+            else:
+                at += 1  # no piece holds this byte: llguidance falls back to its own
+        return ids
 
     class View:
         eos_token_id = eos[0]
         bos_token_id = tokenizer.bos_id
-        tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
-        special_token_ids = [i for i in range(tokenizer.vocab_size) if tokenizer.is_special(i)]
+        tokens = pieces
+        special_token_ids = sorted(special)
 
         def __call__(self, text: bytes) -> list[int]:
-            return tokenizer.encode(text.decode("utf-8", errors="replace"), add_bos=False)
+            ids = tokenizer.encode(text.decode("utf-8", errors="replace"), add_bos=False)
+            return ids if b"".join(pieces[i] for i in ids) == text else greedy(text)
 
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(View()), n_vocab=vocab_size,
                                   eos_token=eos)

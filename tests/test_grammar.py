@@ -17,6 +17,7 @@ from cadence.model.sampling import RequestSampling
 from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.grammar import GrammarCompiler, GrammarError, JsonObject, JsonSchema, Lark, Regex
 from tests.test_scheduler import TOK, FakeEngine, Harness, chunked, expected, random_prompt
+from tests.test_tokenizer import sp_dir, spm  # noqa: F401 - fixtures
 
 SCHEMA = {
     "type": "object",
@@ -184,3 +185,25 @@ def test_grammars_need_an_engine_that_splits_its_steps(compiler):
     other = GrammarCompiler(TOK, TOK.vocab_size + 64).compile(Regex("a+"))
     with pytest.raises(SubmissionError, match="vocabulary"):
         h.submit([1, 2], grammar=other)
+
+
+def test_a_sentencepiece_vocabulary_walks_to_valid_json(spm):
+    """llguidance over a SentencePiece tokenizer's view (pieces' "▁" as spaces, byte-fallback
+    tokens as their bytes): random walks among the allowed tokens, what the client reads
+    (the tokenizer's own decoding) parses and validates."""
+    compiler = GrammarCompiler(spm, spm.vocab_size)
+    grammar = compiler.compile(JsonSchema(SCHEMA))
+    rng = np.random.default_rng(0)
+    row = np.zeros(-(-spm.vocab_size // 32), np.int32)
+    for _ in range(5):
+        matcher, ids = grammar.matcher(), []
+        while not matcher.done and len(ids) < 400:
+            assert matcher.fill(row), matcher.error
+            allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[: spm.vocab_size])
+            allowed = [t for t in allowed.tolist() if t not in spm.eos_ids] or allowed.tolist()
+            token = int(rng.choice(allowed))
+            if token in spm.eos_ids:
+                break
+            assert matcher.accept(token)
+            ids.append(token)
+        jsonschema.validate(json.loads(spm.decode(ids)), SCHEMA)

@@ -4,6 +4,7 @@ that a model writes on its own (a scripted fake model), and every bad input a 40
 
 from __future__ import annotations
 
+import copy
 import json
 
 import httpx
@@ -12,7 +13,7 @@ import pytest
 
 from cadence.engine.engine import Engine, EngineConfig
 from cadence.server import requests
-from cadence.server.tools import parse_tools
+from cadence.server.tools import HERMES, LLAMA3_JSON, call_style, parse_tools
 from tests.test_scheduler import EOS, TOK, FakeEngine
 from tests.test_server import serve
 
@@ -293,3 +294,51 @@ def test_malformed_conversations_with_tools_are_400(fake_url, messages):
     """Found by the fuzz: a conversation is checked before tools rewrite it."""
     response = post(fake_url, {"messages": messages, "tools": TOOLS, "max_tokens": 2})
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages", response.text
+
+
+# A template of the kind Qwen2's is (it renders tools, and calls as <tool_call> blocks), and one
+# of the kind Llama 3.1's is (tools in its own words, calls as JSON with "parameters").
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for call in m.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+LLAMA_TEMPLATE = (
+    "{%- if tools %}Answer with {\"name\": ..., \"parameters\": ...} or <|python_tag|>."
+    "{% for tool in tools %}{{ tool | tojson }}{% endfor %}{% endif %}"
+    "{%- for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] ")
+
+
+def with_template(template: str):
+    tokenizer = copy.copy(TOK)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def test_a_template_that_knows_tools_renders_them_itself():
+    tokenizer = with_template(HERMES_TEMPLATE)
+    assert call_style(tokenizer) == HERMES
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}]}]
+    prompt = requests.render_chat(messages, tokenizer, parse_tools({"tools": TOOLS}))
+    assert json.dumps(TOOLS[0], ensure_ascii=False) in prompt  # as OpenAI sent it, by the template
+    assert '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>' in prompt
+    assert "<tools>" not in prompt  # cadence's own section stays out
+
+
+def test_a_llama_style_template_gets_its_call_format_forced_and_parsed():
+    """Where the template teaches Llama 3's JSON, a forced call is written that way (one call,
+    "parameters"), and comes back as a call, whole and streamed."""
+    tokenizer = with_template(LLAMA_TEMPLATE)
+    assert call_style(tokenizer) == LLAMA3_JSON
+    with serve(FakeEngine(num_slots=2, max_seq_len=2048, page_size=16), tokenizer) as base:
+        body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 300}
+        choice = post(base, body).json()["choices"][0]
+        streamed = assembled(stream(base, body))[0]
+    assert choice["finish_reason"] == streamed["finish"] == "tool_calls"
+    calls = choice["message"]["tool_calls"]
+    assert len(calls) == 1 and choice["message"]["content"] is None
+    check_calls(calls, {"get_weather", "get_time"})
+    assert [(c["name"], c["arguments"]) for c in streamed["calls"].values()] == [
+        (calls[0]["function"]["name"], calls[0]["function"]["arguments"])]
