@@ -21,7 +21,8 @@ each section written to the JSON file as soon as it is done (so a run cut short 
 4. the engine's own prefill and decode programs for the Llama-3-8B shape with random bf16
    weights and `attention="pallas"`: a 4k-token prefill (TFLOP/s against the matmul ceiling)
    and decode steps at 1-64 active slots (against the roofline (weights + live KV) / copy GB/s),
-   with the host's dispatch time per step;
+   with the host's dispatch time per step; a decode step split in two halves for structured
+   output (forward, then sampling under token bitmasks) against the fused one;
 5. the weight-only grouped matmul (`model.pallas_quant`, int8 and int4 in groups of 32) at
    decode's 1-32 rows over Llama-3-8B's MLP and SmolLM2's matrices, against XLA's bf16 matmul
    over the same weights dequantized: GB/s of the weights' bytes, and the largest difference.
@@ -433,6 +434,31 @@ def roofline_point(engine, active_n: int, context: int, rows, tables, weight_byt
             "compilations_while_timed": compiles}
 
 
+def time_split_decode(engine, active_n: int, context: int, rows, tables, allowed, steps: int = 20):
+    """`time_decode` for a decode step in two halves (structured output: `decode_forward`, then
+    `decode_sample` with bitmasks `allowed`), and whether its first step's tokens equal the
+    fused program's (greedy rows, every token allowed)."""
+    from cadence.engine import compile_counter
+    from cadence.model.sampling import all_allowed
+
+    slots = engine.config.num_slots
+    active = np.arange(slots) < active_n
+    positions = np.where(active, context - 1, -1).astype(np.int32)
+    inputs = jnp.array(engine.last_tokens, copy=True)
+    fused = np.asarray(engine.decode(positions, active, rows, tables))
+    engine.last_tokens = inputs  # the same step again, from the same input tokens
+    engine.decode_forward(positions, active, rows, tables)  # compile / warm
+    split = np.asarray(engine.decode_sample(all_allowed(slots, engine.vocab_size)))
+    compiles = compile_counter.count()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.decode_forward(positions, active, rows, tables)
+        tokens = engine.decode_sample(allowed)
+    tokens.block_until_ready()
+    return ((time.perf_counter() - start) / steps, bool((fused[0, active] == split[0, active]).all()),
+            compile_counter.count() - compiles)
+
+
 def bench_engine(results: dict, ceilings: dict, write) -> None:
     from cadence.engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
     from cadence.engine.packing import PrefillChunk
@@ -451,7 +477,7 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
     contexts = (16, 64) if _SMOKE.value else (1024, 4096)
     config = EngineConfig(num_slots=slots, max_seq_len=max(prompt_len, *contexts) + 32,
                           prefill_chunk=prompt_len, attention="pallas", dtype="bfloat16",
-                          decode_steps=MULTI_STEP)
+                          decode_steps=MULTI_STEP, structured_output=True)
     engine = Engine(params, cfg, config)
     tables = fixed_page_tables(engine.config)  # each slot a run of pages, as if allocated
     int8 = quantize(params, cfg)
@@ -500,6 +526,20 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
                  "step_ms": step * 1e3, "dispatch_ms": dispatch * 1e3, "compilations_while_timed": compiles}
         info["multistep"].append(point)
         print("engine decode multistep", json.dumps(point))
+        write()
+    # Structured output's split step: every token allowed, and half the vocabulary per row.
+    info["split"] = []
+    half = np.tile(np.int32(0x55555555), (slots, -(-cfg.vocab_size // 32)))
+    for active_n in (1, slots):
+        if over_deadline():
+            return
+        step, same, compiles = time_split_decode(engine, active_n, context, rows, tables, half)
+        fused = time_decode(engine, active_n, context, rows, tables)[0]
+        point = {"active": active_n, "context": context, "split_step_ms": step * 1e3,
+                 "fused_step_ms": fused * 1e3, "first_tokens_equal_fused": same,
+                 "compilations_while_timed": compiles}
+        info["split"].append(point)
+        print("engine decode split", json.dumps(point))
         write()
     engine = None  # its weights and pool go before the int8 engine's arrive
     q_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(int8))
