@@ -31,7 +31,7 @@ from absl import app, flags
 
 from cadence.checkpoints.registry import load_model
 from cadence.model.sampling import bitmask_words
-from cadence.scheduler.grammar import GrammarCompiler, JsonObject, JsonSchema
+from cadence.scheduler.grammar import GrammarCompiler, JsonObject, JsonSchema, token_view
 from cadence.server.tools import HERMES, parse_tools
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Whose tokenizer the grammars are built on.")
@@ -86,7 +86,7 @@ def main(argv) -> None:
     model = load_model(_MODEL.value)
     tok, vocab = model.tokenizer, model.config.vocab_size
     start = time.perf_counter()
-    GrammarCompiler(tok, vocab)
+    token_view(tok, vocab)
     view_s = time.perf_counter() - start
     rows = []
     for name, spec, answer in cases():

@@ -191,7 +191,8 @@ def token_view(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
 class GrammarCompiler:
     """Compiles specs into `Grammar`s for one model, on threads of its own, with a time limit,
     remembering the last `cached` it compiled (and sharing one compile between requests that
-    ask for a spec at once)."""
+    ask for a spec at once). Making one costs nothing: the tokenizer's view is built with the
+    first compile (on the caller's thread, outside any grammar's time limit)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int,
                  timeout: float = DEFAULT_COMPILE_TIMEOUT, cached: int = CACHED_GRAMMARS,
@@ -200,7 +201,9 @@ class GrammarCompiler:
         mask (its defaults: `LLParserLimits()`, without the state dumps in error messages)."""
         self.vocab_size = vocab_size
         self.timeout = timeout
-        self._view = token_view(tokenizer, vocab_size)
+        self._tokenizer = tokenizer
+        self._view: llguidance.LLTokenizer | None = None
+        self._view_lock = threading.Lock()
         self._limits = limits or llguidance.LLParserLimits(verbose_errors=False)
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cadence-grammar")
         self._lock = threading.Lock()
@@ -214,6 +217,9 @@ class GrammarCompiler:
         GrammarError if it cannot be compiled, or its compile takes longer than `timeout` (even
         one that finished while the caller was not looking)."""
         key = _key(spec)
+        with self._view_lock:
+            if self._view is None:
+                self._view = token_view(self._tokenizer, self.vocab_size)
         with self._lock:
             future = self._cache.get(key)
             if future is None:

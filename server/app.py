@@ -52,6 +52,7 @@ from cadence.server import protocol, requests
 from cadence.server.metrics import Metrics
 from cadence.server.protocol import APIError
 from cadence.server.tool_calls import ToolCallParser
+from cadence.server.tools import ToolRequest
 
 OPENAPI = Path(__file__).with_name("openapi.json")
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
@@ -126,17 +127,9 @@ class Server:
         self._warm_thread: threading.Thread | None = None
         self._on_fatal = on_fatal
         self.created = int(time.time())
-        self._grammars: GrammarCompiler | None = None  # built with the first grammar asked for
-        self._grammars_lock = threading.Lock()
-
-    @property
-    def grammars(self) -> GrammarCompiler:
-        """The model's grammar compiler (`scheduler.grammar`), built once, when first needed."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.scheduler.engine.vocab_size,
-                                                 timeout=self.config.grammar_timeout)
-            return self._grammars
+        # Response formats' and forced tool calls' grammars (`scheduler.grammar`).
+        self.grammars = GrammarCompiler(tokenizer, scheduler.engine.vocab_size,
+                                        timeout=config.grammar_timeout)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -229,10 +222,8 @@ class Server:
     def _prepare(self, parsed: protocol.ParsedRequest) -> tuple[list[int], Grammar | None]:
         """On a worker thread: chat rendering and tokenizing cost time in the prompt's length,
         and a grammar in its size (compiled on the compiler's threads, within its time limit)."""
-        grammar = None
-        if parsed.response_format is not None or (parsed.tools and parsed.tools.forces_call):
-            grammar = requests.grammar_of(parsed.response_format, parsed.tools, self.tokenizer,
-                                          self.grammars)
+        grammar = requests.grammar_of(parsed.response_format, parsed.tools, self.tokenizer,
+                                      self.grammars)
         if parsed.prompt_ids is not None:
             return parsed.prompt_ids, grammar
         if parsed.messages is not None:
@@ -320,7 +311,7 @@ class Server:
 
     async def _sse(self, streams: list[RequestStream], request_id: str, chat: bool,
                    include_usage: bool, echo: protocol.Echo | None = None,
-                   tools=None) -> AsyncIterator[str]:
+                   tools: ToolRequest | None = None) -> AsyncIterator[str]:
         """The streams' events as SSE frames, each choice's chunks under its index. Every event
         waiting when the loop gets to this request goes out in one write: when the loop runs
         behind the scheduler (many streams, a fast device), tokens are coalesced instead of

@@ -8,7 +8,8 @@ the legacy `functions`, vLLM's `guided_*`, ...) are refused unless they carry th
 value; fields that change nothing here (`user`, `metadata`, ...) are accepted and ignored.
 `response_format` (`json_object`, `json_schema`) constrains the answer with a grammar
 (`scheduler.grammar`); chat's `tools`, `tool_choice` and `parallel_tool_calls` are
-`server.tools`', and an answer's calls come back as `tool_calls` (`server.tool_calls`). Sampling fields a request leaves out take the model's published defaults
+`server.tools`', and an answer's calls come back as `tool_calls` (`server.tool_calls`).
+Sampling fields a request leaves out take the model's published defaults
 (`SamplingDefaults.with_model`), else OpenAI's (temperature 1.0, top_p 1.0); completions default
 to 16 tokens as OpenAI's do, chats to the end of the context.
 """
