@@ -465,7 +465,7 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
     from cadence.model.config import LLAMA3_8B, TINY
     from cadence.model.params import random_params
     from cadence.model.quant import quantize
-    from cadence.model.sampling import RequestSampling
+    from cadence.model.sampling import RequestSampling, bitmask_words
 
     cfg = TINY if _SMOKE.value else LLAMA3_8B
     start = time.monotonic()
@@ -529,7 +529,7 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
         write()
     # Structured output's split step: every token allowed, and half the vocabulary per row.
     info["split"] = []
-    half = np.tile(np.int32(0x55555555), (slots, -(-cfg.vocab_size // 32)))
+    half = np.tile(np.int32(0x55555555), (slots, bitmask_words(cfg.vocab_size)))
     for active_n in (1, slots):
         if over_deadline():
             return

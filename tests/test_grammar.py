@@ -13,7 +13,7 @@ import llguidance
 import numpy as np
 import pytest
 
-from cadence.model.sampling import RequestSampling
+from cadence.model.sampling import RequestSampling, bitmask_words
 from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.grammar import GrammarCompiler, GrammarError, JsonObject, JsonSchema, Lark, Regex
 from tests.test_scheduler import TOK, FakeEngine, Harness, chunked, expected, random_prompt
@@ -194,7 +194,7 @@ def test_a_sentencepiece_vocabulary_walks_to_valid_json(spm):
     compiler = GrammarCompiler(spm, spm.vocab_size)
     grammar = compiler.compile(JsonSchema(SCHEMA))
     rng = np.random.default_rng(0)
-    row = np.zeros(-(-spm.vocab_size // 32), np.int32)
+    row = np.zeros(bitmask_words(spm.vocab_size), np.int32)
     for _ in range(5):
         matcher, ids = grammar.matcher(), []
         while not matcher.done and len(ids) < 400:

@@ -30,7 +30,7 @@ from cadence.checkpoints.detokenizer import byte_level_piece_bytes
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.engine import EngineConfig, PrefillTokens
 from cadence.model.config import TINY
-from cadence.model.sampling import RequestSampling, SamplingParams
+from cadence.model.sampling import RequestSampling, SamplingParams, bitmask_words
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenEvent
@@ -267,7 +267,7 @@ class FakeEngine:
         self.split_steps += 1
         if self.fail_decode_call == self.decode_calls:
             raise RuntimeError("device lost in decode")
-        assert allowed.dtype == np.int32 and allowed.shape == (self.config.num_slots, -(-self.vocab_size // 32))
+        assert allowed.dtype == np.int32 and allowed.shape == (self.config.num_slots, bitmask_words(self.vocab_size))
         tokens = np.full((1, self.config.num_slots), -1, np.int32)
         for i in live:
             if i in drop:
