@@ -1,6 +1,6 @@
 """Engine microbenchmark: decode step time and prefill throughput against this machine's roofline.
 
-    python -m cadence.bench.engine_bench --model=smollm2-135m --out=bench/results/engine_cpu.json
+    python -m cadence.bench.engine_bench --model=smollm2-135m --out=bench/results/engine-cpu/engine.json
 
 Measures the machine first (a large on-device reduction for memory bandwidth, a large matmul for
 FLOP/s; the bandwidth again after each timed decode dispatch), then times the engine's own compiled

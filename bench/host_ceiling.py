@@ -1,7 +1,7 @@
 """The host ceiling: how many streamed messages per second cadence's host side delivers when the
 engine costs nothing.
 
-    python -m cadence.bench.host_ceiling --streams=64,256 --out=bench/results/host_ceiling-cpu.json
+    python -m cadence.bench.host_ceiling --streams=64,256 --out=bench/results/host-ceiling-cpu/host_ceiling.json
 
 A GPU runs an 8B model's decode step at batch 256 in ~10 ms: ~25,000 tokens/s that the host
 must schedule, detokenize, frame as SSE and write to sockets. This bench measures how many of

@@ -1,7 +1,7 @@
 """KV capacity at equal memory: contiguous slots (max_seq_len reserved per request) vs pages.
 
     python -m cadence.bench.kv_capacity --kv_cache_memory=1440MiB --num_slots=32 --max_seq_len=4096 \
-        --out=bench/results/kv_capacity-cpu.json
+        --out=bench/results/kv-capacity-cpu/kv_capacity.json
 
 The engine flags are every front door's (`server/runtime.py`): --model, --num_slots,
 --max_seq_len, --kv_cache_memory, --page_size, --prefill_chunk, --dtype, --attention.

@@ -1,4 +1,4 @@
-"""The seed's metrics, computed from client records (see ../shared/DESIGN.md, "Metrics").
+"""The mixed load's metrics, computed from client records (docs/architecture.md, "Metrics").
 
     summary = summarize(results, window=(10.0, 70.0), chat_classes={"chat"})
 

@@ -1,7 +1,7 @@
 """Short prompts arriving together: packed prefill against one program per chunk.
 
     python -m cadence.bench.packed_prefill_bench --model=smollm2-135m --counts=4,8,16 --rounds=3 \
-        --out=bench/results/packed_prefill_cpu.json
+        --out=bench/results/packed-prefill-cpu/packed_prefill.json
 
 N short prompts (seeded lengths in `--prompt_tokens`) are submitted at the same instant to the
 real scheduler and engine (no HTTP), each asking for one token, and the scheduler steps until

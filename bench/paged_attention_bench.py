@@ -1,6 +1,6 @@
 """CPU decode attention over pages against the contiguous slots: which paged loop to keep.
 
-    python -m cadence.bench.paged_attention_bench --out=bench/results/paged_attention_cpu.txt
+    python -m cadence.bench.paged_attention_bench --out=bench/results/paged-attention-cpu/paged_attention.txt
 
 Times one layer's decode attention (SmolLM2-135M's 9 query heads, 3 KV heads, head_dim 64,
 float32) at 8 rows, each row at the same live context (128, 1000, 4000 tokens) and a mixed step

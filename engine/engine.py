@@ -83,7 +83,8 @@ def ladder(low: int, high: int) -> tuple[int, ...]:
 
 # The measured default page sizes (tokens per page): on the 2-core CPU the per-page decode loop
 # costs a step per page, so small pages are slow (16-token pages up to 2x at 1k tokens, 64 about
-# 1.2x, 128 at or below the contiguous loop; `bench/results/paged_attention_cpu.txt`).
+# 1.2x, 128 at or below the contiguous loop;
+# `bench/results/paged-attention-cpu/paged_attention.txt`).
 DEFAULT_PAGE_SIZE = 64
 
 ROLES = ("both", "prefill", "decode")

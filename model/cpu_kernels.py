@@ -8,8 +8,9 @@
         out = cpu_kernels.paged_decode(q, k_pages, v_pages, page_table, q_positions)
 
 Why they exist. A decode step must read every weight and every live KV entry once, so its floor
-is those bytes over the memory bandwidth. XLA:CPU misses it twice (`bench/results/small_gemm_cpu.txt`,
-`bench/results/cpu_kernels/`): its GEMM packs the weight matrix anew on every call, so 2-16
+is those bytes over the memory bandwidth. XLA:CPU misses it twice
+(`bench/results/small-gemm-cpu/small_gemm.txt`, `bench/results/kernels-cpu/`): its GEMM packs
+the weight matrix anew on every call, so 2-16
 rows read the weights at a third of the bandwidth a single row gets; and the paged decode
 attention, an XLA loop with a step per page, spends most of its time in loop steps rather than
 in reading the pages. The kernels read each byte once, in memory order:

@@ -25,7 +25,8 @@ read by position, so they rely on the pool holding finite values (it is created 
     "gather" (`paged_decode_gather`): whole 512-position tiles, each a `take` of its pages, then
       at most one tile per power-of-two page count for the rest.
   Measured (`python -m cadence.bench.paged_attention_bench --rounds=40 --calls=8`, 2-core AMD EPYC
-  shared with other test runs, JAX 0.10.2, bench/results/paged_attention_cpu.txt): one layer
+  shared with other test runs, JAX 0.10.2,
+  bench/results/paged-attention-cpu/paged_attention.txt): one layer
   of SmolLM2-135M (9 heads, 3 KV heads, head_dim 64, f32), 8 rows, median ms per call, and the
   ratio to the contiguous `_tiled_decode` over 4096-token slots:
       context per row     128          1000         4000         7 x 128 + 1 x 4000
