@@ -135,6 +135,7 @@ def save_hf(folder: str | Path, config: ModelConfig, params: Params, *, dtype: s
     folder = Path(folder)
     if dtype not in _SAVE_DTYPES:
         raise CheckpointError(f"save_hf dtype {dtype!r}: use one of {', '.join(_SAVE_DTYPES)}")
+    raw_config = hf_config_dict(config, dtype)  # refuses what config.json cannot say, first
     if any(folder.glob("*.safetensors")):
         raise CheckpointError(f"{folder} already holds safetensors; save into an empty folder")
     folder.mkdir(parents=True, exist_ok=True)
@@ -165,11 +166,14 @@ def save_hf(folder: str | Path, config: ModelConfig, params: Params, *, dtype: s
         index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
                  "weight_map": weight_map}
         (folder / _INDEX).write_text(json.dumps(index, indent=2))
-    (folder / "config.json").write_text(json.dumps(hf_config_dict(config, dtype), indent=2))
+    (folder / "config.json").write_text(json.dumps(raw_config, indent=2))
 
 
 def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """`config` as a transformers `config.json` (Qwen2 when it has q/k/v biases, else Llama)."""
+    if config.rope_freq_factors is not None:
+        raise CheckpointError(f"{config.name}: per-frequency RoPE factors (a GGUF's rope_freqs) "
+                              "have no Hugging Face config.json form; cannot export this model")
     model_type = "qwen2" if config.attention_bias else "llama"
     raw: dict[str, Any] = {
         "_name_or_path": config.name,

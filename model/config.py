@@ -1,8 +1,9 @@
 """Model configuration for the Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2).
 
 One frozen dataclass describes every architecture cadence serves: RMSNorm, rotary position
-embeddings (optionally with Llama-3 frequency scaling), SwiGLU MLP and grouped-query attention.
-It is hashable, so it can be a static argument of a jitted function.
+embeddings (optionally with Llama-3 frequency scaling, or any per-frequency factors as a GGUF's
+`rope_freqs` tensor gives them), SwiGLU MLP and grouped-query attention. It is hashable, so it
+can be a static argument of a jitted function.
 
 Non-goals: mixture-of-experts, sliding-window attention, non-rotary position encodings.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 
@@ -36,6 +38,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # Divisors of RoPE's inverse frequencies, one per rotated pair [head_dim // 2], applied after
+    # `rope_scaling`: llama.cpp's `rope_freqs` tensor (theta_i = position * base^(-2i/d) / f_i).
+    rope_freq_factors: tuple[float, ...] | None = None
     tie_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 puts biases on the q/k/v projections
     max_context: int = 4096
@@ -49,6 +54,14 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rope_freq_factors is not None:
+            factors = tuple(float(f) for f in self.rope_freq_factors)  # a list from JSON, too
+            object.__setattr__(self, "rope_freq_factors", factors)
+            if len(factors) != self.head_dim // 2:
+                raise ValueError(f"rope_freq_factors has {len(factors)} factors; head_dim "
+                                 f"{self.head_dim} rotates {self.head_dim // 2} pairs")
+            if not all(math.isfinite(f) and f > 0 for f in factors):
+                raise ValueError("rope_freq_factors must be finite and positive")
 
     @property
     def group_size(self) -> int:

@@ -42,12 +42,19 @@ from cadence.model.paged_kv import PagedKVCache
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim // 2], with Llama-3 scaling when configured."""
+    """Inverse frequencies [head_dim // 2], with Llama-3 scaling and per-frequency factors
+    (`rope_freq_factors`, each frequency divided by its own) when configured."""
     half = config.head_dim // 2
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / config.head_dim))
+    if config.rope_scaling is not None:
+        inv_freq = _llama3_scaled(inv_freq, config)
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(config.rope_freq_factors, np.float64)
+    return inv_freq.astype(np.float32)
+
+
+def _llama3_scaled(inv_freq: np.ndarray, config: ModelConfig) -> np.ndarray:
     s = config.rope_scaling
-    if s is None:
-        return inv_freq.astype(np.float32)
     low_wavelen = s.original_max_position / s.low_freq_factor
     high_wavelen = s.original_max_position / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -56,8 +63,7 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
     )
     blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, blended)
-    scaled = np.where(wavelen < high_wavelen, inv_freq, scaled)
-    return scaled.astype(np.float32)
+    return np.where(wavelen < high_wavelen, inv_freq, scaled)
 
 
 def rope_tables(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:

@@ -17,7 +17,7 @@ from tests.conftest import random_params
 from cadence.checkpoints.store import (
     is_converted, load_converted, load_tokenizer_files, save_converted,
 )
-from cadence.model.config import LLAMA3_8B, SMOLLM2_135M, TINY, RopeScaling
+from cadence.model.config import LLAMA3_8B, SMOLLM2_135M, TINY, ModelConfig, RopeScaling
 
 # Qwen2-style: q/k/v biases and an untied lm_head; also one KV head and Llama-3 RoPE scaling.
 QWEN_TINY = dataclasses.replace(
@@ -120,6 +120,22 @@ def test_mistral_long_window_is_accepted(tmp_path):
     raw.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=512)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert load_hf_config(tmp_path) == TINY
+
+
+def test_rope_freq_factors_are_checked_kept_in_json_and_not_exported(tmp_path):
+    """Per-frequency RoPE factors (a GGUF's rope_freqs): a list (as JSON gives it) becomes a
+    hashable tuple, the count must match head_dim, and HF's config.json has no form for them."""
+    config = dataclasses.replace(TINY, rope_freq_factors=[1.0] * 7 + [8.0])
+    assert config.rope_freq_factors == (1.0,) * 7 + (8.0,)
+    back = ModelConfig.from_json(config.to_json())
+    assert back == config and hash(back) == hash(config)
+    with pytest.raises(ValueError, match="has 7 factors; head_dim 16 rotates 8 pairs"):
+        dataclasses.replace(TINY, rope_freq_factors=(1.0,) * 7)
+    with pytest.raises(ValueError, match="finite and positive"):
+        dataclasses.replace(TINY, rope_freq_factors=(1.0,) * 7 + (-2.0,))
+    with pytest.raises(CheckpointError, match="no Hugging Face config.json form"):
+        save_hf(tmp_path, config, random_params(TINY))
+    assert not any(tmp_path.iterdir())  # refused before anything is written
 
 
 def test_converted_round_trip(tmp_path, model):
