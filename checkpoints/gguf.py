@@ -14,14 +14,19 @@ kernels' grouped layout (`model.cpu_kernels.pack_grouped`) with the same values:
 packed matrix gives `params`' float32 matrix exactly. Other formats (Q4_K, Q6_K, F16...) are
 left to `params` alone.
 
-Two details matter for logits that match the Hugging Face model:
+Three details matter for logits that match the Hugging Face model:
 - Quantized tensors (Q8_0, Q4_1, ... anything the `gguf` package can dequantize) become float32.
 - llama.cpp's converter permutes the rows of the query and key projections of "llama" models so
   its RoPE can rotate adjacent pairs; cadence rotates halves (as HF does), so the permutation is
   undone here. Qwen2 GGUFs are not permuted.
+- RoPE frequencies as llama.cpp computes them: its converter writes Llama 3.1/3.2's "llama3"
+  frequency scaling as a `rope_freqs` tensor of per-frequency divisors (and no scaling metadata),
+  which becomes `ModelConfig.rope_freq_factors` as it is (times a linear `rope.scaling.factor`
+  where the metadata gives one).
 
-Non-goals: the K-quants (Q4_K, Q6_K) in the kernels' format; Llama-3.1 `rope_freqs` tensors (load the HF
-folder for those); architectures other than llama and qwen2.
+Non-goals: the K-quants (Q4_K, Q6_K) in the kernels' format; YaRN and LongRoPE scaling and
+partial rotary embeddings (`rope.dimension_count` below the head size), which are refused;
+architectures other than llama and qwen2.
 """
 
 from __future__ import annotations
@@ -66,6 +71,11 @@ def config_from_fields(fields: dict[str, Any], path: Path) -> ModelConfig:
     vocab = int(fields.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0))
     if not vocab:
         raise CheckpointError(f"{path}: GGUF metadata has neither a vocab size nor a token list")
+    head_dim = int(get("attention.key_length", fields.get(f"{arch}.rope.dimension_count", hidden // heads)))
+    rotated = int(fields.get(f"{arch}.rope.dimension_count") or head_dim)
+    if rotated != head_dim:
+        raise CheckpointError(f"{path}: RoPE rotates {rotated} of each head's {head_dim} "
+                              "dimensions; cadence rotates whole heads only")
     return ModelConfig(
         name=str(fields.get("general.name") or Path(path).stem),
         vocab_size=vocab,
@@ -73,7 +83,7 @@ def config_from_fields(fields: dict[str, Any], path: Path) -> ModelConfig:
         num_layers=int(get("block_count")),
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", fields.get(f"{arch}.rope.dimension_count", hidden // heads))),
+        head_dim=head_dim,
         ffn_size=int(get("feed_forward_length")),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
@@ -81,6 +91,31 @@ def config_from_fields(fields: dict[str, Any], path: Path) -> ModelConfig:
         attention_bias=arch == "qwen2",
         max_context=int(get("context_length")),
     )
+
+
+def rope_freq_factors(fields: dict[str, Any], rope_freqs: np.ndarray | None, half: int,
+                      path: Path) -> tuple[float, ...] | None:
+    """The divisor of each RoPE frequency as llama.cpp applies it (theta_i = position *
+    base^(-2i/d) / rope_freqs[i] * freq_scale): the file's `rope_freqs` tensor times the
+    metadata's linear scaling factor (1 / freq_scale; llama.cpp's scaling type defaults to linear,
+    and "none" ignores the factor). None when every divisor is 1."""
+    arch = fields["general.architecture"]
+    kind = fields.get(f"{arch}.rope.scaling.type", "linear")
+    scale = float(fields.get(f"{arch}.rope.scaling.factor")
+                  or fields.get(f"{arch}.rope.scale_linear") or 1.0)  # 0 means unscaled too
+    if kind == "none":
+        scale = 1.0
+    elif kind != "linear" and scale != 1.0:
+        raise CheckpointError(f"{path}: RoPE scaling type {kind!r} (factor {scale:g}) is not "
+                              "supported; cadence applies linear scaling and per-frequency "
+                              "factors (rope_freqs) only")
+    factors = np.full(half, scale, np.float64)
+    if rope_freqs is not None:
+        if not np.all(np.isfinite(rope_freqs) & (rope_freqs > 0)):
+            raise CheckpointError(f"{path}: tensor rope_freqs.weight holds factors that are not "
+                                  "finite and positive; the file is damaged")
+        factors *= rope_freqs
+    return None if np.all(factors == 1.0) else tuple(float(f) for f in factors)
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -119,13 +154,6 @@ def load_gguf(
     config = config_from_fields(fields, path)
     arch = fields["general.architecture"]
     tensors = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in tensors:
-        raise CheckpointError(
-            f"{path}: per-frequency RoPE factors (rope_freqs) are not supported in GGUF; "
-            "load the Hugging Face safetensors folder of this model instead"
-        )
-    tied = "output.weight" not in tensors
-    config = dataclasses.replace(config, tie_embeddings=tied)
     done, total = 0, len(tensors)
 
     def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -148,6 +176,10 @@ def load_gguf(
             progress(done, total)
         return array
 
+    half = config.head_dim // 2
+    rope_freqs = take("rope_freqs.weight", (half,)) if "rope_freqs.weight" in tensors else None
+    config = dataclasses.replace(config, tie_embeddings="output.weight" not in tensors,
+                                 rope_freq_factors=rope_freq_factors(fields, rope_freqs, half, path))
     permute = arch == "llama"
 
     def tensor(spec: ParamSpec) -> np.ndarray:

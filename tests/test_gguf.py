@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 from pathlib import Path
 
 import gguf
@@ -12,7 +15,7 @@ import pytest
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.gguf import load_gguf, load_packed, permute_rope_rows
 from cadence.model import params as params_lib
-from cadence.model.config import TINY
+from cadence.model.config import TINY, RopeScaling
 from cadence.model.params import param_specs
 from tests.conftest import random_params
 from cadence.scheduler.request import GenerationParams
@@ -22,8 +25,10 @@ from tests.test_model import full_logits
 Q = gguf.GGMLQuantizationType
 
 
-def write_gguf(path: Path, config, params, quantize: bool, arch: str = "llama") -> None:
-    """Writes params with GGUF names, [out, in] rows, permuted q/k, optionally quantized."""
+def write_gguf(path: Path, config, params, quantize: bool, arch: str = "llama",
+               extra: dict[str, np.ndarray] | None = None, metadata=None) -> None:
+    """Writes params with GGUF names, [out, in] rows, permuted q/k, optionally quantized;
+    `extra` tensors (float32) after them, `metadata(writer)` adds keys."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_layers)
     w.add_context_length(config.max_context)
@@ -35,6 +40,8 @@ def write_gguf(path: Path, config, params, quantize: bool, arch: str = "llama") 
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
     w.add_rope_dimension_count(config.head_dim)
+    if metadata:
+        metadata(w)
 
     for spec in param_specs(config):
         array = np.asarray(params_lib.get(params, spec.path), np.float32)
@@ -47,6 +54,8 @@ def write_gguf(path: Path, config, params, quantize: bool, arch: str = "llama") 
             w.add_tensor(spec.gguf_name, array)
         else:
             w.add_tensor(spec.gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    for name, array in (extra or {}).items():
+        w.add_tensor(name, np.asarray(array, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -105,6 +114,115 @@ def test_qwen2_round_trip_keeps_biases_and_rows(tmp_path):
     assert [p for p, _ in _leaves(loaded)] == [p for p, _ in _leaves(params)]
     for (pa, a), (_, b) in zip(_leaves(loaded), _leaves(params)):
         np.testing.assert_array_equal(a, b, err_msg=pa)
+
+
+# Llama 3.1's RoPE scaling over a 64-position original context, so that most of head_dim 16's
+# frequencies are scaled (over Llama 3.1's own 8192 only the slowest would be).
+LLAMA3_TINY = dataclasses.replace(TINY, name="tiny-llama3", tie_embeddings=False,
+                                  rope_theta=500000.0,
+                                  rope_scaling=RopeScaling(factor=8.0, original_max_position=64))
+
+
+def llama_cpp_rope_freqs(hparams: dict) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's convert_hf_to_gguf.py computes it from a config.json
+    (LlamaModel.generate_extra_tensors), in float32 as its torch code does. Like the converter,
+    it reads original_max_position_embeddings from config.json's top level, not rope_scaling."""
+    rope_scaling = hparams["rope_scaling"]
+    base = hparams.get("rope_theta", 10000.0)
+    dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
+    freqs = np.float32(1.0) / np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    factor = rope_scaling.get("factor", 8.0)
+    low_freq_factor = rope_scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = rope_scaling.get("high_freq_factor", 4.0)
+    old_context_len = hparams.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    rope_factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            rope_factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            rope_factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(rope_factors, np.float32)
+
+
+def test_llama3_gguf_with_rope_freqs_equals_its_hf_form(tmp_path):
+    """A Llama 3.1-style checkpoint in HF form (rope_scaling llama3) and as llama.cpp writes it
+    (rope_freqs, no scaling metadata): the same logits and greedy tokens through the reference,
+    and the factors survive the converted-checkpoint store."""
+    from cadence.checkpoints import store
+    from cadence.checkpoints.hf import load_hf_config, load_hf_params, save_hf
+    from cadence.engine.reference import greedy_generate
+
+    params = random_params(LLAMA3_TINY, seed=3)
+    hf_dir = tmp_path / "hf"
+    save_hf(hf_dir, LLAMA3_TINY, params)
+    hparams = json.loads((hf_dir / "config.json").read_text())
+    hparams["original_max_position_embeddings"] = 64  # where llama.cpp's converter looks for it
+    (hf_dir / "config.json").write_text(json.dumps(hparams))
+    hf_config = load_hf_config(hf_dir)
+    hf_params = load_hf_params(hf_dir, hf_config)
+    assert hf_config.rope_scaling == LLAMA3_TINY.rope_scaling
+
+    rope_freqs = llama_cpp_rope_freqs(hparams)
+    assert rope_freqs[0] == 1 and 1 < rope_freqs[1] < 8 and rope_freqs[-1] == 8  # every branch
+    path = tmp_path / "llama3.gguf"
+    write_gguf(path, LLAMA3_TINY, params, quantize=False, extra={"rope_freqs.weight": rope_freqs})
+    config, gguf_params, _ = load_gguf(path)
+    assert config.rope_scaling is None and config.rope_freq_factors == tuple(rope_freqs.tolist())
+    assert [p for p, _ in _leaves(gguf_params)] == [p for p, _ in _leaves(hf_params)]
+
+    tokens = np.random.default_rng(0).integers(0, LLAMA3_TINY.vocab_size, 120)
+    want = full_logits(hf_params, hf_config, tokens)
+    got = full_logits(gguf_params, config, tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    unscaled = full_logits(gguf_params, dataclasses.replace(config, rope_freq_factors=None), tokens)
+    assert np.abs(unscaled - want).max() > 100 * np.abs(got - want).max()  # the factors matter
+    prompt = tokens[:40].tolist()
+    assert greedy_generate(gguf_params, config, prompt, 24) == greedy_generate(hf_params, hf_config, prompt, 24)
+
+    store.save_converted(tmp_path / "converted", config, gguf_params)
+    back, _ = store.load_converted(tmp_path / "converted")
+    assert back == config and hash(back) == hash(config)
+
+
+def _linear(factor, kind=gguf.RopeScalingType.LINEAR):
+    def metadata(w):
+        w.add_rope_scaling_type(kind)
+        w.add_rope_scaling_factor(factor)
+    return metadata
+
+
+@pytest.mark.parametrize("rope_freqs, metadata, want", [
+    (np.linspace(1, 4, 8), _linear(2.0), 2 * np.linspace(1, 4, 8)),
+    (None, _linear(4.0), np.full(8, 4.0)),
+    (np.linspace(1, 4, 8), _linear(2.0, gguf.RopeScalingType.NONE), np.linspace(1, 4, 8)),
+    (np.ones(8), None, None),
+], ids=["linear-times-rope_freqs", "linear", "type-none-ignores-the-factor", "all-ones"])
+def test_rope_factors_combine_as_llama_cpp_applies_them(tmp_path, tiny_params, rope_freqs, metadata, want):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, TINY, tiny_params, quantize=False, metadata=metadata,
+               extra=None if rope_freqs is None else {"rope_freqs.weight": rope_freqs})
+    config, _, _ = load_gguf(path)
+    assert config.rope_freq_factors == (None if want is None else tuple(np.float32(want).tolist()))
+
+
+@pytest.mark.parametrize("rope_freqs, metadata, error", [
+    (np.ones(7), None, r"rope_freqs.weight has shape \(7,\), expected \(8,\)"),
+    (np.r_[np.ones(7), 0.0], None, "not finite and positive"),
+    (None, _linear(4.0, gguf.RopeScalingType.YARN), "RoPE scaling type 'yarn' .factor 4. is not supported"),
+    (None, lambda w: w.add_key_length(32), "RoPE rotates 16 of each head's 32 dimensions"),
+], ids=["wrong-length", "zero-factor", "yarn", "partial-rotary"])
+def test_bad_rope_factors_get_clear_errors(tmp_path, tiny_params, rope_freqs, metadata, error):
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, TINY, tiny_params, quantize=False, metadata=metadata,
+               extra=None if rope_freqs is None else {"rope_freqs.weight": rope_freqs})
+    with pytest.raises(CheckpointError, match=error):
+        load_gguf(path)
 
 
 def test_quantized_round_trip_matches_dequantized_weights_and_logits(tmp_path, tiny_params):
