@@ -1,0 +1,148 @@
+"""Every program an engine compiles, from shapes alone, and lowering them for another platform.
+
+    programs = engine_programs(LLAMA3_8B, gpu_engine_config())  # [Program(name, fn, args), ...]
+    for p in programs:
+        text = lower(p, "cuda").as_text()                          # StableHLO for a CUDA GPU
+
+`engine_programs` lists what `Engine.warmup` compiles — the same jitted programs
+(`engine.engine.jit_programs`), once per bucket, with the arguments warm-up passes — but with
+the weights, the page pool, the token history and every other device buffer as
+`jax.ShapeDtypeStruct`s, so nothing the size of the model or the pool is allocated: an 8B engine
+of 64 slots lowers on a laptop. `tests/test_gpu_lowering.py` checks that the list is exactly what
+warm-up runs (program by program, argument shapes and dtypes included), so the two cannot drift.
+
+`lower` traces a program with `pallas_common.compiled_kernels()` and lowers it for `platform`:
+on a machine without a GPU, `attention="pallas"` then lowers to the Triton kernels as custom
+calls (`kernel_calls` names them), not to the XLA loops interpret mode emulates them with. This
+checks Pallas -> Triton IR and XLA's GPU lowering of everything else; it does not run Triton's
+compiler or ptxas, which only a GPU machine does (`bench/gpu_check.sh`).
+
+Non-goals: tensor parallelism (`bench.tp_collectives` lowers those programs), the CPU kernels
+(decode_matmul="cpu" reads a blocked copy of the weights made from real arrays).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cadence.engine.engine import EngineConfig, Programs, jit_programs, sampling_rows
+from cadence.engine.packing import empty_pack
+from cadence.model import pallas_common
+from cadence.model.config import ModelConfig
+from cadence.model.llama import rope_table
+from cadence.model.paged_kv import PagedKVCache
+from cadence.model.params import abstract_params
+from cadence.model.sampling import RequestSampling, TokenHistory, all_allowed
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program of an engine: `fn` (the `Programs` field `field`) over `args`."""
+
+    name: str  # field and bucket, e.g. "decode[batch=8,pages=64]"
+    field: str
+    fn: Callable
+    args: tuple
+
+
+def gpu_engine_config(num_slots: int = 64, max_seq_len: int = 4096, prefill_chunk: int = 512,
+                      **overrides) -> EngineConfig:
+    """The engine `cadence-serve` builds on a GPU (bfloat16, the Pallas kernels over the paged
+    pool), with structured output's split step on: every program a GPU deployment compiles."""
+    return EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
+                        attention="pallas", dtype="bfloat16", structured_output=True, **overrides)
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), tree)
+
+
+def engine_programs(model_config: ModelConfig, config: EngineConfig, *, weights: str = "float",
+                    programs: Programs | None = None) -> list[Program]:
+    """What `Engine(params, model_config, config).warmup()` compiles (one device), in warm-up's
+    order, over abstract device buffers: params of `weights` ("float", or "int8": `model.quant`'s
+    per-channel matrices) in the engine's dtype. `programs`: the jitted programs to list (default:
+    `jit_programs` of this configuration, fresh)."""
+    if config.decode_matmul != "xla":
+        raise ValueError("the CPU decode kernels read a blocked copy of real weights; list an "
+                         "engine with decode_matmul='xla'")
+    cfg, mc = config, model_config
+    dtype = jnp.dtype(cfg.dtype)
+    p = programs or jit_programs(mc, cfg)
+    params = abstract_params(mc, dtype, weights=weights)
+    rope = jax.eval_shape(lambda: rope_table(mc, cfg.max_seq_len))
+    layer = jax.ShapeDtypeStruct(PagedKVCache.shape(mc, cfg.pool_pages, cfg.page_size), dtype)
+    cache = PagedKVCache(k=(layer,) * mc.num_layers, v=(layer,) * mc.num_layers)
+    last = jax.ShapeDtypeStruct((cfg.num_slots,), jnp.int32)
+    history = jax.eval_shape(lambda: TokenHistory.create(cfg.num_slots, mc.vocab_size))
+    i32 = jax.ShapeDtypeStruct((), jnp.int32)
+    out: list[Program] = []
+
+    def add(name, field, *args):
+        out.append(Program(name, field, getattr(p, field), _abstract(args)))
+
+    def rows(n):
+        return sampling_rows([RequestSampling()] * n)
+
+    if cfg.role != "decode":
+        shapes = [(t, w, "prefill") for t in cfg.prefill_buckets for w in cfg.prefill_page_buckets]
+        shapes += [(cfg.score_bucket, w, "prefill_scored") for w in cfg.prefill_page_buckets]
+        for t, width, field in shapes:
+            pack = empty_pack(t, width, cfg.pack_block, cfg.num_slots, cfg.chunks_per_program)
+            n = len(pack.steps)
+            scored = (np.full(t, -1, np.int32),) if field == "prefill_scored" else ()
+            add(f"{field}[tokens={t},pages={width}]", field, params, rope, cache, last, history,
+                pack.tokens, pack.positions, pack.lengths, pack.tables, pack.logit_index,
+                pack.steps, pack.write_slot, pack.sampling_slot, rows(n),
+                all_allowed(n, mc.vocab_size), *scored)
+    decode = []
+    if cfg.role != "prefill":
+        decode = [("decode_batched", "decode_forward_batched", w) for w in cfg.batched_decode_page_buckets]
+        decode += [("decode", "decode_forward", w) for w in cfg.decode_page_buckets]
+    for field, _, width in decode:
+        for batch in cfg.decode_batch_buckets:
+            add(f"{field}[batch={batch},pages={width}]", field, params, rope, cache, last, history,
+                np.full(batch, cfg.num_slots, np.int32), np.zeros(batch, np.int32),
+                np.zeros((batch, width), np.int32), rows(batch), i32)
+    if cfg.structured_output and decode:
+        for batch in cfg.decode_batch_buckets:
+            slots, zeros = np.full(batch, cfg.num_slots, np.int32), np.zeros(batch, np.int32)
+            for _, field, width in decode:
+                add(f"{field}[batch={batch},pages={width}]", field, params, rope, cache, last,
+                    slots, zeros, np.zeros((batch, width), np.int32), rows(batch))
+            logits = jax.ShapeDtypeStruct((batch, mc.vocab_size), jnp.float32)
+            add(f"decode_sample[batch={batch}]", "decode_sample", logits, last, history, slots,
+                zeros, rows(batch), all_allowed(batch, mc.vocab_size))
+    handle = jax.ShapeDtypeStruct  # a KVHandle's arrays: [layers, kv_heads, P, page_size, d]
+    for width in cfg.page_buckets:
+        kv = handle((mc.num_layers, mc.num_kv_heads, width, cfg.page_size, mc.head_dim), dtype)
+        add(f"extract[pages={width}]", "extract", cache, last, np.zeros(width, np.int32), i32)
+        add(f"insert[pages={width}]", "insert", cache, last, kv, kv, np.zeros(width, np.int32),
+            i32, i32)
+    add("history", "history", history, i32, np.zeros(cfg.max_seq_len, np.int32), i32)
+    add("copy", "copy", cache, np.zeros(cfg.num_slots, np.int32), np.zeros(cfg.num_slots, np.int32))
+    return out
+
+
+def lower(program: Program, platform: str = "cuda") -> jax.stages.Lowered:
+    """`program` traced with the Pallas kernels compiled (not interpreted) and lowered for
+    `platform`."""
+    with pallas_common.compiled_kernels():
+        traced = program.fn.trace(*program.args)
+    return traced.lower(lowering_platforms=(platform,))
+
+
+# `stablehlo.custom_call @__gpu$xla.gpu.triton(...) {... name = "cadence_paged_decode" ...}`
+_TRITON_CALL = re.compile(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?\bname = "([^"]+)"')
+
+
+def kernel_calls(stablehlo: str) -> Counter:
+    """The Triton kernels a lowered module calls: kernel name -> how many calls."""
+    return Counter(_TRITON_CALL.findall(stablehlo))

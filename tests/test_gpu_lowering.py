@@ -1,0 +1,95 @@
+"""Every program of the GPU engine lowered for CUDA on the CPU, from shapes alone.
+
+`engine.lowering.engine_programs` lists what an engine's warm-up compiles, over abstract
+weights and pools; the first test holds that list to what `Engine.warmup` really runs (program,
+order, argument shapes and dtypes), the others lower every program of the GPU configuration
+(bfloat16, the Pallas kernels over the paged pool, every decode and prefill bucket, scoring,
+structured output's split step, page copy, history, extract and insert) for `cuda` and check
+that each calls the Triton kernel it should, so the kernels were lowered, not the XLA loops
+interpret mode emulates them with, and that every Triton module passes MLIR verification.
+What this leaves to a GPU machine: Triton's compiler, ptxas and running the programs
+(`bench/gpu_check.sh`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from cadence.engine import engine as engine_module
+from cadence.engine.engine import Engine, EngineConfig
+from cadence.engine.lowering import engine_programs, gpu_engine_config, kernel_calls, lower
+from cadence.model.config import LLAMA3_8B, SMOLLM2_135M
+
+# The Triton kernel each program of a "pallas" engine calls (the batched decode programs run
+# the reference einsum attention, and the rest no attention).
+KERNELS = {"prefill": "cadence_paged_prefill", "prefill_scored": "cadence_paged_prefill",
+           "decode": "cadence_paged_decode", "decode_forward": "cadence_paged_decode"}
+
+
+def _signature(args):
+    leaves, tree = jax.tree.flatten(args)
+    return tree, [(tuple(a.shape), str(jnp.result_type(a))) for a in leaves]
+
+
+def test_engine_programs_are_what_warmup_compiles(tiny_config, tiny_params, monkeypatch):
+    """The list is warm-up's own: every program it calls, in its order, with the same argument
+    trees, shapes and dtypes (an "xla" engine, which has both decode programs)."""
+    calls = []
+    real = engine_module.jit_programs
+
+    def recording(*args, **kwargs):
+        programs = real(*args, **kwargs)
+
+        def wrap(field, fn):
+            def call(*a):  # traced, not compiled: zeros of the outputs' shapes stand for them
+                calls.append((field, _signature(a)))
+                return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *a))
+            return call
+
+        return dataclasses.replace(programs, **{f.name: wrap(f.name, getattr(programs, f.name))
+                                                for f in dataclasses.fields(programs)})
+
+    monkeypatch.setattr(engine_module, "jit_programs", recording)
+    config = EngineConfig(num_slots=3, max_seq_len=128, prefill_chunk=32, min_kv_bucket=32,
+                          page_size=16, structured_output=True)
+    Engine(tiny_params, tiny_config, config).warmup()
+    listed = [(p.field, _signature(p.args)) for p in engine_programs(tiny_config, config)]
+    assert [f for f, _ in listed] == [f for f, _ in calls]
+    for (field, want), (_, got) in zip(listed, calls):
+        assert want == got, field
+    assert {"decode", "decode_batched", "decode_forward", "decode_forward_batched",
+            "decode_sample", "prefill_scored"} <= {f for f, _ in calls}
+
+
+def _lower_all(model_config, config, verified):
+    programs = engine_programs(model_config, config)
+    for program in programs:
+        calls = kernel_calls(lower(program, "cuda").as_text())
+        want = KERNELS.get(program.field)
+        assert set(calls) == ({want} if want else set()), program.name
+    kernels = sum(p.field in KERNELS for p in programs)
+    # Every Triton module built verifies (one per kernel call site at least).
+    assert all(verified) and len(verified) >= kernels
+    return programs
+
+
+def test_smollm2_gpu_engine_lowers_for_cuda(triton_verifications):
+    """SmolLM2-135M's GPU engine (8 slots, 4k context): 31 programs, ~20 s."""
+    config = gpu_engine_config(num_slots=8)
+    programs = _lower_all(SMOLLM2_135M, config, triton_verifications)
+    assert len(programs) == 31
+    names = {p.name for p in programs}
+    assert {f"decode[batch={b},pages=64]" for b in config.decode_batch_buckets} <= names
+
+
+@pytest.mark.slow
+def test_llama3_8b_gpu_engine_lowers_for_cuda(triton_verifications):
+    """Llama-3-8B's GPU engine at 64 slots (every batch bucket 1..64): nothing allocated."""
+    config = gpu_engine_config()
+    programs = _lower_all(LLAMA3_8B, config, triton_verifications)
+    assert len(programs) == len(config.prefill_buckets) + 1 + 3 * len(config.decode_batch_buckets) \
+        + 2 * len(config.page_buckets) + 2
