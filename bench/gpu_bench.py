@@ -1,8 +1,8 @@
 """GPU benchmark of the Pallas attention kernels and the engine, in one run of a few minutes.
 
-    python -m cadence.bench.gpu_bench --out=bench/results/gpu_h200.json
+    python -m cadence.bench.gpu_bench --out=bench/results/gpu-h200/gpu_bench.json
 
-A script for a machine with an NVIDIA GPU (see bench/GPU.md), never part of the test suite. In order,
+A script for a machine with an NVIDIA GPU (see docs/gpu.md), never part of the test suite. In order,
 each section written to the JSON file as soon as it is done (so a run cut short keeps what it had):
 
 1. ceilings, measured here: a large device copy (GB/s, bytes read + written) and a large bf16
@@ -49,7 +49,7 @@ from absl import app, flags
 
 from cadence.engine.engine import DEFAULT_PAGE_SIZE
 
-_OUT = flags.DEFINE_string("out", None, "JSON results file (default: bench/results/gpu_<gpu>_<date>.json).")
+_OUT = flags.DEFINE_string("out", None, "JSON results file (default: bench/results/gpu-<gpu>/gpu_bench-<date>.json).")
 _DEADLINE = flags.DEFINE_float("deadline_s", 420.0, "Skip remaining measurements after this many seconds.")
 _SKIP_TESTS = flags.DEFINE_bool("skip_tests", False, "Skip the compiled kernel tests.")
 _SKIP_ENGINE = flags.DEFINE_bool("skip_engine", False, "Skip the Llama-3-8B engine section.")
@@ -641,10 +641,10 @@ def main(argv) -> None:
         if not flags.FLAGS["page_size"].present:  # pages per row: 3 (prefill), 3 with a partial last
             flags.FLAGS.page_size = 16
     elif device.platform != "gpu":
-        raise SystemExit(f"bench.gpu_bench needs a GPU; JAX sees {device} (run it where bench/GPU.md says)")
+        raise SystemExit(f"bench.gpu_bench needs a GPU; JAX sees {device} (run it where docs/gpu.md says)")
     gpu = getattr(device, "device_kind", str(device))
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    out = Path(_OUT.value or f"bench/results/gpu_{gpu.replace(' ', '_').lower()}_{date[:10]}.json")
+    out = Path(_OUT.value or f"bench/results/gpu-{gpu.split()[-1].lower()}/gpu_bench-{date[:10]}.json")
     results = {"gpu": gpu, "jax_version": jax.__version__, "date": date,
                "prefill": [], "decode": [], "engine": None}
 
