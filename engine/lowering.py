@@ -50,6 +50,13 @@ class Program:
     field: str
     fn: Callable
     args: tuple
+    kernels: frozenset[str] = frozenset()  # the Triton kernels it must call once lowered
+
+
+# The Triton kernel each program of a "pallas" engine calls (the batched decode programs run the
+# reference einsum attention, and the rest no attention).
+PALLAS_KERNELS = {"prefill": "cadence_paged_prefill", "prefill_scored": "cadence_paged_prefill",
+                  "decode": "cadence_paged_decode", "decode_forward": "cadence_paged_decode"}
 
 
 def gpu_engine_config(num_slots: int = 64, max_seq_len: int = 4096, prefill_chunk: int = 512,
@@ -86,7 +93,8 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, *, weights:
     out: list[Program] = []
 
     def add(name, field, *args):
-        out.append(Program(name, field, getattr(p, field), _abstract(args)))
+        kernels = {PALLAS_KERNELS[field]} if cfg.attention == "pallas" and field in PALLAS_KERNELS else ()
+        out.append(Program(name, field, getattr(p, field), _abstract(args), frozenset(kernels)))
 
     def rows(n):
         return sampling_rows([RequestSampling()] * n)
@@ -144,5 +152,15 @@ _TRITON_CALL = re.compile(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?\bname = "(
 
 
 def kernel_calls(stablehlo: str) -> Counter:
-    """The Triton kernels a lowered module calls: kernel name -> how many calls."""
+    """The Triton kernels a lowered module calls: kernel name -> how many call sites."""
     return Counter(_TRITON_CALL.findall(stablehlo))
+
+
+def lower_checked(program: Program, platform: str = "cuda") -> Counter:
+    """`lower`, then its kernel calls, which must be exactly `program.kernels` (a "pallas"
+    engine that fell back to XLA attention, or to interpret mode, fails here)."""
+    calls = kernel_calls(lower(program, platform).as_text())
+    if set(calls) != program.kernels:
+        raise AssertionError(f"{program.name} calls Triton kernels {sorted(calls)}, expected "
+                             f"{sorted(program.kernels)}")
+    return calls

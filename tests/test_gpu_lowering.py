@@ -21,13 +21,8 @@ import pytest
 
 from cadence.engine import engine as engine_module
 from cadence.engine.engine import Engine, EngineConfig
-from cadence.engine.lowering import engine_programs, gpu_engine_config, kernel_calls, lower
+from cadence.engine.lowering import PALLAS_KERNELS, engine_programs, gpu_engine_config, lower_checked
 from cadence.model.config import LLAMA3_8B, SMOLLM2_135M
-
-# The Triton kernel each program of a "pallas" engine calls (the batched decode programs run
-# the reference einsum attention, and the rest no attention).
-KERNELS = {"prefill": "cadence_paged_prefill", "prefill_scored": "cadence_paged_prefill",
-           "decode": "cadence_paged_decode", "decode_forward": "cadence_paged_decode"}
 
 
 def _signature(args):
@@ -68,10 +63,8 @@ def test_engine_programs_are_what_warmup_compiles(tiny_config, tiny_params, monk
 def _lower_all(model_config, config, verified):
     programs = engine_programs(model_config, config)
     for program in programs:
-        calls = kernel_calls(lower(program, "cuda").as_text())
-        want = KERNELS.get(program.field)
-        assert set(calls) == ({want} if want else set()), program.name
-    kernels = sum(p.field in KERNELS for p in programs)
+        lower_checked(program, "cuda")
+    kernels = sum(p.field in PALLAS_KERNELS for p in programs)
     # Every Triton module built verifies (one per kernel call site at least).
     assert all(verified) and len(verified) >= kernels
     return programs
