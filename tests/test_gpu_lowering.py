@@ -86,3 +86,17 @@ def test_llama3_8b_gpu_engine_lowers_for_cuda(triton_verifications):
     programs = _lower_all(LLAMA3_8B, config, triton_verifications)
     assert len(programs) == len(config.prefill_buckets) + 1 + 3 * len(config.decode_batch_buckets) \
         + 2 * len(config.page_buckets) + 2
+
+
+def test_gpu_check_records_a_part_that_times_out_and_runs_the_next(tmp_path, monkeypatch):
+    """bench.gpu_check's driver: a part past its timeout is recorded as such in summary.json,
+    and the parts after it still run."""
+    import json
+
+    from cadence.bench import gpu_check
+
+    monkeypatch.setattr(gpu_check, "PARTS", {"env": 0.01, "kernels": 0.01})
+    summary = gpu_check.drive(tmp_path, ["env", "kernels"])
+    assert list(summary["parts"]) == ["env", "kernels"]
+    assert all(p["exit"] == "timeout" and not p["ok"] for p in summary["parts"].values())
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
