@@ -16,6 +16,17 @@ grammar may cost per token as well.
 
 JSON comes out compact, with the separators Python's json.dumps writes (", " and ": ") and no
 other whitespace: a small model given free whitespace can fill its whole budget with it.
+Schemas from clients go through `closed_schema` first (vLLM's default and OpenAI's strict mode):
+an object that names its properties allows no others unless it says so (`additionalProperties`,
+`patternProperties`), and an integer without bounds is bounded to what every JSON parser holds
+exactly (|n| < 2**53), so a model cannot fill its budget with keys or digits either.
+A grammar whose start allows no token at all (a schema that only refers to itself) is refused
+when it compiles, before a request is admitted with it.
+
+Compiles run on the compiler's own bounded pool; a front door on an event loop awaits
+`compile_async`, which holds no thread while it waits, so requests without grammars never queue
+behind a slow schema. The time limit counts from the compile's own start, not from the wait
+for a free compile thread.
 
 Non-goals: a grammar engine of cadence's own (llguidance is vLLM's and SGLang's too), fast-forward
 (forced) tokens, and speculative draft masks.
@@ -23,6 +34,7 @@ Non-goals: a grammar engine of cadence's own (llguidance is vLLM's and SGLang's 
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import dataclasses
@@ -35,12 +47,17 @@ import llguidance
 import numpy as np
 
 from cadence.checkpoints.tokenizer import Tokenizer
-from cadence.scheduler.errors import SubmissionError
+from cadence.model.sampling import bitmask_words
+from cadence.scheduler.errors import Overloaded, SubmissionError
 
 # The JSON grammar's layout (llguidance's JSON compile options): compact, json.dumps' separators.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DEFAULT_COMPILE_TIMEOUT = 10.0  # seconds a grammar may take to compile (`GrammarCompiler`)
 CACHED_GRAMMARS = 256
+MAX_PENDING_COMPILES = 64  # compiles queued or running at once; past it a new one is a 429
+# Integer bounds `closed_schema` gives an unbounded integer: JSON's exact integers (IEEE doubles,
+# which JavaScript and many parsers read numbers into), inside int64 too.
+JSON_SAFE_INTEGER = 2**53 - 1
 
 
 class GrammarError(SubmissionError):
@@ -74,6 +91,73 @@ class Regex:
 
 
 Spec = JsonSchema | JsonObject | Lark | Regex
+
+# Where a JSON schema keeps subschemas: one schema, a list of them, or a name -> schema map.
+_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
+        "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Keywords beside `properties` that may admit more properties: an object with any of them is
+# left open (closing it could forbid what they allow).
+_OPENERS = frozenset({"additionalProperties", "patternProperties", "unevaluatedProperties",
+                      "allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas"})
+
+
+def subschemas(schema: dict) -> list[tuple[str, dict]]:
+    """A schema's direct subschemas, each with the keyword that holds it."""
+    found = []
+    for key in _ONE:
+        if isinstance(schema.get(key), dict):
+            found.append((key, schema[key]))
+    for key in _MANY:
+        if isinstance(schema.get(key), list):
+            found.extend((key, item) for item in schema[key] if isinstance(item, dict))
+    if isinstance(schema.get("items"), list):  # draft 4's tuple form
+        found.extend(("items", item) for item in schema["items"] if isinstance(item, dict))
+    for key in _NAMED:
+        if isinstance(schema.get(key), dict):
+            found.extend((key, item) for item in schema[key].values() if isinstance(item, dict))
+    return found
+
+
+def map_schema(schema: dict, change) -> dict:
+    """A copy of `schema` with `change(node, keyword)` applied to it and every subschema, depth
+    first (`keyword`: what holds the node, None at the root). `change` edits the node's copy
+    in place. Schemas come from parsed client JSON, so their depth is already bounded."""
+
+    def walk(node: dict, keyword: str | None) -> dict:
+        node = dict(node)
+        for key in _ONE:
+            if isinstance(node.get(key), dict):
+                node[key] = walk(node[key], key)
+        for key in (*_MANY, "items"):
+            if isinstance(node.get(key), list):
+                node[key] = [walk(i, key) if isinstance(i, dict) else i for i in node[key]]
+        for key in _NAMED:
+            if isinstance(node.get(key), dict):
+                node[key] = {k: walk(v, key) if isinstance(v, dict) else v for k, v in node[key].items()}
+        change(node, keyword)
+        return node
+
+    return walk(schema, None)
+
+
+def closed_schema(schema: dict) -> dict:
+    """`schema` as cadence enforces it: an object schema that lists `properties` and nothing
+    that could admit others gets `additionalProperties: false` (not inside `allOf`, whose
+    branches add up), and an integer schema without a bound gets +-`JSON_SAFE_INTEGER`."""
+
+    def close(node: dict, keyword: str | None) -> None:
+        if isinstance(node.get("properties"), dict) and keyword != "allOf" and not _OPENERS & node.keys():
+            node["additionalProperties"] = False
+        types = node.get("type")
+        if types == "integer" or (isinstance(types, list) and "integer" in types):
+            if "minimum" not in node and "exclusiveMinimum" not in node:
+                node["minimum"] = -JSON_SAFE_INTEGER
+            if "maximum" not in node and "exclusiveMaximum" not in node:
+                node["maximum"] = JSON_SAFE_INTEGER
+
+    return map_schema(schema, close)
 
 
 def _grammar_text(spec: Spec) -> str:
@@ -188,6 +272,15 @@ def token_view(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
                                   eos_token=eos)
 
 
+class _Job:
+    """One spec's compile: `started` resolves to its start (time.perf_counter()) once a compile
+    thread takes it, `done` to its Grammar or GrammarError."""
+
+    def __init__(self):
+        self.started: concurrent.futures.Future = concurrent.futures.Future()
+        self.done: concurrent.futures.Future = concurrent.futures.Future()
+
+
 class GrammarCompiler:
     """Compiles specs into `Grammar`s for one model, on threads of its own, with a time limit,
     remembering the last `cached` it compiled (and sharing one compile between requests that
@@ -196,7 +289,8 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int,
                  timeout: float = DEFAULT_COMPILE_TIMEOUT, cached: int = CACHED_GRAMMARS,
-                 workers: int = 2, limits: llguidance.LLParserLimits | None = None):
+                 workers: int = 2, limits: llguidance.LLParserLimits | None = None,
+                 max_pending: int = MAX_PENDING_COMPILES):
         """`limits`: llguidance's bounds on a grammar's size and on the work of each token's
         mask (its defaults: `LLParserLimits()`, without the state dumps in error messages)."""
         self.vocab_size = vocab_size
@@ -207,52 +301,107 @@ class GrammarCompiler:
         self._limits = limits or llguidance.LLParserLimits(verbose_errors=False)
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cadence-grammar")
         self._lock = threading.Lock()
-        self._cache: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[str, _Job] = collections.OrderedDict()
         self._cached = cached
+        self.max_pending = max_pending
+        self._pending = 0  # compiles queued or running
         self.compiled = 0  # grammars built (cache misses), and the seconds they took
         self.compile_seconds = 0.0
 
-    def compile(self, spec: Spec) -> Grammar:
-        """The grammar of `spec`, from the cache or compiled now (waiting at most `timeout`);
-        GrammarError if it cannot be compiled, or its compile takes longer than `timeout` (even
-        one that finished while the caller was not looking)."""
+    def _job(self, spec: Spec) -> _Job:
+        """The compile of `spec`: cached, or shared with a compile under way, or started now."""
         key = _key(spec)
-        with self._view_lock:
-            if self._view is None:
-                self._view = token_view(self._tokenizer, self.vocab_size)
         with self._lock:
-            future = self._cache.get(key)
-            if future is None:
-                future = self._cache[key] = self._pool.submit(self._build, spec)
+            job = self._cache.get(key)
+            if job is None:
+                if self._pending >= self.max_pending:
+                    raise Overloaded(f"{self._pending} grammars are compiling; retry shortly", retry_after=2)
+                job = self._cache[key] = _Job()
+                self._pending += 1
+                job.done.add_done_callback(self._finished)
+                self._pool.submit(self._build, spec, job)
                 while len(self._cache) > self._cached:
                     self._cache.popitem(last=False)
             self._cache.move_to_end(key)
-        slow = GrammarError(f"the grammar took longer than {self.timeout:g} s to compile; "
+        return job
+
+    def _finished(self, _: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _slow(self) -> GrammarError:
+        return GrammarError(f"the grammar took longer than {self.timeout:g} s to compile; "
                             "simplify the schema")
-        try:
-            grammar = future.result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError:
-            raise slow from None
-        except GrammarError:
-            with self._lock:  # not worth keeping: a resend is as bad
-                if self._cache.get(key) is future:
-                    del self._cache[key]
-            raise
+
+    def _checked(self, spec: Spec, job: _Job, grammar: Grammar | None) -> Grammar:
+        """A finished job's grammar, or the GrammarError it failed with (then forgotten: a
+        resend is as bad), or the time-limit error for one that took too long."""
+        error = job.done.exception()
+        if error is not None:
+            with self._lock:
+                if self._cache.get(_key(spec)) is job:
+                    del self._cache[_key(spec)]
+            raise error
         if grammar.compile_seconds > self.timeout:  # done in time only by luck: the same answer
-            raise slow
+            raise self._slow()
         return grammar
 
-    def _build(self, spec: Spec) -> Grammar:
-        start = time.perf_counter()
-        text = _grammar_text(spec)
-        matcher = llguidance.LLMatcher(self._view, text, log_level=0, limits=self._limits)
-        if matcher.is_error():
-            raise GrammarError(f"the grammar cannot be compiled: {_first_line(matcher.get_error())}")
-        seconds = time.perf_counter() - start
-        with self._lock:
-            self.compiled += 1
-            self.compile_seconds += seconds
-        return Grammar(spec, matcher, self.vocab_size, seconds)
+    def compile(self, spec: Spec) -> Grammar:
+        """The grammar of `spec`, from the cache or compiled now, waiting for it on this thread;
+        GrammarError if it cannot be compiled, or its compile takes longer than `timeout` (even
+        one that finished while the caller was not looking); Overloaded if too many compiles are
+        pending."""
+        job = self._job(spec)
+        started = job.started.result()
+        try:
+            grammar = job.done.result(timeout=max(0.0, started + self.timeout - time.perf_counter()))
+        except concurrent.futures.TimeoutError:
+            raise self._slow() from None
+        except GrammarError:
+            grammar = None
+        return self._checked(spec, job, grammar)
+
+    async def compile_async(self, spec: Spec) -> Grammar:
+        """`compile` for an event loop: awaits the compile without holding a thread, so a
+        request without a grammar never waits behind one. A caller cancelled meanwhile leaves
+        the compile to finish for whoever else asks for the spec."""
+        job = self._job(spec)
+        started = await asyncio.shield(asyncio.wrap_future(job.started))
+        done = asyncio.shield(asyncio.wrap_future(job.done))
+        try:
+            grammar = await asyncio.wait_for(done, max(0.0, started + self.timeout - time.perf_counter()))
+        except TimeoutError:
+            raise self._slow() from None
+        except GrammarError:
+            grammar = None
+        return self._checked(spec, job, grammar)
+
+    def _build(self, spec: Spec, job: _Job) -> None:
+        try:
+            with self._view_lock:  # built once, before the first compile's clock starts
+                if self._view is None:
+                    self._view = token_view(self._tokenizer, self.vocab_size)
+            start = time.perf_counter()
+            job.started.set_result(start)
+            text = _grammar_text(spec)
+            matcher = llguidance.LLMatcher(self._view, text, log_level=0, limits=self._limits)
+            if matcher.is_error():
+                raise GrammarError(f"the grammar cannot be compiled: {_first_line(matcher.get_error())}")
+            first = Matcher(matcher.deep_copy())
+            if not first.fill(np.zeros(bitmask_words(self._view.vocab_size), np.int32)):
+                reason = first.error.replace("<non-verbose/>", "").strip()
+                if reason in ("", "NoExtensionBias"):  # llguidance's word for "no way to begin"
+                    reason = "no token can begin it (a schema that only refers to itself, say)"
+                raise GrammarError(f"the grammar allows no output at all: {reason}")
+            seconds = time.perf_counter() - start
+            with self._lock:
+                self.compiled += 1
+                self.compile_seconds += seconds
+            job.done.set_result(Grammar(spec, matcher, self.vocab_size, seconds))
+        except BaseException as e:  # every waiter hears of it, whatever it is
+            if not job.started.done():
+                job.started.set_result(time.perf_counter())
+            job.done.set_exception(e)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

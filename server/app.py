@@ -26,10 +26,11 @@ import asyncio
 import collections
 import dataclasses
 import hmac
+import inspect
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -45,14 +46,14 @@ import cadence
 from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer, TokenizerError
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
-from cadence.scheduler.grammar import Grammar, GrammarCompiler
+from cadence.scheduler.grammar import Grammar, GrammarCompiler, GrammarError
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
-from cadence.server import protocol, requests
+from cadence.server import client_json, protocol, requests
 from cadence.server.metrics import Metrics
 from cadence.server.protocol import APIError
 from cadence.server.tool_calls import ToolCallParser
-from cadence.server.tools import ToolRequest
+from cadence.server.tools import ToolRequest, parse_tools
 
 OPENAPI = Path(__file__).with_name("openapi.json")
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
@@ -110,21 +111,27 @@ class ServerConfig:
 
 
 class Server:
-    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, model_name: str,
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Sequence[str],
                  config: ServerConfig = ServerConfig(), warmup: Callable[[], None] | None = None,
                  generation: GenerationDefaults = GenerationDefaults(),
                  on_fatal: Callable[[str], None] | None = None):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
-        self.model_name = model_name
+        # The names a request's "model" may give (vLLM's --served-model-name): the first is the
+        # one answers carry.
+        self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        if not self.model_names or not all(self.model_names):
+            raise ValueError("a server needs at least one non-empty model name")
+        self.model_name = self.model_names[0]
         self.config = config
         self.defaults = protocol.OPENAI_DEFAULTS.with_model(generation)
-        self.metrics = Metrics(scheduler, model_name)
+        self.metrics = Metrics(scheduler, self.model_name)
         self.timeline = Timeline(scheduler)
         self.ready = threading.Event()
         self.warmup_error: str | None = None
         self._warmup = warmup
         self._warm_thread: threading.Thread | None = None
+        self.warm_progress: tuple[int, int] | None = None  # (programs compiled, of how many)
         self._on_fatal = on_fatal
         self.created = int(time.time())
         # Response formats' and forced tool calls' grammars (`scheduler.grammar`).
@@ -159,7 +166,11 @@ class Server:
     def _warm(self) -> None:
         try:
             if self._warmup is not None:
-                self._warmup()
+                # A warm-up that takes an argument reports its progress to it, for /health.
+                if inspect.signature(self._warmup).parameters:
+                    self._warmup(self._warmed)
+                else:
+                    self._warmup()
         except Exception as e:
             self.warmup_error = f"warm-up failed: {type(e).__name__}: {e}"
             logging.exception("cadence cannot serve: %s", self.warmup_error)
@@ -168,6 +179,9 @@ class Server:
             return
         self.ready.set()
         logging.info("cadence is ready")
+
+    def _warmed(self, done: int, total: int, name: str = "") -> None:
+        self.warm_progress = (done, total)
 
     @property
     def fatal(self) -> str | None:
@@ -219,28 +233,56 @@ class Server:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _prepare(self, parsed: protocol.ParsedRequest) -> tuple[list[int], Grammar | None]:
-        """On a worker thread: chat rendering and tokenizing cost time in the prompt's length,
-        and a grammar in its size (compiled on the compiler's threads, within its time limit)."""
-        grammar = requests.grammar_of(parsed.response_format, parsed.tools, self.tokenizer,
-                                      self.grammars)
-        if parsed.prompt_ids is not None:
-            return parsed.prompt_ids, grammar
+    def _tokenize(self, parsed: protocol.ParsedRequest) -> list[list[int]]:
+        """On a worker thread (chat rendering and tokenizing cost time in the prompt's length):
+        each prompt's tokens, a chat's one."""
         if parsed.messages is not None:
-            text = requests.render_chat(parsed.messages, self.tokenizer, parsed.tools)
+            texts: list[str | list[int]] = [requests.render_chat(parsed.messages, self.tokenizer, parsed.tools)]
         else:
-            text = parsed.prompt_text
-        requests.check_prompt_size(text, self.tokenizer, self.scheduler.max_seq_len)
-        return self.tokenizer.encode(text), grammar
+            texts = parsed.prompts
+        prompts = []
+        for text in texts:
+            if isinstance(text, list):
+                prompts.append(text)
+                continue
+            requests.check_prompt_size(text, self.tokenizer, self.scheduler.max_seq_len)
+            prompts.append(self.tokenizer.encode(text))
+        return prompts
 
-    async def _submit(self, parsed: protocol.ParsedRequest, request_id: str) -> list[RequestStream]:
-        """One stream per sequence generated (n, or best_of): choice i's request id is the
-        request's, then `-i` for i > 0."""
+    async def _prepare(self, parsed: protocol.ParsedRequest) -> tuple[list[list[int]], Grammar | None]:
+        """The prompts' tokens and the answer's grammar. The grammar compiles on the compiler's
+        own threads while the prompts are tokenized; waiting for it holds no thread, so requests
+        without grammars never queue behind a slow schema."""
+        wanted = requests.grammar_request(parsed.response_format, parsed.tools, self.tokenizer,
+                                          self.grammars)
+        compiling = asyncio.ensure_future(self.grammars.compile_async(wanted.spec)) if wanted else None
         try:
-            ids, grammar = await asyncio.to_thread(self._prepare, parsed)
+            prompts = await asyncio.to_thread(self._tokenize, parsed)
+            return prompts, (await compiling if compiling else None)
+        except GrammarError as e:
+            raise GrammarError(str(e), wanted.param) from None
+        finally:
+            if compiling is not None and not compiling.done():
+                compiling.cancel()  # (the compile itself goes on, for whoever asks next)
+
+    async def submit(self, parsed: protocol.ParsedRequest, request_id: str) -> list[list[RequestStream]]:
+        """Each prompt's streams, one per sequence generated for it (n, or best_of). Prompt k's
+        request id is the request's for k = 0, else `-p{k}` after it; choice i's is its
+        prompt's, then `-i` for i > 0. A batch is submitted whole or not at all."""
+        groups: list[list[RequestStream]] = []
+        try:
+            prompts, grammar = await self._prepare(parsed)
             params = [dataclasses.replace(p, grammar=grammar) for p in parsed.choice_params()]
-            names = [request_id] + [f"{request_id}-{i}" for i in range(1, len(params))]
-            return self.scheduler.submit_group(ids, params, names)
+            try:
+                for k, ids in enumerate(prompts):
+                    base = request_id if k == 0 else f"{request_id}-p{k}"
+                    names = [base] + [f"{base}-{i}" for i in range(1, len(params))]
+                    groups.append(self.scheduler.submit_group(ids, params, names))
+            except BaseException:
+                for stream in (s for group in groups for s in group):
+                    stream.cancel()
+                raise
+            return groups
         except RequestTooLong as e:
             raise APIError(400, str(e), param=e.param or "max_tokens", code="context_length_exceeded") from None
         except SubmissionError as e:
@@ -255,41 +297,57 @@ class Server:
         except NotRunning as e:
             raise APIError(503, str(e), type="service_unavailable") from None
 
-    # -- routes -------------------------------------------------------------------------------
-
-    async def generate(self, request: Request, chat: bool) -> Response:
+    async def read_body(self, request: Request) -> Any:
+        """A POST's JSON body, from a client this server may serve, or an APIError."""
         self._check(request)
         raw = await self._body(request)
         try:
-            body = requests.load_json(raw)
+            return client_json.load_json(raw)
         except SubmissionError as e:
             raise APIError(400, str(e)) from None
-        parsed = protocol.parse(body, chat, self.defaults, self.config.max_n)
-        if parsed.model is not None and parsed.model != self.model_name:
-            raise APIError(404, f"model '{parsed.model}' is not served here; this server serves "
-                                f"'{self.model_name}'", param="model", code="model_not_found")
-        prefix = "chatcmpl" if chat else "cmpl"
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise APIError(404, f"model '{model}' is not served here; this server serves "
+                                f"{', '.join(map(repr, self.model_names))}", param="model",
+                           code="model_not_found")
+
+    def request_id(self, request: Request, prefix: str) -> str:
         request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
         if len(request_id) > MAX_REQUEST_ID:
             raise APIError(400, f"X-Request-Id is longer than {MAX_REQUEST_ID} characters")
-        streams = await self._submit(parsed, request_id)
+        return request_id
+
+    # -- routes -------------------------------------------------------------------------------
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        body = await self.read_body(request)
+        parsed = protocol.parse(body, chat, self.defaults, self.config.max_n)
+        self.check_model(parsed.model)
+        request_id = self.request_id(request, "chatcmpl" if chat else "cmpl")
+        groups = await self.submit(parsed, request_id)
         headers = {"X-Request-Id": request_id}
-        echo = protocol.Echo.of(self.tokenizer, streams[0].request.prompt_ids) if parsed.echo else None
+        echoes = [protocol.Echo.of(self.tokenizer, g[0].request.prompt_ids) if parsed.echo else None
+                  for g in groups]
         tools = parsed.tools if parsed.parses_tool_calls else None
         if parsed.stream:
-            frames = self._sse(streams, request_id, chat, parsed.include_usage, echo, tools)
+            frames = self._sse(groups, request_id, chat, parsed.include_usage, echoes, tools)
             return StreamingResponse(frames, media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
-        records = await self._collect(request, streams)
+        records = await self.collect(request, [s for g in groups for s in g])
         failed = next((r for r in records if r.finish_reason == "error"), None)
         if failed is not None:
             raise APIError(500, f"generation failed: {failed.error}", type="server_error")
+        per_prompt = len(groups[0])
+        answers = []
+        for k, echo in enumerate(echoes):
+            generated = records[k * per_prompt:(k + 1) * per_prompt]
+            answers.append(protocol.Answer(protocol.best(generated, parsed.n), generated, echo))
         return JSONResponse(protocol.full_response(
-            request_id, self.model_name, chat, protocol.best(records, parsed.n), self.tokenizer,
-            logprobs=parsed.params.logprobs is not None, generated=records, echo=echo, tools=tools),
-            headers=headers)
+            request_id, self.model_name, chat, answers, self.tokenizer,
+            logprobs=parsed.params.logprobs is not None, tools=tools), headers=headers)
 
-    async def _collect(self, request: Request, streams: list[RequestStream]) -> list[RequestRecord]:
+    async def collect(self, request: Request, streams: list[RequestStream]) -> list[RequestRecord]:
         """Waits for the whole answer; a client that hangs up meanwhile cancels it."""
 
         async def watch() -> None:
@@ -309,18 +367,23 @@ class Server:
         finally:
             watcher.cancel()
 
-    async def _sse(self, streams: list[RequestStream], request_id: str, chat: bool,
-                   include_usage: bool, echo: protocol.Echo | None = None,
+    async def _sse(self, groups: list[list[RequestStream]], request_id: str, chat: bool,
+                   include_usage: bool, echoes: list[protocol.Echo | None],
                    tools: ToolRequest | None = None) -> AsyncIterator[str]:
-        """The streams' events as SSE frames, each choice's chunks under its index. Every event
-        waiting when the loop gets to this request goes out in one write: when the loop runs
-        behind the scheduler (many streams, a fast device), tokens are coalesced instead of
-        each paying for a send. One choice failing ends the response with the error. With
-        `echo` (completions), each choice's first chunk is the prompt. With `tools` (chat,
+        """The streams' events as SSE frames, each choice's chunks under its index (prompt by
+        prompt, then choice: streamed requests have no best_of, so stream i is choice i).
+        Every event waiting when the loop gets to this request goes out in one write: when the
+        loop runs behind the scheduler (many streams, a fast device), tokens are coalesced
+        instead of each paying for a send. One choice failing ends the response with the error.
+        With an echo (completions), each choice's first chunk is its prompt. With `tools` (chat,
         calls parsed), each choice's text goes through its `ToolCallParser`: content as
         content, calls as `tool_calls` deltas, and "tool_calls" as the finish reason of an
         answer with calls that was not cut off."""
         created, name = int(time.time()), self.model_name
+        streams = [s for group in groups for s in group]
+        # Each stream's prompt: its echo, and the stream that computes the prompt's logprobs.
+        echo_of = [echo for echo, group in zip(echoes, groups) for _ in group]
+        head_of = [group[0] for group in groups for _ in group]
         first = [True] * len(streams)
         text_frames = [protocol.TextFrames(request_id, name, chat, created, i) for i in range(len(streams))]
         logprobs = [protocol.LogprobFormat(self.tokenizer, chat) for _ in streams]
@@ -330,8 +393,9 @@ class Server:
             async for batch in _merged(streams):
                 frames = []
                 for i, event in batch:
-                    if echo is not None and first[i]:  # (the prompt's logprobs are the first choice's)
-                        lp = (logprobs[i].prompt(echo, streams[0].request.prompt_logprobs)
+                    echo = echo_of[i]
+                    if echo is not None and first[i]:
+                        lp = (logprobs[i].prompt(echo, head_of[i].request.prompt_logprobs)
                               if streams[i].request.logprobs is not None else None)
                         frames.append(protocol.frame(protocol.chunk(
                             request_id, name, chat, echo.text,
@@ -370,8 +434,10 @@ class Server:
                         request_id, name, chat, None if chat else "", reason, created, index=i)))
                     if all(r is not None for r in records):
                         if include_usage:
+                            done = iter(records)
                             frames.append(protocol.frame(protocol.usage_chunk(
-                                request_id, name, chat, records, created)))
+                                request_id, name, chat, [[next(done) for _ in g] for g in groups],
+                                created)))
                         frames.append("data: [DONE]\n\n")
                 if frames:
                     yield "".join(frames)
@@ -382,11 +448,56 @@ class Server:
                 if stream.record is None:  # the client went away mid-stream, or a choice failed
                     stream.cancel()
 
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "cadence",
+                "root": self.model_name, "max_model_len": self.scheduler.max_seq_len}
+
     async def models(self, request: Request) -> Response:
         self._check(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "cadence",
-             "max_model_len": self.scheduler.max_seq_len}]})
+        return JSONResponse({"object": "list", "data": [self._model_card(n) for n in self.model_names]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: one served name's card (an id may hold slashes)."""
+        self._check(request)
+        name = request.path_params["model_id"]
+        if name not in self.model_names:
+            raise APIError(404, f"model '{name}' is not served here; this server serves "
+                                f"{', '.join(map(repr, self.model_names))}", param="model",
+                           code="model_not_found")
+        return JSONResponse(self._model_card(name))
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize in vLLM's shape: a "prompt" (with `add_special_tokens`, default true:
+        the BOS a completion's prompt gets) or chat "messages" (rendered as a chat request's
+        prompt, with its `tools`) -> {"count", "max_model_len", "tokens", "token_strs"}."""
+        body = await self.read_body(request)
+        entry = protocol.tokenize_request(body)
+        self.check_model(entry.get("model"))
+
+        def run() -> list[int]:
+            if "messages" in entry:
+                tools = parse_tools(entry)
+                text = requests.render_chat(entry["messages"], self.tokenizer, tools)
+                return self.tokenizer.encode(text)
+            text = entry["prompt"]
+            requests.check_prompt_size(text, self.tokenizer, self.scheduler.max_seq_len)
+            return self.tokenizer.encode(text, add_bos=None if entry.get("add_special_tokens", True) else False)
+
+        try:
+            ids = await asyncio.to_thread(run)
+        except (SubmissionError, TokenizerError) as e:
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+        strs = ([self.tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
+                if entry.get("return_token_strs") else None)
+        return JSONResponse({"count": len(ids), "max_model_len": self.scheduler.max_seq_len,
+                             "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize in vLLM's shape: {"tokens": [ids]} -> {"prompt": text}."""
+        body = await self.read_body(request)
+        entry = protocol.detokenize_request(body, self.tokenizer.vocab_size)
+        self.check_model(entry.get("model"))
+        return JSONResponse({"prompt": self.tokenizer.decode(entry["tokens"])})
 
     # -- what a router asks a worker ------------------------------------------------------------
     # sglang-router (the SGLang Model Gateway) reads /server_info and /model_info when it
@@ -424,7 +535,10 @@ class Server:
             return JSONResponse({"status": "dead", "error": fatal}, status_code=503)
         if self.ready.is_set():
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "warming up"}, status_code=503)
+        body: dict[str, Any] = {"status": "warming up"}
+        if self.warm_progress is not None:  # how far the compiler is: a slow start, not a hang
+            body["programs_done"], body["programs_total"] = self.warm_progress
+        return JSONResponse(body, status_code=503)
 
     async def metrics_endpoint(self, request: Request) -> Response:
         if self.config.protect_metrics:
@@ -482,7 +596,7 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[list[tuple[int,
             task.cancel()
 
 
-def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str, *,
+def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Sequence[str], *,
                config: ServerConfig = ServerConfig(), warmup: Callable[[], None] | None = None,
                generation: GenerationDefaults = GenerationDefaults(),
                on_fatal: Callable[[str], None] | None = None) -> Starlette:
@@ -514,6 +628,9 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str, *,
             route("/v1/completions", lambda r: server.generate(r, chat=False), ["POST"]),
             route("/v1/chat/completions", lambda r: server.generate(r, chat=True), ["POST"]),
             route("/v1/models", server.models, ["GET"]),
+            route("/v1/models/{model_id:path}", server.model, ["GET"]),
+            route("/tokenize", server.tokenize, ["POST"]),
+            route("/detokenize", server.detokenize, ["POST"]),
             route("/health", server.health, ["GET"]),
             route("/metrics", server.metrics_endpoint, ["GET"]),
             route("/server_info", server.server_info, ["GET"]),

@@ -60,7 +60,7 @@ from tqdm import tqdm
 from cadence.checkpoints.errors import CheckpointError
 from cadence.scheduler.errors import NotRunning, Overloaded, SubmissionError
 from cadence.scheduler.request import FinishReason, RequestRecord
-from cadence.server import requests, runtime
+from cadence.server import client_json, requests, runtime
 from cadence.server.tool_calls import parse_tool_calls
 from cadence.server.tools import ToolRequest
 
@@ -94,7 +94,7 @@ def parse_input(path: Path) -> tuple[list[Job], list[tuple[int, str]]]:
         if not raw.strip():
             continue
         try:
-            entry = requests.load_json(raw)
+            entry = client_json.load_json(raw)
         except SubmissionError as e:  # malformed, too deep, out-of-range numbers, bad text
             problems.append((number, f"malformed JSON ({e})"))
             continue

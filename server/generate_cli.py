@@ -25,7 +25,7 @@ from cadence.checkpoints.errors import CheckpointError
 from cadence.scheduler.errors import Overloaded, SubmissionError
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.trace import write_chrome_trace
-from cadence.server import requests, runtime
+from cadence.server import client_json, requests, runtime
 
 _PROMPT = flags.DEFINE_string("prompt", None, "A prompt.")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "File of prompts: one per line, or JSONL.")
@@ -43,7 +43,7 @@ def read_prompts(path: Path) -> list[dict]:
             continue
         if line.lstrip().startswith("{"):
             try:
-                obj = requests.load_json(line)
+                obj = client_json.load_json(line)
             except SubmissionError as e:
                 raise SubmissionError(f"{path}:{number}: {e}") from None
             if not isinstance(obj, dict) or not ("prompt" in obj or "messages" in obj):

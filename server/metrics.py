@@ -7,6 +7,9 @@ compared against it. Gauges are computed when scraped, so they are never stale.
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -19,13 +22,24 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.
 _TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                      0.5, 1.0, 2.5)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Priorities that get a `priority` label of their own: these, and those the scheduler's priority
+# classes and latency targets name. Every other value a client sends shares OTHER_PRIORITY, so
+# clients cannot grow /metrics without bound by choosing priorities.
+LABELLED_PRIORITIES = frozenset(range(-2, 4))
+OTHER_PRIORITY = "other"
+
+
+def priority_labels(scheduler: Scheduler) -> frozenset[int]:
+    """The priorities this scheduler's metrics label one by one (`LABELLED_PRIORITIES`)."""
+    config = scheduler.config
+    return LABELLED_PRIORITIES | {p for _, p in config.priority_classes.rules} | set(config.slo.ttft) | set(config.slo.itl)
 
 
 class _SchedulerCounters:
     """Counters the scheduler keeps itself, read when scraped (a Counter cannot take a function)."""
 
-    def __init__(self, scheduler: Scheduler, model_name: str):
-        self.scheduler, self.model_name = scheduler, model_name
+    def __init__(self, scheduler: Scheduler, model_name: str, label: Callable[[int], str]):
+        self.scheduler, self.model_name, self.label = scheduler, model_name, label
 
     def collect(self):
         counters = {
@@ -56,14 +70,18 @@ class _SchedulerCounters:
         waiting = GaugeMetricFamily("cadence:num_requests_waiting_by_priority",
                                     "Requests queued for a slot, per priority.",
                                     labels=["model_name", "priority"])
-        for priority, count in sorted({0: 0, **self.scheduler.waiting_by_priority()}.items()):
-            waiting.add_metric([self.model_name, str(priority)], count)
+        counts = collections.Counter({"0": 0})
+        for priority, count in self.scheduler.waiting_by_priority().items():
+            counts[self.label(priority)] += count
+        for label, count in sorted(counts.items()):
+            waiting.add_metric([self.model_name, label], count)
         yield waiting
 
 
 class Metrics:
     def __init__(self, scheduler: Scheduler, model_name: str):
         self.registry = r = CollectorRegistry()
+        self._labelled = priority_labels(scheduler)
         labels = {"model_name": model_name}
 
         def histogram(name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
@@ -144,7 +162,7 @@ class Metrics:
             lambda: scheduler.transfers_in_flight)
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, ["model_name"], registry=r).labels(**labels).set_function(fn)
-        r.register(_SchedulerCounters(scheduler, model_name))
+        r.register(_SchedulerCounters(scheduler, model_name, self.priority_label))
         # Each engine's pool: "colocated", or "prefill" and "decode".
         self.transfer_seconds = histogram(
             "cadence:kv_transfer_seconds", "Disaggregated: a request's KV, from ready on the "
@@ -175,11 +193,14 @@ class Metrics:
         scheduler.iteration_listeners.append(self.on_iteration)
         scheduler.transfer_listeners.append(self.on_transfer)
 
+    def priority_label(self, priority: int) -> str:
+        return str(priority) if priority in self._labelled else OTHER_PRIORITY
+
     def on_request(self, record: RequestRecord) -> None:  # scheduler thread
         self.finished.labels(finished_reason=record.finish_reason, **self._labels).inc()
         self.prompt_tokens.inc(record.prompt_tokens)
         self.generation_tokens.inc(record.output_tokens)
-        labels = {"priority": str(record.priority), **self._labels}
+        labels = {"priority": self.priority_label(record.priority), **self._labels}
         self.e2e.labels(**labels).observe(record.finished - record.submitted)
         if record.queue_time is not None:
             self.queue.labels(**labels).observe(record.queue_time)

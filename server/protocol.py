@@ -64,8 +64,12 @@ _SGLANG_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "separate_reasoning": (True, False), "stream_reasoning": (True, False),
 }
 _NEUTRAL.update(_SGLANG_NEUTRAL)
-# Fields that change nothing cadence does: accepted and ignored.
-_IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
+# Fields that change nothing cadence does: accepted and ignored. (`reasoning_effort` and
+# `verbosity` steer reasoning models and the newest OpenAI ones; cadence serves neither kind, and
+# vLLM ignores them likewise for a model that does not reason.)
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
+                            "safety_identifier", "reasoning_effort", "verbosity"})
+MAX_PROMPTS = 256  # prompts in one batched completions request
 _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format",
                      *requests.SAMPLING_FIELDS})
 _ALLOWED = {
@@ -78,9 +82,8 @@ _ALLOWED = {
 @dataclasses.dataclass
 class ParsedRequest:
     model: str | None
-    prompt_text: str | None  # None when the prompt came as token ids or messages
-    prompt_ids: list[int] | None
-    messages: list[dict] | None  # content already joined into strings
+    prompts: list[str | list[int]] | None  # completions: each prompt, as text or token ids
+    messages: list[dict] | None  # chat: content already joined into strings
     params: GenerationParams
     stream: bool
     include_usage: bool
@@ -116,7 +119,7 @@ def _same(value: Any, neutral: Any) -> bool:
 
 def parse(body: Any, chat: bool, defaults: requests.SamplingDefaults = OPENAI_DEFAULTS,
           max_n: int = DEFAULT_MAX_N) -> ParsedRequest:
-    """A request body (already `requests.load_json`'d) into a `ParsedRequest`, or `APIError` 400.
+    """A request body (already `client_json.load_json`'d) into a `ParsedRequest`, or `APIError` 400.
 
     `defaults` are the sampling defaults of the model served (`max_tokens` is the route's);
     `max_n` bounds n and best_of."""
@@ -133,7 +136,7 @@ def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults, max_n: in
         if body.get(name) is not None and not any(_same(body[name], n) for n in neutral):
             raise SubmissionError(f'"{name}" is not supported by cadence (only its neutral value '
                                   f"{', '.join(map(repr, neutral)) or 'null'} is accepted)", name)
-    unknown = sorted(set(body) - _ALLOWED[chat] - _NEUTRAL.keys() - _IGNORED)
+    unknown = sorted(set(body) - _ALLOWED[chat] - _NEUTRAL.keys() - IGNORED_FIELDS)
     if unknown:
         raise SubmissionError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
     n = requests.field(body, "n", (int,), 1)
@@ -143,24 +146,14 @@ def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults, max_n: in
     if not n <= best_of <= max_n:
         raise SubmissionError(f'"best_of" must be in [n={n}, {max_n}], got {best_of}', "best_of")
     model = requests.field(body, "model", (str,))
-    prompt_text = prompt_ids = messages = None
+    prompts = messages = None
     if chat:
         messages = requests.chat_messages(requests.field(body, "messages", (list,)))
         # max_completion_tokens is OpenAI's newer name; both are checked, max_tokens wins.
         params = requests.generation_params(body, dataclasses.replace(defaults, max_tokens=None),
                                             max_tokens_fields=("max_tokens", "max_completion_tokens"))
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            prompt_text = prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            prompt_ids = prompt
-        elif isinstance(prompt, list) and len(prompt) > 1:
-            raise SubmissionError("batched prompts are not supported; send one prompt per request", "prompt")
-        else:
-            raise SubmissionError('"prompt" must be a string or an array of token ids', "prompt")
+        prompts = _prompts(body.get("prompt"))
         params = requests.generation_params(
             body, dataclasses.replace(defaults, max_tokens=COMPLETION_MAX_TOKENS))
     params = dataclasses.replace(params, logprobs=_logprobs(body, chat))
@@ -171,8 +164,70 @@ def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults, max_n: in
         raise SubmissionError('"best_of" > n cannot be streamed (the best are known at the end)', "best_of")
     echo = not chat and requests.field(body, "echo", (bool,), False)
     response_format, tools = requests.structure(body, chat)
-    return ParsedRequest(model, prompt_text, prompt_ids, messages, params, stream, include_usage,
+    return ParsedRequest(model, prompts, messages, params, stream, include_usage,
                          n, best_of, echo, response_format, tools)
+
+
+def _token_ids(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """Completions' `prompt`: a string, an array of token ids, or a batch (an array of
+    strings or of token-id arrays), as OpenAI and vLLM take it."""
+    if isinstance(prompt, str) or _token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise SubmissionError(f'"prompt" holds {len(prompt)} prompts; at most {MAX_PROMPTS} '
+                                  "go in one request", "prompt")
+        return prompt
+    raise SubmissionError('"prompt" must be a string, an array of token ids, or an array of '
+                          "either (a batch)", "prompt")
+
+
+_TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", "add_special_tokens",
+                              "return_token_strs"})
+
+
+def tokenize_request(body: Any) -> dict:
+    """/tokenize's body (vLLM's shape), checked: exactly one of "prompt" (a string) or
+    "messages"; APIError 400 naming what is wrong."""
+    try:
+        if not isinstance(body, dict):
+            raise SubmissionError("the request body must be a JSON object")
+        unknown = sorted(set(body) - _TOKENIZE_FIELDS)
+        if unknown:
+            raise SubmissionError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+        if (body.get("prompt") is None) == (body.get("messages") is None):
+            raise SubmissionError('send exactly one of "prompt" or "messages"')
+        requests.field(body, "model", (str,))
+        requests.field(body, "prompt", (str,))
+        requests.field(body, "messages", (list,))
+        requests.field(body, "add_special_tokens", (bool,))
+        requests.field(body, "return_token_strs", (bool,))
+        return {k: v for k, v in body.items() if v is not None}
+    except SubmissionError as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
+def detokenize_request(body: Any, vocab_size: int) -> dict:
+    """/detokenize's body (vLLM's shape): {"tokens": [ids in the vocabulary]}."""
+    try:
+        if not isinstance(body, dict):
+            raise SubmissionError("the request body must be a JSON object")
+        unknown = sorted(set(body) - {"model", "tokens"})
+        if unknown:
+            raise SubmissionError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+        requests.field(body, "model", (str,))
+        tokens = requests.field(body, "tokens", (list,))
+        if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+                                     for t in tokens):
+            raise SubmissionError(f'"tokens" must be an array of token ids in [0, {vocab_size})', "tokens")
+        return {k: v for k, v in body.items() if v is not None}
+    except SubmissionError as e:
+        raise APIError(400, str(e), param=e.param) from None
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -196,15 +251,16 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return k
 
 
-def usage(records: Sequence[RequestRecord]) -> dict[str, Any]:
-    """One request's usage over its choices' records: the prompt counted once (the first
-    choice's, which prefilled it), every choice's tokens."""
-    first, completion = records[0], sum(r.output_tokens for r in records)
+def usage(groups: Sequence[Sequence[RequestRecord]]) -> dict[str, Any]:
+    """One request's usage over the records of each of its prompts' sequences: each prompt
+    counted once (its first sequence's, which prefilled it), every sequence's tokens."""
+    prompt = sum(g[0].prompt_tokens for g in groups)
+    completion = sum(r.output_tokens for g in groups for r in g)
     return {
-        "prompt_tokens": first.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": first.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(g[0].cached_tokens for g in groups)},
     }
 
 
@@ -311,11 +367,11 @@ def assistant_calls(content: str | None, calls: Sequence[ToolCall]) -> dict[str,
     return {"role": "assistant", "content": content, "tool_calls": [c.message() for c in calls]}
 
 
-def usage_chunk(request_id: str, model: str, chat: bool, records: Sequence[RequestRecord],
+def usage_chunk(request_id: str, model: str, chat: bool, groups: Sequence[Sequence[RequestRecord]],
                 created: int) -> dict:
     kind = "chat.completion.chunk" if chat else "text_completion"
     return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [],
-            "usage": usage(records)}
+            "usage": usage(groups)}
 
 
 def best(records: Sequence[RequestRecord], n: int) -> list[RequestRecord]:
@@ -352,40 +408,53 @@ def merge_logprobs(first: dict, second: dict) -> dict:
     return {key: first[key] + second[key] for key in first}
 
 
-def full_response(request_id: str, model: str, chat: bool, records: Sequence[RequestRecord],
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """What one prompt of a request returns: its choices' records (best_of's best, in the
+    order they were generated), every sequence generated for it (usage counts them all; the
+    first computed the prompt's logprobs), and with echo its prompt."""
+
+    records: Sequence[RequestRecord]
+    generated: Sequence[RequestRecord]
+    echo: Echo | None = None
+
+
+def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Answer],
                   tokenizer: Tokenizer | None = None, logprobs: bool = True,
-                  generated: Sequence[RequestRecord] | None = None,
-                  echo: Echo | None = None,
                   tools: tool_requests.ToolRequest | None = None) -> dict[str, Any]:
-    """The whole answer, a choice per record; `tokenizer` spells their logprobs, if they have
-    any and `logprobs` (False: computed for best_of's ranking only). Usage counts every
-    sequence `generated` (default: the records). `echo` (completions): the prompt, whose text
-    goes before each choice's, and with logprobs its tokens' (the first record's). With `tools`
-    (chat) whose calls are parsed, a choice's calls are its message's `tool_calls`."""
+    """The whole answer: a choice per record, the answers' (prompts') one after another,
+    indexed across them (OpenAI's order for a batch: prompt by prompt, then choice). `tokenizer`
+    spells their logprobs, if they have any and `logprobs` (False: computed for best_of's ranking
+    only). With echo, an answer's prompt text goes before each of its choices' (and with
+    logprobs its tokens'). With `tools` (chat) whose calls are parsed, a choice's calls are its
+    message's `tool_calls`."""
     created = int(time.time())
     choices = []
-    prompt_logprobs = next((r.prompt_logprobs for r in generated or records if r.prompt_logprobs), None)
-    for index, record in enumerate(records):
-        lp = None
-        if logprobs and record.logprobs is not None:
-            spell = LogprobFormat(tokenizer, chat)
-            head = spell.prompt(echo, prompt_logprobs) if echo else None
-            lp = spell(record.logprobs)
-            lp = merge_logprobs(head, lp) if head else lp
-        if echo:
-            record = dataclasses.replace(record, text=echo.text + record.text)
-        if chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": record.text},
-                      "finish_reason": finish_reason(record), "logprobs": lp}
-            if tools is not None and tools.parses_calls:
-                content, calls = parse_tool_calls(record.text, tools.names)
-                if calls:
-                    choice["message"] = assistant_calls(content, calls)
-                    choice["finish_reason"] = finish_reason(record, calls=True)
-        else:
-            choice = {"index": index, "text": record.text, "finish_reason": finish_reason(record),
-                      "logprobs": lp}
-        choices.append(choice)
+    for answer in answers:
+        echo = answer.echo
+        prompt_logprobs = next((r.prompt_logprobs for r in answer.generated if r.prompt_logprobs), None)
+        for record in answer.records:
+            lp = None
+            if logprobs and record.logprobs is not None:
+                spell = LogprobFormat(tokenizer, chat)
+                head = spell.prompt(echo, prompt_logprobs) if echo else None
+                lp = spell(record.logprobs)
+                lp = merge_logprobs(head, lp) if head else lp
+            if echo:
+                record = dataclasses.replace(record, text=echo.text + record.text)
+            index = len(choices)
+            if chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": record.text},
+                          "finish_reason": finish_reason(record), "logprobs": lp}
+                if tools is not None and tools.parses_calls:
+                    content, calls = parse_tool_calls(record.text, tools.names)
+                    if calls:
+                        choice["message"] = assistant_calls(content, calls)
+                        choice["finish_reason"] = finish_reason(record, calls=True)
+            else:
+                choice = {"index": index, "text": record.text, "finish_reason": finish_reason(record),
+                          "logprobs": lp}
+            choices.append(choice)
     kind = "chat.completion" if chat else "text_completion"
     return {"id": request_id, "object": kind, "created": created, "model": model,
-            "choices": choices, "usage": usage(generated or records)}
+            "choices": choices, "usage": usage([a.generated for a in answers])}

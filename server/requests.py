@@ -1,6 +1,6 @@
 """Every front door's request parsing: from raw JSON to what the scheduler takes.
 
-    entry = load_json(raw_bytes)                          # strict JSON, bounded; SubmissionError
+    entry = client_json.load_json(raw_bytes)              # strict JSON, bounded; SubmissionError
     params = generation_params(entry, defaults)           # the sampling and stop fields
     messages = chat_messages(entry["messages"])           # text parts joined into strings
     fmt, tools = structure(entry, chat)                   # response_format; a chat's tools
@@ -13,10 +13,9 @@ value gets the same message. Nothing is coerced silently (`"8"` is not a max_tok
 not a number); a field given as null is absent. Errors are `SubmissionError`s whose `param`
 names the field.
 
-Bad input is refused before it can cost anything: JSON nested deeper than `MAX_JSON_DEPTH`,
-integers longer than `MAX_INT_DIGITS` digits, non-finite numbers (`1e999`, `NaN`), strings that
-are not valid Unicode text (a lone surrogate), and a prompt with more UTF-8 bytes than the
-context could hold at the tokenizer's longest token (`check_prompt_size`, before tokenizing).
+Bad input is refused before it can cost anything: JSON past `server.client_json`'s bounds, and a
+prompt with more UTF-8 bytes than the context could hold at the tokenizer's longest token
+(`check_prompt_size`, before tokenizing).
 
 Sampling defaults (`SamplingDefaults`): a field the entry leaves out takes the front door's
 default, which is the model's own (`checkpoints.generation`) where the model publishes one.
@@ -27,8 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import math
 from typing import Any, NamedTuple
 
 from absl import flags
@@ -40,11 +37,10 @@ from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.api import RequestSampling
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.request import GenerationParams
-from cadence.scheduler.grammar import Grammar, GrammarCompiler, GrammarError, JsonObject, JsonSchema, Spec
+from cadence.scheduler.grammar import (Grammar, GrammarCompiler, GrammarError, JsonObject, JsonSchema, Spec,
+                                      closed_schema)
+from cadence.server.client_json import MAX_INT_DIGITS, check_json_value
 from cadence.server.tools import NAME, ToolRequest, call_style, parse_tools, template_inputs
-
-MAX_JSON_DEPTH = 32
-MAX_INT_DIGITS = 40  # a uint32 seed has 10; nothing cadence takes needs more
 
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 128, "Default most tokens to generate per prompt.", lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float(
@@ -57,73 +53,6 @@ PENALTY_FIELDS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", *PENALTY_FIELDS,
                    "logit_bias", "stop", "ignore_eos", "cache_salt", "priority")
 MAX_CACHE_SALT = 256
-
-
-# -- JSON -------------------------------------------------------------------------------------
-
-
-def _bounded_int(text: str) -> int:
-    digits = len(text.lstrip("-"))
-    if digits > MAX_INT_DIGITS:
-        raise ValueError(f"an integer of {digits} digits is out of range (at most {MAX_INT_DIGITS})")
-    return int(text)
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text[:20]}{'...' if len(text) > 20 else ''} is out of range")
-    return value
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def load_json(raw: bytes | str) -> Any:
-    """Parses one JSON document strictly; `SubmissionError` says what is wrong with it."""
-    try:
-        value = json.loads(raw, parse_int=_bounded_int, parse_float=_finite_float,
-                           parse_constant=_no_constant)
-    except RecursionError:
-        raise SubmissionError(f"the JSON is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
-    except UnicodeDecodeError as e:
-        raise SubmissionError(f"the body is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except ValueError as e:  # json.JSONDecodeError, and the parse hooks' errors
-        raise SubmissionError(f"the body is not valid JSON: {e}") from None
-    check_json_value(value)
-    return value
-
-
-def check_json_value(value: Any) -> None:
-    """Depth and text checks over a parsed document, iteratively (no recursion to exhaust)."""
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, str):
-            check_text(node)
-            continue
-        if not isinstance(node, (dict, list)):
-            continue
-        if depth > MAX_JSON_DEPTH:
-            raise SubmissionError(f"the JSON is nested too deeply (at most {MAX_JSON_DEPTH} levels)")
-        if isinstance(node, dict):
-            for key, item in node.items():
-                check_text(key)
-                stack.append((item, depth + 1))
-        else:
-            stack.extend((item, depth + 1) for item in node)
-
-
-def check_text(text: str, param: str | None = None) -> str:
-    """`text` if it is valid Unicode text; a lone surrogate (JSON "\\ud800") cannot be encoded,
-    tokenized or echoed back, so it is refused here."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise SubmissionError(f"text contains an unpaired surrogate (U+{ord(text[e.start]):04X} at "
-                              f"index {e.start}); send valid Unicode", param) from None
-    return text
 
 
 # -- fields -----------------------------------------------------------------------------------
@@ -244,7 +173,7 @@ def response_format(entry: dict) -> Spec | None:
     if not isinstance(schema, dict):
         raise SubmissionError('"response_format".json_schema.schema must be a JSON schema object',
                               "response_format")
-    return JsonSchema(schema)
+    return JsonSchema(closed_schema(schema))
 
 
 STRUCTURE_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
@@ -266,10 +195,17 @@ def structure(entry: dict, chat: bool) -> tuple[Spec | None, ToolRequest | None]
     return fmt, tools
 
 
-def grammar_of(fmt: Spec | None, tools: ToolRequest | None, tokenizer: Tokenizer,
-               grammars: GrammarCompiler | None) -> Grammar | None:
-    """The compiled grammar an answer must follow: a forced tool call's (in the style of the
-    model's template), else the response format's; a GrammarError names the field at fault."""
+class GrammarRequest(NamedTuple):
+    """The grammar an answer must follow, before it is compiled, and the field it came from."""
+
+    spec: Spec
+    param: str  # "tools" or "response_format", named by its errors
+
+
+def grammar_request(fmt: Spec | None, tools: ToolRequest | None, tokenizer: Tokenizer,
+                    grammars: GrammarCompiler | None) -> GrammarRequest | None:
+    """What an answer must follow: a forced tool call's grammar (in the style of the model's
+    template), else the response format's; None if nothing."""
     forced = tools is not None and tools.forces_call
     spec = tools.grammar(call_style(tokenizer)) if forced else fmt
     if spec is None:
@@ -277,10 +213,20 @@ def grammar_of(fmt: Spec | None, tools: ToolRequest | None, tokenizer: Tokenizer
     param = "tools" if forced else "response_format"
     if grammars is None:
         raise SubmissionError("structured output is off here (--nostructured_output)", param)
+    return GrammarRequest(spec, param)
+
+
+def grammar_of(fmt: Spec | None, tools: ToolRequest | None, tokenizer: Tokenizer,
+               grammars: GrammarCompiler | None) -> Grammar | None:
+    """`grammar_request`'s grammar, compiled on this thread; a GrammarError names the field at
+    fault. (The HTTP server awaits `GrammarCompiler.compile_async` instead.)"""
+    wanted = grammar_request(fmt, tools, tokenizer, grammars)
+    if wanted is None:
+        return None
     try:
-        return grammars.compile(spec)
+        return grammars.compile(wanted.spec)
     except GrammarError as e:
-        raise GrammarError(str(e), param) from None
+        raise GrammarError(str(e), wanted.param) from None
 
 
 def choice_seed(seed: int, index: int) -> int:

@@ -21,6 +21,7 @@ import uvicorn
 from absl import app, flags, logging
 
 from cadence.checkpoints.errors import CheckpointError
+from cadence.checkpoints.registry import KNOWN_MODELS
 from cadence.server import runtime
 from cadence.server.app import DEFAULT_MAX_BODY_BYTES, ServerConfig, create_app
 
@@ -35,6 +36,11 @@ _DRAIN = flags.DEFINE_float("drain_timeout", 30.0, "Seconds to let in-flight req
 _MAX_BODY = flags.DEFINE_string(
     "max_body_size", f"{DEFAULT_MAX_BODY_BYTES // 2**20}MiB",
     "Largest request body accepted (bytes, or with a unit: 512KiB, 4MiB); larger ones get 413.")
+_SERVED_NAMES = flags.DEFINE_list(
+    "served_model_name", None, "The model's names in the API (vLLM's --served-model-name): a "
+    "request's \"model\" may give any of them, answers and /v1/models carry the first. Default: "
+    "--model as given for a known model's name, else the file's or folder's name (a GGUF's "
+    "without .gguf: /models/qwen2.5-0.5b.Q4_K_M.gguf serves as 'qwen2.5-0.5b.Q4_K_M').")
 _MAX_N = flags.DEFINE_integer(
     "max_n", 8, "Most choices one request may ask for (n, and best_of on completions); the "
     "later choices of a request take its prompt's KV from the first.", lower_bound=1)
@@ -51,12 +57,26 @@ def api_key() -> str | None:
     return _API_KEY.value or os.environ.get("CADENCE_API_KEY") or None
 
 
+def served_names(model: str, given: list[str] | None) -> list[str]:
+    """The names the server answers to: `given`, else `model`'s (a path's stem)."""
+    if given:
+        names = [n.strip() for n in given]
+        if not all(names) or len(set(names)) != len(names):
+            raise ValueError(f"--served_model_name={','.join(given)}: names must be non-empty and distinct")
+        return names
+    if model in KNOWN_MODELS:
+        return [model]
+    name = Path(model).expanduser().name
+    return [name.removesuffix(".gguf") or model]
+
+
 def main(argv: list[str]) -> int:
     del argv
     try:
         config = ServerConfig(api_key=api_key(), protect_metrics=_PROTECT_METRICS.value,
                               max_body_bytes=runtime.parse_size(_MAX_BODY.value), drain_timeout=_DRAIN.value,
                               max_n=_MAX_N.value, grammar_timeout=runtime.GRAMMAR_TIMEOUT.value)
+        names = served_names(runtime.MODEL_FLAG.value, _SERVED_NAMES.value)
         rt = runtime.build_from_flags(warm=False)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"cadence-serve: error: {e}", file=sys.stderr)
@@ -70,7 +90,7 @@ def main(argv: list[str]) -> int:
         server.should_exit = True
 
     application = create_app(
-        rt.scheduler, rt.model.tokenizer, runtime.MODEL_FLAG.value, config=config,
+        rt.scheduler, rt.model.tokenizer, names, config=config,
         warmup=rt.warm_up, generation=rt.model.generation, on_fatal=on_fatal)
     server = uvicorn.Server(uvicorn.Config(
         application, host=_HOST.value, port=_PORT.value, log_level="warning",

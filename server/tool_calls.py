@@ -33,7 +33,8 @@ Contract:
 - A call whose JSON starts `{"name": <one of names>, "arguments": {` streams: its header goes
   out at the arguments' `{` (not as soon as the name is complete: by then the arguments are known
   to be an object), then the arguments' text in fragments as it arrives, ending exactly at their
-  closing brace (a small scanner tracks strings, escapes and nesting). Any other candidate (keys
+  closing brace; a delta carries one entry per call index (a header and the fragments that came
+  with it are one entry) (a small scanner tracks strings, escapes and nesting). Any other candidate (keys
   in another order, other keys first, an unknown name) is held until its object closes; then it
   is a header and its whole arguments in one fragment, or it is content. A candidate that turns
   out not to be a call is content up to its opening (`<tool_call>`, `<|python_tag|>`) and the
@@ -383,9 +384,24 @@ class ToolCallParser:
             self._content.append(text)
 
     def _take(self) -> Delta:
-        delta = Delta("".join(self._content), self._deltas)
+        delta = Delta("".join(self._content), _one_per_index(self._deltas))
         self._content, self._deltas = [], []
         return delta
+
+
+def _one_per_index(deltas: list[dict]) -> list[dict]:
+    """One `tool_calls` entry per index, as OpenAI sends them: a call's header and the
+    fragments of its arguments that came out of the same feed go in one entry, its arguments
+    the fragments joined (clients that stream partial arguments read only one entry an index)."""
+    merged: dict[int, dict] = {}
+    for entry in deltas:
+        index = entry["index"]
+        if index not in merged:
+            merged[index] = {**entry, "function": dict(entry["function"])}
+        else:
+            function = merged[index]["function"]
+            function["arguments"] = function.get("arguments", "") + entry["function"]["arguments"]
+    return list(merged.values())
 
 
 def parse_tool_calls(text: str, names: Collection[str]) -> tuple[str | None, list[ToolCall]]:

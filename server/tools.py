@@ -30,7 +30,8 @@ from typing import Any
 
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.scheduler.errors import SubmissionError
-from cadence.scheduler.grammar import JSON_LAYOUT, Lark
+from cadence.scheduler.grammar import JSON_LAYOUT, Lark, closed_schema, map_schema
+from cadence.server.client_json import TooDeep, load_json
 
 MAX_TOOLS = 128  # OpenAI's limit
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's function names
@@ -92,15 +93,33 @@ class ToolRequest:
             return None
         tools = [t for t in self.tools if self.choice == "required" or t.name == self.function]
         key = "parameters" if style == LLAMA3_JSON else "arguments"
-        options = [{"type": "object", "properties": {"name": {"const": t.name}, key: t.parameters},
-                    "required": ["name", key], "additionalProperties": False} for t in tools]
+        # Each tool's parameters keep their own schema root: they sit under the call's $defs,
+        # and their references into themselves ("#/$defs/Person", "#") are moved with them.
+        roots = {f"tool_{i}": _rooted(closed_schema(t.parameters), f"#/$defs/tool_{i}")
+                 for i, t in enumerate(tools)}
+        options = [{"type": "object", "properties": {"name": {"const": t.name},
+                                                     key: {"$ref": f"#/$defs/{root}"}},
+                    "required": ["name", key], "additionalProperties": False}
+                   for t, root in zip(tools, roots)]
         schema = options[0] if len(options) == 1 else {"anyOf": options}
-        call = f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"
+        call = f"%json {json.dumps({**schema, '$defs': roots, 'x-guidance': JSON_LAYOUT})}"
         if style == LLAMA3_JSON:  # Llama 3.1's format has one call per answer
             return Lark(f"start: {call}\n")
         many = self.parallel and self.choice == "required"
         start = 'start: call ("\\n" call)*' if many else "start: call"
         return Lark(f'{start}\ncall: "<tool_call>\\n" {call} "\\n</tool_call>"\n')
+
+
+def _rooted(schema: dict, at: str) -> dict:
+    """`schema` moved to `at` inside a larger schema: each of its references to its own root
+    ("#", "#/...") is rewritten to point where it now is."""
+
+    def move(node: dict, keyword: str | None) -> None:
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            node["$ref"] = at + ref[1:]
+
+    return map_schema(schema, move)
 
 
 def parse_tools(body: dict) -> ToolRequest | None:
@@ -215,11 +234,15 @@ def template_inputs(messages: list[dict], tokenizer: Tokenizer,
 
 def _arguments(call: dict) -> Any:
     """An earlier call's arguments as an object where they are JSON text (OpenAI sends a
-    string; templates write an object), else as sent."""
+    string; templates write an object), else as sent. Their JSON is held to the bounds of a
+    request's (`client_json`): arguments nested too deeply are refused, never parsed to the
+    end of the stack."""
     arguments = call["function"]["arguments"]
     try:
-        return json.loads(arguments)
-    except ValueError:
+        return load_json(arguments)
+    except TooDeep as e:
+        raise SubmissionError(f'"messages": an earlier tool call\'s arguments: {e}', "messages") from None
+    except SubmissionError:
         return arguments
 
 

@@ -133,6 +133,22 @@ def triton_verifications(monkeypatch) -> list:
 
 
 @contextlib.contextmanager
+def serve_tiny(engine, tokenizer, model="tiny", *, warmup=None, max_queue=64, **config):
+    """Serves a tiny-model engine through the real app over loopback (prefill chunks of 32, a
+    budget of 40 tokens an iteration); yields the base URL. `model`: its served name(s);
+    `config`: `ServerConfig`'s fields."""
+    from cadence.scheduler.policy import PolicyConfig
+    from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+    from cadence.server.app import ServerConfig, create_app
+
+    sched = Scheduler(engine, tokenizer, SchedulerConfig(
+        policy=PolicyConfig(token_budget=40, chunk=32), max_queue=max_queue))
+    app = create_app(sched, tokenizer, model, config=ServerConfig(**config), warmup=warmup)
+    with loopback_server(app) as base:
+        yield base
+
+
+@contextlib.contextmanager
 def loopback_server(app):
     """Runs an ASGI app under a real uvicorn server on a free loopback port, in a thread;
     yields its base URL ("http://127.0.0.1:PORT") and shuts it down (draining) afterwards."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import threading
 import time
@@ -12,10 +11,7 @@ import httpx
 import openai
 import pytest
 
-from cadence.scheduler.policy import PolicyConfig
-from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
-from cadence.server.app import ServerConfig, create_app
-from tests.conftest import loopback_server
+from tests.conftest import serve_tiny as serve
 
 MODEL = "tiny"
 
@@ -23,16 +19,6 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def engine(tiny_engine):
     return tiny_engine
-
-
-@contextlib.contextmanager
-def serve(engine, tokenizer, *, warmup=None, max_queue=64, **config):
-    """Serves the tiny model through the real app over loopback; yields the base URL."""
-    sched = Scheduler(engine, tokenizer, SchedulerConfig(
-        policy=PolicyConfig(token_budget=40, chunk=32), max_queue=max_queue))
-    app = create_app(sched, tokenizer, MODEL, config=ServerConfig(**config), warmup=warmup)
-    with loopback_server(app) as base:
-        yield base
 
 
 @pytest.fixture(scope="module")
@@ -159,9 +145,19 @@ def test_api_key(engine, tiny_tokenizer):
 
 
 def test_not_ready_is_503_until_warm(engine, tiny_tokenizer):
-    release = threading.Event()
-    with serve(engine, tiny_tokenizer, warmup=lambda: release.wait(30)) as base:
-        assert httpx.get(f"{base}/health").status_code == 503
+    release, reported = threading.Event(), threading.Event()
+
+    def warmup(progress):  # a warm-up that reports its progress, as `runtime.warm_up` does
+        progress(0, 3, "")
+        progress(1, 3, "prefill[tokens=16,pages=8]")
+        reported.set()
+        release.wait(30)
+
+    with serve(engine, tiny_tokenizer, warmup=warmup) as base:
+        assert reported.wait(10)
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503
+        assert health.json() == {"status": "warming up", "programs_done": 1, "programs_total": 3}
         response = httpx.post(f"{base}/v1/completions", json={"prompt": "x"})
         assert response.status_code == 503 and "Retry-After" in response.headers
         release.set()

@@ -30,15 +30,19 @@ def stream(text: str, names=NAMES, cuts=()) -> tuple[ToolCallParser, list[Delta]
 
 
 def collect(deltas: list[Delta]) -> tuple[str, list[tuple[str, str, str]]]:
-    """The content, and (id, name, arguments) per delta index, checking the deltas' shape."""
+    """The content, and (id, name, arguments) per delta index, checking the deltas' shape:
+    one entry per index in a delta, as OpenAI streams them (a header may carry arguments)."""
     content, calls = "", []
     for delta in deltas:
         content += delta.content
+        indexes = [entry["index"] for entry in delta.tool_calls]
+        assert len(indexes) == len(set(indexes))
         for entry in delta.tool_calls:
             if "id" in entry:
                 assert entry == {"index": len(calls), "id": entry["id"], "type": "function",
-                                 "function": {"name": entry["function"]["name"], "arguments": ""}}
-                calls.append([entry["id"], entry["function"]["name"], ""])
+                                 "function": {"name": entry["function"]["name"],
+                                              "arguments": entry["function"]["arguments"]}}
+                calls.append([entry["id"], entry["function"]["name"], entry["function"]["arguments"]])
             else:
                 assert set(entry) == {"index", "function"}
                 assert set(entry["function"]) == {"arguments"}
@@ -96,10 +100,10 @@ def test_arguments_stream_as_they_arrive():
     assert delta == Delta("Sure.")
     delta = parser.feed('"arguments": {"city": "Pa')
     assert delta.content == ""
+    # One entry for index 0 (OpenAI's shape): the header with the arguments' first fragment.
     assert delta.tool_calls == [
         {"index": 0, "id": "call_" + "a" * 24, "type": "function",
-         "function": {"name": "get_weather", "arguments": ""}},
-        {"index": 0, "function": {"arguments": '{"city": "Pa'}}]
+         "function": {"name": "get_weather", "arguments": '{"city": "Pa'}}]
     assert parser.calls == []
     # Nothing after the arguments' own closing brace is arguments.
     delta = parser.feed('ris"}}\n</tool_call>')
@@ -113,7 +117,7 @@ def test_other_key_order_is_held_then_sent_whole():
     assert parser.feed('<tool_call>{"arguments": {"city": "Oslo"}, ') == Delta()
     delta = parser.feed('"name": "get_weather"}</tool_call>')
     assert [entry["function"] for entry in delta.tool_calls] == [
-        {"name": "get_weather", "arguments": ""}, {"arguments": '{"city": "Oslo"}'}]
+        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
     content, calls = check('<tool_call>{"arguments": {"city": "Oslo"}, "name": "get_weather"}'
                            '</tool_call>')
     assert content == "" and calls[0].arguments == '{"city": "Oslo"}'
