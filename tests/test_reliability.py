@@ -230,6 +230,11 @@ BAD_INPUTS = [
     ("a message name that is not a string", "chat", {"messages": [{"role": "user", "content": "x", "name": {}}]}, 400, "name"),
     ("a temperature past float32", "completions", {"prompt": "x", "temperature": 1e300}, 400, "float32"),
     ("a request id too long", "long-id", {"prompt": "x", "max_tokens": 2}, 400, "X-Request-Id"),
+    ("a schema that is only itself", "chat", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"$ref": "#"}}}}, 400, "allows no output"),
+    ("a streamed $ref loop", "chat", {"messages": [{"role": "user", "content": "x"}], "stream": True, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}}, 400, "allows no output"),
+    ("deep arguments of an earlier call", "chat", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}]}, {"role": "tool", "tool_call_id": "c", "content": "1"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "nested too deeply"),
+    ("a batch with one prompt too long", "completions", {"prompt": ["fine", "word " * 150_000], "max_tokens": 2}, 400, "exceeds the context of 512"),
+    ("a batch of 300 prompts", "completions", {"prompt": ["x"] * 300}, 400, "at most 256"),
 ]
 
 
@@ -316,8 +321,9 @@ def test_unknown_routes_and_methods_answer_in_openai_shape(server):
 
 def test_openapi_description_is_served(server):
     spec = httpx.get(f"{server}/openapi.json").json()
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-            "/debug/timeline", "/server_info", "/model_info", "/get_load"} <= spec["paths"].keys()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id}", "/health",
+            "/metrics", "/debug/timeline", "/server_info", "/model_info", "/get_load", "/tokenize",
+            "/detokenize"} <= spec["paths"].keys()
 
 
 def test_omitted_sampling_fields_take_the_models_defaults(tiny_engine, tiny_tokenizer):
