@@ -460,10 +460,7 @@ class Server:
         """GET /v1/models/{id}: one served name's card (an id may hold slashes)."""
         self._check(request)
         name = request.path_params["model_id"]
-        if name not in self.model_names:
-            raise APIError(404, f"model '{name}' is not served here; this server serves "
-                                f"{', '.join(map(repr, self.model_names))}", param="model",
-                           code="model_not_found")
+        self.check_model(name)
         return JSONResponse(self._model_card(name))
 
     async def tokenize(self, request: Request) -> Response:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from cadence.scheduler.errors import SubmissionError
@@ -129,16 +129,22 @@ def parse(body: Any, chat: bool, defaults: requests.SamplingDefaults = OPENAI_DE
         raise APIError(400, str(e), param=e.param) from None
 
 
-def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults, max_n: int) -> ParsedRequest:
+def _known(body: Any, allowed: Collection[str]) -> dict:
+    """`body` if it is an object of only `allowed` fields, else SubmissionError."""
     if not isinstance(body, dict):
         raise SubmissionError("the request body must be a JSON object")
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise SubmissionError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+    return body
+
+
+def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults, max_n: int) -> ParsedRequest:
+    _known(body, _ALLOWED[chat] | _NEUTRAL.keys() | IGNORED_FIELDS)
     for name, neutral in _NEUTRAL.items():
         if body.get(name) is not None and not any(_same(body[name], n) for n in neutral):
             raise SubmissionError(f'"{name}" is not supported by cadence (only its neutral value '
                                   f"{', '.join(map(repr, neutral)) or 'null'} is accepted)", name)
-    unknown = sorted(set(body) - _ALLOWED[chat] - _NEUTRAL.keys() - IGNORED_FIELDS)
-    if unknown:
-        raise SubmissionError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
     n = requests.field(body, "n", (int,), 1)
     if not 1 <= n <= max_n:
         raise SubmissionError(f'"n" must be in [1, {max_n}] (the server\'s --max_n), got {n}', "n")
@@ -195,11 +201,7 @@ def tokenize_request(body: Any) -> dict:
     """/tokenize's body (vLLM's shape), checked: exactly one of "prompt" (a string) or
     "messages"; APIError 400 naming what is wrong."""
     try:
-        if not isinstance(body, dict):
-            raise SubmissionError("the request body must be a JSON object")
-        unknown = sorted(set(body) - _TOKENIZE_FIELDS)
-        if unknown:
-            raise SubmissionError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+        _known(body, _TOKENIZE_FIELDS)
         if (body.get("prompt") is None) == (body.get("messages") is None):
             raise SubmissionError('send exactly one of "prompt" or "messages"')
         requests.field(body, "model", (str,))
@@ -215,11 +217,7 @@ def tokenize_request(body: Any) -> dict:
 def detokenize_request(body: Any, vocab_size: int) -> dict:
     """/detokenize's body (vLLM's shape): {"tokens": [ids in the vocabulary]}."""
     try:
-        if not isinstance(body, dict):
-            raise SubmissionError("the request body must be a JSON object")
-        unknown = sorted(set(body) - {"model", "tokens"})
-        if unknown:
-            raise SubmissionError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+        _known(body, ("model", "tokens"))
         requests.field(body, "model", (str,))
         tokens = requests.field(body, "tokens", (list,))
         if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
