@@ -3,7 +3,8 @@
     app = create_app(scheduler, tokenizer, model_name="smollm2-135m", warmup=engine.warmup)
 
 Routes: POST /v1/completions, POST /v1/chat/completions (each streaming over Server-Sent Events
-or not), GET /v1/models, GET /health (200 only while the engine is warm and alive), GET /metrics
+or not), POST /v1/responses and GET /v1/responses/{id} (OpenAI's Responses API, on the chat path:
+`server/responses_api.py`), GET /v1/models, GET /health (200 only while the engine is warm and alive), GET /metrics
 (Prometheus, under cadence's names and the vLLM names routers read), GET /server_info,
 GET /model_info and GET /get_load (what sglang-router asks a worker when it registers it and
 when it balances load: see `Server.server_info`), GET /debug/timeline (the scheduler's iteration log and finished requests'
@@ -52,6 +53,7 @@ from cadence.scheduler.scheduler import IterationRecord, RequestStream, Schedule
 from cadence.server import client_json, protocol, requests
 from cadence.server.metrics import Metrics
 from cadence.server.protocol import APIError
+from cadence.server.responses_api import ResponsesAPI
 from cadence.server.tool_calls import ToolCallParser
 from cadence.server.tools import ToolRequest, parse_tools
 
@@ -624,6 +626,7 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Seq
         routes=[
             route("/v1/completions", lambda r: server.generate(r, chat=False), ["POST"]),
             route("/v1/chat/completions", lambda r: server.generate(r, chat=True), ["POST"]),
+            *ResponsesAPI(server).routes(route),
             route("/v1/models", server.models, ["GET"]),
             route("/v1/models/{model_id:path}", server.model, ["GET"]),
             route("/tokenize", server.tokenize, ["POST"]),

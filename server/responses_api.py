@@ -1,0 +1,553 @@
+"""OpenAI's Responses API on cadence's chat path: POST /v1/responses and GET /v1/responses/{id}.
+
+    api = ResponsesAPI(server)               # server: the app's `Server`
+    routes = api.routes(route)               # create_app's route wrapper -> two Routes
+
+A Responses request is translated into a chat-completions body and parsed by `protocol.parse`
+exactly as a chat is, so every field it shares with chat is checked, defaulted and refused by
+the same code (with the Responses name in the message: `max_output_tokens`, `text.format`,
+`input`):
+
+    instructions              -> a first "system" message (not carried by previous_response_id)
+    input                     -> messages: a string is one user turn; message items (user,
+                                 system, developer -> system, assistant; input_text/output_text
+                                 parts) are turns, function_call items join one assistant turn's
+                                 tool_calls, function_call_output items are "tool" turns
+    max_output_tokens         -> max_tokens
+    text.format               -> response_format (text, json_object, json_schema)
+    tools (flat functions)    -> chat tools; tool_choice {"type": "function", "name"} -> named
+    temperature, top_p, parallel_tool_calls, and cadence's own sampling fields (top_k, seed,
+    stop, penalties, ignore_eos, ...) as chat takes them
+
+The answer is run through `Server.submit` and split into output items by the same
+`ToolCallParser` whether it is streamed or not: one `message` item of `output_text` for the
+text, one `function_call` item per call. Streaming sends OpenAI's typed events
+(`event: <type>` + `data: <json>`, with increasing `sequence_number`), which the SDK's
+`responses.stream` accumulator reads unchanged.
+
+`store` (default true, as OpenAI's) keeps a response in memory, bounded (`ResponseStore`: the
+most recent, in count and in characters); a stored response keeps its whole conversation
+(earlier turns, input, output), which `previous_response_id` puts before the next request's
+input. Fields that would change the answer and are not implemented (`background`, `truncation:
+"auto"`, `include`, `prompt`, `conversation`, non-function tools, ...) are refused with a 400
+naming them; harmless ones are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from cadence.scheduler.errors import SubmissionError
+from cadence.scheduler.request import RequestRecord, TokenEvent
+from cadence.server import protocol, requests
+from cadence.server.protocol import APIError
+from cadence.server.tool_calls import ToolCallParser
+
+if TYPE_CHECKING:
+    from cadence.server.app import Server
+
+STORE_RESPONSES = 1024  # stored responses kept, the most recent
+STORE_CHARS = 64 * 2**20  # ... and their conversations' characters, all together
+
+# Fields translated into the chat request, or answered here.
+_FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
+                     "text", "tools", "tool_choice", "parallel_tool_calls", "stream",
+                     "stream_options", "store", "previous_response_id"})
+# cadence's own sampling fields, passed to the chat request as they are (max_tokens is
+# max_output_tokens here).
+_SAMPLING = frozenset(requests.SAMPLING_FIELDS) - {"max_tokens"}
+# Accepted and ignored: they change nothing cadence does (`reasoning`: cadence serves no
+# reasoning model; `metadata` is echoed).
+_IGNORED = frozenset({"metadata", "user", "prompt_cache_key", "safety_identifier", "service_tier",
+                      "reasoning", "prompt_cache_retention"})
+# Would change the answer; accepted only at their neutral values.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "background": (False,), "truncation": ("disabled",), "include": ([],), "prompt": (),
+    "conversation": (), "max_tool_calls": (), "top_logprobs": (0,), "context_management": (),
+}
+# A chat error's field, as the Responses request names it.
+_PARAM = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+_MESSAGE_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+_TEXT_PARTS = ("input_text", "output_text")
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+
+
+def _error(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def _renamed(e: APIError) -> APIError:
+    """A chat parse's error in the Responses request's names."""
+    message = e.message
+    for chat, ours in _PARAM.items():
+        message = message.replace(f'"{chat}"', f'"{ours}"')
+    message = message.replace("max_tokens", "max_output_tokens")  # (the context check's words)
+    return APIError(e.status, message, type=e.type, param=_PARAM.get(e.param, e.param), code=e.code,
+                    headers=e.headers)
+
+
+# -- the request ------------------------------------------------------------------------------
+
+
+def _text_parts(content: Any, where: str, kinds: tuple[str, ...] = _TEXT_PARTS) -> str | list[dict]:
+    """A message's content: a string, or its text parts in chat's shape (chat joins them)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _error(f"{where}.content must be a string or an array of text parts", "input")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise _error(f"{where}.content[{j}]: parts of type {str(kind)[:40]!r} are not supported "
+                         f"(cadence serves text: {', '.join(kinds)} parts with a \"text\" string)",
+                         "input")
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def _check_keys(item: dict, allowed: set[str], where: str) -> None:
+    unknown = sorted(set(item) - allowed)
+    if unknown:
+        raise _error(f"{where} has unknown field(s) {', '.join(unknown)}", "input")
+
+
+def input_messages(items: Any) -> list[dict]:
+    """`input` as chat messages (see the module doc); anything else is a 400 naming it."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise _error('"input" must be a string or an array of input items', "input")
+    messages: list[dict] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _error(f"{where} must be an object (an input item)", "input")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            _check_keys(item, {"type", "role", "content", "id", "status", "phase"}, where)
+            role = _MESSAGE_ROLES.get(item.get("role"))
+            if role is None:
+                raise _error(f"{where}.role must be one of {', '.join(_MESSAGE_ROLES)}, got "
+                             f"{str(item.get('role'))[:40]!r}", "input")
+            messages.append({"role": role, "content": _text_parts(item.get("content"), where)})
+        elif kind == "function_call":
+            _check_keys(item, {"type", "call_id", "name", "arguments", "id", "status"}, where)
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise _error(f'{where} (function_call) needs "call_id", "name" and "arguments" strings',
+                             "input")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            # A turn's calls, and the text before them, are one assistant message.
+            if i > 0 and messages and messages[-1]["role"] == "assistant":
+                messages[-1]["tool_calls"] = [*messages[-1].get("tool_calls", ()), call]
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            _check_keys(item, {"type", "call_id", "output", "id", "status"}, where)
+            if not isinstance(item.get("call_id"), str):
+                raise _error(f'{where} (function_call_output) needs a "call_id" string', "input")
+            output = _text_parts(item.get("output"), where, ("input_text",))
+            if isinstance(output, list):
+                output = "\n".join(part["text"] for part in output)
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+        else:
+            raise _error(f"{where}: items of type {str(kind)[:40]!r} are not supported by cadence "
+                         "(it takes message, function_call and function_call_output items)", "input")
+    return messages
+
+
+def _chat_tools(tools: Any) -> Any:
+    """Responses' flat function tools in chat's shape; other tool types are a 400."""
+    if not isinstance(tools, list):
+        return tools  # chat's check words the error
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        if kind != "function":
+            raise _error(f"tools[{i}]: tools of type {str(kind)[:40]!r} are not supported by "
+                         "cadence (function tools only)", "tools")
+        unknown = sorted(set(tool) - {"type", "name", "description", "parameters", "strict"})
+        if unknown:
+            raise _error(f"tools[{i}] has unknown field(s) {', '.join(unknown)}", "tools")
+        out.append({"type": "function", "function": {k: v for k, v in tool.items()
+                                                      if k != "type" and v is not None}})
+    return out
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if not isinstance(choice, dict):
+        return choice
+    if choice.get("type") != "function" or set(choice) != {"type", "name"}:
+        raise _error('"tool_choice" must be "none", "auto", "required" or {"type": "function", '
+                     '"name": ...} (cadence calls function tools only)', "tool_choice")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _response_format(text: Any) -> dict | None:
+    """`text` ({"format": ..., "verbosity": ...}) as chat's response_format."""
+    if text is None:
+        return None
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+        raise _error('"text" must be an object with "format" (and "verbosity")', "text")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise _error('"text.format" must be an object', "text.format")
+    if fmt.get("type") != "json_schema":
+        return fmt  # text, json_object, or chat's error for anything else
+    spec = {k: v for k, v in fmt.items() if k != "type"}
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def chat_body(body: dict, history: list[dict]) -> tuple[dict, list[dict]]:
+    """A Responses body (checked for unknown and unsupported fields) as a chat body, and the
+    conversation it continues with (history, then its input: what a stored response keeps)."""
+    for name, neutral in _NEUTRAL.items():
+        if body.get(name) is not None and not any(_same(body[name], n) for n in neutral):
+            raise _error(f'"{name}" is not supported by cadence (only its neutral value '
+                         f"{', '.join(map(json.dumps, neutral)) or 'null'} is accepted)", name)
+    unknown = sorted(set(body) - _FIELDS - _SAMPLING - _IGNORED - _NEUTRAL.keys())
+    if unknown:
+        raise _error(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+    if body.get("input") is None:
+        raise _error('"input" is required: a string or an array of input items', "input")
+    instructions = requests.field(body, "instructions", (str,))
+    conversation = history + input_messages(body["input"])
+    system = [{"role": "system", "content": instructions}] if instructions is not None else []
+    chat = {"messages": system + conversation, "model": body.get("model"),
+            "max_tokens": body.get("max_output_tokens"),
+            "response_format": _response_format(body.get("text")),
+            "tools": _chat_tools(body.get("tools")),
+            "tool_choice": _chat_tool_choice(body.get("tool_choice")),
+            **{k: body[k] for k in ("temperature", "top_p", "parallel_tool_calls", *_SAMPLING) if k in body}}
+    return {k: v for k, v in chat.items() if v is not None}, conversation
+
+
+# -- the answer -------------------------------------------------------------------------------
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class Output:
+    """An answer's output items, built from its text as it arrives (through the tool-call
+    parser when the request parses calls), with the stream events that build them: one item
+    open at a time (a message, or a call), closed when the next opens or at the end. Calls the
+    parser abandons are closed "incomplete" and left out of the output."""
+
+    def __init__(self, parser: ToolCallParser | None):
+        self.parser = parser
+        self.items: list[dict] = []  # by output_index
+        self.events: list[tuple[str, dict]] = []
+        self._open: int | None = None  # the output index of the open item
+        self._text: list[str] = []  # the open message's text
+        self._calls: dict[int, int] = {}  # the parser's call index -> output index
+        self._dropped: set[int] = set()  # output indexes of abandoned calls
+
+    def feed(self, text: str) -> None:
+        if self.parser is None:
+            self._content(text)
+            return
+        self._parsed(self.parser.feed(text))
+
+    def finish(self, status: str) -> None:
+        """Closes the open item; `status` is the answer's: "completed" or "incomplete"."""
+        if self.parser is not None:
+            self._parsed(self.parser.finish())
+        if not self.items:  # an empty answer is still a message
+            self._content("", force=True)
+        self._close(status)
+
+    @property
+    def output(self) -> list[dict]:
+        return [item for i, item in enumerate(self.items) if i not in self._dropped]
+
+    @property
+    def text(self) -> str:
+        return "".join(part["text"] for item in self.output if item["type"] == "message"
+                       for part in item["content"])
+
+    def calls(self) -> list[dict]:
+        return [item for item in self.output if item["type"] == "function_call"]
+
+    def _parsed(self, delta) -> None:
+        for index in self.parser.abandoned:
+            at = self._calls.get(index)
+            if at is not None and at not in self._dropped:
+                self._dropped.add(at)
+                if at == self._open:
+                    self._close("incomplete")
+        self._content(delta.content)
+        for entry in delta.tool_calls:
+            self._call(entry)
+
+    def _emit(self, kind: str, **fields) -> None:
+        self.events.append((kind, fields))
+
+    def _content(self, text: str, force: bool = False) -> None:
+        if not text and not force:
+            return
+        if self._open is None or self.items[self._open]["type"] != "message":
+            self._close("completed")
+            self._open = len(self.items)
+            item = {"id": _new_id("msg"), "type": "message", "role": "assistant",
+                    "status": "in_progress", "content": []}
+            self.items.append(item)
+            self._emit("response.output_item.added", output_index=self._open, item=dict(item))
+            self._emit("response.content_part.added", item_id=item["id"], output_index=self._open,
+                       content_index=0, part=_part(""))
+            self._text = []
+        if text:
+            self._text.append(text)
+            self._emit("response.output_text.delta", item_id=self.items[self._open]["id"],
+                       output_index=self._open, content_index=0, delta=text, logprobs=[])
+
+    def _call(self, entry: dict) -> None:
+        fragment = entry["function"].get("arguments", "")
+        if "id" in entry:  # a header: a new call
+            self._close("completed")
+            self._open = self._calls[entry["index"]] = len(self.items)
+            item = {"id": _new_id("fc"), "type": "function_call", "status": "in_progress",
+                    "call_id": entry["id"], "name": entry["function"]["name"], "arguments": ""}
+            self.items.append(item)
+            self._emit("response.output_item.added", output_index=self._open, item=dict(item))
+        at = self._calls[entry["index"]]
+        if fragment and at not in self._dropped:
+            item = self.items[at]
+            item["arguments"] += fragment
+            self._emit("response.function_call_arguments.delta", item_id=item["id"],
+                       output_index=at, delta=fragment)
+
+    def _close(self, status: str) -> None:
+        at, self._open = self._open, None
+        if at is None:
+            return
+        item = self.items[at]
+        if at in self._dropped:
+            status = "incomplete"
+        elif item["type"] == "message":
+            text = "".join(self._text)
+            self._emit("response.output_text.done", item_id=item["id"], output_index=at,
+                       content_index=0, text=text, logprobs=[])
+            item["content"] = [_part(text)]
+            self._emit("response.content_part.done", item_id=item["id"], output_index=at,
+                       content_index=0, part=_part(text))
+        else:
+            self._emit("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                       name=item["name"], arguments=item["arguments"])
+        item["status"] = status
+        self._emit("response.output_item.done", output_index=at, item=dict(item))
+
+
+def _part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _usage(record: RequestRecord) -> dict:
+    usage = protocol.usage([[record]])
+    return {"input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                     "cache_write_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"]}
+
+
+def _assistant_turn(output: Output) -> dict:
+    """The answer as the assistant message a later turn (previous_response_id) sees."""
+    calls = [{"id": c["call_id"], "type": "function",
+              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in output.calls()]
+    message: dict[str, Any] = {"role": "assistant", "content": output.text}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+class ResponseStore:
+    """The most recent stored responses, bounded in count and in their conversations' size;
+    each is (the response object, its conversation as chat messages)."""
+
+    def __init__(self, capacity: int = STORE_RESPONSES, chars: int = STORE_CHARS):
+        self.capacity, self.chars = capacity, chars
+        self._entries: collections.OrderedDict[str, tuple[dict, list[dict], int]] = collections.OrderedDict()
+        self._size = 0
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        size = len(json.dumps(conversation)) + len(json.dumps(response))
+        self._entries[response["id"]] = (response, conversation, size)
+        self._size += size
+        while self._entries and (len(self._entries) > self.capacity or self._size > self.chars):
+            _, (_, _, dropped) = self._entries.popitem(last=False)
+            self._size -= dropped
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+        entry = self._entries.get(response_id)
+        if entry is None:
+            return None
+        self._entries.move_to_end(response_id)
+        return entry[0], entry[1]
+
+
+class ResponsesAPI:
+    def __init__(self, server: Server, store: ResponseStore | None = None):
+        self.server = server
+        self.store = store or ResponseStore()
+
+    def routes(self, route: Callable[[str, Any, list[str]], Route]) -> list[Route]:
+        return [route("/v1/responses", self.create, ["POST"]),
+                route("/v1/responses/{response_id}", self.retrieve, ["GET"])]
+
+    async def retrieve(self, request: Request) -> Response:
+        self.server._check(request)
+        response_id = request.path_params["response_id"]
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"Response with id '{response_id[:100]}' not found.",
+                           param="response_id", code="not_found")
+        return JSONResponse(stored[0])
+
+    async def create(self, request: Request) -> Response:
+        server = self.server
+        body = await server.read_body(request)
+        if not isinstance(body, dict):
+            raise _error("the request body must be a JSON object")
+        try:
+            previous = requests.field(body, "previous_response_id", (str,))
+            stream = requests.field(body, "stream", (bool,), False)
+            store = requests.field(body, "store", (bool,), True)
+            requests.field(body, "stream_options", (dict,))
+            history: list[dict] = []
+            if previous is not None:
+                stored = self.store.get(previous)
+                if stored is None:
+                    raise APIError(400, f"Previous response with id '{previous[:100]}' not found.",
+                                   param="previous_response_id", code="previous_response_not_found")
+                history = list(stored[1])
+            chat, conversation = chat_body(body, history)
+            parsed = protocol.parse(chat, True, server.defaults, server.config.max_n)
+        except SubmissionError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except APIError as e:
+            raise _renamed(e) from None
+        server.check_model(parsed.model)
+        request_id = server.request_id(request, "resp")
+        try:
+            groups = await server.submit(parsed, request_id)
+        except APIError as e:
+            raise _renamed(e) from None
+        run = _Run(self, body, parsed, conversation if store else None)
+        headers = {"X-Request-Id": request_id}
+        if stream:
+            return StreamingResponse(run.events(groups[0][0]), media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        record, = await server.collect(request, [groups[0][0]])
+        if record.finish_reason == "error":
+            raise APIError(500, f"generation failed: {record.error}", type="server_error")
+        output = run.output()
+        output.feed(record.text)
+        return JSONResponse(run.finish(output, record), headers=headers)
+
+
+class _Run:
+    """One response being made: its settings echoed, its output, its storing."""
+
+    def __init__(self, api: ResponsesAPI, body: dict, parsed: protocol.ParsedRequest,
+                 conversation: list[dict] | None):
+        self.api, self.parsed, self.conversation = api, parsed, conversation
+        self.id = _new_id("resp")
+        self.created = int(time.time())
+        sampling = parsed.params.sampling
+        text = body.get("text") or {}
+        self.settings = {
+            "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
+            "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
+            "text": {"format": text.get("format") or {"type": "text"},
+                     **({"verbosity": text["verbosity"]} if text.get("verbosity") else {})},
+            "previous_response_id": body.get("previous_response_id"),
+            "store": body.get("store") is not False, "metadata": body.get("metadata") or {},
+            "truncation": "disabled", "reasoning": body.get("reasoning"), "user": body.get("user"),
+            "background": False, "service_tier": body.get("service_tier"),
+            "prompt_cache_key": body.get("prompt_cache_key"),
+            "safety_identifier": body.get("safety_identifier"),
+        }
+
+    def output(self) -> Output:
+        tools = self.parsed.tools
+        return Output(ToolCallParser(tools.names) if tools is not None and tools.parses_calls else None)
+
+    def response(self, status: str, output: list[dict], usage: dict | None = None,
+                 error: dict | None = None) -> dict:
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {"id": self.id, "object": "response", "created_at": self.created,
+                "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
+                "status": status, "model": self.api.server.model_name, "output": output,
+                "usage": usage, "error": error, "incomplete_details": incomplete, **self.settings}
+
+    def finish(self, output: Output, record: RequestRecord) -> dict:
+        """The finished response (stored if asked): "incomplete" when cut off by the limit."""
+        status = "incomplete" if record.finish_reason == "length" else "completed"
+        output.finish(status)
+        response = self.response(status, output.output, _usage(record))
+        if self.conversation is not None:
+            self.api.store.put(response, [*self.conversation, _assistant_turn(output)])
+        return response
+
+    async def events(self, stream) -> AsyncIterator[str]:
+        from cadence.server.app import _merged  # (app imports this module)
+
+        seq = 0
+
+        def frames(events: list[tuple[str, dict]]) -> str:
+            nonlocal seq
+            out = []
+            for kind, fields in events:
+                out.append(f"event: {kind}\ndata: "
+                           f"{protocol._ENCODE({'type': kind, 'sequence_number': seq, **fields})}\n\n")
+                seq += 1
+            return "".join(out)
+
+        output = self.output()
+        start = self.response("in_progress", [])
+        yield frames([("response.created", {"response": start}),
+                      ("response.in_progress", {"response": start})])
+        try:
+            async for batch in _merged([stream]):
+                for _, event in batch:
+                    if isinstance(event, TokenEvent):
+                        output.feed(event.text)
+                        continue
+                    if event.finish_reason == "error":
+                        message = f"generation failed: {event.error}"
+                        error = {"code": "server_error", "message": message}
+                        output.events.append(("error", {"code": "server_error", "message": message,
+                                                        "param": None}))
+                        output.events.append(("response.failed", {"response": self.response(
+                            "failed", output.output, _usage(event), error)}))
+                    else:
+                        response = self.finish(output, event)
+                        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+                        output.events.append((kind, {"response": response}))
+                if output.events:
+                    events, output.events = output.events, []
+                    yield frames(events)
+        finally:
+            if stream.record is None:  # the client went away mid-stream
+                stream.cancel()

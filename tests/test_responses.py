@@ -1,0 +1,209 @@
+"""OpenAI's Responses API (`server/responses_api.py`) over loopback HTTP on the tiny model,
+driven by the official SDK: the same answer as the equivalent chat, typed stream events that
+the SDK's accumulator reads, structured output, forced function calls, tool results in the
+input, stored responses chained by previous_response_id, and 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pydantic
+import pytest
+
+from openai.types.responses import Response, ResponseStreamEvent
+
+from tests.conftest import serve_tiny
+
+MODEL = "tiny"
+TIMEOUT = httpx.Timeout(120.0, connect=5.0)
+EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
+# One integer property: cadence's tool section and the schema fit the tiny model's context.
+TOOL = {"type": "function", "name": "pt", "strict": True,
+        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+                       "additionalProperties": False}}
+
+
+class Pt(pydantic.BaseModel):
+    x: int
+
+
+@pytest.fixture(scope="module")
+def url(tiny_engine, tiny_tokenizer):
+    with serve_tiny(tiny_engine, tiny_tokenizer, MODEL) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def chat(client, messages, **kwargs):
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kwargs)
+
+
+def test_string_and_message_input_answer_as_the_equivalent_chat(client):
+    """At temperature 0 a response is the chat completion of the same conversation: same
+    prompt tokens, same text; cut off by max_output_tokens it is "incomplete"."""
+    limits = dict(extra_body={"ignore_eos": True})
+    answer = client.responses.create(model=MODEL, input="Hello there", max_output_tokens=6,
+                                     temperature=0, **limits)
+    expected = chat(client, [{"role": "user", "content": "Hello there"}], max_tokens=6, **limits)
+    raw = httpx.post(f"{client.base_url}responses", json={"model": MODEL, "input": "Hello there",
+                                                          "max_output_tokens": 1}, timeout=TIMEOUT)
+    Response.model_validate(raw.json(), strict=True)  # every field OpenAI's Response requires
+    assert answer.id.startswith("resp_") and answer.object == "response" and answer.model == MODEL
+    assert answer.output_text == expected.choices[0].message.content
+    assert answer.usage.input_tokens == expected.usage.prompt_tokens
+    assert answer.usage.output_tokens == 6 and answer.usage.total_tokens == answer.usage.input_tokens + 6
+    assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
+    (message,) = answer.output
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert answer.max_output_tokens == 6 and answer.temperature == 0 and answer.truncation == "disabled"
+
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"},
+                                                             {"type": "input_text", "text": "there"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+             {"role": "user", "content": "Again"}]
+    answer = client.responses.create(model=MODEL, instructions="You are terse.", input=items,
+                                     max_output_tokens=5, temperature=0, **limits)
+    expected = chat(client, [{"role": "system", "content": "You are terse."},
+                             {"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "Hi\nthere"},
+                             {"role": "assistant", "content": "Hello."},
+                             {"role": "user", "content": "Again"}], max_tokens=5, **limits)
+    assert answer.output_text == expected.choices[0].message.content
+    assert answer.usage.input_tokens == expected.usage.prompt_tokens
+    assert answer.instructions == "You are terse."
+
+
+def test_streamed_events_build_the_same_answer(client):
+    kwargs = dict(model=MODEL, input="Tell me", max_output_tokens=6, temperature=0,
+                  extra_body={"ignore_eos": True}, store=False)
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    for event in events:  # every field OpenAI's event types require, strictly
+        EVENT.validate_python(event.model_dump(mode="json", exclude_unset=True))
+    kinds = [e.type for e in events]
+    assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", "response.output_text.delta"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in deltas) == whole.output_text
+    assert all(e.item_id == deltas[0].item_id and e.output_index == 0 and e.content_index == 0 for e in deltas)
+    final = events[-1].response
+    assert final.output_text == whole.output_text and final.status == "incomplete"
+    assert final.usage.output_tokens == 6 and final.id == events[0].response.id
+
+
+def test_json_schema_format_parses_and_streams(client):
+    """`text_format` (text.format json_schema, strict) through the SDK's parse and its stream
+    helper: the answer validates, and the helper's final response is the whole one."""
+    kwargs = dict(model=MODEL, input="A point.", text_format=Pt, max_output_tokens=60, temperature=0)
+    whole = client.responses.parse(**kwargs)
+    assert whole.status == "completed", whole.output_text
+    assert isinstance(whole.output_parsed, Pt)
+    assert whole.text.format.type == "json_schema" and whole.text.format.name == "Pt"
+    with client.responses.stream(**kwargs) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[-1] == "response.completed"
+    assert final.output_text == whole.output_text and final.output_parsed == whole.output_parsed
+
+    answer = client.responses.create(model=MODEL, input="Any JSON.", text={"format": {"type": "json_object"}},
+                                     max_output_tokens=60, temperature=0)
+    if answer.status == "completed":
+        json.loads(answer.output_text)
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_forced_function_tool_returns_function_call_items(client, choice):
+    tool_choice = "required" if choice == "required" else {"type": "function", "name": "pt"}
+    kwargs = dict(model=MODEL, input="Go", tools=[TOOL], tool_choice=tool_choice,
+                  parallel_tool_calls=False, max_output_tokens=80, temperature=0)
+    answer = client.responses.create(**kwargs)
+    assert answer.status == "completed", answer.output
+    (call,) = answer.output
+    assert call.type == "function_call" and call.name == "pt" and call.status == "completed"
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+    Pt.model_validate_json(call.arguments)
+    assert answer.tools[0].name == "pt" and answer.parallel_tool_calls is False
+    if choice == "required":
+        with client.responses.stream(**kwargs) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+        (streamed,) = final.output
+        assert streamed.arguments == call.arguments and streamed.call_id != call.call_id
+        assert streamed.parsed_arguments == json.loads(call.arguments)  # (strict: the SDK parses)
+        kinds = [e.type for e in events]
+        assert kinds[2] == "response.output_item.added" and "response.function_call_arguments.delta" in kinds
+        assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
+                              "response.completed"]
+        assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") \
+            == call.arguments
+
+
+def test_function_call_and_its_output_in_the_input_are_rendered(client, url):
+    """A call and its result given back as input items are the chat's assistant tool_calls and
+    tool turn: the same prompt, holding the result."""
+    items = [{"role": "user", "content": "Where?"},
+             {"type": "function_call", "call_id": "call_1", "name": "pt", "arguments": '{"x": 1}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "RESULT-42"}]
+    answer = client.responses.create(model=MODEL, input=items, max_output_tokens=2, temperature=0,
+                                     store=False)  # (no tools: their section would fill the context)
+    messages = [{"role": "user", "content": "Where?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "pt", "arguments": '{"x": 1}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "RESULT-42"}]
+    tokens = httpx.post(f"{url}/tokenize", json={"messages": messages, "return_token_strs": True}, timeout=TIMEOUT).json()
+    assert "RESULT-42" in "".join(tokens["token_strs"])
+    assert answer.usage.input_tokens == tokens["count"]
+
+
+def test_previous_response_id_chains_stored_responses(client):
+    first = client.responses.create(model=MODEL, input="One", max_output_tokens=3, temperature=0)
+    second = client.responses.create(model=MODEL, input="Two", max_output_tokens=3, temperature=0,
+                                     previous_response_id=first.id)
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
+    assert refused.value.body["param"] == "previous_response_id"
+    unstored = client.responses.create(model=MODEL, input="One", max_output_tokens=1, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"input": "x", "frobnicate": 1}, "frobnicate", "unrecognized"),
+    ({}, "input", "required"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "input_image"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "reasoning"),
+    ({"input": [{"role": "critic", "content": "x"}]}, "input", "role"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "web_search"),
+    ({"input": "x", "background": True}, "background", "background"),
+    ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "include"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format", "text.format"),
+    ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice", "tool_choice"),
+    ({"input": "x", "previous_response_id": 5}, "previous_response_id", "previous_response_id"),
+])
+def test_bad_requests_are_400s_naming_the_field(url, body, param, words):
+    response = httpx.post(f"{url}/v1/responses", json={"model": MODEL, **body}, timeout=TIMEOUT)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_harmless_fields_are_accepted(client):
+    answer = client.responses.create(
+        model=MODEL, input="x", max_output_tokens=1, metadata={"k": "v"}, user="u", store=False,
+        prompt_cache_key="k", safety_identifier="s", reasoning={"effort": "low"}, truncation="disabled")
+    assert answer.metadata == {"k": "v"} and answer.usage.output_tokens <= 1
