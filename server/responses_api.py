@@ -65,23 +65,24 @@ _FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "tem
 # cadence's own sampling fields, passed to the chat request as they are (max_tokens is
 # max_output_tokens here).
 _SAMPLING = frozenset(requests.SAMPLING_FIELDS) - {"max_tokens"}
-# Accepted and ignored: they change nothing cadence does (`reasoning`: cadence serves no
-# reasoning model; `metadata` is echoed).
-_IGNORED = frozenset({"metadata", "user", "prompt_cache_key", "safety_identifier", "service_tier",
-                      "reasoning", "prompt_cache_retention"})
+# Accepted (of these types) and ignored: they change nothing cadence does (`reasoning`: cadence
+# serves no reasoning model; `metadata` is echoed).
+_IGNORED: dict[str, type] = {"metadata": dict, "user": str, "prompt_cache_key": str,
+                             "safety_identifier": str, "service_tier": str, "reasoning": dict,
+                             "prompt_cache_retention": str}
 # Would change the answer; accepted only at their neutral values.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "background": (False,), "truncation": ("disabled",), "include": ([],), "prompt": (),
     "conversation": (), "max_tool_calls": (), "top_logprobs": (0,), "context_management": (),
 }
+_ALLOWED = _FIELDS | _SAMPLING | _IGNORED.keys() | _NEUTRAL.keys()
 # A chat error's field, as the Responses request names it.
 _PARAM = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+# An item's fields besides those checked by name: an earlier output's items and parts have these.
+_PART_FIELDS = {"type": str, "text": str, "annotations": list, "logprobs": list}
+_ITEM_FIELDS = {"type": str, "id": str, "status": str}
 _MESSAGE_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text")
-
-
-def _same(value: Any, neutral: Any) -> bool:
-    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
 
 
 def _error(message: str, param: str | None = None) -> APIError:
@@ -114,14 +115,19 @@ def _text_parts(content: Any, where: str, kinds: tuple[str, ...] = _TEXT_PARTS) 
             raise _error(f"{where}.content[{j}]: parts of type {str(kind)[:40]!r} are not supported "
                          f"(cadence serves text: {', '.join(kinds)} parts with a \"text\" string)",
                          "input")
+        _check_keys(part, _PART_FIELDS, f"{where}.content[{j}]")
         parts.append({"type": "text", "text": part["text"]})
     return parts
 
 
-def _check_keys(item: dict, allowed: set[str], where: str) -> None:
-    unknown = sorted(set(item) - allowed)
+def _check_keys(item: dict, allowed: dict[str, type], where: str) -> None:
+    """No fields but `allowed`'s, each of its type (the required ones are checked by name)."""
+    unknown = sorted(set(item) - allowed.keys())
     if unknown:
         raise _error(f"{where} has unknown field(s) {', '.join(unknown)}", "input")
+    wrong = next((k for k, kind in allowed.items() if k in item and not isinstance(item[k], kind)), None)
+    if wrong is not None:
+        raise _error(f"{where}.{wrong} must be {requests._TYPE_NAMES[allowed[wrong]]}", "input")
 
 
 def input_messages(items: Any) -> list[dict]:
@@ -137,14 +143,15 @@ def input_messages(items: Any) -> list[dict]:
             raise _error(f"{where} must be an object (an input item)", "input")
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            _check_keys(item, {"type", "role", "content", "id", "status", "phase"}, where)
-            role = _MESSAGE_ROLES.get(item.get("role"))
+            _check_keys(item, {**_ITEM_FIELDS, "role": object, "content": object, "phase": str}, where)
+            role = item.get("role")
+            role = _MESSAGE_ROLES.get(role) if isinstance(role, str) else None
             if role is None:
                 raise _error(f"{where}.role must be one of {', '.join(_MESSAGE_ROLES)}, got "
                              f"{str(item.get('role'))[:40]!r}", "input")
             messages.append({"role": role, "content": _text_parts(item.get("content"), where)})
         elif kind == "function_call":
-            _check_keys(item, {"type", "call_id", "name", "arguments", "id", "status"}, where)
+            _check_keys(item, {**_ITEM_FIELDS, "call_id": str, "name": str, "arguments": str}, where)
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise _error(f'{where} (function_call) needs "call_id", "name" and "arguments" strings',
                              "input")
@@ -156,7 +163,7 @@ def input_messages(items: Any) -> list[dict]:
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            _check_keys(item, {"type", "call_id", "output", "id", "status"}, where)
+            _check_keys(item, {**_ITEM_FIELDS, "call_id": str, "output": object}, where)
             if not isinstance(item.get("call_id"), str):
                 raise _error(f'{where} (function_call_output) needs a "call_id" string', "input")
             output = _text_parts(item.get("output"), where, ("input_text",))
@@ -200,8 +207,9 @@ def _response_format(text: Any) -> dict | None:
     """`text` ({"format": ..., "verbosity": ...}) as chat's response_format."""
     if text is None:
         return None
-    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
-        raise _error('"text" must be an object with "format" (and "verbosity")', "text")
+    if (not isinstance(text, dict) or set(text) - {"format", "verbosity"}
+            or not isinstance(text.get("verbosity", ""), (str, type(None)))):
+        raise _error('"text" must be an object with "format" (and "verbosity", a string)', "text")
     fmt = text.get("format")
     if fmt is None:
         return None
@@ -214,15 +222,15 @@ def _response_format(text: Any) -> dict | None:
 
 
 def chat_body(body: dict, history: list[dict]) -> tuple[dict, list[dict]]:
-    """A Responses body (checked for unknown and unsupported fields) as a chat body, and the
-    conversation it continues with (history, then its input: what a stored response keeps)."""
+    """A Responses body (of known fields: `_ALLOWED`; checked here for unsupported ones) as a
+    chat body, and the conversation it continues with (history, then its input: what a stored
+    response keeps)."""
     for name, neutral in _NEUTRAL.items():
-        if body.get(name) is not None and not any(_same(body[name], n) for n in neutral):
+        if body.get(name) is not None and not any(protocol._same(body[name], n) for n in neutral):
             raise _error(f'"{name}" is not supported by cadence (only its neutral value '
                          f"{', '.join(map(json.dumps, neutral)) or 'null'} is accepted)", name)
-    unknown = sorted(set(body) - _FIELDS - _SAMPLING - _IGNORED - _NEUTRAL.keys())
-    if unknown:
-        raise _error(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+    for name, kind in _IGNORED.items():
+        requests.field(body, name, (kind,))
     if body.get("input") is None:
         raise _error('"input" is required: a string or an array of input items', "input")
     instructions = requests.field(body, "instructions", (str,))
@@ -424,9 +432,8 @@ class ResponsesAPI:
     async def create(self, request: Request) -> Response:
         server = self.server
         body = await server.read_body(request)
-        if not isinstance(body, dict):
-            raise _error("the request body must be a JSON object")
         try:
+            protocol._known(body, _ALLOWED)
             previous = requests.field(body, "previous_response_id", (str,))
             stream = requests.field(body, "stream", (bool,), False)
             store = requests.field(body, "store", (bool,), True)

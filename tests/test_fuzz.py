@@ -229,6 +229,28 @@ def sse_problems(body: bytes) -> list[str]:
     return problems
 
 
+def event_stream_problems(body: bytes) -> list[str]:
+    """A Responses API stream: `event: <type>` + `data: <event>` frames, sequence numbers from 0,
+    ending with the whole response, completed or incomplete (no [DONE])."""
+    frames = body.split(b"\n\n")
+    if frames[-1] != b"" or len(frames) < 2:
+        return ["a Responses stream that does not end with a whole frame"]
+    last = None
+    for i, frame in enumerate(frames[:-1]):
+        head, _, data = frame.partition(b"\ndata: ")
+        try:
+            event = json.loads(data)
+        except ValueError:
+            return [f"an SSE frame that is not an event and JSON data {frame[:120]!r}"]
+        if (not head.startswith(b"event: ") or head[len(b"event: "):].decode() != event.get("type")
+                or event.get("sequence_number") != i):
+            return [f"a malformed Responses event frame (#{i}) {frame[:160]!r}"]
+        last = event["type"]
+    if last not in ("response.completed", "response.incomplete"):
+        return [f"a 200 Responses stream that ended with {last!r}: {frames[-2][:300]!r}"]
+    return []
+
+
 class FuzzFailure(AssertionError):
     """A broken invariant. Subclasses name the class of failure, so that hypothesis reports
     each distinct class separately instead of only the first one it shrinks."""
@@ -274,7 +296,8 @@ def response_problems(exchange: Exchange) -> list[tuple[type[FuzzFailure], str]]
             problems.append((NotOpenAIError, f"a 4xx with content-type {content_type!r}, not application/json"))
         return problems
     if status == 200 and content_type.startswith("text/event-stream"):
-        return [(BrokenStream, p) for p in sse_problems(exchange.body)]
+        problems = (event_stream_problems if exchange.path.startswith("/v1/responses") else sse_problems)
+        return [(BrokenStream, p) for p in problems(exchange.body)]
     return []
 
 
@@ -302,11 +325,13 @@ def keep_short(case, data) -> None:
     body = case.body
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if key in body:
             body[key] = _fold(body[key])
     if case.path == "/v1/chat/completions" and "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = data.draw(st.integers(1, MAX_FUZZ_TOKENS), label="max_tokens added")
+    if case.path == "/v1/responses" and "max_output_tokens" not in body:
+        body["max_output_tokens"] = data.draw(st.integers(1, MAX_FUZZ_TOKENS), label="max_output_tokens added")
     if isinstance(body.get("model"), str) and data.draw(st.integers(0, 4), label="keep drawn model") > 0:
         body["model"] = MODEL
 
@@ -328,6 +353,9 @@ CASES = [  # (path, method, mode, examples); operations without inputs have no n
     ("/v1/completions", "POST", NEGATIVE, 150),
     ("/v1/chat/completions", "POST", POSITIVE, 200),
     ("/v1/chat/completions", "POST", NEGATIVE, 150),
+    ("/v1/responses", "POST", POSITIVE, 100),
+    ("/v1/responses", "POST", NEGATIVE, 100),
+    ("/v1/responses/{response_id}", "GET", POSITIVE, 5),
     ("/v1/models", "GET", POSITIVE, 5),
     ("/health", "GET", POSITIVE, 5),
     ("/metrics", "GET", POSITIVE, 5),
