@@ -11,15 +11,17 @@
 //                            once while 1-4 rows accumulate in registers.
 //   cadence_cpu_blocked_matmul_int8   the same over int8 blocks, widened in registers, with a
 //                            float scale per output column: a quarter of the bytes to read.
-//   cadence_cpu_grouped_matmul_q8 / _q4   the same over weights quantized in groups of 32
-//                            k-rows, as GGUF's Q8_0 / Q4_0 / Q4_1 blocks store them: each group
-//                            of a block is one record (its 16 float16 scales, for q4 its 16
-//                            float16 minimums, then its 32 k-rows of int8 or of 4-bit codes), so
-//                            a block is still one contiguous run. Each k-row's codes are widened
+//   cadence_cpu_grouped_matmul_<format>   the same over weights quantized in groups of
+//                            k-rows, as GGUF's blocks store them: q8 / q4 / q5 (Q8_0, Q4_0 and
+//                            Q4_1, Q5_0: 32 k-rows) and q4k / q5k / q6k (the K-quants Q4_K,
+//                            Q5_K, Q6_K: super-blocks of 256). A block's record per 32 or 256
+//                            k-rows holds its 16 columns' scales (and minimums) and codes, so a
+//                            block is still one contiguous run. Each k-row's codes are widened
 //                            to floats in registers and summed against x, and each group's sums
-//                            are scaled once (q4: plus min * the group's sum of x): the float32
+//                            are scaled once (plus min * the group's sum of x): the float32
 //                            kernel's numbers over the dequantized weights, summed in another
-//                            order. With AVX-512 where the CPU has it, to the same bits.
+//                            order. One tile per ISA, a template over the format; with AVX-512
+//                            where the CPU has it, to the same bits.
 //   cadence_cpu_paged_decode     one query token per row over its pages of a paged KV pool,
 //                            online softmax in float32, keys 0..position of the row.
 //
@@ -283,20 +285,142 @@ ffi::Error BlockedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
 // ---------------------------------------------------------------------------------------------
 // Grouped (block-quantized) matmul.
 //
-// A block of 16 output columns is K / 32 records, one per group of 32 k-rows:
-//   q8: scale f16[16], then q int8[32][16]                       (w = q * scale)
-//   q4: scale f16[16], min f16[16], then codes u8[16][16]        (w = q * scale + min)
-// where q4's byte (j, c) holds column c of k-row 2j in its low nibble and of k-row 2j + 1 in
-// its high nibble. model/cpu_kernels.py packs them (`pack_grouped`).
+// A block of 16 output columns is a run of records, one per F::kRows k-rows (32 for GGUF's
+// 32-weight formats, 256 for its K-quants' super-blocks). Within a record, each group of
+// F::kGroupRows k-rows has one scale per column (and for some formats one minimum). The
+// record layouts, by format (model/cpu_kernels.py packs them, `pack_grouped`):
+//   q8  (Q8_0)  scale f16[16], q int8[32][16]                               w = q * scale
+//   q4  (Q4_x)  scale f16[16], min f16[16], pairs u8[16][16]                 w = q * scale + min
+//   q5  (Q5_0)  scale f16[16], high u8[4][16], pairs u8[16][16]              w = (q - 16) * scale
+//   q4k (Q4_K)  d f16[16], dmin f16[16], sc u8[8][16], m u8[8][16], pairs u8[128][16]
+//                                                          w = (d * sc) * q - (dmin * m)
+//   q5k (Q5_K)  as q4k, with high u8[32][16] before the pairs               (5-bit q)
+//   q6k (Q6_K)  d f16[16], sc int8[16][16], high u8[64][16], pairs u8[128][16]
+//                                                          w = (d * sc) * (q - 32), 16-row groups
+// where a pairs byte (j, c) holds column c's low 4 bits of k-row 2j in its low nibble and of
+// k-row 2j + 1 in its high nibble, and a high byte (i, c) holds the code's remaining bits of
+// 8 / b consecutive k-rows from i * 8 / b, b bits each from its lowest (b = 1, or 2 for q6k).
+// Every scale and minimum is a float32 product of integers and a float16 that is exact, as
+// GGUF's dequantizer computes it, so the kernel's sums are of the file's own values.
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kQ8Record = 2 * kBlock + kGroup * kBlock;          // 544 bytes
-constexpr int64_t kQ4Record = 4 * kBlock + kGroup * kBlock / 2;      // 320 bytes
+constexpr int64_t kGroup = 32;            // k-rows per group sum of x (the minimums')
 constexpr int64_t kPrefetchBytes = 4096;  // a single pass prefetches this far ahead
 
-inline __m256 half8(const uint8_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+inline __m256 half8(const uint8_t* p) { return _mm256_cvtph_ps(load16(p)); }
+
+inline __m256 u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+
+inline __m256 i8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The 16 bytes at p as two k-rows of 4-bit codes: the low nibbles and the high ones.
+inline void nibbles(const uint8_t* p, __m128i& even, __m128i& odd) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m128i bytes = load16(p);
+  even = _mm_and_si128(bytes, low4);
+  odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+}
+
+// k-rows [k, k + 8 / kBits) of codes split into nibble pairs and a plane of kBits high bits a
+// k-row, as int8: low | high << 4, less kOffset. The plane's byte is shifted right kBits a
+// k-row, so its lowest bits are the next k-row's (16-bit shifts: the bits that cross into the
+// neighbouring byte are masked off).
+template <int kBits, int kOffset>
+inline void split_codes(const uint8_t* pairs, const uint8_t* high, int64_t k, __m128i* q) {
+  constexpr int kPerByte = 8 / kBits;
+  const __m128i mask = _mm_set1_epi8(static_cast<char>(((1 << kBits) - 1) << 4));
+  __m128i h = load16(high + k / kPerByte * kBlock);
+  for (int j = 0; j < kPerByte; j += 2) {
+    __m128i even, odd;
+    nibbles(pairs + (k + j) / 2 * kBlock, even, odd);
+    q[j] = _mm_or_si128(even, _mm_and_si128(_mm_slli_epi16(h, 4), mask));
+    h = _mm_srli_epi16(h, kBits);
+    q[j + 1] = _mm_or_si128(odd, _mm_and_si128(_mm_slli_epi16(h, 4), mask));
+    h = _mm_srli_epi16(h, kBits);
+  }
+  if constexpr (kOffset != 0) {
+    for (int j = 0; j < kPerByte; ++j) q[j] = _mm_sub_epi8(q[j], _mm_set1_epi8(kOffset));
+  }
+}
+
+// The formats, as the tiles read them: a record's kRows k-rows, in groups of kGroupRows;
+// codes(record, k, q) gives k-rows [k, k + kStep) of the record as 16 int8 codes each, and
+// scale / minimum (where kMin) group g's 16 float32 multipliers / terms.
+struct Q8 {
+  static constexpr int64_t kRows = 32, kGroupRows = 32, kStep = 1, kRecord = 2 * kBlock + 32 * kBlock;
+  static constexpr bool kMin = false;
+  static void codes(const uint8_t* r, int64_t k, __m128i* q) { q[0] = load16(r + 2 * kBlock + k * kBlock); }
+  static void scale(const uint8_t* r, int64_t, __m256& s0, __m256& s1) { s0 = half8(r); s1 = half8(r + 16); }
+  static void minimum(const uint8_t*, int64_t, __m256&, __m256&) {}
+};
+
+struct Q4 {
+  static constexpr int64_t kRows = 32, kGroupRows = 32, kStep = 2, kRecord = 4 * kBlock + 16 * kBlock;
+  static constexpr bool kMin = true;
+  static void codes(const uint8_t* r, int64_t k, __m128i* q) { nibbles(r + 4 * kBlock + k / 2 * kBlock, q[0], q[1]); }
+  static void scale(const uint8_t* r, int64_t, __m256& s0, __m256& s1) { s0 = half8(r); s1 = half8(r + 16); }
+  static void minimum(const uint8_t* r, int64_t, __m256& m0, __m256& m1) { m0 = half8(r + 32); m1 = half8(r + 48); }
+};
+
+struct Q5 {
+  static constexpr int64_t kRows = 32, kGroupRows = 32, kStep = 8, kHigh = 2 * kBlock;
+  static constexpr int64_t kPairs = kHigh + 4 * kBlock, kRecord = kPairs + 16 * kBlock;
+  static constexpr bool kMin = false;
+  static void codes(const uint8_t* r, int64_t k, __m128i* q) { split_codes<1, 16>(r + kPairs, r + kHigh, k, q); }
+  static void scale(const uint8_t* r, int64_t, __m256& s0, __m256& s1) { s0 = half8(r); s1 = half8(r + 16); }
+  static void minimum(const uint8_t*, int64_t, __m256&, __m256&) {}
+};
+
+// Q4_K and Q5_K: 8 groups of 32 k-rows, 6-bit scales and minimums (a byte each here) of the
+// super-block's d and dmin.
+template <bool kFive>
+struct QK {
+  static constexpr int64_t kRows = 256, kGroupRows = 32, kStep = kFive ? 8 : 2;
+  static constexpr int64_t kSc = 4 * kBlock, kM = kSc + 8 * kBlock, kHigh = kM + 8 * kBlock;
+  static constexpr int64_t kPairs = kHigh + (kFive ? 32 * kBlock : 0), kRecord = kPairs + 128 * kBlock;
+  static constexpr bool kMin = true;
+  static void codes(const uint8_t* r, int64_t k, __m128i* q) {
+    if constexpr (kFive) {
+      split_codes<1, 0>(r + kPairs, r + kHigh, k, q);
+    } else {
+      nibbles(r + kPairs + k / 2 * kBlock, q[0], q[1]);
+    }
+  }
+  static void scale(const uint8_t* r, int64_t g, __m256& s0, __m256& s1) {
+    const uint8_t* sc = r + kSc + g * kBlock;
+    s0 = _mm256_mul_ps(half8(r), u8x8(sc));
+    s1 = _mm256_mul_ps(half8(r + 16), u8x8(sc + 8));
+  }
+  static void minimum(const uint8_t* r, int64_t g, __m256& m0, __m256& m1) {  // -(dmin * m)
+    const uint8_t* m = r + kM + g * kBlock;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    m0 = _mm256_xor_ps(_mm256_mul_ps(half8(r + 32), u8x8(m)), sign);
+    m1 = _mm256_xor_ps(_mm256_mul_ps(half8(r + 48), u8x8(m + 8)), sign);
+  }
+};
+
+// Q6_K: 16 groups of 16 k-rows, int8 scales of the super-block's d.
+struct Q6K {
+  static constexpr int64_t kRows = 256, kGroupRows = 16, kStep = 4;
+  static constexpr int64_t kSc = 2 * kBlock, kHigh = kSc + 16 * kBlock, kPairs = kHigh + 64 * kBlock;
+  static constexpr int64_t kRecord = kPairs + 128 * kBlock;
+  static constexpr bool kMin = false;
+  static void codes(const uint8_t* r, int64_t k, __m128i* q) { split_codes<2, 32>(r + kPairs, r + kHigh, k, q); }
+  static void scale(const uint8_t* r, int64_t g, __m256& s0, __m256& s1) {
+    const uint8_t* sc = r + kSc + g * kBlock;
+    s0 = _mm256_mul_ps(half8(r), i8x8(sc));
+    s1 = _mm256_mul_ps(half8(r + 16), i8x8(sc + 8));
+  }
+  static void minimum(const uint8_t*, int64_t, __m256&, __m256&) {}
+};
+
+static_assert(Q8::kRecord == 544 && Q4::kRecord == 320 && Q5::kRecord == 352);
+static_assert(QK<false>::kRecord == 2368 && QK<true>::kRecord == 2880 && Q6K::kRecord == 3360);
 
 // acc[m] += x[m][k] * w for the 16 weights w0, w1 of one k-row.
 template <int MR>
@@ -308,62 +432,57 @@ inline void fma_row(__m256 (&acc)[MR][2], const float* x, int64_t K, __m256 w0, 
   }
 }
 
-// 16 4-bit codes (one per byte of `codes`), or 16 int8, as two 8-lane float vectors.
-inline void widen4(__m128i codes, __m256& q0, __m256& q1) {
-  q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
-  q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
+// Prefetches group g's share of the record at byte `at` of the block's run (see matmul_tile:
+// here counted in bytes of the run rather than k-rows).
+template <class F>
+inline void prefetch_group(uintptr_t ahead, uint64_t start, uint64_t share, int64_t at, int64_t g) {
+  constexpr int64_t groups = F::kRows / F::kGroupRows;
+  for (int64_t line = g * F::kRecord / groups; line < (g + 1) * F::kRecord / groups; line += 64) {
+    const uint64_t row = ((start + at + line) * share) >> 32;
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + row), _MM_HINT_T0);
+  }
 }
 
-// Rows [0, MR) of x against one block of records (see matmul_tile for the prefetch, here
-// counted in bytes of the run rather than k-rows). The scales are factored out of each group:
-// its sums over the integer codes, sum_k x[k] q[k] (exact products), are scaled once, and
-// q4's minimum adds min * sum_k x[k] (`xsum` [MR][K / 32], the group sums of x). One FMA per
+// Rows [0, MR) of x against one block of records. The scales are factored out of each group:
+// its sums over the integer codes, sum_k x[k] q[k] (exact products), are scaled once, and a
+// minimum adds min * sum_k x[k] (`xsum` [MR][K / 32], the group sums of x). One FMA per
 // weight and row instead of a dequantizing FMA per weight on top: decode on one core is
 // bound by these instructions, not by the bytes.
-template <int MR, bool kQ4>
+template <int MR, class F>
 inline void grouped_tile(const float* x, const float* xsum, int64_t K, const uint8_t* w, float* y,
                          int64_t N, uintptr_t ahead, uint64_t start, uint64_t share) {
-  constexpr int64_t record = kQ4 ? kQ4Record : kQ8Record;
-  const int64_t groups = K / kGroup;
+  const int64_t records = K / F::kRows, xgroups = K / kGroup;
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  for (int64_t g = 0; g < groups; ++g, w += record) {
-    for (int64_t line = 0; line < record; line += 64) {
-      const uint64_t at = ((start + g * record + line) * share) >> 32;
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
-    }
-    const float* xg = x + g * kGroup;
-    __m256 sums[MR][2];
-    for (int m = 0; m < MR; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_ps();
-    __m256 q0, q1;
-    if constexpr (kQ4) {
-      const uint8_t* q = w + 4 * kBlock;
-      for (int64_t k = 0; k < kGroup; k += 2, q += kBlock) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-        widen4(_mm_and_si128(bytes, low4), q0, q1);
-        fma_row<MR>(sums, xg + k, K, q0, q1);
-        widen4(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), q0, q1);
-        fma_row<MR>(sums, xg + k + 1, K, q0, q1);
+  for (int64_t r = 0; r < records; ++r, w += F::kRecord) {
+    for (int64_t g = 0; g < F::kRows / F::kGroupRows; ++g) {
+      prefetch_group<F>(ahead, start, share, r * F::kRecord, g);
+      const int64_t k0 = r * F::kRows + g * F::kGroupRows;
+      __m256 sums[MR][2];
+      for (int m = 0; m < MR; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < F::kGroupRows; k += F::kStep) {
+        __m128i q[F::kStep];
+        F::codes(w, g * F::kGroupRows + k, q);
+        for (int s = 0; s < F::kStep; ++s) {
+          const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q[s]));
+          const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q[s], 8)));
+          fma_row<MR>(sums, x + k0 + k + s, K, q0, q1);
+        }
       }
-    } else {
-      const int8_t* q = reinterpret_cast<const int8_t*>(w + 2 * kBlock);
-      for (int64_t k = 0; k < kGroup; ++k, q += kBlock) {
-        load_row(q, q0, q1);
-        fma_row<MR>(sums, xg + k, K, q0, q1);
-      }
-    }
-    const __m256 s0 = half8(w), s1 = half8(w + 16);
-    for (int m = 0; m < MR; ++m) {
-      acc[m][0] = _mm256_fmadd_ps(sums[m][0], s0, acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(sums[m][1], s1, acc[m][1]);
-    }
-    if constexpr (kQ4) {
-      const __m256 m0 = half8(w + 32), m1 = half8(w + 48);
+      __m256 s0, s1;
+      F::scale(w, g, s0, s1);
       for (int m = 0; m < MR; ++m) {
-        const __m256 xs = _mm256_broadcast_ss(xsum + m * groups + g);
-        acc[m][0] = _mm256_fmadd_ps(xs, m0, acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(xs, m1, acc[m][1]);
+        acc[m][0] = _mm256_fmadd_ps(sums[m][0], s0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(sums[m][1], s1, acc[m][1]);
+      }
+      if constexpr (F::kMin) {
+        __m256 m0, m1;
+        F::minimum(w, g, m0, m1);
+        for (int m = 0; m < MR; ++m) {
+          const __m256 xs = _mm256_broadcast_ss(xsum + m * xgroups + k0 / kGroup);
+          acc[m][0] = _mm256_fmadd_ps(xs, m0, acc[m][0]);
+          acc[m][1] = _mm256_fmadd_ps(xs, m1, acc[m][1]);
+        }
       }
     }
   }
@@ -376,7 +495,8 @@ inline void grouped_tile(const float* x, const float* xsum, int64_t K, const uin
 // The same tile with AVX-512, where the CPU has it (`GroupedMatmul` picks at run time): a
 // block's 16 columns are one 16-lane register, so each k-row is one widening, one conversion
 // and one FMA per row where AVX2 needs two of each. Every lane computes what the AVX2 lane of
-// its column computes, in the same order: the results are the same bits.
+// its column computes, in the same order: the results are the same bits. The formats' codes,
+// scales and minimums are the AVX2 ones (16 bytes, two 8-lane vectors), joined.
 #define CADENCE_AVX512 __attribute__((target("avx512f")))
 
 template <int MR>
@@ -384,43 +504,43 @@ CADENCE_AVX512 inline void fma_rows512(__m512 (&sums)[MR], int64_t K, const floa
   for (int m = 0; m < MR; ++m) sums[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K]), q, sums[m]);
 }
 
-template <int MR, bool kQ4>
+CADENCE_AVX512 inline __m512 join512(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+                                             _mm256_castps_pd(hi), 1));
+}
+
+template <int MR, class F>
 CADENCE_AVX512 inline void grouped_tile512(const float* x, const float* xsum, int64_t K,
                                            const uint8_t* w, float* y, int64_t N, uintptr_t ahead,
                                            uint64_t start, uint64_t share) {
-  constexpr int64_t record = kQ4 ? kQ4Record : kQ8Record;
-  const int64_t groups = K / kGroup;
+  const int64_t records = K / F::kRows, xgroups = K / kGroup;
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  for (int64_t g = 0; g < groups; ++g, w += record) {
-    for (int64_t line = 0; line < record; line += 64) {
-      const uint64_t at = ((start + g * record + line) * share) >> 32;
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
-    }
-    const float* xg = x + g * kGroup;
-    __m512 sums[MR];
-    for (int m = 0; m < MR; ++m) sums[m] = _mm512_setzero_ps();
-    if constexpr (kQ4) {
-      const uint8_t* q = w + 4 * kBlock;
-      for (int64_t k = 0; k < kGroup; k += 2, q += kBlock) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-        fma_rows512<MR>(sums, K, xg + k, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4))));
-        fma_rows512<MR>(sums, K, xg + k + 1, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                 _mm_and_si128(_mm_srli_epi16(bytes, 4), low4))));
+  for (int64_t r = 0; r < records; ++r, w += F::kRecord) {
+    for (int64_t g = 0; g < F::kRows / F::kGroupRows; ++g) {
+      prefetch_group<F>(ahead, start, share, r * F::kRecord, g);
+      const int64_t k0 = r * F::kRows + g * F::kGroupRows;
+      __m512 sums[MR];
+      for (int m = 0; m < MR; ++m) sums[m] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < F::kGroupRows; k += F::kStep) {
+        __m128i q[F::kStep];
+        F::codes(w, g * F::kGroupRows + k, q);
+        for (int s = 0; s < F::kStep; ++s) {
+          fma_rows512<MR>(sums, K, x + k0 + k + s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q[s])));
+        }
       }
-    } else {
-      const uint8_t* q = w + 2 * kBlock;
-      for (int64_t k = 0; k < kGroup; ++k, q += kBlock) {
-        fma_rows512<MR>(sums, K, xg + k, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
+      __m256 s0, s1;
+      F::scale(w, g, s0, s1);
+      const __m512 s = join512(s0, s1);
+      for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(sums[m], s, acc[m]);
+      if constexpr (F::kMin) {
+        __m256 m0, m1;
+        F::minimum(w, g, m0, m1);
+        const __m512 mins = join512(m0, m1);
+        for (int m = 0; m < MR; ++m) {
+          acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * xgroups + k0 / kGroup]), mins, acc[m]);
+        }
       }
-    }
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-    for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(sums[m], s, acc[m]);
-    if constexpr (kQ4) {
-      const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)));
-      for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]), mins, acc[m]);
     }
   }
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * N, acc[m]);
@@ -428,22 +548,22 @@ CADENCE_AVX512 inline void grouped_tile512(const float* x, const float* xsum, in
 
 // One tile of rows [0, MR): AVX-512's or AVX2's. The loop below is compiled for AVX2 alone, so
 // the AVX-512 tile is called, not inlined: a call per block and four rows.
-template <bool kWide, int MR, bool kQ4>
+template <bool kWide, int MR, class F>
 inline void tile(const float* x, const float* xsum, int64_t K, const uint8_t* w, float* y,
                  int64_t N, uintptr_t ahead, uint64_t start, uint64_t share) {
   if constexpr (kWide) {
-    grouped_tile512<MR, kQ4>(x, xsum, K, w, y, N, ahead, start, share);
+    grouped_tile512<MR, F>(x, xsum, K, w, y, N, ahead, start, share);
   } else {
-    grouped_tile<MR, kQ4>(x, xsum, K, w, y, N, ahead, start, share);
+    grouped_tile<MR, F>(x, xsum, K, w, y, N, ahead, start, share);
   }
 }
 
 // Blocks [first, last) for all M rows, as matmul_blocks.
-template <bool kWide, bool kQ4>
+template <bool kWide, class F>
 void grouped_blocks(const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
                     float* y, int64_t N, int64_t first, int64_t last) {
   const int64_t groups = K / kGroup;
-  const int64_t run = groups * (kQ4 ? kQ4Record : kQ8Record);  // bytes per block
+  const int64_t run = K / F::kRows * F::kRecord;  // bytes per block
   const uint64_t passes = (M + 3) / 4;
   const uint64_t share = ((uint64_t{1} << 32) + passes - 1) / passes;
   const int64_t lead = passes == 1 ? kPrefetchBytes : run;
@@ -453,13 +573,13 @@ void grouped_blocks(const float* x, const float* xsum, int64_t M, int64_t K, con
     float* yb = y + b * kBlock;
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) {
-      tile<kWide, 4, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, m / 4 * run, share);
+      tile<kWide, 4, F>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, m / 4 * run, share);
     }
     const uint64_t start = m / 4 * run;
     switch (M - m) {
-      case 3: tile<kWide, 3, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
-      case 2: tile<kWide, 2, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
-      case 1: tile<kWide, 1, kQ4>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
+      case 3: tile<kWide, 3, F>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
+      case 2: tile<kWide, 2, F>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
+      case 1: tile<kWide, 1, F>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
       default: break;
     }
   }
@@ -474,16 +594,15 @@ bool use_avx512() {
   return use;
 }
 
-template <bool kQ4>
+template <class F>
 ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                          ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  const int64_t record = kQ4 ? kQ4Record : kQ8Record;
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != record || xd[1] % kGroup ||
-      wd[1] != xd[1] / kGroup) {
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != F::kRecord || xd[1] % F::kRows ||
+      wd[1] != xd[1] / F::kRows) {
     return ffi::Error::InvalidArgument(
-        "cadence_cpu_grouped_matmul takes x [M, K] (K a multiple of 32) and w [N / 16, K / 32, "
-        "record bytes]");
+        "cadence_cpu_grouped_matmul takes x [M, K] (K a multiple of the format's 32 or 256 "
+        "k-rows a record) and w [N / 16, K / record rows, record bytes]");
   }
   const int64_t M = xd[0], K = xd[1], blocks = wd[0], N = blocks * kBlock;
   // Work items of about the float32 kernel's 256 KiB weights' worth of columns: the same
@@ -492,9 +611,9 @@ ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
-  // Each row's group sums, for q4's minimums (q8 has none).
-  std::unique_ptr<float[]> sums(new float[kQ4 ? M * K / kGroup : 1]);
-  for (int64_t i = 0; kQ4 && i < M * K / kGroup; ++i) {
+  // Each row's group sums, for the minimums (formats without them need none).
+  std::unique_ptr<float[]> sums(new float[F::kMin ? M * K / kGroup : 1]);
+  for (int64_t i = 0; F::kMin && i < M * K / kGroup; ++i) {
     float total = 0.0f;
     for (int64_t k = 0; k < kGroup; ++k) total += xp[i * kGroup + k];
     sums[i] = total;
@@ -503,9 +622,9 @@ ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const bool wide = use_avx512();
   parallel_for(pool, blocks, grain, [=](int64_t first, int64_t last) {
     if (wide) {
-      grouped_blocks<true, kQ4>(xp, xsum, M, K, wp, yp, N, first, last);
+      grouped_blocks<true, F>(xp, xsum, M, K, wp, yp, N, first, last);
     } else {
-      grouped_blocks<false, kQ4>(xp, xsum, M, K, wp, yp, N, first, last);
+      grouped_blocks<false, F>(xp, xsum, M, K, wp, yp, N, first, last);
     }
   });
   return ffi::Error::Success();
@@ -723,16 +842,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_paged_decode, PagedDecode,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_grouped_matmul_q8, GroupedMatmul<false>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// The grouped matmul, one handler per format (model/cpu_kernels.py's GROUPED).
+#define CADENCE_GROUPED(name, format)                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, GroupedMatmul<format>,           \
+                                ffi::Ffi::Bind()                       \
+                                    .Ctx<ffi::ThreadPool>()            \
+                                    .Arg<ffi::Buffer<ffi::F32>>()      \
+                                    .Arg<ffi::Buffer<ffi::U8>>()       \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_grouped_matmul_q4, GroupedMatmul<true>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+CADENCE_GROUPED(cadence_cpu_grouped_matmul_q8, Q8)
+CADENCE_GROUPED(cadence_cpu_grouped_matmul_q4, Q4)
+CADENCE_GROUPED(cadence_cpu_grouped_matmul_q5, Q5)
+CADENCE_GROUPED(cadence_cpu_grouped_matmul_q4k, QK<false>)
+CADENCE_GROUPED(cadence_cpu_grouped_matmul_q5k, QK<true>)
+CADENCE_GROUPED(cadence_cpu_grouped_matmul_q6k, Q6K)

@@ -238,13 +238,43 @@ def _grouped(rng, fmt: str, k: int, n: int):
     scale = rng.uniform(1e-3, 5e-2, (k // 32, n)).astype(np.float16)
     if fmt == "q8":
         return rng.integers(-127, 128, (k, n)).astype(np.int8), scale, None
+    if fmt == "q5":
+        return rng.integers(-16, 16, (k, n)).astype(np.int8), scale, None
     return (rng.integers(0, 16, (k, n)).astype(np.uint8), scale,
             rng.uniform(-0.4, 0.1, (k // 32, n)).astype(np.float16))
+
+
+def _pack(fmt: str, parts):
+    if fmt in SUPERBLOCKS:
+        return cpu_kernels.pack_superblocks(fmt, *parts)
+    return cpu_kernels.pack_grouped(*parts, fmt=fmt)
 
 
 def _dequantized(q, scale, minimum):
     w = q.astype(np.float32) * np.repeat(scale.astype(np.float32), 32, axis=0)
     return w if minimum is None else w + np.repeat(minimum.astype(np.float32), 32, axis=0)
+
+
+SUPERBLOCKS = ("q4k", "q5k", "q6k")
+
+
+def _superblocks(rng, fmt: str, k: int, n: int):
+    """Random (q, d, sub_scale, dmin, sub_min) of a [k, n] matrix in a K-quant `fmt`, with the
+    codes' and sub-block scales' whole ranges."""
+    d = rng.uniform(1e-4, 2e-3, (k // 256, n)).astype(np.float16)
+    if fmt == "q6k":
+        return (rng.integers(-32, 32, (k, n)), d, rng.integers(-128, 128, (k // 16, n)), None, None)
+    return (rng.integers(0, 16 if fmt == "q4k" else 32, (k, n)), d, rng.integers(0, 64, (k // 32, n)),
+            rng.uniform(1e-4, 2e-3, (k // 256, n)).astype(np.float16), rng.integers(0, 64, (k // 32, n)))
+
+
+def _superblocks_dequantized(q, d, sub_scale, dmin, sub_min):
+    """W = (d * sub_scale) * q - dmin * sub_min in float32, as GGUF's dequantizer orders it."""
+    sub = q.shape[0] // sub_scale.shape[0]
+    per = lambda a, r: np.repeat(a.astype(np.float32), r, axis=0)  # noqa: E731
+    scale = per(per(d, 256 // sub) * sub_scale.astype(np.float32), sub)
+    w = scale * q.astype(np.float32)
+    return w if dmin is None else w - per(per(dmin, 256 // sub) * sub_min.astype(np.float32), sub)
 
 
 def test_grouped_layout_is_one_record_per_group_of_a_block():
@@ -268,6 +298,43 @@ def test_grouped_layout_is_one_record_per_group_of_a_block():
         np.testing.assert_array_equal(cpu_kernels.unpack_grouped(packed, 37), _dequantized(q, scale, minimum))
 
 
+def test_five_and_six_bit_layouts_split_codes_into_nibble_pairs_and_high_bits():
+    """q5 (Q5_0) and the K-quants: the low 4 bits of two k-rows to a byte as q4, the high bits
+    in a plane of 8 (q6k: 4) k-rows to a byte; the K-quants' records are super-blocks of 256
+    k-rows with their d (dmin) and the sub-blocks' integer scales (minimums) a byte each. Each
+    unpacks to the float32 values GGUF's dequantizer computes, columns past N zero."""
+    rng = np.random.default_rng(3)
+    q, scale, _ = _grouped(rng, "q5", 64, 37)
+    packed = cpu_kernels.pack_grouped(q, scale, fmt="q5")
+    assert packed.shape == (3, 2, 352) and cpu_kernels.grouped_format(packed) == "q5"
+    record, codes = packed[2, 1], q[32:, 32:].astype(np.int16) + 16
+    assert record[:32].view(np.float16)[4] == scale[1, 32 + 4]
+    assert (record[32:96].reshape(4, 16)[1, 2] >> 3) & 1 == codes[8 + 3, 2] >> 4
+    byte = record[96:].reshape(16, 16)[3, 2]
+    assert (byte & 15, byte >> 4) == (codes[6, 2] & 15, codes[7, 2] & 15)
+    np.testing.assert_array_equal(cpu_kernels.unpack_grouped(packed, 37),
+                                  q.astype(np.float32) * np.repeat(scale.astype(np.float32), 32, axis=0))
+    for fmt, record in (("q4k", 2368), ("q5k", 2880), ("q6k", 3360)):
+        parts = _superblocks(rng, fmt, 512, 37)
+        packed = cpu_kernels.pack_superblocks(fmt, *parts)
+        assert packed.dtype == np.uint8 and packed.shape == (3, 2, record)
+        assert cpu_kernels.grouped_format(packed) == fmt
+        q, d, sub_scale = parts[:3]
+        rec = packed[2, 1]
+        assert rec[:32].view(np.float16)[3] == d[1, 32 + 3]
+        if fmt == "q6k":
+            assert rec[32:288].view(np.int8).reshape(16, 16)[3, 3] == sub_scale[16 + 3, 32 + 3]
+            assert (rec[288:1312].reshape(64, 16)[2, 3] >> 2) & 3 == (q[256 + 9, 32 + 3] + 32) >> 4
+        else:
+            assert rec[64:192].reshape(8, 16)[3, 3] == sub_scale[8 + 3, 32 + 3]
+            assert rec[192:320].reshape(8, 16)[3, 3] == parts[4][8 + 3, 32 + 3]
+        byte = rec[-2048:].reshape(128, 16)[10, 3]
+        assert byte & 15 == q[256 + 20, 32 + 3] & 15 and byte >> 4 == q[256 + 21, 32 + 3] & 15
+        unpacked = cpu_kernels.unpack_grouped(packed, 37)
+        np.testing.assert_array_equal(unpacked, _superblocks_dequantized(*parts))
+        np.testing.assert_array_equal(cpu_kernels.unpack_grouped(packed, 48)[:, 37:], 0)
+
+
 def test_grouped_packing_refuses_what_the_kernels_do_not_read():
     rng = np.random.default_rng(1)
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -276,10 +343,18 @@ def test_grouped_packing_refuses_what_the_kernels_do_not_read():
         cpu_kernels.pack_grouped(np.full((32, 16), 16, np.uint8), *_grouped(rng, "q4", 32, 16)[1:])
     with pytest.raises(ValueError, match="not a grouped matrix"):
         cpu_kernels.grouped_format(np.zeros((2, 2, 100), np.uint8))
+    with pytest.raises(ValueError, match="-16..15"):
+        cpu_kernels.pack_grouped(np.full((32, 16), 16, np.int8), np.ones((1, 16), np.float16), fmt="q5")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        cpu_kernels.pack_superblocks("q4k", np.zeros((128, 16), np.uint8), *_superblocks(rng, "q4k", 256, 16)[1:])
+    parts = list(_superblocks(rng, "q4k", 256, 16))
+    parts[2][0, 0] = 64
+    with pytest.raises(ValueError, match="0..63"):
+        cpu_kernels.pack_superblocks("q4k", *parts)
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("fmt", ["q8", "q4"])
+@pytest.mark.parametrize("fmt", ["q8", "q4", "q5"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 16])
 @pytest.mark.parametrize("k, n", [(32, 5), (96, 37), (576, 192), (1536, 48)])
 def test_grouped_matmul_matches_numpy_dequantize_then_matmul(fmt, rows, k, n):
@@ -289,8 +364,24 @@ def test_grouped_matmul_matches_numpy_dequantize_then_matmul(fmt, rows, k, n):
     rng = np.random.default_rng(rows * 1000 + k + n)
     parts = _grouped(rng, fmt, k, n)
     x = rng.standard_normal((rows, k), np.float32)
-    got = np.asarray(cpu_kernels.blocked_matmul(jnp.asarray(x), jnp.asarray(cpu_kernels.pack_grouped(*parts)), n))
+    got = np.asarray(cpu_kernels.blocked_matmul(jnp.asarray(x), jnp.asarray(_pack(fmt, parts)), n))
     want = x.astype(np.float64) @ _dequantized(*parts).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(want).max())
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("fmt", SUPERBLOCKS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("k, n", [(256, 5), (512, 37), (1536, 48)])
+def test_superblock_matmul_matches_numpy_dequantize_then_matmul(fmt, rows, k, n):
+    """The K-quant kernels (Q4_K, Q5_K, Q6_K's super-blocks) likewise: within float32 rounding
+    of NumPy's float64 matmul over the dequantized matrix, at 1-16 rows (the tiles of 4 and
+    the rest) and widths that are not multiples of 16."""
+    rng = np.random.default_rng(rows * 1000 + k + n + len(fmt))
+    parts = _superblocks(rng, fmt, k, n)
+    x = rng.standard_normal((rows, k), np.float32)
+    got = np.asarray(cpu_kernels.blocked_matmul(jnp.asarray(x), jnp.asarray(_pack(fmt, parts)), n))
+    want = x.astype(np.float64) @ _superblocks_dequantized(*parts).astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(want).max())
 
 
@@ -325,9 +416,9 @@ def test_grouped_matmul_gives_the_same_bits_with_and_without_avx512(tmp_path):
     import sys
 
     rng = np.random.default_rng(7)
-    cases = {f"{fmt}-{rows}": (rng.standard_normal((rows, 96), np.float32),
-                               cpu_kernels.pack_grouped(*_grouped(rng, fmt, 96, 40)))
-             for fmt in ("q8", "q4") for rows in (1, 6)}
+    cases = {f"{fmt}-{rows}": (rng.standard_normal((rows, 512), np.float32),
+                               _pack(fmt, (_superblocks if fmt in SUPERBLOCKS else _grouped)(rng, fmt, 512, 40)))
+             for fmt in ("q8", "q4", "q5", *SUPERBLOCKS) for rows in (1, 6)}
     np.savez(tmp_path / "cases.npz", **{f"{k}-{part}": a for k, (x, w) in cases.items()
                                         for part, a in (("x", x), ("w", w))})
     script = (
