@@ -9,10 +9,11 @@
     packed = load_packed(path, config)    # the block-quantized matrices, kept as they are
 
 `packed` holds every matrix stored in a format the CPU decode kernels read directly (Q8_0,
-Q4_0, Q4_1: 32 weights per float16 scale, and for Q4_1 a float16 minimum), re-laid into the
-kernels' grouped layout (`model.cpu_kernels.pack_grouped`) with the same values: dequantizing a
-packed matrix gives `params`' float32 matrix exactly. Other formats (Q4_K, Q6_K, F16...) are
-left to `params` alone.
+Q4_0, Q4_1, Q5_0: 32 weights per float16 scale, and for Q4_1 a float16 minimum; the K-quants
+Q4_K, Q5_K, Q6_K: 256-weight super-blocks with integer sub-block scales), re-laid into the
+kernels' grouped layout (`model.cpu_kernels.pack_grouped` / `pack_superblocks`) with the same
+values: dequantizing a packed matrix gives `params`' float32 matrix exactly. Other formats
+(F16, BF16, Q5_1, Q2_K, Q3_K...) are left to `params` alone.
 
 Three details matter for logits that match the Hugging Face model:
 - Quantized tensors (Q8_0, Q4_1, ... anything the `gguf` package can dequantize) become float32.
@@ -24,7 +25,7 @@ Three details matter for logits that match the Hugging Face model:
   which becomes `ModelConfig.rope_freq_factors` as it is (times a linear `rope.scaling.factor`
   where the metadata gives one).
 
-Non-goals: the K-quants (Q4_K, Q6_K) in the kernels' format; YaRN and LongRoPE scaling and
+Non-goals: Q5_1, Q2_K, Q3_K and the IQ formats in the kernels' format; YaRN and LongRoPE scaling and
 partial rotary embeddings (`rope.dimension_count` below the head size), which are refused;
 architectures other than llama and qwen2.
 """
@@ -194,33 +195,89 @@ def load_gguf(
     return config, params, fields
 
 
-# GGUF's block formats the grouped kernels read, by the bytes of a block of 32 weights: a float16
-# scale d, Q4_1's float16 minimum m, then the weights (Q8_0: int8 q, w = d q; Q4_x: 16 bytes,
-# weight j in byte j's low nibble and weight j + 16 in its high one, w = d q + m, Q4_0's m
-# being -8 d).
-PACKABLE = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+# GGUF's block formats the grouped kernels read, by the bytes of a block: 32 weights (Q8_0,
+# Q4_0, Q4_1, Q5_0: a float16 scale d, Q4_1's float16 minimum m; w = d q (+ m)) or a 256-weight
+# super-block (the K-quants: a float16 d, Q4_K/Q5_K's float16 dmin, and a scale (and minimum)
+# per sub-block of 32 weights (Q6_K: 16), as integers). `unpack_blocks` reads them as
+# `gguf.quants` does; `FORMAT` names the kernels' layout each becomes.
+PACKABLE = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+FORMAT = {"Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4", "Q5_0": "q5", "Q4_K": "q4k", "Q5_K": "q5k",
+          "Q6_K": "q6k"}
+SUPERBLOCK = 256  # weights per K-quant super-block
 
 
-def unpack_blocks(data: np.ndarray, kind: str, columns: int):
-    """A GGUF tensor's rows of blocks (uint8 [rows, columns / 32 * block bytes]) as (q, scale,
-    minimum): q [rows, columns] (int8 for Q8_0, codes 0..15 for Q4_x), scale and minimum
-    [rows, columns / 32] float16 (minimum None for Q8_0)."""
+def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
+    """GGUF's 4-bit codes [..., bytes] in runs of `run` bytes, each run's low nibbles then its
+    high ones: [..., 2 * bytes]."""
+    qs = qs.reshape(*qs.shape[:-1], -1, 1, run) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    return (qs & 15).reshape(*qs.shape[:-3], -1)
+
+
+def _bits(qh: np.ndarray, run: int, width: int) -> np.ndarray:
+    """GGUF's `width`-bit planes [..., bytes] in runs of `run` bytes, each run's lowest bits
+    first: [..., 8 / width * bytes]."""
+    shifts = np.arange(0, 8, width, dtype=np.uint8).reshape(-1, 1)
+    qh = qh.reshape(*qh.shape[:-1], -1, 1, run) >> shifts
+    return (qh & ((1 << width) - 1)).reshape(*qh.shape[:-3], -1)
+
+
+def unpack_blocks(data: np.ndarray, kind: str, columns: int) -> dict[str, np.ndarray]:
+    """A GGUF tensor's rows of blocks (uint8 [rows, columns / weights per block * block bytes])
+    as the arguments of `cpu_kernels.pack_grouped` / `pack_superblocks` for its `FORMAT`, each
+    [rows, ...] (a row's codes [rows, columns], its per-block values [rows, blocks]): the codes
+    q (Q8_0 int8; Q4_x 0..15; Q5_0 -16..15; Q4_K 0..15; Q5_K 0..31; Q6_K -32..31), float16
+    `scale` / `minimum` (32-weight formats) or `d` / `dmin` (K-quants), and the K-quants'
+    integer `sub_scale` / `sub_min` [rows, columns / 32 or / 16]."""
     rows = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(rows, columns // 32, PACKABLE[kind])
-    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    per_block = SUPERBLOCK if kind.endswith("_K") else 32
+    blocks = np.ascontiguousarray(data).reshape(rows, columns // per_block, PACKABLE[kind])
+
+    def half(at: int) -> np.ndarray:
+        return blocks[..., at:at + 2].copy().view(np.float16)[..., 0]
+
+    def flat(a: np.ndarray) -> np.ndarray:
+        return a.reshape(rows, -1)
+
     if kind == "Q8_0":
-        return blocks[..., 2:].copy().view(np.int8).reshape(rows, columns), scale, None
+        return {"q": flat(blocks[..., 2:].copy().view(np.int8)), "scale": half(0)}
     if kind == "Q4_1":
-        minimum, nibbles = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
-    else:
-        minimum, nibbles = (scale.astype(np.float32) * -8).astype(np.float16), blocks[..., 2:]
-    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, columns)
-    return q, scale, minimum
+        return {"q": flat(_nibbles(blocks[..., 4:], 16)), "scale": half(0), "minimum": half(2)}
+    if kind == "Q4_0":
+        scale = half(0)
+        return {"q": flat(_nibbles(blocks[..., 2:], 16)), "scale": scale,
+                "minimum": (scale.astype(np.float32) * -8).astype(np.float16)}
+    if kind == "Q5_0":
+        high = _bits(blocks[..., 2:6], 4, 1)  # bit j of the little-endian word: weight j
+        high = high.reshape(rows, -1, 8, 4).swapaxes(-1, -2).reshape(rows, -1, 32)
+        q = (_nibbles(blocks[..., 6:], 16) | (high << 4)).astype(np.int8) - np.int8(16)
+        return {"q": flat(q), "scale": half(0)}
+    if kind == "Q6_K":  # ql[128], qh[64], scales int8[16], d
+        low = _nibbles(blocks[..., :128].reshape(rows, -1, 2, 64), 64).reshape(rows, -1, 256)
+        high = _bits(blocks[..., 128:192].reshape(rows, -1, 2, 32), 32, 2).reshape(rows, -1, 256)
+        q = (low | (high << 4)).astype(np.int8) - np.int8(32)
+        return {"q": flat(q), "d": half(208), "sub_scale": flat(blocks[..., 192:208].copy().view(np.int8))}
+    # Q4_K, Q5_K: d, dmin, 12 bytes of 6-bit scales and minimums, (Q5_K: qh[32]), qs[128]
+    sub_scale, sub_min = gguf.quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+    q = _nibbles(blocks[..., -128:].reshape(rows, -1, 4, 32), 32).reshape(rows, -1, 256)
+    if kind == "Q5_K":
+        q = q | (_bits(blocks[..., 16:48], 32, 1) << 4)
+    return {"q": flat(q), "d": half(0), "dmin": half(2), "sub_scale": flat(sub_scale),
+            "sub_min": flat(sub_min)}
+
+
+def pack_blocks(parts: dict[str, np.ndarray], kind: str) -> np.ndarray:
+    """`unpack_blocks`' parts of a [rows, columns] tensor (rows: output columns) in the
+    kernels' layout for W [columns, rows]."""
+    fmt = FORMAT[kind]
+    t = {name: a.T for name, a in parts.items()}
+    if fmt in ("q8", "q4", "q5"):
+        return cpu_kernels.pack_grouped(t["q"], t["scale"], t.get("minimum"), fmt)
+    return cpu_kernels.pack_superblocks(fmt, t["q"], t["d"], t["sub_scale"], t.get("dmin"), t.get("sub_min"))
 
 
 def load_packed(path: str | Path, config: ModelConfig) -> dict[tuple[str, ...], tuple[np.ndarray, str]]:
-    """Every matrix of the file in a `PACKABLE` format, as (`cpu_kernels.pack_grouped` array,
-    the GGUF type's name), by its path in the params tree. The embedding's entry is the tied
+    """Every matrix of the file in a `PACKABLE` format, as (`pack_blocks` array, the GGUF
+    type's name), by its path in the params tree. The embedding's entry is the tied
     LM head's matrix (the embedding transposed: its rows are the head's output columns)."""
     reader = gguf.GGUFReader(Path(path))
     tensors = {t.name: t for t in reader.tensors}
@@ -235,12 +292,11 @@ def load_packed(path: str | Path, config: ModelConfig) -> dict[tuple[str, ...], 
         rows, columns = spec.stored_shape  # GGUF [out, in]
         if spec.path[-1] == "embedding" and not config.tie_embeddings:
             continue  # a lookup table only: the untied head is lm_head's own matrix
-        q, scale, minimum = unpack_blocks(t.data, kind, columns)
-        if q.shape[0] != rows:
-            raise CheckpointError(f"{path}: tensor {spec.gguf_name} has {q.shape[0]} rows, expected {rows}")
+        parts = unpack_blocks(t.data, kind, columns)
+        if parts["q"].shape[0] != rows:
+            raise CheckpointError(f"{path}: tensor {spec.gguf_name} has {parts['q'].shape[0]} rows, expected {rows}")
         if permute and spec.rope_heads:
-            q, scale = (unpermute_rope_rows(a, spec.rope_heads) for a in (q, scale))
-            minimum = None if minimum is None else unpermute_rope_rows(minimum, spec.rope_heads)
-        packed = cpu_kernels.pack_grouped(q.T, scale.T, None if minimum is None else minimum.T)
+            parts = {name: unpermute_rope_rows(a, spec.rope_heads) for name, a in parts.items()}
+        packed = pack_blocks(parts, kind)
         out[spec.path] = (packed, kind)
     return out

@@ -3,7 +3,8 @@
 A converted folder holds
     config.json     `ModelConfig.to_json()`
     params/         the params pytree, saved with orbax (float32)
-    packed/         where the source stored matrices block-quantized (GGUF Q8_0, Q4_0, Q4_1),
+    packed/         where the source stored matrices block-quantized (GGUF Q8_0, Q4_0, Q4_1,
+                    Q5_0, Q4_K, Q5_K, Q6_K),
                     those matrices as they are, in the CPU kernels' grouped layout (orbax,
                     uint8); the marker's "packed" names them, with their formats and shapes
     <tokenizer>     tokenizer files, byte for byte as given (tokenizer.json, tokenizer.model, ...)
@@ -37,7 +38,7 @@ from cadence.model.config import ModelConfig
 from cadence.model.params import abstract_params, nest
 
 Shardings = Callable[[ModelConfig], Any]
-FORMAT_VERSION = 2  # 2: packed/
+FORMAT_VERSION = 3  # 2: packed/; 3: packed/ holds Q5_0 and the K-quants too
 MARKER = "cadence.json"
 _RESERVED = {MARKER, "config.json", "params", "packed"}
 Packed = dict[tuple[str, ...], tuple[np.ndarray, str]]  # path -> (grouped array, GGUF type)

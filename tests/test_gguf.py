@@ -26,9 +26,10 @@ Q = gguf.GGMLQuantizationType
 
 
 def write_gguf(path: Path, config, params, quantize: bool, arch: str = "llama",
-               extra: dict[str, np.ndarray] | None = None, metadata=None) -> None:
+               extra: dict[str, np.ndarray] | None = None, metadata=None, blocks=None) -> None:
     """Writes params with GGUF names, [out, in] rows, permuted q/k, optionally quantized;
-    `extra` tensors (float32) after them, `metadata(writer)` adds keys."""
+    `extra` tensors (float32) after them, `metadata(writer)` adds keys. `blocks(spec)`: a
+    tensor's (raw blocks, type) to write instead of params' (None: params', as above)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_layers)
     w.add_context_length(config.max_context)
@@ -50,7 +51,9 @@ def write_gguf(path: Path, config, params, quantize: bool, arch: str = "llama",
             array = permute_rope_rows(array, spec.rope_heads)
         qtype = _qtype(spec) if quantize else Q.F32
         array = np.ascontiguousarray(array)
-        if qtype == Q.F32:
+        if blocks and (raw := blocks(spec)) is not None:
+            w.add_tensor(spec.gguf_name, raw[0], raw_dtype=raw[1])
+        elif qtype == Q.F32:
             w.add_tensor(spec.gguf_name, array)
         else:
             w.add_tensor(spec.gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
@@ -64,7 +67,7 @@ def write_gguf(path: Path, config, params, quantize: bool, arch: str = "llama",
 
 def _qtype(spec) -> gguf.GGMLQuantizationType:
     """The quantized file's type per tensor, as llama.cpp's Q4_1 mixes choose them, with one
-    Q4_0 and one Q5_0 (a format the CPU kernels do not read: it is dequantized)."""
+    Q4_0 and one Q5_0."""
     if len(spec.shape) == 1:
         return Q.F32  # norms and biases stay float
     if spec.gguf_name == "blk.1.attn_v.weight":
@@ -240,24 +243,61 @@ def test_quantized_round_trip_matches_dequantized_weights_and_logits(tmp_path, t
 
 
 def test_packed_matrices_are_the_files_blocks_as_they_are(tmp_path, tiny_params):
-    """Every Q8_0 / Q4_0 / Q4_1 matrix comes back in the kernels' grouped layout, holding
-    exactly the values the dequantizing loader gives (q/k rows unpermuted alike; the tied
-    embedding as the head's [in, out]); the Q5_0 one is left to the float tree."""
-    from cadence.model import cpu_kernels
-
+    """Every Q8_0 / Q4_0 / Q4_1 / Q5_0 matrix comes back in the kernels' grouped layout,
+    holding exactly the values the dequantizing loader gives (q/k rows unpermuted alike; the
+    tied embedding as the head's [in, out])."""
     path = tmp_path / "tiny-q.gguf"
     write_gguf(path, TINY, tiny_params, quantize=True)
     config, floats, _ = load_gguf(path)
     packed = load_packed(path, config)
     kinds = {spec.path: _qtype(spec).name for spec in param_specs(TINY) if len(spec.shape) == 2}
-    assert ("layers_1", "attn", "v", "kernel") not in packed
-    assert {p: kind for p, (_, kind) in packed.items()} == {
-        p: kind for p, kind in kinds.items() if kind != "Q5_0"}
-    assert {kind for _, kind in packed.values()} == {"Q8_0", "Q4_0", "Q4_1"}
+    assert {p: kind for p, (_, kind) in packed.items()} == kinds
+    assert {kind for _, kind in packed.values()} == {"Q8_0", "Q4_0", "Q4_1", "Q5_0"}
+    _assert_packed_equal_floats(packed, floats)
+
+
+def _assert_packed_equal_floats(packed, floats):
+    from cadence.model import cpu_kernels
+
     for p, (blocks, kind) in packed.items():
         want = params_lib.get(floats, p)
         want = want.T if p[-1] == "embedding" else want
         np.testing.assert_array_equal(cpu_kernels.unpack_grouped(blocks, want.shape[1]), want, err_msg=str(p))
+
+
+# The float16 fields of each block format the loader packs (and Q5_1, which it does not), by
+# byte offset in a block: scales (d), minimums (m, dmin).
+HALVES = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
+          Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def random_blocks(rng, qtype, rows: int, columns: int, low: float, high: float) -> np.ndarray:
+    """Random valid blocks of a [rows, columns] tensor in `qtype` (uint8 [rows, bytes], as
+    GGUF stores it): random bytes for the codes and integer sub-block scales, float16 scales
+    and minimums uniform in [low, high]."""
+    per, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, columns // per, size), dtype=np.uint8)
+    for at in HALVES[qtype]:
+        data[..., at:at + 2] = rng.uniform(low, high, (rows, columns // per, 1)).astype(np.float16).view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_each_packed_format_unpacks_to_ggufs_dequantizer(kind):
+    """Random blocks of every format the kernels read (rows that fill no tile, several blocks
+    or super-blocks a row), re-laid into the kernels' layout, unpack to exactly the float32
+    values `gguf.quants.dequantize` gives."""
+    from cadence.checkpoints.gguf import FORMAT, pack_blocks, unpack_blocks
+    from cadence.model import cpu_kernels
+
+    rng = np.random.default_rng(len(kind) * 7 + ord(kind[1]))
+    per = gguf.GGML_QUANT_SIZES[Q[kind]][0]
+    for rows, columns in ((37, per * 3), (5, per), (16, per * 2)):
+        data = random_blocks(rng, Q[kind], rows, columns, -2.0, 2.0)
+        packed = pack_blocks(unpack_blocks(data, kind, columns), kind)
+        assert cpu_kernels.grouped_format(packed) == FORMAT[kind]
+        want = gguf.quants.dequantize(data, Q[kind]).T
+        np.testing.assert_array_equal(cpu_kernels.unpack_grouped(packed, rows), want)
 
 
 def test_converted_checkpoints_keep_the_packed_matrices(tmp_path, tiny_params):
@@ -279,26 +319,89 @@ def test_converted_checkpoints_keep_the_packed_matrices(tmp_path, tiny_params):
 
 @needs_cpu_kernels
 def test_the_engine_over_the_files_blocks_equals_the_reference(tmp_path, tiny_params, tiny_tokenizer):
-    """Decode on the CPU kernels over the file's own blocks (and the Q5_0 matrix blocked from
-    float), batched and chunked, gives the reference generator's greedy tokens over the float
-    weights they stand for."""
-    from cadence.engine.engine import Engine, EngineConfig
-    from cadence.engine.reference import greedy_generate
-
+    """Decode on the CPU kernels over the file's own blocks, batched and chunked, gives the
+    reference generator's greedy tokens over the float weights they stand for."""
     path = tmp_path / "tiny-q.gguf"
     write_gguf(path, TINY, tiny_params, quantize=True)
     config, floats, _ = load_gguf(path)
     packed = {p: blocks for p, (blocks, _) in load_packed(path, config).items()}
+    _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer)
+
+
+def _assert_engine_equals_reference(floats, config, packed, tokenizer):
+    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.engine.reference import greedy_generate
+
     engine = Engine(floats, config, EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=16,
                                                  attention="cpu", decode_matmul="cpu", decode_steps=2),
                     packed=packed)
     prompts = [list(range(5, 40)), [7, 300, 41, 9], list(range(100, 190))]
-    streams = run_all(make_scheduler(engine, tiny_tokenizer, chunk=16, budget=18),
+    streams = run_all(make_scheduler(engine, tokenizer, chunk=16, budget=18),
                       [(p, GenerationParams(max_tokens=16)) for p in prompts])
     for prompt, stream in zip(prompts, streams):
-        assert stream.request.output_ids == greedy_generate(floats, config, prompt, 16, tiny_tokenizer.eos_ids)
+        assert stream.request.output_ids == greedy_generate(floats, config, prompt, 16, tokenizer.eos_ids)
     with pytest.raises(ValueError, match="decode_matmul='cpu'"):
         Engine(floats, config, EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=16), packed=packed)
+
+
+# TINY with rows of whole K-quant super-blocks (every matrix's input a multiple of 256).
+K_TINY = dataclasses.replace(TINY, name="tiny-k", hidden_size=256, ffn_size=512, head_dim=64)
+
+
+def _q4_k_m(spec) -> gguf.GGMLQuantizationType:
+    """A "Q4_K_M"-style mix over K_TINY, as llama.cpp's mix chooses: Q4_K, with Q6_K for the
+    (tied) output and some attn_v / ffn_down, plus one each of Q5_K, Q5_0 (its fallback for
+    rows of partial super-blocks), Q8_0 and Q5_1 (which the kernels do not read)."""
+    if len(spec.shape) == 1:
+        return Q.F32
+    return {"token_embd.weight": Q.Q6_K, "blk.0.attn_v.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K,
+            "blk.1.attn_v.weight": Q.Q5_K, "blk.1.attn_output.weight": Q.Q5_0,
+            "blk.0.attn_output.weight": Q.Q8_0, "blk.1.ffn_up.weight": Q.Q5_1}.get(spec.gguf_name, Q.Q4_K)
+
+
+# Float16 scales per format for the K-quant mix: weights up to about 0.06.
+_SCALES = {Q.Q6_K: (5e-6, 1.5e-5), Q.Q4_K: (2e-5, 6e-5), Q.Q5_K: (1e-5, 3e-5), Q.Q5_0: (1e-3, 3e-3),
+           Q.Q8_0: (2e-4, 5e-4), Q.Q5_1: (1e-3, 3e-3)}
+
+
+def write_q4_k_m(path: Path, seed: int = 0) -> None:
+    """K_TINY as a Q4_K_M-style GGUF: random valid blocks for every matrix (`gguf.quants`
+    cannot quantize to the K-quants; minimums in the scales' range, so a small offset),
+    K_TINY's random norms."""
+    rng = np.random.default_rng(seed)
+
+    def blocks(spec):
+        qtype = _q4_k_m(spec)
+        if qtype == Q.F32:
+            return None
+        return random_blocks(rng, qtype, *spec.stored_shape, *_SCALES[qtype]), qtype
+
+    write_gguf(path, K_TINY, random_params(K_TINY), quantize=False, blocks=blocks)
+
+
+def test_a_q4_k_m_file_is_packed_but_for_the_formats_the_kernels_lack(tmp_path):
+    """A Q4_K_M-style file: every Q4_K / Q5_K / Q6_K / Q5_0 / Q8_0 matrix comes back packed,
+    holding exactly the dequantizing loader's values; the Q5_1 one is left to the float tree."""
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write_q4_k_m(path)
+    config, floats, _ = load_gguf(path)
+    packed = load_packed(path, config)
+    kinds = {spec.path: _q4_k_m(spec).name for spec in param_specs(K_TINY) if len(spec.shape) == 2}
+    assert {p: kind for p, (_, kind) in packed.items()} == {p: k for p, k in kinds.items() if k != "Q5_1"}
+    assert {kind for _, kind in packed.values()} == {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0"}
+    _assert_packed_equal_floats(packed, floats)
+
+
+@needs_cpu_kernels
+def test_the_engine_over_a_q4_k_m_file_equals_the_reference(tmp_path, tiny_tokenizer):
+    """The engine's decode on the CPU kernels over a Q4_K_M-style file's own K-quant, Q5_0 and
+    Q8_0 blocks (its Q5_1 matrix blocked from float) gives the reference generator's greedy
+    tokens over the float weights they stand for."""
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write_q4_k_m(path, seed=1)
+    config, floats, _ = load_gguf(path)
+    packed = {p: blocks for p, (blocks, _) in load_packed(path, config).items()}
+    _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer)
 
 
 def test_bad_files_get_clear_errors(tmp_path, tiny_params):
