@@ -135,7 +135,8 @@ _CPU_KERNELS = flags.DEFINE_bool(
 _WEIGHTS = flags.DEFINE_enum(
     "weights", "auto", ("auto", "float", "int8", "int4"),
     "auto: where decode runs on the CPU kernels, the matrices a GGUF checkpoint stores "
-    "block-quantized (Q8_0, Q4_0, Q4_1) are read as they are, everything else as float; "
+    "block-quantized (Q8_0, Q4_0, Q4_1, Q5_0, and the K-quants Q4_K, Q5_K, Q6_K) are read as "
+    "they are, everything else as float; "
     "float: every matrix in --dtype (a GGUF's blocks dequantized); int8, int4: every matrix "
     "quantized when loaded, weight-only (activations and the KV cache stay in --dtype): on the "
     "CPU kernels in groups of 32 weights with a float16 scale (int4 also a minimum, as GGUF's "
@@ -375,7 +376,7 @@ def describe_decode_weights(model: LoadedModel, packed) -> str:
              for kind, n in sorted(own.items())]
     if rest:
         parts.append(f"{rest} {'matrix' if rest == 1 else 'matrices'} blocked from float32"
-                     + (" (--weights=auto reads a GGUF's Q8_0/Q4_0/Q4_1 as they are)"
+                     + (" (--weights=auto reads a GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q5_K/Q6_K as they are)"
                         if _WEIGHTS.value != "auto" and model.packed else ""))
     return ", ".join(parts)
 
