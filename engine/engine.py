@@ -29,7 +29,9 @@ smallest power of two holding the active slots: decode gathers their rows, runs 
 scatters the tokens back, so one stream on an idle engine pays for one row, not `num_slots` (vLLM
 captures one CUDA graph per padded batch size for the same reason). Everything that varies per
 request is an array argument. The pool and `last_tokens` are donated into every program, so
-they are updated in place. `warmup()` compiles every program; afterwards `compilations_after_warmup` must stay 0.
+they are updated in place. `warmup()` compiles every program (or, with warmup="needed", those
+every request runs: the rest compile on first use, off the scheduler's thread, `prepare`);
+afterwards `compilations_after_warmup` must stay 0.
 
 On the CPU, decode can run cadence's own kernels (`model.cpu_kernels`): `attention="cpu"` for
 its attention and `decode_matmul="cpu"` for its matmuls, which read a copy of the weights in
@@ -45,7 +47,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
@@ -665,6 +671,64 @@ class DecodeTokens:
         return self
 
 
+# The groups of programs an engine compiles, in warm-up's order. Warm-up compiles every group
+# of the engine's role ("all"), or only those every request runs ("needed": prefill and decode,
+# and moving KV in a disaggregated pair); the others compile on first use (`Engine.prepare`):
+#   scoring     echo and prompt logprobs: the prefill that scores every position
+#   structured  response formats and forced tool calls: a decode step split for the bitmask
+#   transfer    moving KV between the engines of a disaggregated pair (extract, insert)
+#   history     presence, frequency and repetition penalties: a slot's token history
+#   copy        n > 1: a later sequence's copy of the page holding the prompt's last token
+GROUPS = ("prefill", "scoring", "decode", "structured", "transfer", "history", "copy")
+WARMUPS = ("all", "needed")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmProgram:
+    """One program warm-up compiles: the jitted `fn` over `args` (device buffers as
+    `jax.ShapeDtypeStruct`s with their shardings, host arguments as the engine passes them)."""
+
+    group: str
+    name: str  # the program and its bucket, e.g. "decode[batch=8,pages=64]"
+    fn: Callable
+    args: tuple
+
+
+def _spec(x):
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.aval.weak_type)
+    return x
+
+
+def compile_programs(programs: Sequence[WarmProgram],
+                     progress: Callable[[int, int, str], None] | None = None,
+                     workers: int | None = None) -> None:
+    """Compiles `programs` ahead of time (`jit(...).lower(...).compile()`, which fills the
+    jitted function's own cache, so its first call compiles nothing): each is traced and
+    lowered on this thread, in order (that holds the GIL), and compiled on one of `workers`
+    threads, which XLA's compiler runs without the GIL (default: one per two cores: on the
+    2-core CPU, two at once compiled the default model's 30 programs no faster than one,
+    `bench/results/startup-cpu`).
+    `progress(done, total, name)` after each (on the thread that compiled it)."""
+    total, done, lock = len(programs), [0], threading.Lock()
+
+    def finished(name: str, future: Future) -> None:
+        if future.exception() is None and progress is not None:
+            with lock:
+                done[0] += 1
+                progress(done[0], total, name)
+
+    workers = workers or max(1, (os.cpu_count() or 1) // 2)
+    with ThreadPoolExecutor(workers, thread_name_prefix="cadence-compile") as pool:
+        futures = []
+        for p in programs:
+            future = pool.submit(p.fn.lower(*p.args).compile)
+            future.add_done_callback(functools.partial(finished, p.name))
+            futures.append(future)
+        for future in futures:
+            future.result()
+
+
 class Engine:
     def __init__(self, params, model_config: ModelConfig, config: EngineConfig = EngineConfig(),
                  device: jax.Device | None = None, devices: Sequence[jax.Device] | None = None,
@@ -724,6 +788,16 @@ class Engine:
         self._history = programs.history
         self._copy = programs.copy
         self._warm_compiles: int | None = None
+        self._warm_on_demand = 0
+        # What `prepare` compiles from: every device buffer as a shape, dtype and sharding.
+        self._specs = jax.tree.map(_spec, (self.params, self.decode_params, self.rope, self.cache,
+                                           self.last_tokens, self.history))
+        self._handle_sharding = (jax.sharding.SingleDeviceSharding(self._handle_at)
+                                 if isinstance(self._handle_at, jax.Device) else self._handle_at)
+        self._lock = threading.Lock()
+        self._ready: set[str] = set()  # the groups warm-up or `prepare` compiled
+        self._compiling: dict[str, Future] = {}
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="cadence-compile-on-demand")
         logging.info(
             "KV pool: %d pages x %d tokens (%d tokens), %.1f MiB", self.num_pages, config.page_size,
             self.num_pages * config.page_size, self.cache.nbytes / 2**20,
@@ -785,6 +859,8 @@ class Engine:
 
         for p in pack([chunks[i] for i in plain], token_buckets=cfg.prefill_buckets) if plain else []:
             run(p)
+        if scored:
+            self._ensure("scoring")
         for i in scored:  # a chunk whose every position is scored runs alone, in its program
             p = pack([chunks[i]], token_buckets=(cfg.score_bucket,))[0]
             targets = np.full(p.tokens.size, -1, np.int32)
@@ -844,6 +920,7 @@ class Engine:
                              "cannot be split to take a bitmask")
         if self._pending is not None:
             raise ValueError("decode_forward twice: decode_sample the step in flight first")
+        self._ensure("structured")
         batch = self._decode_batch(positions, active, page_table, 1)
         program = self._decode_forward_batched if batch.batched else self._decode_forward
         gathered = _gather_rows(sampling, batch.pick, batch.live)
@@ -923,6 +1000,7 @@ class Engine:
         src = np.zeros(cfg.num_slots, np.int32)
         dst = np.full(cfg.num_slots, self.num_pages, np.int32)  # padding: past the pool
         src[: len(sources)], dst[: len(targets)] = sources, targets
+        self._ensure("copy")
         self.cache = self._copy(self.cache, src, dst)
 
     def set_history(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int] = ()) -> None:
@@ -938,6 +1016,7 @@ class Engine:
             raise ValueError(f"a history of {n} tokens overflows max_seq_len={cfg.max_seq_len}")
         tokens = np.full(cfg.max_seq_len, NO_TOKEN, np.int32)
         tokens[:n] = np.asarray([*prompt_ids, *output_ids], np.int32)
+        self._ensure("history")
         self.history = self._history(self.history, np.int32(slot), tokens, np.int32(len(prompt_ids)))
 
     def _decode_plan(self, lengths: np.ndarray) -> tuple[bool, int]:
@@ -982,6 +1061,7 @@ class Engine:
         self._check(slot, pages, count)
         ids = np.zeros(bucket_for(cfg.page_buckets, count), np.int32)
         ids[:count] = pages[:count]
+        self._ensure("transfer")
         k, v, token = self._extract(self.cache, self.last_tokens, ids, np.int32(slot))
         return KVHandle(k=k, v=v, next_token=token, length=length, page_size=cfg.page_size)
 
@@ -1013,6 +1093,7 @@ class Engine:
         ids = np.full(handle.k.shape[2], self.num_pages, np.int32)  # padding: past the pool
         ids[: handle.num_pages] = pages[: handle.num_pages]
         here = self._place(handle)
+        self._ensure("transfer")
         self.cache, self.last_tokens = self._insert(
             self.cache, self.last_tokens, here.k, here.v, ids, np.int32(slot), here.next_token)
         return here
@@ -1038,75 +1119,160 @@ class Engine:
 
     # -- warm-up and accounting ---------------------------------------------------------------
 
-    def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Compiles every program. Runs them with nothing to write, so no page changes (decode
-        runs padding rows only, which write nothing and leave `last_tokens` as it was)."""
+    def program_groups(self, warmup: str = "all") -> tuple[str, ...]:
+        """The groups of programs (`GROUPS`) this engine's role and configuration run; with
+        warmup="needed", those every request needs (prefill and decode, and moving KV for one
+        engine of a disaggregated pair), which warm-up compiles: the rest compile on first use."""
+        if warmup not in WARMUPS:
+            raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
         cfg = self.config
-        # Packs mix sequences, so any token bucket can meet any page-table width.
-        prefill_shapes = [(t, w) for t in cfg.prefill_buckets for w in cfg.prefill_page_buckets]
-        decode_shapes = [(self._decode_batched, w) for w in cfg.batched_decode_page_buckets]
-        decode_shapes += [(self._decode, w) for w in cfg.decode_page_buckets]
-        if cfg.role == "decode":
-            prefill_shapes = []
-        if cfg.role == "prefill":
-            decode_shapes = []
-        token = tokens = None  # the last program's outputs, waited for at the end
-        # A split decode step (`structured_output`): each forward program, and the sampling.
-        split = len(decode_shapes) + 1 if cfg.structured_output else 0
-        total = (len(prefill_shapes) + (len(decode_shapes) + split) * len(cfg.decode_batch_buckets)
-                 + len(cfg.page_buckets) + (len(cfg.prefill_page_buckets) if prefill_shapes else 0))
-        done = 0
-        # ... and the scoring program, once per page-table width (its one token bucket).
-        scored = [(cfg.score_bucket, w, True) for w in cfg.prefill_page_buckets] if prefill_shapes else []
-        for t, width, scoring in [(t, w, False) for t, w in prefill_shapes] + scored:
+        groups = [g for g in GROUPS if not (
+            (cfg.role == "decode" and g in ("prefill", "scoring"))
+            or (cfg.role == "prefill" and g in ("decode", "structured"))
+            or (g == "structured" and not cfg.structured_output))]
+        if warmup == "needed":
+            groups = [g for g in groups if g in ("prefill", "decode")
+                      or (g == "transfer" and cfg.role != "both")]
+        return tuple(groups)
+
+    def warm_programs(self, groups: Sequence[str] | None = None) -> list[WarmProgram]:
+        """The programs of `groups` (default: every group this engine runs), in warm-up's order,
+        over abstract device buffers: what `warmup` and `prepare` compile."""
+        cfg, vocab = self.config, self.vocab_size
+        groups = set(self.program_groups() if groups is None else groups)
+        params, decode_params, rope, cache, last, history = self._specs
+        i32 = np.int32(0)
+        out: list[WarmProgram] = []
+
+        def add(group, name, fn, *args):
+            if group in groups:
+                out.append(WarmProgram(group, name, fn, args))
+
+        def rows(n):
+            return sampling_rows([RequestSampling()] * n)
+
+        # Packs mix sequences, so any token bucket can meet any page-table width; the scoring
+        # program has one token bucket.
+        shapes = [(t, w, "prefill") for t in cfg.prefill_buckets for w in cfg.prefill_page_buckets]
+        shapes += [(cfg.score_bucket, w, "scoring") for w in cfg.prefill_page_buckets]
+        for t, width, group in shapes:
             pack = empty_pack(t, width, cfg.pack_block, cfg.num_slots, cfg.chunks_per_program)
-            rows = sampling_rows([RequestSampling()] * len(pack.steps))
-            token = self._run_pack(pack, rows, all_allowed(len(pack.steps), self.vocab_size),
-                                   np.full(t, -1, np.int32) if scoring else None)[0]
-            done += 1
-            if progress:
-                progress(done, total)
-        for program, width in decode_shapes:
+            n = len(pack.steps)
+            scored = (np.full(t, -1, np.int32),) if group == "scoring" else ()
+            add(group, f"{'prefill_scored' if scored else 'prefill'}[tokens={t},pages={width}]",
+                self._prefill_scored if scored else self._prefill, params, rope, cache, last,
+                history, pack.tokens, pack.positions, pack.lengths, pack.tables, pack.logit_index,
+                pack.steps, pack.write_slot, pack.sampling_slot, rows(n), all_allowed(n, vocab),
+                *scored)
+        decode = [("decode_batched", self._decode_batched, self._decode_forward_batched, w)
+                  for w in cfg.batched_decode_page_buckets]
+        decode += [("decode", self._decode, self._decode_forward, w) for w in cfg.decode_page_buckets]
+        for name, program, _, width in decode:
             for batch in cfg.decode_batch_buckets:
-                (tokens, _), self.cache, self.last_tokens, self.history = program(
-                    self.decode_params, self.rope, self.cache, self.last_tokens, self.history,
-                    np.full(batch, cfg.num_slots, np.int32), np.zeros(batch, np.int32),
-                    np.zeros((batch, width), np.int32), sampling_rows([RequestSampling()] * batch),
-                    np.int32(1),
-                )
-                done += 1
-                if progress:
-                    progress(done, total)
-        if cfg.structured_output and decode_shapes:
-            halves = {self._decode: self._decode_forward, self._decode_batched: self._decode_forward_batched}
+                add("decode", f"{name}[batch={batch},pages={width}]", program, decode_params, rope,
+                    cache, last, history, np.full(batch, cfg.num_slots, np.int32),
+                    np.zeros(batch, np.int32), np.zeros((batch, width), np.int32), rows(batch),
+                    np.int32(1))
+        if "structured" in groups:
             for batch in cfg.decode_batch_buckets:
-                rows, zeros = np.full(batch, cfg.num_slots, np.int32), np.zeros(batch, np.int32)
-                sampling = sampling_rows([RequestSampling()] * batch)
-                for program, width in decode_shapes:
-                    logits, self.cache = halves[program](
-                        self.decode_params, self.rope, self.cache, self.last_tokens, rows, zeros,
-                        np.zeros((batch, width), np.int32), sampling)
-                (tokens, _), self.last_tokens, self.history = self._decode_sample(
-                    logits, self.last_tokens, self.history, rows, zeros, sampling,
-                    all_allowed(batch, self.vocab_size))
-                done += len(decode_shapes) + 1
-                if progress:
-                    progress(done, total)
-        for width in cfg.page_buckets:  # extract and insert of page 0 into nothing: no change
-            handle = self._extract(self.cache, self.last_tokens, np.zeros(width, np.int32), np.int32(0))
-            k, v, token0 = handle
-            self.cache, self.last_tokens = self._insert(
-                self.cache, self.last_tokens, k, v, np.full(width, self.num_pages, np.int32),
-                np.int32(0), token0)
-            done += 1
-            if progress:
-                progress(done, total)
-        # The history of a slot nobody holds: rewritten whole by whoever takes it with penalties.
-        self.set_history(0, [])
-        self.copy_pages([], [])
-        jax.block_until_ready([x for x in (token, tokens, self.cache, self.last_tokens, self.history)
-                               if x is not None])
-        self._warm_compiles = compile_counter.count()
+                slots, zeros = np.full(batch, cfg.num_slots, np.int32), np.zeros(batch, np.int32)
+                for name, _, forward_program, width in decode:
+                    add("structured", f"{name.replace('decode', 'decode_forward')}[batch={batch},"
+                        f"pages={width}]", forward_program, decode_params, rope, cache, last, slots,
+                        zeros, np.zeros((batch, width), np.int32), rows(batch))
+                logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32, sharding=last.sharding)
+                add("structured", f"decode_sample[batch={batch}]", self._decode_sample, logits,
+                    last, history, slots, zeros, rows(batch), all_allowed(batch, vocab))
+        mc = self.compute_config
+        for width in cfg.page_buckets:  # a KVHandle's arrays: [layers, kv_heads, P, page_size, d]
+            kv = jax.ShapeDtypeStruct((mc.num_layers, mc.num_kv_heads, width, cfg.page_size,
+                                       mc.head_dim), cache.k[0].dtype, sharding=self._handle_sharding)
+            add("transfer", f"extract[pages={width}]", self._extract, cache, last,
+                np.zeros(width, np.int32), i32)
+            add("transfer", f"insert[pages={width}]", self._insert, cache, last, kv, kv,
+                np.zeros(width, np.int32), i32,
+                jax.ShapeDtypeStruct((), jnp.int32, sharding=last.sharding))
+        add("history", "history", self._history, history, i32, np.zeros(cfg.max_seq_len, np.int32), i32)
+        add("copy", "copy", self._copy, cache, np.zeros(cfg.num_slots, np.int32),
+            np.zeros(cfg.num_slots, np.int32))
+        return out
+
+    def warmup(self, progress: Callable[[int, int, str], None] | None = None,
+               warmup: str = "all", workers: int | None = None) -> None:
+        """Compiles the programs of `program_groups(warmup)` ("all": every program this engine
+        can run; "needed": those every request runs, the rest on first use), `workers` at a time
+        (`compile_programs`): each is traced and lowered here, one after another, and compiled
+        on a pool thread. Nothing runs,
+        so no device state changes. `progress(done, total, name)` follows each compile."""
+        groups = self.program_groups(warmup)
+        programs = self.warm_programs(groups)
+        compile_programs(programs, progress, workers)
+        with self._lock:
+            self._ready = set(groups)
+        self._warm_compiles = compile_counter.count() - compile_counter.on_demand_count()
+        self._warm_on_demand = compile_counter.on_demand_count()
+
+    def ready(self, group: str) -> bool:
+        """Whether `group`'s programs are compiled (or compile inline, on an engine never warmed
+        up, as any jitted function does)."""
+        return self._warm_compiles is None or group in self._ready or group not in self.program_groups()
+
+    def prepare(self, groups: Sequence[str]) -> Future | None:
+        """Starts compiling the programs of `groups` that are not compiled yet, on a thread of
+        the engine's own, and returns at once: None when there is nothing to wait for, else a
+        future done when all are compiled (its exception: why one failed). A group compiles
+        once, whoever asks first; the others wait on the same future. The scheduler parks a
+        request that needs one until it is done (`scheduler.scheduler`), so other requests
+        never wait for it; a direct call (`_ensure`) waits."""
+        missing = [g for g in groups if not self.ready(g)]
+        if not missing:
+            return None
+        with self._lock:
+            futures = []
+            for group in missing:
+                if group not in self._compiling:
+                    programs = self.warm_programs([group])
+                    self._compiling[group] = self._compiler.submit(self._compile_group, group, programs)
+                futures.append(self._compiling[group])
+        if len(futures) == 1:
+            return futures[0]
+        both: Future = Future()
+        pending = [len(futures)]
+
+        def one_done(f: Future) -> None:
+            with self._lock:
+                pending[0] -= 1
+                last = pending[0] == 0
+            if f.exception() is not None and not both.done():
+                both.set_exception(f.exception())
+            elif last and not both.done():
+                both.set_result(None)
+
+        for f in futures:
+            f.add_done_callback(one_done)
+        return both
+
+    def _compile_group(self, group: str, programs: list[WarmProgram]) -> None:
+        start = time.monotonic()
+        with compile_counter.on_demand():
+            compile_programs(programs, workers=1)
+        with self._lock:
+            self._ready.add(group)
+        logging.info("compiled %s on first use (%d programs, %.1f s)", group, len(programs),
+                     time.monotonic() - start)
+
+    def _ensure(self, group: str) -> None:
+        """Before a program of `group` runs: compiled on demand if warm-up left it out."""
+        future = self.prepare([group])
+        if future is not None:
+            future.result()
+
+    @property
+    def compilations_on_demand(self) -> int:
+        """Compilations of programs warm-up left for their first use, since warm-up."""
+        if self._warm_compiles is None:
+            return 0
+        return compile_counter.on_demand_count() - self._warm_on_demand
 
     @property
     def num_pages(self) -> int:
@@ -1118,9 +1284,10 @@ class Engine:
 
     @property
     def compilations_after_warmup(self) -> int:
+        """Compilations since warm-up, those of programs compiled on first use excepted."""
         if self._warm_compiles is None:
             return 0
-        return compile_counter.count() - self._warm_compiles
+        return compile_counter.count() - compile_counter.on_demand_count() - self._warm_compiles
 
     @property
     def vocab_size(self) -> int:

@@ -185,6 +185,9 @@ class Request:
         self.fork_tail: int | None = None
         self.fork_hold: list[int] = []
         self.fork_copy_at: int | None = None
+        # The engines' programs it needs that warm-up left for their first use, compiling
+        # (`Engine.prepare`): it waits until they are done, while others run.
+        self.compiling: list = []
         self.preemptions = 0
         self.output_ids: list[int] = []
         self.token_times: list[float] = []

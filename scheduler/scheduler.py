@@ -528,6 +528,12 @@ class Scheduler:
         return min(e.compilations_after_warmup for e in self.engines)
 
     @property
+    def compilations_on_demand(self) -> int:
+        """Compilations of programs warm-up left for their first use (`--warmup=needed`),
+        counted apart from `compilations_after_warmup` (also process-wide)."""
+        return max(getattr(e, "compilations_on_demand", 0) for e in self.engines)
+
+    @property
     def kv_cache_bytes(self) -> int:
         return sum(e.kv_cache_bytes for e in self.engines)
 
@@ -716,7 +722,8 @@ class Scheduler:
     def _plan(self, pool: Pool) -> Plan:
         # A request with a result still in flight (disaggregated: preempted on the decode pool
         # while its last step runs) is admitted again only once that result is applied.
-        waiting = [r for r in self._waiting if not r.unapplied and not _awaits_parent(r)]
+        waiting = [r for r in self._waiting
+                   if not r.unapplied and not r.compiling and not _awaits_parent(r)]
         return make_plan(pool.running, waiting, len(pool.free_slots), self.config.policy,
                          self._page_budget(pool), self._prefill_limit(pool))
 
@@ -801,13 +808,54 @@ class Scheduler:
 
     def _take_inbox(self) -> None:
         with self._lock:
-            self._waiting.extend(self._inbox)
+            taken = list(self._inbox)
+            self._waiting.extend(taken)
             self._inbox.clear()
             cancels, self._cancels = self._cancels, []
         now = time.monotonic()
         for r in cancels:
             if not r.finished:
                 self._finish(r, FinishReason.ABORT, now)
+        for r in taken:
+            self._prepare(r)
+        self._check_compiled(now)
+
+    @staticmethod
+    def _program_groups(r: Request) -> tuple[str, ...]:
+        """The engines' program groups (`engine.engine.GROUPS`) `r` runs besides prefill and
+        decode."""
+        p = r.params
+        wanted = {"scoring": p.prompt_logprobs, "structured": p.grammar is not None,
+                  "history": p.sampling.penalized, "copy": r.fork_parent is not None}
+        return tuple(group for group, needed in wanted.items() if needed)
+
+    def _prepare(self, r: Request) -> None:
+        """Starts compiling the programs `r` needs that warm-up left for their first use, on
+        the engines' own threads; `r` waits in the queue until they are done (`_plan` passes it
+        over), while the loop serves the others."""
+        groups = self._program_groups(r)
+        for engine in self.engines if groups else ():
+            prepare = getattr(engine, "prepare", None)  # (test doubles compile nothing)
+            future = prepare(groups) if prepare is not None else None
+            if future is not None:
+                r.compiling.append(future)
+                future.add_done_callback(self._compiled)
+
+    def _compiled(self, future) -> None:
+        with self._lock:
+            self._changed()
+
+    def _check_compiled(self, now: float) -> None:
+        """Waiting requests whose programs finished compiling may be admitted; one whose
+        programs failed to compile fails."""
+        for r in [r for r in self._waiting if r.compiling]:
+            if not all(f.done() for f in r.compiling):
+                continue
+            errors = [f.exception() for f in r.compiling if f.exception() is not None]
+            r.compiling = []
+            if errors:
+                self._fail_one(r, f"its programs failed to compile: {type(errors[0]).__name__}: "
+                                  f"{errors[0]}", now)
 
     def _admit(self, plan: Plan, pool: Pool, now: float) -> None:
         for r in plan.preempt:  # lower priorities making room for those admitted

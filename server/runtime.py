@@ -18,7 +18,7 @@ import functools
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from cadence.checkpoints.registry import DEFAULT_MODEL, LoadedModel, cache_dir, load_model, resolve
 from cadence.engine import multihost
-from cadence.engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig
+from cadence.engine.engine import DEFAULT_PAGE_SIZE, WARMUPS, Engine, EngineConfig
 from cadence.model import cpu_kernels
 from cadence.model.paged_kv import pages_for_bytes
 from cadence.model.params import MATRICES, cast_bytes, param_specs
@@ -107,6 +107,17 @@ def _parses(parse):
 flags.register_validator("priority_classes", _parses(PriorityClasses.parse))
 flags.register_validator("slo_ttft", _parses(lambda v: SLO.parse(ttft=v)))
 flags.register_validator("slo_itl", _parses(lambda v: SLO.parse(itl=v)))
+WARMUP = flags.DEFINE_enum(
+    "warmup", "needed", WARMUPS,
+    "Which programs warm-up compiles before /health says ok. needed: those every request runs "
+    "(prefill and decode); the programs only some requests run (echo and prompt logprobs, "
+    "response formats and forced tool calls, penalties, n > 1) compile on first use, on a "
+    "thread of their own, while the request that needs them waits (others do not). all: every "
+    "program first, so no request ever waits for a compile (benchmarks, steady latency).")
+_WARMUP_THREADS = flags.DEFINE_integer(
+    "warmup_threads", None,
+    "Programs compiled at once during warm-up (default: one per two cores).",
+    lower_bound=1)
 _STRUCTURED_OUTPUT = flags.DEFINE_bool(
     "structured_output", True,
     "Serve response_format and forced tool calls: compiles the two halves of a decode step that "
@@ -185,8 +196,8 @@ class Runtime:
     scheduler: Scheduler
     warmup_seconds: float
 
-    def warm_up(self) -> float:
-        return warm_up(self.engines)
+    def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> float:
+        return warm_up(self.engines, progress)
 
     def grammars(self) -> GrammarCompiler | None:
         """A grammar compiler for the model (structured output), or None where it is off."""
@@ -420,21 +431,43 @@ def scheduler_config_from_flags(model_name: str) -> SchedulerConfig:
                            priority_classes=classes, slo=slo)
 
 
-def warm_up(engines: Sequence[Engine]) -> float:
-    """Compiles every program of every engine with a progress bar; returns the seconds it took."""
+def warm_up(engines: Sequence[Engine], progress: Callable[[int, int, str], None] | None = None,
+            warmup: str | None = None) -> float:
+    """Compiles the programs of every engine that --warmup names, with a progress bar naming
+    each as it is compiled, and `progress(done, total, name)` over all engines; returns the
+    seconds it took."""
+    warmup = warmup or WARMUP.value
     start = time.monotonic()
-    for engine in engines:
-        role = "" if engine.config.role == "both" else f" {engine.config.role} engine"
-        with tqdm(desc=f"warm-up{role} (compiling)", unit="program", file=sys.stderr, leave=False) as bar:
+    # A multi-host engine's followers warm up whatever it sends them: everything.
+    plans = [(e, "all" if isinstance(e, multihost.Leader) else warmup) for e in engines]
+    counts = [len(e.warm_programs(e.program_groups(mode))) for e, mode in plans]
+    total, offset = sum(counts), 0
+    later = sorted({g for e, _ in plans for g in e.program_groups("all")}
+                   - {g for e, mode in plans for g in e.program_groups(mode)})
+    print(f"cadence: warm-up compiles {total} programs (--warmup={warmup})"
+          + (f"; on first use: {', '.join(later)}" if later else ""), file=sys.stderr)
+    with tqdm(desc="warm-up (compiling)", total=total, unit="program", file=sys.stderr,
+              leave=False) as bar:
+        if progress is not None:
+            progress(0, total, "")
+        for (engine, mode), count in zip(plans, counts):
+            role = "" if engine.config.role == "both" else f"{engine.config.role} engine: "
 
-            def progress(done: int, total: int) -> None:
-                bar.total = total
-                bar.update(done - bar.n)
+            def one(done: int, _total: int, name: str = "", base: int = offset) -> None:
+                bar.set_postfix_str(f"{role}{name}", refresh=False)
+                bar.update(base + done - bar.n)
+                logging.info("compiled %s%s (%d/%d)", role, name, base + done, total)
+                if progress is not None:
+                    progress(base + done, total, f"{role}{name}")
 
-            engine.warmup(progress)
+            if isinstance(engine, Engine):
+                engine.warmup(one, warmup=mode, workers=_WARMUP_THREADS.value)
+            else:
+                engine.warmup(one)
+            offset += count
     seconds = time.monotonic() - start
     logging.info("warm-up took %.1f s", seconds)
-    print(f"cadence: warm-up compiled every program in {seconds:.1f} s", file=sys.stderr)
+    print(f"cadence: warm-up compiled {total} programs in {seconds:.1f} s", file=sys.stderr)
     return seconds
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import jax
 import numpy as np
 import pytest
 
+from cadence.engine import compile_counter
 from cadence.engine.engine import Engine, EngineConfig, bucket_for, ladder, sampling_rows
 from cadence.engine.packing import PrefillChunk
 from cadence.engine.reference import greedy_generate
@@ -176,15 +179,81 @@ def test_pool_bytes_are_readable_while_a_program_holds_the_pool(engine):
 def test_warmup_compiles_every_program(tiny_params, tiny_config):
     cfg = EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=32, min_kv_bucket=64)
     e = Engine(tiny_params, tiny_config, cfg)
+    before = compile_counter.count()
     e.warmup()
+    programs = [p.name.split("[")[0] for p in e.warm_programs()]
+    # Each once (fewer where another engine of this process lowered the same program already).
+    assert 0 < compile_counter.count() - before <= len(programs)
     # One width per token bucket: the XLA prefill walks each tile's own pages, whatever the width.
     assert cfg.prefill_page_buckets == (cfg.max_pages_per_seq,)
-    assert e._prefill._cache_size() == len(cfg.prefill_buckets)
+    assert programs.count("prefill") == len(cfg.prefill_buckets)
     batches = len(cfg.decode_batch_buckets)
     assert cfg.decode_batch_buckets == (1, 2)
-    assert e._decode._cache_size() == len(cfg.decode_page_buckets) * batches == 2  # one width: it skips pages itself
-    assert e._decode_batched._cache_size() == len(cfg.batched_decode_page_buckets) * batches == len(cfg.page_buckets) * 2
+    assert programs.count("decode") == len(cfg.decode_page_buckets) * batches == 2  # one width: it skips pages itself
+    assert programs.count("decode_batched") == len(cfg.batched_decode_page_buckets) * batches == len(cfg.page_buckets) * 2
+    assert {"prefill_scored", "extract", "insert", "history", "copy"} <= set(programs)
     jax.block_until_ready(e.cache)
+
+
+def test_needed_warmup_compiles_the_rest_on_first_use_once(tiny_params, tiny_config):
+    """warmup="needed" compiles prefill and decode; a group left out compiles once, on the
+    engine's own thread (`prepare`), or when a call needs it; neither counts as a compilation
+    after warm-up, and nothing compiles a second time."""
+    # Shapes of its own: a program another engine of this process lowered would not lower again.
+    cfg = EngineConfig(num_slots=3, max_seq_len=96, prefill_chunk=32, min_kv_bucket=32,
+                       page_size=32, structured_output=True)
+    e = Engine(tiny_params, tiny_config, cfg)
+    assert e.program_groups("needed") == ("prefill", "decode")
+    assert e.program_groups("all") == ("prefill", "scoring", "decode", "structured", "transfer",
+                                       "history", "copy")
+    e.warmup(warmup="needed")
+    assert e.ready("decode") and not e.ready("history") and not e.ready("copy")
+    first = e.prepare(["history"])
+    assert e.prepare(["history"]) is first  # one compile, whoever asks
+    first.result(timeout=60)
+    assert e.ready("history") and e.prepare(["history"]) is None
+    assert e.compilations_on_demand == 1 and e.compilations_after_warmup == 0
+    e.set_history(0, [5, 6])
+    e.copy_pages([0], [1])  # compiled on the call, synchronously
+    jax.block_until_ready(e.cache)
+    assert e.ready("copy") and e.compilations_on_demand == 2
+    assert e.compilations_after_warmup == 0
+    e.set_history(1, [7])
+    assert e.compilations_on_demand == 2 and e.compilations_after_warmup == 0
+
+
+def test_a_request_waits_for_its_programs_while_others_run(tiny_params, tiny_config, tiny_tokenizer):
+    """With warmup="needed", a penalized request parks while its program compiles on the
+    engine's thread; a plain request submitted with it runs to the end meanwhile; then the
+    penalized one runs, and nothing counts as a compilation after warm-up."""
+    cfg = EngineConfig(num_slots=3, max_seq_len=96, prefill_chunk=32, min_kv_bucket=32, page_size=32)
+    e = Engine(tiny_params, tiny_config, cfg)
+    e.warmup(warmup="needed")
+    gate, compile_group = threading.Event(), e._compile_group
+
+    def slow(group, programs):
+        assert gate.wait(60)
+        compile_group(group, programs)
+
+    e._compile_group = slow
+    sched = make_scheduler(e, tiny_tokenizer, chunk=32, budget=48)
+    penalized = sched.submit([5, 6, 7], GenerationParams(max_tokens=4, sampling=RequestSampling(
+        presence_penalty=0.5)))
+    plain = sched.submit([8, 9], GenerationParams(max_tokens=4))
+    for _ in range(50):
+        sched.step()
+        if plain.request.finished:
+            break
+    assert plain.request.finished and len(plain.request.output_ids) == 4
+    assert not penalized.request.output_ids and sched.num_waiting == 1
+    gate.set()
+    deadline = time.monotonic() + 60
+    while not sched.idle():
+        assert time.monotonic() < deadline
+        sched.step()
+        time.sleep(0.01)
+    assert len(penalized.request.output_ids) == 4
+    assert e.compilations_after_warmup == 0 and sched.compilations_on_demand >= 0 and e.ready("history")
 
 
 @pytest.mark.parametrize("contexts", [[9, 40, 120], [9, 300, 120]], ids=["batched", "length-following"])
