@@ -277,7 +277,7 @@ class Output:
         """Closes the open item; `status` is the answer's: "completed" or "incomplete"."""
         if self.parser is not None:
             self._parsed(self.parser.finish())
-        if not self.items:  # an empty answer is still a message
+        if not self.output:  # an empty answer (or one of abandoned calls) is still a message
             self._content("", force=True)
         self._close(status)
 
