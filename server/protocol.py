@@ -67,8 +67,9 @@ _NEUTRAL.update(_SGLANG_NEUTRAL)
 # Fields that change nothing cadence does: accepted and ignored. (`reasoning_effort` and
 # `verbosity` steer reasoning models and the newest OpenAI ones; cadence serves neither kind, and
 # vLLM ignores them likewise for a model that does not reason.)
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
-                            "safety_identifier", "reasoning_effort", "verbosity"})
+IGNORED_FIELDS: dict[str, type] = {
+    "user": str, "metadata": dict, "store": bool, "service_tier": str, "prompt_cache_key": str,
+    "safety_identifier": str, "reasoning_effort": str, "verbosity": str}
 MAX_PROMPTS = 256  # prompts in one batched completions request
 _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format",
                      *requests.SAMPLING_FIELDS})
@@ -140,7 +141,9 @@ def _known(body: Any, allowed: Collection[str]) -> dict:
 
 
 def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults, max_n: int) -> ParsedRequest:
-    _known(body, _ALLOWED[chat] | _NEUTRAL.keys() | IGNORED_FIELDS)
+    _known(body, _ALLOWED[chat] | _NEUTRAL.keys() | IGNORED_FIELDS.keys())
+    for name, kind in IGNORED_FIELDS.items():  # ignored, but only as what they are
+        requests.field(body, name, (kind,))
     for name, neutral in _NEUTRAL.items():
         if body.get(name) is not None and not any(_same(body[name], n) for n in neutral):
             raise SubmissionError(f'"{name}" is not supported by cadence (only its neutral value '

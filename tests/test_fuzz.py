@@ -405,7 +405,7 @@ json_scalar = st.one_of(st.integers(-(2**70), 2**70).map(str), st.sampled_from(
     ["0", "-1", "1", "2147483648", "4294967296", "18446744073709551616", "true", "null", '""', '"x"',
      "0.5", "-0.0", "[]", "{}", '["x"]']))
 NUMERIC_FIELDS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "n"]
-BAD_IDS = ["[-1]", "[512]", "[2147483648]", "[1e999]", "[true]", "[1.5]", "[[1, 2], [3]]", "[[]]",
+BAD_IDS = ["[-1]", "[512]", "[2147483648]", "[1e999]", "[true]", "[1.5]", "[[1, 2], [-3]]", "[[]]",
            "[" + "9" * 5000 + "]", "[[-1]]", '[["a"]]', "[[1, [2]]]", "[]"]
 BAD_PARTS = ['{"type": "image_url", "image_url": {"url": "x"}}', '{"type": "text"}', '{"type": "text", "text": 5}',
              '"hi"', "null", '{"type": "text", "text": "\\ud800"}', '{"text": "hi"}']
