@@ -383,7 +383,9 @@ def _padded(n: int) -> int:
 def decode_params(params: dict[str, Any], packed: dict[tuple[str, ...], Any] | None = None) -> dict[str, Any]:
     """The tree a decode program reads with the kernel: every `kernel` [in, out] replaced by
     `kernel_blocked`, and the embedding given `embedding_blocked` beside it (its transpose,
-    blocked: the tied LM head); float32 or int8 as given (int8 keeps its `_scale` leaves).
+    blocked: the tied LM head) where the head is tied (no `lm_head` in the tree: an untied
+    model's head is lm_head's own matrix, and its embedding only a lookup table); float32 or
+    int8 as given (int8 keeps its `_scale` leaves).
     `packed`: matrices already in a grouped format (`pack_grouped`; GGUF's own blocks, from
     `checkpoints.gguf.load_packed`) by their path in `params`, which the kernel reads instead
     of blocking the float matrix (the embedding's entry is the tied head's; the lookup table
@@ -392,6 +394,7 @@ def decode_params(params: dict[str, Any], packed: dict[tuple[str, ...], Any] | N
     and each longer to split over the threads (a decode step of SmolLM2-135M at 8 rows 1-3%
     faster, interleaved A/B on a 2-core EPYC). Everything else is the same array."""
     packed = packed or {}
+    tied = "lm_head" not in params
 
     def fusible(parts: list[Any]) -> bool:
         """Projections alike: blocked matrices of one dtype and layout, with the same
@@ -423,7 +426,7 @@ def decode_params(params: dict[str, Any], packed: dict[tuple[str, ...], Any] | N
         node = {name: convert(child, path + (name,)) for name, child in node.items()}
         if "kernel" in node:
             node["kernel_blocked"] = matrix(path + ("kernel",), node.pop("kernel"))
-        if "embedding" in node:
+        if "embedding" in node and tied:
             node["embedding_blocked"] = matrix(path + ("embedding",), node["embedding"])
         for name, parts in FUSED.items():
             if fusible([node.get(p) for p in parts]):

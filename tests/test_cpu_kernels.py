@@ -125,6 +125,30 @@ def test_decode_params_block_every_matrix(tiny_params):
 
 
 @needs_cpu_kernels
+def test_an_untied_head_leaves_the_embedding_a_lookup_table():
+    """With an lm_head of its own, the embedding gets no blocked copy: decode never reads it
+    as a matrix (Qwen2.5-0.5B's would be 519 MiB of float32), and a decode step's logits on
+    the kernels are XLA's."""
+    from cadence.model.llama import forward
+    from cadence.model.paged_kv import PagedKVCache
+    from tests.conftest import random_params
+    from tests.test_hf_and_store import QWEN_TINY
+
+    params = random_params(QWEN_TINY)
+    tree = cpu_kernels.decode_params(params)
+    assert set(tree["embed"]) == {"embedding"} and "kernel_blocked" in tree["lm_head"]
+    rng = np.random.default_rng(4)
+    cache = PagedKVCache.create(QWEN_TINY, 8, 8)
+    cache = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), cache)
+    step = jax.jit(forward, static_argnames=("config", "attention"))
+    args = (np.array([[3], [77]], np.int32), np.array([[5], [20]], np.int32), np.ones(2, np.int32),
+            cache, np.arange(6, dtype=np.int32).reshape(2, 3))
+    got = step(tree, *args, config=QWEN_TINY, attention="cpu")[0]
+    want = step(params, *args, config=QWEN_TINY, attention="xla")[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
+
+
+@needs_cpu_kernels
 @pytest.mark.parametrize("int8", [False, True])
 def test_fused_matmul_matches_each_projection(int8):
     """Parts whose widths are not multiples of 16 (each padded to its blocks), with biases and,
