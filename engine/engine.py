@@ -191,8 +191,22 @@ class EngineConfig:
 
     @property
     def score_bucket(self) -> int:
-        """Tokens of the scoring prefill program (`PrefillChunk.targets`): one chunk."""
+        """Tokens of the largest scoring prefill program (`PrefillChunk.targets`): one chunk."""
         return bucket_for(self.prefill_buckets, -(-self.prefill_chunk // self.pack_block) * self.pack_block)
+
+    @property
+    def score_buckets(self) -> tuple[int, ...]:
+        """Tokens of the scoring prefill programs: prefill buckets each at least 4x the one
+        before, up to `score_bucket`. A scored chunk runs alone, so its program is sized to it
+        (a short prompt's logits at 16 positions, not a whole chunk's), within 4x, in few
+        programs."""
+        buckets: list[int] = []
+        for t in self.prefill_buckets:
+            if t <= self.score_bucket and (not buckets or t >= 4 * buckets[-1]):
+                buckets.append(t)
+        if buckets[-1] != self.score_bucket:
+            buckets.append(self.score_bucket)
+        return tuple(buckets)
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
@@ -862,7 +876,7 @@ class Engine:
         if scored:
             self._ensure("scoring")
         for i in scored:  # a chunk whose every position is scored runs alone, in its program
-            p = pack([chunks[i]], token_buckets=(cfg.score_bucket,))[0]
+            p = pack([chunks[i]], token_buckets=cfg.score_buckets)[0]
             targets = np.full(p.tokens.size, -1, np.int32)
             targets[: len(chunks[i].targets)] = np.asarray(chunks[i].targets, np.int32)
             (score,) = run(p, targets)
@@ -1151,10 +1165,10 @@ class Engine:
         def rows(n):
             return sampling_rows([RequestSampling()] * n)
 
-        # Packs mix sequences, so any token bucket can meet any page-table width; the scoring
-        # program has one token bucket.
+        # Packs mix sequences, so any token bucket can meet any page-table width; so can a
+        # scored chunk's.
         shapes = [(t, w, "prefill") for t in cfg.prefill_buckets for w in cfg.prefill_page_buckets]
-        shapes += [(cfg.score_bucket, w, "scoring") for w in cfg.prefill_page_buckets]
+        shapes += [(t, w, "scoring") for t in cfg.score_buckets for w in cfg.prefill_page_buckets]
         for t, width, group in shapes:
             pack = empty_pack(t, width, cfg.pack_block, cfg.num_slots, cfg.chunks_per_program)
             n = len(pack.steps)

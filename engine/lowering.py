@@ -101,7 +101,7 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, *, weights:
 
     if cfg.role != "decode":
         shapes = [(t, w, "prefill") for t in cfg.prefill_buckets for w in cfg.prefill_page_buckets]
-        shapes += [(cfg.score_bucket, w, "prefill_scored") for w in cfg.prefill_page_buckets]
+        shapes += [(t, w, "prefill_scored") for t in cfg.score_buckets for w in cfg.prefill_page_buckets]
         for t, width, field in shapes:
             pack = empty_pack(t, width, cfg.pack_block, cfg.num_slots, cfg.chunks_per_program)
             n = len(pack.steps)

@@ -73,10 +73,10 @@ def _lower_all(model_config, config, verified):
 
 
 def test_smollm2_gpu_engine_lowers_for_cuda(triton_verifications):
-    """SmolLM2-135M's GPU engine (8 slots, 4k context): 31 programs, ~20 s."""
+    """SmolLM2-135M's GPU engine (8 slots, 4k context): 34 programs, ~20 s."""
     config = gpu_engine_config(num_slots=8)
     programs = _lower_all(SMOLLM2_135M, config, triton_verifications)
-    assert len(programs) == 31
+    assert len(programs) == 34
     names = {p.name for p in programs}
     assert {f"decode[batch={b},pages=64]" for b in config.decode_batch_buckets} <= names
 
@@ -86,8 +86,8 @@ def test_llama3_8b_gpu_engine_lowers_for_cuda(triton_verifications):
     """Llama-3-8B's GPU engine at 64 slots (every batch bucket 1..64): nothing allocated."""
     config = gpu_engine_config()
     programs = _lower_all(LLAMA3_8B, config, triton_verifications)
-    assert len(programs) == len(config.prefill_buckets) + 1 + 3 * len(config.decode_batch_buckets) \
-        + 2 * len(config.page_buckets) + 2
+    assert len(programs) == (len(config.prefill_buckets) + len(config.score_buckets)
+                             + 3 * len(config.decode_batch_buckets) + 2 * len(config.page_buckets) + 2)
 
 
 def test_gpu_check_records_a_part_that_times_out_and_runs_the_next(tmp_path, monkeypatch):
