@@ -327,24 +327,27 @@ inline void nibbles(const uint8_t* p, __m128i& even, __m128i& odd) {
 }
 
 // k-rows [k, k + 8 / kBits) of codes split into nibble pairs and a plane of kBits high bits a
-// k-row, as int8: low | high << 4, less kOffset. The plane's byte is shifted right kBits a
-// k-row, so its lowest bits are the next k-row's (16-bit shifts: the bits that cross into the
-// neighbouring byte are masked off).
+// k-row, as int8: low | high << 4, less kOffset. Two k-rows at a time in one 256-bit register,
+// the even one in the low lane: a byte of pairs in both lanes, shifted 0 and 4, and the plane's
+// byte in both, the high lane shifted kBits further, so the lowest bits of each lane's bytes
+// are its k-row's; then both shift right 2 kBits for the next two k-rows (shifts of 16 and 64
+// bits: the bits that cross into a neighbouring byte land above the ones read, and are masked).
 template <int kBits, int kOffset>
 inline void split_codes(const uint8_t* pairs, const uint8_t* high, int64_t k, __m128i* q) {
   constexpr int kPerByte = 8 / kBits;
-  const __m128i mask = _mm_set1_epi8(static_cast<char>(((1 << kBits) - 1) << 4));
-  __m128i h = load16(high + k / kPerByte * kBlock);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << kBits) - 1) << 4));
+  const __m256i halves = _mm256_set_epi64x(4, 4, 0, 0);
+  __m256i h = _mm256_srlv_epi64(_mm256_broadcastsi128_si256(load16(high + k / kPerByte * kBlock)),
+                                _mm256_set_epi64x(kBits, kBits, 0, 0));
   for (int j = 0; j < kPerByte; j += 2) {
-    __m128i even, odd;
-    nibbles(pairs + (k + j) / 2 * kBlock, even, odd);
-    q[j] = _mm_or_si128(even, _mm_and_si128(_mm_slli_epi16(h, 4), mask));
-    h = _mm_srli_epi16(h, kBits);
-    q[j + 1] = _mm_or_si128(odd, _mm_and_si128(_mm_slli_epi16(h, 4), mask));
-    h = _mm_srli_epi16(h, kBits);
-  }
-  if constexpr (kOffset != 0) {
-    for (int j = 0; j < kPerByte; ++j) q[j] = _mm_sub_epi8(q[j], _mm_set1_epi8(kOffset));
+    const __m256i bytes = _mm256_broadcastsi128_si256(load16(pairs + (k + j) / 2 * kBlock));
+    __m256i codes = _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi64(bytes, halves), low4),
+                                    _mm256_and_si256(_mm256_slli_epi16(h, 4), mask));
+    h = _mm256_srli_epi16(h, 2 * kBits);
+    if constexpr (kOffset != 0) codes = _mm256_sub_epi8(codes, _mm256_set1_epi8(kOffset));
+    q[j] = _mm256_castsi256_si128(codes);
+    q[j + 1] = _mm256_extracti128_si256(codes, 1);
   }
 }
 
