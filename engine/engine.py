@@ -459,7 +459,23 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
     """The programs an engine runs, for `model_config` as computed (KV heads repeated, under
     `tp`). With `tp`, every output is pinned to where its input lives (the pool by KV head,
     tokens replicated), so each donated buffer is updated in place on every device.
-    `bench.tp_collectives` lowers the same programs from shapes alone."""
+    `bench.tp_collectives` lowers the same programs from shapes alone.
+
+    On one device, engines of equal configurations share their programs (the same jitted
+    functions, so one's warm-up compiles the other's too): the programs are pure, and each
+    compiles per device where engines live on different ones."""
+    if tp is None:
+        return _shared_programs(model_config, config)
+    return _jit_programs(model_config, config, tp)
+
+
+@functools.cache
+def _shared_programs(model_config: ModelConfig, config: EngineConfig) -> Programs:
+    return _jit_programs(model_config, config, None)
+
+
+def _jit_programs(model_config: ModelConfig, config: EngineConfig,
+                  tp: TensorParallel | None) -> Programs:
     if tp is not None:
         model_config = tp.compute_config  # the KV heads as the plan repeats them
     static = dict(config=model_config, attention=config.attention, dtype=jnp.dtype(config.dtype),
@@ -722,7 +738,7 @@ def compile_programs(programs: Sequence[WarmProgram],
     lowered on this thread, in order (that holds the GIL), and compiled on one of `workers`
     threads, which XLA's compiler runs without the GIL (default: one per two cores: on the
     2-core CPU, two at once compiled the default model's 30 programs no faster than one,
-    `bench/results/startup-cpu`).
+    `bench/results/startup-cpu`; with one, each is lowered and compiled on this thread).
     `progress(done, total, name)` after each (on the thread that compiled it)."""
     total, done, lock = len(programs), [0], threading.Lock()
 
@@ -733,6 +749,12 @@ def compile_programs(programs: Sequence[WarmProgram],
                 progress(done[0], total, name)
 
     workers = workers or max(1, (os.cpu_count() or 1) // 2)
+    if workers == 1:  # one after another, on this thread
+        for i, p in enumerate(programs, 1):
+            p.fn.lower(*p.args).compile()
+            if progress is not None:
+                progress(i, total, p.name)
+        return
     with ThreadPoolExecutor(workers, thread_name_prefix="cadence-compile") as pool:
         futures = []
         for p in programs:

@@ -52,7 +52,7 @@ def tiny_workload(**kw) -> WorkloadSpec:
 @pytest.fixture(scope="module")
 def cadence_url(tiny_params, tiny_config, tiny_tokenizer):
     engine = Engine(tiny_params, tiny_config, ENGINE)
-    engine.warmup()
+    engine.warmup(warmup="needed")
     sched = Scheduler(engine, tiny_tokenizer, SchedulerConfig(policy=PolicyConfig(token_budget=40, chunk=32)))
     with serve_app(create_app(sched, tiny_tokenizer, "tiny")) as url:
         yield url

@@ -33,7 +33,7 @@ SMALL = EngineConfig(num_slots=4, max_seq_len=256, prefill_chunk=64, min_prefill
 @pytest.fixture(scope="module")
 def engine(tiny_params, tiny_config):
     e = Engine(tiny_params, tiny_config, SMALL)
-    e.warmup()
+    e.warmup(warmup="needed")  # what these tests run beyond it compiles on first use
     return e
 
 
@@ -182,8 +182,9 @@ def test_warmup_compiles_every_program(tiny_params, tiny_config):
     before = compile_counter.count()
     e.warmup()
     programs = [p.name.split("[")[0] for p in e.warm_programs()]
-    # Each once (fewer where another engine of this process lowered the same program already).
-    assert 0 < compile_counter.count() - before <= len(programs)
+    # Each once at most (none where an engine of the same configuration, or another engine's
+    # identical program, compiled it already in this process).
+    assert compile_counter.count() - before <= len(programs)
     # One width per token bucket: the XLA prefill walks each tile's own pages, whatever the width.
     assert cfg.prefill_page_buckets == (cfg.max_pages_per_seq,)
     assert programs.count("prefill") == len(cfg.prefill_buckets)

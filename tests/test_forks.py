@@ -103,7 +103,7 @@ def test_on_the_engine_each_choice_equals_its_request_alone(tiny_params, tiny_co
 
     engine = Engine(tiny_params, tiny_config, EngineConfig(
         num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64, page_size=16))
-    engine.warmup()
+    engine.warmup(warmup="needed")  # the page copy compiles on the first fork
     prompt = [3 + (i * 37) % 500 for i in range(45)]
     base = RequestSampling(temperature=100.0, seed=1234)
     params = [GenerationParams(max_tokens=16, ignore_eos=True,

@@ -409,7 +409,7 @@ def test_multi_turn_conversations_on_the_engine_equal_the_reference(tiny_params,
 
     cfg = EngineConfig(num_slots=3, max_seq_len=256, prefill_chunk=32, min_kv_bucket=64, page_size=16)
     engine = Engine(tiny_params, tiny_config, cfg)
-    engine.warmup()
+    engine.warmup(warmup="needed")
     sched = Scheduler(engine, tiny_tokenizer, SchedulerConfig(policy=PolicyConfig(token_budget=48, chunk=32)))
     rng = random.Random(0)
     system = [rng.randrange(3, tiny_config.vocab_size) for _ in range(40)]
