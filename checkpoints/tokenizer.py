@@ -167,8 +167,17 @@ class Tokenizer:
 
         return chat.render_chat(self.chat_template, messages,
                                 add_generation_prompt=add_generation_prompt,
-                                bos_token=self._text_of(self.bos_id),
-                                eos_token=self._text_of(self._eos_id), tools=tools)
+                                bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
+
+    @property
+    def bos_token(self) -> str | None:
+        """The beginning-of-sequence token's text (its piece), or None."""
+        return self._text_of(self.bos_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        """The end-of-sequence token's text, the one templates write, or None."""
+        return self._text_of(self._eos_id)
 
     def _text_of(self, token_id: int | None) -> str | None:
         if token_id is None:
@@ -290,8 +299,8 @@ class Tokenizer:
         else:
             (d / keep).write_bytes(self._sp.serialized_model_proto())
         cfg = {"tokenizer_class": "PreTrainedTokenizerFast" if self._hf else "LlamaTokenizer",
-               "add_bos_token": self.add_bos, "bos_token": self._text_of(self.bos_id),
-               "eos_token": self._text_of(self._eos_id),
+               "add_bos_token": self.add_bos, "bos_token": self.bos_token,
+               "eos_token": self.eos_token,
                "eos_token_ids": sorted(self.eos_ids),  # cadence's key: every stop id
                "chat_template": self.chat_template,
                "added_tokens_decoder": {str(i): {"content": c, "special": s}

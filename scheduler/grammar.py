@@ -366,15 +366,16 @@ class GrammarCompiler:
         request without a grammar never waits behind one. A caller cancelled meanwhile leaves
         the compile to finish for whoever else asks for the spec."""
         job = self._job(spec)
-        started = await asyncio.shield(asyncio.wrap_future(job.started))
-        done = asyncio.shield(asyncio.wrap_future(job.done))
-        try:
-            grammar = await asyncio.wait_for(done, max(0.0, started + self.timeout - time.perf_counter()))
-        except TimeoutError:
-            raise self._slow() from None
-        except GrammarError:
-            grammar = None
-        return self._checked(spec, job, grammar)
+        if not job.done.done():  # (a cached one is: its wrapper would finish a loop turn later)
+            started = await asyncio.shield(asyncio.wrap_future(job.started))
+            done = asyncio.shield(asyncio.wrap_future(job.done))
+            try:
+                await asyncio.wait_for(done, max(0.0, started + self.timeout - time.perf_counter()))
+            except TimeoutError:
+                raise self._slow() from None
+            except GrammarError:
+                pass
+        return self._checked(spec, job, None if job.done.exception() else job.done.result())
 
     def _build(self, spec: Spec, job: _Job) -> None:
         try:

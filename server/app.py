@@ -491,6 +491,17 @@ class Server:
         return JSONResponse({"count": len(ids), "max_model_len": self.scheduler.max_seq_len,
                              "tokens": ids, "token_strs": strs})
 
+    async def tokenizer_info(self, request: Request) -> Response:
+        """GET /tokenizer_info in vLLM's shape: what a client needs to tokenize through this
+        server (lm-eval's remote tokenizer reads it, then /tokenize and /detokenize)."""
+        self._check(request)
+        tok = self.tokenizer
+        return JSONResponse({"tokenizer_class": "cadence", "eos_token": tok.eos_token,
+                             "bos_token": tok.bos_token, "pad_token": None,
+                             "add_bos_token": tok.add_bos, "chat_template": tok.chat_template,
+                             "model_max_length": self.scheduler.max_seq_len,
+                             "vocab_size": tok.vocab_size})
+
     async def detokenize(self, request: Request) -> Response:
         """POST /detokenize in vLLM's shape: {"tokens": [ids]} -> {"prompt": text}."""
         body = await self.read_body(request)
@@ -631,6 +642,7 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Seq
             route("/v1/models/{model_id:path}", server.model, ["GET"]),
             route("/tokenize", server.tokenize, ["POST"]),
             route("/detokenize", server.detokenize, ["POST"]),
+            route("/tokenizer_info", server.tokenizer_info, ["GET"]),
             route("/health", server.health, ["GET"]),
             route("/metrics", server.metrics_endpoint, ["GET"]),
             route("/server_info", server.server_info, ["GET"]),

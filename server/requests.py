@@ -145,6 +145,12 @@ def response_format(entry: dict) -> Spec | None:
     if fmt is None:
         return None
     kind = fmt.get("type")
+    if kind == "json_object" and fmt.get("schema") is not None:
+        # {"type": "json_object", "schema": {...}}: a schema in the older style of several
+        # OpenAI-compatible servers (Anyscale, Together), which instructor's JSON_SCHEMA mode sends.
+        fmt = {"type": "json_schema", "json_schema": {"name": "schema", "schema": fmt["schema"]},
+               **{k: v for k, v in fmt.items() if k not in ("type", "schema")}}
+        kind = "json_schema"
     if (kind not in ("text", "json_object", "json_schema") or set(fmt) - {"type", "json_schema"}
             or (kind != "json_schema" and "json_schema" in fmt)):
         raise SubmissionError('"response_format" must be {"type": "text"}, {"type": "json_object"} '

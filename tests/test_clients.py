@@ -395,6 +395,30 @@ def test_tokenize_and_detokenize(url, tiny_tokenizer):
         assert response.status_code in (400, 404) and fragment in response.json()["error"]["message"], response.text
 
 
+def test_tokenizer_info_is_what_a_remote_tokenizer_needs(url, tiny_tokenizer):
+    """lm-eval's remote tokenizer: /tokenizer_info's eos_token, encoded through /tokenize
+    without special tokens, is the end-of-sequence id."""
+    info = httpx.get(f"{url}/tokenizer_info").json()
+    assert info["eos_token"] == tiny_tokenizer.eos_token and info["model_max_length"] == 512
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
+    assert ids["tokens"][0] in tiny_tokenizer.eos_ids
+
+
+def test_a_json_object_format_with_a_schema_is_that_schema(url):
+    """The older {"type": "json_object", "schema": ...} (instructor's JSON_SCHEMA mode) means
+    json_schema with that schema."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"]}
+    answers = []
+    for fmt in ({"type": "json_object", "schema": schema},
+                {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}):
+        response = chat(url, temperature=0, max_tokens=20, response_format=fmt)
+        assert response.status_code == 200, response.text
+        answers.append(response.json()["choices"][0]["message"]["content"])
+    value = json.loads(answers[0])
+    assert answers[0] == answers[1] and set(value) == {"n"} and 0 <= value["n"] <= 9
+
+
 def test_newer_harmless_fields_are_accepted_and_change_nothing(url):
     base = dict(max_tokens=6, temperature=0, ignore_eos=True)
     plain = chat(url, **base).json()["choices"][0]["message"]

@@ -4,9 +4,11 @@ allows), beside unconstrained requests that must not notice."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import re
+import time
 
 import jsonschema
 import llguidance
@@ -60,6 +62,17 @@ def test_a_grammar_that_cannot_compile_is_refused_by_name(compiler, spec, proble
     with pytest.raises(GrammarError, match=re.escape(problem)) as caught:
         compiler.compile(spec)
     assert "\n<state>" not in str(caught.value) and "<grammar>" not in str(caught.value)
+
+
+def test_a_cached_grammar_is_served_long_after_its_compile():
+    """The time limit is the compile's, not the cache entry's age: a grammar asked for again
+    after more than `timeout` seconds comes from the cache, awaited or not."""
+    quick = GrammarCompiler(TOK, TOK.vocab_size, timeout=0.5)
+    first = quick.compile(Regex("[ab]+"))
+    time.sleep(0.6)
+    assert asyncio.run(quick.compile_async(Regex("[ab]+"))) is first
+    assert quick.compile(Regex("[ab]+")) is first
+    quick.close()
 
 
 def test_a_slow_compile_is_refused_and_nothing_waits_for_it():

@@ -323,7 +323,7 @@ def test_openapi_description_is_served(server):
     spec = httpx.get(f"{server}/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id}", "/health",
             "/metrics", "/debug/timeline", "/server_info", "/model_info", "/get_load", "/tokenize",
-            "/detokenize"} <= spec["paths"].keys()
+            "/detokenize", "/tokenizer_info"} <= spec["paths"].keys()
 
 
 def test_omitted_sampling_fields_take_the_models_defaults(tiny_engine, tiny_tokenizer):
