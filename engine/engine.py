@@ -459,23 +459,7 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
     """The programs an engine runs, for `model_config` as computed (KV heads repeated, under
     `tp`). With `tp`, every output is pinned to where its input lives (the pool by KV head,
     tokens replicated), so each donated buffer is updated in place on every device.
-    `bench.tp_collectives` lowers the same programs from shapes alone.
-
-    On one device, engines of equal configurations share their programs (the same jitted
-    functions, so one's warm-up compiles the other's too): the programs are pure, and each
-    compiles per device where engines live on different ones."""
-    if tp is None:
-        return _shared_programs(model_config, config)
-    return _jit_programs(model_config, config, tp)
-
-
-@functools.cache
-def _shared_programs(model_config: ModelConfig, config: EngineConfig) -> Programs:
-    return _jit_programs(model_config, config, None)
-
-
-def _jit_programs(model_config: ModelConfig, config: EngineConfig,
-                  tp: TensorParallel | None) -> Programs:
+    `bench.tp_collectives` lowers the same programs from shapes alone."""
     if tp is not None:
         model_config = tp.compute_config  # the KV heads as the plan repeats them
     static = dict(config=model_config, attention=config.attention, dtype=jnp.dtype(config.dtype),
