@@ -48,6 +48,10 @@ class ServerConfig:
                 f"--prefill_chunk={self.prefill_chunk}", f"--policy={self.policy}"]
         if self.token_budget:
             argv.append(f"--token_budget={self.token_budget}")
+        if self.repo is None:
+            # The bench names the model in its requests as it names it here (a path included);
+            # other revisions (`repo`) served that name before --served_model_name existed.
+            argv.append(f"--served_model_name={self.model}")
         return argv + list(self.extra_flags)
 
 
