@@ -12,9 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cadence.scheduler.request import GenerationParams
 from cadence.scheduler.scheduler import KVTransfer, Scheduler, SchedulerConfig
-from tests.test_scheduler import (
-    TOK, FakeEngine, GenerationParams, Harness, chunked, collect, expected, ids, prefill_first,
+from tests.fakes import (
+    TOK, FakeEngine, Harness, chunked, collect, expected, ids, prefill_first,
     random_prompt, run_random_load,
 )
 

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from cadence.model.sampling import RequestSampling
-from tests.test_scheduler import ALPHABET, FakeEngine, Harness, Prefill, chunked
+from tests.fakes import ALPHABET, FakeEngine, Harness, Prefill, chunked
 
 
 def sampled(seed: int) -> dict:

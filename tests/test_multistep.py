@@ -10,7 +10,7 @@ from cadence.engine.engine import Engine, EngineConfig, fixed_page_tables
 from cadence.engine.packing import PrefillChunk
 from cadence.model.sampling import RequestSampling, SamplingRows
 from tests.test_disaggregated_engine import generate_gives_the_reference_text
-from tests.test_scheduler import (
+from tests.fakes import (
     EOS, FakeEngine, Harness, chunked, prefill_first, random_prompt, run_random_load,
 )
 

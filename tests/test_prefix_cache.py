@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cadence.scheduler.pages import PageAllocator, PageKeys
-from tests.test_scheduler import (
+from tests.fakes import (
     ALPHABET, FakeEngine, Harness, chunked, expected, prefill_first, random_prompt, run_random_load,
 )
 

@@ -11,7 +11,7 @@ import pytest
 from cadence.model.sampling import RequestSampling
 from cadence.scheduler.errors import Overloaded, SubmissionError
 from cadence.scheduler.priority import SLO, AdmissionControl, PriorityClasses
-from tests.test_scheduler import FakeEngine, Harness, Prefill, _all_pages_free, chunked, random_prompt
+from tests.fakes import FakeEngine, Harness, Prefill, all_pages_free, chunked, random_prompt
 
 
 def _decoding(client) -> bool:
@@ -78,7 +78,7 @@ def test_a_better_priority_preempts_the_newest_of_the_lowest_never_its_first():
     assert h.sched.prefix_hits - hits >= recomputed - h.engine.config.page_size
     for c in h.clients:
         c.check(h.engine)  # the preempted one resumed where it was: nothing lost or repeated
-    _all_pages_free(h)
+    all_pages_free(h)
 
 
 def test_equal_or_worse_priorities_never_preempt():
@@ -109,7 +109,7 @@ def test_a_better_priority_preempts_for_pages_and_the_victim_resumes_from_its_ca
     assert chat.record.preemptions == 0
     for c in h.clients:
         c.check(engine)
-    _all_pages_free(h)
+    all_pages_free(h)
 
 
 # --- the prefill budget by class -------------------------------------------------------------
@@ -173,7 +173,7 @@ def test_random_mixed_priorities_preempt_and_every_output_is_exact(seed):
         c.check(engine)
     assert 0 < h.sched.priority_preemptions <= h.sched.preemptions
     assert sum(c.record.preemptions for c in h.clients) == h.sched.preemptions
-    _all_pages_free(h)
+    all_pages_free(h)
     h.sched.pools[0].pages.check()
 
 
@@ -346,7 +346,7 @@ def _planned(running, limit=None, budget=256):
 
 def _request(tokens, priority, state, prefilled=0):
     from cadence.scheduler.request import GenerationParams, Request, State
-    from tests.test_scheduler import TOK
+    from tests.fakes import TOK
 
     r = Request([5] * tokens, GenerationParams(), 16, TOK, emit=lambda e: None, priority=priority)
     r.state, r.prefilled = State[state], prefilled

@@ -1,11 +1,5 @@
-"""Scheduler contract tests against a fake engine: no JAX program runs, each test takes ms.
-
-`FakeEngine` honours the engine contract exactly (see engine/engine.py): it keeps per-slot "KV"
-content (the token ids written at each position) and `last_tokens`; prefill writes a chunk at
-[start, start+len), decode writes each active slot's last token at positions[s]. The next token
-is a pure function of the slot's content [0, pos], so a wrong position, a stale or mixed-up slot,
-or a skipped chunk yields a different token than `expected()` (a plain sequential simulation)
-predicts. A script can force specific tokens (EOS, text for stop strings) after a given prompt.
+"""Scheduler contract tests against a fake engine (`tests.fakes`): no JAX program runs, each
+test takes ms.
 
 Most tests drive the scheduler synchronously with `step()`; a few run its thread (`start()`),
 from client threads and from asyncio.
@@ -14,455 +8,22 @@ from client threads and from asyncio.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 import threading
 import time
-import zlib
-from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
-from tokenizers.pre_tokenizers import ByteLevel
-
-from cadence.checkpoints.detokenizer import byte_level_piece_bytes
-from cadence.checkpoints.tokenizer import Tokenizer
-from cadence.engine.engine import EngineConfig, PrefillTokens
-from cadence.model.config import TINY
-from cadence.model.sampling import RequestSampling, SamplingParams, bitmask_words
+from cadence.model.sampling import RequestSampling
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenEvent
-from cadence.scheduler.scheduler import RequestStream, Scheduler, SchedulerConfig
-
-# --- a byte-level tokenizer: id b is byte b, then three special tokens --------------------------
-
-
-def _byte_tokenizer() -> Tokenizer:
-    byte_char = {byte_level_piece_bytes(c)[0]: c for c in ByteLevel.alphabet()}
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    return Tokenizer.from_gguf_fields({
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.tokens": [byte_char[b] for b in range(256)] + specials,
-        "tokenizer.ggml.merges": [],
-        "tokenizer.ggml.token_type": [1] * 256 + [3] * len(specials),
-        "tokenizer.ggml.bos_token_id": 257,
-        "tokenizer.ggml.eos_token_id": 258,
-        "tokenizer.ggml.eot_token_id": 256,
-    })
-
-
-TOK = _byte_tokenizer()
-EOS = 258
-ALPHABET = [ord(c) for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"]
-
-
-def ids(text: str) -> list[int]:
-    return TOK.encode(text)
-
-
-def random_prompt(rng: np.random.Generator, n: int) -> list[int]:
-    return [int(t) for t in rng.choice(ALPHABET, n)]
-
-
-# --- the fake engine --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Prefill:
-    slot: int
-    start: int
-    length: int
-    final: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class Decode:
-    slots: tuple[int, ...]  # active slots
-    positions: tuple[int, ...]  # their positions, in the same order (of the first step)
-    steps: int = 1
-
-
-class FakeEngine:
-    """The engine contract, in NumPy, with a deterministic "model" over each sequence's content.
-
-    KV is a pool of pages of token ids; every read and write goes through the page table the
-    scheduler passes, so a wrong, stale or shared page changes what the "model" sees."""
-
-    def __init__(self, *, num_slots: int = 4, max_seq_len: int = 1024, prefill_chunk: int = 64,
-                 page_size: int = 16, num_pages: int | None = None,
-                 script: dict[tuple[int, ...], list[int]] | None = None, eos_one_in: int = 0,
-                 decode_delay: float = 0.0, decode_steps: int = 1):
-        self.config = EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len,
-                                   prefill_chunk=prefill_chunk, page_size=page_size,
-                                   num_pages=num_pages, decode_steps=decode_steps,
-                                   structured_output=True)
-        self.model_config = dataclasses.replace(TINY, vocab_size=TOK.vocab_size,
-                                                max_context=max_seq_len)
-        self.compilations_after_warmup = 0
-        self.num_pages = self.config.pool_pages
-        self.kv_cache_bytes = self.num_pages * page_size
-        self.pool = np.full((self.num_pages, page_size), -1, np.int64)  # -1: never written
-        self.last_tokens = np.zeros(num_slots, np.int64)
-        self.script = {tuple(k): list(v) for k, v in (script or {}).items()}
-        self.eos_one_in = eos_one_in  # > 0: EOS when the content's hash is divisible by it
-        self.decode_delay = decode_delay
-        self.fail_decode_call: int | None = None  # the index of a decode call that raises
-        self.fail_prefill_call: int | None = None  # ... of a prefill call
-        self.fail_insert_call: int | None = None  # ... of an insert
-        self.fail_extract_calls: set[int] = set()  # ... of extracts
-        self.landing_polls = 0  # a received handle is not ready for this many is_ready() calls
-        self.fail_recover = False  # recover() raises: the device cannot be rebuilt
-        self.poison: dict[int, int] = {}  # decode call index -> a slot whose token is garbage
-        self.decode_calls = 0
-        self.split_steps = 0  # decode steps run in two halves (decode_forward, decode_sample)
-        self._forward: tuple | None = None  # a decode_forward awaiting its decode_sample
-        self.prefill_calls = 0
-        self.extracts = 0
-        self.inserts = 0
-        self.recoveries = 0
-        self.log: list[Prefill | Decode] = []
-        self.copies: list[tuple[int, int]] = []
-        self.histories: list[tuple[int, list[int], list[int]]] = []
-        # Pages that must not be written (the prefix cache's published pages, when a test
-        # hands it in): a write to one is a sequence overwriting KV that others read.
-        self.frozen = lambda page: False
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model_config.vocab_size
-
-    def recover(self) -> None:
-        """Like the engine's: every page's contents are gone, whatever state they were in."""
-        if self.fail_recover:
-            raise RuntimeError("device unreachable")
-        self.recoveries += 1
-        self._forward = None
-        self.pool[:] = -1
-        self.last_tokens[:] = 0
-
-    def _write(self, pages, start: int, tokens) -> None:
-        size = self.config.page_size
-        for i, token in enumerate(tokens):
-            p = start + i
-            assert not self.frozen(int(pages[p // size])), f"a write into published page {pages[p // size]}"
-            self.pool[pages[p // size], p % size] = token
-
-    def _content(self, pages, end: int) -> np.ndarray:
-        """The sequence's token ids at positions [0, end)."""
-        size = self.config.page_size
-        return np.asarray([self.pool[pages[p // size], p % size] for p in range(end)], np.int64)
-
-    def next_token(self, content: Sequence[int], seed: int | None = None) -> int:
-        """The "model": a pure function of the token ids a sequence holds at [0, pos], and of
-        the request's seed when it samples (temperature > 0: pass its seed, else None)."""
-        if self.script:
-            content_t = tuple(int(t) for t in content)
-            for prompt, tokens in self.script.items():
-                i = len(content_t) - len(prompt)
-                if 0 <= i < len(tokens) and content_t[: len(prompt)] == prompt:
-                    return tokens[i]
-        h = zlib.crc32(np.asarray(content, np.int64).tobytes())
-        if seed is not None:
-            h = zlib.crc32(seed.to_bytes(4, "little"), h)
-        if self.eos_one_in and h % self.eos_one_in == 0:
-            return EOS
-        return ALPHABET[(h // 7) % len(ALPHABET)]
-
-    def pick(self, content: Sequence[int], seed: int | None, allowed: np.ndarray | None) -> int:
-        """`next_token`, among the ids a bitmask row `allowed` allows (None: any): the model's
-        own token where allowed, else one of the allowed ids chosen by the content's hash."""
-        token = self.next_token(content, seed)
-        if allowed is None:
-            return token
-        bits = np.unpackbits(allowed.view(np.uint8), bitorder="little")[: self.vocab_size]
-        ids = np.flatnonzero(bits)
-        assert ids.size, "a bitmask that allows no token reached the engine"
-        if bits[token]:
-            return token
-        return int(ids[zlib.crc32(np.asarray(content, np.int64).tobytes()) % ids.size])
-
-    def prefill(self, chunks, sampling, allowed=None) -> PrefillTokens:
-        """Like the engine's packed program: every chunk's tokens are written before any
-        chunk's next token is read, so a page shared by two sequences shows."""
-        s = self.config.num_slots
-        assert chunks, "a prefill call with no chunk"
-        if self.fail_prefill_call == self.prefill_calls + 1:
-            self.prefill_calls += 1
-            raise RuntimeError("device lost in prefill")
-        assert isinstance(sampling, SamplingParams) and sampling.temperature.shape == (s,)
-        assert self._forward is None, "a prefill between a decode step's halves"
-        for c in chunks:
-            n = len(c.tokens)
-            assert 0 <= c.slot < s, c.slot
-            assert 0 < n <= self.config.prefill_chunk, n
-            assert 0 <= c.start and c.start + n <= self.config.max_seq_len, (c.start, n)
-            assert all(0 <= t < self.model_config.vocab_size for t in c.tokens)
-            assert len(c.pages) >= self.config.pages_for(c.start + n), (len(c.pages), c.start + n)
-            self.log.append(Prefill(c.slot, c.start, n, bool(c.final)))
-            self._write(c.pages, c.start, c.tokens)
-        tokens = np.zeros(len(chunks), np.int32)
-        for i, c in enumerate(chunks):
-            seed = int(sampling.seed[c.slot]) if sampling.temperature[c.slot] > 0 else None
-            tokens[i] = self.pick(self._content(c.pages, c.start + len(c.tokens)), seed,
-                                  None if allowed is None else allowed[c.slot])
-            if c.final:
-                self.last_tokens[c.slot] = tokens[i]
-        self.prefill_calls += 1
-        return PrefillTokens([(tokens, len(chunks))])
-
-    def decode(self, positions, active, sampling, page_table, steps=1) -> np.ndarray:
-        """Like the engine's: `steps` steps, a slot ending at one of its stop ids (and writing
-        nothing from then on, nor when it comes in with one)."""
-        s = self.config.num_slots
-        assert positions.shape == (s,) and active.shape == (s,) and active.dtype == bool
-        assert page_table.shape == (s, self.config.max_pages_per_seq)
-        assert isinstance(sampling, SamplingParams) and sampling.temperature.shape == (s,)
-        assert active.any(), "a decode step with no active slot"
-        assert 1 <= steps <= self.config.decode_steps, steps
-        assert self._forward is None, "a decode step between another's halves"
-        if self.decode_delay:
-            time.sleep(self.decode_delay)
-        self.decode_calls += 1
-        if self.fail_decode_call == self.decode_calls:
-            raise RuntimeError("device lost in decode")
-        slots = tuple(int(i) for i in np.flatnonzero(active))
-        self.log.append(Decode(slots, tuple(int(positions[i]) for i in slots), steps))
-        # Inactive slots, and steps after a slot's end: garbage the scheduler must not read.
-        tokens = np.full((steps, s), -1, np.int32)
-        for i in slots:
-            for step in range(steps):
-                if self.last_tokens[i] in sampling.stop_ids[i]:
-                    break
-                p = int(positions[i]) + step
-                assert 0 <= p < self.config.max_seq_len, p
-                self._write(page_table[i], p, [self.last_tokens[i]])
-                seed = int(sampling.seed[i]) if sampling.temperature[i] > 0 else None
-                tokens[step, i] = self.last_tokens[i] = self.next_token(
-                    self._content(page_table[i], p + 1), seed)
-        if self.decode_calls in self.poison:
-            tokens[0, self.poison[self.decode_calls]] = 2**31 - 1  # no such token
-        return tokens
-
-    def decode_forward(self, positions, active, sampling, page_table) -> None:
-        """Like the engine's: the KV of one step written, its sampling left to decode_sample."""
-        s = self.config.num_slots
-        assert positions.shape == (s,) and active.any() and page_table.shape[0] == s
-        assert self._forward is None, "decode_forward twice"
-        slots = tuple(int(i) for i in np.flatnonzero(active))
-        self.log.append(Decode(slots, tuple(int(positions[i]) for i in slots), 1))
-        live = [i for i in slots if self.last_tokens[i] not in sampling.stop_ids[i]]
-        for i in live:
-            self._write(page_table[i], int(positions[i]), [self.last_tokens[i]])
-        self._forward = (positions, live, sampling, page_table.copy())
-
-    def decode_sample(self, allowed, drop=()) -> np.ndarray:
-        """Like the engine's: each live row's token among those its bitmask allows; the rows of
-        `drop` take none."""
-        assert self._forward is not None, "decode_sample without decode_forward"
-        positions, live, sampling, page_table = self._forward
-        self._forward = None
-        self.decode_calls += 1
-        self.split_steps += 1
-        if self.fail_decode_call == self.decode_calls:
-            raise RuntimeError("device lost in decode")
-        assert allowed.dtype == np.int32 and allowed.shape == (self.config.num_slots, bitmask_words(self.vocab_size))
-        tokens = np.full((1, self.config.num_slots), -1, np.int32)
-        for i in live:
-            if i in drop:
-                continue
-            seed = int(sampling.seed[i]) if sampling.temperature[i] > 0 else None
-            tokens[0, i] = self.last_tokens[i] = self.pick(
-                self._content(page_table[i], int(positions[i]) + 1), seed, allowed[i])
-        return tokens
-
-    def copy_pages(self, sources, targets) -> None:
-        """Like the engine's: each target page's contents become its source's."""
-        assert len(sources) == len(targets) <= self.config.num_slots
-        for source, target in zip(sources, targets):
-            assert not self.frozen(int(target)), f"a copy onto published page {target}"
-            assert (self.pool[source][:1] >= 0).all(), f"a copy of page {source}, never written"
-            self.pool[target] = self.pool[source]
-            self.copies.append((int(source), int(target)))
-
-    def set_history(self, slot, prompt_ids, output_ids=()) -> None:
-        # The fake "model" has no penalties; recorded so tests can see when it is set.
-        self.histories.append((slot, list(prompt_ids), list(output_ids)))
-
-    def extract(self, pages, length, slot) -> FakeHandle:
-        assert 0 <= slot < self.config.num_slots and 0 < length <= self.config.max_seq_len
-        assert len(pages) >= self.config.pages_for(length)
-        self.extracts += 1
-        if self.extracts in self.fail_extract_calls:
-            raise RuntimeError("device lost in extract")
-        return FakeHandle(self._content(pages, length).copy(), int(self.last_tokens[slot]), length)
-
-    def receive(self, handle: FakeHandle) -> FakeHandle:
-        return dataclasses.replace(handle, polls=self.landing_polls)
-
-    def insert(self, handle: FakeHandle, pages, slot) -> FakeHandle:
-        """Like the engine's: the content lands in `pages`, the next token in `slot`."""
-        assert 0 <= slot < self.config.num_slots
-        assert len(pages) >= self.config.pages_for(handle.length), (len(pages), handle.length)
-        self.inserts += 1
-        if self.fail_insert_call == self.inserts:
-            raise RuntimeError("device lost in insert")
-        assert (handle.content >= 0).all(), "a handle of KV that was never written"
-        self._write(pages, 0, handle.content)
-        self.last_tokens[slot] = handle.next_token
-        return handle
-
-
-@dataclasses.dataclass
-class FakeHandle:
-    """A FakeEngine's KVHandle: the sequence's token ids and the token it decodes next."""
-
-    content: np.ndarray
-    next_token: int
-    length: int
-    polls: int = 0  # is_ready() calls that say "not yet"
-
-    @property
-    def nbytes(self) -> int:
-        return self.content.nbytes
-
-    def block_until_ready(self) -> FakeHandle:
-        return self
-
-    def is_ready(self) -> bool:
-        self.polls -= 1
-        return self.polls < 0
-
-
-def expected(engine: FakeEngine, prompt: Sequence[int], max_tokens: int,
-             ignore_eos: bool = False, sampling: RequestSampling = RequestSampling()
-             ) -> tuple[list[int], str]:
-    """What one request must produce: the model run sequentially on prompt + its own output."""
-    seed = sampling.seed if sampling.temperature > 0 else None
-    content, out = list(prompt), []
-    while len(out) < max_tokens:
-        token = engine.next_token(content, seed)
-        out.append(token)
-        if token == EOS and not ignore_eos:
-            return out, "stop"
-        content.append(token)
-    return out, "length"
-
-
-# --- a synchronous driver ---------------------------------------------------------------------
-
-
-class Client:
-    """One stream's events, each with the index of the step that delivered it."""
-
-    def __init__(self, stream: RequestStream, prompt: list[int], params: GenerationParams):
-        self.stream, self.prompt, self.params = stream, prompt, params
-        self.events: list[tuple[int, TokenEvent]] = []
-        self.record: RequestRecord | None = None
-
-    def poll(self, step: int) -> None:
-        # Synchronous driving: events are already queued when step() returns; read without
-        # blocking (iterating the stream would block until the request ends).
-        while not self.stream._queue.empty():
-            event = self.stream._queue.get_nowait()
-            if isinstance(event, RequestRecord):
-                assert self.record is None, "two records for one request"
-                self.record = event
-            else:
-                assert self.record is None, "an event after the record"
-                self.events.append((step, event))
-
-    @property
-    def slot(self) -> int:
-        return self.stream.request.slot
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [t for _, e in self.events for t in e.token_ids]
-
-    @property
-    def text(self) -> str:
-        return "".join(e.text for _, e in self.events)
-
-    @property
-    def first_token_step(self) -> int:
-        return self.events[0][0]
-
-    def check(self, engine: FakeEngine) -> None:
-        """Output ids, finish reason, text and record agree with the sequential simulation
-        (an aborted request: its output is a prefix of the simulated one)."""
-        assert self.record is not None, "the request never finished"
-        want, reason = expected(engine, self.prompt, self.stream.request.max_tokens,
-                                self.params.ignore_eos, self.params.sampling)
-        if self.record.finish_reason == "abort":
-            want = want[: len(self.token_ids)]
-        else:
-            assert self.record.finish_reason == reason
-        assert self.token_ids == want
-        assert self.record.output_tokens == len(want)
-        assert self.text == self.record.text == TOK.decode([t for t in want if t != EOS])
-
-
-class Harness:
-    """A scheduler over a FakeEngine, stepped by hand; keeps each step's engine calls."""
-
-    def __init__(self, engine: FakeEngine, policy: PolicyConfig | None = None, max_queue: int = 256,
-                 decode_engine: FakeEngine | None = None, **config):
-        self.engine = engine  # prefills (and decodes, without decode_engine)
-        self.decode_engine = decode_engine or engine
-        policy = policy or PolicyConfig(chunk=engine.config.prefill_chunk)
-        self.sched = Scheduler(engine, TOK, SchedulerConfig(policy=policy, max_queue=max_queue, **config),
-                               decode_engine=decode_engine)
-        self.clients: list[Client] = []
-        self.steps: list[list[Prefill | Decode]] = []  # engine calls made by each step
-
-    def submit(self, prompt: Sequence[int], **params) -> Client:
-        gp = GenerationParams(**params)
-        client = Client(self.sched.submit(list(prompt), gp), list(prompt), gp)
-        self.clients.append(client)
-        return client
-
-    def submit_group(self, prompt: Sequence[int], params: list[dict]) -> list[Client]:
-        gps = [GenerationParams(**p) for p in params]
-        streams = self.sched.submit_group(list(prompt), gps, [None] * len(gps))
-        clients = [Client(s, list(prompt), gp) for s, gp in zip(streams, gps)]
-        self.clients.extend(clients)
-        return clients
-
-    def step(self) -> None:
-        engines = list(dict.fromkeys((self.engine, self.decode_engine)))
-        n = [len(e.log) for e in engines]
-        self.sched.step()
-        self.steps.append([call for e, i in zip(engines, n) for call in e.log[i:]])
-        for c in self.clients:
-            c.poll(len(self.steps) - 1)
-
-    def run(self, until=None, max_steps: int = 5000) -> None:
-        """Steps until `until()` holds, by default until every request ended and nothing is
-        pending."""
-        until = until or (lambda: self.sched.idle() and all(c.record for c in self.clients))
-        for _ in range(max_steps):
-            if until():
-                return
-            self.step()
-        raise AssertionError(f"not done after {max_steps} steps")
-
-    def prefills(self, client: Client) -> list[tuple[int, Prefill]]:
-        return [(i, c) for i, calls in enumerate(self.steps) for c in calls
-                if isinstance(c, Prefill) and c.slot == client.slot]
-
-    def decode_steps_of(self, client: Client) -> list[int]:
-        return [i for i, calls in enumerate(self.steps) for c in calls
-                if isinstance(c, Decode) and client.slot in c.slots]
-
-
-def chunked(budget: int = 256, chunk: int = 64, **kw) -> PolicyConfig:
-    return PolicyConfig(name="chunked", token_budget=budget, chunk=chunk, **kw)
-
-
-def prefill_first(chunk: int = 64) -> PolicyConfig:
-    return PolicyConfig(name="prefill-first", chunk=chunk)
+from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+from tests.fakes import (
+    EOS, TOK, Decode, FakeEngine, Harness, Prefill, all_pages_free, chunked, collect, expected, ids,
+    prefill_first, random_prompt, run_random_load,
+)
 
 
 @pytest.fixture
@@ -481,18 +42,6 @@ def threaded():
     for sched in started:
         sched.stop(drain=False, timeout=5)
         assert not sched.alive
-
-
-def collect(stream: RequestStream, timeout: float = 5) -> tuple[list[int], RequestRecord]:
-    """Reads a stream from a plain thread, with a deadline so a hang fails instead."""
-    out: list = []
-    reader = threading.Thread(target=lambda: out.extend(stream), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    assert not reader.is_alive(), "the stream did not end"
-    *events, record = out
-    assert isinstance(record, RequestRecord)
-    return [t for e in events for t in e.token_ids], record
 
 
 # --- 1, 2: chunked prefill vs prefill-first under a chat + document mix -----------------------
@@ -596,29 +145,6 @@ def test_single_request_matches_sequential_model(policy):
     assert len(client.token_ids) == 40
 
 
-def run_random_load(h: Harness, rng, arrivals: list[int], prompt_max: int, tokens_max: int,
-                    cancel_p: float, max_steps: int, after_step=lambda: None, prompt=None) -> None:
-    """Submits a request at each arrival step (random prompt up to `prompt_max` tokens, or one
-    `prompt(rng)` draws; up to `tokens_max` output; greedy or seeded sampling), cancels a live
-    one with probability `cancel_p` per step, and steps until everything has arrived and the
-    scheduler is idle (within `max_steps`)."""
-    prompt = prompt or (lambda rng: random_prompt(rng, int(rng.integers(1, prompt_max))))
-    for step in range(max_steps):
-        while arrivals and arrivals[0] <= step:
-            arrivals.pop(0)
-            sampling = RequestSampling(temperature=float(rng.choice([0.0, 0.8])),
-                                       seed=int(rng.integers(0, 2**31)))
-            h.submit(prompt(rng), max_tokens=int(rng.integers(1, tokens_max)), sampling=sampling)
-        live = [c for c in h.clients if c.record is None]
-        if live and rng.random() < cancel_p:
-            live[int(rng.integers(len(live)))].stream.cancel()
-        if not arrivals and h.sched.idle():
-            return
-        h.step()
-        after_step()
-    raise AssertionError(f"the load did not finish in {max_steps} steps")
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("policy", [chunked(budget=100, chunk=32), prefill_first(chunk=32)],
                          ids=["chunked", "prefill-first"])
@@ -639,11 +165,6 @@ def test_random_arrivals_match_sequential_model(policy, seed):
 
 
 # --- 3b: KV pages: preemption under a small pool, pages returned at every ending ------------
-
-
-def _all_pages_free(h: Harness) -> None:
-    assert h.sched.kv_pages == (0, h.engine.num_pages)
-    assert not h.sched.pools[0].tables.any()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -670,7 +191,7 @@ def test_a_pool_that_runs_dry_preempts_and_every_output_is_still_exact(policy, s
         c.check(engine)
     assert h.sched.preemptions > 0
     assert sum(c.record.preemptions for c in h.clients) == h.sched.preemptions
-    _all_pages_free(h)
+    all_pages_free(h)
 
 
 def test_a_lone_request_always_progresses_through_a_pool_of_exactly_one_sequence():
@@ -683,7 +204,7 @@ def test_a_lone_request_always_progresses_through_a_pool_of_exactly_one_sequence
         c.check(engine)
         assert c.record.output_tokens == 68
     assert h.sched.preemptions >= 1
-    _all_pages_free(h)
+    all_pages_free(h)
 
 
 @pytest.mark.parametrize("length", [15, 16, 17, 31, 32, 33])
@@ -693,7 +214,7 @@ def test_prompts_ending_on_and_beside_page_boundaries(length):
     c = h.submit(random_prompt(np.random.default_rng(length), length), max_tokens=20, ignore_eos=True)
     h.run()
     c.check(engine)
-    _all_pages_free(h)
+    all_pages_free(h)
 
 
 @pytest.mark.parametrize("stage", ["waiting", "prefilling", "decoding", "preempted"])
@@ -718,7 +239,7 @@ def test_cancellation_at_every_stage_returns_every_page(stage):
     assert target.record.finish_reason == "abort"
     for c in (first, second, third):
         c.check(engine)
-    _all_pages_free(h)
+    all_pages_free(h)
 
 
 @pytest.mark.parametrize("reservation, most", [("max", 2), ("live", 8)])
@@ -754,7 +275,7 @@ def test_requests_memory_cannot_hold_never_take_the_budget_from_those_it_can(res
     h.run(max_steps=2000)
     for c in clients:
         c.check(engine)
-    _all_pages_free(h)
+    all_pages_free(h)
 
 
 # --- 4, 5: stop conditions -------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 from cadence.engine.engine import Engine, EngineConfig
 from cadence.server import requests
 from cadence.server.tools import HERMES, LLAMA3_JSON, call_style, parse_tools
-from tests.test_scheduler import EOS, TOK, FakeEngine
+from tests.fakes import EOS, TOK, FakeEngine
 from tests.test_server import serve
 
 MODEL = "tiny"
@@ -63,7 +63,7 @@ def url(tiny_engine, tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def fake_url():
-    """The fake engine (`tests.test_scheduler`) behind the real server: a "model" that picks
+    """The fake engine (`tests.fakes`) behind the real server: a "model" that picks
     among the tokens each bitmask allows by a hash of the sequence, with a context long enough
     for a prompt that lists tools (the tiny model's 512 tokens are not, with its tokenizer)."""
     with serve(FakeEngine(num_slots=4, max_seq_len=2048, page_size=16), TOK) as base:
