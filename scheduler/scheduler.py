@@ -61,7 +61,6 @@ with fake engines in milliseconds.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import queue
@@ -87,6 +86,7 @@ from cadence.scheduler.request import (
     MAX_PRIORITY, MAX_STOP_LENGTH, MAX_STOP_STRINGS, FinishReason, GenerationParams, Request, RequestRecord,
     State, TokenEvent, TokenLogprob,
 )
+from cadence.scheduler.stream import Outbox, RequestStream
 
 
 KV_RESERVATIONS = ("live", "max")
@@ -178,71 +178,6 @@ def _check_pair(prefill: EngineAPI, decode: EngineAPI) -> None:
             f"{p.page_size} vs {d.page_size}")
 
 
-def _put_all(items: list[tuple[RequestStream, Any]]) -> None:  # the reader's event loop
-    for stream, event in items:
-        stream._queue.put_nowait(event)
-
-
-class RequestStream:
-    """Events of one request; iterate it with `async for` or a plain `for`.
-
-    A stream made inside an event loop receives its events through that loop: the scheduler
-    hands each loop all of an iteration's events in one call (`Scheduler._deliver`)."""
-
-    def __init__(self, scheduler: Scheduler, request: Request):
-        self._scheduler = scheduler
-        self.request = request
-        self.record: RequestRecord | None = None
-        try:
-            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            self._loop = None
-        self._queue: Any = asyncio.Queue() if self._loop else queue.Queue()
-
-    @property
-    def id(self) -> str:
-        return self.request.id
-
-    def _push(self, event: TokenEvent | RequestRecord) -> None:  # scheduler thread
-        if self._loop is None:
-            self._queue.put(event)
-        else:  # delivered with the iteration's others, in one call into the reader's loop
-            self._scheduler._outbox.setdefault(self._loop, []).append((self, event))
-
-    def cancel(self) -> None:
-        self._scheduler.cancel(self.request)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> TokenEvent | RequestRecord:
-        if self.record is not None:
-            raise StopAsyncIteration
-        event = await self._queue.get()
-        if isinstance(event, RequestRecord):
-            self.record = event
-        return event
-
-    async def next_events(self) -> list[TokenEvent | RequestRecord]:
-        """Waits for the next event, then takes every other one already queued, in order
-        (the record, if among them, is last). [] once the record has been taken."""
-        if self.record is not None:
-            return []
-        events = [await self._queue.get()]
-        while not self._queue.empty():
-            events.append(self._queue.get_nowait())
-        if isinstance(events[-1], RequestRecord):
-            self.record = events[-1]
-        return events
-
-    def __iter__(self):
-        while self.record is None:
-            event = self._queue.get()
-            if isinstance(event, RequestRecord):
-                self.record = event
-            yield event
-
-
 class Scheduler:
     def __init__(self, engine: EngineAPI, tokenizer: Tokenizer, config: SchedulerConfig = SchedulerConfig(),
                  decode_engine: EngineAPI | None = None):
@@ -300,8 +235,7 @@ class Scheduler:
         # iteration (read by submitters and metrics, written by the admitting loop).
         self._backlog: dict[int, tuple[int, int]] = {}
         self._running_priorities: frozenset[int] = frozenset()
-        # Events for readers in event loops, per loop, until the iteration hands them over.
-        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        self._outbox = Outbox(self._state)  # events for readers in event loops (`scheduler.stream`)
         self._threads: list[threading.Thread] = []
         self._watcher: threading.Thread | None = None
         self._stopping = False
@@ -387,16 +321,15 @@ class Scheduler:
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the "
                 f"context of {self.max_seq_len} tokens; shorten the prompt or lower max_tokens"
             )
-        holder: dict[str, RequestStream] = {}
         priority = self.config.priority_classes.of(n) if params.priority is None else params.priority
         request = Request(
             prompt_ids, params, max_tokens, self.tokenizer,
-            emit=lambda e: holder["s"]._push(e), request_id=request_id, priority=priority,
+            emit=lambda e: stream._push(e), request_id=request_id, priority=priority,
         )
         if self.config.prefix_caching and not params.prompt_logprobs:
             request.page_keys = PageKeys(self.page_size, self.config.cache_namespace.encode(),
                                          params.cache_salt)
-        stream = holder["s"] = RequestStream(self, request)
+        stream = RequestStream(request, self.cancel, self._outbox)
         return stream
 
     def _check_running(self) -> None:
@@ -628,7 +561,7 @@ class Scheduler:
                 self._fail_pool(pool, message)
             return True
         finally:
-            self._deliver()
+            self._outbox.deliver()
 
     def _iterate(self) -> bool:
         """The admitting pool's iteration: admit and prefill, decode what is decoding here
@@ -792,19 +725,6 @@ class Scheduler:
         running = frozenset(r.priority for p in self.pools for r in p.running)
         with self._lock:
             self._backlog, self._running_priorities = snapshot, running
-
-    def _deliver(self) -> None:
-        """Hands each event loop its readers' events in one thread-safe call, not one per token:
-        with hundreds of streams, a wake-up of the loop per token is what the host pays most."""
-        with self._state:
-            outbox, self._outbox = self._outbox, {}
-        for loop, items in outbox.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that loop is closed: nobody will read these
-                for stream in {id(stream): stream for stream, _ in items}.values():
-                    if not stream.request.finished:
-                        self.cancel(stream.request)
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -1339,5 +1259,5 @@ class Scheduler:
             for r in held:
                 if not r.finished:
                     self._finish(r, FinishReason.ERROR, now, f"the engine is dead: {reason}")
-        self._deliver()
+        self._outbox.deliver()
         self._landing.put(None)
