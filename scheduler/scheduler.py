@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -79,6 +78,7 @@ from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, Request
 from cadence.scheduler.policy import (
     PageBudget, Plan, PolicyConfig, PrefillLimit, make_plan, running_cost, wants_decode,
 )
+from cadence.scheduler.handoff import Handoff, KVTransfer, check_pair
 from cadence.scheduler.priority import SLO, AdmissionControl, PriorityClasses
 from cadence.scheduler.pages import PageKeys
 from cadence.scheduler.pool import Pool
@@ -130,17 +130,6 @@ class IterationRecord:
     decode_steps: int = 1  # steps each of the decode_slots ran, in one dispatch
 
 
-@dataclasses.dataclass(frozen=True)
-class KVTransfer:
-    """One request's KV handed from the prefill pool to the decode pool (times: monotonic)."""
-
-    request_id: str
-    bytes: int  # live pages moved
-    tokens: int  # positions of KV they hold
-    start: float  # the KV was ready on the prefill device (its last chunk and the extract ran)
-    end: float  # ... and had landed on the decode device
-
-
 def _decoded_end(r: Request, steps: int) -> int:
     """Positions `r` holds once `steps` decode steps from its next one are written: they
     write the KV of positions prompt_len + dispatched - 1 onwards."""
@@ -164,20 +153,6 @@ def _awaits_parent(r: Request) -> bool:
             and parent.state in (State.WAITING, State.PREFILLING))
 
 
-def _check_pair(prefill: EngineAPI, decode: EngineAPI) -> None:
-    """Two engines that can serve one model disaggregated: the same vocabulary, context and KV
-    page layout (a handle from one fits the other), each in its role."""
-    p, d = prefill.config, decode.config
-    if p.role not in ("both", "prefill") or d.role not in ("both", "decode"):
-        raise ValueError(f"a disaggregated pair needs a prefill engine and a decode engine, got "
-                         f"roles {p.role!r} and {d.role!r}")
-    if (prefill.vocab_size, p.max_seq_len, p.page_size) != (decode.vocab_size, d.max_seq_len, d.page_size):
-        raise ValueError(
-            f"the prefill and decode engines differ: vocabulary {prefill.vocab_size} vs "
-            f"{decode.vocab_size}, max_seq_len {p.max_seq_len} vs {d.max_seq_len}, page_size "
-            f"{p.page_size} vs {d.page_size}")
-
-
 class Scheduler:
     def __init__(self, engine: EngineAPI, tokenizer: Tokenizer, config: SchedulerConfig = SchedulerConfig(),
                  decode_engine: EngineAPI | None = None):
@@ -189,7 +164,7 @@ class Scheduler:
                 f"{engine.config.prefill_chunk}"
             )
         if decode_engine is not None:
-            _check_pair(engine, decode_engine)
+            check_pair(engine, decode_engine)
         self.engine = engine  # the engine that prefills (and, colocated, decodes)
         self.tokenizer = tokenizer
         # The policy plans for the engine's packed prefill programs.
@@ -212,22 +187,15 @@ class Scheduler:
         self._inbox: list[Request] = []
         self._cancels: list[Request] = []
         self._waiting: collections.deque[Request] = collections.deque()
-        # Disaggregated: prefilled requests waiting for the decode pool, oldest first, and
-        # those whose KV is on its way there.
-        self._transfers: collections.deque[Request] = collections.deque()
-        self._moving: list[Request] = []
-        self._landing: queue.Queue = queue.Queue()  # transfers in flight, for the watcher
         self.preemptions = 0
         self.priority_preemptions = 0  # of those, for a better priority's slot or pages (the rest: growth)
         self.prefill_programs = 0  # packed prefill programs run, and the chunks they carried
         self.prefill_chunks = 0
-        self.kv_transfers = 0  # KV handoffs started, and the bytes they moved
         # Prefix caching: prompt tokens looked up at admission, and those found cached.
         self.prefix_queries = 0
         self.prefix_hits = 0
         # Prompt tokens later sequences of a group (n > 1) took from the first one's KV.
         self.forked_tokens = 0
-        self.kv_transfer_bytes = 0
         # Submissions refused for load, by reason: "queue_full", "ttft_slo", "itl_slo".
         self.rejections: collections.Counter[str] = collections.Counter()
         self.admission = AdmissionControl(config.slo)
@@ -237,7 +205,6 @@ class Scheduler:
         self._running_priorities: frozenset[int] = frozenset()
         self._outbox = Outbox(self._state)  # events for readers in event loops (`scheduler.stream`)
         self._threads: list[threading.Thread] = []
-        self._watcher: threading.Thread | None = None
         self._stopping = False
         self._accepting = True
         self._iteration = 0
@@ -247,6 +214,13 @@ class Scheduler:
         self.listeners: list = []  # callables(RequestRecord) for finished requests
         self.iteration_listeners: list = []  # callables(IterationRecord), from the loop threads
         self.transfer_listeners: list = []  # callables(KVTransfer), from the transfer watcher
+        # Disaggregated: the prefilled requests waiting for the decode pool, and those whose KV
+        # is on its way there (`scheduler.handoff`).
+        self._handoff = Handoff(
+            self._prefill_pool, self._decode_pool, config.policy,
+            self.max_seq_len if config.kv_reservation == "max" else None, self._page_budget,
+            self._fail_one, self._fail_pool, lambda t: self._notify(self.transfer_listeners, t),
+            self._wake)
 
     @property
     def disaggregated(self) -> bool:
@@ -415,12 +389,22 @@ class Scheduler:
     @property
     def transfer_backlog(self) -> int:
         """Prefilled requests waiting for the decode pool's room (0 unless disaggregated)."""
-        return sum(1 for r in self._transfers if r.state is State.TRANSFERRING and r.pool is self._prefill_pool)
+        return self._handoff.waiting
 
     @property
     def transfers_in_flight(self) -> int:
         """Requests whose KV is on its way to the decode pool."""
-        return sum(1 for r in self._moving if r.state is State.TRANSFERRING)
+        return self._handoff.in_flight
+
+    @property
+    def kv_transfers(self) -> int:
+        """KV handoffs started (disaggregated)."""
+        return self._handoff.transfers
+
+    @property
+    def kv_transfer_bytes(self) -> int:
+        """The bytes those handoffs moved."""
+        return self._handoff.bytes
 
     @property
     def kv_usage(self) -> float:
@@ -496,9 +480,8 @@ class Scheduler:
             self._stopping = True
             self._changed()
         self.join(timeout)
-        if self._watcher is not None and not self.alive:  # nothing more will move: let it end
-            self._landing.put(None)
-            self._watcher.join(timeout)
+        if not self.alive:  # nothing more will move: let the transfer watcher end
+            self._handoff.close(timeout)
 
     def join(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -511,8 +494,12 @@ class Scheduler:
         return any(thread.is_alive() for thread in self._threads)
 
     def idle(self) -> bool:
-        return not (self._inbox or self._waiting or self._transfers or self._moving
+        return not (self._inbox or self._waiting or not self._handoff.idle
                     or any(not pool.idle for pool in self.pools))
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._changed()
 
     def _changed(self) -> None:
         """Wakes the loops: something may have given one of them work. Call under _lock."""
@@ -582,7 +569,7 @@ class Scheduler:
             programs, chunks = self._dispatch_prefill(plan, pool, rows)
             self._dispatch_decode(plan, pool, rows)
             self._publish(pool)  # the prompt pages just dispatched are reusable at once
-            transfers = self._start_transfers()  # a prompt just finished moves right behind it
+            transfers = self._handoff.start()  # a prompt just finished moves right behind it
         return self._finish_iteration(pool, previous, start, plan, programs, chunks, transfers)
 
     def _iterate_decode(self) -> bool:
@@ -592,8 +579,8 @@ class Scheduler:
         with self._state:
             start = time.monotonic()
             self._take_inbox()
-            landed = self._insert_landed()
-            transfers = self._start_transfers()
+            landed = self._handoff.insert_landed()
+            transfers = self._handoff.start()
             plan = Plan(decode=[r for r in pool.running if wants_decode(r)])
             plan.steps = self._decode_steps(pool, plan)
             previous = self._begin(pool)
@@ -759,11 +746,7 @@ class Scheduler:
             future = prepare(groups) if prepare is not None else None
             if future is not None:
                 r.compiling.append(future)
-                future.add_done_callback(self._compiled)
-
-    def _compiled(self, future) -> None:
-        with self._lock:
-            self._changed()
+                future.add_done_callback(lambda _: self._wake())
 
     def _check_compiled(self, now: float) -> None:
         """Waiting requests whose programs finished compiling may be admitted; one whose
@@ -849,8 +832,7 @@ class Scheduler:
                 r.dispatched = r.prefill_len - r.prompt_len + 1  # the token prefill samples
                 r.state = State.DECODING
                 if self.disaggregated and r.dispatched < r.max_tokens:
-                    r.state = State.TRANSFERRING  # its decode steps run on the decode pool
-                    self._transfers.append(r)
+                    self._handoff.queue(r)  # its decode steps run on the decode pool
         if not chunks:
             return 0, 0
         # One call for every chunk: the engine packs them into one program (usually). Its
@@ -947,122 +929,11 @@ class Scheduler:
             r.unapplied += 1
         pool.pending.append((pairs, tokens))
 
-    # -- the handoff between the two pools ---------------------------------------------------
-
-    def _start_transfers(self) -> int:
-        """Starts moving prefilled requests to the decode pool, by priority and oldest first
-        among equals, while it has a free slot and pages for the request's next step beside
-        what its running requests' next steps need. A move takes the decode slot and pages,
-        extracts the KV on the prefill engine (queued right behind the prompt's last chunk) and
-        starts its copy to the decode device, all asynchronous, and frees the prefill slot and
-        pages; the decode loop inserts the KV once it has landed (`_insert_landed`), so a decode
-        step never waits for the prefill device. Returns how many started."""
-        started = 0
-        source, target = self._prefill_pool, self._decode_pool
-        while self._transfers:
-            r = min(self._transfers, key=lambda q: q.priority)  # the first of the best
-            if r.state is not State.TRANSFERRING or r.pool is not source:  # ended meanwhile
-                self._transfers.remove(r)
-                continue
-            tokens = self.max_seq_len if self.config.kv_reservation == "max" else r.kv_tokens + 1
-            budget = self._page_budget(target)
-            free = budget.free - running_cost(target.running, self.config.policy, budget)
-            if not target.free_slots or target.pages.pages_for(tokens) > free:
-                break  # the decode pool is full: r waits, holding its prefill pages
-            self._transfers.remove(r)
-            try:
-                handle = source.engine.extract(r.pages, r.kv_tokens, r.slot)
-            except Exception as e:
-                logging.exception("extracting %s's KV failed", r.id)
-                self._fail_pool(source, f"{type(e).__name__}: {e}")
-                return started
-            source.release(r)
-            target.take(r)
-            target.grow(r, tokens)  # cannot fail: the pages were counted above
-            try:
-                r.landing = target.engine.receive(handle)
-            except Exception as e:  # a copy that cannot even start: this request's failure
-                logging.exception("moving %s's KV failed", r.id)
-                self._fail_one(r, f"its KV could not be moved: {type(e).__name__}: {e}", time.monotonic())
-                continue
-            started += 1
-            self.kv_transfers += 1
-            self.kv_transfer_bytes += handle.nbytes
-            r.transfer_bytes += handle.nbytes
-            self._moving.append(r)
-            self._watch(r, handle, r.landing)
-        return started
-
-    def _insert_landed(self) -> int:
-        """Inserts into the decode pool the KV of every moving request whose copy has landed;
-        they decode from the next step. Returns how many."""
-        pool, inserted = self._decode_pool, 0
-        for r in list(self._moving):
-            if r.state is not State.TRANSFERRING or r.pool is not pool:  # ended or preempted
-                self._moving.remove(r)
-                continue
-            if r.transfer_error is not None:
-                self._moving.remove(r)
-                self._fail_one(r, f"its KV transfer failed: {r.transfer_error}", time.monotonic())
-                continue
-            # Decode only once its first token (read by the prefill loop, normally before the
-            # copy lands) is taken, so its tokens are accepted in order.
-            if r.unapplied or not r.landing.is_ready():
-                continue
-            self._moving.remove(r)
-            try:
-                pool.rows.set(r.slot, r.params.sampling, r.eos_ids, r.params.logprobs is not None)
-            except Exception as e:
-                self._fail_one(r, f"its sampling parameters cannot be packed: {e}", time.monotonic())
-                continue
-            try:
-                pool.engine.insert(r.landing, r.pages, r.slot)
-                if r.params.sampling.penalized:  # prompt and first token, on this engine too
-                    pool.engine.set_history(r.slot, r.prompt_ids, r.output_ids)
-            except Exception as e:
-                logging.exception("inserting %s's KV failed", r.id)
-                self._fail_pool(pool, f"{type(e).__name__}: {e}")
-                return inserted
-            r.landing = None
-            r.state = State.DECODING
-            inserted += 1
-        return inserted
-
     def _page_budget(self, pool: Pool) -> PageBudget:
         """What the pool's free pages allow the policy, per the reservation mode."""
         return PageBudget(pool.pages.free_count, self.page_size,
                           self.max_seq_len if self.config.kv_reservation == "max" else None,
                           releasable=lambda r: pool.pages.releasable(r.pages + r.fork_hold))
-
-    def _watch(self, r: Request, handle, landed) -> None:
-        """Hands a started transfer to the watcher thread, which times it as it lands and
-        wakes the decode loop."""
-        if self._watcher is None:
-            self._watcher = threading.Thread(target=self._watch_transfers, name="cadence-transfers",
-                                             daemon=True)
-            self._watcher.start()
-        self._landing.put((r, handle, landed))
-
-    def _watch_transfers(self) -> None:
-        while (item := self._landing.get()) is not None:
-            r, handle, landed = item
-            try:
-                handle.block_until_ready()  # the last chunk and the extract have run
-                start = time.monotonic()
-                landed.block_until_ready()  # the copy has landed on the decode device
-                end = time.monotonic()
-            except Exception as e:  # the request fails alone, on the decode loop
-                logging.exception("KV transfer of %s failed", r.id)
-                r.transfer_error = f"{type(e).__name__}: {e}"
-            else:
-                r.transfer_start, r.transfer_end = start, end
-                self._notify(self.transfer_listeners,
-                             KVTransfer(r.id, handle.nbytes, handle.length, start, end))
-            with self._lock:
-                self._changed()
-            # Hold no device array while waiting for the next: a daemon thread that still
-            # references one when the interpreter exits aborts the process.
-            del r, handle, landed, item
 
     def _tokens_after(self, r: Request, plan_chunks: dict[Request, int], decoding: set[Request],
                       steps: int) -> int:
@@ -1251,8 +1122,7 @@ class Scheduler:
                 self._cancels.clear()
                 self._changed()
             self._waiting.clear()
-            self._transfers.clear()
-            self._moving.clear()
+            self._handoff.clear()
             for pool in self.pools:
                 pool.pending, pool.applying, pool.split = [], [], None
             now = time.monotonic()
@@ -1260,4 +1130,4 @@ class Scheduler:
                 if not r.finished:
                     self._finish(r, FinishReason.ERROR, now, f"the engine is dead: {reason}")
         self._outbox.deliver()
-        self._landing.put(None)
+        self._handoff.end()
