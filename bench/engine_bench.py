@@ -31,8 +31,10 @@ from absl import app, flags
 
 from cadence.bench import roofline
 from cadence.checkpoints.registry import load_model
-from cadence.engine.engine import DEFAULT_PAGE_SIZE, Engine, EngineConfig, fixed_page_tables, sampling_rows
+from cadence.engine.config import DEFAULT_PAGE_SIZE, EngineConfig, fixed_page_tables
+from cadence.engine.engine import Engine
 from cadence.engine.packing import PrefillChunk
+from cadence.engine.programs import sampling_rows
 from cadence.model.params import cast_bytes
 from cadence.model import cpu_kernels
 from cadence.model.quant import quantize, quantize_grouped

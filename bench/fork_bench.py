@@ -21,7 +21,8 @@ import jax
 from absl import app, flags
 
 from cadence.checkpoints.registry import load_model
-from cadence.engine.engine import Engine, EngineConfig
+from cadence.engine.config import EngineConfig
+from cadence.engine.engine import Engine
 from cadence.model import cpu_kernels
 from cadence.model.sampling import RequestSampling
 from cadence.scheduler.policy import PolicyConfig

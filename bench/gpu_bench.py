@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from cadence.engine.engine import DEFAULT_PAGE_SIZE
+from cadence.engine.config import DEFAULT_PAGE_SIZE
 
 _OUT = flags.DEFINE_string("out", None, "JSON results file (default: bench/results/gpu-<gpu>/gpu_bench-<date>.json).")
 _DEADLINE = flags.DEFINE_float("deadline_s", 420.0, "Skip remaining measurements after this many seconds.")
@@ -383,8 +383,10 @@ def bench_tensor_parallel(results: dict, write) -> None:
     """Prefill and decode of one engine over 1, 2, 4, ... of the machine's devices
     (`--tensor_parallel`), Llama-3-8B bf16 (the tiny model with --smoke): what the split
     buys and what its all-reduces cost. Needs more than one device."""
-    from cadence.engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
+    from cadence.engine.config import EngineConfig, fixed_page_tables
+    from cadence.engine.engine import Engine
     from cadence.engine.packing import PrefillChunk
+    from cadence.engine.programs import sampling_rows
     from cadence.model.config import LLAMA3_8B, TINY
     from cadence.model.params import random_params
     from cadence.model.sampling import RequestSampling
@@ -460,8 +462,10 @@ def time_split_decode(engine, active_n: int, context: int, rows, tables, allowed
 
 
 def bench_engine(results: dict, ceilings: dict, write) -> None:
-    from cadence.engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
+    from cadence.engine.config import EngineConfig, fixed_page_tables
+    from cadence.engine.engine import Engine
     from cadence.engine.packing import PrefillChunk
+    from cadence.engine.programs import sampling_rows
     from cadence.model.config import LLAMA3_8B, TINY
     from cadence.model.params import random_params
     from cadence.model.quant import quantize

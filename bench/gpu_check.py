@@ -120,7 +120,8 @@ def part_greedy(out: Path) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.engine.config import EngineConfig
+    from cadence.engine.engine import Engine
     from cadence.engine.reference import greedy_generate
     from cadence.model.config import PRESETS
     from cadence.scheduler.policy import PolicyConfig
@@ -172,9 +173,11 @@ def _engine_part(model: str) -> dict:
     import numpy as np
 
     from cadence.bench import gpu_bench
-    from cadence.engine.engine import Engine, fixed_page_tables, sampling_rows
+    from cadence.engine.config import fixed_page_tables
+    from cadence.engine.engine import Engine
     from cadence.engine.lowering import gpu_engine_config
     from cadence.engine.packing import PrefillChunk
+    from cadence.engine.programs import sampling_rows
     from cadence.model.config import PRESETS
     from cadence.model.params import random_params
     from cadence.model.sampling import RequestSampling

@@ -59,7 +59,7 @@ class NullEngine:
         self.compilations_after_warmup = 0
         self.kv_cache_bytes = 0
         self._all = np.full(config.num_slots, token, np.int32)
-        from cadence.engine.engine import PrefillTokens  # the server side only: the client needs no JAX
+        from cadence.engine.results import PrefillTokens  # the server side only: the client needs no JAX
 
         self._tokens = PrefillTokens
 
@@ -77,7 +77,7 @@ def serve(port: int) -> None:
     import uvicorn
 
     from cadence.checkpoints.registry import load_model
-    from cadence.engine.engine import EngineConfig
+    from cadence.engine.config import EngineConfig
     from cadence.scheduler.policy import PolicyConfig
     from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
     from cadence.server.app import create_app

@@ -28,7 +28,8 @@ from absl import app, flags
 
 from cadence.checkpoints.registry import load_model
 from cadence.engine import compile_counter
-from cadence.engine.engine import Engine, EngineConfig
+from cadence.engine.config import EngineConfig
+from cadence.engine.engine import Engine
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig

@@ -2,7 +2,7 @@
 
     python -m cadence.bench.tp_collectives --model=llama3-8b --tp=2,4,8 --batch=64 --chunk=512
 
-For each TP degree this compiles the engine's own programs (`engine.engine.jit_programs`, the
+For each TP degree this compiles the engine's own programs (`engine.programs.jit_programs`, the
 ones `Engine(devices=...)` runs) on that many CPU devices from shapes alone (nothing the size of
 the model is allocated): one decode step over `--batch` rows and one packed prefill of `--chunk`
 tokens, bfloat16, "xla" attention (attention runs per device under `shard_map` and communicates
@@ -100,8 +100,9 @@ def compile_counts(config, n: int, batch: int, chunk: int) -> dict[str, dict]:
     import jax.numpy as jnp
     import numpy as np
 
-    from cadence.engine.engine import EngineConfig, jit_programs, sampling_rows
+    from cadence.engine.config import EngineConfig
     from cadence.engine.packing import empty_pack
+    from cadence.engine.programs import jit_programs, sampling_rows
     from cadence.model.llama import rope_table
     from cadence.model.paged_kv import PagedKVCache
     from cadence.model.params import abstract_params

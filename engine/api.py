@@ -76,8 +76,9 @@ from typing import Protocol
 
 import numpy as np
 
-from cadence.engine.engine import DecodeTokens, EngineConfig, KVHandle, PrefillTokens
+from cadence.engine.config import EngineConfig
 from cadence.engine.packing import PrefillChunk
+from cadence.engine.results import DecodeTokens, KVHandle, PrefillTokens
 from cadence.model.sampling import RequestSampling, SamplingParams, SamplingRows
 
 __all__ = ["DecodeTokens", "EngineAPI", "EngineConfig", "KVHandle", "PrefillChunk", "PrefillTokens",

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import transfer
 
-from cadence.engine.engine import KVHandle
+from cadence.engine.results import KVHandle
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@
         text = lower(p, "cuda").as_text()                          # StableHLO for a CUDA GPU
 
 `engine_programs` lists what `Engine.warmup` compiles — the same jitted programs
-(`engine.engine.jit_programs`), once per bucket, with the arguments warm-up passes — but with
+(`engine.programs.jit_programs`), once per bucket, with the arguments warm-up passes — but with
 the weights, the page pool, the token history and every other device buffer as
 `jax.ShapeDtypeStruct`s, so nothing the size of the model or the pool is allocated: an 8B engine
 of 64 slots lowers on a laptop. `tests/test_gpu_lowering.py` checks that the list is exactly what
@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cadence.engine.engine import EngineConfig, Programs, jit_programs, sampling_rows
+from cadence.engine.config import EngineConfig
 from cadence.engine.packing import empty_pack
+from cadence.engine.programs import Programs, jit_programs, sampling_rows
 from cadence.model import pallas_common
 from cadence.model.config import ModelConfig
 from cadence.model.llama import rope_table

@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 from cadence.checkpoints.registry import DEFAULT_MODEL, LoadedModel, cache_dir, load_model, resolve
 from cadence.engine import multihost
-from cadence.engine.engine import DEFAULT_PAGE_SIZE, WARMUPS, Engine, EngineConfig
+from cadence.engine.config import DEFAULT_PAGE_SIZE, WARMUPS, EngineConfig
+from cadence.engine.engine import Engine
 from cadence.model import cpu_kernels
 from cadence.model.paged_kv import pages_for_bytes
 from cadence.model.params import MATRICES, cast_bytes, param_specs

@@ -93,7 +93,8 @@ SERVING_ENGINE = dict(num_slots=4, max_seq_len=512, prefill_chunk=32, min_kv_buc
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_params, tiny_config):
     """The tiny model's engine, warmed up once for every test that serves over HTTP."""
-    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.engine.config import EngineConfig
+    from cadence.engine.engine import Engine
 
     engine = Engine(tiny_params, tiny_config, EngineConfig(**SERVING_ENGINE))
     engine.warmup()

@@ -25,7 +25,8 @@ from tokenizers.pre_tokenizers import ByteLevel
 
 from cadence.checkpoints.detokenizer import byte_level_piece_bytes
 from cadence.checkpoints.tokenizer import Tokenizer
-from cadence.engine.engine import EngineConfig, PrefillTokens
+from cadence.engine.config import EngineConfig
+from cadence.engine.results import PrefillTokens
 from cadence.model.config import TINY
 from cadence.model.sampling import RequestSampling, SamplingParams, bitmask_words
 from cadence.scheduler.policy import PolicyConfig

@@ -11,9 +11,10 @@ import sys
 
 import numpy as np
 
-from cadence.engine.engine import Engine, sampling_rows
+from cadence.engine.engine import Engine
 from cadence.engine.kv_transfer import KVSender
 from cadence.engine.packing import PrefillChunk
+from cadence.engine.programs import sampling_rows
 from cadence.model.config import TINY
 from cadence.model.sampling import RequestSampling
 from tests.conftest import random_params

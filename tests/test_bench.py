@@ -26,7 +26,8 @@ from cadence.bench.metrics import chat_itl, class_metrics, percentile, stream_ra
 from cadence.bench.report import load_results, run_report, write_json
 from cadence.bench.runner import run_workload
 from cadence.bench.workload import ClassSpec, RequestSpec, WorkloadSpec, approx_tokens, corpus
-from cadence.engine.engine import Engine, EngineConfig
+from cadence.engine.config import EngineConfig
+from cadence.engine.engine import Engine
 from cadence.model.config import TINY
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig

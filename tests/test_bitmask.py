@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cadence.engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
+from cadence.engine.config import EngineConfig, fixed_page_tables
+from cadence.engine.engine import Engine
 from cadence.engine.packing import PrefillChunk
+from cadence.engine.programs import sampling_rows
 from cadence.model.sampling import (ALL_ALLOWED, SamplingParams, TokenHistory, all_allowed,
                                     apply_bitmask, bitmask_words, choose, RequestSampling)
 

@@ -42,7 +42,8 @@ def client(url):
 def long_client(tiny_params, tiny_config, tiny_tokenizer):
     """A server whose context holds cadence's tool section and a Pydantic tool's schema in the
     tiny tokenizer's many short tokens."""
-    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.engine.config import EngineConfig
+    from cadence.engine.engine import Engine
 
     config = dataclasses.replace(tiny_config, max_context=1024)  # (RoPE: the weights are the same)
     engine = Engine(tiny_params, config, EngineConfig(**{**SERVING_ENGINE, "max_seq_len": 1024,

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cadence.engine.engine import EngineConfig
+from cadence.engine.config import EngineConfig
 from cadence.model import cpu_kernels
 from cadence.model.paged_attention import paged_reference_attention
 from cadence.model.quant import quantize, quantize_grouped

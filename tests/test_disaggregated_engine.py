@@ -20,7 +20,8 @@ import pytest
 
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine import compile_counter
-from cadence.engine.engine import Engine, EngineConfig
+from cadence.engine.config import EngineConfig
+from cadence.engine.engine import Engine
 from cadence.engine.reference import greedy_generate
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams

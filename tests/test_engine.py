@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from cadence.engine import compile_counter
-from cadence.engine.engine import Engine, EngineConfig, bucket_for, ladder, sampling_rows
-from cadence.engine.packing import PrefillChunk
+from cadence.engine.config import EngineConfig, ladder
+from cadence.engine.engine import Engine
+from cadence.engine.packing import PrefillChunk, bucket_for
+from cadence.engine.programs import sampling_rows
 from cadence.engine.reference import greedy_generate
 from cadence.model import cpu_kernels
 from cadence.model.sampling import RequestSampling

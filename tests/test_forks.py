@@ -93,7 +93,8 @@ def test_on_the_engine_each_choice_equals_its_request_alone(tiny_params, tiny_co
     """The tiny model: four sampled choices of a prompt over two chunks prefill it once (plus
     one token per later choice), and each equals the request with n=1 and that choice's seed
     (`requests.choice_seed`); greedy choices equal the reference generator."""
-    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.engine.config import EngineConfig
+    from cadence.engine.engine import Engine
     from cadence.engine.reference import greedy_generate
     from cadence.scheduler.policy import PolicyConfig
     from cadence.scheduler.request import GenerationParams

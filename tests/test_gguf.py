@@ -329,7 +329,8 @@ def test_the_engine_over_the_files_blocks_equals_the_reference(tmp_path, tiny_pa
 
 
 def _assert_engine_equals_reference(floats, config, packed, tokenizer):
-    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.engine.config import EngineConfig
+    from cadence.engine.engine import Engine
     from cadence.engine.reference import greedy_generate
 
     engine = Engine(floats, config, EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=16,

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import pytest
 
 from cadence.engine import engine as engine_module
-from cadence.engine.engine import Engine, EngineConfig
+from cadence.engine.config import EngineConfig
+from cadence.engine.engine import Engine
 from cadence.engine.lowering import PALLAS_KERNELS, engine_programs, gpu_engine_config, lower_checked
 from cadence.model.config import LLAMA3_8B, SMOLLM2_135M
 

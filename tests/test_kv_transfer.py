@@ -14,8 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from cadence.engine.engine import Engine, EngineConfig, sampling_rows
+from cadence.engine.config import EngineConfig
+from cadence.engine.engine import Engine
 from cadence.engine.kv_transfer import KVReceiver, KVTicket
+from cadence.engine.programs import sampling_rows
 from cadence.engine.reference import greedy_generate
 from cadence.model.sampling import RequestSampling
 

@@ -10,7 +10,8 @@ import httpx
 import numpy as np
 import pytest
 
-from cadence.engine.engine import Engine, EngineConfig
+from cadence.engine.config import EngineConfig
+from cadence.engine.engine import Engine
 from cadence.engine.reference import greedy_generate, log_softmax, sequence_logits
 from cadence.model.sampling import RequestSampling
 from cadence.scheduler.errors import SubmissionError

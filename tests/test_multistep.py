@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cadence.engine.engine import Engine, EngineConfig, fixed_page_tables
+from cadence.engine.config import EngineConfig, fixed_page_tables
+from cadence.engine.engine import Engine
 from cadence.engine.packing import PrefillChunk
 from cadence.model.sampling import RequestSampling, SamplingRows
 from tests.test_disaggregated_engine import generate_gives_the_reference_text

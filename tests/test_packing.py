@@ -10,9 +10,12 @@ import jax
 import numpy as np
 import pytest
 
-from cadence.engine.engine import Engine, EngineConfig, KVHandle, sampling_rows
+from cadence.engine.config import EngineConfig
+from cadence.engine.engine import Engine
 from cadence.engine.packing import PrefillChunk, pack_chunks
+from cadence.engine.programs import sampling_rows
 from cadence.engine.reference import greedy_generate
+from cadence.engine.results import KVHandle
 from cadence.model.sampling import RequestSampling
 from cadence.scheduler.pages import PageAllocator
 

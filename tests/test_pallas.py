@@ -21,8 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cadence.engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
+from cadence.engine.config import EngineConfig, fixed_page_tables
+from cadence.engine.engine import Engine
 from cadence.engine.packing import PrefillChunk
+from cadence.engine.programs import sampling_rows
 from cadence.model.attention import get_attention, pallas_attention, xla_attention
 from cadence.model.config import TINY
 from cadence.model.pallas_decode import DecodeTiling, flash_decode, split_partials

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cadence.engine.engine import Engine, EngineConfig
+from cadence.engine.config import EngineConfig
+from cadence.engine.engine import Engine
 from cadence.engine.reference import adjusted_logits, greedy_generate
 from cadence.model.sampling import (
     RequestSampling, SamplingParams, SamplingRows, TokenHistory, adjust_logits, sample)

@@ -401,7 +401,8 @@ def test_multi_turn_conversations_on_the_engine_equal_the_reference(tiny_params,
     earlier ones computed (prompt and reply), and the usage adds up to the hit counter."""
     import random
 
-    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.engine.config import EngineConfig
+    from cadence.engine.engine import Engine
     from cadence.engine.reference import greedy_generate
     from cadence.scheduler.policy import PolicyConfig
     from cadence.scheduler.request import GenerationParams

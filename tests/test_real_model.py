@@ -111,7 +111,8 @@ def test_engine_matches_reference_on_the_default_model(smollm2, default_model_ca
 
     import jax
 
-    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.engine.config import EngineConfig
+    from cadence.engine.engine import Engine
     from cadence.scheduler.policy import PolicyConfig
     from cadence.scheduler.request import GenerationParams
     from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -160,7 +161,8 @@ def test_int8_weights_on_the_default_model(smollm2, devices, kernels):
     decoding on the CPU kernels (int8 blocks); and it still knows the capital of France."""
     import jax
 
-    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.engine.config import EngineConfig
+    from cadence.engine.engine import Engine
     from cadence.model.quant import dequantize, quantize
     from cadence.scheduler.policy import PolicyConfig
     from cadence.scheduler.request import GenerationParams
@@ -188,7 +190,8 @@ def test_multi_turn_chats_on_the_default_model_reuse_the_cache_and_equal_the_ref
     """Two conversations of three turns with one system prompt, served together on the CPU
     kernels with the prefix cache on (pages of 16 tokens): the later turns come mostly from the
     cache, and every greedy reply equals the reference generator's over the whole prompt."""
-    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.engine.config import EngineConfig
+    from cadence.engine.engine import Engine
     from cadence.model import cpu_kernels
     from cadence.scheduler.policy import PolicyConfig
     from cadence.scheduler.request import GenerationParams
@@ -232,7 +235,8 @@ def test_structured_output_and_tool_calls_on_the_default_model(smollm2):
 
     import jsonschema
 
-    from cadence.engine.engine import Engine, EngineConfig
+    from cadence.engine.config import EngineConfig
+    from cadence.engine.engine import Engine
     from cadence.model import cpu_kernels
     from cadence.scheduler.policy import PolicyConfig
     from cadence.scheduler.request import GenerationParams

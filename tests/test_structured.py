@@ -11,7 +11,8 @@ import httpx
 import jsonschema
 import pytest
 
-from cadence.engine.engine import Engine, EngineConfig
+from cadence.engine.config import EngineConfig
+from cadence.engine.engine import Engine
 from cadence.server import requests
 from cadence.server.tools import HERMES, LLAMA3_JSON, call_style, parse_tools
 from tests.fakes import EOS, TOK, FakeEngine

@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from cadence.checkpoints.store import load_converted, save_converted
 from cadence.engine import compile_counter
-from cadence.engine.engine import Engine, EngineConfig
+from cadence.engine.config import EngineConfig
+from cadence.engine.engine import Engine
 from cadence.engine.reference import greedy_generate
 from cadence.model.config import LLAMA3_8B, SMOLLM2_135M, TINY
 from cadence.model.llama import forward
@@ -169,8 +170,8 @@ def test_the_pool_counts_the_bytes_every_device_holds(tiny_params, tiny_config):
 def test_kv_moves_in_and_out_of_a_sharded_pool(tiny_params, tiny_config):
     """A sequence's KV extracted from a TP=2 engine (sharded by KV head) and inserted into other
     pages of a single-device engine decodes exactly as it would have in place."""
-    from cadence.engine.engine import sampling_rows
     from cadence.engine.packing import PrefillChunk
+    from cadence.engine.programs import sampling_rows
     from cadence.model.sampling import RequestSampling
 
     sharded = Engine(tiny_params, tiny_config, ENGINE, devices=jax.devices()[:2])

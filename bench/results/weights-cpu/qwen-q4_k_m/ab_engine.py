@@ -8,7 +8,9 @@ import time
 
 import numpy as np
 from cadence.checkpoints.registry import load_model
-from cadence.engine.engine import Engine, EngineConfig, fixed_page_tables, sampling_rows
+from cadence.engine.config import EngineConfig, fixed_page_tables
+from cadence.engine.engine import Engine
+from cadence.engine.programs import sampling_rows
 from cadence.model.sampling import RequestSampling
 model = load_model(sys.argv[1])
 allp = {p: b for p, (b, k) in model.packed.items()}

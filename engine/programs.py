@@ -1,0 +1,280 @@
+"""The jitted programs an engine runs, as pure functions of device state and host arguments.
+
+    programs = jit_programs(model_config, engine_config)   # `Programs`: one jitted fn per kind
+    (tokens, logprobs), cache, last_tokens, history = programs.decode(
+        params, rope, cache, last_tokens, history, slots, positions, page_table, sampling, steps)
+
+Packed prefill (and its scoring form, which returns every position's logprobs), the two decode
+programs (length-following, and the batched einsum one for short contexts), a decode step split
+in two halves for rows whose bitmask the host fills in between, extract and insert (a sequence's
+KV out of and into the page pool), a slot's token history, and copying pages. Each compiles once
+per shape bucket (`engine.config`); the page pool, `last_tokens` and the token history are
+donated, so every program updates them in place. `engine.engine.Engine` holds the device state
+and calls them; `engine.lowering` and `bench.tp_collectives` lower the same programs from shapes
+alone. `sampling_rows` packs requests' settings into the sampling argument every program takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from cadence.engine.config import EngineConfig
+from cadence.model.config import ModelConfig
+from cadence.model.llama import forward
+from cadence.model.paged_kv import PagedKVCache
+from cadence.model.sampling import (Logprobs, RequestSampling, SamplingParams, SamplingRows, choose,
+                                    logprobs_of)
+from cadence.model.sharding import TensorParallel
+
+
+def _prefill_program(
+    params, rope, cache, last_tokens, history, tokens, positions, lengths, tables, logit_index,
+    steps, write_slot, sampling_slot, sampling, allowed, *, config, attention, dtype, mesh,
+    max_logprobs,
+):
+    """Every chunk of a pack (`engine.packing`) in one pass: KV written through each row's
+    table, one token sampled per chunk (with its slot's history, `sampling_slot`, among the
+    tokens its bitmask `allowed` allows), and each
+    prompt's last chunk's token written into its slot's `last_tokens` and counted into its
+    history (other entries of `write_slot` are num_slots and drop out)."""
+    logits, cache = forward(
+        params, tokens, positions, lengths, cache, tables, config=config,
+        logit_index=logit_index, attention=attention, dtype=dtype, mesh=mesh, rope_table=rope,
+    )
+    sampled, logprobs, last_tokens, history = _take_chunk_tokens(
+        logits, last_tokens, history, steps, write_slot, sampling_slot, sampling, allowed, max_logprobs)
+    return (sampled, logprobs), cache, last_tokens, history
+
+
+def _take_chunk_tokens(logits, last_tokens, history, steps, write_slot, sampling_slot, sampling,
+                       allowed, max_logprobs):
+    """Both prefill programs' end: each chunk's token from its logits [C, vocab] (step = the
+    new token's position), written into the slot of a prompt's last chunk and counted into its
+    history."""
+    sampled, logprobs = choose(logits, sampling, history, sampling_slot, steps, max_logprobs, allowed)
+    last_tokens = last_tokens.at[write_slot].set(sampled, mode="drop")
+    return sampled, logprobs, last_tokens, history.count(write_slot, sampled, sampling)
+
+
+def _scored_prefill_program(
+    params, rope, cache, last_tokens, history, tokens, positions, lengths, tables, logit_index,
+    steps, write_slot, sampling_slot, sampling, allowed, targets, *, config, attention, dtype,
+    mesh, max_logprobs,
+):
+    """`_prefill_program`, with the logits of every position of the pack: also returns each
+    position's `Logprobs` of `targets` [T] (its next token; -1 where none: ignored)."""
+    every = jnp.arange(tokens.size, dtype=jnp.int32)
+    logits, cache = forward(
+        params, tokens, positions, lengths, cache, tables, config=config, logit_index=every,
+        attention=attention, dtype=dtype, mesh=mesh, rope_table=rope,
+    )
+    sampled, logprobs, last_tokens, history = _take_chunk_tokens(
+        logits[logit_index], last_tokens, history, steps, write_slot, sampling_slot, sampling,
+        allowed, max_logprobs)
+    scores = logprobs_of(logits, jnp.maximum(targets, 0), max_logprobs, jnp.ones(1, bool))
+    return (sampled, logprobs, scores), cache, last_tokens, history
+
+
+def _decode_program(
+    params, rope, cache, last_tokens, history, slots, positions, page_table, sampling, steps,
+    *, config, attention, dtype, mesh, max_steps, max_logprobs,
+):
+    """Up to `steps` decode steps (at most `max_steps`) over the rows of `slots` [batch] (a
+    slot index, or num_slots for a padding row); positions (each row's first step), page_table
+    and sampling are per row. A row ends on the device when it samples one of its stop ids (or
+    comes in with one, a request that ended in the step before): it writes nothing after, and
+    the loop exits once every row has ended. Returns [max_steps, num_slots]: every slot's next
+    token after each step (its last one where a row did not decode, and after the last step
+    run, the state it left), and each step's `Logprobs` per slot (zeros where none was asked
+    for or nothing decoded)."""
+    num_slots = last_tokens.shape[0]
+    inputs, live = _decode_inputs(last_tokens, slots, sampling)
+    out = jnp.broadcast_to(last_tokens, (max_steps, num_slots))
+    lp_out = _no_logprobs((max_steps, num_slots), max_logprobs)
+
+    def more(state):
+        step, live = state[:2]
+        return (step < steps) & jnp.any(live)
+
+    def one_step(state):
+        step, live, inputs, cache, last_tokens, history, out, lp_out = state
+        at = positions + step
+        logits, cache = _decode_forward(params, rope, cache, inputs, live, at, page_table,
+                                        config=config, attention=attention, dtype=dtype, mesh=mesh)
+        tokens, last_tokens, history, out, lp_out = _decode_sample(
+            logits, live, inputs, slots, at, sampling, history, last_tokens, out, lp_out, step,
+            max_logprobs=max_logprobs)
+        return (step + 1, live & ~sampling.stops(tokens), tokens, cache, last_tokens, history, out,
+                lp_out)
+
+    ran, _, _, cache, last_tokens, history, out, lp_out = jax.lax.while_loop(
+        more, one_step, (jnp.int32(0), live, inputs, cache, last_tokens, history, out, lp_out))
+    out = jnp.where((jnp.arange(max_steps) < ran)[:, None], out, last_tokens[None])
+    return (out, lp_out), cache, last_tokens, history
+
+
+def _decode_inputs(last_tokens, slots, sampling):
+    """Each row's input token, and whether it decodes: a real slot (not padding, num_slots)
+    whose input is not one of its stop ids (a request that ended in the step before)."""
+    inputs = jnp.take(last_tokens, slots, mode="clip")
+    return inputs, (slots < last_tokens.shape[0]) & ~sampling.stops(inputs)
+
+
+def _no_logprobs(shape, max_logprobs):
+    return Logprobs(token=jnp.zeros(shape, jnp.float32),
+                    ids=jnp.zeros((*shape, max_logprobs), jnp.int32),
+                    values=jnp.zeros((*shape, max_logprobs), jnp.float32))
+
+
+def _decode_forward(params, rope, cache, inputs, live, at, page_table, *, config, attention, dtype,
+                    mesh):
+    """One decode step's forward pass: each live row's KV at `at` written, its logits."""
+    rows = jnp.arange(inputs.shape[0], dtype=jnp.int32)
+    return forward(params, inputs[:, None], at[:, None], live.astype(jnp.int32), cache, page_table,
+                   config=config, logit_index=rows, attention=attention, dtype=dtype, mesh=mesh,
+                   rope_table=rope)
+
+
+def _decode_sample(logits, live, inputs, slots, at, sampling, history, last_tokens, out, lp_out,
+                   step, *, max_logprobs, allowed=None):
+    """One decode step's sampling: each live row's token (its input where it does not decode)
+    written into its slot's `last_tokens`, counted into its history, and recorded as step
+    `step` of `out` and `lp_out`."""
+    num_slots = last_tokens.shape[0]
+    sampled, logprobs = choose(logits, sampling, history, slots, at + 1, max_logprobs, allowed)
+    tokens = jnp.where(live, sampled, inputs)
+    into = jnp.where(live, slots, num_slots)
+    last_tokens = last_tokens.at[into].set(tokens, mode="drop")
+    history = history.count(into, tokens, sampling)
+    out = jax.lax.dynamic_update_index_in_dim(out, last_tokens, step, 0)
+    lp_out = jax.tree.map(lambda a, new: a.at[step, into].set(new, mode="drop"), lp_out, logprobs)
+    return tokens, last_tokens, history, out, lp_out
+
+
+def _decode_forward_program(params, rope, cache, last_tokens, slots, positions, page_table, sampling,
+                            *, config, attention, dtype, mesh):
+    """The first half of a decode step whose sampling waits for the host (a grammar's bitmask,
+    filled from the token the step before sampled): the forward pass of `_decode_program`'s
+    first step, returning the logits [batch, vocab] that `_decode_sample_program` samples."""
+    inputs, live = _decode_inputs(last_tokens, slots, sampling)
+    return _decode_forward(params, rope, cache, inputs, live, positions, page_table, config=config,
+                           attention=attention, dtype=dtype, mesh=mesh)
+
+
+def _decode_sample_program(logits, last_tokens, history, slots, positions, sampling, allowed, *,
+                           max_logprobs):
+    """The second half: the step's tokens from `logits`, each row among those its bitmask
+    `allowed` [batch, words] allows, as `_decode_program` returns one step's ([1, num_slots]).
+    A row whose slot is num_slots here (its request ended while the forward ran) writes
+    nothing; its KV, written by the forward, is in pages it no longer holds."""
+    num_slots = last_tokens.shape[0]
+    inputs, live = _decode_inputs(last_tokens, slots, sampling)
+    _, last_tokens, history, out, lp_out = _decode_sample(
+        logits, live, inputs, slots, positions, sampling, history, last_tokens,
+        last_tokens[None], _no_logprobs((1, num_slots), max_logprobs), 0,
+        max_logprobs=max_logprobs, allowed=allowed)
+    return (out, lp_out), last_tokens, history
+
+
+def _copy_program(cache, sources, targets):
+    """Copies pages `sources` [W] onto pages `targets` [W] in every layer (a target past the
+    pool, padding, writes nothing)."""
+    def copy(layers):
+        return tuple(layer.at[:, targets].set(jnp.take(layer, sources, axis=1, mode="clip"), mode="drop")
+                     for layer in layers)
+
+    return PagedKVCache(k=copy(cache.k), v=copy(cache.v))
+
+
+def _history_program(history, slot, tokens, prompt_len):
+    """Writes slot `slot`'s token history from its sequence so far (`TokenHistory.set_row`)."""
+    return history.set_row(slot, tokens, prompt_len)
+
+
+def _extract_program(cache, last_tokens, ids, slot):
+    """The pages `ids` [P] of every layer, stacked: k, v [layers, kv_heads, P, page_size, d],
+    and `slot`'s next decode input. Reads only: nothing is donated."""
+    k = jnp.stack([jnp.take(layer, ids, axis=1, mode="clip") for layer in cache.k])
+    v = jnp.stack([jnp.take(layer, ids, axis=1, mode="clip") for layer in cache.v])
+    return k, v, last_tokens[slot]
+
+
+def _insert_program(cache, last_tokens, k, v, ids, slot, token):
+    """Writes a handle's pages into pages `ids` [P] (an id past the pool, padding, writes
+    nothing) and makes `token` the slot's next decode input."""
+    def put(layers, new):
+        return tuple(layer.at[:, ids].set(new[i].astype(layer.dtype), mode="drop")
+                     for i, layer in enumerate(layers))
+
+    cache = PagedKVCache(k=put(cache.k, k), v=put(cache.v, v))
+    return cache, last_tokens.at[slot].set(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """An engine's jitted programs (each compiles once per shape bucket)."""
+
+    prefill: Callable
+    prefill_scored: Callable  # prefill with every position's logprobs (echo), a chunk at a time
+    decode: Callable  # the length-following decode
+    decode_batched: Callable  # the einsum decode over a page-table bucket
+    # A decode step in two halves, for rows whose bitmask the host fills in between: the
+    # forward pass (length-following, and batched) and the sampling.
+    decode_forward: Callable
+    decode_forward_batched: Callable
+    decode_sample: Callable
+    extract: Callable
+    insert: Callable
+    history: Callable  # a slot's TokenHistory row from its tokens
+    copy: Callable  # pages onto other pages
+
+
+def jit_programs(model_config: ModelConfig, config: EngineConfig,
+                 tp: TensorParallel | None = None) -> Programs:
+    """The programs an engine runs, for `model_config` as computed (KV heads repeated, under
+    `tp`). With `tp`, every output is pinned to where its input lives (the pool by KV head,
+    tokens replicated), so each donated buffer is updated in place on every device.
+    `bench.tp_collectives` lowers the same programs from shapes alone."""
+    if tp is not None:
+        model_config = tp.compute_config  # the KV heads as the plan repeats them
+    static = dict(config=model_config, attention=config.attention, dtype=jnp.dtype(config.dtype),
+                  mesh=tp.attention_mesh if tp else None, max_logprobs=config.max_logprobs)
+    decode = dict(static, max_steps=config.decode_steps)
+    forward_only = {k: v for k, v in static.items() if k != "max_logprobs"}
+    donate = ("cache", "last_tokens", "history")
+
+    def jit(fn, out, **kw):
+        return jax.jit(fn, **({} if tp is None else {"out_shardings": out}), **kw)
+
+    pool, token, handle = (None, None, None) if tp is None else (
+        tp.pool_sharding, tp.replicated, tp.handle_sharding)
+    stepped = (token, pool, token, token)  # (tokens, logprobs), pool, last_tokens, history
+    # Page-table widths are shapes: each bucket is its own program, compiled at warm-up.
+    return Programs(
+        prefill=jit(functools.partial(_prefill_program, **static), stepped, donate_argnames=donate),
+        prefill_scored=jit(functools.partial(_scored_prefill_program, **static), stepped,
+                           donate_argnames=donate),
+        decode=jit(functools.partial(_decode_program, **decode), stepped, donate_argnames=donate),
+        decode_batched=jit(functools.partial(_decode_program, **{**decode, "attention": "reference"}),
+                           stepped, donate_argnames=donate),
+        decode_forward=jit(functools.partial(_decode_forward_program, **forward_only), (token, pool),
+                           donate_argnames=("cache",)),
+        decode_forward_batched=jit(
+            functools.partial(_decode_forward_program, **{**forward_only, "attention": "reference"}),
+            (token, pool), donate_argnames=("cache",)),
+        decode_sample=jit(functools.partial(_decode_sample_program, max_logprobs=config.max_logprobs),
+                          (token, token, token), donate_argnames=("last_tokens", "history")),
+        extract=jit(_extract_program, (handle, handle, token)),
+        insert=jit(_insert_program, (pool, token), donate_argnames=("cache", "last_tokens")),
+        history=jit(_history_program, token, donate_argnames=("history",)),
+        copy=jit(_copy_program, pool, donate_argnames=("cache",)),
+    )
+
+
+def sampling_rows(rows: Sequence[RequestSampling]) -> SamplingParams:
+    return SamplingRows.of(list(rows)).params()
