@@ -13,11 +13,9 @@ are admitted and as decode crosses a page boundary, and gives them all back when
 is cancelled or is preempted. Growth is all-or-nothing (a request never holds half of what a
 step needs), so a failed `grow` changes nothing and the scheduler can preempt and retry.
 
-With `caching`, pages are content-addressed (vLLM v1's design). A full page's key chains its
-parent page's key with the page's token ids (`PageKeys`), so equal keys mean equal tokens at
-equal positions after an equal prefix, and so equal KV. Every page has a reference count: the
-sequences holding it. A page whose count falls to 0 keeps its key and its KV, and waits in an
-eviction queue, least recently released first and, of one sequence, its tail before its head.
+With `caching`, pages are content-addressed (`scheduler.prefix_cache`: the keys, the key-page
+maps and the eviction queue). Every page has a reference count: the sequences holding it. A
+published page whose count falls to 0 keeps its key and its KV, and waits in the eviction queue.
 An allocation takes a page that holds no key first, and evicts only when there is none. A page
 is only ever written by the one sequence that allocated it, before it is full: a shared page is
 full, and its KV is never written again until it is evicted and allocated afresh.
@@ -31,39 +29,12 @@ Non-goals: swapping pages to the host; sharing partial pages.
 from __future__ import annotations
 
 import collections
-import hashlib
 import heapq
 from collections.abc import Sequence
 
-import numpy as np
+from cadence.scheduler.prefix_cache import PageKeys, PrefixCache
 
-
-class PageKeys:
-    """The cache keys of one sequence's full pages, computed as its tokens become known.
-
-    key(i) = blake2b-256(key(i - 1) || page i's token ids), and key(-1) is a digest of the
-    namespace (what else the KV depends on: the model, its weights, the compute dtype) and the
-    request's cache salt. So a page's key names its whole prefix, not only its own tokens."""
-
-    def __init__(self, page_size: int, namespace: bytes = b"", salt: str | None = None):
-        self.page_size = page_size
-        root = hashlib.blake2b(b"cadence-kv-prefix\0" + namespace, digest_size=32)
-        if salt is not None:
-            root.update(b"\0salt\0" + salt.encode("utf-8", "surrogatepass"))
-        self._root = root.digest()
-        self.keys: list[bytes] = []
-
-    def upto(self, tokens: Sequence[int], pages: int) -> list[bytes]:
-        """The keys of the first `pages` full pages of `tokens` (which must hold that many)."""
-        if pages * self.page_size > len(tokens):
-            raise ValueError(f"{len(tokens)} tokens fill {len(tokens) // self.page_size} pages, not {pages}")
-        size = self.page_size
-        while len(self.keys) < pages:
-            i = len(self.keys)
-            h = hashlib.blake2b(self.keys[-1] if self.keys else self._root, digest_size=32)
-            h.update(np.asarray(tokens[i * size : (i + 1) * size], np.int64).tobytes())
-            self.keys.append(h.digest())
-        return self.keys[:pages]
+__all__ = ["PageAllocator", "PageKeys"]
 
 
 class PageAllocator:
@@ -75,16 +46,12 @@ class PageAllocator:
         self.caching = caching
         self._free = list(range(num_pages))  # key-less pages nobody holds: a min-heap
         self._refs = [0] * num_pages  # sequences holding each page
-        self._key: dict[int, bytes] = {}  # page -> key, for published pages (held or not)
-        self._page: dict[bytes, int] = {}  # key -> page, the inverse
-        # Published pages nobody holds, in eviction order: the first is evicted first.
-        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self.evictions = 0
+        self.cache = PrefixCache()  # published pages, and those of them nobody holds
 
     @property
     def free_count(self) -> int:
         """Pages an allocation can take: key-less free ones and cached ones nobody holds."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + self.cache.evictable_count
 
     @property
     def used_count(self) -> int:
@@ -94,7 +61,12 @@ class PageAllocator:
     @property
     def cached_count(self) -> int:
         """Pages holding a published prefix, held or not."""
-        return len(self._key)
+        return self.cache.cached_count
+
+    @property
+    def evictions(self) -> int:
+        """Cached pages evicted (their prefix forgotten) to make room, since the start."""
+        return self.cache.evictions
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -115,9 +87,7 @@ class PageAllocator:
         if self._free:
             page = heapq.heappop(self._free)
         else:  # evict the page released longest ago; its prefix is forgotten
-            page, _ = self._evictable.popitem(last=False)
-            del self._page[self._key.pop(page)]
-            self.evictions += 1
+            page = self.cache.evict()
         self._refs[page] = 1
         return page
 
@@ -132,8 +102,8 @@ class PageAllocator:
             self._refs[page] -= 1
             if self._refs[page]:
                 continue
-            if page in self._key:
-                self._evictable[page] = None
+            if page in self.cache:
+                self.cache.park(page)
             else:
                 heapq.heappush(self._free, page)
         pages.clear()
@@ -141,13 +111,7 @@ class PageAllocator:
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """The cached pages of the longest run of `keys` from the first: a prompt's prefix hit.
         Changes nothing; `share` takes them."""
-        hit = []
-        for key in keys:
-            page = self._page.get(key)
-            if page is None:
-                break
-            hit.append(page)
-        return hit
+        return self.cache.lookup(keys)
 
     def evictable_among(self, pages: Sequence[int]) -> int:
         """How many of `pages` nobody holds: sharing them takes as many from `free_count`."""
@@ -162,13 +126,13 @@ class PageAllocator:
         holding each once more. Not `cached`: pages another sequence holds, whose KV it will
         not write again (the full prompt pages of a group's first sequence, `n` > 1)."""
         for page in hit:
-            if cached and page not in self._key:
+            if cached and page not in self.cache:
                 raise ValueError(f"page {page} holds no published prefix")
             if not cached and not (0 <= page < self.num_pages and self._refs[page]):
                 raise ValueError(f"page {page} is not held; only held pages are shared uncached")
         for page in hit:
             if not self._refs[page]:
-                del self._evictable[page]
+                self.cache.unpark(page)
             self._refs[page] += 1
         pages.extend(hit)
 
@@ -176,38 +140,30 @@ class PageAllocator:
         """Makes a held page's KV (now written in full) reusable under `key`. False if caching
         is off, the page is published already, or another page holds that key already (two
         sequences computed the same prefix at once: the first stays the cached one)."""
-        if not self.caching or page in self._key or key in self._page:
+        if not self.caching or page in self.cache or self.cache.has_key(key):
             return False
         if self._refs[page] < 1:
             raise ValueError(f"page {page} is not held; only its writer may publish it")
-        self._key[page] = key
-        self._page[key] = page
+        self.cache.publish(page, key)
         return True
 
     def clear_cache(self) -> None:
         """Forgets every cached prefix (the engine's KV was rebuilt): the pages nobody holds are
         free again, and held ones are freed, not cached, when released."""
-        for page in self._evictable:
+        for page in self.cache.clear():
             heapq.heappush(self._free, page)
-        self._evictable.clear()
-        self._key.clear()
-        self._page.clear()
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
 
     def published(self, page: int) -> bool:
-        return page in self._key
+        return page in self.cache
 
     def check(self) -> None:
         """Raises AssertionError if the bookkeeping is inconsistent (for tests)."""
         free = set(self._free)
         assert len(free) == len(self._free), "a page is free twice"
-        evictable = set(self._evictable)
-        assert not free & evictable, "a page is both free and cached"
+        evictable = self.cache.check(free)
         for page in range(self.num_pages):
             held = self._refs[page] > 0
             assert held + (page in free) + (page in evictable) == 1, f"page {page} is in two states or none"
-            assert page not in free or page not in self._key, f"free page {page} has a key"
-            assert page not in evictable or page in self._key, f"evictable page {page} has no key"
-        assert {self._page[k]: k for k in self._page} == self._key, "the key maps disagree"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.model.sampling import RequestSampling
-from cadence.scheduler.pages import PageKeys
+from cadence.scheduler.prefix_cache import PageKeys
 
 if TYPE_CHECKING:
     from cadence.scheduler.grammar import Grammar

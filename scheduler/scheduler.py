@@ -80,7 +80,7 @@ from cadence.scheduler.policy import (
 )
 from cadence.scheduler.handoff import Handoff, KVTransfer, check_pair
 from cadence.scheduler.priority import SLO, AdmissionControl, PriorityClasses
-from cadence.scheduler.pages import PageKeys
+from cadence.scheduler.prefix_cache import PageKeys
 from cadence.scheduler.pool import Pool
 from cadence.scheduler.request import (
     MAX_PRIORITY, MAX_STOP_LENGTH, MAX_STOP_STRINGS, FinishReason, GenerationParams, Request, RequestRecord,

@@ -137,7 +137,7 @@ def test_random_traffic_keeps_every_count_exact():
             full = len(tokens) // 2
             hit = pages.lookup(keys(tokens, 2)[: full])
             for page, key in zip(hit, keys(tokens, 2)):
-                assert pages.published(page) and pages._key[page] == key
+                assert pages.published(page) and pages.cache._key[page] == key
             pages.share(held, hit)
             if pages.grow(held, len(tokens)) is None:
                 pages.release(held)
@@ -223,9 +223,10 @@ def test_a_corrupted_cache_shows_in_the_output():
     allocator = h.sched.pools[0].pages
     hit = allocator.lookup(h.clients[0].stream.request.page_keys.keys[:3])
     assert len(hit) == 3
-    k0, k1 = allocator._key[hit[0]], allocator._key[hit[1]]
-    allocator._key[hit[0]], allocator._key[hit[1]] = k1, k0
-    allocator._page[k0], allocator._page[k1] = hit[1], hit[0]
+    cache = allocator.cache
+    k0, k1 = cache._key[hit[0]], cache._key[hit[1]]
+    cache._key[hit[0]], cache._key[hit[1]] = k1, k0
+    cache._page[k0], cache._page[k1] = hit[1], hit[0]
     again = h.submit(prompt, max_tokens=4, ignore_eos=True)
     h.run()
     assert again.record.cached_tokens == 48
