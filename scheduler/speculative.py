@@ -1,0 +1,121 @@
+"""Speculative decoding's host side: draft tokens from the sequence itself, and when to ask.
+
+    drafts = NgramDrafts(min_n=2, max_n=4)
+    drafts.extend(prompt_ids)                  # then every accepted token, as it is accepted
+    proposal = drafts.propose(k=4)             # up to k tokens, [] when nothing matches
+
+Prompt lookup (n-gram drafting): answers that quote or edit a document repeat spans of it, so
+the tokens that followed the sequence's latest n tokens the last time those n tokens occurred
+are a good guess of what comes next, and cost nothing to find. `NgramDrafts` keeps an index
+from every `min_n`-gram of the sequence (prompt and output) to where it occurred, updated in
+O(1) per token; a proposal looks up the sequence's last `min_n` tokens, extends each of the
+most recent `max_candidates` matches backwards up to `max_n` tokens, and copies what followed the longest
+(the most recent among equals). Work per proposal is bounded by `max_candidates` x `max_n`
+comparisons, whatever the sequence's length.
+
+The engine then scores the row's last token and the k drafts in one pass (`Engine.verify`),
+samples its own token at every position with the request's sampler, and keeps drafts while
+they equal its samples: the output is the one decoding without drafts gives, token for token
+(samples are keyed by position, so this holds for seeded sampling as well as greedy).
+
+`Acceptance` is the per-request record the policy reads: speculation pays only while drafts
+are accepted, so a request whose recent drafts were mostly rejected stops drafting for a while
+and tries again later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+MAX_CANDIDATES = 8  # most recent occurrences of the key n-gram examined per proposal
+
+
+class NgramDrafts:
+    """Prompt-lookup drafts over one sequence (its prompt, then its output as accepted)."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 4, max_candidates: int = MAX_CANDIDATES):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n} and {max_n}")
+        self.min_n, self.max_n, self.max_candidates = min_n, max_n, max_candidates
+        self.tokens: list[int] = []
+        self._where: dict[tuple[int, ...], list[int]] = {}  # min_n-gram -> its start positions
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            self.tokens.append(int(token))
+            start = len(self.tokens) - self.min_n
+            if start >= 0:
+                key = tuple(self.tokens[start:])
+                self._where.setdefault(key, []).append(start)
+
+    def truncate(self, length: int) -> None:
+        """Forgets the tokens past `length` (a preempted request's output, recomputed)."""
+        while len(self.tokens) > length:
+            start = len(self.tokens) - self.min_n
+            if start >= 0:
+                key = tuple(self.tokens[start:])
+                starts = self._where[key]
+                starts.pop()
+                if not starts:
+                    del self._where[key]
+            self.tokens.pop()
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` tokens that followed the longest earlier match (min_n..max_n tokens) of
+        the sequence's end; [] when its last min_n tokens never occurred before."""
+        seq, n = self.tokens, self.min_n
+        if k <= 0 or len(seq) <= n:
+            return []
+        starts = self._where.get(tuple(seq[-n:]))
+        if not starts or len(starts) < 2:
+            return []  # only the sequence's own end
+        best, best_len = -1, 0
+        end = len(seq)
+        for start in reversed(starts[-self.max_candidates - 1 : -1]):  # skip the end's own entry
+            length = n
+            while (length < self.max_n and start - (length - n) - 1 >= 0
+                   and seq[start - (length - n) - 1] == seq[end - length - 1]):
+                length += 1
+            if length > best_len:
+                best, best_len = start, length
+            if length == self.max_n:
+                break  # the most recent of the longest possible
+        follow = best + n
+        return seq[follow : min(follow + k, end)]
+
+
+@dataclasses.dataclass
+class Acceptance:
+    """One request's recent drafting record: an exponential average of the fraction of its
+    drafts accepted, and how many steps it sits out after the average fell too low."""
+
+    rate: float = 1.0  # optimistic: a new request drafts
+    pause: int = 0
+    proposed: int = 0  # totals, for its record
+    accepted: int = 0
+
+    DECAY = 0.5
+    LOW = 0.25  # below this, drafting costs more than it saves
+    PAUSE = 16  # steps to sit out before trying again
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self.proposed += proposed
+        self.accepted += accepted
+        self.rate = self.DECAY * self.rate + (1 - self.DECAY) * accepted / proposed
+        if self.rate < self.LOW:
+            self.pause = self.PAUSE
+
+    def wants(self) -> bool:
+        """Whether to draft this step (counts down a pause)."""
+        if self.pause > 0:
+            self.pause -= 1
+            if self.pause == 0:
+                self.rate = self.LOW * 2  # a fresh chance, not a fresh record
+            return False
+        return True
