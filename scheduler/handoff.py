@@ -31,8 +31,8 @@ from collections.abc import Callable
 from absl import logging
 
 from cadence.engine.api import EngineAPI
-from cadence.scheduler.policy import PageBudget, PolicyConfig, running_cost
-from cadence.scheduler.pool import Pool
+from cadence.scheduler.kv_manager import Pool
+from cadence.scheduler.policy import PolicyConfig, running_cost
 from cadence.scheduler.request import Request, State
 
 
@@ -67,13 +67,12 @@ class Handoff:
     the scheduler's state lock; a failure is reported through `fail_one` (that request's alone)
     or `fail_pool` (an engine call failed: every request of that pool)."""
 
-    def __init__(self, source: Pool, target: Pool, policy: PolicyConfig, reserve: int | None,
-                 page_budget: Callable[[Pool], PageBudget],
+    def __init__(self, source: Pool, target: Pool, policy: PolicyConfig,
                  fail_one: Callable[[Request, str, float], None],
                  fail_pool: Callable[[Pool, str], None],
                  landed: Callable[[KVTransfer], None], wake: Callable[[], None]):
         self.source, self.target = source, target  # the prefill pool and the decode pool
-        self._policy, self._reserve, self._page_budget = policy, reserve, page_budget
+        self._policy = policy
         self._fail_one, self._fail_pool = fail_one, fail_pool
         self._landed, self._wake = landed, wake
         self.backlog: collections.deque[Request] = collections.deque()  # oldest first
@@ -121,8 +120,8 @@ class Handoff:
             if r.state is not State.TRANSFERRING or r.pool is not source:  # ended meanwhile
                 self.backlog.remove(r)
                 continue
-            tokens = self._reserve or r.kv_tokens + 1
-            budget = self._page_budget(target)
+            tokens = target.reserve_tokens or r.kv_tokens + 1
+            budget = target.page_budget()
             free = budget.free - running_cost(target.running, self._policy, budget)
             if not target.free_slots or target.pages.pages_for(tokens) > free:
                 break  # the decode pool is full: r waits, holding its prefill pages

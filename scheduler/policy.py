@@ -137,6 +137,12 @@ def wants_decode(r: Request) -> bool:
     return r.state is State.DECODING and r.dispatched < r.max_tokens
 
 
+def decoded_end(r: Request, steps: int) -> int:
+    """Positions `r` holds once `steps` decode steps from its next one are written: they
+    write the KV of positions prompt_len + dispatched - 1 onwards."""
+    return r.prompt_len + r.dispatched + steps - 1
+
+
 def _is_long(r: Request, config: PolicyConfig) -> bool:
     """A prompt that needs more than one chunk: it holds a partial prefill across iterations."""
     return r.prefill_len - r.prefilled > config.chunk

@@ -157,7 +157,7 @@ class Request:
         self.emit = emit
         self.state = State.WAITING
         self.slot: int | None = None
-        self.pool = None  # the scheduler.pool.Pool whose slot it holds, if any
+        self.pool = None  # the scheduler.kv_manager.Pool whose slot it holds, if any
         self.pages: list[int] = []  # the KV pages it holds (in its pool), in position order
         self.unapplied = 0  # dispatched results that include it, not yet applied
         self.landing = None  # disaggregated: its KV handle on its way to the decode device

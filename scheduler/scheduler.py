@@ -76,12 +76,12 @@ from cadence.engine.api import EngineAPI, PrefillChunk, RequestSampling, Samplin
 from cadence.model.sampling import all_allowed
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
 from cadence.scheduler.policy import (
-    PageBudget, Plan, PolicyConfig, PrefillLimit, make_plan, running_cost, wants_decode,
+    Plan, PolicyConfig, PrefillLimit, decoded_end, make_plan, wants_decode,
 )
 from cadence.scheduler.handoff import Handoff, KVTransfer, check_pair
 from cadence.scheduler.priority import SLO, AdmissionControl, PriorityClasses
 from cadence.scheduler.prefix_cache import PageKeys
-from cadence.scheduler.pool import Pool
+from cadence.scheduler.kv_manager import Pool
 from cadence.scheduler.request import (
     MAX_PRIORITY, MAX_STOP_LENGTH, MAX_STOP_STRINGS, FinishReason, GenerationParams, Request, RequestRecord,
     State, TokenEvent, TokenLogprob,
@@ -130,12 +130,6 @@ class IterationRecord:
     decode_steps: int = 1  # steps each of the decode_slots ran, in one dispatch
 
 
-def _decoded_end(r: Request, steps: int) -> int:
-    """Positions `r` holds once `steps` decode steps from its next one are written: they
-    write the KV of positions prompt_len + dispatched - 1 onwards."""
-    return r.prompt_len + r.dispatched + steps - 1
-
-
 @dataclasses.dataclass(frozen=True)
 class Scores:
     """In a prefill result's (request, index) pairs: the prompt logprobs of the chunk `chunk`
@@ -172,9 +166,11 @@ class Scheduler:
             config.policy, pack_block=engine.config.pack_block,
             pack_tokens=engine.config.prefill_buckets[-1]))
         self.config = config
+        reserve = engine.config.max_seq_len if config.kv_reservation == "max" else None
         self._prefill_pool = Pool(engine, "colocated" if decode_engine is None else "prefill",
-                                  caching=config.prefix_caching)
-        self._decode_pool = self._prefill_pool if decode_engine is None else Pool(decode_engine, "decode")
+                                  caching=config.prefix_caching, reserve=reserve)
+        self._decode_pool = (self._prefill_pool if decode_engine is None
+                             else Pool(decode_engine, "decode", reserve=reserve))
         self.pools = tuple(dict.fromkeys((self._prefill_pool, self._decode_pool)))
         self.num_slots = self._decode_pool.num_slots  # sequences that decode at once
         self.max_seq_len = engine.config.max_seq_len
@@ -191,11 +187,6 @@ class Scheduler:
         self.priority_preemptions = 0  # of those, for a better priority's slot or pages (the rest: growth)
         self.prefill_programs = 0  # packed prefill programs run, and the chunks they carried
         self.prefill_chunks = 0
-        # Prefix caching: prompt tokens looked up at admission, and those found cached.
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        # Prompt tokens later sequences of a group (n > 1) took from the first one's KV.
-        self.forked_tokens = 0
         # Submissions refused for load, by reason: "queue_full", "ttft_slo", "itl_slo".
         self.rejections: collections.Counter[str] = collections.Counter()
         self.admission = AdmissionControl(config.slo)
@@ -217,10 +208,8 @@ class Scheduler:
         # Disaggregated: the prefilled requests waiting for the decode pool, and those whose KV
         # is on its way there (`scheduler.handoff`).
         self._handoff = Handoff(
-            self._prefill_pool, self._decode_pool, config.policy,
-            self.max_seq_len if config.kv_reservation == "max" else None, self._page_budget,
-            self._fail_one, self._fail_pool, lambda t: self._notify(self.transfer_listeners, t),
-            self._wake)
+            self._prefill_pool, self._decode_pool, config.policy, self._fail_one, self._fail_pool,
+            lambda t: self._notify(self.transfer_listeners, t), self._wake)
 
     @property
     def disaggregated(self) -> bool:
@@ -407,6 +396,21 @@ class Scheduler:
         return self._handoff.bytes
 
     @property
+    def prefix_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache at admission."""
+        return sum(p.prefix_queries for p in self.pools)
+
+    @property
+    def prefix_hits(self) -> int:
+        """Of those, tokens whose KV the cache held."""
+        return sum(p.prefix_hits for p in self.pools)
+
+    @property
+    def forked_tokens(self) -> int:
+        """Prompt tokens later sequences of a group (n > 1) took from the first one's KV."""
+        return sum(p.forked_tokens for p in self.pools)
+
+    @property
     def kv_usage(self) -> float:
         """Fraction of the KV page pools held by requests."""
         used, total = self.kv_pages
@@ -558,17 +562,17 @@ class Scheduler:
         with self._state:
             start = time.monotonic()
             self._take_inbox()
-            self._match_prefixes(pool)
-            self._match_forks(pool)
+            pool.match_prefixes(self._waiting)
+            pool.match_forks(self._waiting)
             plan = self._plan(pool)
             plan.steps = self._decode_steps(pool, plan)
             previous = self._begin(pool)
             self._admit(plan, pool, start)
-            self._reserve_pages(pool, plan, start)
+            self._reserve(pool, plan)
             rows = pool.rows.params()  # every slot's sampling row, for both programs
             programs, chunks = self._dispatch_prefill(plan, pool, rows)
             self._dispatch_decode(plan, pool, rows)
-            self._publish(pool)  # the prompt pages just dispatched are reusable at once
+            pool.publish_running()  # the prompt pages just dispatched are reusable at once
             transfers = self._handoff.start()  # a prompt just finished moves right behind it
         return self._finish_iteration(pool, previous, start, plan, programs, chunks, transfers)
 
@@ -584,60 +588,9 @@ class Scheduler:
             plan = Plan(decode=[r for r in pool.running if wants_decode(r)])
             plan.steps = self._decode_steps(pool, plan)
             previous = self._begin(pool)
-            self._reserve_pages(pool, plan, start)
+            self._reserve(pool, plan)
             self._dispatch_decode(plan, pool, pool.rows.params())
         return self._finish_iteration(pool, previous, start, plan, 0, 0, transfers + landed)
-
-    def _match_prefixes(self, pool: Pool) -> None:
-        """Looks every waiting request's prompt up in the prefix cache, before the plan: a hit
-        (`Request.prefix`) makes it start prefilling after the cached pages. A prompt's last
-        token is always computed (its logits give the first output), so the page holding it
-        is never taken from the cache. Admission takes the hit (`_admit`)."""
-        if not pool.pages.caching:
-            return  # nothing is ever looked up: every waiting request's prefix stays empty
-        for r in self._waiting:
-            r.prefix, r.prefix_evictable = [], 0
-            if not self._may_admit(pool, r) or r.unapplied or r.page_keys is None:
-                r.prefilled = r.kv_tokens = 0
-                continue
-            if r.preemptions:  # it will recompute its output too (`readmitted`)
-                r.prefill_ids = r.prompt_ids + r.output_ids
-            pages = (r.prefill_len - 1) // self.page_size
-            r.prefix = pool.pages.lookup(r.page_keys.upto(r.prefill_ids, pages))
-            r.prefix_evictable = pool.pages.evictable_among(r.prefix)
-            r.prefilled = r.kv_tokens = len(r.prefix) * self.page_size
-
-    def _match_forks(self, pool: Pool) -> None:
-        """After `_match_prefixes`: each waiting later sequence of a group whose first one holds
-        the prompt's KV in this pool takes that as its prefix: the full pages before the one
-        holding the prompt's last token (shared), that page's other positions (copied into a
-        page of its own when it dispatches, `fork_tail`), and it computes the last token only."""
-        size = self.page_size
-        for r in self._waiting:
-            parent = r.fork_parent
-            if parent is None:
-                continue
-            r.forking, r.fork_tail = False, None
-            if not (self._may_admit(pool, r) and not r.unapplied and not r.preemptions
-                    and parent.pool is pool and not parent.finished
-                    and parent.state in (State.DECODING, State.TRANSFERRING)):
-                if not pool.pages.caching:  # (else `_match_prefixes` has just set them)
-                    r.prefix, r.prefix_evictable, r.prefilled, r.kv_tokens = [], 0, 0, 0
-                continue
-            full, partial = divmod(r.prompt_len - 1, size)
-            r.prefix, r.prefix_evictable = parent.pages[:full], 0
-            r.forking, r.fork_tail = True, parent.pages[full] if partial else None
-            r.prefilled = r.kv_tokens = r.prompt_len - 1
-
-    @staticmethod
-    def _may_admit(pool: Pool, r: Request) -> bool:
-        """Whether the plan may admit `r` now: a slot is free, or a running request has a lower
-        priority than `r`'s (it may be preempted for it)."""
-        return bool(pool.free_slots) or any(q.priority > r.priority for q in pool.running)
-
-    def _publish(self, pool: Pool) -> None:
-        for r in pool.running:
-            pool.publish(r)
 
     def _plan(self, pool: Pool) -> Plan:
         # A request with a result still in flight (disaggregated: preempted on the decode pool
@@ -645,7 +598,7 @@ class Scheduler:
         waiting = [r for r in self._waiting
                    if not r.unapplied and not r.compiling and not _awaits_parent(r)]
         return make_plan(pool.running, waiting, len(pool.free_slots), self.config.policy,
-                         self._page_budget(pool), self._prefill_limit(pool))
+                         pool.page_budget(), self._prefill_limit(pool))
 
     def _prefill_limit(self, pool: Pool) -> PrefillLimit | None:
         """With inter-token targets: while requests of targeted priorities decode, the prompt
@@ -673,7 +626,7 @@ class Scheduler:
             pool.applying = []
             if pool.split is not None:  # a decode step whose sampling waited for these tokens
                 self._sample_split(pool)
-            self._publish(pool)  # pages filled by the tokens just accepted
+            pool.publish_running()  # pages filled by the tokens just accepted
             if plan.empty and not previous and not handoffs:
                 return False
             wall = time.monotonic() - start
@@ -762,7 +715,7 @@ class Scheduler:
 
     def _admit(self, plan: Plan, pool: Pool, now: float) -> None:
         for r in plan.preempt:  # lower priorities making room for those admitted
-            self._preempt(r, now, "a request of a better priority needs its slot or pages")
+            self._preempt(r, "a request of a better priority needs its slot or pages")
             self.priority_preemptions += 1
         for r in plan.admit:
             self._waiting.remove(r)
@@ -771,22 +724,7 @@ class Scheduler:
             r.admitted = r.admitted or now
             if r.preemptions:
                 r.readmitted()
-            hit = len(r.prefix) * self.page_size
-            forked = r.forking
-            if r.prefix:
-                pool.share(r, r.prefix, cached=not forked)
-            if forked:
-                hit = r.prompt_len - 1
-                if r.fork_tail is not None:  # held until its copy is dispatched
-                    pool.hold_copy(r, r.fork_tail)
-            r.prefix, r.prefix_evictable, r.forking, r.fork_tail = [], 0, False, None
-            if pool.pages.caching and not forked:
-                self.prefix_queries += r.prefill_len
-                self.prefix_hits += hit
-            if forked:
-                self.forked_tokens += hit
-            if not r.preemptions:
-                r.cached_tokens = hit
+            pool.take_prefix(r)
             try:
                 pool.rows.set(r.slot, r.params.sampling, r.eos_ids, r.params.logprobs is not None)
             except Exception as e:  # this request's values, this request's failure
@@ -878,7 +816,7 @@ class Scheduler:
                for r in pool.running):
             return 1
         steps = min(most, min(r.max_tokens - r.dispatched for r in plan.decode))
-        wanted = sum(max(0, pool.pages.pages_for(_decoded_end(r, steps)) - len(r.pages))
+        wanted = sum(max(0, pool.pages.pages_for(decoded_end(r, steps)) - len(r.pages))
                      for r in plan.decode)
         return max(steps, 1) if wanted <= pool.pages.free_count else 1
 
@@ -929,75 +867,21 @@ class Scheduler:
             r.unapplied += 1
         pool.pending.append((pairs, tokens))
 
-    def _page_budget(self, pool: Pool) -> PageBudget:
-        """What the pool's free pages allow the policy, per the reservation mode."""
-        return PageBudget(pool.pages.free_count, self.page_size,
-                          self.max_seq_len if self.config.kv_reservation == "max" else None,
-                          releasable=lambda r: pool.pages.releasable(r.pages + r.fork_hold))
+    def _reserve(self, pool: Pool, plan: Plan) -> None:
+        """The pages this iteration's work needs (`Pool.reserve`); what did not fit goes back
+        to the head of the queue: each request preempted as it was, then those sent back, ahead
+        of them and in their order."""
+        reservation = pool.reserve(plan)
+        for r in reservation.preempted:
+            self._waiting.appendleft(r)
+            self.preemptions += 1
+        for r in reversed(reservation.sent_back):
+            self._waiting.appendleft(r)
 
-    def _tokens_after(self, r: Request, plan_chunks: dict[Request, int], decoding: set[Request],
-                      steps: int) -> int:
-        """Positions `r` needs pages for once this iteration's work for it is dispatched."""
-        if r in decoding:
-            return _decoded_end(r, steps)
-        return plan_chunks.get(r, 0)
-
-    def _reserve_pages(self, pool: Pool, plan: Plan, now: float) -> None:
-        """Gives every request of `pool` the pages this iteration's work needs, before anything
-        runs.
-
-        Requests admitted earlier go first, by priority, oldest first among equals; when the
-        pool runs dry, the most recently admitted request of the lowest priority is preempted
-        (its pages freed, back to the head of the queue, recomputed later), which may be the
-        one asking. A request admitted in this very plan that finds too few pages goes back to
-        the queue instead: admission preempts only what the plan said (`Plan.preempt`). The
-        first request to grow can always grow (the pool holds one sequence of max_seq_len), so
-        something always progresses.
-        """
-        ends: dict[Request, int] = {}
-        for chunk in plan.prefill:
-            ends[chunk.request] = max(ends.get(chunk.request, 0), chunk.start + chunk.length)
-        decoding = {r for r in plan.decode if r.state is State.DECODING}
-        admitted = set(plan.admit)
-        earlier = [r for r in pool.running if r not in admitted]
-        for r in sorted(earlier, key=lambda r: r.priority):  # stable: oldest first among equals
-            if r not in ends and r not in decoding:
-                continue
-            while r.pool is pool and not self._grow(r, self._tokens_after(r, ends, decoding, plan.steps)):
-                victim = max((v for v in reversed(pool.running) if v not in admitted),
-                             key=lambda v: v.priority)  # the first of the lowest: the newest
-                self._preempt(victim, now)
-        short = [r for r in plan.admit
-                 if r.state is State.PREFILLING and not self._grow(r, ends.get(r, 0))]
-        for r in reversed(short):  # back to the head of the queue, in their order
-            self._send_back(r)
-
-    def _grow(self, r: Request, tokens: int) -> bool:
-        if self.config.kv_reservation == "max":
-            tokens = self.max_seq_len
-        return r.pool.grow(r, tokens)
-
-    def _preempt(self, r: Request, now: float, why: str | None = None) -> None:
-        logging.info("preempting %s (priority %d): %s", r.id, r.priority,
-                     why or f"the {r.pool.name} KV pool is full ({r.pool.pages.num_pages} pages)")
-        r.pool.publish(r)  # what it computed stays cached: its recompute is mostly a hit
-        r.pool.release(r)
-        r.preempted()
+    def _preempt(self, r: Request, why: str) -> None:
+        r.pool.preempt(r, why)
         self._waiting.appendleft(r)
         self.preemptions += 1
-
-    def _send_back(self, r: Request) -> None:
-        """An admission that found too few pages: back to the head of the queue as it was."""
-        if r.pool.pages.caching:  # it prefills nothing now: its lookup counts next time
-            self.prefix_queries -= r.prefill_len
-            self.prefix_hits -= r.prefilled
-        r.pool.release(r)
-        r.prefilled = r.kv_tokens = 0
-        r.state = State.WAITING
-        r.slot = None
-        if not r.preemptions:
-            r.admitted = None  # it never really started
-        self._waiting.appendleft(r)
 
     def _apply(self, results: list[tuple[list[tuple[Request, int]], Any]], arrays: list[np.ndarray]) -> None:
         """`results`: (requests with the index of each one's token, the engine's tokens), and

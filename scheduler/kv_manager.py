@@ -1,0 +1,271 @@
+"""One engine's KV: its slots, its pages and page table, and what each request holds of them
+(vLLM's KVCacheManager role).
+
+    pool = Pool(engine, "colocated", caching=True)   # or "prefill" / "decode": a disaggregated pair
+    pool.match_prefixes(waiting)          # each waiting prompt's cached pages (its prefix hit)
+    pool.match_forks(waiting)             # ... or its group's first sequence's prompt pages
+    pool.take(r); pool.take_prefix(r)     # admitted: a free slot, and the hit's pages shared
+    reservation = pool.reserve(plan)      # the pages this iteration's work needs, before it runs
+    pool.publish(r)                       # r's newly full pages join the prefix cache
+    pool.release(r)                       # slot and pages back, the slot's rows reset
+
+Colocated serving has one pool that prefills and decodes. Disaggregated serving has two, each
+over its own engine (its own device, weights and page pool): a request holds a slot and pages in
+exactly one of them at a time, and moves from the prefill pool to the decode pool when its KV is
+handed over (`scheduler.handoff`). The admitting pool keeps the prefix cache (`caching`):
+admission looks prompts up in it, and its requests publish their pages to it.
+
+`reserve` grows every request's pages to what the plan's chunks and decode steps will write.
+Requests admitted earlier go first, by priority, oldest first among equals; when the pool runs
+dry, the most recently admitted request of the lowest priority is preempted (its pages freed, to
+be recomputed later), which may be the one asking. A request admitted in this very plan that
+finds too few pages is sent back instead: admission preempts only what the plan said
+(`Plan.preempt`). The `Reservation` says whom, for the scheduler to queue again. The first
+request to grow can always grow (the pool holds one sequence of max_seq_len), so something
+always progresses. With `reserve` tokens set (the "max" reservation, the contiguous baseline)
+a request holds that many tokens' pages from its first chunk on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from cadence.engine.api import EngineAPI, SamplingRows
+from cadence.scheduler.pages import PageAllocator
+from cadence.scheduler.policy import PageBudget, Plan, decoded_end
+from cadence.scheduler.request import Request, State
+
+
+@dataclasses.dataclass
+class Reservation:
+    """What `Pool.reserve` could not fit: the requests it preempted (in order) and those admitted
+    in the plan it sent back (in plan order). Both hold nothing now and go back to the head of
+    the queue."""
+
+    preempted: list[Request] = dataclasses.field(default_factory=list)
+    sent_back: list[Request] = dataclasses.field(default_factory=list)
+
+
+class Pool:
+    def __init__(self, engine: EngineAPI, name: str, caching: bool = False, reserve: int | None = None):
+        cfg = engine.config
+        self.engine = engine
+        self.name = name
+        self.reserve_tokens = reserve  # the "max" reservation: every request holds this many
+        self.num_slots = cfg.num_slots
+        self.page_size = cfg.page_size
+        self.pages = PageAllocator(engine.num_pages, cfg.page_size, caching)
+        # Each slot's occupant's pages; free slots' rows point at page 0, which any step may
+        # read (never write) without harm.
+        self.tables = np.zeros((cfg.num_slots, cfg.max_pages_per_seq), np.int32)
+        self.rows = SamplingRows(cfg.num_slots)  # each slot's occupant's sampling row
+        self.free_slots = list(range(cfg.num_slots))[::-1]
+        self.running: list[Request] = []  # holding a slot here, in slot-assignment order
+        # Results dispatched on this engine, not yet applied: (requests, each with its token's
+        # index), tokens.
+        self.pending: list[tuple[list[tuple[Request, int]], Any]] = []
+        self.applying: list[tuple[list[tuple[Request, int]], Any]] = []  # being read and applied
+        # A decode step whose forward pass is dispatched and whose sampling waits for the
+        # previous tokens (grammar bitmasks): its requests, each with its slot.
+        self.split: list[tuple[Request, int]] | None = None
+        self.busy_seconds = 0.0  # wall time of this pool's iterations that ran a program
+        # Prefix caching: prompt tokens looked up at admission, and those found cached; prompt
+        # tokens later sequences of a group (n > 1) took from the first one's KV.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.forked_tokens = 0
+
+    def take(self, r: Request) -> None:
+        """Gives `r` a free slot (the caller checked there is one); its sampling row is set
+        separately (`rows.set`), since a value that cannot be packed fails the request alone."""
+        r.slot = self.free_slots.pop()
+        r.pool = self
+        self.running.append(r)
+
+    def grow(self, r: Request, tokens: int) -> bool:
+        """Pages so that `r` holds `tokens` positions; False (nothing changed) if too few are free."""
+        new = self.pages.grow(r.pages, tokens)
+        if new is None:
+            return False
+        if new:
+            self.tables[r.slot, len(r.pages) - len(new) : len(r.pages)] = new
+        return True
+
+    def share(self, r: Request, hit: list[int], cached: bool = True) -> None:
+        """Gives `r`, which holds no page yet, the pages `hit` as its first pages: cached ones,
+        or (not `cached`) full pages of its group's first sequence (`PageAllocator.share`)."""
+        assert not r.pages, "a prefix hit comes before any page of its own"
+        self.pages.share(r.pages, hit, cached=cached)
+        self.tables[r.slot, : len(hit)] = hit
+        r.published = len(hit)
+
+    def hold_copy(self, r: Request, page: int) -> None:
+        """`r` (forked) will copy `page`, another sequence's, into its next page: held till then."""
+        self.pages.share(r.fork_hold, [page], cached=False)
+        r.fork_copy_at = len(r.pages)
+
+    def release_copy(self, r: Request) -> None:
+        self.pages.release(r.fork_hold)
+        r.fork_copy_at = None
+
+    def publish(self, r: Request) -> None:
+        """Publishes each of `r`'s pages that is full of KV written for tokens the host knows,
+        under the key of its prefix (`Request.written_tokens`)."""
+        if not self.pages.caching or r.page_keys is None:
+            return
+        full = min(r.written_tokens() // self.page_size, len(r.pages))
+        if full <= r.published:
+            return
+        keys = r.page_keys.upto(r.token_ids(full * self.page_size), full)
+        for i in range(r.published, full):
+            self.pages.publish(r.pages[i], keys[i])
+        r.published = full
+
+    def release(self, r: Request) -> None:
+        """Frees its slot and its pages; the slot's row of the page table points at page 0."""
+        self.running.remove(r)
+        self.free_slots.append(r.slot)
+        self.rows.clear(r.slot)
+        self.tables[r.slot] = 0
+        self.pages.release(r.pages)
+        self.release_copy(r)
+        r.published = 0
+        r.pool = None  # r.slot keeps the number, for the record of where it ran
+        r.landing = None  # KV on its way to this slot has nowhere to go now
+
+    @property
+    def idle(self) -> bool:
+        return not (self.running or self.pending or self.applying)
+
+    @property
+    def kv_tokens(self) -> int:
+        return sum(r.kv_tokens for r in self.running)
+
+    def page_budget(self) -> PageBudget:
+        """What the free pages allow the policy, per the reservation mode."""
+        return PageBudget(self.pages.free_count, self.page_size, self.reserve_tokens,
+                          releasable=lambda r: self.pages.releasable(r.pages + r.fork_hold))
+
+    def grow_to(self, r: Request, tokens: int) -> bool:
+        """`grow`, to `reserve_tokens` whatever `tokens` says when that is set."""
+        return self.grow(r, self.reserve_tokens or tokens)
+
+    def may_admit(self, r: Request) -> bool:
+        """Whether the plan may admit `r` now: a slot is free, or a running request has a lower
+        priority than `r`'s (it may be preempted for it)."""
+        return bool(self.free_slots) or any(q.priority > r.priority for q in self.running)
+
+    def match_prefixes(self, waiting: Iterable[Request]) -> None:
+        """Looks every waiting request's prompt up in the prefix cache, before the plan: a hit
+        (`Request.prefix`) makes it start prefilling after the cached pages. A prompt's last
+        token is always computed (its logits give the first output), so the page holding it
+        is never taken from the cache. Admission takes the hit (`take_prefix`)."""
+        if not self.pages.caching:
+            return  # nothing is ever looked up: every waiting request's prefix stays empty
+        for r in waiting:
+            r.prefix, r.prefix_evictable = [], 0
+            if not self.may_admit(r) or r.unapplied or r.page_keys is None:
+                r.prefilled = r.kv_tokens = 0
+                continue
+            if r.preemptions:  # it will recompute its output too (`readmitted`)
+                r.prefill_ids = r.prompt_ids + r.output_ids
+            pages = (r.prefill_len - 1) // self.page_size
+            r.prefix = self.pages.lookup(r.page_keys.upto(r.prefill_ids, pages))
+            r.prefix_evictable = self.pages.evictable_among(r.prefix)
+            r.prefilled = r.kv_tokens = len(r.prefix) * self.page_size
+
+    def match_forks(self, waiting: Iterable[Request]) -> None:
+        """After `match_prefixes`: each waiting later sequence of a group whose first one holds
+        the prompt's KV in this pool takes that as its prefix: the full pages before the one
+        holding the prompt's last token (shared), that page's other positions (copied into a
+        page of its own when it dispatches, `fork_tail`), and it computes the last token only."""
+        size = self.page_size
+        for r in waiting:
+            parent = r.fork_parent
+            if parent is None:
+                continue
+            r.forking, r.fork_tail = False, None
+            if not (self.may_admit(r) and not r.unapplied and not r.preemptions
+                    and parent.pool is self and not parent.finished
+                    and parent.state in (State.DECODING, State.TRANSFERRING)):
+                if not self.pages.caching:  # (else `match_prefixes` has just set them)
+                    r.prefix, r.prefix_evictable, r.prefilled, r.kv_tokens = [], 0, 0, 0
+                continue
+            full, partial = divmod(r.prompt_len - 1, size)
+            r.prefix, r.prefix_evictable = parent.pages[:full], 0
+            r.forking, r.fork_tail = True, parent.pages[full] if partial else None
+            r.prefilled = r.kv_tokens = r.prompt_len - 1
+
+    def take_prefix(self, r: Request) -> None:
+        """`r`, just admitted (`take`, `Request.readmitted`), takes the prefix matched for it:
+        cached pages, or its group's first sequence's prompt pages; counted for the metrics."""
+        hit = len(r.prefix) * self.page_size
+        forked = r.forking
+        if r.prefix:
+            self.share(r, r.prefix, cached=not forked)
+        if forked:
+            hit = r.prompt_len - 1
+            if r.fork_tail is not None:  # held until its copy is dispatched
+                self.hold_copy(r, r.fork_tail)
+        r.prefix, r.prefix_evictable, r.forking, r.fork_tail = [], 0, False, None
+        if self.pages.caching and not forked:
+            self.prefix_queries += r.prefill_len
+            self.prefix_hits += hit
+        if forked:
+            self.forked_tokens += hit
+        if not r.preemptions:
+            r.cached_tokens = hit
+
+    def publish_running(self) -> None:
+        for r in self.running:
+            self.publish(r)
+
+    def reserve(self, plan: Plan) -> Reservation:
+        """Gives every request of this pool the pages the plan's work for it needs, before
+        anything runs, preempting or sending back what does not fit (the module's docstring)."""
+        ends: dict[Request, int] = {}
+        for chunk in plan.prefill:
+            ends[chunk.request] = max(ends.get(chunk.request, 0), chunk.start + chunk.length)
+        decoding = {r for r in plan.decode if r.state is State.DECODING}
+        admitted = set(plan.admit)
+        earlier = [r for r in self.running if r not in admitted]
+        out = Reservation()
+        for r in sorted(earlier, key=lambda r: r.priority):  # stable: oldest first among equals
+            if r not in ends and r not in decoding:
+                continue
+            tokens = decoded_end(r, plan.steps) if r in decoding else ends.get(r, 0)
+            while r.pool is self and not self.grow_to(r, tokens):
+                victim = max((v for v in reversed(self.running) if v not in admitted),
+                             key=lambda v: v.priority)  # the first of the lowest: the newest
+                self.preempt(victim)
+                out.preempted.append(victim)
+        out.sent_back = [r for r in plan.admit
+                         if r.state is State.PREFILLING and not self.grow_to(r, ends.get(r, 0))]
+        for r in reversed(out.sent_back):
+            self.send_back(r)
+        return out
+
+    def preempt(self, r: Request, why: str | None = None) -> None:
+        """Frees `r`'s slot and pages; it will recompute its KV when admitted again."""
+        logging.info("preempting %s (priority %d): %s", r.id, r.priority,
+                     why or f"the {self.name} KV pool is full ({self.pages.num_pages} pages)")
+        self.publish(r)  # what it computed stays cached: its recompute is mostly a hit
+        self.release(r)
+        r.preempted()
+
+    def send_back(self, r: Request) -> None:
+        """An admission that found too few pages: as it was before it, holding nothing."""
+        if self.pages.caching:  # it prefills nothing now: its lookup counts next time
+            self.prefix_queries -= r.prefill_len
+            self.prefix_hits -= r.prefilled
+        self.release(r)
+        r.prefilled = r.kv_tokens = 0
+        r.state = State.WAITING
+        r.slot = None
+        if not r.preemptions:
+            r.admitted = None  # it never really started
