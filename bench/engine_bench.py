@@ -38,7 +38,7 @@ from cadence.engine.programs import sampling_rows
 from cadence.model.params import cast_bytes
 from cadence.model import cpu_kernels
 from cadence.model.quant import quantize, quantize_grouped
-from cadence.model.sampling import RequestSampling, SamplingRows
+from cadence.model.host_sampling import RequestSampling, SamplingRows
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model to benchmark.")
 _SLOTS = flags.DEFINE_list("slots", ["1", "4", "8"], "Slot counts for decode.")

@@ -24,7 +24,7 @@ from cadence.checkpoints.registry import load_model
 from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine
 from cadence.model import cpu_kernels
-from cadence.model.sampling import RequestSampling
+from cadence.model.host_sampling import RequestSampling
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams, RequestRecord
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig

@@ -389,7 +389,7 @@ def bench_tensor_parallel(results: dict, write) -> None:
     from cadence.engine.programs import sampling_rows
     from cadence.model.config import LLAMA3_8B, TINY
     from cadence.model.params import random_params
-    from cadence.model.sampling import RequestSampling
+    from cadence.model.host_sampling import RequestSampling
 
     degrees = [n for n in map(int, _TP_DEGREES.value) if n <= jax.device_count()]
     if jax.device_count() < 2:
@@ -441,7 +441,7 @@ def time_split_decode(engine, active_n: int, context: int, rows, tables, allowed
     `decode_sample` with bitmasks `allowed`), and whether its first step's tokens equal the
     fused program's (greedy rows, every token allowed)."""
     from cadence.engine import compile_counter
-    from cadence.model.sampling import all_allowed
+    from cadence.model.host_sampling import all_allowed
 
     slots = engine.config.num_slots
     active = np.arange(slots) < active_n
@@ -469,7 +469,7 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
     from cadence.model.config import LLAMA3_8B, TINY
     from cadence.model.params import random_params
     from cadence.model.quant import quantize
-    from cadence.model.sampling import RequestSampling, bitmask_words
+    from cadence.model.host_sampling import RequestSampling, bitmask_words
 
     cfg = TINY if _SMOKE.value else LLAMA3_8B
     start = time.monotonic()

@@ -180,7 +180,7 @@ def _engine_part(model: str) -> dict:
     from cadence.engine.programs import sampling_rows
     from cadence.model.config import PRESETS
     from cadence.model.params import random_params
-    from cadence.model.sampling import RequestSampling
+    from cadence.model.host_sampling import RequestSampling
 
     cfg = PRESETS[model]
     ceilings = gpu_bench.measure_ceilings()

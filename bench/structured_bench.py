@@ -30,7 +30,7 @@ import numpy as np
 from absl import app, flags
 
 from cadence.checkpoints.registry import load_model
-from cadence.model.sampling import bitmask_words
+from cadence.model.host_sampling import bitmask_words
 from cadence.scheduler.grammar import GrammarCompiler, JsonObject, JsonSchema, token_view
 from cadence.server.tools import HERMES, parse_tools
 

@@ -106,7 +106,8 @@ def compile_counts(config, n: int, batch: int, chunk: int) -> dict[str, dict]:
     from cadence.model.llama import rope_table
     from cadence.model.paged_kv import PagedKVCache
     from cadence.model.params import abstract_params
-    from cadence.model.sampling import RequestSampling, TokenHistory, all_allowed
+    from cadence.model.host_sampling import RequestSampling, all_allowed
+    from cadence.model.sampling import TokenHistory
     from cadence.model.sharding import POOL_AXES, TensorParallel
 
     tp = TensorParallel.plan(config, jax.devices()[:n])

@@ -79,7 +79,8 @@ import numpy as np
 from cadence.engine.config import EngineConfig
 from cadence.engine.packing import PrefillChunk
 from cadence.engine.results import DecodeTokens, KVHandle, PrefillTokens
-from cadence.model.sampling import RequestSampling, SamplingParams, SamplingRows
+from cadence.model.host_sampling import RequestSampling, SamplingRows
+from cadence.model.sampling import SamplingParams
 
 __all__ = ["DecodeTokens", "EngineAPI", "EngineConfig", "KVHandle", "PrefillChunk", "PrefillTokens",
            "RequestSampling", "SamplingParams", "SamplingRows"]

@@ -73,8 +73,9 @@ from cadence.model.llama import rope_table
 from cadence.model.params import cast
 from cadence.model.sharding import TensorParallel
 from cadence.model.paged_kv import PagedKVCache
-from cadence.model.sampling import (ALL_ALLOWED, NO_TOKEN, Logprobs, RequestSampling, SamplingParams,
-                                    SamplingRows, TokenHistory, all_allowed, bitmask_words)
+from cadence.model.host_sampling import (ALL_ALLOWED, NO_TOKEN, RequestSampling, SamplingRows,
+                                         all_allowed, bitmask_words)
+from cadence.model.sampling import Logprobs, SamplingParams, TokenHistory
 
 
 _GREEDY_ROW = SamplingRows(1).params()  # what a padding row samples with (read only)

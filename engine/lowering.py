@@ -40,7 +40,8 @@ from cadence.model.config import ModelConfig
 from cadence.model.llama import rope_table
 from cadence.model.paged_kv import PagedKVCache
 from cadence.model.params import abstract_params
-from cadence.model.sampling import RequestSampling, TokenHistory, all_allowed
+from cadence.model.host_sampling import RequestSampling, all_allowed
+from cadence.model.sampling import TokenHistory
 
 
 @dataclasses.dataclass(frozen=True)

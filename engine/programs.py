@@ -27,8 +27,8 @@ from cadence.engine.config import EngineConfig
 from cadence.model.config import ModelConfig
 from cadence.model.llama import forward
 from cadence.model.paged_kv import PagedKVCache
-from cadence.model.sampling import (Logprobs, RequestSampling, SamplingParams, SamplingRows, choose,
-                                    logprobs_of)
+from cadence.model.host_sampling import RequestSampling, SamplingRows
+from cadence.model.sampling import Logprobs, SamplingParams, choose, logprobs_of
 from cadence.model.sharding import TensorParallel
 
 

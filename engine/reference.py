@@ -25,7 +25,7 @@ import numpy as np
 from cadence.model.config import ModelConfig
 from cadence.model.llama import forward
 from cadence.model.paged_kv import PagedKVCache
-from cadence.model.sampling import RequestSampling
+from cadence.model.host_sampling import RequestSampling
 
 
 @partial(jax.jit, static_argnames=("config",))

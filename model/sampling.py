@@ -30,18 +30,22 @@ A row's randomness depends only on its own seed and step (e.g. its position), ne
 other requests share the batch, so a seeded request is reproducible alone or batched.
 Each stage runs only if some row of the batch uses it (`lax.cond`): an all-greedy batch without
 penalties or biases is one argmax, as before any of them existed.
+
+The host side (`RequestSampling`, one request's validated settings; `SamplingRows`, the per-slot
+NumPy rows packed into `SamplingParams`; the bitmask layout) is `model.host_sampling`, which
+imports no JAX.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Iterable
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
+
+from cadence.model.host_sampling import ALL_ALLOWED, NO_TOKEN, RequestSampling, SamplingRows
+# Host-side names the scheduler still imports from here: scheduler/ moves to the new module
+# (`model.host_sampling`) after its split lands.
+from cadence.model.host_sampling import all_allowed, bitmask_words  # noqa: F401
 
 
 @struct.dataclass
@@ -84,159 +88,6 @@ class SamplingParams:
         return jnp.any(tokens[:, None] == self.stop_ids, axis=-1)
 
 
-# What the device arrays can hold: top_k is int32 and the seed uint32 (`SamplingParams`).
-MAX_TOP_K = 2**31 - 1
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-SEED_RANGE = 2**32
-# Stop token ids a row carries to the device. A request with more EOS ids than this is still
-# stopped by the host on every one of them; the device just runs its surplus steps.
-MAX_STOP_TOKENS = 4
-# logit_bias entries per request (OpenAI's limit); a row's unused entries hold NO_TOKEN, an id
-# past any vocabulary, which the scatter that applies them drops.
-MAX_LOGIT_BIAS = 300
-LOGIT_BIAS_RANGE = 100.0
-NO_TOKEN = 2**31 - 1
-# OpenAI's range for presence_penalty and frequency_penalty; vLLM's for repetition_penalty.
-PENALTY_RANGE = 2.0
-MAX_REPETITION_PENALTY = 2.0
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestSampling:
-    """Host-side sampling settings of one request, validated when it is made.
-
-    Every value must fit the per-row device arrays it is packed into; a value that does not
-    (a non-finite temperature, a top_k past int32) is refused here, at the edge, so it can never
-    reach a batch where it would fail the requests beside it.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    # (token id, bias) pairs, ids distinct; whether an id is in the vocabulary is the
-    # scheduler's check (it knows the model).
-    logit_bias: tuple[tuple[int, float], ...] = ()
-
-    @property
-    def penalized(self) -> bool:
-        """Whether the request's logits depend on its token history (`TokenHistory`)."""
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0
-                or self.repetition_penalty != 1)
-
-    def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
-            value = getattr(self, name)
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or abs(value) > FLOAT32_MAX):
-                raise ValueError(f"{name} must be a finite number that fits float32, got {value!r}")
-        for name in ("top_k", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.seed < SEED_RANGE:
-            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -PENALTY_RANGE <= getattr(self, name) <= PENALTY_RANGE:
-                raise ValueError(f"{name} must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], "
-                                 f"got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 "
-                             f"disables it), got {self.repetition_penalty}")
-        _check_logit_bias(self.logit_bias)
-
-
-def _check_logit_bias(bias) -> None:
-    if not isinstance(bias, tuple):
-        raise ValueError(f"logit_bias must be a tuple of (token id, bias) pairs, got {type(bias).__name__}")
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
-    seen = set()
-    for entry in bias:
-        if not (isinstance(entry, tuple) and len(entry) == 2):
-            raise ValueError(f"logit_bias entries are (token id, bias) pairs, got {entry!r}")
-        token, value = entry
-        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < NO_TOKEN:
-            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
-        if token in seen:
-            raise ValueError(f"logit_bias names token {token} twice")
-        seen.add(token)
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE):
-            raise ValueError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_RANGE:g}, "
-                             f"{LOGIT_BIAS_RANGE:g}], got {value!r} for token {token}")
-
-
-class SamplingRows:
-    """Per-slot sampling parameters on the host, in the dtypes the programs take."""
-
-    def __init__(self, num_slots: int):
-        self.temperature = np.zeros(num_slots, np.float32)
-        self.top_k = np.zeros(num_slots, np.int32)
-        self.top_p = np.ones(num_slots, np.float32)
-        self.seed = np.zeros(num_slots, np.uint32)
-        self.stop_ids = np.full((num_slots, MAX_STOP_TOKENS), -1, np.int32)
-        self.min_p = np.zeros(num_slots, np.float32)
-        self.presence_penalty = np.zeros(num_slots, np.float32)
-        self.frequency_penalty = np.zeros(num_slots, np.float32)
-        self.repetition_penalty = np.ones(num_slots, np.float32)
-        self.bias_ids = np.full((num_slots, MAX_LOGIT_BIAS), NO_TOKEN, np.int32)
-        self.bias_values = np.zeros((num_slots, MAX_LOGIT_BIAS), np.float32)
-        self.logprobs = np.zeros(num_slots, bool)
-
-    @classmethod
-    def of(cls, rows: list[RequestSampling]) -> SamplingRows:
-        packed = cls(len(rows))
-        for slot, row in enumerate(rows):
-            packed.set(slot, row)
-        return packed
-
-    def set(self, slot: int, sampling: RequestSampling, stop_ids: Iterable[int] = (),
-            logprobs: bool = False) -> None:
-        """Packs one row (the MAX_STOP_TOKENS smallest of `stop_ids`, and whether its request
-        wants logprobs); raises (and changes nothing) if a value does not fit its dtype."""
-        values = (np.float32(sampling.temperature), np.int32(sampling.top_k),
-                  np.float32(sampling.top_p), np.uint32(sampling.seed))
-        stops = np.full(MAX_STOP_TOKENS, -1, np.int32)
-        ids = sorted(stop_ids)[:MAX_STOP_TOKENS]
-        stops[: len(ids)] = np.asarray(ids, np.int32)
-        bias_ids = np.full(MAX_LOGIT_BIAS, NO_TOKEN, np.int32)
-        bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
-        if sampling.logit_bias:
-            bias_ids[: len(sampling.logit_bias)], bias_values[: len(sampling.logit_bias)] = zip(
-                *sampling.logit_bias)
-        self.temperature[slot], self.top_k[slot], self.top_p[slot], self.seed[slot] = values
-        self.stop_ids[slot] = stops
-        self.min_p[slot] = sampling.min_p
-        self.presence_penalty[slot] = sampling.presence_penalty
-        self.frequency_penalty[slot] = sampling.frequency_penalty
-        self.repetition_penalty[slot] = sampling.repetition_penalty
-        self.bias_ids[slot], self.bias_values[slot] = bias_ids, bias_values
-        self.logprobs[slot] = logprobs
-
-    def clear(self, slot: int) -> None:
-        """Greedy again: a free slot must not make a step take the sampling path."""
-        self.set(slot, RequestSampling())
-
-    def params(self) -> SamplingParams:
-        # Copies: JAX may alias host buffers on the CPU, and these arrays change next step.
-        return SamplingParams(**{f.name: getattr(self, f.name).copy()
-                                 for f in dataclasses.fields(SamplingParams)})
-
-
 @struct.dataclass
 class TokenHistory:
     """What the penalties read, per slot, on the device (donated through every program):
@@ -271,19 +122,6 @@ class TokenHistory:
         prompt = jnp.zeros(vocab, bool).at[jnp.where(in_prompt, tokens, NO_TOKEN)].set(True, mode="drop")
         return self.replace(counts=self.counts.at[slot].set(counts),
                             prompt=self.prompt.at[slot].set(prompt))
-
-
-def bitmask_words(vocab: int) -> int:
-    """int32 words of one row's token bitmask."""
-    return -(-vocab // 32)
-
-
-ALL_ALLOWED = -1  # a bitmask word with every bit set: the row is not constrained
-
-
-def all_allowed(rows: int, vocab: int) -> np.ndarray:
-    """[rows, bitmask_words(vocab)] int32 bitmasks that allow every token."""
-    return np.full((rows, bitmask_words(vocab)), ALL_ALLOWED, np.int32)
 
 
 def apply_bitmask(logits: jax.Array, allowed: jax.Array) -> jax.Array:

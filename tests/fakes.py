@@ -28,7 +28,8 @@ from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.config import EngineConfig
 from cadence.engine.results import PrefillTokens
 from cadence.model.config import TINY
-from cadence.model.sampling import RequestSampling, SamplingParams, bitmask_words
+from cadence.model.host_sampling import RequestSampling, bitmask_words
+from cadence.model.sampling import SamplingParams
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import RequestStream, Scheduler, SchedulerConfig

@@ -16,7 +16,7 @@ from cadence.engine.kv_transfer import KVSender
 from cadence.engine.packing import PrefillChunk
 from cadence.engine.programs import sampling_rows
 from cadence.model.config import TINY
-from cadence.model.sampling import RequestSampling
+from cadence.model.host_sampling import RequestSampling
 from tests.conftest import random_params
 from tests.test_kv_transfer import PEER_CONFIG, PEER_PAGES, PEER_SLOT
 

@@ -13,8 +13,8 @@ from cadence.engine.config import EngineConfig, fixed_page_tables
 from cadence.engine.engine import Engine
 from cadence.engine.packing import PrefillChunk
 from cadence.engine.programs import sampling_rows
-from cadence.model.sampling import (ALL_ALLOWED, SamplingParams, TokenHistory, all_allowed,
-                                    apply_bitmask, bitmask_words, choose, RequestSampling)
+from cadence.model.host_sampling import ALL_ALLOWED, RequestSampling, all_allowed, bitmask_words
+from cadence.model.sampling import SamplingParams, TokenHistory, apply_bitmask, choose
 
 VOCAB = 100  # not a multiple of 32: the last word's high bits lie past the vocabulary
 

@@ -17,7 +17,7 @@ from cadence.engine.packing import PrefillChunk, bucket_for
 from cadence.engine.programs import sampling_rows
 from cadence.engine.reference import greedy_generate
 from cadence.model import cpu_kernels
-from cadence.model.sampling import RequestSampling
+from cadence.model.host_sampling import RequestSampling
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams, RequestRecord
 from cadence.scheduler.scheduler import RequestStream, Scheduler, SchedulerConfig

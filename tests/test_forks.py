@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from cadence.model.sampling import RequestSampling
+from cadence.model.host_sampling import RequestSampling
 from tests.fakes import ALPHABET, FakeEngine, Harness, Prefill, chunked
 
 

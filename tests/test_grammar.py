@@ -15,7 +15,7 @@ import llguidance
 import numpy as np
 import pytest
 
-from cadence.model.sampling import RequestSampling, bitmask_words
+from cadence.model.host_sampling import RequestSampling, bitmask_words
 from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.grammar import GrammarCompiler, GrammarError, JsonObject, JsonSchema, Lark, Regex
 from tests.fakes import TOK, FakeEngine, Harness, chunked, expected, random_prompt

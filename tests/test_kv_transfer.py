@@ -19,7 +19,7 @@ from cadence.engine.engine import Engine
 from cadence.engine.kv_transfer import KVReceiver, KVTicket
 from cadence.engine.programs import sampling_rows
 from cadence.engine.reference import greedy_generate
-from cadence.model.sampling import RequestSampling
+from cadence.model.host_sampling import RequestSampling
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_CONFIG = EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=64, page_size=16, min_kv_bucket=64)

@@ -13,7 +13,7 @@ import pytest
 from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine
 from cadence.engine.reference import greedy_generate, log_softmax, sequence_logits
-from cadence.model.sampling import RequestSampling
+from cadence.model.host_sampling import RequestSampling
 from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams

@@ -9,7 +9,7 @@ import pytest
 from cadence.engine.config import EngineConfig, fixed_page_tables
 from cadence.engine.engine import Engine
 from cadence.engine.packing import PrefillChunk
-from cadence.model.sampling import RequestSampling, SamplingRows
+from cadence.model.host_sampling import RequestSampling, SamplingRows
 from tests.test_disaggregated_engine import generate_gives_the_reference_text
 from tests.fakes import (
     EOS, FakeEngine, Harness, chunked, prefill_first, random_prompt, run_random_load,

@@ -16,7 +16,7 @@ from cadence.engine.packing import PrefillChunk, pack_chunks
 from cadence.engine.programs import sampling_rows
 from cadence.engine.reference import greedy_generate
 from cadence.engine.results import KVHandle
-from cadence.model.sampling import RequestSampling
+from cadence.model.host_sampling import RequestSampling
 from cadence.scheduler.pages import PageAllocator
 
 CONFIG = EngineConfig(num_slots=4, max_seq_len=160, prefill_chunk=96, min_prefill_bucket=16,

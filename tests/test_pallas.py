@@ -29,7 +29,7 @@ from cadence.model.attention import get_attention, pallas_attention, xla_attenti
 from cadence.model.config import TINY
 from cadence.model.pallas_decode import DecodeTiling, flash_decode, split_partials
 from cadence.model.pallas_prefill import PrefillTiling, flash_prefill
-from cadence.model.sampling import RequestSampling
+from cadence.model.host_sampling import RequestSampling
 
 INTERPRET = os.environ.get("CADENCE_PALLAS_INTERPRET", "1") != "0"
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}

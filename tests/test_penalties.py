@@ -16,8 +16,8 @@ import pytest
 from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine
 from cadence.engine.reference import adjusted_logits, greedy_generate
-from cadence.model.sampling import (
-    RequestSampling, SamplingParams, SamplingRows, TokenHistory, adjust_logits, sample)
+from cadence.model.host_sampling import RequestSampling, SamplingRows
+from cadence.model.sampling import SamplingParams, TokenHistory, adjust_logits, sample
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig

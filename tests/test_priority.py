@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from cadence.model.sampling import RequestSampling
+from cadence.model.host_sampling import RequestSampling
 from cadence.scheduler.errors import Overloaded, SubmissionError
 from cadence.scheduler.priority import SLO, AdmissionControl, PriorityClasses
 from tests.fakes import FakeEngine, Harness, Prefill, all_pages_free, chunked, random_prompt

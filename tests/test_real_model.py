@@ -83,7 +83,7 @@ PENALIZED = dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty
 @pytest.fixture(scope="module")
 def penalized_case(smollm2, default_model_cases):
     from cadence.engine.reference import log_softmax, sequence_logits
-    from cadence.model.sampling import RequestSampling
+    from cadence.model.host_sampling import RequestSampling
 
     prompt = default_model_cases[2][0]
     row = RequestSampling(**PENALIZED)

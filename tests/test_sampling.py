@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cadence.model.sampling import RequestSampling, SamplingParams, SamplingRows, kept, sample
+from cadence.model.host_sampling import RequestSampling, SamplingRows
+from cadence.model.sampling import SamplingParams, kept, sample
 
 VOCAB = 50
 

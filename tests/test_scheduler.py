@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from cadence.model.sampling import RequestSampling
+from cadence.model.host_sampling import RequestSampling
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenEvent

@@ -172,7 +172,7 @@ def test_kv_moves_in_and_out_of_a_sharded_pool(tiny_params, tiny_config):
     pages of a single-device engine decodes exactly as it would have in place."""
     from cadence.engine.packing import PrefillChunk
     from cadence.engine.programs import sampling_rows
-    from cadence.model.sampling import RequestSampling
+    from cadence.model.host_sampling import RequestSampling
 
     sharded = Engine(tiny_params, tiny_config, ENGINE, devices=jax.devices()[:2])
     single = Engine(tiny_params, tiny_config, ENGINE, device=jax.devices()[3])

@@ -11,7 +11,7 @@ from cadence.checkpoints.registry import load_model
 from cadence.engine.config import EngineConfig, fixed_page_tables
 from cadence.engine.engine import Engine
 from cadence.engine.programs import sampling_rows
-from cadence.model.sampling import RequestSampling
+from cadence.model.host_sampling import RequestSampling
 model = load_model(sys.argv[1])
 allp = {p: b for p, (b, k) in model.packed.items()}
 q8only = {p: b for p, (b, k) in model.packed.items() if k == "Q8_0"}
