@@ -1,7 +1,8 @@
 """cadence installs as one import name, `cadence`, from a wheel that carries everything it reads.
 
 The layers keep their top-level folders in the repository (`model/`, `engine/`, ...) and install
-as `cadence.model`, `cadence.engine`, ... (`pyproject.toml`'s package-dir mapping). Two ways
+as `cadence.model`, `cadence.engine`, ... (cadence/ links to each folder; the wheel carries the
+files themselves). Two ways
 that can break, each checked here: a module that still imports a layer by its bare folder name
 (it works inside a checkout, where the folder is on the path, and fails installed), and a data
 file the code reads that the wheel leaves out.
