@@ -36,7 +36,7 @@ import numpy as np
 from absl import logging
 
 from cadence.engine.api import EngineAPI, SamplingRows
-from cadence.scheduler.pages import PageAllocator
+from cadence.scheduler.pages import NULL_PAGE, PageAllocator
 from cadence.scheduler.policy import PageBudget, Plan, decoded_end
 from cadence.scheduler.request import Request, State
 
@@ -60,9 +60,9 @@ class Pool:
         self.num_slots = cfg.num_slots
         self.page_size = cfg.page_size
         self.pages = PageAllocator(engine.num_pages, cfg.page_size, caching)
-        # Each slot's occupant's pages; free slots' rows point at page 0, which any step may
-        # read (never write) without harm.
-        self.tables = np.zeros((cfg.num_slots, cfg.max_pages_per_seq), np.int32)
+        # Each slot's occupant's pages; free slots' rows, and the entries past a sequence's
+        # last page, point at the null page, which any step may read (never write) without harm.
+        self.tables = np.full((cfg.num_slots, cfg.max_pages_per_seq), NULL_PAGE, np.int32)
         self.rows = SamplingRows(cfg.num_slots)  # each slot's occupant's sampling row
         self.free_slots = list(range(cfg.num_slots))[::-1]
         self.running: list[Request] = []  # holding a slot here, in slot-assignment order
@@ -127,11 +127,11 @@ class Pool:
         r.published = full
 
     def release(self, r: Request) -> None:
-        """Frees its slot and its pages; the slot's row of the page table points at page 0."""
+        """Frees its slot and its pages; the slot's row of the page table points at the null page."""
         self.running.remove(r)
         self.free_slots.append(r.slot)
         self.rows.clear(r.slot)
-        self.tables[r.slot] = 0
+        self.tables[r.slot] = NULL_PAGE
         self.pages.release(r.pages)
         self.release_copy(r)
         r.published = 0
@@ -253,7 +253,7 @@ class Pool:
     def preempt(self, r: Request, why: str | None = None) -> None:
         """Frees `r`'s slot and pages; it will recompute its KV when admitted again."""
         logging.info("preempting %s (priority %d): %s", r.id, r.priority,
-                     why or f"the {self.name} KV pool is full ({self.pages.num_pages} pages)")
+                     why or f"the {self.name} KV pool is full ({self.pages.usable} pages)")
         self.publish(r)  # what it computed stays cached: its recompute is mostly a hit
         self.release(r)
         r.preempted()

@@ -20,8 +20,12 @@ An allocation takes a page that holds no key first, and evicts only when there i
 is only ever written by the one sequence that allocated it, before it is full: a shared page is
 full, and its KV is never written again until it is evicted and allocated afresh.
 
-Page 0 upward are the pool's pages; the lowest key-less free ones are handed out first, so a
-fresh engine fills its pool from the front (easy to read in a trace, nothing depends on it).
+Page 0 is the null page (vLLM's null_block): it is never handed to a sequence, so nothing but
+padding ever points at it. Free slots' rows of the page table, and every entry past a sequence's
+last page, point there; a program may read it (the reads are masked), never write it. So a pool
+of N pages serves N - 1 (`usable`); `num_pages` counts them all. Page 1 upward are the pages
+sequences hold; the lowest key-less free ones are handed out first, so a fresh engine fills its
+pool from the front (easy to read in a trace, nothing depends on it).
 
 Non-goals: swapping pages to the host; sharing partial pages.
 """
@@ -34,17 +38,21 @@ from collections.abc import Sequence
 
 from cadence.scheduler.prefix_cache import PageKeys, PrefixCache
 
-__all__ = ["PageAllocator", "PageKeys"]
+__all__ = ["NULL_PAGE", "PageAllocator", "PageKeys"]
+
+NULL_PAGE = 0  # where free and padding page-table entries point; never held by a sequence
 
 
 class PageAllocator:
     def __init__(self, num_pages: int, page_size: int, caching: bool = False):
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"need at least one page of at least one token, got {num_pages} x {page_size}")
-        self.num_pages = num_pages
+        if num_pages < 2 or page_size < 1:
+            raise ValueError(f"need at least one page of at least one token beside the null page, "
+                             f"got {num_pages} x {page_size}")
+        self.num_pages = num_pages  # the null page included
         self.page_size = page_size
         self.caching = caching
-        self._free = list(range(num_pages))  # key-less pages nobody holds: a min-heap
+        # Key-less pages nobody holds, a min-heap: every page but the null page, at first.
+        self._free = list(range(NULL_PAGE + 1, num_pages))
         self._refs = [0] * num_pages  # sequences holding each page
         self.cache = PrefixCache()  # published pages, and those of them nobody holds
 
@@ -54,9 +62,14 @@ class PageAllocator:
         return len(self._free) + self.cache.evictable_count
 
     @property
+    def usable(self) -> int:
+        """Pages sequences may hold: all but the null page."""
+        return self.num_pages - 1
+
+    @property
     def used_count(self) -> int:
         """Pages some sequence holds."""
-        return self.num_pages - self.free_count
+        return self.usable - self.free_count
 
     @property
     def cached_count(self) -> int:
@@ -164,6 +177,8 @@ class PageAllocator:
         free = set(self._free)
         assert len(free) == len(self._free), "a page is free twice"
         evictable = self.cache.check(free)
-        for page in range(self.num_pages):
+        assert not self._refs[NULL_PAGE] and NULL_PAGE not in free and NULL_PAGE not in evictable, \
+            "the null page was handed out"
+        for page in range(NULL_PAGE + 1, self.num_pages):
             held = self._refs[page] > 0
             assert held + (page in free) + (page in evictable) == 1, f"page {page} is in two states or none"

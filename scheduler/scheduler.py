@@ -174,6 +174,15 @@ class Scheduler:
         self.pools = tuple(dict.fromkeys((self._prefill_pool, self._decode_pool)))
         self.num_slots = self._decode_pool.num_slots  # sequences that decode at once
         self.max_seq_len = engine.config.max_seq_len
+        # The longest sequence a request may reach: the context, unless a pool is too small to
+        # hold that beside its null page (a pool of exactly one longest sequence): a sequence
+        # of L tokens holds the KV of L - 1.
+        usable = min(p.pages.usable for p in self.pools)
+        if reserve is not None and usable < engine.config.max_pages_per_seq:
+            raise ValueError(f"kv_reservation='max' holds {engine.config.max_pages_per_seq} KV pages "
+                             f"per request, but a pool has only {usable} beside its null page; "
+                             f"give the engine more pages or a shorter max_seq_len")
+        self.context = min(self.max_seq_len, usable * engine.config.page_size + 1)
         self.page_size = engine.config.page_size
         self._lock = threading.Condition()  # submissions, cancellations and wake-ups
         self._changes = 0  # bumped (under _lock) whenever a loop may have new work
@@ -277,12 +286,16 @@ class Scheduler:
         if bad:
             raise SubmissionError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}",
                                   "prompt")
-        room = self.max_seq_len - n
+        context = self.context
+        room = context - n
         max_tokens = room if params.max_tokens is None else params.max_tokens
-        if n + max_tokens > self.max_seq_len or room < 1:
+        if n + max_tokens > context or room < 1:
+            limit = (f"context of {context} tokens" if context == self.max_seq_len else
+                     f"{context} tokens the KV pool holds beside its null page (the context is "
+                     f"{self.max_seq_len})")
             raise RequestTooLong(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the "
-                f"context of {self.max_seq_len} tokens; shorten the prompt or lower max_tokens"
+                f"{limit}; shorten the prompt or lower max_tokens"
             )
         priority = self.config.priority_classes.of(n) if params.priority is None else params.priority
         request = Request(
@@ -412,13 +425,12 @@ class Scheduler:
 
     @property
     def kv_usage(self) -> float:
-        """Fraction of the KV page pools held by requests."""
-        used, total = self.kv_pages
-        return used / total
+        """Fraction of the KV page pools' usable pages (all but each null page) held by requests."""
+        return self.kv_pages[0] / sum(p.pages.usable for p in self.pools)
 
     @property
     def kv_pages(self) -> tuple[int, int]:
-        """(pages held, pages in the pools)."""
+        """(pages held, pages in the pools, the null pages included)."""
         return (sum(p.pages.used_count for p in self.pools), sum(p.pages.num_pages for p in self.pools))
 
     @property

@@ -30,6 +30,7 @@ from cadence.engine.results import PrefillTokens
 from cadence.model.config import TINY
 from cadence.model.host_sampling import RequestSampling, bitmask_words
 from cadence.model.sampling import SamplingParams
+from cadence.scheduler.pages import NULL_PAGE
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import RequestStream, Scheduler, SchedulerConfig
@@ -145,6 +146,7 @@ class FakeEngine:
         for i, token in enumerate(tokens):
             p = start + i
             assert not self.frozen(int(pages[p // size])), f"a write into published page {pages[p // size]}"
+            assert int(pages[p // size]) != NULL_PAGE, "a write into the null page"
             self.pool[pages[p // size], p % size] = token
 
     def _content(self, pages, end: int) -> np.ndarray:

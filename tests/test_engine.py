@@ -334,13 +334,14 @@ CPU_KERNELS = dict(attention="cpu", decode_matmul="cpu")
 ], ids=["xla-16", "xla-24", "cpu_kernels-16", "cpu_kernels-24-4steps"])
 def test_a_pool_that_runs_dry_preempts_and_tokens_still_equal_the_reference(
         tiny_params, tiny_config, tiny_tokenizer, page_size, kernels):
-    """Four slots over a pool that holds exactly one longest sequence: requests are preempted
+    """Four slots over a pool that holds exactly one longest sequence (and the null page, which
+    no sequence holds): requests are preempted
     and recomputed, pages are reused in scattered orders, and every greedy output still equals
     the reference generator's, with nothing compiled after warm-up. Page sizes that divide
     the chunk and that do not; XLA's decode, and the CPU kernels' (`model.cpu_kernels`), one
     and four steps per dispatch."""
     cfg = EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64,
-                       page_size=page_size, num_pages=-(-192 // page_size), **kernels)
+                       page_size=page_size, num_pages=-(-192 // page_size) + 1, **kernels)
     e = Engine(tiny_params, tiny_config, cfg)
     e.warmup()
     rng = random.Random(5)

@@ -23,7 +23,7 @@ def keys(tokens, page_size=4, salt=None):
     return PageKeys(page_size, b"test", salt).upto(tokens, len(tokens) // page_size)
 
 
-# --- the allocator ----------------------------------------------------------------------------
+# --- the allocator (each pool has one page more than the test uses: page 0, the null page) ---
 
 
 def test_page_keys_name_the_whole_prefix():
@@ -37,7 +37,7 @@ def test_page_keys_name_the_whole_prefix():
 
 
 def test_a_published_page_is_shared_and_stays_cached_after_release():
-    pages = PageAllocator(num_pages=4, page_size=4, caching=True)
+    pages = PageAllocator(num_pages=5, page_size=4, caching=True)
     a: list[int] = []
     pages.grow(a, 8)
     k = keys(list(range(8)))
@@ -50,12 +50,12 @@ def test_a_published_page_is_shared_and_stays_cached_after_release():
     assert pages.refcount(b[0]) == 1 and pages.used_count == 2
     pages.release(b)
     assert pages.used_count == 0 and pages.free_count == 4 and pages.cached_count == 2
-    assert pages.lookup(k) == [0, 1] and pages.evictable_among([0, 1]) == 2
+    assert pages.lookup(k) == [1, 2] and pages.evictable_among([1, 2]) == 2
     pages.check()
 
 
 def test_a_second_page_with_a_published_key_is_not_cached():
-    pages = PageAllocator(num_pages=4, page_size=4, caching=True)
+    pages = PageAllocator(num_pages=5, page_size=4, caching=True)
     a, b = [], []
     pages.grow(a, 4), pages.grow(b, 4)
     k = keys([1, 2, 3, 4])
@@ -66,26 +66,26 @@ def test_a_second_page_with_a_published_key_is_not_cached():
 
 
 def test_allocation_takes_keyless_pages_first_then_evicts_the_oldest_release_tail_first():
-    pages = PageAllocator(num_pages=6, page_size=2, caching=True)
+    pages = PageAllocator(num_pages=7, page_size=2, caching=True)
     first, second = [], []
-    pages.grow(first, 4), pages.grow(second, 4)  # pages 0, 1 and 2, 3
+    pages.grow(first, 4), pages.grow(second, 4)  # pages 1, 2 and 3, 4
     k1, k2 = keys([1, 2, 3, 4], 2), keys([5, 6, 7, 8], 2)
     for seq, k in ((first, k1), (second, k2)):
         for page, key in zip(seq, k):
             pages.publish(page, key)
-    pages.release(first)  # queued for eviction: 1 (its tail), then 0
-    pages.release(second)  # then 3, then 2
+    pages.release(first)  # queued for eviction: 2 (its tail), then 1
+    pages.release(second)  # then 4, then 3
     taken: list[int] = []
-    assert pages.grow(taken, 4) == [4, 5]  # the key-less ones first
+    assert pages.grow(taken, 4) == [5, 6]  # the key-less ones first
     assert pages.evictions == 0 and pages.cached_count == 4
-    assert pages.grow(taken, 10) == [1, 0, 3]
-    assert pages.evictions == 3 and pages.lookup(k1) == [] and pages.lookup(k2) == [2]  # its head
-    assert pages.cached_count == 1 and pages.evictable_among([2]) == 1
+    assert pages.grow(taken, 10) == [2, 1, 4]
+    assert pages.evictions == 3 and pages.lookup(k1) == [] and pages.lookup(k2) == [3]  # its head
+    assert pages.cached_count == 1 and pages.evictable_among([3]) == 1
     pages.check()
 
 
 def test_a_hit_takes_a_page_off_the_eviction_queue():
-    pages = PageAllocator(num_pages=2, page_size=2, caching=True)
+    pages = PageAllocator(num_pages=3, page_size=2, caching=True)
     seq: list[int] = []
     pages.grow(seq, 4)
     k = keys([1, 2, 3, 4], 2)
@@ -94,13 +94,13 @@ def test_a_hit_takes_a_page_off_the_eviction_queue():
     again: list[int] = []
     pages.share(again, pages.lookup(k[:1]))
     other: list[int] = []
-    assert pages.grow(other, 2) == [1]  # the page the hit holds is not evicted
+    assert pages.grow(other, 2) == [2]  # the page the hit holds is not evicted
     assert pages.grow(other, 4) is None
     pages.check()
 
 
 def test_clear_cache_forgets_every_prefix():
-    pages = PageAllocator(num_pages=3, page_size=2, caching=True)
+    pages = PageAllocator(num_pages=4, page_size=2, caching=True)
     held, gone = [], []
     pages.grow(held, 2), pages.grow(gone, 2)
     pages.publish(held[0], b"held"), pages.publish(gone[0], b"gone")
@@ -113,7 +113,7 @@ def test_clear_cache_forgets_every_prefix():
 
 
 def test_without_caching_nothing_is_published():
-    pages = PageAllocator(num_pages=2, page_size=2)
+    pages = PageAllocator(num_pages=3, page_size=2)
     seq: list[int] = []
     pages.grow(seq, 2)
     assert not pages.publish(seq[0], b"k") and pages.lookup([b"k"]) == []
@@ -124,7 +124,7 @@ def test_random_traffic_keeps_every_count_exact():
     exactly one state, its count is the number of sequences holding it, and a lookup only ever
     returns pages published under those keys."""
     rng = np.random.default_rng(0)
-    pages = PageAllocator(num_pages=24, page_size=2, caching=True)
+    pages = PageAllocator(num_pages=25, page_size=2, caching=True)
     stems = [[int(t) for t in rng.integers(0, 5, 16)] for _ in range(3)]
     seqs: dict[int, tuple[list[int], list[int]]] = {}  # id -> (pages, tokens)
     for step in range(4000):
@@ -148,11 +148,11 @@ def test_random_traffic_keeps_every_count_exact():
             for page, key in zip(held, keys(tokens, 2)):
                 pages.publish(page, key)
         pages.check()
-        counts = np.zeros(24, int)
+        counts = np.zeros(25, int)
         for held, _ in seqs.values():
             for page in held:
                 counts[page] += 1
-        assert [pages.refcount(p) for p in range(24)] == counts.tolist()
+        assert [pages.refcount(p) for p in range(25)] == counts.tolist()
     for held, _ in seqs.values():
         pages.release(held)
     assert pages.used_count == 0

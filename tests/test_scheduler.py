@@ -195,7 +195,8 @@ def test_a_pool_that_runs_dry_preempts_and_every_output_is_still_exact(policy, s
 
 
 def test_a_lone_request_always_progresses_through_a_pool_of_exactly_one_sequence():
-    engine = FakeEngine(num_slots=2, max_seq_len=128, page_size=16, num_pages=8)
+    # 8 pages of 16 hold one sequence of 128; the ninth is the null page.
+    engine = FakeEngine(num_slots=2, max_seq_len=128, page_size=16, num_pages=9)
     h = Harness(engine, chunked(budget=64, chunk=64))
     rng = np.random.default_rng(4)
     clients = [h.submit(random_prompt(rng, 60), max_tokens=68, ignore_eos=True) for _ in range(2)]
@@ -245,8 +246,9 @@ def test_cancellation_at_every_stage_returns_every_page(stage):
 @pytest.mark.parametrize("reservation, most", [("max", 2), ("live", 8)])
 def test_reserving_max_seq_len_is_the_contiguous_baseline(reservation, most):
     """Eight slots over a pool of two longest sequences: reserving max_seq_len per request
-    (the contiguous layout) runs two at a time; reserving live tokens runs all eight short ones."""
-    engine = FakeEngine(num_slots=8, max_seq_len=128, page_size=16, num_pages=16)
+    (the contiguous layout) runs two at a time; reserving live tokens runs all eight short ones.
+    (16 pages of 16 hold two sequences of 128; the seventeenth is the null page.)"""
+    engine = FakeEngine(num_slots=8, max_seq_len=128, page_size=16, num_pages=17)
     h = Harness(engine, chunked(budget=256, chunk=64))
     h.sched = Scheduler(engine, TOK, SchedulerConfig(policy=chunked(budget=256, chunk=64),
                                                      kv_reservation=reservation))
