@@ -54,6 +54,14 @@ the positions its steps write) and any valid page id elsewhere (inactive rows wr
     engine.recover()                                    after a failed call: fresh device state
     engine.compilations_after_warmup, engine.kv_cache_bytes              for metrics
 
+An engine may also compile programs on first use (`CompilesOnDemand`; the scheduler asks with
+`getattr`, and an engine without these compiles nothing on demand, as its test doubles do):
+    future = engine.prepare(groups)                     starts compiling the program groups
+                                                        (`engine.config.GROUPS`) a request needs
+                                                        that warm-up left out; None: nothing to
+                                                        wait for, else a Future done when they are
+    engine.compilations_on_demand                       for metrics
+
 `prefill` and `decode` return at once (JAX dispatch is asynchronous); the scheduler reads the
 arrays one iteration later with `np.asarray`. Any exception from `prefill`, `decode` or reading
 their results means the device state may be lost: the scheduler fails the requests that were
@@ -66,13 +74,17 @@ request's row once, when it takes a slot, so a value that cannot be packed fails
 alone and never a step shared with others.
 
 `engine.engine.Engine` implements this contract on the device; the scheduler's tests drive a
-NumPy fake of it.
+NumPy fake of it. This module imports no JAX, directly or through what it imports
+(`tests/test_layering.py`), so neither does a scheduler that imports only it: `SamplingParams`,
+what `SamplingRows.params()` makes and the programs take, is device-side (`model.sampling`) and
+is imported from there on first use of the name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -80,10 +92,21 @@ from cadence.engine.config import EngineConfig
 from cadence.engine.packing import PrefillChunk
 from cadence.engine.results import DecodeTokens, KVHandle, PrefillTokens
 from cadence.model.host_sampling import RequestSampling, SamplingRows
-from cadence.model.sampling import SamplingParams
 
-__all__ = ["DecodeTokens", "EngineAPI", "EngineConfig", "KVHandle", "PrefillChunk", "PrefillTokens",
-           "RequestSampling", "SamplingParams", "SamplingRows"]
+if TYPE_CHECKING:
+    from cadence.model.sampling import SamplingParams
+
+__all__ = ["CompilesOnDemand", "DecodeTokens", "EngineAPI", "EngineConfig", "KVHandle", "PrefillChunk",
+           "PrefillTokens", "RequestSampling", "SamplingParams", "SamplingRows"]
+
+
+def __getattr__(name: str):
+    """`SamplingParams` on first use (it brings JAX); any other missing name raises."""
+    if name == "SamplingParams":
+        from cadence.model.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class EngineAPI(Protocol):
@@ -112,6 +135,10 @@ class EngineAPI(Protocol):
 
     def insert(self, handle: KVHandle, pages: list[int], slot: int) -> KVHandle: ...
 
+    def copy_pages(self, sources: Sequence[int], targets: Sequence[int]) -> None: ...
+
+    def set_history(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int] = ()) -> None: ...
+
     def recover(self) -> None: ...
 
     @property
@@ -119,3 +146,13 @@ class EngineAPI(Protocol):
 
     @property
     def kv_cache_bytes(self) -> int: ...
+
+
+class CompilesOnDemand(Protocol):
+    """What an engine that compiles some programs on first use adds (`engine.engine.Engine`);
+    the scheduler looks for it with `getattr`."""
+
+    def prepare(self, groups: Sequence[str]) -> Future | None: ...
+
+    @property
+    def compilations_on_demand(self) -> int: ...
