@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 from absl import logging
@@ -39,6 +38,7 @@ from cadence.engine.api import EngineAPI, SamplingRows
 from cadence.scheduler.pages import NULL_PAGE, PageAllocator
 from cadence.scheduler.policy import PageBudget, Plan, decoded_end
 from cadence.scheduler.request import Request, State
+from cadence.scheduler.results import Pending, Row
 
 
 @dataclasses.dataclass
@@ -66,13 +66,12 @@ class Pool:
         self.rows = SamplingRows(cfg.num_slots)  # each slot's occupant's sampling row
         self.free_slots = list(range(cfg.num_slots))[::-1]
         self.running: list[Request] = []  # holding a slot here, in slot-assignment order
-        # Results dispatched on this engine, not yet applied: (requests, each with its token's
-        # index), tokens.
-        self.pending: list[tuple[list[tuple[Request, int]], Any]] = []
-        self.applying: list[tuple[list[tuple[Request, int]], Any]] = []  # being read and applied
+        # Results dispatched on this engine, not yet applied (`scheduler.results`).
+        self.pending: list[Pending] = []
+        self.applying: list[Pending] = []  # being read and applied
         # A decode step whose forward pass is dispatched and whose sampling waits for the
         # previous tokens (grammar bitmasks): its requests, each with its slot.
-        self.split: list[tuple[Request, int]] | None = None
+        self.split: list[Row] | None = None
         self.busy_seconds = 0.0  # wall time of this pool's iterations that ran a program
         # Prefix caching: prompt tokens looked up at admission, and those found cached; prompt
         # tokens later sequences of a group (n > 1) took from the first one's KV.

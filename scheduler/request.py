@@ -312,6 +312,19 @@ class Request:
         self._held = pending[len(pending) - keep :]
         return pending[: len(pending) - keep], False
 
+    def take_scores(self, scores, start: int) -> None:
+        """A scored chunk's prompt logprobs (`engine.api`'s scores of the chunk that starts at
+        `start`): position p's scores are prompt token p + 1's."""
+        if self.finished:
+            return
+        k = self.params.logprobs
+        for i, (value, ids, values) in enumerate(zip(*scores)):
+            p = start + i + 1
+            if p >= self.prompt_len:
+                break
+            self.prompt_logprobs[p] = TokenLogprob(self.prompt_ids[p], float(value), "", tuple(
+                zip(map(int, ids[:k]), map(float, values[:k]))))
+
     def finish(self, reason: FinishReason, now: float, error: str | None = None) -> RequestRecord:
         self.state = State.FINISHED
         if self._held and reason in (FinishReason.ABORT, FinishReason.ERROR):

@@ -66,7 +66,6 @@ import dataclasses
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 from absl import logging
@@ -86,6 +85,8 @@ from cadence.scheduler.request import (
     MAX_PRIORITY, MAX_STOP_LENGTH, MAX_STOP_STRINGS, FinishReason, GenerationParams, Request, RequestRecord,
     State, TokenEvent, TokenLogprob,
 )
+from cadence.scheduler.results import Pending, Row, Scores
+from cadence.scheduler.stats import Readings
 from cadence.scheduler.stream import Outbox, RequestStream
 
 
@@ -130,15 +131,6 @@ class IterationRecord:
     decode_steps: int = 1  # steps each of the decode_slots ran, in one dispatch
 
 
-@dataclasses.dataclass(frozen=True)
-class Scores:
-    """In a prefill result's (request, index) pairs: the prompt logprobs of the chunk `chunk`
-    (its index in the call), which starts at position `start`."""
-
-    chunk: int
-    start: int
-
-
 def _awaits_parent(r: Request) -> bool:
     """A later sequence of a group waits while the first one's prompt is not yet dispatched:
     once it is, it takes the prompt's KV from it instead of prefilling it again."""
@@ -147,7 +139,9 @@ def _awaits_parent(r: Request) -> bool:
             and parent.state in (State.WAITING, State.PREFILLING))
 
 
-class Scheduler:
+class Scheduler(Readings):
+    """The loops, and what they hold: see the module's docstring; its readings: `Readings`."""
+
     def __init__(self, engine: EngineAPI, tokenizer: Tokenizer, config: SchedulerConfig = SchedulerConfig(),
                  decode_engine: EngineAPI | None = None):
         """`engine` prefills and decodes; with `decode_engine`, `engine` only prefills and
@@ -371,105 +365,6 @@ class Scheduler:
             self._cancels.append(request)
             self._changed()
 
-    # -- state for metrics ------------------------------------------------------------------
-
-    @property
-    def num_running(self) -> int:
-        return sum(len(pool.running) for pool in self.pools)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting) + len(self._inbox)
-
-    def waiting_by_priority(self) -> dict[int, int]:
-        """Requests waiting per priority (as of the last iteration, and those submitted since)."""
-        with self._lock:
-            counts = collections.Counter({p: n for p, (n, _) in self._backlog.items() if n})
-            counts.update(r.priority for r in self._inbox)
-        return dict(counts)
-
-    @property
-    def transfer_backlog(self) -> int:
-        """Prefilled requests waiting for the decode pool's room (0 unless disaggregated)."""
-        return self._handoff.waiting
-
-    @property
-    def transfers_in_flight(self) -> int:
-        """Requests whose KV is on its way to the decode pool."""
-        return self._handoff.in_flight
-
-    @property
-    def kv_transfers(self) -> int:
-        """KV handoffs started (disaggregated)."""
-        return self._handoff.transfers
-
-    @property
-    def kv_transfer_bytes(self) -> int:
-        """The bytes those handoffs moved."""
-        return self._handoff.bytes
-
-    @property
-    def prefix_queries(self) -> int:
-        """Prompt tokens looked up in the prefix cache at admission."""
-        return sum(p.prefix_queries for p in self.pools)
-
-    @property
-    def prefix_hits(self) -> int:
-        """Of those, tokens whose KV the cache held."""
-        return sum(p.prefix_hits for p in self.pools)
-
-    @property
-    def forked_tokens(self) -> int:
-        """Prompt tokens later sequences of a group (n > 1) took from the first one's KV."""
-        return sum(p.forked_tokens for p in self.pools)
-
-    @property
-    def kv_usage(self) -> float:
-        """Fraction of the KV page pools' usable pages (all but each null page) held by requests."""
-        return self.kv_pages[0] / sum(p.pages.usable for p in self.pools)
-
-    @property
-    def kv_pages(self) -> tuple[int, int]:
-        """(pages held, pages in the pools, the null pages included)."""
-        return (sum(p.pages.used_count for p in self.pools), sum(p.pages.num_pages for p in self.pools))
-
-    @property
-    def kv_pages_cached(self) -> int:
-        """Pages holding a reusable prefix, held by requests or waiting to be evicted."""
-        return sum(p.pages.cached_count for p in self.pools)
-
-    @property
-    def kv_pages_evicted(self) -> int:
-        """Cached pages whose prefix was forgotten to make room, since the start."""
-        return sum(p.pages.evictions for p in self.pools)
-
-    @property
-    def kv_tokens(self) -> int:
-        """Positions whose KV the running requests hold."""
-        return sum(p.kv_tokens for p in self.pools)
-
-    @property
-    def kv_page_utilization(self) -> float:
-        """Of the token slots in held pages, the fraction holding a real token's KV."""
-        held = self.kv_pages[0] * self.page_size
-        return self.kv_tokens / held if held else 1.0
-
-    @property
-    def compilations_after_warmup(self) -> int:
-        # The compile counter is the process's: what came after the last engine's warm-up is
-        # the smallest of the engines' counts (an engine not yet warm says 0).
-        return min(e.compilations_after_warmup for e in self.engines)
-
-    @property
-    def compilations_on_demand(self) -> int:
-        """Compilations of programs warm-up left for their first use (`--warmup=needed`),
-        counted apart from `compilations_after_warmup` (also process-wide)."""
-        return max(getattr(e, "compilations_on_demand", 0) for e in self.engines)
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return sum(e.kv_cache_bytes for e in self.engines)
-
     # -- the loop ---------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -623,16 +518,16 @@ class Scheduler:
         return None if tokens is None else PrefillLimit(max(decoding), tokens)
 
     @staticmethod
-    def _begin(pool: Pool) -> list:
+    def _begin(pool: Pool) -> list[Pending]:
         """The pool's results of the previous iteration, to apply after this one's dispatch."""
         pool.applying, pool.pending = pool.pending, []
         return pool.applying
 
-    def _finish_iteration(self, pool: Pool, previous: list, start: float, plan: Plan,
+    def _finish_iteration(self, pool: Pool, previous: list[Pending], start: float, plan: Plan,
                           programs: int, chunks: int, handoffs: int = 0) -> bool:
         """Waits for the previous iteration's results (outside the state lock: the other loop
         goes on meanwhile), applies them, and records the iteration if anything ran."""
-        values = [np.asarray(tokens) for _, tokens in previous]  # waits only if still running
+        values = [np.asarray(p.tokens) for p in previous]  # waits only if still running
         with self._state:
             self._apply(previous, values)
             pool.applying = []
@@ -771,9 +666,9 @@ class Scheduler:
             if r.prompt_logprobs is not None and None in r.prompt_logprobs[start + 1 : end + 1]:
                 # each position's next prompt token (none after the prompt's last)
                 targets = r.prompt_ids[start + 1 : end + 1] + [-1] * max(0, end + 1 - r.prompt_len)
-                scored.append((r, Scores(len(chunks), start)))
+                scored.append(Row(r, Scores(len(chunks), start)))
             if chunk.final:
-                firsts.append((r, len(chunks)))
+                firsts.append(Row(r, len(chunks)))
             chunks.append(PrefillChunk(r.slot, ids, start, chunk.final, r.pages, targets))
             r.prefilled += chunk.length
             r.kv_tokens += chunk.length
@@ -850,10 +745,10 @@ class Scheduler:
         # A copy: JAX may alias host buffers on the CPU, and the table changes next step.
         if any(r.matcher is not None for r in decode):  # sampled once the bitmasks are filled
             pool.engine.decode_forward(positions, active, rows, pool.tables.copy())
-            pool.split = [(r, r.slot) for r in decode]
+            pool.split = [Row(r, r.slot) for r in decode]
             return
         tokens = pool.engine.decode(positions, active, rows, pool.tables.copy(), steps)
-        self._expect(pool, [(r, r.slot) for r in decode], tokens)
+        self._expect(pool, [Row(r, r.slot) for r in decode], tokens)
 
     def _sample_split(self, pool: Pool) -> None:
         """The second half of a split decode step, once the tokens before it are applied: each
@@ -869,15 +764,15 @@ class Scheduler:
                 self._fail_one(r, f"its grammar allows no token: {r.matcher.error}", time.monotonic())
                 drop.append(slot)
             else:
-                kept.append((r, slot))
+                kept.append(Row(r, slot))
         tokens = pool.engine.decode_sample(allowed, drop)
         self._expect(pool, kept, tokens)
 
     @staticmethod
-    def _expect(pool: Pool, pairs: list[tuple[Request, int]], tokens) -> None:
-        for r, _ in pairs:
+    def _expect(pool: Pool, rows: list[Row], tokens) -> None:
+        for r, _ in rows:
             r.unapplied += 1
-        pool.pending.append((pairs, tokens))
+        pool.pending.append(Pending(rows, tokens))
 
     def _reserve(self, pool: Pool, plan: Plan) -> None:
         """The pages this iteration's work needs (`Pool.reserve`); what did not fit goes back
@@ -895,24 +790,17 @@ class Scheduler:
         self._waiting.appendleft(r)
         self.preemptions += 1
 
-    def _apply(self, results: list[tuple[list[tuple[Request, int]], Any]], arrays: list[np.ndarray]) -> None:
-        """`results`: (requests with the index of each one's token, the engine's tokens), and
-        those tokens as read: [n] (prefill: a token per chunk) or [steps, n] (decode: a row of
-        tokens per step, taken in order until the request ends). Logprobs are read from a
-        result only when one of its requests asked for them."""
+    def _apply(self, results: list[Pending], arrays: list[np.ndarray]) -> None:
+        """`results` and their tokens as read: each request's tokens, a row per step, taken in
+        order until the request ends (`Pending.read`)."""
         vocab = self.engine.vocab_size
-        for (pairs, tokens), values in zip(results, arrays):
+        for result, values in zip(results, arrays):
             now = time.monotonic()
-            steps = np.atleast_2d(values)
-            logprobs = None
-            if any(r.logprobs is not None for r, _ in pairs):
-                token, ids, top = tokens.logprobs()
-                logprobs = (np.atleast_2d(token), ids.reshape(steps.shape + ids.shape[-1:]),
-                            top.reshape(steps.shape + top.shape[-1:]))
-            for r, index in pairs:
+            steps, logprobs = result.read(values)
+            for r, index in result.rows:
                 r.unapplied -= 1
                 if isinstance(index, Scores):
-                    self._take_scores(r, tokens.scores()[index.chunk], index.start)
+                    r.take_scores(result.tokens.scores()[index.chunk], index.start)
                     continue
                 for step, token in enumerate(steps[:, index].tolist()):
                     if r.finished:
@@ -921,19 +809,6 @@ class Scheduler:
                     if logprobs is not None and r.logprobs is not None:
                         logprob = tuple(a[step, index] for a in logprobs)
                     self._take(r, token, vocab, now, logprob)
-
-    @staticmethod
-    def _take_scores(r: Request, scores, start: int) -> None:
-        """A scored chunk's prompt logprobs: position p's scores are prompt token p + 1's."""
-        if r.finished:
-            return
-        k = r.params.logprobs
-        for i, (value, ids, values) in enumerate(zip(*scores)):
-            p = start + i + 1
-            if p >= r.prompt_len:
-                break
-            r.prompt_logprobs[p] = TokenLogprob(r.prompt_ids[p], float(value), "", tuple(
-                zip(map(int, ids[:k]), map(float, values[:k]))))
 
     def _take(self, r: Request, token: int, vocab: int, now: float, logprob=None) -> None:
         """One of `r`'s tokens (and its logprobs, if it asked): accepted and streamed, or the
@@ -977,13 +852,13 @@ class Scheduler:
             except Exception:  # a broken metrics hook must not take serving down
                 logging.exception("listener %r failed", listener)
 
-    def _forget(self, results: list[tuple[list[tuple[Request, int]], Any]], message: str) -> None:
+    def _forget(self, results: list[Pending], message: str) -> None:
         """Dispatched results that will never be applied. A request that was waiting for one
         and still runs (disaggregated: moved on to the decode pool before its first token was
         read) has lost that token and fails; a waiting one recomputes it when admitted again."""
         now = time.monotonic()
-        for pairs, _ in results:
-            for r, _ in pairs:
+        for result in results:
+            for r, _ in result.rows:
                 r.unapplied -= 1
                 if not r.finished and r.state is not State.WAITING:
                     self._fail_one(r, message, now)

@@ -2,7 +2,8 @@
 
 Everything is measured on the server side from the scheduler's records (times from
 time.monotonic()), so a client's view (which adds transport and queueing in the client) can be
-compared against it. Gauges are computed when scraped, so they are never stale.
+compared against it. The scheduler's gauges and counters are read when scraped, from one
+snapshot (`Scheduler.stats()`), so they are never stale and agree with each other.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from cadence.scheduler.request import RequestRecord
 from cadence.scheduler.priority import REJECTION_REASONS
 from cadence.scheduler.scheduler import IterationRecord, KVTransfer, Scheduler
+from cadence.scheduler.stats import PoolStats, SchedulerStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                     1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -35,43 +37,96 @@ def priority_labels(scheduler: Scheduler) -> frozenset[int]:
     return LABELLED_PRIORITIES | {p for _, p in config.priority_classes.rules} | set(config.slo.ttft) | set(config.slo.itl)
 
 
-class _SchedulerCounters:
-    """Counters the scheduler keeps itself, read when scraped (a Counter cannot take a function)."""
+# The scheduler's readings (`scheduler.stats.SchedulerStats`), read in one call when scraped:
+# name -> (type, help, the value from the snapshot). Gauges are "gauge", counters "counter"
+# (exposed with _total). vLLM's own names for some (what routers and vLLM dashboards read)
+# follow as aliases.
+_READINGS: dict[str, tuple[str, str, Callable[[SchedulerStats], float]]] = {
+    "cadence:num_requests_running": ("gauge", "Requests holding a KV slot.", lambda s: s.num_running),
+    "cadence:num_requests_waiting": ("gauge", "Requests queued for a slot.", lambda s: s.num_waiting),
+    "cadence:kv_cache_usage_perc": ("gauge", "Fraction of the KV page pool held (0-1).", lambda s: s.kv_usage),
+    "cadence:kv_pages_used": ("gauge", "KV pages held by requests.", lambda s: s.kv_pages_used),
+    "cadence:kv_pages_total": ("gauge", "KV pages in the pool.", lambda s: s.kv_pages_total),
+    "cadence:kv_pages_cached": ("gauge", "KV pages holding a reusable prefix, held by requests or evictable.",
+                                lambda s: s.kv_pages_cached),
+    "cadence:kv_page_utilization_perc": (
+        "gauge", "Of the token slots in held KV pages, the fraction holding a real token (0-1).",
+        lambda s: s.kv_page_utilization),
+    "cadence:num_preemptions_total": (
+        "gauge", "Requests preempted (KV dropped, recomputed later): the pool was full, or a better "
+        "priority needed the room.", lambda s: s.preemptions),
+    "cadence:num_priority_preemptions_total": (
+        "gauge", "Of those, preempted to make room for a request of a better priority.",
+        lambda s: s.priority_preemptions),
+    "cadence:compilations_after_warmup": (
+        "gauge", "XLA compilations since warm-up ended (should stay 0).", lambda s: s.compilations_after_warmup),
+    "cadence:kv_transfer_backlog": (
+        "gauge", "Disaggregated: prefilled requests waiting for the decode pool's slots or pages.",
+        lambda s: s.transfer_backlog),
+    "cadence:kv_transfers_in_flight": (
+        "gauge", "Disaggregated: requests whose KV is on its way to the decode pool.",
+        lambda s: s.transfers_in_flight),
+    "cadence:prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache at admission "
+                                     "(vLLM's prefix_cache_queries).", lambda s: s.prefix_queries),
+    "cadence:prefix_cache_hits": ("counter", "Of those, tokens whose KV the cache held, not prefilled "
+                                  "(vLLM's prefix_cache_hits).", lambda s: s.prefix_hits),
+    "cadence:kv_pages_evicted": ("counter", "Cached KV pages evicted (their prefix forgotten) to make room.",
+                                 lambda s: s.kv_pages_evicted),
+    "cadence:prompt_tokens_forked": ("counter", "Prompt tokens the later choices of an n > 1 request took "
+                                     "from the first one's KV, not prefilled.", lambda s: s.forked_tokens),
+}
+_VLLM_NAMES = {
+    "vllm:num_requests_running": "cadence:num_requests_running",
+    "vllm:num_requests_waiting": "cadence:num_requests_waiting",
+    "vllm:kv_cache_usage_perc": "cadence:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries": "cadence:prefix_cache_queries",
+    "vllm:prefix_cache_hits": "cadence:prefix_cache_hits",
+}
+# Per pool ("colocated", or "prefill" and "decode").
+_POOL_READINGS: dict[str, tuple[str, Callable[[PoolStats], float]]] = {
+    "cadence:pool_queue_length": ("Requests waiting for the pool: the queue for the one that admits, "
+                                  "the transfer backlog for the decode pool.", lambda p: p.queue_length),
+    "cadence:pool_requests_running": ("Requests holding a slot of the pool.", lambda p: p.running),
+    "cadence:pool_kv_pages_used": ("KV pages of the pool held by requests.", lambda p: p.kv_pages_used),
+    "cadence:pool_kv_pages_total": ("KV pages in the pool.", lambda p: p.kv_pages_total),
+}
+
+
+class _SchedulerReadings:
+    """The scheduler's gauges and counters, from one `Scheduler.stats()` per scrape (a
+    prometheus Gauge or Counter cannot take a function per scrape for all of them at once)."""
 
     def __init__(self, scheduler: Scheduler, model_name: str, label: Callable[[int], str]):
         self.scheduler, self.model_name, self.label = scheduler, model_name, label
 
     def collect(self):
-        counters = {
-            "cadence:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache at admission "
-                                             "(vLLM's prefix_cache_queries).", self.scheduler.prefix_queries),
-            "cadence:prefix_cache_hits": ("Of those, tokens whose KV the cache held, not prefilled "
-                                          "(vLLM's prefix_cache_hits).", self.scheduler.prefix_hits),
-            "cadence:kv_pages_evicted": ("Cached KV pages evicted (their prefix forgotten) to make room.",
-                                         self.scheduler.kv_pages_evicted),
-            "cadence:prompt_tokens_forked": ("Prompt tokens the later choices of an n > 1 request took "
-                                             "from the first one's KV, not prefilled.",
-                                             self.scheduler.forked_tokens),
-        }
-        # vLLM's own names for the same counters, which routers and dashboards read.
-        counters["vllm:prefix_cache_queries"] = counters["cadence:prefix_cache_queries"]
-        counters["vllm:prefix_cache_hits"] = counters["cadence:prefix_cache_hits"]
-        for name, (doc, value) in counters.items():
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], value)
+        stats = self.scheduler.stats()
+        readings = {**_READINGS, **{alias: _READINGS[name] for alias, name in _VLLM_NAMES.items()}}
+        # vLLM v0's name for the usage, still read by some routers.
+        readings["vllm:gpu_cache_usage_perc"] = (
+            "gauge", "Fraction of the KV page pool held (0-1); vLLM v0's name.", lambda s: s.kv_usage)
+        for name, (kind, doc, value) in readings.items():
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value(stats))
+            yield family
+        for name, (doc, value) in _POOL_READINGS.items():
+            family = GaugeMetricFamily(name, doc, labels=["model_name", "pool"])
+            for pool in stats.pools:
+                family.add_metric([self.model_name, pool.name], value(pool))
             yield family
         rejected = CounterMetricFamily(
             "cadence:requests_rejected", "Requests refused with 429 at submission, by reason: the "
             "queue was full, or the request was predicted to miss its class's TTFT or ITL target.",
             labels=["model_name", "reason"])
         for reason in REJECTION_REASONS:
-            rejected.add_metric([self.model_name, reason], self.scheduler.rejections[reason])
+            rejected.add_metric([self.model_name, reason], stats.rejections.get(reason, 0))
         yield rejected
         waiting = GaugeMetricFamily("cadence:num_requests_waiting_by_priority",
                                     "Requests queued for a slot, per priority.",
                                     labels=["model_name", "priority"])
         counts = collections.Counter({"0": 0})
-        for priority, count in self.scheduler.waiting_by_priority().items():
+        for priority, count in stats.waiting_by_priority.items():
             counts[self.label(priority)] += count
         for label, count in sorted(counts.items()):
             waiting.add_metric([self.model_name, label], count)
@@ -123,69 +178,17 @@ class Metrics:
             "cadence:prefill_programs_total, the chunks one program carried.", ["model_name"],
             registry=r,
         ).labels(**labels)
-        gauges = {
-            "cadence:num_requests_running": ("Requests holding a KV slot.", lambda: scheduler.num_running),
-            "cadence:num_requests_waiting": ("Requests queued for a slot.", lambda: scheduler.num_waiting),
-            "cadence:kv_cache_usage_perc": ("Fraction of the KV page pool held (0-1).", lambda: scheduler.kv_usage),
-            "cadence:kv_pages_used": ("KV pages held by requests.", lambda: scheduler.kv_pages[0]),
-            "cadence:kv_pages_total": ("KV pages in the pool.", lambda: scheduler.kv_pages[1]),
-            "cadence:kv_pages_cached": (
-                "KV pages holding a reusable prefix, held by requests or evictable.",
-                lambda: scheduler.kv_pages_cached),
-            "cadence:kv_page_utilization_perc": (
-                "Of the token slots in held KV pages, the fraction holding a real token (0-1).",
-                lambda: scheduler.kv_page_utilization),
-            "cadence:num_preemptions_total": (
-                "Requests preempted (KV dropped, recomputed later): the pool was full, or a better "
-                "priority needed the room.",
-                lambda: scheduler.preemptions),
-            "cadence:num_priority_preemptions_total": (
-                "Of those, preempted to make room for a request of a better priority.",
-                lambda: scheduler.priority_preemptions),
-            "cadence:compilations_after_warmup": (
-                "XLA compilations since warm-up ended (should stay 0).",
-                lambda: scheduler.compilations_after_warmup,
-            ),
-        }
-        # The vLLM names of the same gauges, with vLLM's meaning: what routers (sglang-router,
-        # the Gateway API inference extension) and vLLM dashboards read.
-        gauges["vllm:num_requests_running"] = gauges["cadence:num_requests_running"]
-        gauges["vllm:num_requests_waiting"] = gauges["cadence:num_requests_waiting"]
-        gauges["vllm:kv_cache_usage_perc"] = gauges["cadence:kv_cache_usage_perc"]
-        gauges["vllm:gpu_cache_usage_perc"] = (  # vLLM v0's name, still read by some routers
-            "Fraction of the KV page pool held (0-1); vLLM v0's name.", lambda: scheduler.kv_usage)
-        gauges["cadence:kv_transfer_backlog"] = (
-            "Disaggregated: prefilled requests waiting for the decode pool's slots or pages.",
-            lambda: scheduler.transfer_backlog)
-        gauges["cadence:kv_transfers_in_flight"] = (
-            "Disaggregated: requests whose KV is on its way to the decode pool.",
-            lambda: scheduler.transfers_in_flight)
-        for name, (doc, fn) in gauges.items():
-            Gauge(name, doc, ["model_name"], registry=r).labels(**labels).set_function(fn)
-        r.register(_SchedulerCounters(scheduler, model_name, self.priority_label))
-        # Each engine's pool: "colocated", or "prefill" and "decode".
+        r.register(_SchedulerReadings(scheduler, model_name, self.priority_label))
         self.transfer_seconds = histogram(
             "cadence:kv_transfer_seconds", "Disaggregated: a request's KV, from ready on the "
             "prefill device to landed on the decode device.", buckets=_TRANSFER_BUCKETS)
         self.transfer_bytes = Counter(
             "cadence:kv_transfer_bytes", "Disaggregated: KV bytes moved from the prefill pool to "
             "the decode pool.", ["model_name"], registry=r).labels(**labels)
+        # Each engine's pool: "colocated", or "prefill" and "decode".
         self.busy = Counter(
             "cadence:pool_busy_seconds", "Wall time of each pool's iterations that ran a program; "
             "its rate is the pool's busy fraction.", ["model_name", "pool"], registry=r)
-        pool_gauges = {
-            "cadence:pool_queue_length": (
-                "Requests waiting for the pool: the queue for the one that admits, the transfer "
-                "backlog for the decode pool.",
-                lambda p: scheduler.num_waiting if p is scheduler.pools[0] else scheduler.transfer_backlog),
-            "cadence:pool_requests_running": ("Requests holding a slot of the pool.", lambda p: len(p.running)),
-            "cadence:pool_kv_pages_used": ("KV pages of the pool held by requests.", lambda p: p.pages.used_count),
-            "cadence:pool_kv_pages_total": ("KV pages in the pool.", lambda p: p.pages.num_pages),
-        }
-        for name, (doc, fn) in pool_gauges.items():
-            gauge = Gauge(name, doc, ["model_name", "pool"], registry=r)
-            for pool in scheduler.pools:
-                gauge.labels(pool=pool.name, **labels).set_function(lambda fn=fn, pool=pool: fn(pool))
         for pool in scheduler.pools:
             self.busy.labels(pool=pool.name, **labels)
         self._labels = labels
