@@ -34,8 +34,6 @@ from pathlib import Path
 
 from absl import app, flags
 
-COMMANDS = ("run", "compare", "capacity", "roofline", "bill", "plot", "conversations", "shared_prefix",
-            "fleet")
 
 # target
 _BASE_URL = flags.DEFINE_string("base_url", None, "OpenAI-compatible base URL (…/v1); unset: start cadence.")
@@ -397,13 +395,19 @@ def cmd_plot() -> None:
         print(p)
 
 
+# Each subcommand and the function that runs it, in the order the usage line lists them.
+COMMANDS = {"run": cmd_run, "compare": cmd_compare, "capacity": cmd_capacity, "roofline": cmd_roofline,
+            "bill": cmd_bill, "plot": cmd_plot, "conversations": cmd_conversations,
+            "shared_prefix": cmd_shared_prefix, "fleet": cmd_fleet}
+
+
 def main(argv: list[str]) -> None:
     if len(argv) != 2 or argv[1] not in COMMANDS:
         raise app.UsageError(f"usage: cadence-bench {{{'|'.join(COMMANDS)}}} [--flags]")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     # SIGTERM unwinds like Ctrl-C, so a spawned cadence-serve is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    globals()[f"cmd_{argv[1]}"]()
+    COMMANDS[argv[1]]()
 
 
 def run() -> None:

@@ -85,11 +85,6 @@ def sampling_rows_of(kind: str, slots: int):
     return rows.params()
 
 
-def measure_machine() -> dict:
-    machine = roofline.measure_machine()
-    return {"bandwidth_gb_s": machine.bandwidth_gb_s, "matmul_gflop_s": machine.flops_gflop_s}
-
-
 def decode_point(engine, rows, tables, context: int, count: int, weight_bytes: int, probe,
                  k: int = 1, kind: str = "greedy") -> dict:
     """The median step with the first `count` slots decoding at `context` live tokens each, in
@@ -122,7 +117,8 @@ def decode_point(engine, rows, tables, context: int, count: int, weight_bytes: i
 
 def main(argv) -> None:
     del argv
-    machine = measure_machine()
+    measured = roofline.measure_machine()
+    machine = {"bandwidth_gb_s": measured.bandwidth_gb_s, "matmul_gflop_s": measured.flops_gflop_s}
     print(f"machine: {machine['bandwidth_gb_s']:.1f} GB/s read, {machine['matmul_gflop_s']:.0f} GFLOP/s matmul")
     model = load_model(_MODEL.value)
     cfg = model.config
@@ -167,7 +163,8 @@ def main(argv) -> None:
                 token.block_until_ready()
 
             seconds = roofline.timed(prefill_all, 3)
-            flops = 2 * cfg.num_params() * n + 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n / 2
+            flops = sum(roofline.prefill_cost(cfg, start, min(chunk, n - start), 4)["flops"]
+                        for start in range(0, n, chunk))  # one program (one logits row) a chunk
             point = {"prompt_tokens": n, "chunk": chunk, "seconds": seconds, "tokens_per_s": n / seconds,
                      "achieved_gflop_s": flops / seconds / 1e9,
                      "fraction_of_matmul_rate": flops / seconds / 1e9 / machine["matmul_gflop_s"]}

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from cadence.bench import roofline
 from cadence.engine.config import DEFAULT_PAGE_SIZE
 
 _OUT = flags.DEFINE_string("out", None, "JSON results file (default: bench/results/gpu-<gpu>/gpu_bench-<date>.json).")
@@ -81,17 +82,6 @@ def over_deadline() -> bool:
     return elapsed() > _DEADLINE.value
 
 
-def wall(fn, repeats: int = 5) -> float:
-    """Median seconds of a blocking `fn()` after one warm (compiling) run."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def chained(attend, n: int):
     """A jitted program that calls `attend(q, *rest)` n times, each on q nudged by the previous
     output times a runtime zero, so XLA can neither drop nor merge the calls."""
@@ -111,7 +101,7 @@ def chained(attend, n: int):
 def kernel_seconds(attend, args, n: int) -> float:
     run = chained(attend, n)
     zero = jnp.zeros((), args[0].dtype)
-    return wall(lambda: run(zero, *args), repeats=3) / n
+    return roofline.timed(lambda: run(zero, *args), repeats=3) / n
 
 
 # -- 1. ceilings -----------------------------------------------------------------------------
@@ -123,7 +113,7 @@ def measure_ceilings() -> dict:
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     mm = jax.jit(jnp.matmul)
-    mm_s = wall(lambda: mm(a, b), repeats=10)
+    mm_s = roofline.timed(lambda: mm(a, b), repeats=10)
     return {
         "copy_gb_s": 2 * 2 * size / copy_s / 1e9,  # bytes read + written
         "read_gb_s": 2 * size / read_s / 1e9,
@@ -135,7 +125,7 @@ def measure_ceilings() -> dict:
 def _memory_seconds(x: jax.Array) -> tuple[float, float]:
     copy = jax.jit(lambda a: -a)
     read = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    return wall(lambda: copy(x), repeats=10), wall(lambda: read(x), repeats=10)
+    return roofline.timed(lambda: copy(x), repeats=10), roofline.timed(lambda: read(x), repeats=10)
 
 
 # -- 2. compiled kernel tests ------------------------------------------------------------------
@@ -414,7 +404,7 @@ def bench_tensor_parallel(results: dict, write) -> None:
         engine.prefill(chunk, rows).block_until_ready()
         point = {"tp": n, "split": engine.tp.describe() if engine.tp else "one device",
                  "prefill_tokens": prompt_len,
-                 "prefill_s": wall(lambda: engine.prefill(chunk, rows), repeats=3)}
+                 "prefill_s": roofline.timed(lambda: engine.prefill(chunk, rows), repeats=3)}
         for active_n in (1, slots):
             step, dispatch, compiles = time_decode(engine, active_n, context, rows, tables)
             point[f"decode_{active_n}_ms"] = step * 1e3
@@ -497,11 +487,8 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
     chunk = [PrefillChunk(0, prompt, 0, True, tables[0])]
     engine.prefill(chunk, rows).block_until_ready()
     compile_s = time.monotonic() - start
-    seconds = wall(lambda: engine.prefill(chunk, rows), repeats=3)
-    d, h, kv, hd, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_size
-    layer_weights = d * h * hd * 2 + d * kv * hd * 2 + 3 * d * f
-    flops = (2 * prompt_len * layer_weights * cfg.num_layers + 2 * d * cfg.vocab_size
-             + 4 * h * hd * prompt_len * (prompt_len + 1) / 2 * cfg.num_layers)
+    seconds = roofline.timed(lambda: engine.prefill(chunk, rows), repeats=3)
+    flops = roofline.prefill_cost(cfg, 0, prompt_len, 2)["flops"]
     info["prefill"] = {
         "tokens": prompt_len, "first_call_s": compile_s, "seconds": seconds,
         "tokens_per_s": prompt_len / seconds, "tflop_s": flops / seconds / 1e12,

@@ -83,6 +83,9 @@ def decode_cost(c: ModelConfig, contexts: tuple[int, ...], itemsize: int) -> dic
 
 
 def prefill_cost(c: ModelConfig, start: int, length: int, itemsize: int) -> dict:
+    """One prefill program over positions [start, start + length): the layers for every token,
+    the LM head for one row only (the chunk's last position, the one whose logits are read), and
+    causal attention over the KV before the chunk and within it. The bench's one prefill model."""
     attended = length * start + length * (length + 1) // 2  # causal
     flops = 2 * linear_params(c) * length + 2 * c.vocab_size * c.hidden_size
     flops += attention_flops(c, attended)
@@ -111,12 +114,16 @@ def predict(programs: list[dict], machine: Machine) -> dict:
 
 
 def timed(fn, repeats: int = 5) -> float:
-    """Median seconds of `fn()` (which must block) over `repeats` runs after one warm run."""
-    fn()
+    """Median seconds of `fn()` over `repeats` runs after one warm (compiling) run: the bench's
+    one timer. What `fn` returns is waited for (`jax.block_until_ready`), so it may hand back
+    arrays still being computed; a function that blocks itself may return anything."""
+    import jax
+
+    jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
     return float(np.median(times))
 
@@ -156,7 +163,7 @@ def measure_machine() -> Machine:
 
     a = jnp.ones((2048, 2048), jnp.float32)
     mm = jax.jit(jnp.matmul)
-    flops = 2 * 2048**3 / timed(lambda: mm(a, a).block_until_ready())
+    flops = 2 * 2048**3 / timed(lambda: mm(a, a))
     return Machine(measure_bandwidth() / 1e9, flops / 1e9, source=f"measured on {jax.devices()[0].platform}")
 
 

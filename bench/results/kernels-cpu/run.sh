@@ -5,8 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 out=bench/results/kernels-cpu
-.venv/bin/python -m cadence.bench.small_gemm_bench --rows=1,2,4,8,16 --noreduce > $out/small_gemm.txt 2>/dev/null
-.venv/bin/python -m cadence.bench.paged_attention_bench --rounds=15 --calls=8 --page_sizes=64 \
+.venv/bin/python bench/results/small-gemm-cpu/small_gemm_bench.py --rows=1,2,4,8,16 --noreduce > $out/small_gemm.txt 2>/dev/null
+.venv/bin/python bench/results/paged-attention-cpu/paged_attention_bench.py --rounds=15 --calls=8 --page_sizes=64 \
   --out=$out/paged_attention.txt > /dev/null 2>&1
 engine=(--slots=1,8 --contexts=128,1024 --prompt_tokens=512 --steps=30)
 for run in 1 2; do

@@ -1,7 +1,7 @@
 """What n > 1 saves: one prompt's n choices as a group (one prefill, the others forking its KV)
 against n separate requests with that prompt, on the engine and scheduler of `cadence-serve`.
 
-    python -m cadence.bench.fork_bench --model=smollm2-135m --n=4 --prompt_tokens=1000 --choice_tokens=32
+    python bench/results/sampling-cpu/fork_bench.py --model=smollm2-135m --n=4 --prompt_tokens=1000 --choice_tokens=32
 
 Both runs sample the same n sequences (choice i's seed is `requests.choice_seed(seed, i)` in
 both), so they produce the same tokens; the prefix cache is off, so the separate requests

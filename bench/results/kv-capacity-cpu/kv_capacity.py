@@ -1,6 +1,6 @@
 """KV capacity at equal memory: contiguous slots (max_seq_len reserved per request) vs pages.
 
-    python -m cadence.bench.kv_capacity --kv_cache_memory=1440MiB --num_slots=32 --max_seq_len=4096 \
+    python bench/results/kv-capacity-cpu/kv_capacity.py --kv_cache_memory=1440MiB --num_slots=32 --max_seq_len=4096 \
         --out=bench/results/kv-capacity-cpu/kv_capacity.json
 
 The engine flags are every front door's (`server/runtime.py`): --model, --num_slots,

@@ -1,6 +1,6 @@
 """Weight-only int8 matmuls on this backend: does XLA fuse the int8 -> float conversion?
 
-    python -m cadence.bench.int8_matmul_bench
+    python bench/results/int8-cpu/int8_matmul_bench.py     # from a checkout's root, cadence installed
 
 Times, at SmolLM2-135M's decode shapes, x [rows, in] f32 against a weight [in, out] held as
 f32, or as int8 converted inside the program (`model.llama.Linear`'s form), or fed to the dot
@@ -15,7 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cadence.bench.small_gemm_bench import timed
+from cadence.bench import roofline
+
+def timed(fn, *args) -> float:
+    return roofline.timed(lambda: fn(*args), 30)
+
 
 SHAPES = [(1, 576, 1536), (8, 576, 1536), (8, 1536, 576), (1, 576, 49152)]  # MLP, MLP down, LM head
 

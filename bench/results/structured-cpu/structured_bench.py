@@ -1,7 +1,7 @@
 """Structured output's host-side costs on a model's tokenizer: compiling a grammar, and the
 bitmask of each token.
 
-    python -m cadence.bench.structured_bench --model=smollm2-135m \
+    python bench/results/structured-cpu/structured_bench.py --model=smollm2-135m \
         --out=bench/results/structured-cpu/host.json
 
 For each grammar (the served benchmark's schema, schemas of other shapes, a forced tool call

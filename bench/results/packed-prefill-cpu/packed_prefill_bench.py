@@ -1,6 +1,6 @@
 """Short prompts arriving together: packed prefill against one program per chunk.
 
-    python -m cadence.bench.packed_prefill_bench --model=smollm2-135m --counts=4,8,16 --rounds=3 \
+    python bench/results/packed-prefill-cpu/packed_prefill_bench.py --model=smollm2-135m --counts=4,8,16 --rounds=3 \
         --out=bench/results/packed-prefill-cpu/packed_prefill.json
 
 N short prompts (seeded lengths in `--prompt_tokens`) are submitted at the same instant to the
@@ -103,7 +103,7 @@ def main(argv) -> None:
         print(f"{'':>10} packed reaches every first token {row['speedup_every_first_token']:.2f}x sooner")
         table.append(row)
     report = {
-        "command": "python -m cadence.bench.packed_prefill_bench " + " ".join(
+        "command": "python bench/results/packed-prefill-cpu/packed_prefill_bench.py " + " ".join(
             f"--{k}={v}" for k, v in (("model", _MODEL.value), ("counts", ",".join(_COUNTS.value)),
                                       ("prompt_tokens", ",".join(_PROMPT.value)), ("chunk", _CHUNK.value),
                                       ("rounds", _ROUNDS.value), ("seed", _SEED.value))),

@@ -1,6 +1,6 @@
 """How fast XLA:CPU reads weights in the 1-32-row matmuls of a decode step, by formulation.
 
-    python -m cadence.bench.small_gemm_bench                      # XLA_FLAGS=... to try compiler flags
+    python bench/results/small-gemm-cpu/small_gemm_bench.py      # XLA_FLAGS=... to try compiler flags
 
 A decode step multiplies a few rows (the decoding slots) by every weight matrix, so it should
 run at the speed of reading the weights. This times a chain of 30 matmuls of SmolLM2-135M's MLP
@@ -12,13 +12,12 @@ bytes read per second beside this machine's plain read bandwidth (a large sum).
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from cadence.bench import roofline
 from cadence.model import cpu_kernels
 
 _ROWS = flags.DEFINE_list("rows", ["1", "2", "4", "8", "16", "32"], "Row counts.")
@@ -28,13 +27,7 @@ D, F, LAYERS = 576, 1536, 30
 
 
 def timed(fn, *args, repeats: int = 30) -> float:
-    fn(*args).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return roofline.timed(lambda: fn(*args), repeats)
 
 
 def chain(step):
@@ -57,8 +50,7 @@ FORMULATIONS = {  # name -> (weight layout, one layer's x @ W)
 
 def main(argv) -> None:
     del argv
-    big = jnp.ones((64 * 2**20,), jnp.float32)
-    bandwidth = big.nbytes / timed(jax.jit(jnp.sum), big, repeats=5)
+    bandwidth = roofline.measure_bandwidth()  # 256 MiB read on the device, median of 5
     rng = np.random.default_rng(0)
     weights = {"in_out": [jnp.asarray(rng.standard_normal((D, F), np.float32)) for _ in range(LAYERS)]}
     weights["out_in"] = [w.T.copy() for w in weights["in_out"]]

@@ -1,6 +1,6 @@
 """CPU decode attention over pages against the contiguous slots: which paged loop to keep.
 
-    python -m cadence.bench.paged_attention_bench --out=bench/results/paged-attention-cpu/paged_attention.txt
+    python bench/results/paged-attention-cpu/paged_attention_bench.py --out=bench/results/paged-attention-cpu/paged_attention.txt
 
 Times one layer's decode attention (SmolLM2-135M's 9 query heads, 3 KV heads, head_dim 64,
 float32) at 8 rows, each row at the same live context (128, 1000, 4000 tokens) and a mixed step
@@ -134,7 +134,7 @@ def main(argv) -> None:
     lines = [
         "Paged vs contiguous CPU decode attention, one layer, ms per call "
         f"({_ROUNDS.value} interleaved rounds x {_CALLS.value} calls)",
-        f"command: python -m cadence.bench.paged_attention_bench {' '.join(sys.argv[1:])}".rstrip(),
+        f"command: python bench/results/paged-attention-cpu/paged_attention_bench.py {' '.join(sys.argv[1:])}".rstrip(),
         f"cpu: {cpu_model()} ({os.cpu_count()} cores); the machine was shared with another "
         "engineer's test runs, so rounds vary: the median is the figure, the best round a bound",
         f"jax {jax.__version__}, {datetime.datetime.now().isoformat(timespec='minutes')}",
