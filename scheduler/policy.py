@@ -198,6 +198,22 @@ def make_plan(
     return _chunked(running, waiting, free_slots, config, pages, limit)
 
 
+def decode_steps(plan: Plan, running: Sequence[Request], most: int, free_pages: int, page_size: int) -> int:
+    """Decode steps for the iteration's one dispatch (multi-step decoding, the engine's
+    `decode_steps` at most): 1, unless the plan does nothing but decode, every request of the
+    pool (`running`) is decoding (none mid-prompt, none with KV on its way in) and none has stop
+    strings (the host finds those in text) or a grammar (the host fills its masks step by step);
+    then as many as `most` allows and every request has tokens left for, so none ends sooner on
+    its length, and the free pages hold, so nobody is preempted for them."""
+    if most == 1 or plan.admit or plan.prefill or not plan.decode:
+        return 1
+    if any(r.state is not State.DECODING or r.params.stop or r.matcher is not None for r in running):
+        return 1
+    steps = min(most, min(r.max_tokens - r.dispatched for r in plan.decode))
+    wanted = sum(max(0, -(-decoded_end(r, steps) // page_size) - len(r.pages)) for r in plan.decode)
+    return max(steps, 1) if wanted <= free_pages else 1
+
+
 def running_cost(running: Sequence[Request], config: PolicyConfig, pages: PageBudget) -> int:
     """Pages the running requests' next steps need: a decode's next token, a partial prefill's
     next chunk (at most)."""

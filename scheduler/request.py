@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.model.sampling import RequestSampling
+from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.prefix_cache import PageKeys
 
 if TYPE_CHECKING:
@@ -69,6 +70,62 @@ class GenerationParams:
     # Structured output (`scheduler.grammar`): every token is one the grammar allows, and the
     # request ends ("stop") when the grammar is complete.
     grammar: Grammar | None = None
+
+
+def check_params(params: GenerationParams, vocab_size: int | None = None, max_logprobs: int | None = None,
+                 structured: bool = True) -> None:
+    """The one validation of generation parameters, for every front door: raises
+    SubmissionError (naming the parameter) for anything the scheduler's loop could not serve.
+    The scheduler checks every submission with its engines' `vocab_size`, `max_logprobs` and
+    whether they run `structured` output; a front door may check earlier without them (what
+    depends on the model is then left to the scheduler)."""
+    if not isinstance(params.sampling, RequestSampling):
+        raise SubmissionError(f"sampling must be a RequestSampling, got {type(params.sampling).__name__}")
+    if params.grammar is not None and vocab_size is not None:
+        _check_grammar(params, vocab_size, structured)
+    outside = [token for token, _ in params.sampling.logit_bias if vocab_size is not None and token >= vocab_size]
+    if outside:
+        raise SubmissionError(f"logit_bias names token id {outside[0]}, outside the model's "
+                              f"vocabulary [0, {vocab_size})", "logit_bias")
+    if params.prompt_logprobs and params.logprobs is None:
+        raise SubmissionError("prompt logprobs (echo) need logprobs", "logprobs")
+    most = max_logprobs
+    if params.logprobs is not None and most is not None and not (isinstance(params.logprobs, int)
+                                                                 and 0 <= params.logprobs <= most):
+        raise SubmissionError(f"at most {most} logprobs per token (the server's --max_logprobs), "
+                              f"got {params.logprobs!r}", "logprobs")
+    if params.priority is not None and (isinstance(params.priority, bool)
+                                        or not isinstance(params.priority, int)
+                                        or not -MAX_PRIORITY <= params.priority <= MAX_PRIORITY):
+        raise SubmissionError(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}] "
+                              f"(lower runs first), got {params.priority!r}", "priority")
+    if params.max_tokens is not None and (isinstance(params.max_tokens, bool)
+                                          or not isinstance(params.max_tokens, int)
+                                          or params.max_tokens < 1):
+        raise SubmissionError(f"max_tokens must be an integer >= 1, got {params.max_tokens!r}",
+                              "max_tokens")
+    # Stop strings are scanned on the scheduler thread for every token: bound the work.
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise SubmissionError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}",
+                              "stop")
+    for stop in params.stop:
+        if not isinstance(stop, str) or not stop or len(stop) > MAX_STOP_LENGTH:
+            raise SubmissionError(
+                f"stop strings must be non-empty strings of at most {MAX_STOP_LENGTH} "
+                f"characters, got {str(stop)[:40]!r}{'...' if len(str(stop)) > 40 else ''}", "stop")
+
+
+def _check_grammar(params: GenerationParams, vocab_size: int, structured: bool) -> None:
+    if not structured:
+        raise SubmissionError("this server runs without structured output (start it with "
+                              "--structured_output)", "response_format")
+    if params.grammar.vocab_size != vocab_size:
+        raise SubmissionError(f"the grammar was compiled for a vocabulary of "
+                              f"{params.grammar.vocab_size} tokens; the model has "
+                              f"{vocab_size}", "response_format")
+    if params.ignore_eos:
+        raise SubmissionError("ignore_eos cannot go with a grammar: the request ends where "
+                              "the grammar does", "ignore_eos")
 
 
 @dataclasses.dataclass(frozen=True)

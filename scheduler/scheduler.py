@@ -75,15 +75,14 @@ from cadence.engine.api import EngineAPI, PrefillChunk, RequestSampling, Samplin
 from cadence.model.sampling import all_allowed
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
 from cadence.scheduler.policy import (
-    Plan, PolicyConfig, PrefillLimit, decoded_end, make_plan, wants_decode,
+    Plan, PolicyConfig, PrefillLimit, decode_steps, make_plan, wants_decode,
 )
 from cadence.scheduler.handoff import Handoff, KVTransfer, check_pair
 from cadence.scheduler.priority import SLO, AdmissionControl, PriorityClasses
 from cadence.scheduler.prefix_cache import PageKeys
 from cadence.scheduler.kv_manager import Pool
 from cadence.scheduler.request import (
-    MAX_PRIORITY, MAX_STOP_LENGTH, MAX_STOP_STRINGS, FinishReason, GenerationParams, Request, RequestRecord,
-    State, TokenEvent, TokenLogprob,
+    FinishReason, GenerationParams, Request, RequestRecord, State, TokenEvent, TokenLogprob, check_params,
 )
 from cadence.scheduler.results import Pending, Row, Scores
 from cadence.scheduler.stats import Readings
@@ -309,55 +308,11 @@ class Scheduler(Readings):
             raise NotRunning("the scheduler is shutting down and accepts no new requests")
 
     def _check_params(self, params: GenerationParams) -> None:
-        """What the loop relies on, checked once here rather than on the scheduler thread."""
-        if not isinstance(params.sampling, RequestSampling):
-            raise SubmissionError(f"sampling must be a RequestSampling, got {type(params.sampling).__name__}")
-        vocab = self.engine.vocab_size
-        if params.grammar is not None:
-            self._check_grammar(params)
-        outside = [token for token, _ in params.sampling.logit_bias if token >= vocab]
-        if outside:
-            raise SubmissionError(f"logit_bias names token id {outside[0]}, outside the model's "
-                                  f"vocabulary [0, {vocab})", "logit_bias")
-        most = self.engine.config.max_logprobs
-        if params.prompt_logprobs and params.logprobs is None:
-            raise SubmissionError("prompt logprobs (echo) need logprobs", "logprobs")
-        if params.logprobs is not None and not (isinstance(params.logprobs, int)
-                                                and 0 <= params.logprobs <= most):
-            raise SubmissionError(f"at most {most} logprobs per token (the server's --max_logprobs), "
-                                  f"got {params.logprobs!r}", "logprobs")
-        if params.priority is not None and (isinstance(params.priority, bool)
-                                            or not isinstance(params.priority, int)
-                                            or not -MAX_PRIORITY <= params.priority <= MAX_PRIORITY):
-            raise SubmissionError(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}] "
-                                  f"(lower runs first), got {params.priority!r}", "priority")
-        if params.max_tokens is not None and (isinstance(params.max_tokens, bool)
-                                              or not isinstance(params.max_tokens, int)
-                                              or params.max_tokens < 1):
-            raise SubmissionError(f"max_tokens must be an integer >= 1, got {params.max_tokens!r}",
-                                  "max_tokens")
-        # Stop strings are scanned on the scheduler thread for every token: bound the work.
-        if len(params.stop) > MAX_STOP_STRINGS:
-            raise SubmissionError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}",
-                                  "stop")
-        for stop in params.stop:
-            if not isinstance(stop, str) or not stop or len(stop) > MAX_STOP_LENGTH:
-                raise SubmissionError(
-                    f"stop strings must be non-empty strings of at most {MAX_STOP_LENGTH} "
-                    f"characters, got {str(stop)[:40]!r}{'...' if len(str(stop)) > 40 else ''}", "stop")
-
-    def _check_grammar(self, params: GenerationParams) -> None:
+        """What the loop relies on, checked once here rather than on the scheduler thread
+        (`scheduler.request.check_params`, which every front door calls too)."""
         decoders = [e for e in self.engines if e.config.role != "prefill"]
-        if not all(e.config.structured_output for e in decoders):
-            raise SubmissionError("this server runs without structured output (start it with "
-                                  "--structured_output)", "response_format")
-        if params.grammar.vocab_size != self.engine.vocab_size:
-            raise SubmissionError(f"the grammar was compiled for a vocabulary of "
-                                  f"{params.grammar.vocab_size} tokens; the model has "
-                                  f"{self.engine.vocab_size}", "response_format")
-        if params.ignore_eos:
-            raise SubmissionError("ignore_eos cannot go with a grammar: the request ends where "
-                                  "the grammar does", "ignore_eos")
+        check_params(params, self.engine.vocab_size, self.engine.config.max_logprobs,
+                     structured=all(e.config.structured_output for e in decoders))
 
     def cancel(self, request: Request) -> None:
         with self._lock:
@@ -472,7 +427,8 @@ class Scheduler(Readings):
             pool.match_prefixes(self._waiting)
             pool.match_forks(self._waiting)
             plan = self._plan(pool)
-            plan.steps = self._decode_steps(pool, plan)
+            plan.steps = decode_steps(plan, pool.running, pool.engine.config.decode_steps,
+                                      pool.pages.free_count, self.page_size)
             previous = self._begin(pool)
             self._admit(plan, pool, start)
             self._reserve(pool, plan)
@@ -493,7 +449,8 @@ class Scheduler(Readings):
             landed = self._handoff.insert_landed()
             transfers = self._handoff.start()
             plan = Plan(decode=[r for r in pool.running if wants_decode(r)])
-            plan.steps = self._decode_steps(pool, plan)
+            plan.steps = decode_steps(plan, pool.running, pool.engine.config.decode_steps,
+                                      pool.pages.free_count, self.page_size)
             previous = self._begin(pool)
             self._reserve(pool, plan)
             self._dispatch_decode(plan, pool, pool.rows.params())
@@ -707,25 +664,6 @@ class Scheduler(Readings):
             return
         for r in forked:
             pool.release_copy(r)
-
-    @staticmethod
-    def _decode_steps(pool: Pool, plan: Plan) -> int:
-        """Decode steps for this iteration's one dispatch: 1, unless the plan does nothing but
-        decode, every request of the pool is decoding (none mid-prompt, none with KV on its
-        way in) and none has stop strings (the host finds those in text) or a grammar (the host
-        fills its masks step by step); then as many as the
-        engine allows and every request has tokens left for, so none ends sooner on its
-        length, and the free pages hold, so nobody is preempted for them."""
-        most = pool.engine.config.decode_steps
-        if most == 1 or plan.admit or plan.prefill or not plan.decode:
-            return 1
-        if any(r.state is not State.DECODING or r.params.stop or r.matcher is not None
-               for r in pool.running):
-            return 1
-        steps = min(most, min(r.max_tokens - r.dispatched for r in plan.decode))
-        wanted = sum(max(0, pool.pages.pages_for(decoded_end(r, steps)) - len(r.pages))
-                     for r in plan.decode)
-        return max(steps, 1) if wanted <= pool.pages.free_count else 1
 
     def _dispatch_decode(self, plan: Plan, pool: Pool, rows) -> None:
         decode = [r for r in plan.decode if r.state is State.DECODING and r.pool is pool]

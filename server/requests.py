@@ -36,7 +36,7 @@ from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.api import RequestSampling
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
-from cadence.scheduler.request import GenerationParams
+from cadence.scheduler.request import GenerationParams, check_params
 from cadence.scheduler.grammar import (Grammar, GrammarCompiler, GrammarError, JsonObject, JsonSchema, Spec,
                                       closed_schema)
 from cadence.server.client_json import MAX_INT_DIGITS, check_json_value
@@ -133,10 +133,13 @@ def generation_params(entry: dict, defaults: SamplingDefaults, *,
     salt = field(entry, "cache_salt", (str,))
     if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT:
         raise SubmissionError(f'"cache_salt" must be a string of 1 to {MAX_CACHE_SALT} characters', "cache_salt")
-    # Its range is the scheduler's to check (`Scheduler._check_params`), for every door alike.
-    return GenerationParams(max_tokens=max_tokens, sampling=sampling, stop=stop,
-                            ignore_eos=field(entry, "ignore_eos", (bool,), False), cache_salt=salt,
-                            priority=field(entry, "priority", (int,)))
+    params = GenerationParams(max_tokens=max_tokens, sampling=sampling, stop=stop,
+                              ignore_eos=field(entry, "ignore_eos", (bool,), False), cache_salt=salt,
+                              priority=field(entry, "priority", (int,)))
+    # The ranges (the priority's, the stop strings' bounds) are the scheduler layer's one
+    # validation, the same for every door; what depends on the model it checks at submission.
+    check_params(params)
+    return params
 
 
 def response_format(entry: dict) -> Spec | None:
