@@ -35,7 +35,8 @@ afterwards `compilations_after_warmup` must stay 0.
 
 The pieces it is built from live beside it: its configuration and shape buckets in
 `engine.config`, the jitted programs in `engine.programs`, what its calls return (`KVHandle`,
-`PrefillTokens`, `DecodeTokens`) in `engine.results`, and warm-up's compiling in `engine.warmup`.
+`PrefillTokens`, `DecodeTokens`) in `engine.results`, and warm-up's list of programs and its
+compiling in `engine.warmup`.
 
 On the CPU, decode can run cadence's own kernels (`model.cpu_kernels`): `attention="cpu"` for
 its attention and `decode_matmul="cpu"` for its matmuls, which read a copy of the weights in
@@ -63,18 +64,17 @@ from absl import logging
 
 from cadence.engine import compile_counter
 from cadence.engine.config import GROUPS, WARMUPS, EngineConfig
-from cadence.engine.packing import Pack, PrefillChunk, bucket_for, empty_pack, pack_chunks
-from cadence.engine.programs import jit_programs, sampling_rows
+from cadence.engine.packing import Pack, PrefillChunk, bucket_for, pack_chunks
+from cadence.engine.programs import jit_programs
 from cadence.engine.results import DecodeTokens, KVHandle, PrefillTokens
-from cadence.engine.warmup import WarmProgram, compile_programs, spec
+from cadence.engine.warmup import WarmProgram, compile_programs, list_programs, spec
 from cadence.model import cpu_kernels
 from cadence.model.config import ModelConfig
 from cadence.model.llama import rope_table
 from cadence.model.params import cast
 from cadence.model.sharding import TensorParallel
 from cadence.model.paged_kv import PagedKVCache
-from cadence.model.host_sampling import (ALL_ALLOWED, NO_TOKEN, RequestSampling, SamplingRows,
-                                         all_allowed, bitmask_words)
+from cadence.model.host_sampling import ALL_ALLOWED, NO_TOKEN, SamplingRows, all_allowed, bitmask_words
 from cadence.model.sampling import Logprobs, SamplingParams, TokenHistory
 
 
@@ -177,7 +177,7 @@ class Engine:
         self.last_tokens: jax.Array | None = None
         self.history: TokenHistory | None = None
         self.recover()  # allocates the page pool, the next-token buffer and the token history
-        programs = jit_programs(self.compute_config, config, self.tp)
+        programs = self._programs = jit_programs(self.compute_config, config, self.tp)
         self._prefill, self._decode = programs.prefill, programs.decode
         self._prefill_scored = programs.prefill_scored
         self._decode_batched = programs.decode_batched
@@ -537,65 +537,10 @@ class Engine:
 
     def warm_programs(self, groups: Sequence[str] | None = None) -> list[WarmProgram]:
         """The programs of `groups` (default: every group this engine runs), in warm-up's order,
-        over abstract device buffers: what `warmup` and `prepare` compile."""
-        cfg, vocab = self.config, self.vocab_size
-        groups = set(self.program_groups() if groups is None else groups)
-        params, decode_params, rope, cache, last, history = self._specs
-        i32 = np.int32(0)
-        out: list[WarmProgram] = []
-
-        def add(group, name, fn, *args):
-            if group in groups:
-                out.append(WarmProgram(group, name, fn, args))
-
-        def rows(n):
-            return sampling_rows([RequestSampling()] * n)
-
-        # Packs mix sequences, so any token bucket can meet any page-table width; so can a
-        # scored chunk's.
-        shapes = [(t, w, "prefill") for t in cfg.prefill_buckets for w in cfg.prefill_page_buckets]
-        shapes += [(t, w, "scoring") for t in cfg.score_buckets for w in cfg.prefill_page_buckets]
-        for t, width, group in shapes:
-            pack = empty_pack(t, width, cfg.pack_block, cfg.num_slots, cfg.chunks_per_program)
-            n = len(pack.steps)
-            scored = (np.full(t, -1, np.int32),) if group == "scoring" else ()
-            add(group, f"{'prefill_scored' if scored else 'prefill'}[tokens={t},pages={width}]",
-                self._prefill_scored if scored else self._prefill, params, rope, cache, last,
-                history, pack.tokens, pack.positions, pack.lengths, pack.tables, pack.logit_index,
-                pack.steps, pack.write_slot, pack.sampling_slot, rows(n), all_allowed(n, vocab),
-                *scored)
-        decode = [("decode_batched", self._decode_batched, self._decode_forward_batched, w)
-                  for w in cfg.batched_decode_page_buckets]
-        decode += [("decode", self._decode, self._decode_forward, w) for w in cfg.decode_page_buckets]
-        for name, program, _, width in decode:
-            for batch in cfg.decode_batch_buckets:
-                add("decode", f"{name}[batch={batch},pages={width}]", program, decode_params, rope,
-                    cache, last, history, np.full(batch, cfg.num_slots, np.int32),
-                    np.zeros(batch, np.int32), np.zeros((batch, width), np.int32), rows(batch),
-                    np.int32(1))
-        if "structured" in groups:
-            for batch in cfg.decode_batch_buckets:
-                slots, zeros = np.full(batch, cfg.num_slots, np.int32), np.zeros(batch, np.int32)
-                for name, _, forward_program, width in decode:
-                    add("structured", f"{name.replace('decode', 'decode_forward')}[batch={batch},"
-                        f"pages={width}]", forward_program, decode_params, rope, cache, last, slots,
-                        zeros, np.zeros((batch, width), np.int32), rows(batch))
-                logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32, sharding=last.sharding)
-                add("structured", f"decode_sample[batch={batch}]", self._decode_sample, logits,
-                    last, history, slots, zeros, rows(batch), all_allowed(batch, vocab))
-        mc = self.compute_config
-        for width in cfg.page_buckets:  # a KVHandle's arrays: [layers, kv_heads, P, page_size, d]
-            kv = jax.ShapeDtypeStruct((mc.num_layers, mc.num_kv_heads, width, cfg.page_size,
-                                       mc.head_dim), cache.k[0].dtype, sharding=self._handle_sharding)
-            add("transfer", f"extract[pages={width}]", self._extract, cache, last,
-                np.zeros(width, np.int32), i32)
-            add("transfer", f"insert[pages={width}]", self._insert, cache, last, kv, kv,
-                np.zeros(width, np.int32), i32,
-                jax.ShapeDtypeStruct((), jnp.int32, sharding=last.sharding))
-        add("history", "history", self._history, history, i32, np.zeros(cfg.max_seq_len, np.int32), i32)
-        add("copy", "copy", self._copy, cache, np.zeros(cfg.num_slots, np.int32),
-            np.zeros(cfg.num_slots, np.int32))
-        return out
+        over abstract device buffers: what `warmup` and `prepare` compile (`list_programs`)."""
+        return list_programs(self._programs, self.config, self.compute_config, self._specs,
+                             self._handle_sharding,
+                             self.program_groups() if groups is None else groups)
 
     def warmup(self, progress: Callable[[int, int, str], None] | None = None,
                warmup: str = "all", workers: int | None = None) -> None:

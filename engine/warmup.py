@@ -1,10 +1,12 @@
-"""Warm-up: compiling an engine's programs ahead of time, several at once.
+"""Warm-up: the programs an engine compiles ahead of time, and compiling them several at once.
 
-    programs = engine.warm_programs(groups)     # [WarmProgram(group, name, fn, args), ...]
+    programs = list_programs(...)               # [WarmProgram(group, name, fn, args), ...]
     compile_programs(programs, progress)        # each lowered here, compiled on a pool thread
 
-`Engine.warmup` and `Engine.prepare` (a group compiled on first use) compile through here;
-`spec` turns a device buffer into the abstract argument a program compiles for.
+`list_programs` gives every program of the groups asked for (`engine.config.GROUPS`), once per
+shape bucket, over abstract device buffers (`spec`), in warm-up's order; `Engine.warm_programs`
+is it for one engine. `Engine.warmup` and `Engine.prepare` (a group compiled on first use)
+compile through `compile_programs`.
 """
 
 from __future__ import annotations
@@ -13,10 +15,18 @@ import dataclasses
 import functools
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cadence.engine.config import EngineConfig
+from cadence.engine.packing import empty_pack
+from cadence.engine.programs import Programs, sampling_rows
+from cadence.model.config import ModelConfig
+from cadence.model.host_sampling import RequestSampling, all_allowed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,3 +80,67 @@ def compile_programs(programs: Sequence[WarmProgram],
             futures.append(future)
         for future in futures:
             future.result()
+
+
+def list_programs(programs: Programs, cfg: EngineConfig, mc: ModelConfig, specs: tuple,
+                  handle_sharding, groups: Collection[str]) -> list[WarmProgram]:
+    """The programs of `groups` an engine of `cfg` runs (`programs`, for the model as computed,
+    `mc`), in warm-up's order, over its device buffers as `specs` (`spec` of its params, decode
+    params, rope table, pool, next tokens and token history; a `KVHandle`'s pages go on
+    `handle_sharding`): what `Engine.warmup` and `Engine.prepare` compile."""
+    vocab, groups = mc.vocab_size, set(groups)
+    params, decode_params, rope, cache, last, history = specs
+    i32 = np.int32(0)
+    out: list[WarmProgram] = []
+
+    def add(group, name, fn, *args):
+        if group in groups:
+            out.append(WarmProgram(group, name, fn, args))
+
+    def rows(n):
+        return sampling_rows([RequestSampling()] * n)
+
+    # Packs mix sequences, so any token bucket can meet any page-table width; so can a
+    # scored chunk's.
+    shapes = [(t, w, "prefill") for t in cfg.prefill_buckets for w in cfg.prefill_page_buckets]
+    shapes += [(t, w, "scoring") for t in cfg.score_buckets for w in cfg.prefill_page_buckets]
+    for t, width, group in shapes:
+        pack = empty_pack(t, width, cfg.pack_block, cfg.num_slots, cfg.chunks_per_program)
+        n = len(pack.steps)
+        scored = (np.full(t, -1, np.int32),) if group == "scoring" else ()
+        add(group, f"{'prefill_scored' if scored else 'prefill'}[tokens={t},pages={width}]",
+            programs.prefill_scored if scored else programs.prefill, params, rope, cache, last,
+            history, pack.tokens, pack.positions, pack.lengths, pack.tables, pack.logit_index,
+            pack.steps, pack.write_slot, pack.sampling_slot, rows(n), all_allowed(n, vocab),
+            *scored)
+    decode = [("decode_batched", programs.decode_batched, programs.decode_forward_batched, w)
+              for w in cfg.batched_decode_page_buckets]
+    decode += [("decode", programs.decode, programs.decode_forward, w) for w in cfg.decode_page_buckets]
+    for name, program, _, width in decode:
+        for batch in cfg.decode_batch_buckets:
+            add("decode", f"{name}[batch={batch},pages={width}]", program, decode_params, rope,
+                cache, last, history, np.full(batch, cfg.num_slots, np.int32),
+                np.zeros(batch, np.int32), np.zeros((batch, width), np.int32), rows(batch),
+                np.int32(1))
+    if "structured" in groups:
+        for batch in cfg.decode_batch_buckets:
+            slots, zeros = np.full(batch, cfg.num_slots, np.int32), np.zeros(batch, np.int32)
+            for name, _, forward_program, width in decode:
+                add("structured", f"{name.replace('decode', 'decode_forward')}[batch={batch},"
+                    f"pages={width}]", forward_program, decode_params, rope, cache, last, slots,
+                    zeros, np.zeros((batch, width), np.int32), rows(batch))
+            logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32, sharding=last.sharding)
+            add("structured", f"decode_sample[batch={batch}]", programs.decode_sample, logits,
+                last, history, slots, zeros, rows(batch), all_allowed(batch, vocab))
+    for width in cfg.page_buckets:  # a KVHandle's arrays: [layers, kv_heads, P, page_size, d]
+        kv = jax.ShapeDtypeStruct((mc.num_layers, mc.num_kv_heads, width, cfg.page_size,
+                                   mc.head_dim), cache.k[0].dtype, sharding=handle_sharding)
+        add("transfer", f"extract[pages={width}]", programs.extract, cache, last,
+            np.zeros(width, np.int32), i32)
+        add("transfer", f"insert[pages={width}]", programs.insert, cache, last, kv, kv,
+            np.zeros(width, np.int32), i32,
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=last.sharding))
+    add("history", "history", programs.history, history, i32, np.zeros(cfg.max_seq_len, np.int32), i32)
+    add("copy", "copy", programs.copy, cache, np.zeros(cfg.num_slots, np.int32),
+        np.zeros(cfg.num_slots, np.int32))
+    return out
