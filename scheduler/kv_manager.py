@@ -112,6 +112,19 @@ class Pool:
         self.pages.release(r.fork_hold)
         r.fork_copy_at = None
 
+    def copy_forked_pages(self) -> None:
+        """Each forked sequence whose first chunk runs this iteration (its pages are reserved by
+        now) gets its copy of the page holding the prompt's last token, in one engine call
+        queued before the prefill that computes that token; then the pages copied are let go.
+        An engine call that raises is the caller's to handle (nothing was let go)."""
+        forked = [r for r in self.running  # (one whose chunk waits for budget has no page yet)
+                  if r.fork_copy_at is not None and len(r.pages) > r.fork_copy_at]
+        if not forked:
+            return
+        self.engine.copy_pages([r.fork_hold[0] for r in forked], [r.pages[r.fork_copy_at] for r in forked])
+        for r in forked:
+            self.release_copy(r)
+
     def publish(self, r: Request) -> None:
         """Publishes each of `r`'s pages that is full of KV written for tokens the host knows,
         under the key of its prefix (`Request.written_tokens`)."""

@@ -34,7 +34,10 @@ import dataclasses
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+
+from cadence.scheduler.policy import PrefillLimit
+from cadence.scheduler.request import Request, State
 
 
 def _pairs(text: str, what: str, value: Callable[[str], float]) -> dict[int, float]:
@@ -220,3 +223,35 @@ class AdmissionControl:
                     f"the server is overloaded: decode steps take {step * 1000:.0f} ms, past "
                     f"{whose} {slo.itl[p] * 1000:g} ms inter-token target; retry later")
         return None
+
+
+def backlog(waiting: Iterable[Request], running: Iterable[Request]) -> dict[int, tuple[int, int]]:
+    """Per priority: (requests waiting, prompt tokens waiting or mid-prefill), what admission
+    (`tokens_ahead`) and the metrics read, taken by the admitting loop each iteration."""
+    counts: dict[int, list[int]] = {}
+    for r in waiting:
+        entry = counts.setdefault(r.priority, [0, 0])
+        entry[0] += 1
+        entry[1] += r.prefill_len - r.prefilled
+    for r in running:
+        if r.state is State.PREFILLING:
+            counts.setdefault(r.priority, [0, 0])[1] += r.prefill_len - r.prefilled
+    return {p: (n, tokens) for p, (n, tokens) in counts.items()}
+
+
+def tokens_ahead(r: Request, backlog: dict[int, tuple[int, int]], inbox: Iterable[Request]) -> int:
+    """Prompt tokens to prefill before `r`'s first token: the backlog of its priority and
+    better, those submitted since (`inbox`), and its own."""
+    ahead = sum(tokens for p, (_, tokens) in backlog.items() if p <= r.priority)
+    return ahead + sum(q.prompt_len for q in inbox if q.priority <= r.priority) + r.prompt_len
+
+
+def prefill_limit(slo: SLO, admission: AdmissionControl, running: Iterable[Request]) -> PrefillLimit | None:
+    """With inter-token targets: while requests of targeted priorities decode, the prompt
+    tokens worse priorities may prefill within the tightest of their targets."""
+    targets = slo.itl
+    decoding = {r.priority for r in running if r.state is State.DECODING} & targets.keys()
+    if not decoding:
+        return None
+    tokens = admission.prefill_tokens_within(min(targets[p] for p in decoding))
+    return None if tokens is None else PrefillLimit(max(decoding), tokens)

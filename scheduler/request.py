@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.model.sampling import RequestSampling
-from cadence.scheduler.errors import SubmissionError
+from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.prefix_cache import PageKeys
 
 if TYPE_CHECKING:
@@ -113,6 +113,32 @@ def check_params(params: GenerationParams, vocab_size: int | None = None, max_lo
             raise SubmissionError(
                 f"stop strings must be non-empty strings of at most {MAX_STOP_LENGTH} "
                 f"characters, got {str(stop)[:40]!r}{'...' if len(str(stop)) > 40 else ''}", "stop")
+
+
+def check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> None:
+    """A prompt the model can read: at least one token id, each an integer in its vocabulary."""
+    if not prompt_ids:
+        raise SubmissionError("the prompt is empty; send at least one token", "prompt")
+    bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise SubmissionError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}",
+                              "prompt")
+
+
+def check_length(n: int, max_tokens: int | None, context: int, max_seq_len: int) -> int:
+    """The max_tokens a prompt of `n` tokens runs to (None: to the end of `context`, the longest
+    sequence the scheduler's pools hold, at most `max_seq_len`); RequestTooLong if it does not fit."""
+    room = context - n
+    max_tokens = room if max_tokens is None else max_tokens
+    if n + max_tokens > context or room < 1:
+        limit = (f"context of {context} tokens" if context == max_seq_len else
+                 f"{context} tokens the KV pool holds beside its null page (the context is "
+                 f"{max_seq_len})")
+        raise RequestTooLong(
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the "
+            f"{limit}; shorten the prompt or lower max_tokens"
+        )
+    return max_tokens
 
 
 def _check_grammar(params: GenerationParams, vocab_size: int, structured: bool) -> None:
@@ -269,6 +295,34 @@ class Request:
         self.transfer_end: float | None = None
         self.transfer_bytes = 0
         self.first_decode: float | None = None
+
+    @property
+    def awaits_parent(self) -> bool:
+        """A later sequence of a group waits while the first one's prompt is not yet dispatched:
+        once it is, it takes the prompt's KV from it instead of prefilling it again."""
+        parent = self.fork_parent
+        return (parent is not None and not self.preemptions and not parent.finished
+                and parent.state in (State.WAITING, State.PREFILLING))
+
+    def program_groups(self) -> tuple[str, ...]:
+        """The engines' program groups (`engine.config.GROUPS`) it runs besides prefill and
+        decode."""
+        p = self.params
+        wanted = {"scoring": p.prompt_logprobs, "structured": p.grammar is not None,
+                  "history": p.sampling.penalized, "copy": self.fork_parent is not None}
+        return tuple(group for group, needed in wanted.items() if needed)
+
+    def prepare(self, engines, done: Callable) -> None:
+        """Starts compiling the programs it needs that warm-up left for their first use, on the
+        engines' own threads (`done` called as each finishes); it waits in the queue until they
+        are done (`compiling`), while the loop serves the others."""
+        groups = self.program_groups()
+        for engine in engines if groups else ():
+            prepare = getattr(engine, "prepare", None)  # (test doubles compile nothing)
+            future = prepare(groups) if prepare is not None else None
+            if future is not None:
+                self.compiling.append(future)
+                future.add_done_callback(done)
 
     @property
     def prompt_len(self) -> int:

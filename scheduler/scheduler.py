@@ -14,33 +14,20 @@ of the *previous* iteration while the device works on this one. Tokens therefore
 one iteration after they are computed, and the device is never idle waiting for Python.
 
 A request with a grammar (structured output, `scheduler.grammar`) samples among the tokens its
-grammar allows next: the host fills each such row's bitmask from the token before. Its prompt's
-last chunk takes the mask of the grammar's start (known when it is dispatched). A decode step
+grammar allows next: the host fills each such row's bitmask from the token before. A decode step
 with such a row runs in two halves: the iteration dispatches the forward pass, applies the
 previous iteration's tokens while it runs (which advances each grammar), fills the bitmasks,
-then dispatches the sampling (`engine.decode_forward` / `decode_sample`). The device stays busy
-while the host works, as ever, and the rows beside decode exactly as they would alone.
+then dispatches the sampling (`engine.decode_forward` / `decode_sample`).
 
-When an iteration has nothing to do but decode, and no decoding request could end sooner on
-the host's word (each has k tokens to go, and no stop strings), it runs k steps in one dispatch
-(the engine's `decode_steps` at most): a k-th of the host's work per token, and the k tokens of
-a request reach its client together. EOS ends a row on the device within the k steps.
+When an iteration has nothing to do but decode and no decoding request could end sooner on the
+host's word, it runs k steps in one dispatch (`policy.decode_steps`). A request that stops on EOS
+or a stop string is discovered a dispatch late; the tokens dispatched after are discarded (a row
+whose input is its EOS writes nothing). Requests that end on max_tokens never over-run, because
+the host counts dispatched tokens.
 
-A request that stops on EOS or a stop string is discovered a dispatch late, so the next
-dispatch may run for it; its tokens are discarded (on the device, a row whose input is its EOS
-writes nothing). Requests that end on max_tokens never over-run, because the host counts
-dispatched tokens.
-
-Disaggregated (DistServe's design), two engines on their own devices each have a pool
-(`scheduler.pool`) and a loop thread of their own, so a long prefill never holds up a decode
-step. The prefill loop admits and prefills (packed, chunked, as colocated); a prompt's last
-chunk samples its first token, which streams from there, and the request joins the transfer
-backlog holding its prefill pages. Whenever the decode pool has a free slot and pages for it
-(oldest first), its KV is extracted, copied to the decode device (`jax.device_put`,
-asynchronous) and inserted there, and its prefill slot and pages are freed; decoding continues
-on the decode loop. The backlog is bounded by the prefill pool's slots: when it is full,
-admission waits. A transfer thread observes each copy land, for the metrics. A request whose
-decode pool runs dry is preempted there and recomputed through the prefill pool.
+Disaggregated (DistServe's design), two engines each have a pool and a loop thread of their own:
+the prefill loop admits and prefills, and a prompt's KV moves to the decode pool when it has room
+(`scheduler.handoff`), so a long prefill never holds up a decode step.
 
 Faults stay where they belong. A request whose own host-side work fails (packing its sampling
 row, turning its token into text, a token id outside the vocabulary) ends with an error alone.
@@ -56,7 +43,13 @@ would miss them and cap lower classes' prefill while a targeted class decodes
 (`scheduler.priority`).
 
 The scheduler talks to the engines only through `engine.api.EngineAPI`, so tests can drive it
-with fake engines in milliseconds.
+with fake engines in milliseconds. What the loop uses, module by module: `kv_manager` (each
+engine's slots and pages: prefix and fork matching, `reserve`), `pages` and `prefix_cache`
+(the page allocator, its null page and the cached prefixes), `policy` (the plan, the decode
+steps), `priority` (SLO admission, the backlog), `handoff` (the disaggregated transfers),
+`request` (a request's state and the one validation of its parameters), `results` (pending
+results), `stream` (request streams and their delivery), `stats` (readings and the
+`SchedulerStats` snapshot), `config` (`SchedulerConfig`).
 """
 
 from __future__ import annotations
@@ -71,71 +64,21 @@ import numpy as np
 from absl import logging
 
 from cadence.checkpoints.tokenizer import Tokenizer
-from cadence.engine.api import EngineAPI, PrefillChunk, RequestSampling, SamplingRows
+from cadence.engine.api import EngineAPI, PrefillChunk
 from cadence.model.sampling import all_allowed
-from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
-from cadence.scheduler.policy import (
-    Plan, PolicyConfig, PrefillLimit, decode_steps, make_plan, wants_decode,
-)
+from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded
+from cadence.scheduler.config import KV_RESERVATIONS, SchedulerConfig  # noqa: F401 - importers' names
+from cadence.scheduler.policy import Plan, decode_steps, make_plan, wants_decode
 from cadence.scheduler.handoff import Handoff, KVTransfer, check_pair
-from cadence.scheduler.priority import SLO, AdmissionControl, PriorityClasses
+from cadence.scheduler.priority import AdmissionControl, backlog, prefill_limit, tokens_ahead
 from cadence.scheduler.prefix_cache import PageKeys
 from cadence.scheduler.kv_manager import Pool
 from cadence.scheduler.request import (
-    FinishReason, GenerationParams, Request, RequestRecord, State, TokenEvent, TokenLogprob, check_params,
+    FinishReason, GenerationParams, Request, State, check_length, check_params, check_prompt,
 )
 from cadence.scheduler.results import Pending, Row, Scores
-from cadence.scheduler.stats import Readings
+from cadence.scheduler.stats import IterationRecord, Readings, notify
 from cadence.scheduler.stream import Outbox, RequestStream
-
-
-KV_RESERVATIONS = ("live", "max")
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    policy: PolicyConfig = PolicyConfig()
-    max_queue: int = 256  # waiting requests beyond this are refused with Overloaded
-    # "live": a request holds the pages its written tokens need, growing as it goes.
-    # "max": it holds max_seq_len tokens' worth from its first chunk on, as a contiguous slot
-    # does (vLLM's "Orca (Max)" baseline): the comparison point for benchmarks.
-    kv_reservation: str = "live"
-    # Automatic prefix caching: a prompt's leading full pages whose KV some request computed
-    # already (and that are not evicted yet) are reused, not prefilled again (`scheduler.pages`).
-    prefix_caching: bool = True
-    # What else the KV depends on besides the tokens (the model, its weights, the compute
-    # dtype), folded into every page's key.
-    cache_namespace: str = ""
-    # The priority of a request that sends none, from its prompt's length (`scheduler.priority`).
-    priority_classes: PriorityClasses = PriorityClasses()
-    # Per-priority latency targets: a request predicted to miss its class's is refused at once.
-    slo: SLO = SLO()
-
-    def __post_init__(self) -> None:
-        if self.kv_reservation not in KV_RESERVATIONS:
-            raise ValueError(f"kv_reservation must be one of {KV_RESERVATIONS}, got {self.kv_reservation!r}")
-
-
-@dataclasses.dataclass
-class IterationRecord:
-    index: int
-    start: float
-    wall: float  # seconds from dispatch start to results applied
-    decode_slots: int
-    prefill_tokens: int
-    prefill_chunks: int  # chunks dispatched
-    prefill_programs: int = 0  # the packed programs that carried them (normally 1)
-    pool: str = "colocated"  # whose loop ran it: "colocated", or "prefill" / "decode"
-    transfers: int = 0  # KV handoffs to the decode pool this iteration started
-    decode_steps: int = 1  # steps each of the decode_slots ran, in one dispatch
-
-
-def _awaits_parent(r: Request) -> bool:
-    """A later sequence of a group waits while the first one's prompt is not yet dispatched:
-    once it is, it takes the prompt's KV from it instead of prefilling it again."""
-    parent = r.fork_parent
-    return (parent is not None and not r.preemptions and not parent.finished
-            and parent.state in (State.WAITING, State.PREFILLING))
 
 
 class Scheduler(Readings):
@@ -211,7 +154,7 @@ class Scheduler(Readings):
         # is on its way there (`scheduler.handoff`).
         self._handoff = Handoff(
             self._prefill_pool, self._decode_pool, config.policy, self._fail_one, self._fail_pool,
-            lambda t: self._notify(self.transfer_listeners, t), self._wake)
+            lambda t: notify(self.transfer_listeners, t), self._wake)
 
     @property
     def disaggregated(self) -> bool:
@@ -253,7 +196,7 @@ class Scheduler(Readings):
                     f"{self.config.max_queue} requests are already waiting; retry later"
                 )
             if self.config.slo.active:
-                rejection = self.admission.check(first.priority, self._tokens_ahead(first),
+                rejection = self.admission.check(first.priority, tokens_ahead(first, self._backlog, self._inbox),
                                                  self._running_priorities)
                 if rejection is not None:
                     self.rejections[rejection.reason] += 1
@@ -262,34 +205,12 @@ class Scheduler(Readings):
             self._changed()
         return streams
 
-    def _tokens_ahead(self, r: Request) -> int:
-        """(Under `_lock`.) Prompt tokens to prefill before `r`'s first token: the backlog of its
-        priority and better, those submitted since, and its own."""
-        ahead = sum(tokens for p, (_, tokens) in self._backlog.items() if p <= r.priority)
-        return ahead + sum(q.prompt_len for q in self._inbox if q.priority <= r.priority) + r.prompt_len
-
     def _stream(self, prompt_ids: Sequence[int], params: GenerationParams,
                 request_id: str | None) -> RequestStream:
         self._check_params(params)
         n = len(prompt_ids)
-        if n == 0:
-            raise SubmissionError("the prompt is empty; send at least one token", "prompt")
-        vocab = self.engine.vocab_size
-        bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise SubmissionError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}",
-                                  "prompt")
-        context = self.context
-        room = context - n
-        max_tokens = room if params.max_tokens is None else params.max_tokens
-        if n + max_tokens > context or room < 1:
-            limit = (f"context of {context} tokens" if context == self.max_seq_len else
-                     f"{context} tokens the KV pool holds beside its null page (the context is "
-                     f"{self.max_seq_len})")
-            raise RequestTooLong(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the "
-                f"{limit}; shorten the prompt or lower max_tokens"
-            )
+        check_prompt(prompt_ids, self.engine.vocab_size)
+        max_tokens = check_length(n, params.max_tokens, self.context, self.max_seq_len)
         priority = self.config.priority_classes.of(n) if params.priority is None else params.priority
         request = Request(
             prompt_ids, params, max_tokens, self.tokenizer,
@@ -460,19 +381,9 @@ class Scheduler(Readings):
         # A request with a result still in flight (disaggregated: preempted on the decode pool
         # while its last step runs) is admitted again only once that result is applied.
         waiting = [r for r in self._waiting
-                   if not r.unapplied and not r.compiling and not _awaits_parent(r)]
+                   if not r.unapplied and not r.compiling and not r.awaits_parent]
         return make_plan(pool.running, waiting, len(pool.free_slots), self.config.policy,
-                         pool.page_budget(), self._prefill_limit(pool))
-
-    def _prefill_limit(self, pool: Pool) -> PrefillLimit | None:
-        """With inter-token targets: while requests of targeted priorities decode, the prompt
-        tokens worse priorities may prefill within the tightest of their targets."""
-        targets = self.config.slo.itl
-        decoding = {r.priority for r in pool.running if r.state is State.DECODING} & targets.keys()
-        if not decoding:
-            return None
-        tokens = self.admission.prefill_tokens_within(min(targets[p] for p in decoding))
-        return None if tokens is None else PrefillLimit(max(decoding), tokens)
+                         pool.page_budget(), prefill_limit(self.config.slo, self.admission, pool.running))
 
     @staticmethod
     def _begin(pool: Pool) -> list[Pending]:
@@ -508,27 +419,15 @@ class Scheduler(Readings):
                 decode_steps=plan.steps,
             )
             self._iteration += 1
-            if pool is self._prefill_pool:
-                self._count_backlog(pool)
+            if pool is self._prefill_pool:  # what admission and the metrics read
+                snapshot = backlog(self._waiting, pool.running)
+                running = frozenset(r.priority for p in self.pools for r in p.running)
+                with self._lock:
+                    self._backlog, self._running_priorities = snapshot, running
         self.admission.observe(record.start, record.wall, record.prefill_tokens, record.decode_slots,
                                record.decode_steps)
-        self._notify(self.iteration_listeners, record)
+        notify(self.iteration_listeners, record)
         return True
-
-    def _count_backlog(self, pool: Pool) -> None:
-        """(Under `_state`.) The per-priority backlog admission and the metrics read."""
-        backlog: dict[int, list[int]] = {}
-        for r in self._waiting:
-            entry = backlog.setdefault(r.priority, [0, 0])
-            entry[0] += 1
-            entry[1] += r.prefill_len - r.prefilled
-        for r in pool.running:
-            if r.state is State.PREFILLING:
-                backlog.setdefault(r.priority, [0, 0])[1] += r.prefill_len - r.prefilled
-        snapshot = {p: (n, tokens) for p, (n, tokens) in backlog.items()}
-        running = frozenset(r.priority for p in self.pools for r in p.running)
-        with self._lock:
-            self._backlog, self._running_priorities = snapshot, running
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -540,30 +439,9 @@ class Scheduler(Readings):
         for r in cancels:
             if not r.finished:
                 self._finish(r, FinishReason.ABORT, now)
-        for r in taken:
-            self._prepare(r)
+        for r in taken:  # programs warm-up left for first use compile; r waits meanwhile
+            r.prepare(self.engines, lambda _: self._wake())
         self._check_compiled(now)
-
-    @staticmethod
-    def _program_groups(r: Request) -> tuple[str, ...]:
-        """The engines' program groups (`engine.engine.GROUPS`) `r` runs besides prefill and
-        decode."""
-        p = r.params
-        wanted = {"scoring": p.prompt_logprobs, "structured": p.grammar is not None,
-                  "history": p.sampling.penalized, "copy": r.fork_parent is not None}
-        return tuple(group for group, needed in wanted.items() if needed)
-
-    def _prepare(self, r: Request) -> None:
-        """Starts compiling the programs `r` needs that warm-up left for their first use, on
-        the engines' own threads; `r` waits in the queue until they are done (`_plan` passes it
-        over), while the loop serves the others."""
-        groups = self._program_groups(r)
-        for engine in self.engines if groups else ():
-            prepare = getattr(engine, "prepare", None)  # (test doubles compile nothing)
-            future = prepare(groups) if prepare is not None else None
-            if future is not None:
-                r.compiling.append(future)
-                future.add_done_callback(lambda _: self._wake())
 
     def _check_compiled(self, now: float) -> None:
         """Waiting requests whose programs finished compiling may be admitted; one whose
@@ -604,7 +482,11 @@ class Scheduler(Readings):
 
     def _dispatch_prefill(self, plan: Plan, pool: Pool, rows) -> tuple[int, int]:
         """Returns (programs, chunks) dispatched."""
-        self._copy_forked_pages(pool)
+        try:  # forked sequences' copies of their prompt's last page, before the prefill
+            pool.copy_forked_pages()
+        except Exception as e:
+            logging.exception("copying forked pages failed")
+            self._fail_pool(pool, f"{type(e).__name__}: {e}")
         chunks, firsts, scored = [], [], []
         allowed = None  # the token bitmasks of the slots whose first token a grammar constrains
         for chunk in plan.prefill:
@@ -645,25 +527,6 @@ class Scheduler(Readings):
         self.prefill_chunks += len(chunks)
         self._expect(pool, scored + firsts, tokens)  # a prompt's scores before its first token
         return tokens.programs, len(chunks)
-
-    def _copy_forked_pages(self, pool: Pool) -> None:
-        """Each forked sequence whose first chunk runs this iteration (its pages are reserved by
-        now) gets its copy of the page holding the prompt's last token, in one engine call
-        queued before the prefill that computes that token; then the pages copied are let go."""
-        forked = [r for r in pool.running  # (one whose chunk waits for budget has no page yet)
-                  if r.fork_copy_at is not None and len(r.pages) > r.fork_copy_at]
-        if not forked:
-            return
-        sources = [r.fork_hold[0] for r in forked]
-        targets = [r.pages[r.fork_copy_at] for r in forked]
-        try:
-            pool.engine.copy_pages(sources, targets)
-        except Exception as e:
-            logging.exception("copying forked pages failed")
-            self._fail_pool(pool, f"{type(e).__name__}: {e}")
-            return
-        for r in forked:
-            pool.release_copy(r)
 
     def _dispatch_decode(self, plan: Plan, pool: Pool, rows) -> None:
         decode = [r for r in plan.decode if r.state is State.DECODING and r.pool is pool]
@@ -776,19 +639,11 @@ class Scheduler(Readings):
         except Exception:  # its client cannot be told; the slot is free all the same
             logging.exception("request %s failed while finishing", r.id)
             return
-        self._notify(self.listeners, record)
+        notify(self.listeners, record)
 
     def _fail_one(self, r: Request, message: str, now: float) -> None:
         logging.error("request %s failed: %s", r.id, message)
         self._finish(r, FinishReason.ERROR, now, message)
-
-    @staticmethod
-    def _notify(listeners: list, record) -> None:
-        for listener in listeners:
-            try:
-                listener(record)
-            except Exception:  # a broken metrics hook must not take serving down
-                logging.exception("listener %r failed", listener)
 
     def _forget(self, results: list[Pending], message: str) -> None:
         """Dispatched results that will never be applied. A request that was waiting for one

@@ -15,6 +15,34 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from absl import logging
+
+
+def notify(listeners: list, record) -> None:
+    """Hands `record` to each observer (metrics, the server's timeline, traces); one that raises
+    is logged, and serving goes on."""
+    for listener in listeners:
+        try:
+            listener(record)
+        except Exception:  # a broken metrics hook must not take serving down
+            logging.exception("listener %r failed", listener)
+
+
+@dataclasses.dataclass
+class IterationRecord:
+    """One iteration of a loop, as the iteration listeners receive it."""
+
+    index: int
+    start: float
+    wall: float  # seconds from dispatch start to results applied
+    decode_slots: int
+    prefill_tokens: int
+    prefill_chunks: int  # chunks dispatched
+    prefill_programs: int = 0  # the packed programs that carried them (normally 1)
+    pool: str = "colocated"  # whose loop ran it: "colocated", or "prefill" / "decode"
+    transfers: int = 0  # KV handoffs to the decode pool this iteration started
+    decode_steps: int = 1  # steps each of the decode_slots ran, in one dispatch
+
 
 @dataclasses.dataclass(frozen=True)
 class PoolStats:

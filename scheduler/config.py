@@ -1,0 +1,34 @@
+"""The scheduler's configuration (`SchedulerConfig`), frozen, as the front doors build it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cadence.scheduler.policy import PolicyConfig
+from cadence.scheduler.priority import SLO, PriorityClasses
+
+KV_RESERVATIONS = ("live", "max")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    policy: PolicyConfig = PolicyConfig()
+    max_queue: int = 256  # waiting requests beyond this are refused with Overloaded
+    # "live": a request holds the pages its written tokens need, growing as it goes.
+    # "max": it holds max_seq_len tokens' worth from its first chunk on, as a contiguous slot
+    # does (vLLM's "Orca (Max)" baseline): the comparison point for benchmarks.
+    kv_reservation: str = "live"
+    # Automatic prefix caching: a prompt's leading full pages whose KV some request computed
+    # already (and that are not evicted yet) are reused, not prefilled again (`scheduler.pages`).
+    prefix_caching: bool = True
+    # What else the KV depends on besides the tokens (the model, its weights, the compute
+    # dtype), folded into every page's key.
+    cache_namespace: str = ""
+    # The priority of a request that sends none, from its prompt's length (`scheduler.priority`).
+    priority_classes: PriorityClasses = PriorityClasses()
+    # Per-priority latency targets: a request predicted to miss its class's is refused at once.
+    slo: SLO = SLO()
+
+    def __post_init__(self) -> None:
+        if self.kv_reservation not in KV_RESERVATIONS:
+            raise ValueError(f"kv_reservation must be one of {KV_RESERVATIONS}, got {self.kv_reservation!r}")
