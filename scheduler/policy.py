@@ -1,6 +1,7 @@
 """The policy: a pure planner that decides what the next iteration runs.
 
     plan = make_plan(running, waiting, free_slots, config, pages)
+    plan.steps = decode_steps(plan, running, most, free_pages, page_size)   # multi-step decode
 
 It reads request state and returns a `Plan` (requests to admit, prefill chunks, requests to
 decode); it never touches the engine or mutates a request. A waiting request whose prompt

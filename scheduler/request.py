@@ -4,6 +4,10 @@ A request moves WAITING -> PREFILLING -> DECODING -> FINISHED; served disaggrega
 TRANSFERRING between PREFILLING and DECODING while its KV waits for, or moves to, the decode
 pool. The scheduler owns the state transitions; this module only keeps the bookkeeping honest and turns accepted tokens into
 events (ids, UTF-8-safe text deltas, timestamps) with stop strings applied on the text.
+
+`check_params` (with `check_prompt` and `check_length`) is the one validation of generation
+parameters: the scheduler runs it on every submission, and the server's request parsing runs
+it too, so every front door refuses the same things with the same messages.
 """
 
 from __future__ import annotations
@@ -259,7 +263,7 @@ class Request:
         self.prefix_evictable = 0  # of `prefix`, pages nobody holds (admission takes them)
         self.cached_tokens = 0  # prompt tokens the cache gave it, at its first admission
         # A later sequence of a group (n > 1): the group's first, whose prompt KV it takes
-        # (`Scheduler._match_forks`); while it waits, whether it will (`forking`) and the page
+        # (`Pool.match_forks`); while it waits, whether it will (`forking`) and the page
         # holding the prompt's last token, to copy (`fork_tail`); admitted, that page (held by
         # it until the copy is dispatched, `fork_hold`) and where in its own pages the copy goes
         # (`fork_copy_at`).

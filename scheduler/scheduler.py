@@ -178,7 +178,7 @@ class Scheduler(Readings):
                      request_ids: Sequence[str | None]) -> list[RequestStream]:
         """Several sequences from one prompt (OpenAI's `n`), queued together or not at all.
         The first prefills the prompt; each other one, once that prefill is dispatched, takes
-        the prompt's KV from it (`_match_forks`): its full pages shared, the page holding the
+        the prompt's KV from it (`Pool.match_forks`): its full pages shared, the page holding the
         prompt's last token copied, and only that token computed again, to sample its own first
         token. If the first is gone from the pool by then, the others prefill as usual."""
         self._check_running()
