@@ -84,6 +84,11 @@ class EngineConfig:
     # Also compile the two halves of a decode step (`decode_forward`, `decode_sample`) that a
     # grammar-constrained row needs: its bitmask is filled on the host between them.
     structured_output: bool = False
+    # Speculative decoding: the most draft tokens a verify step scores per row after its last
+    # token (0: no verify program), and the most rows it runs (its batch buckets; above it the
+    # scheduler decodes plainly, where a step costs its compute rather than its weight read).
+    speculative_tokens: int = 0
+    speculative_batch: int = 4
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -103,6 +108,9 @@ class EngineConfig:
                              f"float32; dtype is {self.dtype}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        if self.speculative_tokens < 0 or self.speculative_batch < 1:
+            raise ValueError(f"speculative_tokens must be >= 0 and speculative_batch >= 1, got "
+                             f"{self.speculative_tokens} and {self.speculative_batch}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.page_size < 1:
@@ -203,6 +211,19 @@ class EngineConfig:
         return ()
 
 
+    @property
+    def verify_batch_buckets(self) -> tuple[int, ...]:
+        """Rows of the verify program (speculative decoding): powers of two up to
+        speculative_batch (or num_slots, if fewer)."""
+        return ladder(1, min(self.num_slots, self.speculative_batch))
+
+    @property
+    def verify_page_buckets(self) -> tuple[int, ...]:
+        """Widths of the verify program: a row's 1 + k queries attend as a prefill chunk's do,
+        so its widths are prefill's."""
+        return self.prefill_page_buckets
+
+
 def fixed_page_tables(config: EngineConfig, order: Sequence[int] | None = None) -> np.ndarray:
     """A page table [num_slots, max_pages_per_seq] giving every slot its own run of pages for
     its whole length, taken in `order` (default: 0, 1, 2, ...): the layout before paging, for
@@ -224,5 +245,7 @@ def fixed_page_tables(config: EngineConfig, order: Sequence[int] | None = None) 
 #   transfer    moving KV between the engines of a disaggregated pair (extract, insert)
 #   history     presence, frequency and repetition penalties: a slot's token history
 #   copy        n > 1: a later sequence's copy of the page holding the prompt's last token
-GROUPS = ("prefill", "scoring", "decode", "structured", "transfer", "history", "copy")
+#   speculative speculative decoding's verify program (with speculative_tokens > 0): every
+#               request may run it, so "needed" compiles it too
+GROUPS = ("prefill", "scoring", "decode", "structured", "transfer", "history", "copy", "speculative")
 WARMUPS = ("all", "needed")

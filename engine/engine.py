@@ -45,7 +45,10 @@ the kernel's blocked layout (`decode_params`); prefill stays on XLA over the wei
 With several `devices` the engine is tensor parallel (`model.sharding`): the same programs,
 partitioned by XLA over the mesh, with attention run per device over its own heads.
 
-Non-goals here: pipeline parallelism, speculative decoding, prefix sharing.
+Speculative decoding's verify step (`verify`) scores each row's last token and its drafts in
+one pass and keeps, on the device, the drafts the row's own sampler agrees with.
+
+Non-goals here: pipeline parallelism, prefix sharing (the scheduler's pages do it).
 """
 
 from __future__ import annotations
@@ -187,6 +190,7 @@ class Engine:
         self._extract, self._insert = programs.extract, programs.insert
         self._history = programs.history
         self._copy = programs.copy
+        self._verify = programs.verify
         self._warm_compiles: int | None = None
         self._warm_on_demand = 0
         # What `prepare` compiles from: every device buffer as a shape, dtype and sharding.
@@ -309,6 +313,45 @@ class Engine:
         )
         return self._decode_result(tokens, logprobs, steps, sampling, batch)
 
+    def verify(self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
+               page_table: np.ndarray, drafts: np.ndarray, draft_lens: np.ndarray) -> DecodeTokens:
+        """Speculative decoding's step over the active slots: slot s consumes its last token at
+        `positions[s]` and its first `draft_lens[s]` drafts `drafts[s]` ([num_slots, k] int32, k
+        = speculative_tokens) at the positions after, in one pass, and keeps the drafts its own
+        sampler agrees with, and one token more (`engine.programs._verify_program`): the tokens
+        `decode` would give, 1 .. draft_lens[s] + 1 of them. Its page table must hold positions
+        up to positions[s] + draft_lens[s]. Returns at once: `np.asarray(result)` is [k + 1,
+        num_slots], `result.emitted()` how many of each column are real (0 for an inactive
+        slot). At most `speculative_batch` slots; needs speculative_tokens > 0."""
+        cfg = self.config
+        k = cfg.speculative_tokens
+        if k == 0:
+            raise ValueError("this engine was built without speculative_tokens: it has no verify "
+                             "program")
+        drafts, draft_lens = np.asarray(drafts, np.int32), np.asarray(draft_lens, np.int32)
+        if drafts.shape != (cfg.num_slots, k) or draft_lens.shape != (cfg.num_slots,):
+            raise ValueError(f"drafts are int32 [{cfg.num_slots}, {k}] and draft_lens "
+                             f"[{cfg.num_slots}], got {list(drafts.shape)} and {list(draft_lens.shape)}")
+        if draft_lens.min() < 0 or draft_lens.max() > k:
+            raise ValueError(f"draft_lens must be in [0, {k}]")
+        if np.count_nonzero(active) > cfg.speculative_batch:
+            raise ValueError(f"a verify step runs up to {cfg.speculative_batch} slots "
+                             f"(speculative_batch), got {np.count_nonzero(active)}")
+        if ((drafts < 0) | (drafts >= self.vocab_size)).any():
+            raise ValueError(f"draft tokens must be in [0, {self.vocab_size})")
+        slots = np.flatnonzero(active)
+        reach = positions[slots] + draft_lens[slots] + 1
+        batch = self._decode_batch(positions, active, page_table, 1, reach=reach,
+                                   batch_buckets=cfg.verify_batch_buckets,
+                                   page_buckets=cfg.verify_page_buckets)
+        self._ensure("speculative")
+        (tokens, logprobs, emitted), self.cache, self.last_tokens, self.history = self._verify(
+            self.decode_params, self.rope, self.cache, self.last_tokens, self.history, batch.rows,
+            batch.positions, batch.tables, _gather_rows(sampling, batch.pick, batch.live),
+            np.where(batch.live[:, None], drafts[batch.pick], 0).astype(np.int32),
+            np.where(batch.live, draft_lens[batch.pick], 0).astype(np.int32))
+        return self._decode_result(tokens, logprobs, k + 1, sampling, batch, emitted)
+
     def decode_forward(self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
                        page_table: np.ndarray) -> None:
         """The first half of one decode step (`decode`'s arguments, one step), for a batch
@@ -347,33 +390,45 @@ class Engine:
         return self._decode_result(tokens, logprobs, 1, pending.sampling, batch)
 
     def _decode_batch(self, positions: np.ndarray, active: np.ndarray, page_table: np.ndarray,
-                      steps: int) -> _DecodeBatch:
-        """The active slots' rows, in the smallest batch bucket that holds them."""
+                      steps: int, reach: np.ndarray | None = None,
+                      batch_buckets: tuple[int, ...] | None = None,
+                      page_buckets: tuple[int, ...] | None = None) -> _DecodeBatch:
+        """The active slots' rows, in the smallest batch bucket that holds them, their page
+        tables cut to the width the positions they write up to (`reach`, exclusive; default
+        their positions + `steps`) need: decode's plan, or a bucket of `page_buckets`."""
         cfg = self.config
         self._check_role("decode")
         if self._pending is not None:
             raise ValueError("a decode step's sampling is still to run (decode_sample)")
         slots = np.flatnonzero(active)
-        if slots.size and int(positions[slots].max()) + steps > cfg.max_seq_len:
-            raise ValueError(f"{steps} steps from position {int(positions[slots].max())} overflow "
+        reach = positions[slots] + steps if reach is None else reach
+        if slots.size and int(reach.max()) > cfg.max_seq_len:
+            raise ValueError(f"positions up to {int(reach.max()) - 1} overflow "
                              f"max_seq_len={cfg.max_seq_len}")
-        rows = np.full(bucket_for(cfg.decode_batch_buckets, max(len(slots), 1)), cfg.num_slots,
-                       np.int32)  # padding: a slot index past the last
+        rows = np.full(bucket_for(batch_buckets or cfg.decode_batch_buckets, max(len(slots), 1)),
+                       cfg.num_slots, np.int32)  # padding: a slot index past the last
         rows[: len(slots)] = slots
         live = rows < cfg.num_slots
         pick = np.where(live, rows, 0)
-        batched, width = self._decode_plan(positions[slots] + steps)
+        if page_buckets is None:
+            batched, width = self._decode_plan(reach)
+        else:
+            batched = False
+            width = bucket_for(page_buckets, cfg.pages_for(int(reach.max()) if reach.size else 1))
         tables = np.where(live[:, None], page_table[pick, :width], 0).astype(np.int32)
         return _DecodeBatch(rows, live, pick, np.where(live, positions[pick], 0).astype(np.int32),
                             tables, batched, slots)
 
     def _decode_result(self, tokens, logprobs, steps: int, sampling: SamplingParams,
-                       batch: _DecodeBatch) -> DecodeTokens:
+                       batch: _DecodeBatch, emitted=None) -> DecodeTokens:
         tokens, logprobs = _local(tokens), jax.tree.map(_local, logprobs)
         tokens.copy_to_host_async()
+        if emitted is not None:
+            emitted = _local(emitted)
+            emitted.copy_to_host_async()
         if np.asarray(sampling.logprobs)[batch.slots].any():
             _copy_to_host(logprobs)
-        return DecodeTokens(tokens, steps, logprobs)
+        return DecodeTokens(tokens, steps, logprobs, emitted)
 
     def _gather_allowed(self, allowed: np.ndarray | None, pick: np.ndarray, live: np.ndarray) -> np.ndarray:
         """The bitmasks of the slots `pick` ([num_slots, words], or None: every token allowed);
@@ -529,9 +584,10 @@ class Engine:
         groups = [g for g in GROUPS if not (
             (cfg.role == "decode" and g in ("prefill", "scoring"))
             or (cfg.role == "prefill" and g in ("decode", "structured"))
-            or (g == "structured" and not cfg.structured_output))]
+            or (g == "structured" and not cfg.structured_output)
+            or (g == "speculative" and (cfg.speculative_tokens == 0 or cfg.role == "prefill")))]
         if warmup == "needed":
-            groups = [g for g in groups if g in ("prefill", "decode")
+            groups = [g for g in groups if g in ("prefill", "decode", "speculative")
                       or (g == "transfer" and cfg.role != "both")]
         return tuple(groups)
 

@@ -58,13 +58,16 @@ class Program:
 # The Triton kernel each program of a "pallas" engine calls (the batched decode programs run the
 # reference einsum attention, and the rest no attention).
 PALLAS_KERNELS = {"prefill": "cadence_paged_prefill", "prefill_scored": "cadence_paged_prefill",
-                  "decode": "cadence_paged_decode", "decode_forward": "cadence_paged_decode"}
+                  "decode": "cadence_paged_decode", "decode_forward": "cadence_paged_decode",
+                  "verify": "cadence_paged_prefill"}
 
 
 def gpu_engine_config(num_slots: int = 64, max_seq_len: int = 4096, prefill_chunk: int = 512,
                       **overrides) -> EngineConfig:
     """The engine `cadence-serve` builds on a GPU (bfloat16, the Pallas kernels over the paged
-    pool), with structured output's split step on: every program a GPU deployment compiles."""
+    pool), with structured output's split step and speculative decoding's verify step on:
+    every program a GPU deployment compiles."""
+    overrides = {"speculative_tokens": 4, **overrides}
     return EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
                         attention="pallas", dtype="bfloat16", structured_output=True, **overrides)
 
@@ -130,6 +133,14 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, *, weights:
             logits = jax.ShapeDtypeStruct((batch, mc.vocab_size), jnp.float32)
             add(f"decode_sample[batch={batch}]", "decode_sample", logits, last, history, slots,
                 zeros, rows(batch), all_allowed(batch, mc.vocab_size))
+    if cfg.speculative_tokens and cfg.role != "prefill":
+        k = cfg.speculative_tokens
+        for width in cfg.verify_page_buckets:
+            for batch in cfg.verify_batch_buckets:
+                add(f"verify[batch={batch},pages={width},k={k}]", "verify", params, rope, cache,
+                    last, history, np.full(batch, cfg.num_slots, np.int32), np.zeros(batch, np.int32),
+                    np.zeros((batch, width), np.int32), rows(batch), np.zeros((batch, k), np.int32),
+                    np.zeros(batch, np.int32))
     handle = jax.ShapeDtypeStruct  # a KVHandle's arrays: [layers, kv_heads, P, page_size, d]
     for width in cfg.page_buckets:
         kv = handle((mc.num_layers, mc.num_kv_heads, width, cfg.page_size, mc.head_dim), dtype)

@@ -6,7 +6,8 @@
 
 Packed prefill (and its scoring form, which returns every position's logprobs), the two decode
 programs (length-following, and the batched einsum one for short contexts), a decode step split
-in two halves for rows whose bitmask the host fills in between, extract and insert (a sequence's
+in two halves for rows whose bitmask the host fills in between, speculative decoding's verify
+step (a row's last token and its drafts scored in one pass, accepted on the device), extract and insert (a sequence's
 KV out of and into the page pool), a slot's token history, and copying pages. Each compiles once
 per shape bucket (`engine.config`); the page pool, `last_tokens` and the token history are
 donated, so every program updates them in place. `engine.engine.Engine` holds the device state
@@ -116,6 +117,63 @@ def _decode_program(
         more, one_step, (jnp.int32(0), live, inputs, cache, last_tokens, history, out, lp_out))
     out = jnp.where((jnp.arange(max_steps) < ran)[:, None], out, last_tokens[None])
     return (out, lp_out), cache, last_tokens, history
+
+
+def _verify_program(
+    params, rope, cache, last_tokens, history, slots, positions, page_table, sampling, drafts,
+    draft_lens, *, config, attention, dtype, mesh, max_logprobs,
+):
+    """Speculative decoding's step: each row scores `1 + d` positions (d = its draft count, at
+    most k; a row with no drafts scores 1, as a decode step does): its last token at its
+    position p, then its drafts at p + 1 .. p + d, causal among themselves, their KV written
+    into the row's pages. Then, position by position, the row samples its own next token
+    exactly as a decode step would there (the request's sampler keyed by the position, its
+    penalties counting the tokens accepted before) and goes on while the sample equals the
+    draft: it emits its accepted drafts and one token more (the target's own at the first
+    mismatch, or after the last draft), so a step yields 1 .. d + 1 tokens, those plain
+    decoding gives. A row also stops at one of its stop ids. The KV of positions past what a
+    row accepted stays in its pages unread (attention reads up to a query's position) until
+    the sequence gets there and overwrites it.
+
+    Rows `slots` [batch] (num_slots: padding) at `positions` [batch] (each row's last
+    token's position), their `drafts` [batch, k] of which the first `draft_lens` [batch] are
+    real. Returns ((tokens [k + 1, num_slots], logprobs [k + 1, num_slots], emitted
+    [num_slots]), cache, last_tokens, history): each slot's tokens in order (entries past what
+    it emitted, and every entry of a slot not in `slots`, are its last token) and how many it
+    emitted (0 for a slot that did not run)."""
+    batch, k = drafts.shape
+    num_slots = last_tokens.shape[0]
+    inputs, live = _decode_inputs(last_tokens, slots, sampling)
+    offsets = jnp.arange(k + 1, dtype=jnp.int32)
+    lens = jnp.clip(draft_lens, 0, k)
+    scored = live[:, None] & (offsets[None, :] <= lens[:, None])
+    tokens = jnp.concatenate([inputs[:, None], drafts], axis=1)
+    at = jnp.where(scored, positions[:, None] + offsets[None, :], -1)
+    logits, cache = forward(
+        params, tokens, at, jnp.where(live, lens + 1, 0), cache, page_table, config=config,
+        attention=attention, dtype=dtype, mesh=mesh, rope_table=rope)  # [batch, k + 1, vocab]
+
+    into_none = jnp.full_like(slots, num_slots)
+    drafts = jnp.concatenate([drafts, jnp.zeros((batch, 1), drafts.dtype)], axis=1)  # [batch, k + 1]
+
+    def position(i, state):
+        going, last_tokens, history, out, lp_out, emitted = state
+        sampled, logprobs = choose(jax.lax.dynamic_index_in_dim(logits, i, 1, keepdims=False),
+                                   sampling, history, slots, positions + i + 1, max_logprobs)
+        into = jnp.where(going, slots, into_none)
+        history = history.count(into, sampled, sampling)
+        last_tokens = last_tokens.at[into].set(sampled, mode="drop")
+        out = jax.lax.dynamic_update_index_in_dim(out, last_tokens, i, 0)
+        lp_out = jax.tree.map(lambda a, new: a.at[i, into].set(new, mode="drop"), lp_out, logprobs)
+        emitted = emitted.at[into].add(1, mode="drop")
+        draft = jax.lax.dynamic_index_in_dim(drafts, i, 1, keepdims=False)
+        going = going & (i < lens) & (sampled == draft) & ~sampling.stops(sampled)
+        return going, last_tokens, history, out, lp_out, emitted
+
+    state = (live, last_tokens, history, jnp.broadcast_to(last_tokens, (k + 1, num_slots)),
+             _no_logprobs((k + 1, num_slots), max_logprobs), jnp.zeros(num_slots, jnp.int32))
+    _, last_tokens, history, out, lp_out, emitted = jax.lax.fori_loop(0, k + 1, position, state)
+    return (out, lp_out, emitted), cache, last_tokens, history
 
 
 def _decode_inputs(last_tokens, slots, sampling):
@@ -232,6 +290,7 @@ class Programs:
     insert: Callable
     history: Callable  # a slot's TokenHistory row from its tokens
     copy: Callable  # pages onto other pages
+    verify: Callable  # speculative decoding: each row's last token and drafts scored at once
 
 
 def jit_programs(model_config: ModelConfig, config: EngineConfig,
@@ -273,6 +332,7 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
         insert=jit(_insert_program, (pool, token), donate_argnames=("cache", "last_tokens")),
         history=jit(_history_program, token, donate_argnames=("history",)),
         copy=jit(_copy_program, pool, donate_argnames=("cache",)),
+        verify=jit(functools.partial(_verify_program, **static), stepped, donate_argnames=donate),
     )
 
 

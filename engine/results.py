@@ -132,12 +132,23 @@ class PrefillTokens:
 
 class DecodeTokens:
     """What `Engine.decode` returns: every slot's token after each step, on the device until
-    read. `np.asarray(result)` waits for the program and gives [steps, num_slots] int32."""
+    read. `np.asarray(result)` waits for the program and gives [steps, num_slots] int32.
+    `Engine.verify`'s also says how many tokens each slot emitted (`emitted()`, [num_slots]):
+    the first that many entries of its column."""
 
-    def __init__(self, tokens: jax.Array, steps: int, logprobs: Logprobs | None = None):
+    def __init__(self, tokens: jax.Array, steps: int, logprobs: Logprobs | None = None,
+                 emitted: jax.Array | None = None):
         self._tokens = tokens  # [decode_steps, num_slots]: the program's whole buffer
         self.steps = steps
         self._logprobs = logprobs
+        self._emitted = emitted
+
+    def emitted(self) -> np.ndarray:
+        """[num_slots] int32: each slot's tokens this call gave (a verify step's; a decode
+        call's are `steps` for every slot it ran, up to a stop id)."""
+        if self._emitted is None:
+            raise ValueError("a decode call's result: every row ran its steps")
+        return np.asarray(self._emitted)
 
     def logprobs(self) -> HostLogprobs:
         """[steps, num_slots] (and [..., max_logprobs]): each step's, per slot."""

@@ -132,6 +132,14 @@ def list_programs(programs: Programs, cfg: EngineConfig, mc: ModelConfig, specs:
             logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32, sharding=last.sharding)
             add("structured", f"decode_sample[batch={batch}]", programs.decode_sample, logits,
                 last, history, slots, zeros, rows(batch), all_allowed(batch, vocab))
+    if "speculative" in groups:
+        k = cfg.speculative_tokens
+        for width in cfg.verify_page_buckets:
+            for batch in cfg.verify_batch_buckets:
+                add("speculative", f"verify[batch={batch},pages={width},k={k}]", programs.verify,
+                    decode_params, rope, cache, last, history, np.full(batch, cfg.num_slots, np.int32),
+                    np.zeros(batch, np.int32), np.zeros((batch, width), np.int32), rows(batch),
+                    np.zeros((batch, k), np.int32), np.zeros(batch, np.int32))
     for width in cfg.page_buckets:  # a KVHandle's arrays: [layers, kv_heads, P, page_size, d]
         kv = jax.ShapeDtypeStruct((mc.num_layers, mc.num_kv_heads, width, cfg.page_size,
                                    mc.head_dim), cache.k[0].dtype, sharding=handle_sharding)

@@ -4,7 +4,8 @@
 weights and pools; the first test holds that list to what `Engine.warmup` really runs (program,
 order, argument shapes and dtypes), the others lower every program of the GPU configuration
 (bfloat16, the Pallas kernels over the paged pool, every decode and prefill bucket, scoring,
-structured output's split step, page copy, history, extract and insert) for `cuda` and check
+structured output's split step, speculative decoding's verify step, page copy, history,
+extract and insert) for `cuda` and check
 that each calls the Triton kernel it should, so the kernels were lowered, not the XLA loops
 interpret mode emulates them with, and that every Triton module passes MLIR verification.
 What this leaves to a GPU machine: Triton's compiler, ptxas and running the programs
@@ -53,14 +54,14 @@ def test_engine_programs_are_what_warmup_compiles(tiny_config, tiny_params, monk
 
     monkeypatch.setattr(engine_module, "jit_programs", recording)
     config = EngineConfig(num_slots=3, max_seq_len=128, prefill_chunk=32, min_kv_bucket=32,
-                          page_size=16, structured_output=True)
+                          page_size=16, structured_output=True, speculative_tokens=3)
     Engine(tiny_params, tiny_config, config).warmup()
     listed = [(p.field, _signature(p.args)) for p in engine_programs(tiny_config, config)]
     assert [f for f, _ in listed] == [f for f, _ in calls]
     for (field, want), (_, got) in zip(listed, calls):
         assert want == got, field
     assert {"decode", "decode_batched", "decode_forward", "decode_forward_batched",
-            "decode_sample", "prefill_scored"} <= {f for f, _ in calls}
+            "decode_sample", "prefill_scored", "verify"} <= {f for f, _ in calls}
 
 
 def _lower_all(model_config, config, verified):
@@ -74,10 +75,10 @@ def _lower_all(model_config, config, verified):
 
 
 def test_smollm2_gpu_engine_lowers_for_cuda(triton_verifications):
-    """SmolLM2-135M's GPU engine (8 slots, 4k context): 34 programs, ~20 s."""
+    """SmolLM2-135M's GPU engine (8 slots, 4k context): 37 programs, ~20 s."""
     config = gpu_engine_config(num_slots=8)
     programs = _lower_all(SMOLLM2_135M, config, triton_verifications)
-    assert len(programs) == 34
+    assert len(programs) == 37
     names = {p.name for p in programs}
     assert {f"decode[batch={b},pages=64]" for b in config.decode_batch_buckets} <= names
 
@@ -88,7 +89,8 @@ def test_llama3_8b_gpu_engine_lowers_for_cuda(triton_verifications):
     config = gpu_engine_config()
     programs = _lower_all(LLAMA3_8B, config, triton_verifications)
     assert len(programs) == (len(config.prefill_buckets) + len(config.score_buckets)
-                             + 3 * len(config.decode_batch_buckets) + 2 * len(config.page_buckets) + 2)
+                             + 3 * len(config.decode_batch_buckets) + len(config.verify_batch_buckets)
+                             + 2 * len(config.page_buckets) + 2)
 
 
 def test_gpu_check_records_a_part_that_times_out_and_runs_the_next(tmp_path, monkeypatch):

@@ -1,11 +1,19 @@
-"""Speculative decoding: the n-gram drafts against a brute-force search, and acceptance."""
+"""Speculative decoding: the n-gram drafts against a brute-force search, acceptance, and the
+engine's verify program against plain decoding."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import numpy as np
 import pytest
 
+from cadence.engine.config import EngineConfig, fixed_page_tables
+from cadence.engine.engine import Engine
+from cadence.engine.packing import PrefillChunk
+from cadence.model import cpu_kernels
+from cadence.model.host_sampling import RequestSampling, SamplingRows
 from cadence.scheduler.speculative import Acceptance, NgramDrafts
 
 
@@ -75,3 +83,165 @@ def test_acceptance_pauses_a_request_whose_drafts_fail_then_retries():
         sat_out += 1
     assert sat_out == Acceptance.PAUSE
     assert (a.proposed, a.accepted) == (16, 4)
+
+
+# -- the engine's verify program against plain decoding ------------------------------------------
+
+SPEC = EngineConfig(num_slots=4, max_seq_len=128, prefill_chunk=64, min_kv_bucket=64, page_size=16,
+                    speculative_tokens=4, speculative_batch=4)
+PROMPTS = {0: [5, 6, 7, 8, 9], 2: list(range(30, 70)), 3: [11, 12]}  # slot 1 stays idle
+ACTIVE = np.isin(np.arange(SPEC.num_slots), list(PROMPTS))
+
+
+def _prefilled(tiny_params, tiny_config, config, rows):
+    e = Engine(tiny_params, tiny_config, config)
+    tables = fixed_page_tables(config)
+    e.prefill([PrefillChunk(s, p, 0, True, tables[s]) for s, p in PROMPTS.items()], rows.params())
+    positions = np.zeros(config.num_slots, np.int32)
+    for s, p in PROMPTS.items():
+        positions[s] = len(p)
+    return e, tables, positions
+
+
+def _rows(temperature, logprobs=0):
+    rows = SamplingRows(SPEC.num_slots)
+    for s in PROMPTS:
+        rows.set(s, RequestSampling(temperature=temperature, seed=s + 1), logprobs=logprobs > 0)
+    return rows
+
+
+def _plain(tiny_params, tiny_config, config, rows, n):
+    """n tokens per slot by plain decoding, and each step's logprobs."""
+    e, tables, positions = _prefilled(tiny_params, tiny_config, config, rows)
+    first = np.asarray(e.last_tokens)
+    steps = [e.decode(positions + i, ACTIVE, rows.params(), tables) for i in range(n)]
+    tokens = np.concatenate([first[None]] + [np.asarray(s) for s in steps])  # [n + 1, slots]
+    return tokens, [s.logprobs() for s in steps]
+
+
+# Each slot's drafts, step after step: right ones (all accepted), a wrong one at an index (the
+# drafts before it accepted, the target's token emitted there), none, and runs past the end.
+def _drafts(truth: list[int], emitted: int, plan: str, k: int) -> list[int]:
+    ahead = truth[emitted + 1: emitted + 1 + k]
+    if plan == "right":
+        return ahead
+    if plan == "none":
+        return []
+    if plan.startswith("wrong@"):
+        at = int(plan[6:])
+        return [t if i != at else (t + 1) % 50 for i, t in enumerate(ahead)]
+    return ahead[: int(plan)]  # "2": two right drafts
+
+
+@pytest.mark.parametrize("temperature,logprobs", [(0.0, 0), (20.0, 3)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kernels", ["xla", "reference", "cpu"])
+def test_verify_gives_what_plain_decoding_gives(tiny_params, tiny_config, temperature, logprobs, kernels):
+    """Verify steps with drafts right, wrong at each index, short and absent, interleaved with
+    plain decode steps: every slot's tokens (and logprobs) are plain decoding's, token for
+    token, and each step emits what its drafts earned; the KV verify wrote is what decode
+    reads after (the decode steps after a verify continue the same sequence)."""
+    if kernels == "cpu" and not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    config = dataclasses.replace(SPEC, attention=kernels,
+                                 decode_matmul="cpu" if kernels == "cpu" else "xla")
+    rows = _rows(temperature, logprobs)
+    n = 30
+    truth, truth_lp = _plain(tiny_params, tiny_config, config, rows, n)
+    e, tables, positions = _prefilled(tiny_params, tiny_config, config, rows)
+    plans = {0: ["right", "wrong@0", "2", None, "wrong@3", "none", "right"],  # None: plain decode
+             2: ["wrong@1", "right", "none", None, "wrong@2", "1", "none"],
+             3: ["none", "wrong@3", "right", None, "right", "wrong@0", "3"]}
+    got = {s: [] for s in PROMPTS}  # tokens after the prompt's first, per slot
+    lps = {s: [] for s in PROMPTS}
+    for step in range(7):
+        drafts = np.zeros((config.num_slots, config.speculative_tokens), np.int32)
+        lens = np.zeros(config.num_slots, np.int32)
+        if plans[0][step] is None:
+            result = e.decode(positions, ACTIVE, rows.params(), tables)
+            emitted = np.where(ACTIVE, 1, 0)
+        else:
+            want = {}
+            for s in PROMPTS:
+                d = _drafts(truth[:, s].tolist(), len(got[s]), plans[s][step], config.speculative_tokens)
+                d = d[: max(0, n - 1 - len(got[s]))]  # never past the plain run's tokens
+                drafts[s, : len(d)], lens[s] = d, len(d)
+                ahead = truth[len(got[s]) + 1:, s].tolist()
+                want[s] = next((i for i, t in enumerate(d) if t != ahead[i]), len(d)) + 1
+            result = e.verify(positions, ACTIVE, rows.params(), tables, drafts, lens)
+            emitted = result.emitted()
+            assert emitted[1] == 0
+            for s in PROMPTS:
+                assert emitted[s] == want[s], (s, step, plans[s][step])
+        tokens, lp = np.asarray(result), result.logprobs()
+        for s in PROMPTS:
+            got[s] += tokens[: emitted[s], s].tolist()
+            lps[s] += [(lp.token[i, s], lp.ids[i, s].tolist()) for i in range(emitted[s])]
+        positions = positions + emitted.astype(np.int32)
+    for s in PROMPTS:
+        m = len(got[s])
+        assert m >= 10 and got[s] == truth[1: m + 1, s].tolist(), s
+        if logprobs:
+            want_lp = [(truth_lp[i].token[0, s], truth_lp[i].ids[0, s].tolist()) for i in range(m)]
+            for (a, ids), (b, want_ids) in zip(lps[s], want_lp):
+                assert ids == want_ids
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    if temperature:  # tokens that move, not one repeated (the tiny model's greedy repeats)
+        assert len(set(got[2])) > 1
+
+
+def test_verify_stops_at_a_stop_id_inside_the_drafts(tiny_params, tiny_config):
+    """A row whose accepted tokens reach its stop id ends there: it emits the stop token and
+    nothing after, though the drafts after it were right."""
+    rows = _rows(20.0)
+    truth, _ = _plain(tiny_params, tiny_config, SPEC, rows, 6)
+    stop = int(truth[3, 2])  # slot 2's third token after its first
+    first_at = truth[1:, 2].tolist().index(stop) + 1
+    rows.set(2, RequestSampling(temperature=20.0, seed=3), stop_ids=(stop,))
+    e, tables, positions = _prefilled(tiny_params, tiny_config, SPEC, rows)
+    drafts = np.zeros((SPEC.num_slots, 4), np.int32)
+    drafts[2] = truth[1:5, 2]  # all right
+    lens = np.where(np.arange(SPEC.num_slots) == 2, 4, 0).astype(np.int32)
+    result = e.verify(positions, ACTIVE, rows.params(), tables, drafts, lens)
+    assert result.emitted()[2] == first_at
+    assert np.asarray(result)[first_at - 1, 2] == stop
+
+
+def test_verify_refuses_what_it_cannot_run(tiny_params, tiny_config):
+    e, tables, positions = _prefilled(tiny_params, tiny_config, SPEC, _rows(0.0))
+    rows = _rows(0.0).params()
+    ok = np.zeros((4, 4), np.int32), np.zeros(4, np.int32)
+    with pytest.raises(ValueError, match="draft_lens must be in"):
+        e.verify(positions, ACTIVE, rows, tables, ok[0], np.full(4, 5, np.int32))
+    with pytest.raises(ValueError, match=r"drafts are int32 \[4, 4\]"):
+        e.verify(positions, ACTIVE, rows, tables, np.zeros((4, 3), np.int32), ok[1])
+    with pytest.raises(ValueError, match="draft tokens must be in"):
+        e.verify(positions, ACTIVE, rows, tables, np.full((4, 4), -1, np.int32), ok[1])
+    with pytest.raises(ValueError, match="overflow max_seq_len=128"):
+        e.verify(np.full(4, 124, np.int32), ACTIVE, rows, tables, *ok[:1], np.full(4, 4, np.int32))
+    plain = Engine(tiny_params, tiny_config, dataclasses.replace(SPEC, speculative_tokens=0))
+    with pytest.raises(ValueError, match="without speculative_tokens"):
+        plain.verify(positions, ACTIVE, rows, tables, *ok)
+    assert "speculative" not in plain.program_groups()
+
+
+def test_verify_compiles_at_warmup_and_never_after(tiny_params, tiny_config):
+    """Warm-up ("needed" too) compiles one verify program per batch bucket; verify steps of
+    every batch size and draft count after it compile nothing."""
+    config = dataclasses.replace(SPEC, speculative_batch=2)
+    assert config.verify_batch_buckets == (1, 2)
+    e = Engine(tiny_params, tiny_config, config)
+    assert "speculative" in e.program_groups("needed")
+    names = [p.name for p in e.warm_programs(["speculative"])]
+    assert names == ["verify[batch=1,pages=8,k=4]", "verify[batch=2,pages=8,k=4]"]
+    e.warmup(warmup="needed")
+    tables = fixed_page_tables(config)
+    rows = _rows(0.0).params()
+    e.prefill([PrefillChunk(s, p, 0, True, tables[s]) for s, p in PROMPTS.items()], rows)
+    positions = np.array([5, 0, 40, 2], np.int32)
+    for slots, lens in [([0], [0, 0, 0, 0]), ([0, 2], [4, 0, 1, 0]), ([3], [0, 0, 0, 3])]:
+        active = np.isin(np.arange(4), slots)
+        drafts = np.full((4, 4), 7, np.int32)
+        np.asarray(e.verify(positions, active, rows, tables, drafts, np.array(lens, np.int32)))
+    with pytest.raises(ValueError, match="up to 2 slots"):
+        e.verify(positions, ACTIVE, rows, tables, drafts, np.zeros(4, np.int32))
+    assert e.compilations_after_warmup == 0
