@@ -11,7 +11,7 @@ when it balances load: see `Server.server_info`), GET /debug/timeline (the sched
 timelines, read incrementally by `bench/` to explain client-side figures), GET /openapi.json
 (this API's description, `server/openapi.json`).
 All model and policy logic lives below this layer: the app reads the body (refusing one over
-`max_body_bytes` with 413 before buffering it), parses it (`server/requests.py`), tokenizes on a
+`max_body_bytes` with 413 before buffering it), parses it (`server/parsing.py`), tokenizes on a
 worker thread so a long prompt never stalls the event loop, submits, and relays events. A client
 that disconnects cancels its request, which frees its KV slot at the next iteration. On shutdown
 (uvicorn's SIGTERM handling) in-flight requests are drained for up to `drain_timeout` seconds.
@@ -50,7 +50,7 @@ from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, Request
 from cadence.scheduler.grammar import Grammar, GrammarCompiler, GrammarError
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
-from cadence.server import client_json, protocol, requests
+from cadence.server import client_json, parsing, protocol
 from cadence.server.metrics import Metrics
 from cadence.server.protocol import APIError
 from cadence.server.responses_api import ResponsesAPI
@@ -239,7 +239,7 @@ class Server:
         """On a worker thread (chat rendering and tokenizing cost time in the prompt's length):
         each prompt's tokens, a chat's one."""
         if parsed.messages is not None:
-            texts: list[str | list[int]] = [requests.render_chat(parsed.messages, self.tokenizer, parsed.tools)]
+            texts: list[str | list[int]] = [parsing.render_chat(parsed.messages, self.tokenizer, parsed.tools)]
         else:
             texts = parsed.prompts
         prompts = []
@@ -247,7 +247,7 @@ class Server:
             if isinstance(text, list):
                 prompts.append(text)
                 continue
-            requests.check_prompt_size(text, self.tokenizer, self.scheduler.max_seq_len)
+            parsing.check_prompt_size(text, self.tokenizer, self.scheduler.max_seq_len)
             prompts.append(self.tokenizer.encode(text))
         return prompts
 
@@ -255,7 +255,7 @@ class Server:
         """The prompts' tokens and the answer's grammar. The grammar compiles on the compiler's
         own threads while the prompts are tokenized; waiting for it holds no thread, so requests
         without grammars never queue behind a slow schema."""
-        wanted = requests.grammar_request(parsed.response_format, parsed.tools, self.tokenizer,
+        wanted = parsing.grammar_request(parsed.response_format, parsed.tools, self.tokenizer,
                                           self.grammars)
         compiling = asyncio.ensure_future(self.grammars.compile_async(wanted.spec)) if wanted else None
         try:
@@ -476,10 +476,10 @@ class Server:
         def run() -> list[int]:
             if "messages" in entry:
                 tools = parse_tools(entry)
-                text = requests.render_chat(entry["messages"], self.tokenizer, tools)
+                text = parsing.render_chat(entry["messages"], self.tokenizer, tools)
                 return self.tokenizer.encode(text)
             text = entry["prompt"]
-            requests.check_prompt_size(text, self.tokenizer, self.scheduler.max_seq_len)
+            parsing.check_prompt_size(text, self.tokenizer, self.scheduler.max_seq_len)
             return self.tokenizer.encode(text, add_bos=None if entry.get("add_special_tokens", True) else False)
 
         try:

@@ -8,7 +8,7 @@ Input, one JSON object a line (blank lines are skipped):
     {"id": 3, "messages": [...], "response_format": {"type": "json_schema", "json_schema": {...}}}
     {"id": 4, "messages": [...], "tools": [{"type": "function", "function": {...}}], "tool_choice": "required"}
 Ids are strings or integers, unique in the file. The optional sampling fields are those of
-`server/requests.py` (max_tokens, temperature, top_p, top_k, seed, the penalties, logit_bias,
+`server/parsing.py` (max_tokens, temperature, top_p, top_k, seed, the penalties, logit_bias,
 stop, ignore_eos, cache_salt, priority); absent ones take the flags' defaults. So are OpenAI's
 response_format and, with messages, tools, tool_choice and parallel_tool_calls. A job with
 --priority_classes or a priority per line runs its lower numbers first. Output, one JSON object a line, in the order requests finish:
@@ -60,7 +60,7 @@ from tqdm import tqdm
 from cadence.checkpoints.errors import CheckpointError
 from cadence.scheduler.errors import NotRunning, Overloaded, SubmissionError
 from cadence.scheduler.request import FinishReason, RequestRecord
-from cadence.server import client_json, requests, runtime
+from cadence.server import client_json, parsing, runtime
 from cadence.server.tool_calls import parse_tool_calls
 from cadence.server.tools import ToolRequest
 
@@ -266,12 +266,12 @@ def main(argv: list[str]) -> int:
         except (CheckpointError, ValueError, OSError) as e:
             print(f"cadence-batch: error: {e}", file=sys.stderr)
             return 2
-        defaults = requests.defaults_from_flags(rt.model.generation)
+        defaults = parsing.defaults_from_flags(rt.model.generation)
         grammars = rt.grammars()
         work = []
         for job in todo:
             try:
-                entry = requests.to_request(job.entry, rt.model.tokenizer, defaults,
+                entry = parsing.to_request(job.entry, rt.model.tokenizer, defaults,
                                             extra_fields=("id",), max_seq_len=rt.scheduler.max_seq_len,
                                             grammars=grammars)
             except (SubmissionError, CheckpointError) as e:

@@ -25,7 +25,7 @@ from cadence.checkpoints.errors import CheckpointError
 from cadence.scheduler.errors import Overloaded, SubmissionError
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.trace import write_chrome_trace
-from cadence.server import client_json, requests, runtime
+from cadence.server import client_json, parsing, runtime
 
 _PROMPT = flags.DEFINE_string("prompt", None, "A prompt.")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "File of prompts: one per line, or JSONL.")
@@ -83,9 +83,9 @@ def main(argv: list[str]) -> int:
             [{"prompt": _PROMPT.value}] if _PROMPT.value is not None
             else read_prompts(Path(_PROMPTS_FILE.value))
         )
-        defaults = requests.defaults_from_flags(rt.model.generation)
+        defaults = parsing.defaults_from_flags(rt.model.generation)
         grammars = rt.grammars()
-        jobs = [requests.to_request(e, tok, defaults, chat=_CHAT.value, grammars=grammars,
+        jobs = [parsing.to_request(e, tok, defaults, chat=_CHAT.value, grammars=grammars,
                                     max_seq_len=rt.scheduler.max_seq_len)[:2] for e in entries]
     except (CheckpointError, SubmissionError, ValueError, OSError) as e:
         print(f"cadence-generate: error: {e}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """The OpenAI wire format: request bodies into scheduler calls, responses into OpenAI's shapes.
 
-Parsing goes through `server/requests.py`, the one parser of every front door, and is strict
+Parsing goes through `server/parsing.py`, the one parser of every front door, and is strict
 where a silent guess would surprise a client: wrong types, out-of-range values and unknown
 fields are refused with the parameter named (OpenAI, too, refuses an unrecognized argument).
 Fields that would change the answer if honoured and that cadence does not implement (`suffix`,
@@ -27,7 +27,7 @@ from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.scheduler.grammar import Spec
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenLogprob
-from cadence.server import requests, tools as tool_requests
+from cadence.server import parsing, tools as tool_requests
 from cadence.server.tool_calls import ToolCall, parse_tool_calls
 
 
@@ -45,7 +45,7 @@ class APIError(Exception):
 
 
 # OpenAI's own defaults, for a model that publishes none.
-OPENAI_DEFAULTS = requests.SamplingDefaults(max_tokens=None, temperature=1.0, top_p=1.0)
+OPENAI_DEFAULTS = parsing.SamplingDefaults(max_tokens=None, temperature=1.0, top_p=1.0)
 COMPLETION_MAX_TOKENS = 16
 DEFAULT_MAX_N = 8  # choices per request (n, and best_of on completions): the server's --max_n
 
@@ -72,7 +72,7 @@ IGNORED_FIELDS: dict[str, type] = {
     "safety_identifier": str, "reasoning_effort": str, "verbosity": str}
 MAX_PROMPTS = 256  # prompts in one batched completions request
 _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format",
-                     *requests.SAMPLING_FIELDS})
+                     *parsing.SAMPLING_FIELDS})
 _ALLOWED = {
     False: _COMMON | {"prompt", "logprobs", "best_of", "echo", "parallel_tool_calls"},
     True: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
@@ -99,7 +99,7 @@ class ParsedRequest:
         return self.tools is not None and self.tools.parses_calls
 
     def choice_params(self) -> list[GenerationParams]:
-        """Each generated sequence's parameters: its own seed (`requests.choice_seed`), and
+        """Each generated sequence's parameters: its own seed (`parsing.choice_seed`), and
         with best_of > n logprobs computed for the ranking (stripped if not asked for)."""
         logprobs = self.params.logprobs
         if self.best_of > self.n and logprobs is None:
@@ -109,7 +109,7 @@ class ParsedRequest:
                     self.params, logprobs=logprobs,
                     prompt_logprobs=self.echo and i == 0 and self.params.logprobs is not None,
                     sampling=dataclasses.replace(self.params.sampling,
-                                                 seed=requests.choice_seed(self.params.sampling.seed, i)))
+                                                 seed=parsing.choice_seed(self.params.sampling.seed, i)))
                 for i in range(self.best_of)]
 
 
@@ -118,7 +118,7 @@ def _same(value: Any, neutral: Any) -> bool:
     return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
 
 
-def parse(body: Any, chat: bool, defaults: requests.SamplingDefaults = OPENAI_DEFAULTS,
+def parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults = OPENAI_DEFAULTS,
           max_n: int = DEFAULT_MAX_N) -> ParsedRequest:
     """A request body (already `client_json.load_json`'d) into a `ParsedRequest`, or `APIError` 400.
 
@@ -140,39 +140,39 @@ def _known(body: Any, allowed: Collection[str]) -> dict:
     return body
 
 
-def _parse(body: Any, chat: bool, defaults: requests.SamplingDefaults, max_n: int) -> ParsedRequest:
+def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int) -> ParsedRequest:
     _known(body, _ALLOWED[chat] | _NEUTRAL.keys() | IGNORED_FIELDS.keys())
     for name, kind in IGNORED_FIELDS.items():  # ignored, but only as what they are
-        requests.field(body, name, (kind,))
+        parsing.field(body, name, (kind,))
     for name, neutral in _NEUTRAL.items():
         if body.get(name) is not None and not any(_same(body[name], n) for n in neutral):
             raise SubmissionError(f'"{name}" is not supported by cadence (only its neutral value '
                                   f"{', '.join(map(repr, neutral)) or 'null'} is accepted)", name)
-    n = requests.field(body, "n", (int,), 1)
+    n = parsing.field(body, "n", (int,), 1)
     if not 1 <= n <= max_n:
         raise SubmissionError(f'"n" must be in [1, {max_n}] (the server\'s --max_n), got {n}', "n")
-    best_of = requests.field(body, "best_of", (int,), n)
+    best_of = parsing.field(body, "best_of", (int,), n)
     if not n <= best_of <= max_n:
         raise SubmissionError(f'"best_of" must be in [n={n}, {max_n}], got {best_of}', "best_of")
-    model = requests.field(body, "model", (str,))
+    model = parsing.field(body, "model", (str,))
     prompts = messages = None
     if chat:
-        messages = requests.chat_messages(requests.field(body, "messages", (list,)))
+        messages = parsing.chat_messages(parsing.field(body, "messages", (list,)))
         # max_completion_tokens is OpenAI's newer name; both are checked, max_tokens wins.
-        params = requests.generation_params(body, dataclasses.replace(defaults, max_tokens=None),
+        params = parsing.generation_params(body, dataclasses.replace(defaults, max_tokens=None),
                                             max_tokens_fields=("max_tokens", "max_completion_tokens"))
     else:
         prompts = _prompts(body.get("prompt"))
-        params = requests.generation_params(
+        params = parsing.generation_params(
             body, dataclasses.replace(defaults, max_tokens=COMPLETION_MAX_TOKENS))
     params = dataclasses.replace(params, logprobs=_logprobs(body, chat))
-    stream = requests.field(body, "stream", (bool,), False)
-    options = requests.field(body, "stream_options", (dict,), {})
-    include_usage = requests.field(options, "include_usage", (bool,), False)
+    stream = parsing.field(body, "stream", (bool,), False)
+    options = parsing.field(body, "stream_options", (dict,), {})
+    include_usage = parsing.field(options, "include_usage", (bool,), False)
     if stream and best_of > n:
         raise SubmissionError('"best_of" > n cannot be streamed (the best are known at the end)', "best_of")
-    echo = not chat and requests.field(body, "echo", (bool,), False)
-    response_format, tools = requests.structure(body, chat)
+    echo = not chat and parsing.field(body, "echo", (bool,), False)
+    response_format, tools = parsing.structure(body, chat)
     return ParsedRequest(model, prompts, messages, params, stream, include_usage,
                          n, best_of, echo, response_format, tools)
 
@@ -207,11 +207,11 @@ def tokenize_request(body: Any) -> dict:
         _known(body, _TOKENIZE_FIELDS)
         if (body.get("prompt") is None) == (body.get("messages") is None):
             raise SubmissionError('send exactly one of "prompt" or "messages"')
-        requests.field(body, "model", (str,))
-        requests.field(body, "prompt", (str,))
-        requests.field(body, "messages", (list,))
-        requests.field(body, "add_special_tokens", (bool,))
-        requests.field(body, "return_token_strs", (bool,))
+        parsing.field(body, "model", (str,))
+        parsing.field(body, "prompt", (str,))
+        parsing.field(body, "messages", (list,))
+        parsing.field(body, "add_special_tokens", (bool,))
+        parsing.field(body, "return_token_strs", (bool,))
         return {k: v for k, v in body.items() if v is not None}
     except SubmissionError as e:
         raise APIError(400, str(e), param=e.param) from None
@@ -221,8 +221,8 @@ def detokenize_request(body: Any, vocab_size: int) -> dict:
     """/detokenize's body (vLLM's shape): {"tokens": [ids in the vocabulary]}."""
     try:
         _known(body, ("model", "tokens"))
-        requests.field(body, "model", (str,))
-        tokens = requests.field(body, "tokens", (list,))
+        parsing.field(body, "model", (str,))
+        tokens = parsing.field(body, "tokens", (list,))
         if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
                                      for t in tokens):
             raise SubmissionError(f'"tokens" must be an array of token ids in [0, {vocab_size})', "tokens")
@@ -236,13 +236,13 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     `logprobs: true` with `top_logprobs: k` (default 0), completions' `logprobs: k`. The upper
     bound is the server's `--max_logprobs` (the scheduler's check)."""
     if chat:
-        wanted = requests.field(body, "logprobs", (bool,), False)
-        k = requests.field(body, "top_logprobs", (int,))
+        wanted = parsing.field(body, "logprobs", (bool,), False)
+        k = parsing.field(body, "top_logprobs", (int,))
         if k and not wanted:
             raise SubmissionError('"top_logprobs" needs "logprobs": true', "top_logprobs")
         name = "top_logprobs"
     else:
-        k = requests.field(body, "logprobs", (int,))
+        k = parsing.field(body, "logprobs", (int,))
         wanted, name = k is not None, "logprobs"
     if not wanted:
         return None

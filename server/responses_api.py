@@ -48,7 +48,7 @@ from starlette.routing import Route
 
 from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.request import RequestRecord, TokenEvent
-from cadence.server import protocol, requests
+from cadence.server import parsing, protocol
 from cadence.server.protocol import APIError
 from cadence.server.tool_calls import ToolCallParser
 
@@ -64,7 +64,7 @@ _FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "tem
                      "stream_options", "store", "previous_response_id"})
 # cadence's own sampling fields, passed to the chat request as they are (max_tokens is
 # max_output_tokens here).
-_SAMPLING = frozenset(requests.SAMPLING_FIELDS) - {"max_tokens"}
+_SAMPLING = frozenset(parsing.SAMPLING_FIELDS) - {"max_tokens"}
 # Accepted (of these types) and ignored: they change nothing cadence does (`reasoning`: cadence
 # serves no reasoning model; `metadata` is echoed).
 _IGNORED: dict[str, type] = {"metadata": dict, "user": str, "prompt_cache_key": str,
@@ -127,7 +127,7 @@ def _check_keys(item: dict, allowed: dict[str, type], where: str) -> None:
         raise _error(f"{where} has unknown field(s) {', '.join(unknown)}", "input")
     wrong = next((k for k, kind in allowed.items() if k in item and not isinstance(item[k], kind)), None)
     if wrong is not None:
-        raise _error(f"{where}.{wrong} must be {requests._TYPE_NAMES[allowed[wrong]]}", "input")
+        raise _error(f"{where}.{wrong} must be {parsing._TYPE_NAMES[allowed[wrong]]}", "input")
 
 
 def input_messages(items: Any) -> list[dict]:
@@ -230,10 +230,10 @@ def chat_body(body: dict, history: list[dict]) -> tuple[dict, list[dict]]:
             raise _error(f'"{name}" is not supported by cadence (only its neutral value '
                          f"{', '.join(map(json.dumps, neutral)) or 'null'} is accepted)", name)
     for name, kind in _IGNORED.items():
-        requests.field(body, name, (kind,))
+        parsing.field(body, name, (kind,))
     if body.get("input") is None:
         raise _error('"input" is required: a string or an array of input items', "input")
-    instructions = requests.field(body, "instructions", (str,))
+    instructions = parsing.field(body, "instructions", (str,))
     conversation = history + input_messages(body["input"])
     system = [{"role": "system", "content": instructions}] if instructions is not None else []
     chat = {"messages": system + conversation, "model": body.get("model"),
@@ -434,10 +434,10 @@ class ResponsesAPI:
         body = await server.read_body(request)
         try:
             protocol._known(body, _ALLOWED)
-            previous = requests.field(body, "previous_response_id", (str,))
-            stream = requests.field(body, "stream", (bool,), False)
-            store = requests.field(body, "store", (bool,), True)
-            requests.field(body, "stream_options", (dict,))
+            previous = parsing.field(body, "previous_response_id", (str,))
+            stream = parsing.field(body, "stream", (bool,), False)
+            store = parsing.field(body, "store", (bool,), True)
+            parsing.field(body, "stream_options", (dict,))
             history: list[dict] = []
             if previous is not None:
                 stored = self.store.get(previous)

@@ -203,7 +203,7 @@ def call_style(tokenizer: Tokenizer) -> str:
 
 def template_inputs(messages: list[dict], tokenizer: Tokenizer,
                     tools: ToolRequest | None) -> tuple[list[dict], list[dict] | None]:
-    """The conversation (checked: `chat.validate_messages`, `requests.chat_messages`) and
+    """The conversation (checked: `chat.validate_messages`, `parsing.chat_messages`) and
     tools to render with the model's template: for a template that
     renders tools, the messages with earlier calls' arguments as objects and the tools in
     OpenAI's shapes; for one that does not, the conversation rewritten in cadence's Hermes

@@ -92,14 +92,14 @@ def test_groups_under_preemption_cancellation_and_a_small_pool():
 def test_on_the_engine_each_choice_equals_its_request_alone(tiny_params, tiny_config, tiny_tokenizer):
     """The tiny model: four sampled choices of a prompt over two chunks prefill it once (plus
     one token per later choice), and each equals the request with n=1 and that choice's seed
-    (`requests.choice_seed`); greedy choices equal the reference generator."""
+    (`parsing.choice_seed`); greedy choices equal the reference generator."""
     from cadence.engine.config import EngineConfig
     from cadence.engine.engine import Engine
     from cadence.engine.reference import greedy_generate
     from cadence.scheduler.policy import PolicyConfig
     from cadence.scheduler.request import GenerationParams
     from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
-    from cadence.server.requests import choice_seed
+    from cadence.server.parsing import choice_seed
     from tests.test_engine import run_all
 
     engine = Engine(tiny_params, tiny_config, EngineConfig(
@@ -144,7 +144,7 @@ def test_the_api_returns_n_choices_streamed_and_whole(tiny_engine, tiny_tokenize
 
     import httpx
 
-    from cadence.server.requests import choice_seed
+    from cadence.server.parsing import choice_seed
     from tests.test_reliability import gauge, serving
 
     body = {"model": "tiny", "prompt": "once upon a time there was", "max_tokens": 8,

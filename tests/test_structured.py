@@ -13,7 +13,7 @@ import pytest
 
 from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine
-from cadence.server import requests
+from cadence.server import parsing
 from cadence.server.tools import HERMES, LLAMA3_JSON, call_style, parse_tools
 from tests.fakes import EOS, TOK, FakeEngine
 from tests.test_server import serve
@@ -189,7 +189,7 @@ def test_a_conversation_with_calls_and_results_renders(fake_url, tiny_tokenizer)
              "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
     ]
-    prompt = requests.render_chat(messages, tiny_tokenizer, parse_tools({"tools": TOOLS}))
+    prompt = parsing.render_chat(messages, tiny_tokenizer, parse_tools({"tools": TOOLS}))
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>' in prompt
     assert "<tool_response>\n18 C and sunny\n</tool_response>" in prompt
     assert '"name": "get_time"' in prompt.split("<tools>")[1].split("</tools>")[0]
@@ -269,7 +269,7 @@ def test_calls_a_model_writes_come_back_as_tool_calls(style):
     """A fake model scripted to write each style: "auto" returns its calls (content beside
     them), whole and streamed alike; text that is no call stays text."""
     body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 400}
-    prompt = TOK.encode(requests.render_chat(ASK, TOK, parse_tools(body)))
+    prompt = TOK.encode(parsing.render_chat(ASK, TOK, parse_tools(body)))
     engine = FakeEngine(num_slots=2, max_seq_len=2048, script={tuple(prompt): TOK.encode(WRITTEN[style]) + [EOS]})
     with serve(engine, TOK) as base:
         whole = post(base, body).json()["choices"][0]
@@ -322,7 +322,7 @@ def test_a_template_that_knows_tools_renders_them_itself():
     assert call_style(tokenizer) == HERMES
     messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}]}]
-    prompt = requests.render_chat(messages, tokenizer, parse_tools({"tools": TOOLS}))
+    prompt = parsing.render_chat(messages, tokenizer, parse_tools({"tools": TOOLS}))
     assert json.dumps(TOOLS[0], ensure_ascii=False) in prompt  # as OpenAI sent it, by the template
     assert '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>' in prompt
     assert "<tools>" not in prompt  # cadence's own section stays out

@@ -3,7 +3,7 @@ against n separate requests with that prompt, on the engine and scheduler of `ca
 
     python bench/results/sampling-cpu/fork_bench.py --model=smollm2-135m --n=4 --prompt_tokens=1000 --choice_tokens=32
 
-Both runs sample the same n sequences (choice i's seed is `requests.choice_seed(seed, i)` in
+Both runs sample the same n sequences (choice i's seed is `parsing.choice_seed(seed, i)` in
 both), so they produce the same tokens; the prefix cache is off, so the separate requests
 compute the prompt n times, as a server without `n` would make a client do. Reports, per run:
 prompt tokens prefilled, time to the last choice's first token, time to the end, and whether
@@ -28,7 +28,7 @@ from cadence.model.host_sampling import RequestSampling
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams, RequestRecord
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
-from cadence.server.requests import choice_seed
+from cadence.server.parsing import choice_seed
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model to serve.")
 _N = flags.DEFINE_integer("n", 4, "Choices of the prompt.")
