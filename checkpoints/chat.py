@@ -16,7 +16,7 @@ Contract:
 
 Non-goals: `documents` (retrieval templates), multimodal content parts (content must already be
 a string), and generation-prompt masks for training. Tools reach a template only as given:
-rewriting a conversation for a template that knows no tools is `server.tools`' business.
+rewriting a conversation for a template that knows no tools is `server.tool_requests`' business.
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ from cadence.server import client_json, parsing, protocol
 from cadence.server.metrics import Metrics
 from cadence.server.protocol import APIError
 from cadence.server.responses_api import ResponsesAPI
-from cadence.server.tool_calls import ToolCallParser
-from cadence.server.tools import ToolRequest, parse_tools
+from cadence.server.tool_call_parser import ToolCallParser
+from cadence.server.tool_requests import ToolRequest, parse_tools
 
 OPENAPI = Path(__file__).with_name("openapi.json")
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20

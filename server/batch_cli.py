@@ -61,8 +61,8 @@ from cadence.checkpoints.errors import CheckpointError
 from cadence.scheduler.errors import NotRunning, Overloaded, SubmissionError
 from cadence.scheduler.request import FinishReason, RequestRecord
 from cadence.server import client_json, parsing, runtime
-from cadence.server.tool_calls import parse_tool_calls
-from cadence.server.tools import ToolRequest
+from cadence.server.tool_call_parser import parse_tool_calls
+from cadence.server.tool_requests import ToolRequest
 
 _INPUT = flags.DEFINE_string("input", None, "JSONL file of requests, each with a unique id.")
 _OUTPUT = flags.DEFINE_string("output", None, "JSONL file results are appended to (resumable).")

@@ -40,7 +40,7 @@ from cadence.scheduler.request import GenerationParams, check_params
 from cadence.scheduler.grammar import (Grammar, GrammarCompiler, GrammarError, JsonObject, JsonSchema, Spec,
                                       closed_schema)
 from cadence.server.client_json import MAX_INT_DIGITS, check_json_value
-from cadence.server.tools import NAME, ToolRequest, call_style, parse_tools, template_inputs
+from cadence.server.tool_requests import NAME, ToolRequest, call_style, parse_tools, template_inputs
 
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 128, "Default most tokens to generate per prompt.", lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float(
@@ -189,7 +189,7 @@ STRUCTURE_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_ca
 
 
 def structure(entry: dict, chat: bool) -> tuple[Spec | None, ToolRequest | None]:
-    """An entry's `response_format` and, for a chat, its tools (`server.tools`); a format
+    """An entry's `response_format` and, for a chat, its tools (`server.tool_requests`); a format
     cannot go with a tool choice that forces a call (the call's format is the answer's)."""
     fmt = response_format(entry)
     if not chat:
@@ -322,7 +322,7 @@ def _tool_fields(i: int, message: dict) -> dict:
 
 
 def render_chat(messages: Any, tokenizer: Tokenizer, tools: ToolRequest | None = None) -> str:
-    """The prompt of a conversation (and its tools, `server.tools`), in the model's template."""
+    """The prompt of a conversation (and its tools, `server.tool_requests`), in the model's template."""
     try:  # the chat module checks the conversation's shape and runs the template sandboxed
         conversation = validate_messages(chat_messages(messages))
         conversation, shown = template_inputs(conversation, tokenizer, tools)

@@ -8,7 +8,7 @@ the legacy `functions`, vLLM's `guided_*`, ...) are refused unless they carry th
 value; fields that change nothing here (`user`, `metadata`, ...) are accepted and ignored.
 `response_format` (`json_object`, `json_schema`) constrains the answer with a grammar
 (`scheduler.grammar`); chat's `tools`, `tool_choice` and `parallel_tool_calls` are
-`server.tools`', and an answer's calls come back as `tool_calls` (`server.tool_calls`).
+`server.tool_requests`', and an answer's calls come back as `tool_calls` (`server.tool_call_parser`).
 Sampling fields a request leaves out take the model's published defaults
 (`SamplingDefaults.with_model`), else OpenAI's (temperature 1.0, top_p 1.0); completions default
 to 16 tokens as OpenAI's do, chats to the end of the context.
@@ -27,8 +27,8 @@ from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.scheduler.grammar import Spec
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenLogprob
-from cadence.server import parsing, tools as tool_requests
-from cadence.server.tool_calls import ToolCall, parse_tool_calls
+from cadence.server import parsing, tool_requests
+from cadence.server.tool_call_parser import ToolCall, parse_tool_calls
 
 
 class APIError(Exception):

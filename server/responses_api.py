@@ -50,7 +50,7 @@ from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.server import parsing, protocol
 from cadence.server.protocol import APIError
-from cadence.server.tool_calls import ToolCallParser
+from cadence.server.tool_call_parser import ToolCallParser
 
 if TYPE_CHECKING:
     from cadence.server.app import Server

@@ -19,8 +19,8 @@ import pydantic
 import pytest
 
 from cadence.scheduler.grammar import JSON_SAFE_INTEGER, GrammarCompiler, JsonSchema, closed_schema
-from cadence.server.tool_calls import parse_tool_calls
-from cadence.server.tools import HERMES, parse_tools
+from cadence.server.tool_call_parser import parse_tool_calls
+from cadence.server.tool_requests import HERMES, parse_tools
 from tests.conftest import SERVING_ENGINE, serve_tiny
 
 NAMES = ("tiny", "tiny-alias")

@@ -14,7 +14,7 @@ import pytest
 from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine
 from cadence.server import parsing
-from cadence.server.tools import HERMES, LLAMA3_JSON, call_style, parse_tools
+from cadence.server.tool_requests import HERMES, LLAMA3_JSON, call_style, parse_tools
 from tests.fakes import EOS, TOK, FakeEngine
 from tests.test_server import serve
 

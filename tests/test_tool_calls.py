@@ -1,4 +1,4 @@
-"""Tool-call parsing (server/tool_calls.py): both styles, whole and streamed, in any split."""
+"""Tool-call parsing (server/tool_call_parser.py): both styles, whole and streamed, in any split."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cadence.server.tool_calls import (CLOSE, OPEN, PYTHON_TAG, Delta, ToolCall, ToolCallParser,
+from cadence.server.tool_call_parser import (CLOSE, OPEN, PYTHON_TAG, Delta, ToolCall, ToolCallParser,
                                        parse_tool_calls)
 
 NAMES = {"get_weather", "get_time"}

@@ -32,7 +32,7 @@ from absl import app, flags
 from cadence.checkpoints.registry import load_model
 from cadence.model.host_sampling import bitmask_words
 from cadence.scheduler.grammar import GrammarCompiler, JsonObject, JsonSchema, token_view
-from cadence.server.tools import HERMES, parse_tools
+from cadence.server.tool_requests import HERMES, parse_tools
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Whose tokenizer the grammars are built on.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Cold compiles per grammar.", lower_bound=1)

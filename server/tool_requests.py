@@ -4,7 +4,7 @@ the prompt that shows a model its tools, and the grammar that makes it call one.
     tools = parse_tools(body)                        # None without tools; SubmissionError by field
     messages, shown = template_inputs(messages, tokenizer, tools)   # what the template renders
     spec = tools.grammar(call_style(tokenizer))      # "required" / a named function: a Lark spec
-    content, calls = tool_calls.parse_tool_calls(answer, tools.names)   # the answer's calls
+    content, calls = tool_call_parser.parse_tool_calls(answer, tools.names)   # the answer's calls
 
 A chat template that speaks of `tools` (Qwen2, Llama 3.1, Hermes...) renders them itself, from
 OpenAI's shapes, as Hugging Face's transformers passes them; earlier assistant turns' calls go
@@ -15,7 +15,7 @@ have seen: a system section listing the tools inside <tools></tools>, each earli
 <tool_response></tool_response>.
 
 `tool_choice` "auto" (the default with tools) leaves the model free and finds calls in what it
-writes (`server.tool_calls`, both the Hermes style and Llama 3's JSON); "required" and a named
+writes (`server.tool_call_parser`, both the Hermes style and Llama 3's JSON); "required" and a named
 function constrain its answer with a grammar over the call format the template implies (one or
 more calls, or one with `parallel_tool_calls: false` or a named function), with each call's
 arguments valid against that function's parameters; "none" renders the tools and parses nothing.
