@@ -17,7 +17,7 @@ from absl import app, flags
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.registry import load_model
 from cadence.engine.reference import greedy_generate
-from cadence.server.runtime import MODEL_FLAG as _MODEL
+from cadence.server.flags import MODEL_FLAG as _MODEL
 
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text.", required=True)
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 16, "Tokens to generate (0: tokenize only).", lower_bound=0)

@@ -3,7 +3,7 @@
     python bench/results/kv-capacity-cpu/kv_capacity.py --kv_cache_memory=1440MiB --num_slots=32 --max_seq_len=4096 \
         --out=bench/results/kv-capacity-cpu/kv_capacity.json
 
-The engine flags are every front door's (`server/runtime.py`): --model, --num_slots,
+The engine flags are every front door's (`server/flags.py`): --model, --num_slots,
 --max_seq_len, --kv_cache_memory, --page_size, --prefill_chunk, --dtype, --attention.
 
 One engine (one KV pool of the given bytes, warmed up once) serves the same burst of the
@@ -44,6 +44,7 @@ from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams, RequestRecord
 from cadence.scheduler.scheduler import IterationRecord, Scheduler, SchedulerConfig
 from cadence.server import runtime
+from cadence.server.flags import MODEL_FLAG
 
 _CHATS = flags.DEFINE_integer("chats", 28, "Chat requests in the burst.")
 _DOCS = flags.DEFINE_integer("documents", 4, "Document requests in the burst.")
@@ -138,7 +139,7 @@ def table(results: list[dict]) -> str:
 
 def main(argv) -> None:
     del argv
-    model = load_model(runtime.MODEL_FLAG.value)
+    model = load_model(MODEL_FLAG.value)
     config = runtime.engine_config_from_flags(model)
     engine = Engine(model.params, model.config, config)
     pages = engine.num_pages
@@ -154,7 +155,7 @@ def main(argv) -> None:
         print(json.dumps(results[-1]), file=sys.stderr)
     print(table(results))
     report = {
-        "command": " ".join(sys.argv), "model": runtime.MODEL_FLAG.value, "engine": {
+        "command": " ".join(sys.argv), "model": MODEL_FLAG.value, "engine": {
             "num_slots": config.num_slots, "max_seq_len": config.max_seq_len,
             "page_size": config.page_size, "num_pages": pages, "kv_cache_bytes": engine.kv_cache_bytes},
         "requests": {"chat": _CHATS.value, "document": _DOCS.value,

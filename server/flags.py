@@ -1,0 +1,167 @@
+"""The engine and scheduler flags every front door has (`cadence-serve`, `cadence-generate`,
+`cadence-batch`; `cadence-reference` takes --model), defined once, with the same names everywhere:
+the model, the engine's shape and KV pool, the scheduler's policy, priorities and latency targets,
+warm-up, attention and weights, and the device layout (the disaggregated mode's
+--prefill_devices / --decode_devices, --tensor_parallel, --num_cpu_devices, multi-host).
+`server.runtime` turns their values into engines and a scheduler.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+from cadence.checkpoints.registry import DEFAULT_MODEL
+from cadence.engine.config import DEFAULT_PAGE_SIZE, WARMUPS
+from cadence.scheduler.policy import POLICIES
+from cadence.scheduler.priority import SLO, PriorityClasses
+from cadence.scheduler.scheduler import KV_RESERVATIONS
+
+MODEL_FLAG = flags.DEFINE_string("model", DEFAULT_MODEL, "Model name, GGUF file, HF folder or converted checkpoint.")
+NUM_SLOTS = flags.DEFINE_integer("num_slots", 8, "Most sequences in flight at once.", lower_bound=1)
+MAX_SEQ_LEN = flags.DEFINE_integer("max_seq_len", 4096, "Longest sequence: prompt + output.", lower_bound=16)
+PAGE_SIZE = flags.DEFINE_integer("page_size", DEFAULT_PAGE_SIZE, "Tokens per KV page.", lower_bound=1)
+KV_MEMORY = flags.DEFINE_string(
+    "kv_cache_memory", None,
+    "Bytes for the KV page pool (a count, or with a unit: 1440MiB, 1.5GiB); with "
+    "--tensor_parallel, per device. Default: on a GPU 90% of what is free after the weights; "
+    "elsewhere num_slots x max_seq_len tokens' worth.")
+PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "Largest prefill chunk (tokens).", lower_bound=16)
+MAX_PREFILL_CHUNKS = flags.DEFINE_integer(
+    "max_prefill_chunks", None,
+    "Most prompt chunks one prefill program carries (default: num_slots). 1 runs each chunk as "
+    "a program of its own, the baseline packing is measured against.", lower_bound=1)
+TOKEN_BUDGET = flags.DEFINE_integer(
+    "token_budget", None, "Tokens per iteration, decode + prefill (default: prefill_chunk + num_slots)."
+)
+POLICY = flags.DEFINE_enum("policy", "chunked", POLICIES, "Iteration policy.")
+DECODE_STEPS = flags.DEFINE_integer(
+    "decode_steps", 1,
+    "Most decode steps one dispatch runs when an iteration has only decoding to do (every "
+    "request with that many tokens to go and no stop strings): less host work per token, "
+    "tokens reach clients k at a time.", lower_bound=1)
+MAX_LOGPROBS = flags.DEFINE_integer(
+    "max_logprobs", 20,
+    "Most alternatives per token a request may ask for (top_logprobs; logprobs on completions); "
+    "more is a 400. The programs compute this many, in steps where some request asks.",
+    lower_bound=0)
+KV_RESERVATION = flags.DEFINE_enum(
+    "kv_reservation", "live", KV_RESERVATIONS,
+    "live: a request holds the KV pages its tokens fill; max: max_seq_len tokens' worth from the "
+    "start, like a contiguous slot (a baseline for benchmarks).")
+MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Waiting requests before refusing new ones.", lower_bound=1)
+PRIORITY_CLASSES = flags.DEFINE_string(
+    "priority_classes", "",
+    "The priority of a request that sends none, by prompt length: TOKENS=PRIORITY[,...], e.g. "
+    "1024=1 (prompts of more than 1024 tokens get priority 1, below the default 0; lower runs "
+    "first and may preempt higher numbers).")
+LOWER_SHARE = flags.DEFINE_float(
+    "lower_share", 0.25,
+    "With several priorities prefilling, the least fraction of the prefill budget the lower ones "
+    "get (they are slowed, never starved).", lower_bound=0.0, upper_bound=1.0)
+SLO_TTFT = flags.DEFINE_string(
+    "slo_ttft", "",
+    "Time-to-first-token targets per priority, PRIORITY=SECONDS[,...], e.g. 0=2,1=120: a request "
+    "predicted to miss its target (by more than --slo_margin) is refused at once with 429 and "
+    "Retry-After.")
+SLO_ITL = flags.DEFINE_string(
+    "slo_itl", "",
+    "Inter-token targets per priority, PRIORITY=SECONDS[,...]: while decode steps take longer "
+    "(by more than --slo_margin), new requests of that priority are refused with 429.")
+SLO_MARGIN = flags.DEFINE_float(
+    "slo_margin", 0.25, "How far past a target a prediction must be to refuse (a fraction).",
+    lower_bound=0.0)
+
+
+def _parses(parse):
+    def check(value: str) -> bool:
+        try:
+            parse(value)
+        except ValueError as e:
+            raise flags.ValidationError(str(e)) from None
+        return True
+    return check
+
+
+flags.register_validator("priority_classes", _parses(PriorityClasses.parse))
+flags.register_validator("slo_ttft", _parses(lambda v: SLO.parse(ttft=v)))
+flags.register_validator("slo_itl", _parses(lambda v: SLO.parse(itl=v)))
+WARMUP = flags.DEFINE_enum(
+    "warmup", "needed", WARMUPS,
+    "Which programs warm-up compiles before /health says ok. needed: those every request runs "
+    "(prefill and decode); the programs only some requests run (echo and prompt logprobs, "
+    "response formats and forced tool calls, penalties, n > 1) compile on first use, on a "
+    "thread of their own, while the request that needs them waits (others do not). all: every "
+    "program first, so no request ever waits for a compile (benchmarks, steady latency).")
+WARMUP_THREADS = flags.DEFINE_integer(
+    "warmup_threads", None,
+    "Programs compiled at once during warm-up (default: one per two cores).",
+    lower_bound=1)
+STRUCTURED_OUTPUT = flags.DEFINE_bool(
+    "structured_output", True,
+    "Serve response_format and forced tool calls: compiles the two halves of a decode step that "
+    "a grammar's bitmask goes between (more programs to warm up); --nostructured_output refuses "
+    "those requests with a 400.")
+GRAMMAR_TIMEOUT = flags.DEFINE_float(
+    "grammar_timeout", 10.0,
+    "Seconds a response format's or a tool choice's grammar may take to compile (on threads of "
+    "its own, never delaying other requests); longer is a 400.", lower_bound=0.001)
+PREFIX_CACHING = flags.DEFINE_bool(
+    "prefix_caching", True,
+    "Reuse the KV of prompt prefixes computed before (automatic prefix caching: a full page's KV "
+    "is found by the hash of its tokens and everything before them); --noprefix_caching "
+    "computes every prompt from scratch.")
+ATTENTION = flags.DEFINE_enum(
+    "attention", None, ["pallas", "cpu", "xla", "reference"],
+    "Attention implementation (default: pallas on GPU; on CPU, cpu where --cpu_kernels applies, "
+    "else xla; pallas on CPU runs interpreted; reference is the plain einsum oracle).",
+)
+CPU_KERNELS = flags.DEFINE_bool(
+    "cpu_kernels", True,
+    "On the CPU, decode with cadence's C++ kernels (model/cpu_kernels.cc, built once with the "
+    "system's compiler): paged attention, and the matmuls over a blocked copy of the weights "
+    "(float32, int8, or a GGUF's own blocks: --weights). float32 compute on one device; false: "
+    "XLA's paths.")
+WEIGHTS = flags.DEFINE_enum(
+    "weights", "auto", ("auto", "float", "int8", "int4"),
+    "auto: where decode runs on the CPU kernels, the matrices a GGUF checkpoint stores "
+    "block-quantized (Q8_0, Q4_0, Q4_1, Q5_0, and the K-quants Q4_K, Q5_K, Q6_K) are read as "
+    "they are, everything else as float; "
+    "float: every matrix in --dtype (a GGUF's blocks dequantized); int8, int4: every matrix "
+    "quantized when loaded, weight-only (activations and the KV cache stay in --dtype): on the "
+    "CPU kernels in groups of 32 weights with a float16 scale (int4 also a minimum, as GGUF's "
+    "Q8_0 and Q4_1; int4 keeps a tied LM head in int8), decode reading them and prefill what "
+    "they stand for; elsewhere int8 has a scale per output channel, and int4 is refused.")
+DTYPE = flags.DEFINE_enum(
+    "dtype", None, ["float32", "bfloat16"], "Compute dtype (default: bfloat16 on GPU, float32 on CPU)."
+)
+NUM_CPU_DEVICES = flags.DEFINE_integer(
+    "num_cpu_devices", None,
+    "On the CPU, how many JAX devices to make of it (jax_num_cpu_devices), e.g. 2 for "
+    "--prefill_devices=0 --decode_devices=1. They share the same cores and memory bandwidth: "
+    "the disaggregated mode can be checked and its protocol's cost measured, not its isolation.",
+    lower_bound=1)
+PREFILL_DEVICES = flags.DEFINE_list(
+    "prefill_devices", None,
+    "Disaggregated serving (with --decode_devices): the JAX device index of the prefill engine, "
+    "which admits and prefills prompts and hands their KV on.")
+DECODE_DEVICES = flags.DEFINE_list(
+    "decode_devices", None,
+    "Disaggregated serving (with --prefill_devices): the JAX device index of the decode engine.")
+TENSOR_PARALLEL = flags.DEFINE_integer(
+    "tensor_parallel", 1,
+    "Devices one engine spans (tensor parallelism over the first N JAX devices): heads, the "
+    "MLP and the vocabulary are split where they divide, the KV pool by KV head. On the CPU, "
+    "--num_cpu_devices=N makes N devices (which check the protocol, not the speed).",
+    lower_bound=1)
+COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None,
+    "Multi-host (with --num_processes and --process_id): process 0's host:port, where "
+    "jax.distributed's coordinator listens; the engine's plan goes over the next port. Every "
+    "process runs the same command; process 0 serves, the others follow it.")
+NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", 1, "Multi-host: how many processes (hosts) one engine spans.", lower_bound=1)
+PROCESS_ID = flags.DEFINE_integer("process_id", 0, "Multi-host: this process's index.", lower_bound=0)
+PREFILL_SLOTS = flags.DEFINE_integer(
+    "prefill_slots", None,
+    "Disaggregated: sequences the prefill engine holds at once, prefilling or waiting for the "
+    "decode engine (the transfer backlog's bound; default num_slots).", lower_bound=1)
