@@ -133,65 +133,60 @@ class _SchedulerReadings:
         yield waiting
 
 
+# What the server observes itself, from the scheduler's request, iteration and transfer records:
+# (attribute, type, name, help, the label besides model_name or None, a histogram's buckets), in
+# the order /metrics lists them. A family with a label of its own is kept whole (`.labels(...)`
+# when observing), with the default priority's series and each pool's there from the start; one
+# without is kept as its one series. Per-priority latencies sum over the label for all requests.
+_OBSERVED = (
+    ("ttft", Histogram, "cadence:time_to_first_token_seconds", "Submission to first token, server side.",
+     "priority", _LATENCY_BUCKETS),
+    ("itl", Histogram, "cadence:inter_token_latency_seconds", "Gap between consecutive output tokens.",
+     "priority", _LATENCY_BUCKETS),
+    ("e2e", Histogram, "cadence:e2e_request_latency_seconds", "Submission to finish.", "priority",
+     _LATENCY_BUCKETS),
+    ("queue", Histogram, "cadence:request_queue_time_seconds", "Time waiting for a KV slot (the first time).",
+     "priority", _LATENCY_BUCKETS),
+    ("prefill", Histogram, "cadence:request_prefill_time_seconds", "Admission to first token.", None,
+     _LATENCY_BUCKETS),
+    ("decode", Histogram, "cadence:request_decode_time_seconds", "First token to finish.", None,
+     _LATENCY_BUCKETS),
+    ("iteration_tokens", Histogram, "cadence:iteration_tokens_total",
+     "Tokens (decode + prefill) per scheduler iteration.", None, _TOKEN_BUCKETS),
+    ("prompt_tokens", Counter, "cadence:prompt_tokens", "Prompt tokens processed.", None, None),
+    ("generation_tokens", Counter, "cadence:generation_tokens", "Output tokens generated.", None, None),
+    ("finished", Counter, "cadence:request_success", "Finished requests by finish reason.",
+     "finished_reason", None),
+    ("prefill_programs", Counter, "cadence:prefill_programs", "Packed prefill programs run (each carries "
+     "every prompt chunk an iteration planned, normally in one).", None, None),
+    ("prefill_chunks", Counter, "cadence:prefill_chunks", "Prompt chunks prefilled; divided by "
+     "cadence:prefill_programs_total, the chunks one program carried.", None, None),
+    ("transfer_seconds", Histogram, "cadence:kv_transfer_seconds", "Disaggregated: a request's KV, from "
+     "ready on the prefill device to landed on the decode device.", None, _TRANSFER_BUCKETS),
+    ("transfer_bytes", Counter, "cadence:kv_transfer_bytes", "Disaggregated: KV bytes moved from the "
+     "prefill pool to the decode pool.", None, None),
+    # Each engine's pool: "colocated", or "prefill" and "decode".
+    ("busy", Counter, "cadence:pool_busy_seconds", "Wall time of each pool's iterations that ran a "
+     "program; its rate is the pool's busy fraction.", "pool", None),
+)
+
+
 class Metrics:
+    """The server's /metrics: the families of `_OBSERVED` as attributes, fed by the scheduler's
+    listeners, and the scheduler's own readings (`_SchedulerReadings`) read when scraped."""
+
     def __init__(self, scheduler: Scheduler, model_name: str):
         self.registry = r = CollectorRegistry()
         self._labelled = priority_labels(scheduler)
-        labels = {"model_name": model_name}
-
-        def histogram(name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
-            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(**labels)
-
-        def by_priority(name: str, doc: str) -> Histogram:
-            """Per request priority (`priority` label; sum over it for all requests)."""
-            family = Histogram(name, doc, ["model_name", "priority"], buckets=_LATENCY_BUCKETS, registry=r)
-            family.labels(priority="0", **labels)  # the default class's series exist from the start
-            return family
-
-        self.ttft = by_priority("cadence:time_to_first_token_seconds", "Submission to first token, server side.")
-        self.itl = by_priority("cadence:inter_token_latency_seconds", "Gap between consecutive output tokens.")
-        self.e2e = by_priority("cadence:e2e_request_latency_seconds", "Submission to finish.")
-        self.queue = by_priority("cadence:request_queue_time_seconds",
-                                 "Time waiting for a KV slot (the first time).")
-        self.prefill = histogram("cadence:request_prefill_time_seconds", "Admission to first token.")
-        self.decode = histogram("cadence:request_decode_time_seconds", "First token to finish.")
-        self.iteration_tokens = histogram(
-            "cadence:iteration_tokens_total", "Tokens (decode + prefill) per scheduler iteration.",
-            buckets=_TOKEN_BUCKETS,
-        )
-        self.prompt_tokens = Counter(
-            "cadence:prompt_tokens", "Prompt tokens processed.", ["model_name"], registry=r
-        ).labels(**labels)
-        self.generation_tokens = Counter(
-            "cadence:generation_tokens", "Output tokens generated.", ["model_name"], registry=r
-        ).labels(**labels)
-        self.finished = Counter(
-            "cadence:request_success", "Finished requests by finish reason.",
-            ["model_name", "finished_reason"], registry=r,
-        )
-        self.prefill_programs = Counter(
-            "cadence:prefill_programs", "Packed prefill programs run (each carries every "
-            "prompt chunk an iteration planned, normally in one).", ["model_name"], registry=r,
-        ).labels(**labels)
-        self.prefill_chunks = Counter(
-            "cadence:prefill_chunks", "Prompt chunks prefilled; divided by "
-            "cadence:prefill_programs_total, the chunks one program carried.", ["model_name"],
-            registry=r,
-        ).labels(**labels)
+        self._labels = labels = {"model_name": model_name}
+        at_start = {"priority": ("0",), "pool": tuple(pool.name for pool in scheduler.pools)}
+        for attribute, kind, name, doc, label, buckets in _OBSERVED:
+            names = ["model_name"] if label is None else ["model_name", label]
+            family = kind(name, doc, names, registry=r, **({} if buckets is None else {"buckets": buckets}))
+            for value in at_start.get(label, ()):
+                family.labels(**{label: value}, **labels)
+            setattr(self, attribute, family if label else family.labels(**labels))
         r.register(_SchedulerReadings(scheduler, model_name, self.priority_label))
-        self.transfer_seconds = histogram(
-            "cadence:kv_transfer_seconds", "Disaggregated: a request's KV, from ready on the "
-            "prefill device to landed on the decode device.", buckets=_TRANSFER_BUCKETS)
-        self.transfer_bytes = Counter(
-            "cadence:kv_transfer_bytes", "Disaggregated: KV bytes moved from the prefill pool to "
-            "the decode pool.", ["model_name"], registry=r).labels(**labels)
-        # Each engine's pool: "colocated", or "prefill" and "decode".
-        self.busy = Counter(
-            "cadence:pool_busy_seconds", "Wall time of each pool's iterations that ran a program; "
-            "its rate is the pool's busy fraction.", ["model_name", "pool"], registry=r)
-        for pool in scheduler.pools:
-            self.busy.labels(pool=pool.name, **labels)
-        self._labels = labels
         scheduler.listeners.append(self.on_request)
         scheduler.iteration_listeners.append(self.on_iteration)
         scheduler.transfer_listeners.append(self.on_transfer)
