@@ -6,6 +6,7 @@ import dataclasses
 
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.priority import SLO, PriorityClasses
+from cadence.scheduler.speculative import SpeculativeConfig
 
 KV_RESERVATIONS = ("live", "max")
 
@@ -28,6 +29,9 @@ class SchedulerConfig:
     priority_classes: PriorityClasses = PriorityClasses()
     # Per-priority latency targets: a request predicted to miss its class's is refused at once.
     slo: SLO = SLO()
+    # Speculative decoding's drafts (prompt lookup), when the engine has a verify program
+    # (`EngineConfig.speculative_tokens` > 0).
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     def __post_init__(self) -> None:
         if self.kv_reservation not in KV_RESERVATIONS:

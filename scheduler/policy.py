@@ -2,6 +2,8 @@
 
     plan = make_plan(running, waiting, free_slots, config, pages)
     plan.steps = decode_steps(plan, running, most, free_pages, page_size)   # multi-step decode
+    if speculates(plan, running, engine_config, speculative, split):         # speculative decode
+        drafts = propose_drafts(plan, k, context, page_size, free_pages)
 
 It reads request state and returns a `Plan` (requests to admit, prefill chunks, requests to
 decode); it never touches the engine or mutates a request. A waiting request whose prompt
@@ -51,6 +53,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from cadence.scheduler.request import Request, State
+from cadence.scheduler.speculative import Drafter, SpeculativeConfig
 
 POLICIES = ("chunked", "prefill-first")
 MIN_PREFILL_TOKENS = 16
@@ -102,6 +105,7 @@ class Plan:
     prefill: list[Chunk] = dataclasses.field(default_factory=list)
     decode: list[Request] = dataclasses.field(default_factory=list)
     steps: int = 1  # decode steps each request of `decode` runs, in one dispatch
+    drafted: int = 0  # speculative decoding: draft tokens the iteration's verify step scores
     # Running requests to preempt before admitting (`admit` needs their slots or pages): lower
     # priorities than those admitted.
     preempt: list[Request] = dataclasses.field(default_factory=list)
@@ -213,6 +217,51 @@ def decode_steps(plan: Plan, running: Sequence[Request], most: int, free_pages: 
     steps = min(most, min(r.max_tokens - r.dispatched for r in plan.decode))
     wanted = sum(max(0, -(-decoded_end(r, steps) // page_size) - len(r.pages)) for r in plan.decode)
     return max(steps, 1) if wanted <= free_pages else 1
+
+
+def speculates(plan: Plan, running: Sequence[Request], engine_config, config: SpeculativeConfig,
+               split=None) -> bool:
+    """Whether an iteration decodes speculatively: the engine has a verify program
+    (`speculative_tokens`), the plan does nothing but decode, at most `speculative_batch` rows
+    (beyond it a step costs its compute more than its weight read, and drafts stop paying),
+    every request of the pool (`running`) decodes (none mid-prompt, none with KV on its way in)
+    and none is constrained by a grammar, no split step is in flight (`split`), and some row's
+    acceptance record wants drafts this step. Each decoding request's record counts the step
+    (`Acceptance.wants`) whatever the answer, and keeps it as `Request.drafting`."""
+    if (not engine_config.speculative_tokens or plan.admit or plan.prefill or plan.preempt
+            or not plan.decode or len(plan.decode) > engine_config.speculative_batch or split is not None):
+        return False
+    if any(r.state is not State.DECODING or r.matcher is not None for r in running):
+        return False
+    wanting = False
+    for r in plan.decode:
+        r.drafter = r.drafter or Drafter(config)
+        r.drafting = r.drafter.acceptance.wants()
+        wanting |= r.drafting
+    return wanting
+
+
+def propose_drafts(plan: Plan, k: int, context: int, page_size: int, free_pages: int
+                   ) -> dict[Request, list[int]]:
+    """Each drafting row's drafts (`Drafter.propose`, over every token it has): up to `k`, none
+    past its max_tokens (a verify step's last token is the target's own) or `context`. A row
+    that found nothing sits out a few steps. Empty unless some row drafted, and if the pages
+    the drafts need are not free: drafting never preempts."""
+    drafts: dict[Request, list[int]] = {}
+    for r in plan.decode:
+        if r.state is not State.DECODING or not r.drafting:
+            continue
+        room = min(k, r.max_tokens - r.dispatched - 1, context - r.prompt_len - r.dispatched)
+        proposal = r.drafter.propose(r.prompt_ids, r.output_ids, room) if room > 0 else []
+        if proposal:
+            drafts[r] = proposal
+        elif room > 0:
+            r.drafter.acceptance.observe(0, 0)
+    if not drafts:
+        return {}
+    steps = 1 + max(len(d) for d in drafts.values())
+    wanted = sum(max(0, -(-decoded_end(r, steps) // page_size) - len(r.pages)) for r in plan.decode)
+    return drafts if wanted <= free_pages else {}
 
 
 def running_cost(running: Sequence[Request], config: PolicyConfig, pages: PageBudget) -> int:

@@ -24,6 +24,7 @@ from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.model.sampling import RequestSampling
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.prefix_cache import PageKeys
+from cadence.scheduler.speculative import Drafter
 
 if TYPE_CHECKING:
     from cadence.scheduler.grammar import Grammar
@@ -272,6 +273,10 @@ class Request:
         self.fork_tail: int | None = None
         self.fork_hold: list[int] = []
         self.fork_copy_at: int | None = None
+        # Speculative decoding: its n-gram drafts and acceptance, from its first drafting
+        # iteration on (`scheduler.speculative.Drafter`).
+        self.drafter: Drafter | None = None
+        self.drafting = False  # whether it drafts in this iteration
         # The engines' programs it needs that warm-up left for their first use, compiling
         # (`Engine.prepare`): it waits until they are done, while others run.
         self.compiling: list = []

@@ -1,6 +1,7 @@
 """Results dispatched on an engine and not yet applied, as the scheduler keeps them (typed).
 
-Each dispatch (a packed prefill, a decode step, the sampling half of a split step) leaves one
+Each dispatch (a packed prefill, a decode step, the sampling half of a split step, a verify
+step) leaves one
 `Pending` on its pool: the engine's result, whose tokens the host reads an iteration later,
 and a `Row` for each request it holds a token of: the request and the column of its token
 (its slot for decode, its chunk's index for prefill), or, for a scored prefill chunk, `Scores`
@@ -35,6 +36,9 @@ class Row(NamedTuple):
 class Pending:
     rows: list[Row]
     tokens: Any  # the engine's result (`engine.api`: PrefillTokens, DecodeTokens)
+    # A verify step's (speculative decoding): each row's drafts, in `rows`' order; its result
+    # says how many tokens each row emitted (`DecodeTokens.emitted`).
+    drafts: list[list[int]] | None = None
 
     def read(self, values: np.ndarray) -> tuple[np.ndarray, tuple | None]:
         """The tokens as read (`values`: [n] for prefill, a token per chunk, or [steps, n] for

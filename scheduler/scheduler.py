@@ -68,7 +68,9 @@ from cadence.engine.api import EngineAPI, PrefillChunk
 from cadence.model.sampling import all_allowed
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded
 from cadence.scheduler.config import KV_RESERVATIONS, SchedulerConfig  # noqa: F401 - importers' names
-from cadence.scheduler.policy import Plan, decode_steps, make_plan, wants_decode
+from cadence.scheduler.policy import (
+    Plan, decode_steps, make_plan, propose_drafts, speculates, wants_decode,
+)
 from cadence.scheduler.handoff import Handoff, KVTransfer, check_pair
 from cadence.scheduler.priority import AdmissionControl, backlog, prefill_limit, tokens_ahead
 from cadence.scheduler.prefix_cache import PageKeys
@@ -130,6 +132,8 @@ class Scheduler(Readings):
         self._waiting: collections.deque[Request] = collections.deque()
         self.preemptions = 0
         self.priority_preemptions = 0  # of those, for a better priority's slot or pages (the rest: growth)
+        self.spec_drafted = 0  # speculative decoding: draft tokens verified, and accepted
+        self.spec_accepted = 0
         self.prefill_programs = 0  # packed prefill programs run, and the chunks they carried
         self.prefill_chunks = 0
         # Submissions refused for load, by reason: "queue_full", "ttft_slo", "itl_slo".
@@ -348,6 +352,8 @@ class Scheduler(Readings):
             pool.match_prefixes(self._waiting)
             pool.match_forks(self._waiting)
             plan = self._plan(pool)
+            if speculates(plan, pool.running, pool.engine.config, self.config.speculative, pool.split):
+                return self._speculate(pool, start)
             plan.steps = decode_steps(plan, pool.running, pool.engine.config.decode_steps,
                                       pool.pages.free_count, self.page_size)
             previous = self._begin(pool)
@@ -370,12 +376,80 @@ class Scheduler(Readings):
             landed = self._handoff.insert_landed()
             transfers = self._handoff.start()
             plan = Plan(decode=[r for r in pool.running if wants_decode(r)])
+            if speculates(plan, pool.running, pool.engine.config, self.config.speculative, pool.split):
+                return self._speculate(pool, start, transfers + landed)
             plan.steps = decode_steps(plan, pool.running, pool.engine.config.decode_steps,
                                       pool.pages.free_count, self.page_size)
             previous = self._begin(pool)
             self._reserve(pool, plan)
             self._dispatch_decode(plan, pool, pool.rows.params())
         return self._finish_iteration(pool, previous, start, plan, 0, 0, transfers + landed)
+
+    def _speculate(self, pool: Pool, start: float, handoffs: int = 0) -> bool:
+        """A speculative decode iteration (`policy.speculates` chose it; called holding the
+        state lock; returns as `_finish_iteration`). Drafts come from every token a request
+        has, so the results still in flight are applied first (waiting for them outside the
+        lock); then each row drafts (`policy.propose_drafts`), and one verify step scores them
+        all and is applied before the next dispatch, which needs each row's true length. An
+        iteration whose rows drafted nothing decodes as usual."""
+        previous = self._begin(pool)
+        self._state.release()
+        try:
+            values = [np.asarray(p.tokens) for p in previous]
+        finally:
+            self._state.acquire()
+        self._apply(previous, values)
+        pool.applying = []
+        pool.publish_running()
+        plan = Plan(decode=[r for r in pool.running if wants_decode(r)])
+        drafts = propose_drafts(plan, pool.engine.config.speculative_tokens, self.context,
+                                self.page_size, pool.pages.free_count)
+        if drafts:
+            plan.steps = 1 + max(len(d) for d in drafts.values())
+            plan.drafted = sum(len(d) for d in drafts.values())
+        else:
+            plan.steps = decode_steps(plan, pool.running, pool.engine.config.decode_steps,
+                                      pool.pages.free_count, self.page_size)
+        self._reserve(pool, plan)
+        if drafts:
+            self._dispatch_verify(plan, pool, drafts)
+        else:
+            self._dispatch_decode(plan, pool, pool.rows.params())
+        current = self._begin(pool) if drafts else []
+        self._state.release()
+        try:  # (the results applied above are progress, even if nothing runs now)
+            return self._finish_iteration(pool, current, start, plan, 0, 0, handoffs) or bool(previous)
+        finally:
+            self._state.acquire()
+
+    def _dispatch_verify(self, plan: Plan, pool: Pool, drafts: dict[Request, list[int]]) -> None:
+        """The verify step over the plan's rows, those without drafts scoring their one token.
+        Each row is counted as dispatching all its drafts and one token more; applying the
+        result takes back what it did not emit (`_apply`)."""
+        cfg = pool.engine.config
+        decode = [r for r in plan.decode if r.state is State.DECODING and r.pool is pool]
+        if not decode:
+            return
+        now = time.monotonic()
+        positions = np.zeros(pool.num_slots, np.int32)
+        active = np.zeros(pool.num_slots, bool)
+        tokens = np.zeros((pool.num_slots, cfg.speculative_tokens), np.int32)
+        lens = np.zeros(pool.num_slots, np.int32)
+        for r in decode:
+            d = drafts.get(r, [])
+            positions[r.slot] = r.prompt_len + r.dispatched - 1
+            active[r.slot] = True
+            tokens[r.slot, : len(d)], lens[r.slot] = d, len(d)
+            r.dispatched += len(d) + 1
+            r.kv_tokens += len(d) + 1
+            r.decode_steps += 1
+            r.first_decode = r.first_decode or now
+        result = pool.engine.verify(positions, active, pool.rows.params(), pool.tables.copy(),
+                                    tokens, lens)
+        rows = [Row(r, r.slot) for r in decode]
+        for r, _ in rows:
+            r.unapplied += 1
+        pool.pending.append(Pending(rows, result, [drafts.get(r, []) for r, _ in rows]))
 
     def _plan(self, pool: Pool) -> Plan:
         # A request with a result still in flight (disaggregated: preempted on the decode pool
@@ -397,7 +471,7 @@ class Scheduler(Readings):
         goes on meanwhile), applies them, and records the iteration if anything ran."""
         values = [np.asarray(p.tokens) for p in previous]  # waits only if still running
         with self._state:
-            self._apply(previous, values)
+            accepted = self._apply(previous, values)
             pool.applying = []
             if pool.split is not None:  # a decode step whose sampling waited for these tokens
                 self._sample_split(pool)
@@ -416,8 +490,11 @@ class Scheduler(Readings):
                 prefill_programs=programs,
                 pool=pool.name,
                 transfers=handoffs,
-                decode_steps=plan.steps,
+                decode_steps=1 if plan.drafted else plan.steps,
+                drafted=plan.drafted,
+                accepted=accepted,
             )
+            self.spec_drafted += plan.drafted
             self._iteration += 1
             if pool is self._prefill_pool:  # what admission and the metrics read
                 snapshot = backlog(self._waiting, pool.running)
@@ -591,25 +668,38 @@ class Scheduler(Readings):
         self._waiting.appendleft(r)
         self.preemptions += 1
 
-    def _apply(self, results: list[Pending], arrays: list[np.ndarray]) -> None:
+    def _apply(self, results: list[Pending], arrays: list[np.ndarray]) -> int:
         """`results` and their tokens as read: each request's tokens, a row per step, taken in
-        order until the request ends (`Pending.read`)."""
+        order until the request ends (`Pending.read`); of a verify step, the tokens each row
+        emitted, its counts of dispatched tokens and KV cut to them before any is taken (its
+        pages publish only verified KV). Returns the drafts accepted."""
         vocab = self.engine.vocab_size
+        accepted = 0
         for result, values in zip(results, arrays):
             now = time.monotonic()
             steps, logprobs = result.read(values)
-            for r, index in result.rows:
+            emitted = None if result.drafts is None else result.tokens.emitted()
+            for i, (r, index) in enumerate(result.rows):
                 r.unapplied -= 1
                 if isinstance(index, Scores):
                     r.take_scores(result.tokens.scores()[index.chunk], index.start)
                     continue
-                for step, token in enumerate(steps[:, index].tolist()):
+                column = steps[:, index].tolist()
+                if emitted is not None:  # a verify step: its row's tokens, and its true length
+                    drafts, column = result.drafts[i], column[: emitted[index]]
+                    r.dispatched -= len(drafts) + 1 - len(column)
+                    r.kv_tokens -= len(drafts) + 1 - len(column)
+                    if drafts and not r.finished:
+                        accepted += r.drafter.observe(drafts, column)
+                for step, token in enumerate(column):
                     if r.finished:
                         break  # a step dispatched before the request ended: discard
                     logprob = None
                     if logprobs is not None and r.logprobs is not None:
                         logprob = tuple(a[step, index] for a in logprobs)
                     self._take(r, token, vocab, now, logprob)
+        self.spec_accepted += accepted
+        return accepted
 
     def _take(self, r: Request, token: int, vocab: int, now: float, logprob=None) -> None:
         """One of `r`'s tokens (and its logprobs, if it asked): accepted and streamed, or the

@@ -20,7 +20,10 @@ they equal its samples: the output is the one decoding without drafts gives, tok
 
 `Acceptance` is the per-request record the policy reads: speculation pays only while drafts
 are accepted, so a request whose recent drafts were mostly rejected stops drafting for a while
-and tries again later.
+and tries again later; one whose sequence offered nothing to draft sits out a few steps (a
+step that drafts is one the host waits for, so drafting nothing costs the overlap of host and
+device work for nothing). `Drafter` is both, for one request, as the scheduler keeps it
+(`Request.drafter`), and `SpeculativeConfig` the n-gram sizes every request's uses.
 """
 
 from __future__ import annotations
@@ -29,6 +32,21 @@ import dataclasses
 from collections.abc import Iterable
 
 MAX_CANDIDATES = 8  # most recent occurrences of the key n-gram examined per proposal
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Prompt lookup's n-gram sizes (vLLM's `prompt_lookup_min` / `prompt_lookup_max`). How
+    many tokens a step drafts, and for how many rows at most, are the engine's
+    (`EngineConfig.speculative_tokens`, `speculative_batch`): with speculative_tokens 0 nothing
+    drafts."""
+
+    min_n: int = 2
+    max_n: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {self.min_n} and {self.max_n}")
 
 
 class NgramDrafts:
@@ -101,9 +119,11 @@ class Acceptance:
     DECAY = 0.5
     LOW = 0.25  # below this, drafting costs more than it saves
     PAUSE = 16  # steps to sit out before trying again
+    MISS_PAUSE = 4  # ... after a step whose sequence had nothing to draft
 
     def observe(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
+            self.pause = max(self.pause, self.MISS_PAUSE)
             return
         self.proposed += proposed
         self.accepted += accepted
@@ -119,3 +139,29 @@ class Acceptance:
                 self.rate = self.LOW * 2  # a fresh chance, not a fresh record
             return False
         return True
+
+
+class Drafter:
+    """One request's drafting: an n-gram index over its prompt and output, and its acceptance.
+    `propose` catches the index up with the tokens the request has, then drafts."""
+
+    def __init__(self, config: SpeculativeConfig = SpeculativeConfig()):
+        self.ngrams = NgramDrafts(config.min_n, config.max_n)
+        self.acceptance = Acceptance()
+
+    def propose(self, prompt_ids: list[int], output_ids: list[int], k: int) -> list[int]:
+        seen = len(self.ngrams)
+        if seen < len(prompt_ids):
+            self.ngrams.extend(prompt_ids[seen:])
+            seen = len(prompt_ids)
+        self.ngrams.extend(output_ids[seen - len(prompt_ids):])
+        return self.ngrams.propose(k)
+
+    def observe(self, drafts: list[int], tokens: list[int]) -> int:
+        """The tokens a verify step gave for `drafts`: how many drafts they accepted (their
+        common start), recorded."""
+        accepted = 0
+        while accepted < min(len(drafts), len(tokens)) and drafts[accepted] == tokens[accepted]:
+            accepted += 1
+        self.acceptance.observe(len(drafts), accepted)
+        return accepted

@@ -42,6 +42,8 @@ class IterationRecord:
     pool: str = "colocated"  # whose loop ran it: "colocated", or "prefill" / "decode"
     transfers: int = 0  # KV handoffs to the decode pool this iteration started
     decode_steps: int = 1  # steps each of the decode_slots ran, in one dispatch
+    drafted: int = 0  # speculative decoding: draft tokens verified, and those accepted
+    accepted: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,19 +14,22 @@ stream from a plain thread; `run_random_load` submits and cancels at random step
 from __future__ import annotations
 
 import dataclasses
+import random
 import threading
 import time
 import zlib
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 
 from tokenizers.pre_tokenizers import ByteLevel
 
 from cadence.checkpoints.detokenizer import byte_level_piece_bytes
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.config import EngineConfig
-from cadence.engine.results import PrefillTokens
+from cadence.engine.results import DecodeTokens, PrefillTokens
+from cadence.model import cpu_kernels
 from cadence.model.config import TINY
 from cadence.model.host_sampling import RequestSampling, bitmask_words
 from cadence.model.sampling import SamplingParams
@@ -92,11 +95,13 @@ class FakeEngine:
     def __init__(self, *, num_slots: int = 4, max_seq_len: int = 1024, prefill_chunk: int = 64,
                  page_size: int = 16, num_pages: int | None = None,
                  script: dict[tuple[int, ...], list[int]] | None = None, eos_one_in: int = 0,
-                 decode_delay: float = 0.0, decode_steps: int = 1):
+                 decode_delay: float = 0.0, decode_steps: int = 1, speculative_tokens: int = 0,
+                 speculative_batch: int = 4, quoting: bool = False):
         self.config = EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len,
                                    prefill_chunk=prefill_chunk, page_size=page_size,
                                    num_pages=num_pages, decode_steps=decode_steps,
-                                   structured_output=True)
+                                   structured_output=True, speculative_tokens=speculative_tokens,
+                                   speculative_batch=speculative_batch)
         self.model_config = dataclasses.replace(TINY, vocab_size=TOK.vocab_size,
                                                 max_context=max_seq_len)
         self.compilations_after_warmup = 0
@@ -106,6 +111,9 @@ class FakeEngine:
         self.last_tokens = np.zeros(num_slots, np.int64)
         self.script = {tuple(k): list(v) for k, v in (script or {}).items()}
         self.eos_one_in = eos_one_in  # > 0: EOS when the content's hash is divisible by it
+        # A "model" that quotes: two times in three, the token that followed the last token's
+        # previous occurrence (so prompt-lookup drafts are often right, and sometimes wrong).
+        self.quoting = quoting
         self.decode_delay = decode_delay
         self.fail_decode_call: int | None = None  # the index of a decode call that raises
         self.fail_prefill_call: int | None = None  # ... of a prefill call
@@ -116,6 +124,8 @@ class FakeEngine:
         self.poison: dict[int, int] = {}  # decode call index -> a slot whose token is garbage
         self.decode_calls = 0
         self.split_steps = 0  # decode steps run in two halves (decode_forward, decode_sample)
+        self.verify_calls = 0
+        self.verified: list[tuple[int, int, int]] = []  # (slot, drafts, tokens emitted) per row
         self._forward: tuple | None = None  # a decode_forward awaiting its decode_sample
         self.prefill_calls = 0
         self.extracts = 0
@@ -168,6 +178,10 @@ class FakeEngine:
             h = zlib.crc32(seed.to_bytes(4, "little"), h)
         if self.eos_one_in and h % self.eos_one_in == 0:
             return EOS
+        if self.quoting and h % 3 and len(content) > 1:
+            before = np.flatnonzero(np.asarray(content[:-1]) == content[-1])
+            if before.size:
+                return int(content[before[-1] + 1])
         return ALPHABET[(h // 7) % len(ALPHABET)]
 
     def pick(self, content: Sequence[int], seed: int | None, allowed: np.ndarray | None) -> int:
@@ -244,6 +258,39 @@ class FakeEngine:
         if self.decode_calls in self.poison:
             tokens[0, self.poison[self.decode_calls]] = 2**31 - 1  # no such token
         return tokens
+
+    def verify(self, positions, active, sampling, page_table, drafts, draft_lens) -> DecodeTokens:
+        """Like the engine's: each row's last token and drafts written at its next positions,
+        then the "model"'s token at each, kept while it equals the draft (and not a stop id)."""
+        s, k = self.config.num_slots, self.config.speculative_tokens
+        assert k > 0 and drafts.shape == (s, k) and draft_lens.shape == (s,)
+        assert positions.shape == (s,) and active.any() and page_table.shape[0] == s
+        assert np.count_nonzero(active) <= self.config.speculative_batch
+        assert self._forward is None, "a verify step between a decode step's halves"
+        self.decode_calls += 1
+        self.verify_calls += 1
+        if self.fail_decode_call == self.decode_calls:
+            raise RuntimeError("device lost in verify")
+        slots = tuple(int(i) for i in np.flatnonzero(active))
+        self.log.append(Decode(slots, tuple(int(positions[i]) for i in slots), 1))
+        tokens = np.full((k + 1, s), -1, np.int32)
+        emitted = np.zeros(s, np.int32)
+        for i in slots:
+            if self.last_tokens[i] in sampling.stop_ids[i]:
+                continue
+            p, d = int(positions[i]), int(draft_lens[i])
+            assert 0 <= p and p + d < self.config.max_seq_len, (p, d)
+            assert all(0 <= t < self.vocab_size for t in drafts[i, :d])
+            self._write(page_table[i], p, [self.last_tokens[i], *drafts[i, :d]])
+            seed = int(sampling.seed[i]) if sampling.temperature[i] > 0 else None
+            for j in range(d + 1):
+                tokens[j, i] = self.last_tokens[i] = self.next_token(
+                    self._content(page_table[i], p + j + 1), seed)
+                emitted[i] += 1
+                if j == d or tokens[j, i] != drafts[i, j] or tokens[j, i] in sampling.stop_ids[i]:
+                    break
+            self.verified.append((i, d, int(emitted[i])))
+        return DecodeTokens(tokens, k + 1, None, emitted)
 
     def decode_forward(self, positions, active, sampling, page_table) -> None:
         """Like the engine's: the KV of one step written, its sampling left to decode_sample."""
@@ -503,3 +550,38 @@ def run_random_load(h: Harness, rng, arrivals: list[int], prompt_max: int, token
 def all_pages_free(h: Harness) -> None:
     assert h.sched.kv_pages == (0, h.engine.num_pages)
     assert not h.sched.pools[0].tables.any()
+
+
+# --- driving a real engine's scheduler ------------------------------------------------------
+
+
+needs_cpu_kernels = pytest.mark.skipif(
+    not cpu_kernels.available(), reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+
+
+def make_scheduler(engine, tokenizer, policy="chunked", chunk=64, budget=96) -> Scheduler:
+    cfg = SchedulerConfig(policy=PolicyConfig(name=policy, token_budget=budget, chunk=chunk))
+    return Scheduler(engine, tokenizer, cfg)
+
+
+def run_all(sched: Scheduler, submissions, arrival_steps=None) -> list[RequestStream]:
+    """Submits (prompt_ids, params) pairs at given iteration indices and steps to the end.
+
+    Checks that each stream's events carry exactly the request's output tokens."""
+    arrival_steps = arrival_steps or [0] * len(submissions)
+    streams, step, pending = [None] * len(submissions), 0, list(range(len(submissions)))
+    while pending or not sched.idle():
+        for i in [i for i in pending if arrival_steps[i] <= step]:
+            streams[i] = sched.submit(*submissions[i])
+            pending.remove(i)
+        sched.step()
+        step += 1
+    for s in streams:
+        events = list(s)
+        assert isinstance(events[-1], RequestRecord)
+        assert [e.token_ids[0] for e in events[:-1]] == s.request.output_ids
+    return streams
+
+
+def random_prompts(rng: random.Random, n: int, vocab: int, lo=1, hi=150):
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

@@ -16,7 +16,7 @@ from cadence.engine.config import EngineConfig
 from cadence.model import cpu_kernels
 from cadence.model.paged_attention import paged_reference_attention
 from cadence.model.quant import quantize, quantize_grouped
-from tests.test_engine import needs_cpu_kernels
+from tests.fakes import needs_cpu_kernels
 
 
 def test_the_kernels_build_where_they_can():

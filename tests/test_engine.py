@@ -16,18 +16,13 @@ from cadence.engine.engine import Engine
 from cadence.engine.packing import PrefillChunk, bucket_for
 from cadence.engine.programs import sampling_rows
 from cadence.engine.reference import greedy_generate
-from cadence.model import cpu_kernels
 from cadence.model.host_sampling import RequestSampling
-from cadence.scheduler.policy import PolicyConfig
-from cadence.scheduler.request import GenerationParams, RequestRecord
-from cadence.scheduler.scheduler import RequestStream, Scheduler, SchedulerConfig
+from cadence.scheduler.request import GenerationParams
+from tests.fakes import make_scheduler, needs_cpu_kernels, random_prompts, run_all
 
 def GREEDY_ROWS(engine):  # noqa: N802 - reads as the constant it is per engine
     return sampling_rows([RequestSampling()] * engine.config.num_slots)
 
-
-needs_cpu_kernels = pytest.mark.skipif(
-    not cpu_kernels.available(), reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
 
 SMALL = EngineConfig(num_slots=4, max_seq_len=256, prefill_chunk=64, min_prefill_bucket=16, min_kv_bucket=64)
 
@@ -37,34 +32,6 @@ def engine(tiny_params, tiny_config):
     e = Engine(tiny_params, tiny_config, SMALL)
     e.warmup(warmup="needed")  # what these tests run beyond it compiles on first use
     return e
-
-
-def make_scheduler(engine, tokenizer, policy="chunked", chunk=64, budget=96) -> Scheduler:
-    cfg = SchedulerConfig(policy=PolicyConfig(name=policy, token_budget=budget, chunk=chunk))
-    return Scheduler(engine, tokenizer, cfg)
-
-
-def run_all(sched: Scheduler, submissions, arrival_steps=None) -> list[RequestStream]:
-    """Submits (prompt_ids, params) pairs at given iteration indices and steps to the end.
-
-    Checks that each stream's events carry exactly the request's output tokens."""
-    arrival_steps = arrival_steps or [0] * len(submissions)
-    streams, step, pending = [None] * len(submissions), 0, list(range(len(submissions)))
-    while pending or not sched.idle():
-        for i in [i for i in pending if arrival_steps[i] <= step]:
-            streams[i] = sched.submit(*submissions[i])
-            pending.remove(i)
-        sched.step()
-        step += 1
-    for s in streams:
-        events = list(s)
-        assert isinstance(events[-1], RequestRecord)
-        assert [e.token_ids[0] for e in events[:-1]] == s.request.output_ids
-    return streams
-
-
-def random_prompts(rng: random.Random, n: int, vocab: int, lo=1, hi=150):
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def test_buckets_cover_every_length():

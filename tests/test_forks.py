@@ -100,7 +100,7 @@ def test_on_the_engine_each_choice_equals_its_request_alone(tiny_params, tiny_co
     from cadence.scheduler.request import GenerationParams
     from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
     from cadence.server.parsing import choice_seed
-    from tests.test_engine import run_all
+    from tests.fakes import run_all
 
     engine = Engine(tiny_params, tiny_config, EngineConfig(
         num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64, page_size=16))

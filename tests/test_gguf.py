@@ -19,7 +19,7 @@ from cadence.model.config import TINY, RopeScaling
 from cadence.model.params import param_specs
 from tests.conftest import random_params
 from cadence.scheduler.request import GenerationParams
-from tests.test_engine import make_scheduler, needs_cpu_kernels, run_all
+from tests.fakes import make_scheduler, needs_cpu_kernels, run_all
 from tests.test_model import full_logits
 
 Q = gguf.GGMLQuantizationType

@@ -18,7 +18,7 @@ from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
-from tests.test_engine import random_prompts, run_all
+from tests.fakes import random_prompts, run_all
 from tests.test_reliability import serving
 
 ENGINE = EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64, page_size=16,

@@ -21,7 +21,7 @@ from cadence.model.sampling import SamplingParams, TokenHistory, adjust_logits, 
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
-from tests.test_engine import random_prompts, run_all
+from tests.fakes import random_prompts, run_all
 
 PENALIZED = [
     RequestSampling(repetition_penalty=1.8),

@@ -12,9 +12,16 @@ import pytest
 from cadence.engine.config import EngineConfig, fixed_page_tables
 from cadence.engine.engine import Engine
 from cadence.engine.packing import PrefillChunk
+from cadence.engine.reference import greedy_generate
 from cadence.model import cpu_kernels
 from cadence.model.host_sampling import RequestSampling, SamplingRows
-from cadence.scheduler.speculative import Acceptance, NgramDrafts
+from cadence.scheduler.speculative import Acceptance, Drafter, NgramDrafts
+from cadence.scheduler.grammar import GrammarCompiler, Regex
+from cadence.scheduler.request import GenerationParams
+from tests.fakes import (
+    ALPHABET, TOK, FakeEngine, Harness, chunked, ids, make_scheduler, prefill_first, run_all,
+    run_random_load,
+)
 
 
 def brute_force(seq: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -245,3 +252,153 @@ def test_verify_compiles_at_warmup_and_never_after(tiny_params, tiny_config):
     with pytest.raises(ValueError, match="up to 2 slots"):
         e.verify(positions, ACTIVE, rows, tables, drafts, np.zeros(4, np.int32))
     assert e.compilations_after_warmup == 0
+
+
+# -- the scheduler's speculative iterations, over the fake engine -----------------------------------
+
+
+def _quoting_prompt(rng):
+    """A prompt over a few letters: bigrams repeat, so drafts are found (and often right, as
+    the quoting model copies what followed before)."""
+    return [int(t) for t in rng.choice(ALPHABET[:6], int(rng.integers(4, 60)))]
+
+
+def _speculative_stats(*engines):
+    verified = [v for e in engines for v in e.verified]
+    drafted = [(d, n) for _, d, n in verified if d]
+    return len(verified), sum(d for d, _ in drafted), sum(n - 1 for _, n in drafted)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("policy", [chunked(budget=100, chunk=32), prefill_first(chunk=32)],
+                         ids=["chunked", "prefill-first"])
+def test_speculative_random_load_matches_the_sequential_model(policy, seed):
+    """Random arrivals of quoting prompts, greedy and seeded sampling, EOS, cancellations and a
+    pool that holds one longest sequence (preemptions, prefix-cache hits), decoding with drafts
+    of up to 4 tokens: every output equals its lone simulation without drafts, token for token;
+    verify steps ran, accepted drafts and rejected some; every page comes back."""
+    rng = np.random.default_rng(seed)
+    engine = FakeEngine(num_slots=4, prefill_chunk=32, max_seq_len=256, page_size=8, num_pages=33,
+                        eos_one_in=60, speculative_tokens=4, quoting=True)
+    h = Harness(engine, policy)
+    engine.frozen = h.sched.pools[0].pages.published  # verify never writes a published page
+    arrivals = sorted(int(a) for a in rng.integers(0, 60, size=24))
+    run_random_load(h, rng, arrivals, prompt_max=60, tokens_max=120, cancel_p=0.01,
+                    max_steps=20_000, prompt=_quoting_prompt)
+    for c in h.clients:
+        c.check(h.engine)
+    steps, drafted, accepted = _speculative_stats(engine)
+    assert steps > 0 and 0 < accepted < drafted
+    assert h.sched.spec_drafted == drafted and h.sched.spec_accepted == accepted
+    assert h.sched.preemptions > 0
+    assert h.sched.kv_pages == (0, engine.num_pages)
+
+
+def test_speculation_with_stop_strings_groups_and_prefix_hits():
+    """Stop strings (found in text, past tokens the verify step accepted), n > 1 groups (forked
+    prompts) and a prompt the cache holds: outputs equal speculation off, stop strings cut
+    where they would."""
+    def run(k):
+        engine = FakeEngine(num_slots=4, prefill_chunk=32, max_seq_len=256, page_size=8,
+                            speculative_tokens=k, quoting=True)
+        h = Harness(engine, prefill_first(chunk=32))
+        prompt = ids("abcabdabcabd" * 3)
+        h.submit(prompt, max_tokens=60, stop=["AX7r"])
+        h.run()
+        h.submit(prompt, max_tokens=60)  # a prefix hit, after the first finished
+        h.submit_group(ids("xyzxyzxy"), [dict(max_tokens=40, sampling=RequestSampling(
+            temperature=0.8, seed=s)) for s in (1, 2, 3)])
+        h.run()
+        return [(c.token_ids, c.record.finish_reason) for c in h.clients], engine
+
+    plain, _ = run(0)
+    spec, engine = run(4)
+    assert spec == plain
+    assert plain[0][1] == "stop" and plain[1][1] == "length"
+    _, drafted, accepted = _speculative_stats(engine)
+    assert accepted > 0
+
+
+def test_speculation_disaggregated_matches_the_sequential_model():
+    """Disaggregated, the decode engine verifies drafts: outputs equal the lone simulation."""
+    rng = np.random.default_rng(5)
+    prefill = FakeEngine(num_slots=4, prefill_chunk=32, max_seq_len=256, page_size=8, quoting=True)
+    decode = FakeEngine(num_slots=4, prefill_chunk=32, max_seq_len=256, page_size=8,
+                        speculative_tokens=3, quoting=True)
+    h = Harness(prefill, chunked(budget=64, chunk=32), decode_engine=decode)
+    arrivals = sorted(int(a) for a in rng.integers(0, 30, size=10))
+    run_random_load(h, rng, arrivals, prompt_max=60, tokens_max=80, cancel_p=0.0, max_steps=20_000,
+                    prompt=_quoting_prompt)
+    for c in h.clients:
+        c.check(decode)
+    assert prefill.verify_calls == 0 and _speculative_stats(decode)[2] > 0
+
+
+def test_speculation_only_at_small_batch_and_never_for_grammars():
+    """Above speculative_batch decoding rows the iteration decodes plainly; so does one with a
+    grammar-constrained row; a row that found nothing to draft sits out a few steps."""
+    engine = FakeEngine(num_slots=4, prefill_chunk=32, max_seq_len=256, page_size=8,
+                        speculative_tokens=4, speculative_batch=2, quoting=True)
+    h = Harness(engine, prefill_first(chunk=32))
+    for _ in range(3):
+        h.submit(ids("abababababab"), max_tokens=30)
+    h.run()
+    assert engine.verify_calls == 0  # three rows decoding together throughout
+    h.submit(ids("abababababab"), max_tokens=30)
+    h.run()
+    assert engine.verify_calls > 0
+    for c in h.clients:
+        c.check(engine)
+    calls = engine.verify_calls
+    grammar = GrammarCompiler(TOK, TOK.vocab_size).compile(Regex("(ab){20}"))
+    constrained = h.submit(ids("abababababab"), max_tokens=30, grammar=grammar)
+    h.run()
+    assert engine.verify_calls == calls and constrained.text == "ab" * 15
+
+
+def test_drafter_sits_out_after_finding_nothing():
+    d = Drafter()
+    assert d.propose([1, 2, 3], [], 4) == []
+    d.acceptance.observe(0, 0)
+    assert [d.acceptance.wants() for _ in range(Acceptance.MISS_PAUSE + 1)] == [False] * Acceptance.MISS_PAUSE + [True]
+    assert d.propose([1, 2, 3], [1, 2], 4) == [3, 1, 2]
+    assert d.observe([3, 1, 2], [3, 1, 7]) == 2
+
+
+# -- the scheduler over the real engine -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernels", ["xla", "cpu"])
+def test_speculative_serving_equals_plain_serving_on_the_engine(tiny_params, tiny_config,
+                                                                tiny_tokenizer, kernels):
+    """The tiny model served with drafts of up to 4 tokens and without, over a pool that holds
+    one longest sequence (preemptions, recomputes, prefix-cache hits from shared prompt
+    starts): greedy outputs equal the reference generator's, seeded-sampled and penalized
+    ones equal serving without drafts; drafts were accepted; nothing compiled after warm-up."""
+    if kernels == "cpu" and not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 500) for _ in range(40)]
+    prompts = [shared[: rng.randint(1, 40)] + [rng.randrange(3, 500) for _ in range(rng.randint(1, 60))]
+               for _ in range(8)]
+    kinds = [RequestSampling(), RequestSampling(temperature=20.0, seed=9),
+             RequestSampling(temperature=1.0, seed=4, presence_penalty=1.5, frequency_penalty=0.5)]
+    subs = [(p, GenerationParams(max_tokens=rng.randint(20, 80), ignore_eos=True,
+                                 sampling=kinds[i % 3])) for i, p in enumerate(prompts)]
+    arrivals = sorted(rng.randint(0, 30) for _ in subs)
+    outputs = {}
+    for k in (0, 4):
+        cfg = EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64,
+                           page_size=16, num_pages=-(-192 // 16) + 1, speculative_tokens=k,
+                           attention=kernels, decode_matmul="cpu" if kernels == "cpu" else "xla")
+        e = Engine(tiny_params, tiny_config, cfg)
+        e.warmup(warmup="needed")
+        sched = make_scheduler(e, tiny_tokenizer, chunk=32, budget=48)
+        outputs[k] = [s.request.output_ids for s in run_all(sched, subs, arrivals)]
+        assert e.compilations_after_warmup == 0
+        assert sched.kv_pages == (0, cfg.num_pages)
+    assert sched.spec_accepted > 0 and sched.preemptions > 0
+    assert outputs[4] == outputs[0]
+    for (prompt, params), out in zip(subs, outputs[4]):
+        if params.sampling.temperature == 0:
+            assert out == greedy_generate(tiny_params, tiny_config, prompt, params.max_tokens)
