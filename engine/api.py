@@ -26,6 +26,16 @@
                                                         decode(..., steps=1) returns; the slots
                                                         in `drop` take no token. Nothing else
                                                         runs on the engine in between
+    tokens = engine.verify(positions, active, rows.params(), page_table, drafts, draft_lens)
+                                                        speculative decoding (with
+                                                        engine.config.speculative_tokens = k > 0,
+                                                        at most speculative_batch slots): each
+                                                        slot's last token and its first
+                                                        draft_lens[s] of drafts[s] ([num_slots, k])
+                                                        scored at once; np.asarray(tokens) is
+                                                        [k + 1, num_slots], tokens.emitted() how
+                                                        many of each column are the tokens decode
+                                                        would give (1 .. draft_lens + 1)
     handle = engine.extract(pages, length, slot)        `KVHandle`: a sequence's KV + next token
     landed = engine.receive(handle)                     starts copying it onto this engine's
                                                         device; landed.is_ready() once there
@@ -128,6 +138,9 @@ class EngineAPI(Protocol):
                        page_table: np.ndarray) -> None: ...
 
     def decode_sample(self, allowed: np.ndarray, drop: Sequence[int] = ()) -> DecodeTokens | np.ndarray: ...
+
+    def verify(self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
+               page_table: np.ndarray, drafts: np.ndarray, draft_lens: np.ndarray) -> DecodeTokens: ...
 
     def extract(self, pages: list[int], length: int, slot: int) -> KVHandle: ...
 

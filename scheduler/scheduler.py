@@ -132,7 +132,8 @@ class Scheduler(Readings):
         self._waiting: collections.deque[Request] = collections.deque()
         self.preemptions = 0
         self.priority_preemptions = 0  # of those, for a better priority's slot or pages (the rest: growth)
-        self.spec_drafted = 0  # speculative decoding: draft tokens verified, and accepted
+        self.spec_drafts = 0  # speculative decoding: rows that drafted, their draft tokens
+        self.spec_drafted = 0  # and those accepted
         self.spec_accepted = 0
         self.prefill_programs = 0  # packed prefill programs run, and the chunks they carried
         self.prefill_chunks = 0
@@ -446,6 +447,7 @@ class Scheduler(Readings):
             r.first_decode = r.first_decode or now
         result = pool.engine.verify(positions, active, pool.rows.params(), pool.tables.copy(),
                                     tokens, lens)
+        self.spec_drafts += len(drafts)
         rows = [Row(r, r.slot) for r in decode]
         for r, _ in rows:
             r.unapplied += 1

@@ -83,6 +83,9 @@ class SchedulerStats:
     kv_transfer_bytes: int
     prefill_programs: int  # packed prefill programs run, and the chunks they carried
     prefill_chunks: int
+    spec_drafts: int  # speculative decoding: rows that drafted in a verify step, their draft
+    spec_draft_tokens: int  # tokens, and the drafts accepted
+    spec_accepted_tokens: int
     compilations_after_warmup: int
     compilations_on_demand: int
     pools: tuple[PoolStats, ...]
@@ -121,6 +124,8 @@ class Readings:
             transfer_backlog=backlog, transfers_in_flight=self.transfers_in_flight,
             kv_transfers=self.kv_transfers, kv_transfer_bytes=self.kv_transfer_bytes,
             prefill_programs=self.prefill_programs, prefill_chunks=self.prefill_chunks,
+            spec_drafts=self.spec_drafts, spec_draft_tokens=self.spec_drafted,
+            spec_accepted_tokens=self.spec_accepted,
             compilations_after_warmup=self.compilations_after_warmup,
             compilations_on_demand=self.compilations_on_demand, pools=pools)
 

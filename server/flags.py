@@ -39,6 +39,24 @@ DECODE_STEPS = flags.DEFINE_integer(
     "Most decode steps one dispatch runs when an iteration has only decoding to do (every "
     "request with that many tokens to go and no stop strings): less host work per token, "
     "tokens reach clients k at a time.", lower_bound=1)
+SPECULATIVE = flags.DEFINE_enum(
+    "speculative", "off", ["off", "ngram"],
+    "Speculative decoding. ngram: prompt lookup, each step drafts the tokens that followed the "
+    "sequence's last n-gram where it occurred before (answers that quote or edit their prompt), "
+    "and one verify step keeps those the model's own sampling agrees with: the same output, "
+    "several tokens a step while drafts are accepted. Applies while at most "
+    "--speculative_max_batch requests decode.")
+NUM_SPECULATIVE_TOKENS = flags.DEFINE_integer(
+    "num_speculative_tokens", 4, "With --speculative: most draft tokens a step verifies per request.",
+    lower_bound=1)
+SPECULATIVE_MAX_BATCH = flags.DEFINE_integer(
+    "speculative_max_batch", 4,
+    "With --speculative: most decoding requests for which a step drafts; with more, steps decode "
+    "plainly (a step then costs its compute more than its weight read).", lower_bound=1)
+PROMPT_LOOKUP_MIN = flags.DEFINE_integer(
+    "prompt_lookup_min", 2, "With --speculative=ngram: the shortest n-gram matched.", lower_bound=1)
+PROMPT_LOOKUP_MAX = flags.DEFINE_integer(
+    "prompt_lookup_max", 4, "With --speculative=ngram: the longest n-gram matched.", lower_bound=1)
 MAX_LOGPROBS = flags.DEFINE_integer(
     "max_logprobs", 20,
     "Most alternatives per token a request may ask for (top_logprobs; logprobs on completions); "
@@ -83,6 +101,10 @@ def _parses(parse):
 
 
 flags.register_validator("priority_classes", _parses(PriorityClasses.parse))
+flags.register_multi_flags_validator(
+    ["prompt_lookup_min", "prompt_lookup_max"],
+    lambda f: f["prompt_lookup_min"] <= f["prompt_lookup_max"],
+    "--prompt_lookup_min must be at most --prompt_lookup_max")
 flags.register_validator("slo_ttft", _parses(lambda v: SLO.parse(ttft=v)))
 flags.register_validator("slo_itl", _parses(lambda v: SLO.parse(itl=v)))
 WARMUP = flags.DEFINE_enum(

@@ -74,6 +74,13 @@ _READINGS: dict[str, tuple[str, str, Callable[[SchedulerStats], float]]] = {
                                  lambda s: s.kv_pages_evicted),
     "cadence:prompt_tokens_forked": ("counter", "Prompt tokens the later choices of an n > 1 request took "
                                      "from the first one's KV, not prefilled.", lambda s: s.forked_tokens),
+    "cadence:spec_decode_num_drafts": ("counter", "Speculative decoding: verify steps' rows that drafted "
+                                       "(vLLM's spec_decode_num_drafts).", lambda s: s.spec_drafts),
+    "cadence:spec_decode_num_draft_tokens": ("counter", "Draft tokens verified (vLLM's "
+                                             "spec_decode_num_draft_tokens).", lambda s: s.spec_draft_tokens),
+    "cadence:spec_decode_num_accepted_tokens": ("counter", "Of those, accepted: tokens decoded beyond "
+                                                "one per step (vLLM's spec_decode_num_accepted_tokens).",
+                                                lambda s: s.spec_accepted_tokens),
 }
 _VLLM_NAMES = {
     "vllm:num_requests_running": "cadence:num_requests_running",
@@ -81,6 +88,9 @@ _VLLM_NAMES = {
     "vllm:kv_cache_usage_perc": "cadence:kv_cache_usage_perc",
     "vllm:prefix_cache_queries": "cadence:prefix_cache_queries",
     "vllm:prefix_cache_hits": "cadence:prefix_cache_hits",
+    "vllm:spec_decode_num_drafts": "cadence:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "cadence:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "cadence:spec_decode_num_accepted_tokens",
 }
 # Per pool ("colocated", or "prefill" and "decode").
 _POOL_READINGS: dict[str, tuple[str, Callable[[PoolStats], float]]] = {

@@ -38,14 +38,17 @@ from cadence.scheduler.grammar import GrammarCompiler
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.priority import SLO, PriorityClasses
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+from cadence.scheduler.speculative import SpeculativeConfig
 from cadence.server.flags import (ATTENTION, COORDINATOR, CPU_KERNELS, DECODE_DEVICES,
                                    DECODE_STEPS, DTYPE, GRAMMAR_TIMEOUT, KV_MEMORY, KV_RESERVATION,
                                    LOWER_SHARE, MAX_LOGPROBS, MAX_PREFILL_CHUNKS, MAX_QUEUE,
                                    MAX_SEQ_LEN, MODEL_FLAG, NUM_CPU_DEVICES, NUM_PROCESSES,
-                                   NUM_SLOTS, PAGE_SIZE, POLICY, PREFILL_CHUNK, PREFILL_DEVICES,
-                                   PREFILL_SLOTS, PREFIX_CACHING, PRIORITY_CLASSES, PROCESS_ID,
-                                   SLO_ITL, SLO_MARGIN, SLO_TTFT, STRUCTURED_OUTPUT,
-                                   TENSOR_PARALLEL, TOKEN_BUDGET, WARMUP, WARMUP_THREADS, WEIGHTS)
+                                   NUM_SLOTS, NUM_SPECULATIVE_TOKENS, PAGE_SIZE, POLICY,
+                                   PREFILL_CHUNK, PREFILL_DEVICES, PREFILL_SLOTS, PREFIX_CACHING,
+                                   PRIORITY_CLASSES, PROCESS_ID, PROMPT_LOOKUP_MAX,
+                                   PROMPT_LOOKUP_MIN, SLO_ITL, SLO_MARGIN, SLO_TTFT, SPECULATIVE,
+                                   SPECULATIVE_MAX_BATCH, STRUCTURED_OUTPUT, TENSOR_PARALLEL,
+                                   TOKEN_BUDGET, WARMUP, WARMUP_THREADS, WEIGHTS)
 
 
 @dataclasses.dataclass
@@ -203,6 +206,8 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
         decode_steps=DECODE_STEPS.value,
         max_logprobs=MAX_LOGPROBS.value,
         structured_output=STRUCTURED_OUTPUT.value,
+        speculative_tokens=NUM_SPECULATIVE_TOKENS.value if SPECULATIVE.value == "ngram" else 0,
+        speculative_batch=SPECULATIVE_MAX_BATCH.value,
         # An iteration's prompt chunks, packed, fit one program even with every slot decoding.
         prefill_tokens=max(PREFILL_CHUNK.value, token_budget() - NUM_SLOTS.value),
     )
@@ -287,7 +292,8 @@ def scheduler_config_from_flags(model_name: str) -> SchedulerConfig:
     return SchedulerConfig(policy=policy, max_queue=MAX_QUEUE.value,
                            kv_reservation=KV_RESERVATION.value, prefix_caching=PREFIX_CACHING.value,
                            cache_namespace=f"{model_name}/{WEIGHTS.value}/{DTYPE.value}",
-                           priority_classes=classes, slo=slo)
+                           priority_classes=classes, slo=slo,
+                           speculative=SpeculativeConfig(PROMPT_LOOKUP_MIN.value, PROMPT_LOOKUP_MAX.value))
 
 
 def warm_up(engines: Sequence[Engine], progress: Callable[[int, int, str], None] | None = None,

@@ -15,7 +15,7 @@ from cadence.engine.packing import PrefillChunk
 from cadence.engine.reference import greedy_generate
 from cadence.model import cpu_kernels
 from cadence.model.host_sampling import RequestSampling, SamplingRows
-from cadence.scheduler.speculative import Acceptance, Drafter, NgramDrafts
+from cadence.scheduler.speculative import Acceptance, Drafter, NgramDrafts, SpeculativeConfig
 from cadence.scheduler.grammar import GrammarCompiler, Regex
 from cadence.scheduler.request import GenerationParams
 from tests.fakes import (
@@ -402,3 +402,51 @@ def test_speculative_serving_equals_plain_serving_on_the_engine(tiny_params, tin
     for (prompt, params), out in zip(subs, outputs[4]):
         if params.sampling.temperature == 0:
             assert out == greedy_generate(tiny_params, tiny_config, prompt, params.max_tokens)
+
+
+def test_served_with_drafts_over_http_the_text_is_the_reference_and_metrics_count(
+        tiny_params, tiny_config, tiny_tokenizer):
+    """The app over a speculative engine: a completion's text is the reference generator's,
+    streamed or not, and /metrics counts drafts and accepted tokens under vLLM's names."""
+    import httpx
+    import openai
+
+    from tests.conftest import SERVING_ENGINE, serve_tiny
+
+    prompt = [7, 8, 9, 10] * 6
+    want = tiny_tokenizer.decode(greedy_generate(tiny_params, tiny_config, prompt, 40))
+    e = Engine(tiny_params, tiny_config, EngineConfig(**SERVING_ENGINE, speculative_tokens=4))
+    e.warmup(warmup="needed")
+    with serve_tiny(e, tiny_tokenizer) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        args = dict(model="tiny", prompt=prompt, max_tokens=40, temperature=0,
+                    extra_body={"ignore_eos": True})
+        assert client.completions.create(**args).choices[0].text == want
+        streamed = "".join(c.choices[0].text for c in client.completions.create(**args, stream=True))
+        assert streamed == want
+        text = httpx.get(f"{url}/metrics").text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:spec_decode")}
+    drafted = values["vllm:spec_decode_num_draft_tokens_total"]
+    assert 0 < values["vllm:spec_decode_num_accepted_tokens_total"] <= drafted
+    assert values["vllm:spec_decode_num_drafts_total"] > 0
+    assert e.compilations_after_warmup == 0
+
+
+def test_flags_turn_speculation_on_and_check_the_ngram_sizes():
+    from absl import flags
+    from absl.testing import flagsaver
+
+    from cadence.server import runtime
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    assert runtime.engine_config_from_flags().speculative_tokens == 0  # off by default
+    with flagsaver.flagsaver(speculative="ngram", num_speculative_tokens=3, speculative_max_batch=2,
+                             prompt_lookup_min=1, prompt_lookup_max=5):
+        engine = runtime.engine_config_from_flags()
+        assert (engine.speculative_tokens, engine.speculative_batch) == (3, 2)
+        assert runtime.scheduler_config_from_flags("m").speculative == SpeculativeConfig(1, 5)
+    with pytest.raises(flags.IllegalFlagValueError, match="prompt_lookup_min must be at most"):
+        with flagsaver.flagsaver(prompt_lookup_min=6, prompt_lookup_max=5):
+            pass
