@@ -49,6 +49,7 @@ from absl import app, flags
 
 from cadence.bench import roofline
 from cadence.engine.config import DEFAULT_PAGE_SIZE
+from cadence.model.arith import cdiv
 
 _OUT = flags.DEFINE_string("out", None, "JSON results file (default: bench/results/gpu-<gpu>/gpu_bench-<date>.json).")
 _DEADLINE = flags.DEFINE_float("deadline_s", 420.0, "Skip remaining measurements after this many seconds.")
@@ -195,7 +196,7 @@ def shuffled_pages(rng, k: jax.Array, v: jax.Array, page_size: int):
     every row's pages scattered through a random permutation of the pool, as an allocator that
     has run for a while leaves them. A last partial page is padded with zeros no query sees."""
     batch, kv_heads, kv_len, head_dim = k.shape
-    max_pages = -(-kv_len // page_size)
+    max_pages = cdiv(kv_len, page_size)
     table = rng.permutation(batch * max_pages).astype(np.int32)  # (row, j) -> its pool page
     holder = jnp.asarray(np.argsort(table))  # pool page -> the (row, j) it holds
 

@@ -34,6 +34,7 @@ from absl import app, flags
 from cadence.checkpoints.registry import load_model
 from cadence.engine.reference import greedy_generate, sequence_logits
 from cadence.model import cpu_kernels
+from cadence.model.arith import cdiv
 from cadence.model.llama import forward
 from cadence.model.paged_kv import PagedKVCache
 from cadence.model.quant import dequantize, quantize, quantize_grouped
@@ -76,7 +77,7 @@ class Decoder:
         `feed`'s tokens (teacher-forced), or with feed None up to n greedy ones (each argmax
         fed back, stopping at an EOS)."""
         steps = len(feed) if feed is not None else n
-        pages = -(-(len(prompt) + steps) // PAGE) + 1
+        pages = cdiv(len(prompt) + steps, PAGE) + 1
         cache = PagedKVCache.create(self.config, pages, PAGE)
         table = np.arange(pages, dtype=np.int32)[None]
         logits, cache = self._run(self.prefill_params, np.asarray([prompt], np.int32),

@@ -21,6 +21,7 @@ import ml_dtypes  # noqa: F401 (NumPy reads "bfloat16" once it is imported)
 import numpy as np
 
 from cadence.engine.packing import bucket_for
+from cadence.model.arith import cdiv
 
 
 # Measured with SmolLM2-135M on the 2-core CPU: batched decode beat the per-slot loops at 128
@@ -128,7 +129,7 @@ class EngineConfig:
 
     @property
     def max_pages_per_seq(self) -> int:
-        return -(-self.max_seq_len // self.page_size)
+        return cdiv(self.max_seq_len, self.page_size)
 
     @property
     def pool_pages(self) -> int:
@@ -151,7 +152,7 @@ class EngineConfig:
     @property
     def score_bucket(self) -> int:
         """Tokens of the largest scoring prefill program (`PrefillChunk.targets`): one chunk."""
-        return bucket_for(self.prefill_buckets, -(-self.prefill_chunk // self.pack_block) * self.pack_block)
+        return bucket_for(self.prefill_buckets, cdiv(self.prefill_chunk, self.pack_block) * self.pack_block)
 
     @property
     def score_buckets(self) -> tuple[int, ...]:
@@ -172,10 +173,10 @@ class EngineConfig:
         """Tokens of the packed prefill programs: multiples of `pack_block` up to the first
         that holds `prefill_tokens`."""
         block = self.pack_block
-        return ladder(block, -(-(self.prefill_tokens or self.prefill_chunk) // block) * block)
+        return ladder(block, cdiv(self.prefill_tokens or self.prefill_chunk, block) * block)
 
     def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
+        return cdiv(tokens, self.page_size)
 
     @property
     def page_buckets(self) -> tuple[int, ...]:

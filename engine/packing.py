@@ -37,6 +37,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from cadence.model.arith import cdiv
+
 
 @dataclasses.dataclass(frozen=True)
 class PrefillChunk:
@@ -82,7 +84,7 @@ def bucket_for(buckets: Sequence[int], n: int) -> int:
 
 
 def padded(length: int, block: int) -> int:
-    return -(-length // block) * block
+    return cdiv(length, block) * block
 
 
 def empty_pack(tokens: int, width: int, block: int, num_slots: int,
@@ -127,7 +129,7 @@ def pack_chunks(
 
 def _pack(chunks, block, token_buckets, page_buckets, page_size, num_slots, max_chunks) -> Pack:
     total = sum(padded(len(c.tokens), block) for c in chunks)
-    reach = max(-(-(c.start + len(c.tokens)) // page_size) for c in chunks)
+    reach = max(cdiv(c.start + len(c.tokens), page_size) for c in chunks)
     pack = empty_pack(bucket_for(token_buckets, total), bucket_for(page_buckets, reach), block,
                       num_slots, max_chunks)
     flat_tokens, flat_positions = pack.tokens.reshape(-1), pack.positions.reshape(-1)
@@ -137,7 +139,7 @@ def _pack(chunks, block, token_buckets, page_buckets, page_size, num_slots, max_
         at = row * block
         flat_tokens[at : at + n] = c.tokens
         flat_positions[at : at + n] = np.arange(c.start, c.start + n)
-        rows = -(-n // block)
+        rows = cdiv(n, block)
         pack.lengths[row : row + rows] = np.minimum(block, n - block * np.arange(rows))
         used = min(len(c.pages), pack.tables.shape[1])
         pack.tables[row : row + rows, :used] = np.asarray(c.pages[:used], np.int32)

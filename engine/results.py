@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from cadence.model.arith import cdiv
+
 if TYPE_CHECKING:
     import jax
 
@@ -42,7 +44,7 @@ class KVHandle:
 
     @property
     def num_pages(self) -> int:
-        return -(-self.length // self.page_size)
+        return cdiv(self.length, self.page_size)
 
     @property
     def nbytes(self) -> int:

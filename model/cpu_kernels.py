@@ -64,6 +64,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cadence.model.arith import cdiv
+
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC", "-w")
 BLOCK = 16  # output columns per block of the blocked layout (cpu_kernels.cc's kBlock)
@@ -164,7 +166,7 @@ def block(w):
     NumPy in, NumPy out; a jax array stays where it lies."""
     xp = np if isinstance(w, np.ndarray) else jnp
     k, n = w.shape
-    blocks = -(-n // BLOCK)
+    blocks = cdiv(n, BLOCK)
     w = xp.pad(w, ((0, 0), (0, blocks * BLOCK - n)))
     return w.reshape(k, blocks, BLOCK).transpose(1, 0, 2)
 
@@ -213,7 +215,7 @@ def grouped_format(blocked) -> str:
 
 def _runs(a: np.ndarray, per_record: int) -> np.ndarray:
     rows, n = a.shape
-    blocks = -(-n // BLOCK)
+    blocks = cdiv(n, BLOCK)
     a = np.pad(a, ((0, 0), (0, blocks * BLOCK - n))).reshape(rows // per_record, per_record, blocks, BLOCK)
     return a.transpose(2, 0, 1, 3).copy().view(np.uint8).reshape(blocks, rows // per_record, -1)
 
@@ -377,7 +379,7 @@ FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 
 
 def _padded(n: int) -> int:
-    return -(-n // BLOCK) * BLOCK
+    return cdiv(n, BLOCK) * BLOCK
 
 
 def decode_params(params: dict[str, Any], packed: dict[tuple[str, ...], Any] | None = None) -> dict[str, Any]:

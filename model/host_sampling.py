@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cadence.model.arith import cdiv
+
 if TYPE_CHECKING:
     from cadence.model.sampling import SamplingParams
 
@@ -184,7 +186,7 @@ class SamplingRows:
 
 def bitmask_words(vocab: int) -> int:
     """int32 words of one row's token bitmask."""
-    return -(-vocab // 32)
+    return cdiv(vocab, 32)
 
 
 ALL_ALLOWED = -1  # a bitmask word with every bit set: the row is not constrained

@@ -46,6 +46,8 @@ read by position, so they rely on the pool holding finite values (it is created 
 - `cpu_paged_attention` ("cpu", the CPU default where `model.cpu_kernels` builds): decode by the
   C++ kernel, which reads each row's live pages once with no loop steps, prefill as "xla".
 - `model.pallas_paged.pallas_paged_attention` ("pallas"): the GPU kernels.
+- "xla_rows", "cpu_rows", "pallas_rows" (`query_rows`): the decode path of each, a query per
+  row: a few queries of one sequence at once (speculative decoding's verify step).
 
 Non-goals: page allocation (host side), writes (`model.paged_kv.write`), sliding windows.
 """
@@ -59,6 +61,7 @@ import jax
 import jax.numpy as jnp
 
 from cadence.model import cpu_kernels
+from cadence.model.arith import cdiv
 from cadence.model.attention import DECODE_TILE, _batched_matmul, xla_attention
 
 
@@ -151,7 +154,7 @@ def _paged_decode(q, k_pages, v_pages, page_table, q_positions, *, tile_pages: i
         whole = live // tile
         carry = jax.lax.fori_loop(0, whole, whole_tile, carry)
         first = whole * tile_pages
-        left = (live + page_size - 1) // page_size - first  # 0..tile_pages pages
+        left = cdiv(live, page_size) - first  # 0..tile_pages pages
         n = 1 << (tile_pages.bit_length() - 1)  # the largest power of two <= tile_pages
         while n:  # static: one optional tile per bit of `left`
             taken = (left & n) > 0
@@ -202,7 +205,7 @@ def paged_prefill_tiled(
     group = num_heads // num_kv_heads
     tile_rows = min(tile_rows, rows)
     tile_pages = max(1, min(key_tile // page_size, page_table.shape[1]))
-    width = -(-page_table.shape[1] // tile_pages) * tile_pages
+    width = cdiv(page_table.shape[1], tile_pages) * tile_pages
     table = jnp.pad(page_table, ((0, tile_rows), (0, width - page_table.shape[1])))
     scale = 1.0 / jnp.sqrt(jnp.float32(head_dim))
 
@@ -285,12 +288,30 @@ def pallas_paged_attention(q, k_pages, v_pages, page_table, q_positions, *, inte
     )
 
 
+def query_rows(attend: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """`attend` with every query of a row run as a row of its own (q_len 1, the row's page
+    table and the query's position): its decode path for a few queries per row, as speculative
+    decoding's verify step scores (the last token and its drafts, whose KV is written before
+    attention reads it). Exact, as each query sees keys up to its own position either way; on
+    the CPU a handful of queries per row ran ~3x slower through the prefill tiles."""
+    def attend_rows(q, k_pages, v_pages, page_table, q_positions):
+        rows, q_len, num_heads, head_dim = q.shape
+        out = attend(q.reshape(rows * q_len, 1, num_heads, head_dim), k_pages, v_pages,
+                     jnp.repeat(page_table, q_len, axis=0), q_positions.reshape(rows * q_len, 1))
+        return out.reshape(rows, q_len, num_heads, head_dim)
+
+    return attend_rows
+
+
 PAGED_IMPLEMENTATIONS: dict[str, Callable[..., jax.Array]] = {
     "xla": xla_paged_attention,
     "reference": paged_reference_attention,
     "pallas": pallas_paged_attention,
     "cpu": cpu_paged_attention,
 }
+# Each decode path over queries as rows (`query_rows`): "xla_rows", "pallas_rows", "cpu_rows".
+PAGED_IMPLEMENTATIONS.update({f"{name}_rows": query_rows(PAGED_IMPLEMENTATIONS[name])
+                              for name in ("xla", "pallas", "cpu")})
 
 
 def get_paged_attention(name: str) -> Callable[..., jax.Array]:

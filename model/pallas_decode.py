@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from cadence.model.arith import cdiv
 from cadence.model.pallas_common import (
     MIN_DOT, NEG, default_interpret, dot_nn, dot_nt, dot_precision, load, next_pow2,
     score_scale, store, triton_call,
@@ -49,7 +50,7 @@ def _multiprocessors() -> int:
 def default_tiling(batch: int, num_kv_heads: int, kv_len: int, head_dim: int) -> DecodeTiling:
     """Enough programs for ~4 waves over the GPU (a short tail), each split >= 4 tiles long."""
     block_k = min(64 if head_dim >= 128 else 128, max(MIN_DOT, next_pow2(kv_len)))
-    wanted = -(-4 * _multiprocessors() // (batch * num_kv_heads))
+    wanted = cdiv(4 * _multiprocessors(), batch * num_kv_heads)
     most = max(1, kv_len // (4 * block_k))
     return DecodeTiling(block_k=block_k, num_splits=max(1, min(wanted, most)))
 
@@ -131,8 +132,8 @@ def split_call(q, q_positions, num_kv_heads: int, kv_len: int, kv_args: list, kv
     group = num_heads // num_kv_heads
     tiling = tiling or default_tiling(batch, num_kv_heads, kv_len, head_dim)
     interpret = default_interpret() if interpret is None else interpret
-    split_len = -(-pl.cdiv(kv_len, tiling.num_splits) // tiling.block_k) * tiling.block_k
-    splits = pl.cdiv(kv_len, split_len)
+    split_len = cdiv(cdiv(kv_len, tiling.num_splits), tiling.block_k) * tiling.block_k
+    splits = cdiv(kv_len, split_len)
 
     # Keys row b may see: 0..position, clipped to [0, kv_len] (-1 gives 0).
     lengths = jnp.clip(q_positions[:, 0].astype(jnp.int32) + 1, 0, kv_len)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from cadence.model.arith import cdiv
 from cadence.model.pallas_common import (
     MIN_DOT, NEG, default_interpret, dot_nn, dot_nt, dot_precision, load, next_pow2,
     score_scale, store, triton_call,
@@ -46,7 +47,7 @@ def default_tiling(q_len: int, group: int, head_dim: int) -> PrefillTiling:
     """~128 matmul rows per program (fewer for short chunks), 64-key tiles."""
     gp = next_pow2(group)
     block_q = min(max(1, 128 // gp), next_pow2(q_len))
-    block_q = max(block_q, -(-MIN_DOT // gp))
+    block_q = max(block_q, cdiv(MIN_DOT, gp))
     rows = block_q * gp
     return PrefillTiling(
         block_q=block_q, block_k=64, num_warps=8 if rows * head_dim >= 128 * 128 else 4

@@ -36,6 +36,7 @@ import collections
 import heapq
 from collections.abc import Sequence
 
+from cadence.model.arith import cdiv
 from cadence.scheduler.prefix_cache import PageKeys, PrefixCache
 
 __all__ = ["NULL_PAGE", "PageAllocator", "PageKeys"]
@@ -82,7 +83,7 @@ class PageAllocator:
         return self.cache.evictions
 
     def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
+        return cdiv(tokens, self.page_size)
 
     def grow(self, pages: list[int], to_tokens: int) -> list[int] | None:
         """Appends to `pages` what `to_tokens` tokens need beyond what it holds; returns the

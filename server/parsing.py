@@ -35,6 +35,7 @@ from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.api import RequestSampling
+from cadence.model.arith import cdiv
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.request import GenerationParams, check_params
 from cadence.scheduler.grammar import (Grammar, GrammarCompiler, GrammarError, JsonObject, JsonSchema, Spec,
@@ -334,7 +335,7 @@ def render_chat(messages: Any, tokenizer: Tokenizer, tools: ToolRequest | None =
 def check_prompt_size(text: str, tokenizer: Tokenizer, max_seq_len: int) -> None:
     """Refuses, without tokenizing, a text too long for the context at any tokenization."""
     size = len(text.encode("utf-8"))
-    fewest = -(-size // tokenizer.max_token_bytes)
+    fewest = cdiv(size, tokenizer.max_token_bytes)
     if fewest > max_seq_len:
         raise RequestTooLong(
             f"the prompt is {size} bytes, at least {fewest} tokens, which exceeds the context of "

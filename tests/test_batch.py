@@ -20,6 +20,7 @@ import pytest
 
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.reference import greedy_generate
+from cadence.model.arith import cdiv
 from cadence.server.batch_cli import BatchError, load_done
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +95,7 @@ def test_batch_run_matches_the_reference(setup, tmp_path, tiny_config, tiny_para
         assert 0 <= r["cached_tokens"] < r["prompt_tokens"]
         assert r["finish_reason"] in ("stop", "length")
         assert 0 <= r["queue_time"] <= r["ttft"] <= r["total_time"]
-        assert r["prefill_chunks"] == -(-r["prompt_tokens"] // 32)
+        assert r["prefill_chunks"] == cdiv(r["prompt_tokens"], 32)
         assert r["decode_steps"] >= r["completion_tokens"] - 1
     for e in entries[:8]:
         assert by_id[e["id"]]["completion_tokens"] == e["max_tokens"]

@@ -23,6 +23,7 @@ from cadence.engine import compile_counter
 from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine
 from cadence.engine.reference import greedy_generate
+from cadence.model.arith import cdiv
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -83,7 +84,7 @@ def test_disaggregated_equals_colocated_and_the_reference(pair, tiny_params, tin
     assert disaggregated.kv_transfers == len(prompts)
     # Live pages only: 2 (K, V) x layers x kv_heads x head_dim x 4 bytes per token, whole pages.
     per_page = 2 * tiny_config.num_layers * tiny_config.num_kv_heads * tiny_config.head_dim * 4 * 16
-    assert disaggregated.kv_transfer_bytes == per_page * sum(-(-n // 16) for n in (16, 32, 48, 17, 5))
+    assert disaggregated.kv_transfer_bytes == per_page * sum(cdiv(n, 16) for n in (16, 32, 48, 17, 5))
     assert disaggregated.kv_pages == (0, prefill.num_pages + decode.num_pages)
 
 

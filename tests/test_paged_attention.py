@@ -22,6 +22,7 @@ import pytest
 
 from cadence.engine.packing import PrefillChunk, pack_chunks
 from cadence.model import kv_cache, paged_kv
+from cadence.model.arith import cdiv
 from cadence.model.attention import xla_attention
 from cadence.model.config import TINY
 from cadence.model.paged_attention import (
@@ -53,12 +54,12 @@ def build(seed, rows, kv_heads, head_dim, page_size, max_pages, visible, poison)
     table = rng.permutation(num_pages)[: rows * max_pages].reshape(rows, max_pages)
     pools = [np.full((kv_heads, num_pages, page_size, head_dim), poison, np.float32) for _ in "kv"]
     for r in range(rows):
-        for j in range(-(-visible[r] // page_size)):
+        for j in range(cdiv(visible[r], page_size)):
             for pool, x in zip(pools, (k, v)):
                 part = x[r, :, j * page_size:(j + 1) * page_size]
                 ok = seen[r, j * page_size:(j + 1) * page_size]
                 pool[:, table[r, j]] = np.where(ok[None, :, None], part, poison)
-    live = np.arange(max_pages)[None, :] < -(-np.asarray(visible)[:, None] // page_size)
+    live = np.arange(max_pages)[None, :] < cdiv(np.asarray(visible)[:, None], page_size)
     garbage = rng.choice([-1, num_pages + 7, int(table[0, 0])], size=table.shape)
     table = np.where(live, table, garbage).astype(np.int32)
     return (*map(jnp.asarray, pools), jnp.asarray(table), jnp.asarray(k), jnp.asarray(v))
@@ -224,7 +225,7 @@ def test_pallas_paged_prefill_over_packed_chunks_matches_each_chunk_alone():
         alone = xla_attention(jnp.asarray(flat_q[at:at + n][None]), jnp.asarray(k_seq[seq]),
                               jnp.asarray(v_seq[seq]), jnp.asarray(flat_pos[at:at + n][None]))
         np.testing.assert_allclose(flat_out[at:at + n], np.asarray(alone)[0], atol=ATOL, rtol=ATOL)
-        row += -(-n // block)
+        row += cdiv(n, block)
     assert (flat_out[flat_pos < 0] == 0).all()
 
 
