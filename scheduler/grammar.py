@@ -47,7 +47,7 @@ import llguidance
 import numpy as np
 
 from cadence.checkpoints.tokenizer import Tokenizer
-from cadence.model.sampling import bitmask_words
+from cadence.model.host_sampling import bitmask_words
 from cadence.scheduler.errors import Overloaded, SubmissionError
 
 # The JSON grammar's layout (llguidance's JSON compile options): compact, json.dumps' separators.
