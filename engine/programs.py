@@ -149,9 +149,11 @@ def _verify_program(
     scored = live[:, None] & (offsets[None, :] <= lens[:, None])
     tokens = jnp.concatenate([inputs[:, None], drafts], axis=1)
     at = jnp.where(scored, positions[:, None] + offsets[None, :], -1)
+    # Each scored position attends as a decode query of its own (`paged_attention.query_rows`).
+    rows = attention if attention == "reference" else f"{attention}_rows"
     logits, cache = forward(
         params, tokens, at, jnp.where(live, lens + 1, 0), cache, page_table, config=config,
-        attention=attention, dtype=dtype, mesh=mesh, rope_table=rope)  # [batch, k + 1, vocab]
+        attention=rows, dtype=dtype, mesh=mesh, rope_table=rope)  # [batch, k + 1, vocab]
 
     into_none = jnp.full_like(slots, num_slots)
     drafts = jnp.concatenate([drafts, jnp.zeros((batch, 1), drafts.dtype)], axis=1)  # [batch, k + 1]

@@ -47,12 +47,14 @@ SPECULATIVE = flags.DEFINE_enum(
     "several tokens a step while drafts are accepted. Applies while at most "
     "--speculative_max_batch requests decode.")
 NUM_SPECULATIVE_TOKENS = flags.DEFINE_integer(
-    "num_speculative_tokens", 4, "With --speculative: most draft tokens a step verifies per request.",
-    lower_bound=1)
+    "num_speculative_tokens", None,
+    "With --speculative: most draft tokens a step verifies per request (default: 3 on the CPU "
+    "kernels, whose matmuls read the weights once for up to 4 rows; 4 elsewhere).", lower_bound=1)
 SPECULATIVE_MAX_BATCH = flags.DEFINE_integer(
-    "speculative_max_batch", 4,
+    "speculative_max_batch", None,
     "With --speculative: most decoding requests for which a step drafts; with more, steps decode "
-    "plainly (a step then costs its compute more than its weight read).", lower_bound=1)
+    "plainly (default: 1 on the CPU, where a verify step's rows cost their compute; 8 on a GPU).",
+    lower_bound=1)
 PROMPT_LOOKUP_MIN = flags.DEFINE_integer(
     "prompt_lookup_min", 2, "With --speculative=ngram: the shortest n-gram matched.", lower_bound=1)
 PROMPT_LOOKUP_MAX = flags.DEFINE_integer(

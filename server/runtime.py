@@ -206,8 +206,9 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
         decode_steps=DECODE_STEPS.value,
         max_logprobs=MAX_LOGPROBS.value,
         structured_output=STRUCTURED_OUTPUT.value,
-        speculative_tokens=NUM_SPECULATIVE_TOKENS.value if SPECULATIVE.value == "ngram" else 0,
-        speculative_batch=SPECULATIVE_MAX_BATCH.value,
+        speculative_tokens=(NUM_SPECULATIVE_TOKENS.value or (3 if kernels else 4)
+                            if SPECULATIVE.value == "ngram" else 0),
+        speculative_batch=SPECULATIVE_MAX_BATCH.value or (8 if on_gpu else 1),
         # An iteration's prompt chunks, packed, fit one program even with every slot decoding.
         prefill_tokens=max(PREFILL_CHUNK.value, token_budget() - NUM_SLOTS.value),
     )

@@ -450,3 +450,26 @@ def test_flags_turn_speculation_on_and_check_the_ngram_sizes():
     with pytest.raises(flags.IllegalFlagValueError, match="prompt_lookup_min must be at most"):
         with flagsaver.flagsaver(prompt_lookup_min=6, prompt_lookup_max=5):
             pass
+
+
+@pytest.mark.parametrize("name", ["xla_rows", "cpu_rows"])
+def test_query_rows_attention_equals_the_reference(name):
+    """A few queries per row run as rows of their own: the reference attention's output, with
+    GQA, rows of different lengths and a query at -1 (zeros)."""
+    if name == "cpu_rows" and not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    import jax.numpy as jnp
+
+    from cadence.model.paged_attention import get_paged_attention, paged_reference_attention
+
+    rng = np.random.default_rng(0)
+    pages, size, kv_heads, heads, d = 12, 8, 2, 4, 16
+    k_pages = jnp.asarray(rng.standard_normal((kv_heads, pages, size, d)), jnp.float32)
+    v_pages = jnp.asarray(rng.standard_normal((kv_heads, pages, size, d)), jnp.float32)
+    table = jnp.asarray([[3, 7, 1, 0], [5, 2, 9, 11], [4, 6, 8, 10]], jnp.int32)
+    positions = jnp.asarray([[5, 6, 7, 8], [20, 21, -1, -1], [0, 1, 2, 3]], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((3, 4, heads, d)), jnp.float32)
+    want = paged_reference_attention(q, k_pages, v_pages, table, positions)
+    got = get_paged_attention(name)(q, k_pages, v_pages, table, positions)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert not np.asarray(got)[1, 2:].any()
