@@ -59,7 +59,7 @@ class Program:
 # reference einsum attention, and the rest no attention).
 PALLAS_KERNELS = {"prefill": "cadence_paged_prefill", "prefill_scored": "cadence_paged_prefill",
                   "decode": "cadence_paged_decode", "decode_forward": "cadence_paged_decode",
-                  "verify": "cadence_paged_prefill"}
+                  "verify": "cadence_paged_decode"}
 
 
 def gpu_engine_config(num_slots: int = 64, max_seq_len: int = 4096, prefill_chunk: int = 512,
