@@ -16,6 +16,7 @@ from cadence.engine.engine import Engine
 from cadence.engine.packing import PrefillChunk, bucket_for
 from cadence.engine.programs import sampling_rows
 from cadence.engine.reference import greedy_generate
+from cadence.model.arith import cdiv
 from cadence.model.host_sampling import RequestSampling
 from cadence.scheduler.request import GenerationParams
 from tests.fakes import make_scheduler, needs_cpu_kernels, random_prompts, run_all
@@ -58,7 +59,7 @@ def test_chunk_size_does_not_change_greedy_tokens(engine, tiny_params, tiny_conf
     prompt = random_prompts(random.Random(1), 1, tiny_config.vocab_size, 180, 180)[0]
     sched = make_scheduler(engine, tiny_tokenizer, chunk=chunk, budget=chunk + 4)
     (s,) = run_all(sched, [(prompt, GenerationParams(max_tokens=20, ignore_eos=True))])
-    assert s.record.prefill_chunks == -(-180 // chunk)
+    assert s.record.prefill_chunks == cdiv(180, chunk)
     assert s.request.output_ids == greedy_generate(tiny_params, tiny_config, prompt, 20)
 
 
@@ -308,7 +309,7 @@ def test_a_pool_that_runs_dry_preempts_and_tokens_still_equal_the_reference(
     the chunk and that do not; XLA's decode, and the CPU kernels' (`model.cpu_kernels`), one
     and four steps per dispatch."""
     cfg = EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64,
-                       page_size=page_size, num_pages=-(-192 // page_size) + 1, **kernels)
+                       page_size=page_size, num_pages=cdiv(192, page_size) + 1, **kernels)
     e = Engine(tiny_params, tiny_config, cfg)
     e.warmup()
     rng = random.Random(5)
