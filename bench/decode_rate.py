@@ -11,6 +11,11 @@ is every stream's tokens over the round's wall time (first token included). Toke
 the server's `usage`, never re-tokenized. Works against cadence and llama.cpp's llama-server
 alike (`--extra_body='{"cache_prompt": false}'` keeps llama-server from reusing the prompt).
 
+With `--prompt_file` the user message is a file's text (a document and a request about it, the
+workload speculative decoding is for); where the server counts speculative decoding (vLLM's
+`spec_decode_*` metrics), each setting also reports the drafts and the tokens a verify step
+gave on average.
+
 Structured output: `--constrained='{"response_format": ...}'` merges those fields into the first
 `--constrained_streams` streams of each round (default: every one), which then end where their
 grammar does or at max_tokens (ignore_eos cannot go with a grammar); the summary gives the
@@ -38,6 +43,8 @@ _ROUNDS = flags.DEFINE_integer("rounds", 5, "Rounds per concurrency.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 256, "Output tokens per stream.")
 _PROMPT = flags.DEFINE_string("prompt", "Write a long story about a lighthouse keeper and the sea.",
                               "The user message.")
+_PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "A file whose text is the user message "
+                                   "(instead of --prompt), e.g. a document and a request about it.")
 _EXTRA_BODY = flags.DEFINE_string("extra_body", "{}", "JSON object merged into every request.")
 _LABEL = flags.DEFINE_string("label", None, "Name of this server in the output.")
 _CONSTRAINED = flags.DEFINE_string(
@@ -78,6 +85,33 @@ def bodies(body: dict, streams: int) -> list[dict]:
     return [constrained] * k + [body] * (streams - k)
 
 
+_SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                  "vllm:spec_decode_num_accepted_tokens_total")
+
+
+def spec_counters(client: httpx.Client) -> dict[str, float]:
+    """The server's speculative decoding counters (vLLM's names), {} where it has none."""
+    root = _BASE_URL.value.rstrip("/").removesuffix("/v1")
+    try:
+        text = client.get(f"{root}/metrics").text
+    except httpx.HTTPError:
+        return {}
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(_SPEC_COUNTERS)}
+
+
+def speculation(before: dict, after: dict) -> dict | None:
+    """Drafts, draft tokens and accepted tokens between two readings, and the mean tokens a
+    drafting row's verify step gave (1 + accepted per draft)."""
+    if not after:
+        return None
+    delta = {name.split("num_")[1].removesuffix("_total"): after[name] - before.get(name, 0)
+             for name in after}
+    drafts = delta.get("drafts", 0)
+    delta["tokens_per_verify"] = 1 + delta.get("accepted_tokens", 0) / drafts if drafts else None
+    return delta
+
+
 def run_round(client: httpx.Client, body: dict, streams: int) -> dict:
     out: list = [None] * streams
     start = time.perf_counter()
@@ -100,7 +134,8 @@ def run_round(client: httpx.Client, body: dict, streams: int) -> dict:
 def main(argv) -> None:
     del argv
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    body = {"model": _MODEL.value, "messages": [{"role": "user", "content": _PROMPT.value}],
+    prompt = Path(_PROMPT_FILE.value).read_text() if _PROMPT_FILE.value else _PROMPT.value
+    body = {"model": _MODEL.value, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": _MAX_TOKENS.value, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, **json.loads(_EXTRA_BODY.value)}
     results = {"label": _LABEL.value, "base_url": _BASE_URL.value, "max_tokens": _MAX_TOKENS.value,
@@ -108,15 +143,22 @@ def main(argv) -> None:
     with httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
         run_round(client, dict(body, max_tokens=8), 1)  # a first request: nothing cold in the rounds
         for streams in map(int, _CONCURRENCY.value):
+            before = spec_counters(client)
             rounds = [run_round(client, body, streams) for _ in range(_ROUNDS.value)]
+            drafting = speculation(before, spec_counters(client))
             per_stream = [r for rd in rounds for r in rd["per_stream_decode_tok_s"]]
             setting = {"streams": streams, "rounds": rounds,
                        "median_stream_decode_tok_s": statistics.median(per_stream),
-                       "median_aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in rounds)}
+                       "median_aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in rounds),
+                       "speculation": drafting}
             print(f"{_LABEL.value or _BASE_URL.value}: {streams} stream(s): per-stream decode "
                   f"{setting['median_stream_decode_tok_s']:.1f} tok/s (median of {len(per_stream)}), "
                   f"aggregate {setting['median_aggregate_tok_s']:.1f} tok/s (median of {len(rounds)} rounds)",
                   flush=True)
+            if drafting and drafting["drafts"]:
+                print(f"  speculation: {drafting['draft_tokens']:.0f} draft tokens in "
+                      f"{drafting['drafts']:.0f} drafts, {drafting['accepted_tokens']:.0f} accepted: "
+                      f"{drafting['tokens_per_verify']:.2f} tokens per verify step", flush=True)
             for kind, wanted in (("constrained", True), ("free", False)):
                 rates = [rate for rd in rounds for rate, c in zip(rd["per_stream_decode_tok_s"],
                                                                   rd["constrained"]) if c == wanted]

@@ -70,6 +70,7 @@ An engine may also compile programs on first use (`CompilesOnDemand`; the schedu
                                                         (`engine.config.GROUPS`) a request needs
                                                         that warm-up left out; None: nothing to
                                                         wait for, else a Future done when they are
+    engine.ready(group)                                 whether a group's programs are compiled
     engine.compilations_on_demand                       for metrics
 
 `prefill` and `decode` return at once (JAX dispatch is asynchronous); the scheduler reads the
@@ -166,6 +167,8 @@ class CompilesOnDemand(Protocol):
     the scheduler looks for it with `getattr`."""
 
     def prepare(self, groups: Sequence[str]) -> Future | None: ...
+
+    def ready(self, group: str) -> bool: ...
 
     @property
     def compilations_on_demand(self) -> int: ...

@@ -246,7 +246,8 @@ def fixed_page_tables(config: EngineConfig, order: Sequence[int] | None = None) 
 #   transfer    moving KV between the engines of a disaggregated pair (extract, insert)
 #   history     presence, frequency and repetition penalties: a slot's token history
 #   copy        n > 1: a later sequence's copy of the page holding the prompt's last token
-#   speculative speculative decoding's verify program (with speculative_tokens > 0): every
-#               request may run it, so "needed" compiles it too
+#   speculative speculative decoding's verify program (with speculative_tokens > 0); the
+#               scheduler starts its compile at the first iteration that could draft, and
+#               decodes plainly until it is ready
 GROUPS = ("prefill", "scoring", "decode", "structured", "transfer", "history", "copy", "speculative")
 WARMUPS = ("all", "needed")

@@ -587,7 +587,7 @@ class Engine:
             or (g == "structured" and not cfg.structured_output)
             or (g == "speculative" and (cfg.speculative_tokens == 0 or cfg.role == "prefill")))]
         if warmup == "needed":
-            groups = [g for g in groups if g in ("prefill", "decode", "speculative")
+            groups = [g for g in groups if g in ("prefill", "decode")
                       or (g == "transfer" and cfg.role != "both")]
         return tuple(groups)
 

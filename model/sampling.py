@@ -43,9 +43,6 @@ import jax.numpy as jnp
 from flax import struct
 
 from cadence.model.host_sampling import ALL_ALLOWED, NO_TOKEN, RequestSampling, SamplingRows
-# Host-side names the scheduler still imports from here (these two, and RequestSampling above):
-# scheduler/ moves to the new module (`model.host_sampling`) after its split lands.
-from cadence.model.host_sampling import all_allowed, bitmask_words  # noqa: F401
 
 
 @struct.dataclass

@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from cadence.model.arith import cdiv
 from cadence.scheduler.request import Request, State
 from cadence.scheduler.speculative import Drafter, SpeculativeConfig
 
@@ -85,7 +86,7 @@ class PolicyConfig:
             raise ValueError(f"lower_share must be in [0, 1], got {self.lower_share}")
 
     def padded(self, tokens: int) -> int:
-        return -(-tokens // self.pack_block) * self.pack_block
+        return cdiv(tokens, self.pack_block) * self.pack_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +133,7 @@ class PageBudget:
 
     def cost(self, r: Request, end: int) -> int:
         tokens = self.reserve or end
-        return max(0, -(-tokens // self.page_size) - len(r.pages) - len(r.prefix)) + r.prefix_evictable
+        return max(0, cdiv(tokens, self.page_size) - len(r.pages) - len(r.prefix)) + r.prefix_evictable
 
     def freed(self, r: Request) -> int:
         return len(r.pages) if self.releasable is None else self.releasable(r)
@@ -203,6 +204,11 @@ def make_plan(
     return _chunked(running, waiting, free_slots, config, pages, limit)
 
 
+def pages_wanted(decoding: Sequence[Request], steps: int, page_size: int) -> int:
+    """New pages the decoding requests need to write `steps` more positions each."""
+    return sum(max(0, cdiv(decoded_end(r, steps), page_size) - len(r.pages)) for r in decoding)
+
+
 def decode_steps(plan: Plan, running: Sequence[Request], most: int, free_pages: int, page_size: int) -> int:
     """Decode steps for the iteration's one dispatch (multi-step decoding, the engine's
     `decode_steps` at most): 1, unless the plan does nothing but decode, every request of the
@@ -215,8 +221,7 @@ def decode_steps(plan: Plan, running: Sequence[Request], most: int, free_pages: 
     if any(r.state is not State.DECODING or r.params.stop or r.matcher is not None for r in running):
         return 1
     steps = min(most, min(r.max_tokens - r.dispatched for r in plan.decode))
-    wanted = sum(max(0, -(-decoded_end(r, steps) // page_size) - len(r.pages)) for r in plan.decode)
-    return max(steps, 1) if wanted <= free_pages else 1
+    return max(steps, 1) if pages_wanted(plan.decode, steps, page_size) <= free_pages else 1
 
 
 def speculates(plan: Plan, running: Sequence[Request], engine_config, config: SpeculativeConfig,
@@ -260,8 +265,7 @@ def propose_drafts(plan: Plan, k: int, context: int, page_size: int, free_pages:
     if not drafts:
         return {}
     steps = 1 + max(len(d) for d in drafts.values())
-    wanted = sum(max(0, -(-decoded_end(r, steps) // page_size) - len(r.pages)) for r in plan.decode)
-    return drafts if wanted <= free_pages else {}
+    return drafts if pages_wanted(plan.decode, steps, page_size) <= free_pages else {}
 
 
 def running_cost(running: Sequence[Request], config: PolicyConfig, pages: PageBudget) -> int:
@@ -282,12 +286,12 @@ def _chunks(r: Request, start: int, budget: int, chunk: int, block: int = 1) -> 
     out = []
     while start < r.prefill_len:
         n = min(chunk, r.prefill_len - start)
-        if -(-n // block) * block > budget:
+        if cdiv(n, block) * block > budget:
             n = budget // block * block  # what fits, in whole blocks
         if n <= 0:
             break
         out.append(Chunk(r, start, n))
-        start, budget = start + n, budget - -(-n // block) * block
+        start, budget = start + n, budget - cdiv(n, block) * block
     return out
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer
-from cadence.model.sampling import RequestSampling
+from cadence.model.host_sampling import RequestSampling
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.prefix_cache import PageKeys
 from cadence.scheduler.speculative import Drafter

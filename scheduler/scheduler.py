@@ -65,7 +65,7 @@ from absl import logging
 
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.api import EngineAPI, PrefillChunk
-from cadence.model.sampling import all_allowed
+from cadence.model.host_sampling import all_allowed
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded
 from cadence.scheduler.config import KV_RESERVATIONS, SchedulerConfig  # noqa: F401 - importers' names
 from cadence.scheduler.policy import (
@@ -353,7 +353,8 @@ class Scheduler(Readings):
             pool.match_prefixes(self._waiting)
             pool.match_forks(self._waiting)
             plan = self._plan(pool)
-            if speculates(plan, pool.running, pool.engine.config, self.config.speculative, pool.split):
+            if self._verify_ready(pool) and speculates(
+                    plan, pool.running, pool.engine.config, self.config.speculative, pool.split):
                 return self._speculate(pool, start)
             plan.steps = decode_steps(plan, pool.running, pool.engine.config.decode_steps,
                                       pool.pages.free_count, self.page_size)
@@ -377,7 +378,8 @@ class Scheduler(Readings):
             landed = self._handoff.insert_landed()
             transfers = self._handoff.start()
             plan = Plan(decode=[r for r in pool.running if wants_decode(r)])
-            if speculates(plan, pool.running, pool.engine.config, self.config.speculative, pool.split):
+            if self._verify_ready(pool) and speculates(
+                    plan, pool.running, pool.engine.config, self.config.speculative, pool.split):
                 return self._speculate(pool, start, transfers + landed)
             plan.steps = decode_steps(plan, pool.running, pool.engine.config.decode_steps,
                                       pool.pages.free_count, self.page_size)
@@ -385,6 +387,19 @@ class Scheduler(Readings):
             self._reserve(pool, plan)
             self._dispatch_decode(plan, pool, pool.rows.params())
         return self._finish_iteration(pool, previous, start, plan, 0, 0, transfers + landed)
+
+    @staticmethod
+    def _verify_ready(pool: Pool) -> bool:
+        """Whether the pool's engine can run a verify step now. One whose verify program warm-up
+        left for first use starts compiling it (on the engine's own thread, `CompilesOnDemand`)
+        and decodes plainly until it is ready."""
+        if not pool.engine.config.speculative_tokens:
+            return False
+        ready = getattr(pool.engine, "ready", None)  # (test doubles compile nothing)
+        if ready is None or ready("speculative"):
+            return True
+        pool.engine.prepare(["speculative"])
+        return False
 
     def _speculate(self, pool: Pool, start: float, handoffs: int = 0) -> bool:
         """A speculative decode iteration (`policy.speculates` chose it; called holding the

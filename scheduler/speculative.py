@@ -22,7 +22,7 @@ they equal its samples: the output is the one decoding without drafts gives, tok
 are accepted, so a request whose recent drafts were mostly rejected stops drafting for a while
 and tries again later; one whose sequence offered nothing to draft sits out a few steps (a
 step that drafts is one the host waits for, so drafting nothing costs the overlap of host and
-device work for nothing). `Drafter` is both, for one request, as the scheduler keeps it
+device work for nothing), and longer each time in a row. `Drafter` is both, for one request, as the scheduler keeps it
 (`Request.drafter`), and `SpeculativeConfig` the n-gram sizes every request's uses.
 """
 
@@ -109,27 +109,39 @@ class NgramDrafts:
 @dataclasses.dataclass
 class Acceptance:
     """One request's recent drafting record: an exponential average of the fraction of its
-    drafts accepted, and how many steps it sits out after the average fell too low."""
+    drafts accepted, and how many steps it sits out. A step that found nothing to draft, or
+    after which the average fell too low, is a failure: the request sits out MISS_PAUSE or PAUSE
+    steps, doubled for every failure in a row since drafts last paid, up to MAX_PAUSE. Free text
+    then costs a drafting step (one that waits for the host) every MAX_PAUSE steps or so, while
+    a quote that starts mid-answer waits at most that long to be drafted."""
 
     rate: float = 1.0  # optimistic: a new request drafts
     pause: int = 0
+    failures: int = 0  # in a row
     proposed: int = 0  # totals, for its record
     accepted: int = 0
 
     DECAY = 0.5
     LOW = 0.25  # below this, drafting costs more than it saves
-    PAUSE = 16  # steps to sit out before trying again
-    MISS_PAUSE = 4  # ... after a step whose sequence had nothing to draft
+    PAUSE = 16  # steps to sit out once drafts fail
+    MISS_PAUSE = 4  # ... once the sequence had nothing to draft
+    MAX_PAUSE = 32
 
     def observe(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
-            self.pause = max(self.pause, self.MISS_PAUSE)
+            self._fail(self.MISS_PAUSE)
             return
         self.proposed += proposed
         self.accepted += accepted
         self.rate = self.DECAY * self.rate + (1 - self.DECAY) * accepted / proposed
         if self.rate < self.LOW:
-            self.pause = self.PAUSE
+            self._fail(self.PAUSE)
+        elif accepted:
+            self.failures = 0
+
+    def _fail(self, pause: int) -> None:
+        self.failures += 1
+        self.pause = max(self.pause, min(pause << (self.failures - 1), self.MAX_PAUSE))
 
     def wants(self) -> bool:
         """Whether to draft this step (counts down a pause)."""

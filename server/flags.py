@@ -40,12 +40,13 @@ DECODE_STEPS = flags.DEFINE_integer(
     "request with that many tokens to go and no stop strings): less host work per token, "
     "tokens reach clients k at a time.", lower_bound=1)
 SPECULATIVE = flags.DEFINE_enum(
-    "speculative", "off", ["off", "ngram"],
+    "speculative", "ngram", ["off", "ngram"],
     "Speculative decoding. ngram: prompt lookup, each step drafts the tokens that followed the "
     "sequence's last n-gram where it occurred before (answers that quote or edit their prompt), "
     "and one verify step keeps those the model's own sampling agrees with: the same output, "
     "several tokens a step while drafts are accepted. Applies while at most "
-    "--speculative_max_batch requests decode.")
+    "--speculative_max_batch requests decode; its program compiles at the first chance to "
+    "draft (or at warm-up with --warmup=all).")
 NUM_SPECULATIVE_TOKENS = flags.DEFINE_integer(
     "num_speculative_tokens", None,
     "With --speculative: most draft tokens a step verifies per request (default: 3 on the CPU "

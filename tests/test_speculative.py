@@ -14,6 +14,7 @@ from cadence.engine.engine import Engine
 from cadence.engine.packing import PrefillChunk
 from cadence.engine.reference import greedy_generate
 from cadence.model import cpu_kernels
+from cadence.model.arith import cdiv
 from cadence.model.host_sampling import RequestSampling, SamplingRows
 from cadence.scheduler.speculative import Acceptance, Drafter, NgramDrafts, SpeculativeConfig
 from cadence.scheduler.grammar import GrammarCompiler, Regex
@@ -232,15 +233,15 @@ def test_verify_refuses_what_it_cannot_run(tiny_params, tiny_config):
 
 
 def test_verify_compiles_at_warmup_and_never_after(tiny_params, tiny_config):
-    """Warm-up ("needed" too) compiles one verify program per batch bucket; verify steps of
-    every batch size and draft count after it compile nothing."""
+    """Warm-up compiles one verify program per batch bucket ("needed" leaves them to their
+    first use); verify steps of every batch size and draft count after it compile nothing."""
     config = dataclasses.replace(SPEC, speculative_batch=2)
     assert config.verify_batch_buckets == (1, 2)
     e = Engine(tiny_params, tiny_config, config)
-    assert "speculative" in e.program_groups("needed")
+    assert "speculative" in e.program_groups() and "speculative" not in e.program_groups("needed")
     names = [p.name for p in e.warm_programs(["speculative"])]
     assert names == ["verify[batch=1,pages=8,k=4]", "verify[batch=2,pages=8,k=4]"]
-    e.warmup(warmup="needed")
+    e.warmup()
     tables = fixed_page_tables(config)
     rows = _rows(0.0).params()
     e.prefill([PrefillChunk(s, p, 0, True, tables[s]) for s, p in PROMPTS.items()], rows)
@@ -389,10 +390,10 @@ def test_speculative_serving_equals_plain_serving_on_the_engine(tiny_params, tin
     outputs = {}
     for k in (0, 4):
         cfg = EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64,
-                           page_size=16, num_pages=-(-192 // 16) + 1, speculative_tokens=k,
+                           page_size=16, num_pages=cdiv(192, 16) + 1, speculative_tokens=k,
                            attention=kernels, decode_matmul="cpu" if kernels == "cpu" else "xla")
         e = Engine(tiny_params, tiny_config, cfg)
-        e.warmup(warmup="needed")
+        e.warmup()
         sched = make_scheduler(e, tiny_tokenizer, chunk=32, budget=48)
         outputs[k] = [s.request.output_ids for s in run_all(sched, subs, arrivals)]
         assert e.compilations_after_warmup == 0
@@ -416,7 +417,7 @@ def test_served_with_drafts_over_http_the_text_is_the_reference_and_metrics_coun
     prompt = [7, 8, 9, 10] * 6
     want = tiny_tokenizer.decode(greedy_generate(tiny_params, tiny_config, prompt, 40))
     e = Engine(tiny_params, tiny_config, EngineConfig(**SERVING_ENGINE, speculative_tokens=4))
-    e.warmup(warmup="needed")
+    e.warmup()
     with serve_tiny(e, tiny_tokenizer) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         args = dict(model="tiny", prompt=prompt, max_tokens=40, temperature=0,
@@ -441,7 +442,9 @@ def test_flags_turn_speculation_on_and_check_the_ngram_sizes():
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
-    assert runtime.engine_config_from_flags().speculative_tokens == 0  # off by default
+    assert runtime.engine_config_from_flags().speculative_tokens > 0  # on by default
+    with flagsaver.flagsaver(speculative="off"):
+        assert runtime.engine_config_from_flags().speculative_tokens == 0
     with flagsaver.flagsaver(speculative="ngram", num_speculative_tokens=3, speculative_max_batch=2,
                              prompt_lookup_min=1, prompt_lookup_max=5):
         engine = runtime.engine_config_from_flags()
@@ -473,3 +476,43 @@ def test_query_rows_attention_equals_the_reference(name):
     got = get_paged_attention(name)(q, k_pages, v_pages, table, positions)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     assert not np.asarray(got)[1, 2:].any()
+
+
+def test_acceptance_backs_off_while_drafting_fails_and_recovers_when_it_pays():
+    a = Acceptance()
+    pauses = []
+    for _ in range(5):
+        a.observe(0, 0)
+        pauses.append(a.pause)
+        while not a.wants():
+            pass
+    assert pauses == [4, 8, 16, 32, 32]
+    a.observe(3, 3)  # drafts paid: the next miss pauses briefly again
+    a.observe(0, 0)
+    assert a.pause == Acceptance.MISS_PAUSE
+
+
+def test_a_verify_program_left_to_first_use_compiles_off_the_loop(tiny_params, tiny_config,
+                                                                  tiny_tokenizer):
+    """With warm-up "needed", the first iteration that could draft starts the verify program's
+    compile on the engine's thread and decodes plainly; once it is ready, steps draft. The
+    output is the reference's throughout, and nothing compiles after warm-up but that group."""
+    prompt = [7, 8, 9, 10] * 6
+    want = greedy_generate(tiny_params, tiny_config, prompt, 200)
+    config = dataclasses.replace(SPEC, max_seq_len=256)
+    e = Engine(tiny_params, tiny_config, config)
+    e.warmup(warmup="needed")
+    sched = make_scheduler(e, tiny_tokenizer, chunk=32, budget=48)
+    stream = sched.submit(prompt, GenerationParams(max_tokens=200, ignore_eos=True))
+    sched.step()
+    sched.step()  # the first token is applied: the request decodes, and could draft
+    assert sched.spec_drafts == 0
+    compiling = e.prepare(["speculative"])
+    assert compiling is not None  # started by the loop; the same future here
+    compiling.result()
+    while not sched.idle():
+        sched.step()
+    assert stream.request.output_ids == want
+    assert sched.spec_drafts > 0 and sched.spec_accepted > 0
+    assert e.compilations_after_warmup == 0
+    assert e.compilations_on_demand == len(config.verify_batch_buckets)
