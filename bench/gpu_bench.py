@@ -22,7 +22,8 @@ each section written to the JSON file as soon as it is done (so a run cut short 
    weights and `attention="pallas"`: a 4k-token prefill (TFLOP/s against the matmul ceiling)
    and decode steps at 1-64 active slots (against the roofline (weights + live KV) / copy GB/s),
    with the host's dispatch time per step; a decode step split in two halves for structured
-   output (forward, then sampling under token bitmasks) against the fused one;
+   output (forward, then sampling under token bitmasks) against the fused one; speculative
+   decoding's verify step (4 drafts a row) against a decode step at 1, 8 and all slots;
 5. the weight-only grouped matmul (`model.pallas_quant`, int8 and int4 in groups of 32) at
    decode's 1-32 rows over Llama-3-8B's MLP and SmolLM2's matrices, against XLA's bf16 matmul
    over the same weights dequantized: GB/s of the weights' bytes, and the largest difference.
@@ -452,6 +453,28 @@ def time_split_decode(engine, active_n: int, context: int, rows, tables, allowed
             compile_counter.count() - compiles)
 
 
+VERIFY_DRAFTS = 4
+
+
+def time_verify(engine, active_n: int, context: int, rows, tables, steps: int = 20):
+    """Seconds per verify step of `active_n` slots at `context`, each with VERIFY_DRAFTS
+    drafts, and the compiles while timed (after one untimed step that compiles)."""
+    from cadence.engine import compile_counter
+
+    slots = engine.config.num_slots
+    active = np.arange(slots) < active_n
+    positions = np.where(active, context - 1 - VERIFY_DRAFTS, -1).astype(np.int32)
+    drafts = np.full((slots, VERIFY_DRAFTS), 7, np.int32)
+    lens = np.where(active, VERIFY_DRAFTS, 0).astype(np.int32)
+    engine.verify(positions, active, rows, tables, drafts, lens).block_until_ready()
+    compiles = compile_counter.count()
+    start = time.perf_counter()
+    for _ in range(steps):
+        tokens = engine.verify(positions, active, rows, tables, drafts, lens)
+    tokens.block_until_ready()
+    return (time.perf_counter() - start) / steps, compile_counter.count() - compiles
+
+
 def bench_engine(results: dict, ceilings: dict, write) -> None:
     from cadence.engine.config import EngineConfig, fixed_page_tables
     from cadence.engine.engine import Engine
@@ -472,7 +495,8 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
     contexts = (16, 64) if _SMOKE.value else (1024, 4096)
     config = EngineConfig(num_slots=slots, max_seq_len=max(prompt_len, *contexts) + 32,
                           prefill_chunk=prompt_len, attention="pallas", dtype="bfloat16",
-                          decode_steps=MULTI_STEP, structured_output=True)
+                          decode_steps=MULTI_STEP, structured_output=True,
+                          speculative_tokens=VERIFY_DRAFTS, speculative_batch=slots)
     engine = Engine(params, cfg, config)
     tables = fixed_page_tables(engine.config)  # each slot a run of pages, as if allocated
     int8 = quantize(params, cfg)
@@ -532,6 +556,20 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
                  "compilations_while_timed": compiles}
         info["split"].append(point)
         print("engine decode split", json.dumps(point))
+        write()
+    # Speculative decoding's verify step (each row's last token and VERIFY_DRAFTS drafts in one
+    # pass) against a decode step: what a step that drafts costs.
+    info["verify"] = []
+    for active_n in sorted({1, min(8, slots), slots}):
+        if over_deadline():
+            return
+        step, compiles = time_verify(engine, active_n, context, rows, tables)
+        fused = time_decode(engine, active_n, context, rows, tables)[0]
+        point = {"active": active_n, "context": context, "drafts": VERIFY_DRAFTS,
+                 "verify_step_ms": step * 1e3, "decode_step_ms": fused * 1e3,
+                 "ratio": step / fused, "compilations_while_timed": compiles}
+        info["verify"].append(point)
+        print("engine verify", json.dumps(point))
         write()
     engine = None  # its weights and pool go before the int8 engine's arrive
     q_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(int8))
