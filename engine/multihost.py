@@ -9,7 +9,7 @@ devices, a tensor-parallel mesh spans them, and each process holds (and restores
 checkpoint) only its own shards. JAX requires every process to run the same programs in the
 same order with the same host arguments. So process 0 runs the front door and the scheduler
 as always, with its engine wrapped in a `Leader`: each engine call that runs a program
-(prefill, decode, recover, warmup) is first sent to the other processes, then run. They run
+(prefill, decode, verify, recover, warmup) is first sent to the other processes, then run. They run
 `follow`, which makes the same call on their own engine, in the order received. The plan is
 the calls' host arguments (a few KB of NumPy per iteration), pickled over
 `multiprocessing.connection` on the port after the coordinator's, with an authentication key
@@ -37,8 +37,8 @@ import numpy as np
 from absl import logging
 
 # The calls that run programs on every process; everything else an engine answers locally.
-BROADCAST = ("prefill", "decode", "decode_forward", "decode_sample", "set_history", "copy_pages",
-             "recover", "warmup")
+BROADCAST = ("prefill", "decode", "decode_forward", "decode_sample", "verify", "set_history",
+             "copy_pages", "recover", "warmup")
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
@@ -130,6 +130,9 @@ class Leader:
 
     def decode_sample(self, allowed, drop=()):
         return self._call("decode_sample", allowed, list(drop))
+
+    def verify(self, positions, active, sampling, page_table, drafts, draft_lens):
+        return self._call("verify", positions, active, sampling, page_table, drafts, draft_lens)
 
     def set_history(self, slot, prompt_ids, output_ids=()):
         self._call("set_history", slot, list(prompt_ids), list(output_ids))

@@ -156,6 +156,10 @@ def main(argv: list[str]) -> int:
         f"compilations_after_warmup: {rt.scheduler.compilations_after_warmup}",
         file=sys.stderr,
     )
+    sched = rt.scheduler
+    if sched.spec_drafts:
+        print(f"speculative decoding: {sched.spec_drafted} draft tokens in {sched.spec_drafts} "
+              f"drafts, {sched.spec_accepted} accepted", file=sys.stderr)
     return 1 if rejected else 0
 
 

@@ -63,6 +63,22 @@ def test_cadence_generate_over_two_processes_gives_the_reference_text(tiny_model
     assert follower.stdout == ""  # only process 0 answers
 
 
+def test_speculative_decoding_over_two_processes_gives_the_reference_text(tiny_model_dir, tiny_params,
+                                                                         tiny_config):
+    """Verify steps run on every process (the leader sends them as it sends decode steps): a
+    prompt the tiny model keeps repeating drafts, and the text is the reference's."""
+    prompt = "the sea the sea the sea the sea"
+    leader, follower = run_two_processes(
+        tiny_model_dir, "cadence.server.generate_cli", f"--prompt={prompt}", "--max_tokens=40",
+        "--temperature=0", "--warmup=all")
+    assert leader.returncode == 0, leader.stderr[-3000:]
+    assert follower.returncode == 0, follower.stderr[-3000:]
+    tok = Tokenizer.from_hf_dir(tiny_model_dir[0] / "model")
+    ids = greedy_generate(tiny_params, tiny_config, tok.encode(prompt), 40, tok.eos_ids)
+    assert leader.stdout.rstrip("\n") == tok.decode(ids, skip_special=True)
+    assert "speculative decoding:" in leader.stderr and "compilations_after_warmup: 0" in leader.stderr
+
+
 def test_cadence_batch_over_two_processes_gives_the_reference_text(tiny_model_dir, tiny_params, tiny_config, tmp_path):
     prompts, files = batch_job(tmp_path)
     leader, follower = run_two_processes(tiny_model_dir, "cadence.server.batch_cli", *files)
