@@ -224,7 +224,9 @@ class Metrics:
 
     def on_iteration(self, record: IterationRecord) -> None:  # a loop thread
         self.busy.labels(pool=record.pool, **self._labels).inc(record.wall)
-        self.iteration_tokens.observe(record.decode_slots * record.decode_steps + record.prefill_tokens)
+        # (a verify step's accepted drafts are tokens beyond its one per decoding row)
+        self.iteration_tokens.observe(record.decode_slots * record.decode_steps + record.accepted
+                                      + record.prefill_tokens)
         self.prefill_programs.inc(record.prefill_programs)
         self.prefill_chunks.inc(record.prefill_chunks)
 
