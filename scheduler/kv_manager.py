@@ -8,6 +8,8 @@
     reservation = pool.reserve(plan)      # the pages this iteration's work needs, before it runs
     pool.publish(r)                       # r's newly full pages join the prefix cache
     pool.release(r)                       # slot and pages back, the slot's rows reset
+    pool.expect(rows, tokens)             # a dispatch's result, to apply next iteration ...
+    previous = pool.begin()               # ... when the next dispatch has gone out
 
 Colocated serving has one pool that prefills and decodes. Disaggregated serving has two, each
 over its own engine (its own device, weights and page pool): a request holds a slot and pages in
@@ -149,6 +151,19 @@ class Pool:
         r.published = 0
         r.pool = None  # r.slot keeps the number, for the record of where it ran
         r.landing = None  # KV on its way to this slot has nowhere to go now
+
+    def expect(self, rows: list[Row], tokens, drafts: list[list[int]] | None = None) -> None:
+        """A dispatch's result (`tokens`) holding a token of each of `rows`, to apply next
+        iteration (`results.Pending`; a verify step's with each row's `drafts`)."""
+        for r, _ in rows:
+            r.unapplied += 1
+        self.pending.append(Pending(rows, tokens, drafts))
+
+    def begin(self) -> list[Pending]:
+        """The results of the previous iteration, to apply after this one's dispatch: they are
+        `applying` until then."""
+        self.applying, self.pending = self.pending, []
+        return self.applying
 
     @property
     def idle(self) -> bool:

@@ -358,6 +358,31 @@ class Request:
         known = len(self.output_ids) - (1 if self.output_ids and self.output_ids[-1] in self.eos_ids else 0)
         return self.prompt_len + max(0, min(known, self.dispatched - 1))
 
+    def prefill_dispatched(self, length: int, final: bool) -> None:
+        """A chunk of `length` prompt tokens dispatched; the final one also samples its next
+        output token."""
+        self.prefilled += length
+        self.kv_tokens += length
+        self.prefill_chunks += 1
+        if final:
+            self.dispatched = self.prefill_len - self.prompt_len + 1
+
+    def decode_dispatched(self, tokens: int, steps: int, now: float) -> int:
+        """`steps` decode steps dispatched (a verify step counts one) that compute `tokens` of
+        its output, each writing its input's KV. Returns the position of the first input."""
+        position = self.prompt_len + self.dispatched - 1
+        self.dispatched += tokens
+        self.kv_tokens += tokens
+        self.decode_steps += steps
+        self.first_decode = self.first_decode or now
+        return position
+
+    def not_emitted(self, tokens: int) -> None:
+        """A verify step emitted `tokens` fewer than it was dispatched for: its drafts from the
+        first rejected on computed nothing, and their KV is not the sequence's."""
+        self.dispatched -= tokens
+        self.kv_tokens -= tokens
+
     def preempted(self) -> None:
         """Back to waiting, holding nothing: its KV is recomputed from prompt + output when
         it is admitted again (`readmitted`)."""

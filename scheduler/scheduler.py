@@ -358,7 +358,7 @@ class Scheduler(Readings):
                 return self._speculate(pool, start)
             plan.steps = decode_steps(plan, pool.running, pool.engine.config.decode_steps,
                                       pool.pages.free_count, self.page_size)
-            previous = self._begin(pool)
+            previous = pool.begin()
             self._admit(plan, pool, start)
             self._reserve(pool, plan)
             rows = pool.rows.params()  # every slot's sampling row, for both programs
@@ -383,7 +383,7 @@ class Scheduler(Readings):
                 return self._speculate(pool, start, transfers + landed)
             plan.steps = decode_steps(plan, pool.running, pool.engine.config.decode_steps,
                                       pool.pages.free_count, self.page_size)
-            previous = self._begin(pool)
+            previous = pool.begin()
             self._reserve(pool, plan)
             self._dispatch_decode(plan, pool, pool.rows.params())
         return self._finish_iteration(pool, previous, start, plan, 0, 0, transfers + landed)
@@ -408,7 +408,7 @@ class Scheduler(Readings):
         lock); then each row drafts (`policy.propose_drafts`), and one verify step scores them
         all and is applied before the next dispatch, which needs each row's true length. An
         iteration whose rows drafted nothing decodes as usual."""
-        previous = self._begin(pool)
+        previous = pool.begin()
         self._state.release()
         try:
             values = [np.asarray(p.tokens) for p in previous]
@@ -431,7 +431,7 @@ class Scheduler(Readings):
             self._dispatch_verify(plan, pool, drafts)
         else:
             self._dispatch_decode(plan, pool, pool.rows.params())
-        current = self._begin(pool) if drafts else []
+        current = pool.begin() if drafts else []
         self._state.release()
         try:  # (the results applied above are progress, even if nothing runs now)
             return self._finish_iteration(pool, current, start, plan, 0, 0, handoffs) or bool(previous)
@@ -453,20 +453,13 @@ class Scheduler(Readings):
         lens = np.zeros(pool.num_slots, np.int32)
         for r in decode:
             d = drafts.get(r, [])
-            positions[r.slot] = r.prompt_len + r.dispatched - 1
+            positions[r.slot] = r.decode_dispatched(len(d) + 1, 1, now)
             active[r.slot] = True
             tokens[r.slot, : len(d)], lens[r.slot] = d, len(d)
-            r.dispatched += len(d) + 1
-            r.kv_tokens += len(d) + 1
-            r.decode_steps += 1
-            r.first_decode = r.first_decode or now
         result = pool.engine.verify(positions, active, pool.rows.params(), pool.tables.copy(),
                                     tokens, lens)
         self.spec_drafts += len(drafts)
-        rows = [Row(r, r.slot) for r in decode]
-        for r, _ in rows:
-            r.unapplied += 1
-        pool.pending.append(Pending(rows, result, [drafts.get(r, []) for r, _ in rows]))
+        pool.expect([Row(r, r.slot) for r in decode], result, [drafts.get(r, []) for r in decode])
 
     def _plan(self, pool: Pool) -> Plan:
         # A request with a result still in flight (disaggregated: preempted on the decode pool
@@ -475,12 +468,6 @@ class Scheduler(Readings):
                    if not r.unapplied and not r.compiling and not r.awaits_parent]
         return make_plan(pool.running, waiting, len(pool.free_slots), self.config.policy,
                          pool.page_budget(), prefill_limit(self.config.slo, self.admission, pool.running))
-
-    @staticmethod
-    def _begin(pool: Pool) -> list[Pending]:
-        """The pool's results of the previous iteration, to apply after this one's dispatch."""
-        pool.applying, pool.pending = pool.pending, []
-        return pool.applying
 
     def _finish_iteration(self, pool: Pool, previous: list[Pending], start: float, plan: Plan,
                           programs: int, chunks: int, handoffs: int = 0) -> bool:
@@ -603,11 +590,8 @@ class Scheduler(Readings):
             if chunk.final:
                 firsts.append(Row(r, len(chunks)))
             chunks.append(PrefillChunk(r.slot, ids, start, chunk.final, r.pages, targets))
-            r.prefilled += chunk.length
-            r.kv_tokens += chunk.length
-            r.prefill_chunks += 1
+            r.prefill_dispatched(chunk.length, chunk.final)
             if chunk.final:
-                r.dispatched = r.prefill_len - r.prompt_len + 1  # the token prefill samples
                 r.state = State.DECODING
                 if self.disaggregated and r.dispatched < r.max_tokens:
                     self._handoff.queue(r)  # its decode steps run on the decode pool
@@ -619,7 +603,7 @@ class Scheduler(Readings):
         tokens = pool.engine.prefill(chunks, rows, allowed)
         self.prefill_programs += tokens.programs
         self.prefill_chunks += len(chunks)
-        self._expect(pool, scored + firsts, tokens)  # a prompt's scores before its first token
+        pool.expect(scored + firsts, tokens)  # a prompt's scores before its first token
         return tokens.programs, len(chunks)
 
     def _dispatch_decode(self, plan: Plan, pool: Pool, rows) -> None:
@@ -627,23 +611,18 @@ class Scheduler(Readings):
         if not decode:
             return
         now = time.monotonic()
-        steps = plan.steps
         positions = np.zeros(pool.num_slots, np.int32)
         active = np.zeros(pool.num_slots, bool)
         for r in decode:
-            positions[r.slot] = r.prompt_len + r.dispatched - 1
+            positions[r.slot] = r.decode_dispatched(plan.steps, plan.steps, now)
             active[r.slot] = True
-            r.dispatched += steps
-            r.kv_tokens += steps
-            r.decode_steps += steps
-            r.first_decode = r.first_decode or now
         # A copy: JAX may alias host buffers on the CPU, and the table changes next step.
         if any(r.matcher is not None for r in decode):  # sampled once the bitmasks are filled
             pool.engine.decode_forward(positions, active, rows, pool.tables.copy())
             pool.split = [Row(r, r.slot) for r in decode]
             return
-        tokens = pool.engine.decode(positions, active, rows, pool.tables.copy(), steps)
-        self._expect(pool, [Row(r, r.slot) for r in decode], tokens)
+        tokens = pool.engine.decode(positions, active, rows, pool.tables.copy(), plan.steps)
+        pool.expect([Row(r, r.slot) for r in decode], tokens)
 
     def _sample_split(self, pool: Pool) -> None:
         """The second half of a split decode step, once the tokens before it are applied: each
@@ -661,13 +640,7 @@ class Scheduler(Readings):
             else:
                 kept.append(Row(r, slot))
         tokens = pool.engine.decode_sample(allowed, drop)
-        self._expect(pool, kept, tokens)
-
-    @staticmethod
-    def _expect(pool: Pool, rows: list[Row], tokens) -> None:
-        for r, _ in rows:
-            r.unapplied += 1
-        pool.pending.append(Pending(rows, tokens))
+        pool.expect(kept, tokens)
 
     def _reserve(self, pool: Pool, plan: Plan) -> None:
         """The pages this iteration's work needs (`Pool.reserve`); what did not fit goes back
@@ -704,8 +677,7 @@ class Scheduler(Readings):
                 column = steps[:, index].tolist()
                 if emitted is not None:  # a verify step: its row's tokens, and its true length
                     drafts, column = result.drafts[i], column[: emitted[index]]
-                    r.dispatched -= len(drafts) + 1 - len(column)
-                    r.kv_tokens -= len(drafts) + 1 - len(column)
+                    r.not_emitted(len(drafts) + 1 - len(column))
                     if drafts and not r.finished:
                         accepted += r.drafter.observe(drafts, column)
                 for step, token in enumerate(column):
