@@ -43,13 +43,16 @@ would miss them and cap lower classes' prefill while a targeted class decodes
 (`scheduler.priority`).
 
 The scheduler talks to the engines only through `engine.api.EngineAPI`, so tests can drive it
-with fake engines in milliseconds. What the loop uses, module by module: `kv_manager` (each
-engine's slots and pages: prefix and fork matching, `reserve`), `pages` and `prefix_cache`
-(the page allocator, its null page and the cached prefixes), `policy` (the plan, the decode
-steps), `priority` (SLO admission, the backlog), `handoff` (the disaggregated transfers),
-`request` (a request's state and the one validation of its parameters), `results` (pending
-results), `stream` (request streams and their delivery), `stats` (readings and the
-`SchedulerStats` snapshot), `config` (`SchedulerConfig`).
+with fake engines in milliseconds. Its front door (`submit`, `submit_group`, `cancel` and the
+checks a submission passes) is `submission.Submissions`, its readings `stats.Readings`. What the
+loop uses, module by module: `kv_manager` (each engine's slots and pages: prefix and fork
+matching, `reserve`, the pool's pending results), `pages` and `prefix_cache` (the page
+allocator, its null page and the cached prefixes), `policy` (the plan, the decode steps, whether
+and what to draft), `priority` (SLO admission, the backlog), `handoff` (the disaggregated
+transfers), `request` (a request's state, what each dispatch counts for it, and the one
+validation of its parameters), `results` (pending results), `stream` (request streams and
+their delivery), `stats` (`IterationRecord`, and `notify` for the listeners), `config`
+(`SchedulerConfig`).
 """
 
 from __future__ import annotations
@@ -58,7 +61,6 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Sequence
 
 import numpy as np
 from absl import logging
@@ -66,25 +68,23 @@ from absl import logging
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.api import EngineAPI, PrefillChunk
 from cadence.model.host_sampling import all_allowed
-from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded
 from cadence.scheduler.config import KV_RESERVATIONS, SchedulerConfig  # noqa: F401 - importers' names
 from cadence.scheduler.policy import (
     Plan, decode_steps, make_plan, propose_drafts, speculates, wants_decode,
 )
-from cadence.scheduler.handoff import Handoff, KVTransfer, check_pair
-from cadence.scheduler.priority import AdmissionControl, backlog, prefill_limit, tokens_ahead
-from cadence.scheduler.prefix_cache import PageKeys
+from cadence.scheduler.handoff import Handoff, KVTransfer, check_pair  # noqa: F401 - importers' names
+from cadence.scheduler.priority import AdmissionControl, backlog, prefill_limit
 from cadence.scheduler.kv_manager import Pool
-from cadence.scheduler.request import (
-    FinishReason, GenerationParams, Request, State, check_length, check_params, check_prompt,
-)
+from cadence.scheduler.request import FinishReason, Request, State
 from cadence.scheduler.results import Pending, Row, Scores
 from cadence.scheduler.stats import IterationRecord, Readings, notify
-from cadence.scheduler.stream import Outbox, RequestStream
+from cadence.scheduler.stream import Outbox, RequestStream  # noqa: F401 - importers' names
+from cadence.scheduler.submission import Submissions
 
 
-class Scheduler(Readings):
-    """The loops, and what they hold: see the module's docstring; its readings: `Readings`."""
+class Scheduler(Submissions, Readings):
+    """The loops, and what they hold: see the module's docstring; its front door: `Submissions`;
+    its readings: `Readings`."""
 
     def __init__(self, engine: EngineAPI, tokenizer: Tokenizer, config: SchedulerConfig = SchedulerConfig(),
                  decode_engine: EngineAPI | None = None):
@@ -168,83 +168,6 @@ class Scheduler(Readings):
     @property
     def engines(self) -> tuple[EngineAPI, ...]:
         return tuple(pool.engine for pool in self.pools)
-
-    # -- submission -------------------------------------------------------------------------
-
-    def submit(
-        self,
-        prompt_ids: Sequence[int],
-        params: GenerationParams = GenerationParams(),
-        request_id: str | None = None,
-    ) -> RequestStream:
-        return self.submit_group(prompt_ids, [params], [request_id])[0]
-
-    def submit_group(self, prompt_ids: Sequence[int], params: Sequence[GenerationParams],
-                     request_ids: Sequence[str | None]) -> list[RequestStream]:
-        """Several sequences from one prompt (OpenAI's `n`), queued together or not at all.
-        The first prefills the prompt; each other one, once that prefill is dispatched, takes
-        the prompt's KV from it (`Pool.match_forks`): its full pages shared, the page holding the
-        prompt's last token copied, and only that token computed again, to sample its own first
-        token. If the first is gone from the pool by then, the others prefill as usual."""
-        self._check_running()
-        streams = [self._stream(prompt_ids, p, i) for p, i in zip(params, request_ids, strict=True)]
-        first = streams[0].request
-        for stream in streams[1:]:
-            stream.request.fork_parent = first
-        with self._lock:
-            self._check_running()  # again under the lock: stop() or a death may have come since
-            # Requests not yet admitted; those that free slots will take at once do not queue.
-            queued = len(self._waiting) + len(self._inbox) - len(self._prefill_pool.free_slots)
-            if queued + len(streams) > self.config.max_queue:
-                self.rejections["queue_full"] += 1
-                raise Overloaded(
-                    f"{self.config.max_queue} requests are already waiting; retry later"
-                )
-            if self.config.slo.active:
-                rejection = self.admission.check(first.priority, tokens_ahead(first, self._backlog, self._inbox),
-                                                 self._running_priorities)
-                if rejection is not None:
-                    self.rejections[rejection.reason] += 1
-                    raise Overloaded(rejection.message, rejection.retry_after)
-            self._inbox.extend(s.request for s in streams)
-            self._changed()
-        return streams
-
-    def _stream(self, prompt_ids: Sequence[int], params: GenerationParams,
-                request_id: str | None) -> RequestStream:
-        self._check_params(params)
-        n = len(prompt_ids)
-        check_prompt(prompt_ids, self.engine.vocab_size)
-        max_tokens = check_length(n, params.max_tokens, self.context, self.max_seq_len)
-        priority = self.config.priority_classes.of(n) if params.priority is None else params.priority
-        request = Request(
-            prompt_ids, params, max_tokens, self.tokenizer,
-            emit=lambda e: stream._push(e), request_id=request_id, priority=priority,
-        )
-        if self.config.prefix_caching and not params.prompt_logprobs:
-            request.page_keys = PageKeys(self.page_size, self.config.cache_namespace.encode(),
-                                         params.cache_salt)
-        stream = RequestStream(request, self.cancel, self._outbox)
-        return stream
-
-    def _check_running(self) -> None:
-        if self.dead is not None:
-            raise EngineDead(f"the engine is dead ({self.dead}); restart the server")
-        if not self._accepting:
-            raise NotRunning("the scheduler is shutting down and accepts no new requests")
-
-    def _check_params(self, params: GenerationParams) -> None:
-        """What the loop relies on, checked once here rather than on the scheduler thread
-        (`scheduler.request.check_params`, which every front door calls too)."""
-        decoders = [e for e in self.engines if e.config.role != "prefill"]
-        check_params(params, self.engine.vocab_size, self.engine.config.max_logprobs,
-                     structured=all(e.config.structured_output for e in decoders))
-
-    def cancel(self, request: Request) -> None:
-        with self._lock:
-            request.cancelled = True
-            self._cancels.append(request)
-            self._changed()
 
     # -- the loop ---------------------------------------------------------------------------
 

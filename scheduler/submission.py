@@ -1,0 +1,104 @@
+"""The scheduler's front door: submissions and cancellations, from any thread.
+
+    stream = scheduler.submit(prompt_ids, GenerationParams(max_tokens=64))
+    streams = scheduler.submit_group(prompt_ids, [params] * n, [None] * n)   # OpenAI's `n`
+    scheduler.cancel(stream.request)      # or stream.cancel()
+
+`Submissions` is mixed into `Scheduler`. Each submission is checked here, on the caller's thread,
+so the loop never sees one it could not serve: the scheduler is running and accepting, the
+parameters pass the one validation every front door uses (`request.check_params`), the prompt
+and max_tokens fit the context, and the queue and the latency targets have room
+(`Overloaded` otherwise, counted in `rejections`). An accepted submission lands in the inbox, and
+a cancellation in the cancels, both under the scheduler's `_lock`; the loop takes them at the
+start of its next iteration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded
+from cadence.scheduler.prefix_cache import PageKeys
+from cadence.scheduler.priority import tokens_ahead
+from cadence.scheduler.request import GenerationParams, Request, check_length, check_params, check_prompt
+from cadence.scheduler.stream import RequestStream
+
+
+class Submissions:
+    """Submission and cancellation, for a `Scheduler` (its engines, queues, admission control
+    and `_lock`)."""
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: GenerationParams = GenerationParams(),
+        request_id: str | None = None,
+    ) -> RequestStream:
+        return self.submit_group(prompt_ids, [params], [request_id])[0]
+
+    def submit_group(self, prompt_ids: Sequence[int], params: Sequence[GenerationParams],
+                     request_ids: Sequence[str | None]) -> list[RequestStream]:
+        """Several sequences from one prompt (OpenAI's `n`), queued together or not at all.
+        The first prefills the prompt; each other one, once that prefill is dispatched, takes
+        the prompt's KV from it (`Pool.match_forks`): its full pages shared, the page holding the
+        prompt's last token copied, and only that token computed again, to sample its own first
+        token. If the first is gone from the pool by then, the others prefill as usual."""
+        self._check_running()
+        streams = [self._stream(prompt_ids, p, i) for p, i in zip(params, request_ids, strict=True)]
+        first = streams[0].request
+        for stream in streams[1:]:
+            stream.request.fork_parent = first
+        with self._lock:
+            self._check_running()  # again under the lock: stop() or a death may have come since
+            # Requests not yet admitted; those that free slots will take at once do not queue.
+            queued = len(self._waiting) + len(self._inbox) - len(self._prefill_pool.free_slots)
+            if queued + len(streams) > self.config.max_queue:
+                self.rejections["queue_full"] += 1
+                raise Overloaded(
+                    f"{self.config.max_queue} requests are already waiting; retry later"
+                )
+            if self.config.slo.active:
+                rejection = self.admission.check(first.priority, tokens_ahead(first, self._backlog, self._inbox),
+                                                 self._running_priorities)
+                if rejection is not None:
+                    self.rejections[rejection.reason] += 1
+                    raise Overloaded(rejection.message, rejection.retry_after)
+            self._inbox.extend(s.request for s in streams)
+            self._changed()
+        return streams
+
+    def _stream(self, prompt_ids: Sequence[int], params: GenerationParams,
+                request_id: str | None) -> RequestStream:
+        self._check_params(params)
+        n = len(prompt_ids)
+        check_prompt(prompt_ids, self.engine.vocab_size)
+        max_tokens = check_length(n, params.max_tokens, self.context, self.max_seq_len)
+        priority = self.config.priority_classes.of(n) if params.priority is None else params.priority
+        request = Request(
+            prompt_ids, params, max_tokens, self.tokenizer,
+            emit=lambda e: stream._push(e), request_id=request_id, priority=priority,
+        )
+        if self.config.prefix_caching and not params.prompt_logprobs:
+            request.page_keys = PageKeys(self.page_size, self.config.cache_namespace.encode(),
+                                         params.cache_salt)
+        stream = RequestStream(request, self.cancel, self._outbox)
+        return stream
+
+    def _check_running(self) -> None:
+        if self.dead is not None:
+            raise EngineDead(f"the engine is dead ({self.dead}); restart the server")
+        if not self._accepting:
+            raise NotRunning("the scheduler is shutting down and accepts no new requests")
+
+    def _check_params(self, params: GenerationParams) -> None:
+        """What the loop relies on, checked once here rather than on the scheduler thread
+        (`scheduler.request.check_params`, which every front door calls too)."""
+        decoders = [e for e in self.engines if e.config.role != "prefill"]
+        check_params(params, self.engine.vocab_size, self.engine.config.max_logprobs,
+                     structured=all(e.config.structured_output for e in decoders))
+
+    def cancel(self, request: Request) -> None:
+        with self._lock:
+            request.cancelled = True
+            self._cancels.append(request)
+            self._changed()
