@@ -48,11 +48,11 @@ checks a submission passes) is `submission.Submissions`, its readings `stats.Rea
 loop uses, module by module: `kv_manager` (each engine's slots and pages: prefix and fork
 matching, `reserve`, the pool's pending results), `pages` and `prefix_cache` (the page
 allocator, its null page and the cached prefixes), `policy` (the plan, the decode steps, whether
-and what to draft), `priority` (SLO admission, the backlog), `handoff` (the disaggregated
-transfers), `request` (a request's state, what each dispatch counts for it, and the one
-validation of its parameters), `results` (pending results), `stream` (request streams and
-their delivery), `stats` (`IterationRecord`, and `notify` for the listeners), `config`
-(`SchedulerConfig`).
+and what to draft), `speculative` (whether an engine can verify yet), `priority` (SLO
+admission, the backlog), `handoff` (the disaggregated transfers), `request` (a request's state,
+what each dispatch counts for it, and the one validation of its parameters), `results` (pending
+results), `stream` (request streams and their delivery), `stats` (`IterationRecord`, and
+`notify` for the listeners), `config` (`SchedulerConfig`).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ from cadence.scheduler.priority import AdmissionControl, backlog, prefill_limit
 from cadence.scheduler.kv_manager import Pool
 from cadence.scheduler.request import FinishReason, Request, State
 from cadence.scheduler.results import Pending, Row, Scores
+from cadence.scheduler.speculative import verify_ready
 from cadence.scheduler.stats import IterationRecord, Readings, notify
 from cadence.scheduler.stream import Outbox, RequestStream  # noqa: F401 - importers' names
 from cadence.scheduler.submission import Submissions
@@ -276,7 +277,7 @@ class Scheduler(Submissions, Readings):
             pool.match_prefixes(self._waiting)
             pool.match_forks(self._waiting)
             plan = self._plan(pool)
-            if self._verify_ready(pool) and speculates(
+            if verify_ready(pool.engine) and speculates(
                     plan, pool.running, pool.engine.config, self.config.speculative, pool.split):
                 return self._speculate(pool, start)
             plan.steps = decode_steps(plan, pool.running, pool.engine.config.decode_steps,
@@ -301,7 +302,7 @@ class Scheduler(Submissions, Readings):
             landed = self._handoff.insert_landed()
             transfers = self._handoff.start()
             plan = Plan(decode=[r for r in pool.running if wants_decode(r)])
-            if self._verify_ready(pool) and speculates(
+            if verify_ready(pool.engine) and speculates(
                     plan, pool.running, pool.engine.config, self.config.speculative, pool.split):
                 return self._speculate(pool, start, transfers + landed)
             plan.steps = decode_steps(plan, pool.running, pool.engine.config.decode_steps,
@@ -310,19 +311,6 @@ class Scheduler(Submissions, Readings):
             self._reserve(pool, plan)
             self._dispatch_decode(plan, pool, pool.rows.params())
         return self._finish_iteration(pool, previous, start, plan, 0, 0, transfers + landed)
-
-    @staticmethod
-    def _verify_ready(pool: Pool) -> bool:
-        """Whether the pool's engine can run a verify step now. One whose verify program warm-up
-        left for first use starts compiling it (on the engine's own thread, `CompilesOnDemand`)
-        and decodes plainly until it is ready."""
-        if not pool.engine.config.speculative_tokens:
-            return False
-        ready = getattr(pool.engine, "ready", None)  # (test doubles compile nothing)
-        if ready is None or ready("speculative"):
-            return True
-        pool.engine.prepare(["speculative"])
-        return False
 
     def _speculate(self, pool: Pool, start: float, handoffs: int = 0) -> bool:
         """A speculative decode iteration (`policy.speculates` chose it; called holding the

@@ -24,6 +24,7 @@ and tries again later; one whose sequence offered nothing to draft sits out a fe
 step that drafts is one the host waits for, so drafting nothing costs the overlap of host and
 device work for nothing), and longer each time in a row. `Drafter` is both, for one request, as the scheduler keeps it
 (`Request.drafter`), and `SpeculativeConfig` the n-gram sizes every request's uses.
+`verify_ready` says whether an engine's verify program can run yet.
 """
 
 from __future__ import annotations
@@ -47,6 +48,19 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {self.min_n} and {self.max_n}")
+
+
+def verify_ready(engine) -> bool:
+    """Whether `engine` (an `engine.api.EngineAPI`) can run a verify step now. One whose verify
+    program warm-up left for first use starts compiling it (on the engine's own thread,
+    `CompilesOnDemand`) and decodes plainly until it is ready."""
+    if not engine.config.speculative_tokens:
+        return False
+    ready = getattr(engine, "ready", None)  # (test doubles compile nothing)
+    if ready is None or ready("speculative"):
+        return True
+    engine.prepare(["speculative"])
+    return False
 
 
 class NgramDrafts:
