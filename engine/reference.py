@@ -111,16 +111,23 @@ def greedy_generate(
     return (out, all_logits) if return_logits else out
 
 
+@partial(jax.jit, static_argnames=("config",))
+def _every_position(params, tokens, cache, *, config):
+    n = tokens.shape[1]
+    logits, _ = forward(params, tokens, jnp.arange(n, dtype=jnp.int32)[None],
+                        jnp.full((1,), n, jnp.int32), cache, jnp.zeros((1, 1), jnp.int32),
+                        config=config, attention="reference", logit_index=None)
+    return logits[0]
+
+
 def sequence_logits(params, config: ModelConfig, token_ids: Sequence[int]) -> np.ndarray:
     """[len(token_ids), vocab] float32: the logits after each position, from one forward pass
-    over the whole sequence (row i scores token i + 1)."""
+    over the whole sequence (row i scores token i + 1). Jitted, as the generator's steps are:
+    one program per length, where running it op by op compiles each operation for each new
+    length (~15x the time on the tiny model)."""
     cache = PagedKVCache.create(config, num_pages=1, page_size=len(token_ids))
-    lengths = jnp.full((1,), len(token_ids), jnp.int32)
-    logits, _ = forward(params, jnp.asarray([list(token_ids)], jnp.int32),
-                        jnp.arange(len(token_ids), dtype=jnp.int32)[None], lengths, cache,
-                        jnp.zeros((1, 1), jnp.int32), config=config, attention="reference",
-                        logit_index=None)
-    return np.asarray(logits[0], np.float32)
+    logits = _every_position(params, jnp.asarray([list(token_ids)], jnp.int32), cache, config=config)
+    return np.asarray(logits, np.float32)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
