@@ -94,8 +94,10 @@ def penalized_case(smollm2, default_model_cases):
     return prompt, row, want, [reference[p - 1, sequence[p]] for p in range(1, len(sequence))]
 
 
+# The default tier keeps the mode cadence-serve runs by default (gguf_native); the CPU kernels
+# over float32 weights, and several steps per dispatch, are the tiny model's there too.
 @pytest.mark.parametrize("mode", [*(pytest.param(m, marks=pytest.mark.slow) for m in (
-    "colocated", "disaggregated", "tp2", "tp3", "multistep")), "cpu_kernels", "gguf_native"])
+    "colocated", "disaggregated", "tp2", "tp3", "multistep", "cpu_kernels")), "gguf_native"])
 def test_engine_matches_reference_on_the_default_model(smollm2, default_model_cases, penalized_case, mode):
     """cadence-generate's path (engine + scheduler, chunked, batched) equals the reference, and
     so does a request with penalties, a logit_bias and logprobs of its prompt (echo's, from the
@@ -226,6 +228,9 @@ def test_multi_turn_chats_on_the_default_model_reuse_the_cache_and_equal_the_ref
         assert output == greedy_generate(smollm2.params, smollm2.config, prompt, 16, tok.eos_ids)
 
 
+# The full tier (~50 s): the default tier serves structured output and tool calls over HTTP on
+# the tiny model (test_structured.py) and runs the default model through the engine above.
+@pytest.mark.slow
 def test_structured_output_and_tool_calls_on_the_default_model(smollm2):
     """The default model as cadence-serve runs it (the CPU kernels over its own Q4_1 blocks),
     over HTTP: answers to schemas of several shapes, greedy and sampled, streamed and not, all

@@ -40,6 +40,9 @@ def test_every_layer_folder_is_linked_from_the_package():
         assert link.resolve() == (ROOT / layer).resolve()
 
 
+# The full tier: pyright takes ~50 s on 2 cores. The default tier keeps the links it follows
+# (the test above), and the tests import nearly every module of the layers, running its imports.
+@pytest.mark.slow
 def test_pyright_resolves_every_import():
     # --pythonpath: third-party imports resolve against the environment running the tests,
     # wherever its virtual environment lives.
