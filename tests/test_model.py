@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cadence.model import llama
 from cadence.model.config import TINY, RopeScaling
 from cadence.model.paged_kv import PagedKVCache
-from cadence.model.llama import forward, rope_frequencies, rope_table
+from cadence.model.llama import rope_frequencies, rope_table
 from tests.conftest import random_params
+
+# The decoder jitted, as the engine's programs run it. Op by op, every operation compiles again
+# for each new shape, and the persistent cache keeps none of them (each is under its 0.1 s floor).
+forward = jax.jit(llama.forward, static_argnames=("config", "attention"))
 
 
 def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
