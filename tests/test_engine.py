@@ -281,7 +281,7 @@ def test_length_following_decode_matches_reference(tiny_params, tiny_config, tin
     """Contexts past the batched buckets (a long prompt beside a short one) decode through the
     per-slot loops; the tokens still equal the reference generator's, with nothing compiled."""
     e = Engine(tiny_params, tiny_config, EngineConfig(num_slots=2, max_seq_len=512, prefill_chunk=64))
-    e.warmup()
+    e.warmup(warmup="needed")  # plain greedy requests: prefill and decode
     rng = random.Random(4)
     prompts = [random_prompts(rng, 1, tiny_config.vocab_size, 300, 300)[0], [5, 6, 7]]
     params = GenerationParams(max_tokens=24, ignore_eos=True)
@@ -295,9 +295,12 @@ def test_length_following_decode_matches_reference(tiny_params, tiny_config, tin
 CPU_KERNELS = dict(attention="cpu", decode_matmul="cpu")
 
 
+# The default tier: a page size that does not divide the chunk, on XLA and on the CPU kernels.
+# Pages of 16 are the full tier's (test_speculative.py serves the same pool of 16-token pages on
+# both in the default tier, preempting, against the reference).
 @pytest.mark.parametrize("page_size, kernels", [
     pytest.param(16, {}, marks=pytest.mark.slow), (24, {}),
-    pytest.param(16, CPU_KERNELS, marks=needs_cpu_kernels),
+    pytest.param(16, CPU_KERNELS, marks=[needs_cpu_kernels, pytest.mark.slow]),
     pytest.param(24, dict(CPU_KERNELS, decode_steps=4), marks=needs_cpu_kernels),
 ], ids=["xla-16", "xla-24", "cpu_kernels-16", "cpu_kernels-24-4steps"])
 def test_a_pool_that_runs_dry_preempts_and_tokens_still_equal_the_reference(
@@ -311,7 +314,7 @@ def test_a_pool_that_runs_dry_preempts_and_tokens_still_equal_the_reference(
     cfg = EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64,
                        page_size=page_size, num_pages=cdiv(192, page_size) + 1, **kernels)
     e = Engine(tiny_params, tiny_config, cfg)
-    e.warmup()
+    e.warmup(warmup="needed")  # plain greedy requests: prefill and decode
     rng = random.Random(5)
     prompts = random_prompts(rng, 8, tiny_config.vocab_size, 1, 100)
     max_tokens = [rng.randint(20, 90) for _ in prompts]
