@@ -102,6 +102,38 @@ def tiny_engine(tiny_params, tiny_config):
 
 
 @pytest.fixture(scope="session")
+def shared_engine(tiny_params, tiny_config):
+    """`shared_engine(config, warmup=None)`: the tiny model's engine of `config`, one per
+    configuration and warm-up in the session, handed to each test as a new one would be (an
+    empty pool, no step pending: `recover()`) but with the programs earlier tests ran already
+    traced, lowered and compiled. Engines do not share jitted programs, and doing that again is
+    most of what building one costs a test. `warmup`: None, or `Engine.warmup`'s choice, run
+    once, when the engine is built. Its compile counters are the process's: a test counts
+    `compilations_after_warmup` from where it starts."""
+    from cadence.engine.engine import Engine
+
+    engines: dict = {}
+
+    def get(config, warmup: str | None = None):
+        engine = engines.get((config, warmup))
+        if engine is not None:
+            engine.recover()
+            return engine
+        engine = engines[config, warmup] = Engine(tiny_params, tiny_config, config)
+        if warmup is not None:
+            engine.warmup(warmup=warmup)
+        return engine
+
+    return get
+
+
+# The engine the sampling tests share (logprobs, penalties, n > 1): 4 slots of 192 tokens in
+# pages of 16, chunks of 32, and up to 8 logprobs a token.
+SAMPLING_ENGINE = dict(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64, page_size=16,
+                       max_logprobs=8)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_config, tiny_params, tiny_tokenizer):
     """The tiny model as a converted checkpoint at ROOT/model, for the CLIs' `--model`, and an
     environment whose CADENCE_CACHE (XLA's compilation cache and the built CPU kernels) is

@@ -89,22 +89,22 @@ def test_groups_under_preemption_cancellation_and_a_small_pool():
 # -- the real engine and the API --------------------------------------------------------------
 
 
-def test_on_the_engine_each_choice_equals_its_request_alone(tiny_params, tiny_config, tiny_tokenizer):
+def test_on_the_engine_each_choice_equals_its_request_alone(tiny_params, tiny_config, tiny_tokenizer,
+                                                           shared_engine):
     """The tiny model: four sampled choices of a prompt over two chunks prefill it once (plus
     one token per later choice), and each equals the request with n=1 and that choice's seed
     (`parsing.choice_seed`); greedy choices equal the reference generator."""
     from cadence.engine.config import EngineConfig
-    from cadence.engine.engine import Engine
     from cadence.engine.reference import greedy_generate
     from cadence.scheduler.policy import PolicyConfig
     from cadence.scheduler.request import GenerationParams
     from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
     from cadence.server.parsing import choice_seed
+    from tests.conftest import SAMPLING_ENGINE
     from tests.fakes import run_all
 
-    engine = Engine(tiny_params, tiny_config, EngineConfig(
-        num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64, page_size=16))
-    engine.warmup(warmup="needed")  # the page copy compiles on the first fork
+    # The sampling tests' engine; the page copy compiles on the first fork.
+    engine = shared_engine(EngineConfig(**SAMPLING_ENGINE), "needed")
     prompt = [3 + (i * 37) % 500 for i in range(45)]
     base = RequestSampling(temperature=100.0, seed=1234)
     params = [GenerationParams(max_tokens=16, ignore_eos=True,

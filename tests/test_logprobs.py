@@ -11,25 +11,21 @@ import numpy as np
 import pytest
 
 from cadence.engine.config import EngineConfig
-from cadence.engine.engine import Engine
 from cadence.engine.reference import greedy_generate, log_softmax, sequence_logits
 from cadence.model.host_sampling import RequestSampling
 from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+from tests.conftest import SAMPLING_ENGINE
 from tests.fakes import random_prompts, run_all
 from tests.test_reliability import serving
 
-ENGINE = EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64, page_size=16,
-                      max_logprobs=8)
-
-
-@pytest.fixture(scope="module", params=[1, 4], ids=["1step", "4steps"])
-def engine(request, tiny_params, tiny_config):
-    e = Engine(tiny_params, tiny_config, EngineConfig(**{**ENGINE.__dict__, "decode_steps": request.param}))
-    e.warmup(warmup="needed")  # the scoring prefill compiles on the first echo
-    return e
+@pytest.fixture(params=[1, 4], ids=["1step", "4steps"])
+def engine(request, shared_engine):
+    # The sampling tests' engine (test_penalties.py's too); the scoring prefill compiles on the
+    # first echo.
+    return shared_engine(EngineConfig(**SAMPLING_ENGINE, decode_steps=request.param), "needed")
 
 
 def scheduler(engine, tokenizer) -> Scheduler:
@@ -68,8 +64,10 @@ def test_logprobs_equal_the_reference_greedy_and_sampled(engine, tiny_params, ti
                  for i in range(len(prompts))]
     subs = [(p, GenerationParams(max_tokens=14, ignore_eos=True, sampling=s, logprobs=k))
             for p, s, k in zip(prompts, samplings, ks)]
+    # The process's count (the engine is shared, and other tests compile their own programs).
+    before = engine.compilations_after_warmup
     streams = run_all(scheduler(engine, tiny_tokenizer), subs, [rng.randint(0, 5) for _ in subs])
-    assert engine.compilations_after_warmup == 0
+    assert engine.compilations_after_warmup == before
     for prompt, sampling, k, s in zip(prompts, samplings, ks, streams):
         if k is None:
             assert s.request.logprobs is None and s.record.logprobs is None
