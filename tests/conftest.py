@@ -127,6 +127,16 @@ def shared_engine(tiny_params, tiny_config):
     return get
 
 
+def compiled(engine, *groups: str):
+    """Compiles the programs of `groups` that `engine` has not compiled yet (`Engine.prepare`),
+    and waits for them: an engine warmed up with warmup="needed" then holds what a test runs
+    beyond prefill and decode, and no request parks for it. Returns the engine."""
+    future = engine.prepare(groups)
+    if future is not None:
+        future.result()
+    return engine
+
+
 # The engine the sampling tests share (logprobs, penalties, n > 1): 4 slots of 192 tokens in
 # pages of 16, chunks of 32, and up to 8 logprobs a token.
 SAMPLING_ENGINE = dict(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64, page_size=16,

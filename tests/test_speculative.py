@@ -19,6 +19,7 @@ from cadence.model.host_sampling import RequestSampling, SamplingRows
 from cadence.scheduler.speculative import Acceptance, Drafter, NgramDrafts, SpeculativeConfig
 from cadence.scheduler.grammar import GrammarCompiler, Regex
 from cadence.scheduler.request import GenerationParams
+from tests.conftest import compiled
 from tests.fakes import (
     ALPHABET, TOK, FakeEngine, Harness, chunked, ids, make_scheduler, prefill_first, run_all,
     run_random_load,
@@ -101,8 +102,8 @@ PROMPTS = {0: [5, 6, 7, 8, 9], 2: list(range(30, 70)), 3: [11, 12]}  # slot 1 st
 ACTIVE = np.isin(np.arange(SPEC.num_slots), list(PROMPTS))
 
 
-def _prefilled(tiny_params, tiny_config, config, rows):
-    e = Engine(tiny_params, tiny_config, config)
+def _prefilled(shared_engine, config, rows):
+    e = shared_engine(config)  # as new: an empty pool
     tables = fixed_page_tables(config)
     e.prefill([PrefillChunk(s, p, 0, True, tables[s]) for s, p in PROMPTS.items()], rows.params())
     positions = np.zeros(config.num_slots, np.int32)
@@ -118,9 +119,9 @@ def _rows(temperature, logprobs=0):
     return rows
 
 
-def _plain(tiny_params, tiny_config, config, rows, n):
+def _plain(shared_engine, config, rows, n):
     """n tokens per slot by plain decoding, and each step's logprobs."""
-    e, tables, positions = _prefilled(tiny_params, tiny_config, config, rows)
+    e, tables, positions = _prefilled(shared_engine, config, rows)
     first = np.asarray(e.last_tokens)
     steps = [e.decode(positions + i, ACTIVE, rows.params(), tables) for i in range(n)]
     tokens = np.concatenate([first[None]] + [np.asarray(s) for s in steps])  # [n + 1, slots]
@@ -143,7 +144,7 @@ def _drafts(truth: list[int], emitted: int, plan: str, k: int) -> list[int]:
 
 @pytest.mark.parametrize("temperature,logprobs", [(0.0, 0), (20.0, 3)], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("kernels", ["xla", "reference", "cpu"])
-def test_verify_gives_what_plain_decoding_gives(tiny_params, tiny_config, temperature, logprobs, kernels):
+def test_verify_gives_what_plain_decoding_gives(shared_engine, temperature, logprobs, kernels):
     """Verify steps with drafts right, wrong at each index, short and absent, interleaved with
     plain decode steps: every slot's tokens (and logprobs) are plain decoding's, token for
     token, and each step emits what its drafts earned; the KV verify wrote is what decode
@@ -154,8 +155,8 @@ def test_verify_gives_what_plain_decoding_gives(tiny_params, tiny_config, temper
                                  decode_matmul="cpu" if kernels == "cpu" else "xla")
     rows = _rows(temperature, logprobs)
     n = 30
-    truth, truth_lp = _plain(tiny_params, tiny_config, config, rows, n)
-    e, tables, positions = _prefilled(tiny_params, tiny_config, config, rows)
+    truth, truth_lp = _plain(shared_engine, config, rows, n)
+    e, tables, positions = _prefilled(shared_engine, config, rows)
     plans = {0: ["right", "wrong@0", "2", None, "wrong@3", "none", "right"],  # None: plain decode
              2: ["wrong@1", "right", "none", None, "wrong@2", "1", "none"],
              3: ["none", "wrong@3", "right", None, "right", "wrong@0", "3"]}
@@ -197,15 +198,15 @@ def test_verify_gives_what_plain_decoding_gives(tiny_params, tiny_config, temper
         assert len(set(got[2])) > 1
 
 
-def test_verify_stops_at_a_stop_id_inside_the_drafts(tiny_params, tiny_config):
+def test_verify_stops_at_a_stop_id_inside_the_drafts(shared_engine):
     """A row whose accepted tokens reach its stop id ends there: it emits the stop token and
     nothing after, though the drafts after it were right."""
     rows = _rows(20.0)
-    truth, _ = _plain(tiny_params, tiny_config, SPEC, rows, 6)
+    truth, _ = _plain(shared_engine, SPEC, rows, 6)
     stop = int(truth[3, 2])  # slot 2's third token after its first
     first_at = truth[1:, 2].tolist().index(stop) + 1
     rows.set(2, RequestSampling(temperature=20.0, seed=3), stop_ids=(stop,))
-    e, tables, positions = _prefilled(tiny_params, tiny_config, SPEC, rows)
+    e, tables, positions = _prefilled(shared_engine, SPEC, rows)
     drafts = np.zeros((SPEC.num_slots, 4), np.int32)
     drafts[2] = truth[1:5, 2]  # all right
     lens = np.where(np.arange(SPEC.num_slots) == 2, 4, 0).astype(np.int32)
@@ -214,8 +215,8 @@ def test_verify_stops_at_a_stop_id_inside_the_drafts(tiny_params, tiny_config):
     assert np.asarray(result)[first_at - 1, 2] == stop
 
 
-def test_verify_refuses_what_it_cannot_run(tiny_params, tiny_config):
-    e, tables, positions = _prefilled(tiny_params, tiny_config, SPEC, _rows(0.0))
+def test_verify_refuses_what_it_cannot_run(shared_engine):
+    e, tables, positions = _prefilled(shared_engine, SPEC, _rows(0.0))
     rows = _rows(0.0).params()
     ok = np.zeros((4, 4), np.int32), np.zeros(4, np.int32)
     with pytest.raises(ValueError, match="draft_lens must be in"):
@@ -226,7 +227,7 @@ def test_verify_refuses_what_it_cannot_run(tiny_params, tiny_config):
         e.verify(positions, ACTIVE, rows, tables, np.full((4, 4), -1, np.int32), ok[1])
     with pytest.raises(ValueError, match="overflow max_seq_len=128"):
         e.verify(np.full(4, 124, np.int32), ACTIVE, rows, tables, *ok[:1], np.full(4, 4, np.int32))
-    plain = Engine(tiny_params, tiny_config, dataclasses.replace(SPEC, speculative_tokens=0))
+    plain = shared_engine(dataclasses.replace(SPEC, speculative_tokens=0))
     with pytest.raises(ValueError, match="without speculative_tokens"):
         plain.verify(positions, ACTIVE, rows, tables, *ok)
     assert "speculative" not in plain.program_groups()
@@ -371,7 +372,7 @@ def test_drafter_sits_out_after_finding_nothing():
 
 @pytest.mark.parametrize("kernels", ["xla", "cpu"])
 def test_speculative_serving_equals_plain_serving_on_the_engine(tiny_params, tiny_config,
-                                                                tiny_tokenizer, kernels):
+                                                                tiny_tokenizer, shared_engine, kernels):
     """The tiny model served with drafts of up to 4 tokens and without, over a pool that holds
     one longest sequence (preemptions, recomputes, prefix-cache hits from shared prompt
     starts): greedy outputs equal the reference generator's, seeded-sampled and penalized
@@ -392,11 +393,13 @@ def test_speculative_serving_equals_plain_serving_on_the_engine(tiny_params, tin
         cfg = EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64,
                            page_size=16, num_pages=cdiv(192, 16) + 1, speculative_tokens=k,
                            attention=kernels, decode_matmul="cpu" if kernels == "cpu" else "xla")
-        e = Engine(tiny_params, tiny_config, cfg)
-        e.warmup()
+        # Warmed up with what these requests run (the penalized ones' history, the drafts'
+        # verify), before they start; the counters are the process's (the engine is shared).
+        e = compiled(shared_engine(cfg, "needed"), "history", *["speculative"] * (k > 0))
+        before = e.compilations_after_warmup
         sched = make_scheduler(e, tiny_tokenizer, chunk=32, budget=48)
         outputs[k] = [s.request.output_ids for s in run_all(sched, subs, arrivals)]
-        assert e.compilations_after_warmup == 0
+        assert e.compilations_after_warmup == before
         assert sched.kv_pages == (0, cfg.num_pages)
     assert sched.spec_accepted > 0 and sched.preemptions > 0
     assert outputs[4] == outputs[0]
@@ -406,7 +409,7 @@ def test_speculative_serving_equals_plain_serving_on_the_engine(tiny_params, tin
 
 
 def test_served_with_drafts_over_http_the_text_is_the_reference_and_metrics_count(
-        tiny_params, tiny_config, tiny_tokenizer):
+        tiny_params, tiny_config, tiny_tokenizer, shared_engine):
     """The app over a speculative engine: a completion's text is the reference generator's,
     streamed or not, and /metrics counts drafts and accepted tokens under vLLM's names."""
     import httpx
@@ -416,8 +419,9 @@ def test_served_with_drafts_over_http_the_text_is_the_reference_and_metrics_coun
 
     prompt = [7, 8, 9, 10] * 6
     want = tiny_tokenizer.decode(greedy_generate(tiny_params, tiny_config, prompt, 40))
-    e = Engine(tiny_params, tiny_config, EngineConfig(**SERVING_ENGINE, speculative_tokens=4))
-    e.warmup()
+    # The drafts' verify compiled before the first request.
+    e = compiled(shared_engine(EngineConfig(**SERVING_ENGINE, speculative_tokens=4), "needed"), "speculative")
+    before = e.compilations_after_warmup  # the process's (the engine is shared)
     with serve_tiny(e, tiny_tokenizer) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         args = dict(model="tiny", prompt=prompt, max_tokens=40, temperature=0,
@@ -431,7 +435,7 @@ def test_served_with_drafts_over_http_the_text_is_the_reference_and_metrics_coun
     drafted = values["vllm:spec_decode_num_draft_tokens_total"]
     assert 0 < values["vllm:spec_decode_num_accepted_tokens_total"] <= drafted
     assert values["vllm:spec_decode_num_drafts_total"] > 0
-    assert e.compilations_after_warmup == 0
+    assert e.compilations_after_warmup == before
 
 
 def test_flags_turn_speculation_on_and_check_the_ngram_sizes():
