@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from cadence.engine.config import EngineConfig
-from cadence.engine.engine import Engine
 from cadence.engine.reference import adjusted_logits, greedy_generate
 from cadence.model.host_sampling import RequestSampling, SamplingRows
 from cadence.model.sampling import SamplingParams, TokenHistory, adjust_logits, sample
@@ -135,13 +134,14 @@ def test_logit_bias_forces_and_bans_tokens(engine, tiny_params, tiny_config, tin
     assert b.request.output_ids == [77] * 6
 
 
-def test_history_covers_cached_prefixes_and_preempted_outputs(tiny_params, tiny_config, tiny_tokenizer):
+def test_history_covers_cached_prefixes_and_preempted_outputs(tiny_params, tiny_config, tiny_tokenizer,
+                                                              shared_engine):
     """The history is the sequence's, whatever prefill skipped: a prompt whose pages came from
     the prefix cache, and a request recomputed after a preemption, still equal the reference."""
-    cfg = EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64, page_size=16,
-                       num_pages=12)
-    e = Engine(tiny_params, tiny_config, cfg)
-    e.warmup(warmup="needed")  # the history program compiles on first use
+    # A pool that holds one longest sequence and the null page: test_speculative.py serves over
+    # the same engine. The history program compiles on first use.
+    e = shared_engine(EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64,
+                                   page_size=16, num_pages=13), "needed")
     rng = random.Random(8)
     shared = random_prompts(rng, 1, tiny_config.vocab_size, 64, 64)[0]
     prompts = [shared + p for p in random_prompts(rng, 6, tiny_config.vocab_size, 1, 40)]
