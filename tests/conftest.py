@@ -137,6 +137,11 @@ def compiled(engine, *groups: str):
     return engine
 
 
+# The engine test_engine.py's tests share with test_bitmask.py's: 4 slots of 256 tokens, prefill
+# chunks of 64 in buckets from 16, structured output's split step.
+SMALL_ENGINE = dict(num_slots=4, max_seq_len=256, prefill_chunk=64, min_prefill_bucket=16, min_kv_bucket=64,
+                    structured_output=True)
+
 # The engine the sampling tests share (logprobs, penalties, n > 1): 4 slots of 192 tokens in
 # pages of 16, chunks of 32, and up to 8 logprobs a token.
 SAMPLING_ENGINE = dict(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64, page_size=16,

@@ -15,6 +15,7 @@ from cadence.engine.packing import PrefillChunk
 from cadence.engine.programs import sampling_rows
 from cadence.model.host_sampling import ALL_ALLOWED, RequestSampling, all_allowed, bitmask_words
 from cadence.model.sampling import SamplingParams, TokenHistory, apply_bitmask, choose
+from tests.conftest import SMALL_ENGINE
 
 VOCAB = 100  # not a multiple of 32: the last word's high bits lie past the vocabulary
 
@@ -75,19 +76,18 @@ def test_constrained_rows_draw_only_allowed_tokens():
             assert token == max(allowed_ids[row], key=lambda i: float(logits[row, i]))
 
 
-CONFIG = EngineConfig(num_slots=4, max_seq_len=256, prefill_chunk=64, min_prefill_bucket=16,
-                      min_kv_bucket=64, structured_output=True)
+CONFIG = EngineConfig(**SMALL_ENGINE)
 PROMPTS = {0: [5, 9, 11, 40, 2, 77], 1: [8, 8, 3], 3: list(range(20, 80))}
 SAMPLED = RequestSampling(temperature=0.9, top_k=40, seed=3)
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_params, tiny_config):
-    """Two engines of one model, warm: their programs are the same, so their tokens must be."""
-    pair = [Engine(tiny_params, tiny_config, CONFIG) for _ in range(2)]
-    for e in pair:
-        e.warmup(warmup="needed")  # the split step compiles on first use
-    return pair
+def engines(tiny_params, tiny_config, shared_engine):
+    """Two engines of one model, warm: their programs are the same, so their tokens must be.
+    The first is test_engine.py's too; the split step compiles on first use."""
+    second = Engine(tiny_params, tiny_config, CONFIG)
+    second.warmup(warmup="needed")
+    return [shared_engine(CONFIG, "needed"), second]
 
 
 def start(engine, rows, allowed=None) -> tuple[np.ndarray, np.ndarray]:

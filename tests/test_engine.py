@@ -19,20 +19,18 @@ from cadence.engine.reference import greedy_generate
 from cadence.model.arith import cdiv
 from cadence.model.host_sampling import RequestSampling
 from cadence.scheduler.request import GenerationParams
+from tests.conftest import SMALL_ENGINE
 from tests.fakes import make_scheduler, needs_cpu_kernels, random_prompts, run_all
 
 def GREEDY_ROWS(engine):  # noqa: N802 - reads as the constant it is per engine
     return sampling_rows([RequestSampling()] * engine.config.num_slots)
 
 
-SMALL = EngineConfig(num_slots=4, max_seq_len=256, prefill_chunk=64, min_prefill_bucket=16, min_kv_bucket=64)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_params, tiny_config):
-    e = Engine(tiny_params, tiny_config, SMALL)
-    e.warmup(warmup="needed")  # what these tests run beyond it compiles on first use
-    return e
+@pytest.fixture
+def engine(shared_engine):
+    # test_bitmask.py's engine too (structured output changes no program a plain request runs);
+    # what these tests run beyond prefill and decode compiles on first use.
+    return shared_engine(EngineConfig(**SMALL_ENGINE), "needed")
 
 
 def test_buckets_cover_every_length():
