@@ -18,6 +18,7 @@ from cadence.engine.reference import greedy_generate
 from cadence.engine.results import KVHandle
 from cadence.model.host_sampling import RequestSampling
 from cadence.scheduler.pages import PageAllocator
+from tests.conftest import compiled
 
 CONFIG = EngineConfig(num_slots=4, max_seq_len=160, prefill_chunk=96, min_prefill_bucket=16,
                       min_kv_bucket=64, page_size=16)
@@ -92,14 +93,14 @@ def _prefill(engine, prompts, rounds, tables, packed: bool):
     return tokens
 
 
-def test_packed_prefill_equals_one_chunk_at_a_time_and_the_reference(tiny_params, tiny_config):
+def test_packed_prefill_equals_one_chunk_at_a_time_and_the_reference(tiny_params, tiny_config, shared_engine):
     rng = random.Random(11)
     prompts, rounds = _plans(rng, tiny_config.vocab_size)
     order = np.random.default_rng(3).permutation(CONFIG.pool_pages)
     tables = order[: CONFIG.num_slots * CONFIG.max_pages_per_seq].reshape(CONFIG.num_slots, -1)
     results = {}
     for packed in (False, True):
-        e = Engine(tiny_params, tiny_config, CONFIG)
+        e = shared_engine(CONFIG)  # as new each time: an empty pool
         tokens = _prefill(e, prompts, rounds, tables, packed)
         pool = [np.asarray(a) for a in e.cache.k + e.cache.v]
         outputs = [[] for _ in prompts]
@@ -121,11 +122,11 @@ def test_packed_prefill_equals_one_chunk_at_a_time_and_the_reference(tiny_params
         assert out_alone[i] == out_packed[i]
 
 
-def test_a_kv_handle_moves_a_sequence_to_another_engine(tiny_params, tiny_config):
+def test_a_kv_handle_moves_a_sequence_to_another_engine(tiny_params, tiny_config, shared_engine):
     """Prefill and decode on engine A, extract, insert into engine B (a smaller pool, other
     pages, another slot), decode on B: the same tokens as decoding on A, which are the
     reference generator's. A handle that does not fit is refused and stays usable."""
-    a = Engine(tiny_params, tiny_config, CONFIG)
+    a = shared_engine(CONFIG)
     b = Engine(tiny_params, tiny_config, EngineConfig(**{**CONFIG.__dict__, "num_pages": 14}))
     rng = random.Random(12)
     prompt = [rng.randrange(3, tiny_config.vocab_size) for _ in range(48)]  # 3 pages exactly
@@ -184,7 +185,8 @@ def test_warm_engines_compile_nothing_to_pack_extract_or_insert(tiny_params, tin
     cfg = EngineConfig(num_slots=4, max_seq_len=64, prefill_chunk=32, min_prefill_bucket=16,
                        min_kv_bucket=32, page_size=16)
     e = Engine(tiny_params, tiny_config, cfg)
-    e.warmup()
+    e.warmup(warmup="needed")
+    compiled(e, "transfer")  # extract and insert, with prefill what this test runs
     rng = random.Random(13)
     prompts = [[rng.randrange(3, tiny_config.vocab_size) for _ in range(n)] for n in (3, 32, 20, 9)]
     tables = np.arange(cfg.num_slots * cfg.max_pages_per_seq).reshape(cfg.num_slots, -1)
