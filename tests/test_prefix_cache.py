@@ -395,7 +395,8 @@ def test_cached_tokens_add_up_to_the_hit_counter():
 # --- the real engine --------------------------------------------------------------------------
 
 
-def test_multi_turn_conversations_on_the_engine_equal_the_reference(tiny_params, tiny_config, tiny_tokenizer):
+def test_multi_turn_conversations_on_the_engine_equal_the_reference(tiny_params, tiny_config, tiny_tokenizer,
+                                                                   shared_engine):
     """Three conversations of three turns share a system prompt; each turn re-sends the history
     with the replies. Served together on the tiny model's engine with the cache on, every greedy
     reply equals the reference generator's over the whole prompt, later turns reuse pages the
@@ -403,15 +404,16 @@ def test_multi_turn_conversations_on_the_engine_equal_the_reference(tiny_params,
     import random
 
     from cadence.engine.config import EngineConfig
-    from cadence.engine.engine import Engine
     from cadence.engine.reference import greedy_generate
     from cadence.scheduler.policy import PolicyConfig
     from cadence.scheduler.request import GenerationParams
     from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+    from tests.conftest import SAMPLING_ENGINE
 
-    cfg = EngineConfig(num_slots=3, max_seq_len=256, prefill_chunk=32, min_kv_bucket=64, page_size=16)
-    engine = Engine(tiny_params, tiny_config, cfg)
-    engine.warmup(warmup="needed")
+    # The sampling tests' engine (4 slots of 192 tokens in pages of 16): conversations of up to
+    # ~110 tokens. Its compile counter is the process's (the engine is shared).
+    engine = shared_engine(EngineConfig(**SAMPLING_ENGINE), "needed")
+    before = engine.compilations_after_warmup
     sched = Scheduler(engine, tiny_tokenizer, SchedulerConfig(policy=PolicyConfig(token_budget=48, chunk=32)))
     rng = random.Random(0)
     system = [rng.randrange(3, tiny_config.vocab_size) for _ in range(40)]
@@ -428,7 +430,7 @@ def test_multi_turn_conversations_on_the_engine_equal_the_reference(tiny_params,
             histories[i] = prompt + stream.request.output_ids
             records.append(record)
             served.append((prompt, stream.request.output_ids))
-    assert engine.compilations_after_warmup == 0  # before the reference compiles its own
+    assert engine.compilations_after_warmup == before  # before the reference compiles its own
     for prompt, output in served:
         assert output == greedy_generate(tiny_params, tiny_config, prompt, 12)
     assert sum(r.cached_tokens for r in records) == sched.prefix_hits > 0
