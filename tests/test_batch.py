@@ -202,6 +202,10 @@ def test_bad_lines_are_reported_and_do_not_stop_the_others(setup, tmp_path):
     assert len(read_results(out)) == 3
 
 
+# The full tier (~10 s, a job of its own): the default tier runs the job (the reference's text,
+# usage, resubmission) and serves the same structure fields, parsed by the same server modules,
+# over HTTP (test_structured.py).
+@pytest.mark.slow
 def test_response_formats_and_tool_calls(setup, tmp_path):
     """The chat API's structure fields, line by line: a schema's answer validates, a forced
     call comes back as tool_calls, and a line whose grammar cannot be built is reported."""
