@@ -20,9 +20,11 @@ MULTI = EngineConfig(num_slots=4, max_seq_len=256, prefill_chunk=64, min_kv_buck
 PROMPTS = {0: [5, 6, 7, 8, 9], 2: list(range(30, 70)), 3: [11, 12]}  # slot 1 stays idle
 
 
-def prefilled(tiny_params, tiny_config, rows: SamplingRows) -> tuple[Engine, np.ndarray, np.ndarray]:
-    """An engine with PROMPTS prefilled; its page tables, and each slot's first position."""
-    e = Engine(tiny_params, tiny_config, MULTI)
+def prefilled(shared_engine, rows: SamplingRows) -> tuple[Engine, np.ndarray, np.ndarray]:
+    """An engine with PROMPTS prefilled, as new but for its programs (one shared engine, its
+    pool emptied: each call hands back the same one); its page tables, and each slot's first
+    position."""
+    e = shared_engine(MULTI)
     tables = fixed_page_tables(MULTI)
     positions = np.zeros(MULTI.num_slots, np.int32)
     e.prefill([PrefillChunk(s, p, 0, True, tables[s]) for s, p in PROMPTS.items()], rows.params())
@@ -36,38 +38,39 @@ def pool(e: Engine) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 20.0], ids=["greedy", "sampled"])
-def test_steps_in_one_dispatch_equal_the_same_steps_one_at_a_time(tiny_params, tiny_config, temperature):
+def test_steps_in_one_dispatch_equal_the_same_steps_one_at_a_time(shared_engine, temperature):
     rows = SamplingRows(MULTI.num_slots)
     for s in PROMPTS:
         rows.set(s, RequestSampling(temperature=temperature, seed=s + 1))
     active = np.isin(np.arange(MULTI.num_slots), list(PROMPTS))
-    single, tables, positions = prefilled(tiny_params, tiny_config, rows)
+    single, tables, positions = prefilled(shared_engine, rows)
     one_at_a_time = np.stack([np.asarray(single.decode(positions + i, active, rows.params(), tables))[0]
                               for i in range(5)])
-    multi, _, _ = prefilled(tiny_params, tiny_config, rows)
+    pool_single = pool(single)
+    multi, _, _ = prefilled(shared_engine, rows)
     together = np.asarray(multi.decode(positions, active, rows.params(), tables, steps=5))
     assert together.shape == (5, MULTI.num_slots)
     np.testing.assert_array_equal(together, one_at_a_time)
-    for a, b in zip(pool(multi), pool(single)):
+    for a, b in zip(pool(multi), pool_single):
         np.testing.assert_array_equal(a, b)
     if temperature:  # (the tiny model's logits are steep: greedy, or cool, repeats its input)
         assert len(set(together[:, 0].tolist())) > 1  # tokens that move, not one repeated
 
 
-def test_a_row_ends_on_the_device_at_its_stop_id(tiny_params, tiny_config):
+def test_a_row_ends_on_the_device_at_its_stop_id(shared_engine):
     """Slot 0 stops at a token it samples mid-dispatch: it writes no KV after it and reports
     the stop token from then on; the others run every step. A dispatch in which every row
     comes in stopped runs no step at all. (Sampled: the tiny model's greedy choice repeats.)"""
     rows = SamplingRows(MULTI.num_slots)
     for s in PROMPTS:
         rows.set(s, RequestSampling(temperature=20.0, seed=s + 7))
-    free, tables, positions = prefilled(tiny_params, tiny_config, rows)
+    free, tables, positions = prefilled(shared_engine, rows)
     active = np.isin(np.arange(MULTI.num_slots), list(PROMPTS))
     unstopped = np.asarray(free.decode(positions, active, rows.params(), tables, steps=6))
     run = unstopped[:, 0].tolist()
     stop_at = next(i for i in range(1, 6) if run[i] not in run[:i])  # its first sight of this id
     rows.set(0, RequestSampling(temperature=20.0, seed=7), stop_ids=[run[stop_at]])
-    e, _, _ = prefilled(tiny_params, tiny_config, rows)
+    e, _, _ = prefilled(shared_engine, rows)
     before = pool(e)
     out = np.asarray(e.decode(positions, active, rows.params(), tables, steps=6))
     assert out[:, 0].tolist() == run[: stop_at + 1] + [run[stop_at]] * (5 - stop_at)
@@ -87,9 +90,9 @@ def test_a_row_ends_on_the_device_at_its_stop_id(tiny_params, tiny_config):
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_dispatch_refuses_steps_it_cannot_run(tiny_params, tiny_config):
+def test_a_dispatch_refuses_steps_it_cannot_run(shared_engine):
     rows = SamplingRows(MULTI.num_slots)
-    e, tables, positions = prefilled(tiny_params, tiny_config, rows)
+    e, tables, positions = prefilled(shared_engine, rows)
     active = np.arange(MULTI.num_slots) == 0
     with pytest.raises(ValueError, match=r"runs 1..6 steps \(decode_steps\), got 7"):
         e.decode(positions, active, rows.params(), tables, steps=7)
