@@ -226,13 +226,13 @@ def test_a_request_waits_for_its_programs_while_others_run(tiny_params, tiny_con
 
 
 @pytest.mark.parametrize("contexts", [[9, 40, 120], [9, 300, 120]], ids=["batched", "length-following"])
-def test_decode_runs_only_the_active_rows(tiny_params, tiny_config, contexts):
+def test_decode_runs_only_the_active_rows(tiny_params, tiny_config, shared_engine, contexts):
     """A step decodes the smallest batch bucket holding the active slots. Which slots and how
     many decode together changes no token; an idle slot keeps its next token and the padding
     rows write nothing into the pool."""
     cfg = EngineConfig(num_slots=5, max_seq_len=320, prefill_chunk=64, min_kv_bucket=64, page_size=16)
     assert cfg.decode_batch_buckets == (1, 2, 4, 5)
-    e = Engine(tiny_params, tiny_config, cfg)
+    e = shared_engine(cfg)  # both cases' (an empty pool each)
     rng = random.Random(6)
     prompts = {slot: random_prompts(rng, 1, tiny_config.vocab_size, n, n)[0]
                for slot, n in zip((0, 2, 4), contexts)}

@@ -235,14 +235,17 @@ def test_verify_refuses_what_it_cannot_run(shared_engine):
 
 def test_verify_compiles_at_warmup_and_never_after(tiny_params, tiny_config):
     """Warm-up compiles one verify program per batch bucket ("needed" leaves them to their
-    first use); verify steps of every batch size and draft count after it compile nothing."""
+    first use); verify steps of every batch size and draft count after it compile nothing.
+    Warmed up here with the group and what every request runs, not every group ("all" compiles
+    each group `program_groups` names: test_engine.py)."""
     config = dataclasses.replace(SPEC, speculative_batch=2)
     assert config.verify_batch_buckets == (1, 2)
     e = Engine(tiny_params, tiny_config, config)
     assert "speculative" in e.program_groups() and "speculative" not in e.program_groups("needed")
     names = [p.name for p in e.warm_programs(["speculative"])]
     assert names == ["verify[batch=1,pages=8,k=4]", "verify[batch=2,pages=8,k=4]"]
-    e.warmup()
+    e.warmup(warmup="needed")
+    compiled(e, "speculative")
     tables = fixed_page_tables(config)
     rows = _rows(0.0).params()
     e.prefill([PrefillChunk(s, p, 0, True, tables[s]) for s, p in PROMPTS.items()], rows)
