@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Optional
 
 from absl import logging
 
@@ -79,6 +80,7 @@ class Handoff:
         self.moving: list[Request] = []
         self._landing: queue.Queue = queue.Queue()  # transfers in flight, for the watcher
         self._watcher: threading.Thread | None = None
+        self._watcher_lock = threading.Lock()  # starting a watcher against one ending
         self.transfers = 0  # KV handoffs started, and the bytes they moved
         self.bytes = 0
 
@@ -184,17 +186,37 @@ class Handoff:
             inserted += 1
         return inserted
 
+    # A watcher with nothing to watch for this long ends (the next transfer starts another), so
+    # an idle or abandoned scheduler's thread holds none of its engines' memory.
+    WATCHER_IDLE_S = 2.0
+
     def _watch(self, r: Request, handle, landed) -> None:
         """Hands a started transfer to the watcher thread, which times it as it lands and
         wakes the decode loop."""
-        if self._watcher is None:
-            self._watcher = threading.Thread(target=self._watch_transfers, name="cadence-transfers",
-                                             daemon=True)
-            self._watcher.start()
-        self._landing.put((r, handle, landed))
+        with self._watcher_lock:
+            self._landing.put((r, handle, landed))
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch_transfers, name="cadence-transfers",
+                                                 daemon=True)
+                self._watcher.start()
+
+    def _next_landing(self):
+        """The next transfer to watch; None when told to end (`end`) or idle, with nothing
+        queued behind: the watcher then ends, and the next `_watch` starts another."""
+        while True:
+            try:
+                item = self._landing.get(timeout=self.WATCHER_IDLE_S)
+            except queue.Empty:
+                item = None
+            if item is not None:
+                return item
+            with self._watcher_lock:
+                if self._landing.empty():
+                    self._watcher = None
+                    return None
 
     def _watch_transfers(self) -> None:
-        while (item := self._landing.get()) is not None:
+        while (item := self._next_landing()) is not None:
             r, handle, landed = item
             try:
                 handle.block_until_ready()  # the last chunk and the extract have run
@@ -212,12 +234,17 @@ class Handoff:
             # references one when the interpreter exits aborts the process.
             del r, handle, landed, item
 
-    def end(self) -> None:
-        """Lets the watcher thread end once it has seen what it holds land."""
-        self._landing.put(None)
+    def end(self) -> Optional[threading.Thread]:
+        """Lets the watcher thread, if one runs, end once it has seen what it holds land
+        (nothing more will move); returns it."""
+        with self._watcher_lock:
+            watcher = self._watcher
+            if watcher is not None:
+                self._landing.put(None)
+        return watcher
 
     def close(self, timeout: float | None = None) -> None:
-        """Ends the watcher thread, if one started, and waits for it (nothing more will move)."""
-        if self._watcher is not None:
-            self.end()
-            self._watcher.join(timeout)
+        """`end`, and waits for the watcher."""
+        watcher = self.end()
+        if watcher is not None:
+            watcher.join(timeout)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import socket
 import threading
 import time
@@ -90,14 +91,22 @@ SERVING_ENGINE = dict(num_slots=4, max_seq_len=512, prefill_chunk=32, min_kv_buc
                       structured_output=True)
 
 
-@pytest.fixture(scope="session")
+# The engines the session keeps between modules (tiny_engine's, shared_engine's), by key; let
+# go, with every compiled program, when the process's memory maps grow (`memory_maps_stay_bounded`).
+_KEPT: dict = {}
+
+
+@pytest.fixture(scope="module")
 def tiny_engine(tiny_params, tiny_config):
-    """The tiny model's engine, warmed up once for every test that serves over HTTP."""
+    """The tiny model's engine, warmed up once (again only after the session let its programs
+    go) for every test that serves over HTTP."""
     from cadence.engine.config import EngineConfig
     from cadence.engine.engine import Engine
 
-    engine = Engine(tiny_params, tiny_config, EngineConfig(**SERVING_ENGINE))
-    engine.warmup()
+    engine = _KEPT.get("tiny")
+    if engine is None:
+        engine = _KEPT["tiny"] = Engine(tiny_params, tiny_config, EngineConfig(**SERVING_ENGINE))
+        engine.warmup()
     return engine
 
 
@@ -109,22 +118,32 @@ def shared_engine(tiny_params, tiny_config):
     traced, lowered and compiled. Engines do not share jitted programs, and doing that again is
     most of what building one costs a test. `warmup`: None, or `Engine.warmup`'s choice, run
     once, when the engine is built. Its compile counters are the process's: a test counts
-    `compilations_after_warmup` from where it starts."""
+    `compilations_after_warmup` from where it starts.
+
+    At most `SHARED_ENGINES` are kept, the least recently used let go first, and all of them
+    when the session lets its compiled programs go (`memory_maps_stay_bounded`)."""
     from cadence.engine.engine import Engine
 
-    engines: dict = {}
-
     def get(config, warmup: str | None = None):
-        engine = engines.get((config, warmup))
+        key = ("shared", config, warmup)
+        engine = _KEPT.pop(key, None)
         if engine is not None:
+            _KEPT[key] = engine  # the most recently used
             engine.recover()
             return engine
-        engine = engines[config, warmup] = Engine(tiny_params, tiny_config, config)
+        shared = [k for k in _KEPT if k[0] == "shared"]
+        for old in shared[: max(0, len(shared) + 1 - SHARED_ENGINES)]:
+            del _KEPT[old]
+        gc.collect()  # their programs' code goes now, not at some later collection
+        engine = _KEPT[key] = Engine(tiny_params, tiny_config, config)
         if warmup is not None:
             engine.warmup(warmup=warmup)
         return engine
 
     return get
+
+
+SHARED_ENGINES = 4
 
 
 def compiled(engine, *groups: str):
@@ -217,3 +236,39 @@ def loopback_server(app):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+# XLA:CPU maps each compiled program's code into ~350 memory areas (a few per kernel), and the
+# kernel allows a process 65530 (`vm.max_map_count`): past that the next compile crashes the
+# process (a session that kept every program it compiled reached it at ~3/4 of the tier).
+RELEASE_MAPS = 30_000  # after a module holding more, the session lets its programs go
+MAX_MAPS = 50_000
+
+
+def _maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def memory_maps_stay_bounded():
+    """After each test module: past `RELEASE_MAPS` memory maps, every kept engine and every
+    compiled program (jax.clear_caches: the reference's, the kernels', each engine's) is let
+    go, to be compiled again (mostly from the persistent cache) by whichever test next needs
+    it; then the process must be under `MAX_MAPS`, or the module that left programs alive is
+    named, rather than a crash somewhere later."""
+    yield
+    if not Path("/proc/self/maps").exists():
+        return
+    maps = _maps()
+    if maps > RELEASE_MAPS:
+        _KEPT.clear()
+        jax.clear_caches()
+        gc.collect()
+        maps = _maps()
+    if os.environ.get("CADENCE_MAPS_LOG"):
+        with open(os.environ["CADENCE_MAPS_LOG"], "a") as log:
+            log.write(f"{maps}\n")
+    assert maps <= MAX_MAPS, (
+        f"the test process holds {maps} memory maps after this module (the kernel allows "
+        f"65530): engines or compiled programs outlive their tests")

@@ -43,7 +43,10 @@ def test_a_policy_entry_carries_router_flags_and_bad_ones_are_refused():
 
 def tiny_fleet(tiny_model_dir, out, policy: str, max_seq_len: int = 256) -> Fleet:
     root, env = tiny_model_dir
-    config = ServerConfig(model=str(root / "model"), num_slots=2, max_seq_len=max_seq_len, prefill_chunk=32)
+    # No speculative decoding: the tiny model's greedy text repeats itself, so prompt lookup
+    # drafts all of it and a long stream ends before a poll of the gauges can see it run.
+    config = ServerConfig(model=str(root / "model"), num_slots=2, max_seq_len=max_seq_len, prefill_chunk=32,
+                          extra_flags=("--speculative=off",))
     return Fleet(config, 2, policy, out, health_timeout_s=300, env=env)
 
 
