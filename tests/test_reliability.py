@@ -38,6 +38,7 @@ class FaultyEngine:
         self.fail_decode_at: int | None = None  # raise on this decode call (1-based)
         self.poison_decode_at: int | None = None  # this decode call returns a garbage token
         self.unreadable_decode_at: int | None = None  # this call's result raises when read
+        self.fail_decode_when = None  # a condition: the first decode call that meets it raises
         self.fail_recover = False
         self.decode_calls = 0
         self.recoveries = 0
@@ -52,7 +53,8 @@ class FaultyEngine:
 
     def decode(self, positions, active, sampling, page_table, steps=1):
         self.decode_calls += 1
-        if self.decode_calls == self.fail_decode_at:
+        if self.decode_calls == self.fail_decode_at or (self.fail_decode_when and self.fail_decode_when()):
+            self.fail_decode_when = None
             raise RuntimeError("injected: the device fell over")
         tokens = self.engine.decode(positions, active, sampling, page_table, steps)
         if self.decode_calls == self.poison_decode_at:
@@ -385,14 +387,16 @@ def test_a_poisoned_token_fails_its_own_stream_only(tiny_engine, tiny_tokenizer)
 def test_a_recovery_that_fails_marks_the_engine_dead_and_everyone_hears_it(tiny_engine, tiny_tokenizer):
     faulty = FaultyEngine(tiny_engine)
     with serving(faulty, tiny_tokenizer, max_queue=64) as (base, sched):
-        faulty.fail_decode_at = faulty.decode_calls + 8
+        # The device falls over once all eight are in (4 running, 4 waiting), however slowly
+        # the client's posts arrive: a request after the death would get 503 instead.
+        faulty.fail_decode_when = lambda: sched.num_running + sched.num_waiting >= 8
         faulty.fail_recover = True
 
         async def many():
             async with httpx.AsyncClient(timeout=TIMEOUT) as http:
                 return await asyncio.gather(*(
-                    http.post(f"{base}/v1/completions", json=greedy(f"doomed {i}", 100))
-                    for i in range(8)))  # 4 running, 4 waiting
+                    http.post(f"{base}/v1/completions", json=greedy(f"doomed {i}", 400))
+                    for i in range(8)))
 
         responses = asyncio.run(many())
         assert [r.status_code for r in responses] == [500] * 8
