@@ -277,8 +277,9 @@ def pack_blocks(parts: dict[str, np.ndarray], kind: str) -> np.ndarray:
 
 def load_packed(path: str | Path, config: ModelConfig) -> dict[tuple[str, ...], tuple[np.ndarray, str]]:
     """Every matrix of the file in a `PACKABLE` format, as (`pack_blocks` array, the GGUF
-    type's name), by its path in the params tree. The embedding's entry is the tied
-    LM head's matrix (the embedding transposed: its rows are the head's output columns)."""
+    type's name), by its path in the params tree. The embedding's entry is the embedding
+    transposed (its rows are a tied LM head's output columns), whose columns an embedding
+    lookup reads, tied or not (`cpu_kernels.take_columns`)."""
     reader = gguf.GGUFReader(Path(path))
     tensors = {t.name: t for t in reader.tensors}
     arch = reader.fields.get("general.architecture")  # only this field: not the vocabulary's
@@ -290,8 +291,6 @@ def load_packed(path: str | Path, config: ModelConfig) -> dict[tuple[str, ...], 
         if spec.path[-1] not in MATRICES or kind not in PACKABLE:
             continue
         rows, columns = spec.stored_shape  # GGUF [out, in]
-        if spec.path[-1] == "embedding" and not config.tie_embeddings:
-            continue  # a lookup table only: the untied head is lm_head's own matrix
         parts = unpack_blocks(t.data, kind, columns)
         if parts["q"].shape[0] != rows:
             raise CheckpointError(f"{path}: tensor {spec.gguf_name} has {parts['q'].shape[0]} rows, expected {rows}")

@@ -39,8 +39,10 @@ The pieces it is built from live beside it: its configuration and shape buckets 
 compiling in `engine.warmup`.
 
 On the CPU, decode can run cadence's own kernels (`model.cpu_kernels`): `attention="cpu"` for
-its attention and `decode_matmul="cpu"` for its matmuls, which read a copy of the weights in
-the kernel's blocked layout (`decode_params`); prefill stays on XLA over the weights as given.
+its attention and `decode_matmul="cpu"` for its matmuls, which read the weights in the kernel's
+blocked layout (GGUF's own blocks where `packed` gives them). Then every program reads that one
+tree: prefill's many rows take XLA's GEMM over each matrix dequantized in turn
+(`cpu_kernels.matmul`), and no [in, out] float copy of the weights is kept.
 
 With several `devices` the engine is tensor parallel (`model.sharding`): the same programs,
 partitioned by XLA over the mesh, with attention run per device over its own heads.
@@ -146,8 +148,8 @@ class Engine:
 
         `packed`: matrices in a grouped block-quantized format (`model.cpu_kernels.pack_grouped`,
         GGUF's own blocks: `LoadedModel.packed`), by path, that decode_matmul="cpu" reads in
-        place of blocking their float matrices; `params` must hold what they dequantize to,
-        which prefill reads."""
+        place of blocking their float matrices (their leaves in `params` are not read, and may
+        be anything of the right shape)."""
         if config.max_seq_len > model_config.max_context:
             raise ValueError(
                 f"max_seq_len {config.max_seq_len} exceeds the model's context of "
@@ -162,6 +164,10 @@ class Engine:
         self.tp = TensorParallel.plan(model_config, devices) if devices and len(devices) > 1 else None
         if self.tp is None:
             self.device = device or (devices[0] if devices else jax.devices()[0])
+            if config.decode_matmul == "cpu" and self.device.platform == "cpu":
+                params = cpu_kernels.decode_params(params, packed)
+            elif packed:
+                raise ValueError("packed matrices are read by decode_matmul='cpu' only")
             self.params = jax.tree.map(lambda a: cast(jax.device_put(a, self.device), dtype), params)
             # What the programs run: the model as given, or with KV heads repeated (sharding).
             self.compute_config = model_config
@@ -173,7 +179,10 @@ class Engine:
             self._pool_at, self._token_at = self.tp.pool_sharding, self.tp.replicated
             self._handle_at = self.tp.handle_sharding
             logging.info("%s", self.tp.describe())
-        self.decode_params = self._decode_params(packed)
+        if config.decode_matmul == "cpu" and (self.tp is not None or self.device.platform != "cpu"):
+            raise ValueError("decode_matmul='cpu' runs on one CPU device; use 'xla' with tensor "
+                             "parallelism or an accelerator")
+        self.decode_params = self.params  # one tree for every program (blocked, on the kernels)
         # cos and sin of every position a slot holds, looked up by both programs
         self.rope = jax.device_put(rope_table(self.compute_config, config.max_seq_len), self._token_at)
         self.cache: PagedKVCache | None = None
@@ -206,19 +215,6 @@ class Engine:
             "KV pool: %d pages x %d tokens (%d tokens), %.1f MiB", self.num_pages, config.page_size,
             self.num_pages * config.page_size, self.cache.nbytes / 2**20,
         )
-
-    def _decode_params(self, packed):
-        """What the decode program reads: the weights as placed, or with decode_matmul="cpu"
-        a tree whose matrices are in the CPU kernel's blocked layout (prefill keeps the [in,
-        out] matrices, which XLA's large GEMMs read faster)."""
-        if self.config.decode_matmul == "xla" or self.config.role == "prefill":
-            if packed and self.config.role != "prefill":
-                raise ValueError("packed matrices are read by decode_matmul='cpu' only")
-            return self.params
-        if self.tp is not None or self.device.platform != "cpu":
-            raise ValueError("decode_matmul='cpu' runs on one CPU device; use 'xla' with tensor "
-                             "parallelism or an accelerator")
-        return cpu_kernels.decode_params(self.params, packed)
 
     # -- the two programs -------------------------------------------------------------------
 

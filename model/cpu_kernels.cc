@@ -633,6 +633,62 @@ ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   return ffi::Error::Success();
 }
 
+// The float32 matrix W [K, N] a grouped array stands for, written out for prefill's GEMM (XLA's,
+// compute-bound over many rows, where the record-at-a-time tile above is not). Each weight is
+// code * scale (+ minimum) with the tile's own codes and multipliers: the products are exact
+// (see the layouts above), so contracted into an FMA or not, every weight is the value GGUF's
+// dequantizer gives.
+template <class F>
+void dequantize_blocks(const uint8_t* w, int64_t K, float* out, int64_t N, int64_t first, int64_t last) {
+  const int64_t records = K / F::kRows;
+  for (int64_t b = first; b < last; ++b) {
+    const uint8_t* r = w + b * records * F::kRecord;
+    for (int64_t rec = 0; rec < records; ++rec, r += F::kRecord) {
+      for (int64_t g = 0; g < F::kRows / F::kGroupRows; ++g) {
+        __m256 s0, s1, m0, m1;
+        F::scale(r, g, s0, s1);
+        if constexpr (F::kMin) F::minimum(r, g, m0, m1);
+        for (int64_t k = 0; k < F::kGroupRows; k += F::kStep) {
+          __m128i q[F::kStep];
+          F::codes(r, g * F::kGroupRows + k, q);
+          for (int s = 0; s < F::kStep; ++s) {
+            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q[s]));
+            const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q[s], 8)));
+            __m256 w0 = _mm256_mul_ps(q0, s0), w1 = _mm256_mul_ps(q1, s1);
+            if constexpr (F::kMin) {
+              w0 = _mm256_add_ps(w0, m0);
+              w1 = _mm256_add_ps(w1, m1);
+            }
+            float* row = out + (rec * F::kRows + g * F::kGroupRows + k + s) * N + b * kBlock;
+            _mm256_storeu_ps(row, w0);
+            _mm256_storeu_ps(row + 8, w1);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <class F>
+ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> out) {
+  const auto wd = w.dimensions(), od = out->dimensions();
+  if (wd.size() != 3 || wd[2] != F::kRecord || od.size() != 2 || od[0] != wd[1] * F::kRows ||
+      od[1] != wd[0] * kBlock) {
+    return ffi::Error::InvalidArgument(
+        "cadence_cpu_dequantize takes w [N / 16, K / record rows, record bytes] and gives "
+        "[K, N]");
+  }
+  const int64_t K = od[0], N = od[1];
+  const uint8_t* wp = w.typed_data();
+  float* op = out->typed_data();
+  // Items of about 256 KiB written each.
+  const int64_t grain = std::max<int64_t>(1, (256 << 10) / (K * kBlock * 4));
+  parallel_for(pool, wd[0], grain, [=](int64_t first, int64_t last) {
+    dequantize_blocks<F>(wp, K, op, N, first, last);
+  });
+  return ffi::Error::Success();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Paged decode attention.
 
@@ -860,3 +916,18 @@ CADENCE_GROUPED(cadence_cpu_grouped_matmul_q5, Q5)
 CADENCE_GROUPED(cadence_cpu_grouped_matmul_q4k, QK<false>)
 CADENCE_GROUPED(cadence_cpu_grouped_matmul_q5k, QK<true>)
 CADENCE_GROUPED(cadence_cpu_grouped_matmul_q6k, Q6K)
+
+// The dequantizer, one handler per format (model/cpu_kernels.py's DEQUANTIZE).
+#define CADENCE_DEQUANTIZE(name, format)                               \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, Dequantize<format>,              \
+                                ffi::Ffi::Bind()                       \
+                                    .Ctx<ffi::ThreadPool>()            \
+                                    .Arg<ffi::Buffer<ffi::U8>>()       \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+CADENCE_DEQUANTIZE(cadence_cpu_dequantize_q8, Q8)
+CADENCE_DEQUANTIZE(cadence_cpu_dequantize_q4, Q4)
+CADENCE_DEQUANTIZE(cadence_cpu_dequantize_q5, Q5)
+CADENCE_DEQUANTIZE(cadence_cpu_dequantize_q4k, QK<false>)
+CADENCE_DEQUANTIZE(cadence_cpu_dequantize_q5k, QK<true>)
+CADENCE_DEQUANTIZE(cadence_cpu_dequantize_q6k, Q6K)

@@ -79,6 +79,12 @@ FORMATS = {"q8": (32, 32, 544), "q4": (32, 32, 320), "q5": (32, 32, 352),
            "q4k": (256, 32, 2368), "q5k": (256, 32, 2880), "q6k": (256, 16, 3360)}
 RECORD = {name: record for name, (_, _, record) in FORMATS.items()}
 GROUPED = {name: f"cadence_cpu_grouped_matmul_{name}" for name in FORMATS}
+DEQUANTIZE = {name: f"cadence_cpu_dequantize_{name}" for name in FORMATS}
+# From this many rows, `matmul` runs XLA's GEMM over the matrix dequantized for the call rather
+# than the kernel (which reads the blocks once per 4 rows, at its instructions' pace): prefill's
+# chunks and a scoring program's every-token logits take the GEMM, decode, verify and a
+# prefill's few logit rows the kernel (`bench/results/prefill-blocks-cpu/`).
+GEMM_ROWS = 64
 ATTENTION = "cadence_cpu_paged_decode"
 
 
@@ -139,7 +145,7 @@ def _load() -> str | None:
         library = ctypes.cdll.LoadLibrary(str(_build()))
     except (KernelsUnavailable, OSError) as e:
         return str(e)
-    for name in (MATMUL, MATMUL_INT8, *GROUPED.values(), ATTENTION):
+    for name in (MATMUL, MATMUL_INT8, *GROUPED.values(), *DEQUANTIZE.values(), ATTENTION):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, name)), platform="cpu")
     return None
 
@@ -195,6 +201,50 @@ def blocked_matmul(x: jax.Array, blocked: jax.Array, n: int, scale: jax.Array | 
     else:
         y = jax.ffi.ffi_call(MATMUL, out)(rows, blocked.astype(jnp.float32))
     return y[:, :n].reshape(*lead, n)
+
+
+def dequantize(blocked: jax.Array, n: int) -> jax.Array:
+    """The float32 W [K, n] of a blocked matrix, inside a program: grouped records dequantized
+    by the kernel library (`unpack_grouped`'s values, exactly), float32 blocks re-laid, int8
+    blocks widened (their per-column scale is the caller's to apply, after the product, as
+    `model.llama.Linear` applies it)."""
+    if blocked.dtype == jnp.uint8:
+        _require()
+        k = blocked.shape[1] * FORMATS[grouped_format(blocked)][0]
+        out = jax.ShapeDtypeStruct((k, blocked.shape[0] * BLOCK), jnp.float32)
+        return jax.ffi.ffi_call(DEQUANTIZE[grouped_format(blocked)], out)(blocked)[:, :n]
+    return unblock(blocked, n).astype(jnp.float32)
+
+
+def take_columns(blocked: jax.Array, ids: jax.Array) -> jax.Array:
+    """Columns `ids` of the matrix W [K, N] a blocked array stands for, as rows [*ids.shape, K]
+    in float32 (int8 blocks: their codes; the caller scales them): a tied model's embedding
+    lookup from its LM head's blocks, so no lookup table is kept beside them. It dequantizes
+    the block of 16 columns each id falls in and keeps its column (`dequantize`'s values)."""
+    flat = ids.reshape(-1)
+    blocks = jnp.take(blocked, flat // BLOCK, axis=0)
+    w = dequantize(blocks, blocks.shape[0] * BLOCK)  # [K, ids * 16]
+    k = w.shape[0]
+    w = w.reshape(k, flat.shape[0], BLOCK)
+    columns = jnp.take_along_axis(w, (flat % BLOCK)[None, :, None], axis=2)[..., 0]  # [K, ids]
+    return columns.T.reshape(*ids.shape, k)
+
+
+def matmul(x: jax.Array, blocked: jax.Array, n: int, scale: jax.Array | None = None) -> jax.Array:
+    """x [..., K] @ W [K, n] for W blocked, whatever the rows: the kernel (`blocked_matmul`)
+    below `GEMM_ROWS` rows, else XLA's GEMM over W dequantized for this call (`dequantize`: a
+    [K, n] float32 temporary, one matrix at a time, not a second copy of the weights). The
+    same numbers either way, summed in another order."""
+    rows = int(np.prod(x.shape[:-1]))
+    if rows < GEMM_ROWS:
+        return blocked_matmul(x, blocked, n, scale)
+    if blocked.dtype == jnp.int8 and scale is None:
+        raise ValueError("int8 blocks need their per-column scale")
+    x = x.astype(jnp.float32)
+    # One matrix's temporary at a time, as XLA:CPU orders a program for memory (cadence's
+    # default: `cadence/__init__.py`); ordered for concurrency it holds every layer's at once.
+    y = jax.lax.dot_general(x, dequantize(blocked, n), (((x.ndim - 1,), (0,)), ((), ())))
+    return y * scale.astype(jnp.float32) if blocked.dtype == jnp.int8 else y
 
 
 # -- grouped formats ----------------------------------------------------------------------------
@@ -383,11 +433,12 @@ def _padded(n: int) -> int:
 
 
 def decode_params(params: dict[str, Any], packed: dict[tuple[str, ...], Any] | None = None) -> dict[str, Any]:
-    """The tree a decode program reads with the kernel: every `kernel` [in, out] replaced by
-    `kernel_blocked`, and the embedding given `embedding_blocked` beside it (its transpose,
-    blocked: the tied LM head) where the head is tied (no `lm_head` in the tree: an untied
-    model's head is lm_head's own matrix, and its embedding only a lookup table); float32 or
-    int8 as given (int8 keeps its `_scale` leaves).
+    """The tree an engine's programs read with the kernel: every `kernel` [in, out] replaced by
+    `kernel_blocked`, and where the head is tied (no `lm_head` in the tree) the embedding
+    replaced by `embedding_blocked`, its transpose blocked: the LM head, whose columns the
+    lookup reads (`take_columns`); an untied model's head is lm_head's own matrix, and its
+    embedding stays a lookup table, unless `packed` holds it (then the lookup reads those
+    blocks). Float32 or int8 as given (int8 keeps its `_scale` leaves).
     `packed`: matrices already in a grouped format (`pack_grouped`; GGUF's own blocks, from
     `checkpoints.gguf.load_packed`) by their path in `params`, which the kernel reads instead
     of blocking the float matrix (the embedding's entry is the tied head's; the lookup table
@@ -428,8 +479,9 @@ def decode_params(params: dict[str, Any], packed: dict[tuple[str, ...], Any] | N
         node = {name: convert(child, path + (name,)) for name, child in node.items()}
         if "kernel" in node:
             node["kernel_blocked"] = matrix(path + ("kernel",), node.pop("kernel"))
-        if "embedding" in node and tied:
-            node["embedding_blocked"] = matrix(path + ("embedding",), node["embedding"])
+        if "embedding" in node and (tied or path + ("embedding",) in packed):
+            # the head's blocks (or an untied table's own) serve the lookup (`take_columns`)
+            node["embedding_blocked"] = matrix(path + ("embedding",), node.pop("embedding"))
         for name, parts in FUSED.items():
             if fusible([node.get(p) for p in parts]):
                 node[name] = fuse([node.pop(p) for p in parts])
@@ -454,14 +506,21 @@ def _device_of(array) -> jax.Device | None:
 def fused_matmul(x: jax.Array, fused: dict[str, jax.Array], sizes: tuple[int, ...]) -> list[jax.Array]:
     """x @ each part of a fused matrix (`decode_params`' `qkv`, `gate_up`) whose parts have
     `sizes` output columns, in one kernel call; bias added where the tree has one."""
-    columns = fused["kernel_blocked"].shape[0] * BLOCK
+    blocked, scale, bias = fused["kernel_blocked"], fused.get("kernel_scale"), fused.get("bias")
+    columns = blocked.shape[0] * BLOCK
     if sum(_padded(n) for n in sizes) != columns:
         raise ValueError(f"parts of {sizes} columns do not make the fused matrix's {columns}")
-    y = blocked_matmul(x, fused["kernel_blocked"], columns, fused.get("kernel_scale"))
-    if "bias" in fused:
-        y = y + fused["bias"]
     starts = np.cumsum([0] + [_padded(n) for n in sizes])
-    return [y[..., start:start + n] for start, n in zip(starts, sizes)]
+    if int(np.prod(x.shape[:-1])) < GEMM_ROWS:  # one kernel call
+        y = blocked_matmul(x, blocked, columns, scale)
+        parts = [y[..., start:start + n] for start, n in zip(starts, sizes)]
+    else:  # a GEMM a part, each over its own blocks, as the unfused matrices would run
+        parts = [matmul(x, blocked[start // BLOCK:(start + _padded(n)) // BLOCK], n,
+                        None if scale is None else scale[start:start + n])
+                 for start, n in zip(starts, sizes)]
+    if bias is not None:
+        parts = [y + bias[start:start + n] for y, start, n in zip(parts, starts, sizes)]
+    return parts
 
 
 # -- paged decode attention ----------------------------------------------------------------------

@@ -100,8 +100,8 @@ class Linear(nn.Module):
         if self.has_variable("params", "kernel_blocked"):  # a decode tree (`model.cpu_kernels`)
             scale = (self.get_variable("params", "kernel_scale")
                      if self.has_variable("params", "kernel_scale") else None)
-            y = cpu_kernels.blocked_matmul(x, self.get_variable("params", "kernel_blocked"),
-                                           self.features, scale).astype(self.dtype)
+            y = cpu_kernels.matmul(x, self.get_variable("params", "kernel_blocked"), self.features,
+                                   scale).astype(self.dtype)
             return y + self._bias() if self.use_bias else y
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
                             jnp.float32)
@@ -131,20 +131,25 @@ class Embed(nn.Module):
     dtype: jnp.dtype
 
     def setup(self) -> None:
-        self.embedding = self.param("embedding", nn.linear.default_embed_init,
-                                    (self.num_embeddings, self.features), jnp.float32)
+        # A tied decode tree (`model.cpu_kernels`) holds the table as the head's blocks only.
+        self.blocked = (self.get_variable("params", "embedding_blocked")
+                        if self.has_variable("params", "embedding_blocked") else None)
+        self.embedding = None if self.blocked is not None else self.param(
+            "embedding", nn.linear.default_embed_init, (self.num_embeddings, self.features), jnp.float32)
+        int8 = (self.blocked if self.blocked is not None else self.embedding).dtype == jnp.int8
         self.scale = (self.param("embedding_scale", nn.initializers.ones, (self.num_embeddings,),
-                                 jnp.float32).astype(self.dtype)
-                      if self.embedding.dtype == jnp.int8 else None)
+                                 jnp.float32).astype(self.dtype) if int8 else None)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        rows = jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)  # convert the rows only
+        if self.blocked is not None:
+            rows = cpu_kernels.take_columns(self.blocked, tokens).astype(self.dtype)
+        else:
+            rows = jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)  # convert the rows only
         return rows if self.scale is None else rows * jnp.take(self.scale, tokens)[..., None]
 
     def attend(self, x: jax.Array) -> jax.Array:
-        if self.has_variable("params", "embedding_blocked"):  # a decode tree (`model.cpu_kernels`)
-            return cpu_kernels.blocked_matmul(x, self.get_variable("params", "embedding_blocked"),
-                                              self.num_embeddings, self.scale).astype(self.dtype)
+        if self.blocked is not None:
+            return cpu_kernels.matmul(x, self.blocked, self.num_embeddings, self.scale).astype(self.dtype)
         logits = jnp.dot(x.astype(self.dtype), self.embedding.astype(self.dtype).T)
         return logits if self.scale is None else logits * self.scale
 

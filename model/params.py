@@ -181,8 +181,9 @@ def weights_of(params: dict[str, Any]) -> str:
 
 
 def cast(array, dtype: jnp.dtype):
-    """A leaf in the dtype the engine computes in; int8 weights stay int8."""
-    return array if array.dtype == jnp.int8 else array.astype(dtype)
+    """A leaf in the dtype the engine computes in; integer leaves (int8 weights, the CPU
+    kernels' uint8 records) stay as they are."""
+    return array if jnp.issubdtype(array.dtype, jnp.integer) else array.astype(dtype)
 
 
 def cast_bytes(params: dict[str, Any], dtype: jnp.dtype) -> int:

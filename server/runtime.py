@@ -238,11 +238,11 @@ GROUPED_WEIGHTS = {"int8": "q8", "int4": "q4"}  # --weights: the grouped format 
 
 
 def describe_decode_weights(model: LoadedModel, packed) -> str:
-    """What the CPU decode kernels read, for the start-up line: the checkpoint's own formats
+    """What the CPU kernels read (and prefill dequantizes), for the start-up line: the checkpoint's own formats
     and how many matrices each, and what is blocked from float (dequantized, where the
     checkpoint stored it block-quantized in a format the kernels lack)."""
     matrices = [s.path for s in param_specs(model.config) if s.path[-1] in MATRICES
-                and (s.path[-1] != "embedding" or model.config.tie_embeddings)]
+                and (s.path[-1] != "embedding" or model.config.tie_embeddings or s.path in (packed or {}))]
     if WEIGHTS.value in GROUPED_WEIGHTS:
         head = " (the tied LM head in int8)" if WEIGHTS.value == "int4" and model.config.tie_embeddings else ""
         return f"{len(matrices)} matrices in {WEIGHTS.value}{head}, a float16 scale per 32 weights"
@@ -378,7 +378,7 @@ def build_from_flags(warm: bool = True) -> Runtime:
             prefill_tokens=max(engine_config.prefill_chunk, token_budget()))
         decode_config = dataclasses.replace(
             engine_config_from_flags(model, pair[1]), role="decode")
-        engines = (Engine(model.params, model.config, prefill_config, device=pair[0]),
+        engines = (Engine(model.params, model.config, prefill_config, device=pair[0], packed=packed),
                    Engine(model.params, model.config, decode_config, device=pair[1], packed=packed))
         where = f"{pair[0]} (prefill) and {pair[1]} (decode), disaggregated"
     for engine in engines:
@@ -390,9 +390,9 @@ def build_from_flags(warm: bool = True) -> Runtime:
             f"{engine.num_pages} pages x {cfg.page_size} tokens = {engine.num_pages * cfg.page_size} "
             f"tokens, {engine.kv_cache_bytes / 2**20:.0f} MiB"
             + (f"; {WEIGHTS.value} weights" if WEIGHTS.value in GROUPED_WEIGHTS else "")
-            + (f"; decode on the CPU kernels, over {describe_decode_weights(model, packed)} "
-               f"(+{cpu_kernels.blocked_bytes(engine.decode_params) / 2**20:.0f} MiB)"
-               if cfg.decode_matmul == "cpu" and cfg.role != "prefill" else ""),
+            + (f"; weights in the CPU kernels' blocks, {describe_decode_weights(model, packed)} "
+               f"({cpu_kernels.blocked_bytes(engine.params) / 2**20:.0f} MiB, the only copy)"
+               if cfg.decode_matmul == "cpu" else ""),
             file=sys.stderr,
         )
     if pair is not None:

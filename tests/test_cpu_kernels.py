@@ -4,6 +4,7 @@ default model, `tests/test_real_model.py`."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -119,9 +120,13 @@ def test_decode_params_block_every_matrix(tiny_params):
     np.testing.assert_array_equal(cpu_kernels.unblock(gate_up, gate_up.shape[0] * 16),
                                   np.concatenate([mlp["gate"]["kernel"], mlp["up"]["kernel"]], axis=1))
     embedding = tiny_params["embed"]["embedding"]
-    assert tree["embed"]["embedding"] is embedding  # the lookup table is shared, not copied
+    assert set(tree["embed"]) == {"embedding_blocked"}  # the head's blocks serve the lookup too
     np.testing.assert_array_equal(cpu_kernels.unblock(tree["embed"]["embedding_blocked"],
                                                       embedding.shape[0]), embedding.T)
+    ids = np.array([[0, 17, 255], [3, 3, 128]], np.int32)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(cpu_kernels.take_columns)(tree["embed"]["embedding_blocked"], ids)),
+        embedding[ids])
 
 
 @needs_cpu_kernels
@@ -409,9 +414,89 @@ def test_superblock_matmul_matches_numpy_dequantize_then_matmul(fmt, rows, k, n)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(want).max())
 
 
+@needs_cpu_kernels
+@pytest.mark.parametrize("fmt", ["q8", "q4", "q5", *SUPERBLOCKS])
+def test_dequantize_gives_the_files_own_values(fmt):
+    """Prefill's dequantizer, inside a program, gives every weight exactly: the NumPy
+    dequantization's bits (GGUF's, `unpack_grouped`), whole ranges of codes and scales, a width
+    that is not a multiple of 16."""
+    rng = np.random.default_rng(len(fmt))
+    k, n = (512, 37) if fmt in SUPERBLOCKS else (96, 37)
+    parts = _superblocks(rng, fmt, k, n) if fmt in SUPERBLOCKS else _grouped(rng, fmt, k, n)
+    blocked = _pack(fmt, parts)
+    got = np.asarray(jax.jit(cpu_kernels.dequantize, static_argnums=1)(jnp.asarray(blocked), n))
+    want = cpu_kernels.unpack_grouped(blocked, n)
+    assert got.shape == (k, n) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+    dequantized = _superblocks_dequantized(*parts) if fmt in SUPERBLOCKS else _dequantized(*parts)
+    np.testing.assert_array_equal(got, dequantized)
+    # a tied embedding's lookup: W's columns, from the blocks they fall in
+    ids = np.array([[36, 0, 15], [16, 36, 1]], np.int32)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(cpu_kernels.take_columns)(jnp.asarray(blocked), ids)), want.T[ids])
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("kind", ["float32", "int8", "q4", "q6k"])
+def test_matmul_takes_the_gemm_over_many_rows_and_the_kernel_over_few(kind):
+    """`matmul` over prefill's rows (from GEMM_ROWS) is XLA's dot over the dequantized matrix,
+    the same bits the float tree's prefill computes; over fewer rows it is the kernel, within
+    float32 rounding of it."""
+    from cadence.model.quant import quantize_matrix
+
+    rng = np.random.default_rng(7)
+    k, n = 512, 40
+    scale = None
+    if kind == "float32":
+        w = rng.standard_normal((k, n), np.float32)
+        blocked = cpu_kernels.block(w)
+    elif kind == "int8":
+        q, scale = quantize_matrix(rng.standard_normal((k, n), np.float32), 1)
+        blocked, w = cpu_kernels.block(q), q.astype(np.float32)
+    else:
+        parts = _superblocks(rng, kind, k, n) if kind in SUPERBLOCKS else _grouped(rng, kind, k, n)
+        blocked = _pack(kind, parts)
+        w = cpu_kernels.unpack_grouped(blocked, n)
+    run = jax.jit(cpu_kernels.matmul, static_argnums=2)
+    for rows in (cpu_kernels.GEMM_ROWS, cpu_kernels.GEMM_ROWS - 1):
+        x = rng.standard_normal((1, rows, k), np.float32)
+        got = np.asarray(run(x, blocked, n, scale))
+        want = np.asarray(jax.jit(lambda x, w: jnp.dot(x, w))(x, w))
+        if scale is not None:
+            want = want * scale
+        assert got.shape == (1, rows, n)
+        if rows >= cpu_kernels.GEMM_ROWS:
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+
+
+@needs_cpu_kernels
+def test_prefill_over_blocks_holds_one_dequantized_matrix_at_a_time():
+    """Prefill over the blocks dequantizes each matrix as its GEMM comes: the program's
+    temporaries stay near one layer's float32 matrices, not every layer's (as XLA:CPU's
+    concurrency-ordered scheduler held them, which cadence's import turns off)."""
+    from cadence.engine.engine import Engine
+    from cadence.model.config import TINY
+    from tests.conftest import random_params
+
+    assert "--xla_cpu_enable_concurrency_optimized_scheduler=false" in os.environ["XLA_FLAGS"]
+    deep = dataclasses.replace(TINY, name="tiny-deep", num_layers=8, hidden_size=256, ffn_size=1024,
+                               head_dim=64)
+    floats, packed = quantize_grouped(random_params(deep), deep, "q4")
+    config = EngineConfig(num_slots=1, max_seq_len=128, prefill_chunk=64, min_prefill_bucket=64,
+                          attention="cpu", decode_matmul="cpu")
+    engine = Engine(floats, deep, config, packed=packed)
+    program = engine.warm_programs(("prefill",))[0]
+    temp = program.fn.trace(*program.args).lower().compile().memory_analysis().temp_size_in_bytes
+    layer = sum(a.nbytes for a in jax.tree.leaves(floats["layers_0"]) if a.ndim == 2)
+    assert temp < 2 * layer, (temp, layer)  # all 8 layers' would be 8 * layer
+
+
 def test_decode_params_read_packed_matrices_in_place_of_blocking(tiny_params, tiny_config):
     """Packed matrices replace the blocking of theirs (fused alike: q/k/v, gate/up), the tied
-    head reads the packed embedding while the lookup table stays float; the rest is blocked."""
+    head is the packed embedding, which the lookup reads too (no float table left); the rest
+    is blocked."""
     from cadence.model.quant import quantize_grouped
 
     _, packed = quantize_grouped(tiny_params, tiny_config, "q4")
@@ -423,7 +508,7 @@ def test_decode_params_read_packed_matrices_in_place_of_blocking(tiny_params, ti
                                   packed[("layers_0", "mlp", "down", "kernel")])
     assert tree["layers_1"]["mlp"]["down"]["kernel_blocked"].dtype == np.float32
     assert tree["embed"]["embedding_blocked"].dtype == np.uint8
-    assert tree["embed"]["embedding"].dtype == np.float32
+    assert set(tree["embed"]) == {"embedding_blocked"}
     mixed = dict(packed)
     mixed[("layers_0", "attn", "v", "kernel")] = quantize_grouped(tiny_params, tiny_config, "q8")[1][
         ("layers_0", "attn", "v", "kernel")]

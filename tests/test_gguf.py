@@ -14,6 +14,7 @@ import pytest
 
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.gguf import load_gguf, load_packed, permute_rope_rows
+from cadence.model import cpu_kernels
 from cadence.model import params as params_lib
 from cadence.model.config import TINY, RopeScaling
 from cadence.model.params import param_specs
@@ -328,16 +329,18 @@ def test_the_engine_over_the_files_blocks_equals_the_reference(tmp_path, tiny_pa
     _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer)
 
 
-def _assert_engine_equals_reference(floats, config, packed, tokenizer):
+def _assert_engine_equals_reference(floats, config, packed, tokenizer, chunk=16):
+    """With `chunk` 64, prefill's programs take XLA's GEMM over the blocks dequantized
+    (`cpu_kernels.matmul`); with 16, the kernel, as decode does."""
     from cadence.engine.config import EngineConfig
     from cadence.engine.engine import Engine
     from cadence.engine.reference import greedy_generate
 
-    engine = Engine(floats, config, EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=16,
+    engine = Engine(floats, config, EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=chunk,
                                                  attention="cpu", decode_matmul="cpu", decode_steps=2),
                     packed=packed)
     prompts = [list(range(5, 40)), [7, 300, 41, 9], list(range(100, 190))]
-    streams = run_all(make_scheduler(engine, tokenizer, chunk=16, budget=18),
+    streams = run_all(make_scheduler(engine, tokenizer, chunk=chunk, budget=chunk + 2),
                       [(p, GenerationParams(max_tokens=16)) for p in prompts])
     for prompt, stream in zip(prompts, streams):
         assert stream.request.output_ids == greedy_generate(floats, config, prompt, 16, tokenizer.eos_ids)
@@ -396,13 +399,30 @@ def test_a_q4_k_m_file_is_packed_but_for_the_formats_the_kernels_lack(tmp_path):
 @needs_cpu_kernels
 def test_the_engine_over_a_q4_k_m_file_equals_the_reference(tmp_path, tiny_tokenizer):
     """The engine's decode on the CPU kernels over a Q4_K_M-style file's own K-quant, Q5_0 and
-    Q8_0 blocks (its Q5_1 matrix blocked from float) gives the reference generator's greedy
-    tokens over the float weights they stand for."""
+    Q8_0 blocks (its Q5_1 matrix blocked from float), and its prefill over them (chunks of 64:
+    XLA's GEMM over each matrix dequantized), give the reference generator's greedy tokens
+    over the float weights they stand for."""
     path = tmp_path / "tiny-q4_k_m.gguf"
     write_q4_k_m(path, seed=1)
     config, floats, _ = load_gguf(path)
     packed = {p: blocks for p, (blocks, _) in load_packed(path, config).items()}
-    _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer)
+    _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer, chunk=64)
+
+
+@needs_cpu_kernels
+def test_an_untied_embedding_in_blocks_is_looked_up_from_them(tmp_path, tiny_tokenizer):
+    """An untied model's quantized token embedding (Llama 3's, Qwen2's larger ones) is packed
+    too, and the engine's lookup reads its blocks (no float32 table): the reference's greedy
+    tokens, prefill over the GEMM."""
+    from tests.test_hf_and_store import QWEN_TINY
+
+    path = tmp_path / "qwen-q.gguf"
+    write_gguf(path, QWEN_TINY, random_params(QWEN_TINY, seed=2), quantize=True, arch="qwen2")
+    config, floats, _ = load_gguf(path)
+    packed = {p: blocks for p, (blocks, _) in load_packed(path, config).items()}
+    assert not config.tie_embeddings and ("embed", "embedding") in packed
+    assert set(cpu_kernels.decode_params(floats, packed)["embed"]) == {"embedding_blocked"}
+    _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer, chunk=64)
 
 
 def test_bad_files_get_clear_errors(tmp_path, tiny_params):
