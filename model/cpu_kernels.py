@@ -210,9 +210,10 @@ def dequantize(blocked: jax.Array, n: int) -> jax.Array:
     `model.llama.Linear` applies it)."""
     if blocked.dtype == jnp.uint8:
         _require()
-        k = blocked.shape[1] * FORMATS[grouped_format(blocked)][0]
-        out = jax.ShapeDtypeStruct((k, blocked.shape[0] * BLOCK), jnp.float32)
-        return jax.ffi.ffi_call(DEQUANTIZE[grouped_format(blocked)], out)(blocked)[:, :n]
+        fmt = grouped_format(blocked)
+        out = jax.ShapeDtypeStruct((blocked.shape[1] * FORMATS[fmt][0], blocked.shape[0] * BLOCK),
+                                   jnp.float32)
+        return jax.ffi.ffi_call(DEQUANTIZE[fmt], out)(blocked)[:, :n]
     return unblock(blocked, n).astype(jnp.float32)
 
 
@@ -230,13 +231,17 @@ def take_columns(blocked: jax.Array, ids: jax.Array) -> jax.Array:
     return columns.T.reshape(*ids.shape, k)
 
 
+def _takes_gemm(x: jax.Array) -> bool:
+    """Whether `matmul` gives x's rows to XLA's GEMM (from `GEMM_ROWS`) rather than the kernel."""
+    return int(np.prod(x.shape[:-1])) >= GEMM_ROWS
+
+
 def matmul(x: jax.Array, blocked: jax.Array, n: int, scale: jax.Array | None = None) -> jax.Array:
     """x [..., K] @ W [K, n] for W blocked, whatever the rows: the kernel (`blocked_matmul`)
     below `GEMM_ROWS` rows, else XLA's GEMM over W dequantized for this call (`dequantize`: a
     [K, n] float32 temporary, one matrix at a time, not a second copy of the weights). The
     same numbers either way, summed in another order."""
-    rows = int(np.prod(x.shape[:-1]))
-    if rows < GEMM_ROWS:
+    if not _takes_gemm(x):
         return blocked_matmul(x, blocked, n, scale)
     if blocked.dtype == jnp.int8 and scale is None:
         raise ValueError("int8 blocks need their per-column scale")
@@ -441,8 +446,8 @@ def decode_params(params: dict[str, Any], packed: dict[tuple[str, ...], Any] | N
     blocks). Float32 or int8 as given (int8 keeps its `_scale` leaves).
     `packed`: matrices already in a grouped format (`pack_grouped`; GGUF's own blocks, from
     `checkpoints.gguf.load_packed`) by their path in `params`, which the kernel reads instead
-    of blocking the float matrix (the embedding's entry is the tied head's; the lookup table
-    stays as given). The projections of one input (`FUSED`: q/k/v, gate/up) become one matrix
+    of blocking the float matrix (the embedding's entry is the embedding transposed, as a
+    tied head's is). The projections of one input (`FUSED`: q/k/v, gate/up) become one matrix
     each, `qkv` and `gate_up`, read by `fused_matmul`: 4 matmul calls per layer instead of 7,
     and each longer to split over the threads (a decode step of SmolLM2-135M at 8 rows 1-3%
     faster, interleaved A/B on a 2-core EPYC). Everything else is the same array."""
@@ -511,7 +516,7 @@ def fused_matmul(x: jax.Array, fused: dict[str, jax.Array], sizes: tuple[int, ..
     if sum(_padded(n) for n in sizes) != columns:
         raise ValueError(f"parts of {sizes} columns do not make the fused matrix's {columns}")
     starts = np.cumsum([0] + [_padded(n) for n in sizes])
-    if int(np.prod(x.shape[:-1])) < GEMM_ROWS:  # one kernel call
+    if not _takes_gemm(x):  # one kernel call
         y = blocked_matmul(x, blocked, columns, scale)
         parts = [y[..., start:start + n] for start, n in zip(starts, sizes)]
     else:  # a GEMM a part, each over its own blocks, as the unfused matrices would run
