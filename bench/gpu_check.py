@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -63,7 +65,7 @@ _REHEARSE = flags.DEFINE_bool(
 # Part -> timeout in seconds, in the order they run (what the issue's targets rest on first). They
 # sum to 510 s, leaving the install and a margin inside 10 min.
 PARTS = {"env": 30, "kernel_tests": 110, "greedy": 80, "engine_8b": 150, "engine_smollm2": 70,
-         "kernels": 70}
+         "decode_probe": 60, "kernels": 70}
 # Lowering every program for CUDA (tests/test_gpu_lowering.py) runs in CI on any machine; a GPU's
 # minutes go to what only it can run.
 KERNEL_TESTS = ("tests/test_pallas.py", "tests/test_paged_attention.py", "tests/test_pallas_quant.py")
@@ -219,12 +221,15 @@ def _engine_part(part: str) -> dict:
     flags.FLAGS.smoke = _REHEARSE.value  # gpu_bench's: the ceilings' arrays at a rehearsal's size
     ceilings = gpu_bench.measure_ceilings()
     print("ceilings", json.dumps(ceilings), flush=True)
+    t0 = time.monotonic()
     params = jax.jit(random_params, static_argnums=(0, 2))(cfg, jax.random.key(0), jnp.bfloat16)
+    print(f"random params: {time.monotonic() - t0:.1f} s", flush=True)
     weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
     slots = max(size.decode_active)
     engine = Engine(params, cfg, gpu_engine_config(num_slots=slots, max_seq_len=size.prefill_tokens + 32,
                                                    prefill_chunk=size.prefill_tokens))
     del params
+    print(f"engine: {time.monotonic() - t0:.1f} s", flush=True)
     result = {"model": model, "ceilings": ceilings, "weight_bytes": weight_bytes,
               "kv_cache_bytes": engine.kv_cache_bytes, "decode": []}
     tables = fixed_page_tables(engine.config)
@@ -255,6 +260,45 @@ def part_engine_8b(out: Path) -> dict:
     return _engine_part("engine_8b")
 
 
+def part_decode_probe(out: Path) -> dict:
+    """Where a decode step's time goes: the 8B engine's step (the smollm2 one's in a rehearsal)
+    at 1 and 64 active slots, one step per dispatch and 8, under this process's XLA_FLAGS. A
+    dispatch that returns only once the step is done (host fraction ~1) waits on the device
+    inside the program (a loop's or a branch's predicate read back); 8 steps per dispatch
+    then cost the host once."""
+    import jax
+    import jax.numpy as jnp
+
+    from cadence.bench import gpu_bench
+    from cadence.engine.config import fixed_page_tables
+    from cadence.engine.engine import Engine
+    from cadence.engine.lowering import gpu_engine_config
+    from cadence.engine.programs import sampling_rows
+    from cadence.model.config import PRESETS
+    from cadence.model.host_sampling import RequestSampling
+    from cadence.model.params import random_params
+
+    size = sizes()
+    cfg = PRESETS[size.engine_models["engine_8b"]]
+    slots, context, k = max(size.decode_active), size.decode_context, 8
+    params = jax.jit(random_params, static_argnums=(0, 2))(cfg, jax.random.key(0), jnp.bfloat16)
+    engine = Engine(params, cfg, gpu_engine_config(num_slots=slots, max_seq_len=context + 2 * k,
+                                                   prefill_chunk=16, decode_steps=k))
+    del params
+    tables = fixed_page_tables(engine.config)
+    rows = sampling_rows([RequestSampling()] * slots)
+    points = []
+    for active in (1, slots):
+        for steps in (1, k):
+            step, dispatch, compiles = gpu_bench.time_decode(engine, active, context, rows, tables,
+                                                             steps=10, k=steps)
+            points.append({"active": active, "steps_per_dispatch": steps, "step_ms": step * 1e3,
+                           "dispatch_ms": dispatch * 1e3, "tokens_per_s": active / step,
+                           "compiles": compiles})
+            print("probe", json.dumps(points[-1]), flush=True)
+    return {"model": cfg.name, "xla_flags": os.environ.get("XLA_FLAGS", ""), "points": points}
+
+
 def part_kernels(out: Path) -> dict:
     size = sizes()
     cmd = [sys.executable, "-m", "cadence.bench.gpu_bench", f"--out={out / 'gpu_bench.json'}",
@@ -268,6 +312,8 @@ def part_kernels(out: Path) -> dict:
 def run_part(name: str, out: Path) -> None:
     """One part in this process: its result, or its error, into <out>/<name>.json."""
     start = time.monotonic()
+    if PARTS.get(name, 0) > 10:  # a part that hangs prints where, just before the driver kills it
+        faulthandler.dump_traceback_later(PARTS[name] - 5, exit=False)
     try:
         result = {"ok": True, **globals()[f"part_{name}"](out)}
     except Exception as e:  # noqa: BLE001 - the driver reads the error from the file
@@ -287,10 +333,15 @@ def drive(out: Path, parts: list[str], rehearse: bool = False) -> dict:
                *(["--rehearse"] if rehearse else [])]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open(out / f"{name}.log", "w") as log:
+            # A session of its own: a part past its timeout goes with every process it started
+            # (a pytest still holding the GPU's memory would starve the parts after it).
+            part = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
             try:
-                code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                      timeout=PARTS[name]).returncode
+                code = part.wait(timeout=PARTS[name])
             except subprocess.TimeoutExpired:
+                os.killpg(part.pid, signal.SIGKILL)
+                part.wait()
                 code = "timeout"
         try:
             result = json.loads((out / f"{name}.json").read_text())
@@ -339,6 +390,11 @@ def digest(out: Path) -> list[str]:
         if e.get("ceilings"):
             c = e["ceilings"]
             lines.append(f"ceilings: copy {c['copy_gb_s']:.0f} GB/s, bf16 matmul {c['bf16_matmul_tflop_s']:.0f} TFLOP/s")
+    probe = _read(out, "decode_probe.json")
+    for d in probe.get("points", []):
+        lines.append(f"probe {probe['model']} [{probe['xla_flags'][-60:]}]: {d['active']:>2} active, "
+                     f"{d['steps_per_dispatch']} steps/dispatch: {d['step_ms']:.2f} ms/step, "
+                     f"dispatch {d['dispatch_ms']:.2f} ms, {d['tokens_per_s']:.0f} tok/s")
     for name, target in _read(out, "gpu_bench.json").get("targets", {}).items():
         lines.append(f"{name}: {target['value']:.3g} (target {target['target']}, met {target['met']})")
     return lines
