@@ -390,7 +390,7 @@ def bench_tensor_parallel(results: dict, write) -> None:
         return
     cfg = TINY if _SMOKE.value else LLAMA3_8B
     prompt_len, context, slots = (32, 64, 4) if _SMOKE.value else (2048, 2048, 64)
-    params = jax.tree.map(np.asarray, jax.jit(random_params, static_argnums=(0, 2))(
+    params = jax.tree.map(np.asarray, random_params(
         cfg, jax.random.key(0), jnp.bfloat16))
     prompt = np.random.default_rng(0).integers(100, cfg.vocab_size, prompt_len).tolist()
     points = results["tensor_parallel"] = []
@@ -487,7 +487,7 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
 
     cfg = TINY if _SMOKE.value else LLAMA3_8B
     start = time.monotonic()
-    params = jax.jit(random_params, static_argnums=(0, 2))(cfg, jax.random.key(0), jnp.bfloat16)
+    params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
     jax.block_until_ready(params)
     weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
     slots = max(map(int, _ENGINE_SLOTS.value))

@@ -38,6 +38,7 @@ modules must build the same tree; `tests/test_hf_and_store.py` checks they do.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -202,8 +203,19 @@ _INITIALIZERS = {
 
 def random_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32) -> dict[str, Any]:
     """Random weights with the model's exact tree, drawn as Flax's own initializers would
-    (one key per tensor, folded in from its position in the spec)."""
+    (one key per tensor, folded in from its position in the spec), on the default device.
+
+    Each tensor is its own small program, compiled once per (initializer, shape, dtype) and
+    shared by every layer: one program for the whole tree costs a compile per tensor, which on
+    a GPU took over a minute for SmolLM2's 30 layers and Llama-3-8B's 32 (the first GPU run,
+    bench/results/gpu-2026-12-04-b/). Call it as it is, not under `jax.jit`."""
     specs = param_specs(config)
     index = {s.path: i for i, s in enumerate(specs)}
-    return build_tree(specs, lambda s: _INITIALIZERS[s.init](
-        jax.random.fold_in(key, index[s.path]), s.shape, jnp.float32).astype(dtype))
+    return build_tree(specs, lambda s: _random_tensor(key, index[s.path], init=s.init,
+                                                      shape=s.shape, dtype=jnp.dtype(dtype)))
+
+
+@functools.partial(jax.jit, static_argnames=("init", "shape", "dtype"))
+def _random_tensor(key: jax.Array, index: jax.Array, *, init: str, shape: tuple[int, ...],
+                   dtype: jnp.dtype) -> jax.Array:
+    return _INITIALIZERS[init](jax.random.fold_in(key, index), shape, jnp.float32).astype(dtype)
