@@ -169,11 +169,60 @@ def kernel_calls(stablehlo: str) -> Counter:
     return Counter(_TRITON_CALL.findall(stablehlo))
 
 
+# A fori_loop's condition: its counter against a constant bound, and nothing else.
+_COUNTED_LOOP = re.compile(r"cond \{\s*(%\S+) = stablehlo\.constant dense<-?\d+> : tensor<i32>\s*"
+                           r"%\S+ = stablehlo\.compare\s+LT, %\S+, \1, SIGNED[^\n]*\n\s*"
+                           r"stablehlo\.return %\S+ : tensor<i1>\s*\} do")
+
+
+def _branches(stablehlo: str, start: int) -> int:
+    """How many branches the `stablehlo.case` at `start` has: its regions, `{...}` at depth 0
+    between the operand list and the closing parenthesis."""
+    i = stablehlo.index(") (", start) + 3  # past `"stablehlo.case"(%index)`, at the regions
+    depth, regions = 0, 0
+    while True:
+        c = stablehlo[i]
+        if c == "{":
+            regions += depth == 0
+            depth += 1
+        elif c == "}":
+            depth -= 1
+        elif c == ")" and depth == 0:
+            return regions
+        i += 1
+
+
+def _constant(stablehlo: str, name: str, before: int) -> bool:
+    """Whether value `name`, as last defined before `before`, is a constant (the platform
+    index `lax.platform_dependent` selects its branch by, once lowered for one platform)."""
+    defined = stablehlo.rfind(f"{name} = ", 0, before)
+    return defined >= 0 and stablehlo.startswith("stablehlo.constant", defined + len(name) + 3)
+
+
+def host_waits(stablehlo: str) -> list[str]:
+    """The control flow in a lowered module that a GPU decides on the host, after reading a
+    value back from the device (`model.control`): each conditional of more than one branch on
+    a computed index (`lax.platform_dependent` leaves ones on a constant, and one-branch ones,
+    which XLA resolves when it compiles), and each
+    loop whose exit is not a counter against a constant (a fori_loop's known trip count)."""
+    waits = [f"if at {m.start()}" for m in re.finditer(r"stablehlo\.if\b", stablehlo)]
+    waits += [f"case of {n} branches at {m.start()}"
+              for m in re.finditer(r'"stablehlo\.case"\((%[^)]+)\)', stablehlo)
+              if (n := _branches(stablehlo, m.start())) > 1 and not _constant(stablehlo, m.group(1), m.start())]
+    loops = [m.start() for m in re.finditer(r"stablehlo\.while\b", stablehlo)]
+    counted = {stablehlo.rfind("stablehlo.while", 0, m.start()) for m in _COUNTED_LOOP.finditer(stablehlo)}
+    return waits + [f"while at {at}" for at in loops if at not in counted]
+
+
 def lower_checked(program: Program, platform: str = "cuda") -> Counter:
     """`lower`, then its kernel calls, which must be exactly `program.kernels` (a "pallas"
-    engine that fell back to XLA attention, or to interpret mode, fails here)."""
-    calls = kernel_calls(lower(program, platform).as_text())
+    engine that fell back to XLA attention, or to interpret mode, fails here), and, for a
+    GPU, no control flow that waits on the device (`host_waits`)."""
+    text = lower(program, platform).as_text()
+    calls = kernel_calls(text)
     if set(calls) != program.kernels:
         raise AssertionError(f"{program.name} calls Triton kernels {sorted(calls)}, expected "
                              f"{sorted(program.kernels)}")
+    if platform != "cpu" and (waits := host_waits(text)):
+        raise AssertionError(f"{program.name} waits on the device, on the host: {waits[:5]}")
     return calls

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from cadence.engine.config import EngineConfig
 from cadence.model.config import ModelConfig
+from cadence.model.control import loop
 from cadence.model.llama import forward
 from cadence.model.paged_kv import PagedKVCache
 from cadence.model.host_sampling import RequestSampling, SamplingRows
@@ -89,7 +90,8 @@ def _decode_program(
     slot index, or num_slots for a padding row); positions (each row's first step), page_table
     and sampling are per row. A row ends on the device when it samples one of its stop ids (or
     comes in with one, a request that ended in the step before): it writes nothing after, and
-    the loop exits once every row has ended. Returns [max_steps, num_slots]: every slot's next
+    on a CPU the loop exits once every row has ended (elsewhere it runs max_steps, the steps
+    past that writing nothing: `model.control.loop`). Returns [max_steps, num_slots]: every slot's next
     token after each step (its last one where a row did not decode, and after the last step
     run, the state it left), and each step's `Logprobs` per slot (zeros where none was asked
     for or nothing decoded)."""
@@ -104,6 +106,7 @@ def _decode_program(
 
     def one_step(state):
         step, live, inputs, cache, last_tokens, history, out, lp_out = state
+        live = live & (step < steps)  # off the CPU the loop runs max_steps: the rest write nothing
         at = positions + step
         logits, cache = _decode_forward(params, rope, cache, inputs, live, at, page_table,
                                         config=config, attention=attention, dtype=dtype, mesh=mesh)
@@ -113,8 +116,9 @@ def _decode_program(
         return (step + 1, live & ~sampling.stops(tokens), tokens, cache, last_tokens, history, out,
                 lp_out)
 
-    ran, _, _, cache, last_tokens, history, out, lp_out = jax.lax.while_loop(
-        more, one_step, (jnp.int32(0), live, inputs, cache, last_tokens, history, out, lp_out))
+    ran, _, _, cache, last_tokens, history, out, lp_out = loop(
+        more, one_step, (jnp.int32(0), live, inputs, cache, last_tokens, history, out, lp_out),
+        max_steps)
     out = jnp.where((jnp.arange(max_steps) < ran)[:, None], out, last_tokens[None])
     return (out, lp_out), cache, last_tokens, history
 

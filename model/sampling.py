@@ -28,8 +28,9 @@ penalties read the row's token history, device state the programs carry and upda
 
 A row's randomness depends only on its own seed and step (e.g. its position), never on which
 other requests share the batch, so a seeded request is reproducible alone or batched.
-Each stage runs only if some row of the batch uses it (`lax.cond`): an all-greedy batch without
-penalties or biases is one argmax, as before any of them existed.
+Each stage runs only if some row of the batch uses it (`model.control.when`): on a CPU an
+all-greedy batch without penalties or biases is one argmax, as before any of them existed; on a
+GPU every stage runs and its result is selected, so that no branch waits on the device.
 
 The host side (`RequestSampling`, one request's validated settings; `SamplingRows`, the per-slot
 NumPy rows packed into `SamplingParams`; the bitmask layout) is `model.host_sampling`, which
@@ -42,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from cadence.model.control import when
 from cadence.model.host_sampling import ALL_ALLOWED, NO_TOKEN, RequestSampling, SamplingRows
 
 
@@ -121,6 +123,10 @@ class TokenHistory:
                             prompt=self.prompt.at[slot].set(prompt))
 
 
+def _same(x):
+    return x
+
+
 def apply_bitmask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
     """`logits` [rows, vocab] with every token a row's bitmask `allowed` [rows, words] forbids
     at -inf; runs only if some row is constrained (unconstrained rows come out bit-identical)."""
@@ -132,7 +138,7 @@ def apply_bitmask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
         keep = bits.reshape(allowed.shape[0], -1)[:, :vocab] == 1
         return jnp.where(keep, logits, -jnp.inf)
 
-    return jax.lax.cond(jnp.any(allowed != ALL_ALLOWED), mask, lambda x: x, logits)
+    return when(jnp.any(allowed != ALL_ALLOWED), mask, _same, logits)
 
 
 def adjust_logits(logits: jax.Array, params: SamplingParams, history: TokenHistory,
@@ -153,8 +159,8 @@ def adjust_logits(logits: jax.Array, params: SamplingParams, history: TokenHisto
         logits = logits - params.frequency_penalty[:, None] * counts.astype(logits.dtype)
         return logits - params.presence_penalty[:, None] * generated.astype(logits.dtype)
 
-    logits = jax.lax.cond(jnp.any(params.bias_ids != NO_TOKEN), bias, lambda x: x, logits)
-    return jax.lax.cond(jnp.any(params.penalized), penalize, lambda x: x, logits)
+    logits = when(jnp.any(params.bias_ids != NO_TOKEN), bias, _same, logits)
+    return when(jnp.any(params.penalized), penalize, _same, logits)
 
 
 @struct.dataclass
@@ -186,7 +192,7 @@ def logprobs_of(logits: jax.Array, tokens: jax.Array, k: int, wanted: jax.Array)
         return Logprobs(token=jnp.zeros(rows, jnp.float32), ids=jnp.zeros((rows, k), jnp.int32),
                         values=jnp.zeros((rows, k), jnp.float32))
 
-    return jax.lax.cond(jnp.any(wanted), compute, skip, logits)
+    return when(jnp.any(wanted), compute, skip, logits)
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
@@ -237,8 +243,8 @@ def kept(logits: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Arra
         cut = _threshold(jnp.where(keep, keys, 0), probs, params.top_p * jnp.sum(probs, axis=-1))
         return keep & ((keys >= cut[:, None]) | (params.top_p >= 1)[:, None])
 
-    keep = jax.lax.cond(jnp.any(top_k < vocab), top, lambda keep: keep, keep)
-    return scaled, jax.lax.cond(jnp.any(params.top_p < 1), nucleus, lambda keep: keep, keep)
+    keep = when(jnp.any(top_k < vocab), top, _same, keep)
+    return scaled, when(jnp.any(params.top_p < 1), nucleus, _same, keep)
 
 
 def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:
@@ -253,12 +259,9 @@ def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array)
 def sample(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:
     """Picks one token per row from logits already adjusted (`adjust_logits`). `step` [rows]
     makes each draw distinct (use the position)."""
-    greedy = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)  # noqa: E731
-    return jax.lax.cond(
-        jnp.any(params.temperature > 0),
-        lambda: _sample_filtered(logits, params, step),
-        greedy,
-    )
+    return when(jnp.any(params.temperature > 0),
+                lambda logits: _sample_filtered(logits, params, step),
+                lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32), logits)
 
 
 def choose(logits: jax.Array, params: SamplingParams, history: TokenHistory, slots: jax.Array,

@@ -1,0 +1,67 @@
+"""Data-dependent control flow that never makes a GPU wait.
+
+A `lax.cond` whose predicate is computed on the device, or a `lax.while_loop` whose exit is, is
+cheap on a CPU: the branch not taken, or the steps not needed, cost nothing. On a GPU, XLA
+copies each such predicate back to the host and decides there: the host waits for the device
+to drain before it can launch anything after the branch, so a program with one in every
+sampling stage returns only once the device is done (the first GPU run measured a Llama-3-8B
+decode step at 2.2x its bandwidth roofline with the dispatch taking the whole step,
+`bench/results/gpu-2026-12-04/`). So every such branch goes through here, and is lowered per
+platform (`lax.platform_dependent`, resolved when the program is lowered): a branch on the
+CPU; elsewhere both sides computed and the result selected, or a loop of fixed trip count whose
+unneeded steps are masked off by the caller.
+
+    when(pred, yes, no, *operands)   yes(*operands) if pred else no(*operands)
+    loop(more, body, state, steps)   while more(state): state = body(state), at most `steps`
+
+Tests run the GPU's form on the CPU inside `branch_free()` (it applies to what is traced
+inside it: build and run the programs there), against the CPU's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+_BRANCH_FREE = contextvars.ContextVar("cadence_branch_free", default=False)
+
+
+@contextlib.contextmanager
+def branch_free():
+    """Traces `when` and `loop` in the form they take off the CPU, on any platform."""
+    token = _BRANCH_FREE.set(True)
+    try:
+        yield
+    finally:
+        _BRANCH_FREE.reset(token)
+
+
+def when(pred: jax.Array, yes: Callable, no: Callable, *operands):
+    """`yes(*operands)` where the scalar `pred` holds, else `no(*operands)` (same pytrees)."""
+    def select(*ops):
+        return jax.tree.map(lambda a, b: jnp.where(pred, a, b), yes(*ops), no(*ops))
+
+    if _BRANCH_FREE.get():
+        return select(*operands)
+    return jax.lax.platform_dependent(
+        *operands, cpu=lambda *ops: jax.lax.cond(pred, yes, no, *ops), default=select)
+
+
+def loop(more: Callable, body: Callable, state, steps: int):
+    """`while more(state): state = body(state)`, run at most `steps` times (a static bound).
+    Off the CPU it runs `body` exactly `steps` times: `body` must leave a state it is not
+    needed for unchanged (a decode step whose rows have all ended writes nothing), since
+    there is no early exit to skip it."""
+    def fixed(state):
+        if steps == 1:
+            return body(state)
+        return jax.lax.fori_loop(0, steps, lambda _, s: body(s), state)
+
+    if _BRANCH_FREE.get():
+        return fixed(state)
+    return jax.lax.platform_dependent(
+        state, cpu=lambda s: jax.lax.while_loop(more, body, s), default=fixed)
