@@ -11,19 +11,25 @@ measured to `<out_dir>/<part>.json`, and the verdict of every part to `<out_dir>
 
 - `env`: nvidia-smi, JAX's version and devices.
 - `kernel_tests`: tests/test_pallas.py, test_paged_attention.py and test_pallas_quant.py
-  compiled on the device (`CADENCE_PALLAS_INTERPRET=0`, float32 matmuls at full precision),
-  and tests/test_gpu_lowering.py (every engine program lowered for CUDA).
+  compiled on the device (`CADENCE_PALLAS_INTERPRET=0`, float32 matmuls at full precision).
+  (tests/test_gpu_lowering.py lowers every engine program for CUDA in CI, on any machine.)
 - `greedy`: the engine (scheduler, chunked prefill, batched decode) with `attention="pallas"`
   in float32 gives the reference's greedy tokens (`engine.reference.greedy_generate`) on the
   default model, or, where it cannot be loaded (no network: the machine fetches nothing), on
   random weights of its shape.
-- `engine_smollm2`, `engine_8b`: the GPU engine (bf16, Pallas kernels, paged KV) with random
-  weights of SmolLM2-135M's and Llama-3-8B's shapes: one 4k-token prefill, and decode steps at
+- `engine_8b`, `engine_smollm2`: the GPU engine (bf16, Pallas kernels, paged KV) with random
+  weights of Llama-3-8B's and SmolLM2-135M's shapes: one 4k-token prefill, and decode steps at
   1, 8 and 64 active slots at 1k context against the roofline (weights + live KV) / the copy
   bandwidth measured in the same process, with the compiles while timed (must be 0).
+- `decode_probe`: the 8B step at 1 and 64 active slots, one step per dispatch and 8: whether
+  a dispatch returns before its step is done (`model.control`).
 - `kernels`: `bench.gpu_bench`'s kernel section (Pallas contiguous and paged against XLA and
   cuDNN's `jax.nn.dot_product_attention`, 4k prefill and decode at batch 1/8/64 x 4k) and its
   grouped quantized matmul, under a deadline.
+
+A part past its timeout is killed with every process it started, and prints its Python stack
+first (`faulthandler`), so the log says where it was. The run ends with a digest of the
+numbers (`digest`), which is what a lent machine's reply shows first.
 
 `--rehearse` runs every part on any machine at the tiny model's shapes with interpreted kernels
 (the kernel tests are only collected): it checks the script itself, so that a lent GPU's
@@ -63,8 +69,10 @@ _REHEARSE = flags.DEFINE_bool(
     "rehearse", False, "Every part at the tiny model's shapes, kernels interpreted, on any machine.")
 
 # Part -> timeout in seconds, in the order they run (what the issue's targets rest on first). They
-# sum to 510 s, leaving the install and a margin inside 10 min.
-PARTS = {"env": 30, "kernel_tests": 110, "greedy": 80, "engine_8b": 150, "engine_smollm2": 70,
+# sum to 530 s, leaving the install and a margin inside 10 min. On the first H200 run
+# (bench/results/gpu-2026-12-04/) the kernel tests took 139 s from a cold compile cache and the
+# 8B engine part 127 s, over a minute of it compiling the random weights as one program.
+PARTS = {"env": 20, "kernel_tests": 150, "greedy": 60, "engine_8b": 120, "engine_smollm2": 50,
          "decode_probe": 60, "kernels": 70}
 # Lowering every program for CUDA (tests/test_gpu_lowering.py) runs in CI on any machine; a GPU's
 # minutes go to what only it can run.
@@ -144,7 +152,7 @@ def _random_params(config, dtype):
 
     from cadence.model.params import random_params
 
-    return jax.tree.map(np.asarray, jax.jit(random_params, static_argnums=(0, 2))(
+    return jax.tree.map(np.asarray, random_params(
         config, jax.random.key(0), dtype))
 
 
@@ -222,7 +230,7 @@ def _engine_part(part: str) -> dict:
     ceilings = gpu_bench.measure_ceilings()
     print("ceilings", json.dumps(ceilings), flush=True)
     t0 = time.monotonic()
-    params = jax.jit(random_params, static_argnums=(0, 2))(cfg, jax.random.key(0), jnp.bfloat16)
+    params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
     print(f"random params: {time.monotonic() - t0:.1f} s", flush=True)
     weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
     slots = max(size.decode_active)
@@ -281,7 +289,7 @@ def part_decode_probe(out: Path) -> dict:
     size = sizes()
     cfg = PRESETS[size.engine_models["engine_8b"]]
     slots, context, k = max(size.decode_active), size.decode_context, 8
-    params = jax.jit(random_params, static_argnums=(0, 2))(cfg, jax.random.key(0), jnp.bfloat16)
+    params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
     engine = Engine(params, cfg, gpu_engine_config(num_slots=slots, max_seq_len=context + 2 * k,
                                                    prefill_chunk=16, decode_steps=k))
     del params
