@@ -213,7 +213,7 @@ def _engine_part(part: str) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from cadence.bench import gpu_bench, roofline
+    from cadence.bench import gpu_timing, roofline
     from cadence.engine.config import fixed_page_tables
     from cadence.engine.engine import Engine
     from cadence.engine.lowering import gpu_engine_config
@@ -226,8 +226,7 @@ def _engine_part(part: str) -> dict:
     size = sizes()
     model = size.engine_models[part]
     cfg = PRESETS[model]
-    flags.FLAGS.smoke = _REHEARSE.value  # gpu_bench's: the ceilings' arrays at a rehearsal's size
-    ceilings = gpu_bench.measure_ceilings()
+    ceilings = gpu_timing.measure_ceilings(smoke=_REHEARSE.value)
     print("ceilings", json.dumps(ceilings), flush=True)
     t0 = time.monotonic()
     params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
@@ -252,7 +251,7 @@ def _engine_part(part: str) -> dict:
                          "tokens_per_s": size.prefill_tokens / seconds}
     print("prefill", json.dumps(result["prefill"]), flush=True)
     for active in size.decode_active:
-        point = gpu_bench.roofline_point(engine, active, size.decode_context, rows, tables, weight_bytes,
+        point = gpu_timing.roofline_point(engine, active, size.decode_context, rows, tables, weight_bytes,
                                          cfg.kv_bytes_per_token(2), ceilings)
         point["tokens_per_s"] = active / (point["step_ms"] / 1e3)
         result["decode"].append(point)
@@ -277,7 +276,7 @@ def part_decode_probe(out: Path) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from cadence.bench import gpu_bench
+    from cadence.bench import gpu_timing
     from cadence.engine.config import fixed_page_tables
     from cadence.engine.engine import Engine
     from cadence.engine.lowering import gpu_engine_config
@@ -298,7 +297,7 @@ def part_decode_probe(out: Path) -> dict:
     points = []
     for active in (1, slots):
         for steps in (1, k):
-            step, dispatch, compiles = gpu_bench.time_decode(engine, active, context, rows, tables,
+            step, dispatch, compiles = gpu_timing.time_decode(engine, active, context, rows, tables,
                                                              steps=10, k=steps)
             points.append({"active": active, "steps_per_dispatch": steps, "step_ms": step * 1e3,
                            "dispatch_ms": dispatch * 1e3, "tokens_per_s": active / step,
