@@ -293,16 +293,19 @@ def part_decode_probe(out: Path) -> dict:
                                                    prefill_chunk=16, decode_steps=k))
     del params
     tables = fixed_page_tables(engine.config)
-    rows = sampling_rows([RequestSampling()] * slots)
+    greedy = sampling_rows([RequestSampling()] * slots)
+    # Off the CPU every sampling stage runs whatever the rows ask (`model.control.when`): a
+    # batch sampling with top-k and top-p against an all-greedy one prices that.
+    sampled = sampling_rows([RequestSampling(temperature=0.7, top_k=50, top_p=0.9, seed=1)] * slots)
     points = []
-    for active in (1, slots):
-        for steps in (1, k):
-            step, dispatch, compiles = gpu_timing.time_decode(engine, active, context, rows, tables,
-                                                             steps=10, k=steps)
-            points.append({"active": active, "steps_per_dispatch": steps, "step_ms": step * 1e3,
-                           "dispatch_ms": dispatch * 1e3, "tokens_per_s": active / step,
-                           "compiles": compiles})
-            print("probe", json.dumps(points[-1]), flush=True)
+    for active, steps, rows in [(1, 1, greedy), (1, k, greedy), (slots, 1, greedy), (slots, k, greedy),
+                                (slots, 1, sampled)]:
+        step, dispatch, compiles = gpu_timing.time_decode(engine, active, context, rows, tables,
+                                                         steps=10, k=steps)
+        points.append({"active": active, "steps_per_dispatch": steps, "sampled": rows is sampled,
+                       "step_ms": step * 1e3, "dispatch_ms": dispatch * 1e3,
+                       "tokens_per_s": active / step, "compiles": compiles})
+        print("probe", json.dumps(points[-1]), flush=True)
     return {"model": cfg.name, "xla_flags": os.environ.get("XLA_FLAGS", ""), "points": points}
 
 
@@ -400,6 +403,7 @@ def digest(out: Path) -> list[str]:
     probe = _read(out, "decode_probe.json")
     for d in probe.get("points", []):
         lines.append(f"probe {probe['model']} [{probe['xla_flags'][-60:]}]: {d['active']:>2} active, "
+                     f"{'sampled' if d.get('sampled') else 'greedy'}, "
                      f"{d['steps_per_dispatch']} steps/dispatch: {d['step_ms']:.2f} ms/step, "
                      f"dispatch {d['dispatch_ms']:.2f} ms, {d['tokens_per_s']:.0f} tok/s")
     for name, target in _read(out, "gpu_bench.json").get("targets", {}).items():
