@@ -188,17 +188,23 @@ def resolve(spec: str, cache: Path | None = None) -> Path:
 
 
 def load_model(spec: str = DEFAULT_MODEL, cache: Path | None = None,
-               shardings: store.Shardings | None = None, dtype: str | None = None) -> LoadedModel:
+               shardings: store.Shardings | None = None, dtype: str | None = None,
+               skip_packed: bool = False) -> LoadedModel:
     """`shardings`, `dtype`: restore the weights straight into shards, in that dtype
-    (`store.load_converted`)."""
+    (`store.load_converted`). `skip_packed`: the matrices the source stored block-quantized are
+    not read as float32 (their params leaves stay `jax.ShapeDtypeStruct`s), for an engine that
+    reads `packed` instead (the CPU kernels with --weights=auto): a Q4_K_M file's 2 GB of
+    float32 is never in memory."""
     folder = resolve(spec, cache)
     start = time.monotonic()
-    config, params = store.load_converted(folder, shardings, dtype)
+    packed = store.load_packed(folder)
+    config, params = store.load_converted(folder, shardings, dtype,
+                                          skip=packed if skip_packed else ())
     generation = GenerationDefaults.load(folder)
     if generation.empty and spec in KNOWN_MODELS:
         generation = KNOWN_MODELS[spec].generation
     model = LoadedModel(name=spec, config=config, params=params,
                         tokenizer=Tokenizer.from_hf_dir(folder), path=folder, generation=generation,
-                        packed=store.load_packed(folder))
+                        packed=packed)
     print(f"cadence: loaded {spec} in {time.monotonic() - start:.1f} s", file=sys.stderr)
     return model

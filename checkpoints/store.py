@@ -25,6 +25,7 @@ import json
 import shutil
 import uuid
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any, Callable
 
 import jax
@@ -80,12 +81,15 @@ def save_converted(folder: str | Path, config: ModelConfig, params: Params,
 
 
 def load_converted(folder: str | Path, shardings: Shardings | None = None,
-                   dtype: str | None = None) -> tuple[ModelConfig, Params]:
+                   dtype: str | None = None, skip: Collection[tuple[str, ...]] = ()
+                   ) -> tuple[ModelConfig, Params]:
     """Restores (config, params) from a folder `save_converted` wrote. Leaves come back as the
     kind that was saved: numpy arrays, or jax arrays on the default device. With `shardings`
     (config -> a tree of shardings, e.g. `TensorParallel.storage_shardings`), each leaf is
     restored straight into its shards: every device reads only its part, and no host holds a
-    whole copy. `dtype`: cast to it as restored (default: float32, as stored)."""
+    whole copy. `dtype`: cast to it as restored (default: float32, as stored). `skip`: paths
+    whose values are not read, left as `jax.ShapeDtypeStruct`s (the matrices an engine reads
+    from the packed blocks instead: `load_packed`)."""
     folder = Path(folder).absolute()
     marker = read_marker(folder)
     if marker["dtype"] != "float32":
@@ -106,8 +110,18 @@ def load_converted(folder: str | Path, shardings: Shardings | None = None,
                     f"delete {folder} and convert again")
         target = abstract_params(config, dtype or "float32",
                                  shardings=shardings(config) if shardings else None)
-        params = checkpointer.restore(folder / "params", target)
-    return config, params
+        unknown = set(skip) - set(_flatten(target))
+        if unknown:
+            raise ValueError(f"skip names paths {sorted(unknown)} that {config.name}'s params lack")
+        if not skip:
+            return config, checkpointer.restore(folder / "params", target)
+    wanted = nest((path, leaf) for path, leaf in _flatten(target).items() if path not in skip)
+    with _quiet(), ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+        restored = checkpointer.restore(folder / "params", args=ocp.args.PyTreeRestore(
+            item=wanted, restore_args=ocp.checkpoint_utils.construct_restore_args(wanted),
+            partial_restore=True))
+    flat = _flatten(restored)
+    return config, nest((path, flat.get(path, leaf)) for path, leaf in _flatten(target).items())
 
 
 def load_packed(folder: str | Path) -> Packed:

@@ -350,11 +350,15 @@ def build_from_flags(warm: bool = True) -> Runtime:
             resolve(MODEL_FLAG.value)
         multihost.barrier("cadence: the model is converted")
     # Sharded, the weights land on the devices in the engine's dtype (no float32 copy left there).
+    # On the CPU kernels with --weights=auto, the file's block-quantized matrices are read as
+    # they are, and never as float32.
+    kernels = not mesh_devices and cpu_kernels_apply(compute_dtype(), None)
     model = load_model(MODEL_FLAG.value, shardings=(
         (lambda config: plan(config).storage_shardings()) if mesh_devices else None),
-        dtype=compute_dtype() if mesh_devices else None)
+        dtype=compute_dtype() if mesh_devices else None,
+        skip_packed=kernels and WEIGHTS.value == "auto")
     tp = plan(model.config) if mesh_devices else None
-    model, packed = quantize_from_flags(model, cpu_kernels_apply(compute_dtype(), tp))
+    model, packed = quantize_from_flags(model, kernels)
     engine_config = engine_config_from_flags(model, pair[0] if pair else None, tp)
     if multi_process() and engine_config.num_pages is not None and KV_MEMORY.value is None:
         # Each process sized the pool by its own free memory; every one must run the same

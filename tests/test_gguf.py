@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from cadence.checkpoints import store
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.gguf import load_gguf, load_packed, permute_rope_rows
 from cadence.model import cpu_kernels
@@ -158,7 +159,6 @@ def test_llama3_gguf_with_rope_freqs_equals_its_hf_form(tmp_path):
     """A Llama 3.1-style checkpoint in HF form (rope_scaling llama3) and as llama.cpp writes it
     (rope_freqs, no scaling metadata): the same logits and greedy tokens through the reference,
     and the factors survive the converted-checkpoint store."""
-    from cadence.checkpoints import store
     from cadence.checkpoints.hf import load_hf_config, load_hf_params, save_hf
     from cadence.engine.reference import greedy_generate
 
@@ -302,8 +302,6 @@ def test_each_packed_format_unpacks_to_ggufs_dequantizer(kind):
 
 
 def test_converted_checkpoints_keep_the_packed_matrices(tmp_path, tiny_params):
-    from cadence.checkpoints import store
-
     path = tmp_path / "tiny-q.gguf"
     write_gguf(path, TINY, tiny_params, quantize=True)
     config, floats, _ = load_gguf(path)
@@ -316,6 +314,16 @@ def test_converted_checkpoints_keep_the_packed_matrices(tmp_path, tiny_params):
         np.testing.assert_array_equal(back[p][0], blocks)
     store.save_converted(tmp_path / "plain", config, floats)
     assert store.load_packed(tmp_path / "plain") == {}
+    # What an engine reads from the blocks need not be read as float32: those leaves come back
+    # as their shapes alone, every other leaf as saved.
+    _, partial = store.load_converted(tmp_path / "converted", skip=packed)
+    for p, leaf in store._flatten(partial).items():
+        if p in packed:
+            assert isinstance(leaf, jax.ShapeDtypeStruct) and leaf.shape == params_lib.get(floats, p).shape
+        else:
+            np.testing.assert_array_equal(leaf, params_lib.get(floats, p))
+    with pytest.raises(ValueError, match="lack"):
+        store.load_converted(tmp_path / "converted", skip=[("layers_0", "nothing")])
 
 
 @needs_cpu_kernels
@@ -329,14 +337,15 @@ def test_the_engine_over_the_files_blocks_equals_the_reference(tmp_path, tiny_pa
     _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer)
 
 
-def _assert_engine_equals_reference(floats, config, packed, tokenizer, chunk=16):
+def _assert_engine_equals_reference(floats, config, packed, tokenizer, chunk=16, params=None):
     """With `chunk` 64, prefill's programs take XLA's GEMM over the blocks dequantized
-    (`cpu_kernels.matmul`); with 16, the kernel, as decode does."""
+    (`cpu_kernels.matmul`); with 16, the kernel, as decode does. `params`: the engine's
+    (default `floats`, which the reference reads)."""
     from cadence.engine.config import EngineConfig
     from cadence.engine.engine import Engine
     from cadence.engine.reference import greedy_generate
 
-    engine = Engine(floats, config, EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=chunk,
+    engine = Engine(floats if params is None else params, config, EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=chunk,
                                                  attention="cpu", decode_matmul="cpu", decode_steps=2),
                     packed=packed)
     prompts = [list(range(5, 40)), [7, 300, 41, 9], list(range(100, 190))]
@@ -407,6 +416,14 @@ def test_the_engine_over_a_q4_k_m_file_equals_the_reference(tmp_path, tiny_token
     config, floats, _ = load_gguf(path)
     packed = {p: blocks for p, (blocks, _) in load_packed(path, config).items()}
     _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer, chunk=64)
+    # Restored as `cadence-serve` does on the CPU kernels (`load_model(skip_packed=True)`): the
+    # packed matrices never as float32, only their shapes.
+    store.save_converted(tmp_path / "converted", config, floats, packed=load_packed(path, config))
+    _, params = store.load_converted(tmp_path / "converted", skip=packed)
+    skipped = {p for p, leaf in store._flatten(params).items() if isinstance(leaf, jax.ShapeDtypeStruct)}
+    assert skipped == set(packed) and len(skipped) < len(store._flatten(params))
+    stored = {p: blocks for p, (blocks, _) in store.load_packed(tmp_path / "converted").items()}
+    _assert_engine_equals_reference(floats, config, stored, tiny_tokenizer, chunk=64, params=params)
 
 
 @needs_cpu_kernels
