@@ -6,7 +6,7 @@
 # GGUF: the joined file (fetch.sh); PYTHON: the virtual environment's python; OUT: results.
 set -uo pipefail
 label=$1; checkout=$2; cache=$3; weights=${WEIGHTS:-auto}
-python=${PYTHON:-.venv/bin/python}; python=$(realpath $python)
+python=${PYTHON:-.venv/bin/python}; python=$(realpath -s $python)  # -s: a venv python is a link
 out=$(realpath ${OUT:-.}); gguf=$(realpath $GGUF)
 cd $checkout
 CADENCE_CACHE=$cache $python -m cadence.server.serve_cli --model=$gguf --port=8123 \
