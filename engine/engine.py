@@ -182,7 +182,6 @@ class Engine:
         if config.decode_matmul == "cpu" and (self.tp is not None or self.device.platform != "cpu"):
             raise ValueError("decode_matmul='cpu' runs on one CPU device; use 'xla' with tensor "
                              "parallelism or an accelerator")
-        self.decode_params = self.params  # one tree for every program (blocked, on the kernels)
         # cos and sin of every position a slot holds, looked up by both programs
         self.rope = jax.device_put(rope_table(self.compute_config, config.max_seq_len), self._token_at)
         self.cache: PagedKVCache | None = None
@@ -203,7 +202,7 @@ class Engine:
         self._warm_compiles: int | None = None
         self._warm_on_demand = 0
         # What `prepare` compiles from: every device buffer as a shape, dtype and sharding.
-        self._specs = jax.tree.map(spec, (self.params, self.decode_params, self.rope, self.cache,
+        self._specs = jax.tree.map(spec, (self.params, self.rope, self.cache,
                                            self.last_tokens, self.history))
         self._handle_sharding = (jax.sharding.SingleDeviceSharding(self._handle_at)
                                  if isinstance(self._handle_at, jax.Device) else self._handle_at)
@@ -303,7 +302,7 @@ class Engine:
         batch = self._decode_batch(positions, active, page_table, steps)
         program = self._decode_batched if batch.batched else self._decode
         (tokens, logprobs), self.cache, self.last_tokens, self.history = program(
-            self.decode_params, self.rope, self.cache, self.last_tokens, self.history, batch.rows,
+            self.params, self.rope, self.cache, self.last_tokens, self.history, batch.rows,
             batch.positions, batch.tables, _gather_rows(sampling, batch.pick, batch.live),
             np.int32(steps),
         )
@@ -342,7 +341,7 @@ class Engine:
                                    page_buckets=cfg.verify_page_buckets)
         self._ensure("speculative")
         (tokens, logprobs, emitted), self.cache, self.last_tokens, self.history = self._verify(
-            self.decode_params, self.rope, self.cache, self.last_tokens, self.history, batch.rows,
+            self.params, self.rope, self.cache, self.last_tokens, self.history, batch.rows,
             batch.positions, batch.tables, _gather_rows(sampling, batch.pick, batch.live),
             np.where(batch.live[:, None], drafts[batch.pick], 0).astype(np.int32),
             np.where(batch.live, draft_lens[batch.pick], 0).astype(np.int32))
@@ -363,7 +362,7 @@ class Engine:
         batch = self._decode_batch(positions, active, page_table, 1)
         program = self._decode_forward_batched if batch.batched else self._decode_forward
         gathered = _gather_rows(sampling, batch.pick, batch.live)
-        logits, self.cache = program(self.decode_params, self.rope, self.cache, self.last_tokens,
+        logits, self.cache = program(self.params, self.rope, self.cache, self.last_tokens,
                                      batch.rows, batch.positions, batch.tables, gathered)
         self._pending = _PendingStep(batch, sampling, gathered, logits)
 

@@ -85,11 +85,11 @@ def compile_programs(programs: Sequence[WarmProgram],
 def list_programs(programs: Programs, cfg: EngineConfig, mc: ModelConfig, specs: tuple,
                   handle_sharding, groups: Collection[str]) -> list[WarmProgram]:
     """The programs of `groups` an engine of `cfg` runs (`programs`, for the model as computed,
-    `mc`), in warm-up's order, over its device buffers as `specs` (`spec` of its params, decode
-    params, rope table, pool, next tokens and token history; a `KVHandle`'s pages go on
+    `mc`), in warm-up's order, over its device buffers as `specs` (`spec` of its params (one
+    tree every program reads), rope table, pool, next tokens and token history; a `KVHandle`'s pages go on
     `handle_sharding`): what `Engine.warmup` and `Engine.prepare` compile."""
     vocab, groups = mc.vocab_size, set(groups)
-    params, decode_params, rope, cache, last, history = specs
+    params, rope, cache, last, history = specs
     i32 = np.int32(0)
     out: list[WarmProgram] = []
 
@@ -118,7 +118,7 @@ def list_programs(programs: Programs, cfg: EngineConfig, mc: ModelConfig, specs:
     decode += [("decode", programs.decode, programs.decode_forward, w) for w in cfg.decode_page_buckets]
     for name, program, _, width in decode:
         for batch in cfg.decode_batch_buckets:
-            add("decode", f"{name}[batch={batch},pages={width}]", program, decode_params, rope,
+            add("decode", f"{name}[batch={batch},pages={width}]", program, params, rope,
                 cache, last, history, np.full(batch, cfg.num_slots, np.int32),
                 np.zeros(batch, np.int32), np.zeros((batch, width), np.int32), rows(batch),
                 np.int32(1))
@@ -127,7 +127,7 @@ def list_programs(programs: Programs, cfg: EngineConfig, mc: ModelConfig, specs:
             slots, zeros = np.full(batch, cfg.num_slots, np.int32), np.zeros(batch, np.int32)
             for name, _, forward_program, width in decode:
                 add("structured", f"{name.replace('decode', 'decode_forward')}[batch={batch},"
-                    f"pages={width}]", forward_program, decode_params, rope, cache, last, slots,
+                    f"pages={width}]", forward_program, params, rope, cache, last, slots,
                     zeros, np.zeros((batch, width), np.int32), rows(batch))
             logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32, sharding=last.sharding)
             add("structured", f"decode_sample[batch={batch}]", programs.decode_sample, logits,
@@ -137,7 +137,7 @@ def list_programs(programs: Programs, cfg: EngineConfig, mc: ModelConfig, specs:
         for width in cfg.verify_page_buckets:
             for batch in cfg.verify_batch_buckets:
                 add("speculative", f"verify[batch={batch},pages={width},k={k}]", programs.verify,
-                    decode_params, rope, cache, last, history, np.full(batch, cfg.num_slots, np.int32),
+                    params, rope, cache, last, history, np.full(batch, cfg.num_slots, np.int32),
                     np.zeros(batch, np.int32), np.zeros((batch, width), np.int32), rows(batch),
                     np.zeros((batch, k), np.int32), np.zeros(batch, np.int32))
     for width in cfg.page_buckets:  # a KVHandle's arrays: [layers, kv_heads, P, page_size, d]
