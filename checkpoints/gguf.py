@@ -138,9 +138,11 @@ def permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def load_gguf(
-    path: str | Path, progress: Callable[[int, int], None] | None = None
+    path: str | Path, progress: Callable[[int, int], None] | None = None, *, packable: bool = True,
 ) -> tuple[ModelConfig, dict, dict[str, Any]]:
-    """Reads and dequantizes a GGUF file. `progress(done, total)` is called per tensor."""
+    """Reads and dequantizes a GGUF file. `progress(done, total)` is called per tensor. With
+    `packable=False`, the matrices `load_packed` packs are not dequantized: their leaves are
+    `jax.ShapeDtypeStruct`s (a conversion stores their blocks alone)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} does not exist; check the path")
@@ -157,8 +159,13 @@ def load_gguf(
     tensors = {t.name: t for t in reader.tensors}
     done, total = 0, len(tensors)
 
-    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def tick() -> None:
         nonlocal done
+        done += 1
+        if progress:
+            progress(done, total)
+
+    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in tensors:
             raise CheckpointError(f"{path}: tensor {name} is missing; the file is incomplete")
         t = tensors[name]
@@ -172,9 +179,7 @@ def load_gguf(
         array = np.asarray(array, dtype=np.float32)
         if array.shape != shape:
             raise CheckpointError(f"{path}: tensor {name} has shape {array.shape}, expected {shape}")
-        done += 1
-        if progress:
-            progress(done, total)
+        tick()
         return array
 
     half = config.head_dim // 2
@@ -183,7 +188,11 @@ def load_gguf(
                                  rope_freq_factors=rope_freq_factors(fields, rope_freqs, half, path))
     permute = arch == "llama"
 
-    def tensor(spec: ParamSpec) -> np.ndarray:
+    def tensor(spec: ParamSpec) -> np.ndarray | jax.ShapeDtypeStruct:
+        if not packable and _packs(spec, tensors.get(spec.gguf_name)):
+            tick()
+            shape = spec.stored_shape[::-1] if spec.transpose else spec.stored_shape
+            return jax.ShapeDtypeStruct(shape, np.float32)
         array = take(spec.gguf_name, spec.stored_shape)
         if permute and spec.rope_heads:
             array = unpermute_rope_rows(array, spec.rope_heads)
@@ -274,6 +283,12 @@ def pack_blocks(parts: dict[str, np.ndarray], kind: str) -> np.ndarray:
     return cpu_kernels.pack_superblocks(fmt, t["q"], t["d"], t["sub_scale"], t.get("dmin"), t.get("sub_min"))
 
 
+def _packs(spec: ParamSpec, t: Any) -> bool:
+    """Whether `load_packed` packs the file's tensor `t` for `spec` (a matrix in a block
+    format the kernels read)."""
+    return t is not None and spec.path[-1] in MATRICES and t.tensor_type.name in PACKABLE
+
+
 def load_packed(path: str | Path, config: ModelConfig) -> dict[tuple[str, ...], tuple[np.ndarray, str]]:
     """Every matrix of the file in a `PACKABLE` format, as (`pack_blocks` array, the GGUF
     type's name), by its path in the params tree. The embedding's entry is the embedding
@@ -286,9 +301,9 @@ def load_packed(path: str | Path, config: ModelConfig) -> dict[tuple[str, ...], 
     out = {}
     for spec in param_specs(config):
         t = tensors.get(spec.gguf_name)
-        kind = t.tensor_type.name if t is not None else None
-        if spec.path[-1] not in MATRICES or kind not in PACKABLE:
+        if not _packs(spec, t):
             continue
+        kind = t.tensor_type.name
         rows, columns = spec.stored_shape  # GGUF [out, in]
         parts = unpack_blocks(t.data, kind, columns)
         if parts["q"].shape[0] != rows:

@@ -127,7 +127,9 @@ def _convert(source: Path, kind: str, folder: Path) -> None:
                 bar.total = total
                 bar.update(done - bar.n)
 
-            config, params, fields = gguf_loader.load_gguf(source, progress)
+            # The file's block-quantized matrices are stored as their blocks alone, never
+            # dequantized here (a float32 tree of them would be ~7x the file).
+            config, params, fields = gguf_loader.load_gguf(source, progress, packable=False)
         packed = gguf_loader.load_packed(source, config)
         tokenizer = Tokenizer.from_gguf_fields(fields)
         generation = GenerationDefaults.from_gguf_fields(fields)

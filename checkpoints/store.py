@@ -2,11 +2,14 @@
 
 A converted folder holds
     config.json     `ModelConfig.to_json()`
-    params/         the params pytree, saved with orbax (float32)
+    params/         the params pytree, saved with orbax (float32), but for the matrices packed/
+                    holds
     packed/         where the source stored matrices block-quantized (GGUF Q8_0, Q4_0, Q4_1,
                     Q5_0, Q4_K, Q5_K, Q6_K),
                     those matrices as they are, in the CPU kernels' grouped layout (orbax,
-                    uint8); the marker's "packed" names them, with their formats and shapes
+                    uint8); the marker's "packed" names them, with their formats and shapes.
+                    They are stored once: read as float32, each is dequantized from its blocks
+                    (`cpu_kernels.unpack_grouped`: GGUF's own values, bit for bit)
     <tokenizer>     tokenizer files, byte for byte as given (tokenizer.json, tokenizer.model, ...)
     cadence.json    the marker: format version, source, dtype, tokenizer file names
 `save_converted` builds it in a sibling temporary folder, writes the marker last and renames
@@ -36,10 +39,11 @@ from absl import logging
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.hf import Params
 from cadence.model.config import ModelConfig
+from cadence.model.cpu_kernels import unpack_grouped
 from cadence.model.params import abstract_params, nest
 
 Shardings = Callable[[ModelConfig], Any]
-FORMAT_VERSION = 3  # 2: packed/; 3: packed/ holds Q5_0 and the K-quants too
+FORMAT_VERSION = 4  # 2: packed/; 3: packed/ holds Q5_0 and the K-quants too; 4: not in params/
 MARKER = "cadence.json"
 _RESERVED = {MARKER, "config.json", "params", "packed"}
 Packed = dict[tuple[str, ...], tuple[np.ndarray, str]]  # path -> (grouped array, GGUF type)
@@ -49,15 +53,23 @@ def save_converted(folder: str | Path, config: ModelConfig, params: Params,
                    tokenizer_files: dict[str, bytes] | None = None, *, source: str = "",
                    packed: Packed | None = None) -> None:
     """Writes a complete converted checkpoint at `folder`, replacing any folder already there;
-    `packed`: the source's block-quantized matrices (`checkpoints.gguf.load_packed`)."""
+    `packed`: the source's block-quantized matrices (`checkpoints.gguf.load_packed`), which
+    stand for their params leaves exactly: those leaves are not saved (`params` may hold them,
+    or their `jax.ShapeDtypeStruct`s, or lack them)."""
     folder = Path(folder).absolute()
     tokenizer_files = tokenizer_files or {}
+    packed = packed or {}
     for name in tokenizer_files:
         if Path(name).name != name or name in _RESERVED or name.startswith("."):
             raise CheckpointError(f"tokenizer file name {name!r} is not allowed; pass plain "
                                   f"file names other than {', '.join(sorted(_RESERVED))}")
-    _check_tree(_shapes(params), config, f"params for {config.name}",
-                "build the params from this config")
+    full = _flatten(abstract_params(config))
+    unknown = set(packed) - set(full)
+    if unknown:
+        raise CheckpointError(f"packed names {sorted(unknown)}, which {config.name}'s params lack")
+    params = nest((path, leaf) for path, leaf in _flatten(params).items() if path not in packed)
+    _check_tree(_shapes(params) | {path: _shapes({"": full[path]})[("",)] for path in packed},
+                config, f"params for {config.name}", "build the params from this config")
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -73,7 +85,7 @@ def save_converted(folder: str | Path, config: ModelConfig, params: Params,
         marker = {"format_version": FORMAT_VERSION, "source": source, "dtype": "float32",
                   "tokenizer_files": sorted(tokenizer_files),
                   "packed": {"/".join(p): {"type": kind, "shape": list(a.shape)}
-                             for p, (a, kind) in (packed or {}).items()}}
+                             for p, (a, kind) in packed.items()}}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2))
         _replace(tmp, folder)
     finally:
@@ -87,9 +99,10 @@ def load_converted(folder: str | Path, shardings: Shardings | None = None,
     kind that was saved: numpy arrays, or jax arrays on the default device. With `shardings`
     (config -> a tree of shardings, e.g. `TensorParallel.storage_shardings`), each leaf is
     restored straight into its shards: every device reads only its part, and no host holds a
-    whole copy. `dtype`: cast to it as restored (default: float32, as stored). `skip`: paths
-    whose values are not read, left as `jax.ShapeDtypeStruct`s (the matrices an engine reads
-    from the packed blocks instead: `load_packed`)."""
+    whole copy. `dtype`: cast to it as restored (default: float32, as stored). The matrices
+    packed/ holds are dequantized from their blocks, one at a time. `skip`: paths whose values
+    are not read, left as `jax.ShapeDtypeStruct`s (the matrices an engine reads from the packed
+    blocks instead: `load_packed`)."""
     folder = Path(folder).absolute()
     marker = read_marker(folder)
     if marker["dtype"] != "float32":
@@ -100,42 +113,59 @@ def load_converted(folder: str | Path, shardings: Shardings | None = None,
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"{folder / 'config.json'} is unreadable ({e}); delete {folder} "
                               "and convert again") from e
+    target = _flatten(abstract_params(config, dtype or "float32",
+                                      shardings=shardings(config) if shardings else None))
+    packed_paths = {tuple(key.split("/")) for key in marker.get("packed") or {}}
+    unknown = set(skip) - set(target)
+    if unknown:
+        raise ValueError(f"skip names paths {sorted(unknown)} that {config.name}'s params lack")
     with _quiet(), ocp.StandardCheckpointer() as checkpointer:
         try:
             stored = checkpointer.metadata(folder / "params").item_metadata.tree
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{folder / 'params'} is unreadable ({e}); delete {folder} "
                                   "and convert again") from e
-        _check_tree(_shapes(stored), config, f"{folder / 'params'}",
-                    f"delete {folder} and convert again")
-        target = abstract_params(config, dtype or "float32",
-                                 shardings=shardings(config) if shardings else None)
-        unknown = set(skip) - set(_flatten(target))
-        if unknown:
-            raise ValueError(f"skip names paths {sorted(unknown)} that {config.name}'s params lack")
-        if not skip:
-            return config, checkpointer.restore(folder / "params", target)
-    wanted = nest((path, leaf) for path, leaf in _flatten(target).items() if path not in skip)
+    as_stored = _flatten(abstract_params(config))  # float32, packed/'s matrices included
+    _check_tree(_shapes(stored) | {p: _shapes({"": as_stored[p]})[("",)] for p in packed_paths},
+                config, f"{folder / 'params'}", f"delete {folder} and convert again")
+    wanted = nest((path, leaf) for path, leaf in target.items()
+                  if path not in skip and path not in packed_paths)
     with _quiet(), ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-        restored = checkpointer.restore(folder / "params", args=ocp.args.PyTreeRestore(
+        restored = _flatten(checkpointer.restore(folder / "params", args=ocp.args.PyTreeRestore(
             item=wanted, restore_args=ocp.checkpoint_utils.construct_restore_args(wanted),
-            partial_restore=True))
-    flat = _flatten(restored)
-    return config, nest((path, flat.get(path, leaf)) for path, leaf in _flatten(target).items())
+            partial_restore=True)))
+    derive = packed_paths - set(skip)
+    for path, (blocks, _) in (load_packed(folder, derive) if derive else {}).items():
+        restored[path] = _from_blocks(path, blocks, target[path])
+    return config, nest((path, restored.get(path, leaf)) for path, leaf in target.items())
 
 
-def load_packed(folder: str | Path) -> Packed:
+def _from_blocks(path: tuple[str, ...], blocks: np.ndarray, like: jax.ShapeDtypeStruct):
+    """A params leaf from its packed blocks: GGUF's own values, in `like`'s shape, dtype and
+    place. The blocks hold a kernel as [in, out], and the embedding transposed."""
+    embedding = path[-1] == "embedding"
+    w = unpack_grouped(blocks, like.shape[0] if embedding else like.shape[1])
+    w = (np.ascontiguousarray(w.T) if embedding else w).astype(like.dtype, copy=False)
+    sharding = getattr(like, "sharding", None)
+    return w if sharding is None else jax.device_put(w, sharding)
+
+
+def load_packed(folder: str | Path, paths: Collection[tuple[str, ...]] | None = None) -> Packed:
     """The block-quantized matrices `save_converted` stored with the checkpoint (NumPy), by
-    path; empty where the source had none."""
+    path (`paths` alone, where given); empty where the source had none."""
     folder = Path(folder).absolute()
     entries = read_marker(folder).get("packed") or {}
+    if paths is not None:
+        entries = {key: e for key, e in entries.items() if tuple(key.split("/")) in set(paths)}
     if not entries:
         return {}
     target = nest((tuple(key.split("/")), jax.ShapeDtypeStruct(tuple(e["shape"]), np.uint8))
                   for key, e in entries.items())
-    with _quiet(), ocp.StandardCheckpointer() as checkpointer:
+    with _quiet(), ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
         try:
-            arrays = checkpointer.restore(folder / "packed", target)
+            arrays = checkpointer.restore(folder / "packed", args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True))
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{folder / 'packed'} is unreadable ({e}); delete {folder} "
                                   "and convert again") from e

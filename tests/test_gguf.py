@@ -324,6 +324,20 @@ def test_converted_checkpoints_keep_the_packed_matrices(tmp_path, tiny_params):
             np.testing.assert_array_equal(leaf, params_lib.get(floats, p))
     with pytest.raises(ValueError, match="lack"):
         store.load_converted(tmp_path / "converted", skip=[("layers_0", "nothing")])
+    # Stored once, as blocks: read as floats, they are dequantized, GGUF's values bit for bit.
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        stored = store._flatten(checkpointer.metadata(tmp_path / "converted" / "params").item_metadata.tree)
+    assert stored and not set(stored) & set(packed)
+    _, whole = store.load_converted(tmp_path / "converted")
+    for p, leaf in store._flatten(whole).items():
+        np.testing.assert_array_equal(leaf, params_lib.get(floats, p), err_msg=str(p))
+    _, half = store.load_converted(tmp_path / "converted", dtype="bfloat16")
+    for p in packed:
+        leaf = params_lib.get(half, p)
+        assert leaf.dtype == jax.numpy.bfloat16
+        np.testing.assert_array_equal(leaf, params_lib.get(floats, p).astype(jax.numpy.bfloat16))
 
 
 @needs_cpu_kernels
