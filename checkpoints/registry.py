@@ -201,7 +201,7 @@ def load_model(spec: str = DEFAULT_MODEL, cache: Path | None = None,
     start = time.monotonic()
     packed = store.load_packed(folder)
     config, params = store.load_converted(folder, shardings, dtype,
-                                          skip=packed if skip_packed else ())
+                                          skip=packed if skip_packed else (), packed=packed)
     generation = GenerationDefaults.load(folder)
     if generation.empty and spec in KNOWN_MODELS:
         generation = KNOWN_MODELS[spec].generation

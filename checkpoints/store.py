@@ -27,8 +27,8 @@ import contextlib
 import json
 import shutil
 import uuid
-from pathlib import Path
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -68,7 +68,7 @@ def save_converted(folder: str | Path, config: ModelConfig, params: Params,
     if unknown:
         raise CheckpointError(f"packed names {sorted(unknown)}, which {config.name}'s params lack")
     params = nest((path, leaf) for path, leaf in _flatten(params).items() if path not in packed)
-    _check_tree(_shapes(params) | {path: _shapes({"": full[path]})[("",)] for path in packed},
+    _check_tree(_shapes(params) | {path: _shape(full[path]) for path in packed},
                 config, f"params for {config.name}", "build the params from this config")
 
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -93,8 +93,8 @@ def save_converted(folder: str | Path, config: ModelConfig, params: Params,
 
 
 def load_converted(folder: str | Path, shardings: Shardings | None = None,
-                   dtype: str | None = None, skip: Collection[tuple[str, ...]] = ()
-                   ) -> tuple[ModelConfig, Params]:
+                   dtype: str | None = None, skip: Collection[tuple[str, ...]] = (),
+                   packed: Packed | None = None) -> tuple[ModelConfig, Params]:
     """Restores (config, params) from a folder `save_converted` wrote. Leaves come back as the
     kind that was saved: numpy arrays, or jax arrays on the default device. With `shardings`
     (config -> a tree of shardings, e.g. `TensorParallel.storage_shardings`), each leaf is
@@ -102,7 +102,8 @@ def load_converted(folder: str | Path, shardings: Shardings | None = None,
     whole copy. `dtype`: cast to it as restored (default: float32, as stored). The matrices
     packed/ holds are dequantized from their blocks, one at a time. `skip`: paths whose values
     are not read, left as `jax.ShapeDtypeStruct`s (the matrices an engine reads from the packed
-    blocks instead: `load_packed`)."""
+    blocks instead: `load_packed`). `packed`: the folder's blocks, where already read
+    (`load_packed`), so that they are not read again."""
     folder = Path(folder).absolute()
     marker = read_marker(folder)
     if marker["dtype"] != "float32":
@@ -126,7 +127,7 @@ def load_converted(folder: str | Path, shardings: Shardings | None = None,
             raise CheckpointError(f"{folder / 'params'} is unreadable ({e}); delete {folder} "
                                   "and convert again") from e
     as_stored = _flatten(abstract_params(config))  # float32, packed/'s matrices included
-    _check_tree(_shapes(stored) | {p: _shapes({"": as_stored[p]})[("",)] for p in packed_paths},
+    _check_tree(_shapes(stored) | {p: _shape(as_stored[p]) for p in packed_paths},
                 config, f"{folder / 'params'}", f"delete {folder} and convert again")
     wanted = nest((path, leaf) for path, leaf in target.items()
                   if path not in skip and path not in packed_paths)
@@ -135,8 +136,10 @@ def load_converted(folder: str | Path, shardings: Shardings | None = None,
             item=wanted, restore_args=ocp.checkpoint_utils.construct_restore_args(wanted),
             partial_restore=True)))
     derive = packed_paths - set(skip)
-    for path, (blocks, _) in (load_packed(folder, derive) if derive else {}).items():
-        restored[path] = _from_blocks(path, blocks, target[path])
+    if derive:
+        blocks = packed if packed is not None else load_packed(folder, derive)
+        for path in derive:
+            restored[path] = _from_blocks(path, blocks[path][0], target[path])
     return config, nest((path, restored.get(path, leaf)) for path, leaf in target.items())
 
 
@@ -156,7 +159,7 @@ def load_packed(folder: str | Path, paths: Collection[tuple[str, ...]] | None = 
     folder = Path(folder).absolute()
     entries = read_marker(folder).get("packed") or {}
     if paths is not None:
-        entries = {key: e for key, e in entries.items() if tuple(key.split("/")) in set(paths)}
+        entries = {key: entries[key] for key in ("/".join(path) for path in paths) if key in entries}
     if not entries:
         return {}
     target = nest((tuple(key.split("/")), jax.ShapeDtypeStruct(tuple(e["shape"]), np.uint8))
@@ -216,9 +219,14 @@ def _flatten(tree: Any) -> dict[tuple[str, ...], Any]:
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def _shape(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """An array's (or array metadata's) (shape, dtype)."""
+    return tuple(leaf.shape), np.dtype(leaf.dtype)
+
+
 def _shapes(tree: Any) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
     """Flattens a pytree of arrays (or array metadata) to path → (shape, dtype)."""
-    return {path: (tuple(leaf.shape), np.dtype(leaf.dtype)) for path, leaf in _flatten(tree).items()}
+    return {path: _shape(leaf) for path, leaf in _flatten(tree).items()}
 
 
 def _check_tree(found: dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]],

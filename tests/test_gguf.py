@@ -331,8 +331,10 @@ def test_converted_checkpoints_keep_the_packed_matrices(tmp_path, tiny_params):
         stored = store._flatten(checkpointer.metadata(tmp_path / "converted" / "params").item_metadata.tree)
     assert stored and not set(stored) & set(packed)
     _, whole = store.load_converted(tmp_path / "converted")
+    _, given = store.load_converted(tmp_path / "converted", packed=back)  # blocks read once
     for p, leaf in store._flatten(whole).items():
         np.testing.assert_array_equal(leaf, params_lib.get(floats, p), err_msg=str(p))
+        np.testing.assert_array_equal(params_lib.get(given, p), leaf, err_msg=str(p))
     _, half = store.load_converted(tmp_path / "converted", dtype="bfloat16")
     for p in packed:
         leaf = params_lib.get(half, p)
