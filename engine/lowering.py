@@ -11,7 +11,8 @@ the weights, the page pool, the token history and every other device buffer as
 of 64 slots lowers on a laptop. `tests/test_gpu_lowering.py` checks that the list is exactly what
 warm-up runs (program by program, argument shapes and dtypes included), so the two cannot drift.
 
-`lower` traces a program with `pallas_common.compiled_kernels()` and lowers it for `platform`:
+`lower` traces a program with `pallas_common.compiled_kernels()` (and, off the CPU,
+`control.branch_free()`) and lowers it for `platform`:
 on a machine without a GPU, `attention="pallas"` then lowers to the Triton kernels as custom
 calls (`kernel_calls` names them), not to the XLA loops interpret mode emulates them with. This
 checks Pallas -> Triton IR and XLA's GPU lowering of everything else; it does not run Triton's
@@ -23,6 +24,7 @@ Non-goals: tensor parallelism (`bench.tp_collectives` lowers those programs), th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections import Counter
@@ -35,7 +37,7 @@ import numpy as np
 from cadence.engine.config import EngineConfig
 from cadence.engine.packing import empty_pack
 from cadence.engine.programs import Programs, jit_programs, sampling_rows
-from cadence.model import pallas_common
+from cadence.model import control, pallas_common
 from cadence.model.config import ModelConfig
 from cadence.model.llama import rope_table
 from cadence.model.paged_kv import PagedKVCache
@@ -153,9 +155,10 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, *, weights:
 
 
 def lower(program: Program, platform: str = "cuda") -> jax.stages.Lowered:
-    """`program` traced with the Pallas kernels compiled (not interpreted) and lowered for
-    `platform`."""
-    with pallas_common.compiled_kernels():
+    """`program` traced with the Pallas kernels compiled (not interpreted), its control flow
+    in `platform`'s form (`model.control`), and lowered for `platform`."""
+    free = control.branch_free() if platform != "cpu" else contextlib.nullcontext()
+    with pallas_common.compiled_kernels(), free:
         traced = program.fn.trace(*program.args)
     return traced.lower(lowering_platforms=(platform,))
 

@@ -6,16 +6,23 @@ copies each such predicate back to the host and decides there: the host waits fo
 to drain before it can launch anything after the branch, so a program with one in every
 sampling stage returns only once the device is done (the first GPU run measured a Llama-3-8B
 decode step at 2.2x its bandwidth roofline with the dispatch taking the whole step,
-`bench/results/gpu-2026-12-04/`). So every such branch goes through here, and is lowered per
-platform (`lax.platform_dependent`, resolved when the program is lowered): a branch on the
-CPU; elsewhere both sides computed and the result selected, or a loop of fixed trip count whose
-unneeded steps are masked off by the caller.
+`bench/results/gpu-2026-12-04/`). So every such branch goes through here, and takes the form
+of the platform it is traced for: a branch on the CPU; elsewhere both sides computed and the
+result selected, or a loop of fixed trip count whose unneeded steps are masked off by the
+caller.
+
+The platform is JAX's default backend when the program is traced, as for the Pallas kernels'
+interpret mode (`model.pallas_common`): one form is traced, not both (`lax.platform_dependent`
+would trace each side twice, and tracing is most of what a warm start costs).
 
     when(pred, yes, no, *operands)   yes(*operands) if pred else no(*operands)
     loop(more, body, state, steps)   while more(state): state = body(state), at most `steps`
 
-Tests run the GPU's form on the CPU inside `branch_free()` (it applies to what is traced
-inside it: build and run the programs there), against the CPU's.
+Inside `branch_free()` the GPU's form is traced whatever the default backend: for lowering a
+program for a GPU on a machine without one (`engine.lowering.lower`), and for the tests that
+run the GPU's form on the CPU against the CPU's (it applies to what is traced inside it: build
+and run the programs there; JAX keeps one trace per jitted function and arguments' shapes,
+whichever form it took).
 """
 
 from __future__ import annotations
@@ -40,15 +47,19 @@ def branch_free():
         _BRANCH_FREE.reset(token)
 
 
+def _branches() -> bool:
+    """Whether what is traced now takes the CPU's form (branches and early exits)."""
+    return not _BRANCH_FREE.get() and jax.default_backend() == "cpu"
+
+
 def when(pred: jax.Array, yes: Callable, no: Callable, *operands):
     """`yes(*operands)` where the scalar `pred` holds, else `no(*operands)` (same pytrees)."""
     def select(*ops):
         return jax.tree.map(lambda a, b: jnp.where(pred, a, b), yes(*ops), no(*ops))
 
-    if _BRANCH_FREE.get():
-        return select(*operands)
-    return jax.lax.platform_dependent(
-        *operands, cpu=lambda *ops: jax.lax.cond(pred, yes, no, *ops), default=select)
+    if _branches():
+        return jax.lax.cond(pred, yes, no, *operands)
+    return select(*operands)
 
 
 def loop(more: Callable, body: Callable, state, steps: int):
@@ -61,7 +72,6 @@ def loop(more: Callable, body: Callable, state, steps: int):
             return body(state)
         return jax.lax.fori_loop(0, steps, lambda _, s: body(s), state)
 
-    if _BRANCH_FREE.get():
-        return fixed(state)
-    return jax.lax.platform_dependent(
-        state, cpu=lambda s: jax.lax.while_loop(more, body, s), default=fixed)
+    if _branches():
+        return jax.lax.while_loop(more, body, state)
+    return fixed(state)

@@ -14,7 +14,7 @@ import pytest
 
 from cadence.engine.config import EngineConfig, fixed_page_tables
 from cadence.engine.engine import Engine
-from cadence.engine.lowering import engine_programs, host_waits, lower
+from cadence.engine.lowering import Program, engine_programs, host_waits, lower
 from cadence.engine.packing import PrefillChunk
 from cadence.model import control
 from cadence.model.host_sampling import ALL_ALLOWED, RequestSampling, SamplingRows, bitmask_words
@@ -22,7 +22,8 @@ from cadence.model.sampling import TokenHistory, choose
 
 
 def _lowered(fn, platform: str, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    """`fn` lowered for `platform` as `engine.lowering.lower` lowers an engine's programs."""
+    return lower(Program(fn.__name__, "", jax.jit(fn), args), platform).as_text()
 
 
 def _functions():
