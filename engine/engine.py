@@ -79,7 +79,7 @@ from cadence.model.llama import rope_table
 from cadence.model.params import cast
 from cadence.model.sharding import TensorParallel
 from cadence.model.paged_kv import PagedKVCache
-from cadence.model.host_sampling import ALL_ALLOWED, NO_TOKEN, SamplingRows, all_allowed, bitmask_words
+from cadence.model.host_sampling import ALL_ALLOWED, NO_TOKEN, SamplingRows, bitmask_words
 from cadence.model.sampling import Logprobs, SamplingParams, TokenHistory
 
 
@@ -309,7 +309,8 @@ class Engine:
         return self._decode_result(tokens, logprobs, steps, sampling, batch)
 
     def verify(self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
-               page_table: np.ndarray, drafts: np.ndarray, draft_lens: np.ndarray) -> DecodeTokens:
+               page_table: np.ndarray, drafts: np.ndarray, draft_lens: np.ndarray,
+               allowed: np.ndarray | None = None) -> DecodeTokens:
         """Speculative decoding's step over the active slots: slot s consumes its last token at
         `positions[s]` and its first `draft_lens[s]` drafts `drafts[s]` ([num_slots, k] int32, k
         = speculative_tokens) at the positions after, in one pass, and keeps the drafts its own
@@ -317,7 +318,9 @@ class Engine:
         `decode` would give, 1 .. draft_lens[s] + 1 of them. Its page table must hold positions
         up to positions[s] + draft_lens[s]. Returns at once: `np.asarray(result)` is [k + 1,
         num_slots], `result.emitted()` how many of each column are real (0 for an inactive
-        slot). At most `speculative_batch` slots; needs speculative_tokens > 0."""
+        slot). At most `speculative_batch` slots; needs speculative_tokens > 0. `allowed`
+        ([num_slots, k + 1, words] int32; None: every token) is each slot's bitmask at each of
+        its positions, its grammar's after the drafts before (`grammar.Matcher.draft_masks`)."""
         cfg = self.config
         k = cfg.speculative_tokens
         if k == 0:
@@ -344,7 +347,8 @@ class Engine:
             self.params, self.rope, self.cache, self.last_tokens, self.history, batch.rows,
             batch.positions, batch.tables, _gather_rows(sampling, batch.pick, batch.live),
             np.where(batch.live[:, None], drafts[batch.pick], 0).astype(np.int32),
-            np.where(batch.live, draft_lens[batch.pick], 0).astype(np.int32))
+            np.where(batch.live, draft_lens[batch.pick], 0).astype(np.int32),
+            self._gather_allowed(allowed, batch.pick, batch.live, k + 1))
         return self._decode_result(tokens, logprobs, k + 1, sampling, batch, emitted)
 
     def decode_forward(self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
@@ -425,16 +429,20 @@ class Engine:
             _copy_to_host(logprobs)
         return DecodeTokens(tokens, steps, logprobs, emitted)
 
-    def _gather_allowed(self, allowed: np.ndarray | None, pick: np.ndarray, live: np.ndarray) -> np.ndarray:
-        """The bitmasks of the slots `pick` ([num_slots, words], or None: every token allowed);
-        padding rows (not `live`) allow every token."""
-        words = bitmask_words(self.model_config.vocab_size)
+    def _gather_allowed(self, allowed: np.ndarray | None, pick: np.ndarray, live: np.ndarray,
+                        positions: int | None = None) -> np.ndarray:
+        """The bitmasks of the slots `pick`: `allowed` is [num_slots, words] int32, or with
+        `positions` [num_slots, positions, words] (a verify step's, one per scored position);
+        None: every token allowed. Padding rows (not `live`) allow every token."""
+        rows = (self.config.num_slots,) if positions is None else (self.config.num_slots, positions)
+        shape = (*rows, bitmask_words(self.vocab_size))
         if allowed is None:
-            return all_allowed(len(pick), self.model_config.vocab_size)
-        if allowed.shape != (self.config.num_slots, words) or allowed.dtype != np.int32:
-            raise ValueError(f"token bitmasks are int32 [{self.config.num_slots}, {words}], got "
-                             f"{allowed.dtype} {list(allowed.shape)}")
-        return np.where(live[:, None], allowed[pick], ALL_ALLOWED).astype(np.int32)
+            return np.full((len(pick), *shape[1:]), ALL_ALLOWED, np.int32)
+        if allowed.shape != shape or allowed.dtype != np.int32:
+            raise ValueError(f"token bitmasks are int32 {list(shape)}, got {allowed.dtype} "
+                             f"{list(allowed.shape)}")
+        live = live.reshape(-1, *[1] * (len(shape) - 1))
+        return np.where(live, allowed[pick], ALL_ALLOWED).astype(np.int32)
 
     def copy_pages(self, sources: Sequence[int], targets: Sequence[int]) -> None:
         """Copies the KV of pages `sources` onto pages `targets` (pairwise, at most num_slots

@@ -131,8 +131,9 @@ class Leader:
     def decode_sample(self, allowed, drop=()):
         return self._call("decode_sample", allowed, list(drop))
 
-    def verify(self, positions, active, sampling, page_table, drafts, draft_lens):
-        return self._call("verify", positions, active, sampling, page_table, drafts, draft_lens)
+    def verify(self, positions, active, sampling, page_table, drafts, draft_lens, allowed=None):
+        return self._call("verify", positions, active, sampling, page_table, drafts, draft_lens,
+                          allowed)
 
     def set_history(self, slot, prompt_ids, output_ids=()):
         self._call("set_history", slot, list(prompt_ids), list(output_ids))

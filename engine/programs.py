@@ -125,7 +125,7 @@ def _decode_program(
 
 def _verify_program(
     params, rope, cache, last_tokens, history, slots, positions, page_table, sampling, drafts,
-    draft_lens, *, config, attention, dtype, mesh, max_logprobs,
+    draft_lens, allowed, *, config, attention, dtype, mesh, max_logprobs,
 ):
     """Speculative decoding's step: each row scores `1 + d` positions (d = its draft count, at
     most k; a row with no drafts scores 1, as a decode step does): its last token at its
@@ -141,7 +141,9 @@ def _verify_program(
 
     Rows `slots` [batch] (num_slots: padding) at `positions` [batch] (each row's last
     token's position), their `drafts` [batch, k] of which the first `draft_lens` [batch] are
-    real. Returns ((tokens [k + 1, num_slots], logprobs [k + 1, num_slots], emitted
+    real, and `allowed` [batch, k + 1, words]: at each position, the tokens the row's bitmask
+    allows (a grammar's, advanced through the drafts before it; every bit set where none
+    constrains it). Returns ((tokens [k + 1, num_slots], logprobs [k + 1, num_slots], emitted
     [num_slots]), cache, last_tokens, history): each slot's tokens in order (entries past what
     it emitted, and every entry of a slot not in `slots`, are its last token) and how many it
     emitted (0 for a slot that did not run)."""
@@ -165,7 +167,8 @@ def _verify_program(
     def position(i, state):
         going, last_tokens, history, out, lp_out, emitted = state
         sampled, logprobs = choose(jax.lax.dynamic_index_in_dim(logits, i, 1, keepdims=False),
-                                   sampling, history, slots, positions + i + 1, max_logprobs)
+                                   sampling, history, slots, positions + i + 1, max_logprobs,
+                                   jax.lax.dynamic_index_in_dim(allowed, i, 1, keepdims=False))
         into = jnp.where(going, slots, into_none)
         history = history.count(into, sampled, sampling)
         last_tokens = last_tokens.at[into].set(sampled, mode="drop")

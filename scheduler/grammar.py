@@ -214,6 +214,24 @@ class Matcher:
     def accept(self, token: int) -> bool:
         return self._m.consume_token(token)
 
+    def allows(self, drafts: list[int]) -> int:
+        """How many of `drafts`, from the start, the grammar allows next (the state is kept)."""
+        return self._m.validate_tokens(drafts)
+
+    def draft_masks(self, drafts: list[int], rows: np.ndarray) -> bool:
+        """Fills `rows` [len(drafts) + 1, words] with the bitmask before each draft and after
+        the last, as `fill` would after taking each (speculative decoding's verify step samples
+        each position among them), and leaves the state as it was. The grammar must allow the
+        drafts (`allows`). False if it allows nothing now, as `fill`."""
+        if not self.fill(rows[0]):
+            return False
+        for i, token in enumerate(drafts):
+            if not self._m.consume_token(token):
+                raise ValueError(f"draft {token} is not one the grammar allows here")
+            self.fill(rows[i + 1])
+        self._m.rollback(len(drafts))
+        return True
+
     @property
     def done(self) -> bool:
         """The grammar is complete and nothing more may follow it."""

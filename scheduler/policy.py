@@ -229,14 +229,14 @@ def speculates(plan: Plan, running: Sequence[Request], engine_config, config: Sp
     """Whether an iteration decodes speculatively: the engine has a verify program
     (`speculative_tokens`), the plan does nothing but decode, at most `speculative_batch` rows
     (beyond it a step costs its compute more than its weight read, and drafts stop paying),
-    every request of the pool (`running`) decodes (none mid-prompt, none with KV on its way in)
-    and none is constrained by a grammar, no split step is in flight (`split`), and some row's
+    every request of the pool (`running`) decodes (none mid-prompt, none with KV on its way in),
+    no split step is in flight (`split`), and some row's
     acceptance record wants drafts this step. Each decoding request's record counts the step
     (`Acceptance.wants`) whatever the answer, and keeps it as `Request.drafting`."""
     if (not engine_config.speculative_tokens or plan.admit or plan.prefill or plan.preempt
             or not plan.decode or len(plan.decode) > engine_config.speculative_batch or split is not None):
         return False
-    if any(r.state is not State.DECODING or r.matcher is not None for r in running):
+    if any(r.state is not State.DECODING for r in running):
         return False
     wanting = False
     for r in plan.decode:
@@ -249,7 +249,8 @@ def speculates(plan: Plan, running: Sequence[Request], engine_config, config: Sp
 def propose_drafts(plan: Plan, k: int, context: int, page_size: int, free_pages: int
                    ) -> dict[Request, list[int]]:
     """Each drafting row's drafts (`Drafter.propose`, over every token it has): up to `k`, none
-    past its max_tokens (a verify step's last token is the target's own) or `context`. A row
+    past its max_tokens (a verify step's last token is the target's own) or `context`, and
+    under a grammar those it allows (the first it does not, and all after, are dropped). A row
     that found nothing sits out a few steps. Empty unless some row drafted, and if the pages
     the drafts need are not free: drafting never preempts."""
     drafts: dict[Request, list[int]] = {}
@@ -258,6 +259,8 @@ def propose_drafts(plan: Plan, k: int, context: int, page_size: int, free_pages:
             continue
         room = min(k, r.max_tokens - r.dispatched - 1, context - r.prompt_len - r.dispatched)
         proposal = r.drafter.propose(r.prompt_ids, r.output_ids, room) if room > 0 else []
+        if proposal and r.matcher is not None:  # only what its grammar allows
+            proposal = proposal[: r.matcher.allows(proposal)]
         if proposal:
             drafts[r] = proposal
         elif room > 0:

@@ -350,17 +350,29 @@ class Scheduler(Submissions, Readings):
             self._state.acquire()
 
     def _dispatch_verify(self, plan: Plan, pool: Pool, drafts: dict[Request, list[int]]) -> None:
-        """The verify step over the plan's rows, those without drafts scoring their one token.
-        Each row is counted as dispatching all its drafts and one token more; applying the
-        result takes back what it did not emit (`_apply`)."""
+        """The verify step over the plan's rows, those without drafts scoring their one token,
+        those under a grammar among what it allows at each position (`Matcher.draft_masks`:
+        the drafts before it taken; one whose grammar allows nothing fails alone). Each row is
+        counted as dispatching all its drafts and one token more; applying the result takes
+        back what it did not emit (`_apply`)."""
         cfg = pool.engine.config
+        k = cfg.speculative_tokens
+        allowed = None  # each position's bitmask, [slots, k + 1, words], where a grammar constrains
+        now = time.monotonic()
+        for r in plan.decode:
+            if r.matcher is None or r.state is not State.DECODING or r.pool is not pool:
+                continue
+            if allowed is None:
+                allowed = all_allowed(pool.num_slots * (k + 1), pool.engine.vocab_size).reshape(
+                    pool.num_slots, k + 1, -1)
+            if not r.matcher.draft_masks(drafts.get(r, []), allowed[r.slot]):
+                self._fail_one(r, f"its grammar allows no token: {r.matcher.error}", now)
         decode = [r for r in plan.decode if r.state is State.DECODING and r.pool is pool]
         if not decode:
             return
-        now = time.monotonic()
         positions = np.zeros(pool.num_slots, np.int32)
         active = np.zeros(pool.num_slots, bool)
-        tokens = np.zeros((pool.num_slots, cfg.speculative_tokens), np.int32)
+        tokens = np.zeros((pool.num_slots, k), np.int32)
         lens = np.zeros(pool.num_slots, np.int32)
         for r in decode:
             d = drafts.get(r, [])
@@ -368,8 +380,8 @@ class Scheduler(Submissions, Readings):
             active[r.slot] = True
             tokens[r.slot, : len(d)], lens[r.slot] = d, len(d)
         result = pool.engine.verify(positions, active, pool.rows.params(), pool.tables.copy(),
-                                    tokens, lens)
-        self.spec_drafts += len(drafts)
+                                    tokens, lens, allowed)
+        self.spec_drafts += sum(1 for r in decode if r in drafts)
         pool.expect([Row(r, r.slot) for r in decode], result, [drafts.get(r, []) for r in decode])
 
     def _plan(self, pool: Pool) -> Plan:

@@ -259,11 +259,14 @@ class FakeEngine:
             tokens[0, self.poison[self.decode_calls]] = 2**31 - 1  # no such token
         return tokens
 
-    def verify(self, positions, active, sampling, page_table, drafts, draft_lens) -> DecodeTokens:
+    def verify(self, positions, active, sampling, page_table, drafts, draft_lens, allowed=None) -> DecodeTokens:
         """Like the engine's: each row's last token and drafts written at its next positions,
-        then the "model"'s token at each, kept while it equals the draft (and not a stop id)."""
+        then the "model"'s token at each (among those its bitmask there allows), kept while it
+        equals the draft (and not a stop id)."""
         s, k = self.config.num_slots, self.config.speculative_tokens
         assert k > 0 and drafts.shape == (s, k) and draft_lens.shape == (s,)
+        assert allowed is None or (allowed.dtype == np.int32 and
+                                   allowed.shape == (s, k + 1, bitmask_words(self.vocab_size)))
         assert positions.shape == (s,) and active.any() and page_table.shape[0] == s
         assert np.count_nonzero(active) <= self.config.speculative_batch
         assert self._forward is None, "a verify step between a decode step's halves"
@@ -284,8 +287,8 @@ class FakeEngine:
             self._write(page_table[i], p, [self.last_tokens[i], *drafts[i, :d]])
             seed = int(sampling.seed[i]) if sampling.temperature[i] > 0 else None
             for j in range(d + 1):
-                tokens[j, i] = self.last_tokens[i] = self.next_token(
-                    self._content(page_table[i], p + j + 1), seed)
+                tokens[j, i] = self.last_tokens[i] = self.pick(
+                    self._content(page_table[i], p + j + 1), seed, None if allowed is None else allowed[i, j])
                 emitted[i] += 1
                 if j == d or tokens[j, i] != drafts[i, j] or tokens[j, i] in sampling.stop_ids[i]:
                     break

@@ -17,7 +17,7 @@ from cadence.model import cpu_kernels
 from cadence.model.arith import cdiv
 from cadence.model.host_sampling import RequestSampling, SamplingRows
 from cadence.scheduler.speculative import Acceptance, Drafter, NgramDrafts, SpeculativeConfig
-from cadence.scheduler.grammar import GrammarCompiler, Regex
+from cadence.scheduler.grammar import GrammarCompiler, JsonSchema, Regex
 from cadence.scheduler.request import GenerationParams
 from tests.conftest import compiled
 from tests.fakes import (
@@ -339,9 +339,8 @@ def test_speculation_disaggregated_matches_the_sequential_model():
     assert prefill.verify_calls == 0 and _speculative_stats(decode)[2] > 0
 
 
-def test_speculation_only_at_small_batch_and_never_for_grammars():
-    """Above speculative_batch decoding rows the iteration decodes plainly; so does one with a
-    grammar-constrained row; a row that found nothing to draft sits out a few steps."""
+def test_speculation_only_at_small_batch():
+    """Above speculative_batch decoding rows the iteration decodes plainly."""
     engine = FakeEngine(num_slots=4, prefill_chunk=32, max_seq_len=256, page_size=8,
                         speculative_tokens=4, speculative_batch=2, quoting=True)
     h = Harness(engine, prefill_first(chunk=32))
@@ -354,11 +353,35 @@ def test_speculation_only_at_small_batch_and_never_for_grammars():
     assert engine.verify_calls > 0
     for c in h.clients:
         c.check(engine)
-    calls = engine.verify_calls
-    grammar = GrammarCompiler(TOK, TOK.vocab_size).compile(Regex("(ab){20}"))
-    constrained = h.submit(ids("abababababab"), max_tokens=30, grammar=grammar)
-    h.run()
-    assert engine.verify_calls == calls and constrained.text == "ab" * 15
+
+
+def test_grammar_rows_draft_what_their_grammar_allows_and_equal_speculation_off():
+    """Requests under a grammar draft too: the drafts their grammar does not allow are cut
+    before the verify step, which samples each position among what the grammar allows after
+    the drafts before it. Outputs equal speculation off, token for token, greedy and sampled,
+    beside an unconstrained row; a grammar that ends stops its request as it would."""
+    compiler = GrammarCompiler(TOK, TOK.vocab_size)
+    specs = [(Regex("(abc|ab)+"), RequestSampling()),
+             (Regex("[abc]{8,40}d"), RequestSampling(temperature=0.9, seed=3)),
+             (Regex("(ab){6}"), RequestSampling())]
+
+    def run(k):
+        engine = FakeEngine(num_slots=4, prefill_chunk=32, max_seq_len=256, page_size=8,
+                            speculative_tokens=k, quoting=True)
+        h = Harness(engine, prefill_first(chunk=32))
+        for spec, sampling in specs:
+            h.submit(ids("abcabcababcab"), max_tokens=40, sampling=sampling, grammar=compiler.compile(spec))
+        h.submit(ids("abcabcababcab"), max_tokens=40)
+        h.run()
+        return [(c.token_ids, c.record.finish_reason) for c in h.clients], engine
+
+    plain, _ = run(0)
+    spec, engine = run(4)
+    assert spec == plain
+    assert TOK.decode(plain[2][0]) == "ab" * 6 and plain[2][1] == "stop"
+    constrained = [v for v in engine.verified if v[0] < 3 and v[1]]  # (slot, drafts, emitted)
+    assert constrained and any(n > 1 for _, _, n in constrained)
+    assert any(n <= d for _, d, n in constrained)  # and some drafts rejected
 
 
 def test_drafter_sits_out_after_finding_nothing():
@@ -409,6 +432,34 @@ def test_speculative_serving_equals_plain_serving_on_the_engine(tiny_params, tin
     for (prompt, params), out in zip(subs, outputs[4]):
         if params.sampling.temperature == 0:
             assert out == greedy_generate(tiny_params, tiny_config, prompt, params.max_tokens)
+
+
+def test_structured_output_with_drafts_equals_it_without_on_the_engine(tiny_config, tiny_tokenizer,
+                                                                         shared_engine):
+    """The tiny model under grammars (a regex, a JSON schema), greedy and sampled, beside an
+    unconstrained row, with drafts of up to 4 tokens and without: the same tokens; drafts of
+    constrained rows were verified and accepted; nothing compiled after warm-up."""
+    compiler = GrammarCompiler(tiny_tokenizer, tiny_config.vocab_size)
+    grammars = [compiler.compile(Regex("(ab|abc|a b ){12,30}")), compiler.compile(Regex("[a-c ]{4,50}\\.")),
+                compiler.compile(JsonSchema({"type": "object", "required": ["k"], "properties": {
+                    "k": {"type": "string", "minLength": 24, "maxLength": 30}}}))]
+    prompt = tiny_tokenizer.encode("ab abc ab abc a b ab abc")
+    subs = [(prompt, GenerationParams(max_tokens=48, grammar=g, sampling=s)) for g, s in
+            zip(grammars, [RequestSampling(), RequestSampling(temperature=1.5, seed=2), RequestSampling()])]
+    subs.append((prompt, GenerationParams(max_tokens=48, ignore_eos=True)))
+    outputs = {}
+    for k in (0, 4):
+        cfg = EngineConfig(num_slots=4, max_seq_len=128, prefill_chunk=32, min_kv_bucket=128,
+                           page_size=16, structured_output=True, speculative_tokens=k)
+        e = compiled(shared_engine(cfg, "needed"), "structured", *["speculative"] * (k > 0))
+        before = e.compilations_after_warmup
+        sched = make_scheduler(e, tiny_tokenizer, chunk=32, budget=48)
+        streams = run_all(sched, subs)
+        outputs[k] = [(s.request.output_ids, s.record.finish_reason) for s in streams]
+        assert e.compilations_after_warmup == before
+        accepted = [s.request.drafter.acceptance.accepted if s.request.drafter else 0 for s in streams]
+    assert outputs[4] == outputs[0]
+    assert all(accepted[:3])  # each constrained row's drafts were accepted
 
 
 def test_served_with_drafts_over_http_the_text_is_the_reference_and_metrics_count(
