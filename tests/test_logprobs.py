@@ -21,7 +21,9 @@ from tests.conftest import SAMPLING_ENGINE
 from tests.fakes import random_prompts, run_all
 from tests.test_reliability import serving
 
-@pytest.fixture(params=[1, 4], ids=["1step", "4steps"])
+# Several steps per dispatch: the full tier (test_multistep.py compares them with one step at a
+# time, penalties and logprobs included, in the default one).
+@pytest.fixture(params=[1, pytest.param(4, marks=pytest.mark.slow)], ids=["1step", "4steps"])
 def engine(request, shared_engine):
     # The sampling tests' engine (test_penalties.py's too); the scoring prefill compiles on the
     # first echo.

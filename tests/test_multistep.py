@@ -39,18 +39,28 @@ def pool(e: Engine) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("temperature", [0.0, 20.0], ids=["greedy", "sampled"])
 def test_steps_in_one_dispatch_equal_the_same_steps_one_at_a_time(shared_engine, temperature):
+    """Tokens, logprobs and KV; beside a plain row, one with penalties (counting the tokens of
+    the steps before it in the same dispatch) and logprobs, and one with a logit_bias."""
     rows = SamplingRows(MULTI.num_slots)
-    for s in PROMPTS:
-        rows.set(s, RequestSampling(temperature=temperature, seed=s + 1))
+    rows.set(0, RequestSampling(temperature=temperature, seed=1))
+    rows.set(2, RequestSampling(temperature=temperature, seed=3, presence_penalty=1.0,
+                                frequency_penalty=0.5, repetition_penalty=1.3), logprobs=True)
+    rows.set(3, RequestSampling(temperature=temperature, seed=4, logit_bias=((11, 2.0), (40, -3.0))),
+             logprobs=True)
     active = np.isin(np.arange(MULTI.num_slots), list(PROMPTS))
     single, tables, positions = prefilled(shared_engine, rows)
-    one_at_a_time = np.stack([np.asarray(single.decode(positions + i, active, rows.params(), tables))[0]
-                              for i in range(5)])
+    steps = [single.decode(positions + i, active, rows.params(), tables) for i in range(5)]
+    one_at_a_time = np.stack([np.asarray(step)[0] for step in steps])
+    lp_single = [step.logprobs() for step in steps]
     pool_single = pool(single)
     multi, _, _ = prefilled(shared_engine, rows)
-    together = np.asarray(multi.decode(positions, active, rows.params(), tables, steps=5))
+    result = multi.decode(positions, active, rows.params(), tables, steps=5)
+    together, lp = np.asarray(result), result.logprobs()
     assert together.shape == (5, MULTI.num_slots)
     np.testing.assert_array_equal(together, one_at_a_time)
+    for i, step in enumerate(lp_single):
+        for a, b in zip(lp, step):
+            np.testing.assert_array_equal(a[i][[2, 3]], b[0][[2, 3]])
     for a, b in zip(pool(multi), pool_single):
         np.testing.assert_array_equal(a, b)
     if temperature:  # (the tiny model's logits are steep: greedy, or cool, repeats its input)

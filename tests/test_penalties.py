@@ -91,7 +91,9 @@ def test_make_keeps_every_other_stage_off():
     assert not bool(params.penalized[0]) and float(params.min_p[0]) == 0
 
 
-@pytest.fixture(params=[1, 4], ids=["1step", "4steps"])
+# Several steps per dispatch: the full tier (test_multistep.py compares them with one step at a
+# time, penalties and logprobs included, in the default one).
+@pytest.fixture(params=[1, pytest.param(4, marks=pytest.mark.slow)], ids=["1step", "4steps"])
 def engine(request, shared_engine):
     # The sampling tests' engine (test_logprobs.py's too); the history program compiles on first
     # use.
