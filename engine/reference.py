@@ -1,8 +1,8 @@
 """The reference generator: greedy decoding in the simplest correct form.
 
-One sequence, one KV page sized exactly for prompt + output (so, a contiguous slot), the whole
-prompt in one forward, then one token at a time with the plain einsum attention ("reference")
-over that page. No batching, no buckets, no chunking, no donation, no paging to speak of. It is
+One sequence, one KV page that holds prompt + output (so, a contiguous slot), the whole prompt
+in one forward, then one token at a time with the plain einsum attention ("reference") over
+that page (prompt and page padded to a power of two, so that nearby lengths share programs). No batching, no buckets, no chunking, no donation, no paging to speak of. It is
 the oracle the engine's fast paths (any attention, any page layout) are tested against, so it
 stays boring on purpose.
 
@@ -29,13 +29,20 @@ from cadence.model.host_sampling import RequestSampling
 
 
 @partial(jax.jit, static_argnames=("config",))
-def _step(params, tokens, positions, cache, *, config):
+def _step(params, tokens, positions, last, cache, *, config):
+    """The logits after position `last` of `tokens` [1, n] (at `positions`), their KV written."""
     lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
     one_page = jnp.zeros((1, 1), jnp.int32)
     logits, cache = forward(
         params, tokens, positions, lengths, cache, one_page, config=config, attention="reference"
     )
-    return logits[:, -1], cache
+    return logits[:, last], cache
+
+
+def _padded(n: int) -> int:
+    """A length padded to a power of two (at least 16), so that sequences of nearby lengths
+    share the generator's programs: one per padded prompt and page length, not per length."""
+    return max(16, 1 << (n - 1).bit_length())
 
 
 def adjusted_logits(logits: np.ndarray, sampling: RequestSampling, prompt_ids: Sequence[int],
@@ -87,10 +94,14 @@ def greedy_generate(
     all_logits: list[np.ndarray] = []
     if max_tokens == 0:
         return (out, all_logits) if return_logits else out
-    cache = PagedKVCache.create(config, num_pages=1, page_size=total)
-    tokens = jnp.asarray([list(prompt_ids)], jnp.int32)
-    positions = jnp.arange(len(prompt_ids), dtype=jnp.int32)[None]
-    logits, cache = _step(params, tokens, positions, cache, config=config)
+    # The prompt and the page padded (`_padded`): a padding token's KV, at a position past the
+    # prompt, is never attended to (keys after a query's own position are masked) and is
+    # overwritten by the output token at that position before any query can see it.
+    n = len(prompt_ids)
+    cache = PagedKVCache.create(config, num_pages=1, page_size=_padded(max(total, _padded(n))))
+    tokens = jnp.asarray([list(prompt_ids) + [0] * (_padded(n) - n)], jnp.int32)
+    positions = jnp.arange(_padded(n), dtype=jnp.int32)[None]
+    logits, cache = _step(params, tokens, positions, np.int32(n - 1), cache, config=config)
     while True:
         row = np.asarray(logits[0])
         if sampling is not None:
@@ -105,6 +116,7 @@ def greedy_generate(
             params,
             jnp.asarray([[token]], jnp.int32),
             jnp.asarray([[position]], jnp.int32),
+            np.int32(0),
             cache,
             config=config,
         )
