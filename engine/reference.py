@@ -2,7 +2,8 @@
 
 One sequence, one KV page that holds prompt + output (so, a contiguous slot), the whole prompt
 in one forward, then one token at a time with the plain einsum attention ("reference") over
-that page (prompt and page padded to a power of two, so that nearby lengths share programs). No batching, no buckets, no chunking, no donation, no paging to speak of. It is
+that page (prompt and page padded to a power of two, at least 64, so that nearby lengths share
+programs). No batching, no buckets, no chunking, no donation, no paging to speak of. It is
 the oracle the engine's fast paths (any attention, any page layout) are tested against, so it
 stays boring on purpose.
 
@@ -40,9 +41,9 @@ def _step(params, tokens, positions, last, cache, *, config):
 
 
 def _padded(n: int) -> int:
-    """A length padded to a power of two (at least 16), so that sequences of nearby lengths
+    """A length padded to a power of two (at least 64), so that sequences of nearby lengths
     share the generator's programs: one per padded prompt and page length, not per length."""
-    return max(16, 1 << (n - 1).bit_length())
+    return max(64, 1 << (n - 1).bit_length())
 
 
 def adjusted_logits(logits: np.ndarray, sampling: RequestSampling, prompt_ids: Sequence[int],

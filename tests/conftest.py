@@ -168,6 +168,13 @@ SAMPLING_ENGINE = dict(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bu
                        max_logprobs=8)
 
 
+# The served engines of test_speculative.py and test_penalties.py: 4 slots over a pool that holds
+# one longest sequence of 192 tokens (and the null page), in pages of 16, so requests are
+# preempted and recomputed.
+ONE_LONGEST = dict(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=192, page_size=16,
+                   num_pages=192 // 16 + 1, structured_output=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_config, tiny_params, tiny_tokenizer):
     """The tiny model as a converted checkpoint at ROOT/model, for the CLIs' `--model`, and an

@@ -15,7 +15,7 @@ from cadence.engine.packing import PrefillChunk
 from cadence.engine.programs import sampling_rows
 from cadence.model.host_sampling import ALL_ALLOWED, RequestSampling, all_allowed, bitmask_words
 from cadence.model.sampling import SamplingParams, TokenHistory, apply_bitmask, choose
-from tests.conftest import SMALL_ENGINE
+from tests.conftest import SMALL_ENGINE, compiled
 
 VOCAB = 100  # not a multiple of 32: the last word's high bits lie past the vocabulary
 
@@ -81,13 +81,12 @@ PROMPTS = {0: [5, 9, 11, 40, 2, 77], 1: [8, 8, 3], 3: list(range(20, 80))}
 SAMPLED = RequestSampling(temperature=0.9, top_k=40, seed=3)
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_params, tiny_config, shared_engine):
-    """Two engines of one model, warm: their programs are the same, so their tokens must be.
-    The first is test_engine.py's too; the split step compiles on first use."""
-    second = Engine(tiny_params, tiny_config, CONFIG)
-    second.warmup(warmup="needed")
-    return [shared_engine(CONFIG, "needed"), second]
+@pytest.fixture
+def fresh(shared_engine):
+    """`fresh()`: the engine of CONFIG, warm, as new (an empty pool, no step pending): one
+    engine, handed back again for each run a test compares (test_engine.py's too; the split
+    step compiles on first use)."""
+    return lambda: shared_engine(CONFIG, "needed")
 
 
 def start(engine, rows, allowed=None) -> tuple[np.ndarray, np.ndarray]:
@@ -100,33 +99,43 @@ def start(engine, rows, allowed=None) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(first), positions
 
 
-def test_split_decode_equals_the_fused_step(engines, tiny_config):
+def test_split_decode_equals_the_fused_step(fresh, tiny_config):
     """forward + sample (every token allowed) gives the fused program's tokens and logprobs,
     greedy and sampled rows together, step after step; and compiles nothing after warm-up."""
-    fused, split = engines
     specs = [RequestSampling(), SAMPLED, RequestSampling(), RequestSampling(temperature=1.2, seed=8)]
     rows = sampling_rows(specs)
     rows = rows.replace(logprobs=np.asarray([True, True, False, False]))
     tables = fixed_page_tables(CONFIG)
     active = np.zeros(CONFIG.num_slots, bool)
     active[list(PROMPTS)] = True
-    before = split.compilations_after_warmup
-    first_a, positions = start(fused, rows)
-    first_b, _ = start(split, rows)
-    np.testing.assert_array_equal(first_a, first_b)
     everything = all_allowed(CONFIG.num_slots, tiny_config.vocab_size)
-    for _ in range(12):
-        a = fused.decode(positions, active, rows, tables)
-        split.decode_forward(positions, active, rows, tables)
-        b = split.decode_sample(everything)
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        jax.tree.map(np.testing.assert_array_equal, a.logprobs(), b.logprobs())
-        positions = positions + active
-    assert split.compilations_after_warmup - before == 0
+    compiled(fresh(), "structured")
+
+    def run(split: bool):
+        engine = fresh()
+        before = engine.compilations_after_warmup
+        first, positions = start(engine, rows)
+        out = [first]
+        for _ in range(12):
+            if split:
+                engine.decode_forward(positions, active, rows, tables)
+                step = engine.decode_sample(everything)
+            else:
+                step = engine.decode(positions, active, rows, tables)
+            out.append((np.asarray(step), step.logprobs()))
+            positions = positions + active
+        assert engine.compilations_after_warmup == before
+        return out
+
+    fused, split = run(False), run(True)
+    np.testing.assert_array_equal(fused[0], split[0])
+    for (a, a_lp), (b, b_lp) in zip(fused[1:], split[1:]):
+        np.testing.assert_array_equal(a, b)
+        jax.tree.map(np.testing.assert_array_equal, a_lp, b_lp)
 
 
-def test_bitmasks_constrain_prefill_and_decode(engines, tiny_config):
-    _, engine = engines
+def test_bitmasks_constrain_prefill_and_decode(fresh, tiny_config):
+    engine = fresh()
     vocab = tiny_config.vocab_size
     rows = sampling_rows([SAMPLED] * CONFIG.num_slots)
     tables = fixed_page_tables(CONFIG)
@@ -146,26 +155,28 @@ def test_bitmasks_constrain_prefill_and_decode(engines, tiny_config):
         positions = positions + active
 
 
-def test_a_dropped_row_takes_no_token(engines, tiny_config):
+def test_a_dropped_row_takes_no_token(fresh, tiny_config):
     """decode_sample's `drop`: a slot whose request ended while the forward ran keeps its last
     token; the others sample as ever."""
-    a, b = engines
     rows = sampling_rows([RequestSampling()] * CONFIG.num_slots)
     tables = fixed_page_tables(CONFIG)
     active = np.zeros(CONFIG.num_slots, bool)
     active[list(PROMPTS)] = True
     everything = all_allowed(CONFIG.num_slots, tiny_config.vocab_size)
-    first, positions = start(a, rows)
-    start(b, rows)
-    a.decode_forward(positions, active, rows, tables)
-    kept = np.asarray(a.decode_sample(everything, drop=[1]))[0]
-    b.decode_forward(positions, active, rows, tables)
-    full = np.asarray(b.decode_sample(everything))[0]
+
+    def step(drop):
+        engine = fresh()
+        first, positions = start(engine, rows)
+        engine.decode_forward(positions, active, rows, tables)
+        return first, np.asarray(engine.decode_sample(everything, drop=drop))[0]
+
+    first, kept = step([1])
+    _, full = step([])
     assert kept[1] == first[1] and kept[0] == full[0] and kept[3] == full[3]
 
 
-def test_the_halves_come_in_order(engines, tiny_params, tiny_config):
-    engine = engines[1]
+def test_the_halves_come_in_order(fresh, tiny_params, tiny_config):
+    engine = fresh()
     rows = sampling_rows([RequestSampling()] * CONFIG.num_slots)
     tables = fixed_page_tables(CONFIG)
     active = np.asarray([True, False, False, False])

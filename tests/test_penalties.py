@@ -20,7 +20,7 @@ from cadence.model.sampling import SamplingParams, TokenHistory, adjust_logits, 
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
-from tests.conftest import SAMPLING_ENGINE
+from tests.conftest import ONE_LONGEST, SAMPLING_ENGINE
 from tests.fakes import random_prompts, run_all
 
 PENALIZED = [
@@ -142,8 +142,7 @@ def test_history_covers_cached_prefixes_and_preempted_outputs(tiny_params, tiny_
     the prefix cache, and a request recomputed after a preemption, still equal the reference."""
     # A pool that holds one longest sequence and the null page: test_speculative.py serves over
     # the same engine. The history program compiles on first use.
-    e = shared_engine(EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64,
-                                   page_size=16, num_pages=13), "needed")
+    e = shared_engine(EngineConfig(**ONE_LONGEST), "needed")
     rng = random.Random(8)
     shared = random_prompts(rng, 1, tiny_config.vocab_size, 64, 64)[0]
     prompts = [shared + p for p in random_prompts(rng, 6, tiny_config.vocab_size, 1, 40)]

@@ -14,12 +14,11 @@ from cadence.engine.engine import Engine
 from cadence.engine.packing import PrefillChunk
 from cadence.engine.reference import greedy_generate
 from cadence.model import cpu_kernels
-from cadence.model.arith import cdiv
 from cadence.model.host_sampling import RequestSampling, SamplingRows
 from cadence.scheduler.speculative import Acceptance, Drafter, NgramDrafts, SpeculativeConfig
 from cadence.scheduler.grammar import GrammarCompiler, JsonSchema, Regex
 from cadence.scheduler.request import GenerationParams
-from tests.conftest import compiled
+from tests.conftest import ONE_LONGEST, compiled
 from tests.fakes import (
     ALPHABET, TOK, FakeEngine, Harness, chunked, ids, make_scheduler, prefill_first, run_all,
     run_random_load,
@@ -416,9 +415,8 @@ def test_speculative_serving_equals_plain_serving_on_the_engine(tiny_params, tin
     arrivals = sorted(rng.randint(0, 30) for _ in subs)
     outputs = {}
     for k in (0, 4):
-        cfg = EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=64,
-                           page_size=16, num_pages=cdiv(192, 16) + 1, speculative_tokens=k,
-                           attention=kernels, decode_matmul="cpu" if kernels == "cpu" else "xla")
+        cfg = EngineConfig(**ONE_LONGEST, speculative_tokens=k, attention=kernels,
+                           decode_matmul="cpu" if kernels == "cpu" else "xla")
         # Warmed up with what these requests run (the penalized ones' history, the drafts'
         # verify), before they start; the counters are the process's (the engine is shared).
         e = compiled(shared_engine(cfg, "needed"), "history", *["speculative"] * (k > 0))
@@ -437,8 +435,9 @@ def test_speculative_serving_equals_plain_serving_on_the_engine(tiny_params, tin
 def test_structured_output_with_drafts_equals_it_without_on_the_engine(tiny_config, tiny_tokenizer,
                                                                          shared_engine):
     """The tiny model under grammars (a regex, a JSON schema), greedy and sampled, beside an
-    unconstrained row, with drafts of up to 4 tokens and without: the same tokens; drafts of
-    constrained rows were verified and accepted; nothing compiled after warm-up."""
+    unconstrained row, over a pool that holds one longest sequence (preemptions), with drafts
+    of up to 4 tokens and without: the same tokens; drafts of constrained rows were verified
+    and accepted; nothing compiled after warm-up."""
     compiler = GrammarCompiler(tiny_tokenizer, tiny_config.vocab_size)
     grammars = [compiler.compile(Regex("(ab|abc|a b ){12,30}")), compiler.compile(Regex("[a-c ]{4,50}\\.")),
                 compiler.compile(JsonSchema({"type": "object", "required": ["k"], "properties": {
@@ -449,8 +448,7 @@ def test_structured_output_with_drafts_equals_it_without_on_the_engine(tiny_conf
     subs.append((prompt, GenerationParams(max_tokens=48, ignore_eos=True)))
     outputs = {}
     for k in (0, 4):
-        cfg = EngineConfig(num_slots=4, max_seq_len=128, prefill_chunk=32, min_kv_bucket=128,
-                           page_size=16, structured_output=True, speculative_tokens=k)
+        cfg = EngineConfig(**ONE_LONGEST, speculative_tokens=k)
         e = compiled(shared_engine(cfg, "needed"), "structured", *["speculative"] * (k > 0))
         before = e.compilations_after_warmup
         sched = make_scheduler(e, tiny_tokenizer, chunk=32, budget=48)
