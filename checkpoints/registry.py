@@ -16,7 +16,9 @@ another inference engine) and extracts the GGUF. Nothing is ever fetched from a 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -154,17 +156,33 @@ def _source_key(path: Path) -> str:
     return f"{path.stem}-{digest.hexdigest()[:12]}"
 
 
+@contextlib.contextmanager
+def _converting(folder: Path):
+    """Yields whether `folder` still needs converting, holding its conversion's lock (a file
+    lock beside it) meanwhile: of two processes starting on one new model (replicas started
+    together), the second waits for the first's conversion and then uses it, instead of
+    converting again and replacing the folder the first is reading."""
+    if store.is_converted(folder):
+        yield False
+        return
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield not store.is_converted(folder)
+
+
 def resolve(spec: str, cache: Path | None = None) -> Path:
     """The converted checkpoint folder for `spec`, converting (once) when needed."""
     cache = cache or cache_dir()
     if spec in KNOWN_MODELS:
         folder = cache / "converted" / spec
-        if not store.is_converted(folder):
-            start = time.monotonic()
-            source = fetch_known_gguf(KNOWN_MODELS[spec], cache)
-            print(f"cadence: {source.name} found or downloaded in {time.monotonic() - start:.1f} s",
-                  file=sys.stderr)
-            _convert(source, "gguf", folder)
+        with _converting(folder) as needed:
+            if needed:
+                start = time.monotonic()
+                source = fetch_known_gguf(KNOWN_MODELS[spec], cache)
+                print(f"cadence: {source.name} found or downloaded in {time.monotonic() - start:.1f} s",
+                      file=sys.stderr)
+                _convert(source, "gguf", folder)
         return folder
     path = Path(spec).expanduser()
     if not path.exists():
@@ -184,8 +202,9 @@ def resolve(spec: str, cache: Path | None = None) -> Path:
             "converted cadence checkpoint"
         )
     folder = cache / "converted" / _source_key(path)
-    if not store.is_converted(folder):
-        _convert(path, kind, folder)
+    with _converting(folder) as needed:
+        if needed:
+            _convert(path, kind, folder)
     return folder
 
 

@@ -70,19 +70,25 @@ def tiny_tokenizer(tiny_config):
     """A byte-level BPE trained on a small corpus, padded with reserved control tokens to
     exactly the tiny model's vocabulary, so any sampled id has a meaning."""
     from cadence.checkpoints.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf_fields(tiny_tokenizer_fields(tiny_config))
+
+
+def tiny_tokenizer_fields(config: ModelConfig) -> dict:
+    """`tiny_tokenizer` as a GGUF file's tokenizer.* keys."""
     from tests.test_tokenizer import _gguf_fields, _trained_bpe
 
     fields = _gguf_fields(_trained_bpe(), "smollm")
-    tokens = list(fields["tokenizer.ggml.tokens"])[: tiny_config.vocab_size]
-    types = list(fields["tokenizer.ggml.token_type"])[: tiny_config.vocab_size]
-    while len(tokens) < tiny_config.vocab_size:
+    tokens = list(fields["tokenizer.ggml.tokens"])[: config.vocab_size]
+    types = list(fields["tokenizer.ggml.token_type"])[: config.vocab_size]
+    while len(tokens) < config.vocab_size:
         tokens.append(f"<|reserved_{len(tokens)}|>")
         types.append(3)
     kept = set(tokens)
     merges = [m for m in fields["tokenizer.ggml.merges"] if "".join(m.split(" ")) in kept]
     fields.update({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
                    "tokenizer.ggml.merges": merges})
-    return Tokenizer.from_gguf_fields(fields)
+    return fields
 
 
 # The serving tests' engine: long slots, so that a request told to run long (500 tokens)

@@ -458,6 +458,47 @@ def test_an_untied_embedding_in_blocks_is_looked_up_from_them(tmp_path, tiny_tok
     _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer, chunk=64)
 
 
+def _tokenizer_keys(fields: dict):
+    """`write_gguf`'s `metadata` for a tokenizer's GGUF keys (`tiny_tokenizer_fields`)."""
+    def add(w):
+        w.add_tokenizer_model(fields["tokenizer.ggml.model"])
+        w.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
+        w.add_token_list(fields["tokenizer.ggml.tokens"])
+        w.add_token_types(fields["tokenizer.ggml.token_type"])
+        w.add_token_merges(fields["tokenizer.ggml.merges"])
+        w.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"])
+        w.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"])
+        w.add_add_bos_token(fields["tokenizer.ggml.add_bos_token"])
+        w.add_chat_template(fields["tokenizer.chat_template"])
+    return add
+
+
+def test_two_processes_starting_on_one_new_file_convert_it_once(tmp_path, tiny_params, monkeypatch):
+    """Two servers started together on a GGUF not yet converted (replicas behind a router): the
+    second waits for the first's conversion and loads it. Before, both converted, and the
+    second replaced the folder the first was reading ("packed is unreadable"). Threads here,
+    as the lock is a file lock taken through a file opened by each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cadence.checkpoints import registry
+    from tests.conftest import tiny_tokenizer_fields
+
+    path = tmp_path / "tiny-q.gguf"
+    write_gguf(path, TINY, tiny_params, quantize=True, metadata=_tokenizer_keys(tiny_tokenizer_fields(TINY)))
+    conversions = []
+    convert = registry._convert
+    monkeypatch.setattr(registry, "_convert", lambda *args: (conversions.append(args), convert(*args)))
+    with ThreadPoolExecutor(2) as pool:
+        models = list(pool.map(lambda _: registry.load_model(str(path), tmp_path / "cache"), range(2)))
+    assert len(conversions) == 1
+    assert models[0].path == models[1].path and set(models[0].packed) == set(models[1].packed)
+    for (name, a), (other, b) in zip(_leaves(models[0].params), _leaves(models[1].params)):
+        assert name == other
+        np.testing.assert_array_equal(a, b)
+    assert registry.load_model(str(path), tmp_path / "cache").path == models[0].path  # and later starts
+    assert len(conversions) == 1
+
+
 def test_bad_files_get_clear_errors(tmp_path, tiny_params):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_gguf(tmp_path / "missing.gguf")
