@@ -460,6 +460,39 @@ def test_structured_output_with_drafts_equals_it_without_on_the_engine(tiny_conf
     assert all(accepted[:3])  # each constrained row's drafts were accepted
 
 
+@pytest.mark.slow
+def test_sampled_tokens_are_distributed_as_without_drafts(tiny_tokenizer, shared_engine):
+    """A chi-square test on a tiny vocabulary: requests sampled hot among the 2 likeliest
+    tokens (the sequence then repeats its n-grams, so drafts come often and half their tokens
+    are right), with drafts and without, each request under its own seed (different ones in
+    the two runs, so the samples are independent): at every output position the tokens'
+    distribution is the same (p > 0.001, per position), and drafts were accepted. The per-seed
+    equality of the tests above is the stronger claim; this one is what a client sees of it."""
+    from scipy.stats import chi2_contingency
+
+    prompt = [5, 6, 7, 8] * 6
+    n, length = 160, 10
+    tokens, accepted = {}, 0
+    for k, first_seed in ((0, 1000), (4, 5000)):
+        cfg = EngineConfig(num_slots=4, max_seq_len=64, prefill_chunk=32, min_kv_bucket=64,
+                           page_size=16, speculative_tokens=k)
+        e = compiled(shared_engine(cfg, "needed"), *["speculative"] * (k > 0))
+        sched = make_scheduler(e, tiny_tokenizer, chunk=32, budget=48)
+        subs = [(prompt, GenerationParams(max_tokens=length, ignore_eos=True, sampling=RequestSampling(
+            temperature=20.0, top_k=2, seed=first_seed + i))) for i in range(n)]
+        tokens[k] = np.array([s.request.output_ids for s in run_all(sched, subs, list(range(n)))])
+        accepted = sched.spec_accepted
+    assert accepted > 0
+    for position in range(1, length):
+        seen = sorted(set(tokens[0][:, position]) | set(tokens[4][:, position]))
+        table = np.array([[np.sum(tokens[k][:, position] == t) for t in seen] for k in (0, 4)])
+        common = table.sum(axis=0) >= 10  # rare tokens pooled, so every expected count is >= 5
+        table = np.column_stack([table[:, common], table[:, ~common].sum(axis=1)])
+        table = table[:, table.sum(axis=0) > 0]
+        if table.shape[1] > 1:
+            assert chi2_contingency(table).pvalue > 1e-3, (position, table)
+
+
 def test_served_with_drafts_over_http_the_text_is_the_reference_and_metrics_count(
         tiny_params, tiny_config, tiny_tokenizer, shared_engine):
     """The app over a speculative engine: a completion's text is the reference generator's,
