@@ -259,7 +259,8 @@ class FakeEngine:
             tokens[0, self.poison[self.decode_calls]] = 2**31 - 1  # no such token
         return tokens
 
-    def verify(self, positions, active, sampling, page_table, drafts, draft_lens, allowed=None) -> DecodeTokens:
+    def verify(self, positions, active, sampling, page_table, drafts, draft_lens,
+               allowed=None) -> DecodeTokens:
         """Like the engine's: each row's last token and drafts written at its next positions,
         then the "model"'s token at each (among those its bitmask there allows), kept while it
         equals the draft (and not a stop id)."""
