@@ -79,7 +79,7 @@ from cadence.model.llama import rope_table
 from cadence.model.params import cast
 from cadence.model.sharding import TensorParallel
 from cadence.model.paged_kv import PagedKVCache
-from cadence.model.host_sampling import ALL_ALLOWED, NO_TOKEN, SamplingRows, bitmask_words
+from cadence.model.host_sampling import NO_TOKEN, SamplingRows, gather_allowed
 from cadence.model.sampling import Logprobs, SamplingParams, TokenHistory
 
 
@@ -247,8 +247,8 @@ class Engine:
             live = p.sampling_slot < cfg.num_slots
             pick = np.where(live, p.sampling_slot, 0)
             tokens, lp, *score = self._run_pack(
-                p, _gather_rows(sampling, pick, live), self._gather_allowed(allowed, pick, live),
-                targets)
+                p, _gather_rows(sampling, pick, live),
+                gather_allowed(allowed, (cfg.num_slots,), self.vocab_size, pick, live), targets)
             tokens.copy_to_host_async()
             if wanted:
                 _copy_to_host(lp)
@@ -348,7 +348,7 @@ class Engine:
             batch.positions, batch.tables, _gather_rows(sampling, batch.pick, batch.live),
             np.where(batch.live[:, None], drafts[batch.pick], 0).astype(np.int32),
             np.where(batch.live, draft_lens[batch.pick], 0).astype(np.int32),
-            self._gather_allowed(allowed, batch.pick, batch.live, k + 1))
+            gather_allowed(allowed, (cfg.num_slots, k + 1), self.vocab_size, batch.pick, batch.live))
         return self._decode_result(tokens, logprobs, k + 1, sampling, batch, emitted)
 
     def decode_forward(self, positions: np.ndarray, active: np.ndarray, sampling: SamplingParams,
@@ -379,7 +379,8 @@ class Engine:
         if pending is None:
             raise ValueError("decode_sample without a decode_forward before it")
         batch = pending.batch
-        masks = self._gather_allowed(allowed, batch.pick, batch.live)
+        masks = gather_allowed(allowed, (self.config.num_slots,), self.vocab_size, batch.pick,
+                               batch.live)
         rows = np.where(np.isin(batch.rows, np.asarray(drop, np.int32)), self.config.num_slots,
                         batch.rows).astype(np.int32)
         self._pending = None
@@ -428,21 +429,6 @@ class Engine:
         if np.asarray(sampling.logprobs)[batch.slots].any():
             _copy_to_host(logprobs)
         return DecodeTokens(tokens, steps, logprobs, emitted)
-
-    def _gather_allowed(self, allowed: np.ndarray | None, pick: np.ndarray, live: np.ndarray,
-                        positions: int | None = None) -> np.ndarray:
-        """The bitmasks of the slots `pick`: `allowed` is [num_slots, words] int32, or with
-        `positions` [num_slots, positions, words] (a verify step's, one per scored position);
-        None: every token allowed. Padding rows (not `live`) allow every token."""
-        rows = (self.config.num_slots,) if positions is None else (self.config.num_slots, positions)
-        shape = (*rows, bitmask_words(self.vocab_size))
-        if allowed is None:
-            return np.full((len(pick), *shape[1:]), ALL_ALLOWED, np.int32)
-        if allowed.shape != shape or allowed.dtype != np.int32:
-            raise ValueError(f"token bitmasks are int32 {list(shape)}, got {allowed.dtype} "
-                             f"{list(allowed.shape)}")
-        live = live.reshape(-1, *[1] * (len(shape) - 1))
-        return np.where(live, allowed[pick], ALL_ALLOWED).astype(np.int32)
 
     def copy_pages(self, sources: Sequence[int], targets: Sequence[int]) -> None:
         """Copies the KV of pages `sources` onto pages `targets` (pairwise, at most num_slots

@@ -143,7 +143,7 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, *, weights:
                     last, history, np.full(batch, cfg.num_slots, np.int32), np.zeros(batch, np.int32),
                     np.zeros((batch, width), np.int32), rows(batch), np.zeros((batch, k), np.int32),
                     np.zeros(batch, np.int32),
-                    all_allowed(batch * (k + 1), mc.vocab_size).reshape(batch, k + 1, -1))
+                    all_allowed((batch, k + 1), mc.vocab_size))
     handle = jax.ShapeDtypeStruct  # a KVHandle's arrays: [layers, kv_heads, P, page_size, d]
     for width in cfg.page_buckets:
         kv = handle((mc.num_layers, mc.num_kv_heads, width, cfg.page_size, mc.head_dim), dtype)

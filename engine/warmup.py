@@ -140,7 +140,7 @@ def list_programs(programs: Programs, cfg: EngineConfig, mc: ModelConfig, specs:
                     params, rope, cache, last, history, np.full(batch, cfg.num_slots, np.int32),
                     np.zeros(batch, np.int32), np.zeros((batch, width), np.int32), rows(batch),
                     np.zeros((batch, k), np.int32), np.zeros(batch, np.int32),
-                    all_allowed(batch * (k + 1), vocab).reshape(batch, k + 1, -1))
+                    all_allowed((batch, k + 1), vocab))
     for width in cfg.page_buckets:  # a KVHandle's arrays: [layers, kv_heads, P, page_size, d]
         kv = jax.ShapeDtypeStruct((mc.num_layers, mc.num_kv_heads, width, cfg.page_size,
                                    mc.head_dim), cache.k[0].dtype, sharding=handle_sharding)

@@ -5,6 +5,7 @@ layout of token bitmasks (NumPy only, no JAX).
     rows = SamplingRows(num_slots); rows.set(slot, sampling, stop_ids=eos_ids)
     rows.params()                                                     # `SamplingParams`
     allowed = all_allowed(num_slots, vocab)     # [num_slots, bitmask_words(vocab)] int32
+    gather_allowed(allowed, (num_slots,), vocab, pick, live)   # a batch's rows of them
 
 A request's settings are checked here, against what the per-row device arrays can hold, so a
 value that cannot be packed is refused at the edge and never reaches a batch shared with other
@@ -192,7 +193,23 @@ def bitmask_words(vocab: int) -> int:
 ALL_ALLOWED = -1  # a bitmask word with every bit set: the row is not constrained
 
 
-def all_allowed(rows: int, vocab: int) -> np.ndarray:
-    """[rows, bitmask_words(vocab)] int32 bitmasks that allow every token."""
-    return np.full((rows, bitmask_words(vocab)), ALL_ALLOWED, np.int32)
+def all_allowed(rows: int | tuple[int, ...], vocab: int) -> np.ndarray:
+    """[*rows, bitmask_words(vocab)] int32 bitmasks that allow every token. `rows`: how many,
+    or their leading shape (a verify step's [slots, positions])."""
+    rows = (rows,) if np.ndim(rows) == 0 else tuple(rows)
+    return np.full((*rows, bitmask_words(vocab)), ALL_ALLOWED, np.int32)
+
+
+def gather_allowed(allowed: np.ndarray | None, rows: tuple[int, ...], vocab: int, pick: np.ndarray,
+                   live: np.ndarray) -> np.ndarray:
+    """Rows `pick` of the bitmasks `allowed` (int32 [*rows, words]; None: every token
+    allowed), those not `live` (a batch's padding) allowing every token."""
+    if allowed is None:
+        return all_allowed((len(pick), *rows[1:]), vocab)
+    shape = (*rows, bitmask_words(vocab))
+    if allowed.shape != shape or allowed.dtype != np.int32:
+        raise ValueError(f"token bitmasks are int32 {list(shape)}, got {allowed.dtype} "
+                         f"{list(allowed.shape)}")
+    live = live.reshape(-1, *[1] * (len(shape) - 1))
+    return np.where(live, allowed[pick], ALL_ALLOWED).astype(np.int32)
 

@@ -363,8 +363,7 @@ class Scheduler(Submissions, Readings):
             if r.matcher is None or r.state is not State.DECODING or r.pool is not pool:
                 continue
             if allowed is None:
-                allowed = all_allowed(pool.num_slots * (k + 1), pool.engine.vocab_size).reshape(
-                    pool.num_slots, k + 1, -1)
+                allowed = all_allowed((pool.num_slots, k + 1), pool.engine.vocab_size)
             if not r.matcher.draft_masks(drafts.get(r, []), allowed[r.slot]):
                 self._fail_one(r, f"its grammar allows no token: {r.matcher.error}", now)
         decode = [r for r in plan.decode if r.state is State.DECODING and r.pool is pool]
