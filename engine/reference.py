@@ -98,10 +98,10 @@ def greedy_generate(
     # The prompt and the page padded (`_padded`): a padding token's KV, at a position past the
     # prompt, is never attended to (keys after a query's own position are masked) and is
     # overwritten by the output token at that position before any query can see it.
-    n = len(prompt_ids)
-    cache = PagedKVCache.create(config, num_pages=1, page_size=_padded(max(total, _padded(n))))
-    tokens = jnp.asarray([list(prompt_ids) + [0] * (_padded(n) - n)], jnp.int32)
-    positions = jnp.arange(_padded(n), dtype=jnp.int32)[None]
+    n, padded = len(prompt_ids), _padded(len(prompt_ids))
+    cache = PagedKVCache.create(config, num_pages=1, page_size=_padded(total))  # (total > n)
+    tokens = jnp.asarray([list(prompt_ids) + [0] * (padded - n)], jnp.int32)
+    positions = jnp.arange(padded, dtype=jnp.int32)[None]
     logits, cache = _step(params, tokens, positions, np.int32(n - 1), cache, config=config)
     while True:
         row = np.asarray(logits[0])

@@ -85,9 +85,10 @@ def compile_programs(programs: Sequence[WarmProgram],
 def list_programs(programs: Programs, cfg: EngineConfig, mc: ModelConfig, specs: tuple,
                   handle_sharding, groups: Collection[str]) -> list[WarmProgram]:
     """The programs of `groups` an engine of `cfg` runs (`programs`, for the model as computed,
-    `mc`), in warm-up's order, over its device buffers as `specs` (`spec` of its params (one
-    tree every program reads), rope table, pool, next tokens and token history; a `KVHandle`'s pages go on
-    `handle_sharding`): what `Engine.warmup` and `Engine.prepare` compile."""
+    `mc`), in warm-up's order, over its device buffers as `specs` (`spec` of its params, the
+    one tree every program reads, rope table, pool, next tokens and token history; a
+    `KVHandle`'s pages go on `handle_sharding`): what `Engine.warmup` and `Engine.prepare`
+    compile."""
     vocab, groups = mc.vocab_size, set(groups)
     params, rope, cache, last, history = specs
     i32 = np.int32(0)
