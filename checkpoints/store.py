@@ -63,13 +63,9 @@ def save_converted(folder: str | Path, config: ModelConfig, params: Params,
         if Path(name).name != name or name in _RESERVED or name.startswith("."):
             raise CheckpointError(f"tokenizer file name {name!r} is not allowed; pass plain "
                                   f"file names other than {', '.join(sorted(_RESERVED))}")
-    full = _flatten(abstract_params(config))
-    unknown = set(packed) - set(full)
-    if unknown:
-        raise CheckpointError(f"packed names {sorted(unknown)}, which {config.name}'s params lack")
     params = nest((path, leaf) for path, leaf in _flatten(params).items() if path not in packed)
-    _check_tree(_shapes(params) | {path: _shape(full[path]) for path in packed},
-                config, f"params for {config.name}", "build the params from this config")
+    _check_tree(_shapes(params), packed, config, f"params for {config.name}",
+                "build the params from this config")
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -126,9 +122,8 @@ def load_converted(folder: str | Path, shardings: Shardings | None = None,
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{folder / 'params'} is unreadable ({e}); delete {folder} "
                                   "and convert again") from e
-    as_stored = _flatten(abstract_params(config))  # float32, packed/'s matrices included
-    _check_tree(_shapes(stored) | {p: _shape(as_stored[p]) for p in packed_paths},
-                config, f"{folder / 'params'}", f"delete {folder} and convert again")
+    _check_tree(_shapes(stored), packed_paths, config, f"{folder / 'params'}",
+                f"delete {folder} and convert again")
     wanted = nest((path, leaf) for path, leaf in target.items()
                   if path not in skip and path not in packed_paths)
     with _quiet(), ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
@@ -230,8 +225,15 @@ def _shapes(tree: Any) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]
 
 
 def _check_tree(found: dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]],
-                config: ModelConfig, what: str, fix: str) -> None:
+                packed_paths: Collection[tuple[str, ...]], config: ModelConfig, what: str,
+                fix: str) -> None:
+    """params/ as saved (`found`: path -> (shape, dtype)) against `config`'s tree, the matrices
+    packed/ holds instead of it counted as the float32 leaves they stand for."""
     want = _shapes(abstract_params(config))
+    unknown = set(packed_paths) - set(want)
+    if unknown:
+        raise CheckpointError(f"packed names {sorted(unknown)}, which {config.name}'s params lack; {fix}")
+    found = found | {path: want[path] for path in packed_paths}
     missing = ["/".join(p) for p in want if p not in found]
     unexpected = ["/".join(p) for p in found if p not in want]
     wrong = [f"{'/'.join(p)} {found[p][1]}{list(found[p][0])} (want {want[p][1]}"
