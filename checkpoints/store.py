@@ -149,15 +149,20 @@ def _from_blocks(path: tuple[str, ...], blocks: np.ndarray, like: jax.ShapeDtype
 
 
 def load_packed(folder: str | Path, paths: Collection[tuple[str, ...]] | None = None) -> Packed:
-    """The block-quantized matrices `save_converted` stored with the checkpoint (NumPy), by
-    path (`paths` alone, where given); empty where the source had none."""
+    """The block-quantized matrices `save_converted` stored with the checkpoint (read-only
+    NumPy views of CPU device buffers), by path (`paths` alone, where given); empty where the
+    source had none."""
     folder = Path(folder).absolute()
     entries = read_marker(folder).get("packed") or {}
     if paths is not None:
         entries = {key: entries[key] for key in ("/".join(path) for path in paths) if key in entries}
     if not entries:
         return {}
-    target = nest((tuple(key.split("/")), jax.ShapeDtypeStruct(tuple(e["shape"]), np.uint8))
+    # Restored into the CPU's own buffers (aligned as XLA aligns them), which an engine's
+    # device_put then takes as they are: the file's blocks are in memory once, not read into
+    # NumPy's buffers and copied again.
+    host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    target = nest((tuple(key.split("/")), jax.ShapeDtypeStruct(tuple(e["shape"]), np.uint8, sharding=host))
                   for key, e in entries.items())
     with _quiet(), ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
         try:

@@ -39,6 +39,7 @@ from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.priority import SLO, PriorityClasses
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from cadence.scheduler.speculative import SpeculativeConfig
+from cadence.server import memory
 from cadence.server.flags import (ATTENTION, COORDINATOR, CPU_KERNELS, DECODE_DEVICES,
                                    DECODE_STEPS, DTYPE, GRAMMAR_TIMEOUT, KV_MEMORY, KV_RESERVATION,
                                    LOWER_SHARE, MAX_LOGPROBS, MAX_PREFILL_CHUNKS, MAX_QUEUE,
@@ -333,7 +334,10 @@ def warm_up(engines: Sequence[Engine], progress: Callable[[int, int, str], None]
             offset += count
     seconds = time.monotonic() - start
     logging.info("warm-up took %.1f s", seconds)
-    print(f"cadence: warm-up compiled {total} programs in {seconds:.1f} s", file=sys.stderr)
+    memory.release_free()  # what the compiler freed
+    held = memory.resident()
+    print(f"cadence: warm-up compiled {total} programs in {seconds:.1f} s"
+          + (f"; {held.describe()}" if held else ""), file=sys.stderr)
     return seconds
 
 
@@ -401,7 +405,10 @@ def build_from_flags(warm: bool = True) -> Runtime:
         )
     if pair is not None:
         print(f"cadence: serving {where}", file=sys.stderr)
-    model = dataclasses.replace(model, params=None)  # the engines hold their own copies
+    # The engines hold their own copies of the weights and the blocks.
+    model = dataclasses.replace(model, params=None, packed={})
+    del packed
+    memory.release_free()  # the loader's and the host copies' freed buffers
     print(f"cadence: {model.name}'s own sampling defaults, for requests that omit a field: "
           f"{model.generation.describe()}", file=sys.stderr)
     if multi_process():

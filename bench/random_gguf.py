@@ -1,0 +1,156 @@
+"""A GGUF of random weights in llama.cpp's Q4_K_M mix, of a real model's shape: what loading and
+serving a model that size costs, where the model itself cannot be fetched.
+
+    python -m cadence.bench.random_gguf --shape=qwen2.5-3b --tokenizer_from=qwen.gguf --out=q3b.gguf
+
+Every matrix is random valid blocks (random codes and sub-block scales, float16 scales drawn so
+that weights stay within about 0.06, as a trained model's do), chosen per tensor as llama.cpp's
+Q4_K_M chooses: Q4_K, with Q6_K for the LM head and for attn_v and ffn_down in the layers
+`use_more_bits` picks; Q5_0 where a row is not whole 256-weight super-blocks (as llama.cpp
+falls back). Norms are ones and biases small. `--tokenizer_from` copies another GGUF's
+tokenizer and chat template (its vocabulary must be the shape's), so cadence serves the file as
+it would the real model; its replies are noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+from absl import app, flags
+
+from cadence.model.config import ModelConfig
+from cadence.model.params import ParamSpec, param_specs
+
+Q = gguf.GGMLQuantizationType
+
+# The shapes of real models (their published configs), by name, with their GGUF architecture.
+SHAPES: dict[str, tuple[str, ModelConfig]] = {
+    "qwen2.5-0.5b": ("qwen2", ModelConfig(
+        name="qwen2.5-0.5b-shape", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
+        num_kv_heads=2, head_dim=64, ffn_size=4864, rms_norm_eps=1e-6, rope_theta=1e6,
+        tie_embeddings=True, attention_bias=True, max_context=32768)),
+    "qwen2.5-3b": ("qwen2", ModelConfig(
+        name="qwen2.5-3b-shape", vocab_size=151936, hidden_size=2048, num_layers=36, num_heads=16,
+        num_kv_heads=2, head_dim=128, ffn_size=11008, rms_norm_eps=1e-6, rope_theta=1e6,
+        tie_embeddings=True, attention_bias=True, max_context=32768)),
+}
+
+# The float16 fields of each block format, by byte offset in a block: scales (d), minimums (m,
+# dmin).
+HALVES = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
+          Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+# The range of those float16 fields per format: weights up to about 0.06.
+SCALES = {Q.Q6_K: (5e-6, 1.5e-5), Q.Q4_K: (2e-5, 6e-5), Q.Q5_K: (1e-5, 3e-5), Q.Q5_0: (1e-3, 3e-3),
+          Q.Q8_0: (2e-4, 5e-4), Q.Q5_1: (1e-3, 3e-3), Q.Q4_0: (2e-3, 6e-3), Q.Q4_1: (2e-3, 6e-3)}
+
+
+def random_blocks(rng: np.random.Generator, qtype: Q, rows: int, columns: int,
+                  low: float | None = None, high: float | None = None) -> np.ndarray:
+    """Random valid blocks of a [rows, columns] tensor in `qtype` (uint8 [rows, bytes], as
+    GGUF stores it): random bytes for the codes and integer sub-block scales, float16 scales
+    and minimums uniform in [low, high] (default: `SCALES`)."""
+    if low is None:
+        low, high = SCALES[qtype]
+    per, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, columns // per, size), dtype=np.uint8)
+    for at in HALVES[qtype]:
+        data[..., at:at + 2] = rng.uniform(low, high, (rows, columns // per, 1)).astype(np.float16).view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def _use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down get more bits in a _M mix: the
+    first and last eighth, and every third between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def q4_k_m(spec: ParamSpec, config: ModelConfig) -> Q:
+    """The type llama.cpp's Q4_K_M gives a tensor (float32 for vectors)."""
+    if len(spec.shape) == 1:
+        return Q.F32
+    name = spec.gguf_name
+    if name == "output.weight" or (name == "token_embd.weight" and config.tie_embeddings):
+        wanted = Q.Q6_K
+    elif name.endswith(("attn_v.weight", "ffn_down.weight")):
+        wanted = Q.Q6_K if _use_more_bits(int(name.split(".")[1]), config.num_layers) else Q.Q4_K
+    else:
+        wanted = Q.Q4_K
+    return wanted if spec.stored_shape[1] % 256 == 0 else Q.Q5_0
+
+
+def add_shape(w: gguf.GGUFWriter, config: ModelConfig) -> None:
+    """The architecture keys that give `config`'s shape, as llama.cpp's converter writes them."""
+    w.add_block_count(config.num_layers)
+    w.add_context_length(config.max_context)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.ffn_size)
+    w.add_head_count(config.num_heads)
+    w.add_head_count_kv(config.num_kv_heads)
+    w.add_rope_freq_base(config.rope_theta)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_vocab_size(config.vocab_size)
+    w.add_rope_dimension_count(config.head_dim)
+
+
+def write_random_gguf(path: str | Path, config: ModelConfig, arch: str = "llama",
+                      metadata: Callable[[gguf.GGUFWriter], None] | None = None,
+                      mix: Callable[[ParamSpec, ModelConfig], Q] = q4_k_m, seed: int = 0) -> int:
+    """Writes `config`'s tensors as random blocks of `mix`'s types (vectors: norms ones, biases
+    small), with `metadata(writer)` adding keys (a tokenizer); returns the file's bytes."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    add_shape(w, config)
+    w.add_name(config.name)
+    if metadata:
+        metadata(w)
+    for spec in param_specs(config):
+        qtype = mix(spec, config)
+        if qtype == Q.F32:
+            bias = spec.path[-1] == "bias"
+            w.add_tensor(spec.gguf_name, (rng.normal(0, 0.02, spec.shape) if bias
+                                          else np.ones(spec.shape)).astype(np.float32))
+        else:
+            rows, columns = spec.stored_shape
+            w.add_tensor(spec.gguf_name, random_blocks(rng, qtype, rows, columns), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path).stat().st_size
+
+
+def copy_tokenizer(source: str | Path) -> Callable[[gguf.GGUFWriter], None]:
+    """`write_random_gguf`'s `metadata`: every `tokenizer.*` key of the GGUF at `source`."""
+    reader = gguf.GGUFReader(str(source))
+    keys = [(name, field.contents(), field.types) for name, field in reader.fields.items()
+            if name.startswith("tokenizer.")]
+
+    def add(w: gguf.GGUFWriter) -> None:
+        for name, value, types in keys:
+            w.add_key_value(name, value, types[0], types[1] if len(types) > 1 else None)
+    return add
+
+
+_SHAPE = flags.DEFINE_enum("shape", "qwen2.5-3b", list(SHAPES), "The model shape to write.")
+_TOKENIZER = flags.DEFINE_string("tokenizer_from", None, "A GGUF whose tokenizer to copy (its "
+                                 "vocabulary the shape's): Qwen2.5's for the qwen2.5 shapes.")
+_OUT = flags.DEFINE_string("out", None, "The GGUF to write.", required=True)
+_SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    arch, config = SHAPES[_SHAPE.value]
+    size = write_random_gguf(_OUT.value, config, arch,
+                             copy_tokenizer(_TOKENIZER.value) if _TOKENIZER.value else None,
+                             seed=_SEED.value)
+    matrices = sum(int(np.prod(s.shape)) for s in param_specs(config) if len(s.shape) == 2)
+    print(f"wrote {_OUT.value}: {config.name}, {matrices / 1e9:.2f}B matrix weights, "
+          f"{size / 2**20:.0f} MiB")
+
+
+if __name__ == "__main__":
+    app.run(main)
