@@ -46,6 +46,7 @@ def ladder(low: int, high: int) -> tuple[int, ...]:
 DEFAULT_PAGE_SIZE = 64
 
 ROLES = ("both", "prefill", "decode")
+KV_DTYPES = ("float32", "bfloat16", "float16")
 DECODE_MATMULS = ("xla", "cpu")
 
 
@@ -60,7 +61,10 @@ class EngineConfig:
     min_prefill_bucket: int = 16
     min_kv_bucket: int = 256  # tokens: the narrowest page-table bucket covers this many
     attention: str = "xla"
-    dtype: str = "float32"  # compute and KV dtype: float32 on CPU, bfloat16 on GPU
+    dtype: str = "float32"  # compute dtype: float32 on CPU, bfloat16 on GPU
+    # The KV pool's dtype (None: dtype). 16-bit pages on the CPU halve the pool; every
+    # reader widens them to float32 as it reads (the CPU kernel as it loads them).
+    kv_dtype: str | None = None
     page_size: int = DEFAULT_PAGE_SIZE
     num_pages: int | None = None  # the pool; None: every slot can hold max_seq_len at once
     # Most chunks one packed prefill program carries (None: num_slots). 1 runs every chunk as
@@ -107,6 +111,11 @@ class EngineConfig:
             # on every layer of every step.
             raise ValueError(f"the CPU kernels (attention or decode_matmul 'cpu') compute in "
                              f"float32; dtype is {self.dtype}")
+        if np.dtype(self.pool_dtype).name not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.attention == "pallas" and np.dtype(self.pool_dtype) != np.dtype(self.dtype):
+            raise ValueError(f"the Pallas kernels read a pool of the compute dtype ({self.dtype}); "
+                             f"kv_dtype is {self.kv_dtype}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.speculative_tokens < 0 or self.speculative_batch < 1:
@@ -130,6 +139,11 @@ class EngineConfig:
     @property
     def max_pages_per_seq(self) -> int:
         return cdiv(self.max_seq_len, self.page_size)
+
+    @property
+    def pool_dtype(self) -> str:
+        """The KV pool's dtype: kv_dtype, or the compute dtype."""
+        return self.kv_dtype or self.dtype
 
     @property
     def pool_pages(self) -> int:

@@ -548,11 +548,10 @@ class Engine:
         lost, so call it only with no request running; the scheduler does, after failing the
         requests that were."""
         cfg = self.config
-        dtype = jnp.dtype(cfg.dtype)
         self.cache = self.last_tokens = self.history = None  # let the old buffers go first
         self._pending = None  # a split decode step's logits went with them
-        self.cache = PagedKVCache.create(self.compute_config, cfg.pool_pages, cfg.page_size, dtype,
-                                         device=self._pool_at)
+        self.cache = PagedKVCache.create(self.compute_config, cfg.pool_pages, cfg.page_size,
+                                         jnp.dtype(cfg.pool_dtype), device=self._pool_at)
         self.last_tokens = jnp.zeros((cfg.num_slots,), jnp.int32, device=self._token_at)
         self.history = TokenHistory.create(cfg.num_slots, self.model_config.vocab_size,
                                            device=self._token_at)

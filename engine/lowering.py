@@ -92,7 +92,8 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, *, weights:
     p = programs or jit_programs(mc, cfg)
     params = abstract_params(mc, dtype, weights=weights)
     rope = jax.eval_shape(lambda: rope_table(mc, cfg.max_seq_len))
-    layer = jax.ShapeDtypeStruct(PagedKVCache.shape(mc, cfg.pool_pages, cfg.page_size), dtype)
+    pool_dtype = jnp.dtype(cfg.pool_dtype)
+    layer = jax.ShapeDtypeStruct(PagedKVCache.shape(mc, cfg.pool_pages, cfg.page_size), pool_dtype)
     cache = PagedKVCache(k=(layer,) * mc.num_layers, v=(layer,) * mc.num_layers)
     last = jax.ShapeDtypeStruct((cfg.num_slots,), jnp.int32)
     history = jax.eval_shape(lambda: TokenHistory.create(cfg.num_slots, mc.vocab_size))
@@ -146,7 +147,7 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, *, weights:
                     all_allowed((batch, k + 1), mc.vocab_size))
     handle = jax.ShapeDtypeStruct  # a KVHandle's arrays: [layers, kv_heads, P, page_size, d]
     for width in cfg.page_buckets:
-        kv = handle((mc.num_layers, mc.num_kv_heads, width, cfg.page_size, mc.head_dim), dtype)
+        kv = handle((mc.num_layers, mc.num_kv_heads, width, cfg.page_size, mc.head_dim), pool_dtype)
         add(f"extract[pages={width}]", "extract", cache, last, np.zeros(width, np.int32), i32)
         add(f"insert[pages={width}]", "insert", cache, last, kv, kv, np.zeros(width, np.int32),
             i32, i32)

@@ -74,12 +74,14 @@ def greedy_generate(
     *,
     return_logits: bool = False,
     sampling: RequestSampling | None = None,
+    kv_dtype: str = "float32",
 ) -> list[int] | tuple[list[int], list[np.ndarray]]:
     """Greedy continuation of `prompt_ids`: at most `max_tokens` ids, stopping after an EOS id,
     each the argmax of the logits after `sampling`'s bias and penalties (its temperature and
     filters are not used: this is greedy).
 
     With `return_logits`, also returns the raw float32 logits of each output token's step.
+    `kv_dtype`: the cache's (keys and values rounded to it as written, widened as read).
     """
     if not prompt_ids:
         raise ValueError("the prompt must contain at least one token")
@@ -99,7 +101,8 @@ def greedy_generate(
     # prompt, is never attended to (keys after a query's own position are masked) and is
     # overwritten by the output token at that position before any query can see it.
     n, padded = len(prompt_ids), _padded(len(prompt_ids))
-    cache = PagedKVCache.create(config, num_pages=1, page_size=_padded(total))  # (total > n)
+    cache = PagedKVCache.create(config, num_pages=1, page_size=_padded(total),  # (total > n)
+                                dtype=jnp.dtype(kv_dtype))
     tokens = jnp.asarray([list(prompt_ids) + [0] * (padded - n)], jnp.int32)
     positions = jnp.arange(padded, dtype=jnp.int32)[None]
     logits, cache = _step(params, tokens, positions, np.int32(n - 1), cache, config=config)

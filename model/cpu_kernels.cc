@@ -722,27 +722,42 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+// The pool's element types: float32, or 16-bit (bfloat16, float16) widened as loaded.
+struct BF16 { uint16_t bits; };
+struct F16 { uint16_t bits; };
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BF16* p) {  // bfloat16 is a float32's high half
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const F16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t d) {
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), load8(b));
   for (int64_t i = 8; i < d; i += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
   }
   return hsum(acc);
 }
 
 // Scores of keys [0, n) of a page, s[t] = q . k[t]: four keys at a time, each in its own
 // accumulator, reduced together.
-inline void page_scores(const float* q, const float* k, int64_t n, int64_t d, float* s) {
+template <typename T>
+inline void page_scores(const float* q, const T* k, int64_t n, int64_t d, float* s) {
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
-    const float* k0 = k + t * d;
+    const T* k0 = k + t * d;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t i = 0; i < d; i += 8) {
       const __m256 qv = _mm256_loadu_ps(q + i);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d + i), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * d + i), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * d + i), a3);
+      a0 = _mm256_fmadd_ps(qv, load8(k0 + i), a0);
+      a1 = _mm256_fmadd_ps(qv, load8(k0 + d + i), a1);
+      a2 = _mm256_fmadd_ps(qv, load8(k0 + 2 * d + i), a2);
+      a3 = _mm256_fmadd_ps(qv, load8(k0 + 3 * d + i), a3);
     }
     // [a0 a1 a2 a3] summed within each 128-bit half, then the halves added.
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -752,19 +767,20 @@ inline void page_scores(const float* q, const float* k, int64_t n, int64_t d, fl
 }
 
 // acc[0, 8 * NV) += sum_t p[t] * v[t][0, 8 * NV), the accumulator held in registers.
-template <int NV>
-inline void accumulate_part(float* acc, const float* p, const float* v, int64_t n, int64_t d) {
+template <int NV, typename T>
+inline void accumulate_part(float* acc, const float* p, const T* v, int64_t n, int64_t d) {
   __m256 a[NV];
   for (int j = 0; j < NV; ++j) a[j] = _mm256_loadu_ps(acc + 8 * j);
   for (int64_t t = 0; t < n; ++t, v += d) {
     const __m256 pt = _mm256_set1_ps(p[t]);
-    for (int j = 0; j < NV; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * j), a[j]);
+    for (int j = 0; j < NV; ++j) a[j] = _mm256_fmadd_ps(pt, load8(v + 8 * j), a[j]);
   }
   for (int j = 0; j < NV; ++j) _mm256_storeu_ps(acc + 8 * j, a[j]);
 }
 
 // acc[0, d) += sum_t p[t] * v[t]: in parts of 64 lanes (8 registers), the last one shorter.
-inline void accumulate(float* acc, const float* p, const float* v, int64_t n, int64_t d) {
+template <typename T>
+inline void accumulate(float* acc, const float* p, const T* v, int64_t n, int64_t d) {
   for (int64_t part = 0; part < d; part += 64) {
     switch (std::min<int64_t>(64, d - part) / 8) {
       case 8: accumulate_part<8>(acc + part, p, v + part, n, d); break;
@@ -785,7 +801,8 @@ constexpr int64_t kMaxPage = 1024;    // tokens per page
 
 // One (row, KV head): the group's queries [group, d] against keys 0..position, a page at a
 // time: scores, their running max and sum (online softmax), then the values they weigh.
-void attend_one(const float* q, const float* k_pool, const float* v_pool, const int32_t* table,
+template <typename T>
+void attend_one(const float* q, const T* k_pool, const T* v_pool, const int32_t* table,
                 int64_t width, int64_t num_pages, int64_t page_size, int64_t d, int64_t group,
                 int32_t position, float* out) {
   if (position < 0) {
@@ -804,8 +821,8 @@ void attend_one(const float* q, const float* k_pool, const float* v_pool, const 
   std::fill(total, total + group, 0.0f);
   for (int64_t start = 0, j = 0; start < live; start += page_size, ++j) {
     const int64_t page = std::clamp<int64_t>(table[j], 0, num_pages - 1);
-    const float* kp = k_pool + page * page_size * d;
-    const float* vp = v_pool + page * page_size * d;
+    const T* kp = k_pool + page * page_size * d;
+    const T* vp = v_pool + page * page_size * d;
     const int64_t n = std::min(page_size, live - start);
     const int64_t padded = (n + 7) & ~int64_t{7};
     for (int64_t g = 0; g < group; ++g) {
@@ -836,8 +853,10 @@ void attend_one(const float* q, const float* k_pool, const float* v_pool, const 
   }
 }
 
-ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
-                       ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> page_table,
+// T: the pool's element type (`BF16`, `F16`, float) for FFI's type DT.
+template <ffi::DataType DT, typename T>
+ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<DT> k_pages,
+                       ffi::Buffer<DT> v_pages, ffi::Buffer<ffi::S32> page_table,
                        ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_table.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || td[0] != qd[0] ||
@@ -857,8 +876,8 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   }
   const int64_t group = heads / kv_heads;
   const float* qp = q.typed_data();
-  const float* kp = k_pages.typed_data();
-  const float* vp = v_pages.typed_data();
+  const T* kp = reinterpret_cast<const T*>(k_pages.typed_data());
+  const T* vp = reinterpret_cast<const T*>(v_pages.typed_data());
   const int32_t* tp = page_table.typed_data();
   const int32_t* pp = positions.typed_data();
   float* op = out->typed_data();
@@ -891,15 +910,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_blocked_matmul_int8, BlockedMatmulInt8
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_paged_decode, PagedDecode,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// Paged decode attention, one handler per pool dtype (model/cpu_kernels.py's ATTENTION).
+#define CADENCE_PAGED_DECODE(name, dt, type)                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (PagedDecode<dt, type>),         \
+                                ffi::Ffi::Bind()                       \
+                                    .Ctx<ffi::ThreadPool>()            \
+                                    .Arg<ffi::Buffer<ffi::F32>>()      \
+                                    .Arg<ffi::Buffer<dt>>()            \
+                                    .Arg<ffi::Buffer<dt>>()            \
+                                    .Arg<ffi::Buffer<ffi::S32>>()      \
+                                    .Arg<ffi::Buffer<ffi::S32>>()      \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+CADENCE_PAGED_DECODE(cadence_cpu_paged_decode, ffi::F32, float)
+CADENCE_PAGED_DECODE(cadence_cpu_paged_decode_bf16, ffi::BF16, BF16)
+CADENCE_PAGED_DECODE(cadence_cpu_paged_decode_f16, ffi::F16, F16)
 
 // The grouped matmul, one handler per format (model/cpu_kernels.py's GROUPED).
 #define CADENCE_GROUPED(name, format)                                  \

@@ -85,7 +85,9 @@ DEQUANTIZE = {name: f"cadence_cpu_dequantize_{name}" for name in FORMATS}
 # chunks and a scoring program's every-token logits take the GEMM, decode, verify and a
 # prefill's few logit rows the kernel (`bench/results/prefill-blocks-cpu/`).
 GEMM_ROWS = 64
-ATTENTION = "cadence_cpu_paged_decode"
+# Paged decode attention, by the pool's dtype: float32, or 16-bit pages widened as they are read.
+ATTENTION = {"float32": "cadence_cpu_paged_decode", "bfloat16": "cadence_cpu_paged_decode_bf16",
+             "float16": "cadence_cpu_paged_decode_f16"}
 
 
 class KernelsUnavailable(RuntimeError):
@@ -145,7 +147,7 @@ def _load() -> str | None:
         library = ctypes.cdll.LoadLibrary(str(_build()))
     except (KernelsUnavailable, OSError) as e:
         return str(e)
-    for name in (MATMUL, MATMUL_INT8, *GROUPED.values(), *DEQUANTIZE.values(), ATTENTION):
+    for name in (MATMUL, MATMUL_INT8, *GROUPED.values(), *DEQUANTIZE.values(), *ATTENTION.values()):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, name)), platform="cpu")
     return None
 
@@ -533,12 +535,17 @@ def fused_matmul(x: jax.Array, fused: dict[str, jax.Array], sizes: tuple[int, ..
 def paged_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                  q_positions: jax.Array) -> jax.Array:
     """`model.paged_attention`'s interface for one query per row (q [rows, 1, heads, d]):
-    keys 0..q_positions[row, 0] of the row's pages; -1 gives zeros. float32."""
+    keys 0..q_positions[row, 0] of the row's pages; -1 gives zeros. Computed in float32 over
+    pools of float32, bfloat16 or float16 (widened as read, exactly)."""
     _require()
     rows, q_len, heads, head_dim = q.shape
     if q_len != 1:
         raise ValueError(f"paged_decode takes one query per row, got {q_len}")
-    out = jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct((rows, heads, head_dim), jnp.float32))(
-        q.reshape(rows, heads, head_dim).astype(jnp.float32), k_pages.astype(jnp.float32),
-        v_pages.astype(jnp.float32), page_table.astype(jnp.int32), q_positions[:, 0].astype(jnp.int32))
+    if k_pages.dtype.name not in ATTENTION or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"paged_decode reads pools of {', '.join(ATTENTION)}, got "
+                         f"{k_pages.dtype} and {v_pages.dtype}")
+    out_shape = jax.ShapeDtypeStruct((rows, heads, head_dim), jnp.float32)
+    out = jax.ffi.ffi_call(ATTENTION[k_pages.dtype.name], out_shape)(
+        q.reshape(rows, heads, head_dim).astype(jnp.float32), k_pages, v_pages,
+        page_table.astype(jnp.int32), q_positions[:, 0].astype(jnp.int32))
     return out.reshape(rows, 1, heads, head_dim).astype(q.dtype)

@@ -80,9 +80,10 @@ def paged_reference_attention(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
     q_positions: jax.Array,
 ) -> jax.Array:
-    """The oracle: every row's whole page table gathered, then the contiguous reference."""
-    k = gather_pages(k_pages, page_table)
-    v = gather_pages(v_pages, page_table)
+    """The oracle: every row's whole page table gathered, then the contiguous reference, over
+    keys and values widened to the queries' dtype (a 16-bit pool under float32 compute)."""
+    k = gather_pages(k_pages, page_table).astype(q.dtype)
+    v = gather_pages(v_pages, page_table).astype(q.dtype)
     return xla_attention(q, k, v, q_positions)
 
 

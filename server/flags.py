@@ -25,6 +25,12 @@ KV_MEMORY = flags.DEFINE_string(
     "Bytes for the KV page pool (a count, or with a unit: 1440MiB, 1.5GiB); with "
     "--tensor_parallel, per device. Default: on a GPU 90% of what is free after the weights; "
     "elsewhere num_slots x max_seq_len tokens' worth.")
+KV_DTYPE = flags.DEFINE_enum(
+    "kv_cache_dtype", "auto", ["auto", "float32", "bfloat16", "float16"],
+    "The KV pool's dtype. auto: the compute dtype (float32 on the CPU, bfloat16 on a GPU). A "
+    "16-bit pool on the CPU holds twice the tokens in the same memory, each key and value "
+    "rounded to 16 bits (llama.cpp's default cache is float16); attention still computes in "
+    "float32.")
 PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "Largest prefill chunk (tokens).", lower_bound=16)
 MAX_PREFILL_CHUNKS = flags.DEFINE_integer(
     "max_prefill_chunks", None,

@@ -41,8 +41,8 @@ from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from cadence.scheduler.speculative import SpeculativeConfig
 from cadence.server import memory
 from cadence.server.flags import (ATTENTION, COORDINATOR, CPU_KERNELS, DECODE_DEVICES,
-                                   DECODE_STEPS, DTYPE, GRAMMAR_TIMEOUT, KV_MEMORY, KV_RESERVATION,
-                                   LOWER_SHARE, MAX_LOGPROBS, MAX_PREFILL_CHUNKS, MAX_QUEUE,
+                                   DECODE_STEPS, DTYPE, GRAMMAR_TIMEOUT, KV_DTYPE, KV_MEMORY,
+                                   KV_RESERVATION, LOWER_SHARE, MAX_LOGPROBS, MAX_PREFILL_CHUNKS, MAX_QUEUE,
                                    MAX_SEQ_LEN, MODEL_FLAG, NUM_CPU_DEVICES, NUM_PROCESSES,
                                    NUM_SLOTS, NUM_SPECULATIVE_TOKENS, PAGE_SIZE, POLICY,
                                    PREFILL_CHUNK, PREFILL_DEVICES, PREFILL_SLOTS, PREFIX_CACHING,
@@ -163,8 +163,8 @@ def parse_size(text: str) -> int:
 
 def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int,
                   device: jax.Device | None = None, tp: TensorParallel | None = None) -> int | None:
-    """Pages for --kv_cache_memory; on a GPU without it, 90% of the memory left after the
-    weights on `device`; None (the engine's default: every slot at max_seq_len) otherwise.
+    """Pages of --kv_cache_dtype for --kv_cache_memory; on a GPU without it, 90% of the memory
+    left after the weights (in `dtype`) on `device`; None (the engine's default: every slot at max_seq_len) otherwise.
     With `tp` the budget is each device's: the weights are on the devices already (restored
     into their shards), and a device holds its KV heads' share of every page, or all of it
     where attention is replicated."""
@@ -179,7 +179,7 @@ def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int,
     else:
         return None
     pages = pages_for_bytes(model.config if tp is None else tp.compute_config, budget, page_size,
-                            jnp.dtype(dtype))
+                            jnp.dtype(kv_dtype()))
     if tp is not None and tp.heads_sharded:
         pages *= tp.size
     if pages < 1:
@@ -201,6 +201,7 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
         attention=ATTENTION.value or ("pallas" if on_gpu else "cpu" if kernels else "xla"),
         decode_matmul="cpu" if kernels else "xla",
         dtype=dtype,
+        kv_dtype=kv_dtype(),
         page_size=PAGE_SIZE.value,
         num_pages=None if model is None else kv_pool_pages(model, dtype, PAGE_SIZE.value, device, tp),
         max_prefill_chunks=MAX_PREFILL_CHUNKS.value,
@@ -278,6 +279,11 @@ def _log_once(message: str) -> None:
 
 def compute_dtype() -> str:
     return DTYPE.value or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+
+
+def kv_dtype() -> str:
+    """The KV pool's dtype: --kv_cache_dtype, or the compute dtype."""
+    return compute_dtype() if KV_DTYPE.value == "auto" else KV_DTYPE.value
 
 
 def token_budget() -> int:
@@ -396,7 +402,7 @@ def build_from_flags(warm: bool = True) -> Runtime:
             f"cadence: {role}{model.name} on {where if cfg.role == 'both' else engine.device}, up "
             f"to {cfg.num_slots} sequences of up to {cfg.max_seq_len} tokens; KV pool "
             f"{engine.num_pages} pages x {cfg.page_size} tokens = {engine.num_pages * cfg.page_size} "
-            f"tokens, {engine.kv_cache_bytes / 2**20:.0f} MiB"
+            f"tokens, {engine.kv_cache_bytes / 2**20:.0f} MiB of {cfg.pool_dtype}"
             + (f"; {WEIGHTS.value} weights" if WEIGHTS.value in GROUPED_WEIGHTS else "")
             + (f"; weights in the CPU kernels' blocks, {describe_decode_weights(model, packed)} "
                f"({cpu_kernels.blocked_bytes(engine.params) / 2**20:.0f} MiB, the only copy)"

@@ -92,6 +92,27 @@ def test_paged_decode_matches_the_reference(heads, kv_heads, head_dim, page_size
 
 
 @needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, page_size", [(9, 3, 64, 64), (8, 1, 128, 16)])
+def test_paged_decode_over_16_bit_pages_equals_them_widened(dtype, heads, kv_heads, head_dim, page_size):
+    """A bfloat16 / float16 pool (--kv_cache_dtype) is read as it is, each value widened as it
+    is loaded: exactly the float32 kernel over the same values widened first (the widening is
+    exact, the arithmetic the same)."""
+    rng = np.random.default_rng(head_dim)
+    pages, width = 30, 6
+    k_pages, v_pages = (jnp.asarray(a, dtype) for a in _pool(rng, kv_heads, pages, page_size, head_dim))
+    positions = np.array([[-1], [0], [page_size], [width * page_size - 1], [2 * page_size + 5]], np.int32)
+    table = rng.permutation(pages)[:len(positions) * width].reshape(len(positions), width).astype(np.int32)
+    q = rng.standard_normal((len(positions), 1, heads, head_dim), np.float32)
+    got = jax.jit(cpu_kernels.paged_decode)(q, k_pages, v_pages, table, positions)
+    want = jax.jit(cpu_kernels.paged_decode)(q, k_pages.astype(jnp.float32), v_pages.astype(jnp.float32),
+                                             table, positions)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="reads pools of"):
+        cpu_kernels.paged_decode(q, k_pages, v_pages.astype(jnp.float32), table, positions)
+
+
+@needs_cpu_kernels
 def test_paged_decode_refuses_what_it_does_not_compute():
     rng = np.random.default_rng(0)
     k_pages, v_pages = _pool(rng, 2, 4, 8, 16)
@@ -226,6 +247,11 @@ def test_engine_refuses_the_cpu_matmul_in_bfloat16(tiny_params, tiny_config):
         EngineConfig(decode_matmul="cpu", dtype="bfloat16")
     with pytest.raises(ValueError, match="float32"):
         EngineConfig(attention="cpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        EngineConfig(kv_dtype="int8")
+    with pytest.raises(ValueError, match="Pallas kernels read a pool of the compute dtype"):
+        EngineConfig(attention="pallas", dtype="bfloat16", kv_dtype="float16")
+    assert EngineConfig(attention="cpu", kv_dtype="bfloat16").pool_dtype == "bfloat16"
 
 
 @needs_cpu_kernels
@@ -258,6 +284,34 @@ def test_kernel_decode_logits_match_xla_decode(tiny_params, tiny_config):
         got = run(cpu_kernels.decode_params(floats, packed), "cpu")
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
         assert not np.allclose(want, run(tiny_params, "xla"), rtol=1e-4, atol=1e-3)  # they differ
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
+def test_an_engine_over_a_16_bit_pool_equals_the_reference_over_one(tiny_params, tiny_config,
+                                                                    tiny_tokenizer, kv_dtype):
+    """--kv_cache_dtype: an engine whose pool holds 16-bit keys and values (the kernel reads
+    them as they are, prefill's attention widens them) gives the greedy tokens of the reference
+    generator over a cache of that dtype, from a pool of half the float32 one's bytes."""
+    from cadence.engine.engine import Engine
+    from cadence.engine.reference import greedy_generate
+    from cadence.scheduler.request import GenerationParams
+    from tests.fakes import make_scheduler, run_all
+
+    config = EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=16, attention="cpu",
+                          decode_matmul="cpu", decode_steps=2, kv_dtype=kv_dtype)
+    engine = Engine(tiny_params, tiny_config, config)
+    assert engine.kv_cache_bytes * 2 == config.pool_pages * config.page_size * tiny_config.kv_bytes_per_token(4)
+    prompts = [[7, 300, 41, 9], list(range(100, 190))]
+    streams = run_all(make_scheduler(engine, tiny_tokenizer, chunk=16, budget=18),
+                      [(p, GenerationParams(max_tokens=16)) for p in prompts])
+    for prompt, stream in zip(prompts, streams):
+        want, logits = greedy_generate(tiny_params, tiny_config, prompt, 16, tiny_tokenizer.eos_ids,
+                                       kv_dtype=kv_dtype, return_logits=True)
+        assert stream.request.output_ids == want
+    _, exact = greedy_generate(tiny_params, tiny_config, prompts[-1], 16, tiny_tokenizer.eos_ids,
+                               return_logits=True)
+    assert not np.array_equal(logits[-1], exact[-1])  # the rounding is there to see
 
 
 # -- grouped (block-quantized) weights ------------------------------------------------------------
