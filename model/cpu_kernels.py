@@ -439,6 +439,13 @@ def _padded(n: int) -> int:
     return cdiv(n, BLOCK) * BLOCK
 
 
+class HandedOver(dict):
+    """Packed matrices given to one engine for good (`Engine(packed=HandedOver(...))`): it takes
+    each out as it places it, so that where the caller keeps no other reference, the parts of
+    a fused q/k/v or gate/up matrix (a new buffer) go as soon as it is made, rather than all
+    of them outliving the engine's construction."""
+
+
 def decode_params(params: dict[str, Any], packed: dict[tuple[str, ...], Any] | None = None) -> dict[str, Any]:
     """The tree an engine's programs read with the kernel: every `kernel` [in, out] replaced by
     `kernel_blocked`, and where the head is tied (no `lm_head` in the tree) the embedding
@@ -452,8 +459,10 @@ def decode_params(params: dict[str, Any], packed: dict[tuple[str, ...], Any] | N
     tied head's is). The projections of one input (`FUSED`: q/k/v, gate/up) become one matrix
     each, `qkv` and `gate_up`, read by `fused_matmul`: 4 matmul calls per layer instead of 7,
     and each longer to split over the threads (a decode step of SmolLM2-135M at 8 rows 1-3%
-    faster, interleaved A/B on a 2-core EPYC). Everything else is the same array."""
-    packed = packed or {}
+    faster, interleaved A/B on a 2-core EPYC). Everything else is the same array. A
+    `HandedOver` `packed` is emptied as its matrices are placed."""
+    packed = packed if packed is not None else {}
+    take = packed.pop if isinstance(packed, HandedOver) else packed.__getitem__
     tied = "lm_head" not in params
 
     def fusible(parts: list[Any]) -> bool:
@@ -477,7 +486,7 @@ def decode_params(params: dict[str, Any], packed: dict[tuple[str, ...], Any] | N
 
     def matrix(path: tuple[str, ...], array):
         if path in packed:
-            return jax.device_put(packed[path], _device_of(array))
+            return jax.device_put(take(path), _device_of(array))
         return block(array.T if path[-1] == "embedding" else array)
 
     def convert(node, path: tuple[str, ...]):

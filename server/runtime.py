@@ -363,12 +363,16 @@ def build_from_flags(warm: bool = True) -> Runtime:
     # On the CPU kernels with --weights=auto, the file's block-quantized matrices are read as
     # they are, and never as float32.
     kernels = not mesh_devices and cpu_kernels_apply(compute_dtype(), None)
-    model = load_model(MODEL_FLAG.value, shardings=(
-        (lambda config: plan(config).storage_shardings()) if mesh_devices else None),
-        dtype=compute_dtype() if mesh_devices else None,
-        skip_packed=kernels and WEIGHTS.value == "auto")
+    with memory.loading():
+        model = load_model(MODEL_FLAG.value, shardings=(
+            (lambda config: plan(config).storage_shardings()) if mesh_devices else None),
+            dtype=compute_dtype() if mesh_devices else None,
+            skip_packed=kernels and WEIGHTS.value == "auto")
     tp = plan(model.config) if mesh_devices else None
     model, packed = quantize_from_flags(model, kernels)
+    weights_line = describe_decode_weights(model, packed) if kernels else ""
+    # From here the engines hold the weights: one engine takes the blocks over.
+    model = dataclasses.replace(model, packed={})
     engine_config = engine_config_from_flags(model, pair[0] if pair else None, tp)
     if multi_process() and engine_config.num_pages is not None and KV_MEMORY.value is None:
         # Each process sized the pool by its own free memory; every one must run the same
@@ -380,8 +384,10 @@ def build_from_flags(warm: bool = True) -> Runtime:
             f"{model.config.max_context} tokens"
         )
     if pair is None:
-        engines = (Engine(model.params, model.config, engine_config, devices=mesh_devices,
-                          packed=packed),)
+        with memory.loading():
+            engines = (Engine(model.params, model.config, engine_config, devices=mesh_devices,
+                              packed=cpu_kernels.HandedOver(packed) if packed else packed),)
+        del packed
         where = jax.devices()[0].platform
         if tp is not None:
             where = f"{tp.size} {where} devices ({tp.describe()})"
@@ -392,8 +398,10 @@ def build_from_flags(warm: bool = True) -> Runtime:
             prefill_tokens=max(engine_config.prefill_chunk, token_budget()))
         decode_config = dataclasses.replace(
             engine_config_from_flags(model, pair[1]), role="decode")
-        engines = (Engine(model.params, model.config, prefill_config, device=pair[0], packed=packed),
-                   Engine(model.params, model.config, decode_config, device=pair[1], packed=packed))
+        with memory.loading():
+            engines = (Engine(model.params, model.config, prefill_config, device=pair[0], packed=packed),
+                       Engine(model.params, model.config, decode_config, device=pair[1], packed=packed))
+        del packed
         where = f"{pair[0]} (prefill) and {pair[1]} (decode), disaggregated"
     for engine in engines:
         cfg = engine.config
@@ -404,16 +412,14 @@ def build_from_flags(warm: bool = True) -> Runtime:
             f"{engine.num_pages} pages x {cfg.page_size} tokens = {engine.num_pages * cfg.page_size} "
             f"tokens, {engine.kv_cache_bytes / 2**20:.0f} MiB of {cfg.pool_dtype}"
             + (f"; {WEIGHTS.value} weights" if WEIGHTS.value in GROUPED_WEIGHTS else "")
-            + (f"; weights in the CPU kernels' blocks, {describe_decode_weights(model, packed)} "
+            + (f"; weights in the CPU kernels' blocks, {weights_line} "
                f"({cpu_kernels.blocked_bytes(engine.params) / 2**20:.0f} MiB, the only copy)"
                if cfg.decode_matmul == "cpu" else ""),
             file=sys.stderr,
         )
     if pair is not None:
         print(f"cadence: serving {where}", file=sys.stderr)
-    # The engines hold their own copies of the weights and the blocks.
-    model = dataclasses.replace(model, params=None, packed={})
-    del packed
+    model = dataclasses.replace(model, params=None)  # the engines hold their own copies
     memory.release_free()  # the loader's and the host copies' freed buffers
     print(f"cadence: {model.name}'s own sampling defaults, for requests that omit a field: "
           f"{model.generation.describe()}", file=sys.stderr)

@@ -569,6 +569,12 @@ def test_decode_params_read_packed_matrices_in_place_of_blocking(tiny_params, ti
     tree = cpu_kernels.decode_params(tiny_params, mixed)  # q4 and q8 parts do not fuse
     assert {"q", "k", "v"} <= set(tree["layers_0"]["attn"])
     assert cpu_kernels.blocked_bytes(tree) > 0
+    handed = cpu_kernels.HandedOver(mixed)  # taken out as placed, the same tree
+    again = cpu_kernels.decode_params(tiny_params, handed)
+    assert not handed and len(mixed) > 0
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(tree),
+                                 jax.tree_util.tree_leaves_with_path(again)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
 
 
 @needs_cpu_kernels

@@ -470,8 +470,9 @@ def test_two_processes_starting_on_one_new_file_convert_it_once(tmp_path, tiny_p
 
 
 # A process that loads a converted model as `cadence-serve` does on the CPU kernels (the
-# file's blocks, no float32 of them) into an engine, then lets go of the loader's references:
-# its memory at the start, at its peak, and once only the engine holds the weights.
+# file's blocks, no float32 of them, under `memory.loading()`, handed over to the engine),
+# then lets go of the loader's references: its memory at the start, at its peak, and once
+# only the engine holds the weights.
 _LOAD_AND_MEASURE = """
 import gc, json, sys
 import cadence
@@ -480,12 +481,16 @@ from cadence.checkpoints.registry import load_model
 from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine
 from cadence.server import memory
+from cadence.model.cpu_kernels import HandedOver
 jnp.zeros(1).block_until_ready()
 before = memory.resident()
-model = load_model(sys.argv[1], skip_packed=True)
-packed = {path: blocks for path, (blocks, _) in model.packed.items()}
-engine = Engine(model.params, model.config, EngineConfig(
-    num_slots=2, max_seq_len=256, prefill_chunk=64, attention="cpu", decode_matmul="cpu"), packed=packed)
+with memory.loading():
+    model = load_model(sys.argv[1], skip_packed=True)
+    packed = HandedOver((path, blocks) for path, (blocks, _) in model.packed.items())
+    model.packed.clear()
+    engine = Engine(model.params, model.config, EngineConfig(
+        num_slots=2, max_seq_len=256, prefill_chunk=64, attention="cpu", decode_matmul="cpu"),
+        packed=packed)
 del model, packed
 gc.collect()
 memory.release_free()
@@ -499,13 +504,13 @@ print(json.dumps({"grown": after.now - before.now, "peak": after.peak - before.n
 @needs_cpu_kernels
 def test_loading_a_q4_k_m_model_holds_its_blocks_once(tmp_path):
     """Converted Q4_K_M-style models of 2 and 24 layers (8 and 87 MiB files) loaded into an
-    engine, each in a process of its own. What the 22 extra layers cost (the difference, so
-    that the loader's fixed costs cancel), against their blocks and KV: at the peak under 2x,
-    the file never held twice (measured 1.85x; 2.09x when the blocks were read into NumPy's
-    buffers and every one copied to the engine's): the blocks are read into the CPU's own
-    buffers, which the engine places as they are, and only the fused q/k/v and gate/up
-    matrices are new buffers beside their parts for a while. Once the engine alone holds them,
-    under 1.5x (measured 1.39x; the heap keeps some of the parts' freed memory)."""
+    engine as `cadence-serve` loads them, each in a process of its own. What the 22 extra
+    layers cost (the difference, so that the loader's fixed costs cancel) stays within 1.5x
+    their blocks and KV, at the peak (measured 1.18-1.40x from run to run) and once the engine
+    alone holds them (1.12-1.31x). The blocks are read into the CPU's own buffers, which the engine places as they
+    are; the engine takes them over, so a fused q/k/v or gate/up matrix's parts go as it is
+    made; and while loading, large buffers are mappings of their own, given back when freed.
+    Before, the blocks were read into NumPy's buffers and each copied (2.09x at the peak)."""
     import os
     import subprocess
     import sys
@@ -529,7 +534,7 @@ def test_loading_a_q4_k_m_model_holds_its_blocks_once(tmp_path):
     extra = (large + b["kv"]) - (small + a["kv"])
     assert extra > 80 * 2**20
     assert b["grown"] - a["grown"] <= 1.5 * extra, measured
-    assert b["peak"] - a["peak"] < 2 * extra, measured
+    assert b["peak"] - a["peak"] <= 1.5 * extra, measured
 
 
 def test_bad_files_get_clear_errors(tmp_path, tiny_params):
