@@ -134,23 +134,22 @@ def copy_tokenizer(source: str | Path) -> Callable[[gguf.GGUFWriter], None]:
     return add
 
 
-_SHAPE = flags.DEFINE_enum("shape", "qwen2.5-3b", list(SHAPES), "The model shape to write.")
-_TOKENIZER = flags.DEFINE_string("tokenizer_from", None, "A GGUF whose tokenizer to copy (its "
-                                 "vocabulary the shape's): Qwen2.5's for the qwen2.5 shapes.")
-_OUT = flags.DEFINE_string("out", None, "The GGUF to write.", required=True)
-_SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
-
-
 def main(argv: list[str]) -> None:
     del argv
-    arch, config = SHAPES[_SHAPE.value]
-    size = write_random_gguf(_OUT.value, config, arch,
-                             copy_tokenizer(_TOKENIZER.value) if _TOKENIZER.value else None,
-                             seed=_SEED.value)
+    f = flags.FLAGS
+    arch, config = SHAPES[f.shape]
+    size = write_random_gguf(f.out, config, arch,
+                             copy_tokenizer(f.tokenizer_from) if f.tokenizer_from else None,
+                             seed=f.seed)
     matrices = sum(int(np.prod(s.shape)) for s in param_specs(config) if len(s.shape) == 2)
-    print(f"wrote {_OUT.value}: {config.name}, {matrices / 1e9:.2f}B matrix weights, "
+    print(f"wrote {f.out}: {config.name}, {matrices / 1e9:.2f}B matrix weights, "
           f"{size / 2**20:.0f} MiB")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the flags only here: tests import this module beside the server's
+    flags.DEFINE_enum("shape", "qwen2.5-3b", list(SHAPES), "The model shape to write.")
+    flags.DEFINE_string("tokenizer_from", None, "A GGUF whose tokenizer to copy (its vocabulary "
+                        "the shape's): Qwen2.5's for the qwen2.5 shapes.")
+    flags.DEFINE_string("out", None, "The GGUF to write.", required=True)
+    flags.DEFINE_integer("seed", 0, "Random seed.")
     app.run(main)
