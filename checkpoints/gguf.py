@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import gguf
 import jax
+import ml_dtypes
 import numpy as np
 
 from cadence.checkpoints.errors import CheckpointError
@@ -137,12 +138,19 @@ def permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+# GGUF's 16-bit float tensors, as NumPy reads them.
+_SIXTEEN_BIT = {gguf.GGMLQuantizationType.F16: np.dtype(np.float16),
+                gguf.GGMLQuantizationType.BF16: np.dtype(ml_dtypes.bfloat16)}
+
+
 def load_gguf(
     path: str | Path, progress: Callable[[int, int], None] | None = None, *, packable: bool = True,
+    keep_16_bit: bool = False,
 ) -> tuple[ModelConfig, dict, dict[str, Any]]:
     """Reads and dequantizes a GGUF file. `progress(done, total)` is called per tensor. With
     `packable=False`, the matrices `load_packed` packs are not dequantized: their leaves are
-    `jax.ShapeDtypeStruct`s (a conversion stores their blocks alone)."""
+    `jax.ShapeDtypeStruct`s (a conversion stores their blocks alone). With `keep_16_bit`, F16
+    and BF16 tensors stay as stored (a conversion saves them so)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} does not exist; check the path")
@@ -169,14 +177,17 @@ def load_gguf(
         if name not in tensors:
             raise CheckpointError(f"{path}: tensor {name} is missing; the file is incomplete")
         t = tensors[name]
-        try:
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise CheckpointError(
-                f"{path}: tensor {name} has type {t.tensor_type.name}, which cadence cannot "
-                "dequantize; use an F32, F16, BF16, Q8_0 or Q4_x file"
-            ) from None
-        array = np.asarray(array, dtype=np.float32)
+        if keep_16_bit and t.tensor_type in _SIXTEEN_BIT:
+            array = np.ascontiguousarray(t.data).view(_SIXTEEN_BIT[t.tensor_type])
+        else:
+            try:
+                array = gguf.quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError:
+                raise CheckpointError(
+                    f"{path}: tensor {name} has type {t.tensor_type.name}, which cadence cannot "
+                    "dequantize; use an F32, F16, BF16, Q8_0 or Q4_x file"
+                ) from None
+            array = np.asarray(array, dtype=np.float32)
         if array.shape != shape:
             raise CheckpointError(f"{path}: tensor {name} has shape {array.shape}, expected {shape}")
         tick()

@@ -86,8 +86,9 @@ def load_hf_config(folder: str | Path, *, name: str | None = None) -> ModelConfi
         raise CheckpointError(f"{folder / 'config.json'}: {e}") from e
 
 
-def load_hf_params(folder: str | Path, config: ModelConfig) -> Params:
-    """Reads every tensor of `config` from `folder`'s safetensors as float32 numpy arrays."""
+def load_hf_params(folder: str | Path, config: ModelConfig, *, keep_16_bit: bool = False) -> Params:
+    """Reads every tensor of `config` from `folder`'s safetensors as float32 numpy arrays; with
+    `keep_16_bit`, F16 and BF16 tensors stay as stored (a conversion saves them so)."""
     folder = Path(folder)
     files = _tensor_files(folder)
     specs = {s.hf_name: s for s in param_specs(config)}
@@ -123,7 +124,8 @@ def load_hf_params(folder: str | Path, config: ModelConfig) -> Params:
                 for hf_name in names:
                     spec, array = specs[hf_name], f.get_tensor(hf_name)
                     array = array.T if spec.transpose else array
-                    arrays[hf_name] = np.ascontiguousarray(array, dtype=np.float32)
+                    arrays[hf_name] = np.ascontiguousarray(
+                        array, dtype=None if keep_16_bit else np.float32)
                     bar.update()
     return build_tree(specs.values(), lambda spec: arrays[spec.hf_name])
 

@@ -130,14 +130,16 @@ def _convert(source: Path, kind: str, folder: Path) -> None:
                 bar.update(done - bar.n)
 
             # The file's block-quantized matrices are stored as their blocks alone, never
-            # dequantized here (a float32 tree of them would be ~7x the file).
-            config, params, fields = gguf_loader.load_gguf(source, progress, packable=False)
+            # dequantized here (a float32 tree of them would be ~7x the file), and its 16-bit
+            # tensors in 16 bits.
+            config, params, fields = gguf_loader.load_gguf(source, progress, packable=False,
+                                                           keep_16_bit=True)
         packed = gguf_loader.load_packed(source, config)
         tokenizer = Tokenizer.from_gguf_fields(fields)
         generation = GenerationDefaults.from_gguf_fields(fields)
     else:
         config = hf.load_hf_config(source)
-        params = hf.load_hf_params(source, config)
+        params = hf.load_hf_params(source, config, keep_16_bit=True)  # F16/BF16 as stored
         tokenizer = Tokenizer.from_hf_dir(source)
         generation = GenerationDefaults.from_hf_dir(source)
         packed = None

@@ -2,8 +2,9 @@
 
 A converted folder holds
     config.json     `ModelConfig.to_json()`
-    params/         the params pytree, saved with orbax (float32), but for the matrices packed/
-                    holds
+    params/         the params pytree, saved with orbax in the source's dtype (float32, or
+                    float16 / bfloat16 where it stored those), but for the matrices packed/
+                    holds; restored in the dtype asked for (default float32)
     packed/         where the source stored matrices block-quantized (GGUF Q8_0, Q4_0, Q4_1,
                     Q5_0, Q4_K, Q5_K, Q6_K),
                     those matrices as they are, in the CPU kernels' grouped layout (orbax,
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
@@ -43,7 +45,11 @@ from cadence.model.cpu_kernels import unpack_grouped
 from cadence.model.params import abstract_params, nest
 
 Shardings = Callable[[ModelConfig], Any]
-FORMAT_VERSION = 4  # 2: packed/; 3: packed/ holds Q5_0 and the K-quants too; 4: not in params/
+# 2: packed/; 3: packed/ holds Q5_0 and the K-quants too; 4: not in params/; 5: params/ in the
+# source's float dtypes
+FORMAT_VERSION = 5
+# The dtypes params/ stores leaves in: the source's, where it is one of these.
+STORED_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 MARKER = "cadence.json"
 _RESERVED = {MARKER, "config.json", "params", "packed"}
 Packed = dict[tuple[str, ...], tuple[np.ndarray, str]]  # path -> (grouped array, GGUF type)
@@ -78,7 +84,7 @@ def save_converted(folder: str | Path, config: ModelConfig, params: Params,
                 checkpointer.save(tmp / "packed", nest((p, a) for p, (a, _) in packed.items()))
         for name, data in tokenizer_files.items():
             (tmp / name).write_bytes(data)
-        marker = {"format_version": FORMAT_VERSION, "source": source, "dtype": "float32",
+        marker = {"format_version": FORMAT_VERSION, "source": source, "dtype": "source",
                   "tokenizer_files": sorted(tokenizer_files),
                   "packed": {"/".join(p): {"type": kind, "shape": list(a.shape)}
                              for p, (a, kind) in packed.items()}}
@@ -95,14 +101,14 @@ def load_converted(folder: str | Path, shardings: Shardings | None = None,
     kind that was saved: numpy arrays, or jax arrays on the default device. With `shardings`
     (config -> a tree of shardings, e.g. `TensorParallel.storage_shardings`), each leaf is
     restored straight into its shards: every device reads only its part, and no host holds a
-    whole copy. `dtype`: cast to it as restored (default: float32, as stored). The matrices
+    whole copy. `dtype`: cast to it as restored (default: float32). The matrices
     packed/ holds are dequantized from their blocks, one at a time. `skip`: paths whose values
     are not read, left as `jax.ShapeDtypeStruct`s (the matrices an engine reads from the packed
     blocks instead: `load_packed`). `packed`: the folder's blocks, where already read
     (`load_packed`), so that they are not read again."""
     folder = Path(folder).absolute()
     marker = read_marker(folder)
-    if marker["dtype"] != "float32":
+    if marker["dtype"] != "source":
         raise CheckpointError(f"{folder / MARKER}: dtype {marker['dtype']!r} is not supported; "
                               "convert the checkpoint again")
     try:
@@ -233,12 +239,16 @@ def _check_tree(found: dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]],
                 packed_paths: Collection[tuple[str, ...]], config: ModelConfig, what: str,
                 fix: str) -> None:
     """params/ as saved (`found`: path -> (shape, dtype)) against `config`'s tree, the matrices
-    packed/ holds instead of it counted as the float32 leaves they stand for."""
+    packed/ holds instead of it counted as the float32 leaves they stand for, and float16 or
+    bfloat16 leaves as float32 ones."""
     want = _shapes(abstract_params(config))
     unknown = set(packed_paths) - set(want)
     if unknown:
         raise CheckpointError(f"packed names {sorted(unknown)}, which {config.name}'s params lack; {fix}")
     found = found | {path: want[path] for path in packed_paths}
+    # A leaf stored in 16 bits stands for the float32 leaf it widens to.
+    found = {path: (shape, np.dtype(np.float32) if np.dtype(dtype) in STORED_DTYPES else dtype)
+             for path, (shape, dtype) in found.items()}
     missing = ["/".join(p) for p in want if p not in found]
     unexpected = ["/".join(p) for p in found if p not in want]
     wrong = [f"{'/'.join(p)} {found[p][1]}{list(found[p][0])} (want {want[p][1]}"

@@ -359,14 +359,16 @@ def build_from_flags(warm: bool = True) -> Runtime:
         if jax.process_index() == 0:
             resolve(MODEL_FLAG.value)
         multihost.barrier("cadence: the model is converted")
-    # Sharded, the weights land on the devices in the engine's dtype (no float32 copy left there).
+    # Sharded, the weights land on the devices in the engine's dtype (no float32 copy left there);
+    # unquantized, they are restored in it (a GPU's bfloat16: a bf16 checkpoint is never widened).
     # On the CPU kernels with --weights=auto, the file's block-quantized matrices are read as
     # they are, and never as float32.
     kernels = not mesh_devices and cpu_kernels_apply(compute_dtype(), None)
+    as_computed = mesh_devices or (not kernels and WEIGHTS.value in ("auto", "float"))
     with memory.loading():
         model = load_model(MODEL_FLAG.value, shardings=(
             (lambda config: plan(config).storage_shardings()) if mesh_devices else None),
-            dtype=compute_dtype() if mesh_devices else None,
+            dtype=compute_dtype() if as_computed else None,
             skip_packed=kernels and WEIGHTS.value == "auto")
     tp = plan(model.config) if mesh_devices else None
     model, packed = quantize_from_flags(model, kernels)

@@ -29,10 +29,12 @@ Q = gguf.GGMLQuantizationType
 
 
 def write_gguf(path: Path, config, params, quantize: bool, arch: str = "llama",
-               extra: dict[str, np.ndarray] | None = None, metadata=None, blocks=None) -> None:
-    """Writes params with GGUF names, [out, in] rows, permuted q/k, optionally quantized;
-    `extra` tensors (float32) after them, `metadata(writer)` adds keys. `blocks(spec)`: a
-    tensor's (raw blocks, type) to write instead of params' (None: params', as above)."""
+               extra: dict[str, np.ndarray] | None = None, metadata=None, blocks=None,
+               types=None) -> None:
+    """Writes params with GGUF names, [out, in] rows, permuted q/k, optionally quantized (to
+    `types(spec)`'s type, default `_qtype`'s); `extra` tensors (float32) after them,
+    `metadata(writer)` adds keys. `blocks(spec)`: a tensor's (raw blocks, type) to write
+    instead of params' (None: params', as above)."""
     w = gguf.GGUFWriter(str(path), arch)
     add_shape(w, config)
     if metadata:
@@ -43,7 +45,7 @@ def write_gguf(path: Path, config, params, quantize: bool, arch: str = "llama",
         array = array.T if spec.transpose else array  # [out, in] rows, as llama.cpp stores them
         if arch == "llama" and spec.rope_heads:
             array = permute_rope_rows(array, spec.rope_heads)
-        qtype = _qtype(spec) if quantize else Q.F32
+        qtype = (types or _qtype)(spec) if quantize else Q.F32
         array = np.ascontiguousarray(array)
         if blocks and (raw := blocks(spec)) is not None:
             w.add_tensor(spec.gguf_name, raw[0], raw_dtype=raw[1])
@@ -535,6 +537,31 @@ def test_loading_a_q4_k_m_model_holds_its_blocks_once(tmp_path):
     assert extra > 80 * 2**20
     assert b["grown"] - a["grown"] <= 1.5 * extra, measured
     assert b["peak"] - a["peak"] <= 1.5 * extra, measured
+
+
+@pytest.mark.parametrize("kind", ["F16", "BF16"])
+def test_a_16_bit_gguf_is_converted_in_16_bits(tmp_path, tiny_params, kind):
+    """An F16 / BF16 file's matrices are stored as they are, half a float32 conversion's bytes,
+    and restore as float32 to exactly the dequantizing loader's values."""
+    import orbax.checkpoint as ocp
+
+    from cadence.checkpoints import registry
+    from tests.conftest import tiny_tokenizer_fields
+
+    path = tmp_path / f"tiny-{kind}.gguf"
+    write_gguf(path, TINY, tiny_params, quantize=True,
+               types=lambda spec: Q.F32 if len(spec.shape) == 1 else Q[kind],
+               metadata=_tokenizer_keys(tiny_tokenizer_fields(TINY)))
+    folder = registry.resolve(str(path), tmp_path / "cache")
+    with ocp.StandardCheckpointer() as checkpointer:
+        stored = store._flatten(checkpointer.metadata(folder / "params").item_metadata.tree)
+    assert {p: str(leaf.dtype) for p, leaf in stored.items()} == {
+        s.path: "float32" if len(s.shape) == 1 else {"F16": "float16", "BF16": "bfloat16"}[kind]
+        for s in param_specs(TINY)}
+    _, floats, _ = load_gguf(path)
+    for (name, a), (other, b) in zip(_leaves(store.load_converted(folder)[1]), _leaves(floats)):
+        assert name == other and a.dtype == np.float32
+        np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 def test_bad_files_get_clear_errors(tmp_path, tiny_params):

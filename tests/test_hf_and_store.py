@@ -57,6 +57,30 @@ def test_hf_bf16_and_sharded(tmp_path, model):
     assert_trees_equal(rounded, loaded)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_checkpoint_is_converted_in_16_bits(tmp_path, model, dtype, tiny_tokenizer):
+    """An F16 / BF16 checkpoint's conversion stores its tensors as they are (half a float32
+    conversion's bytes; an 8B model's 16 GB, not 32), restores them as float32 by default,
+    exactly their values widened, and in 16 bits straight where asked (a GPU's dtype)."""
+    import orbax.checkpoint as ocp
+
+    from cadence.checkpoints import registry
+
+    config, params = model
+    save_hf(tmp_path / "hf", config, params, dtype=dtype)
+    tiny_tokenizer.save(tmp_path / "hf")
+    folder = registry.resolve(str(tmp_path / "hf"), tmp_path / "cache")
+    with ocp.StandardCheckpointer() as checkpointer:
+        stored = checkpointer.metadata(folder / "params").item_metadata.tree
+    assert {str(leaf.dtype) for leaf in jax.tree.leaves(stored)} == {dtype}
+    rounded = jax.tree.map(lambda x: x.astype(dtype).astype(np.float32), params)
+    assert_trees_equal(rounded, load_converted(folder)[1])
+    narrow = load_converted(folder, dtype=dtype)[1]
+    for a, b in zip(jax.tree.leaves(narrow), jax.tree.leaves(rounded)):
+        assert a.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(np.asarray(a, np.float32), b)
+
+
 def test_untied_config_without_lm_head_loads_tied(tmp_path):
     save_hf(tmp_path, TINY, random_params(TINY))
     raw = json.loads((tmp_path / "config.json").read_text())
