@@ -541,8 +541,8 @@ def test_loading_a_q4_k_m_model_holds_its_blocks_once(tmp_path):
 
 @pytest.mark.parametrize("kind", ["F16", "BF16"])
 def test_a_16_bit_gguf_is_converted_in_16_bits(tmp_path, tiny_params, kind):
-    """An F16 / BF16 file's matrices are stored as they are, half a float32 conversion's bytes,
-    and restore as float32 to exactly the dequantizing loader's values."""
+    """An F16 / BF16 file's matrices are stored as they are, and restore as float32 to exactly
+    the dequantizing loader's values."""
     import orbax.checkpoint as ocp
 
     from cadence.checkpoints import registry

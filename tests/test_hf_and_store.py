@@ -59,9 +59,9 @@ def test_hf_bf16_and_sharded(tmp_path, model):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_a_16_bit_checkpoint_is_converted_in_16_bits(tmp_path, model, dtype, tiny_tokenizer):
-    """An F16 / BF16 checkpoint's conversion stores its tensors as they are (half a float32
-    conversion's bytes; an 8B model's 16 GB, not 32), restores them as float32 by default,
-    exactly their values widened, and in 16 bits straight where asked (a GPU's dtype)."""
+    """An F16 / BF16 checkpoint's conversion stores its tensors as they are, restores them as
+    float32 by default, exactly their values widened, and in 16 bits straight where asked (a
+    GPU's dtype: half the host memory of a float32 restore)."""
     import orbax.checkpoint as ocp
 
     from cadence.checkpoints import registry
