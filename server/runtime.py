@@ -41,15 +41,15 @@ from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from cadence.scheduler.speculative import SpeculativeConfig
 from cadence.server import memory
 from cadence.server.flags import (ATTENTION, COORDINATOR, CPU_KERNELS, DECODE_DEVICES,
-                                   DECODE_STEPS, DTYPE, GRAMMAR_TIMEOUT, KV_DTYPE, KV_MEMORY,
-                                   KV_RESERVATION, LOWER_SHARE, MAX_LOGPROBS, MAX_PREFILL_CHUNKS, MAX_QUEUE,
-                                   MAX_SEQ_LEN, MODEL_FLAG, NUM_CPU_DEVICES, NUM_PROCESSES,
-                                   NUM_SLOTS, NUM_SPECULATIVE_TOKENS, PAGE_SIZE, POLICY,
-                                   PREFILL_CHUNK, PREFILL_DEVICES, PREFILL_SLOTS, PREFIX_CACHING,
-                                   PRIORITY_CLASSES, PROCESS_ID, PROMPT_LOOKUP_MAX,
-                                   PROMPT_LOOKUP_MIN, SLO_ITL, SLO_MARGIN, SLO_TTFT, SPECULATIVE,
-                                   SPECULATIVE_MAX_BATCH, STRUCTURED_OUTPUT, TENSOR_PARALLEL,
-                                   TOKEN_BUDGET, WARMUP, WARMUP_THREADS, WEIGHTS)
+                                  DECODE_STEPS, DTYPE, GRAMMAR_TIMEOUT, KV_DTYPE, KV_MEMORY,
+                                  KV_RESERVATION, LOWER_SHARE, MAX_LOGPROBS, MAX_PREFILL_CHUNKS,
+                                  MAX_QUEUE, MAX_SEQ_LEN, MODEL_FLAG, NUM_CPU_DEVICES,
+                                  NUM_PROCESSES, NUM_SLOTS, NUM_SPECULATIVE_TOKENS, PAGE_SIZE,
+                                  POLICY, PREFILL_CHUNK, PREFILL_DEVICES, PREFILL_SLOTS,
+                                  PREFIX_CACHING, PRIORITY_CLASSES, PROCESS_ID, PROMPT_LOOKUP_MAX,
+                                  PROMPT_LOOKUP_MIN, SLO_ITL, SLO_MARGIN, SLO_TTFT, SPECULATIVE,
+                                  SPECULATIVE_MAX_BATCH, STRUCTURED_OUTPUT, TENSOR_PARALLEL,
+                                  TOKEN_BUDGET, WARMUP, WARMUP_THREADS, WEIGHTS)
 
 
 @dataclasses.dataclass
@@ -164,7 +164,8 @@ def parse_size(text: str) -> int:
 def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int,
                   device: jax.Device | None = None, tp: TensorParallel | None = None) -> int | None:
     """Pages of --kv_cache_dtype for --kv_cache_memory; on a GPU without it, 90% of the memory
-    left after the weights (in `dtype`) on `device`; None (the engine's default: every slot at max_seq_len) otherwise.
+    left after the weights (in `dtype`) on `device`; None (the engine's default: every slot
+    at max_seq_len) otherwise.
     With `tp` the budget is each device's: the weights are on the devices already (restored
     into their shards), and a device holds its KV heads' share of every page, or all of it
     where attention is replicated."""
