@@ -48,6 +48,9 @@ Shardings = Callable[[ModelConfig], Any]
 # 2: packed/; 3: packed/ holds Q5_0 and the K-quants too; 4: not in params/; 5: params/ in the
 # source's float dtypes
 FORMAT_VERSION = 5
+# `load_converted`'s dtype for every leaf as params/ stores it (a checkpoint's 16-bit floats
+# stay 16-bit), rather than one dtype for all.
+AS_STORED = "stored"
 # The dtypes params/ stores leaves in: the source's, where it is one of these.
 STORED_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 MARKER = "cadence.json"
@@ -101,8 +104,9 @@ def load_converted(folder: str | Path, shardings: Shardings | None = None,
     kind that was saved: numpy arrays, or jax arrays on the default device. With `shardings`
     (config -> a tree of shardings, e.g. `TensorParallel.storage_shardings`), each leaf is
     restored straight into its shards: every device reads only its part, and no host holds a
-    whole copy. `dtype`: cast to it as restored (default: float32). The matrices
-    packed/ holds are dequantized from their blocks, one at a time. `skip`: paths whose values
+    whole copy. `dtype`: cast to it as restored (default: float32; `AS_STORED`: each leaf as
+    params/ holds it). The matrices packed/ holds are dequantized from their blocks, one at a
+    time. `skip`: paths whose values
     are not read, left as `jax.ShapeDtypeStruct`s (the matrices an engine reads from the packed
     blocks instead: `load_packed`). `packed`: the folder's blocks, where already read
     (`load_packed`), so that they are not read again."""
@@ -116,7 +120,8 @@ def load_converted(folder: str | Path, shardings: Shardings | None = None,
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"{folder / 'config.json'} is unreadable ({e}); delete {folder} "
                               "and convert again") from e
-    target = _flatten(abstract_params(config, dtype or "float32",
+    as_stored = dtype == AS_STORED
+    target = _flatten(abstract_params(config, "float32" if as_stored else dtype or "float32",
                                       shardings=shardings(config) if shardings else None))
     packed_paths = {tuple(key.split("/")) for key in marker.get("packed") or {}}
     unknown = set(skip) - set(target)
@@ -130,6 +135,9 @@ def load_converted(folder: str | Path, shardings: Shardings | None = None,
                                   "and convert again") from e
     _check_tree(_shapes(stored), packed_paths, config, f"{folder / 'params'}",
                 f"delete {folder} and convert again")
+    if as_stored:  # each leaf in the dtype params/ holds it in
+        target |= {path: jax.ShapeDtypeStruct(shape, dtype, sharding=getattr(target[path], "sharding", None))
+                   for path, (shape, dtype) in _shapes(stored).items()}
     wanted = nest((path, leaf) for path, leaf in target.items()
                   if path not in skip and path not in packed_paths)
     with _quiet(), ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:

@@ -168,7 +168,12 @@ class Engine:
                 params = cpu_kernels.decode_params(params, packed)
             elif packed:
                 raise ValueError("packed matrices are read by decode_matmul='cpu' only")
-            self.params = jax.tree.map(lambda a: cast(jax.device_put(a, self.device), dtype), params)
+            # The kernels' blocks keep their dtype (a checkpoint's 16-bit floats are read as
+            # they are); every other leaf is cast to the compute dtype.
+            self.params = jax.tree_util.tree_map_with_path(
+                lambda path, a: (jax.device_put(a, self.device)
+                                 if str(getattr(path[-1], "key", "")).endswith("_blocked")
+                                 else cast(jax.device_put(a, self.device), dtype)), params)
             # What the programs run: the model as given, or with KV heads repeated (sharding).
             self.compute_config = model_config
             self._pool_at = self._token_at = self._handle_at = self.device

@@ -172,6 +172,30 @@ constexpr int64_t kPrefetchRows = 128;
 
 // The 16 weights of k-row k of a block, as two 8-lane float vectors: float32 as stored, int8
 // widened (its per-column scale is applied to the sums, once).
+// 16-bit float elements (weights a checkpoint stored so, KV pages): widened to float32 as
+// they are loaded, exactly.
+struct BF16 { uint16_t bits; };
+struct F16 { uint16_t bits; };
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BF16* p) {  // bfloat16 is a float32's high half
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const F16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline void load_row(const BF16* w, __m256& w0, __m256& w1) {
+  w0 = load8(w);
+  w1 = load8(w + 8);
+}
+
+inline void load_row(const F16* w, __m256& w0, __m256& w1) {
+  w0 = load8(w);
+  w1 = load8(w + 8);
+}
+
 inline void load_row(const float* w, __m256& w0, __m256& w1) {
   w0 = _mm256_loadu_ps(w);
   w1 = _mm256_loadu_ps(w + 8);
@@ -270,6 +294,14 @@ ffi::Error BlockedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
                          ffi::ResultBuffer<ffi::F32> y) {
   return matmul(pool, x.dimensions(), w.dimensions(), x.typed_data(), w.typed_data(), nullptr,
                 y->typed_data());
+}
+
+// 16-bit float blocks (DT BF16 or F16; T the element type): each weight widened as loaded.
+template <ffi::DataType DT, typename T>
+ffi::Error BlockedMatmul16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<DT> w,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  return matmul(pool, x.dimensions(), w.dimensions(), x.typed_data(),
+                reinterpret_cast<const T*>(w.typed_data()), nullptr, y->typed_data());
 }
 
 ffi::Error BlockedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
@@ -722,19 +754,6 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The pool's element types: float32, or 16-bit (bfloat16, float16) widened as loaded.
-struct BF16 { uint16_t bits; };
-struct F16 { uint16_t bits; };
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const BF16* p) {  // bfloat16 is a float32's high half
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline __m256 load8(const F16* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t d) {
   __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), load8(b));
@@ -901,6 +920,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_blocked_matmul, BlockedMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+#define CADENCE_BLOCKED_16(name, dt, type)                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (BlockedMatmul16<dt, type>),     \
+                                ffi::Ffi::Bind()                       \
+                                    .Ctx<ffi::ThreadPool>()            \
+                                    .Arg<ffi::Buffer<ffi::F32>>()      \
+                                    .Arg<ffi::Buffer<dt>>()            \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+CADENCE_BLOCKED_16(cadence_cpu_blocked_matmul_bf16, ffi::BF16, BF16)
+CADENCE_BLOCKED_16(cadence_cpu_blocked_matmul_f16, ffi::F16, F16)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_blocked_matmul_int8, BlockedMatmulInt8,
                               ffi::Ffi::Bind()

@@ -26,12 +26,13 @@ from absl import logging
 from tqdm import tqdm
 
 from cadence.checkpoints.registry import LoadedModel, cache_dir, load_model, resolve
+from cadence.checkpoints.store import AS_STORED
 from cadence.engine import multihost
 from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine
 from cadence.model import cpu_kernels
 from cadence.model.paged_kv import pages_for_bytes
-from cadence.model.params import MATRICES, cast_bytes, param_specs
+from cadence.model.params import MATRICES, cast_bytes, get, param_specs
 from cadence.model.quant import quantize, quantize_grouped
 from cadence.model.sharding import TensorParallel
 from cadence.scheduler.grammar import GrammarCompiler
@@ -250,6 +251,8 @@ def describe_decode_weights(model: LoadedModel, packed) -> str:
         head = " (the tied LM head in int8)" if WEIGHTS.value == "int4" and model.config.tie_embeddings else ""
         return f"{len(matrices)} matrices in {WEIGHTS.value}{head}, a float16 scale per 32 weights"
     own = collections.Counter(model.packed[p][1] for p in matrices if p in (packed or {}))
+    own.update(get(model.params, p).dtype.name for p in matrices  # 16-bit floats, read as stored
+               if p not in (packed or {}) and get(model.params, p).dtype.itemsize == 2)
     rest = len(matrices) - sum(own.values())
     parts = [f"{n} {'matrix' if n == 1 else 'matrices'} in the checkpoint's own {kind}"
              for kind, n in sorted(own.items())]
@@ -365,12 +368,15 @@ def build_from_flags(warm: bool = True) -> Runtime:
     # On the CPU kernels with --weights=auto, the file's block-quantized matrices are read as
     # they are, and never as float32.
     kernels = not mesh_devices and cpu_kernels_apply(compute_dtype(), None)
+    # On the CPU kernels with --weights=auto, a checkpoint's 16-bit floats stay 16-bit too: the
+    # kernels widen them as they read them.
     as_computed = mesh_devices or (not kernels and WEIGHTS.value in ("auto", "float"))
+    as_stored = kernels and WEIGHTS.value == "auto"
     with memory.loading():
         model = load_model(MODEL_FLAG.value, shardings=(
             (lambda config: plan(config).storage_shardings()) if mesh_devices else None),
-            dtype=compute_dtype() if as_computed else None,
-            skip_packed=kernels and WEIGHTS.value == "auto")
+            dtype=compute_dtype() if as_computed else AS_STORED if as_stored else None,
+            skip_packed=as_stored)
     tp = plan(model.config) if mesh_devices else None
     model, packed = quantize_from_flags(model, kernels)
     weights_line = describe_decode_weights(model, packed) if kernels else ""

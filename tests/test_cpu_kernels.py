@@ -49,6 +49,22 @@ def test_blocked_matmul_matches_xla(rows, k, n):
 
 
 @needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 128), (5, 576, 192), (8, 33, 37)])
+def test_16_bit_blocks_equal_the_float32_kernel_over_them_widened(dtype, rows, k, n):
+    """A checkpoint's bfloat16 / float16 matrix blocked as it is (half float32's bytes): each
+    weight is widened as it is loaded, so the sums are the float32 kernel's over the widened
+    weights, bit for bit."""
+    rng = np.random.default_rng(rows + k + n)
+    x = rng.standard_normal((rows, k), np.float32)
+    w = jnp.asarray(rng.standard_normal((k, n)), dtype)
+    matmul = jax.jit(lambda x, b: cpu_kernels.blocked_matmul(x, b, n))
+    got = matmul(x, cpu_kernels.block(w))
+    want = matmul(x, cpu_kernels.block(w.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@needs_cpu_kernels
 def test_blocked_matmul_keeps_leading_dimensions():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, 2, 48), np.float32)

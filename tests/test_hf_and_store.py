@@ -14,6 +14,7 @@ import safetensors.numpy
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.hf import load_hf_config, load_hf_params, save_hf
 from tests.conftest import random_params
+from tests.fakes import needs_cpu_kernels
 from cadence.checkpoints.store import (
     is_converted, load_converted, load_tokenizer_files, save_converted,
 )
@@ -79,6 +80,38 @@ def test_a_16_bit_checkpoint_is_converted_in_16_bits(tmp_path, model, dtype, tin
     for a, b in zip(jax.tree.leaves(narrow), jax.tree.leaves(rounded)):
         assert a.dtype == np.dtype(dtype)
         np.testing.assert_array_equal(np.asarray(a, np.float32), b)
+
+
+@needs_cpu_kernels
+def test_the_cpu_kernels_read_a_bf16_checkpoint_as_stored(tmp_path, tiny_tokenizer):
+    """Restored as stored (as `cadence-serve` on the CPU kernels does), a BF16 checkpoint's
+    matrices reach the kernels in bfloat16, half float32's bytes, and the engine gives the
+    reference's greedy tokens over the same weights widened to float32."""
+    from cadence.checkpoints import registry
+    from cadence.checkpoints.store import AS_STORED
+    from cadence.engine.config import EngineConfig
+    from cadence.engine.engine import Engine
+    from cadence.engine.reference import greedy_generate
+    from cadence.model import cpu_kernels
+    from cadence.scheduler.request import GenerationParams
+    from tests.fakes import make_scheduler, run_all
+
+    save_hf(tmp_path / "hf", TINY, random_params(TINY, seed=3), dtype="bfloat16")
+    tiny_tokenizer.save(tmp_path / "hf")
+    model = registry.load_model(str(tmp_path / "hf"), tmp_path / "cache", dtype=AS_STORED)
+    widened = registry.load_model(str(tmp_path / "hf"), tmp_path / "cache").params
+    engine = Engine(model.params, TINY, EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=64,
+                                                     attention="cpu", decode_matmul="cpu"))
+    blocked = [a for p, a in jax.tree_util.tree_leaves_with_path(engine.params)
+               if str(getattr(p[-1], "key", "")).endswith("_blocked")]
+    assert blocked and {a.dtype for a in blocked} == {np.dtype(ml_dtypes.bfloat16)}
+    prompts = [list(range(5, 90)), [7, 300, 41, 9]]  # prefill over the GEMM, then the kernel
+    streams = run_all(make_scheduler(engine, tiny_tokenizer, chunk=64, budget=66),
+                      [(p, GenerationParams(max_tokens=12)) for p in prompts])
+    for prompt, stream in zip(prompts, streams):
+        assert stream.request.output_ids == greedy_generate(widened, TINY, prompt, 12, tiny_tokenizer.eos_ids)
+    assert cpu_kernels.blocked_bytes(engine.params) * 2 == cpu_kernels.blocked_bytes(
+        cpu_kernels.decode_params(widened))
 
 
 def test_untied_config_without_lm_head_loads_tied(tmp_path):
