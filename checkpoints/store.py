@@ -106,10 +106,9 @@ def load_converted(folder: str | Path, shardings: Shardings | None = None,
     restored straight into its shards: every device reads only its part, and no host holds a
     whole copy. `dtype`: cast to it as restored (default: float32; `AS_STORED`: each leaf as
     params/ holds it). The matrices packed/ holds are dequantized from their blocks, one at a
-    time. `skip`: paths whose values
-    are not read, left as `jax.ShapeDtypeStruct`s (the matrices an engine reads from the packed
-    blocks instead: `load_packed`). `packed`: the folder's blocks, where already read
-    (`load_packed`), so that they are not read again."""
+    time. `skip`: paths whose values are not read, left as `jax.ShapeDtypeStruct`s (the
+    matrices an engine reads from the packed blocks instead: `load_packed`). `packed`: the
+    folder's blocks, where already read (`load_packed`), so that they are not read again."""
     folder = Path(folder).absolute()
     marker = read_marker(folder)
     if marker["dtype"] != "source":
@@ -136,7 +135,8 @@ def load_converted(folder: str | Path, shardings: Shardings | None = None,
     _check_tree(_shapes(stored), packed_paths, config, f"{folder / 'params'}",
                 f"delete {folder} and convert again")
     if as_stored:  # each leaf in the dtype params/ holds it in
-        target |= {path: jax.ShapeDtypeStruct(shape, dtype, sharding=getattr(target[path], "sharding", None))
+        target |= {path: jax.ShapeDtypeStruct(shape, dtype,
+                                              sharding=getattr(target[path], "sharding", None))
                    for path, (shape, dtype) in _shapes(stored).items()}
     wanted = nest((path, leaf) for path, leaf in target.items()
                   if path not in skip and path not in packed_paths)
@@ -176,7 +176,8 @@ def load_packed(folder: str | Path, paths: Collection[tuple[str, ...]] | None = 
     # device_put then takes as they are: the file's blocks are in memory once, not read into
     # NumPy's buffers and copied again.
     host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    target = nest((tuple(key.split("/")), jax.ShapeDtypeStruct(tuple(e["shape"]), np.uint8, sharding=host))
+    target = nest((tuple(key.split("/")),
+                   jax.ShapeDtypeStruct(tuple(e["shape"]), np.uint8, sharding=host))
                   for key, e in entries.items())
     with _quiet(), ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
         try:
