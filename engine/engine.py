@@ -171,8 +171,7 @@ class Engine:
             # The kernels' blocks keep their dtype (a checkpoint's 16-bit floats are read as
             # they are); every other leaf is cast to the compute dtype.
             self.params = jax.tree_util.tree_map_with_path(
-                lambda path, a: (jax.device_put(a, self.device)
-                                 if str(getattr(path[-1], "key", "")).endswith("_blocked")
+                lambda path, a: (jax.device_put(a, self.device) if cpu_kernels.is_blocked(path)
                                  else cast(jax.device_put(a, self.device), dtype)), params)
             # What the programs run: the model as given, or with KV heads repeated (sharding).
             self.compute_config = model_config

@@ -512,11 +512,16 @@ def decode_params(params: dict[str, Any], packed: dict[tuple[str, ...], Any] | N
     return convert(params, ())
 
 
+def is_blocked(path) -> bool:
+    """Whether a `decode_params` leaf's key path (`jax.tree_util`'s) names a kernel-layout
+    matrix (`kernel_blocked`, `embedding_blocked`), which keeps its own dtype."""
+    return str(getattr(path[-1], "key", "")).endswith("_blocked")
+
+
 def blocked_bytes(tree: dict[str, Any]) -> int:
     """Bytes of the kernel-layout matrices in a `decode_params` tree (its copy of the weights)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return sum(leaf.nbytes for path, leaf in leaves
-               if str(getattr(path[-1], "key", "")).endswith("_blocked"))
+    return sum(leaf.nbytes for path, leaf in leaves if is_blocked(path))
 
 
 def _device_of(array) -> jax.Device | None:

@@ -103,7 +103,7 @@ def test_the_cpu_kernels_read_a_bf16_checkpoint_as_stored(tmp_path, tiny_tokeniz
     engine = Engine(model.params, TINY, EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=64,
                                                      attention="cpu", decode_matmul="cpu"))
     blocked = [a for p, a in jax.tree_util.tree_leaves_with_path(engine.params)
-               if str(getattr(p[-1], "key", "")).endswith("_blocked")]
+               if cpu_kernels.is_blocked(p)]
     assert blocked and {a.dtype for a in blocked} == {np.dtype(ml_dtypes.bfloat16)}
     prompts = [list(range(5, 90)), [7, 300, 41, 9]]  # prefill over the GEMM, then the kernel
     streams = run_all(make_scheduler(engine, tiny_tokenizer, chunk=64, budget=66),
