@@ -130,7 +130,7 @@ def load_converted(folder: str | Path, shardings: Shardings | None = None,
         try:
             stored = checkpointer.metadata(folder / "params").item_metadata.tree
         except (OSError, ValueError) as e:
-            raise CheckpointError(f"{folder / 'params'} is unreadable ({e}); delete {folder} "
+            raise CheckpointError(f"{folder / 'params'} is unreadable ({_reason(e)}); delete {folder} "
                                   "and convert again") from e
     _check_tree(_shapes(stored), packed_paths, config, f"{folder / 'params'}",
                 f"delete {folder} and convert again")
@@ -185,10 +185,16 @@ def load_packed(folder: str | Path, paths: Collection[tuple[str, ...]] | None = 
                 item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                 partial_restore=True))
         except (OSError, ValueError) as e:
-            raise CheckpointError(f"{folder / 'packed'} is unreadable ({e}); delete {folder} "
+            raise CheckpointError(f"{folder / 'packed'} is unreadable ({_reason(e)}); delete {folder} "
                                   "and convert again") from e
     return {path: (np.asarray(leaf), entries["/".join(path)]["type"])
             for path, leaf in _flatten(arrays).items()}
+
+
+def _reason(error: Exception) -> str:
+    """A checkpoint reader's error, without the kilobytes of store specification tensorstore
+    appends to it."""
+    return str(error).split(" [tensorstore_spec", 1)[0]
 
 
 def is_converted(folder: str | Path) -> bool:

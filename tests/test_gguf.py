@@ -564,6 +564,25 @@ def test_a_16_bit_gguf_is_converted_in_16_bits(tmp_path, tiny_params, kind):
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+def test_a_damaged_conversion_is_a_short_clear_error(tmp_path, tiny_params):
+    """A converted folder whose blocks' data is gone: one readable line naming the folder and
+    what to do, not the reader's kilobytes of store specification."""
+    import shutil
+
+    from cadence.checkpoints import registry
+    from tests.conftest import tiny_tokenizer_fields
+
+    path = tmp_path / "tiny-q.gguf"
+    write_gguf(path, TINY, tiny_params, quantize=True, metadata=_tokenizer_keys(tiny_tokenizer_fields(TINY)))
+    folder = registry.resolve(str(path), tmp_path / "cache")
+    shutil.rmtree(folder / "packed" / "d")
+    with pytest.raises(CheckpointError, match="packed is unreadable") as error:
+        registry.load_model(str(path), tmp_path / "cache")
+    message = str(error.value)
+    assert f"delete {folder} and convert again" in message
+    assert "tensorstore_spec" not in message and len(message) < 800, message
+
+
 def test_bad_files_get_clear_errors(tmp_path, tiny_params):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_gguf(tmp_path / "missing.gguf")
