@@ -170,13 +170,12 @@ constexpr int64_t kBlock = 16;  // output columns per block: two 8-lane vectors
 // 16 KiB and the T0/NTA hints all measured alike).
 constexpr int64_t kPrefetchRows = 128;
 
-// The 16 weights of k-row k of a block, as two 8-lane float vectors: float32 as stored, int8
-// widened (its per-column scale is applied to the sums, once).
 // 16-bit float elements (weights a checkpoint stored so, KV pages): widened to float32 as
 // they are loaded, exactly.
 struct BF16 { uint16_t bits; };
 struct F16 { uint16_t bits; };
 
+// 8 elements as an 8-lane float vector.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const BF16* p) {  // bfloat16 is a float32's high half
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -186,19 +185,12 @@ inline __m256 load8(const F16* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-inline void load_row(const BF16* w, __m256& w0, __m256& w1) {
+// The 16 weights of k-row k of a block, as two 8-lane float vectors: float32 as stored, 16-bit
+// floats and int8 widened (int8's per-column scale is applied to the sums, once).
+template <typename T>
+inline void load_row(const T* w, __m256& w0, __m256& w1) {
   w0 = load8(w);
   w1 = load8(w + 8);
-}
-
-inline void load_row(const F16* w, __m256& w0, __m256& w1) {
-  w0 = load8(w);
-  w1 = load8(w + 8);
-}
-
-inline void load_row(const float* w, __m256& w0, __m256& w1) {
-  w0 = _mm256_loadu_ps(w);
-  w1 = _mm256_loadu_ps(w + 8);
 }
 
 inline void load_row(const int8_t* w, __m256& w0, __m256& w1) {
@@ -290,16 +282,10 @@ ffi::Error matmul(ffi::ThreadPool& pool, const ffi::AnyBuffer::Dimensions xd,
   return ffi::Error::Success();
 }
 
-ffi::Error BlockedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                         ffi::ResultBuffer<ffi::F32> y) {
-  return matmul(pool, x.dimensions(), w.dimensions(), x.typed_data(), w.typed_data(), nullptr,
-                y->typed_data());
-}
-
-// 16-bit float blocks (DT BF16 or F16; T the element type): each weight widened as loaded.
+// float32 or 16-bit float blocks (DT the FFI type, T the element type: float, BF16, F16).
 template <ffi::DataType DT, typename T>
-ffi::Error BlockedMatmul16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<DT> w,
-                           ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error BlockedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<DT> w,
+                         ffi::ResultBuffer<ffi::F32> y) {
   return matmul(pool, x.dimensions(), w.dimensions(), x.typed_data(),
                 reinterpret_cast<const T*>(w.typed_data()), nullptr, y->typed_data());
 }
@@ -914,23 +900,18 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_blocked_matmul, BlockedMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-#define CADENCE_BLOCKED_16(name, dt, type)                             \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (BlockedMatmul16<dt, type>),     \
+// The blocked matmul, one handler per weight dtype (model/cpu_kernels.py's MATMUL).
+#define CADENCE_BLOCKED(name, dt, type)                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (BlockedMatmul<dt, type>),       \
                                 ffi::Ffi::Bind()                       \
                                     .Ctx<ffi::ThreadPool>()            \
                                     .Arg<ffi::Buffer<ffi::F32>>()      \
                                     .Arg<ffi::Buffer<dt>>()            \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
-CADENCE_BLOCKED_16(cadence_cpu_blocked_matmul_bf16, ffi::BF16, BF16)
-CADENCE_BLOCKED_16(cadence_cpu_blocked_matmul_f16, ffi::F16, F16)
+CADENCE_BLOCKED(cadence_cpu_blocked_matmul, ffi::F32, float)
+CADENCE_BLOCKED(cadence_cpu_blocked_matmul_bf16, ffi::BF16, BF16)
+CADENCE_BLOCKED(cadence_cpu_blocked_matmul_f16, ffi::F16, F16)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_blocked_matmul_int8, BlockedMatmulInt8,
                               ffi::Ffi::Bind()

@@ -69,9 +69,11 @@ from cadence.model.arith import cdiv
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC", "-w")
 BLOCK = 16  # output columns per block of the blocked layout (cpu_kernels.cc's kBlock)
-MATMUL, MATMUL_INT8 = "cadence_cpu_blocked_matmul", "cadence_cpu_blocked_matmul_int8"
-# Blocks of 16-bit floats (a checkpoint's own bfloat16 / float16), widened as they are loaded.
-MATMUL_16 = {"bfloat16": "cadence_cpu_blocked_matmul_bf16", "float16": "cadence_cpu_blocked_matmul_f16"}
+# The blocked matmul by the weights' dtype: float32, or a checkpoint's own bfloat16 / float16,
+# widened as they are loaded.
+MATMUL = {"float32": "cadence_cpu_blocked_matmul", "bfloat16": "cadence_cpu_blocked_matmul_bf16",
+          "float16": "cadence_cpu_blocked_matmul_f16"}
+MATMUL_INT8 = "cadence_cpu_blocked_matmul_int8"
 GROUP = 32  # k-rows per group of the 32-weight formats (GGUF's block of 32 weights)
 # The grouped formats (cpu_kernels.cc's layouts): k-rows per record, k-rows per scale, and the
 # bytes of one record of a block of 16 columns. q8, q4, q5: GGUF's Q8_0, Q4_0/Q4_1, Q5_0
@@ -149,7 +151,7 @@ def _load() -> str | None:
         library = ctypes.cdll.LoadLibrary(str(_build()))
     except (KernelsUnavailable, OSError) as e:
         return str(e)
-    for name in (MATMUL, MATMUL_INT8, *MATMUL_16.values(), *GROUPED.values(), *DEQUANTIZE.values(),
+    for name in (*MATMUL.values(), MATMUL_INT8, *GROUPED.values(), *DEQUANTIZE.values(),
                  *ATTENTION.values()):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, name)), platform="cpu")
     return None
@@ -191,8 +193,8 @@ def unblock(blocked, n: int):
 def blocked_matmul(x: jax.Array, blocked: jax.Array, n: int, scale: jax.Array | None = None) -> jax.Array:
     """x [..., K] @ W [K, n] in float32, W given as `block(W)`: float32, bfloat16 or float16
     (widened as read), or int8 with `scale` [n], one per output column (`model.quant`),
-    applied to the sums; or W's groups as
-    `pack_grouped` lays them out (uint8 records, their scales inside)."""
+    applied to the sums; or W's groups as `pack_grouped` lays them out (uint8 records, their
+    scales inside)."""
     _require()
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
@@ -204,10 +206,10 @@ def blocked_matmul(x: jax.Array, blocked: jax.Array, n: int, scale: jax.Array | 
             raise ValueError("int8 blocks need their per-column scale")
         scale = jnp.pad(scale.astype(jnp.float32), (0, blocked.shape[0] * BLOCK - n))
         y = jax.ffi.ffi_call(MATMUL_INT8, out)(rows, blocked, scale)
-    elif blocked.dtype.name in MATMUL_16:
-        y = jax.ffi.ffi_call(MATMUL_16[blocked.dtype.name], out)(rows, blocked)
+    elif blocked.dtype.name in MATMUL:
+        y = jax.ffi.ffi_call(MATMUL[blocked.dtype.name], out)(rows, blocked)
     else:
-        y = jax.ffi.ffi_call(MATMUL, out)(rows, blocked.astype(jnp.float32))
+        y = jax.ffi.ffi_call(MATMUL["float32"], out)(rows, blocked.astype(jnp.float32))
     return y[:, :n].reshape(*lead, n)
 
 
