@@ -38,10 +38,10 @@ from typing import Any, Callable
 
 import gguf
 import jax
-import ml_dtypes
 import numpy as np
 
 from cadence.checkpoints.errors import CheckpointError
+from cadence.checkpoints.hf import FLOAT_DTYPES
 from cadence.model import cpu_kernels
 from cadence.model.config import ModelConfig
 from cadence.model.params import MATRICES, ParamSpec, build_tree, param_specs
@@ -139,8 +139,7 @@ def permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 # GGUF's 16-bit float tensors, as NumPy reads them.
-_SIXTEEN_BIT = {gguf.GGMLQuantizationType.F16: np.dtype(np.float16),
-                gguf.GGMLQuantizationType.BF16: np.dtype(ml_dtypes.bfloat16)}
+_SIXTEEN_BIT = {gguf.GGMLQuantizationType[name]: FLOAT_DTYPES[name] for name in ("F16", "BF16")}
 
 
 def load_gguf(

@@ -33,8 +33,11 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}
 # HF's per-family defaults for fields a config.json may omit.
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 32768, "qwen2": 32768}
-_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
-_SAVE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+# The float dtypes checkpoints store tensors in, by their name in safetensors and GGUF; a
+# converted checkpoint keeps each as its source stored it (`checkpoints.store`).
+FLOAT_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+                "BF16": np.dtype(ml_dtypes.bfloat16)}
+_SAVE_DTYPES = {dtype.name: dtype for dtype in FLOAT_DTYPES.values()}  # save_hf's, by name
 _INDEX = "model.safetensors.index.json"
 Params = dict[str, Any]
 
@@ -109,7 +112,7 @@ def load_hf_params(folder: str | Path, config: ModelConfig, *, keep_16_bit: bool
             for hf_name in names:
                 header = f.get_slice(hf_name)
                 shape, dtype = tuple(header.get_shape()), header.get_dtype()
-                if shape != specs[hf_name].stored_shape or dtype not in _FLOAT_DTYPES:
+                if shape != specs[hf_name].stored_shape or dtype not in FLOAT_DTYPES:
                     bad.append(f"{hf_name} {dtype}{list(shape)} (want "
                                f"{list(specs[hf_name].stored_shape)} in F32/F16/BF16)")
     if bad:

@@ -33,13 +33,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
 from cadence.checkpoints.errors import CheckpointError
-from cadence.checkpoints.hf import Params
+from cadence.checkpoints.hf import FLOAT_DTYPES, Params
 from cadence.model.config import ModelConfig
 from cadence.model.cpu_kernels import unpack_grouped
 from cadence.model.params import abstract_params, nest
@@ -51,8 +50,6 @@ FORMAT_VERSION = 5
 # `load_converted`'s dtype for every leaf as params/ stores it (a checkpoint's 16-bit floats
 # stay 16-bit), rather than one dtype for all.
 AS_STORED = "stored"
-# The dtypes params/ stores leaves in: the source's, where it is one of these.
-STORED_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 MARKER = "cadence.json"
 _RESERVED = {MARKER, "config.json", "params", "packed"}
 Packed = dict[tuple[str, ...], tuple[np.ndarray, str]]  # path -> (grouped array, GGUF type)
@@ -262,8 +259,8 @@ def _check_tree(found: dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]],
         raise CheckpointError(f"packed names {sorted(unknown)}, which {config.name}'s params lack; {fix}")
     found = found | {path: want[path] for path in packed_paths}
     # A leaf stored in 16 bits stands for the float32 leaf it widens to.
-    found = {path: (shape, np.dtype(np.float32) if np.dtype(dtype) in STORED_DTYPES else dtype)
-             for path, (shape, dtype) in found.items()}
+    found = {path: (shape, np.dtype(np.float32) if np.dtype(dtype) in FLOAT_DTYPES.values()
+                    else dtype) for path, (shape, dtype) in found.items()}
     missing = ["/".join(p) for p in want if p not in found]
     unexpected = ["/".join(p) for p in found if p not in want]
     wrong = [f"{'/'.join(p)} {found[p][1]}{list(found[p][0])} (want {want[p][1]}"

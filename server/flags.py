@@ -11,7 +11,7 @@ from __future__ import annotations
 from absl import flags
 
 from cadence.checkpoints.registry import DEFAULT_MODEL
-from cadence.engine.config import DEFAULT_PAGE_SIZE, WARMUPS
+from cadence.engine.config import DEFAULT_PAGE_SIZE, KV_DTYPES, WARMUPS
 from cadence.scheduler.policy import POLICIES
 from cadence.scheduler.priority import SLO, PriorityClasses
 from cadence.scheduler.scheduler import KV_RESERVATIONS
@@ -26,7 +26,7 @@ KV_MEMORY = flags.DEFINE_string(
     "--tensor_parallel, per device. Default: on a GPU 90% of what is free after the weights; "
     "elsewhere num_slots x max_seq_len tokens' worth.")
 KV_DTYPE = flags.DEFINE_enum(
-    "kv_cache_dtype", "auto", ["auto", "float32", "bfloat16", "float16"],
+    "kv_cache_dtype", "auto", ["auto", *KV_DTYPES],
     "The KV pool's dtype. auto: the compute dtype (float32 on the CPU, bfloat16 on a GPU). A "
     "16-bit pool on the CPU holds twice the tokens in the same memory, each key and value "
     "rounded to 16 bits (llama.cpp's default cache is float16); attention still computes in "
