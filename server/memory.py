@@ -74,10 +74,9 @@ def loading() -> Iterator[None]:
     of a fused matrix, a reader's buffer) is given back at once rather than left in a heap
     that the next, larger buffer does not fit. With the engine taking the blocks over
     (`cpu_kernels.HandedOver`), loading a Qwen2.5-3B-shaped Q4_K_M model into an engine peaked
-    1.2 GB lower (`bench/results/resident-cpu`). Afterwards allocations up to
-    32 MiB (the most glibc's own adaptive threshold reaches) come from the heap, as a
-    long-running process's do anyway: a program's temporaries are reused, not mapped anew on
-    every run."""
+    1.2 GB lower (`bench/results/resident-cpu`). Afterwards allocations up to 32 MiB (the most
+    glibc's own adaptive threshold reaches) come from the heap, as a long-running process's do
+    anyway: a program's temporaries are reused, not mapped anew on every run."""
     mallopt = _glibc("mallopt")
     if mallopt is not None:
         mallopt(_M_MMAP_THRESHOLD, 1 << 20)

@@ -351,6 +351,26 @@ def warm_up(engines: Sequence[Engine], progress: Callable[[int, int, str], None]
     return seconds
 
 
+def _engines(model: LoadedModel, packed, engine_config: EngineConfig, pair, mesh_devices,
+             tp: TensorParallel | None) -> tuple[tuple[Engine, ...], str]:
+    """The engine (or the disaggregated pair) over the model's weights, and where it runs. One
+    engine takes the packed blocks over (`cpu_kernels.HandedOver`); a pair shares them."""
+    if pair is None:
+        where = jax.devices()[0].platform
+        if tp is not None:
+            where = f"{tp.size} {where} devices ({tp.describe()})"
+        return (Engine(model.params, model.config, engine_config, devices=mesh_devices,
+                       packed=cpu_kernels.HandedOver(packed) if packed else packed),), where
+    # Nothing decodes on the prefill engine, so its packs may take the whole token budget.
+    prefill_config = dataclasses.replace(
+        engine_config, role="prefill", num_slots=PREFILL_SLOTS.value or engine_config.num_slots,
+        prefill_tokens=max(engine_config.prefill_chunk, token_budget()))
+    decode_config = dataclasses.replace(engine_config_from_flags(model, pair[1]), role="decode")
+    return ((Engine(model.params, model.config, prefill_config, device=pair[0], packed=packed),
+             Engine(model.params, model.config, decode_config, device=pair[1], packed=packed)),
+            f"{pair[0]} (prefill) and {pair[1]} (decode), disaggregated")
+
+
 def build_from_flags(warm: bool = True) -> Runtime:
     """Loads the model and builds the engine(s) and the scheduler; `warm=False` leaves warm-up
     to the caller (the server warms up while already answering /health with 503)."""
@@ -366,10 +386,8 @@ def build_from_flags(warm: bool = True) -> Runtime:
     # Sharded, the weights land on the devices in the engine's dtype (no float32 copy left there);
     # unquantized, they are restored in it (a GPU's bfloat16: a bf16 checkpoint is never widened).
     # On the CPU kernels with --weights=auto, the file's block-quantized matrices are read as
-    # they are, and never as float32.
+    # they are, never as float32, and its 16-bit floats stay 16-bit (the kernels widen them).
     kernels = not mesh_devices and cpu_kernels_apply(compute_dtype(), None)
-    # On the CPU kernels with --weights=auto, a checkpoint's 16-bit floats stay 16-bit too: the
-    # kernels widen them as they read them.
     as_computed = mesh_devices or (not kernels and WEIGHTS.value in ("auto", "float"))
     as_stored = kernels and WEIGHTS.value == "auto"
     with memory.loading():
@@ -392,26 +410,9 @@ def build_from_flags(warm: bool = True) -> Runtime:
             f"--max_seq_len={engine_config.max_seq_len} exceeds {model.name}'s context of "
             f"{model.config.max_context} tokens"
         )
-    if pair is None:
-        with memory.loading():
-            engines = (Engine(model.params, model.config, engine_config, devices=mesh_devices,
-                              packed=cpu_kernels.HandedOver(packed) if packed else packed),)
-        del packed
-        where = jax.devices()[0].platform
-        if tp is not None:
-            where = f"{tp.size} {where} devices ({tp.describe()})"
-    else:
-        # Nothing decodes on the prefill engine, so its packs may take the whole token budget.
-        prefill_config = dataclasses.replace(
-            engine_config, role="prefill", num_slots=PREFILL_SLOTS.value or engine_config.num_slots,
-            prefill_tokens=max(engine_config.prefill_chunk, token_budget()))
-        decode_config = dataclasses.replace(
-            engine_config_from_flags(model, pair[1]), role="decode")
-        with memory.loading():
-            engines = (Engine(model.params, model.config, prefill_config, device=pair[0], packed=packed),
-                       Engine(model.params, model.config, decode_config, device=pair[1], packed=packed))
-        del packed
-        where = f"{pair[0]} (prefill) and {pair[1]} (decode), disaggregated"
+    with memory.loading():
+        engines, where = _engines(model, packed, engine_config, pair, mesh_devices, tp)
+    del packed
     for engine in engines:
         cfg = engine.config
         role = "" if cfg.role == "both" else f"{cfg.role} engine: "
