@@ -44,8 +44,10 @@ would miss them and cap lower classes' prefill while a targeted class decodes
 
 The scheduler talks to the engines only through `engine.api.EngineAPI`, so tests can drive it
 with fake engines in milliseconds. Its front door (`submit`, `submit_group`, `cancel` and the
-checks a submission passes) is `submission.Submissions`, its readings `stats.Readings`. What the
-loop uses, module by module: `kv_manager` (each engine's slots and pages: prefix and fork
+checks a submission passes) is `submission.Submissions`, its readings `stats.Readings`; what an
+iteration sends to an engine (admission, the page reservation, the dispatches) is
+`dispatch.Dispatch`, and how results land and requests end (`_apply`, `_finish`, a failed
+engine's `_fail_pool`, `_die`) is `outcomes.Outcomes`. What the loop uses, module by module: `kv_manager` (each engine's slots and pages: prefix and fork
 matching, `reserve`, the pool's pending results), `pages` and `prefix_cache` (the page
 allocator, its null page and the cached prefixes), `policy` (the plan, the decode steps, whether
 and what to draft), `speculative` (whether an engine can verify yet), `priority` (SLO
@@ -66,26 +68,28 @@ import numpy as np
 from absl import logging
 
 from cadence.checkpoints.tokenizer import Tokenizer
-from cadence.engine.api import EngineAPI, PrefillChunk
-from cadence.model.host_sampling import all_allowed
+from cadence.engine.api import EngineAPI
 from cadence.scheduler.config import KV_RESERVATIONS, SchedulerConfig  # noqa: F401 - importers' names
+from cadence.scheduler.dispatch import Dispatch
+from cadence.scheduler.handoff import Handoff, KVTransfer, check_pair  # noqa: F401 - importers' names
+from cadence.scheduler.kv_manager import Pool
+from cadence.scheduler.outcomes import Outcomes
 from cadence.scheduler.policy import (
     Plan, decode_steps, make_plan, propose_drafts, speculates, wants_decode,
 )
-from cadence.scheduler.handoff import Handoff, KVTransfer, check_pair  # noqa: F401 - importers' names
 from cadence.scheduler.priority import AdmissionControl, backlog, prefill_limit
-from cadence.scheduler.kv_manager import Pool
-from cadence.scheduler.request import FinishReason, Request, State
-from cadence.scheduler.results import Pending, Row, Scores
+from cadence.scheduler.request import FinishReason, Request
+from cadence.scheduler.results import Pending
 from cadence.scheduler.speculative import verify_ready
 from cadence.scheduler.stats import IterationRecord, Readings, notify
 from cadence.scheduler.stream import Outbox, RequestStream  # noqa: F401 - importers' names
 from cadence.scheduler.submission import Submissions
 
 
-class Scheduler(Submissions, Readings):
+class Scheduler(Submissions, Dispatch, Outcomes, Readings):
     """The loops, and what they hold: see the module's docstring; its front door: `Submissions`;
-    its readings: `Readings`."""
+    what an iteration sends to the engine: `Dispatch`; how results land and requests end:
+    `Outcomes`; its readings: `Readings`."""
 
     def __init__(self, engine: EngineAPI, tokenizer: Tokenizer, config: SchedulerConfig = SchedulerConfig(),
                  decode_engine: EngineAPI | None = None):
@@ -349,40 +353,6 @@ class Scheduler(Submissions, Readings):
         finally:
             self._state.acquire()
 
-    def _dispatch_verify(self, plan: Plan, pool: Pool, drafts: dict[Request, list[int]]) -> None:
-        """The verify step over the plan's rows, those without drafts scoring their one token,
-        those under a grammar among what it allows at each position (`Matcher.draft_masks`:
-        the drafts before it taken; one whose grammar allows nothing fails alone). Each row is
-        counted as dispatching all its drafts and one token more; applying the result takes
-        back what it did not emit (`_apply`)."""
-        cfg = pool.engine.config
-        k = cfg.speculative_tokens
-        allowed = None  # each position's bitmask, [slots, k + 1, words], where a grammar constrains
-        now = time.monotonic()
-        for r in plan.decode:
-            if r.matcher is None or r.state is not State.DECODING or r.pool is not pool:
-                continue
-            if allowed is None:
-                allowed = all_allowed((pool.num_slots, k + 1), pool.engine.vocab_size)
-            if not r.matcher.draft_masks(drafts.get(r, []), allowed[r.slot]):
-                self._fail_one(r, f"its grammar allows no token: {r.matcher.error}", now)
-        decode = [r for r in plan.decode if r.state is State.DECODING and r.pool is pool]
-        if not decode:
-            return
-        positions = np.zeros(pool.num_slots, np.int32)
-        active = np.zeros(pool.num_slots, bool)
-        tokens = np.zeros((pool.num_slots, k), np.int32)
-        lens = np.zeros(pool.num_slots, np.int32)
-        for r in decode:
-            d = drafts.get(r, [])
-            positions[r.slot] = r.decode_dispatched(len(d) + 1, 1, now)
-            active[r.slot] = True
-            tokens[r.slot, : len(d)], lens[r.slot] = d, len(d)
-        result = pool.engine.verify(positions, active, pool.rows.params(), pool.tables.copy(),
-                                    tokens, lens, allowed)
-        self.spec_drafts += sum(1 for r in decode if r in drafts)
-        pool.expect([Row(r, r.slot) for r in decode], result, [drafts.get(r, []) for r in decode])
-
     def _plan(self, pool: Pool) -> Plan:
         # A request with a result still in flight (disaggregated: preempted on the decode pool
         # while its last step runs) is admitted again only once that result is applied.
@@ -458,241 +428,3 @@ class Scheduler(Submissions, Readings):
                 self._fail_one(r, f"its programs failed to compile: {type(errors[0]).__name__}: "
                                   f"{errors[0]}", now)
 
-    def _admit(self, plan: Plan, pool: Pool, now: float) -> None:
-        for r in plan.preempt:  # lower priorities making room for those admitted
-            self._preempt(r, "a request of a better priority needs its slot or pages")
-            self.priority_preemptions += 1
-        for r in plan.admit:
-            self._waiting.remove(r)
-            pool.take(r)
-            r.state = State.PREFILLING
-            r.admitted = r.admitted or now
-            if r.preemptions:
-                r.readmitted()
-            pool.take_prefix(r)
-            try:
-                pool.rows.set(r.slot, r.params.sampling, r.eos_ids, r.params.logprobs is not None)
-            except Exception as e:  # this request's values, this request's failure
-                self._fail_one(r, f"its sampling parameters cannot be packed: {e}", now)
-                continue
-            if r.params.sampling.penalized:  # its slot's history, before its prefill samples
-                try:
-                    pool.engine.set_history(r.slot, r.prompt_ids, r.output_ids)
-                except Exception as e:  # the history buffer went into a failed program
-                    logging.exception("setting %s's token history failed", r.id)
-                    self._fail_pool(pool, f"{type(e).__name__}: {e}")
-                    return
-
-    def _dispatch_prefill(self, plan: Plan, pool: Pool, rows) -> tuple[int, int]:
-        """Returns (programs, chunks) dispatched."""
-        try:  # forked sequences' copies of their prompt's last page, before the prefill
-            pool.copy_forked_pages()
-        except Exception as e:
-            logging.exception("copying forked pages failed")
-            self._fail_pool(pool, f"{type(e).__name__}: {e}")
-        chunks, firsts, scored = [], [], []
-        allowed = None  # the token bitmasks of the slots whose first token a grammar constrains
-        for chunk in plan.prefill:
-            r = chunk.request
-            if r.finished or r.state is State.WAITING:
-                continue  # failed, or preempted or sent back by the page reservation
-            if chunk.final and r.matcher is not None:
-                if allowed is None:
-                    allowed = all_allowed(pool.num_slots, pool.engine.vocab_size)
-                if not r.matcher.fill(allowed[r.slot]):
-                    self._fail_one(r, f"its grammar allows no token: {r.matcher.error}", time.monotonic())
-                    continue
-            start, end = chunk.start, chunk.start + chunk.length
-            ids = r.prefill_ids[start:end]
-            targets = None
-            if r.prompt_logprobs is not None and None in r.prompt_logprobs[start + 1 : end + 1]:
-                # each position's next prompt token (none after the prompt's last)
-                targets = r.prompt_ids[start + 1 : end + 1] + [-1] * max(0, end + 1 - r.prompt_len)
-                scored.append(Row(r, Scores(len(chunks), start)))
-            if chunk.final:
-                firsts.append(Row(r, len(chunks)))
-            chunks.append(PrefillChunk(r.slot, ids, start, chunk.final, r.pages, targets))
-            r.prefill_dispatched(chunk.length, chunk.final)
-            if chunk.final:
-                r.state = State.DECODING
-                if self.disaggregated and r.dispatched < r.max_tokens:
-                    self._handoff.queue(r)  # its decode steps run on the decode pool
-        if not chunks:
-            return 0, 0
-        # One call for every chunk: the engine packs them into one program (usually). Its
-        # result is awaited next iteration even without a final chunk among them, so the
-        # device never queues more than one pack ahead of what the host has seen.
-        tokens = pool.engine.prefill(chunks, rows, allowed)
-        self.prefill_programs += tokens.programs
-        self.prefill_chunks += len(chunks)
-        pool.expect(scored + firsts, tokens)  # a prompt's scores before its first token
-        return tokens.programs, len(chunks)
-
-    def _dispatch_decode(self, plan: Plan, pool: Pool, rows) -> None:
-        decode = [r for r in plan.decode if r.state is State.DECODING and r.pool is pool]
-        if not decode:
-            return
-        now = time.monotonic()
-        positions = np.zeros(pool.num_slots, np.int32)
-        active = np.zeros(pool.num_slots, bool)
-        for r in decode:
-            positions[r.slot] = r.decode_dispatched(plan.steps, plan.steps, now)
-            active[r.slot] = True
-        # A copy: JAX may alias host buffers on the CPU, and the table changes next step.
-        if any(r.matcher is not None for r in decode):  # sampled once the bitmasks are filled
-            pool.engine.decode_forward(positions, active, rows, pool.tables.copy())
-            pool.split = [Row(r, r.slot) for r in decode]
-            return
-        tokens = pool.engine.decode(positions, active, rows, pool.tables.copy(), plan.steps)
-        pool.expect([Row(r, r.slot) for r in decode], tokens)
-
-    def _sample_split(self, pool: Pool) -> None:
-        """The second half of a split decode step, once the tokens before it are applied: each
-        constrained row's bitmask from its grammar, then the sampling. A request that ended
-        meanwhile takes no token, and one whose grammar allows none fails alone."""
-        decode, pool.split = pool.split, None
-        allowed = all_allowed(pool.num_slots, pool.engine.vocab_size)
-        drop, kept = [], []
-        for r, slot in decode:
-            if r.finished or r.pool is not pool:
-                drop.append(slot)
-            elif r.matcher is not None and not r.matcher.fill(allowed[slot]):
-                self._fail_one(r, f"its grammar allows no token: {r.matcher.error}", time.monotonic())
-                drop.append(slot)
-            else:
-                kept.append(Row(r, slot))
-        tokens = pool.engine.decode_sample(allowed, drop)
-        pool.expect(kept, tokens)
-
-    def _reserve(self, pool: Pool, plan: Plan) -> None:
-        """The pages this iteration's work needs (`Pool.reserve`); what did not fit goes back
-        to the head of the queue: each request preempted as it was, then those sent back, ahead
-        of them and in their order."""
-        reservation = pool.reserve(plan)
-        for r in reservation.preempted:
-            self._waiting.appendleft(r)
-            self.preemptions += 1
-        for r in reversed(reservation.sent_back):
-            self._waiting.appendleft(r)
-
-    def _preempt(self, r: Request, why: str) -> None:
-        r.pool.preempt(r, why)
-        self._waiting.appendleft(r)
-        self.preemptions += 1
-
-    def _apply(self, results: list[Pending], arrays: list[np.ndarray]) -> int:
-        """`results` and their tokens as read: each request's tokens, a row per step, taken in
-        order until the request ends (`Pending.read`); of a verify step, the tokens each row
-        emitted, its counts of dispatched tokens and KV cut to them before any is taken (its
-        pages publish only verified KV). Returns the drafts accepted."""
-        vocab = self.engine.vocab_size
-        accepted = 0
-        for result, values in zip(results, arrays):
-            now = time.monotonic()
-            steps, logprobs = result.read(values)
-            emitted = None if result.drafts is None else result.tokens.emitted()
-            for i, (r, index) in enumerate(result.rows):
-                r.unapplied -= 1
-                if isinstance(index, Scores):
-                    r.take_scores(result.tokens.scores()[index.chunk], index.start)
-                    continue
-                column = steps[:, index].tolist()
-                if emitted is not None:  # a verify step: its row's tokens, and its true length
-                    drafts, column = result.drafts[i], column[: emitted[index]]
-                    r.not_emitted(len(drafts) + 1 - len(column))
-                    if drafts and not r.finished:
-                        accepted += r.drafter.observe(drafts, column)
-                for step, token in enumerate(column):
-                    if r.finished:
-                        break  # a step dispatched before the request ended: discard
-                    logprob = None
-                    if logprobs is not None and r.logprobs is not None:
-                        logprob = tuple(a[step, index] for a in logprobs)
-                    self._take(r, token, vocab, now, logprob)
-        self.spec_accepted += accepted
-        return accepted
-
-    def _take(self, r: Request, token: int, vocab: int, now: float, logprob=None) -> None:
-        """One of `r`'s tokens (and its logprobs, if it asked): accepted and streamed, or the
-        reason it ends."""
-        if not 0 <= token < vocab:
-            self._fail_one(r, f"the engine returned token id {token}, outside the vocabulary "
-                              f"[0, {vocab})", now)
-            return
-        try:
-            reason = r.accept(token, now, logprob)
-        except Exception as e:  # its detokenizer or stop strings: its failure alone
-            logging.exception("request %s failed while taking a token", r.id)
-            self._fail_one(r, f"{type(e).__name__}: {e}", now)
-            return
-        if reason is not None:
-            self._finish(r, reason, now)
-
-    def _finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
-        if r.pool is not None:
-            if reason is not FinishReason.ERROR:  # a failed engine's KV is not to be trusted
-                r.pool.publish(r)
-            r.pool.release(r)
-        elif r in self._waiting:  # waiting, or preempted and its last step's result ended it
-            self._waiting.remove(r)
-        try:
-            record = r.finish(reason, now, error)
-        except Exception:  # its client cannot be told; the slot is free all the same
-            logging.exception("request %s failed while finishing", r.id)
-            return
-        notify(self.listeners, record)
-
-    def _fail_one(self, r: Request, message: str, now: float) -> None:
-        logging.error("request %s failed: %s", r.id, message)
-        self._finish(r, FinishReason.ERROR, now, message)
-
-    def _forget(self, results: list[Pending], message: str) -> None:
-        """Dispatched results that will never be applied. A request that was waiting for one
-        and still runs (disaggregated: moved on to the decode pool before its first token was
-        read) has lost that token and fails; a waiting one recomputes it when admitted again."""
-        now = time.monotonic()
-        for result in results:
-            for r, _ in result.rows:
-                r.unapplied -= 1
-                if not r.finished and r.state is not State.WAITING:
-                    self._fail_one(r, message, now)
-
-    def _fail_pool(self, pool: Pool, message: str) -> None:
-        """After a failed engine call: the pool's requests' KV may be lost, so they end with
-        the error; its engine rebuilds its state; everything else goes on. If the rebuild
-        fails too, the scheduler is dead. Under the state lock, from either loop."""
-        now = time.monotonic()
-        # Results not yet taken by an iteration are dropped; those an iteration is reading
-        # (`applying`) it still applies, to requests that are finished by then.
-        self._forget(pool.pending, message)
-        pool.pending, pool.split = [], None  # (a split step's sampling will not run)
-        for r in list(pool.running):
-            self._finish(r, FinishReason.ERROR, now, message)
-        pool.pages.clear_cache()  # recover() rebuilds the KV: no cached page holds its prefix now
-        try:
-            pool.engine.recover()
-        except Exception as e:
-            logging.exception("engine recovery failed")
-            self._die(f"the engine could not recover from '{message}': {type(e).__name__}: {e}")
-
-    def _die(self, reason: str) -> None:
-        """The loop cannot go on: refuse new work and end every request held with the reason."""
-        logging.error("cadence scheduler is dead: %s; every request it holds fails", reason)
-        with self._state:
-            with self._lock:
-                self.dead = reason
-                self._accepting = False
-                held = [*(r for p in self.pools for r in p.running), *self._waiting, *self._inbox]
-                self._inbox.clear()
-                self._cancels.clear()
-                self._changed()
-            self._waiting.clear()
-            self._handoff.clear()
-            for pool in self.pools:
-                pool.pending, pool.applying, pool.split = [], [], None
-            now = time.monotonic()
-            for r in held:
-                if not r.finished:
-                    self._finish(r, FinishReason.ERROR, now, f"the engine is dead: {reason}")
-        self._outbox.deliver()
-        self._handoff.end()
