@@ -36,7 +36,8 @@ afterwards `compilations_after_warmup` must stay 0.
 The pieces it is built from live beside it: its configuration and shape buckets in
 `engine.config`, the jitted programs in `engine.programs`, what its calls return (`KVHandle`,
 `PrefillTokens`, `DecodeTokens`) in `engine.results`, and warm-up's list of programs and its
-compiling in `engine.warmup`.
+compiling in `engine.warmup` (`Compiling`, mixed in), and its calls on a slot's KV and history
+besides the steps in `engine.kv_ops` (`KVOps`, mixed in).
 
 On the CPU, decode can run cadence's own kernels (`model.cpu_kernels`): `attention="cpu"` for
 its attention and `decode_matmul="cpu"` for its matmuls, which read the weights in the kernel's
@@ -58,8 +59,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
@@ -68,18 +68,19 @@ import numpy as np
 from absl import logging
 
 from cadence.engine import compile_counter
-from cadence.engine.config import GROUPS, WARMUPS, EngineConfig
+from cadence.engine.config import EngineConfig
 from cadence.engine.packing import Pack, PrefillChunk, bucket_for, pack_chunks
 from cadence.engine.programs import jit_programs
-from cadence.engine.results import DecodeTokens, KVHandle, PrefillTokens
-from cadence.engine.warmup import WarmProgram, compile_programs, list_programs, spec
+from cadence.engine.results import DecodeTokens, PrefillTokens
+from cadence.engine.kv_ops import KVOps
+from cadence.engine.warmup import Compiling, spec
 from cadence.model import cpu_kernels
 from cadence.model.config import ModelConfig
 from cadence.model.llama import rope_table
 from cadence.model.params import cast
 from cadence.model.sharding import TensorParallel
 from cadence.model.paged_kv import PagedKVCache
-from cadence.model.host_sampling import NO_TOKEN, SamplingRows, gather_allowed
+from cadence.model.host_sampling import SamplingRows, gather_allowed
 from cadence.model.sampling import Logprobs, SamplingParams, TokenHistory
 
 
@@ -134,7 +135,11 @@ class _PendingStep:
 
 
 
-class Engine:
+class Engine(KVOps, Compiling):
+    """See the module's docstring. Its calls on a slot's KV and history besides the steps
+    (page copies, token histories, KV moves, recovery) are `engine.kv_ops.KVOps`; warm-up and
+    compiling on first use, `engine.warmup.Compiling`."""
+
     def __init__(self, params, model_config: ModelConfig, config: EngineConfig = EngineConfig(),
                  device: jax.Device | None = None, devices: Sequence[jax.Device] | None = None,
                  packed: Mapping[tuple[str, ...], np.ndarray] | None = None):
@@ -434,39 +439,6 @@ class Engine:
             _copy_to_host(logprobs)
         return DecodeTokens(tokens, steps, logprobs, emitted)
 
-    def copy_pages(self, sources: Sequence[int], targets: Sequence[int]) -> None:
-        """Copies the KV of pages `sources` onto pages `targets` (pairwise, at most num_slots
-        pairs a call): how a later sequence of a group (n > 1) gets its own copy of the page
-        holding the prompt's last token. Returns at once."""
-        cfg = self.config
-        if len(sources) != len(targets) or len(sources) > cfg.num_slots:
-            raise ValueError(f"copy_pages takes up to {cfg.num_slots} (source, target) pairs, got "
-                             f"{len(sources)} sources and {len(targets)} targets")
-        for page in (*sources, *targets):
-            if not 0 <= page < self.num_pages:
-                raise ValueError(f"page {page} is not in the pool [0, {self.num_pages})")
-        src = np.zeros(cfg.num_slots, np.int32)
-        dst = np.full(cfg.num_slots, self.num_pages, np.int32)  # padding: past the pool
-        src[: len(sources)], dst[: len(targets)] = sources, targets
-        self._ensure("copy")
-        self.cache = self._copy(self.cache, src, dst)
-
-    def set_history(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int] = ()) -> None:
-        """Makes `slot`'s token history (what presence, frequency and repetition penalties
-        read) that of a sequence with this prompt and output so far; the programs count every
-        token the slot samples after. Call it when a penalized request takes a slot, before
-        its next prefill or decode. Returns at once."""
-        cfg = self.config
-        if not 0 <= slot < cfg.num_slots:
-            raise ValueError(f"slot {slot} is not in [0, {cfg.num_slots})")
-        n = len(prompt_ids) + len(output_ids)
-        if n > cfg.max_seq_len:
-            raise ValueError(f"a history of {n} tokens overflows max_seq_len={cfg.max_seq_len}")
-        tokens = np.full(cfg.max_seq_len, NO_TOKEN, np.int32)
-        tokens[:n] = np.asarray([*prompt_ids, *output_ids], np.int32)
-        self._ensure("history")
-        self.history = self._history(self.history, np.int32(slot), tokens, np.int32(len(prompt_ids)))
-
     def _decode_plan(self, lengths: np.ndarray) -> tuple[bool, int]:
         """The cheaper decode program for these live lengths (whether the batched one), and its
         page-table width.
@@ -488,199 +460,11 @@ class Engine:
             raise ValueError(f"this engine runs {self.config.role} only; {phase} belongs to the "
                              f"other engine of the pair")
 
-    def _check(self, slot: int, pages: Sequence[int], needed: int) -> None:
-        """A call's slot and pages: the slot exists, and `pages` holds `needed` pages."""
-        if not 0 <= slot < self.config.num_slots:
-            raise ValueError(f"slot {slot} is not in [0, {self.config.num_slots})")
-        if len(pages) < needed:
-            raise ValueError(f"{len(pages)} pages cannot hold {needed} pages of "
-                             f"{self.config.page_size} tokens")
-
-    # -- moving a sequence's KV ------------------------------------------------------------
-
-    def extract(self, pages: Sequence[int], length: int, slot: int) -> KVHandle:
-        """The KV of the sequence at positions [0, length), held in `pages` (in order), and
-        `slot`'s next decode input, as a `KVHandle`. The pages are left as they were: freeing
-        them is the caller's business. Returns at once (the copy runs on the device)."""
-        cfg = self.config
-        if not 0 < length <= cfg.max_seq_len:
-            raise ValueError(f"a sequence holds 1..{cfg.max_seq_len} tokens of KV, got {length}")
-        count = cfg.pages_for(length)
-        self._check(slot, pages, count)
-        ids = np.zeros(bucket_for(cfg.page_buckets, count), np.int32)
-        ids[:count] = pages[:count]
-        self._ensure("transfer")
-        k, v, token = self._extract(self.cache, self.last_tokens, ids, np.int32(slot))
-        return KVHandle(k=k, v=v, next_token=token, length=length, page_size=cfg.page_size)
-
-    def receive(self, handle: KVHandle) -> KVHandle:
-        """Starts copying `handle` onto this engine's device and returns the copy at once; it
-        is ready (`is_ready`) when the copy has landed, and `insert` then waits for nothing."""
-        return self._place(handle)
-
-    def _place(self, handle: KVHandle) -> KVHandle:
-        return handle.to(self._handle_at, self._token_at)
-
-    def insert(self, handle: KVHandle, pages: Sequence[int], slot: int) -> KVHandle:
-        """Writes `handle`'s KV into `pages` of this engine's pool (free pages the caller
-        allocated, at least `handle.num_pages`) and makes its next token `slot`'s next decode
-        input: decoding then continues exactly where the engine it came from left off. The
-        handle stays valid (nothing of it is donated), so a failed insert loses nothing.
-        Returns the handle as copied onto this engine's device (the same one if it was there):
-        it is ready when the transfer is done. Returns at once."""
-        cfg, mc = self.config, self.compute_config
-        want = (mc.num_layers, mc.num_kv_heads, handle.k.shape[2], cfg.page_size, mc.head_dim)
-        if handle.page_size != cfg.page_size or handle.k.shape != want:
-            raise ValueError(
-                f"a KV handle of shape {handle.k.shape} (pages of {handle.page_size} tokens) does "
-                f"not fit this engine's pool ({mc.num_layers} layers x {mc.num_kv_heads} KV heads "
-                f"x pages of {cfg.page_size} x head_dim {mc.head_dim})")
-        if handle.length > cfg.max_seq_len:
-            raise ValueError(f"the handle holds {handle.length} tokens; max_seq_len is {cfg.max_seq_len}")
-        self._check(slot, pages, handle.num_pages)
-        ids = np.full(handle.k.shape[2], self.num_pages, np.int32)  # padding: past the pool
-        ids[: handle.num_pages] = pages[: handle.num_pages]
-        here = self._place(handle)
-        self._ensure("transfer")
-        self.cache, self.last_tokens = self._insert(
-            self.cache, self.last_tokens, here.k, here.v, ids, np.int32(slot), here.next_token)
-        return here
-
-    def recover(self) -> None:
-        """After a failed call: a fresh page pool and next-token buffer, whatever the failure
-        left behind (donated and deleted, half-written, or poisoned). Every sequence's KV is
-        lost, so call it only with no request running; the scheduler does, after failing the
-        requests that were."""
-        cfg = self.config
-        self.cache = self.last_tokens = self.history = None  # let the old buffers go first
-        self._pending = None  # a split decode step's logits went with them
-        self.cache = PagedKVCache.create(self.compute_config, cfg.pool_pages, cfg.page_size,
-                                         jnp.dtype(cfg.pool_dtype), device=self._pool_at)
-        self.last_tokens = jnp.zeros((cfg.num_slots,), jnp.int32, device=self._token_at)
-        self.history = TokenHistory.create(cfg.num_slots, self.model_config.vocab_size,
-                                           device=self._token_at)
-        # Counted here, once: a metrics reader on another thread may otherwise meet the pool
-        # between a program's donation of it and the return of its successor.
-        self._kv_cache_bytes = sum(shard.data.nbytes for layer in self.cache.k + self.cache.v
-                                   for shard in layer.addressable_shards)
-
-    # -- warm-up and accounting ---------------------------------------------------------------
-
-    def program_groups(self, warmup: str = "all") -> tuple[str, ...]:
-        """The groups of programs (`GROUPS`) this engine's role and configuration run; with
-        warmup="needed", those every request needs (prefill and decode, and moving KV for one
-        engine of a disaggregated pair), which warm-up compiles: the rest compile on first use."""
-        if warmup not in WARMUPS:
-            raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
-        cfg = self.config
-        groups = [g for g in GROUPS if not (
-            (cfg.role == "decode" and g in ("prefill", "scoring"))
-            or (cfg.role == "prefill" and g in ("decode", "structured"))
-            or (g == "structured" and not cfg.structured_output)
-            or (g == "speculative" and (cfg.speculative_tokens == 0 or cfg.role == "prefill")))]
-        if warmup == "needed":
-            groups = [g for g in groups if g in ("prefill", "decode")
-                      or (g == "transfer" and cfg.role != "both")]
-        return tuple(groups)
-
-    def warm_programs(self, groups: Sequence[str] | None = None) -> list[WarmProgram]:
-        """The programs of `groups` (default: every group this engine runs), in warm-up's order,
-        over abstract device buffers: what `warmup` and `prepare` compile (`list_programs`)."""
-        return list_programs(self._programs, self.config, self.compute_config, self._specs,
-                             self._handle_sharding,
-                             self.program_groups() if groups is None else groups)
-
-    def warmup(self, progress: Callable[[int, int, str], None] | None = None,
-               warmup: str = "all", workers: int | None = None) -> None:
-        """Compiles the programs of `program_groups(warmup)` ("all": every program this engine
-        can run; "needed": those every request runs, the rest on first use), `workers` at a time
-        (`compile_programs`): each is traced and lowered here, one after another, and compiled
-        on a pool thread. Nothing runs,
-        so no device state changes. `progress(done, total, name)` follows each compile."""
-        groups = self.program_groups(warmup)
-        programs = self.warm_programs(groups)
-        compile_programs(programs, progress, workers)
-        with self._lock:
-            self._ready = set(groups)
-        self._warm_compiles = compile_counter.count() - compile_counter.on_demand_count()
-        self._warm_on_demand = compile_counter.on_demand_count()
-
-    def ready(self, group: str) -> bool:
-        """Whether `group`'s programs are compiled (or compile inline, on an engine never warmed
-        up, as any jitted function does)."""
-        return self._warm_compiles is None or group in self._ready or group not in self.program_groups()
-
-    def prepare(self, groups: Sequence[str]) -> Future | None:
-        """Starts compiling the programs of `groups` that are not compiled yet, on a thread of
-        the engine's own, and returns at once: None when there is nothing to wait for, else a
-        future done when all are compiled (its exception: why one failed). A group compiles
-        once, whoever asks first; the others wait on the same future. The scheduler parks a
-        request that needs one until it is done (`scheduler.scheduler`), so other requests
-        never wait for it; a direct call (`_ensure`) waits."""
-        missing = [g for g in groups if not self.ready(g)]
-        if not missing:
-            return None
-        with self._lock:
-            futures = []
-            for group in missing:
-                if group not in self._compiling:
-                    programs = self.warm_programs([group])
-                    self._compiling[group] = self._compiler.submit(self._compile_group, group, programs)
-                futures.append(self._compiling[group])
-        if len(futures) == 1:
-            return futures[0]
-        both: Future = Future()
-        pending = [len(futures)]
-
-        def one_done(f: Future) -> None:
-            with self._lock:
-                pending[0] -= 1
-                last = pending[0] == 0
-            if f.exception() is not None and not both.done():
-                both.set_exception(f.exception())
-            elif last and not both.done():
-                both.set_result(None)
-
-        for f in futures:
-            f.add_done_callback(one_done)
-        return both
-
-    def _compile_group(self, group: str, programs: list[WarmProgram]) -> None:
-        start = time.monotonic()
-        with compile_counter.on_demand():
-            compile_programs(programs, workers=1)
-        with self._lock:
-            self._ready.add(group)
-        logging.info("compiled %s on first use (%d programs, %.1f s)", group, len(programs),
-                     time.monotonic() - start)
-
-    def _ensure(self, group: str) -> None:
-        """Before a program of `group` runs: compiled on demand if warm-up left it out."""
-        future = self.prepare([group])
-        if future is not None:
-            future.result()
-
-    @property
-    def compilations_on_demand(self) -> int:
-        """Compilations of programs warm-up left for their first use, since warm-up."""
-        if self._warm_compiles is None:
-            return 0
-        return compile_counter.on_demand_count() - self._warm_on_demand
+    # -- accounting ---------------------------------------------------------------------------
 
     @property
     def num_pages(self) -> int:
         return self.config.pool_pages
-
-    @property
-    def warmed_up(self) -> bool:
-        return self._warm_compiles is not None
-
-    @property
-    def compilations_after_warmup(self) -> int:
-        """Compilations since warm-up, those of programs compiled on first use excepted."""
-        if self._warm_compiles is None:
-            return 0
-        return compile_counter.count() - compile_counter.on_demand_count() - self._warm_compiles
 
     @property
     def vocab_size(self) -> int:

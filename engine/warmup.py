@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -22,7 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cadence.engine.config import EngineConfig
+from absl import logging
+
+from cadence.engine import compile_counter
+from cadence.engine.config import GROUPS, WARMUPS, EngineConfig
 from cadence.engine.packing import empty_pack
 from cadence.engine.programs import Programs, sampling_rows
 from cadence.model.config import ModelConfig
@@ -154,3 +158,121 @@ def list_programs(programs: Programs, cfg: EngineConfig, mc: ModelConfig, specs:
     add("copy", "copy", programs.copy, cache, np.zeros(cfg.num_slots, np.int32),
         np.zeros(cfg.num_slots, np.int32))
     return out
+
+
+class Compiling:
+    """Warm-up and compiling on first use, for an `engine.engine.Engine` (its config, programs,
+    `_lock`, and the `_compiler` thread it compiles groups on). Until `warmup` runs, every
+    program compiles inline on its first call, as any jitted function does."""
+
+    def program_groups(self, warmup: str = "all") -> tuple[str, ...]:
+        """The groups of programs (`GROUPS`) this engine's role and configuration run; with
+        warmup="needed", those every request needs (prefill and decode, and moving KV for one
+        engine of a disaggregated pair), which warm-up compiles: the rest compile on first use."""
+        if warmup not in WARMUPS:
+            raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
+        cfg = self.config
+        groups = [g for g in GROUPS if not (
+            (cfg.role == "decode" and g in ("prefill", "scoring"))
+            or (cfg.role == "prefill" and g in ("decode", "structured"))
+            or (g == "structured" and not cfg.structured_output)
+            or (g == "speculative" and (cfg.speculative_tokens == 0 or cfg.role == "prefill")))]
+        if warmup == "needed":
+            groups = [g for g in groups if g in ("prefill", "decode")
+                      or (g == "transfer" and cfg.role != "both")]
+        return tuple(groups)
+
+    def warm_programs(self, groups: Sequence[str] | None = None) -> list[WarmProgram]:
+        """The programs of `groups` (default: every group this engine runs), in warm-up's order,
+        over abstract device buffers: what `warmup` and `prepare` compile (`list_programs`)."""
+        return list_programs(self._programs, self.config, self.compute_config, self._specs,
+                             self._handle_sharding,
+                             self.program_groups() if groups is None else groups)
+
+    def warmup(self, progress: Callable[[int, int, str], None] | None = None,
+               warmup: str = "all", workers: int | None = None) -> None:
+        """Compiles the programs of `program_groups(warmup)` ("all": every program this engine
+        can run; "needed": those every request runs, the rest on first use), `workers` at a time
+        (`compile_programs`): each is traced and lowered here, one after another, and compiled
+        on a pool thread. Nothing runs,
+        so no device state changes. `progress(done, total, name)` follows each compile."""
+        groups = self.program_groups(warmup)
+        programs = self.warm_programs(groups)
+        compile_programs(programs, progress, workers)
+        with self._lock:
+            self._ready = set(groups)
+        self._warm_compiles = compile_counter.count() - compile_counter.on_demand_count()
+        self._warm_on_demand = compile_counter.on_demand_count()
+
+    def ready(self, group: str) -> bool:
+        """Whether `group`'s programs are compiled (or compile inline, on an engine never warmed
+        up, as any jitted function does)."""
+        return self._warm_compiles is None or group in self._ready or group not in self.program_groups()
+
+    def prepare(self, groups: Sequence[str]) -> Future | None:
+        """Starts compiling the programs of `groups` that are not compiled yet, on a thread of
+        the engine's own, and returns at once: None when there is nothing to wait for, else a
+        future done when all are compiled (its exception: why one failed). A group compiles
+        once, whoever asks first; the others wait on the same future. The scheduler parks a
+        request that needs one until it is done (`scheduler.scheduler`), so other requests
+        never wait for it; a direct call (`_ensure`) waits."""
+        missing = [g for g in groups if not self.ready(g)]
+        if not missing:
+            return None
+        with self._lock:
+            futures = []
+            for group in missing:
+                if group not in self._compiling:
+                    programs = self.warm_programs([group])
+                    self._compiling[group] = self._compiler.submit(self._compile_group, group, programs)
+                futures.append(self._compiling[group])
+        if len(futures) == 1:
+            return futures[0]
+        both: Future = Future()
+        pending = [len(futures)]
+
+        def one_done(f: Future) -> None:
+            with self._lock:
+                pending[0] -= 1
+                last = pending[0] == 0
+            if f.exception() is not None and not both.done():
+                both.set_exception(f.exception())
+            elif last and not both.done():
+                both.set_result(None)
+
+        for f in futures:
+            f.add_done_callback(one_done)
+        return both
+
+    def _compile_group(self, group: str, programs: list[WarmProgram]) -> None:
+        start = time.monotonic()
+        with compile_counter.on_demand():
+            compile_programs(programs, workers=1)
+        with self._lock:
+            self._ready.add(group)
+        logging.info("compiled %s on first use (%d programs, %.1f s)", group, len(programs),
+                     time.monotonic() - start)
+
+    def _ensure(self, group: str) -> None:
+        """Before a program of `group` runs: compiled on demand if warm-up left it out."""
+        future = self.prepare([group])
+        if future is not None:
+            future.result()
+
+    @property
+    def compilations_on_demand(self) -> int:
+        """Compilations of programs warm-up left for their first use, since warm-up."""
+        if self._warm_compiles is None:
+            return 0
+        return compile_counter.on_demand_count() - self._warm_on_demand
+
+    @property
+    def warmed_up(self) -> bool:
+        return self._warm_compiles is not None
+
+    @property
+    def compilations_after_warmup(self) -> int:
+        """Compilations since warm-up, those of programs compiled on first use excepted."""
+        if self._warm_compiles is None:
+            return 0
+        return compile_counter.count() - compile_counter.on_demand_count() - self._warm_compiles
