@@ -2,14 +2,12 @@
 
     app = create_app(scheduler, tokenizer, model_name="smollm2-135m", warmup=engine.warmup)
 
-Routes: POST /v1/completions, POST /v1/chat/completions (each streaming over Server-Sent Events
-or not), POST /v1/responses and GET /v1/responses/{id} (OpenAI's Responses API, on the chat path:
-`server/responses_api.py`), GET /v1/models, GET /health (200 only while the engine is warm and alive), GET /metrics
-(Prometheus, under cadence's names and the vLLM names routers read), GET /server_info,
-GET /model_info and GET /get_load (what sglang-router asks a worker when it registers it and
-when it balances load: see `Server.server_info`), GET /debug/timeline (the scheduler's iteration log and finished requests'
-timelines, read incrementally by `bench/` to explain client-side figures), GET /openapi.json
-(this API's description, `server/openapi.json`).
+Routes: POST /v1/completions and POST /v1/chat/completions (each streaming over Server-Sent
+Events or not) are here; POST /v1/responses and GET /v1/responses/{id} (OpenAI's Responses API,
+on the chat path) are `server/responses_api.py`; the routes that describe the server rather than
+generate (models, /tokenize and /detokenize, /health, /metrics, what sglang-router asks a worker,
+/debug/timeline, /openapi.json) are `server/info_api.py`. /health answers 200 only while the
+engine is warm and alive.
 All model and policy logic lives below this layer: the app reads the body (refusing one over
 `max_body_bytes` with 413 before buffering it), parses it (`server/parsing.py`), tokenizes on a
 worker thread so a long prompt never stalls the event loop, submits, and relays events. A client
@@ -34,7 +32,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from absl import logging
 from starlette.applications import Starlette
@@ -43,7 +40,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-import cadence
 from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer, TokenizerError
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
@@ -51,13 +47,13 @@ from cadence.scheduler.grammar import Grammar, GrammarCompiler, GrammarError
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
 from cadence.server import client_json, parsing, protocol
+from cadence.server.info_api import InfoAPI
 from cadence.server.metrics import Metrics
 from cadence.server.protocol import APIError
 from cadence.server.responses_api import ResponsesAPI
 from cadence.server.tool_call_parser import ToolCallParser
-from cadence.server.tool_requests import ToolRequest, parse_tools
+from cadence.server.tool_requests import ToolRequest
 
-OPENAPI = Path(__file__).with_name("openapi.json")
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 MAX_REQUEST_ID = 256
 
@@ -450,139 +446,6 @@ class Server:
                 if stream.record is None:  # the client went away mid-stream, or a choice failed
                     stream.cancel()
 
-    def _model_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "cadence",
-                "root": self.model_name, "max_model_len": self.scheduler.max_seq_len}
-
-    async def models(self, request: Request) -> Response:
-        self._check(request)
-        return JSONResponse({"object": "list", "data": [self._model_card(n) for n in self.model_names]})
-
-    async def model(self, request: Request) -> Response:
-        """GET /v1/models/{id}: one served name's card (an id may hold slashes)."""
-        self._check(request)
-        name = request.path_params["model_id"]
-        self.check_model(name)
-        return JSONResponse(self._model_card(name))
-
-    async def tokenize(self, request: Request) -> Response:
-        """POST /tokenize in vLLM's shape: a "prompt" (with `add_special_tokens`, default true:
-        the BOS a completion's prompt gets) or chat "messages" (rendered as a chat request's
-        prompt, with its `tools`) -> {"count", "max_model_len", "tokens", "token_strs"}."""
-        body = await self.read_body(request)
-        entry = protocol.tokenize_request(body)
-        self.check_model(entry.get("model"))
-
-        def run() -> list[int]:
-            if "messages" in entry:
-                tools = parse_tools(entry)
-                text = parsing.render_chat(entry["messages"], self.tokenizer, tools)
-                return self.tokenizer.encode(text)
-            text = entry["prompt"]
-            parsing.check_prompt_size(text, self.tokenizer, self.scheduler.max_seq_len)
-            return self.tokenizer.encode(text, add_bos=None if entry.get("add_special_tokens", True) else False)
-
-        try:
-            ids = await asyncio.to_thread(run)
-        except (SubmissionError, TokenizerError) as e:
-            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
-        strs = ([self.tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
-                if entry.get("return_token_strs") else None)
-        return JSONResponse({"count": len(ids), "max_model_len": self.scheduler.max_seq_len,
-                             "tokens": ids, "token_strs": strs})
-
-    async def tokenizer_info(self, request: Request) -> Response:
-        """GET /tokenizer_info in vLLM's shape: what a client needs to tokenize through this
-        server (lm-eval's remote tokenizer reads it, then /tokenize and /detokenize)."""
-        self._check(request)
-        tok = self.tokenizer
-        return JSONResponse({"tokenizer_class": "cadence", "eos_token": tok.eos_token,
-                             "bos_token": tok.bos_token, "pad_token": None,
-                             "add_bos_token": tok.add_bos, "chat_template": tok.chat_template,
-                             "model_max_length": self.scheduler.max_seq_len,
-                             "vocab_size": tok.vocab_size})
-
-    async def detokenize(self, request: Request) -> Response:
-        """POST /detokenize in vLLM's shape: {"tokens": [ids]} -> {"prompt": text}."""
-        body = await self.read_body(request)
-        entry = protocol.detokenize_request(body, self.tokenizer.vocab_size)
-        self.check_model(entry.get("model"))
-        return JSONResponse({"prompt": self.tokenizer.decode(entry["tokens"])})
-
-    # -- what a router asks a worker ------------------------------------------------------------
-    # sglang-router (the SGLang Model Gateway) reads /server_info and /model_info when it
-    # registers a worker (the model's name, parallelism, capacity; answered before warm-up
-    # ends, as they do not change) and /get_load to balance on load, in SGLang's shapes.
-
-    async def server_info(self, request: Request) -> Response:
-        self._authorize(request)
-        sched = self.scheduler
-        tp = sched.engine.tp
-        return JSONResponse({
-            "model_path": self.model_name, "served_model_name": self.model_name,
-            "tp_size": tp.mesh.size if tp else 1, "dp_size": 1, "version": f"cadence {cadence.__version__}",
-            "max_running_requests": sched.num_slots, "max_total_tokens": sched.kv_pages[1] * sched.page_size,
-            "max_prefill_tokens": sched.config.policy.chunk, "context_length": sched.max_seq_len})
-
-    async def model_info(self, request: Request) -> Response:
-        self._authorize(request)
-        return JSONResponse({"model_path": self.model_name, "tokenizer_path": self.model_name,
-                             "is_generation": True, "model_type": "llama",
-                             "architectures": ["LlamaForCausalLM"]})
-
-    async def load(self, request: Request) -> Response:
-        """One entry per data-parallel rank (cadence has one): requests held and waiting, and
-        the tokens whose KV they hold."""
-        self._authorize(request)
-        sched = self.scheduler
-        return JSONResponse([{"dp_rank": 0, "num_reqs": sched.num_running + sched.num_waiting,
-                              "num_waiting_reqs": sched.num_waiting,
-                              "num_tokens": sched.kv_tokens}])
-
-    async def health(self, request: Request) -> Response:
-        fatal = self.fatal
-        if fatal is not None:
-            return JSONResponse({"status": "dead", "error": fatal}, status_code=503)
-        if self.ready.is_set():
-            return JSONResponse({"status": "ok"})
-        body: dict[str, Any] = {"status": "warming up"}
-        if self.warm_progress is not None:  # how far the compiler is: a slow start, not a hang
-            body["programs_done"], body["programs_total"] = self.warm_progress
-        return JSONResponse(body, status_code=503)
-
-    async def metrics_endpoint(self, request: Request) -> Response:
-        if self.config.protect_metrics:
-            self._authorize(request)
-        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    async def openapi(self, request: Request) -> Response:
-        return Response(OPENAPI.read_bytes(), media_type="application/json")
-
-    async def timeline_endpoint(self, request: Request) -> Response:
-        """GET /debug/timeline?since_iteration=I&since_request=R: records newer than the cursors."""
-        self._authorize(request)
-        try:
-            iteration = int(request.query_params.get("since_iteration", -1))
-            seq = int(request.query_params.get("since_request", 0))
-        except ValueError:
-            raise APIError(400, "since_iteration and since_request must be integers") from None
-        sched = self.scheduler
-        return JSONResponse({
-            "clock": "time.monotonic", "now": time.monotonic(),
-            "num_slots": sched.num_slots, "max_seq_len": sched.max_seq_len,
-            "policy": dataclasses.asdict(sched.config.policy),
-            "num_running": sched.num_running, "num_waiting": sched.num_waiting,
-            "kv_cache_usage": sched.kv_usage, "kv_cache_bytes": sched.kv_cache_bytes,
-            "kv_pages_used": sched.kv_pages[0], "kv_pages_total": sched.kv_pages[1],
-            "kv_page_utilization": sched.kv_page_utilization, "num_preemptions": sched.preemptions,
-            "disaggregated": sched.disaggregated, "kv_transfers": sched.kv_transfers,
-            "kv_transfer_bytes": sched.kv_transfer_bytes, "transfer_backlog": sched.transfer_backlog,
-            "pools": [{"name": p.name, "num_slots": p.num_slots, "running": len(p.running),
-                       "kv_pages_used": p.pages.used_count, "kv_pages_total": p.pages.num_pages,
-                       "busy_seconds": p.busy_seconds} for p in sched.pools],
-            **self.timeline.since(iteration, seq),
-        })
-
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[list[tuple[int, Any]]]:
     """The events of several streams as they come, each with its stream's index, until every
@@ -638,18 +501,7 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Seq
             route("/v1/completions", lambda r: server.generate(r, chat=False), ["POST"]),
             route("/v1/chat/completions", lambda r: server.generate(r, chat=True), ["POST"]),
             *ResponsesAPI(server).routes(route),
-            route("/v1/models", server.models, ["GET"]),
-            route("/v1/models/{model_id:path}", server.model, ["GET"]),
-            route("/tokenize", server.tokenize, ["POST"]),
-            route("/detokenize", server.detokenize, ["POST"]),
-            route("/tokenizer_info", server.tokenizer_info, ["GET"]),
-            route("/health", server.health, ["GET"]),
-            route("/metrics", server.metrics_endpoint, ["GET"]),
-            route("/server_info", server.server_info, ["GET"]),
-            route("/model_info", server.model_info, ["GET"]),
-            route("/get_load", server.load, ["GET"]),
-            route("/debug/timeline", server.timeline_endpoint, ["GET"]),
-            route("/openapi.json", server.openapi, ["GET"]),
+            *InfoAPI(server).routes(route),
         ],
         lifespan=server.lifespan,
     )

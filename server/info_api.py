@@ -1,0 +1,188 @@
+"""The routes that describe the server rather than generate: models, tokenizer, health, load.
+
+    InfoAPI(server).routes(route)   # in create_app, beside the generating routes
+
+GET /v1/models and /v1/models/{id} (OpenAI's model cards, one per served name); POST /tokenize,
+POST /detokenize and GET /tokenizer_info (vLLM's shapes, which lm-eval's remote tokenizer
+reads); GET /health; GET /metrics (Prometheus); GET /server_info, /model_info and /get_load
+(what sglang-router asks a worker, in SGLang's shapes); GET /debug/timeline (the scheduler's
+iteration log and finished requests' timelines, read by `bench/`); GET /openapi.json. Each reads
+the `Server`'s scheduler, tokenizer and state, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import cadence
+from cadence.checkpoints.tokenizer import TokenizerError
+from cadence.scheduler.errors import SubmissionError
+from cadence.server import parsing, protocol
+from cadence.server.protocol import APIError
+from cadence.server.tool_requests import parse_tools
+
+if TYPE_CHECKING:
+    from cadence.server.app import Server
+
+OPENAPI = Path(__file__).with_name("openapi.json")
+
+
+class InfoAPI:
+    def __init__(self, server: Server):
+        self.server = server
+
+    def routes(self, route: Callable[[str, Any, list[str]], Route]) -> list[Route]:
+        return [route("/v1/models", self.models, ["GET"]),
+                route("/v1/models/{model_id:path}", self.model, ["GET"]),
+                route("/tokenize", self.tokenize, ["POST"]),
+                route("/detokenize", self.detokenize, ["POST"]),
+                route("/tokenizer_info", self.tokenizer_info, ["GET"]),
+                route("/health", self.health, ["GET"]),
+                route("/metrics", self.metrics_endpoint, ["GET"]),
+                route("/server_info", self.server_info, ["GET"]),
+                route("/model_info", self.model_info, ["GET"]),
+                route("/get_load", self.load, ["GET"]),
+                route("/debug/timeline", self.timeline_endpoint, ["GET"]),
+                route("/openapi.json", self.openapi, ["GET"])]
+
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.server.created, "owned_by": "cadence",
+                "root": self.server.model_name, "max_model_len": self.server.scheduler.max_seq_len}
+
+    async def models(self, request: Request) -> Response:
+        self.server._check(request)
+        return JSONResponse({"object": "list", "data": [self._model_card(n) for n in self.server.model_names]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: one served name's card (an id may hold slashes)."""
+        self.server._check(request)
+        name = request.path_params["model_id"]
+        self.server.check_model(name)
+        return JSONResponse(self._model_card(name))
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize in vLLM's shape: a "prompt" (with `add_special_tokens`, default true:
+        the BOS a completion's prompt gets) or chat "messages" (rendered as a chat request's
+        prompt, with its `tools`) -> {"count", "max_model_len", "tokens", "token_strs"}."""
+        body = await self.server.read_body(request)
+        entry = protocol.tokenize_request(body)
+        self.server.check_model(entry.get("model"))
+
+        def run() -> list[int]:
+            if "messages" in entry:
+                tools = parse_tools(entry)
+                text = parsing.render_chat(entry["messages"], self.server.tokenizer, tools)
+                return self.server.tokenizer.encode(text)
+            text = entry["prompt"]
+            parsing.check_prompt_size(text, self.server.tokenizer, self.server.scheduler.max_seq_len)
+            return self.server.tokenizer.encode(text, add_bos=None if entry.get("add_special_tokens", True) else False)
+
+        try:
+            ids = await asyncio.to_thread(run)
+        except (SubmissionError, TokenizerError) as e:
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+        strs = ([self.server.tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
+                if entry.get("return_token_strs") else None)
+        return JSONResponse({"count": len(ids), "max_model_len": self.server.scheduler.max_seq_len,
+                             "tokens": ids, "token_strs": strs})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """GET /tokenizer_info in vLLM's shape: what a client needs to tokenize through this
+        server (lm-eval's remote tokenizer reads it, then /tokenize and /detokenize)."""
+        self.server._check(request)
+        tok = self.server.tokenizer
+        return JSONResponse({"tokenizer_class": "cadence", "eos_token": tok.eos_token,
+                             "bos_token": tok.bos_token, "pad_token": None,
+                             "add_bos_token": tok.add_bos, "chat_template": tok.chat_template,
+                             "model_max_length": self.server.scheduler.max_seq_len,
+                             "vocab_size": tok.vocab_size})
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize in vLLM's shape: {"tokens": [ids]} -> {"prompt": text}."""
+        body = await self.server.read_body(request)
+        entry = protocol.detokenize_request(body, self.server.tokenizer.vocab_size)
+        self.server.check_model(entry.get("model"))
+        return JSONResponse({"prompt": self.server.tokenizer.decode(entry["tokens"])})
+
+    # -- what a router asks a worker ------------------------------------------------------------
+    # sglang-router (the SGLang Model Gateway) reads /server_info and /model_info when it
+    # registers a worker (the model's name, parallelism, capacity; answered before warm-up
+    # ends, as they do not change) and /get_load to balance on load, in SGLang's shapes.
+
+    async def server_info(self, request: Request) -> Response:
+        self.server._authorize(request)
+        sched = self.server.scheduler
+        tp = sched.engine.tp
+        return JSONResponse({
+            "model_path": self.server.model_name, "served_model_name": self.server.model_name,
+            "tp_size": tp.mesh.size if tp else 1, "dp_size": 1, "version": f"cadence {cadence.__version__}",
+            "max_running_requests": sched.num_slots, "max_total_tokens": sched.kv_pages[1] * sched.page_size,
+            "max_prefill_tokens": sched.config.policy.chunk, "context_length": sched.max_seq_len})
+
+    async def model_info(self, request: Request) -> Response:
+        self.server._authorize(request)
+        return JSONResponse({"model_path": self.server.model_name, "tokenizer_path": self.server.model_name,
+                             "is_generation": True, "model_type": "llama",
+                             "architectures": ["LlamaForCausalLM"]})
+
+    async def load(self, request: Request) -> Response:
+        """One entry per data-parallel rank (cadence has one): requests held and waiting, and
+        the tokens whose KV they hold."""
+        self.server._authorize(request)
+        sched = self.server.scheduler
+        return JSONResponse([{"dp_rank": 0, "num_reqs": sched.num_running + sched.num_waiting,
+                              "num_waiting_reqs": sched.num_waiting,
+                              "num_tokens": sched.kv_tokens}])
+
+    async def health(self, request: Request) -> Response:
+        fatal = self.server.fatal
+        if fatal is not None:
+            return JSONResponse({"status": "dead", "error": fatal}, status_code=503)
+        if self.server.ready.is_set():
+            return JSONResponse({"status": "ok"})
+        body: dict[str, Any] = {"status": "warming up"}
+        if self.server.warm_progress is not None:  # how far the compiler is: a slow start, not a hang
+            body["programs_done"], body["programs_total"] = self.server.warm_progress
+        return JSONResponse(body, status_code=503)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        if self.server.config.protect_metrics:
+            self.server._authorize(request)
+        return Response(self.server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def openapi(self, request: Request) -> Response:
+        return Response(OPENAPI.read_bytes(), media_type="application/json")
+
+    async def timeline_endpoint(self, request: Request) -> Response:
+        """GET /debug/timeline?since_iteration=I&since_request=R: records newer than the cursors."""
+        self.server._authorize(request)
+        try:
+            iteration = int(request.query_params.get("since_iteration", -1))
+            seq = int(request.query_params.get("since_request", 0))
+        except ValueError:
+            raise APIError(400, "since_iteration and since_request must be integers") from None
+        sched = self.server.scheduler
+        return JSONResponse({
+            "clock": "time.monotonic", "now": time.monotonic(),
+            "num_slots": sched.num_slots, "max_seq_len": sched.max_seq_len,
+            "policy": dataclasses.asdict(sched.config.policy),
+            "num_running": sched.num_running, "num_waiting": sched.num_waiting,
+            "kv_cache_usage": sched.kv_usage, "kv_cache_bytes": sched.kv_cache_bytes,
+            "kv_pages_used": sched.kv_pages[0], "kv_pages_total": sched.kv_pages[1],
+            "kv_page_utilization": sched.kv_page_utilization, "num_preemptions": sched.preemptions,
+            "disaggregated": sched.disaggregated, "kv_transfers": sched.kv_transfers,
+            "kv_transfer_bytes": sched.kv_transfer_bytes, "transfer_backlog": sched.transfer_backlog,
+            "pools": [{"name": p.name, "num_slots": p.num_slots, "running": len(p.running),
+                       "kv_pages_used": p.pages.used_count, "kv_pages_total": p.pages.num_pages,
+                       "busy_seconds": p.busy_seconds} for p in sched.pools],
+            **self.server.timeline.since(iteration, seq),
+        })
