@@ -1,4 +1,4 @@
-"""Data-dependent control flow that never makes a GPU wait.
+"""Data-dependent control flow that never makes a GPU wait, and the form a program is traced in.
 
 A `lax.cond` whose predicate is computed on the device, or a `lax.while_loop` whose exit is, is
 cheap on a CPU: the branch not taken, or the steps not needed, cost nothing. On a GPU, XLA
@@ -17,6 +17,10 @@ would trace each side twice, and tracing is most of what a warm start costs).
 
     when(pred, yes, no, *operands)   yes(*operands) if pred else no(*operands)
     loop(more, body, state, steps)   while more(state): state = body(state), at most `steps`
+
+The Pallas kernels likewise take the form of the platform: compiled on a GPU, interpreted
+elsewhere (the CPU tests), except inside `compiled_kernels()`, where they are compiled whatever
+the default backend (`default_interpret`). `form()` is both choices at once.
 
 Inside `branch_free()` the GPU's form is traced whatever the default backend: for lowering a
 program for a GPU on a machine without one (`engine.lowering.lower`), and for the tests that
@@ -47,9 +51,37 @@ def branch_free():
         _BRANCH_FREE.reset(token)
 
 
-def _branches() -> bool:
+def branches() -> bool:
     """Whether what is traced now takes the CPU's form (branches and early exits)."""
     return not _BRANCH_FREE.get() and jax.default_backend() == "cpu"
+
+
+_COMPILED = contextvars.ContextVar("cadence_pallas_compiled", default=False)
+
+
+def default_interpret() -> bool:
+    """Compiled on a GPU, interpreted everywhere else (the CPU tests and CPU serving), except
+    inside `compiled_kernels()`."""
+    return not _COMPILED.get() and jax.default_backend() != "gpu"
+
+
+@contextlib.contextmanager
+def compiled_kernels():
+    """Kernels traced inside it are compiled whatever the default backend: for lowering a
+    program for a GPU on a machine without one (`jax.jit(f).trace(...).lower(
+    lowering_platforms=("cuda",))`, as `engine.lowering` does), where the default would pick
+    interpret mode and lower the XLA loops that emulate the kernel instead of the kernel."""
+    token = _COMPILED.set(True)
+    try:
+        yield
+    finally:
+        _COMPILED.reset(token)
+
+
+def form() -> tuple[bool, bool]:
+    """The form what is traced now takes: (Pallas kernels interpreted, branches), a cache key
+    for traces kept across programs (`model.llama`)."""
+    return default_interpret(), branches()
 
 
 def when(pred: jax.Array, yes: Callable, no: Callable, *operands):
@@ -57,7 +89,7 @@ def when(pred: jax.Array, yes: Callable, no: Callable, *operands):
     def select(*ops):
         return jax.tree.map(lambda a, b: jnp.where(pred, a, b), yes(*ops), no(*ops))
 
-    if _branches():
+    if branches():
         return jax.lax.cond(pred, yes, no, *operands)
     return select(*operands)
 
@@ -72,6 +104,6 @@ def loop(more: Callable, body: Callable, state, steps: int):
             return body(state)
         return jax.lax.fori_loop(0, steps, lambda _, s: body(s), state)
 
-    if _branches():
+    if branches():
         return jax.lax.while_loop(more, body, state)
     return fixed(state)

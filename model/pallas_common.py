@@ -17,8 +17,6 @@ Non-goals: paged KV, sliding windows, soft-capping, backward passes.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import inspect
 import math
 from typing import Any
@@ -28,6 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from cadence.model.control import compiled_kernels, default_interpret  # noqa: F401 - the kernels' names
 
 NEG = -1e30  # finite minus-infinity for float32 scores (see the module docstring)
 LOG2_E = 1.4426950408889634
@@ -68,28 +68,6 @@ def load(ref, mask=None, other=None):
 
 def store(ref, value, mask=None):
     pltriton.store(ref, value, mask=mask)
-
-
-_COMPILED = contextvars.ContextVar("cadence_pallas_compiled", default=False)
-
-
-def default_interpret() -> bool:
-    """Compiled on a GPU, interpreted everywhere else (the CPU tests and CPU serving), except
-    inside `compiled_kernels()`."""
-    return not _COMPILED.get() and jax.default_backend() != "gpu"
-
-
-@contextlib.contextmanager
-def compiled_kernels():
-    """Kernels traced inside it are compiled whatever the default backend: for lowering a
-    program for a GPU on a machine without one (`jax.jit(f).trace(...).lower(
-    lowering_platforms=("cuda",))`, as `engine.lowering` does), where the default would pick
-    interpret mode and lower the XLA loops that emulate the kernel instead of the kernel."""
-    token = _COMPILED.set(True)
-    try:
-        yield
-    finally:
-        _COMPILED.reset(token)
 
 
 def triton_call(kernel, *, num_warps: int, num_stages: int, **kwargs):
