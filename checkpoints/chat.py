@@ -29,7 +29,7 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 
-from cadence.checkpoints.tokenizer import TokenizerError
+from cadence.checkpoints.errors import TokenizerError
 
 # ChatML, the format most small instruct models (SmolLM2, Qwen) were trained on; used when a
 # tokenizer ships without a template so that chat requests still work.

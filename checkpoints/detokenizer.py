@@ -4,7 +4,8 @@ Contract:
 - `byte_level_piece_bytes` / `sentencepiece_piece_bytes` give the raw bytes one vocabulary
   piece stands for; `Tokenizer` tabulates them once so `token_bytes` is a list lookup.
 - `TokenByteStream` turns ids into the byte stream both `Tokenizer.decode` and
-  `IncrementalDetokenizer` read, so the two agree byte for byte.
+  `IncrementalDetokenizer` read (`Tokenizer.byte_stream` makes one over its tables), so the two
+  agree byte for byte.
 - `IncrementalDetokenizer(tokenizer).add(token_id)` returns the text that became final with
   this token, possibly "". It never returns part of a character: bytes of an incomplete UTF-8
   sequence wait until the sequence completes. A byte run that can no longer become a valid
@@ -21,10 +22,8 @@ from __future__ import annotations
 
 import codecs
 import re
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from cadence.checkpoints.tokenizer import Tokenizer
+from collections.abc import Callable, Collection
+from typing import Protocol
 
 # Where a SentencePiece-style tokenizer inserted the dummy-prefix space that decode drops:
 # nowhere, at the start of the text only, or also after every added token (tokenizer.model
@@ -67,35 +66,43 @@ def sentencepiece_piece_bytes(piece: str, byte_fallback: bool) -> bytes:
 class TokenByteStream:
     """The bytes token ids contribute to decoded text, fed one id at a time.
 
-    State is one flag: whether the next text token starts a run, where the dummy-prefix space
-    (see PREFIX_*) is dropped. Reads the tokenizer's `_added_ids`, `_special` and
-    `_space_mode` (package-private on purpose: this is the other half of `Tokenizer.decode`).
+    Made over a tokenizer's tables (`Tokenizer.byte_stream`): each id's bytes (`token_bytes`,
+    which validates the id), the added and the special ids, and where the tokenizer put a
+    dummy-prefix space (PREFIX_*). State is one flag: whether the next text token starts a run,
+    where that space is dropped.
     """
 
-    __slots__ = ("_tok", "_skip", "_run_start")
+    __slots__ = ("_token_bytes", "_added", "_special", "_space_mode", "_skip", "_run_start")
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool) -> None:
-        self._tok, self._skip, self._run_start = tokenizer, skip_special, True
+    def __init__(self, token_bytes: Callable[[int], bytes], added_ids: Collection[int],
+                 special: Collection[int], space_mode: int, *, skip_special: bool) -> None:
+        self._token_bytes, self._added, self._special = token_bytes, added_ids, special
+        self._space_mode, self._skip, self._run_start = space_mode, skip_special, True
 
     def feed(self, token_id: int) -> bytes:
-        tok = self._tok
-        data = tok.token_bytes(token_id)  # validates the id
-        if token_id in tok._added_ids or token_id in tok._special:
-            if tok._space_mode == PREFIX_EACH and token_id in tok._added_ids:
+        data = self._token_bytes(token_id)  # validates the id
+        if token_id in self._added or token_id in self._special:
+            if self._space_mode == PREFIX_EACH and token_id in self._added:
                 self._run_start = True  # encode restarted the model after this token
-            return b"" if self._skip and token_id in tok._special else data
+            return b"" if self._skip and token_id in self._special else data
         if self._run_start and data:
             self._run_start = False
-            if tok._space_mode != PREFIX_NONE and data[:1] == b" ":
+            if self._space_mode != PREFIX_NONE and data[:1] == b" ":
                 return data[1:]
         return data
+
+
+class ByteStreams(Protocol):
+    """What a detokenizer needs of a tokenizer (`checkpoints.tokenizer.Tokenizer`)."""
+
+    def byte_stream(self, *, skip_special: bool) -> TokenByteStream: ...
 
 
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas that are safe to send to a client."""
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = True) -> None:
-        self._bytes = TokenByteStream(tokenizer, skip_special=skip_special)
+    def __init__(self, tokenizer: ByteStreams, *, skip_special: bool = True) -> None:
+        self._bytes = tokenizer.byte_stream(skip_special=skip_special)
         # With final=False, errors="replace" holds back any prefix that may still complete and
         # replaces bytes only once no continuation can make them valid (b"\xe4" then b"A").
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")

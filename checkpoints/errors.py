@@ -1,4 +1,4 @@
-"""The one typed error every checkpoint and tokenizer loader raises.
+"""The one typed error every checkpoint and tokenizer loader raises, and the tokenizer's own.
 
 A `CheckpointError` message is a single line that names the file or tensor at fault and says
 what to do about it (convert again, pick another file, use a supported architecture). Front
@@ -11,3 +11,7 @@ from __future__ import annotations
 
 class CheckpointError(ValueError):
     """A checkpoint, config or tokenizer file cannot be loaded as asked; the message says why."""
+
+
+class TokenizerError(CheckpointError):
+    """Unusable tokenizer files, or bad text/messages/ids; a ValueError, so a 4xx upstream."""

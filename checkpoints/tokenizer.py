@@ -28,13 +28,10 @@ import sentencepiece
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from cadence.checkpoints import chat
 from cadence.checkpoints.detokenizer import (PREFIX_EACH, PREFIX_FIRST, PREFIX_NONE, TokenByteStream,
                                      byte_level_piece_bytes, sentencepiece_piece_bytes)
-from cadence.checkpoints.errors import CheckpointError
-
-
-class TokenizerError(CheckpointError):
-    """Unusable tokenizer files, or bad text/messages/ids; a ValueError, so a 4xx upstream."""
+from cadence.checkpoints.errors import TokenizerError
 
 
 # tokenizer.ggml.pre values -> the regexes of the models' own tokenizer.json (llama.cpp keeps
@@ -149,8 +146,14 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
-        stream = TokenByteStream(self, skip_special=skip_special)
+        stream = self.byte_stream(skip_special=skip_special)
         return b"".join(stream.feed(i) for i in ids).decode("utf-8", errors="replace")
+
+    def byte_stream(self, *, skip_special: bool) -> TokenByteStream:
+        """The bytes ids contribute to text, fed one at a time: what `decode` and the
+        `IncrementalDetokenizer` read."""
+        return TokenByteStream(self.token_bytes, self._added_ids, self._special, self._space_mode,
+                               skip_special=skip_special)
 
     def token_bytes(self, token_id: int) -> bytes:
         if not 0 <= token_id < self.vocab_size:
@@ -163,8 +166,6 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
-        from cadence.checkpoints import chat  # chat imports TokenizerError from this module
-
         return chat.render_chat(self.chat_template, messages,
                                 add_generation_prompt=add_generation_prompt,
                                 bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
