@@ -79,45 +79,32 @@ their results means the device state may be lost: the scheduler fails the reques
 running and calls `recover()`, which must rebuild the KV cache and the next-token buffer
 whatever happened. If `recover()` itself raises, the engine is dead (`EngineDead`).
 
-`RequestSampling` (one request's settings, validated when made) and `SamplingRows` (the decode
-program's per-slot arrays) are the two sampling types of this boundary; the scheduler packs a
+`RequestSampling` (one request's settings, validated when made), `SamplingRows` (the per-slot
+rows) and `SamplingParams` (the rows as a call takes them, `SamplingRows.params()`) are the
+sampling types of this boundary; the scheduler packs a
 request's row once, when it takes a slot, so a value that cannot be packed fails that request
 alone and never a step shared with others.
 
 `engine.engine.Engine` implements this contract on the device; the scheduler's tests drive a
 NumPy fake of it. This module imports no JAX, directly or through what it imports
-(`tests/test_layering.py`), so neither does a scheduler that imports only it: `SamplingParams`,
-what `SamplingRows.params()` makes and the programs take, is device-side (`model.sampling`) and
-is imported from there on first use of the name.
+(`tests/test_layering.py`), so neither does a scheduler that imports only it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from cadence.engine.config import EngineConfig
 from cadence.engine.packing import PrefillChunk
 from cadence.engine.results import DecodeTokens, KVHandle, PrefillTokens
-from cadence.model.host_sampling import RequestSampling, SamplingRows
-
-if TYPE_CHECKING:
-    from cadence.model.sampling import SamplingParams
+from cadence.model.host_sampling import RequestSampling, SamplingParams, SamplingRows
 
 __all__ = ["CompilesOnDemand", "DecodeTokens", "EngineAPI", "EngineConfig", "KVHandle", "PrefillChunk",
            "PrefillTokens", "RequestSampling", "SamplingParams", "SamplingRows"]
-
-
-def __getattr__(name: str):
-    """`SamplingParams` on first use (it brings JAX); any other missing name raises."""
-    if name == "SamplingParams":
-        from cadence.model.sampling import SamplingParams
-
-        return SamplingParams
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class EngineAPI(Protocol):

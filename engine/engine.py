@@ -80,8 +80,8 @@ from cadence.model.llama import rope_table
 from cadence.model.params import cast
 from cadence.model.sharding import TensorParallel
 from cadence.model.paged_kv import PagedKVCache
-from cadence.model.host_sampling import SamplingRows, gather_allowed
-from cadence.model.sampling import Logprobs, SamplingParams, TokenHistory
+from cadence.model.host_sampling import SamplingParams, SamplingRows, gather_allowed
+from cadence.model.sampling import Logprobs, TokenHistory
 
 
 _GREEDY_ROW = SamplingRows(1).params()  # what a padding row samples with (read only)

@@ -29,8 +29,8 @@ from cadence.model.config import ModelConfig
 from cadence.model.control import loop
 from cadence.model.llama import forward
 from cadence.model.paged_kv import PagedKVCache
-from cadence.model.host_sampling import RequestSampling, SamplingRows
-from cadence.model.sampling import Logprobs, SamplingParams, choose, logprobs_of
+from cadence.model.host_sampling import RequestSampling, SamplingParams, SamplingRows
+from cadence.model.sampling import Logprobs, choose, logprobs_of
 from cadence.model.sharding import TensorParallel
 
 

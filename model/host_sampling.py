@@ -3,15 +3,16 @@ layout of token bitmasks (NumPy only, no JAX).
 
     sampling = RequestSampling(temperature=0.8, top_p=0.95, seed=7)   # validated when made
     rows = SamplingRows(num_slots); rows.set(slot, sampling, stop_ids=eos_ids)
-    rows.params()                                                     # `SamplingParams`
+    rows.params()                     # `SamplingParams`: the rows as the programs take them
     allowed = all_allowed(num_slots, vocab)     # [num_slots, bitmask_words(vocab)] int32
     gather_allowed(allowed, (num_slots,), vocab, pick, live)   # a batch's rows of them
 
 A request's settings are checked here, against what the per-row device arrays can hold, so a
 value that cannot be packed is refused at the edge and never reaches a batch shared with other
-requests. The scheduler and the front doors use these types without importing JAX; the
-device-side sampling that reads the packed rows (`SamplingParams`, `TokenHistory`, `choose`)
-is `model.sampling`.
+requests. The scheduler and the front doors use these types without importing JAX. The packed
+rows' type, `SamplingParams`, is a NamedTuple of arrays: NumPy here, device arrays inside a
+program (JAX takes a NamedTuple as a pytree as it is). The device-side sampling that reads
+them (`TokenHistory`, `choose`) is `model.sampling`.
 """
 
 from __future__ import annotations
@@ -19,14 +20,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from cadence.model.arith import cdiv
-
-if TYPE_CHECKING:
-    from cadence.model.sampling import SamplingParams
 
 
 # What the device arrays can hold: top_k is int32 and the seed uint32 (`SamplingParams`).
@@ -177,12 +175,52 @@ class SamplingRows:
         self.set(slot, RequestSampling())
 
     def params(self) -> SamplingParams:
-        """The rows as the programs take them (device-side sampling, so JAX: imported here)."""
-        from cadence.model.sampling import SamplingParams
-
+        """The rows as the programs take them."""
         # Copies: JAX may alias host buffers on the CPU, and these arrays change next step.
-        return SamplingParams(**{f.name: getattr(self, f.name).copy()
-                                 for f in dataclasses.fields(SamplingParams)})
+        return SamplingParams(*(getattr(self, name).copy() for name in SamplingParams._fields))
+
+
+class SamplingParams(NamedTuple):
+    """Every slot's sampling row, one array per setting ([rows], the stop ids [rows,
+    MAX_STOP_TOKENS], the logit biases [rows, MAX_LOGIT_BIAS]): NumPy as `SamplingRows.params`
+    packs them, device arrays inside a program. Its methods work on either."""
+
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    seed: Any
+    stop_ids: Any
+    min_p: Any
+    presence_penalty: Any
+    frequency_penalty: Any
+    repetition_penalty: Any
+    bias_ids: Any
+    bias_values: Any
+    logprobs: Any
+
+    @classmethod
+    def greedy(cls, rows: int) -> SamplingParams:
+        return cls.make([0.0] * rows, [0] * rows, [1.0] * rows, [0] * rows)
+
+    @classmethod
+    def make(cls, temperature, top_k, top_p, seed) -> SamplingParams:
+        """Rows with these values and every other setting off (tests' shorthand)."""
+        rows = SamplingRows.of([RequestSampling()] * len(temperature))
+        rows.temperature[:] = temperature
+        rows.top_k[:] = top_k
+        rows.top_p[:] = top_p
+        rows.seed[:] = seed
+        return rows.params()
+
+    @property
+    def penalized(self):
+        """[rows] bool: whether a row's logits depend on its token history."""
+        return ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
+                | (self.repetition_penalty != 1))
+
+    def stops(self, tokens):
+        """[rows] bool: whether each row's token ends its request."""
+        return (tokens[:, None] == self.stop_ids).any(axis=-1)
 
 
 def bitmask_words(vocab: int) -> int:

@@ -33,8 +33,8 @@ all-greedy batch without penalties or biases is one argmax, as before any of the
 GPU every stage runs and its result is selected, so that no branch waits on the device.
 
 The host side (`RequestSampling`, one request's validated settings; `SamplingRows`, the per-slot
-NumPy rows packed into `SamplingParams`; the bitmask layout) is `model.host_sampling`, which
-imports no JAX.
+NumPy rows; `SamplingParams`, the rows as the programs take them; the bitmask layout) is
+`model.host_sampling`, which imports no JAX.
 """
 
 from __future__ import annotations
@@ -44,47 +44,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from cadence.model.control import when
-from cadence.model.host_sampling import ALL_ALLOWED, NO_TOKEN, RequestSampling, SamplingRows
-
-
-@struct.dataclass
-class SamplingParams:
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    seed: jax.Array
-    stop_ids: jax.Array
-    min_p: jax.Array
-    presence_penalty: jax.Array
-    frequency_penalty: jax.Array
-    repetition_penalty: jax.Array
-    bias_ids: jax.Array
-    bias_values: jax.Array
-    logprobs: jax.Array
-
-    @classmethod
-    def greedy(cls, rows: int) -> SamplingParams:
-        return cls.make([0.0] * rows, [0] * rows, [1.0] * rows, [0] * rows)
-
-    @classmethod
-    def make(cls, temperature, top_k, top_p, seed) -> SamplingParams:
-        """Rows with these values and every other setting off (tests' shorthand)."""
-        rows = SamplingRows.of([RequestSampling()] * len(temperature))
-        rows.temperature[:] = temperature
-        rows.top_k[:] = top_k
-        rows.top_p[:] = top_p
-        rows.seed[:] = seed
-        return rows.params()
-
-    @property
-    def penalized(self) -> jax.Array:
-        """[rows] bool: whether a row's logits depend on its token history."""
-        return ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
-                | (self.repetition_penalty != 1))
-
-    def stops(self, tokens: jax.Array) -> jax.Array:
-        """[rows] bool: whether each row's token ends its request."""
-        return jnp.any(tokens[:, None] == self.stop_ids, axis=-1)
+from cadence.model.host_sampling import ALL_ALLOWED, NO_TOKEN, SamplingParams
 
 
 @struct.dataclass
