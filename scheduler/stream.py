@@ -4,6 +4,7 @@
     async for event in stream: ...                    # TokenEvent..., then a RequestRecord
     for event in stream: ...                          # the same, from a plain thread
     stream.cancel()                                   # cancel(request): the scheduler's, usually
+    async for batch in merged(streams): ...           # several streams' events as they come
 
 The scheduler's loop thread pushes each event as the request produces it (`Request.emit`). A
 stream read from a plain thread takes it at once through a thread-safe queue. A stream made
@@ -18,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cadence.scheduler.request import Request, RequestRecord, TokenEvent
@@ -114,3 +115,25 @@ class RequestStream:
             if isinstance(event, RequestRecord):
                 self.record = event
             yield event
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[list[tuple[int, Any]]]:
+    """The events of several streams as they come, each with its stream's index, until every
+    one has its record. One stream is read directly (the common case pays for no task)."""
+    if len(streams) == 1:
+        while streams[0].record is None:
+            yield [(0, e) for e in await streams[0].next_events()]
+        return
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        while stream.record is None:
+            arrived.put_nowait([(i, e) for e in await stream.next_events()])
+
+    pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        while not all(s.record is not None for s in streams) or not arrived.empty():
+            yield await arrived.get()
+    finally:
+        for task in pumps:
+            task.cancel()

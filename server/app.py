@@ -46,6 +46,7 @@ from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, Request
 from cadence.scheduler.grammar import Grammar, GrammarCompiler, GrammarError
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
+from cadence.scheduler.stream import merged
 from cadence.server import client_json, parsing, protocol
 from cadence.server.info_api import InfoAPI
 from cadence.server.metrics import Metrics
@@ -388,7 +389,7 @@ class Server:
         parsers = [ToolCallParser(tools.names) if tools else None for _ in streams]
         records: list[RequestRecord | None] = [None] * len(streams)
         try:
-            async for batch in _merged(streams):
+            async for batch in merged(streams):
                 frames = []
                 for i, event in batch:
                     echo = echo_of[i]
@@ -445,28 +446,6 @@ class Server:
             for stream in streams:
                 if stream.record is None:  # the client went away mid-stream, or a choice failed
                     stream.cancel()
-
-
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[list[tuple[int, Any]]]:
-    """The events of several streams as they come, each with its stream's index, until every
-    one has its record. One stream is read directly (the common case pays for no task)."""
-    if len(streams) == 1:
-        while streams[0].record is None:
-            yield [(0, e) for e in await streams[0].next_events()]
-        return
-    arrived: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        while stream.record is None:
-            arrived.put_nowait([(i, e) for e in await stream.next_events()])
-
-    pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        while not all(s.record is not None for s in streams) or not arrived.empty():
-            yield await arrived.get()
-    finally:
-        for task in pumps:
-            task.cancel()
 
 
 def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Sequence[str], *,

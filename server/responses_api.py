@@ -48,6 +48,7 @@ from starlette.routing import Route
 
 from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.request import RequestRecord, TokenEvent
+from cadence.scheduler.stream import merged
 from cadence.server import parsing, protocol
 from cadence.server.protocol import APIError
 from cadence.server.tool_call_parser import ToolCallParser
@@ -518,8 +519,6 @@ class _Run:
         return response
 
     async def events(self, stream) -> AsyncIterator[str]:
-        from cadence.server.app import _merged  # (app imports this module)
-
         seq = 0
 
         def frames(events: list[tuple[str, dict]]) -> str:
@@ -536,7 +535,7 @@ class _Run:
         yield frames([("response.created", {"response": start}),
                       ("response.in_progress", {"response": start})])
         try:
-            async for batch in _merged([stream]):
+            async for batch in merged([stream]):
                 for _, event in batch:
                     if isinstance(event, TokenEvent):
                         output.feed(event.text)
