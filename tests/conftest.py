@@ -76,9 +76,9 @@ def tiny_tokenizer(tiny_config):
 
 def tiny_tokenizer_fields(config: ModelConfig) -> dict:
     """`tiny_tokenizer` as a GGUF file's tokenizer.* keys."""
-    from tests.test_tokenizer import _gguf_fields, _trained_bpe
+    from tests.trained_tokenizers import gguf_fields, trained_bpe
 
-    fields = _gguf_fields(_trained_bpe(), "smollm")
+    fields = gguf_fields(trained_bpe(), "smollm")
     tokens = list(fields["tokenizer.ggml.tokens"])[: config.vocab_size]
     types = list(fields["tokenizer.ggml.token_type"])[: config.vocab_size]
     while len(tokens) < config.vocab_size:
@@ -89,6 +89,21 @@ def tiny_tokenizer_fields(config: ModelConfig) -> dict:
     fields.update({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
                    "tokenizer.ggml.merges": merges})
     return fields
+
+
+@pytest.fixture(scope="session")
+def sp_dir(tmp_path_factory) -> Path:
+    """A SentencePiece tokenizer's HF folder, trained once a session (`trained_tokenizers`)."""
+    from tests.trained_tokenizers import train_spm
+
+    return train_spm(tmp_path_factory.mktemp("spm"))
+
+
+@pytest.fixture(scope="session")
+def spm(sp_dir):
+    from cadence.checkpoints.tokenizer import Tokenizer
+
+    return Tokenizer.from_hf_dir(sp_dir)
 
 
 # The serving tests' engine: long slots, so that a request told to run long (500 tokens)

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 
+from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine
 from cadence.engine.kv_transfer import KVSender
 from cadence.engine.packing import PrefillChunk
@@ -18,7 +19,11 @@ from cadence.engine.programs import sampling_rows
 from cadence.model.config import TINY
 from cadence.model.host_sampling import RequestSampling
 from tests.conftest import random_params
-from tests.test_kv_transfer import PEER_CONFIG, PEER_PAGES, PEER_SLOT
+
+
+# The peer's engine, and where its prompt's KV lives (the test's engine takes other pages).
+PEER_CONFIG = EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=64, page_size=16, min_kv_bucket=64)
+PEER_PAGES, PEER_SLOT = [5, 1, 7, 3], 1
 
 
 def main() -> None:

@@ -5,7 +5,6 @@ finds control flow a GPU would decide on the host (`engine.lowering.host_waits`)
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

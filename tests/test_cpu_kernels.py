@@ -174,7 +174,7 @@ def test_an_untied_head_leaves_the_embedding_a_lookup_table():
     from cadence.model.llama import forward
     from cadence.model.paged_kv import PagedKVCache
     from tests.conftest import random_params
-    from tests.test_hf_and_store import QWEN_TINY
+    from tests.tiny_models import QWEN_TINY
 
     params = random_params(QWEN_TINY)
     tree = cpu_kernels.decode_params(params)

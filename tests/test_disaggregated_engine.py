@@ -9,16 +9,12 @@ token, and warm engines must compile nothing while serving.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import jax
 import numpy as np
 import pytest
 
-from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine import compile_counter
 from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine
@@ -29,10 +25,10 @@ from cadence.scheduler.request import GenerationParams
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from cadence.server.app import create_app
 from tests.conftest import loopback_server
+from tests.serving import assert_batch_is_the_reference, batch_job, cli, generate_gives_the_reference_text
 
 pytestmark = pytest.mark.slow  # the full tier: disaggregated engines on two devices
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIG = EngineConfig(num_slots=3, max_seq_len=128, prefill_chunk=32, page_size=16, min_kv_bucket=64)
 POLICY = SchedulerConfig(policy=PolicyConfig(token_budget=64, chunk=32))
 
@@ -127,50 +123,12 @@ def test_the_server_streams_disaggregated_and_reports_the_transfers(pair, tiny_t
     assert {i["pool"] for i in timeline["iterations"]} == {"prefill", "decode"}
 
 
-def cli(tiny_model_dir, module: str, *flags: str) -> subprocess.CompletedProcess:
-    root, env = tiny_model_dir
-    cmd = [sys.executable, "-m", module, f"--model={root / 'model'}", "--num_slots=2",
-           "--max_seq_len=128", "--prefill_chunk=32", *flags]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-
-
 DISAGGREGATED = ["--num_cpu_devices=2", "--prefill_devices=0", "--decode_devices=1"]
-
-
-def generate_gives_the_reference_text(tiny_model_dir, tiny_params, tiny_config, *flags: str) -> str:
-    """Runs `cadence-generate` greedy with `flags`; checks its text is the reference's and
-    nothing compiled after warm-up; returns its stderr."""
-    result = cli(tiny_model_dir, "cadence.server.generate_cli", "--prompt=The capital of France is",
-                 "--max_tokens=12", "--temperature=0", *flags)
-    assert result.returncode == 0, result.stderr
-    tok = Tokenizer.from_hf_dir(tiny_model_dir[0] / "model")
-    ids = greedy_generate(tiny_params, tiny_config, tok.encode("The capital of France is"), 12, tok.eos_ids)
-    assert result.stdout.rstrip("\n") == tok.decode(ids, skip_special=True)
-    assert "compilations_after_warmup: 0" in result.stderr
-    return result.stderr
 
 
 def test_cadence_generate_disaggregated_gives_the_reference_text(tiny_model_dir, tiny_params, tiny_config):
     stderr = generate_gives_the_reference_text(tiny_model_dir, tiny_params, tiny_config, *DISAGGREGATED)
     assert "cpu:0 (prefill) and cpu:1 (decode), disaggregated" in stderr
-
-
-def batch_job(tmp_path) -> tuple[dict[str, str], list[str]]:
-    """Four greedy prompts of 3..24 words for `cadence-batch`, and the flags naming its files."""
-    prompts = {f"r{i}": "word " * (3 + 7 * i) for i in range(4)}
-    inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps({"id": k, "prompt": v, "max_tokens": 8, "temperature": 0}) + "\n"
-                           for k, v in prompts.items()))
-    return prompts, [f"--input={inp}", f"--output={tmp_path / 'out.jsonl'}"]
-
-
-def assert_batch_is_the_reference(tmp_path, prompts, tiny_model_dir, tiny_params, tiny_config) -> None:
-    tok = Tokenizer.from_hf_dir(tiny_model_dir[0] / "model")
-    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert sorted(r["id"] for r in rows) == sorted(prompts)
-    for row in rows:
-        ids = greedy_generate(tiny_params, tiny_config, tok.encode(prompts[row["id"]]), 8, tok.eos_ids)
-        assert row["text"] == tok.decode(ids, skip_special=True), row["id"]
 
 
 def test_cadence_batch_disaggregated_gives_the_reference_text(tiny_model_dir, tiny_params, tiny_config, tmp_path):

@@ -147,7 +147,7 @@ def test_the_api_returns_n_choices_streamed_and_whole(tiny_engine, tiny_tokenize
     import httpx
 
     from cadence.server.parsing import choice_seed
-    from tests.test_reliability import gauge, serving
+    from tests.serving import gauge, serving
 
     body = {"model": "tiny", "prompt": "once upon a time there was", "max_tokens": 8,
             "temperature": 100.0, "seed": 99, "ignore_eos": True}

@@ -23,7 +23,7 @@ from cadence.model.params import param_specs
 from tests.conftest import random_params
 from cadence.scheduler.request import GenerationParams
 from tests.fakes import make_scheduler, needs_cpu_kernels, run_all
-from tests.test_model import full_logits
+from tests.tiny_models import full_logits
 
 Q = gguf.GGMLQuantizationType
 
@@ -103,7 +103,7 @@ def test_f32_round_trip_is_exact(tmp_path, tiny_params):
 def test_qwen2_round_trip_keeps_biases_and_rows(tmp_path):
     """A Qwen2 file (q/k/v biases, an untied head, rows not permuted) through the same
     description of the tree."""
-    from tests.test_hf_and_store import QWEN_TINY
+    from tests.tiny_models import QWEN_TINY
 
     params = random_params(QWEN_TINY)
     path = tmp_path / "qwen.gguf"
@@ -419,7 +419,7 @@ def test_an_untied_embedding_in_blocks_is_looked_up_from_them(tmp_path, tiny_tok
     """An untied model's quantized token embedding (Llama 3's, Qwen2's larger ones) is packed
     too, and the engine's lookup reads its blocks (no float32 table): the reference's greedy
     tokens, prefill over the GEMM."""
-    from tests.test_hf_and_store import QWEN_TINY
+    from tests.tiny_models import QWEN_TINY
 
     path = tmp_path / "qwen-q.gguf"
     write_gguf(path, QWEN_TINY, random_params(QWEN_TINY, seed=2), quantize=True, arch="qwen2")

@@ -19,7 +19,6 @@ from cadence.model.host_sampling import RequestSampling, bitmask_words
 from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.grammar import GrammarCompiler, GrammarError, JsonObject, JsonSchema, Lark, Regex
 from tests.fakes import TOK, FakeEngine, Harness, chunked, expected, random_prompt
-from tests.test_tokenizer import sp_dir, spm  # noqa: F401 - fixtures
 
 SCHEMA = {
     "type": "object",

@@ -15,15 +15,11 @@ from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.hf import load_hf_config, load_hf_params, save_hf
 from tests.conftest import random_params
 from tests.fakes import needs_cpu_kernels
+from tests.tiny_models import QWEN_TINY
 from cadence.checkpoints.store import (
     is_converted, load_converted, load_tokenizer_files, save_converted,
 )
-from cadence.model.config import LLAMA3_8B, SMOLLM2_135M, TINY, ModelConfig, RopeScaling
-
-# Qwen2-style: q/k/v biases and an untied lm_head; also one KV head and Llama-3 RoPE scaling.
-QWEN_TINY = dataclasses.replace(
-    TINY, name="qwen-tiny", attention_bias=True, tie_embeddings=False, num_kv_heads=1,
-    rope_theta=1e6, rms_norm_eps=1e-6, rope_scaling=RopeScaling(factor=4.0))
+from cadence.model.config import LLAMA3_8B, SMOLLM2_135M, TINY, ModelConfig
 
 
 @pytest.fixture(params=[TINY, QWEN_TINY], ids=lambda c: c.name)

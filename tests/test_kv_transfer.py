@@ -14,16 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
-from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine
 from cadence.engine.kv_transfer import KVReceiver, KVTicket
 from cadence.engine.programs import sampling_rows
 from cadence.engine.reference import greedy_generate
 from cadence.model.host_sampling import RequestSampling
+from tests.kv_peer import PEER_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
-PEER_CONFIG = EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=64, page_size=16, min_kv_bucket=64)
-PEER_PAGES, PEER_SLOT = [5, 1, 7, 3], 1
 
 
 def test_a_kv_handle_moves_to_another_process_and_decoding_continues_there(tiny_params, tiny_config):

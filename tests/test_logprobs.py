@@ -19,7 +19,7 @@ from cadence.scheduler.request import GenerationParams
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.conftest import SAMPLING_ENGINE
 from tests.fakes import random_prompts, run_all
-from tests.test_reliability import serving
+from tests.serving import serving
 
 # Several steps per dispatch: the full tier (test_multistep.py compares them with one step at a
 # time, penalties and logprobs included, in the default one).

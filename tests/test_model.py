@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cadence.model import llama
 from cadence.model.config import TINY, RopeScaling
 from cadence.model.paged_kv import PagedKVCache
-from cadence.model.llama import rope_frequencies, rope_table
+from cadence.model.llama import rope_frequencies
 from tests.conftest import random_params
-
-# The decoder jitted, as the engine's programs run it. Op by op, every operation compiles again
-# for each new shape, and the persistent cache keeps none of them (each is under its 0.1 s floor).
-forward = jax.jit(llama.forward, static_argnames=("config", "attention"))
+from tests.tiny_models import forward, full_logits
 
 
 def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
@@ -63,24 +58,6 @@ def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
     x = rms(x, p["final_norm"]["scale"])
     head = f64(p["embed"]["embedding"]).T if config.tie_embeddings else f64(p["lm_head"]["kernel"])
     return x @ head
-
-
-def full_logits(params, config, tokens: np.ndarray, rope_lookup: bool = False) -> np.ndarray:
-    """The whole sequence in one forward over one page that holds it all; with `rope_lookup`,
-    the rotations looked up in a `rope_table`, as the engine's programs do."""
-    t = len(tokens)
-    logits, _ = forward(
-        params,
-        jnp.asarray(tokens, jnp.int32)[None],
-        jnp.arange(t, dtype=jnp.int32)[None],
-        jnp.asarray([t], jnp.int32),
-        PagedKVCache.create(config, 1, t),
-        jnp.zeros((1, 1), jnp.int32),
-        config=config,
-        attention="reference",
-        rope_table=rope_table(config, t + 5) if rope_lookup else None,
-    )
-    return np.asarray(logits[0])
 
 
 QWEN_LIKE = dataclasses.replace(TINY, name="tiny-qwen", attention_bias=True, tie_embeddings=False)

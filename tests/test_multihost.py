@@ -11,7 +11,7 @@ import pytest
 
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.reference import greedy_generate
-from tests.test_disaggregated_engine import ROOT, assert_batch_is_the_reference, batch_job
+from tests.serving import ROOT, assert_batch_is_the_reference, batch_job
 
 pytestmark = pytest.mark.slow  # the full tier: two processes
 

@@ -10,9 +10,9 @@ from cadence.engine.config import EngineConfig, fixed_page_tables
 from cadence.engine.engine import Engine
 from cadence.engine.packing import PrefillChunk
 from cadence.model.host_sampling import RequestSampling, SamplingRows
-from tests.test_disaggregated_engine import generate_gives_the_reference_text
+from tests.serving import generate_gives_the_reference_text
 from tests.fakes import (
-    EOS, FakeEngine, Harness, chunked, prefill_first, random_prompt, run_random_load,
+    EOS, FakeEngine, Harness, chunked, prefill_first, run_random_load,
 )
 
 MULTI = EngineConfig(num_slots=4, max_seq_len=256, prefill_chunk=64, min_kv_bucket=64,

@@ -159,7 +159,7 @@ def test_the_api_serves_penalties_and_biases_as_the_reference_computes_them(
         tiny_engine, tiny_params, tiny_config, tiny_tokenizer):
     """The OpenAI fields reach the device as the reference takes them: chat and completions,
     streamed and not, beside a plain request that they must not change."""
-    from tests.test_reliability import serving
+    from tests.serving import serving
 
     import httpx
 

@@ -16,7 +16,7 @@ from cadence.model.paged_kv import PagedKVCache
 from cadence.model import cpu_kernels
 from cadence.model.quant import (QMAX, dequantize, quantize, quantize_group_matrix, quantize_grouped,
                                    quantize_matrix)
-from tests.test_disaggregated_engine import cli
+from tests.serving import cli
 
 
 def test_a_matrix_is_within_half_a_step_of_its_int8_form():

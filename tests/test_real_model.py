@@ -248,7 +248,7 @@ def test_structured_output_and_tool_calls_on_the_default_model(smollm2):
     from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
     from cadence.server.app import create_app
     from tests.conftest import loopback_server
-    from tests.test_structured import SCHEMAS, TOOL_SCHEMAS, TOOLS, assembled, check_calls, schema_format
+    from tests.structured_cases import SCHEMAS, TOOL_SCHEMAS, TOOLS, assembled, check_calls, schema_format
 
     if not cpu_kernels.available():
         pytest.skip(f"the CPU kernels are unavailable: {cpu_kernels.unavailable_reason()}")

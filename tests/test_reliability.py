@@ -10,7 +10,6 @@ streams at once. SIGTERM and warm-up failures are in `test_serve_cli.py` and her
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import threading
 import time
@@ -22,8 +21,9 @@ import pytest
 from cadence.checkpoints.generation import GenerationDefaults
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
-from cadence.server.app import ServerConfig, create_app
+from cadence.server.app import create_app
 from tests.conftest import loopback_server
+from tests.serving import gauge, serving
 
 MODEL = "tiny"
 TIMEOUT = httpx.Timeout(60.0, connect=5.0)
@@ -74,31 +74,6 @@ class FaultyEngine:
 class Unreadable:
     def __array__(self, *args, **kwargs):
         raise RuntimeError("injected: the result never arrived")
-
-
-@contextlib.contextmanager
-def serving(engine, tokenizer, *, warmup=None, max_queue=64, generation=GenerationDefaults(),
-            **config):
-    sched = Scheduler(engine, tokenizer, SchedulerConfig(
-        policy=PolicyConfig(token_budget=40, chunk=32), max_queue=max_queue))
-    app = create_app(sched, tokenizer, MODEL, config=ServerConfig(**config), warmup=warmup,
-                     generation=generation)
-    with loopback_server(app) as base:
-        wait_healthy(base)
-        yield base, sched
-
-
-def wait_healthy(base: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while httpx.get(f"{base}/health").status_code != 200:
-        assert time.monotonic() < deadline, "never ready"
-        time.sleep(0.02)
-
-
-def gauge(base: str, name: str) -> float:
-    text = httpx.get(f"{base}/metrics").text
-    line = next(l for l in text.splitlines() if l.startswith(f"cadence:{name}{{"))
-    return float(line.rsplit(" ", 1)[1])
 
 
 def greedy(prompt: str, max_tokens: int) -> dict:

@@ -30,7 +30,7 @@ from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.conftest import random_params
-from tests.test_disaggregated_engine import cli, generate_gives_the_reference_text
+from tests.serving import cli, generate_gives_the_reference_text
 
 pytestmark = pytest.mark.slow  # the full tier: tensor parallelism over several CPU devices
 

@@ -2,7 +2,7 @@
 
 A byte-level BPE is trained with the `tokenizers` trainer and exported as GGUF-style metadata;
 a SentencePiece BPE with byte fallback is trained with `sentencepiece`. No network, no files
-outside tmp_path.
+outside tmp_path (`tests/trained_tokenizers.py`; the SentencePiece fixtures are conftest's).
 """
 
 from __future__ import annotations
@@ -13,23 +13,12 @@ from pathlib import Path
 import pytest
 import sentencepiece
 import tokenizers
-from tokenizers import (AddedToken, decoders, models, normalizers, pre_tokenizers, processors,
-                        trainers)
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 
 from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer, TokenizerError
+from tests.trained_tokenizers import SMOLLM2_TEMPLATE, SPECIALS, gguf_fields, trained_bpe
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog. The capital of France is Paris.",
-    "It's a truth universally acknowledged that we'll need more tokens; they've said so.",
-    "Numbers like 12345, 3.14159 and 2024-06-01 appear in text and in code: x = 42 * y",
-    "def main():\n    for i in range(10):\n        print(i)\n\treturn None\n",
-    "Café, naïve, façade, jalapeño, Zürich, Ærøskøbing, São Paulo, Kraków and Ñandú.",
-    "日本語のテキストと中文字符，还有한국어 문장도 있습니다。",
-    "Emoji: 🎉🚀😀 and symbols ™ © ° ± → ∑ ∞ ≈ ≠ appear sometimes.",
-    "Ελληνικά γράμματα και русский текст, а также العربية و עברית.",
-] * 20
 SAMPLES = [
     "Hello, world!",
     "The capital of France is Paris.",
@@ -42,74 +31,16 @@ SAMPLES = [
     "mixed: x=1; y='two'; z=\"three\" # comment ™ ∑",
     "",
 ]
-SMOLLM2_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
-    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-def _trained_bpe() -> tokenizers.Tokenizer:
-    hf = tokenizers.Tokenizer(models.BPE())
-    # SmolLM2's own pre-tokenizer: every digit alone, then the GPT-2 regex over bytes.
-    hf.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=256 + len(SPECIALS) + 400, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    hf.train_from_iterator(CORPUS, trainer=trainer)
-    return hf
-
-
-def _gguf_fields(hf: tokenizers.Tokenizer, pre: str) -> dict:
-    vocab = hf.get_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    merges = json.loads(hf.to_str())["model"]["merges"]
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": pre,
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in merges],
-        "tokenizer.ggml.token_type": [3 if t in SPECIALS else 1 for t in tokens],
-        "tokenizer.ggml.bos_token_id": vocab["<|im_start|>"],
-        "tokenizer.ggml.eos_token_id": vocab["<|im_end|>"],
-        "tokenizer.ggml.eot_token_id": vocab["<|endoftext|>"],
-        "tokenizer.ggml.add_bos_token": False,
-        "tokenizer.chat_template": SMOLLM2_TEMPLATE,
-    }
 
 
 @pytest.fixture(scope="session")
 def hf_bpe() -> tokenizers.Tokenizer:
-    return _trained_bpe()
+    return trained_bpe()
 
 
 @pytest.fixture(scope="session")
 def bpe(hf_bpe) -> Tokenizer:
-    return Tokenizer.from_gguf_fields(_gguf_fields(hf_bpe, "smollm"))
-
-
-@pytest.fixture(scope="session")
-def sp_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("spm")
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS[:5] * 20), model_prefix=str(folder / "tokenizer"),
-        model_type="bpe", vocab_size=400, byte_fallback=True, character_coverage=1.0,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, control_symbols=["<|im_start|>", "<|im_end|>"],
-        num_threads=1, minloglevel=2)
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
-    return folder
-
-
-@pytest.fixture(scope="session")
-def spm(sp_dir) -> Tokenizer:
-    return Tokenizer.from_hf_dir(sp_dir)
+    return Tokenizer.from_gguf_fields(gguf_fields(hf_bpe, "smollm"))
 
 
 # --- byte-level BPE built from GGUF metadata ---------------------------------------------
@@ -162,7 +93,7 @@ def test_token_bytes_undo_the_byte_map(bpe):
 @pytest.mark.parametrize("pre, groups", [("llama3", [3, 3, 1]), ("qwen2", [1] * 7),
                                          ("gpt2", None)])
 def test_pre_tokenizer_digit_grouping(hf_bpe, pre, groups):
-    tok = Tokenizer.from_gguf_fields(_gguf_fields(hf_bpe, pre))
+    tok = Tokenizer.from_gguf_fields(gguf_fields(hf_bpe, pre))
     assert tok.decode(tok.encode("x 1234567 y's")) == "x 1234567 y's"
     if groups is not None:  # every token boundary must fall on a group boundary
         ends, n = set(), 0
@@ -174,9 +105,9 @@ def test_pre_tokenizer_digit_grouping(hf_bpe, pre, groups):
 
 def test_unsupported_gguf_tokenizers_raise(hf_bpe):
     with pytest.raises(TokenizerError, match="smollm"):
-        Tokenizer.from_gguf_fields(_gguf_fields(hf_bpe, "no-such-pre"))
+        Tokenizer.from_gguf_fields(gguf_fields(hf_bpe, "no-such-pre"))
     with pytest.raises(TokenizerError, match="'bert'"):
-        Tokenizer.from_gguf_fields({**_gguf_fields(hf_bpe, "gpt2"), "tokenizer.ggml.model": "bert"})
+        Tokenizer.from_gguf_fields({**gguf_fields(hf_bpe, "gpt2"), "tokenizer.ggml.model": "bert"})
     with pytest.raises(TokenizerError, match="tokens"):
         Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "gpt2"})
 
@@ -417,7 +348,7 @@ def test_bad_messages_raise(bpe, messages):
 
 
 def test_template_errors_become_tokenizer_errors(hf_bpe):
-    fields = _gguf_fields(hf_bpe, "smollm")
+    fields = gguf_fields(hf_bpe, "smollm")
     strict = Tokenizer.from_gguf_fields({**fields, "tokenizer.chat_template": (
         "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}"
         "{{ raise_exception('no tools here') }}{% endif %}{{ m['content'] }}{% endfor %}")})
