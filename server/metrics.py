@@ -60,6 +60,9 @@ _READINGS: dict[str, tuple[str, str, Callable[[SchedulerStats], float]]] = {
         lambda s: s.priority_preemptions),
     "cadence:compilations_after_warmup": (
         "gauge", "XLA compilations since warm-up ended (should stay 0).", lambda s: s.compilations_after_warmup),
+    "cadence:compilations_on_demand": (
+        "gauge", "XLA compilations of the programs warm-up left for their first use (--warmup=needed), "
+        "counted apart from compilations_after_warmup.", lambda s: s.compilations_on_demand),
     "cadence:kv_transfer_backlog": (
         "gauge", "Disaggregated: prefilled requests waiting for the decode pool's slots or pages.",
         lambda s: s.transfer_backlog),

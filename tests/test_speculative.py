@@ -18,6 +18,7 @@ from cadence.model.host_sampling import RequestSampling, SamplingRows
 from cadence.scheduler.speculative import Acceptance, Drafter, NgramDrafts, SpeculativeConfig
 from cadence.scheduler.grammar import GrammarCompiler, JsonSchema, Regex
 from cadence.scheduler.request import GenerationParams
+from cadence.server.metrics import Metrics
 from tests.conftest import ONE_LONGEST, compiled
 from tests.fakes import (
     ALPHABET, TOK, FakeEngine, Harness, chunked, ids, make_scheduler, prefill_first, run_all,
@@ -605,3 +606,6 @@ def test_a_verify_program_left_to_first_use_compiles_off_the_loop(tiny_params, t
     assert sched.spec_drafts > 0 and sched.spec_accepted > 0
     assert e.compilations_after_warmup == 0
     assert e.compilations_on_demand == len(config.verify_batch_buckets)
+    scraped = Metrics(sched, "tiny").render().decode()  # what /metrics reports of them
+    assert f'cadence:compilations_on_demand{{model_name="tiny"}} {e.compilations_on_demand:.1f}' in scraped
+    assert 'cadence:compilations_after_warmup{model_name="tiny"} 0.0' in scraped
