@@ -104,7 +104,7 @@ def test_split_decode_equals_the_fused_step(fresh, tiny_config):
     greedy and sampled rows together, step after step; and compiles nothing after warm-up."""
     specs = [RequestSampling(), SAMPLED, RequestSampling(), RequestSampling(temperature=1.2, seed=8)]
     rows = sampling_rows(specs)
-    rows = rows.replace(logprobs=np.asarray([True, True, False, False]))
+    rows = rows._replace(logprobs=np.asarray([True, True, False, False]))
     tables = fixed_page_tables(CONFIG)
     active = np.zeros(CONFIG.num_slots, bool)
     active[list(PROMPTS)] = True
