@@ -1,12 +1,9 @@
-"""The layers' import boundaries. Read from the source: no import runs up the layers
-(`LAYERS`), no modules import each other in a circle, and no test module imports another. And
-those that can be checked by importing: the engine's contract with the
+"""The layers' boundaries, read from the source: no import runs up the layers (`LAYERS`), no
+modules import each other in a circle, no test module imports another, and no file or class
+outgrows its room. And those that can be checked by importing: the engine's contract with the
 scheduler (`engine.api`), sampling's host side (`model.host_sampling`) and the integer
 arithmetic every layer shares (`model.arith`) import no JAX, so a scheduler that imports only them
-(and its fake-engine tests) never loads it.
-
-Each check runs in a fresh interpreter: in this process, other tests have imported JAX already.
-"""
+(and its fake-engine tests) never loads it."""
 
 from __future__ import annotations
 
@@ -109,3 +106,21 @@ def test_tests_import_helpers_not_other_tests():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests.test_"):
                 found.append(f"{path.name}: from {node.module}")
     assert not found, found
+
+
+MAX_FILE_LINES, MAX_CLASS_LINES = 700, 400
+
+
+def test_no_file_or_class_outgrows_its_room():
+    """A file over 700 lines, or a class over 400, is doing several jobs: split it along its
+    seams (as `Scheduler` is into `submission`, `dispatch`, `outcomes` and `stats`)."""
+    too_big = []
+    for name, path in _modules().items():
+        text = path.read_text()
+        if text.count("\n") > MAX_FILE_LINES:
+            too_big.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                too_big.append(f"{path.relative_to(ROOT)}: class {node.name}, "
+                               f"{node.end_lineno - node.lineno + 1} lines")
+    assert not too_big, too_big
