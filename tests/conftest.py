@@ -32,6 +32,12 @@ from cadence.model.config import TINY, ModelConfig  # noqa: E402
 from cadence.model import params as model_params  # noqa: E402
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject.toml's addopts): a worker per core this process may run on, at most
+    4, as each holds its own engines and their compiled programs."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
 def random_params(config: ModelConfig, seed: int = 0) -> dict:
     """Random weights as float32 NumPy arrays, scaled so greedy choices are clear-cut.
 

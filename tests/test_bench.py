@@ -25,15 +25,12 @@ from cadence.bench.metrics import chat_itl, class_metrics, percentile, stream_ra
 from cadence.bench.report import load_results, run_report, write_json
 from cadence.bench.runner import run_workload
 from cadence.bench.workload import ClassSpec, RequestSpec, WorkloadSpec, approx_tokens, corpus
-from cadence.engine.config import EngineConfig
-from cadence.engine.engine import Engine
 from cadence.model.config import TINY
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from cadence.server.app import create_app
 from tests.conftest import loopback_server
 
-ENGINE = EngineConfig(num_slots=4, max_seq_len=256, prefill_chunk=32)  # one KV bucket: quick warm-up
 
 
 @contextlib.contextmanager
@@ -50,10 +47,9 @@ def tiny_workload(**kw) -> WorkloadSpec:
 
 
 @pytest.fixture(scope="module")
-def cadence_url(tiny_params, tiny_config, tiny_tokenizer):
-    engine = Engine(tiny_params, tiny_config, ENGINE)
-    engine.warmup(warmup="needed")
-    sched = Scheduler(engine, tiny_tokenizer, SchedulerConfig(policy=PolicyConfig(token_budget=40, chunk=32)))
+def cadence_url(tiny_engine, tiny_tokenizer):
+    # The serving tests' engine, warmed once for the session.
+    sched = Scheduler(tiny_engine, tiny_tokenizer, SchedulerConfig(policy=PolicyConfig(token_budget=40, chunk=32)))
     with serve_app(create_app(sched, tiny_tokenizer, "tiny")) as url:
         yield url
 

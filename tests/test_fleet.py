@@ -96,6 +96,10 @@ def served(f: Fleet) -> list[int]:
     return [finished(r.url) for r in f.replicas]
 
 
+# The full tier (two replicas and the router as subprocesses: ~13 s); the default tier keeps the
+# fleet's own logic (cores, policies, counters) and the routes the router reads (test_clients,
+# test_reliability).
+@pytest.mark.slow
 @needs_router
 def test_through_the_router_answers_equal_direct_calls_and_the_gauges_move(tiny_model_dir, tmp_path):
     with tiny_fleet(tiny_model_dir, tmp_path, "round_robin", max_seq_len=512) as f:

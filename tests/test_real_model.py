@@ -94,10 +94,13 @@ def penalized_case(smollm2, default_model_cases):
     return prompt, row, want, [reference[p - 1, sequence[p]] for p in range(1, len(sequence))]
 
 
-# The default tier keeps the mode cadence-serve runs by default (gguf_native); the CPU kernels
-# over float32 weights, and several steps per dispatch, are the tiny model's there too.
-@pytest.mark.parametrize("mode", [*(pytest.param(m, marks=pytest.mark.slow) for m in (
-    "colocated", "disaggregated", "tp2", "tp3", "multistep", "cpu_kernels")), "gguf_native"])
+# The full tier (~25 s each on 2 cores, most of it the reference's answers on the 30-layer
+# model). The default tier runs the engine over GGUF blocks against the reference on tiny GGUF
+# files (test_gguf.py: Q4_1/Q8_0 and Q4_K_M) and the default model through the reference
+# (test_capital_of_france).
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [
+    "colocated", "disaggregated", "tp2", "tp3", "multistep", "cpu_kernels", "gguf_native"])
 def test_engine_matches_reference_on_the_default_model(smollm2, default_model_cases, penalized_case, mode):
     """cadence-generate's path (engine + scheduler, chunked, batched) equals the reference, and
     so does a request with penalties, a logit_bias and logprobs of its prompt (echo's, from the
