@@ -173,10 +173,10 @@ class Engine(KVOps, Compiling):
                 params = cpu_kernels.decode_params(params, packed)
             elif packed:
                 raise ValueError("packed matrices are read by decode_matmul='cpu' only")
-            # The kernels' blocks keep their dtype (a checkpoint's 16-bit floats are read as
-            # they are); every other leaf is cast to the compute dtype.
+            # The kernels' blocks and the embedding table keep their dtype (a checkpoint's
+            # 16-bit floats are read as they are); every other leaf is cast to the compute dtype.
             self.params = jax.tree_util.tree_map_with_path(
-                lambda path, a: (jax.device_put(a, self.device) if cpu_kernels.is_blocked(path)
+                lambda path, a: (jax.device_put(a, self.device) if cpu_kernels.keeps_dtype(path)
                                  else cast(jax.device_put(a, self.device), dtype)), params)
             # What the programs run: the model as given, or with KV heads repeated (sharding).
             self.compute_config = model_config

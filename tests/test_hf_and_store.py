@@ -79,9 +79,11 @@ def test_a_16_bit_checkpoint_is_converted_in_16_bits(tmp_path, model, dtype, tin
 
 
 @needs_cpu_kernels
-def test_the_cpu_kernels_read_a_bf16_checkpoint_as_stored(tmp_path, tiny_tokenizer):
+@pytest.mark.parametrize("config", [TINY, QWEN_TINY], ids=["tied", "untied"])
+def test_the_cpu_kernels_read_a_bf16_checkpoint_as_stored(tmp_path, tiny_tokenizer, config):
     """Restored as stored (as `cadence-serve` on the CPU kernels does), a BF16 checkpoint's
-    matrices reach the kernels in bfloat16, half float32's bytes, and the engine gives the
+    matrices reach the kernels in bfloat16, half float32's bytes, an untied embedding table
+    stays bfloat16 too (a lookup widens the rows it takes), and the engine gives the
     reference's greedy tokens over the same weights widened to float32."""
     from cadence.checkpoints import registry
     from cadence.checkpoints.store import AS_STORED
@@ -92,20 +94,23 @@ def test_the_cpu_kernels_read_a_bf16_checkpoint_as_stored(tmp_path, tiny_tokeniz
     from cadence.scheduler.request import GenerationParams
     from tests.fakes import make_scheduler, run_all
 
-    save_hf(tmp_path / "hf", TINY, random_params(TINY, seed=3), dtype="bfloat16")
+    save_hf(tmp_path / "hf", config, random_params(config, seed=3), dtype="bfloat16")
     tiny_tokenizer.save(tmp_path / "hf")
     model = registry.load_model(str(tmp_path / "hf"), tmp_path / "cache", dtype=AS_STORED)
     widened = registry.load_model(str(tmp_path / "hf"), tmp_path / "cache").params
-    engine = Engine(model.params, TINY, EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=64,
-                                                     attention="cpu", decode_matmul="cpu"))
+    engine = Engine(model.params, config, EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=64,
+                                                       attention="cpu", decode_matmul="cpu"))
+    bf16 = np.dtype(ml_dtypes.bfloat16)
     blocked = [a for p, a in jax.tree_util.tree_leaves_with_path(engine.params)
                if cpu_kernels.is_blocked(p)]
-    assert blocked and {a.dtype for a in blocked} == {np.dtype(ml_dtypes.bfloat16)}
+    assert blocked and {a.dtype for a in blocked} == {bf16}
+    table = engine.params["embed"].get("embedding")  # tied: the head's blocks hold it
+    assert (table is None) == config.tie_embeddings and (table is None or table.dtype == bf16)
     prompts = [list(range(5, 90)), [7, 300, 41, 9]]  # prefill over the GEMM, then the kernel
     streams = run_all(make_scheduler(engine, tiny_tokenizer, chunk=64, budget=66),
                       [(p, GenerationParams(max_tokens=12)) for p in prompts])
     for prompt, stream in zip(prompts, streams):
-        assert stream.request.output_ids == greedy_generate(widened, TINY, prompt, 12, tiny_tokenizer.eos_ids)
+        assert stream.request.output_ids == greedy_generate(widened, config, prompt, 12, tiny_tokenizer.eos_ids)
     assert cpu_kernels.blocked_bytes(engine.params) * 2 == cpu_kernels.blocked_bytes(
         cpu_kernels.decode_params(widened))
 
