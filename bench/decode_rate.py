@@ -7,7 +7,11 @@ Each round sends `concurrency` identical streaming chat requests at once (a shor
 `max_tokens` output with `ignore_eos`, temperature 0), `--rounds` times, one round after the
 other. Per stream, the decode rate is (completion tokens - 1) / (last text - first text): the
 time to first token is left out, so it is the rate of the decode steps. A round's aggregate
-is every stream's tokens over the round's wall time (first token included). Token counts are
+is every stream's tokens over the round's wall time (first token included). The prompt rate is
+a stream's prompt tokens over its time to first token: with one stream, a long `--prompt_file`
+and few `--max_tokens`, what prefill takes (turn the prefix cache off on the server, or every
+round after the first finds the prompt cached: cadence's `--noprefix_caching`, llama-server's
+`{"cache_prompt": false}`). Token counts are
 the server's `usage`, never re-tokenized. Works against cadence and llama.cpp's llama-server
 alike (`--extra_body='{"cache_prompt": false}'` keeps llama-server from reusing the prompt).
 
@@ -72,7 +76,7 @@ def one_stream(client: httpx.Client, body: dict, out: list, index: int) -> None:
     tokens = (usage or {}).get("completion_tokens")
     if not tokens or len(times) < 2:
         raise RuntimeError(f"stream {index} returned {len(times)} text messages and usage {usage}")
-    out[index] = {"tokens": tokens, "ttft_s": times[0] - start,
+    out[index] = {"tokens": tokens, "prompt_tokens": usage.get("prompt_tokens"), "ttft_s": times[0] - start,
                   "decode_tok_s": (tokens - 1) / (times[-1] - times[0]), "end": times[-1]}
 
 
@@ -128,7 +132,8 @@ def run_round(client: httpx.Client, body: dict, streams: int) -> dict:
             "per_stream_decode_tok_s": [o["decode_tok_s"] for o in out],
             "tokens": [o["tokens"] for o in out],
             "constrained": [b is not body for b in sent],
-            "ttft_s": [o["ttft_s"] for o in out]}
+            "ttft_s": [o["ttft_s"] for o in out],
+            "prompt_tokens": [o["prompt_tokens"] for o in out]}
 
 
 def main(argv) -> None:
@@ -147,13 +152,17 @@ def main(argv) -> None:
             rounds = [run_round(client, body, streams) for _ in range(_ROUNDS.value)]
             drafting = speculation(before, spec_counters(client))
             per_stream = [r for rd in rounds for r in rd["per_stream_decode_tok_s"]]
+            prompt_rates = [n / t for rd in rounds for n, t in zip(rd["prompt_tokens"], rd["ttft_s"]) if n]
             setting = {"streams": streams, "rounds": rounds,
                        "median_stream_decode_tok_s": statistics.median(per_stream),
                        "median_aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in rounds),
+                       "median_stream_prompt_tok_s": statistics.median(prompt_rates) if prompt_rates else None,
                        "speculation": drafting}
             print(f"{_LABEL.value or _BASE_URL.value}: {streams} stream(s): per-stream decode "
                   f"{setting['median_stream_decode_tok_s']:.1f} tok/s (median of {len(per_stream)}), "
-                  f"aggregate {setting['median_aggregate_tok_s']:.1f} tok/s (median of {len(rounds)} rounds)",
+                  f"aggregate {setting['median_aggregate_tok_s']:.1f} tok/s (median of {len(rounds)} rounds)"
+                  + (f", prompt {setting['median_stream_prompt_tok_s']:.0f} tok/s over "
+                     f"{rounds[0]['prompt_tokens'][0]} prompt tokens" if prompt_rates else ""),
                   flush=True)
             if drafting and drafting["drafts"]:
                 print(f"  speculation: {drafting['draft_tokens']:.0f} draft tokens in "
