@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -71,9 +72,24 @@ def served_names(model: str, given: list[str] | None) -> list[str]:
     return [name.removesuffix(".gguf") or model]
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use, or an address this
+    machine does not have, is a one-line error at once rather than after the load and warm-up."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart's TIME_WAIT
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def main(argv: list[str]) -> int:
     del argv
     try:
+        sock = listen(_HOST.value, _PORT.value)
         config = ServerConfig(api_key=api_key(), protect_metrics=_PROTECT_METRICS.value,
                               max_body_bytes=runtime.parse_size(_MAX_BODY.value), drain_timeout=_DRAIN.value,
                               max_n=_MAX_N.value, grammar_timeout=GRAMMAR_TIMEOUT.value)
@@ -96,12 +112,12 @@ def main(argv: list[str]) -> int:
     server = uvicorn.Server(uvicorn.Config(
         application, host=_HOST.value, port=_PORT.value, log_level="warning",
         timeout_graceful_shutdown=max(1, int(_DRAIN.value))))
-    print(f"cadence: listening on http://{_HOST.value}:{_PORT.value}", file=sys.stderr)
+    print(f"cadence: listening on http://{_HOST.value}:{sock.getsockname()[1]}", file=sys.stderr)
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully, to the
     # handler it found: make that one a no-op, so a drained SIGTERM ends in a clean exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    server.run(sockets=[sock])
     if fatal:
         return 1
     if application.state.server.warming:

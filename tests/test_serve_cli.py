@@ -91,3 +91,21 @@ def test_sigterm_during_warm_up_exits_at_once(tiny_model_dir, tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_port_in_use_is_a_one_line_error_before_the_model_loads(tiny_model_dir, tmp_path):
+    """Another process listens on the port: cadence-serve says so and exits 2 at once, without
+    loading the model (it used to load and warm up, then abort in uvicorn's exit)."""
+    root, env = tiny_model_dir
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        result = subprocess.run([sys.executable, "-m", "cadence.server.serve_cli",
+                                 f"--model={root / 'model'}", f"--port={port}"],
+                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"cadence-serve: error: cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "loaded" not in result.stderr and "Traceback" not in result.stderr
+    assert time.monotonic() - started < 60
