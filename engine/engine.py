@@ -69,10 +69,10 @@ from absl import logging
 
 from cadence.engine import compile_counter
 from cadence.engine.config import EngineConfig
+from cadence.engine.kv_ops import KVOps
 from cadence.engine.packing import Pack, PrefillChunk, bucket_for, pack_chunks
 from cadence.engine.programs import jit_programs
 from cadence.engine.results import DecodeTokens, PrefillTokens
-from cadence.engine.kv_ops import KVOps
 from cadence.engine.warmup import Compiling, spec
 from cadence.model import cpu_kernels
 from cadence.model.config import ModelConfig

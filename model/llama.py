@@ -200,7 +200,7 @@ class Attention(nn.Module):
 def _write_and_attend(attention: str, interpret: bool, branches: bool):
     """Writes a chunk's keys and values into its pages, then attends over them with the paged
     attention named `attention`: one jitted function per form it is traced in (the Pallas
-    kernels interpreted or compiled, `model.pallas_common`; branches or none, `model.control`),
+    kernels interpreted or compiled; branches or none: `model.control.form`),
     so every layer of a program calls the one trace of it. A layer's attention is most of
     what tracing a prefill program costs, and tracing is most of what a warm start costs:
     traced once, not once per layer, it takes a 30-layer model's prefill program from ~1.7 s
