@@ -78,10 +78,11 @@ def save_converted(folder: str | Path, config: ModelConfig, params: Params,
     try:
         tmp.mkdir()
         (tmp / "config.json").write_text(config.to_json())
-        with _quiet(), ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.save(tmp / "params", params)
+        with _quiet(), _host_checkpointer() as checkpointer:
+            checkpointer.save(tmp / "params", args=ocp.args.PyTreeSave(params))
             if packed:
-                checkpointer.save(tmp / "packed", nest((p, a) for p, (a, _) in packed.items()))
+                checkpointer.save(tmp / "packed", args=ocp.args.PyTreeSave(
+                    nest((p, a) for p, (a, _) in packed.items())))
         for name, data in tokenizer_files.items():
             (tmp / name).write_bytes(data)
         marker = {"format_version": FORMAT_VERSION, "source": source, "dtype": "source",
@@ -92,6 +93,18 @@ def save_converted(folder: str | Path, config: ModelConfig, params: Params,
         _replace(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _host_checkpointer() -> ocp.Checkpointer:
+    """orbax's checkpointer for a tree of NumPy arrays, writing them as they are. Its default
+    handler deep-copies every host array first, to guard a save that runs in the background
+    while the caller changes them: this save is synchronous and nothing changes the arrays,
+    and the copy was a second full-size tree at the conversion's peak (3.2 GiB of a 1.7B bf16
+    checkpoint's 8.8 GB). The format on disk is the same."""
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        (jax.Array, ocp.type_handlers.ArrayHandler()))  # (orbax warns of a registry without it)
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry))
 
 
 def load_converted(folder: str | Path, shardings: Shardings | None = None,

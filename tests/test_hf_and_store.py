@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import jax
 import ml_dtypes
@@ -136,6 +137,14 @@ def test_missing_tensor_is_named(tmp_path):
     with pytest.raises(CheckpointError,
                        match=r"missing \[model\.layers\.1\.self_attn\.k_proj\.bias\]"):
         load_hf_params(tmp_path, QWEN_TINY)
+
+
+def test_a_truncated_file_is_a_clear_error(tmp_path):
+    save_hf(tmp_path, TINY, random_params(TINY))
+    file = tmp_path / "model.safetensors"
+    os.truncate(file, file.stat().st_size - 100)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a whole safetensors file .*download it again"):
+        load_hf_params(tmp_path, TINY)
 
 
 def test_unexpected_tensor_is_named(tmp_path):
