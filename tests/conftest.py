@@ -235,19 +235,28 @@ def triton_verifications(monkeypatch) -> list:
 
 
 @contextlib.contextmanager
-def serve_tiny(engine, tokenizer, model="tiny", *, warmup=None, max_queue=64, **config):
-    """Serves a tiny-model engine through the real app over loopback (prefill chunks of 32, a
-    budget of 40 tokens an iteration); yields the base URL. `model`: its served name(s);
-    `config`: `ServerConfig`'s fields."""
+def serve_tiny(engine, tokenizer, model="tiny", **options):
+    """Serves a tiny-model engine through the real app over loopback (`tiny_app`); yields the
+    base URL."""
+    app, _ = tiny_app(engine, tokenizer, model, **options)
+    with loopback_server(app) as base:
+        yield base
+
+
+def tiny_app(engine, tokenizer, model="tiny", *, warmup=None, max_queue=64, generation=None, **config):
+    """The real app over a scheduler of `engine` (prefill chunks of 32, a budget of 40 tokens an
+    iteration), and that scheduler. `model`: its served name(s); `generation`: the model's
+    sampling defaults; `config`: `ServerConfig`'s fields."""
+    from cadence.checkpoints.generation import GenerationDefaults
     from cadence.scheduler.policy import PolicyConfig
     from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
     from cadence.server.app import ServerConfig, create_app
 
     sched = Scheduler(engine, tokenizer, SchedulerConfig(
         policy=PolicyConfig(token_budget=40, chunk=32), max_queue=max_queue))
-    app = create_app(sched, tokenizer, model, config=ServerConfig(**config), warmup=warmup)
-    with loopback_server(app) as base:
-        yield base
+    app = create_app(sched, tokenizer, model, config=ServerConfig(**config), warmup=warmup,
+                     generation=generation or GenerationDefaults())
+    return app, sched
 
 
 @contextlib.contextmanager

@@ -17,34 +17,31 @@ from pathlib import Path
 
 import httpx
 
-from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.reference import greedy_generate
-from cadence.scheduler.policy import PolicyConfig
-from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
-from cadence.server.app import ServerConfig, create_app
-from tests.conftest import loopback_server
+from tests.conftest import loopback_server, tiny_app
+
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
 
 
 @contextlib.contextmanager
-def serving(engine, tokenizer, *, warmup=None, max_queue=64, generation=GenerationDefaults(),
-            **config):
-    sched = Scheduler(engine, tokenizer, SchedulerConfig(
-        policy=PolicyConfig(token_budget=40, chunk=32), max_queue=max_queue))
-    app = create_app(sched, tokenizer, MODEL, config=ServerConfig(**config), warmup=warmup,
-                     generation=generation)
+def serving(engine, tokenizer, **options):
+    """`conftest.tiny_app` served over loopback once healthy: yields its base URL and its
+    scheduler."""
+    app, sched = tiny_app(engine, tokenizer, MODEL, **options)
     with loopback_server(app) as base:
         wait_healthy(base)
         yield base, sched
+
 
 def wait_healthy(base: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while httpx.get(f"{base}/health").status_code != 200:
         assert time.monotonic() < deadline, "never ready"
         time.sleep(0.02)
+
 
 def gauge(base: str, name: str) -> float:
     text = httpx.get(f"{base}/metrics").text
@@ -57,6 +54,7 @@ def cli(tiny_model_dir, module: str, *flags: str) -> subprocess.CompletedProcess
     cmd = [sys.executable, "-m", module, f"--model={root / 'model'}", "--num_slots=2",
            "--max_seq_len=128", "--prefill_chunk=32", *flags]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
 
 def generate_gives_the_reference_text(tiny_model_dir, tiny_params, tiny_config, *flags: str) -> str:
     """Runs `cadence-generate` greedy with `flags`; checks its text is the reference's and
@@ -78,6 +76,7 @@ def batch_job(tmp_path) -> tuple[dict[str, str], list[str]]:
     inp.write_text("".join(json.dumps({"id": k, "prompt": v, "max_tokens": 8, "temperature": 0}) + "\n"
                            for k, v in prompts.items()))
     return prompts, [f"--input={inp}", f"--output={tmp_path / 'out.jsonl'}"]
+
 
 def assert_batch_is_the_reference(tmp_path, prompts, tiny_model_dir, tiny_params, tiny_config) -> None:
     tok = Tokenizer.from_hf_dir(tiny_model_dir[0] / "model")

@@ -31,6 +31,7 @@ SCHEMAS = {
     "array": {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 3},
 }
 
+
 TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather",
@@ -40,8 +41,10 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time"}},
 ]
 
+
 TOOL_SCHEMAS = {"get_weather": TOOLS[0]["function"]["parameters"],
                 "get_time": {"type": "object", "properties": {}, "additionalProperties": False}}
+
 
 def assembled(chunks: list[dict]) -> dict[int, dict]:
     """Per choice index: its streamed content, tool calls (deltas put together) and finish."""
@@ -60,8 +63,10 @@ def assembled(chunks: list[dict]) -> dict[int, dict]:
             entry["finish"] = choice["finish_reason"] or entry["finish"]
     return out
 
+
 def schema_format(name: str) -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
+
 
 def check_calls(calls: list[dict], names: set[str]) -> None:
     assert calls

@@ -18,6 +18,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. The capital of France is Paris.",
     "It's a truth universally acknowledged that we'll need more tokens; they've said so.",
@@ -37,6 +38,7 @@ SMOLLM2_TEMPLATE = (
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+
 def trained_bpe() -> tokenizers.Tokenizer:
     hf = tokenizers.Tokenizer(models.BPE())
     # SmolLM2's own pre-tokenizer: every digit alone, then the GPT-2 regex over bytes.
@@ -49,6 +51,7 @@ def trained_bpe() -> tokenizers.Tokenizer:
                                   show_progress=False)
     hf.train_from_iterator(CORPUS, trainer=trainer)
     return hf
+
 
 def gguf_fields(hf: tokenizers.Tokenizer, pre: str) -> dict:
     vocab = hf.get_vocab()
