@@ -97,6 +97,14 @@ def _gather_rows(sampling: SamplingParams, pick: np.ndarray, live: np.ndarray) -
     return jax.tree.map(gather, sampling, _GREEDY_ROW)
 
 
+def _placed_as_stored(path) -> bool:
+    """Whether a single-device engine places a params leaf in the dtype it comes in: the CPU
+    kernels' blocks (a checkpoint's 16-bit floats are read as they are), and an embedding table,
+    of which a lookup converts only the rows it takes (an untied 16-bit table stays 16-bit).
+    Every other leaf is cast to the compute dtype."""
+    return cpu_kernels.is_blocked(path) or str(getattr(path[-1], "key", "")) == "embedding"
+
+
 def _copy_to_host(logprobs: Logprobs) -> None:
     for a in (logprobs.token, logprobs.ids, logprobs.values):
         a.copy_to_host_async()
@@ -173,10 +181,8 @@ class Engine(KVOps, Compiling):
                 params = cpu_kernels.decode_params(params, packed)
             elif packed:
                 raise ValueError("packed matrices are read by decode_matmul='cpu' only")
-            # The kernels' blocks and the embedding table keep their dtype (a checkpoint's
-            # 16-bit floats are read as they are); every other leaf is cast to the compute dtype.
             self.params = jax.tree_util.tree_map_with_path(
-                lambda path, a: (jax.device_put(a, self.device) if cpu_kernels.keeps_dtype(path)
+                lambda path, a: (jax.device_put(a, self.device) if _placed_as_stored(path)
                                  else cast(jax.device_put(a, self.device), dtype)), params)
             # What the programs run: the model as given, or with KV heads repeated (sharding).
             self.compute_config = model_config

@@ -520,14 +520,6 @@ def is_blocked(path) -> bool:
     return str(getattr(path[-1], "key", "")).endswith("_blocked")
 
 
-def keeps_dtype(path) -> bool:
-    """Whether the engine places a `decode_params` leaf as stored: a kernel-layout matrix
-    (`is_blocked`), or an embedding table, of which a lookup converts only the rows it takes
-    (an untied 16-bit checkpoint's table stays 16-bit). Every other leaf is cast to the dtype
-    the engine computes in."""
-    return is_blocked(path) or str(getattr(path[-1], "key", "")) == "embedding"
-
-
 def blocked_bytes(tree: dict[str, Any]) -> int:
     """Bytes of the kernel-layout matrices in a `decode_params` tree (its copy of the weights)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
