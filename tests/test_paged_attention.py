@@ -1,13 +1,11 @@
 """The paged KV pool and attention over it, on the CPU (Pallas kernels in interpret mode).
 
-Every layout is random: each row's pages are shuffled across a pool with spare pages, the
-page-table entries past a row's live pages hold garbage (-1, far past the pool, or another
-row's live page), and everything no query may see (spare pages, the tail of a partial last
-page) is poison: NaN for the Pallas kernels, whose masked loads must never read it, and a large
-finite value for the XLA paths, which read whole tiles but must mask them. Each path is checked
-against `paged_reference_attention`, and the reference against `xla_attention` on the same
-keys laid out contiguously (built independently, in numpy). Shapes are small because interpret
-mode is slow.
+Every layout is random (`tests/paged_cases.py`): shuffled pages, garbage past each row's live
+pages, and poison wherever no query may look: NaN for the Pallas kernels, whose masked loads
+must never read it, and a large finite value for the XLA paths, which read whole tiles but must
+mask them. Each path is checked against `paged_reference_attention`, and the reference against
+`xla_attention` on the same keys laid out contiguously. Shapes are small because interpret mode
+is slow.
 """
 
 from __future__ import annotations
@@ -27,71 +25,16 @@ from cadence.model.attention import xla_attention
 from cadence.model.config import TINY
 from cadence.model.paged_attention import (
     gather_pages, get_paged_attention, paged_decode_gather, paged_decode_pages,
-    paged_reference_attention, xla_paged_attention,
+    xla_paged_attention,
 )
 from cadence.model.pallas_decode import DecodeTiling
 from cadence.model.pallas_paged import (
     paged_decode, paged_prefill, paged_split_partials, pallas_paged_attention,
 )
 from cadence.model.pallas_prefill import PrefillTiling
+from tests.paged_cases import ATOL, FINITE_POISON, case, check, poisoned_pair, reference
 
 INTERPRET = os.environ.get("CADENCE_PALLAS_INTERPRET", "1") != "0"
-FINITE_POISON = 1e4
-ATOL = 2e-5
-
-
-def build(seed, rows, kv_heads, head_dim, page_size, max_pages, visible, poison):
-    """A random paged layout: (k_pages, v_pages, page_table, k, v) where k, v are the same keys
-    contiguous, [rows, kv_heads, max_pages * page_size, head_dim], zero past `visible[row]`."""
-    rng = np.random.default_rng(seed)
-    capacity = max_pages * page_size
-    num_pages = rows * max_pages + 3  # spare pages nobody owns
-    k = rng.standard_normal((rows, kv_heads, capacity, head_dim)).astype(np.float32)
-    v = rng.standard_normal((rows, kv_heads, capacity, head_dim)).astype(np.float32)
-    seen = np.arange(capacity)[None, :] < np.asarray(visible)[:, None]  # [rows, capacity]
-    k, v = (np.where(seen[:, None, :, None], a, 0.0).astype(np.float32) for a in (k, v))
-
-    table = rng.permutation(num_pages)[: rows * max_pages].reshape(rows, max_pages)
-    pools = [np.full((kv_heads, num_pages, page_size, head_dim), poison, np.float32) for _ in "kv"]
-    for r in range(rows):
-        for j in range(cdiv(visible[r], page_size)):
-            for pool, x in zip(pools, (k, v)):
-                part = x[r, :, j * page_size:(j + 1) * page_size]
-                ok = seen[r, j * page_size:(j + 1) * page_size]
-                pool[:, table[r, j]] = np.where(ok[None, :, None], part, poison)
-    live = np.arange(max_pages)[None, :] < cdiv(np.asarray(visible)[:, None], page_size)
-    garbage = rng.choice([-1, num_pages + 7, int(table[0, 0])], size=table.shape)
-    table = np.where(live, table, garbage).astype(np.int32)
-    return (*map(jnp.asarray, pools), jnp.asarray(table), jnp.asarray(k), jnp.asarray(v))
-
-
-def case(seed, rows, heads, kv_heads, head_dim, page_size, max_pages, starts, q_len, poison):
-    """Queries at positions start..start+q_len-1 per row (start -1: an empty row)."""
-    positions = np.asarray(
-        [[s + t if s >= 0 else -1 for t in range(q_len)] for s in starts], np.int32
-    )
-    visible = [int(p.max()) + 1 for p in positions]
-    pool = build(seed, rows, kv_heads, head_dim, page_size, max_pages, visible, poison)
-    q = np.random.default_rng(seed + 1).standard_normal((rows, q_len, heads, head_dim))
-    return jnp.asarray(q, jnp.float32), pool, jnp.asarray(positions)
-
-
-def reference(q, pool, positions):
-    """The oracle, checked on the way against the contiguous layout."""
-    k_pages, v_pages, table, k, v = pool
-    ref = np.asarray(jax.jit(paged_reference_attention)(q, k_pages, v_pages, table, positions))
-    contiguous = np.asarray(jax.jit(xla_attention)(q, k, v, positions))
-    np.testing.assert_allclose(ref, contiguous, atol=ATOL, rtol=ATOL)
-    assert (ref[np.asarray(positions) < 0] == 0).all()
-    return ref
-
-
-def check(out, ref, positions):
-    out = np.asarray(out)
-    assert out.shape == ref.shape
-    assert np.isfinite(out).all(), "a path read poison: a page past a row's length, or garbage"
-    np.testing.assert_allclose(out, ref, atol=ATOL, rtol=ATOL)
-    assert (out[np.asarray(positions) < 0] == 0).all()
 
 
 # (heads, kv_heads, head_dim, page_size, max_pages, decode: visible keys per row, 0 = empty)
@@ -143,13 +86,6 @@ def test_xla_prefill_chunks_match_contiguous(i):
     check(jax.jit(get_paged_attention("xla"))(q, *pool[:3], positions), ref, positions)
 
 
-def _poisoned_pair(seed, *shape_args):
-    """The same case twice: NaN poison for a kernel, finite poison for the oracle."""
-    q, pool, positions = case(seed, *shape_args, np.nan)
-    _, clean, _ = case(seed, *shape_args, FINITE_POISON)
-    return q, pool, positions, reference(q, clean, positions)
-
-
 # DECODE cases with a tiling each: tiles of two pages, tiles inside a page, several splits
 DECODE_TILINGS = [DecodeTiling(16, 2), DecodeTiling(16, 3), DecodeTiling(16, 2)]
 
@@ -158,7 +94,7 @@ DECODE_TILINGS = [DecodeTiling(16, 2), DecodeTiling(16, 3), DecodeTiling(16, 2)]
 @pytest.mark.parametrize("i", range(len(DECODE)))
 def test_pallas_paged_decode_matches_reference(i):
     heads, kv_heads, head_dim, page_size, max_pages, visible = DECODE[i]
-    q, pool, positions, ref = _poisoned_pair(
+    q, pool, positions, ref = poisoned_pair(
         20 + i, len(visible), heads, kv_heads, head_dim, page_size, max_pages,
         [n - 1 for n in visible], 1,
     )
@@ -177,7 +113,7 @@ PREFILL_TILINGS = [PrefillTiling(4, 16), PrefillTiling(8, 16), PrefillTiling(4, 
 @pytest.mark.parametrize("i", range(len(PREFILL)))
 def test_pallas_paged_prefill_matches_reference(i):
     heads, kv_heads, head_dim, page_size, max_pages, q_len, starts = PREFILL[i]
-    q, pool, positions, ref = _poisoned_pair(
+    q, pool, positions, ref = poisoned_pair(
         30 + i, len(starts), heads, kv_heads, head_dim, page_size, max_pages, starts, q_len
     )
     poison = jnp.full(q.shape, jnp.nan, q.dtype)
@@ -233,7 +169,7 @@ def test_pallas_paged_prefill_over_packed_chunks_matches_each_chunk_alone():
 def test_pallas_paged_attention_dispatches_on_query_length():
     """Decode for one query per row, prefill otherwise, default tilings, bfloat16 in and out."""
     for q_len, starts in ((1, [20, -1]), (6, [3, 17])):
-        q, pool, positions, ref = _poisoned_pair(40 + q_len, 2, 4, 2, 16, 8, 4, starts, q_len)
+        q, pool, positions, ref = poisoned_pair(40 + q_len, 2, 4, 2, 16, 8, 4, starts, q_len)
         bf = lambda a: a.astype(jnp.bfloat16)  # noqa: E731
         out = pallas_paged_attention(bf(q), *map(bf, pool[:2]), pool[2], positions)
         assert out.dtype == jnp.bfloat16

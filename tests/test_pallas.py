@@ -14,22 +14,17 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cadence.engine.config import EngineConfig, fixed_page_tables
-from cadence.engine.engine import Engine
-from cadence.engine.packing import PrefillChunk
-from cadence.engine.programs import sampling_rows
 from cadence.model.attention import get_attention, pallas_attention, xla_attention
 from cadence.model.config import TINY
 from cadence.model.pallas_decode import DecodeTiling, flash_decode, split_partials
 from cadence.model.pallas_prefill import PrefillTiling, flash_prefill
-from cadence.model.host_sampling import RequestSampling
+from tests.tiny_models import greedy_with_each, undo_embedding_boost
 
 INTERPRET = os.environ.get("CADENCE_PALLAS_INTERPRET", "1") != "0"
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}
@@ -166,60 +161,9 @@ def test_kernels_lower_to_triton_for_gpu(triton_verifications):
     assert all(verified) and (len(verified) == 4 or not INTERPRET)
 
 
-def _undo_embedding_boost(params):
-    """`random_params` scales the embedding up 8x so greedy choices are clear-cut; with tied
-    embeddings that makes the tiny model copy its input token whatever attention returns (an
-    attention that drops the last key gave the same greedy tokens), so this test scales it back."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: x / 8.0 if "embedding" in jax.tree_util.keystr(path) else x, params
-    )
-
-
-def _greedy(engine, prompts, max_new, chunk_sizes):
-    """Prefills the prompts in chunks of the given sizes (so chunks start at odd offsets), one
-    chunk of each prompt per packed program, then decodes every slot together; the last slot
-    stays empty. Each slot's pages are scattered
-    over the pool in a shuffled order."""
-    order = np.random.default_rng(0).permutation(engine.config.pool_pages)
-    tables = fixed_page_tables(engine.config, order)
-    out = [[] for _ in prompts]
-    slots = engine.config.num_slots
-    rows = sampling_rows([RequestSampling()] * slots)
-    starts, i = [0] * len(prompts), 0
-    while any(start < len(p) for start, p in zip(starts, prompts)):
-        chunks = []  # one chunk of every prompt still prefilling, packed into one program
-        for slot, prompt in enumerate(prompts):
-            if starts[slot] < len(prompt):
-                n = min(chunk_sizes[(i + slot) % len(chunk_sizes)], len(prompt) - starts[slot])
-                chunks.append(PrefillChunk(slot, prompt[starts[slot]:starts[slot] + n], starts[slot],
-                                           starts[slot] + n == len(prompt), tables[slot]))
-                starts[slot] += n
-        tokens = np.asarray(engine.prefill(chunks, rows))
-        for c, token in zip(chunks, tokens):
-            if c.final:
-                out[c.slot].append(int(token))
-        i += 1
-    for _ in range(max(max_new) - 1):
-        live = [s < len(prompts) and len(out[s]) < max_new[s] for s in range(slots)]
-        positions = [len(prompts[s]) + len(out[s]) - 1 if live[s] else 0 for s in range(slots)]
-        tokens = np.asarray(engine.decode(np.asarray(positions, np.int32), np.asarray(live), rows,
-                                          tables))[0]
-        for s in range(len(prompts)):
-            if live[s]:
-                out[s].append(int(tokens[s]))
-    return out
-
-
 def test_engine_with_pallas_attention_matches_xla_token_for_token(tiny_params):
-    params = _undo_embedding_boost(tiny_params)
-    rng = random.Random(5)
-    prompts = [[rng.randrange(3, TINY.vocab_size) for _ in range(n)] for n in (5, 40, 23)]
-    max_new, chunks = [12, 20, 9], [13, 16, 7]
-    config = dict(num_slots=4, max_seq_len=64, prefill_chunk=16, min_prefill_bucket=16,
-                  min_kv_bucket=32, page_size=8)
-    results = {}
-    for attention in ("xla", "pallas"):
-        engine = Engine(params, TINY, EngineConfig(attention=attention, **config))
-        results[attention] = _greedy(engine, prompts, max_new, chunks)
+    results = greedy_with_each(
+        undo_embedding_boost(tiny_params), TINY, ("xla", "pallas"), (5, 40, 23), [12, 20, 9],
+        [13, 16, 7], seed=5, num_slots=4, max_seq_len=64, prefill_chunk=16, min_prefill_bucket=16,
+        min_kv_bucket=32, page_size=8)
     assert results["pallas"] == results["xla"]
-    assert len({t for row in results["xla"] for t in row}) > 5  # not a degenerate copy loop

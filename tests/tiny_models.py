@@ -1,19 +1,26 @@
-"""Tiny model shapes beside `model.config.TINY`, and the one-page forward the tests compare
-against.
+"""Tiny model shapes beside `model.config.TINY`, the one-page forward the tests compare
+against, and greedy decoding driven through an engine's own programs.
 
     logits = full_logits(params, config, tokens)   # [len(tokens), vocab], one program
+    tokens = engine_greedy(engine, prompts, max_new, chunk_sizes)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cadence.engine.config import EngineConfig, fixed_page_tables
+from cadence.engine.engine import Engine
+from cadence.engine.packing import PrefillChunk
+from cadence.engine.programs import sampling_rows
 from cadence.model import llama
 from cadence.model.config import TINY, RopeScaling
+from cadence.model.host_sampling import RequestSampling
 from cadence.model.llama import rope_table
 from cadence.model.paged_kv import PagedKVCache
 
@@ -45,3 +52,62 @@ def full_logits(params, config, tokens: np.ndarray, rope_lookup: bool = False) -
 QWEN_TINY = dataclasses.replace(
     TINY, name="qwen-tiny", attention_bias=True, tie_embeddings=False, num_kv_heads=1,
     rope_theta=1e6, rms_norm_eps=1e-6, rope_scaling=RopeScaling(factor=4.0))
+
+
+def undo_embedding_boost(params):
+    """`random_params` scales the embedding up 8x so greedy choices are clear-cut; with tied
+    embeddings that makes the tiny model copy its input token whatever attention returns (an
+    attention that drops the last key gave the same greedy tokens), so this test scales it back."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x / 8.0 if "embedding" in jax.tree_util.keystr(path) else x, params
+    )
+
+
+def engine_greedy(engine, prompts, max_new, chunk_sizes):
+    """Prefills the prompts in chunks of the given sizes (so chunks start at odd offsets), one
+    chunk of each prompt per packed program, then decodes every slot together; the last slot
+    stays empty. Each slot's pages are scattered
+    over the pool in a shuffled order."""
+    order = np.random.default_rng(0).permutation(engine.config.pool_pages)
+    tables = fixed_page_tables(engine.config, order)
+    out = [[] for _ in prompts]
+    slots = engine.config.num_slots
+    rows = sampling_rows([RequestSampling()] * slots)
+    starts, i = [0] * len(prompts), 0
+    while any(start < len(p) for start, p in zip(starts, prompts)):
+        chunks = []  # one chunk of every prompt still prefilling, packed into one program
+        for slot, prompt in enumerate(prompts):
+            if starts[slot] < len(prompt):
+                n = min(chunk_sizes[(i + slot) % len(chunk_sizes)], len(prompt) - starts[slot])
+                chunks.append(PrefillChunk(slot, prompt[starts[slot]:starts[slot] + n], starts[slot],
+                                           starts[slot] + n == len(prompt), tables[slot]))
+                starts[slot] += n
+        tokens = np.asarray(engine.prefill(chunks, rows))
+        for c, token in zip(chunks, tokens):
+            if c.final:
+                out[c.slot].append(int(token))
+        i += 1
+    for _ in range(max(max_new) - 1):
+        live = [s < len(prompts) and len(out[s]) < max_new[s] for s in range(slots)]
+        positions = [len(prompts[s]) + len(out[s]) - 1 if live[s] else 0 for s in range(slots)]
+        tokens = np.asarray(engine.decode(np.asarray(positions, np.int32), np.asarray(live), rows,
+                                          tables))[0]
+        for s in range(len(prompts)):
+            if live[s]:
+                out[s].append(int(tokens[s]))
+    return out
+
+
+def greedy_with_each(params, model, attentions, prompt_lengths, max_new, chunk_sizes, *,
+                     seed: int, **config) -> dict:
+    """`engine_greedy` over random prompts of the given lengths, with an engine of `config`
+    per attention implementation: name -> each prompt's tokens (checked not to be a degenerate
+    copy loop, which any attention would produce alike)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, model.vocab_size) for _ in range(n)] for n in prompt_lengths]
+    results = {}
+    for attention in attentions:
+        engine = Engine(params, model, EngineConfig(attention=attention, **config))
+        results[attention] = engine_greedy(engine, prompts, max_new, chunk_sizes)
+        assert len({t for row in results[attention] for t in row}) > 5
+    return results
