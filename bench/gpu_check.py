@@ -10,8 +10,8 @@ measured to `<out_dir>/<part>.json`, and the verdict of every part to `<out_dir>
 (out_dir: `bench/results/gpu-<date>/` by default). The parts, in order:
 
 - `env`: nvidia-smi, JAX's version and devices.
-- `kernel_tests`: tests/test_pallas.py, test_paged_attention.py and test_pallas_quant.py
-  compiled on the device (`CADENCE_PALLAS_INTERPRET=0`, float32 matmuls at full precision).
+- `kernel_tests`: tests/test_pallas.py, test_paged_attention.py, test_mosaic_paged.py and
+  test_pallas_quant.py compiled on the device (`CADENCE_PALLAS_INTERPRET=0`, float32 matmuls at full precision).
   (tests/test_gpu_lowering.py lowers every engine program for CUDA in CI, on any machine.)
 - `greedy`: the engine (scheduler, chunked prefill, batched decode) with `attention="pallas"`
   in float32 gives the reference's greedy tokens (`engine.reference.greedy_generate`) on the
@@ -23,8 +23,8 @@ measured to `<out_dir>/<part>.json`, and the verdict of every part to `<out_dir>
   bandwidth measured in the same process, with the compiles while timed (must be 0).
 - `decode_probe`: the 8B step at 1 and 64 active slots, one step per dispatch and 8: whether
   a dispatch returns before its step is done (`model.control`).
-- `kernels`: `bench.gpu_bench`'s kernel section (Pallas contiguous and paged against XLA and
-  cuDNN's `jax.nn.dot_product_attention`, 4k prefill and decode at batch 1/8/64 x 4k) and its
+- `kernels`: `bench.gpu_bench`'s kernel section (Pallas contiguous and paged, Triton and Mosaic
+  GPU, against XLA and cuDNN's `jax.nn.dot_product_attention`, 4k prefill and decode at batch 1/8/64 x 4k) and its
   grouped quantized matmul, under a deadline.
 
 A part past its timeout is killed with every process it started, and prints its Python stack
@@ -38,8 +38,8 @@ minutes go to the GPU.
 `--dry_run` runs none of that: it lowers every program of the GPU engine configuration
 (`engine.lowering.gpu_engine_config`, 64 slots) for `cuda`, for both models, with the same
 enumeration tests/test_gpu_lowering.py uses, and prints `lowered N programs` (N counts every
-bucket of every program, once per kernel backend: Triton, the only one so far) and each
-failure with its error.
+bucket of every program, once per kernel backend: Triton and Mosaic GPU) and each failure with
+its error.
 """
 
 from __future__ import annotations
@@ -74,9 +74,12 @@ _REHEARSE = flags.DEFINE_bool(
 # 8B engine part 127 s, over a minute of it compiling the random weights as one program.
 PARTS = {"env": 20, "kernel_tests": 150, "greedy": 60, "engine_8b": 120, "engine_smollm2": 50,
          "decode_probe": 60, "kernels": 70}
+# The kernel backends of the dry run: the attention options with GPU kernels (Triton, Mosaic GPU).
+KERNEL_BACKENDS = ("pallas", "mosaic")
 # Lowering every program for CUDA (tests/test_gpu_lowering.py) runs in CI on any machine; a GPU's
 # minutes go to what only it can run.
-KERNEL_TESTS = ("tests/test_pallas.py", "tests/test_paged_attention.py", "tests/test_pallas_quant.py")
+KERNEL_TESTS = ("tests/test_pallas.py", "tests/test_paged_attention.py", "tests/test_mosaic_paged.py",
+                "tests/test_pallas_quant.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,15 +110,17 @@ def dry_run(models: list[str]) -> int:
 
     lowered, failed = 0, []
     for name in models:
-        start = time.monotonic()
-        programs = engine_programs(PRESETS[name], gpu_engine_config())
-        for program in programs:
-            try:
-                lower_checked(program, "cuda")
-                lowered += 1
-            except Exception as e:  # noqa: BLE001 - report every failure, lower the rest
-                failed.append(f"{name} {program.name}: {type(e).__name__}: {e}")
-        print(f"{name}: {len(programs)} programs, {time.monotonic() - start:.0f} s", flush=True)
+        for backend in KERNEL_BACKENDS:
+            start = time.monotonic()
+            programs = engine_programs(PRESETS[name], gpu_engine_config(attention=backend))
+            for program in programs:
+                try:
+                    lower_checked(program, "cuda")
+                    lowered += 1
+                except Exception as e:  # noqa: BLE001 - report every failure, lower the rest
+                    failed.append(f"{name} {backend} {program.name}: {type(e).__name__}: {e}")
+            print(f"{name}, {backend} kernels: {len(programs)} programs, "
+                  f"{time.monotonic() - start:.0f} s", flush=True)
     for line in failed:
         print("FAILED", line)
     print(f"lowered {lowered} programs" + (f", {len(failed)} failed" if failed else ""))

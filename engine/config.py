@@ -113,9 +113,12 @@ class EngineConfig:
                              f"float32; dtype is {self.dtype}")
         if np.dtype(self.pool_dtype).name not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
-        if self.attention == "pallas" and np.dtype(self.pool_dtype) != np.dtype(self.dtype):
+        if self.attention in ("pallas", "mosaic") and np.dtype(self.pool_dtype) != np.dtype(self.dtype):
             raise ValueError(f"the Pallas kernels read a pool of the compute dtype ({self.dtype}); "
                              f"kv_dtype is {self.kv_dtype}")
+        if self.attention == "mosaic" and np.dtype(self.dtype).itemsize != 2:
+            raise ValueError(f"the Mosaic GPU kernels compute in bfloat16 or float16; dtype is "
+                             f"{self.dtype}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.speculative_tokens < 0 or self.speculative_batch < 1:

@@ -14,9 +14,10 @@ warm-up runs (program by program, argument shapes and dtypes included), so the t
 `lower` traces a program with `pallas_common.compiled_kernels()` (and, off the CPU,
 `control.branch_free()`) and lowers it for `platform`:
 on a machine without a GPU, `attention="pallas"` then lowers to the Triton kernels as custom
-calls (`kernel_calls` names them), not to the XLA loops interpret mode emulates them with. This
-checks Pallas -> Triton IR and XLA's GPU lowering of everything else; it does not run Triton's
-compiler or ptxas, which only a GPU machine does (`bench/gpu_check.sh`).
+calls, and `attention="mosaic"` to Mosaic GPU ones (`kernel_calls` names both), not to the XLA
+loops interpret mode emulates them with. This checks Pallas -> Triton IR or Mosaic GPU's
+module and XLA's GPU lowering of everything else; it does not run Triton's compiler, Mosaic
+GPU's passes to PTX or ptxas, which only a GPU machine does (`bench/gpu_check.sh`).
 
 Non-goals: tensor parallelism (`bench.tp_collectives` lowers those programs), the CPU kernels
 (decode_matmul="cpu" reads a blocked copy of the weights made from real arrays).
@@ -54,24 +55,28 @@ class Program:
     field: str
     fn: Callable
     args: tuple
-    kernels: frozenset[str] = frozenset()  # the Triton kernels it must call once lowered
+    kernels: frozenset[str] = frozenset()  # the kernels it must call once lowered (`KERNELS`)
 
 
-# The Triton kernel each program of a "pallas" engine calls (the batched decode programs run the
-# reference einsum attention, and the rest no attention).
-PALLAS_KERNELS = {"prefill": "cadence_paged_prefill", "prefill_scored": "cadence_paged_prefill",
-                  "decode": "cadence_paged_decode", "decode_forward": "cadence_paged_decode",
-                  "verify": "cadence_paged_decode"}
+# The kernel each program of an engine with kernel attention calls, by backend: "pallas" (Triton)
+# and "mosaic" (Mosaic GPU). The batched decode programs run the reference einsum attention, and
+# the rest no attention.
+_ATTENDS = {"prefill": "prefill", "prefill_scored": "prefill", "decode": "decode",
+            "decode_forward": "decode", "verify": "decode"}
+KERNELS = {
+    "pallas": {field: f"cadence_paged_{phase}" for field, phase in _ATTENDS.items()},
+    "mosaic": {field: f"cadence_mosaic_{phase}" for field, phase in _ATTENDS.items()},
+}
 
 
 def gpu_engine_config(num_slots: int = 64, max_seq_len: int = 4096, prefill_chunk: int = 512,
                       **overrides) -> EngineConfig:
     """The engine `cadence-serve` builds on a GPU (bfloat16, the Pallas kernels over the paged
-    pool), with structured output's split step and speculative decoding's verify step on:
-    every program a GPU deployment compiles."""
-    overrides = {"speculative_tokens": 4, **overrides}
+    pool: Triton's, or `attention="mosaic"` for Mosaic GPU's), with structured output's split
+    step and speculative decoding's verify step on: every program a GPU deployment compiles."""
+    overrides = {"speculative_tokens": 4, "attention": "pallas", **overrides}
     return EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
-                        attention="pallas", dtype="bfloat16", structured_output=True, **overrides)
+                        dtype="bfloat16", structured_output=True, **overrides)
 
 
 def _abstract(tree):
@@ -101,7 +106,8 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, *, weights:
     out: list[Program] = []
 
     def add(name, field, *args):
-        kernels = {PALLAS_KERNELS[field]} if cfg.attention == "pallas" and field in PALLAS_KERNELS else ()
+        kernel = KERNELS.get(cfg.attention, {}).get(field)
+        kernels = {kernel} if kernel else ()
         out.append(Program(name, field, getattr(p, field), _abstract(args), frozenset(kernels)))
 
     def rows(n):
@@ -167,11 +173,17 @@ def lower(program: Program, platform: str = "cuda") -> jax.stages.Lowered:
 
 # `stablehlo.custom_call @__gpu$xla.gpu.triton(...) {... name = "cadence_paged_decode" ...}`
 _TRITON_CALL = re.compile(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?\bname = "([^"]+)"')
+# `stablehlo.custom_call @mosaic_gpu_v2(...) {... module = "ML\EFR...cadence_mosaic_decode_mosaic_gpu\00..."}`:
+# the kernel's function in the serialized module is its name and `_mosaic_gpu` (the dialect's,
+# `stable_mosaic_gpu`, is not a kernel).
+_MOSAIC_CALL = re.compile(
+    r"custom_call @mosaic_gpu\w*\(.*?\\00(?!stable_mosaic_gpu\\00)([A-Za-z_]\w*)_mosaic_gpu\\00")
 
 
 def kernel_calls(stablehlo: str) -> Counter:
-    """The Triton kernels a lowered module calls: kernel name -> how many call sites."""
-    return Counter(_TRITON_CALL.findall(stablehlo))
+    """The Triton and Mosaic GPU kernels a lowered module calls: kernel name -> how many call
+    sites."""
+    return Counter(_TRITON_CALL.findall(stablehlo) + _MOSAIC_CALL.findall(stablehlo))
 
 
 # A fori_loop's condition: its counter against a constant bound, and nothing else.
@@ -220,13 +232,13 @@ def host_waits(stablehlo: str) -> list[str]:
 
 
 def lower_checked(program: Program, platform: str = "cuda") -> Counter:
-    """`lower`, then its kernel calls, which must be exactly `program.kernels` (a "pallas"
-    engine that fell back to XLA attention, or to interpret mode, fails here), and, for a
+    """`lower`, then its kernel calls, which must be exactly `program.kernels` (a "pallas" or
+    "mosaic" engine that fell back to XLA attention, or to interpret mode, fails here), and, for a
     GPU, no control flow that waits on the device (`host_waits`)."""
     text = lower(program, platform).as_text()
     calls = kernel_calls(text)
     if set(calls) != program.kernels:
-        raise AssertionError(f"{program.name} calls Triton kernels {sorted(calls)}, expected "
+        raise AssertionError(f"{program.name} calls kernels {sorted(calls)}, expected "
                              f"{sorted(program.kernels)}")
     if platform != "cpu" and (waits := host_waits(text)):
         raise AssertionError(f"{program.name} waits on the device, on the host: {waits[:5]}")

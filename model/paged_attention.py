@@ -45,9 +45,14 @@ read by position, so they rely on the pool holding finite values (it is created 
   measured too during development: no better.)
 - `cpu_paged_attention` ("cpu", the CPU default where `model.cpu_kernels` builds): decode by the
   C++ kernel, which reads each row's live pages once with no loop steps, prefill as "xla".
-- `model.pallas_paged.pallas_paged_attention` ("pallas"): the GPU kernels.
-- "xla_rows", "cpu_rows", "pallas_rows" (`query_rows`): the decode path of each, a query per
-  row: a few queries of one sequence at once (speculative decoding's verify step).
+- `model.pallas_paged.pallas_paged_attention` ("pallas"): the GPU kernels (Triton), the GPU
+  default.
+- `model.mosaic_paged.mosaic_paged_attention` ("mosaic"): the same attention as Mosaic GPU
+  kernels (Hopper's TMA and warpgroup matmuls), 16-bit only, chosen by name until a GPU has
+  timed both.
+- "xla_rows", "cpu_rows", "pallas_rows", "mosaic_rows" (`query_rows`): the decode path of
+  each, a query per row: a few queries of one sequence at once (speculative decoding's verify
+  step).
 
 Non-goals: page allocation (host side), writes (`model.paged_kv.write`), sliding windows.
 """
@@ -289,6 +294,15 @@ def pallas_paged_attention(q, k_pages, v_pages, page_table, q_positions, *, inte
     )
 
 
+def mosaic_paged_attention(q, k_pages, v_pages, page_table, q_positions, *, interpret=None):
+    """`model.mosaic_paged.mosaic_paged_attention`, imported lazily (as the Pallas one)."""
+    from cadence.model import mosaic_paged
+
+    return mosaic_paged.mosaic_paged_attention(
+        q, k_pages, v_pages, page_table, q_positions, interpret=interpret
+    )
+
+
 def query_rows(attend: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """`attend` with every query of a row run as a row of its own (q_len 1, the row's page
     table and the query's position): its decode path for a few queries per row, as speculative
@@ -308,11 +322,12 @@ PAGED_IMPLEMENTATIONS: dict[str, Callable[..., jax.Array]] = {
     "xla": xla_paged_attention,
     "reference": paged_reference_attention,
     "pallas": pallas_paged_attention,
+    "mosaic": mosaic_paged_attention,
     "cpu": cpu_paged_attention,
 }
-# Each decode path over queries as rows (`query_rows`): "xla_rows", "pallas_rows", "cpu_rows".
+# Each decode path over queries as rows (`query_rows`): "xla_rows", "pallas_rows", ...
 PAGED_IMPLEMENTATIONS.update({f"{name}_rows": query_rows(PAGED_IMPLEMENTATIONS[name])
-                              for name in ("xla", "pallas", "cpu")})
+                              for name in ("xla", "pallas", "mosaic", "cpu")})
 
 
 def get_paged_attention(name: str) -> Callable[..., jax.Array]:

@@ -142,9 +142,10 @@ PREFIX_CACHING = flags.DEFINE_bool(
     "is found by the hash of its tokens and everything before them); --noprefix_caching "
     "computes every prompt from scratch.")
 ATTENTION = flags.DEFINE_enum(
-    "attention", None, ["pallas", "cpu", "xla", "reference"],
-    "Attention implementation (default: pallas on GPU; on CPU, cpu where --cpu_kernels applies, "
-    "else xla; pallas on CPU runs interpreted; reference is the plain einsum oracle).",
+    "attention", None, ["pallas", "mosaic", "cpu", "xla", "reference"],
+    "Attention implementation (default: pallas on GPU, Triton kernels; mosaic: the same as Mosaic "
+    "GPU kernels for Hopper, bfloat16 only; on CPU, cpu where --cpu_kernels applies, else xla; "
+    "pallas on CPU runs interpreted; reference is the plain einsum oracle).",
 )
 CPU_KERNELS = flags.DEFINE_bool(
     "cpu_kernels", True,

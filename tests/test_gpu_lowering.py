@@ -5,8 +5,8 @@ weights and pools; the first test holds that list to what `Engine.warmup` really
 order, argument shapes and dtypes), the others lower every program of the GPU configuration
 (bfloat16, the Pallas kernels over the paged pool, every decode and prefill bucket, scoring,
 structured output's split step, speculative decoding's verify step, page copy, history,
-extract and insert) for `cuda` and check
-that each calls the Triton kernel it should, so the kernels were lowered, not the XLA loops
+extract and insert) for `cuda`, with each kernel backend (Triton, Mosaic GPU), and check
+that each calls the kernel it should, so the kernels were lowered, not the XLA loops
 interpret mode emulates them with, and that every Triton module passes MLIR verification.
 What this leaves to a GPU machine: Triton's compiler, ptxas and running the programs
 (`bench/gpu_check.sh`).
@@ -24,7 +24,7 @@ import pytest
 from cadence.engine import engine as engine_module
 from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine
-from cadence.engine.lowering import PALLAS_KERNELS, engine_programs, gpu_engine_config, lower_checked
+from cadence.engine.lowering import KERNELS, engine_programs, gpu_engine_config, lower_checked
 from cadence.model.config import LLAMA3_8B, SMOLLM2_135M
 
 
@@ -65,23 +65,27 @@ def test_engine_programs_are_what_warmup_compiles(tiny_config, tiny_params, monk
 
 
 def _lower_all(model_config, config, verified):
+    """Lowers every program (each checked for exactly its kernels' calls); with Triton
+    kernels, every Triton module built verifies (one per kernel call site at least)."""
     programs = engine_programs(model_config, config)
     for program in programs:
         lower_checked(program, "cuda")
-    kernels = sum(p.field in PALLAS_KERNELS for p in programs)
-    # Every Triton module built verifies (one per kernel call site at least).
-    assert all(verified) and len(verified) >= kernels
+    kernels = sum(p.field in KERNELS[config.attention] for p in programs)
+    assert kernels  # programs that attend, each of which called its kernel
+    if config.attention == "pallas":
+        assert all(verified) and len(verified) >= kernels
     return programs
 
 
+@pytest.mark.parametrize("attention", ["pallas", "mosaic"])
 @pytest.mark.parametrize("layers", [
     2, pytest.param(SMOLLM2_135M.num_layers, marks=pytest.mark.slow)], ids=["2-layers", "30-layers"])
-def test_smollm2_gpu_engine_lowers_for_cuda(triton_verifications, layers):
-    """SmolLM2-135M's GPU engine (8 slots, 4k context): 37 programs. The model's layers are
-    unrolled, so each adds its kernel calls to every program: the default tier lowers the same
-    shapes, buckets and kernels with 2 of the 30 layers (~10 s on 2 CPU cores), the full tier
-    the whole model (~30 s)."""
-    config = gpu_engine_config(num_slots=8)
+def test_smollm2_gpu_engine_lowers_for_cuda(triton_verifications, layers, attention):
+    """SmolLM2-135M's GPU engine (8 slots, 4k context): 37 programs, with either kernel
+    backend (Triton; Mosaic GPU). The model's layers are unrolled, so each adds its kernel calls
+    to every program: the default tier lowers the same shapes, buckets and kernels with 2 of
+    the 30 layers (~10 s on 2 CPU cores), the full tier the whole model (~30 s)."""
+    config = gpu_engine_config(num_slots=8, attention=attention)
     model = dataclasses.replace(SMOLLM2_135M, num_layers=layers)
     programs = _lower_all(model, config, triton_verifications)
     assert len(programs) == 37
@@ -90,9 +94,10 @@ def test_smollm2_gpu_engine_lowers_for_cuda(triton_verifications, layers):
 
 
 @pytest.mark.slow
-def test_llama3_8b_gpu_engine_lowers_for_cuda(triton_verifications):
+@pytest.mark.parametrize("attention", ["pallas", "mosaic"])
+def test_llama3_8b_gpu_engine_lowers_for_cuda(triton_verifications, attention):
     """Llama-3-8B's GPU engine at 64 slots (every batch bucket 1..64): nothing allocated."""
-    config = gpu_engine_config()
+    config = gpu_engine_config(attention=attention)
     programs = _lower_all(LLAMA3_8B, config, triton_verifications)
     assert len(programs) == (len(config.prefill_buckets) + len(config.score_buckets)
                              + 3 * len(config.decode_batch_buckets) + len(config.verify_batch_buckets)
