@@ -24,6 +24,11 @@
 //                            where the CPU has it, to the same bits.
 //   cadence_cpu_paged_decode     one query token per row over its pages of a paged KV pool,
 //                            online softmax in float32, keys 0..position of the row.
+//   cadence_cpu_paged_write_16   new keys or values into their slots of a 16-bit pool, in
+//                            place: XLA:CPU has no 16-bit scatter, and widens the whole pool
+//                            layer to float32 and back around one.
+//   cadence_cpu_take_pages_{bf16,f16}   pages of a 16-bit pool, widened to float32 (prefill's
+//                            key tiles): XLA:CPU widens the whole pool before a 16-bit gather.
 //
 // Work is split between the calling thread and the kernels' own workers (`Workers`: as many as
 // XLA:CPU's intra-op pool has threads, less one), which spin between the calls of a step.
@@ -898,7 +903,95 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Paged KV write into a 16-bit pool.
+//
+// pages [kv_heads, num_pages, page_size, d] (the result, the same buffer when XLA aliases it,
+// as a donated pool is), values [rows, t, kv_heads, d] already in the pool's dtype, and each
+// token's page and slot in it [rows, t]: a token whose page is outside [0, num_pages) is
+// dropped (the scatter's mode="drop", which `model.paged_kv.write` routes padding to). Tokens
+// are written in order, so of two with one slot the later stands.
+ffi::Error PagedWrite16(ffi::ThreadPool pool, ffi::AnyBuffer pages, ffi::AnyBuffer values,
+                        ffi::Buffer<ffi::S32> page, ffi::Buffer<ffi::S32> slot,
+                        ffi::Result<ffi::AnyBuffer> out) {
+  const auto pd = pages.dimensions(), vd = values.dimensions();
+  if (pd.size() != 4 || vd.size() != 4 || vd[2] != pd[0] || vd[3] != pd[3] ||
+      page.element_count() != vd[0] * vd[1] || slot.element_count() != vd[0] * vd[1] ||
+      ffi::ByteWidth(pages.element_type()) != 2 || values.element_type() != pages.element_type() ||
+      out->element_type() != pages.element_type() || out->element_count() != pages.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "cadence_cpu_paged_write_16 takes a 16-bit pool [kv_heads, pages, page_size, d], values "
+        "[rows, t, kv_heads, d] of its dtype, and page and slot [rows, t] int32");
+  }
+  const int64_t kv_heads = pd[0], num_pages = pd[1], page_size = pd[2], d = pd[3];
+  const int64_t tokens = vd[0] * vd[1];
+  auto* dst = static_cast<uint16_t*>(out->untyped_data());
+  const auto* src = static_cast<const uint16_t*>(values.untyped_data());
+  if (dst != pages.untyped_data()) {  // not aliased: the result starts as the pool
+    std::copy_n(static_cast<const uint16_t*>(pages.untyped_data()), pages.element_count(), dst);
+  }
+  const int32_t* pp = page.typed_data();
+  const int32_t* sp = slot.typed_data();
+  parallel_for(pool, kv_heads, 1, [=](int64_t first, int64_t last) {
+    for (int64_t h = first; h < last; ++h) {
+      for (int64_t i = 0; i < tokens; ++i) {
+        if (pp[i] < 0 || pp[i] >= num_pages || sp[i] < 0 || sp[i] >= page_size) continue;
+        std::copy_n(src + (i * kv_heads + h) * d, d,
+                    dst + ((h * num_pages + pp[i]) * page_size + sp[i]) * d);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// Pages `ids` (clipped into the pool) of a 16-bit pool [kv_heads, num_pages, page_size, d],
+// widened (exactly) to float32: [kv_heads, n, page_size, d].
+template <ffi::DataType DT, typename T>
+ffi::Error TakePages(ffi::ThreadPool pool, ffi::Buffer<DT> pages, ffi::Buffer<ffi::S32> ids,
+                     ffi::ResultBuffer<ffi::F32> out) {
+  const auto pd = pages.dimensions();
+  const int64_t n = ids.element_count();
+  if (pd.size() != 4 || pd[3] % 8 || out->element_count() != pd[0] * n * pd[2] * pd[3]) {
+    return ffi::Error::InvalidArgument(
+        "cadence_cpu_take_pages takes pages [kv_heads, pages, page_size, d] (d a multiple of 8) "
+        "and ids [n], and gives [kv_heads, n, page_size, d]");
+  }
+  const int64_t kv_heads = pd[0], num_pages = pd[1], run = pd[2] * pd[3];  // a page's values
+  const T* src = reinterpret_cast<const T*>(pages.typed_data());
+  const int32_t* ip = ids.typed_data();
+  float* dst = out->typed_data();
+  parallel_for(pool, kv_heads * n, 1, [=](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t h = item / n, page = std::clamp<int64_t>(ip[item % n], 0, num_pages - 1);
+      const T* from = src + (h * num_pages + page) * run;
+      float* to = dst + item * run;
+      for (int64_t i = 0; i < run; i += 8) _mm256_storeu_ps(to + i, load8(from + i));
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+#define CADENCE_TAKE_PAGES(name, dt, type)                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (TakePages<dt, type>),           \
+                                ffi::Ffi::Bind()                       \
+                                    .Ctx<ffi::ThreadPool>()            \
+                                    .Arg<ffi::Buffer<dt>>()            \
+                                    .Arg<ffi::Buffer<ffi::S32>>()      \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+CADENCE_TAKE_PAGES(cadence_cpu_take_pages_bf16, ffi::BF16, BF16)
+CADENCE_TAKE_PAGES(cadence_cpu_take_pages_f16, ffi::F16, F16)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_paged_write_16, PagedWrite16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
 
 // The blocked matmul, one handler per weight dtype (model/cpu_kernels.py's MATMUL).
 #define CADENCE_BLOCKED(name, dt, type)                                \

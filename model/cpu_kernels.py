@@ -92,6 +92,8 @@ GEMM_ROWS = 64
 # Paged decode attention, by the pool's dtype: float32, or 16-bit pages widened as they are read.
 ATTENTION = {"float32": "cadence_cpu_paged_decode", "bfloat16": "cadence_cpu_paged_decode_bf16",
              "float16": "cadence_cpu_paged_decode_f16"}
+PAGED_WRITE_16 = "cadence_cpu_paged_write_16"
+TAKE_PAGES = {"bfloat16": "cadence_cpu_take_pages_bf16", "float16": "cadence_cpu_take_pages_f16"}
 
 
 class KernelsUnavailable(RuntimeError):
@@ -152,7 +154,7 @@ def _load() -> str | None:
     except (KernelsUnavailable, OSError) as e:
         return str(e)
     for name in (*MATMUL.values(), MATMUL_INT8, *GROUPED.values(), *DEQUANTIZE.values(),
-                 *ATTENTION.values()):
+                 *ATTENTION.values(), PAGED_WRITE_16, *TAKE_PAGES.values()):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, name)), platform="cpu")
     return None
 
@@ -571,3 +573,32 @@ def paged_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
         q.reshape(rows, heads, head_dim).astype(jnp.float32), k_pages, v_pages,
         page_table.astype(jnp.int32), q_positions[:, 0].astype(jnp.int32))
     return out.reshape(rows, 1, heads, head_dim).astype(q.dtype)
+
+
+def paged_write(pages: jax.Array, values: jax.Array, page: jax.Array, slot: jax.Array) -> jax.Array:
+    """A 16-bit pool (bfloat16 or float16, [kv_heads, num_pages, page_size, d]) with `values`
+    [rows, t, kv_heads, d] written in place at each token's `page` and `slot` [rows, t]; a
+    token whose page is outside the pool is dropped. What `model.paged_kv.write`'s scatter
+    does, bit for bit (the values are rounded to the pool's dtype first, as there), without
+    XLA:CPU's float32 round trip of the whole pool around a 16-bit scatter: on Qwen2.5-0.5B's
+    bfloat16 pool that round trip made decode 3x slower than over a float32 pool
+    (`bench/results/kv16-write-cpu/`)."""
+    _require()
+    if pages.dtype.itemsize != 2:
+        raise ValueError(f"paged_write writes 16-bit pools, got {pages.dtype}")
+    return jax.ffi.ffi_call(PAGED_WRITE_16, jax.ShapeDtypeStruct(pages.shape, pages.dtype),
+                            input_output_aliases={0: 0})(
+        pages, values.astype(pages.dtype), page.astype(jnp.int32), slot.astype(jnp.int32))
+
+
+def take_pages(pages: jax.Array, ids: jax.Array) -> jax.Array:
+    """Pages `ids` [n] (clipped into the pool) of a 16-bit pool [kv_heads, num_pages, page_size,
+    d], widened to float32: `jnp.take(pages, ids, axis=1, mode="clip").astype(float32)`, to
+    the bit (the widening is exact), without XLA:CPU widening the whole pool layer before its
+    16-bit gather (which it hoists out of prefill's loop over key tiles, once per layer)."""
+    _require()
+    if pages.dtype.name not in TAKE_PAGES:
+        raise ValueError(f"take_pages reads pools of {', '.join(TAKE_PAGES)}, got {pages.dtype}")
+    kv_heads, _, page_size, d = pages.shape
+    out = jax.ShapeDtypeStruct((kv_heads, ids.shape[0], page_size, d), jnp.float32)
+    return jax.ffi.ffi_call(TAKE_PAGES[pages.dtype.name], out)(pages, ids.astype(jnp.int32))

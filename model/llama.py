@@ -206,11 +206,12 @@ def _write_and_attend(attention: str, interpret: bool, branches: bool):
     traced once, not once per layer, it takes a 30-layer model's prefill program from ~1.7 s
     to ~0.6 s to trace and lower. XLA inlines the call, so the program is the same."""
     attend = get_paged_attention(attention)
+    cpu_kernel = attention in ("cpu", "cpu_rows")  # writes 16-bit pools in place
 
     @jax.jit
     def write_and_attend(q, k, v, k_pages, v_pages, page_table, positions, lengths):
-        k_pages = paged_kv.write(k_pages, k, page_table, positions, lengths)
-        v_pages = paged_kv.write(v_pages, v, page_table, positions, lengths)
+        k_pages = paged_kv.write(k_pages, k, page_table, positions, lengths, cpu_kernel=cpu_kernel)
+        v_pages = paged_kv.write(v_pages, v, page_table, positions, lengths, cpu_kernel=cpu_kernel)
         return attend(q, k_pages, v_pages, page_table, positions), k_pages, v_pages
 
     return write_and_attend

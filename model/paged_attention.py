@@ -190,9 +190,14 @@ PREFILL_TILE_ROWS = 8  # rows of a packed prefill per query tile on the CPU: 128
 PREFILL_KEY_TILE = 512  # keys per step of a query tile's loop
 
 
+def _take_pages(pages: jax.Array, ids: jax.Array) -> jax.Array:
+    return jnp.take(pages, ids, axis=1, mode="clip")
+
+
 def paged_prefill_tiled(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
     q_positions: jax.Array, *, tile_rows: int = PREFILL_TILE_ROWS, key_tile: int = PREFILL_KEY_TILE,
+    take: Callable[[jax.Array, jax.Array], jax.Array] = _take_pages,
 ) -> jax.Array:
     """CPU prefill over rows that may be a packed prefill's: flash attention in XLA loops.
 
@@ -205,7 +210,8 @@ def paged_prefill_tiled(
     document's width, and a long chunk's queries share each key read: XLA:CPU runs small-row
     GEMMs at half speed, and a 16-query row alone was 1.6x slower than the chunk it came from.
     Tiles are visited in order and each writes `tile_rows` rows of the output, of which the
-    rows past its own are rewritten by the tiles that own them."""
+    rows past its own are rewritten by the tiles that own them. `take(pages, ids)` reads a key
+    tile's pages (`cpu_kernels.take_pages` for a 16-bit pool where the CPU kernels run)."""
     rows, q_len, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_heads // num_kv_heads
@@ -246,8 +252,8 @@ def paged_prefill_tiled(
 
         def key_body(j, carry):
             ids = jax.lax.dynamic_slice_in_dim(pages, j * tile_pages, tile_pages)
-            kt = jnp.take(k_pages, ids, axis=1, mode="clip").reshape(num_kv_heads, -1, head_dim)
-            vt = jnp.take(v_pages, ids, axis=1, mode="clip").reshape(num_kv_heads, -1, head_dim)
+            kt = take(k_pages, ids).reshape(num_kv_heads, -1, head_dim)
+            vt = take(v_pages, ids).reshape(num_kv_heads, -1, head_dim)
             key_pos = j * tile_pages * page_size + jnp.arange(tile_pages * page_size, dtype=jnp.int32)
             return _online_step(carry, qg, kt, vt, key_pos[None, :] <= qpos[:, None])
 
@@ -278,10 +284,12 @@ def xla_paged_attention(
 
 def cpu_paged_attention(q, k_pages, v_pages, page_table, q_positions):
     """The CPU kernels' path: decode by `model.cpu_kernels.paged_decode` (the row's live pages
-    read once, no loop steps), prefill by the XLA tiles above."""
+    read once, no loop steps), prefill by the XLA tiles above, whose key tiles of a 16-bit pool
+    `cpu_kernels.take_pages` reads."""
     if q.shape[1] == 1:
         return cpu_kernels.paged_decode(q, k_pages, v_pages, page_table, q_positions)
-    return paged_prefill_tiled(q, k_pages, v_pages, page_table, q_positions)
+    take = cpu_kernels.take_pages if k_pages.dtype.itemsize == 2 else _take_pages
+    return paged_prefill_tiled(q, k_pages, v_pages, page_table, q_positions, take=take)
 
 
 def pallas_paged_attention(q, k_pages, v_pages, page_table, q_positions, *, interpret=None):

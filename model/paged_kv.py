@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from cadence.model import cpu_kernels
 from cadence.model.config import ModelConfig
 
 
@@ -94,6 +95,8 @@ def write(
     page_table: jax.Array,
     positions: jax.Array,
     lengths: jax.Array,
+    *,
+    cpu_kernel: bool = False,
 ) -> jax.Array:
     """Writes `new` [rows, t, kv_heads, head_dim] at absolute `positions` [rows, t] of each row's
     sequence, through `page_table` [rows, max_pages_per_seq] int32, into one layer's `pages`
@@ -102,6 +105,10 @@ def write(
     Only the first `lengths[row]` tokens of a row are written; the rest (bucket padding, or an
     inactive decode row with length 0) and any position past the page table's reach are dropped,
     so they can never clobber a page another sequence owns.
+
+    `cpu_kernel`: where the CPU kernels run (attention "cpu"), a 16-bit pool is written by
+    `cpu_kernels.paged_write`, in place, to the same bits; XLA:CPU would widen the whole pool
+    layer to float32 and back around the scatter, on every layer of every step.
     """
     rows, t = positions.shape
     num_pages, page_size = pages.shape[1], pages.shape[2]
@@ -112,6 +119,8 @@ def write(
     page = jnp.take_along_axis(page_table, jnp.clip(slot, 0, max_pages - 1), axis=1)
     # Out-of-range indices are dropped by the scatter: route invalid tokens there.
     page = jnp.where(valid, page, num_pages)
+    if cpu_kernel and pages.dtype.itemsize == 2:
+        return cpu_kernels.paged_write(pages, new, page, positions % page_size)
     # Indices on the adjacent axes 1 and 2: the indexed view is [kv_heads, rows, t, head_dim].
     values = new.astype(pages.dtype).transpose(2, 0, 1, 3)
     return pages.at[:, page, positions % page_size].set(values, mode="drop")

@@ -5,6 +5,7 @@ default model, `tests/test_real_model.py`."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from cadence.engine.config import EngineConfig
-from cadence.model import cpu_kernels
+from cadence.model import cpu_kernels, paged_kv
 from cadence.model.paged_attention import paged_reference_attention
 from cadence.model.quant import quantize, quantize_grouped
 from tests.fakes import needs_cpu_kernels
@@ -126,6 +127,49 @@ def test_paged_decode_over_16_bit_pages_equals_them_widened(dtype, heads, kv_hea
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="reads pools of"):
         cpu_kernels.paged_decode(q, k_pages, v_pages.astype(jnp.float32), table, positions)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("donate", [True, False])
+def test_writing_a_16_bit_pool_in_place_equals_the_scatter(dtype, donate):
+    """`paged_kv.write` through the CPU kernel (a 16-bit pool written in place) gives the
+    scatter's pool to the bit: prefill rows of several tokens and a decode row, padding past a
+    row's length, a position past its table, an inactive row (position -1), two rows writing
+    one page, values that round (float32 in, 16 bits stored). Donated, the kernel writes the
+    pool's own buffer; not donated, a copy of it."""
+    rng = np.random.default_rng(5)
+    kv_heads, pages, page_size, d = 2, 12, 8, 16
+    pool = jnp.asarray(rng.standard_normal((kv_heads, pages, page_size, d)), dtype)
+    table = np.array([[3, 7, 1], [3, 7, 1], [0, 5, 9], [11, 2, 4]], np.int32)  # rows 0, 1 share
+    positions = np.array([[5, 6, 7, 8, 9], [20, 21, 22, 23, 24], [0, 1, 2, 3, 4],
+                          [-1, -1, -1, -1, -1]], np.int32)
+    lengths = np.array([5, 3, 4, 0], np.int32)  # row 1: past its table after 23
+    new = rng.standard_normal((4, 5, kv_heads, d)).astype(np.float32)
+
+    def write(cpu_kernel):
+        fn = jax.jit(functools.partial(paged_kv.write, cpu_kernel=cpu_kernel),
+                     donate_argnums=(0,) if donate else ())
+        return np.asarray(fn(jnp.array(pool), new, table, positions, lengths))
+
+    want = write(False)
+    assert not np.array_equal(want, np.asarray(pool))
+    np.testing.assert_array_equal(write(True), want)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_taking_pages_of_a_16_bit_pool_equals_take_then_widen(dtype):
+    """Prefill's key tiles of a 16-bit pool: the pages named (ids past the pool clipped, as the
+    gather's mode="clip"), widened to float32, to the bit."""
+    rng = np.random.default_rng(6)
+    pool = jnp.asarray(rng.standard_normal((3, 10, 4, 24)), dtype)
+    ids = jnp.asarray([4, 0, 9, 4, -3, 17], jnp.int32)
+    got = jax.jit(cpu_kernels.take_pages)(pool, ids)
+    want = jnp.take(pool, ids, axis=1, mode="clip").astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="reads pools of"):
+        cpu_kernels.take_pages(pool.astype(jnp.float32), ids)
 
 
 @needs_cpu_kernels
