@@ -5,6 +5,8 @@
 The formats are the ones cadence serves:
 - float32: the checkpoint's weights, dequantized;
 - gguf: the file's own Q4_1 / Q8_0 blocks, read by the grouped CPU kernels (--weights=auto);
+- gguf-int8-activations: the same blocks against activations quantized to int8 per 32 values
+  (--cpu_activations=int8);
 - int8-grouped, int4-grouped: every matrix re-quantized in groups of 32 (--weights=int8 and
   int4 on the CPU kernels);
 - int8-channel: int8 with one scale per output channel (--weights=int8 off the CPU kernels).
@@ -23,6 +25,7 @@ generator's full-sequence logits, which says what summation order alone costs.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import platform
 from pathlib import Path
@@ -42,6 +45,7 @@ from cadence.model.quant import dequantize, quantize, quantize_grouped
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model.")
 _TOKENS = flags.DEFINE_integer("tokens", 32, "Greedy tokens per prompt.")
 _OUT = flags.DEFINE_string("out", None, "Where to write the JSON results.")
+_FORMATS = flags.DEFINE_list("formats", [], "Only these formats (float32 always runs): default all.")
 
 PAGE = 16
 
@@ -66,11 +70,18 @@ class Decoder:
     """One format as the engine runs it: `prefill_params` (floats) for the prompt through XLA,
     `decode_params` for each step (the CPU kernels' tree, or the params again on XLA)."""
 
-    def __init__(self, config, prefill_params, decode_params, attention: str):
+    def __init__(self, config, prefill_params, decode_params, attention: str,
+                 activations: str = "float32"):
         self.config = config
         self.prefill_params, self.decode_params = prefill_params, decode_params
         self.attention = attention
-        self._run = jax.jit(forward, static_argnames=("config", "attention"))
+
+        @functools.wraps(forward)
+        def traced(*args, **kwargs):  # the CPU kernels' activations, as the engine's programs
+            with cpu_kernels.activations(activations):
+                return forward(*args, **kwargs)
+
+        self._run = jax.jit(traced, static_argnames=("config", "attention"))
 
     def run(self, prompt: list[int], feed: list[int] | None, n: int, eos: tuple[int, ...] = ()):
         """(logits after the prompt and after each fed token [1 + steps, V], the tokens fed):
@@ -99,20 +110,27 @@ class Decoder:
         return np.stack(out), fed
 
 
-def formats(model) -> dict[str, Decoder]:
+def formats(model, wanted=()) -> dict[str, Decoder]:
+    """Every format, or float32 and those `wanted` names."""
     cfg, params = model.config, model.params
     kernels = cpu_kernels.available()
     attention = "cpu" if kernels else "xla"
     tree = (lambda p, packed=None: cpu_kernels.decode_params(p, packed)) if kernels else (lambda p, packed=None: p)
+    want = lambda name: not wanted or name in wanted  # noqa: E731
     out = {"float32": Decoder(cfg, params, tree(params), attention)}
-    if kernels and model.packed:
-        out["gguf"] = Decoder(cfg, params, tree(params, {p: a for p, (a, _) in model.packed.items()}), attention)
+    if kernels and model.packed and (want("gguf") or want("gguf-int8-activations")):
+        blocks = tree(params, {p: a for p, (a, _) in model.packed.items()})
+        if want("gguf"):
+            out["gguf"] = Decoder(cfg, params, blocks, attention)
+        if want("gguf-int8-activations"):
+            out["gguf-int8-activations"] = Decoder(cfg, params, blocks, attention, activations="int8")
     for name, fmt in (("int8-grouped", "q8"), ("int4-grouped", "q4")):
-        if kernels:
+        if kernels and want(name):
             floats, packed = quantize_grouped(params, cfg, fmt)
             out[name] = Decoder(cfg, floats, tree(floats, packed), attention)
-    int8 = quantize(params, cfg)
-    out["int8-channel"] = Decoder(cfg, dequantize(int8, cfg), tree(int8), attention)
+    if want("int8-channel"):
+        int8 = quantize(params, cfg)
+        out["int8-channel"] = Decoder(cfg, dequantize(int8, cfg), tree(int8), attention)
     return out
 
 
@@ -120,7 +138,7 @@ def main(argv) -> None:
     del argv
     model = load_model(_MODEL.value)
     tok, cfg = model.tokenizer, model.config
-    decoders = formats(model)
+    decoders = formats(model, _FORMATS.value)
     rows = []
     for name, text in prompts(tok).items():
         ids = tok.encode(text)

@@ -43,6 +43,9 @@ def ladder(low: int, high: int) -> tuple[int, ...]:
 # costs a step per page, so small pages are slow (16-token pages up to 2x at 1k tokens, 64 about
 # 1.2x, 128 at or below the contiguous loop;
 # `bench/results/paged-attention-cpu/paged_attention.txt`).
+# What the CPU kernels' grouped matmuls take as activations: `model.cpu_kernels.ACTIVATIONS`,
+# named here too so that this module stays free of JAX.
+CPU_ACTIVATIONS = ("float32", "int8")
 DEFAULT_PAGE_SIZE = 64
 
 ROLES = ("both", "prefill", "decode")
@@ -86,6 +89,11 @@ class EngineConfig:
     # weights, or the checkpoint's block-quantized matrices as they are: `Engine(packed=)`;
     # float32 compute, one device).
     decode_matmul: str = "xla"
+    # What the CPU kernels' grouped (GGUF-block) matmuls take as activations: "float32" (the
+    # checkpoint's own weights against x as it is, the reference's numbers summed in another
+    # order) or "int8" (x quantized per 32 k-rows, integer dot products, llama.cpp's numerics:
+    # faster decode, not the reference's numbers). `cpu_kernels.activations`.
+    cpu_activations: str = "float32"
     # Also compile the two halves of a decode step (`decode_forward`, `decode_sample`) that a
     # grammar-constrained row needs: its bitmask is filled on the host between them.
     structured_output: bool = False
@@ -106,6 +114,12 @@ class EngineConfig:
             )
         if self.decode_matmul not in DECODE_MATMULS:
             raise ValueError(f"decode_matmul must be one of {DECODE_MATMULS}, got {self.decode_matmul!r}")
+        if self.cpu_activations not in CPU_ACTIVATIONS:
+            raise ValueError(f"cpu_activations must be one of {CPU_ACTIVATIONS}, got "
+                             f"{self.cpu_activations!r}")
+        if self.cpu_activations != "float32" and self.decode_matmul != "cpu":
+            raise ValueError(f"cpu_activations={self.cpu_activations!r} is the CPU kernels' "
+                             f"(decode_matmul='cpu'), not {self.decode_matmul!r}'s")
         if "cpu" in (self.attention, self.decode_matmul) and np.dtype(self.dtype) != np.float32:
             # The kernels read float32 pools and activations: another dtype would be cast whole
             # on every layer of every step.

@@ -42,11 +42,13 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -469,6 +471,28 @@ inline void prefetch_group(uintptr_t ahead, uint64_t start, uint64_t share, int6
   }
 }
 
+// acc[m] += group g's minimums * row m's sum of x over the group (`xsum` at the group, rows
+// `xgroups` apart): the minimum's share of a group, for the formats that have one.
+template <int MR, class F>
+inline void add_minimums(__m256 (&acc)[MR][2], const uint8_t* w, int64_t g, const float* xsum,
+                         int64_t xgroups) {
+  __m256 m0, m1;
+  F::minimum(w, g, m0, m1);
+  for (int m = 0; m < MR; ++m) {
+    const __m256 xs = _mm256_broadcast_ss(xsum + m * xgroups);
+    acc[m][0] = _mm256_fmadd_ps(xs, m0, acc[m][0]);
+    acc[m][1] = _mm256_fmadd_ps(xs, m1, acc[m][1]);
+  }
+}
+
+template <int MR>
+inline void store_rows(const __m256 (&acc)[MR][2], float* y, int64_t N) {
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(y + m * N, acc[m][0]);
+    _mm256_storeu_ps(y + m * N + 8, acc[m][1]);
+  }
+}
+
 // Rows [0, MR) of x against one block of records. The scales are factored out of each group:
 // its sums over the integer codes, sum_k x[k] q[k] (exact products), are scaled once, and a
 // minimum adds min * sum_k x[k] (`xsum` [MR][K / 32], the group sums of x). One FMA per
@@ -501,21 +525,10 @@ inline void grouped_tile(const float* x, const float* xsum, int64_t K, const uin
         acc[m][0] = _mm256_fmadd_ps(sums[m][0], s0, acc[m][0]);
         acc[m][1] = _mm256_fmadd_ps(sums[m][1], s1, acc[m][1]);
       }
-      if constexpr (F::kMin) {
-        __m256 m0, m1;
-        F::minimum(w, g, m0, m1);
-        for (int m = 0; m < MR; ++m) {
-          const __m256 xs = _mm256_broadcast_ss(xsum + m * xgroups + k0 / kGroup);
-          acc[m][0] = _mm256_fmadd_ps(xs, m0, acc[m][0]);
-          acc[m][1] = _mm256_fmadd_ps(xs, m1, acc[m][1]);
-        }
-      }
+      if constexpr (F::kMin) add_minimums<MR, F>(acc, w, g, xsum + k0 / kGroup, xgroups);
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    _mm256_storeu_ps(y + m * N, acc[m][0]);
-    _mm256_storeu_ps(y + m * N + 8, acc[m][1]);
-  }
+  store_rows<MR>(acc, y, N);
 }
 
 // The same tile with AVX-512, where the CPU has it (`GroupedMatmul` picks at run time): a
@@ -584,12 +597,13 @@ inline void tile(const float* x, const float* xsum, int64_t K, const uint8_t* w,
   }
 }
 
-// Blocks [first, last) for all M rows, as matmul_blocks.
-template <bool kWide, class F>
-void grouped_blocks(const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
-                    float* y, int64_t N, int64_t first, int64_t last) {
-  const int64_t groups = K / kGroup;
-  const int64_t run = K / F::kRows * F::kRecord;  // bytes per block
+// Blocks [first, last) of a grouped matrix (`run` bytes each) for all M rows, as
+// matmul_blocks: tile(std::integral_constant<int, MR>, m, wb, yb, ahead, start, share) for
+// rows [m, m + MR) of block wb (output yb), tiles of 4 rows and the rest; `ahead`, `start`
+// and `share` place the tile's prefetches (see matmul_tile).
+template <class Tile>
+void grouped_runs(int64_t M, int64_t run, const uint8_t* w, float* y, int64_t first, int64_t last,
+                  Tile tile) {
   const uint64_t passes = (M + 3) / 4;
   const uint64_t share = ((uint64_t{1} << 32) + passes - 1) / passes;
   const int64_t lead = passes == 1 ? kPrefetchBytes : run;
@@ -598,17 +612,27 @@ void grouped_blocks(const float* x, const float* xsum, int64_t M, int64_t K, con
     const uintptr_t ahead = reinterpret_cast<uintptr_t>(wb) + lead;
     float* yb = y + b * kBlock;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
-      tile<kWide, 4, F>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, m / 4 * run, share);
-    }
+    for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>{}, m, wb, yb, ahead, m / 4 * run, share);
     const uint64_t start = m / 4 * run;
     switch (M - m) {
-      case 3: tile<kWide, 3, F>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
-      case 2: tile<kWide, 2, F>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
-      case 1: tile<kWide, 1, F>(x + m * K, xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share); break;
+      case 3: tile(std::integral_constant<int, 3>{}, m, wb, yb, ahead, start, share); break;
+      case 2: tile(std::integral_constant<int, 2>{}, m, wb, yb, ahead, start, share); break;
+      case 1: tile(std::integral_constant<int, 1>{}, m, wb, yb, ahead, start, share); break;
       default: break;
     }
   }
+}
+
+template <bool kWide, class F>
+void grouped_blocks(const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+                    float* y, int64_t N, int64_t first, int64_t last) {
+  const int64_t groups = K / kGroup;
+  grouped_runs(M, K / F::kRows * F::kRecord, w, y, first, last,
+               [=](auto mr, int64_t m, const uint8_t* wb, float* yb, uintptr_t ahead,
+                   uint64_t start, uint64_t share) {
+                 tile<kWide, decltype(mr)::value, F>(x + m * K, xsum + m * groups, K, wb,
+                                                     yb + m * N, N, ahead, start, share);
+               });
 }
 
 // AVX-512 where the CPU has it, unless CADENCE_CPU_AVX512=0 (the tests compare the two).
@@ -652,6 +676,134 @@ ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     } else {
       grouped_blocks<false, F>(xp, xsum, M, K, wp, yp, N, first, last);
     }
+  });
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The grouped matmul over int8 activations (opt-in: llama.cpp's numerics for its quantized
+// weights). Each row of x is quantized per 32 k-rows to int8 with a float32 scale (amax / 127,
+// rounded to nearest), and each group's sum of codes times x is an integer dot product: four
+// k-rows of a column's codes against the row's four int8 values in one multiply-add of bytes
+// (maddubs) and one of 16-bit pairs (madd), where the float32 kernel widens every code to a
+// float and spends an FMA on it. The group's integer sum is then scaled as the float kernel
+// scales its float sum; minimums still weigh the float32 group sums of x.
+
+// 16 columns' codes of four k-rows (q[0..3], a byte per column each) as two registers of
+// 8 columns: byte 4c + j of a register is its column c's code of k-row j.
+inline void interleave4(const __m128i* q, __m256i& lo, __m256i& hi) {
+  const __m128i a = _mm_unpacklo_epi8(q[0], q[1]), b = _mm_unpacklo_epi8(q[2], q[3]);
+  const __m128i c = _mm_unpackhi_epi8(q[0], q[1]), d = _mm_unpackhi_epi8(q[2], q[3]);
+  lo = _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
+  hi = _mm256_set_m128i(_mm_unpackhi_epi16(c, d), _mm_unpacklo_epi16(c, d));
+}
+
+// Per 32-bit lane, sum over its 4 bytes of w * x (signed bytes both; |x| <= 127, so no pair
+// of products saturates the 16-bit step).
+inline __m256i dot4(__m256i w, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+template <int MR, class F>
+inline void grouped_tile_q8x(const int8_t* xq, const float* xd, const float* xsum, int64_t K,
+                             const uint8_t* w, float* y, int64_t N, uintptr_t ahead,
+                             uint64_t start, uint64_t share) {
+  static_assert(F::kGroupRows % 8 == 0 && 8 % F::kStep == 0);
+  const int64_t records = K / F::kRows, xgroups = K / kGroup;
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t r = 0; r < records; ++r, w += F::kRecord) {
+    for (int64_t g = 0; g < F::kRows / F::kGroupRows; ++g) {
+      prefetch_group<F>(ahead, start, share, r * F::kRecord, g);
+      const int64_t k0 = r * F::kRows + g * F::kGroupRows;
+      __m256i sums[MR][2];
+      for (int m = 0; m < MR; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
+      for (int64_t k = 0; k < F::kGroupRows; k += 8) {
+        __m128i q[8];
+        for (int j = 0; j < 8; j += F::kStep) F::codes(w, g * F::kGroupRows + k + j, q + j);
+        for (int half = 0; half < 8; half += 4) {
+          __m256i lo, hi;
+          interleave4(q + half, lo, hi);
+          for (int m = 0; m < MR; ++m) {
+            int32_t four;
+            std::memcpy(&four, xq + m * K + k0 + k + half, 4);
+            const __m256i xv = _mm256_set1_epi32(four);
+            sums[m][0] = _mm256_add_epi32(sums[m][0], dot4(lo, xv));
+            sums[m][1] = _mm256_add_epi32(sums[m][1], dot4(hi, xv));
+          }
+        }
+      }
+      __m256 s0, s1;
+      F::scale(w, g, s0, s1);
+      for (int m = 0; m < MR; ++m) {
+        const __m256 d = _mm256_set1_ps(xd[m * xgroups + k0 / kGroup]);
+        acc[m][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums[m][0]), d), s0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums[m][1]), d), s1, acc[m][1]);
+      }
+      if constexpr (F::kMin) add_minimums<MR, F>(acc, w, g, xsum + k0 / kGroup, xgroups);
+    }
+  }
+  store_rows<MR>(acc, y, N);
+}
+
+// Blocks [first, last) for all M rows over int8 activations, as grouped_blocks.
+template <class F>
+void grouped_blocks_q8x(const int8_t* xq, const float* xd, const float* xsum, int64_t M,
+                        int64_t K, const uint8_t* w, float* y, int64_t N, int64_t first,
+                        int64_t last) {
+  const int64_t groups = K / kGroup;
+  grouped_runs(M, K / F::kRows * F::kRecord, w, y, first, last,
+               [=](auto mr, int64_t m, const uint8_t* wb, float* yb, uintptr_t ahead,
+                   uint64_t start, uint64_t share) {
+                 grouped_tile_q8x<decltype(mr)::value, F>(xq + m * K, xd + m * groups,
+                                                         xsum + m * groups, K, wb, yb + m * N,
+                                                         N, ahead, start, share);
+               });
+}
+
+// x's rows quantized per 32 k-rows: codes round(x / d) in [-127, 127], d = amax / 127 (0 for
+// a group of zeros, whose codes are 0).
+void quantize_rows(const float* x, int64_t groups, int8_t* xq, float* xd) {
+  for (int64_t i = 0; i < groups; ++i) {
+    const float* g = x + i * kGroup;
+    float amax = 0.0f;
+    for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(g[k]));
+    const float d = amax / 127.0f, inverse = d > 0 ? 1.0f / d : 0.0f;
+    xd[i] = d;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      xq[i * kGroup + k] = static_cast<int8_t>(std::nearbyint(g[k] * inverse));
+    }
+  }
+}
+
+template <class F>
+ffi::Error GroupedMatmulQ8X(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != F::kRecord || xd[1] % F::kRows ||
+      wd[1] != xd[1] / F::kRows) {
+    return ffi::Error::InvalidArgument(
+        "cadence_cpu_grouped_matmul_*_q8x takes x [M, K] (K a multiple of the format's 32 or "
+        "256 k-rows a record) and w [N / 16, K / record rows, record bytes]");
+  }
+  const int64_t M = xd[0], K = xd[1], blocks = wd[0], N = blocks * kBlock, groups = M * K / kGroup;
+  const int64_t grain = std::max<int64_t>(1, (256 << 10) / (K * kBlock * 4));
+  const float* xp = x.typed_data();
+  std::unique_ptr<int8_t[]> codes(new int8_t[M * K]);
+  std::unique_ptr<float[]> scales(new float[groups]), sums(new float[groups]);
+  quantize_rows(xp, groups, codes.get(), scales.get());
+  for (int64_t i = 0; i < groups; ++i) {
+    float total = 0.0f;
+    for (int64_t k = 0; k < kGroup; ++k) total += xp[i * kGroup + k];
+    sums[i] = total;
+  }
+  const int8_t* xq = codes.get();
+  const float *xs = scales.get(), *xsum = sums.get();
+  const uint8_t* wp = w.typed_data();
+  float* yp = y->typed_data();
+  parallel_for(pool, blocks, grain, [=](int64_t first, int64_t last) {
+    grouped_blocks_q8x<F>(xq, xs, xsum, M, K, wp, yp, N, first, last);
   });
   return ffi::Error::Success();
 }
@@ -1030,21 +1182,25 @@ CADENCE_PAGED_DECODE(cadence_cpu_paged_decode, ffi::F32, float)
 CADENCE_PAGED_DECODE(cadence_cpu_paged_decode_bf16, ffi::BF16, BF16)
 CADENCE_PAGED_DECODE(cadence_cpu_paged_decode_f16, ffi::F16, F16)
 
-// The grouped matmul, one handler per format (model/cpu_kernels.py's GROUPED).
-#define CADENCE_GROUPED(name, format)                                  \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, GroupedMatmul<format>,           \
+// The grouped matmul, one handler per format and activations: float32 (model/cpu_kernels.py's
+// GROUPED) and int8 (GROUPED_Q8X, names ending _q8x).
+#define CADENCE_GROUPED(name, handler)                                 \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, handler,                         \
                                 ffi::Ffi::Bind()                       \
                                     .Ctx<ffi::ThreadPool>()            \
                                     .Arg<ffi::Buffer<ffi::F32>>()      \
                                     .Arg<ffi::Buffer<ffi::U8>>()       \
                                     .Ret<ffi::Buffer<ffi::F32>>());
+#define CADENCE_GROUPED_FORMATS(suffix, Handler)                                \
+  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q8##suffix, Handler<Q8>)           \
+  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q4##suffix, Handler<Q4>)           \
+  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q5##suffix, Handler<Q5>)           \
+  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q4k##suffix, Handler<QK<false>>)   \
+  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q5k##suffix, Handler<QK<true>>)    \
+  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q6k##suffix, Handler<Q6K>)
 
-CADENCE_GROUPED(cadence_cpu_grouped_matmul_q8, Q8)
-CADENCE_GROUPED(cadence_cpu_grouped_matmul_q4, Q4)
-CADENCE_GROUPED(cadence_cpu_grouped_matmul_q5, Q5)
-CADENCE_GROUPED(cadence_cpu_grouped_matmul_q4k, QK<false>)
-CADENCE_GROUPED(cadence_cpu_grouped_matmul_q5k, QK<true>)
-CADENCE_GROUPED(cadence_cpu_grouped_matmul_q6k, Q6K)
+CADENCE_GROUPED_FORMATS(, GroupedMatmul)
+CADENCE_GROUPED_FORMATS(_q8x, GroupedMatmulQ8X)
 
 // The dequantizer, one handler per format (model/cpu_kernels.py's DEQUANTIZE).
 #define CADENCE_DEQUANTIZE(name, format)                               \

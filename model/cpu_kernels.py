@@ -49,6 +49,8 @@ AVX2, FMA and F16C, no compiler, `CADENCE_CPU_KERNELS=0`), `available()` is Fals
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -83,6 +85,8 @@ FORMATS = {"q8": (32, 32, 544), "q4": (32, 32, 320), "q5": (32, 32, 352),
            "q4k": (256, 32, 2368), "q5k": (256, 32, 2880), "q6k": (256, 16, 3360)}
 RECORD = {name: record for name, (_, _, record) in FORMATS.items()}
 GROUPED = {name: f"cadence_cpu_grouped_matmul_{name}" for name in FORMATS}
+# The same over int8 activations (`activations("int8")`): x quantized per 32 k-rows.
+GROUPED_Q8X = {name: f"cadence_cpu_grouped_matmul_{name}_q8x" for name in FORMATS}
 DEQUANTIZE = {name: f"cadence_cpu_dequantize_{name}" for name in FORMATS}
 # From this many rows, `matmul` runs XLA's GEMM over the matrix dequantized for the call rather
 # than the kernel (which reads the blocks once per 4 rows, at its instructions' pace): prefill's
@@ -153,7 +157,8 @@ def _load() -> str | None:
         library = ctypes.cdll.LoadLibrary(str(_build()))
     except (KernelsUnavailable, OSError) as e:
         return str(e)
-    for name in (*MATMUL.values(), MATMUL_INT8, *GROUPED.values(), *DEQUANTIZE.values(),
+    for name in (*MATMUL.values(), MATMUL_INT8, *GROUPED.values(), *GROUPED_Q8X.values(),
+                 *DEQUANTIZE.values(),
                  *ATTENTION.values(), PAGED_WRITE_16, *TAKE_PAGES.values()):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, name)), platform="cpu")
     return None
@@ -192,6 +197,26 @@ def unblock(blocked, n: int):
     return blocked.transpose(1, 0, 2).reshape(k, blocks * BLOCK)[:, :n]
 
 
+ACTIVATIONS = ("float32", "int8")
+_ACTIVATIONS = contextvars.ContextVar("cadence_cpu_activations", default="float32")
+
+
+@contextlib.contextmanager
+def activations(kind: str):
+    """Grouped (GGUF-block) matmuls traced inside it take their activations as `kind`:
+    "float32" (the default: the file's own weights against x as it is, the reference's numbers
+    summed in another order) or "int8" (x quantized per 32 k-rows, amax / 127, and each group's
+    sum an integer dot product, as llama.cpp computes over its quantized weights: faster where
+    decode is bound by the kernel's instructions, and no longer the reference's numbers)."""
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {kind!r}")
+    token = _ACTIVATIONS.set(kind)
+    try:
+        yield
+    finally:
+        _ACTIVATIONS.reset(token)
+
+
 def blocked_matmul(x: jax.Array, blocked: jax.Array, n: int, scale: jax.Array | None = None) -> jax.Array:
     """x [..., K] @ W [K, n] in float32, W given as `block(W)`: float32, bfloat16 or float16
     (widened as read), or int8 with `scale` [n], one per output column (`model.quant`),
@@ -202,7 +227,8 @@ def blocked_matmul(x: jax.Array, blocked: jax.Array, n: int, scale: jax.Array | 
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     out = jax.ShapeDtypeStruct((rows.shape[0], blocked.shape[0] * BLOCK), jnp.float32)
     if blocked.dtype == jnp.uint8:
-        y = jax.ffi.ffi_call(GROUPED[grouped_format(blocked)], out)(rows, blocked)
+        targets = GROUPED_Q8X if _ACTIVATIONS.get() == "int8" else GROUPED
+        y = jax.ffi.ffi_call(targets[grouped_format(blocked)], out)(rows, blocked)
     elif blocked.dtype == jnp.int8:
         if scale is None:
             raise ValueError("int8 blocks need their per-column scale")

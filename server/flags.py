@@ -153,6 +153,12 @@ CPU_KERNELS = flags.DEFINE_bool(
     "system's compiler): paged attention, and the matmuls over a blocked copy of the weights "
     "(float32, int8, or a GGUF's own blocks: --weights). float32 compute on one device; false: "
     "XLA's paths.")
+CPU_ACTIVATIONS = flags.DEFINE_enum(
+    "cpu_activations", "float32", ("float32", "int8"),
+    "What the CPU kernels' matmuls over a GGUF's own blocks take as activations. float32: the "
+    "file's weights against the activations as they are (the reference's numbers, token for "
+    "token). int8: activations quantized per 32 values, integer dot products, as llama.cpp "
+    "computes: faster decode (docs/cpu-kernels.md), numbers no longer the reference's.")
 WEIGHTS = flags.DEFINE_enum(
     "weights", "auto", ("auto", "float", "int8", "int4"),
     "auto: where decode runs on the CPU kernels, the matrices a GGUF checkpoint stores "

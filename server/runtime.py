@@ -41,7 +41,7 @@ from cadence.scheduler.priority import SLO, PriorityClasses
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from cadence.scheduler.speculative import SpeculativeConfig
 from cadence.server import memory
-from cadence.server.flags import (ATTENTION, COORDINATOR, CPU_KERNELS, DECODE_DEVICES,
+from cadence.server.flags import (ATTENTION, COORDINATOR, CPU_ACTIVATIONS, CPU_KERNELS, DECODE_DEVICES,
                                   DECODE_STEPS, DTYPE, GRAMMAR_TIMEOUT, KV_DTYPE, KV_MEMORY,
                                   KV_RESERVATION, LOWER_SHARE, MAX_LOGPROBS, MAX_PREFILL_CHUNKS,
                                   MAX_QUEUE, MAX_SEQ_LEN, MODEL_FLAG, NUM_CPU_DEVICES,
@@ -202,6 +202,7 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
         prefill_chunk=PREFILL_CHUNK.value,
         attention=ATTENTION.value or ("pallas" if on_gpu else "cpu" if kernels else "xla"),
         decode_matmul="cpu" if kernels else "xla",
+        cpu_activations=CPU_ACTIVATIONS.value if kernels else "float32",
         dtype=dtype,
         kv_dtype=kv_dtype(),
         page_size=PAGE_SIZE.value,
@@ -247,9 +248,12 @@ def describe_decode_weights(model: LoadedModel, packed) -> str:
     checkpoint stored it block-quantized in a format the kernels lack)."""
     matrices = [s.path for s in param_specs(model.config) if s.path[-1] in MATRICES
                 and (s.path[-1] != "embedding" or model.config.tie_embeddings or s.path in (packed or {}))]
+    activations = (", int8 activations against them (--cpu_activations=int8)"
+                   if CPU_ACTIVATIONS.value == "int8" else "")
     if WEIGHTS.value in GROUPED_WEIGHTS:
         head = " (the tied LM head in int8)" if WEIGHTS.value == "int4" and model.config.tie_embeddings else ""
-        return f"{len(matrices)} matrices in {WEIGHTS.value}{head}, a float16 scale per 32 weights"
+        return (f"{len(matrices)} matrices in {WEIGHTS.value}{head}, a float16 scale per 32 weights"
+                + activations)
     own = collections.Counter(model.packed[p][1] for p in matrices if p in (packed or {}))
     own.update(get(model.params, p).dtype.name for p in matrices  # 16-bit floats, read as stored
                if p not in (packed or {}) and get(model.params, p).dtype.itemsize == 2)
@@ -260,7 +264,7 @@ def describe_decode_weights(model: LoadedModel, packed) -> str:
         parts.append(f"{rest} {'matrix' if rest == 1 else 'matrices'} blocked from float32"
                      + (" (--weights=auto reads a GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q5_K/Q6_K as they are)"
                         if WEIGHTS.value != "auto" and model.packed else ""))
-    return ", ".join(parts)
+    return ", ".join(parts) + (activations if any(p in (packed or {}) for p in matrices) else "")
 
 
 def cpu_kernels_apply(dtype: str, tp: TensorParallel | None) -> bool:

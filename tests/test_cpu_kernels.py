@@ -528,6 +528,83 @@ def test_superblock_matmul_matches_numpy_dequantize_then_matmul(fmt, rows, k, n)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(want).max())
 
 
+def _int8_rows(x: np.ndarray) -> np.ndarray:
+    """x's rows as the int8-activation kernels see them: per 32 values, codes rint(x / d) with
+    d = amax / 127, times d."""
+    groups = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    d = np.abs(groups).max(axis=-1, keepdims=True) / np.float32(127)
+    codes = np.rint(np.where(d > 0, groups / np.where(d > 0, d, 1), 0))
+    return (codes * d).reshape(x.shape)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("fmt", ["q8", "q4", "q5", *SUPERBLOCKS])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+def test_int8_activations_match_their_integer_reference(fmt, rows):
+    """--cpu_activations=int8: each group's sum over the codes is taken against x quantized
+    per 32 values (`_int8_rows`), the minimums against x as it is: within float32 rounding of
+    NumPy's float64 over those values, at 1-5 rows (tiles of 4 and the rest); and off the
+    float32 kernel's numbers by the quantization (well under 2% here), not by more."""
+    rng = np.random.default_rng(rows * 7 + len(fmt))
+    k, n = 512, 37
+    if fmt in SUPERBLOCKS:
+        parts, dequantized = _superblocks(rng, fmt, k, n), _superblocks_dequantized
+    else:
+        parts, dequantized = _grouped(rng, fmt, k, n), _dequantized
+    w = dequantized(*parts).astype(np.float64)
+    w0 = dequantized(np.zeros_like(parts[0]), *parts[1:]).astype(np.float64)  # the minimums
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[0, 32:64] = 0  # a group of zeros: scale 0, codes 0
+    blocked = jnp.asarray(_pack(fmt, parts))
+    with cpu_kernels.activations("int8"):
+        got = np.asarray(jax.jit(lambda x: cpu_kernels.blocked_matmul(x, blocked, n))(x))
+    want = _int8_rows(x).astype(np.float64) @ (w - w0) + x.astype(np.float64) @ w0
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(want).max())
+    exact = x.astype(np.float64) @ w
+    assert 0 < np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
+
+
+def test_int8_activations_are_the_cpu_kernels_and_named():
+    from cadence.engine.config import CPU_ACTIVATIONS
+
+    assert CPU_ACTIVATIONS == cpu_kernels.ACTIVATIONS
+    with pytest.raises(ValueError, match="cpu_activations must be one of"):
+        EngineConfig(attention="cpu", decode_matmul="cpu", cpu_activations="int4")
+    with pytest.raises(ValueError, match="the CPU kernels'"):
+        EngineConfig(cpu_activations="int8")
+    with pytest.raises(ValueError, match="activations must be one of"):
+        with cpu_kernels.activations("bfloat16"):
+            pass
+
+
+@needs_cpu_kernels
+def test_an_engine_over_int8_activations_decodes_the_float_engines_tokens(tiny_params, tiny_config,
+                                                                           tiny_tokenizer):
+    """An engine with --cpu_activations=int8 over Q4_0-packed weights: its programs are traced
+    with the int8 kernels (its logits differ from the float32 engine's), and on the tiny
+    model, whose greedy choices are clear-cut, it decodes the float32 engine's tokens."""
+    from cadence.engine.engine import Engine
+    from cadence.scheduler.request import GenerationParams
+    from tests.fakes import make_scheduler, run_all
+
+    floats, packed = quantize_grouped(tiny_params, tiny_config, "q4")
+    prompts = [[7, 300, 41, 9], list(range(100, 150))]
+    results = {}
+    for kind in ("float32", "int8"):
+        config = EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=16, attention="cpu",
+                              decode_matmul="cpu", cpu_activations=kind)
+        engine = Engine(floats, tiny_config, config, packed=dict(packed))
+        streams = run_all(make_scheduler(engine, tiny_tokenizer, chunk=16, budget=18),
+                          [(p, GenerationParams(max_tokens=12, logprobs=3)) for p in prompts])
+        # The alternatives' logprobs (the chosen token's is 0.0 either way on this model).
+        results[kind] = [(s.request.output_ids, [[v for _, v in lp.top[1:]] for lp in s.request.logprobs])
+                         for s in streams]
+    for (want_ids, want_lp), (got_ids, got_lp) in zip(results["float32"], results["int8"]):
+        assert got_ids == want_ids
+        assert got_lp != want_lp  # the int8 kernels ran
+        np.testing.assert_allclose(got_lp, want_lp, rtol=0.05)
+
+
 @needs_cpu_kernels
 @pytest.mark.parametrize("fmt", ["q8", "q4", "q5", *SUPERBLOCKS])
 def test_dequantize_gives_the_files_own_values(fmt):
