@@ -8,8 +8,8 @@ each section written to the JSON file as soon as it is done (so a run cut short 
 1. ceilings, measured here: a large device copy (GB/s, bytes read + written) and a large bf16
    matmul (TFLOP/s);
 2. the kernel tests of tests/test_pallas.py, test_paged_attention.py and test_mosaic_paged.py
-   compiled on the GPU (one pytest subprocess with CADENCE_PALLAS_INTERPRET=0 and float32 matmuls at full
-   precision);
+   compiled on the GPU (one pytest subprocess with CADENCE_PALLAS_INTERPRET=0 and float32
+   matmuls at full precision);
 3. both kernels against `xla_attention` and cuDNN (`jax.nn.dot_product_attention(...,
    implementation="cudnn")`, given its own [batch, seq, heads, dim] layout) at the Llama-3-8B
    (32/8/128) and SmolLM2 (9/3/64) head shapes: causal prefill of 4k and 8k tokens (TFLOP/s),
@@ -115,7 +115,7 @@ def kernel_seconds(attend, args, n: int) -> float:
 # -- 2. compiled kernel tests ------------------------------------------------------------------
 
 KERNEL_TESTS = ("tests/test_pallas.py", "tests/test_paged_attention.py", "tests/test_mosaic_paged.py")
-TESTS_TIMEOUT_S = 240  # two files of compiled kernel cases, in one process (one JAX start)
+TESTS_TIMEOUT_S = 240  # three files of compiled kernel cases, in one process (one JAX start)
 
 
 def run_kernel_tests() -> dict:

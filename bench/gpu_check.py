@@ -11,7 +11,8 @@ measured to `<out_dir>/<part>.json`, and the verdict of every part to `<out_dir>
 
 - `env`: nvidia-smi, JAX's version and devices.
 - `kernel_tests`: tests/test_pallas.py, test_paged_attention.py, test_mosaic_paged.py and
-  test_pallas_quant.py compiled on the device (`CADENCE_PALLAS_INTERPRET=0`, float32 matmuls at full precision).
+  test_pallas_quant.py compiled on the device (`CADENCE_PALLAS_INTERPRET=0`, float32 matmuls
+  at full precision).
   (tests/test_gpu_lowering.py lowers every engine program for CUDA in CI, on any machine.)
 - `greedy`: the engine (scheduler, chunked prefill, batched decode) with `attention="pallas"`
   in float32 gives the reference's greedy tokens (`engine.reference.greedy_generate`) on the
@@ -24,8 +25,8 @@ measured to `<out_dir>/<part>.json`, and the verdict of every part to `<out_dir>
 - `decode_probe`: the 8B step at 1 and 64 active slots, one step per dispatch and 8: whether
   a dispatch returns before its step is done (`model.control`).
 - `kernels`: `bench.gpu_bench`'s kernel section (Pallas contiguous and paged, Triton and Mosaic
-  GPU, against XLA and cuDNN's `jax.nn.dot_product_attention`, 4k prefill and decode at batch 1/8/64 x 4k) and its
-  grouped quantized matmul, under a deadline.
+  GPU, against XLA and cuDNN's `jax.nn.dot_product_attention`, 4k prefill and decode at batch
+  1/8/64 x 4k) and its grouped quantized matmul, under a deadline.
 
 A part past its timeout is killed with every process it started, and prints its Python stack
 first (`faulthandler`), so the log says where it was. The run ends with a digest of the

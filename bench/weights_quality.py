@@ -25,7 +25,6 @@ generator's full-sequence logits, which says what summation order alone costs.
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import platform
 from pathlib import Path
@@ -76,12 +75,9 @@ class Decoder:
         self.prefill_params, self.decode_params = prefill_params, decode_params
         self.attention = attention
 
-        @functools.wraps(forward)
-        def traced(*args, **kwargs):  # the CPU kernels' activations, as the engine's programs
-            with cpu_kernels.activations(activations):
-                return forward(*args, **kwargs)
-
-        self._run = jax.jit(traced, static_argnames=("config", "attention"))
+        # The CPU kernels' activations, as the engine's programs take them.
+        self._run = jax.jit(cpu_kernels.with_activations(forward, activations),
+                            static_argnames=("config", "attention"))
 
     def run(self, prompt: list[int], feed: list[int] | None, n: int, eos: tuple[int, ...] = ()):
         """(logits after the prompt and after each fed token [1 + steps, V], the tokens fed):

@@ -43,10 +43,10 @@ def ladder(low: int, high: int) -> tuple[int, ...]:
 # costs a step per page, so small pages are slow (16-token pages up to 2x at 1k tokens, 64 about
 # 1.2x, 128 at or below the contiguous loop;
 # `bench/results/paged-attention-cpu/paged_attention.txt`).
+DEFAULT_PAGE_SIZE = 64
 # What the CPU kernels' grouped matmuls take as activations: `model.cpu_kernels.ACTIVATIONS`,
 # named here too so that this module stays free of JAX.
 CPU_ACTIVATIONS = ("float32", "int8")
-DEFAULT_PAGE_SIZE = 64
 
 ROLES = ("both", "prefill", "decode")
 KV_DTYPES = ("float32", "bfloat16", "float16")

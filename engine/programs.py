@@ -303,17 +303,6 @@ class Programs:
     verify: Callable  # speculative decoding: each row's last token and drafts scored at once
 
 
-def _traced_with(context, *args) -> Callable[[Callable], Callable]:
-    """A program function traced inside `context(*args)` (same signature, for jit's names)."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def traced(*a, **kw):
-            with context(*args):
-                return fn(*a, **kw)
-        return traced
-    return wrap
-
-
 def jit_programs(model_config: ModelConfig, config: EngineConfig,
                  tp: TensorParallel | None = None) -> Programs:
     """The programs an engine runs, for `model_config` as computed (KV heads repeated, under
@@ -330,7 +319,7 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
 
     def jit(fn, out, **kw):
         if config.cpu_activations != "float32":  # traced with the CPU kernels' activations
-            fn = _traced_with(cpu_kernels.activations, config.cpu_activations)(fn)
+            fn = cpu_kernels.with_activations(fn, config.cpu_activations)
         return jax.jit(fn, **({} if tp is None else {"out_shardings": out}), **kw)
 
     pool, token, handle = (None, None, None) if tp is None else (

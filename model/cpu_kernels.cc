@@ -644,42 +644,6 @@ bool use_avx512() {
   return use;
 }
 
-template <class F>
-ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                         ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != F::kRecord || xd[1] % F::kRows ||
-      wd[1] != xd[1] / F::kRows) {
-    return ffi::Error::InvalidArgument(
-        "cadence_cpu_grouped_matmul takes x [M, K] (K a multiple of the format's 32 or 256 "
-        "k-rows a record) and w [N / 16, K / record rows, record bytes]");
-  }
-  const int64_t M = xd[0], K = xd[1], blocks = wd[0], N = blocks * kBlock;
-  // Work items of about the float32 kernel's 256 KiB weights' worth of columns: the same
-  // balance of threads, over a quarter to an eighth of the bytes.
-  const int64_t grain = std::max<int64_t>(1, (256 << 10) / (K * kBlock * 4));
-  const float* xp = x.typed_data();
-  const uint8_t* wp = w.typed_data();
-  float* yp = y->typed_data();
-  // Each row's group sums, for the minimums (formats without them need none).
-  std::unique_ptr<float[]> sums(new float[F::kMin ? M * K / kGroup : 1]);
-  for (int64_t i = 0; F::kMin && i < M * K / kGroup; ++i) {
-    float total = 0.0f;
-    for (int64_t k = 0; k < kGroup; ++k) total += xp[i * kGroup + k];
-    sums[i] = total;
-  }
-  const float* xsum = sums.get();
-  const bool wide = use_avx512();
-  parallel_for(pool, blocks, grain, [=](int64_t first, int64_t last) {
-    if (wide) {
-      grouped_blocks<true, F>(xp, xsum, M, K, wp, yp, N, first, last);
-    } else {
-      grouped_blocks<false, F>(xp, xsum, M, K, wp, yp, N, first, last);
-    }
-  });
-  return ffi::Error::Success();
-}
-
 // ---------------------------------------------------------------------------------------------
 // The grouped matmul over int8 activations (opt-in: llama.cpp's numerics for its quantized
 // weights). Each row of x is quantized per 32 k-rows to int8 with a float32 scale (amax / 127,
@@ -777,34 +741,51 @@ void quantize_rows(const float* x, int64_t groups, int8_t* xq, float* xd) {
   }
 }
 
-template <class F>
-ffi::Error GroupedMatmulQ8X(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                            ffi::ResultBuffer<ffi::F32> y) {
+// The grouped matmul's handler, over float32 activations or (kInt8) int8 ones.
+template <class F, bool kInt8>
+ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                         ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != F::kRecord || xd[1] % F::kRows ||
       wd[1] != xd[1] / F::kRows) {
     return ffi::Error::InvalidArgument(
-        "cadence_cpu_grouped_matmul_*_q8x takes x [M, K] (K a multiple of the format's 32 or "
-        "256 k-rows a record) and w [N / 16, K / record rows, record bytes]");
+        "cadence_cpu_grouped_matmul takes x [M, K] (K a multiple of the format's 32 or 256 "
+        "k-rows a record) and w [N / 16, K / record rows, record bytes]");
   }
   const int64_t M = xd[0], K = xd[1], blocks = wd[0], N = blocks * kBlock, groups = M * K / kGroup;
+  // Work items of about the float32 kernel's 256 KiB weights' worth of columns: the same
+  // balance of threads, over a quarter to an eighth of the bytes.
   const int64_t grain = std::max<int64_t>(1, (256 << 10) / (K * kBlock * 4));
   const float* xp = x.typed_data();
-  std::unique_ptr<int8_t[]> codes(new int8_t[M * K]);
-  std::unique_ptr<float[]> scales(new float[groups]), sums(new float[groups]);
-  quantize_rows(xp, groups, codes.get(), scales.get());
-  for (int64_t i = 0; i < groups; ++i) {
+  const uint8_t* wp = w.typed_data();
+  float* yp = y->typed_data();
+  // Each row's group sums, for the minimums (formats without them need none).
+  std::unique_ptr<float[]> sums(new float[F::kMin ? groups : 1]);
+  for (int64_t i = 0; F::kMin && i < groups; ++i) {
     float total = 0.0f;
     for (int64_t k = 0; k < kGroup; ++k) total += xp[i * kGroup + k];
     sums[i] = total;
   }
-  const int8_t* xq = codes.get();
-  const float *xs = scales.get(), *xsum = sums.get();
-  const uint8_t* wp = w.typed_data();
-  float* yp = y->typed_data();
-  parallel_for(pool, blocks, grain, [=](int64_t first, int64_t last) {
-    grouped_blocks_q8x<F>(xq, xs, xsum, M, K, wp, yp, N, first, last);
-  });
+  const float* xsum = sums.get();
+  if constexpr (kInt8) {
+    std::unique_ptr<int8_t[]> codes(new int8_t[M * K]);
+    std::unique_ptr<float[]> scales(new float[groups]);
+    quantize_rows(xp, groups, codes.get(), scales.get());
+    const int8_t* xq = codes.get();
+    const float* xs = scales.get();
+    parallel_for(pool, blocks, grain, [=](int64_t first, int64_t last) {
+      grouped_blocks_q8x<F>(xq, xs, xsum, M, K, wp, yp, N, first, last);
+    });
+  } else {
+    const bool wide = use_avx512();
+    parallel_for(pool, blocks, grain, [=](int64_t first, int64_t last) {
+      if (wide) {
+        grouped_blocks<true, F>(xp, xsum, M, K, wp, yp, N, first, last);
+      } else {
+        grouped_blocks<false, F>(xp, xsum, M, K, wp, yp, N, first, last);
+      }
+    });
+  }
   return ffi::Error::Success();
 }
 
@@ -1191,16 +1172,16 @@ CADENCE_PAGED_DECODE(cadence_cpu_paged_decode_f16, ffi::F16, F16)
                                     .Arg<ffi::Buffer<ffi::F32>>()      \
                                     .Arg<ffi::Buffer<ffi::U8>>()       \
                                     .Ret<ffi::Buffer<ffi::F32>>());
-#define CADENCE_GROUPED_FORMATS(suffix, Handler)                                \
-  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q8##suffix, Handler<Q8>)           \
-  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q4##suffix, Handler<Q4>)           \
-  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q5##suffix, Handler<Q5>)           \
-  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q4k##suffix, Handler<QK<false>>)   \
-  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q5k##suffix, Handler<QK<true>>)    \
-  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q6k##suffix, Handler<Q6K>)
+#define CADENCE_GROUPED_FORMATS(suffix, int8)                                          \
+  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q8##suffix, (GroupedMatmul<Q8, int8>))           \
+  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q4##suffix, (GroupedMatmul<Q4, int8>))           \
+  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q5##suffix, (GroupedMatmul<Q5, int8>))           \
+  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q4k##suffix, (GroupedMatmul<QK<false>, int8>))   \
+  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q5k##suffix, (GroupedMatmul<QK<true>, int8>))    \
+  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q6k##suffix, (GroupedMatmul<Q6K, int8>))
 
-CADENCE_GROUPED_FORMATS(, GroupedMatmul)
-CADENCE_GROUPED_FORMATS(_q8x, GroupedMatmulQ8X)
+CADENCE_GROUPED_FORMATS(, false)
+CADENCE_GROUPED_FORMATS(_q8x, true)
 
 // The dequantizer, one handler per format (model/cpu_kernels.py's DEQUANTIZE).
 #define CADENCE_DEQUANTIZE(name, format)                               \

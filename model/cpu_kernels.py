@@ -217,6 +217,17 @@ def activations(kind: str):
         _ACTIVATIONS.reset(token)
 
 
+def with_activations(fn, kind: str):
+    """`fn` traced inside `activations(kind)`, with its signature (so that a jit of it still
+    finds its static and donated arguments by name)."""
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with activations(kind):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
 def blocked_matmul(x: jax.Array, blocked: jax.Array, n: int, scale: jax.Array | None = None) -> jax.Array:
     """x [..., K] @ W [K, n] in float32, W given as `block(W)`: float32, bfloat16 or float16
     (widened as read), or int8 with `scale` [n], one per output column (`model.quant`),

@@ -32,7 +32,6 @@ from cadence.server.app import create_app
 from tests.conftest import loopback_server
 
 
-
 @contextlib.contextmanager
 def serve_app(app):
     with loopback_server(app) as base:
