@@ -11,7 +11,7 @@
 `packed` holds every matrix stored in a format the CPU decode kernels read directly (Q8_0,
 Q4_0, Q4_1, Q5_0: 32 weights per float16 scale, and for Q4_1 a float16 minimum; the K-quants
 Q4_K, Q5_K, Q6_K: 256-weight super-blocks with integer sub-block scales), re-laid into the
-kernels' grouped layout (`model.cpu_kernels.pack_grouped` / `pack_superblocks`) with the same
+kernels' grouped layout (`model.block_layout.pack_grouped` / `pack_superblocks`) with the same
 values: dequantizing a packed matrix gives `params`' float32 matrix exactly. Other formats
 (F16, BF16, Q5_1, Q2_K, Q3_K...) are left to `params` alone.
 
@@ -42,7 +42,7 @@ import numpy as np
 
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.hf import FLOAT_DTYPES
-from cadence.model import cpu_kernels
+from cadence.model import block_layout
 from cadence.model.config import ModelConfig
 from cadence.model.params import MATRICES, ParamSpec, build_tree, param_specs
 
@@ -241,7 +241,7 @@ def _bits(qh: np.ndarray, run: int, width: int) -> np.ndarray:
 
 def unpack_blocks(data: np.ndarray, kind: str, columns: int) -> dict[str, np.ndarray]:
     """A GGUF tensor's rows of blocks (uint8 [rows, columns / weights per block * block bytes])
-    as the arguments of `cpu_kernels.pack_grouped` / `pack_superblocks` for its `FORMAT`, each
+    as the arguments of `block_layout.pack_grouped` / `pack_superblocks` for its `FORMAT`, each
     [rows, ...] (a row's codes [rows, columns], its per-block values [rows, blocks]): the codes
     q (Q8_0 int8; Q4_x 0..15; Q5_0 -16..15; Q4_K 0..15; Q5_K 0..31; Q6_K -32..31), float16
     `scale` / `minimum` (32-weight formats) or `d` / `dmin` (K-quants), and the K-quants'
@@ -289,8 +289,8 @@ def pack_blocks(parts: dict[str, np.ndarray], kind: str) -> np.ndarray:
     fmt = FORMAT[kind]
     t = {name: a.T for name, a in parts.items()}
     if fmt in ("q8", "q4", "q5"):
-        return cpu_kernels.pack_grouped(t["q"], t["scale"], t.get("minimum"), fmt)
-    return cpu_kernels.pack_superblocks(fmt, t["q"], t["d"], t["sub_scale"], t.get("dmin"), t.get("sub_min"))
+        return block_layout.pack_grouped(t["q"], t["scale"], t.get("minimum"), fmt)
+    return block_layout.pack_superblocks(fmt, t["q"], t["d"], t["sub_scale"], t.get("dmin"), t.get("sub_min"))
 
 
 def _packs(spec: ParamSpec, t: Any) -> bool:

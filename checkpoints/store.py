@@ -10,7 +10,7 @@ A converted folder holds
                     those matrices as they are, in the CPU kernels' grouped layout (orbax,
                     uint8); the marker's "packed" names them, with their formats and shapes.
                     They are stored once: read as float32, each is dequantized from its blocks
-                    (`cpu_kernels.unpack_grouped`: GGUF's own values, bit for bit)
+                    (`block_layout.unpack_grouped`: GGUF's own values, bit for bit)
     <tokenizer>     tokenizer files, byte for byte as given (tokenizer.json, tokenizer.model, ...)
     cadence.json    the marker: format version, source, dtype, tokenizer file names
 `save_converted` builds it in a sibling temporary folder, writes the marker last and renames
@@ -40,7 +40,7 @@ from absl import logging
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.hf import FLOAT_DTYPES, Params
 from cadence.model.config import ModelConfig
-from cadence.model.cpu_kernels import unpack_grouped
+from cadence.model.block_layout import unpack_grouped
 from cadence.model.params import abstract_params, nest
 
 Shardings = Callable[[ModelConfig], Any]

@@ -94,6 +94,11 @@ class EngineConfig:
     # order) or "int8" (x quantized per 32 k-rows, integer dot products, llama.cpp's numerics:
     # faster decode, not the reference's numbers). `cpu_kernels.activations`.
     cpu_activations: str = "float32"
+    # Where the CPU kernels run the whole model (decode_matmul and attention "cpu"), its
+    # layers run as one loop over weights and a pool stacked over layers (`model.layer_loop`):
+    # each program compiles and holds one layer's kernels rather than every layer's. False
+    # unrolls them, as every other path runs (the reference the loop is tested against).
+    layer_loop: bool = True
     # Also compile the two halves of a decode step (`decode_forward`, `decode_sample`) that a
     # grammar-constrained row needs: its bitmask is filled on the host between them.
     structured_output: bool = False

@@ -74,7 +74,7 @@ from cadence.engine.packing import Pack, PrefillChunk, bucket_for, pack_chunks
 from cadence.engine.programs import jit_programs
 from cadence.engine.results import DecodeTokens, PrefillTokens
 from cadence.engine.warmup import Compiling, spec
-from cadence.model import cpu_kernels
+from cadence.model import cpu_kernels, layer_loop
 from cadence.model.config import ModelConfig
 from cadence.model.llama import rope_table
 from cadence.model.params import cast
@@ -159,7 +159,7 @@ class Engine(KVOps, Compiling):
         its shards of the weights and of the page pool, every program runs on all of them as
         one SPMD program, and `self.tp` says how the model was split.
 
-        `packed`: matrices in a grouped block-quantized format (`model.cpu_kernels.pack_grouped`,
+        `packed`: matrices in a grouped block-quantized format (`model.block_layout.pack_grouped`,
         GGUF's own blocks: `LoadedModel.packed`), by path, that decode_matmul="cpu" reads in
         place of blocking their float matrices (their leaves in `params` are not read, and may
         be anything of the right shape)."""
@@ -174,11 +174,17 @@ class Engine(KVOps, Compiling):
         self.model_config = model_config
         self.config = config
         dtype = jnp.dtype(config.dtype)
+        self.stacked_layers = False  # the layers run as one loop (`model.layer_loop`)
         self.tp = TensorParallel.plan(model_config, devices) if devices and len(devices) > 1 else None
         if self.tp is None:
             self.device = device or (devices[0] if devices else jax.devices()[0])
             if config.decode_matmul == "cpu" and self.device.platform == "cpu":
-                params = cpu_kernels.decode_params(params, packed)
+                loop = config.layer_loop and config.attention == "cpu"  # try the layer loop
+                params = cpu_kernels.decode_params(params, packed,
+                                                   model_config.num_layers if loop else None)
+                self.stacked_layers = loop and self._stack_layers(params)
+                if self.stacked_layers:
+                    params = layer_loop.stack_layers(params, model_config.num_layers)
             elif packed:
                 raise ValueError("packed matrices are read by decode_matmul='cpu' only")
             self.params = jax.tree_util.tree_map_with_path(
@@ -229,6 +235,13 @@ class Engine(KVOps, Compiling):
             "KV pool: %d pages x %d tokens (%d tokens), %.1f MiB", self.num_pages, config.page_size,
             self.num_pages * config.page_size, self.cache.nbytes / 2**20,
         )
+
+    def _stack_layers(self, tree) -> bool:
+        """Whether this engine runs its layers as one loop (`EngineConfig.layer_loop`)."""
+        reason = layer_loop.unstackable(tree, self.model_config.num_layers)
+        if reason:
+            logging.info("the layers run unrolled, not as one loop: %s", reason)
+        return reason is None
 
     # -- the two programs -------------------------------------------------------------------
 

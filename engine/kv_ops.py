@@ -127,11 +127,12 @@ class KVOps:
         self.cache = self.last_tokens = self.history = None  # let the old buffers go first
         self._pending = None  # a split decode step's logits went with them
         self.cache = PagedKVCache.create(self.compute_config, cfg.pool_pages, cfg.page_size,
-                                         jnp.dtype(cfg.pool_dtype), device=self._pool_at)
+                                         jnp.dtype(cfg.pool_dtype), device=self._pool_at,
+                                         stacked=self.stacked_layers)
         self.last_tokens = jnp.zeros((cfg.num_slots,), jnp.int32, device=self._token_at)
         self.history = TokenHistory.create(cfg.num_slots, self.model_config.vocab_size,
                                            device=self._token_at)
         # Counted here, once: a metrics reader on another thread may otherwise meet the pool
         # between a program's donation of it and the return of its successor.
-        self._kv_cache_bytes = sum(shard.data.nbytes for layer in self.cache.k + self.cache.v
+        self._kv_cache_bytes = sum(shard.data.nbytes for layer in self.cache.arrays()
                                    for shard in layer.addressable_shards)

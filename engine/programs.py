@@ -252,9 +252,11 @@ def _decode_sample_program(logits, last_tokens, history, slots, positions, sampl
 def _copy_program(cache, sources, targets):
     """Copies pages `sources` [W] onto pages `targets` [W] in every layer (a target past the
     pool, padding, writes nothing)."""
-    def copy(layers):
+    def copy(pool):
+        if cache.stacked:
+            return pool.at[:, :, targets].set(jnp.take(pool, sources, axis=2, mode="clip"), mode="drop")
         return tuple(layer.at[:, targets].set(jnp.take(layer, sources, axis=1, mode="clip"), mode="drop")
-                     for layer in layers)
+                     for layer in pool)
 
     return PagedKVCache(k=copy(cache.k), v=copy(cache.v))
 
@@ -267,17 +269,22 @@ def _history_program(history, slot, tokens, prompt_len):
 def _extract_program(cache, last_tokens, ids, slot):
     """The pages `ids` [P] of every layer, stacked: k, v [layers, kv_heads, P, page_size, d],
     and `slot`'s next decode input. Reads only: nothing is donated."""
-    k = jnp.stack([jnp.take(layer, ids, axis=1, mode="clip") for layer in cache.k])
-    v = jnp.stack([jnp.take(layer, ids, axis=1, mode="clip") for layer in cache.v])
-    return k, v, last_tokens[slot]
+    def take(pool):
+        if cache.stacked:
+            return jnp.take(pool, ids, axis=2, mode="clip")
+        return jnp.stack([jnp.take(layer, ids, axis=1, mode="clip") for layer in pool])
+
+    return take(cache.k), take(cache.v), last_tokens[slot]
 
 
 def _insert_program(cache, last_tokens, k, v, ids, slot, token):
     """Writes a handle's pages into pages `ids` [P] (an id past the pool, padding, writes
     nothing) and makes `token` the slot's next decode input."""
-    def put(layers, new):
+    def put(pool, new):
+        if cache.stacked:
+            return pool.at[:, :, ids].set(new.astype(pool.dtype), mode="drop")
         return tuple(layer.at[:, ids].set(new[i].astype(layer.dtype), mode="drop")
-                     for i, layer in enumerate(layers))
+                     for i, layer in enumerate(pool))
 
     cache = PagedKVCache(k=put(cache.k, k), v=put(cache.v, v))
     return cache, last_tokens.at[slot].set(token)

@@ -148,7 +148,7 @@ def list_programs(programs: Programs, cfg: EngineConfig, mc: ModelConfig, specs:
                     all_allowed((batch, k + 1), vocab))
     for width in cfg.page_buckets:  # a KVHandle's arrays: [layers, kv_heads, P, page_size, d]
         kv = jax.ShapeDtypeStruct((mc.num_layers, mc.num_kv_heads, width, cfg.page_size,
-                                   mc.head_dim), cache.k[0].dtype, sharding=handle_sharding)
+                                   mc.head_dim), cache.dtype, sharding=handle_sharding)
         add("transfer", f"extract[pages={width}]", programs.extract, cache, last,
             np.zeros(width, np.int32), i32)
         add("transfer", f"insert[pages={width}]", programs.insert, cache, last, kv, kv,

@@ -3,32 +3,40 @@
 // Built and registered by model/cpu_kernels.py, which also holds the slow paths they are tested
 // against. A decode step reads every weight and every live KV entry once; on XLA:CPU its
 // matmuls of 2-16 rows pack the weights anew on every call and its paged attention pays a loop
-// step per page, so the step ran at 3-6x the time of reading them. These two kernels read
-// each byte once, in the order it lies in memory:
+// step per page, so the step ran at 3-6x the time of reading them. These kernels read each
+// byte once, in the order it lies in memory:
 //
-//   cadence_cpu_blocked_matmul   y[M, N] = x[M, K] @ W, with W stored blocked as [N / 16, K, 16]:
-//                            each block of 16 output columns is one contiguous run, streamed
-//                            once while 1-4 rows accumulate in registers.
-//   cadence_cpu_blocked_matmul_int8   the same over int8 blocks, widened in registers, with a
-//                            float scale per output column: a quarter of the bytes to read.
-//   cadence_cpu_grouped_matmul_<format>   the same over weights quantized in groups of
-//                            k-rows, as GGUF's blocks store them: q8 / q4 / q5 (Q8_0, Q4_0 and
-//                            Q4_1, Q5_0: 32 k-rows) and q4k / q5k / q6k (the K-quants Q4_K,
-//                            Q5_K, Q6_K: super-blocks of 256). A block's record per 32 or 256
-//                            k-rows holds its 16 columns' scales (and minimums) and codes, so a
-//                            block is still one contiguous run. Each k-row's codes are widened
-//                            to floats in registers and summed against x, and each group's sums
-//                            are scaled once (plus min * the group's sum of x): the float32
-//                            kernel's numbers over the dequantized weights, summed in another
-//                            order. One tile per ISA, a template over the format; with AVX-512
-//                            where the CPU has it, to the same bits.
+//   cadence_cpu_layered_matmul   y[M, N] = x[M, K] @ W for W in the kernels' layouts
+//                            (model/block_layout.py): float blocks [N / 16, K, 16] (float32,
+//                            or a checkpoint's bfloat16 / float16 widened in registers), each
+//                            block of 16 output columns one contiguous run, streamed once
+//                            while 1-4 rows accumulate in registers; or GGUF's quantized
+//                            blocks, re-laid so that a block's record per 32 or 256 k-rows
+//                            holds its 16 columns' scales (and minimums) and codes: q8 / q4 /
+//                            q5 (Q8_0, Q4_0 and Q4_1, Q5_0) and q4k / q5k / q6k (the K-quants
+//                            Q4_K, Q5_K, Q6_K). Codes are widened to floats in registers and
+//                            summed against x, and each group's sums are scaled once (plus
+//                            min * the group's sum of x): the float32 kernel's numbers over the
+//                            dequantized weights, summed in another order; with AVX-512 where
+//                            the CPU has it, to the same bits; or, over int8 activations, as
+//                            integer dot products. W is one layer's matrix of a buffer that
+//                            may hold every layer's, each in its own format (a [] int32
+//                            `layer` operand picks it), so that a loop over layers is one
+//                            program body (model/layer_loop.py).
+//   cadence_cpu_layered_dequantize   the float32 W [K, N] of such a matrix (or of a run of its
+//                            blocks), for prefill's GEMM.
+//   cadence_cpu_blocked_matmul_int8   int8 blocks, widened in registers, with a float scale
+//                            per output column: a quarter of float32's bytes.
 //   cadence_cpu_paged_decode     one query token per row over its pages of a paged KV pool,
 //                            online softmax in float32, keys 0..position of the row.
-//   cadence_cpu_paged_write_16   new keys or values into their slots of a 16-bit pool, in
-//                            place: XLA:CPU has no 16-bit scatter, and widens the whole pool
-//                            layer to float32 and back around one.
-//   cadence_cpu_take_pages_{bf16,f16}   pages of a 16-bit pool, widened to float32 (prefill's
-//                            key tiles): XLA:CPU widens the whole pool before a 16-bit gather.
+//   cadence_cpu_paged_write      new keys or values into their slots of a pool, in place:
+//                            XLA:CPU has no 16-bit scatter, and widens the whole pool layer to
+//                            float32 and back around one; within the layer loop, a layer of a
+//                            pool stacked over layers, which XLA would copy out.
+//   cadence_cpu_take_pages{,_bf16,_f16}   pages of a pool, widened to float32 (prefill's key
+//                            tiles): XLA:CPU widens the whole pool before a 16-bit gather.
+//
+// The pool kernels take a pool of one layer or a layer of a stack of them (`pool_layer`).
 //
 // Work is split between the calling thread and the kernels' own workers (`Workers`: as many as
 // XLA:CPU's intra-op pool has threads, less one), which spin between the calls of a step.
@@ -269,42 +277,32 @@ void matmul_blocks(const float* x, int64_t M, int64_t K, const W* w, const float
   }
 }
 
-// y = x @ W for float32 or int8 blocks (with `scale`), split over the thread pool.
+// y [M, blocks * 16] = x [M, K] @ W for float or int8 blocks (with `scale`), split over the
+// thread pool.
 template <typename W>
-ffi::Error matmul(ffi::ThreadPool& pool, const ffi::AnyBuffer::Dimensions xd,
-                  const ffi::AnyBuffer::Dimensions wd, const float* xp, const W* wp,
-                  const float* scale, float* yp) {
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kBlock || wd[1] != xd[1]) {
-    return ffi::Error::InvalidArgument(
-        "cadence_cpu_blocked_matmul takes x [M, K] and w [N / 16, K, 16]");
-  }
-  const int64_t M = xd[0], K = xd[1], blocks = wd[0], N = blocks * kBlock;
+void matmul_run(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, const W* wp,
+                const float* scale, float* yp, int64_t blocks) {
   // About 256 KiB of float32 weights per work item: long enough runs for the hardware
   // prefetcher (64 KiB items made the whole decode step 1.2x slower), short enough to balance
   // the threads.
   const int64_t grain = std::max<int64_t>(1, (256 << 10) / (K * kBlock * 4));
   parallel_for(pool, blocks, grain, [=](int64_t first, int64_t last) {
-    matmul_blocks(xp, M, K, wp, scale, yp, N, first, last);
+    matmul_blocks(xp, M, K, wp, scale, yp, blocks * kBlock, first, last);
   });
-  return ffi::Error::Success();
-}
-
-// float32 or 16-bit float blocks (DT the FFI type, T the element type: float, BF16, F16).
-template <ffi::DataType DT, typename T>
-ffi::Error BlockedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<DT> w,
-                         ffi::ResultBuffer<ffi::F32> y) {
-  return matmul(pool, x.dimensions(), w.dimensions(), x.typed_data(),
-                reinterpret_cast<const T*>(w.typed_data()), nullptr, y->typed_data());
 }
 
 ffi::Error BlockedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
                              ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
-  if (scale.element_count() != w.dimensions()[0] * kBlock) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kBlock || wd[1] != xd[1] ||
+      static_cast<int64_t>(scale.element_count()) != wd[0] * kBlock) {
     return ffi::Error::InvalidArgument(
-        "cadence_cpu_blocked_matmul_int8 takes a scale per (padded) output column");
+        "cadence_cpu_blocked_matmul_int8 takes x [M, K], w [N / 16, K, 16] and a scale per "
+        "(padded) output column");
   }
-  return matmul(pool, x.dimensions(), w.dimensions(), x.typed_data(), w.typed_data(),
-                scale.typed_data(), y->typed_data());
+  matmul_run(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), scale.typed_data(),
+             y->typed_data(), wd[0]);
+  return ffi::Error::Success();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -313,7 +311,7 @@ ffi::Error BlockedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
 // A block of 16 output columns is a run of records, one per F::kRows k-rows (32 for GGUF's
 // 32-weight formats, 256 for its K-quants' super-blocks). Within a record, each group of
 // F::kGroupRows k-rows has one scale per column (and for some formats one minimum). The
-// record layouts, by format (model/cpu_kernels.py packs them, `pack_grouped`):
+// record layouts, by format (model/block_layout.py packs them, `pack_grouped`):
 //   q8  (Q8_0)  scale f16[16], q int8[32][16]                               w = q * scale
 //   q4  (Q4_x)  scale f16[16], min f16[16], pairs u8[16][16]                 w = q * scale + min
 //   q5  (Q5_0)  scale f16[16], high u8[4][16], pairs u8[16][16]              w = (q - 16) * scale
@@ -531,7 +529,7 @@ inline void grouped_tile(const float* x, const float* xsum, int64_t K, const uin
   store_rows<MR>(acc, y, N);
 }
 
-// The same tile with AVX-512, where the CPU has it (`GroupedMatmul` picks at run time): a
+// The same tile with AVX-512, where the CPU has it (`grouped_run` picks at run time): a
 // block's 16 columns are one 16-lane register, so each k-row is one widening, one conversion
 // and one FMA per row where AVX2 needs two of each. Every lane computes what the AVX2 lane of
 // its column computes, in the same order: the results are the same bits. The formats' codes,
@@ -741,24 +739,14 @@ void quantize_rows(const float* x, int64_t groups, int8_t* xq, float* xd) {
   }
 }
 
-// The grouped matmul's handler, over float32 activations or (kInt8) int8 ones.
+// y [M, blocks * 16] = x [M, K] @ W for W's grouped blocks at wp.
 template <class F, bool kInt8>
-ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                         ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != F::kRecord || xd[1] % F::kRows ||
-      wd[1] != xd[1] / F::kRows) {
-    return ffi::Error::InvalidArgument(
-        "cadence_cpu_grouped_matmul takes x [M, K] (K a multiple of the format's 32 or 256 "
-        "k-rows a record) and w [N / 16, K / record rows, record bytes]");
-  }
-  const int64_t M = xd[0], K = xd[1], blocks = wd[0], N = blocks * kBlock, groups = M * K / kGroup;
+void grouped_run(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, const uint8_t* wp,
+                 float* yp, int64_t blocks) {
+  const int64_t N = blocks * kBlock, groups = M * K / kGroup;
   // Work items of about the float32 kernel's 256 KiB weights' worth of columns: the same
   // balance of threads, over a quarter to an eighth of the bytes.
   const int64_t grain = std::max<int64_t>(1, (256 << 10) / (K * kBlock * 4));
-  const float* xp = x.typed_data();
-  const uint8_t* wp = w.typed_data();
-  float* yp = y->typed_data();
   // Each row's group sums, for the minimums (formats without them need none).
   std::unique_ptr<float[]> sums(new float[F::kMin ? groups : 1]);
   for (int64_t i = 0; F::kMin && i < groups; ++i) {
@@ -786,7 +774,6 @@ ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
       }
     });
   }
-  return ffi::Error::Success();
 }
 
 // The float32 matrix W [K, N] a grouped array stands for, written out for prefill's GEMM (XLA's,
@@ -825,24 +812,154 @@ void dequantize_blocks(const uint8_t* w, int64_t K, float* out, int64_t N, int64
   }
 }
 
+// out [K, blocks * 16] from the grouped blocks at wp.
 template <class F>
-ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> out) {
-  const auto wd = w.dimensions(), od = out->dimensions();
-  if (wd.size() != 3 || wd[2] != F::kRecord || od.size() != 2 || od[0] != wd[1] * F::kRows ||
-      od[1] != wd[0] * kBlock) {
-    return ffi::Error::InvalidArgument(
-        "cadence_cpu_dequantize takes w [N / 16, K / record rows, record bytes] and gives "
-        "[K, N]");
-  }
-  const int64_t K = od[0], N = od[1];
-  const uint8_t* wp = w.typed_data();
-  float* op = out->typed_data();
+void dequantize_run(ffi::ThreadPool& pool, const uint8_t* wp, int64_t K, int64_t blocks, float* op) {
   // Items of about 256 KiB written each.
   const int64_t grain = std::max<int64_t>(1, (256 << 10) / (K * kBlock * 4));
-  parallel_for(pool, wd[0], grain, [=](int64_t first, int64_t last) {
-    dequantize_blocks<F>(wp, K, op, N, first, last);
+  parallel_for(pool, blocks, grain, [=](int64_t first, int64_t last) {
+    dequantize_blocks<F>(wp, K, op, blocks * kBlock, first, last);
   });
-  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Every layer's matrix of one role in one buffer: the layer loop's weights.
+//
+// w holds a model's matrices of one role (a layer's q/k/v, its down projection...), each in
+// the layout of its format, at byte offsets[l] for layer l, in formats[l]: formats may differ
+// between layers (a Q4_K_M file keeps some layers' down projections in Q6_K). `layer` ([]
+// int32) picks the one a call reads, so that a loop over layers runs one program body. Both
+// handlers dispatch on the layer's format to the kernels above: the same numbers as a call
+// over that layer's matrix alone.
+enum Format : int32_t { kF32, kBF16, kF16, kQ8, kQ4, kQ5, kQ4K, kQ5K, kQ6K };  // FORMAT_CODES
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+template <class Fn>
+ffi::Error with_format(int32_t format, Fn fn) {
+  switch (format) {
+    case kF32: return fn(Tag<float>{});
+    case kBF16: return fn(Tag<BF16>{});
+    case kF16: return fn(Tag<F16>{});
+    case kQ8: return fn(Tag<Q8>{});
+    case kQ4: return fn(Tag<Q4>{});
+    case kQ5: return fn(Tag<Q5>{});
+    case kQ4K: return fn(Tag<QK<false>>{});
+    case kQ5K: return fn(Tag<QK<true>>{});
+    case kQ6K: return fn(Tag<Q6K>{});
+    default: return ffi::Error::InvalidArgument("cadence_cpu_layered: unknown weight format");
+  }
+}
+
+template <typename T>
+constexpr bool kFloat = std::is_same_v<T, float> || std::is_same_v<T, BF16> || std::is_same_v<T, F16>;
+
+// Bytes of one block of 16 columns over K k-rows in format T (0 where K does not fit it).
+template <typename T>
+int64_t block_bytes(int64_t K) {
+  if constexpr (kFloat<T>) {
+    return K * kBlock * static_cast<int64_t>(sizeof(T));
+  } else {
+    return K % T::kRows ? 0 : K / T::kRows * T::kRecord;
+  }
+}
+
+// The chosen layer's matrix: its first byte, and whether `blocks` blocks of K k-rows of its
+// format lie within w (else nullptr).
+const uint8_t* layer_matrix(ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
+                            ffi::Span<const int64_t> offsets, int64_t bytes) {
+  const int32_t l = *layer.typed_data();
+  if (layer.element_count() != 1 || l < 0 || l >= static_cast<int64_t>(offsets.size()) ||
+      bytes <= 0 || offsets[l] < 0 || offsets[l] + bytes > static_cast<int64_t>(w.size_bytes())) {
+    return nullptr;
+  }
+  return static_cast<const uint8_t*>(w.untyped_data()) + offsets[l];
+}
+
+// y [M, N] = x [M, K] @ the layer's W [K, N] (N = 16 * blocks; int8: over int8 activations,
+// for the grouped formats).
+ffi::Error LayeredMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                         ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
+                         ffi::Span<const int32_t> formats, ffi::Span<const int64_t> offsets,
+                         bool int8) {
+  const auto xd = x.dimensions(), yd = y->dimensions();
+  const int32_t l = *layer.typed_data();
+  if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || yd[1] % kBlock ||
+      formats.size() != offsets.size() || l < 0 || l >= static_cast<int64_t>(formats.size())) {
+    return ffi::Error::InvalidArgument(
+        "cadence_cpu_layered_matmul takes x [M, K], a layer in [0, layers) and gives [M, N] "
+        "(N a multiple of 16)");
+  }
+  const int64_t M = xd[0], K = xd[1], blocks = yd[1] / kBlock;
+  return with_format(formats[l], [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const uint8_t* wp = layer_matrix(w, layer, offsets, blocks * block_bytes<T>(K));
+    if (!wp) {
+      return ffi::Error::InvalidArgument(
+          "cadence_cpu_layered_matmul: the layer's matrix does not fit its format, K or w");
+    }
+    if constexpr (kFloat<T>) {
+      matmul_run(pool, x.typed_data(), M, K, reinterpret_cast<const T*>(wp), nullptr,
+                 y->typed_data(), blocks);
+    } else if (int8) {
+      grouped_run<T, true>(pool, x.typed_data(), M, K, wp, y->typed_data(), blocks);
+    } else {
+      grouped_run<T, false>(pool, x.typed_data(), M, K, wp, y->typed_data(), blocks);
+    }
+    return ffi::Error::Success();
+  });
+}
+
+// Float blocks [blocks, K, 16] written out as the matrix [K, N].
+template <typename T>
+void relay_blocks(const T* w, int64_t K, float* out, int64_t N, int64_t first, int64_t last) {
+  for (int64_t b = first; b < last; ++b) {
+    for (int64_t k = 0; k < K; ++k) {
+      __m256 w0, w1;
+      load_row(w + (b * K + k) * kBlock, w0, w1);
+      _mm256_storeu_ps(out + k * N + b * kBlock, w0);
+      _mm256_storeu_ps(out + k * N + b * kBlock + 8, w1);
+    }
+  }
+}
+
+// The float32 W [K, N] of the layer's blocks [first, first + N / 16): a part of a fused
+// matrix, or all of it.
+ffi::Error LayeredDequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer w,
+                             ffi::ResultBuffer<ffi::F32> out, ffi::Span<const int32_t> formats,
+                             ffi::Span<const int64_t> offsets, int64_t first) {
+  const auto od = out->dimensions();
+  const int32_t l = *layer.typed_data();
+  if (od.size() != 2 || od[1] % kBlock || first < 0 || formats.size() != offsets.size() ||
+      l < 0 || l >= static_cast<int64_t>(formats.size())) {
+    return ffi::Error::InvalidArgument(
+        "cadence_cpu_layered_dequantize takes a layer in [0, layers) and gives [K, N] (N a "
+        "multiple of 16)");
+  }
+  const int64_t K = od[0], blocks = od[1] / kBlock;
+  return with_format(formats[l], [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const int64_t bytes = block_bytes<T>(K);
+    const uint8_t* wp = layer_matrix(w, layer, offsets, (first + blocks) * bytes);
+    if (!wp) {
+      return ffi::Error::InvalidArgument(
+          "cadence_cpu_layered_dequantize: the blocks do not fit the layer's matrix");
+    }
+    wp += first * bytes;
+    if constexpr (kFloat<T>) {
+      float* op = out->typed_data();
+      const int64_t grain = std::max<int64_t>(1, (256 << 10) / (K * kBlock * 4));
+      parallel_for(pool, blocks, grain, [=](int64_t a, int64_t b) {
+        relay_blocks(reinterpret_cast<const T*>(wp), K, op, blocks * kBlock, a, b);
+      });
+    } else {
+      dequantize_run<T>(pool, wp, K, blocks, out->typed_data());
+    }
+    return ffi::Error::Success();
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -996,21 +1113,42 @@ void attend_one(const float* q, const T* k_pool, const T* v_pool, const int32_t*
   }
 }
 
+// The pools' kernels read and write one layer of a pool stacked over layers, [layers,
+// kv_heads, num_pages, page_size, d], chosen by `layer` (a [] int32 operand, so that a loop
+// over layers is one program body), or a single layer's pool [kv_heads, num_pages, page_size,
+// d] (`layer` 0): its shape, and the layer's offset into the stack in elements (-1 where the
+// pool's rank or `layer` is wrong).
+struct PoolLayer {
+  int64_t kv_heads = 0, num_pages = 0, page_size = 0, d = 0, at = -1;
+};
+
+PoolLayer pool_layer(const ffi::AnyBuffer::Dimensions pd, ffi::Buffer<ffi::S32> layer) {
+  const int64_t rank = pd.size(), layers = rank == 5 ? pd[0] : 1;
+  const int32_t l = *layer.typed_data();
+  if ((rank != 4 && rank != 5) || layer.element_count() != 1 || l < 0 || l >= layers) return {};
+  const int64_t* dims = pd.begin() + (rank - 4);
+  return {dims[0], dims[1], dims[2], dims[3], l * dims[0] * dims[1] * dims[2] * dims[3]};
+}
+
 // T: the pool's element type (`BF16`, `F16`, float) for FFI's type DT.
 template <ffi::DataType DT, typename T>
-ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<DT> k_pages,
-                       ffi::Buffer<DT> v_pages, ffi::Buffer<ffi::S32> page_table,
-                       ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> layer,
+                       ffi::Buffer<DT> k_pages, ffi::Buffer<DT> v_pages,
+                       ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> positions,
+                       ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_table.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || td[0] != qd[0] ||
+  const PoolLayer pl = pool_layer(kd, layer);
+  const int64_t at = pl.at;
+  if (qd.size() != 3 || at < 0 || td.size() != 2 || td[0] != qd[0] ||
       positions.element_count() != qd[0] || v_pages.element_count() != k_pages.element_count() ||
-      kd[3] != qd[2]) {
+      pl.d != qd[2]) {
     return ffi::Error::InvalidArgument(
-        "cadence_cpu_paged_decode takes q [rows, heads, d], k/v pages [kv_heads, pages, page_size, d], "
-        "page_table [rows, width] and positions [rows]");
+        "cadence_cpu_paged_decode takes q [rows, heads, d], k/v pages [kv_heads, pages, page_size, "
+        "d] (or a layer of them stacked), page_table [rows, width] and positions [rows]");
   }
   const int64_t rows = qd[0], heads = qd[1], d = qd[2];
-  const int64_t kv_heads = kd[0], num_pages = kd[1], page_size = kd[2], width = td[1];
+  const int64_t kv_heads = pl.kv_heads, num_pages = pl.num_pages, page_size = pl.page_size;
+  const int64_t width = td[1];
   if (heads % kv_heads || heads / kv_heads > kMaxGroup || d % 8 || d > kMaxHeadDim ||
       page_size > kMaxPage) {
     return ffi::Error::InvalidArgument(
@@ -1019,8 +1157,8 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   }
   const int64_t group = heads / kv_heads;
   const float* qp = q.typed_data();
-  const T* kp = reinterpret_cast<const T*>(k_pages.typed_data());
-  const T* vp = reinterpret_cast<const T*>(v_pages.typed_data());
+  const T* kp = reinterpret_cast<const T*>(k_pages.typed_data()) + at;
+  const T* vp = reinterpret_cast<const T*>(v_pages.typed_data()) + at;
   const int32_t* tp = page_table.typed_data();
   const int32_t* pp = positions.typed_data();
   float* op = out->typed_data();
@@ -1037,34 +1175,18 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
 }
 
 // ---------------------------------------------------------------------------------------------
-// Paged KV write into a 16-bit pool.
+// Paged KV write, in place.
 //
-// pages [kv_heads, num_pages, page_size, d] (the result, the same buffer when XLA aliases it,
-// as a donated pool is), values [rows, t, kv_heads, d] already in the pool's dtype, and each
-// token's page and slot in it [rows, t]: a token whose page is outside [0, num_pages) is
-// dropped (the scatter's mode="drop", which `model.paged_kv.write` routes padding to). Tokens
-// are written in order, so of two with one slot the later stands.
-ffi::Error PagedWrite16(ffi::ThreadPool pool, ffi::AnyBuffer pages, ffi::AnyBuffer values,
-                        ffi::Buffer<ffi::S32> page, ffi::Buffer<ffi::S32> slot,
-                        ffi::Result<ffi::AnyBuffer> out) {
-  const auto pd = pages.dimensions(), vd = values.dimensions();
-  if (pd.size() != 4 || vd.size() != 4 || vd[2] != pd[0] || vd[3] != pd[3] ||
-      page.element_count() != vd[0] * vd[1] || slot.element_count() != vd[0] * vd[1] ||
-      ffi::ByteWidth(pages.element_type()) != 2 || values.element_type() != pages.element_type() ||
-      out->element_type() != pages.element_type() || out->element_count() != pages.element_count()) {
-    return ffi::Error::InvalidArgument(
-        "cadence_cpu_paged_write_16 takes a 16-bit pool [kv_heads, pages, page_size, d], values "
-        "[rows, t, kv_heads, d] of its dtype, and page and slot [rows, t] int32");
-  }
-  const int64_t kv_heads = pd[0], num_pages = pd[1], page_size = pd[2], d = pd[3];
-  const int64_t tokens = vd[0] * vd[1];
-  auto* dst = static_cast<uint16_t*>(out->untyped_data());
-  const auto* src = static_cast<const uint16_t*>(values.untyped_data());
-  if (dst != pages.untyped_data()) {  // not aliased: the result starts as the pool
-    std::copy_n(static_cast<const uint16_t*>(pages.untyped_data()), pages.element_count(), dst);
-  }
-  const int32_t* pp = page.typed_data();
-  const int32_t* sp = slot.typed_data();
+// A layer of pages [layers, kv_heads, num_pages, page_size, d] (the result, the same buffer
+// when XLA aliases it, as a donated pool is), values [rows, t, kv_heads, d] already in the
+// pool's dtype (16 or 32 bits), and each token's page and slot in it [rows, t]: a token whose
+// page is outside [0, num_pages) is dropped (the scatter's mode="drop", which
+// `model.paged_kv.write` routes padding to). Tokens are written in order, so of two with one
+// slot the later stands.
+template <typename E>
+void write_tokens(ffi::ThreadPool& pool, const E* src, E* dst, const int32_t* pp,
+                  const int32_t* sp, int64_t tokens, int64_t kv_heads, int64_t num_pages,
+                  int64_t page_size, int64_t d) {
   parallel_for(pool, kv_heads, 1, [=](int64_t first, int64_t last) {
     for (int64_t h = first; h < last; ++h) {
       for (int64_t i = 0; i < tokens; ++i) {
@@ -1074,23 +1196,54 @@ ffi::Error PagedWrite16(ffi::ThreadPool pool, ffi::AnyBuffer pages, ffi::AnyBuff
       }
     }
   });
+}
+
+ffi::Error PagedWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer pages,
+                      ffi::AnyBuffer values, ffi::Buffer<ffi::S32> page, ffi::Buffer<ffi::S32> slot,
+                      ffi::Result<ffi::AnyBuffer> out) {
+  const auto pd = pages.dimensions(), vd = values.dimensions();
+  const PoolLayer pl = pool_layer(pd, layer);
+  const int64_t width = ffi::ByteWidth(pages.element_type());
+  if (pl.at < 0 || vd.size() != 4 || vd[2] != pl.kv_heads || vd[3] != pl.d ||
+      page.element_count() != vd[0] * vd[1] || slot.element_count() != vd[0] * vd[1] ||
+      (width != 2 && width != 4) || values.element_type() != pages.element_type() ||
+      out->element_type() != pages.element_type() || out->element_count() != pages.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "cadence_cpu_paged_write takes a layer of a 16- or 32-bit pool [layers, kv_heads, pages, "
+        "page_size, d], values [rows, t, kv_heads, d] of its dtype, and page and slot [rows, t] "
+        "int32");
+  }
+  if (out->untyped_data() != pages.untyped_data()) {  // not aliased: the result starts as the pool
+    std::memcpy(out->untyped_data(), pages.untyped_data(), pages.size_bytes());
+  }
+  const int64_t tokens = vd[0] * vd[1];
+  if (width == 2) {
+    write_tokens(pool, static_cast<const uint16_t*>(values.untyped_data()),
+                 static_cast<uint16_t*>(out->untyped_data()) + pl.at, page.typed_data(),
+                 slot.typed_data(), tokens, pl.kv_heads, pl.num_pages, pl.page_size, pl.d);
+  } else {
+    write_tokens(pool, static_cast<const uint32_t*>(values.untyped_data()),
+                 static_cast<uint32_t*>(out->untyped_data()) + pl.at, page.typed_data(),
+                 slot.typed_data(), tokens, pl.kv_heads, pl.num_pages, pl.page_size, pl.d);
+  }
   return ffi::Error::Success();
 }
 
-// Pages `ids` (clipped into the pool) of a 16-bit pool [kv_heads, num_pages, page_size, d],
-// widened (exactly) to float32: [kv_heads, n, page_size, d].
+// Pages `ids` (clipped into the pool) of a layer of a pool [layers, kv_heads, num_pages,
+// page_size, d], widened (exactly) to float32 where 16-bit: [kv_heads, n, page_size, d].
 template <ffi::DataType DT, typename T>
-ffi::Error TakePages(ffi::ThreadPool pool, ffi::Buffer<DT> pages, ffi::Buffer<ffi::S32> ids,
-                     ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error TakePages(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<DT> pages,
+                     ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> out) {
   const auto pd = pages.dimensions();
   const int64_t n = ids.element_count();
-  if (pd.size() != 4 || pd[3] % 8 || out->element_count() != pd[0] * n * pd[2] * pd[3]) {
+  const PoolLayer pl = pool_layer(pd, layer);
+  if (pl.at < 0 || pl.d % 8 || out->element_count() != pl.kv_heads * n * pl.page_size * pl.d) {
     return ffi::Error::InvalidArgument(
-        "cadence_cpu_take_pages takes pages [kv_heads, pages, page_size, d] (d a multiple of 8) "
-        "and ids [n], and gives [kv_heads, n, page_size, d]");
+        "cadence_cpu_take_pages takes a layer of pages [layers, kv_heads, pages, page_size, d] "
+        "(d a multiple of 8) and ids [n], and gives [kv_heads, n, page_size, d]");
   }
-  const int64_t kv_heads = pd[0], num_pages = pd[1], run = pd[2] * pd[3];  // a page's values
-  const T* src = reinterpret_cast<const T*>(pages.typed_data());
+  const int64_t kv_heads = pl.kv_heads, num_pages = pl.num_pages, run = pl.page_size * pl.d;
+  const T* src = reinterpret_cast<const T*>(pages.typed_data()) + pl.at;
   const int32_t* ip = ids.typed_data();
   float* dst = out->typed_data();
   parallel_for(pool, kv_heads * n, 1, [=](int64_t first, int64_t last) {
@@ -1110,34 +1263,24 @@ ffi::Error TakePages(ffi::ThreadPool pool, ffi::Buffer<DT> pages, ffi::Buffer<ff
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (TakePages<dt, type>),           \
                                 ffi::Ffi::Bind()                       \
                                     .Ctx<ffi::ThreadPool>()            \
+                                    .Arg<ffi::Buffer<ffi::S32>>()      \
                                     .Arg<ffi::Buffer<dt>>()            \
                                     .Arg<ffi::Buffer<ffi::S32>>()      \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
+CADENCE_TAKE_PAGES(cadence_cpu_take_pages, ffi::F32, float)
 CADENCE_TAKE_PAGES(cadence_cpu_take_pages_bf16, ffi::BF16, BF16)
 CADENCE_TAKE_PAGES(cadence_cpu_take_pages_f16, ffi::F16, F16)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_paged_write_16, PagedWrite16,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_paged_write, PagedWrite,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
-
-// The blocked matmul, one handler per weight dtype (model/cpu_kernels.py's MATMUL).
-#define CADENCE_BLOCKED(name, dt, type)                                \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (BlockedMatmul<dt, type>),       \
-                                ffi::Ffi::Bind()                       \
-                                    .Ctx<ffi::ThreadPool>()            \
-                                    .Arg<ffi::Buffer<ffi::F32>>()      \
-                                    .Arg<ffi::Buffer<dt>>()            \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
-
-CADENCE_BLOCKED(cadence_cpu_blocked_matmul, ffi::F32, float)
-CADENCE_BLOCKED(cadence_cpu_blocked_matmul_bf16, ffi::BF16, BF16)
-CADENCE_BLOCKED(cadence_cpu_blocked_matmul_f16, ffi::F16, F16)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_blocked_matmul_int8, BlockedMatmulInt8,
                               ffi::Ffi::Bind()
@@ -1153,6 +1296,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_blocked_matmul_int8, BlockedMatmulInt8
                                 ffi::Ffi::Bind()                       \
                                     .Ctx<ffi::ThreadPool>()            \
                                     .Arg<ffi::Buffer<ffi::F32>>()      \
+                                    .Arg<ffi::Buffer<ffi::S32>>()      \
                                     .Arg<ffi::Buffer<dt>>()            \
                                     .Arg<ffi::Buffer<dt>>()            \
                                     .Arg<ffi::Buffer<ffi::S32>>()      \
@@ -1163,37 +1307,24 @@ CADENCE_PAGED_DECODE(cadence_cpu_paged_decode, ffi::F32, float)
 CADENCE_PAGED_DECODE(cadence_cpu_paged_decode_bf16, ffi::BF16, BF16)
 CADENCE_PAGED_DECODE(cadence_cpu_paged_decode_f16, ffi::F16, F16)
 
-// The grouped matmul, one handler per format and activations: float32 (model/cpu_kernels.py's
-// GROUPED) and int8 (GROUPED_Q8X, names ending _q8x).
-#define CADENCE_GROUPED(name, handler)                                 \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, handler,                         \
-                                ffi::Ffi::Bind()                       \
-                                    .Ctx<ffi::ThreadPool>()            \
-                                    .Arg<ffi::Buffer<ffi::F32>>()      \
-                                    .Arg<ffi::Buffer<ffi::U8>>()       \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
-#define CADENCE_GROUPED_FORMATS(suffix, int8)                                          \
-  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q8##suffix, (GroupedMatmul<Q8, int8>))           \
-  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q4##suffix, (GroupedMatmul<Q4, int8>))           \
-  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q5##suffix, (GroupedMatmul<Q5, int8>))           \
-  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q4k##suffix, (GroupedMatmul<QK<false>, int8>))   \
-  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q5k##suffix, (GroupedMatmul<QK<true>, int8>))    \
-  CADENCE_GROUPED(cadence_cpu_grouped_matmul_q6k##suffix, (GroupedMatmul<Q6K, int8>))
 
-CADENCE_GROUPED_FORMATS(, false)
-CADENCE_GROUPED_FORMATS(_q8x, true)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_layered_matmul, LayeredMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<ffi::Span<const int32_t>>("formats")
+                                  .Attr<ffi::Span<const int64_t>>("offsets")
+                                  .Attr<bool>("int8"));
 
-// The dequantizer, one handler per format (model/cpu_kernels.py's DEQUANTIZE).
-#define CADENCE_DEQUANTIZE(name, format)                               \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, Dequantize<format>,              \
-                                ffi::Ffi::Bind()                       \
-                                    .Ctx<ffi::ThreadPool>()            \
-                                    .Arg<ffi::Buffer<ffi::U8>>()       \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
-
-CADENCE_DEQUANTIZE(cadence_cpu_dequantize_q8, Q8)
-CADENCE_DEQUANTIZE(cadence_cpu_dequantize_q4, Q4)
-CADENCE_DEQUANTIZE(cadence_cpu_dequantize_q5, Q5)
-CADENCE_DEQUANTIZE(cadence_cpu_dequantize_q4k, QK<false>)
-CADENCE_DEQUANTIZE(cadence_cpu_dequantize_q5k, QK<true>)
-CADENCE_DEQUANTIZE(cadence_cpu_dequantize_q6k, Q6K)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_layered_dequantize, LayeredDequantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<ffi::Span<const int32_t>>("formats")
+                                  .Attr<ffi::Span<const int64_t>>("offsets")
+                                  .Attr<int64_t>("first"));

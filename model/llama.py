@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cadence.model import control, cpu_kernels, paged_kv, sharding
+from cadence.model import control, cpu_kernels, layer_loop, paged_kv, sharding
 from cadence.model.config import ModelConfig
 from cadence.model.paged_attention import get_paged_attention
 from cadence.model.paged_kv import PagedKVCache
@@ -266,14 +266,20 @@ class Llama(nn.Module):
         else:
             cos, sin = (jnp.take(rope_table[i], positions, axis=0, mode="clip") for i in (0, 1))
         rope = cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
-        new_k, new_v = [], []
-        for i in range(cfg.num_layers):
-            with jax.named_scope(f"layer_{i}"):
-                x, k, v = Block(cfg, self.attention, self.dtype, self.mesh, name=f"layers_{i}")(
-                    x, positions, rope, lengths, page_table, cache.k[i], cache.v[i]
-                )
-            new_k.append(k)
-            new_v.append(v)
+        if self.has_variable("params", "layers"):  # stacked, run as a loop (`model.layer_loop`)
+            block = Block(cfg, self.attention, self.dtype, self.mesh, parent=None)
+            x, cache = layer_loop.run(block, self.get_variable("params", "layers"), cfg.num_layers,
+                                      x, cache, positions, rope, lengths, page_table)
+        else:
+            new_k, new_v = [], []
+            for i in range(cfg.num_layers):
+                with jax.named_scope(f"layer_{i}"):
+                    x, k, v = Block(cfg, self.attention, self.dtype, self.mesh, name=f"layers_{i}")(
+                        x, positions, rope, lengths, page_table, cache.k[i], cache.v[i]
+                    )
+                new_k.append(k)
+                new_v.append(v)
+            cache = PagedKVCache(k=tuple(new_k), v=tuple(new_v))
         if logit_index is not None:
             x = x.reshape(-1, x.shape[-1])[logit_index]  # [n, D]
         x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
@@ -282,7 +288,7 @@ class Llama(nn.Module):
                 logits = embed.attend(x)
             else:
                 logits = Linear(cfg.vocab_size, False, self.dtype, name="lm_head")(x)
-        return logits.astype(jnp.float32), PagedKVCache(k=tuple(new_k), v=tuple(new_v))
+        return logits.astype(jnp.float32), cache
 
 
 def forward(

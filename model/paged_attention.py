@@ -285,10 +285,11 @@ def xla_paged_attention(
 def cpu_paged_attention(q, k_pages, v_pages, page_table, q_positions):
     """The CPU kernels' path: decode by `model.cpu_kernels.paged_decode` (the row's live pages
     read once, no loop steps), prefill by the XLA tiles above, whose key tiles of a 16-bit pool
-    `cpu_kernels.take_pages` reads."""
+    or a layer of a stacked one `cpu_kernels.take_pages` reads."""
     if q.shape[1] == 1:
         return cpu_kernels.paged_decode(q, k_pages, v_pages, page_table, q_positions)
-    take = cpu_kernels.take_pages if k_pages.dtype.itemsize == 2 else _take_pages
+    stacked = isinstance(k_pages, cpu_kernels.PoolLayer)  # the layer loop's
+    take = cpu_kernels.take_pages if stacked or k_pages.dtype.itemsize == 2 else _take_pages
     return paged_prefill_tiled(q, k_pages, v_pages, page_table, q_positions, take=take)
 
 

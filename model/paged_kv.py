@@ -1,7 +1,8 @@
 """The paged KV pool pytree: fixed-size pages shared by every sequence, one key and one value
-array per layer.
+array per layer, or one of each stacked over the layers.
 
     k[layer], v[layer]   [num_kv_heads, num_pages, page_size, head_dim]
+    k, v stacked         [num_layers, num_kv_heads, num_pages, page_size, head_dim]
     page_table           [rows, max_pages_per_seq] int32   (owned by the caller, not the pool)
 
 A sequence owns a list of pages, in order, given by its row of a page table: position p of the
@@ -12,8 +13,10 @@ readers never use them for a visible key, and `write` never writes through them.
 
 Head-major order, as in `model.kv_cache`: each (KV head, page) is a contiguous
 [page_size, head_dim] matrix, so a kernel loads a page with one strided read and a KV head's
-whole pool is one [num_pages, page_size, head_dim] block. Layers are separate arrays (not one
-stacked array) so that a jitted program updates each in place when the pool is donated.
+whole pool is one [num_pages, page_size, head_dim] block. Layers are separate arrays so that a
+jitted program updates each in place when the pool is donated, except where a loop over layers
+runs the model (`model.layer_loop`): its CPU kernels read and write a layer of the stacked
+pool in place (`cpu_kernels.PoolLayer`), and XLA's would copy the layer out of the stack.
 
 The pool is created zero-filled and only ever holds written (finite) values: the XLA readers
 mask scores, not values, so they rely on every entry of every page they touch being finite.
@@ -33,16 +36,33 @@ from cadence.model.config import ModelConfig
 
 @struct.dataclass
 class PagedKVCache:
-    k: tuple[jax.Array, ...]  # per layer [num_kv_heads, num_pages, page_size, head_dim]
-    v: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...] | jax.Array  # per layer [num_kv_heads, num_pages, page_size,
+    v: tuple[jax.Array, ...] | jax.Array  # head_dim], or those stacked over layers
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.k, tuple)
+
+    @property
+    def layer_shape(self) -> tuple[int, int, int, int]:
+        """[num_kv_heads, num_pages, page_size, head_dim]"""
+        return tuple(self.k.shape[1:] if self.stacked else self.k[0].shape)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.k.dtype if self.stacked else self.k[0].dtype
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[1]
+        return self.layer_shape[1]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[2]
+        return self.layer_shape[2]
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        """Every array of the pool (keys first): one per layer, or the two stacks."""
+        return (self.k, self.v) if self.stacked else self.k + self.v
 
     @property
     def tokens_capacity(self) -> int:
@@ -51,7 +71,7 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.size * a.dtype.itemsize for a in self.k + self.v)
+        return sum(a.size * a.dtype.itemsize for a in self.arrays())
 
     @staticmethod
     def shape(config: ModelConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
@@ -60,19 +80,27 @@ class PagedKVCache:
     @classmethod
     def create(
         cls, config: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32,
-        device=None,
+        device=None, stacked: bool = False,
     ) -> PagedKVCache:
-        """A zero-filled pool; with `device`, allocated there (and committed to it)."""
+        """A zero-filled pool (`stacked`: each of k and v one array over the layers); with
+        `device`, allocated there (and committed to it)."""
         shape = cls.shape(config, num_pages, page_size)
+        if stacked:
+            layers = (config.num_layers, *shape)
+            return cls(k=jnp.zeros(layers, dtype, device=device), v=jnp.zeros(layers, dtype, device=device))
         k = tuple(jnp.zeros(shape, dtype, device=device) for _ in range(config.num_layers))
         v = tuple(jnp.zeros(shape, dtype, device=device) for _ in range(config.num_layers))
         return cls(k=k, v=v)
 
     @classmethod
     def abstract(
-        cls, config: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32
+        cls, config: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32,
+        stacked: bool = False,
     ) -> PagedKVCache:
         spec = jax.ShapeDtypeStruct(cls.shape(config, num_pages, page_size), dtype)
+        if stacked:
+            spec = jax.ShapeDtypeStruct((config.num_layers, *spec.shape), dtype)
+            return cls(k=spec, v=spec)
         layers = tuple(spec for _ in range(config.num_layers))
         return cls(k=layers, v=layers)
 
@@ -90,7 +118,7 @@ def pages_for_bytes(
 
 
 def write(
-    pages: jax.Array,
+    pages: jax.Array | cpu_kernels.PoolLayer,
     new: jax.Array,
     page_table: jax.Array,
     positions: jax.Array,
@@ -108,7 +136,8 @@ def write(
 
     `cpu_kernel`: where the CPU kernels run (attention "cpu"), a 16-bit pool is written by
     `cpu_kernels.paged_write`, in place, to the same bits; XLA:CPU would widen the whole pool
-    layer to float32 and back around the scatter, on every layer of every step.
+    layer to float32 and back around the scatter, on every layer of every step. A layer of a
+    stacked pool (`cpu_kernels.PoolLayer`, the layer loop's) is always written by it.
     """
     rows, t = positions.shape
     num_pages, page_size = pages.shape[1], pages.shape[2]
@@ -119,7 +148,7 @@ def write(
     page = jnp.take_along_axis(page_table, jnp.clip(slot, 0, max_pages - 1), axis=1)
     # Out-of-range indices are dropped by the scatter: route invalid tokens there.
     page = jnp.where(valid, page, num_pages)
-    if cpu_kernel and pages.dtype.itemsize == 2:
+    if isinstance(pages, cpu_kernels.PoolLayer) or (cpu_kernel and pages.dtype.itemsize == 2):
         return cpu_kernels.paged_write(pages, new, page, positions % page_size)
     # Indices on the adjacent axes 1 and 2: the indexed view is [kv_heads, rows, t, head_dim].
     values = new.astype(pages.dtype).transpose(2, 0, 1, 3)

@@ -34,7 +34,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from cadence.model import cpu_kernels
+from cadence.model import block_layout
 from cadence.model.config import ModelConfig
 from cadence.model.params import MATRICES, build_tree, get, param_specs
 
@@ -84,16 +84,16 @@ GROUPED = ("q8", "q4")
 
 
 def quantize_group_matrix(w: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(q, scale, minimum) of a [K, N] matrix in groups of `cpu_kernels.GROUP` rows per column
+    """(q, scale, minimum) of a [K, N] matrix in groups of `block_layout.GROUP` rows per column
     (`fmt` "q8": q int8, minimum None; "q4": q codes 0..15 uint8), scales and minimums float16
-    [K / 32, N], round to nearest: what `cpu_kernels.pack_grouped` takes."""
+    [K / 32, N], round to nearest: what `block_layout.pack_grouped` takes."""
     if fmt not in GROUPED:
         raise ValueError(f"grouped formats are {GROUPED}, got {fmt!r}")
     w = np.asarray(w, np.float32)
     k, n = w.shape
-    if k % cpu_kernels.GROUP:
-        raise ValueError(f"grouped weights need rows in multiples of {cpu_kernels.GROUP}, got {k}")
-    groups = w.reshape(k // cpu_kernels.GROUP, cpu_kernels.GROUP, n)
+    if k % block_layout.GROUP:
+        raise ValueError(f"grouped weights need rows in multiples of {block_layout.GROUP}, got {k}")
+    groups = w.reshape(k // block_layout.GROUP, block_layout.GROUP, n)
 
     def half(a: np.ndarray) -> np.ndarray:  # a nonzero float16 scale (all-equal groups: 1)
         a = a.astype(np.float16)
@@ -113,7 +113,7 @@ def quantize_grouped(params: dict[str, Any], config: ModelConfig, fmt: str):
     """(floats, packed): every matrix quantized in groups (`quantize_group_matrix`), the tied
     embedding (the LM head) in q8 whatever `fmt` is, as llama.cpp's 4-bit mixes keep theirs in
     8 bits (SmolLM2-135M's logits moved by 24% of their range with a 4-bit head, 3% without);
-    `packed` maps each matrix's path to its `cpu_kernels.pack_grouped` array (the embedding's
+    `packed` maps each matrix's path to its `block_layout.pack_grouped` array (the embedding's
     entry is the head's, its transpose) and `floats` is the float32 tree of what they stand
     for, exactly (the embedding of an untied model stays as given: only a lookup reads it).
     NumPy in and out, on the host."""
@@ -124,9 +124,9 @@ def quantize_grouped(params: dict[str, Any], config: ModelConfig, fmt: str):
         if spec.path[-1] not in MATRICES or (spec.path[-1] == "embedding" and not config.tie_embeddings):
             continue
         matrix = array.T if spec.path[-1] == "embedding" else array  # [in, out]
-        blocks = cpu_kernels.pack_grouped(*quantize_group_matrix(
+        blocks = block_layout.pack_grouped(*quantize_group_matrix(
             matrix, "q8" if spec.path[-1] == "embedding" else fmt))
         packed[spec.path] = blocks
-        dequantized = cpu_kernels.unpack_grouped(blocks, matrix.shape[1])
+        dequantized = block_layout.unpack_grouped(blocks, matrix.shape[1])
         floats[spec.path] = np.ascontiguousarray(dequantized.T if spec.path[-1] == "embedding" else dequantized)
     return build_tree(param_specs(config), lambda s: floats[s.path]), packed

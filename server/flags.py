@@ -159,6 +159,11 @@ CPU_ACTIVATIONS = flags.DEFINE_enum(
     "file's weights against the activations as they are (the reference's numbers, token for "
     "token). int8: activations quantized per 32 values, integer dot products, as llama.cpp "
     "computes: faster decode (docs/cpu-kernels.md), numbers no longer the reference's.")
+LAYER_LOOP = flags.DEFINE_bool(
+    "layer_loop", True,
+    "Where the CPU kernels run the model, run its layers as one loop over weights and a KV pool "
+    "stacked over layers: each program compiles and holds one layer's kernels, not every "
+    "layer's (a third of the programs' memory, half the warm-up). --nolayer_loop unrolls them.")
 WEIGHTS = flags.DEFINE_enum(
     "weights", "auto", ("auto", "float", "int8", "int4"),
     "auto: where decode runs on the CPU kernels, the matrices a GGUF checkpoint stores "

@@ -43,7 +43,7 @@ from cadence.scheduler.speculative import SpeculativeConfig
 from cadence.server import memory
 from cadence.server.flags import (ATTENTION, COORDINATOR, CPU_ACTIVATIONS, CPU_KERNELS, DECODE_DEVICES,
                                   DECODE_STEPS, DTYPE, GRAMMAR_TIMEOUT, KV_DTYPE, KV_MEMORY,
-                                  KV_RESERVATION, LOWER_SHARE, MAX_LOGPROBS, MAX_PREFILL_CHUNKS,
+                                  KV_RESERVATION, LAYER_LOOP, LOWER_SHARE, MAX_LOGPROBS, MAX_PREFILL_CHUNKS,
                                   MAX_QUEUE, MAX_SEQ_LEN, MODEL_FLAG, NUM_CPU_DEVICES,
                                   NUM_PROCESSES, NUM_SLOTS, NUM_SPECULATIVE_TOKENS, PAGE_SIZE,
                                   POLICY, PREFILL_CHUNK, PREFILL_DEVICES, PREFILL_SLOTS,
@@ -203,6 +203,7 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
         attention=ATTENTION.value or ("pallas" if on_gpu else "cpu" if kernels else "xla"),
         decode_matmul="cpu" if kernels else "xla",
         cpu_activations=CPU_ACTIVATIONS.value if kernels else "float32",
+        layer_loop=LAYER_LOOP.value,
         dtype=dtype,
         kv_dtype=kv_dtype(),
         page_size=PAGE_SIZE.value,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from cadence.engine.config import EngineConfig
-from cadence.model import cpu_kernels, paged_kv
+from cadence.model import block_layout, cpu_kernels, paged_kv
 from cadence.model.paged_attention import paged_reference_attention
 from cadence.model.quant import quantize, quantize_grouped
 from tests.fakes import needs_cpu_kernels
@@ -158,10 +158,10 @@ def test_writing_a_16_bit_pool_in_place_equals_the_scatter(dtype, donate):
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_taking_pages_of_a_16_bit_pool_equals_take_then_widen(dtype):
-    """Prefill's key tiles of a 16-bit pool: the pages named (ids past the pool clipped, as the
-    gather's mode="clip"), widened to float32, to the bit."""
+    """Prefill's key tiles of a pool (16-bit, or float32 in the layer loop): the pages named
+    (ids past the pool clipped, as the gather's mode="clip"), widened to float32, to the bit."""
     rng = np.random.default_rng(6)
     pool = jnp.asarray(rng.standard_normal((3, 10, 4, 24)), dtype)
     ids = jnp.asarray([4, 0, 9, 4, -3, 17], jnp.int32)
@@ -169,7 +169,7 @@ def test_taking_pages_of_a_16_bit_pool_equals_take_then_widen(dtype):
     want = jnp.take(pool, ids, axis=1, mode="clip").astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="reads pools of"):
-        cpu_kernels.take_pages(pool.astype(jnp.float32), ids)
+        cpu_kernels.take_pages(pool.astype(jnp.int8), ids)
 
 
 @needs_cpu_kernels
@@ -389,8 +389,8 @@ def _grouped(rng, fmt: str, k: int, n: int):
 
 def _pack(fmt: str, parts):
     if fmt in SUPERBLOCKS:
-        return cpu_kernels.pack_superblocks(fmt, *parts)
-    return cpu_kernels.pack_grouped(*parts, fmt=fmt)
+        return block_layout.pack_superblocks(fmt, *parts)
+    return block_layout.pack_grouped(*parts, fmt=fmt)
 
 
 def _dequantized(q, scale, minimum):
@@ -426,7 +426,7 @@ def test_grouped_layout_is_one_record_per_group_of_a_block():
     rng = np.random.default_rng(0)
     for fmt, record in (("q8", 544), ("q4", 320)):
         q, scale, minimum = _grouped(rng, fmt, 64, 37)
-        packed = cpu_kernels.pack_grouped(q, scale, minimum)
+        packed = block_layout.pack_grouped(q, scale, minimum)
         assert packed.dtype == np.uint8 and packed.shape == (3, 2, record)
         assert cpu_kernels.grouped_format(packed) == fmt
         group1_block2 = packed[2, 1]
@@ -438,7 +438,7 @@ def test_grouped_layout_is_one_record_per_group_of_a_block():
             byte = group1_block2[64:].reshape(16, 16)[3, 2]
             assert (byte & 15, byte >> 4) == (q[32 + 6, 32 + 2], q[32 + 7, 32 + 2])
         assert not packed[2, :, :32].view(np.float16)[:, 5:].any()  # columns past N: zero scales
-        np.testing.assert_array_equal(cpu_kernels.unpack_grouped(packed, 37), _dequantized(q, scale, minimum))
+        np.testing.assert_array_equal(block_layout.unpack_grouped(packed, 37), _dequantized(q, scale, minimum))
 
 
 def test_five_and_six_bit_layouts_split_codes_into_nibble_pairs_and_high_bits():
@@ -448,18 +448,18 @@ def test_five_and_six_bit_layouts_split_codes_into_nibble_pairs_and_high_bits():
     unpacks to the float32 values GGUF's dequantizer computes, columns past N zero."""
     rng = np.random.default_rng(3)
     q, scale, _ = _grouped(rng, "q5", 64, 37)
-    packed = cpu_kernels.pack_grouped(q, scale, fmt="q5")
+    packed = block_layout.pack_grouped(q, scale, fmt="q5")
     assert packed.shape == (3, 2, 352) and cpu_kernels.grouped_format(packed) == "q5"
     record, codes = packed[2, 1], q[32:, 32:].astype(np.int16) + 16
     assert record[:32].view(np.float16)[4] == scale[1, 32 + 4]
     assert (record[32:96].reshape(4, 16)[1, 2] >> 3) & 1 == codes[8 + 3, 2] >> 4
     byte = record[96:].reshape(16, 16)[3, 2]
     assert (byte & 15, byte >> 4) == (codes[6, 2] & 15, codes[7, 2] & 15)
-    np.testing.assert_array_equal(cpu_kernels.unpack_grouped(packed, 37),
+    np.testing.assert_array_equal(block_layout.unpack_grouped(packed, 37),
                                   q.astype(np.float32) * np.repeat(scale.astype(np.float32), 32, axis=0))
     for fmt, record in (("q4k", 2368), ("q5k", 2880), ("q6k", 3360)):
         parts = _superblocks(rng, fmt, 512, 37)
-        packed = cpu_kernels.pack_superblocks(fmt, *parts)
+        packed = block_layout.pack_superblocks(fmt, *parts)
         assert packed.dtype == np.uint8 and packed.shape == (3, 2, record)
         assert cpu_kernels.grouped_format(packed) == fmt
         q, d, sub_scale = parts[:3]
@@ -473,27 +473,27 @@ def test_five_and_six_bit_layouts_split_codes_into_nibble_pairs_and_high_bits():
             assert rec[192:320].reshape(8, 16)[3, 3] == parts[4][8 + 3, 32 + 3]
         byte = rec[-2048:].reshape(128, 16)[10, 3]
         assert byte & 15 == q[256 + 20, 32 + 3] & 15 and byte >> 4 == q[256 + 21, 32 + 3] & 15
-        unpacked = cpu_kernels.unpack_grouped(packed, 37)
+        unpacked = block_layout.unpack_grouped(packed, 37)
         np.testing.assert_array_equal(unpacked, _superblocks_dequantized(*parts))
-        np.testing.assert_array_equal(cpu_kernels.unpack_grouped(packed, 48)[:, 37:], 0)
+        np.testing.assert_array_equal(block_layout.unpack_grouped(packed, 48)[:, 37:], 0)
 
 
 def test_grouped_packing_refuses_what_the_kernels_do_not_read():
     rng = np.random.default_rng(1)
     with pytest.raises(ValueError, match="multiple of 32"):
-        cpu_kernels.pack_grouped(np.zeros((48, 16), np.int8), np.ones((1, 16), np.float16))
+        block_layout.pack_grouped(np.zeros((48, 16), np.int8), np.ones((1, 16), np.float16))
     with pytest.raises(ValueError, match="0..15"):
-        cpu_kernels.pack_grouped(np.full((32, 16), 16, np.uint8), *_grouped(rng, "q4", 32, 16)[1:])
+        block_layout.pack_grouped(np.full((32, 16), 16, np.uint8), *_grouped(rng, "q4", 32, 16)[1:])
     with pytest.raises(ValueError, match="not a grouped matrix"):
         cpu_kernels.grouped_format(np.zeros((2, 2, 100), np.uint8))
     with pytest.raises(ValueError, match="-16..15"):
-        cpu_kernels.pack_grouped(np.full((32, 16), 16, np.int8), np.ones((1, 16), np.float16), fmt="q5")
+        block_layout.pack_grouped(np.full((32, 16), 16, np.int8), np.ones((1, 16), np.float16), fmt="q5")
     with pytest.raises(ValueError, match="multiple of 256"):
-        cpu_kernels.pack_superblocks("q4k", np.zeros((128, 16), np.uint8), *_superblocks(rng, "q4k", 256, 16)[1:])
+        block_layout.pack_superblocks("q4k", np.zeros((128, 16), np.uint8), *_superblocks(rng, "q4k", 256, 16)[1:])
     parts = list(_superblocks(rng, "q4k", 256, 16))
     parts[2][0, 0] = 64
     with pytest.raises(ValueError, match="0..63"):
-        cpu_kernels.pack_superblocks("q4k", *parts)
+        block_layout.pack_superblocks("q4k", *parts)
 
 
 @needs_cpu_kernels
@@ -616,7 +616,7 @@ def test_dequantize_gives_the_files_own_values(fmt):
     parts = _superblocks(rng, fmt, k, n) if fmt in SUPERBLOCKS else _grouped(rng, fmt, k, n)
     blocked = _pack(fmt, parts)
     got = np.asarray(jax.jit(cpu_kernels.dequantize, static_argnums=1)(jnp.asarray(blocked), n))
-    want = cpu_kernels.unpack_grouped(blocked, n)
+    want = block_layout.unpack_grouped(blocked, n)
     assert got.shape == (k, n) and got.dtype == np.float32
     np.testing.assert_array_equal(got, want)
     dequantized = _superblocks_dequantized(*parts) if fmt in SUPERBLOCKS else _dequantized(*parts)
@@ -647,7 +647,7 @@ def test_matmul_takes_the_gemm_over_many_rows_and_the_kernel_over_few(kind):
     else:
         parts = _superblocks(rng, kind, k, n) if kind in SUPERBLOCKS else _grouped(rng, kind, k, n)
         blocked = _pack(kind, parts)
-        w = cpu_kernels.unpack_grouped(blocked, n)
+        w = block_layout.unpack_grouped(blocked, n)
     run = jax.jit(cpu_kernels.matmul, static_argnums=2)
     for rows in (cpu_kernels.GEMM_ROWS, cpu_kernels.GEMM_ROWS - 1):
         x = rng.standard_normal((1, rows, k), np.float32)

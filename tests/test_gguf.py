@@ -252,12 +252,12 @@ def test_packed_matrices_are_the_files_blocks_as_they_are(tmp_path, tiny_params)
 
 
 def _assert_packed_equal_floats(packed, floats):
-    from cadence.model import cpu_kernels
+    from cadence.model import block_layout
 
     for p, (blocks, kind) in packed.items():
         want = params_lib.get(floats, p)
         want = want.T if p[-1] == "embedding" else want
-        np.testing.assert_array_equal(cpu_kernels.unpack_grouped(blocks, want.shape[1]), want, err_msg=str(p))
+        np.testing.assert_array_equal(block_layout.unpack_grouped(blocks, want.shape[1]), want, err_msg=str(p))
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
@@ -266,16 +266,16 @@ def test_each_packed_format_unpacks_to_ggufs_dequantizer(kind):
     or super-blocks a row), re-laid into the kernels' layout, unpack to exactly the float32
     values `gguf.quants.dequantize` gives."""
     from cadence.checkpoints.gguf import FORMAT, pack_blocks, unpack_blocks
-    from cadence.model import cpu_kernels
+    from cadence.model import block_layout
 
     rng = np.random.default_rng(len(kind) * 7 + ord(kind[1]))
     per = gguf.GGML_QUANT_SIZES[Q[kind]][0]
     for rows, columns in ((37, per * 3), (5, per), (16, per * 2)):
         data = random_blocks(rng, Q[kind], rows, columns, -2.0, 2.0)
         packed = pack_blocks(unpack_blocks(data, kind, columns), kind)
-        assert cpu_kernels.grouped_format(packed) == FORMAT[kind]
+        assert block_layout.grouped_format(packed) == FORMAT[kind]
         want = gguf.quants.dequantize(data, Q[kind]).T
-        np.testing.assert_array_equal(cpu_kernels.unpack_grouped(packed, rows), want)
+        np.testing.assert_array_equal(block_layout.unpack_grouped(packed, rows), want)
 
 
 def test_converted_checkpoints_keep_the_packed_matrices(tmp_path, tiny_params):

@@ -102,9 +102,8 @@ def test_the_cpu_kernels_read_a_bf16_checkpoint_as_stored(tmp_path, tiny_tokeniz
     engine = Engine(model.params, config, EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=64,
                                                        attention="cpu", decode_matmul="cpu"))
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    blocked = [a for p, a in jax.tree_util.tree_leaves_with_path(engine.params)
-               if cpu_kernels.is_blocked(p)]
-    assert blocked and {a.dtype for a in blocked} == {bf16}
+    formats = cpu_kernels.matrix_formats(engine.params)
+    assert len(formats) >= 4 * config.num_layers and set(formats) == {"bfloat16"}
     table = engine.params["embed"].get("embedding")  # tied: the head's blocks hold it
     assert (table is None) == config.tie_embeddings and (table is None or table.dtype == bf16)
     prompts = [list(range(5, 90)), [7, 300, 41, 9]]  # prefill over the GEMM, then the kernel

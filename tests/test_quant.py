@@ -13,7 +13,7 @@ from cadence.engine.reference import greedy_generate
 from cadence.model import params as params_lib
 from cadence.model.llama import forward
 from cadence.model.paged_kv import PagedKVCache
-from cadence.model import cpu_kernels
+from cadence.model import block_layout, cpu_kernels
 from cadence.model.quant import (QMAX, dequantize, quantize, quantize_group_matrix, quantize_grouped,
                                    quantize_matrix)
 from tests.serving import cli
@@ -113,7 +113,7 @@ def test_grouped_quantization_is_within_half_a_step_of_each_weight(fmt):
     assert scale.dtype == np.float16 and scale.shape == (4, 40) and q.shape == w.shape
     assert (minimum is None) == (fmt == "q8")
     step = np.repeat(scale.astype(np.float32), 32, axis=0)
-    back = cpu_kernels.unpack_grouped(cpu_kernels.pack_grouped(q, scale, minimum), 40)
+    back = block_layout.unpack_grouped(block_layout.pack_grouped(q, scale, minimum), 40)
     assert np.all(np.abs(back - w) <= step / 2 + 1e-3 * np.abs(w) + 1e-7)
     assert np.abs(back[32:64, 3] - 0.25).max() <= 1e-3
     per_channel, channel_scale = quantize_matrix(w, 1)
@@ -136,4 +136,4 @@ def test_the_grouped_tree_stands_for_its_packed_matrices(tiny_params, tiny_confi
             np.testing.assert_array_equal(array, params_lib.get(tiny_params, spec.path))
             continue
         matrix = array.T if spec.path[-1] == "embedding" else array
-        np.testing.assert_array_equal(cpu_kernels.unpack_grouped(packed[spec.path], matrix.shape[1]), matrix)
+        np.testing.assert_array_equal(block_layout.unpack_grouped(packed[spec.path], matrix.shape[1]), matrix)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cadence.model import cpu_kernels
+from cadence.model import block_layout, cpu_kernels
 
 rng = np.random.default_rng(0)
 
@@ -21,16 +21,16 @@ def random_matrix(fmt: str, k: int, n: int) -> np.ndarray:
     if fmt in ("q4k", "q5k", "q6k"):
         d = rng.uniform(1e-4, 2e-3, (k // 256, n)).astype(np.float16)
         if fmt == "q6k":
-            return cpu_kernels.pack_superblocks(fmt, rng.integers(-32, 32, (k, n)), d,
+            return block_layout.pack_superblocks(fmt, rng.integers(-32, 32, (k, n)), d,
                                                 rng.integers(-128, 128, (k // 16, n)), None, None)
-        return cpu_kernels.pack_superblocks(
+        return block_layout.pack_superblocks(
             fmt, rng.integers(0, 16 if fmt == "q4k" else 32, (k, n)), d,
             rng.integers(0, 64, (k // 32, n)), rng.uniform(1e-4, 2e-3, (k // 256, n)).astype(np.float16),
             rng.integers(0, 64, (k // 32, n)))
     scale = rng.uniform(1e-3, 5e-2, (k // 32, n)).astype(np.float16)
     if fmt == "q8":
-        return cpu_kernels.pack_grouped(rng.integers(-127, 128, (k, n)).astype(np.int8), scale, fmt=fmt)
-    return cpu_kernels.pack_grouped(rng.integers(-16, 16, (k, n)).astype(np.int8), scale, fmt=fmt)
+        return block_layout.pack_grouped(rng.integers(-127, 128, (k, n)).astype(np.int8), scale, fmt=fmt)
+    return block_layout.pack_grouped(rng.integers(-16, 16, (k, n)).astype(np.int8), scale, fmt=fmt)
 
 
 # (format, K, N): Qwen2.5-0.5B's gate/up (Q5_0, fused), down (Q4_K and Q6_K), tied head (Q8_0,
