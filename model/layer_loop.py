@@ -25,12 +25,14 @@ checks the logits and the pool against the unrolled program's.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 from typing import Any
 
 import jax
 import numpy as np
 
-from cadence.model import cpu_kernels
+from cadence.model import cpu_kernels, host_memory
 from cadence.model.paged_kv import PagedKVCache
 
 ALIGN = 64  # bytes: each layer's matrix starts on a cache line
@@ -62,6 +64,17 @@ def unstackable(tree: dict[str, Any], num_layers: int) -> str | None:
     return None
 
 
+def _copy_bytes(a, into: np.ndarray) -> None:
+    """A matrix's bytes into `into`. A jax array (on the CPU, laid out row-major) is copied
+    from its buffer: read as NumPy, it would keep that view in a reference cycle with it, and
+    only the cycle collector would free it, long after its copy was made."""
+    if isinstance(a, np.ndarray):
+        into[:] = a.reshape(-1).view(np.uint8)
+    else:
+        a.block_until_ready()
+        ctypes.memmove(into.ctypes.data, a.unsafe_buffer_pointer(), a.nbytes)
+
+
 def _stack_matrices(matrices: list[Any]) -> cpu_kernels.Stacked:
     """The layers' matrices of one role in one 64-byte-aligned buffer."""
     sizes = [a.nbytes for a in matrices]
@@ -72,16 +85,17 @@ def _stack_matrices(matrices: list[Any]) -> cpu_kernels.Stacked:
     formats, k, blocks = [], cpu_kernels.blocked_k(matrices[0]), matrices[0].shape[0]
     for i, a in enumerate(matrices):
         formats.append(cpu_kernels.matrix_format(a))
-        data[offsets[i]:offsets[i] + sizes[i]] = np.asarray(a).reshape(-1).view(np.uint8)
-        matrices[i] = None  # the layer's own array goes as it is copied (where none else holds it)
+        _copy_bytes(a, data[offsets[i]:offsets[i] + sizes[i]])
+        matrices[i] = a = None  # the layer's own array goes as it is copied (where none else holds it)
     return cpu_kernels.Stacked(data, tuple(formats), tuple(int(o) for o in offsets[:-1]), k, blocks)
 
 
 def stack_layers(tree: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """A decode tree with its `layers_0` .. `layers_{n-1}` replaced by `layers`: each matrix a
     `cpu_kernels.Stacked` of every layer's, every other leaf stacked on a new first axis.
-    The layers' own arrays are taken out of `tree` as they are copied, so that only one role's
-    matrices are held twice at a time."""
+    The layers' own arrays are taken out of `tree` as they are copied and given back after
+    each role, so that only one role's matrices are held twice at a time (where nothing else
+    holds the layers' arrays)."""
     reason = unstackable(tree, num_layers)
     if reason:
         raise ValueError(f"cannot stack the layers: {reason}")
@@ -97,6 +111,10 @@ def stack_layers(tree: dict[str, Any], num_layers: int) -> dict[str, Any]:
         stacked.append(_stack_matrices(column) if cpu_kernels.is_blocked(path)
                        else np.stack([np.asarray(a) for a in column]))
         column.clear()
+        # The norms' and biases' arrays, read as NumPy, wait for the cycle collector; the heap
+        # holds the layers' smaller matrices until it is trimmed.
+        gc.collect()
+        host_memory.release_free()
     return {**tree, "layers": jax.tree_util.tree_unflatten(treedef, stacked)}
 
 

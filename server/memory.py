@@ -12,11 +12,11 @@ Elsewhere (another C library, another OS) these do nothing.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import dataclasses
-import functools
 from collections.abc import Iterator
+
+from cadence.model import host_memory
+from cadence.model.host_memory import glibc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,25 +44,8 @@ def _kib(value: str) -> int:
     return int(number) * 1024
 
 
-@functools.cache
-def _glibc(name: str):
-    """glibc's function `name`, or None under another C library."""
-    library = ctypes.util.find_library("c")
-    try:
-        return getattr(ctypes.CDLL(library), name) if library else None
-    except (OSError, AttributeError):
-        return None
-
-
-def release_free() -> bool:
-    """Returns the C heap's free pages to the kernel (glibc's `malloc_trim(0)`); False where
-    the C library has no such call."""
-    trim = _glibc("malloc_trim")
-    if trim is None:
-        return False
-    trim(0)
-    return True
-
+# Once the weights are placed and once warm-up is done (the server's two moments).
+release_free = host_memory.release_free
 
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter
 
@@ -77,7 +60,7 @@ def loading() -> Iterator[None]:
     1.2 GB lower (`bench/results/resident-cpu`). Afterwards allocations up to 32 MiB (the most
     glibc's own adaptive threshold reaches) come from the heap, as a long-running process's do
     anyway: a program's temporaries are reused, not mapped anew on every run."""
-    mallopt = _glibc("mallopt")
+    mallopt = glibc("mallopt")
     if mallopt is not None:
         mallopt(_M_MMAP_THRESHOLD, 1 << 20)
     try:

@@ -359,13 +359,18 @@ def warm_up(engines: Sequence[Engine], progress: Callable[[int, int, str], None]
 def _engines(model: LoadedModel, packed, engine_config: EngineConfig, pair, mesh_devices,
              tp: TensorParallel | None) -> tuple[tuple[Engine, ...], str]:
     """The engine (or the disaggregated pair) over the model's weights, and where it runs. One
-    engine takes the packed blocks over (`cpu_kernels.HandedOver`); a pair shares them."""
+    engine takes the packed blocks over (`cpu_kernels.HandedOver`: `packed` is emptied, so that
+    each block goes once the engine has placed or copied it, as its layer loop stacks them); a
+    pair shares them."""
     if pair is None:
         where = jax.devices()[0].platform
         if tp is not None:
             where = f"{tp.size} {where} devices ({tp.describe()})"
+        handed = cpu_kernels.HandedOver(packed) if packed else packed
+        if packed:
+            packed.clear()
         return (Engine(model.params, model.config, engine_config, devices=mesh_devices,
-                       packed=cpu_kernels.HandedOver(packed) if packed else packed),), where
+                       packed=handed),), where
     # Nothing decodes on the prefill engine, so its packs may take the whole token budget.
     prefill_config = dataclasses.replace(
         engine_config, role="prefill", num_slots=PREFILL_SLOTS.value or engine_config.num_slots,
