@@ -196,13 +196,18 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
     on_gpu = jax.default_backend() == "gpu"
     dtype = compute_dtype()
     kernels = cpu_kernels_apply(dtype, tp)
+    if CPU_ACTIVATIONS.value != "float32" and not kernels:
+        raise ValueError(f"--cpu_activations={CPU_ACTIVATIONS.value} is the CPU kernels', which "
+                         "run with --cpu_kernels on the CPU, in float32, on one device, where "
+                         "they build (where they did not, a line above says why); drop it to "
+                         "decode with XLA's paths")
     return EngineConfig(
         num_slots=NUM_SLOTS.value,
         max_seq_len=MAX_SEQ_LEN.value,
         prefill_chunk=PREFILL_CHUNK.value,
         attention=ATTENTION.value or ("pallas" if on_gpu else "cpu" if kernels else "xla"),
         decode_matmul="cpu" if kernels else "xla",
-        cpu_activations=CPU_ACTIVATIONS.value if kernels else "float32",
+        cpu_activations=CPU_ACTIVATIONS.value,
         layer_loop=LAYER_LOOP.value,
         dtype=dtype,
         kv_dtype=kv_dtype(),

@@ -577,6 +577,23 @@ def test_int8_activations_are_the_cpu_kernels_and_named():
             pass
 
 
+def test_int8_activations_without_the_cpu_kernels_are_refused_not_dropped():
+    """--cpu_activations=int8 where the CPU kernels do not run (--nocpu_kernels here) is an
+    error at start-up that says why, not a server that quietly computes in float32."""
+    from absl import flags
+    from absl.testing import flagsaver
+
+    from cadence.server import runtime
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    with flagsaver.flagsaver(cpu_activations="int8", cpu_kernels=False):
+        with pytest.raises(ValueError, match="--cpu_activations=int8 is the CPU kernels'"):
+            runtime.engine_config_from_flags()
+    with flagsaver.flagsaver(cpu_activations="float32", cpu_kernels=False):
+        assert runtime.engine_config_from_flags().cpu_activations == "float32"
+
+
 @needs_cpu_kernels
 def test_an_engine_over_int8_activations_decodes_the_float_engines_tokens(tiny_params, tiny_config,
                                                                            tiny_tokenizer):
