@@ -272,6 +272,8 @@ def blocked_matmul(x: jax.Array, blocked, n: int, scale: jax.Array | None = None
         if not isinstance(blocked, Stacked) and matrix_format(blocked) is None:
             blocked = blocked.astype(jnp.float32)
         stacked = _as_stacked(blocked)
+        if rows.shape[1] != stacked.k:  # the kernel reads K from x: a mismatch would misread W
+            raise ValueError(f"x has {rows.shape[1]} input columns; the matrix has {stacked.k} rows")
         y = jax.ffi.ffi_call(LAYERED_MATMUL, out)(
             rows, stacked.layer, stacked.data, **_layered_attributes(stacked),
             int8=_ACTIVATIONS.get() == "int8")

@@ -152,3 +152,20 @@ def test_page_programs_over_a_stacked_pool_equal_them_over_layers():
     (a, _), (b, _) = (programs._insert_program(cache, last, k * 2, v * 3, into, 2, 9)
                       for cache in (as_stack, as_layers))
     same(a, b)
+
+
+@needs_cpu_kernels
+def test_a_stacked_matrix_is_read_at_a_layer_and_only_by_its_own_width():
+    """A `Stacked` matrix outside the loop has no layer to read, and x must have its K rows:
+    the kernel takes K from x, so a mismatch is refused rather than read out of place."""
+    params = random_params(TINY)
+    stacked = layer_loop.stack_layers(cpu_kernels.decode_params(params, None, 2), 2)
+    down = stacked["layers"]["mlp"]["down"]["kernel_blocked"]
+    x = jnp.ones((1, TINY.ffn_size), jnp.float32)
+    with pytest.raises(ValueError, match="at a layer"):
+        cpu_kernels.blocked_matmul(x, down, TINY.hidden_size)
+    with pytest.raises(ValueError, match="input columns"):
+        cpu_kernels.blocked_matmul(x[:, :64], down.at(jnp.int32(1)), TINY.hidden_size)
+    want = np.asarray(x) @ np.asarray(params["layers_1"]["mlp"]["down"]["kernel"])
+    got = cpu_kernels.blocked_matmul(x, down.at(jnp.int32(1)), TINY.hidden_size)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
