@@ -105,6 +105,26 @@ def _placed_as_stored(path) -> bool:
     return cpu_kernels.is_blocked(path) or str(getattr(path[-1], "key", "")) == "embedding"
 
 
+def cpu_weights(params, packed, model_config: ModelConfig, config: EngineConfig) -> tuple[dict, bool]:
+    """The tree an engine on the CPU kernels reads (`cpu_kernels.decode_params` over `params`
+    and `packed`), its layers stacked where they run as one loop (`EngineConfig.layer_loop`),
+    and whether they do. Given such a tree already stacked (`layer_loop.is_stacked`: a
+    disaggregated pair's, made once so that both engines place the same buffers), that tree."""
+    loop = config.layer_loop and config.attention == "cpu"
+    if layer_loop.is_stacked(params):
+        if packed or not loop:
+            raise ValueError("a tree of stacked layers runs on the layer loop (attention='cpu', "
+                             "layer_loop=True), without packed matrices beside it")
+        return params, True
+    tree = cpu_kernels.decode_params(params, packed, model_config.num_layers if loop else None)
+    reason = layer_loop.unstackable(tree, model_config.num_layers) if loop else None
+    if reason:
+        logging.info("the layers run unrolled, not as one loop: %s", reason)
+    if not loop or reason:
+        return tree, False
+    return layer_loop.stack_layers(tree, model_config.num_layers), True
+
+
 def _copy_to_host(logprobs: Logprobs) -> None:
     for a in (logprobs.token, logprobs.ids, logprobs.values):
         a.copy_to_host_async()
@@ -179,12 +199,7 @@ class Engine(KVOps, Compiling):
         if self.tp is None:
             self.device = device or (devices[0] if devices else jax.devices()[0])
             if config.decode_matmul == "cpu" and self.device.platform == "cpu":
-                loop = config.layer_loop and config.attention == "cpu"  # try the layer loop
-                params = cpu_kernels.decode_params(params, packed,
-                                                   model_config.num_layers if loop else None)
-                self.stacked_layers = loop and self._stack_layers(params)
-                if self.stacked_layers:
-                    params = layer_loop.stack_layers(params, model_config.num_layers)
+                params, self.stacked_layers = cpu_weights(params, packed, model_config, config)
             elif packed:
                 raise ValueError("packed matrices are read by decode_matmul='cpu' only")
             self.params = jax.tree_util.tree_map_with_path(
@@ -235,13 +250,6 @@ class Engine(KVOps, Compiling):
             "KV pool: %d pages x %d tokens (%d tokens), %.1f MiB", self.num_pages, config.page_size,
             self.num_pages * config.page_size, self.cache.nbytes / 2**20,
         )
-
-    def _stack_layers(self, tree) -> bool:
-        """Whether this engine runs its layers as one loop (`EngineConfig.layer_loop`)."""
-        reason = layer_loop.unstackable(tree, self.model_config.num_layers)
-        if reason:
-            logging.info("the layers run unrolled, not as one loop: %s", reason)
-        return reason is None
 
     # -- the two programs -------------------------------------------------------------------
 

@@ -118,6 +118,17 @@ def stack_layers(tree: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return {**tree, "layers": jax.tree_util.tree_unflatten(treedef, stacked)}
 
 
+def is_stacked(tree: dict[str, Any]) -> bool:
+    """Whether a tree's layers are stacked (`stack_layers`'s)."""
+    return isinstance(tree, dict) and "layers" in tree
+
+
+def host_views(tree: dict[str, Any]) -> dict[str, Any]:
+    """A stacked tree with every leaf a NumPy array on the host (jax arrays read in place):
+    engines on several CPU devices each place the same buffers, without copying them."""
+    return jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, tree)
+
+
 def layer_params(stacked: dict[str, Any], layer: jax.Array) -> dict[str, Any]:
     """One layer's tree, as a `model.llama.Block` reads it: the `Stacked` matrices at `layer`,
     every other leaf's row `layer`."""

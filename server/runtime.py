@@ -29,8 +29,8 @@ from cadence.checkpoints.registry import LoadedModel, cache_dir, load_model, res
 from cadence.checkpoints.store import AS_STORED
 from cadence.engine import multihost
 from cadence.engine.config import EngineConfig
-from cadence.engine.engine import Engine
-from cadence.model import cpu_kernels
+from cadence.engine.engine import Engine, cpu_weights
+from cadence.model import cpu_kernels, layer_loop
 from cadence.model.paged_kv import pages_for_bytes
 from cadence.model.params import MATRICES, cast_bytes, get, param_specs
 from cadence.model.quant import quantize, quantize_grouped
@@ -366,7 +366,7 @@ def _engines(model: LoadedModel, packed, engine_config: EngineConfig, pair, mesh
     """The engine (or the disaggregated pair) over the model's weights, and where it runs. One
     engine takes the packed blocks over (`cpu_kernels.HandedOver`: `packed` is emptied, so that
     each block goes once the engine has placed or copied it, as its layer loop stacks them); a
-    pair shares them."""
+    pair shares them, or the layers stacked once from them."""
     if pair is None:
         where = jax.devices()[0].platform
         if tp is not None:
@@ -381,8 +381,17 @@ def _engines(model: LoadedModel, packed, engine_config: EngineConfig, pair, mesh
         engine_config, role="prefill", num_slots=PREFILL_SLOTS.value or engine_config.num_slots,
         prefill_tokens=max(engine_config.prefill_chunk, token_budget()))
     decode_config = dataclasses.replace(engine_config_from_flags(model, pair[1]), role="decode")
-    return ((Engine(model.params, model.config, prefill_config, device=pair[0], packed=packed),
-             Engine(model.params, model.config, decode_config, device=pair[1], packed=packed)),
+    params = model.params
+    if engine_config.decode_matmul == "cpu" and engine_config.layer_loop:
+        # Stacked once and read in place by both engines, which would each stack a copy.
+        tree, looped = cpu_weights(params, cpu_kernels.HandedOver(packed or {}), model.config,
+                                   engine_config)
+        if looped:
+            params = layer_loop.host_views(tree)
+            if packed:
+                packed.clear()  # the stacked copies are the blocks now
+    return ((Engine(params, model.config, prefill_config, device=pair[0], packed=packed),
+             Engine(params, model.config, decode_config, device=pair[1], packed=packed)),
             f"{pair[0]} (prefill) and {pair[1]} (decode), disaggregated")
 
 

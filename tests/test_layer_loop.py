@@ -169,3 +169,27 @@ def test_a_stacked_matrix_is_read_at_a_layer_and_only_by_its_own_width():
     want = np.asarray(x) @ np.asarray(params["layers_1"]["mlp"]["down"]["kernel"])
     got = cpu_kernels.blocked_matmul(x, down.at(jnp.int32(1)), TINY.hidden_size)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_cpu_kernels
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs two CPU devices")
+def test_two_engines_place_one_stacked_tree_without_copying_it(tiny_params, tiny_config):
+    """A disaggregated pair on the CPU (`server.runtime`): the layers stacked once, on the host,
+    and each engine places the same buffers, rather than each stacking a copy; both decode the
+    tokens of an engine that stacked its own."""
+    from cadence.engine.engine import cpu_weights
+
+    config = EngineConfig(num_slots=2, max_seq_len=64, prefill_chunk=16, attention="cpu",
+                          decode_matmul="cpu")
+    tree, looped = cpu_weights(tiny_params, None, tiny_config, config)
+    shared = layer_loop.host_views(tree)
+    pair = [Engine(shared, tiny_config, config, device=device) for device in jax.devices()[:2]]
+    data = [engine.params["layers"]["mlp"]["down"]["kernel_blocked"].data for engine in pair]
+    assert looped and all(engine.stacked_layers for engine in pair)
+    assert data[0].unsafe_buffer_pointer() == data[1].unsafe_buffer_pointer()
+    prompts = [[7, 300, 41, 9], list(range(100, 130))]
+    want = engine_greedy(Engine(tiny_params, tiny_config, config), prompts, [6, 6], [16])
+    for engine in pair:
+        assert engine_greedy(engine, prompts, [6, 6], [16]) == want
+    with pytest.raises(ValueError, match="runs on the layer loop"):
+        Engine(shared, tiny_config, dataclasses.replace(config, layer_loop=False))
