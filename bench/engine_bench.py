@@ -138,8 +138,7 @@ def main(argv) -> None:
             page_size=_PAGE.value, decode_steps=max(map(int, _DECODE_STEPS.value)), dtype=_DTYPE.value,
             attention=_ATTENTION.value, decode_matmul=_DECODE_MATMUL.value), packed=packed)
         if _DECODE_MATMUL.value == "cpu":  # what decode reads: the blocked (or packed) matrices
-            weight_bytes = cpu_kernels.blocked_bytes(engine.params) + sum(
-                a.nbytes for a in jax.tree.leaves(engine.params) if a.ndim == 1)
+            weight_bytes = cpu_kernels.decode_bytes(engine.params)
         rows = sampling_rows([RequestSampling()] * slots)
         tables = fixed_page_tables(engine.config)  # each slot a run of pages, as if allocated
         for slot in range(slots):  # what the penalties read: a prompt's worth of history

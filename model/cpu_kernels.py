@@ -454,6 +454,17 @@ def blocked_bytes(tree: dict[str, Any]) -> int:
     return sum(leaf.nbytes for path, leaf in leaves if is_blocked(path))
 
 
+def decode_bytes(tree: dict[str, Any]) -> int:
+    """Bytes of a decode tree that a decode step reads: its kernel-layout matrices and its
+    vectors (norm scales, biases; under a stacked tree's `layers`, a row per layer), not a
+    lookup table, of which a step reads a row per token."""
+    def read(path, a) -> bool:
+        stacked_row = a.ndim == 2 and str(getattr(path[0], "key", "")) == "layers"
+        return is_blocked(path) or a.ndim == 1 or stacked_row
+
+    return sum(a.nbytes for path, a in jax.tree_util.tree_flatten_with_path(tree)[0] if read(path, a))
+
+
 def _device_of(array) -> jax.Device | None:
     """Where a leaf lies (None for NumPy: jax's default)."""
     devices = getattr(array, "devices", None)

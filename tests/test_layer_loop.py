@@ -62,6 +62,9 @@ def test_the_loop_computes_what_the_unrolled_layers_compute(config, kv_dtype):
     stacked = layer_loop.stack_layers(_mixed_tree(params, config), config.num_layers)
     assert stacked["layers"]["mlp"]["down"]["kernel_blocked"].formats == ("q4", "float32")
     assert stacked["layers"]["attn"]["v"]["kernel_blocked"].formats == ("q8", "q4")
+    # What a step reads is the same bytes either way (but each stacked matrix's alignment).
+    read, stacked_read = cpu_kernels.decode_bytes(unrolled), cpu_kernels.decode_bytes(stacked)
+    assert read <= stacked_read < read + 64 * 7 * config.num_layers
     want = _run(unrolled, config, PagedKVCache.create(config, 4, 8, kv_dtype))
     got = _run(stacked, config, PagedKVCache.create(config, 4, 8, kv_dtype, stacked=True))
     for name, a, b in zip(("prefill logits", "decode logits"), got, want):
