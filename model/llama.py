@@ -206,7 +206,7 @@ def _write_and_attend(attention: str, interpret: bool, branches: bool):
     traced once, not once per layer, it takes a 30-layer model's prefill program from ~1.7 s
     to ~0.6 s to trace and lower. XLA inlines the call, so the program is the same."""
     attend = get_paged_attention(attention)
-    cpu_kernel = attention in ("cpu", "cpu_rows")  # writes 16-bit pools in place
+    cpu_kernel = attention in ("cpu", "cpu_rows")  # writes the pool in place
 
     @jax.jit
     def write_and_attend(q, k, v, k_pages, v_pages, page_table, positions, lengths):

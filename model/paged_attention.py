@@ -211,7 +211,7 @@ def paged_prefill_tiled(
     GEMMs at half speed, and a 16-query row alone was 1.6x slower than the chunk it came from.
     Tiles are visited in order and each writes `tile_rows` rows of the output, of which the
     rows past its own are rewritten by the tiles that own them. `take(pages, ids)` reads a key
-    tile's pages (`cpu_kernels.take_pages` for a 16-bit pool where the CPU kernels run)."""
+    tile's pages (`cpu_kernels.take_pages` where the CPU kernels run)."""
     rows, q_len, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_heads // num_kv_heads
@@ -284,13 +284,13 @@ def xla_paged_attention(
 
 def cpu_paged_attention(q, k_pages, v_pages, page_table, q_positions):
     """The CPU kernels' path: decode by `model.cpu_kernels.paged_decode` (the row's live pages
-    read once, no loop steps), prefill by the XLA tiles above, whose key tiles of a 16-bit pool
-    or a layer of a stacked one `cpu_kernels.take_pages` reads."""
+    read once, no loop steps), prefill by the XLA tiles above, whose key tiles
+    `cpu_kernels.take_pages` reads (widening a 16-bit pool's as it reads them, and reading a
+    layer of a stacked pool in place)."""
     if q.shape[1] == 1:
         return cpu_kernels.paged_decode(q, k_pages, v_pages, page_table, q_positions)
-    stacked = isinstance(k_pages, cpu_kernels.PoolLayer)  # the layer loop's
-    take = cpu_kernels.take_pages if stacked or k_pages.dtype.itemsize == 2 else _take_pages
-    return paged_prefill_tiled(q, k_pages, v_pages, page_table, q_positions, take=take)
+    return paged_prefill_tiled(q, k_pages, v_pages, page_table, q_positions,
+                               take=cpu_kernels.take_pages)
 
 
 def pallas_paged_attention(q, k_pages, v_pages, page_table, q_positions, *, interpret=None):

@@ -134,10 +134,11 @@ def write(
     inactive decode row with length 0) and any position past the page table's reach are dropped,
     so they can never clobber a page another sequence owns.
 
-    `cpu_kernel`: where the CPU kernels run (attention "cpu"), a 16-bit pool is written by
-    `cpu_kernels.paged_write`, in place, to the same bits; XLA:CPU would widen the whole pool
-    layer to float32 and back around the scatter, on every layer of every step. A layer of a
-    stacked pool (`cpu_kernels.PoolLayer`, the layer loop's) is always written by it.
+    `cpu_kernel`: where the CPU kernels run (attention "cpu"), the pool is written by
+    `cpu_kernels.paged_write`, in place, to the same bits: XLA:CPU would widen a 16-bit pool
+    layer to float32 and back around the scatter, on every layer of every step, and would copy
+    a layer out of a stacked pool (`cpu_kernels.PoolLayer`, the layer loop's, which only the
+    kernel writes).
     """
     rows, t = positions.shape
     num_pages, page_size = pages.shape[1], pages.shape[2]
@@ -148,7 +149,7 @@ def write(
     page = jnp.take_along_axis(page_table, jnp.clip(slot, 0, max_pages - 1), axis=1)
     # Out-of-range indices are dropped by the scatter: route invalid tokens there.
     page = jnp.where(valid, page, num_pages)
-    if isinstance(pages, cpu_kernels.PoolLayer) or (cpu_kernel and pages.dtype.itemsize == 2):
+    if cpu_kernel or isinstance(pages, cpu_kernels.PoolLayer):
         return cpu_kernels.paged_write(pages, new, page, positions % page_size)
     # Indices on the adjacent axes 1 and 2: the indexed view is [kv_heads, rows, t, head_dim].
     values = new.astype(pages.dtype).transpose(2, 0, 1, 3)

@@ -130,10 +130,10 @@ def test_paged_decode_over_16_bit_pages_equals_them_widened(dtype, heads, kv_hea
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("donate", [True, False])
 def test_writing_a_16_bit_pool_in_place_equals_the_scatter(dtype, donate):
-    """`paged_kv.write` through the CPU kernel (a 16-bit pool written in place) gives the
+    """`paged_kv.write` through the CPU kernel (a pool written in place) gives the
     scatter's pool to the bit: prefill rows of several tokens and a decode row, padding past a
     row's length, a position past its table, an inactive row (position -1), two rows writing
     one page, values that round (float32 in, 16 bits stored). Donated, the kernel writes the
