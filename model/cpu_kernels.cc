@@ -18,11 +18,12 @@
 //                            summed against x, and each group's sums are scaled once (plus
 //                            min * the group's sum of x): the float32 kernel's numbers over the
 //                            dequantized weights, summed in another order; with AVX-512 where
-//                            the CPU has it, to the same bits; or, over int8 activations, as
-//                            integer dot products. W is one layer's matrix of a buffer that
-//                            may hold every layer's, each in its own format (a [] int32
-//                            `layer` operand picks it), so that a loop over layers is one
-//                            program body (model/layer_loop.py).
+//                            the CPU has it (eight rows a pass), to the same bits; or, over
+//                            int8 activations, as integer dot products (AVX-512 VNNI's where
+//                            the CPU has it, to the same bits). W is one layer's matrix of a
+//                            buffer that may hold every layer's, each in its own format (a []
+//                            int32 `layer` operand picks it), so that a loop over layers is
+//                            one program body (model/layer_loop.py).
 //   cadence_cpu_layered_dequantize   the float32 W [K, N] of such a matrix (or of a run of its
 //                            blocks), for prefill's GEMM.
 //   cadence_cpu_blocked_matmul_int8   int8 blocks, widened in registers, with a float scale
@@ -44,6 +45,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -376,10 +378,14 @@ inline void split_codes(const uint8_t* pairs, const uint8_t* high, int64_t k, __
 
 // The formats, as the tiles read them: a record's kRows k-rows, in groups of kGroupRows;
 // codes(record, k, q) gives k-rows [k, k + kStep) of the record as 16 int8 codes each, and
-// scale / minimum (where kMin) group g's 16 float32 multipliers / terms.
+// scale / minimum (where kMin) group g's 16 float32 multipliers / terms. For the VNNI tile
+// (codes4): kBits a code, its low 4 (or 8) bits at kCodesAt, the rest in the plane at
+// kHighAt, and kLift, what it adds to make the codes unsigned.
 struct Q8 {
   static constexpr int64_t kRows = 32, kGroupRows = 32, kStep = 1, kRecord = 2 * kBlock + 32 * kBlock;
   static constexpr bool kMin = false;
+  static constexpr int kBits = 8, kLift = 128;
+  static constexpr int64_t kCodesAt = 2 * kBlock, kHighAt = 0;
   static void codes(const uint8_t* r, int64_t k, __m128i* q) { q[0] = load16(r + 2 * kBlock + k * kBlock); }
   static void scale(const uint8_t* r, int64_t, __m256& s0, __m256& s1) { s0 = half8(r); s1 = half8(r + 16); }
   static void minimum(const uint8_t*, int64_t, __m256&, __m256&) {}
@@ -388,6 +394,8 @@ struct Q8 {
 struct Q4 {
   static constexpr int64_t kRows = 32, kGroupRows = 32, kStep = 2, kRecord = 4 * kBlock + 16 * kBlock;
   static constexpr bool kMin = true;
+  static constexpr int kBits = 4, kLift = 0;
+  static constexpr int64_t kCodesAt = 4 * kBlock, kHighAt = 0;
   static void codes(const uint8_t* r, int64_t k, __m128i* q) { nibbles(r + 4 * kBlock + k / 2 * kBlock, q[0], q[1]); }
   static void scale(const uint8_t* r, int64_t, __m256& s0, __m256& s1) { s0 = half8(r); s1 = half8(r + 16); }
   static void minimum(const uint8_t* r, int64_t, __m256& m0, __m256& m1) { m0 = half8(r + 32); m1 = half8(r + 48); }
@@ -397,6 +405,8 @@ struct Q5 {
   static constexpr int64_t kRows = 32, kGroupRows = 32, kStep = 8, kHigh = 2 * kBlock;
   static constexpr int64_t kPairs = kHigh + 4 * kBlock, kRecord = kPairs + 16 * kBlock;
   static constexpr bool kMin = false;
+  static constexpr int kBits = 5, kLift = 16;
+  static constexpr int64_t kCodesAt = kPairs, kHighAt = kHigh;
   static void codes(const uint8_t* r, int64_t k, __m128i* q) { split_codes<1, 16>(r + kPairs, r + kHigh, k, q); }
   static void scale(const uint8_t* r, int64_t, __m256& s0, __m256& s1) { s0 = half8(r); s1 = half8(r + 16); }
   static void minimum(const uint8_t*, int64_t, __m256&, __m256&) {}
@@ -410,6 +420,8 @@ struct QK {
   static constexpr int64_t kSc = 4 * kBlock, kM = kSc + 8 * kBlock, kHigh = kM + 8 * kBlock;
   static constexpr int64_t kPairs = kHigh + (kFive ? 32 * kBlock : 0), kRecord = kPairs + 128 * kBlock;
   static constexpr bool kMin = true;
+  static constexpr int kBits = kFive ? 5 : 4, kLift = 0;
+  static constexpr int64_t kCodesAt = kPairs, kHighAt = kHigh;
   static void codes(const uint8_t* r, int64_t k, __m128i* q) {
     if constexpr (kFive) {
       split_codes<1, 0>(r + kPairs, r + kHigh, k, q);
@@ -436,6 +448,8 @@ struct Q6K {
   static constexpr int64_t kSc = 2 * kBlock, kHigh = kSc + 16 * kBlock, kPairs = kHigh + 64 * kBlock;
   static constexpr int64_t kRecord = kPairs + 128 * kBlock;
   static constexpr bool kMin = false;
+  static constexpr int kBits = 6, kLift = 32;
+  static constexpr int64_t kCodesAt = kPairs, kHighAt = kHigh;
   static void codes(const uint8_t* r, int64_t k, __m128i* q) { split_codes<2, 32>(r + kPairs, r + kHigh, k, q); }
   static void scale(const uint8_t* r, int64_t g, __m256& s0, __m256& s1) {
     const uint8_t* sc = r + kSc + g * kBlock;
@@ -546,6 +560,16 @@ CADENCE_AVX512 inline __m512 join512(__m256 lo, __m256 hi) {
                                              _mm256_castps_pd(hi), 1));
 }
 
+// add_minimums, 16 lanes at a time.
+template <int MR, class F>
+CADENCE_AVX512 inline void add_minimums512(__m512 (&acc)[MR], const uint8_t* w, int64_t g,
+                                           const float* xsum, int64_t xgroups) {
+  __m256 m0, m1;
+  F::minimum(w, g, m0, m1);
+  const __m512 mins = join512(m0, m1);
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * xgroups]), mins, acc[m]);
+}
+
 template <int MR, class F>
 CADENCE_AVX512 inline void grouped_tile512(const float* x, const float* xsum, int64_t K,
                                            const uint8_t* w, float* y, int64_t N, uintptr_t ahead,
@@ -570,21 +594,15 @@ CADENCE_AVX512 inline void grouped_tile512(const float* x, const float* xsum, in
       F::scale(w, g, s0, s1);
       const __m512 s = join512(s0, s1);
       for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(sums[m], s, acc[m]);
-      if constexpr (F::kMin) {
-        __m256 m0, m1;
-        F::minimum(w, g, m0, m1);
-        const __m512 mins = join512(m0, m1);
-        for (int m = 0; m < MR; ++m) {
-          acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * xgroups + k0 / kGroup]), mins, acc[m]);
-        }
-      }
+      if constexpr (F::kMin) add_minimums512<MR, F>(acc, w, g, xsum + k0 / kGroup, xgroups);
     }
   }
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * N, acc[m]);
 }
 
 // One tile of rows [0, MR): AVX-512's or AVX2's. The loop below is compiled for AVX2 alone, so
-// the AVX-512 tile is called, not inlined: a call per block and four rows.
+// the AVX-512 tile is called, not inlined: a call per block and eight rows (AVX-512's 32
+// registers hold eight rows' sums and results, AVX2's 16 four rows').
 template <bool kWide, int MR, class F>
 inline void tile(const float* x, const float* xsum, int64_t K, const uint8_t* w, float* y,
                  int64_t N, uintptr_t ahead, uint64_t start, uint64_t share) {
@@ -595,14 +613,26 @@ inline void tile(const float* x, const float* xsum, int64_t K, const uint8_t* w,
   }
 }
 
+// Calls fn(std::integral_constant<int, R>) for the R in [1, kMax] that equals rows.
+template <int kMax, class Fn>
+inline void with_rows(int64_t rows, Fn&& fn) {
+  if constexpr (kMax > 0) {
+    if (rows == kMax) {
+      fn(std::integral_constant<int, kMax>{});
+    } else {
+      with_rows<kMax - 1>(rows, fn);
+    }
+  }
+}
+
 // Blocks [first, last) of a grouped matrix (`run` bytes each) for all M rows, as
 // matmul_blocks: tile(std::integral_constant<int, MR>, m, wb, yb, ahead, start, share) for
-// rows [m, m + MR) of block wb (output yb), tiles of 4 rows and the rest; `ahead`, `start`
+// rows [m, m + MR) of block wb (output yb), tiles of kMax rows and the rest; `ahead`, `start`
 // and `share` place the tile's prefetches (see matmul_tile).
-template <class Tile>
+template <int kMax, class Tile>
 void grouped_runs(int64_t M, int64_t run, const uint8_t* w, float* y, int64_t first, int64_t last,
                   Tile tile) {
-  const uint64_t passes = (M + 3) / 4;
+  const uint64_t passes = (M + kMax - 1) / kMax;
   const uint64_t share = ((uint64_t{1} << 32) + passes - 1) / passes;
   const int64_t lead = passes == 1 ? kPrefetchBytes : run;
   for (int64_t b = first; b < last; ++b) {
@@ -610,14 +640,11 @@ void grouped_runs(int64_t M, int64_t run, const uint8_t* w, float* y, int64_t fi
     const uintptr_t ahead = reinterpret_cast<uintptr_t>(wb) + lead;
     float* yb = y + b * kBlock;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>{}, m, wb, yb, ahead, m / 4 * run, share);
-    const uint64_t start = m / 4 * run;
-    switch (M - m) {
-      case 3: tile(std::integral_constant<int, 3>{}, m, wb, yb, ahead, start, share); break;
-      case 2: tile(std::integral_constant<int, 2>{}, m, wb, yb, ahead, start, share); break;
-      case 1: tile(std::integral_constant<int, 1>{}, m, wb, yb, ahead, start, share); break;
-      default: break;
+    for (; m + kMax <= M; m += kMax) {
+      tile(std::integral_constant<int, kMax>{}, m, wb, yb, ahead, m / kMax * run, share);
     }
+    const uint64_t start = m / kMax * run;
+    with_rows<kMax - 1>(M - m, [&](auto mr) { tile(mr, m, wb, yb, ahead, start, share); });
   }
 }
 
@@ -625,7 +652,7 @@ template <bool kWide, class F>
 void grouped_blocks(const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
                     float* y, int64_t N, int64_t first, int64_t last) {
   const int64_t groups = K / kGroup;
-  grouped_runs(M, K / F::kRows * F::kRecord, w, y, first, last,
+  grouped_runs<kWide ? 8 : 4>(M, K / F::kRows * F::kRecord, w, y, first, last,
                [=](auto mr, int64_t m, const uint8_t* wb, float* yb, uintptr_t ahead,
                    uint64_t start, uint64_t share) {
                  tile<kWide, decltype(mr)::value, F>(x + m * K, xsum + m * groups, K, wb,
@@ -709,19 +736,150 @@ inline void grouped_tile_q8x(const int8_t* xq, const float* xd, const float* xsu
   store_rows<MR>(acc, y, N);
 }
 
+// The same tile with AVX-512 VNNI, where the CPU has it: a block's 16 columns of four k-rows
+// are one 512-bit register, and one vpdpbusd per row adds its four products per column to the
+// row's 32-bit sums (AVX2 spends five instructions on each half). vpdpbusd multiplies
+// unsigned bytes by signed ones: the codes go in as unsigned bytes, kLift above the AVX2
+// tile's (`codes4`), and kLift * the group's sum of x's codes (`xqsum`, per 16 k-rows, rows
+// K / 16 apart) comes off: the same integer sums, scaled as the AVX2 tile scales them, so the
+// same bits. With 32 registers, eight rows' sums and results fit: a block's codes are
+// unpacked once for eight rows where AVX2 unpacks them once per four.
+#define CADENCE_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi")))
+
+// A 64-byte constant built at compile time: byte i is f(i).
+template <class Fn>
+constexpr std::array<uint8_t, 64> bytes64(Fn f) {
+  std::array<uint8_t, 64> out{};
+  for (int i = 0; i < 64; ++i) out[i] = static_cast<uint8_t>(f(i));
+  return out;
+}
+
+CADENCE_VNNI inline __m512i load64(const std::array<uint8_t, 64>& a) { return _mm512_loadu_si512(a.data()); }
+
+// k-rows [k, k + 4) of a record's codes in vpdpbusd's order, as unsigned bytes: byte 4c + j is
+// column c's code of k-row k + j, plus F::kLift. kPhase is k modulo 8 (0 or 4), where the
+// k-rows' high bits lie in their plane's bytes. Q8_0's whole-byte codes: one byte permutation
+// (vpermb) of the four k-rows, and the sign bit flipped. The others: vpermb gathers the bytes
+// holding a pair of columns' bits, two of each pairs row and, for 5- and 6-bit codes, one of
+// the plane, into a 64-bit lane, and vpmultishiftqb takes each code's nibble from there into
+// its byte (and its high bits, at bit 4).
+template <class F, int kPhase>
+CADENCE_VNNI inline __m512i codes4(const uint8_t* r, int64_t k) {
+  if constexpr (F::kBits == 8) {
+    static constexpr auto order = bytes64([](int i) { return 16 * (i % 4) + i / 4; });
+    const __m512i codes = _mm512_loadu_si512(r + F::kCodesAt + k * kBlock);
+    return _mm512_xor_si512(_mm512_permutexvar_epi8(load64(order), codes),
+                            _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    constexpr int kHighBits = F::kBits - 4;
+    // The table: the pairs rows of k-rows k, k + 1 and k + 2, k + 3 (bytes 0-15, 16-31), and
+    // the plane's row of their high bits (32-47). Lane q (columns 2q, 2q + 1) gathers its
+    // columns' bytes of each: byte 2 row + column.
+    __m512i table = _mm512_zextsi256_si512(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + F::kCodesAt + k / 2 * kBlock)));
+    if constexpr (kHighBits > 0) {
+      table = _mm512_inserti32x4(table, load16(r + F::kHighAt + k / (8 / kHighBits) * kBlock), 2);
+    }
+    static constexpr auto gather = bytes64([](int i) {
+      const int q = i / 8, b = i % 8;
+      return b < 6 ? 16 * (b / 2) + 2 * q + b % 2 : 0;
+    });
+    const __m512i lanes = _mm512_permutexvar_epi8(load64(gather), table);
+    // Byte 4c + j of a lane (column c of its two, k-row k + j): the nibble at bit
+    // 8 (2 (j / 2) + c) + 4 (j % 2), the high bits at bit 8 (4 + c) + b (phase + j) of the lane,
+    // b of them, taken from 4 bits lower so that they land at bit 4.
+    static constexpr auto low = bytes64([](int i) {
+      const int c = i % 8 / 4, j = i % 4;
+      return 8 * (2 * (j / 2) + c) + 4 * (j % 2);
+    });
+    const __m512i nibbles = _mm512_and_si512(_mm512_multishift_epi64_epi8(load64(low), lanes),
+                                             _mm512_set1_epi8(0x0F));
+    if constexpr (kHighBits == 0) {
+      return nibbles;
+    } else {
+      static constexpr auto high = bytes64([](int i) {
+        const int c = i % 8 / 4, j = i % 4;
+        return 8 * (4 + c) + kHighBits * (kPhase % (8 / kHighBits) + j) - 4;
+      });
+      const __m512i bits = _mm512_multishift_epi64_epi8(load64(high), lanes);
+      // nibbles | (bits & the high bits' mask)
+      return _mm512_ternarylogic_epi32(nibbles, bits,
+                                       _mm512_set1_epi8(static_cast<char>(((1 << kHighBits) - 1) << 4)), 0xF8);
+    }
+  }
+}
+
+// sums[m] += per column, the four codes times row m's four int8 values at x (rows K apart).
+template <int MR>
+CADENCE_VNNI inline void dot_rows(__m512i (&sums)[MR], const int8_t* x, int64_t K, __m512i codes) {
+  for (int m = 0; m < MR; ++m) {
+    int32_t four;
+    std::memcpy(&four, x + m * K, 4);
+    sums[m] = _mm512_dpbusd_epi32(sums[m], codes, _mm512_set1_epi32(four));
+  }
+}
+
+template <int MR, class F>
+CADENCE_VNNI inline void grouped_tile_q8x512(const int8_t* xq, const int32_t* xqsum,
+                                             const float* xd, const float* xsum, int64_t K,
+                                             const uint8_t* w, float* y, int64_t N,
+                                             uintptr_t ahead, uint64_t start, uint64_t share) {
+  static_assert(F::kGroupRows % 16 == 0);
+  const int64_t records = K / F::kRows, xgroups = K / kGroup, xspans = K / 16;
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < records; ++r, w += F::kRecord) {
+    for (int64_t g = 0; g < F::kRows / F::kGroupRows; ++g) {
+      prefetch_group<F>(ahead, start, share, r * F::kRecord, g);
+      const int64_t k0 = r * F::kRows + g * F::kGroupRows;
+      __m512i sums[MR];
+      for (int m = 0; m < MR; ++m) sums[m] = _mm512_setzero_si512();
+      for (int64_t k = 0; k < F::kGroupRows; k += 8) {
+        dot_rows<MR>(sums, xq + k0 + k, K, codes4<F, 0>(w, g * F::kGroupRows + k));
+        dot_rows<MR>(sums, xq + k0 + k + 4, K, codes4<F, 4>(w, g * F::kGroupRows + k + 4));
+      }
+      __m256 s0, s1;
+      F::scale(w, g, s0, s1);
+      const __m512 s = join512(s0, s1);
+      for (int m = 0; m < MR; ++m) {
+        int32_t total = 0;
+        for (int64_t i = 0; i < F::kGroupRows / 16; ++i) total += xqsum[m * xspans + k0 / 16 + i];
+        const __m512i exact = _mm512_sub_epi32(sums[m], _mm512_set1_epi32(F::kLift * total));
+        const __m512 d = _mm512_set1_ps(xd[m * xgroups + k0 / kGroup]);
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), d), s, acc[m]);
+      }
+      if constexpr (F::kMin) add_minimums512<MR, F>(acc, w, g, xsum + k0 / kGroup, xgroups);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * N, acc[m]);
+}
+
 // Blocks [first, last) for all M rows over int8 activations, as grouped_blocks.
-template <class F>
-void grouped_blocks_q8x(const int8_t* xq, const float* xd, const float* xsum, int64_t M,
-                        int64_t K, const uint8_t* w, float* y, int64_t N, int64_t first,
-                        int64_t last) {
+template <bool kWide, class F>
+void grouped_blocks_q8x(const int8_t* xq, const int32_t* xqsum, const float* xd,
+                        const float* xsum, int64_t M, int64_t K, const uint8_t* w, float* y,
+                        int64_t N, int64_t first, int64_t last) {
   const int64_t groups = K / kGroup;
-  grouped_runs(M, K / F::kRows * F::kRecord, w, y, first, last,
-               [=](auto mr, int64_t m, const uint8_t* wb, float* yb, uintptr_t ahead,
-                   uint64_t start, uint64_t share) {
-                 grouped_tile_q8x<decltype(mr)::value, F>(xq + m * K, xd + m * groups,
-                                                         xsum + m * groups, K, wb, yb + m * N,
-                                                         N, ahead, start, share);
-               });
+  grouped_runs<kWide ? 8 : 4>(
+      M, K / F::kRows * F::kRecord, w, y, first, last,
+      [=](auto mr, int64_t m, const uint8_t* wb, float* yb, uintptr_t ahead, uint64_t start,
+          uint64_t share) {
+        constexpr int MR = decltype(mr)::value;
+        if constexpr (kWide) {
+          grouped_tile_q8x512<MR, F>(xq + m * K, xqsum + m * (K / 16), xd + m * groups,
+                                     xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share);
+        } else {
+          grouped_tile_q8x<MR, F>(xq + m * K, xd + m * groups, xsum + m * groups, K, wb,
+                                  yb + m * N, N, ahead, start, share);
+        }
+      });
+}
+
+// AVX-512 VNNI and VBMI where the CPU has them, unless CADENCE_CPU_AVX512=0.
+bool use_vnni() {
+  static const bool use = use_avx512() && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+  return use;
 }
 
 // x's rows quantized per 32 k-rows: codes round(x / d) in [-127, 127], d = amax / 127 (0 for
@@ -761,8 +919,21 @@ void grouped_run(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, c
     quantize_rows(xp, groups, codes.get(), scales.get());
     const int8_t* xq = codes.get();
     const float* xs = scales.get();
+    // Each row's sums of its codes per 16 k-rows, for the VNNI tile.
+    const bool wide = use_vnni();
+    std::unique_ptr<int32_t[]> code_sums(new int32_t[wide ? M * K / 16 : 1]);
+    for (int64_t i = 0; wide && i < M * K / 16; ++i) {
+      int32_t total = 0;
+      for (int64_t k = 0; k < 16; ++k) total += xq[i * 16 + k];
+      code_sums[i] = total;
+    }
+    const int32_t* xqsum = code_sums.get();
     parallel_for(pool, blocks, grain, [=](int64_t first, int64_t last) {
-      grouped_blocks_q8x<F>(xq, xs, xsum, M, K, wp, yp, N, first, last);
+      if (wide) {
+        grouped_blocks_q8x<true, F>(xq, xqsum, xs, xsum, M, K, wp, yp, N, first, last);
+      } else {
+        grouped_blocks_q8x<false, F>(xq, xqsum, xs, xsum, M, K, wp, yp, N, first, last);
+      }
     });
   } else {
     const bool wide = use_avx512();
