@@ -325,7 +325,7 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
     donate = ("cache", "last_tokens", "history")
 
     def jit(fn, out, **kw):
-        if config.cpu_activations != "float32":  # traced with the CPU kernels' activations
+        if config.decode_matmul == "cpu":  # traced with the CPU kernels' activations and argmax
             fn = cpu_kernels.with_activations(fn, config.cpu_activations)
         return jax.jit(fn, **({} if tp is None else {"out_shardings": out}), **kw)
 

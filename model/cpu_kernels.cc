@@ -36,6 +36,8 @@
 //                            pool stacked over layers, which XLA would copy out.
 //   cadence_cpu_take_pages{,_bf16,_f16}   pages of a pool, widened to float32 (prefill's key
 //                            tiles): XLA:CPU widens the whole pool before a 16-bit gather.
+//   cadence_cpu_argmax           each row's likeliest token, as jnp.argmax: XLA:CPU does not
+//                            vectorize its reduction over (value, index) pairs.
 //
 // The pool kernels take a pool of one layer or a layer of a stack of them (`pool_layer`).
 //
@@ -1428,7 +1430,64 @@ ffi::Error TakePages(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buf
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Each row's likeliest token: the index of its first maximum, or of its first NaN where it has
+// one (jnp.argmax's answer). XLA:CPU lowers argmax to a reduction over (value, index) pairs
+// that it does not vectorize: 2-3 ms a decode step for 8 rows of a 151,936-token vocabulary.
+// Here one pass finds the row's maximum (and whether it holds a NaN), vectorized, and a second
+// the first index holding it.
+int32_t argmax_row(const float* x, int64_t n) {
+  __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    top = _mm256_max_ps(v, top);  // a NaN in v leaves top as it was
+  }
+  float best = -INFINITY;
+  bool any_nan = _mm256_movemask_ps(nan) != 0;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  for (float lane : lanes) best = std::max(best, lane);
+  for (int64_t j = i; j < n; ++j) {
+    any_nan |= std::isnan(x[j]);
+    if (x[j] > best) best = x[j];
+  }
+  // The first index holding the maximum (the first NaN where there is one).
+  const __m256 want = _mm256_set1_ps(best);
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const int hits = _mm256_movemask_ps(any_nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q)
+                                                : _mm256_cmp_ps(v, want, _CMP_EQ_OQ));
+    if (hits) return static_cast<int32_t>(i + __builtin_ctz(hits));
+  }
+  for (; i < n; ++i) {
+    if (any_nan ? std::isnan(x[i]) : x[i] == best) return static_cast<int32_t>(i);
+  }
+  return 0;  // not reached: some element holds the maximum
+}
+
+ffi::Error Argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || xd[1] < 1 || out->element_count() != xd[0]) {
+    return ffi::Error::InvalidArgument("cadence_cpu_argmax takes x [rows, n >= 1] and gives [rows]");
+  }
+  const int64_t n = xd[1];
+  const float* xp = x.typed_data();
+  int32_t* op = out->typed_data();
+  parallel_for(pool, xd[0], 1, [=](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) op[row] = argmax_row(xp + row * n, n);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_argmax, Argmax,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 #define CADENCE_TAKE_PAGES(name, dt, type)                             \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (TakePages<dt, type>),           \

@@ -91,6 +91,7 @@ ATTENTION = {"float32": "cadence_cpu_paged_decode", "bfloat16": "cadence_cpu_pag
 PAGED_WRITE = "cadence_cpu_paged_write"
 TAKE_PAGES = {"float32": "cadence_cpu_take_pages", "bfloat16": "cadence_cpu_take_pages_bf16",
               "float16": "cadence_cpu_take_pages_f16"}
+ARGMAX = "cadence_cpu_argmax"
 
 
 class KernelsUnavailable(RuntimeError):
@@ -151,7 +152,7 @@ def _load() -> str | None:
     except (KernelsUnavailable, OSError) as e:
         return str(e)
     for name in (MATMUL_INT8, LAYERED_MATMUL, LAYERED_DEQUANTIZE, *ATTENTION.values(),
-                 PAGED_WRITE, *TAKE_PAGES.values()):
+                 PAGED_WRITE, *TAKE_PAGES.values(), ARGMAX):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, name)), platform="cpu")
     return None
 
@@ -193,13 +194,21 @@ def activations(kind: str):
         _ACTIVATIONS.reset(token)
 
 
+_SERVING = contextvars.ContextVar("cadence_cpu_kernels_serving", default=False)
+
+
 def with_activations(fn, kind: str):
-    """`fn` traced inside `activations(kind)`, with its signature (so that a jit of it still
-    finds its static and donated arguments by name)."""
+    """`fn` traced inside `activations(kind)`, and as a program the kernels serve (`argmax`
+    takes the kernel), with its signature (so that a jit of it still finds its static and
+    donated arguments by name)."""
     @functools.wraps(fn)
     def traced(*args, **kwargs):
-        with activations(kind):
-            return fn(*args, **kwargs)
+        token = _SERVING.set(True)
+        try:
+            with activations(kind):
+                return fn(*args, **kwargs)
+        finally:
+            _SERVING.reset(token)
 
     return traced
 
@@ -571,3 +580,12 @@ def take_pages(pages, ids: jax.Array) -> jax.Array:
     pool, layer = _pool_layer(pages)
     out = jax.ShapeDtypeStruct((kv_heads, ids.shape[0], page_size, d), jnp.float32)
     return jax.ffi.ffi_call(TAKE_PAGES[pages.dtype.name], out)(layer, pool, ids.astype(jnp.int32))
+
+
+def argmax(logits: jax.Array) -> jax.Array:
+    """Each row's likeliest token, int32: `jnp.argmax(logits, axis=-1)` (the first of equal
+    maxima; the first NaN where a row has one), by the kernel in a program the kernels serve
+    (`with_activations`) over float32 [rows, n] logits, else by XLA."""
+    if _SERVING.get() and logits.ndim == 2 and logits.dtype == jnp.float32 and available():
+        return jax.ffi.ffi_call(ARGMAX, jax.ShapeDtypeStruct(logits.shape[:1], jnp.int32))(logits)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cadence.model import cpu_kernels
 from cadence.model.host_sampling import RequestSampling, SamplingRows
-from cadence.model.sampling import SamplingParams, kept, sample
+from cadence.model.sampling import SamplingParams, argmax, kept, sample
+from tests.fakes import needs_cpu_kernels
 
 VOCAB = 50
 
@@ -107,3 +109,32 @@ def test_the_threshold_filters_keep_what_sorting_keeps():
     keep = np.asarray(keep)
     for i, sampling in enumerate(rows):
         assert set(np.flatnonzero(keep[i]).tolist()) == kept_by_sorting(logits[i], sampling), sampling
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("rows, n", [(1, 1), (3, 7), (8, 8), (2, 9), (8, 4099), (8, 151936)])
+def test_the_cpu_kernels_argmax_is_jnp_argmax(rows, n):
+    """In a program the CPU kernels serve, greedy tokens come from their argmax kernel: the
+    first of equal maxima, the first NaN where a row has one, and -inf or +inf rows as
+    jnp.argmax has them, at widths that are and are not multiples of 8."""
+    rng = np.random.default_rng(rows * 100 + n)
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    x[0, rng.integers(n, size=3)] = x[0].max() + 1  # a tie for the maximum, maybe at the tail
+    if rows > 1:
+        x[1, rng.integers(n)] = np.nan
+        x[1, -1] = np.nan  # a NaN in the tail too: the first one wins
+    if rows > 2:
+        x[2] = -np.inf
+        x[2, rng.integers(n, size=2)] = np.inf
+    if rows > 3:
+        x[3] = -np.inf
+    programs = jax.jit(cpu_kernels.with_activations(argmax, "float32"))
+    hlo = programs.lower(x).as_text()
+    assert cpu_kernels.ARGMAX in hlo  # the kernel, not XLA's reduction
+    np.testing.assert_array_equal(programs(x), jnp.argmax(x, axis=-1))
+
+
+def test_argmax_outside_the_kernels_programs_is_xlas(logits):
+    """Outside a program the CPU kernels serve (the GPU's, XLA's decode), argmax is XLA's."""
+    assert cpu_kernels.ARGMAX not in jax.jit(argmax).lower(logits).as_text()
+    np.testing.assert_array_equal(jax.jit(argmax)(logits), np.argmax(logits, -1))
