@@ -696,12 +696,33 @@ inline __m256i dot4(__m256i w, __m256i x) {
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
+// The same sum over codes of at most 6 bits lifted to unsigned bytes (`lifted_codes`): the
+// unsigned codes are maddubs' unsigned operand as they are (a pair of products stays within
+// 63 * 127 * 2, no saturation), without dot4's abs and sign.
+inline __m256i dot4u(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+// k-rows [k, k + kStep) of a format's codes as unsigned bytes, F::kLift above `codes`'.
+template <class F>
+inline void lifted_codes(const uint8_t* r, int64_t k, __m128i* q) {
+  if constexpr (F::kLift == 0) {
+    F::codes(r, k, q);
+  } else {
+    split_codes<F::kBits - 4, 0>(r + F::kCodesAt, r + F::kHighAt, k, q);
+  }
+}
+
+// Over int8 activations. Codes of at most 6 bits go in lifted (`dot4u`), and kLift * the
+// group's sum of x's codes (`xqsum`, per 16 k-rows, rows K / 16 apart) comes off after;
+// Q8_0's signed bytes take dot4.
 template <int MR, class F>
-inline void grouped_tile_q8x(const int8_t* xq, const float* xd, const float* xsum, int64_t K,
-                             const uint8_t* w, float* y, int64_t N, uintptr_t ahead,
-                             uint64_t start, uint64_t share) {
-  static_assert(F::kGroupRows % 8 == 0 && 8 % F::kStep == 0);
-  const int64_t records = K / F::kRows, xgroups = K / kGroup;
+inline void grouped_tile_q8x(const int8_t* xq, const int32_t* xqsum, const float* xd,
+                             const float* xsum, int64_t K, const uint8_t* w, float* y, int64_t N,
+                             uintptr_t ahead, uint64_t start, uint64_t share) {
+  static_assert(F::kGroupRows % 16 == 0 && 8 % F::kStep == 0);
+  constexpr bool kLifted = F::kBits < 8;
+  const int64_t records = K / F::kRows, xgroups = K / kGroup, xspans = K / 16;
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t r = 0; r < records; ++r, w += F::kRecord) {
@@ -712,7 +733,13 @@ inline void grouped_tile_q8x(const int8_t* xq, const float* xd, const float* xsu
       for (int m = 0; m < MR; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
       for (int64_t k = 0; k < F::kGroupRows; k += 8) {
         __m128i q[8];
-        for (int j = 0; j < 8; j += F::kStep) F::codes(w, g * F::kGroupRows + k + j, q + j);
+        for (int j = 0; j < 8; j += F::kStep) {
+          if constexpr (kLifted) {
+            lifted_codes<F>(w, g * F::kGroupRows + k + j, q + j);
+          } else {
+            F::codes(w, g * F::kGroupRows + k + j, q + j);
+          }
+        }
         for (int half = 0; half < 8; half += 4) {
           __m256i lo, hi;
           interleave4(q + half, lo, hi);
@@ -720,14 +747,26 @@ inline void grouped_tile_q8x(const int8_t* xq, const float* xd, const float* xsu
             int32_t four;
             std::memcpy(&four, xq + m * K + k0 + k + half, 4);
             const __m256i xv = _mm256_set1_epi32(four);
-            sums[m][0] = _mm256_add_epi32(sums[m][0], dot4(lo, xv));
-            sums[m][1] = _mm256_add_epi32(sums[m][1], dot4(hi, xv));
+            if constexpr (kLifted) {
+              sums[m][0] = _mm256_add_epi32(sums[m][0], dot4u(lo, xv));
+              sums[m][1] = _mm256_add_epi32(sums[m][1], dot4u(hi, xv));
+            } else {
+              sums[m][0] = _mm256_add_epi32(sums[m][0], dot4(lo, xv));
+              sums[m][1] = _mm256_add_epi32(sums[m][1], dot4(hi, xv));
+            }
           }
         }
       }
       __m256 s0, s1;
       F::scale(w, g, s0, s1);
       for (int m = 0; m < MR; ++m) {
+        if constexpr (kLifted && F::kLift != 0) {
+          int32_t total = 0;
+          for (int64_t i = 0; i < F::kGroupRows / 16; ++i) total += xqsum[m * xspans + k0 / 16 + i];
+          const __m256i lift = _mm256_set1_epi32(F::kLift * total);
+          sums[m][0] = _mm256_sub_epi32(sums[m][0], lift);
+          sums[m][1] = _mm256_sub_epi32(sums[m][1], lift);
+        }
         const __m256 d = _mm256_set1_ps(xd[m * xgroups + k0 / kGroup]);
         acc[m][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums[m][0]), d), s0, acc[m][0]);
         acc[m][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums[m][1]), d), s1, acc[m][1]);
@@ -871,8 +910,8 @@ void grouped_blocks_q8x(const int8_t* xq, const int32_t* xqsum, const float* xd,
           grouped_tile_q8x512<MR, F>(xq + m * K, xqsum + m * (K / 16), xd + m * groups,
                                      xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share);
         } else {
-          grouped_tile_q8x<MR, F>(xq + m * K, xd + m * groups, xsum + m * groups, K, wb,
-                                  yb + m * N, N, ahead, start, share);
+          grouped_tile_q8x<MR, F>(xq + m * K, xqsum + m * (K / 16), xd + m * groups,
+                                  xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share);
         }
       });
 }
@@ -921,10 +960,10 @@ void grouped_run(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, c
     quantize_rows(xp, groups, codes.get(), scales.get());
     const int8_t* xq = codes.get();
     const float* xs = scales.get();
-    // Each row's sums of its codes per 16 k-rows, for the VNNI tile.
+    // Each row's sums of its codes per 16 k-rows, for the lifted codes.
     const bool wide = use_vnni();
-    std::unique_ptr<int32_t[]> code_sums(new int32_t[wide ? M * K / 16 : 1]);
-    for (int64_t i = 0; wide && i < M * K / 16; ++i) {
+    std::unique_ptr<int32_t[]> code_sums(new int32_t[M * K / 16]);
+    for (int64_t i = 0; i < M * K / 16; ++i) {
       int32_t total = 0;
       for (int64_t k = 0; k < 16; ++k) total += xq[i * 16 + k];
       code_sums[i] = total;
