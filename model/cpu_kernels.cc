@@ -943,9 +943,14 @@ template <class F, bool kInt8>
 void grouped_run(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, const uint8_t* wp,
                  float* yp, int64_t blocks) {
   const int64_t N = blocks * kBlock, groups = M * K / kGroup;
-  // Work items of about the float32 kernel's 256 KiB weights' worth of columns: the same
-  // balance of threads, over a quarter to an eighth of the bytes.
-  const int64_t grain = std::max<int64_t>(1, (256 << 10) / (K * kBlock * 4));
+  // Work items of about 256 KiB of blocks, as the float32 kernel's, and at least one per
+  // thread. Items of 256 KiB of float32 columns (39-64 KiB of blocks) made a decode step of
+  // Qwen2.5-0.5B Q4_K_M 8% slower at one row and 5% at eight (int8 activations: 16% and 9%)
+  // on a 2-core Intel Xeon: 4-6 times as many items, each a shorter stream
+  // (bench/results/avx512-cpu/grain.txt).
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t grain = std::max<int64_t>(
+      1, std::min((256 << 10) / (K / F::kRows * F::kRecord), (blocks + threads - 1) / threads));
   // Each row's group sums, for the minimums (formats without them need none).
   std::unique_ptr<float[]> sums(new float[F::kMin ? groups : 1]);
   for (int64_t i = 0; F::kMin && i < groups; ++i) {
