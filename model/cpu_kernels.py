@@ -39,9 +39,10 @@ They compute in float32, and each is checked against its XLA twin or NumPy
 work is split between the calling thread and workers of their own, which spin between the
 ~150 kernel calls of a decode step rather than sleep (`cpu_kernels.cc`'s `Workers`).
 
-Building: the first use compiles `cpu_kernels.cc` with the system's C++ compiler (`$CXX`, else
-`c++`) against the XLA FFI headers jaxlib ships, into `$CADENCE_CACHE/kernels/` under a name
-that hashes the source, the flags and the jaxlib version (a few seconds, once), loads it with
+Building: the first use compiles `cpu_kernels.cc` (with the parts it includes, `csrc/*.h`) with
+the system's C++ compiler (`$CXX`, else `c++`) against the XLA FFI headers jaxlib ships, into
+`$CADENCE_CACHE/kernels/` under a name that hashes the sources, the flags and the jaxlib
+version (a few seconds, once), loads it with
 ctypes and registers its handlers with `jax.ffi`. Where that cannot work (not x86-64 with
 AVX2, FMA and F16C, no compiler, `CADENCE_CPU_KERNELS=0`), `available()` is False,
 `unavailable_reason()` says why, and the front doors use XLA's paths.
@@ -71,6 +72,7 @@ from cadence.model.arith import cdiv
 from cadence.model.block_layout import BLOCK, FORMATS, block, grouped_format, unblock
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+SOURCES = (SOURCE, *sorted((SOURCE.parent / "csrc").glob("*.h")))  # the parts it includes
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC", "-w")
 MATMUL_INT8 = "cadence_cpu_blocked_matmul_int8"
 # Every matrix the matmul and the dequantizer read but int8 blocks: float blocks (float32, or a
@@ -121,8 +123,9 @@ def _build() -> Path:
     if not compiler:
         raise KernelsUnavailable("no C++ compiler (set $CXX, or install g++)")
     include = jax.ffi.include_dir()
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
-                            + jax.__version__.encode() + compiler.encode()).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + jax.__version__.encode()
+                            + compiler.encode()).hexdigest()[:16]
     target = _cache_root() / f"cadence_cpu_kernels-{digest}.so"
     if target.exists():
         return target

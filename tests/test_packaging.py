@@ -26,7 +26,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("model", "checkpoints", "engine", "scheduler", "server", "bench")
 # Files the code opens at run time, beside the modules that open them.
-DATA = ("cadence/model/cpu_kernels.cc", "cadence/server/openapi.json")
+DATA = ("cadence/model/cpu_kernels.cc", "cadence/server/openapi.json",
+        *(f"cadence/model/csrc/{part.name}" for part in sorted((ROOT / "model" / "csrc").glob("*.h"))))
 
 
 def _sources() -> list[Path]:
