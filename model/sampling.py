@@ -218,7 +218,10 @@ def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array)
     """One categorical draw per row over what `kept` leaves of its scaled logits."""
     scaled, keep = kept(logits, params)
     rngs = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, step)
-    sampled = jax.vmap(jax.random.categorical)(rngs, jnp.where(keep, scaled, -jnp.inf))
+    # jax.random.categorical's draw, the Gumbel-max trick, with `argmax` taking the max: the
+    # same noise and the same token, without XLA:CPU's argmax (11 ms a step over 8 x 151,936).
+    noise = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:], scaled.dtype))(rngs)
+    sampled = argmax(noise + jnp.where(keep, scaled, -jnp.inf))
     return jnp.where(params.temperature > 0, sampled, argmax(logits)).astype(jnp.int32)
 
 

@@ -138,3 +138,23 @@ def test_argmax_outside_the_kernels_programs_is_xlas(logits):
     """Outside a program the CPU kernels serve (the GPU's, XLA's decode), argmax is XLA's."""
     assert cpu_kernels.ARGMAX not in jax.jit(argmax).lower(logits).as_text()
     np.testing.assert_array_equal(jax.jit(argmax)(logits), np.argmax(logits, -1))
+
+
+@needs_cpu_kernels
+def test_a_draw_is_jax_random_categoricals_in_the_kernels_programs_too():
+    """Sampled rows draw what jax.random.categorical draws from the filtered, scaled logits
+    (the Gumbel-max trick, its noise), whether `argmax` is XLA's or the CPU kernels'."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((8, 1000)).astype(np.float32) * 3)
+    params = SamplingParams.make([0.7, 1.0, 1.3, 0.5, 0.9, 1.0, 0.2, 2.0], [0, 40, 0, 5, 0, 0, 0, 100],
+                                 [1.0, 0.9, 0.95, 1.0, 0.5, 1.0, 0.99, 1.0], list(range(8)))
+    step = jnp.arange(8, dtype=jnp.int32) * 3
+
+    def categorical(logits, params, step):
+        scaled, keep = kept(logits, params)
+        rngs = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, step)
+        return jax.vmap(jax.random.categorical)(rngs, jnp.where(keep, scaled, -jnp.inf))
+
+    want = jax.jit(categorical)(x, params, step)
+    for fn in (sample, cpu_kernels.with_activations(sample, "float32")):
+        np.testing.assert_array_equal(jax.jit(fn)(x, params, step), want)
