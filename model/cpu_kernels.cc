@@ -38,6 +38,7 @@
 //                            tiles): XLA:CPU widens the whole pool before a 16-bit gather.
 //   cadence_cpu_argmax           each row's likeliest token, as jnp.argmax: XLA:CPU does not
 //                            vectorize its reduction over (value, index) pairs.
+//   cadence_cpu_kth_largest      each row's k-th largest key, top-k's threshold for sampling.
 //
 // The pool kernels take a pool of one layer or a layer of a stack of them (`pool_layer`).
 //
@@ -56,8 +57,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -363,7 +366,40 @@ ffi::Error Argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuff
   return ffi::Error::Success();
 }
 
+// Each row's k-th largest key, k = ks[row] clipped into [1, n]: top-k's threshold over the
+// sampling's order keys (model/sampling.py), what a bisection finds in 32 masked sums over the
+// row, here one selection (std::nth_element) over a copy of it.
+ffi::Error KthLargest(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::Buffer<ffi::S32> ks,
+                      ffi::ResultBuffer<ffi::U32> out) {
+  const auto kd = keys.dimensions();
+  if (kd.size() != 2 || kd[1] < 1 || ks.element_count() != kd[0] || out->element_count() != kd[0]) {
+    return ffi::Error::InvalidArgument(
+        "cadence_cpu_kth_largest takes keys [rows, n >= 1] and k [rows], and gives [rows]");
+  }
+  const int64_t n = kd[1];
+  const uint32_t* kp = keys.typed_data();
+  const int32_t* kk = ks.typed_data();
+  uint32_t* op = out->typed_data();
+  parallel_for(pool, kd[0], 1, [=](int64_t first, int64_t last) {
+    std::vector<uint32_t> row(n);
+    for (int64_t r = first; r < last; ++r) {
+      std::copy_n(kp + r * n, n, row.begin());
+      const int64_t k = std::clamp<int64_t>(kk[r], 1, n);
+      std::nth_element(row.begin(), row.begin() + (k - 1), row.end(), std::greater<uint32_t>());
+      op[r] = row[k - 1];
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_kth_largest, KthLargest,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_argmax, Argmax,
                               ffi::Ffi::Bind()

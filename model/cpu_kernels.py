@@ -94,6 +94,7 @@ PAGED_WRITE = "cadence_cpu_paged_write"
 TAKE_PAGES = {"float32": "cadence_cpu_take_pages", "bfloat16": "cadence_cpu_take_pages_bf16",
               "float16": "cadence_cpu_take_pages_f16"}
 ARGMAX = "cadence_cpu_argmax"
+KTH_LARGEST = "cadence_cpu_kth_largest"
 
 
 class KernelsUnavailable(RuntimeError):
@@ -155,7 +156,7 @@ def _load() -> str | None:
     except (KernelsUnavailable, OSError) as e:
         return str(e)
     for name in (MATMUL_INT8, LAYERED_MATMUL, LAYERED_DEQUANTIZE, *ATTENTION.values(),
-                 PAGED_WRITE, *TAKE_PAGES.values(), ARGMAX):
+                 PAGED_WRITE, *TAKE_PAGES.values(), ARGMAX, KTH_LARGEST):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, name)), platform="cpu")
     return None
 
@@ -585,10 +586,23 @@ def take_pages(pages, ids: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call(TAKE_PAGES[pages.dtype.name], out)(layer, pool, ids.astype(jnp.int32))
 
 
+def serving() -> bool:
+    """Whether what is traced now is a program the kernels serve (`with_activations`) and they
+    run here: sampling then takes `argmax` and `kth_largest` from them."""
+    return _SERVING.get() and available()
+
+
 def argmax(logits: jax.Array) -> jax.Array:
     """Each row's likeliest token, int32: `jnp.argmax(logits, axis=-1)` (the first of equal
     maxima; the first NaN where a row has one), by the kernel in a program the kernels serve
-    (`with_activations`) over float32 [rows, n] logits, else by XLA."""
-    if _SERVING.get() and logits.ndim == 2 and logits.dtype == jnp.float32 and available():
+    (`serving()`) over float32 [rows, n] logits, else by XLA."""
+    if serving() and logits.ndim == 2 and logits.dtype == jnp.float32:
         return jax.ffi.ffi_call(ARGMAX, jax.ShapeDtypeStruct(logits.shape[:1], jnp.int32))(logits)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def kth_largest(keys: jax.Array, k: jax.Array) -> jax.Array:
+    """Each row's k-th largest of `keys` uint32 [rows, n], k [rows] clipped into [1, n]."""
+    _require()
+    return jax.ffi.ffi_call(KTH_LARGEST, jax.ShapeDtypeStruct(keys.shape[:1], jnp.uint32))(
+        keys.astype(jnp.uint32), k.astype(jnp.int32))

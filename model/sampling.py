@@ -197,7 +197,11 @@ def kept(logits: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Arra
     top_k = jnp.where((params.top_k > 0) & (params.top_k < vocab), params.top_k, vocab)
 
     def top(keep):
-        return keep & (keys >= _threshold(keys, jnp.ones_like(scaled), top_k.astype(scaled.dtype))[:, None])
+        if cpu_kernels.serving():  # the k-th largest key by selection, not bisection
+            cut = cpu_kernels.kth_largest(keys, top_k)
+        else:
+            cut = _threshold(keys, jnp.ones_like(scaled), top_k.astype(scaled.dtype))
+        return keep & (keys >= cut[:, None])
 
     def nucleus(keep):
         probs = jnp.where(keep, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0)

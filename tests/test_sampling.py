@@ -158,3 +158,24 @@ def test_a_draw_is_jax_random_categoricals_in_the_kernels_programs_too():
     want = jax.jit(categorical)(x, params, step)
     for fn in (sample, cpu_kernels.with_activations(sample, "float32")):
         np.testing.assert_array_equal(jax.jit(fn)(x, params, step), want)
+
+
+@needs_cpu_kernels
+def test_top_k_by_selection_keeps_what_the_bisection_keeps():
+    """In the CPU kernels' programs top-k's threshold is the k-th largest key by selection:
+    the same kept tokens as the bisection, ties at the k-th included, k of 1, of the whole
+    vocabulary and beyond it (no filter), with and without top-p and min_p."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((6, 3000)).astype(np.float32)
+    x[:, :40] = np.round(x[:, :40])  # ties across the top
+    x[2, 100:200] = x[2].max() + 1  # more tokens tied for the lead than k keeps
+    params = SamplingParams.make([0.7, 1.0, 1.3, 0.5, 0.9, 1.0], [1, 40, 10, 3000, 5000, 7],
+                                 [1.0, 0.9, 1.0, 0.8, 1.0, 0.5], list(range(6)))
+    params = params._replace(min_p=np.asarray([0.0, 0.0, 0.1, 0.0, 0.0, 0.05], np.float32))
+    want_scaled, want = jax.jit(kept)(jnp.asarray(x), params)
+    hlo = jax.jit(cpu_kernels.with_activations(kept, "float32")).lower(jnp.asarray(x), params).as_text()
+    assert cpu_kernels.KTH_LARGEST in hlo
+    got_scaled, got = jax.jit(cpu_kernels.with_activations(kept, "float32"))(jnp.asarray(x), params)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_scaled, want_scaled)
+    assert np.asarray(got).sum(axis=1)[2] == 100  # the tied lead kept whole
