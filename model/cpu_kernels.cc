@@ -98,18 +98,12 @@ void grouped_run(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, c
   if constexpr (kInt8) {
     std::unique_ptr<int8_t[]> codes(new int8_t[M * K]);
     std::unique_ptr<float[]> scales(new float[groups]);
-    quantize_rows(xp, groups, codes.get(), scales.get());
+    std::unique_ptr<int32_t[]> code_sums(new int32_t[2 * groups]);
+    quantize_rows(xp, groups, codes.get(), scales.get(), code_sums.get());
     const int8_t* xq = codes.get();
     const float* xs = scales.get();
-    // Each row's sums of its codes per 16 k-rows, for the lifted codes.
-    const bool wide = use_vnni();
-    std::unique_ptr<int32_t[]> code_sums(new int32_t[M * K / 16]);
-    for (int64_t i = 0; i < M * K / 16; ++i) {
-      int32_t total = 0;
-      for (int64_t k = 0; k < 16; ++k) total += xq[i * 16 + k];
-      code_sums[i] = total;
-    }
     const int32_t* xqsum = code_sums.get();
+    const bool wide = use_vnni();
     parallel_for(pool, blocks, grain, [=](int64_t first, int64_t last) {
       if (wide) {
         grouped_blocks_q8x<true, F>(xq, xqsum, xs, xsum, M, K, wp, yp, N, first, last);

@@ -88,6 +88,20 @@ def _same(x):
     return x
 
 
+# Whether some row of the batch uses a stage: each stage's branch, and `choose`'s test for a
+# batch no stage changes.
+def _constrained(allowed: jax.Array) -> jax.Array:
+    return jnp.any(allowed != ALL_ALLOWED)
+
+
+def _biased(params: SamplingParams) -> jax.Array:
+    return jnp.any(params.bias_ids != NO_TOKEN)
+
+
+def _sampled(params: SamplingParams) -> jax.Array:
+    return jnp.any(params.temperature > 0)
+
+
 def apply_bitmask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
     """`logits` [rows, vocab] with every token a row's bitmask `allowed` [rows, words] forbids
     at -inf; runs only if some row is constrained (unconstrained rows come out bit-identical)."""
@@ -99,7 +113,7 @@ def apply_bitmask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
         keep = bits.reshape(allowed.shape[0], -1)[:, :vocab] == 1
         return jnp.where(keep, logits, -jnp.inf)
 
-    return when(jnp.any(allowed != ALL_ALLOWED), mask, _same, logits)
+    return when(_constrained(allowed), mask, _same, logits)
 
 
 def adjust_logits(logits: jax.Array, params: SamplingParams, history: TokenHistory,
@@ -120,7 +134,7 @@ def adjust_logits(logits: jax.Array, params: SamplingParams, history: TokenHisto
         logits = logits - params.frequency_penalty[:, None] * counts.astype(logits.dtype)
         return logits - params.presence_penalty[:, None] * generated.astype(logits.dtype)
 
-    logits = when(jnp.any(params.bias_ids != NO_TOKEN), bias, _same, logits)
+    logits = when(_biased(params), bias, _same, logits)
     return when(jnp.any(params.penalized), penalize, _same, logits)
 
 
@@ -232,8 +246,7 @@ def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array)
 def sample(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:
     """Picks one token per row from logits already adjusted (`adjust_logits`). `step` [rows]
     makes each draw distinct (use the position)."""
-    return when(jnp.any(params.temperature > 0),
-                lambda logits: _sample_filtered(logits, params, step),
+    return when(_sampled(params), lambda logits: _sample_filtered(logits, params, step),
                 argmax, logits)
 
 
@@ -252,9 +265,8 @@ def choose(logits: jax.Array, params: SamplingParams, history: TokenHistory, slo
     # raw logits' argmax in a branch that gives back tokens alone: a stage's branch that
     # passes the logits through unchanged still copies them (the raw logits stay live for
     # the logprobs), 2 ms a step for 8 x 151,936 of them.
-    changed = (jnp.any(params.bias_ids != NO_TOKEN) | jnp.any(params.penalized)
-               | jnp.any(params.temperature > 0))
+    changed = _biased(params) | jnp.any(params.penalized) | _sampled(params)
     if allowed is not None:
-        changed = changed | jnp.any(allowed != ALL_ALLOWED)
+        changed = changed | _constrained(allowed)
     tokens = when(changed, adjusted, argmax, logits)
     return tokens, logprobs_of(logits, tokens, k, params.logprobs)

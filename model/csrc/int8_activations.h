@@ -276,17 +276,24 @@ bool use_vnni() {
 }
 
 // x's rows quantized per 32 k-rows: codes round(x / d) in [-127, 127], d = amax / 127 (0 for
-// a group of zeros, whose codes are 0).
-void quantize_rows(const float* x, int64_t groups, int8_t* xq, float* xd) {
+// a group of zeros, whose codes are 0), and the codes' sums per 16 k-rows (`xqsum`, what the
+// tiles take off lifted codes' sums).
+void quantize_rows(const float* x, int64_t groups, int8_t* xq, float* xd, int32_t* xqsum) {
+  static_assert(kGroup == 32, "two sums of 16 k-rows a group");
   for (int64_t i = 0; i < groups; ++i) {
     const float* g = x + i * kGroup;
     float amax = 0.0f;
     for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(g[k]));
     const float d = amax / 127.0f, inverse = d > 0 ? 1.0f / d : 0.0f;
     xd[i] = d;
+    int32_t halves[2] = {0, 0};
     for (int64_t k = 0; k < kGroup; ++k) {
-      xq[i * kGroup + k] = static_cast<int8_t>(std::nearbyint(g[k] * inverse));
+      const int8_t code = static_cast<int8_t>(std::nearbyint(g[k] * inverse));
+      xq[i * kGroup + k] = code;
+      halves[k / 16] += code;
     }
+    xqsum[2 * i] = halves[0];
+    xqsum[2 * i + 1] = halves[1];
   }
 }
 
