@@ -11,8 +11,9 @@ programs:
   bandwidth, since a decode step must read both;
 - prefill: a long prompt in chunks of `--prefill_chunk`; tokens/s and achieved FLOP/s against
   2 * params * tokens (+ attention) / matmul rate.
-`--sampling` times decode with every row's settings of a kind (`SAMPLING_KINDS`: greedy, or
-sampled, penalized, with logprobs, or all of them), what each stage of `model.sampling` costs.
+`--sampling` times decode with every row's settings of a kind (`SAMPLING_KINDS`: greedy;
+temperature 1 alone, OpenAI's defaults; temperature and top-p; both and top-k; penalized; with
+logprobs; or all of them), what each stage of `model.sampling` costs.
 Prints a table and writes one JSON file (machine, JAX version, date, every figure).
 """
 
@@ -69,6 +70,8 @@ PENALIZED = dict(repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty
                  logit_bias=tuple((i, 1.0) for i in range(300)))
 SAMPLING_KINDS = {
     "greedy": (RequestSampling(), False),
+    "temperature": (RequestSampling(temperature=1.0, seed=1), False),  # OpenAI's defaults
+    "nucleus": (RequestSampling(temperature=0.7, top_p=0.9, seed=1), False),
     "sampled": (RequestSampling(**SAMPLED), False),
     "penalized": (RequestSampling(**PENALIZED), False),
     "logprobs": (RequestSampling(), True),

@@ -39,6 +39,10 @@
 //   cadence_cpu_argmax           each row's likeliest token, as jnp.argmax: XLA:CPU does not
 //                            vectorize its reduction over (value, index) pairs.
 //   cadence_cpu_kth_largest      each row's k-th largest key, top-k's threshold for sampling.
+//   cadence_cpu_mass_threshold   top-p's threshold: the key where a row's mass from the top
+//                            reaches a target, by selection.
+//   cadence_cpu_gumbel_candidates   the tokens that may win a row's draw: its Gumbel noise
+//                            made and compared in one pass (`_of_bits`: the noise alone).
 //
 // The pool kernels take a pool of one layer or a layer of a stack of them (`pool_layer`).
 //
@@ -48,9 +52,9 @@
 // One translation unit, in parts (model/csrc/, each included here alone): workers.h, the
 // parallel loop; blocked.h, the matmul over float and int8 blocks; grouped.h, GGUF's formats
 // as the kernels lay them out and the grouped tiles over float32 activations; int8_activations.h,
-// the tiles over int8 activations; pool.h, the paged pool's kernels. This file holds the
-// handlers: the grouped matmul's dispatch, the dequantizer, the layered weights, argmax, and
-// the FFI registrations.
+// the tiles over int8 activations; pool.h, the paged pool's kernels; sampling.h, sampling's.
+// This file holds the handlers: the grouped matmul's dispatch, the dequantizer, the layered
+// weights, and the FFI registrations.
 
 #include <immintrin.h>
 
@@ -70,6 +74,7 @@ namespace ffi = xla::ffi;
 #include "csrc/grouped.h"
 #include "csrc/int8_activations.h"
 #include "csrc/pool.h"
+#include "csrc/sampling.h"
 #include "csrc/workers.h"
 
 namespace {
@@ -309,83 +314,6 @@ ffi::Error LayeredDequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, 
   });
 }
 
-// ---------------------------------------------------------------------------------------------
-// Each row's likeliest token: the index of its first maximum, or of its first NaN where it has
-// one (jnp.argmax's answer). XLA:CPU lowers argmax to a reduction over (value, index) pairs
-// that it does not vectorize: 2-3 ms a decode step for 8 rows of a 151,936-token vocabulary.
-// Here one pass finds the row's maximum (and whether it holds a NaN), vectorized, and a second
-// the first index holding it.
-int32_t argmax_row(const float* x, int64_t n) {
-  __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    top = _mm256_max_ps(v, top);  // a NaN in v leaves top as it was
-  }
-  float best = -INFINITY;
-  bool any_nan = _mm256_movemask_ps(nan) != 0;
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, top);
-  for (float lane : lanes) best = std::max(best, lane);
-  for (int64_t j = i; j < n; ++j) {
-    any_nan |= std::isnan(x[j]);
-    if (x[j] > best) best = x[j];
-  }
-  // The first index holding the maximum (the first NaN where there is one).
-  const __m256 want = _mm256_set1_ps(best);
-  for (i = 0; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    const int hits = _mm256_movemask_ps(any_nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q)
-                                                : _mm256_cmp_ps(v, want, _CMP_EQ_OQ));
-    if (hits) return static_cast<int32_t>(i + __builtin_ctz(hits));
-  }
-  for (; i < n; ++i) {
-    if (any_nan ? std::isnan(x[i]) : x[i] == best) return static_cast<int32_t>(i);
-  }
-  return 0;  // not reached: some element holds the maximum
-}
-
-ffi::Error Argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
-  const auto xd = x.dimensions();
-  if (xd.size() != 2 || xd[1] < 1 || out->element_count() != xd[0]) {
-    return ffi::Error::InvalidArgument("cadence_cpu_argmax takes x [rows, n >= 1] and gives [rows]");
-  }
-  const int64_t n = xd[1];
-  const float* xp = x.typed_data();
-  int32_t* op = out->typed_data();
-  parallel_for(pool, xd[0], 1, [=](int64_t first, int64_t last) {
-    for (int64_t row = first; row < last; ++row) op[row] = argmax_row(xp + row * n, n);
-  });
-  return ffi::Error::Success();
-}
-
-// Each row's k-th largest key, k = ks[row] clipped into [1, n]: top-k's threshold over the
-// sampling's order keys (model/sampling.py), what a bisection finds in 32 masked sums over the
-// row, here one selection (std::nth_element) over a copy of it.
-ffi::Error KthLargest(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::Buffer<ffi::S32> ks,
-                      ffi::ResultBuffer<ffi::U32> out) {
-  const auto kd = keys.dimensions();
-  if (kd.size() != 2 || kd[1] < 1 || ks.element_count() != kd[0] || out->element_count() != kd[0]) {
-    return ffi::Error::InvalidArgument(
-        "cadence_cpu_kth_largest takes keys [rows, n >= 1] and k [rows], and gives [rows]");
-  }
-  const int64_t n = kd[1];
-  const uint32_t* kp = keys.typed_data();
-  const int32_t* kk = ks.typed_data();
-  uint32_t* op = out->typed_data();
-  parallel_for(pool, kd[0], 1, [=](int64_t first, int64_t last) {
-    std::vector<uint32_t> row(n);
-    for (int64_t r = first; r < last; ++r) {
-      std::copy_n(kp + r * n, n, row.begin());
-      const int64_t k = std::clamp<int64_t>(kk[r], 1, n);
-      std::nth_element(row.begin(), row.begin() + (k - 1), row.end(), std::greater<uint32_t>());
-      op[r] = row[k - 1];
-    }
-  });
-  return ffi::Error::Success();
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_kth_largest, KthLargest,
@@ -394,6 +322,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_kth_largest, KthLargest,
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_mass_threshold, MassThreshold,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_gumbel_candidates, GumbelCandidates,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("error"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_gumbel_of_bits, GumbelOfBits,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("wide"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_argmax, Argmax,
                               ffi::Ffi::Bind()

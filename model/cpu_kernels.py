@@ -95,6 +95,12 @@ TAKE_PAGES = {"float32": "cadence_cpu_take_pages", "bfloat16": "cadence_cpu_take
               "float16": "cadence_cpu_take_pages_f16"}
 ARGMAX = "cadence_cpu_argmax"
 KTH_LARGEST = "cadence_cpu_kth_largest"
+MASS_THRESHOLD = "cadence_cpu_mass_threshold"
+GUMBEL_CANDIDATES = "cadence_cpu_gumbel_candidates"
+GUMBEL_OF_BITS = "cadence_cpu_gumbel_of_bits"
+# The most the kernels' Gumbel noise may differ from XLA's (their logs differ in the last bits;
+# measured over every one of the 2^23 values, tests/test_sampling.py).
+GUMBEL_ERROR = 1e-5
 
 
 class KernelsUnavailable(RuntimeError):
@@ -106,17 +112,31 @@ def _cache_root() -> Path:
     return Path(os.environ.get("CADENCE_CACHE") or Path.home() / ".cache" / "cadence") / "kernels"
 
 
+@functools.cache
+def _cpu_flags() -> list[str] | None:
+    """/proc/cpuinfo's flags, or None where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+    except OSError:
+        return None
+
+
 def _cpu_supports() -> str | None:
     """Why this CPU cannot run the kernels, or None."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the kernels are x86-64 (AVX2 + FMA); this machine is {platform.machine()}"
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo")
-                      if line.startswith("flags")), [])
-    except OSError:
+    flags = _cpu_flags()
+    if flags is None:
         return "cannot read /proc/cpuinfo to check for AVX2 and FMA"
     missing = [f for f in ("avx2", "fma", "f16c") if f not in flags]
     return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
+def has_avx512() -> bool:
+    """Whether the kernels take AVX-512 here (csrc/isa.h's `use_avx512`)."""
+    return ("avx512f" in (_cpu_flags() or []) and os.environ.get("CADENCE_CPU_AVX512") != "0"
+            and available())
 
 
 def _build() -> Path:
@@ -156,7 +176,8 @@ def _load() -> str | None:
     except (KernelsUnavailable, OSError) as e:
         return str(e)
     for name in (MATMUL_INT8, LAYERED_MATMUL, LAYERED_DEQUANTIZE, *ATTENTION.values(),
-                 PAGED_WRITE, *TAKE_PAGES.values(), ARGMAX, KTH_LARGEST):
+                 PAGED_WRITE, *TAKE_PAGES.values(), ARGMAX, KTH_LARGEST, MASS_THRESHOLD,
+                 GUMBEL_CANDIDATES, GUMBEL_OF_BITS):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, name)), platform="cpu")
     return None
 
@@ -588,7 +609,7 @@ def take_pages(pages, ids: jax.Array) -> jax.Array:
 
 def serving() -> bool:
     """Whether what is traced now is a program the kernels serve (`with_activations`) and they
-    run here: sampling then takes `argmax` and `kth_largest` from them."""
+    run here: sampling then takes `argmax`, its thresholds and the kept tokens from them."""
     return _SERVING.get() and available()
 
 
@@ -606,3 +627,32 @@ def kth_largest(keys: jax.Array, k: jax.Array) -> jax.Array:
     _require()
     return jax.ffi.ffi_call(KTH_LARGEST, jax.ShapeDtypeStruct(keys.shape[:1], jnp.uint32))(
         keys.astype(jnp.uint32), k.astype(jnp.int32))
+
+
+def mass_threshold(keys: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Array:
+    """Per row, the largest key t with sum(weights[keys >= t]) >= target: keys uint32 and
+    weights float32 [rows, n], target [rows]; the sums in double (`csrc/sampling.h`)."""
+    _require()
+    return jax.ffi.ffi_call(MASS_THRESHOLD, jax.ShapeDtypeStruct(keys.shape[:1], jnp.uint32))(
+        keys.astype(jnp.uint32), weights.astype(jnp.float32), target.astype(jnp.float32))
+
+
+def gumbel_candidates(keys: jax.Array, scores: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+    """The tokens that may win each row's draw: (candidates int32 [rows, width], ascending, 0
+    past the row's count; counts int32 [rows]) for the rows' threefry keys uint32 [rows, 2]
+    (`jax.random.key_data`) and scores float32 [rows, n] (the kept scaled logits, -inf
+    elsewhere): every j whose score plus jax.random.gumbel(key, (n,))[j] may be the row's
+    largest, by the kernels' own noise (within GUMBEL_ERROR of XLA's). A count of width + 1
+    says the row has more, or scores NaN or only -inf."""
+    _require()
+    rows = scores.shape[0]
+    out = (jax.ShapeDtypeStruct((rows, width), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32))
+    return jax.ffi.ffi_call(GUMBEL_CANDIDATES, out)(keys.astype(jnp.uint32), scores.astype(jnp.float32),
+                                                     error=np.float32(GUMBEL_ERROR))
+
+
+def gumbel_of_bits(bits: jax.Array, wide: bool) -> jax.Array:
+    """The kernels' Gumbel noise of random bits uint32 [16 k], AVX-512's where `wide` (which
+    needs a CPU with it), else AVX2's: for its test against XLA's."""
+    _require()
+    return jax.ffi.ffi_call(GUMBEL_OF_BITS, jax.ShapeDtypeStruct(bits.shape, jnp.float32))(bits, wide=wide)

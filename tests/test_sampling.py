@@ -9,7 +9,7 @@ import pytest
 
 from cadence.model import cpu_kernels
 from cadence.model.host_sampling import RequestSampling, SamplingRows
-from cadence.model.sampling import SamplingParams, argmax, kept, sample
+from cadence.model.sampling import SamplingParams, argmax, gumbel_at, kept, sample
 from tests.fakes import needs_cpu_kernels
 
 VOCAB = 50
@@ -97,15 +97,18 @@ def kept_by_sorting(row: np.ndarray, sampling: RequestSampling) -> set[int]:
     return set(order[keep].tolist())
 
 
-def test_the_threshold_filters_keep_what_sorting_keeps():
-    """`kept`'s bisections against a sort, over rows of every filter alone and together, on a
-    vocabulary the size of a real model's."""
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=needs_cpu_kernels)])
+def test_the_threshold_filters_keep_what_sorting_keeps(kernels):
+    """`kept`'s thresholds against a sort, over rows of every filter alone and together, on a
+    vocabulary the size of a real model's: XLA's bisections, and the CPU kernels' selections
+    in the programs they serve."""
     rng = np.random.default_rng(5)
     rows = [RequestSampling(temperature=t, top_k=k, top_p=p, min_p=m, seed=1)
             for t, k, p, m in [(1.0, 0, 0.9, 0), (0.7, 50, 1.0, 0), (1.3, 0, 1.0, 0.05), (0.5, 40, 0.8, 0.01),
                                (1.0, 1, 1.0, 0), (2.0, 0, 0.5, 0), (1.0, 3000, 0.95, 0), (0.9, 0, 1e-6, 0)]]
     logits = (rng.normal(size=(len(rows), 49152)) * 3).astype(np.float32)
-    _, keep = jax.jit(kept)(logits, SamplingRows.of(rows).params())
+    fn = cpu_kernels.with_activations(kept, "float32") if kernels else kept
+    _, keep = jax.jit(fn)(logits, SamplingRows.of(rows).params())
     keep = np.asarray(keep)
     for i, sampling in enumerate(rows):
         assert set(np.flatnonzero(keep[i]).tolist()) == kept_by_sorting(logits[i], sampling), sampling
@@ -179,3 +182,106 @@ def test_top_k_by_selection_keeps_what_the_bisection_keeps():
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got_scaled, want_scaled)
     assert np.asarray(got).sum(axis=1)[2] == 100  # the tied lead kept whole
+
+
+def mass_threshold_by_sorting(keys: np.ndarray, weights: np.ndarray, target: float) -> int:
+    """The slow reference of top-p's threshold: the largest key t with sum(weights[keys >= t])
+    >= target, from the distinct keys in descending order and their running mass, in float64."""
+    if np.isnan(weights).any() or np.isnan(target):
+        return 0
+    if target <= 0:
+        return 2**32 - 1
+    positive = weights > 0
+    distinct, group = np.unique(keys[positive], return_inverse=True)
+    mass = np.cumsum(np.bincount(group, weights=weights[positive].astype(np.float64))[::-1])
+    distinct = distinct[::-1]
+    reached = np.flatnonzero(mass >= target)
+    return int(distinct[reached[0]]) if len(reached) else 0
+
+
+@needs_cpu_kernels
+def test_top_p_by_selection_finds_the_thresholds_sorting_finds():
+    """The CPU kernels' selection by mass against a sort: rows of distinct and of tied keys,
+    weights of zero (tokens an earlier filter dropped), targets at a group's exact mass, at 0,
+    past the row's mass and NaN, a NaN weight, rows of one token and of a real vocabulary's."""
+    rng = np.random.default_rng(11)
+    cases = []
+    for n in (1, 5, 33, 100, 3000, 151936):
+        keys = rng.integers(0, 2**32, size=n, dtype=np.uint32)
+        weights = rng.exponential(size=n).astype(np.float32) ** 4
+        cases.append((keys, weights, np.float32(weights.astype(np.float64).sum() * rng.uniform(0.05, 0.95))))
+    keys = rng.integers(0, 40, size=5000).astype(np.uint32)  # many ties
+    weights = np.where(rng.uniform(size=5000) < 0.3, 0, rng.uniform(size=5000)).astype(np.float32)
+    top = np.unique(keys[weights > 0])[::-1]
+    exact = np.float32(weights[keys >= top[2]].sum())  # a target at a group boundary's mass
+    cases += [(keys, weights, exact), (keys, weights, np.float32(0.0)), (keys, weights, np.float32(-1.0)),
+              (keys, weights, np.float32(1e9)), (keys, weights, np.float32(np.nan)),
+              (keys, np.where(np.arange(5000) == 7, np.nan, weights).astype(np.float32), np.float32(1.0)),
+              (keys, np.zeros(5000, np.float32), np.float32(0.5))]
+    for keys, weights, target in cases:
+        want = mass_threshold_by_sorting(keys, weights, float(target))
+        got = jax.jit(cpu_kernels.mass_threshold)(keys[None], weights[None], np.asarray([target]))
+        assert int(got[0]) == want, (len(keys), float(target))
+
+
+@needs_cpu_kernels
+def test_the_kernels_noise_is_within_its_bound_of_xlas_for_every_value():
+    """jax.random.gumbel's noise is a function of the top 23 of 32 random bits: over all 2^23
+    of them, the CPU kernels' noise (their own logs; AVX2's, and AVX-512's where the CPU has
+    it) is within GUMBEL_ERROR of XLA's, the bound their candidates for a draw rest on."""
+    bits = (np.arange(2**23, dtype=np.uint32) << 9) | 0x1FF  # the low bits play no part
+
+    def xlas(bits):  # jax.random.uniform(minval=tiny, maxval=1)'s floats, then gumbel's
+        floats = jax.lax.bitcast_convert_type((bits >> 9) | np.uint32(0x3F800000), jnp.float32) - 1.0
+        tiny = jnp.float32(np.finfo(np.float32).tiny)
+        return -jnp.log(-jnp.log(jax.lax.max(tiny, floats * (1 - tiny) + tiny)))
+
+    want = np.asarray(jax.jit(xlas)(bits))
+    for wide in (False, True) if cpu_kernels.has_avx512() else (False,):
+        got = np.asarray(jax.jit(cpu_kernels.gumbel_of_bits, static_argnums=1)(bits, wide))
+        assert np.abs(got - want).max() <= cpu_kernels.GUMBEL_ERROR / 4, wide
+    # XLA's formula above is jax.random.gumbel's: the same noise from the same key.
+    key = jax.random.key(5)
+    np.testing.assert_array_equal(jax.jit(xlas)(jax.random.bits(key, (4096,), jnp.uint32)),
+                                  jax.random.gumbel(key, (4096,)))
+
+
+def test_noise_at_some_tokens_is_the_noise_of_the_whole_row():
+    for seed in range(3):
+        key = jax.random.fold_in(jax.random.key(seed), 7)
+        indices = np.random.default_rng(seed).integers(0, 151936, 500).astype(np.int32)
+        whole = np.asarray(jax.random.gumbel(key, (151936,)))
+        np.testing.assert_array_equal(jax.jit(gumbel_at)(key, indices), whole[indices])
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("vocab", [7, 5000, 151936])
+def test_a_draw_from_the_kernels_candidates_is_categoricals(vocab):
+    """In the CPU kernels' programs the noise is made by a kernel that names the few tokens that
+    may win, and XLA's noise at those picks: jax.random.categorical's token, over filtered and
+    unfiltered rows, ties for the lead, a greedy row; and a row with a NaN, one of -inf and one
+    of more tokens tied at +inf than the kernel lists (which take XLA's noise over the whole
+    row, in chunks), at widths that are and are not multiples of 8 or of the chunk."""
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((8, vocab)).astype(np.float32) * 2
+    x[1, [0, vocab - 1]] = x[1].max() + 30  # two tokens tied for the lead, far ahead
+    step = jnp.arange(8, dtype=jnp.int32)
+
+    def categorical(logits, params, step):
+        scaled, keep = kept(logits, params)
+        rngs = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, step)
+        drawn = jax.vmap(jax.random.categorical)(rngs, jnp.where(keep, scaled, -jnp.inf))
+        return jnp.where(params.temperature > 0, drawn, jnp.argmax(logits, -1))
+
+    filtered = SamplingParams.make([0.7, 0.1, 1.0, 0.0, 1.3, 0.9, 1.0, 0.6], [50, 0, 0, 0, 1000, 20, 0, 0],
+                                   [1.0, 0.9, 0.5, 1.0, 1.0, 0.95, 1.0, 0.8], list(range(8)))
+    broken = x.copy()
+    broken[5, vocab // 3:] = np.inf  # more tokens tied for the lead than the kernel lists
+    broken[6, vocab // 2] = np.nan
+    broken[7] = -np.inf
+    fn = jax.jit(cpu_kernels.with_activations(sample, "float32"))
+    assert cpu_kernels.GUMBEL_CANDIDATES in fn.lower(x, filtered, step).as_text()
+    for logits in (x, broken):
+        for seed in range(6):
+            params = filtered._replace(seed=filtered.seed + 8 * seed)
+            np.testing.assert_array_equal(fn(logits, params, step), jax.jit(categorical)(logits, params, step))

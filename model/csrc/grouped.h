@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "blocked.h"
+#include "isa.h"
 
 namespace {
 
@@ -256,7 +257,6 @@ inline void grouped_tile(const float* x, const float* xsum, int64_t K, const uin
 // and one FMA per row where AVX2 needs two of each. Every lane computes what the AVX2 lane of
 // its column computes, in the same order: the results are the same bits. The formats' codes,
 // scales and minimums are the AVX2 ones (16 bytes, two 8-lane vectors), joined.
-#define CADENCE_AVX512 __attribute__((target("avx512f")))
 
 template <int MR>
 CADENCE_AVX512 inline void fma_rows512(__m512 (&sums)[MR], int64_t K, const float* x, __m512 q) {
@@ -366,15 +366,6 @@ void grouped_blocks(const float* x, const float* xsum, int64_t M, int64_t K, con
                  tile<kWide, decltype(mr)::value, F>(x + m * K, xsum + m * groups, K, wb,
                                                      yb + m * N, N, ahead, start, share);
                });
-}
-
-// AVX-512 where the CPU has it, unless CADENCE_CPU_AVX512=0 (the tests compare the two).
-bool use_avx512() {
-  static const bool use = [] {
-    const char* env = std::getenv("CADENCE_CPU_AVX512");
-    return __builtin_cpu_supports("avx512f") && !(env && std::string(env) == "0");
-  }();
-  return use;
 }
 
 }  // namespace
