@@ -243,6 +243,12 @@ DRAW_WIDTH = 16
 DRAW_CHUNK = 8192
 
 
+def _default_threefry() -> bool:
+    """Whether keys are JAX's default threefry2x32 with its partitionable bits, as `gumbel_at`
+    and the CPU kernels' noise make them."""
+    return jax.config.jax_default_prng_impl == "threefry2x32" and jax.config.jax_threefry_partitionable
+
+
 def gumbel_at(key: jax.Array, indices: jax.Array) -> jax.Array:
     """`jax.random.gumbel(key, (n,))[indices]` for any n > max(indices), to the bit, computing
     only those entries: under JAX's partitionable threefry (its default), element j's bits are
@@ -271,7 +277,7 @@ def _draw(scaled: jax.Array, keep: jax.Array, rngs: jax.Array, sampled: jax.Arra
     row, DRAW_CHUNK tokens at a time: a branch holding the whole row's noise cost the step 6-7
     ms even where it was not taken."""
     masked = jnp.where(keep, scaled, -jnp.inf)
-    if not cpu_kernels.serving():
+    if not (cpu_kernels.serving() and _default_threefry()):
         noise = jax.vmap(lambda key: jax.random.gumbel(key, masked.shape[-1:], masked.dtype))(rngs)
         return argmax(noise + masked)
     candidates, counts = cpu_kernels.gumbel_candidates(jax.random.key_data(rngs), masked, DRAW_WIDTH)
