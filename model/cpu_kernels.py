@@ -85,8 +85,13 @@ LAYERED_DEQUANTIZE = "cadence_cpu_layered_dequantize"
 # From this many rows, `matmul` runs XLA's GEMM over the matrix dequantized for the call rather
 # than the kernel (which reads the blocks once per 4 rows, at its instructions' pace): prefill's
 # chunks and a scoring program's every-token logits take the GEMM, decode, verify and a
-# prefill's few logit rows the kernel (`bench/results/prefill-blocks-cpu/`).
+# prefill's few logit rows the kernel (`bench/results/prefill-blocks-cpu/`). With AVX-512 the
+# kernel reads them once per 8 rows, and with VNNI sums int8 activations four products an
+# instruction: on an AVX-512 Xeon it stays ahead of dequantizing for the GEMM through 64 rows
+# over float32 activations and 512 over int8 (`gemm_rows`; bench/results/prefill-blocks-cpu/
+# crossover.txt: prefill of 64 tokens 1.1-1.3x, int8 1.6-2.0x; 512 int8 1.03-1.10x).
 GEMM_ROWS = 64
+GEMM_ROWS_AVX512 = {"float32": 128, "int8": 1024}
 # Paged decode attention, by the pool's dtype: float32, or 16-bit pages widened as they are read.
 ATTENTION = {"float32": "cadence_cpu_paged_decode", "bfloat16": "cadence_cpu_paged_decode_bf16",
              "float16": "cadence_cpu_paged_decode_f16"}
@@ -137,6 +142,11 @@ def has_avx512() -> bool:
     """Whether the kernels take AVX-512 here (csrc/isa.h's `use_avx512`)."""
     return ("avx512f" in (_cpu_flags() or []) and os.environ.get("CADENCE_CPU_AVX512") != "0"
             and available())
+
+
+def has_vnni() -> bool:
+    """Whether the int8 activations' tiles take AVX-512 VNNI here (csrc/int8_activations.h)."""
+    return has_avx512() and all(f in (_cpu_flags() or []) for f in ("avx512bw", "avx512_vnni", "avx512vbmi"))
 
 
 def _build() -> Path:
@@ -344,14 +354,22 @@ def take_columns(blocked: jax.Array, ids: jax.Array) -> jax.Array:
     return columns.T.reshape(*ids.shape, k)
 
 
+def gemm_rows() -> int:
+    """From how many rows `matmul` takes XLA's GEMM, for the tiles and activations traced for."""
+    if not has_avx512():
+        return GEMM_ROWS
+    kind = _ACTIVATIONS.get()
+    return GEMM_ROWS_AVX512["int8" if kind == "int8" and has_vnni() else "float32"]
+
+
 def _takes_gemm(x: jax.Array) -> bool:
-    """Whether `matmul` gives x's rows to XLA's GEMM (from `GEMM_ROWS`) rather than the kernel."""
-    return int(np.prod(x.shape[:-1])) >= GEMM_ROWS
+    """Whether `matmul` gives x's rows to XLA's GEMM (from `gemm_rows()`) rather than the kernel."""
+    return int(np.prod(x.shape[:-1])) >= gemm_rows()
 
 
 def matmul(x: jax.Array, blocked, n: int, scale: jax.Array | None = None, first: int = 0) -> jax.Array:
     """x [..., K] @ W [K, n] for W blocked, whatever the rows: the kernel (`blocked_matmul`)
-    below `GEMM_ROWS` rows, else XLA's GEMM over W dequantized for this call (`dequantize`: a
+    below `gemm_rows()` rows, else XLA's GEMM over W dequantized for this call (`dequantize`: a
     [K, n] float32 temporary, one matrix at a time, not a second copy of the weights). The
     same numbers either way, summed in another order. `first`: the GEMM's W starts at that
     block (a part of a fused matrix, `fused_matmul`); the kernel reads from the first."""

@@ -650,7 +650,7 @@ def test_dequantize_gives_the_files_own_values(fmt):
 @needs_cpu_kernels
 @pytest.mark.parametrize("kind", ["float32", "int8", "q4", "q6k"])
 def test_matmul_takes_the_gemm_over_many_rows_and_the_kernel_over_few(kind):
-    """`matmul` over prefill's rows (from GEMM_ROWS) is XLA's dot over the dequantized matrix,
+    """`matmul` over prefill's rows (from `gemm_rows()`) is XLA's dot over the dequantized matrix,
     the same bits the float tree's prefill computes; over fewer rows it is the kernel, within
     float32 rounding of it."""
     from cadence.model.quant import quantize_matrix
@@ -669,14 +669,15 @@ def test_matmul_takes_the_gemm_over_many_rows_and_the_kernel_over_few(kind):
         blocked = _pack(kind, parts)
         w = block_layout.unpack_grouped(blocked, n)
     run = jax.jit(cpu_kernels.matmul, static_argnums=2)
-    for rows in (cpu_kernels.GEMM_ROWS, cpu_kernels.GEMM_ROWS - 1):
+    gemm_rows = cpu_kernels.gemm_rows()
+    for rows in (gemm_rows, gemm_rows - 1):
         x = rng.standard_normal((1, rows, k), np.float32)
         got = np.asarray(run(x, blocked, n, scale))
         want = np.asarray(jax.jit(lambda x, w: jnp.dot(x, w))(x, w))
         if scale is not None:
             want = want * scale
         assert got.shape == (1, rows, n)
-        if rows >= cpu_kernels.GEMM_ROWS:
+        if rows >= gemm_rows:
             np.testing.assert_array_equal(got, want)
         else:
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
@@ -695,7 +696,8 @@ def test_prefill_over_blocks_holds_one_dequantized_matrix_at_a_time():
     deep = dataclasses.replace(TINY, name="tiny-deep", num_layers=8, hidden_size=256, ffn_size=1024,
                                head_dim=64)
     floats, packed = quantize_grouped(random_params(deep), deep, "q4")
-    config = EngineConfig(num_slots=1, max_seq_len=128, prefill_chunk=64, min_prefill_bucket=64,
+    rows = cpu_kernels.gemm_rows()  # a chunk that takes the GEMM
+    config = EngineConfig(num_slots=1, max_seq_len=2 * rows, prefill_chunk=rows, min_prefill_bucket=rows,
                           attention="cpu", decode_matmul="cpu")
     engine = Engine(floats, deep, config, packed=packed)
     program = engine.warm_programs(("prefill",))[0]
