@@ -89,7 +89,7 @@ LAYERED_DEQUANTIZE = "cadence_cpu_layered_dequantize"
 # kernel reads them once per 8 rows, and with VNNI sums int8 activations four products an
 # instruction: on an AVX-512 Xeon it stays ahead of dequantizing for the GEMM through 64 rows
 # over float32 activations and 512 over int8 (`gemm_rows`; bench/results/prefill-blocks-cpu/
-# crossover.txt: prefill of 64 tokens 1.1-1.3x, int8 1.6-2.0x; 512 int8 1.03-1.10x).
+# chunks.txt: prefill of 64 tokens 1.1-1.3x, int8 1.6-2.0x; 512 int8 1.03-1.10x).
 GEMM_ROWS = 64
 GEMM_ROWS_AVX512 = {"float32": 128, "int8": 1024}
 # Paged decode attention, by the pool's dtype: float32, or 16-bit pages widened as they are read.
