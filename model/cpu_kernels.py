@@ -103,8 +103,9 @@ KTH_LARGEST = "cadence_cpu_kth_largest"
 MASS_THRESHOLD = "cadence_cpu_mass_threshold"
 GUMBEL_CANDIDATES = "cadence_cpu_gumbel_candidates"
 GUMBEL_OF_BITS = "cadence_cpu_gumbel_of_bits"
-# The most the kernels' Gumbel noise may differ from XLA's (their logs differ in the last bits;
-# measured over every one of the 2^23 values, tests/test_sampling.py).
+# A bound on how far the kernels' Gumbel noise may be from XLA's (their logs differ in the last
+# bits: under 1e-6 over every one of the 2^23 values, which tests/test_sampling.py holds to a
+# quarter of this). A draw's candidates are the tokens within twice it of the best score.
 GUMBEL_ERROR = 1e-5
 
 
@@ -138,8 +139,10 @@ def _cpu_supports() -> str | None:
     return f"this CPU lacks {', '.join(missing)}" if missing else None
 
 
+@functools.cache
 def has_avx512() -> bool:
-    """Whether the kernels take AVX-512 here (csrc/isa.h's `use_avx512`)."""
+    """Whether the kernels take AVX-512 here (csrc/isa.h's `use_avx512`, which also reads
+    CADENCE_CPU_AVX512 once)."""
     return ("avx512f" in (_cpu_flags() or []) and os.environ.get("CADENCE_CPU_AVX512") != "0"
             and available())
 
@@ -354,17 +357,21 @@ def take_columns(blocked: jax.Array, ids: jax.Array) -> jax.Array:
     return columns.T.reshape(*ids.shape, k)
 
 
-def gemm_rows() -> int:
-    """From how many rows `matmul` takes XLA's GEMM, for the tiles and activations traced for."""
-    if not has_avx512():
+def gemm_rows(grouped: bool = True) -> int:
+    """From how many rows `matmul` takes XLA's GEMM, for a matrix in GGUF's groups (whose tiles
+    have AVX-512 forms) or not (float or per-channel int8 blocks: AVX2's alone), and the
+    activations traced for: the AVX-512 thresholds where the tiles they were measured with run."""
+    if not (grouped and has_avx512()):
         return GEMM_ROWS
-    kind = _ACTIVATIONS.get()
-    return GEMM_ROWS_AVX512["int8" if kind == "int8" and has_vnni() else "float32"]
+    if _ACTIVATIONS.get() == "int8":
+        return GEMM_ROWS_AVX512["int8"] if has_vnni() else GEMM_ROWS
+    return GEMM_ROWS_AVX512["float32"]
 
 
-def _takes_gemm(x: jax.Array) -> bool:
+def _takes_gemm(x: jax.Array, blocked) -> bool:
     """Whether `matmul` gives x's rows to XLA's GEMM (from `gemm_rows()`) rather than the kernel."""
-    return int(np.prod(x.shape[:-1])) >= gemm_rows()
+    grouped = isinstance(blocked, Stacked) or blocked.dtype == jnp.uint8
+    return int(np.prod(x.shape[:-1])) >= gemm_rows(grouped)
 
 
 def matmul(x: jax.Array, blocked, n: int, scale: jax.Array | None = None, first: int = 0) -> jax.Array:
@@ -374,7 +381,7 @@ def matmul(x: jax.Array, blocked, n: int, scale: jax.Array | None = None, first:
     same numbers either way, summed in another order. `first`: the GEMM's W starts at that
     block (a part of a fused matrix, `fused_matmul`); the kernel reads from the first."""
     int8 = not isinstance(blocked, Stacked) and blocked.dtype == jnp.int8
-    if not _takes_gemm(x):
+    if not _takes_gemm(x, blocked):
         assert first == 0, "the kernel reads a matrix from its first block"
         return blocked_matmul(x, blocked, n, scale)
     if int8 and scale is None:
@@ -531,7 +538,7 @@ def fused_matmul(x: jax.Array, fused: dict[str, jax.Array], sizes: tuple[int, ..
     if sum(_padded(n) for n in sizes) != columns:
         raise ValueError(f"parts of {sizes} columns do not make the fused matrix's {columns}")
     starts = np.cumsum([0] + [_padded(n) for n in sizes])
-    if not _takes_gemm(x):  # one kernel call
+    if not _takes_gemm(x, blocked):  # one kernel call
         y = blocked_matmul(x, blocked, columns, scale)
         parts = [y[..., start:start + n] for start, n in zip(starts, sizes)]
     else:  # a GEMM a part, each over its own blocks, as the unfused matrices would run

@@ -669,7 +669,7 @@ def test_matmul_takes_the_gemm_over_many_rows_and_the_kernel_over_few(kind):
         blocked = _pack(kind, parts)
         w = block_layout.unpack_grouped(blocked, n)
     run = jax.jit(cpu_kernels.matmul, static_argnums=2)
-    gemm_rows = cpu_kernels.gemm_rows()
+    gemm_rows = cpu_kernels.gemm_rows(grouped=kind not in ("float32", "int8"))
     for rows in (gemm_rows, gemm_rows - 1):
         x = rng.standard_normal((1, rows, k), np.float32)
         got = np.asarray(run(x, blocked, n, scale))

@@ -9,6 +9,7 @@ import pytest
 
 from cadence.model import cpu_kernels
 from cadence.model.host_sampling import RequestSampling, SamplingRows
+from cadence.model import sampling as model_sampling
 from cadence.model.sampling import SamplingParams, argmax, gumbel_at, kept, sample
 from tests.fakes import needs_cpu_kernels
 
@@ -211,7 +212,7 @@ def test_top_p_by_selection_finds_the_thresholds_sorting_finds():
         weights = rng.exponential(size=n).astype(np.float32) ** 4
         cases.append((keys, weights, np.float32(weights.astype(np.float64).sum() * rng.uniform(0.05, 0.95))))
     keys = rng.integers(0, 40, size=5000).astype(np.uint32)  # many ties
-    weights = np.where(rng.uniform(size=5000) < 0.3, 0, rng.uniform(size=5000)).astype(np.float32)
+    weights = (rng.integers(0, 4, size=5000) / 8).astype(np.float32)  # sums exact in float32
     top = np.unique(keys[weights > 0])[::-1]
     exact = np.float32(weights[keys >= top[2]].sum())  # a target at a group boundary's mass
     cases += [(keys, weights, exact), (keys, weights, np.float32(0.0)), (keys, weights, np.float32(-1.0)),
@@ -246,6 +247,7 @@ def test_the_kernels_noise_is_within_its_bound_of_xlas_for_every_value():
                                   jax.random.gumbel(key, (4096,)))
 
 
+@pytest.mark.skipif(not model_sampling._default_threefry(), reason="JAX's default threefry keys only")
 def test_noise_at_some_tokens_is_the_noise_of_the_whole_row():
     for seed in range(3):
         key = jax.random.fold_in(jax.random.key(seed), 7)
@@ -285,3 +287,67 @@ def test_a_draw_from_the_kernels_candidates_is_categoricals(vocab):
         for seed in range(6):
             params = filtered._replace(seed=filtered.seed + 8 * seed)
             np.testing.assert_array_equal(fn(logits, params, step), jax.jit(categorical)(logits, params, step))
+
+
+def _row_key(seed: int, step: int):
+    return jax.random.fold_in(jax.random.key(seed), step)
+
+
+@needs_cpu_kernels
+def test_the_kernels_candidates_over_ties_infinities_nan_and_tails():
+    """`gumbel_candidates` on raw rows: tokens made to tie with the best (XLA's noise cancelled
+    by the logit) are all listed, ascending; +inf scores tie with each other alone (16 listed,
+    17 too many); a NaN or a row of -inf asks for XLA's draw; a winner in a tail that is not a
+    multiple of 16 is found."""
+    n, width = 1000, model_sampling.DRAW_WIDTH
+    keys = [_row_key(7, i) for i in range(7)]
+    noise = np.stack([np.asarray(jax.random.gumbel(k, (n,))) for k in keys])
+    rows = np.full((7, n), -np.inf, np.float32)
+    tied = [5, 300, 301, 998]
+    rows[0, tied] = 10 - noise[0, tied]  # scores of 10, within rounding
+    rows[0, 40] = 0.0  # far behind
+    rows[1, [3, 500, 999]] = np.inf
+    rows[1, 7] = 50.0
+    rows[2, np.arange(17) * 50 + 1] = np.inf
+    rows[3, 123] = np.nan
+    rows[3, 200] = 1.0
+    # rows[4]: only -inf
+    rows[5, 995:] = 3.0 - noise[5, 995:]
+    rows[5, 999] += 1.0  # the tail's last token wins
+    rows[6, np.arange(16) * 60] = np.inf  # exactly `width` ties
+    data = jnp.stack([jax.random.key_data(k) for k in keys])
+    candidates, counts = jax.jit(cpu_kernels.gumbel_candidates, static_argnums=2)(data, rows, width)
+    candidates, counts = np.asarray(candidates), np.asarray(counts)
+    assert counts[0] == 4 and list(candidates[0, :4]) == tied
+    assert counts[1] == 3 and list(candidates[1, :3]) == [3, 500, 999]
+    assert counts[2] == width + 1
+    assert counts[3] == width + 1 and counts[4] == width + 1
+    assert counts[5] == 1 and candidates[5, 0] == 999
+    assert counts[6] == width and list(candidates[6]) == list(np.arange(16) * 60)
+    # and the draw over them, among candidates or over the whole row, is categorical's
+    rngs, keep, sampled = jnp.stack(keys), ~np.isneginf(rows), jnp.ones(7, bool)
+    drawn = jax.jit(cpu_kernels.with_activations(model_sampling._draw, "float32"))(rows, keep, rngs, sampled)
+    want = jax.vmap(jax.random.categorical)(rngs, jnp.where(keep, rows, -jnp.inf))
+    np.testing.assert_array_equal(drawn, want)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("ties", [3, 20])
+def test_a_draw_over_infinite_logits_is_categoricals(ties):
+    """A tiny temperature with min_p keeps exactly the tokens whose scaled logits overflow to
+    +inf; categorical draws the first of them, the kernels' draw too, whether the kernel lists
+    them all (3) or asks for XLA's noise over the row (20)."""
+    x = np.zeros((2, 3000), np.float32)
+    x[:, 500 + np.arange(ties) * 7] = 1e9  # / 1e-30: past float32's range
+    params = SamplingParams.make([1e-30, 1e-30], [0, 0], [1.0, 0.9], [1, 2])
+    params = params._replace(min_p=np.asarray([0.05, 0.05], np.float32))
+    step = jnp.arange(2, dtype=jnp.int32)
+
+    def categorical(logits, params, step):
+        scaled, keep = kept(logits, params)
+        rngs = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, step)
+        return jax.vmap(jax.random.categorical)(rngs, jnp.where(keep, scaled, -jnp.inf))
+
+    want = np.asarray(jax.jit(categorical)(x, params, step))
+    assert list(want) == [500, 500]
+    np.testing.assert_array_equal(jax.jit(cpu_kernels.with_activations(sample, "float32"))(x, params, step), want)

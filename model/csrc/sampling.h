@@ -81,10 +81,10 @@ ffi::Error Argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuff
 // `_threshold` finds it in 32 halvings of the key range, each a masked sum over the row; here
 // one pass sums the mass in bins of the keys' top 11 bits, a scan from the top finds the bin
 // where the mass reaches the target, and a selection among that bin's items (quickselect by
-// mass) finds the key. Sums in double: where the bisection's float32 sums round across the
-// target, this finds the exact boundary. A NaN weight or target answers 0 (the bisection's
-// answer: no sum compares >= NaN), a target <= 0 the largest key (every t qualifies), one
-// beyond the row's mass 0 (none does).
+// mass) finds the key. Sums in double, closer than the bisection's float32 ones where those
+// round across the target. A NaN weight or target answers 0 (as the bisection does in
+// `nucleus`, where a NaN probability makes the target NaN), a target <= 0 the largest key
+// (every t qualifies), one beyond the row's mass 0 (none does).
 constexpr int kBinBits = 11;
 
 // The key where the mass of `items` (in one bin), taken from the top after `above`, reaches
@@ -130,7 +130,7 @@ uint32_t select_by_mass(std::vector<std::pair<uint32_t, float>>& items, double a
 }
 
 // `w` nullptr: every weight 1.
-uint32_t threshold_row(const uint32_t* keys, const float* w, int64_t n, float target,
+uint32_t threshold_row(const uint32_t* keys, const float* w, int64_t n, double target,
                        std::vector<std::pair<uint32_t, float>>& items) {
   constexpr int kShift = 32 - kBinBits;
   double mass[2][1 << kBinBits] = {};  // two copies, so that neighbours in one bin do not wait
@@ -176,7 +176,7 @@ ffi::Error KthLargest(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::Buf
   parallel_for(pool, kd[0], 1, [=](int64_t first, int64_t last) {
     std::vector<std::pair<uint32_t, float>> items;
     for (int64_t r = first; r < last; ++r) {
-      const float k = static_cast<float>(std::clamp<int64_t>(kk[r], 1, n));  // exact below 2^24
+      const double k = static_cast<double>(std::clamp<int64_t>(kk[r], 1, n));
       op[r] = threshold_row(kp + r * n, nullptr, n, k, items);
     }
   });
@@ -373,16 +373,21 @@ ffi::Error GumbelOfBits(ffi::Buffer<ffi::U32> bits, ffi::ResultBuffer<ffi::F32> 
   return ffi::Error::Success();
 }
 
-// One row's candidates: the indices j, ascending, whose score x[j] + noise[j] is within
-// `error` (twice the largest difference between this noise and XLA's), plus the additions'
-// rounding, of the row's best score; written up to `width` of them, and their count, or width +
-// 1 where a row scores NaN or only -inf (XLA's draw then runs, with its answers for those).
+// One row's candidates: the indices j, ascending, whose score x[j] + noise[j] is within twice
+// `error` (a bound on the difference between this noise and XLA's), plus the additions'
+// rounding, of the row's best score (+inf: the other +inf scores); written up to `width` of
+// them, and their count, or width + 1 where a row scores NaN or only -inf (XLA's draw then
+// runs, with its answers for those).
 template <void (*kScores)(const float*, int32_t, uint32_t, uint32_t, float*)>
 int64_t gumbel_candidates_row(const float* x, int64_t n, uint32_t k0, uint32_t k1, float error,
                               int32_t* out, int64_t width, std::vector<std::pair<int32_t, float>>& near) {
   near.clear();
   float best = -INFINITY, floor = -INFINITY;  // the best score, and the least a candidate's
-  const auto margin = [error](float top) { return 2 * error + std::fabs(top) * 0x1p-21f; };
+  // +inf ties with +inf alone (inf - margin would be NaN, and nothing compares >= NaN).
+  const auto floor_of = [error](float top) {
+    return std::isinf(top) ? top : top - (2 * error + std::fabs(top) * 0x1p-21f);
+  };
+  size_t pruned = 64;  // prune `near` when it doubles: linear however many stay
   const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
   const auto kept = [&](__m256 v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, minus_inf, _CMP_NEQ_UQ)); };
   alignas(32) float tail[16], scores[16];
@@ -407,13 +412,15 @@ int64_t gumbel_candidates_row(const float* x, int64_t n, uint32_t k0, uint32_t k
       if (scores[lane] < floor) continue;
       if (scores[lane] > best) {
         best = scores[lane];
-        floor = best - margin(best);
+        floor = floor_of(best);
       }
       near.emplace_back(static_cast<int32_t>(j + lane), scores[lane]);
     }
-    if (near.size() > 64) {
+    if (near.size() > pruned) {
       near.erase(std::remove_if(near.begin(), near.end(), [floor](const auto& c) { return c.second < floor; }),
                  near.end());
+      if (best == INFINITY && static_cast<int64_t>(near.size()) > width) return width + 1;  // nothing beats +inf
+      pruned = std::max<size_t>(64, 2 * near.size());
     }
   }
   if (best == -INFINITY) return width + 1;
