@@ -30,7 +30,9 @@ A row's randomness depends only on its own seed and step (e.g. its position), ne
 other requests share the batch, so a seeded request is reproducible alone or batched.
 Each stage runs only if some row of the batch uses it (`model.control.when`): on a CPU an
 all-greedy batch without penalties or biases is one argmax, as before any of them existed; on a
-GPU every stage runs and its result is selected, so that no branch waits on the device.
+GPU every stage runs and its result is selected, so that no branch waits on the device. In the
+programs the CPU kernels serve, top-k's and top-p's thresholds and the draw's noise are theirs
+(`cpu_kernels.mass_threshold`, `_draw`; docs/cpu-kernels.md), with the same tokens.
 
 The host side (`RequestSampling`, one request's validated settings; `SamplingRows`, the per-slot
 NumPy rows; `SamplingParams`, the rows as the programs take them; the bitmask layout) is
