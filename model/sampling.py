@@ -198,6 +198,19 @@ def _threshold(keys: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Ar
     return lo
 
 
+def _cut(keys: jax.Array, target: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """`_threshold` of `keys` with `weights` (None: every weight 1, target k: the k-th largest
+    key): in the CPU kernels' programs theirs, one selection (`kth_largest`,
+    `mass_threshold`), elsewhere the bisection."""
+    if cpu_kernels.serving():
+        if weights is None:
+            return cpu_kernels.kth_largest(keys, target)
+        return cpu_kernels.mass_threshold(keys, weights, target)
+    if weights is None:
+        weights, target = jnp.ones(keys.shape, jnp.float32), target.astype(jnp.float32)
+    return _threshold(keys, weights, target)
+
+
 def kept(logits: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
     """(the temperature-scaled logits, which tokens a sampled row may draw): min_p, top-k and
     top-p as thresholds on the scaled logits, found by bisection (`_threshold`). top-k keeps
@@ -210,23 +223,16 @@ def kept(logits: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Arra
     keys = _order_keys(scaled)
     # min_p: a token stays if its probability is at least min_p x the likeliest one's, i.e. its
     # scaled logit is within log(min_p) of the largest (min_p 0: log 0 = -inf keeps every one).
-    keep = scaled >= jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(params.min_p)[:, None]
+    peak = jnp.max(scaled, axis=-1, keepdims=True)
+    keep = scaled >= peak + jnp.log(params.min_p)[:, None]
     top_k = jnp.where((params.top_k > 0) & (params.top_k < vocab), params.top_k, vocab)
 
     def top(keep):
-        if cpu_kernels.serving():  # the k-th largest key by selection, not bisection
-            cut = cpu_kernels.kth_largest(keys, top_k)
-        else:
-            cut = _threshold(keys, jnp.ones_like(scaled), top_k.astype(scaled.dtype))
-        return keep & (keys >= cut[:, None])
+        return keep & (keys >= _cut(keys, top_k)[:, None])
 
     def nucleus(keep):
-        probs = jnp.where(keep, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0)
-        target = params.top_p * jnp.sum(probs, axis=-1)
-        if cpu_kernels.serving():  # one selection by mass, not 32 masked sums
-            cut = cpu_kernels.mass_threshold(jnp.where(keep, keys, 0), probs, target)
-        else:
-            cut = _threshold(jnp.where(keep, keys, 0), probs, target)
+        probs = jnp.where(keep, jnp.exp(scaled - peak), 0)
+        cut = _cut(jnp.where(keep, keys, 0), params.top_p * jnp.sum(probs, axis=-1), probs)
         return keep & ((keys >= cut[:, None]) | (params.top_p >= 1)[:, None])
 
     keep = when(jnp.any(top_k < vocab), top, _same, keep)

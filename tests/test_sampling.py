@@ -144,6 +144,15 @@ def test_argmax_outside_the_kernels_programs_is_xlas(logits):
     np.testing.assert_array_equal(jax.jit(argmax)(logits), np.argmax(logits, -1))
 
 
+def categorical(logits, params, step):
+    """The slow reference of `sample`: jax.random.categorical over `kept`'s scaled logits, under
+    each row's key (its seed and step); greedy rows their argmax."""
+    scaled, keep = kept(logits, params)
+    rngs = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, step)
+    drawn = jax.vmap(jax.random.categorical)(rngs, jnp.where(keep, scaled, -jnp.inf))
+    return jnp.where(params.temperature > 0, drawn, jnp.argmax(logits, -1))
+
+
 @needs_cpu_kernels
 def test_a_draw_is_jax_random_categoricals_in_the_kernels_programs_too():
     """Sampled rows draw what jax.random.categorical draws from the filtered, scaled logits
@@ -153,11 +162,6 @@ def test_a_draw_is_jax_random_categoricals_in_the_kernels_programs_too():
     params = SamplingParams.make([0.7, 1.0, 1.3, 0.5, 0.9, 1.0, 0.2, 2.0], [0, 40, 0, 5, 0, 0, 0, 100],
                                  [1.0, 0.9, 0.95, 1.0, 0.5, 1.0, 0.99, 1.0], list(range(8)))
     step = jnp.arange(8, dtype=jnp.int32) * 3
-
-    def categorical(logits, params, step):
-        scaled, keep = kept(logits, params)
-        rngs = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, step)
-        return jax.vmap(jax.random.categorical)(rngs, jnp.where(keep, scaled, -jnp.inf))
 
     want = jax.jit(categorical)(x, params, step)
     for fn in (sample, cpu_kernels.with_activations(sample, "float32")):
@@ -269,12 +273,6 @@ def test_a_draw_from_the_kernels_candidates_is_categoricals(vocab):
     x[1, [0, vocab - 1]] = x[1].max() + 30  # two tokens tied for the lead, far ahead
     step = jnp.arange(8, dtype=jnp.int32)
 
-    def categorical(logits, params, step):
-        scaled, keep = kept(logits, params)
-        rngs = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, step)
-        drawn = jax.vmap(jax.random.categorical)(rngs, jnp.where(keep, scaled, -jnp.inf))
-        return jnp.where(params.temperature > 0, drawn, jnp.argmax(logits, -1))
-
     filtered = SamplingParams.make([0.7, 0.1, 1.0, 0.0, 1.3, 0.9, 1.0, 0.6], [50, 0, 0, 0, 1000, 20, 0, 0],
                                    [1.0, 0.9, 0.5, 1.0, 1.0, 0.95, 1.0, 0.8], list(range(8)))
     broken = x.copy()
@@ -342,11 +340,6 @@ def test_a_draw_over_infinite_logits_is_categoricals(ties):
     params = SamplingParams.make([1e-30, 1e-30], [0, 0], [1.0, 0.9], [1, 2])
     params = params._replace(min_p=np.asarray([0.05, 0.05], np.float32))
     step = jnp.arange(2, dtype=jnp.int32)
-
-    def categorical(logits, params, step):
-        scaled, keep = kept(logits, params)
-        rngs = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, step)
-        return jax.vmap(jax.random.categorical)(rngs, jnp.where(keep, scaled, -jnp.inf))
 
     want = np.asarray(jax.jit(categorical)(x, params, step))
     assert list(want) == [500, 500]

@@ -161,6 +161,19 @@ uint32_t threshold_row(const uint32_t* keys, const float* w, int64_t n, double t
   return select_by_mass(items, above, target);
 }
 
+// `threshold_row` of each row of keys [rows, n]: weights `wp` [rows, n] (nullptr: every weight
+// 1), the row's target `target(row)`.
+template <class Target>
+void thresholds(ffi::ThreadPool& pool, const uint32_t* kp, const float* wp, int64_t rows, int64_t n,
+                Target target, uint32_t* op) {
+  parallel_for(pool, rows, 1, [=](int64_t first, int64_t last) {
+    std::vector<std::pair<uint32_t, float>> items;
+    for (int64_t r = first; r < last; ++r) {
+      op[r] = threshold_row(kp + r * n, wp ? wp + r * n : nullptr, n, target(r), items);
+    }
+  });
+}
+
 // Top-k's: each row's k-th largest key, k = ks[row] clipped into [1, n].
 ffi::Error KthLargest(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::Buffer<ffi::S32> ks,
                       ffi::ResultBuffer<ffi::U32> out) {
@@ -170,16 +183,10 @@ ffi::Error KthLargest(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::Buf
         "cadence_cpu_kth_largest takes keys [rows, n >= 1] and k [rows], and gives [rows]");
   }
   const int64_t n = kd[1];
-  const uint32_t* kp = keys.typed_data();
   const int32_t* kk = ks.typed_data();
-  uint32_t* op = out->typed_data();
-  parallel_for(pool, kd[0], 1, [=](int64_t first, int64_t last) {
-    std::vector<std::pair<uint32_t, float>> items;
-    for (int64_t r = first; r < last; ++r) {
-      const double k = static_cast<double>(std::clamp<int64_t>(kk[r], 1, n));
-      op[r] = threshold_row(kp + r * n, nullptr, n, k, items);
-    }
-  });
+  thresholds(pool, keys.typed_data(), nullptr, kd[0], n,
+             [=](int64_t r) { return static_cast<double>(std::clamp<int64_t>(kk[r], 1, n)); },
+             out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -193,17 +200,9 @@ ffi::Error MassThreshold(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::
         "cadence_cpu_mass_threshold takes keys and weights [rows, n >= 1] and targets [rows], and "
         "gives [rows]");
   }
-  const int64_t n = kd[1];
-  const uint32_t* kp = keys.typed_data();
-  const float* wp = w.typed_data();
   const float* tp = target.typed_data();
-  uint32_t* op = out->typed_data();
-  parallel_for(pool, kd[0], 1, [=](int64_t first, int64_t last) {
-    std::vector<std::pair<uint32_t, float>> items;
-    for (int64_t r = first; r < last; ++r) {
-      op[r] = threshold_row(kp + r * n, wp + r * n, n, tp[r], items);
-    }
-  });
+  thresholds(pool, keys.typed_data(), w.typed_data(), kd[0], kd[1],
+             [=](int64_t r) { return static_cast<double>(tp[r]); }, out->typed_data());
   return ffi::Error::Success();
 }
 
