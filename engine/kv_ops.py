@@ -1,6 +1,6 @@
 """An engine's calls on its device state besides the steps: a slot's KV pages and token history.
 
-    engine.copy_pages(sources, targets)         # n > 1: a sequence's own copy of a shared page
+    engine.copy_pages(sources, targets)         # a sequence's own copy of a cached page
     engine.set_history(slot, prompt, output)    # penalties: what a slot has seen so far
     handle = engine.extract(pages, length, slot)      # disaggregated: a sequence's KV out,
     landed = other.receive(handle)                    # onto the other engine's device,
@@ -31,8 +31,8 @@ class KVOps:
 
     def copy_pages(self, sources: Sequence[int], targets: Sequence[int]) -> None:
         """Copies the KV of pages `sources` onto pages `targets` (pairwise, at most num_slots
-        pairs a call): how a later sequence of a group (n > 1) gets its own copy of the page
-        holding the prompt's last token. Returns at once."""
+        pairs a call): how a sequence whose cached prefix ends inside a page (a partial match,
+        or a later sequence of a group, n > 1) gets its own copy of that page. Returns at once."""
         cfg = self.config
         if len(sources) != len(targets) or len(sources) > cfg.num_slots:
             raise ValueError(f"copy_pages takes up to {cfg.num_slots} (source, target) pairs, got "

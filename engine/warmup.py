@@ -167,8 +167,10 @@ class Compiling:
 
     def program_groups(self, warmup: str = "all") -> tuple[str, ...]:
         """The groups of programs (`GROUPS`) this engine's role and configuration run; with
-        warmup="needed", those every request needs (prefill and decode, and moving KV for one
-        engine of a disaggregated pair), which warm-up compiles: the rest compile on first use."""
+        warmup="needed", those every request needs (prefill and decode; on the engine that
+        admits, the page copy that a cached prefix ending inside a page takes; and moving KV
+        for one engine of a disaggregated pair), which warm-up compiles: the rest compile on
+        first use."""
         if warmup not in WARMUPS:
             raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
         cfg = self.config
@@ -179,6 +181,7 @@ class Compiling:
             or (g == "speculative" and (cfg.speculative_tokens == 0 or cfg.role == "prefill")))]
         if warmup == "needed":
             groups = [g for g in groups if g in ("prefill", "decode")
+                      or (g == "copy" and cfg.role != "decode")
                       or (g == "transfer" and cfg.role != "both")]
         return tuple(groups)
 

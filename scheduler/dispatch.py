@@ -73,10 +73,10 @@ class Dispatch:
 
     def _dispatch_prefill(self, plan: Plan, pool: Pool, rows) -> tuple[int, int]:
         """Returns (programs, chunks) dispatched."""
-        try:  # forked sequences' copies of their prompt's last page, before the prefill
-            pool.copy_forked_pages()
+        try:  # the pages prefixes end inside, copied before the prefill goes on from there
+            pool.copy_tail_pages()
         except Exception as e:
-            logging.exception("copying forked pages failed")
+            logging.exception("copying prefixes' last pages failed")
             self._fail_pool(pool, f"{type(e).__name__}: {e}")
         chunks, firsts, scored = [], [], []
         allowed = None  # the token bitmasks of the slots whose first token a grammar constrains

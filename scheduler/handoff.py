@@ -134,6 +134,7 @@ class Handoff:
                 logging.exception("extracting %s's KV failed", r.id)
                 self._fail_pool(source, f"{type(e).__name__}: {e}")
                 return started
+            source.publish(r, tail=True)  # the prompt's last page, for partial matches
             source.release(r)
             target.take(r)
             target.grow(r, tokens)  # cannot fail: the pages were counted above

@@ -2,11 +2,12 @@
 (vLLM's KVCacheManager role).
 
     pool = Pool(engine, "colocated", caching=True)   # or "prefill" / "decode": a disaggregated pair
-    pool.match_prefixes(waiting)          # each waiting prompt's cached pages (its prefix hit)
+    pool.match_prefixes(waiting)          # each waiting prompt's cached prefix (its hit)
     pool.match_forks(waiting)             # ... or its group's first sequence's prompt pages
     pool.take(r); pool.take_prefix(r)     # admitted: a free slot, and the hit's pages shared
     reservation = pool.reserve(plan)      # the pages this iteration's work needs, before it runs
     pool.publish(r)                       # r's newly full pages join the prefix cache
+    pool.publish(r, tail=True)            # ... and its partly written last one, as it ends
     pool.release(r)                       # slot and pages back, the slot's rows reset
     pool.expect(rows, tokens)             # a dispatch's result, to apply next iteration ...
     previous = pool.begin()               # ... when the next dispatch has gone out
@@ -105,40 +106,51 @@ class Pool:
         self.tables[r.slot, : len(hit)] = hit
         r.published = len(hit)
 
-    def hold_copy(self, r: Request, page: int) -> None:
-        """`r` (forked) will copy `page`, another sequence's, into its next page: held till then."""
-        self.pages.share(r.fork_hold, [page], cached=False)
-        r.fork_copy_at = len(r.pages)
+    def hold_copy(self, r: Request, page: int, cached: bool) -> None:
+        """`r` will copy `page`'s leading positions into its next page: held till then. A cached
+        page (a partial match), or (not `cached`) its group's first sequence's."""
+        self.pages.share(r.tail_hold, [page], cached=cached)
+        r.tail_copy_at = len(r.pages)
 
     def release_copy(self, r: Request) -> None:
-        self.pages.release(r.fork_hold)
-        r.fork_copy_at = None
+        self.pages.release(r.tail_hold)
+        r.tail_copy_at = None
 
-    def copy_forked_pages(self) -> None:
-        """Each forked sequence whose first chunk runs this iteration (its pages are reserved by
-        now) gets its copy of the page holding the prompt's last token, in one engine call
-        queued before the prefill that computes that token; then the pages copied are let go.
-        An engine call that raises is the caller's to handle (nothing was let go)."""
-        forked = [r for r in self.running  # (one whose chunk waits for budget has no page yet)
-                  if r.fork_copy_at is not None and len(r.pages) > r.fork_copy_at]
-        if not forked:
+    def copy_tail_pages(self) -> None:
+        """Each sequence whose first chunk runs this iteration (its pages are reserved by now)
+        and whose prefix ends inside another page (a partial match, or a fork's page holding
+        the prompt's last token) gets its copy of that page, in one engine call queued before
+        the prefill that goes on from there; then the pages copied are let go. An engine call
+        that raises is the caller's to handle (nothing was let go)."""
+        copying = [r for r in self.running  # (one whose chunk waits for budget has no page yet)
+                   if r.tail_copy_at is not None and len(r.pages) > r.tail_copy_at]
+        if not copying:
             return
-        self.engine.copy_pages([r.fork_hold[0] for r in forked], [r.pages[r.fork_copy_at] for r in forked])
-        for r in forked:
+        self.engine.copy_pages([r.tail_hold[0] for r in copying], [r.pages[r.tail_copy_at] for r in copying])
+        for r in copying:
             self.release_copy(r)
 
-    def publish(self, r: Request) -> None:
+    def publish(self, r: Request, tail: bool = False) -> None:
         """Publishes each of `r`'s pages that is full of KV written for tokens the host knows,
-        under the key of its prefix (`Request.written_tokens`)."""
+        under the key of its prefix (`Request.written_tokens`). With `tail` (it is letting its
+        pages go: it ended, was preempted or moves to the decode pool), also the page after
+        them, partly written, for partial matches."""
         if not self.pages.caching or r.page_keys is None:
             return
-        full = min(r.written_tokens() // self.page_size, len(r.pages))
-        if full <= r.published:
+        size = self.page_size
+        written = min(r.written_tokens(), len(r.pages) * size)
+        full = written // size
+        # (a page whose copy is not dispatched yet holds nothing of its own)
+        partial = tail and written % size and r.tail_copy_at is None
+        if full <= r.published and not partial:
             return
-        keys = r.page_keys.upto(r.token_ids(full * self.page_size), full)
+        tokens = r.token_ids(written)
+        keys = r.page_keys.upto(tokens, full)
         for i in range(r.published, full):
-            self.pages.publish(r.pages[i], keys[i])
-        r.published = full
+            self.pages.publish(r.pages[i], keys[i], r.page_keys.parent(i), tokens[i * size : (i + 1) * size])
+        r.published = max(r.published, full)
+        if partial:
+            self.pages.publish_tail(r.pages[full], r.page_keys.parent(full), tokens[full * size :])
 
     def release(self, r: Request) -> None:
         """Frees its slot and its pages; the slot's row of the page table points at the null page."""
@@ -176,7 +188,7 @@ class Pool:
     def page_budget(self) -> PageBudget:
         """What the free pages allow the policy, per the reservation mode."""
         return PageBudget(self.pages.free_count, self.page_size, self.reserve_tokens,
-                          releasable=lambda r: self.pages.releasable(r.pages + r.fork_hold))
+                          releasable=lambda r: self.pages.releasable(r.pages + r.tail_hold))
 
     def grow_to(self, r: Request, tokens: int) -> bool:
         """`grow`, to `reserve_tokens` whatever `tokens` says when that is set."""
@@ -188,58 +200,64 @@ class Pool:
         return bool(self.free_slots) or any(q.priority > r.priority for q in self.running)
 
     def match_prefixes(self, waiting: Iterable[Request]) -> None:
-        """Looks every waiting request's prompt up in the prefix cache, before the plan: a hit
-        (`Request.prefix`) makes it start prefilling after the cached pages. A prompt's last
-        token is always computed (its logits give the first output), so the page holding it
-        is never taken from the cache. Admission takes the hit (`take_prefix`)."""
+        """Looks every waiting request's prompt up in the prefix cache, before the plan: its
+        leading whole pages by their keys (`Request.prefix`), then, after them, the cached page
+        whose leading tokens agree longest with the prompt's next ones (`Request.tail`, copied
+        into a page of its own when its first chunk runs); it starts prefilling where the
+        agreement ends. A prompt's last token is always computed (its logits give the first
+        output). Admission takes the hit (`take_prefix`)."""
         if not self.pages.caching:
             return  # nothing is ever looked up: every waiting request's prefix stays empty
+        size = self.page_size
         for r in waiting:
-            r.prefix, r.prefix_evictable = [], 0
+            r.prefix, r.prefix_evictable, r.tail = [], 0, None
             if not self.may_admit(r) or r.unapplied or r.page_keys is None:
                 r.prefilled = r.kv_tokens = 0
                 continue
             if r.preemptions:  # it will recompute its output too (`readmitted`)
                 r.prefill_ids = r.prompt_ids + r.output_ids
-            pages = (r.prefill_len - 1) // self.page_size
-            r.prefix = self.pages.lookup(r.page_keys.upto(r.prefill_ids, pages))
+            last = r.prefill_len - 1
+            r.prefix = self.pages.lookup(r.page_keys.upto(r.prefill_ids, last // size))
             r.prefix_evictable = self.pages.evictable_among(r.prefix)
-            r.prefilled = r.kv_tokens = len(r.prefix) * self.page_size
+            start = len(r.prefix) * size
+            r.tail, agreed = self.pages.longest(r.page_keys.parent(len(r.prefix)),
+                                                r.prefill_ids[start : min(start + size, last)])
+            if r.tail is not None:
+                r.prefix_evictable += self.pages.evictable_among([r.tail])
+            r.prefilled = r.kv_tokens = start + agreed
 
     def match_forks(self, waiting: Iterable[Request]) -> None:
         """After `match_prefixes`: each waiting later sequence of a group whose first one holds
         the prompt's KV in this pool takes that as its prefix: the full pages before the one
         holding the prompt's last token (shared), that page's other positions (copied into a
-        page of its own when it dispatches, `fork_tail`), and it computes the last token only."""
+        page of its own when it dispatches, `tail`), and it computes the last token only."""
         size = self.page_size
         for r in waiting:
             parent = r.fork_parent
             if parent is None:
                 continue
-            r.forking, r.fork_tail = False, None
+            r.forking = False
             if not (self.may_admit(r) and not r.unapplied and not r.preemptions
                     and parent.pool is self and not parent.finished
                     and parent.state in (State.DECODING, State.TRANSFERRING)):
                 if not self.pages.caching:  # (else `match_prefixes` has just set them)
-                    r.prefix, r.prefix_evictable, r.prefilled, r.kv_tokens = [], 0, 0, 0
+                    r.prefix, r.prefix_evictable, r.tail, r.prefilled, r.kv_tokens = [], 0, None, 0, 0
                 continue
             full, partial = divmod(r.prompt_len - 1, size)
             r.prefix, r.prefix_evictable = parent.pages[:full], 0
-            r.forking, r.fork_tail = True, parent.pages[full] if partial else None
+            r.forking, r.tail = True, parent.pages[full] if partial else None
             r.prefilled = r.kv_tokens = r.prompt_len - 1
 
     def take_prefix(self, r: Request) -> None:
         """`r`, just admitted (`take`, `Request.readmitted`), takes the prefix matched for it:
-        cached pages, or its group's first sequence's prompt pages; counted for the metrics."""
-        hit = len(r.prefix) * self.page_size
-        forked = r.forking
+        cached pages, or its group's first sequence's prompt pages, and the page it copies the
+        rest from; counted for the metrics."""
+        hit, forked = r.prefilled, r.forking
         if r.prefix:
             self.share(r, r.prefix, cached=not forked)
-        if forked:
-            hit = r.prompt_len - 1
-            if r.fork_tail is not None:  # held until its copy is dispatched
-                self.hold_copy(r, r.fork_tail)
-        r.prefix, r.prefix_evictable, r.forking, r.fork_tail = [], 0, False, None
+        if r.tail is not None:  # held until its copy is dispatched
+            self.hold_copy(r, r.tail, cached=not forked)
+        r.prefix, r.prefix_evictable, r.forking, r.tail = [], 0, False, None
         if self.pages.caching and not forked:
             self.prefix_queries += r.prefill_len
             self.prefix_hits += hit
@@ -281,7 +299,7 @@ class Pool:
         """Frees `r`'s slot and pages; it will recompute its KV when admitted again."""
         logging.info("preempting %s (priority %d): %s", r.id, r.priority,
                      why or f"the {self.name} KV pool is full ({self.pages.usable} pages)")
-        self.publish(r)  # what it computed stays cached: its recompute is mostly a hit
+        self.publish(r, tail=True)  # what it computed stays cached: its recompute is mostly a hit
         self.release(r)
         r.preempted()
 

@@ -77,7 +77,7 @@ class Outcomes:
     def _finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
         if r.pool is not None:
             if reason is not FinishReason.ERROR:  # a failed engine's KV is not to be trusted
-                r.pool.publish(r)
+                r.pool.publish(r, tail=True)
             r.pool.release(r)
         elif r in self._waiting:  # waiting, or preempted and its last step's result ended it
             self._waiting.remove(r)

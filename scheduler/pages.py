@@ -5,7 +5,9 @@ hold a prefix that another sequence may reuse (automatic prefix caching).
     got = pages.grow(seq_pages, to_tokens=300)   # pages added so 300 tokens fit, or None
     hit = pages.lookup(keys)                     # cached pages of a prompt's leading full pages
     pages.share(seq_pages, hit)                  # ... now held by this sequence too
-    pages.publish(page, key)                     # a full page's KV is written: reusable
+    page, n = pages.longest(parent, tokens)      # the cached page after them agreeing longest
+    pages.publish(page, key, parent, tokens)     # a full page's KV is written: reusable
+    pages.publish_tail(page, parent, tokens)     # a finished sequence's last, partial page
     pages.release(seq_pages)                     # all back, at the end or on preemption
 
 Pure host-side bookkeeping, in plain Python. The scheduler asks for pages as a prompt's chunks
@@ -17,8 +19,10 @@ With `caching`, pages are content-addressed (`scheduler.prefix_cache`: the keys,
 maps and the eviction queue). Every page has a reference count: the sequences holding it. A
 published page whose count falls to 0 keeps its key and its KV, and waits in the eviction queue.
 An allocation takes a page that holds no key first, and evicts only when there is none. A page
-is only ever written by the one sequence that allocated it, before it is full: a shared page is
-full, and its KV is never written again until it is evicted and allocated afresh.
+is only ever written by the one sequence that allocated it, before it is full or (a partial
+page, `publish_tail`) before it is cached: a shared page is full, a page lent for a partial
+match is only read (copied), and a cached page's KV is never written again until it is evicted
+and allocated afresh.
 
 Page 0 is the null page (vLLM's null_block): it is never handed to a sequence, so nothing but
 padding ever points at it. Free slots' rows of the page table, and every entry past a sequence's
@@ -27,7 +31,7 @@ of N pages serves N - 1 (`usable`); `num_pages` counts them all. Page 1 upward a
 sequences hold; the lowest key-less free ones are handed out first, so a fresh engine fills its
 pool from the front (easy to read in a trace, nothing depends on it).
 
-Non-goals: swapping pages to the host; sharing partial pages.
+Non-goals: swapping pages to the host; sharing a partial page in place (it is copied).
 """
 
 from __future__ import annotations
@@ -150,15 +154,37 @@ class PageAllocator:
             self._refs[page] += 1
         pages.extend(hit)
 
-    def publish(self, page: int, key: bytes) -> bool:
-        """Makes a held page's KV (now written in full) reusable under `key`. False if caching
-        is off, the page is published already, or another page holds that key already (two
-        sequences computed the same prefix at once: the first stays the cached one)."""
+    def longest(self, parent: bytes, tokens: Sequence[int]) -> tuple[int | None, int]:
+        """The cached page under `parent` whose leading tokens agree longest with `tokens`, and
+        for how many (`PrefixCache.longest`). Changes nothing; `share` takes it."""
+        return self.cache.longest(parent, tokens)
+
+    def publish(self, page: int, key: bytes, parent: bytes | None = None,
+                tokens: Sequence[int] | None = None) -> bool:
+        """Makes a held page's KV (now written in full) reusable under `key` (and, given its
+        `parent` key and `tokens`, by partial matches). False if caching is off, the page is
+        published already, or another page holds that key already (two sequences computed the
+        same prefix at once: the first stays the cached one)."""
         if not self.caching or page in self.cache or self.cache.has_key(key):
             return False
         if self._refs[page] < 1:
             raise ValueError(f"page {page} is not held; only its writer may publish it")
-        self.cache.publish(page, key)
+        self.cache.publish(page, key, parent, tokens)
+        return True
+
+    def publish_tail(self, page: int, parent: bytes, tokens: Sequence[int]) -> bool:
+        """Makes the KV of a page's leading positions, written for `tokens` after the prefix
+        `parent` names, reusable by partial matches: a sequence's last page, partly written,
+        published by its writer as it lets it go (and never written after). False if caching
+        is off, the page is cached already, or a cached page under `parent` already begins
+        with `tokens` (it serves every match this one would)."""
+        if not self.caching or not tokens or page in self.cache:
+            return False
+        if self._refs[page] < 1:
+            raise ValueError(f"page {page} is not held; only its writer may publish it")
+        if self.cache.longest(parent, tokens)[1] == len(tokens):
+            return False
+        self.cache.publish_tail(page, parent, tokens)
         return True
 
     def clear_cache(self) -> None:

@@ -261,18 +261,20 @@ class Request:
         self.page_keys: PageKeys | None = None
         self.published = 0
         self.prefix: list[int] = []
-        self.prefix_evictable = 0  # of `prefix`, pages nobody holds (admission takes them)
+        self.prefix_evictable = 0  # of `prefix` and `tail`, pages nobody holds (admission takes them)
         self.cached_tokens = 0  # prompt tokens the cache gave it, at its first admission
+        # A prefix that ends inside a page: while it waits, the page whose leading positions it
+        # reuses (`tail`: a cached page agreeing with the prompt past `prefix`, or a fork's page
+        # holding the prompt's last token); admitted, that page, held until its copy into a
+        # page of its own is dispatched (`tail_hold`), and where in its pages the copy goes
+        # (`tail_copy_at`).
+        self.tail: int | None = None
+        self.tail_hold: list[int] = []
+        self.tail_copy_at: int | None = None
         # A later sequence of a group (n > 1): the group's first, whose prompt KV it takes
-        # (`Pool.match_forks`); while it waits, whether it will (`forking`) and the page
-        # holding the prompt's last token, to copy (`fork_tail`); admitted, that page (held by
-        # it until the copy is dispatched, `fork_hold`) and where in its own pages the copy goes
-        # (`fork_copy_at`).
+        # (`Pool.match_forks`), and, while it waits, whether it will (`forking`).
         self.fork_parent: Request | None = None
         self.forking = False
-        self.fork_tail: int | None = None
-        self.fork_hold: list[int] = []
-        self.fork_copy_at: int | None = None
         # Speculative decoding: its n-gram drafts and acceptance, from its first drafting
         # iteration on (`scheduler.speculative.Drafter`).
         self.drafter: Drafter | None = None

@@ -476,6 +476,6 @@ def build_from_flags(warm: bool = True) -> Runtime:
     config = scheduler_config_from_flags(model.name)
     scheduler = Scheduler(engines[0], model.tokenizer, config, decode_engine=engines[1] if pair else None)
     print(f"cadence: prefix caching {'on' if config.prefix_caching else 'off (--noprefix_caching)'}"
-          + (f": prompts reuse the KV of cached {engines[0].config.page_size}-token pages"
-             if config.prefix_caching else ""), file=sys.stderr)
+          + (f": prompts reuse cached KV to the token ({engines[0].config.page_size}-token pages "
+             "by key, a partial page copied)" if config.prefix_caching else ""), file=sys.stderr)
     return Runtime(model=model, engines=engines, scheduler=scheduler, warmup_seconds=warm_seconds)

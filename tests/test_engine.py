@@ -172,23 +172,23 @@ def test_needed_warmup_compiles_the_rest_on_first_use_once(tiny_params, tiny_con
     cfg = EngineConfig(num_slots=3, max_seq_len=96, prefill_chunk=32, min_kv_bucket=32,
                        page_size=32, structured_output=True)
     e = Engine(tiny_params, tiny_config, cfg)
-    assert e.program_groups("needed") == ("prefill", "decode")
+    assert e.program_groups("needed") == ("prefill", "decode", "copy")
     assert e.program_groups("all") == ("prefill", "scoring", "decode", "structured", "transfer",
                                        "history", "copy")
     e.warmup(warmup="needed")
-    assert e.ready("decode") and not e.ready("history") and not e.ready("copy")
+    assert e.ready("copy") and not e.ready("history") and not e.ready("transfer")
     first = e.prepare(["history"])
     assert e.prepare(["history"]) is first  # one compile, whoever asks
     first.result(timeout=60)
     assert e.ready("history") and e.prepare(["history"]) is None
     assert e.compilations_on_demand == 1 and e.compilations_after_warmup == 0
     e.set_history(0, [5, 6])
-    e.copy_pages([0], [1])  # compiled on the call, synchronously
-    jax.block_until_ready(e.cache)
-    assert e.ready("copy") and e.compilations_on_demand == 2
+    jax.block_until_ready(e.extract([1], 5, 0).k)  # compiled on the call, synchronously
+    transfer = 1 + len(e.warm_programs(["transfer"]))
+    assert e.ready("transfer") and e.compilations_on_demand == transfer
     assert e.compilations_after_warmup == 0
     e.set_history(1, [7])
-    assert e.compilations_on_demand == 2 and e.compilations_after_warmup == 0
+    assert e.compilations_on_demand == transfer and e.compilations_after_warmup == 0
 
 
 def test_a_request_waits_for_its_programs_while_others_run(tiny_params, tiny_config, tiny_tokenizer):

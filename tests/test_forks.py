@@ -140,7 +140,8 @@ def test_on_the_engine_each_choice_equals_its_request_alone(tiny_params, tiny_co
 
 def test_the_api_returns_n_choices_streamed_and_whole(tiny_engine, tiny_tokenizer):
     """n=3 over HTTP: each choice's text equals the request with n=1 and that choice's seed,
-    whole and streamed (chunks interleaved by index); usage counts the prompt once;
+    whole and streamed (chunks interleaved by index); usage counts the prompt once, and the
+    repeat finds all of it but the last token cached;
     best_of=3, n=1 returns the likeliest of the three."""
     import json
 
@@ -169,7 +170,10 @@ def test_the_api_returns_n_choices_streamed_and_whole(tiny_engine, tiny_tokenize
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     joined = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
               for i in range(3)]
-    assert joined == texts and chunks[-1]["usage"] == whole["usage"]
+    usage = chunks[-1]["usage"]
+    assert joined == texts and {**usage, "prompt_tokens_details": None} == {**whole["usage"], "prompt_tokens_details": None}
+    # the same prompt again: the cache lends it every token but the last (computed for its logits)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
     assert streamed.text.count("data: [DONE]") == 1 and streamed.text.endswith("data: [DONE]\n\n")
     assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]) == 3
     # best_of: the choice is one of the three, the one of highest cumulative logprob
