@@ -19,8 +19,9 @@ class SchedulerConfig:
     # "max": it holds max_seq_len tokens' worth from its first chunk on, as a contiguous slot
     # does (vLLM's "Orca (Max)" baseline): the comparison point for benchmarks.
     kv_reservation: str = "live"
-    # Automatic prefix caching: a prompt's leading full pages whose KV some request computed
-    # already (and that are not evicted yet) are reused, not prefilled again (`scheduler.pages`).
+    # Automatic prefix caching: a prompt's leading tokens whose KV some request computed already
+    # (and that are not evicted yet) are reused, not prefilled again: whole pages by key, the
+    # rest copied from the cached page agreeing longest (`scheduler.prefix_cache`).
     prefix_caching: bool = True
     # What else the KV depends on besides the tokens (the model, its weights, the compute
     # dtype), folded into every page's key.

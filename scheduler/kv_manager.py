@@ -205,7 +205,8 @@ class Pool:
         whose leading tokens agree longest with the prompt's next ones (`Request.tail`, copied
         into a page of its own when its first chunk runs); it starts prefilling where the
         agreement ends. A prompt's last token is always computed (its logits give the first
-        output). Admission takes the hit (`take_prefix`)."""
+        output). Admission takes the hit (`take_prefix`): nothing leaves the cache in between
+        (publishing only adds; an allocation, which evicts, comes after admission)."""
         if not self.pages.caching:
             return  # nothing is ever looked up: every waiting request's prefix stays empty
         size = self.page_size
@@ -222,6 +223,10 @@ class Pool:
             start = len(r.prefix) * size
             r.tail, agreed = self.pages.longest(r.page_keys.parent(len(r.prefix)),
                                                 r.prefill_ids[start : min(start + size, last)])
+            # A partial match holds the lent page beside its own until the copy: one page more
+            # than computing those positions, which a sequence as large as the pool never has.
+            if r.tail is not None and self.pages.pages_for(self.reserve_tokens or r.prefill_len) >= self.pages.usable:
+                r.tail, agreed = None, 0
             if r.tail is not None:
                 r.prefix_evictable += self.pages.evictable_among([r.tail])
             r.prefilled = r.kv_tokens = start + agreed
@@ -253,6 +258,7 @@ class Pool:
         cached pages, or its group's first sequence's prompt pages, and the page it copies the
         rest from; counted for the metrics."""
         hit, forked = r.prefilled, r.forking
+        r.forked = forked
         if r.prefix:
             self.share(r, r.prefix, cached=not forked)
         if r.tail is not None:  # held until its copy is dispatched
@@ -305,7 +311,9 @@ class Pool:
 
     def send_back(self, r: Request) -> None:
         """An admission that found too few pages: as it was before it, holding nothing."""
-        if self.pages.caching:  # it prefills nothing now: its lookup counts next time
+        if r.forked:  # it prefills nothing now: what its prefix counted counts next time
+            self.forked_tokens -= r.prefilled
+        elif self.pages.caching:
             self.prefix_queries -= r.prefill_len
             self.prefix_hits -= r.prefilled
         self.release(r)

@@ -123,7 +123,7 @@ class PrefixCache:
         children = self._children.get(parent)
         if not children or not tokens:
             return None, 0
-        query = tuple(tokens)
+        query = tuple(int(t) for t in tokens)
         at = bisect.bisect_left(children, (query,))
         best, agreed = None, 0
         for theirs, page in children[max(0, at - 1) : at + 1]:

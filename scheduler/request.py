@@ -253,15 +253,21 @@ class Request:
         # What prefill computes: the prompt, and after a preemption the output so far too
         # (recomputed, never re-emitted: the next token sampled is the next output).
         self.prefill_ids = self.prompt_ids
-        self.prefilled = 0  # tokens of prefill_ids whose KV is written
+        # Tokens of prefill_ids whose KV is written; from admission on, with a prefix that ends
+        # inside a page, also those its copy (`tail`) will write, queued before its first chunk
+        # (`Pool.publish` publishes no page whose copy is still to come).
+        self.prefilled = 0
         self.dispatched = 0  # output tokens whose computation has been dispatched
         self.kv_tokens = 0  # positions whose KV is written in its pages
         # The prefix cache (`scheduler.pages`): its full pages' keys, how many of its pages are
-        # published, and, while it waits, the cached pages its prefill would start after.
+        # published, and, while it waits, the cached whole pages its prefill would start after
+        # (and `tail`, below); admitted, whether its prefix came from its group's first sequence
+        # (`forked`: counted as such, not as a cache hit).
         self.page_keys: PageKeys | None = None
         self.published = 0
         self.prefix: list[int] = []
         self.prefix_evictable = 0  # of `prefix` and `tail`, pages nobody holds (admission takes them)
+        self.forked = False
         self.cached_tokens = 0  # prompt tokens the cache gave it, at its first admission
         # A prefix that ends inside a page: while it waits, the page whose leading positions it
         # reuses (`tail`: a cached page agreeing with the prompt past `prefix`, or a fork's page

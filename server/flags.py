@@ -138,9 +138,10 @@ GRAMMAR_TIMEOUT = flags.DEFINE_float(
     "its own, never delaying other requests); longer is a 400.", lower_bound=0.001)
 PREFIX_CACHING = flags.DEFINE_bool(
     "prefix_caching", True,
-    "Reuse the KV of prompt prefixes computed before (automatic prefix caching: a full page's KV "
-    "is found by the hash of its tokens and everything before them); --noprefix_caching "
-    "computes every prompt from scratch.")
+    "Reuse the KV of prompt prefixes computed before, to the token (automatic prefix caching: a "
+    "full page's KV is found by the hash of its tokens and everything before them, the rest "
+    "copied from the cached page after them that agrees longest); --noprefix_caching computes "
+    "every prompt from scratch.")
 ATTENTION = flags.DEFINE_enum(
     "attention", None, ["pallas", "mosaic", "cpu", "xla", "reference"],
     "Attention implementation (default: pallas on GPU, Triton kernels; mosaic: the same as Mosaic "

@@ -274,6 +274,23 @@ def test_a_hit_covers_every_token_before_the_first_difference(shared):
         c.check(engine)
 
 
+def test_a_prompt_as_large_as_the_pool_computes_rather_than_hold_a_page_to_copy():
+    """A partial match holds the page it copies beside its own pages: a prompt that needs every
+    page of the pool cannot, so it takes its whole pages and computes the rest (it would else
+    wait forever for a page that only its own admission could free)."""
+    engine = FakeEngine(num_slots=1, max_seq_len=64, page_size=16)  # 3 pages beside the null page
+    h = cached_harness(engine, chunked(budget=64, chunk=64))
+    prompt = random_prompt(np.random.default_rng(11), 48)
+    first = h.submit(prompt, max_tokens=1, ignore_eos=True)
+    h.run()
+    other = prompt[:-1] + [ALPHABET[(ALPHABET.index(prompt[-1]) + 1) % len(ALPHABET)]]
+    second = h.submit(other, max_tokens=1, ignore_eos=True)
+    h.run()
+    assert second.record.finish_reason == "length" and second.record.cached_tokens == 32
+    for c in (first, second):
+        c.check(engine)
+
+
 def test_a_corrupted_cache_shows_in_the_output():
     """The harness catches wrong KV: with two cached pages' keys swapped, a prompt that hits
     them reads the other page's tokens, and its output is no longer the model's."""
