@@ -498,7 +498,7 @@ def test_grouped_packing_refuses_what_the_kernels_do_not_read():
 
 @needs_cpu_kernels
 @pytest.mark.parametrize("fmt", ["q8", "q4", "q5"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 16, 37])
 @pytest.mark.parametrize("k, n", [(32, 5), (96, 37), (576, 192), (1536, 48)])
 def test_grouped_matmul_matches_numpy_dequantize_then_matmul(fmt, rows, k, n):
     """The grouped kernels against NumPy's float64 matmul over the dequantized matrix: the
@@ -514,12 +514,12 @@ def test_grouped_matmul_matches_numpy_dequantize_then_matmul(fmt, rows, k, n):
 
 @needs_cpu_kernels
 @pytest.mark.parametrize("fmt", SUPERBLOCKS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 16, 37])
 @pytest.mark.parametrize("k, n", [(256, 5), (512, 37), (1536, 48)])
 def test_superblock_matmul_matches_numpy_dequantize_then_matmul(fmt, rows, k, n):
     """The K-quant kernels (Q4_K, Q5_K, Q6_K's super-blocks) likewise: within float32 rounding
-    of NumPy's float64 matmul over the dequantized matrix, at 1-16 rows (the tiles of 4 and
-    the rest) and widths that are not multiples of 16."""
+    of NumPy's float64 matmul over the dequantized matrix, at 1-37 rows (the tiles of 4, or 8
+    with AVX-512, and the rest) and widths that are not multiples of 16."""
     rng = np.random.default_rng(rows * 1000 + k + n + len(fmt))
     parts = _superblocks(rng, fmt, k, n)
     x = rng.standard_normal((rows, k), np.float32)
