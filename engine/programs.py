@@ -45,13 +45,20 @@ def _prefill_program(
     tokens its bitmask `allowed` allows), and each
     prompt's last chunk's token written into its slot's `last_tokens` and counted into its
     history (other entries of `write_slot` are num_slots and drop out)."""
-    logits, cache = forward(
-        params, tokens, positions, lengths, cache, tables, config=config,
-        logit_index=logit_index, attention=attention, dtype=dtype, mesh=mesh, rope_table=rope,
-    )
+    with _live_rows(tokens, lengths):
+        logits, cache = forward(
+            params, tokens, positions, lengths, cache, tables, config=config,
+            logit_index=logit_index, attention=attention, dtype=dtype, mesh=mesh, rope_table=rope,
+        )
     sampled, logprobs, last_tokens, history = _take_chunk_tokens(
         logits, last_tokens, history, steps, write_slot, sampling_slot, sampling, allowed, max_logprobs)
     return (sampled, logprobs), cache, last_tokens, history
+
+
+def _live_rows(tokens, lengths):
+    """A pack's chunks fill its rows from the first (`engine.packing`): the CPU kernels' matmuls
+    over its tokens compute the rows that hold some and skip its bucket's empty rows."""
+    return cpu_kernels.live_rows(tokens.size, jnp.sum(lengths > 0, dtype=jnp.int32) * tokens.shape[1])
 
 
 def _take_chunk_tokens(logits, last_tokens, history, steps, write_slot, sampling_slot, sampling,
@@ -72,10 +79,11 @@ def _scored_prefill_program(
     """`_prefill_program`, with the logits of every position of the pack: also returns each
     position's `Logprobs` of `targets` [T] (its next token; -1 where none: ignored)."""
     every = jnp.arange(tokens.size, dtype=jnp.int32)
-    logits, cache = forward(
-        params, tokens, positions, lengths, cache, tables, config=config, logit_index=every,
-        attention=attention, dtype=dtype, mesh=mesh, rope_table=rope,
-    )
+    with _live_rows(tokens, lengths):
+        logits, cache = forward(
+            params, tokens, positions, lengths, cache, tables, config=config, logit_index=every,
+            attention=attention, dtype=dtype, mesh=mesh, rope_table=rope,
+        )
     sampled, logprobs, last_tokens, history = _take_chunk_tokens(
         logits[logit_index], last_tokens, history, steps, write_slot, sampling_slot, sampling,
         allowed, max_logprobs)

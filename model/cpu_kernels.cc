@@ -6,7 +6,9 @@
 // step per page, so the step ran at 3-6x the time of reading them. These kernels read each
 // byte once, in the order it lies in memory:
 //
-//   cadence_cpu_layered_matmul   y[M, N] = x[M, K] @ W for W in the kernels' layouts
+//   cadence_cpu_layered_matmul   y[M, N] = x[M, K] @ W for W in the kernels' layouts, over the
+//                            leading `live` rows of x (a prefill's rows that hold tokens; the
+//                            rest, its bucket's padding, come out zero),
 //                            (model/block_layout.py): float blocks [N / 16, K, 16] (float32,
 //                            or a checkpoint's bfloat16 / float16 widened in registers), each
 //                            block of 16 output columns one contiguous run, streamed once
@@ -27,7 +29,7 @@
 //   cadence_cpu_layered_dequantize   the float32 W [K, N] of such a matrix (or of a run of its
 //                            blocks), for prefill's GEMM.
 //   cadence_cpu_blocked_matmul_int8   int8 blocks, widened in registers, with a float scale
-//                            per output column: a quarter of float32's bytes.
+//                            per output column: a quarter of float32's bytes (`live` rows too).
 //   cadence_cpu_paged_decode     one query token per row over its pages of a paged KV pool,
 //                            online softmax in float32, keys 0..position of the row.
 //   cadence_cpu_paged_write      new keys or values into their slots of a pool, in place:
@@ -233,19 +235,20 @@ const uint8_t* layer_matrix(ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
 
 // y [M, N] = x [M, K] @ the layer's W [K, N] (N = 16 * blocks; int8: over int8 activations,
 // for the grouped formats).
-ffi::Error LayeredMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
-                         ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
+ffi::Error LayeredMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> live,
+                         ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
                          ffi::Span<const int32_t> formats, ffi::Span<const int64_t> offsets,
                          bool int8) {
   const auto xd = x.dimensions(), yd = y->dimensions();
   const int32_t l = *layer.typed_data();
-  if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || yd[1] % kBlock ||
+  if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || yd[1] % kBlock || live.element_count() != 1 ||
       formats.size() != offsets.size() || l < 0 || l >= static_cast<int64_t>(formats.size())) {
     return ffi::Error::InvalidArgument(
-        "cadence_cpu_layered_matmul takes x [M, K], a layer in [0, layers) and gives [M, N] "
-        "(N a multiple of 16)");
+        "cadence_cpu_layered_matmul takes x [M, K], its live rows [], a layer in [0, layers) and "
+        "gives [M, N] (N a multiple of 16)");
   }
-  const int64_t M = xd[0], K = xd[1], blocks = yd[1] / kBlock;
+  const int64_t K = xd[1], blocks = yd[1] / kBlock;
+  const int64_t M = live_rows(live, xd[0], y->typed_data(), yd[1]);  // the rest are zeros
   return with_format(formats[l], [&](auto tag) {
     using T = typename decltype(tag)::type;
     const uint8_t* wp = layer_matrix(w, layer, offsets, blocks * block_bytes<T>(K));
@@ -253,6 +256,7 @@ ffi::Error LayeredMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
       return ffi::Error::InvalidArgument(
           "cadence_cpu_layered_matmul: the layer's matrix does not fit its format, K or w");
     }
+    if (M == 0) return ffi::Error::Success();
     if constexpr (kFloat<T>) {
       matmul_run(pool, x.typed_data(), M, K, reinterpret_cast<const T*>(wp), nullptr,
                  y->typed_data(), blocks);
@@ -379,6 +383,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_blocked_matmul_int8, BlockedMatmulInt8
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
@@ -405,6 +410,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_layered_matmul, LayeredMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

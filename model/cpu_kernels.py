@@ -232,6 +232,21 @@ def activations(kind: str):
         _ACTIVATIONS.reset(token)
 
 
+_LIVE_ROWS = contextvars.ContextVar("cadence_cpu_live_rows", default=None)
+
+
+@contextlib.contextmanager
+def live_rows(total: int, rows: jax.Array):
+    """Blocked matmuls traced inside it over `total` rows (a packed prefill's bucket) compute the
+    leading `rows` ([] int32, a value of the program: the rows holding tokens), zeros after; over
+    other rows (the LM head's) all. XLA's GEMM (`matmul`, from `gemm_rows()`) computes them all."""
+    token = _LIVE_ROWS.set((total, rows))
+    try:
+        yield
+    finally:
+        _LIVE_ROWS.reset(token)
+
+
 _SERVING = contextvars.ContextVar("cadence_cpu_kernels_serving", default=False)
 
 
@@ -310,11 +325,13 @@ def blocked_matmul(x: jax.Array, blocked, n: int, scale: jax.Array | None = None
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     blocks = blocked.blocks if isinstance(blocked, Stacked) else blocked.shape[0]
     out = jax.ShapeDtypeStruct((rows.shape[0], blocks * BLOCK), jnp.float32)
+    total, live = _LIVE_ROWS.get() or (rows.shape[0], rows.shape[0])  # `live_rows`'s, or all
+    live = jnp.asarray(live if total == rows.shape[0] else rows.shape[0], jnp.int32).reshape(())
     if not isinstance(blocked, Stacked) and blocked.dtype == jnp.int8:
         if scale is None:
             raise ValueError("int8 blocks need their per-column scale")
         scale = jnp.pad(scale.astype(jnp.float32), (0, blocks * BLOCK - n))
-        y = jax.ffi.ffi_call(MATMUL_INT8, out)(rows, blocked, scale)
+        y = jax.ffi.ffi_call(MATMUL_INT8, out)(rows, live, blocked, scale)
     else:
         if not isinstance(blocked, Stacked) and matrix_format(blocked) is None:
             blocked = blocked.astype(jnp.float32)
@@ -322,7 +339,7 @@ def blocked_matmul(x: jax.Array, blocked, n: int, scale: jax.Array | None = None
         if rows.shape[1] != stacked.k:  # the kernel reads K from x: a mismatch would misread W
             raise ValueError(f"x has {rows.shape[1]} input columns; the matrix has {stacked.k} rows")
         y = jax.ffi.ffi_call(LAYERED_MATMUL, out)(
-            rows, stacked.layer, stacked.data, **_layered_attributes(stacked),
+            rows, live, stacked.layer, stacked.data, **_layered_attributes(stacked),
             int8=_ACTIVATIONS.get() == "int8")
     return y[:, :n].reshape(*lead, n)
 

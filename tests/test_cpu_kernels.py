@@ -528,6 +528,43 @@ def test_superblock_matmul_matches_numpy_dequantize_then_matmul(fmt, rows, k, n)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(want).max())
 
 
+@needs_cpu_kernels
+@pytest.mark.parametrize("kind", ["float", "int8", "q4", "q5k"])
+@pytest.mark.parametrize("activations", cpu_kernels.ACTIVATIONS)
+def test_live_rows_are_computed_and_the_padding_comes_out_zero(kind, activations):
+    """Inside `live_rows(total, n)` (a packed prefill: n of its `total` tokens are real), a
+    matmul over `total` rows computes the first n exactly as over all of them, to the bit (each
+    row's sums are its own), and gives zeros for the rest; a matmul over other rows (the LM
+    head's) computes them all. n may be 0, or past the rows (all computed)."""
+    rng = np.random.default_rng(5)
+    k, n = 512, 40
+    x = rng.standard_normal((24, k), np.float32)
+    if kind == "float":
+        blocked, scale = cpu_kernels.block(rng.standard_normal((k, n), np.float32)), None
+    elif kind == "int8":
+        from cadence.model.quant import quantize_matrix
+
+        q, scale = quantize_matrix(rng.standard_normal((k, n), np.float32), 1)
+        blocked, scale = jnp.asarray(cpu_kernels.block(q)), jnp.asarray(scale)
+    else:
+        blocked = jnp.asarray(_pack(kind, (_superblocks if kind in SUPERBLOCKS else _grouped)(rng, kind, k, n)))
+        scale = None
+
+    def matmul(x, live, total):
+        with cpu_kernels.activations(activations), cpu_kernels.live_rows(total, live):
+            return cpu_kernels.blocked_matmul(x, blocked, n, scale)
+
+    run = jax.jit(matmul, static_argnums=2)
+    full = np.asarray(run(x, jnp.int32(24), 24))
+    with cpu_kernels.activations(activations):
+        assert full.any() and np.array_equal(full, cpu_kernels.blocked_matmul(x, blocked, n, scale))
+    for live in (0, 1, 9, 17, 24, 30):
+        got = np.asarray(run(x, jnp.int32(live), 24))
+        np.testing.assert_array_equal(got[:live], full[:live])
+        assert not got[live:].any()
+    np.testing.assert_array_equal(np.asarray(run(x, jnp.int32(3), 16)), full)  # not the pack's rows
+
+
 def _int8_rows(x: np.ndarray) -> np.ndarray:
     """x's rows as the int8-activation kernels see them: per 32 values, codes rint(x / d) with
     d = amax / 127, times d."""

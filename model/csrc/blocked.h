@@ -131,17 +131,31 @@ void matmul_run(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, co
   });
 }
 
-ffi::Error BlockedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                             ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+// The rows of x [M, .] a matmul computes: the leading `live` ([] int32; prefill's rows that
+// hold tokens, the rest being its bucket's padding), at most M. y's other rows [M, N] are
+// written as zeros. -1 if `live` is not one value.
+int64_t live_rows(ffi::Buffer<ffi::S32> live, int64_t M, float* y, int64_t N) {
+  if (live.element_count() != 1) return -1;
+  const int64_t rows = std::clamp<int64_t>(*live.typed_data(), 0, M);
+  std::fill(y + rows * N, y + M * N, 0.0f);
+  return rows;
+}
+
+ffi::Error BlockedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> live,
+                             ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+                             ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != kBlock || wd[1] != xd[1] ||
-      static_cast<int64_t>(scale.element_count()) != wd[0] * kBlock) {
+      static_cast<int64_t>(scale.element_count()) != wd[0] * kBlock || live.element_count() != 1) {
     return ffi::Error::InvalidArgument(
-        "cadence_cpu_blocked_matmul_int8 takes x [M, K], w [N / 16, K, 16] and a scale per "
-        "(padded) output column");
+        "cadence_cpu_blocked_matmul_int8 takes x [M, K], its live rows [], w [N / 16, K, 16] and "
+        "a scale per (padded) output column");
   }
-  matmul_run(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), scale.typed_data(),
-             y->typed_data(), wd[0]);
+  const int64_t rows = live_rows(live, xd[0], y->typed_data(), wd[0] * kBlock);
+  if (rows > 0) {
+    matmul_run(pool, x.typed_data(), rows, xd[1], w.typed_data(), scale.typed_data(),
+               y->typed_data(), wd[0]);
+  }
   return ffi::Error::Success();
 }
 
