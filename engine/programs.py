@@ -57,7 +57,9 @@ def _prefill_program(
 
 def _live_rows(tokens, lengths):
     """A pack's chunks fill its rows from the first (`engine.packing`): the CPU kernels' matmuls
-    over its tokens compute the rows that hold some and skip its bucket's empty rows."""
+    over its positions compute the rows that hold tokens and skip its bucket's empty rows (and
+    so does the scoring program's LM head over every position: the padding's logits come out
+    zero, and nobody reads them)."""
     return cpu_kernels.live_rows(tokens.size, jnp.sum(lengths > 0, dtype=jnp.int32) * tokens.shape[1])
 
 

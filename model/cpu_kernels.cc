@@ -240,7 +240,7 @@ ffi::Error LayeredMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
                          ffi::Span<const int32_t> formats, ffi::Span<const int64_t> offsets,
                          bool int8) {
   const auto xd = x.dimensions(), yd = y->dimensions();
-  const int32_t l = *layer.typed_data();
+  const int32_t l = layer.element_count() == 1 ? *layer.typed_data() : -1;
   if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || yd[1] % kBlock || live.element_count() != 1 ||
       formats.size() != offsets.size() || l < 0 || l >= static_cast<int64_t>(formats.size())) {
     return ffi::Error::InvalidArgument(
@@ -248,7 +248,6 @@ ffi::Error LayeredMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
         "gives [M, N] (N a multiple of 16)");
   }
   const int64_t K = xd[1], blocks = yd[1] / kBlock;
-  const int64_t M = live_rows(live, xd[0], y->typed_data(), yd[1]);  // the rest are zeros
   return with_format(formats[l], [&](auto tag) {
     using T = typename decltype(tag)::type;
     const uint8_t* wp = layer_matrix(w, layer, offsets, blocks * block_bytes<T>(K));
@@ -256,6 +255,7 @@ ffi::Error LayeredMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
       return ffi::Error::InvalidArgument(
           "cadence_cpu_layered_matmul: the layer's matrix does not fit its format, K or w");
     }
+    const int64_t M = live_rows(live, xd[0], y->typed_data(), yd[1]);  // the rest are zeros
     if (M == 0) return ffi::Error::Success();
     if constexpr (kFloat<T>) {
       matmul_run(pool, x.typed_data(), M, K, reinterpret_cast<const T*>(wp), nullptr,

@@ -237,9 +237,9 @@ _LIVE_ROWS = contextvars.ContextVar("cadence_cpu_live_rows", default=None)
 
 @contextlib.contextmanager
 def live_rows(total: int, rows: jax.Array):
-    """Blocked matmuls traced inside it over `total` rows (a packed prefill's bucket) compute the
-    leading `rows` ([] int32, a value of the program: the rows holding tokens), zeros after; over
-    other rows (the LM head's) all. XLA's GEMM (`matmul`, from `gemm_rows()`) computes them all."""
+    """Blocked matmuls traced inside it over `total` rows (a packed prefill's positions) compute
+    the leading `rows` ([] int32, a value of the program; no token lies past them), zeros after.
+    Over other rows (the LM head's at C logit rows) all; so does XLA's GEMM (`gemm_rows()`)."""
     token = _LIVE_ROWS.set((total, rows))
     try:
         yield

@@ -144,8 +144,9 @@ int64_t live_rows(ffi::Buffer<ffi::S32> live, int64_t M, float* y, int64_t N) {
 ffi::Error BlockedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> live,
                              ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
                              ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kBlock || wd[1] != xd[1] ||
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kBlock || wd[1] != xd[1] || yd.size() != 2 ||
+      yd[0] != xd[0] || yd[1] != wd[0] * kBlock ||
       static_cast<int64_t>(scale.element_count()) != wd[0] * kBlock || live.element_count() != 1) {
     return ffi::Error::InvalidArgument(
         "cadence_cpu_blocked_matmul_int8 takes x [M, K], its live rows [], w [N / 16, K, 16] and "
