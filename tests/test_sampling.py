@@ -287,6 +287,44 @@ def test_a_draw_from_the_kernels_candidates_is_categoricals(vocab):
             np.testing.assert_array_equal(fn(logits, params, step), jax.jit(categorical)(logits, params, step))
 
 
+@needs_cpu_kernels
+def test_a_draw_over_widely_spread_logits_is_categoricals():
+    """The kernel scores only the blocks of tokens within the noise's span (21 nats) of the
+    row's top: over rows spread far wider (most blocks skipped), a winner alone among hopeless
+    tokens, tokens 4 nats behind that win most draws, logits of 1e30 (the margin grows with
+    them), the draw is jax.random.categorical's, the rows' candidates listed by the kernel (a
+    batch where one row takes XLA's draw takes it for all). A NaN far below the top is still
+    found, and a row whose top is +inf skips nothing: those rows take XLA's draw."""
+    rng = np.random.default_rng(17)
+    x = (rng.standard_normal((6, 20000)) * 25).astype(np.float32)
+    x[1] = -60.0
+    x[1, 12345] = 0.0  # the only hopeful token
+    x[1, 777] = -20.5  # just within the span
+    x[2] = -100.0
+    x[2, 0] = 0.0
+    x[2, 16:16 * 301:16] = -4.0  # 300 blocks of one token each 4 nats behind: they win mostly
+    x[3] = x[3] * 1e28  # a spread of ~1e30
+    params = SamplingParams.make([1.0, 1.0, 1.0, 1.0, 2.0, 0.3], [0] * 6, [1.0] * 6, list(range(6)))
+    step = jnp.arange(6, dtype=jnp.int32)
+    fn = jax.jit(cpu_kernels.with_activations(sample, "float32"))
+    keys = jnp.stack([jax.random.key_data(_row_key(s, t)) for s, t in zip(range(6), range(6))])
+    scaled = x / np.asarray(params.temperature)[:, None]
+    counts = jax.jit(cpu_kernels.gumbel_candidates, static_argnums=2)(keys, scaled, model_sampling.DRAW_WIDTH)[1]
+    assert (np.asarray(counts) <= model_sampling.DRAW_WIDTH).all()  # the kernel's candidates decide
+    drawn = []
+    for seed in range(8):
+        p = params._replace(seed=params.seed + 8 * seed)
+        drawn.append(np.asarray(fn(x, p, step)))
+        np.testing.assert_array_equal(drawn[-1], jax.jit(categorical)(x, p, step))
+    assert sum(d[2] != 0 for d in drawn) >= 4  # row 2's draws fall on the tokens behind
+    broken = x[:2].copy()
+    broken[0, 5000] = np.nan
+    broken[1, ::16] = np.inf  # +inf ties, more than the kernel lists
+    for seed in range(4):
+        p = SamplingParams.make([1.0, 1.0], [0, 0], [1.0, 1.0], [seed, seed + 8])
+        np.testing.assert_array_equal(fn(broken, p, step[:2]), jax.jit(categorical)(broken, p, step[:2]))
+
+
 def _row_key(seed: int, step: int):
     return jax.random.fold_in(jax.random.key(seed), step)
 
