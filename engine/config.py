@@ -276,16 +276,16 @@ def fixed_page_tables(config: EngineConfig, order: Sequence[int] | None = None) 
 
 # The groups of programs an engine compiles, in warm-up's order. Warm-up compiles every group
 # of the engine's role ("all"), or only those every request runs ("needed": prefill and decode,
-# the page copy on the engine that admits, and moving KV in a disaggregated pair); the others
-# compile on first use (`Engine.prepare`):
+# the page copy on the engine that admits, verify where speculation is on, and moving KV in a
+# disaggregated pair); the others compile on first use (`Engine.prepare`):
 #   scoring     echo and prompt logprobs: the prefill that scores every position
 #   structured  response formats and forced tool calls: a decode step split for the bitmask
 #   transfer    moving KV between the engines of a disaggregated pair (extract, insert)
 #   history     presence, frequency and repetition penalties: a slot's token history
 #   copy        a cached prefix that ends inside a page (a partial match, or a later sequence
 #               of a group, n > 1): its own copy of that page
-#   speculative speculative decoding's verify program (with speculative_tokens > 0); the
-#               scheduler starts its compile at the first iteration that could draft, and
-#               decodes plainly until it is ready
+#   speculative speculative decoding's verify program (with speculative_tokens > 0); where
+#               warm-up left it out, the scheduler starts its compile at the first iteration
+#               that could draft, and decodes plainly until it is ready
 GROUPS = ("prefill", "scoring", "decode", "structured", "transfer", "history", "copy", "speculative")
 WARMUPS = ("all", "needed")

@@ -168,9 +168,9 @@ class Compiling:
     def program_groups(self, warmup: str = "all") -> tuple[str, ...]:
         """The groups of programs (`GROUPS`) this engine's role and configuration run; with
         warmup="needed", those every request needs (prefill and decode; on the engine that
-        admits, the page copy that a cached prefix ending inside a page takes; and moving KV
-        for one engine of a disaggregated pair), which warm-up compiles: the rest compile on
-        first use."""
+        admits, the page copy that a cached prefix ending inside a page takes; speculative
+        decoding's verify, where it is on; and moving KV for one engine of a disaggregated
+        pair), which warm-up compiles: the rest compile on first use."""
         if warmup not in WARMUPS:
             raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
         cfg = self.config
@@ -181,7 +181,7 @@ class Compiling:
             or (g == "speculative" and (cfg.speculative_tokens == 0 or cfg.role == "prefill")))]
         if warmup == "needed":
             groups = [g for g in groups if g in ("prefill", "decode")
-                      or (g == "copy" and cfg.role != "decode")
+                      or (g == "copy" and cfg.role != "decode") or g == "speculative"
                       or (g == "transfer" and cfg.role != "both")]
         return tuple(groups)
 
@@ -193,13 +193,14 @@ class Compiling:
                              self.program_groups() if groups is None else groups)
 
     def warmup(self, progress: Callable[[int, int, str], None] | None = None,
-               warmup: str = "all", workers: int | None = None) -> None:
+               warmup: str = "all", workers: int | None = None,
+               groups: Sequence[str] | None = None) -> None:
         """Compiles the programs of `program_groups(warmup)` ("all": every program this engine
-        can run; "needed": those every request runs, the rest on first use), `workers` at a time
-        (`compile_programs`): each is traced and lowered here, one after another, and compiled
-        on a pool thread. Nothing runs,
-        so no device state changes. `progress(done, total, name)` follows each compile."""
-        groups = self.program_groups(warmup)
+        can run; "needed": those every request runs, the rest on first use), or of `groups`,
+        `workers` at a time (`compile_programs`): each is traced and lowered here, one after
+        another, and compiled on a pool thread. Nothing runs, so no device state changes.
+        `progress(done, total, name)` follows each compile."""
+        groups = self.program_groups(warmup) if groups is None else tuple(groups)
         programs = self.warm_programs(groups)
         compile_programs(programs, progress, workers)
         with self._lock:

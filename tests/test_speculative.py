@@ -234,14 +234,14 @@ def test_verify_refuses_what_it_cannot_run(shared_engine):
 
 
 def test_verify_compiles_at_warmup_and_never_after(tiny_params, tiny_config):
-    """Warm-up compiles one verify program per batch bucket ("needed" leaves them to their
-    first use); verify steps of every batch size and draft count after it compile nothing.
-    Warmed up here with the group and what every request runs, not every group ("all" compiles
-    each group `program_groups` names: test_engine.py)."""
+    """Warm-up compiles one verify program per batch bucket ("needed" too: a compile on first
+    use would take a core from the first requests); verify steps of every batch size and draft
+    count after it compile nothing. Warmed up here with what every request runs, not every
+    group ("all" compiles each group `program_groups` names: test_engine.py)."""
     config = dataclasses.replace(SPEC, speculative_batch=2)
     assert config.verify_batch_buckets == (1, 2)
     e = Engine(tiny_params, tiny_config, config)
-    assert "speculative" in e.program_groups() and "speculative" not in e.program_groups("needed")
+    assert "speculative" in e.program_groups("needed")
     names = [p.name for p in e.warm_programs(["speculative"])]
     assert names == ["verify[batch=1,pages=8,k=4]", "verify[batch=2,pages=8,k=4]"]
     e.warmup(warmup="needed")
@@ -584,14 +584,15 @@ def test_acceptance_backs_off_while_drafting_fails_and_recovers_when_it_pays():
 
 def test_a_verify_program_left_to_first_use_compiles_off_the_loop(tiny_params, tiny_config,
                                                                   tiny_tokenizer):
-    """With warm-up "needed", the first iteration that could draft starts the verify program's
-    compile on the engine's thread and decodes plainly; once it is ready, steps draft. The
-    output is the reference's throughout, and nothing compiles after warm-up but that group."""
+    """With a warm-up that leaves verify out (prefill and decode alone), the first iteration
+    that could draft starts the verify program's compile on the engine's thread and decodes
+    plainly; once it is ready, steps draft. The output is the reference's throughout, and
+    nothing compiles after warm-up but that group."""
     prompt = [7, 8, 9, 10] * 6
     want = greedy_generate(tiny_params, tiny_config, prompt, 200)
     config = dataclasses.replace(SPEC, max_seq_len=256)
     e = Engine(tiny_params, tiny_config, config)
-    e.warmup(warmup="needed")
+    e.warmup(groups=("prefill", "decode"))
     sched = make_scheduler(e, tiny_tokenizer, chunk=32, budget=48)
     stream = sched.submit(prompt, GenerationParams(max_tokens=200, ignore_eos=True))
     sched.step()
