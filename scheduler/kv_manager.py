@@ -258,12 +258,11 @@ class Pool:
         cached pages, or its group's first sequence's prompt pages, and the page it copies the
         rest from; counted for the metrics."""
         hit, forked = r.prefilled, r.forking
-        r.forked = forked
         if r.prefix:
             self.share(r, r.prefix, cached=not forked)
         if r.tail is not None:  # held until its copy is dispatched
             self.hold_copy(r, r.tail, cached=not forked)
-        r.prefix, r.prefix_evictable, r.forking, r.tail = [], 0, False, None
+        r.prefix, r.prefix_evictable, r.tail = [], 0, None  # (`forking` stays: `send_back`)
         if self.pages.caching and not forked:
             self.prefix_queries += r.prefill_len
             self.prefix_hits += hit
@@ -311,7 +310,7 @@ class Pool:
 
     def send_back(self, r: Request) -> None:
         """An admission that found too few pages: as it was before it, holding nothing."""
-        if r.forked:  # it prefills nothing now: what its prefix counted counts next time
+        if r.forking:  # it prefills nothing now: what its prefix counted counts next time
             self.forked_tokens -= r.prefilled
         elif self.pages.caching:
             self.prefix_queries -= r.prefill_len

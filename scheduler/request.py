@@ -261,13 +261,11 @@ class Request:
         self.kv_tokens = 0  # positions whose KV is written in its pages
         # The prefix cache (`scheduler.pages`): its full pages' keys, how many of its pages are
         # published, and, while it waits, the cached whole pages its prefill would start after
-        # (and `tail`, below); admitted, whether its prefix came from its group's first sequence
-        # (`forked`: counted as such, not as a cache hit).
+        # (and `tail`, below).
         self.page_keys: PageKeys | None = None
         self.published = 0
         self.prefix: list[int] = []
         self.prefix_evictable = 0  # of `prefix` and `tail`, pages nobody holds (admission takes them)
-        self.forked = False
         self.cached_tokens = 0  # prompt tokens the cache gave it, at its first admission
         # A prefix that ends inside a page: while it waits, the page whose leading positions it
         # reuses (`tail`: a cached page agreeing with the prompt past `prefix`, or a fork's page
@@ -278,7 +276,8 @@ class Request:
         self.tail_hold: list[int] = []
         self.tail_copy_at: int | None = None
         # A later sequence of a group (n > 1): the group's first, whose prompt KV it takes
-        # (`Pool.match_forks`), and, while it waits, whether it will (`forking`).
+        # (`Pool.match_forks`), and whether it will (`forking`, set while it waits; admitted, it
+        # says its prefix was counted as forked, not as a cache hit).
         self.fork_parent: Request | None = None
         self.forking = False
         # Speculative decoding: its n-gram drafts and acceptance, from its first drafting
