@@ -36,6 +36,10 @@ SHAPES: dict[str, tuple[str, ModelConfig]] = {
         name="qwen2.5-3b-shape", vocab_size=151936, hidden_size=2048, num_layers=36, num_heads=16,
         num_kv_heads=2, head_dim=128, ffn_size=11008, rms_norm_eps=1e-6, rope_theta=1e6,
         tie_embeddings=True, attention_bias=True, max_context=32768)),
+    "qwen3-0.6b": ("qwen3", ModelConfig(
+        name="qwen3-0.6b-shape", vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16,
+        num_kv_heads=8, head_dim=128, ffn_size=3072, rms_norm_eps=1e-6, rope_theta=1e6,
+        tie_embeddings=True, qk_norm=True, max_context=40960)),
 }
 
 # The float16 fields of each block format, by byte offset in a block: scales (d), minimums (m,
@@ -93,6 +97,8 @@ def add_shape(w: gguf.GGUFWriter, config: ModelConfig) -> None:
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
     w.add_rope_dimension_count(config.head_dim)
+    w.add_key_length(config.head_dim)  # a head's width, which hidden / heads need not be
+    w.add_value_length(config.head_dim)
 
 
 def write_random_gguf(path: str | Path, config: ModelConfig, arch: str = "llama",
@@ -149,7 +155,7 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":  # the flags only here: tests import this module beside the server's
     flags.DEFINE_enum("shape", "qwen2.5-3b", list(SHAPES), "The model shape to write.")
     flags.DEFINE_string("tokenizer_from", None, "A GGUF whose tokenizer to copy (its vocabulary "
-                        "the shape's): Qwen2.5's for the qwen2.5 shapes.")
+                        "the shape's): Qwen2.5's for the qwen2.5 and qwen3 shapes (both 151,936).")
     flags.DEFINE_string("out", None, "The GGUF to write.", required=True)
     flags.DEFINE_integer("seed", 0, "Random seed.")
     app.run(main)

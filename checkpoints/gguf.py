@@ -19,7 +19,7 @@ Three details matter for logits that match the Hugging Face model:
 - Quantized tensors (Q8_0, Q4_1, ... anything the `gguf` package can dequantize) become float32.
 - llama.cpp's converter permutes the rows of the query and key projections of "llama" models so
   its RoPE can rotate adjacent pairs; cadence rotates halves (as HF does), so the permutation is
-  undone here. Qwen2 GGUFs are not permuted.
+  undone here. Qwen2 and Qwen3 GGUFs are not permuted (their RoPE rotates halves).
 - RoPE frequencies as llama.cpp computes them: its converter writes Llama 3.1/3.2's "llama3"
   frequency scaling as a `rope_freqs` tensor of per-frequency divisors (and no scaling metadata),
   which becomes `ModelConfig.rope_freq_factors` as it is (times a linear `rope.scaling.factor`
@@ -27,7 +27,8 @@ Three details matter for logits that match the Hugging Face model:
 
 Non-goals: Q5_1, Q2_K, Q3_K and the IQ formats in the kernels' format; YaRN and LongRoPE scaling and
 partial rotary embeddings (`rope.dimension_count` below the head size), which are refused;
-architectures other than llama and qwen2.
+architectures other than llama, qwen2 and qwen3 (Qwen3's mixture-of-experts models are
+"qwen3moe", refused with the rest).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from cadence.model import block_layout
 from cadence.model.config import ModelConfig
 from cadence.model.params import MATRICES, ParamSpec, build_tree, param_specs
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def read_fields(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -91,6 +92,7 @@ def config_from_fields(fields: dict[str, Any], path: Path) -> ModelConfig:
         rope_theta=float(get("rope.freq_base", 10000.0)),
         tie_embeddings=False,  # decided by the presence of output.weight in load_gguf
         attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
         max_context=int(get("context_length")),
     )
 

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints: `config.json` → `ModelConfig`, safetensors → the params pytree.
 
-Contract: `load_hf_config` accepts the Llama, Mistral and Qwen2 families (`model_type` "llama",
-"mistral", "qwen2") and refuses, with a `CheckpointError`, anything cadence would run wrongly:
+Contract: `load_hf_config` accepts the Llama, Mistral, Qwen2 and Qwen3 (dense) families
+(`model_type` "llama", "mistral", "qwen2", "qwen3") and refuses, with a `CheckpointError`, anything cadence would run wrongly:
 other activations, biases outside q/k/v, RoPE scaling other than Llama 3's, a sliding window
 shorter than the context. `load_hf_params` reads one `*.safetensors` file or the shards named by
 `model.safetensors.index.json`, checks every expected tensor is there with the expected shape
@@ -31,9 +31,9 @@ from cadence.model.config import ModelConfig, RopeScaling
 from cadence.model.params import build_tree, get, param_specs
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # HF's per-family defaults for fields a config.json may omit.
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 32768, "qwen2": 32768}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 32768, "qwen2": 32768, "qwen3": 32768}
 # The float dtypes checkpoints store tensors in, by their name in safetensors and GGUF; a
 # converted checkpoint keeps each as its source stored it (`checkpoints.store`).
 FLOAT_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -84,6 +84,7 @@ def load_hf_config(folder: str | Path, *, name: str | None = None) -> ModelConfi
             rope_scaling=_rope_scaling(folder, rope),
             tie_embeddings=tie,
             attention_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
             max_context=max_context,
         )
     except ValueError as e:  # ModelConfig's own consistency checks
@@ -102,7 +103,7 @@ def load_hf_params(folder: str | Path, config: ModelConfig, *, keep_16_bit: bool
         raise CheckpointError(
             f"{folder}: tensors do not match {config.name}'s config.json: missing "
             f"[{_listing(missing)}], unexpected [{_listing(unexpected)}]; point cadence at the "
-            "folder of a complete Llama/Mistral/Qwen2 checkpoint")
+            "folder of a complete Llama/Mistral/Qwen2/Qwen3 checkpoint")
     by_file: dict[Path, list[str]] = {}
     for hf_name in specs:
         by_file.setdefault(files[hf_name], []).append(hf_name)
@@ -198,11 +199,15 @@ def save_hf(folder: str | Path, config: ModelConfig, params: Params, *, dtype: s
 
 
 def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
-    """`config` as a transformers `config.json` (Qwen2 when it has q/k/v biases, else Llama)."""
+    """`config` as a transformers `config.json` (Qwen2 when it has q/k/v biases, Qwen3 when it
+    has q/k norms, else Llama)."""
     if config.rope_freq_factors is not None:
         raise CheckpointError(f"{config.name}: per-frequency RoPE factors (a GGUF's rope_freqs) "
                               "have no Hugging Face config.json form; cannot export this model")
-    model_type = "qwen2" if config.attention_bias else "llama"
+    if config.attention_bias and config.qk_norm:
+        raise CheckpointError(f"{config.name}: q/k/v biases with q/k norms is no transformers "
+                              "architecture; cannot export this model")
+    model_type = "qwen2" if config.attention_bias else "qwen3" if config.qk_norm else "llama"
     raw: dict[str, Any] = {
         "_name_or_path": config.name,
         "architectures": [ARCHITECTURES[model_type]],
@@ -228,8 +233,10 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any
                                "low_freq_factor": s.low_freq_factor,
                                "high_freq_factor": s.high_freq_factor,
                                "original_max_position_embeddings": s.original_max_position}
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         raw.update(use_sliding_window=False, sliding_window=config.max_context)
+    if model_type == "qwen3":
+        raw.update(attention_bias=False)  # transformers' Qwen3 reads it (for q/k/v and o)
     return raw
 
 
@@ -238,11 +245,11 @@ def _check_supported(folder: Path, raw: dict[str, Any], model_type: str, max_con
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported; "
                               "cadence runs SwiGLU (silu) MLPs only")
-    if model_type == "llama" and (raw.get("attention_bias") or raw.get("mlp_bias")):
-        raise CheckpointError(f"{where}: attention_bias/mlp_bias on a llama model is not "
+    if model_type in ("llama", "qwen3") and (raw.get("attention_bias") or raw.get("mlp_bias")):
+        raise CheckpointError(f"{where}: attention_bias/mlp_bias on a {model_type} model is not "
                               "supported; cadence has biases on q/k/v only (Qwen2)")
     window = raw.get("sliding_window")
-    if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
         window = None
     if window is not None and int(window) < max_context:
         raise CheckpointError(f"{where}: sliding_window {window} is shorter than the context "

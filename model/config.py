@@ -1,8 +1,9 @@
-"""Model configuration for the Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2).
+"""Model configuration for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
 
 One frozen dataclass describes every architecture cadence serves: RMSNorm, rotary position
 embeddings (optionally with Llama-3 frequency scaling, or any per-frequency factors as a GGUF's
-`rope_freqs` tensor gives them), SwiGLU MLP and grouped-query attention. It is hashable, so it
+`rope_freqs` tensor gives them), SwiGLU MLP and grouped-query attention, with Qwen2's q/k/v
+biases or Qwen3's per-head query and key norms where a family has them. It is hashable, so it
 can be a static argument of a jitted function.
 
 Non-goals: mixture-of-experts, sliding-window attention, non-rotary position encodings.
@@ -43,6 +44,9 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     tie_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 puts biases on the q/k/v projections
+    # Qwen3 RMS-normalizes each head's query and key over head_dim (a learned scale [head_dim]
+    # per layer for each), after the projections and before RoPE.
+    qk_norm: bool = False
     max_context: int = 4096
     name: str = "llama"
 
@@ -75,6 +79,8 @@ class ModelConfig:
         attn = d * h * hd * 2 + d * kv * hd * 2
         if self.attention_bias:
             attn += h * hd + 2 * kv * hd
+        if self.qk_norm:
+            attn += 2 * hd
         layer = attn + 3 * d * f + 2 * d
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.num_layers * layer + embed + d

@@ -185,6 +185,9 @@ class Attention(nn.Module):
         q = q.reshape(rows, t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(rows, t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(rows, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:  # Qwen3: each head's query and key normalized, then rotated
+            q = RMSNorm(cfg.rms_norm_eps, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, name="k_norm")(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 
         attend = _write_and_attend(self.attention, *control.form())

@@ -30,7 +30,7 @@ a float scale per output channel beside it, `<name>_scale`: a kernel's columns, 
 rows (which are the tied LM head's output channels). Checkpoints hold the float tree; the int8
 tree is derived from it when the weights are loaded.
 
-Adding a family's tensor (Qwen2's q/k/v biases are one) is one entry here: the loaders, the
+Adding a family's tensor (Qwen2's q/k/v biases and Qwen3's q/k norms are two) is one entry here: the loaders, the
 converted-checkpoint checks, random weights and the shardings all follow. `model.llama`'s
 modules must build the same tree; `tests/test_hf_and_store.py` checks they do.
 """
@@ -130,6 +130,11 @@ def _float_specs(config: ModelConfig) -> list[ParamSpec]:
         specs.append(ParamSpec((ours, "attn", "o", "kernel"), (q_out, d), (HEADS, EMBED),
                                hf + "self_attn.o_proj.weight", gg + "attn_output.weight",
                                transpose=True))
+        if c.qk_norm:  # one scale over head_dim, shared by every head: replicated
+            for proj in "qk":
+                specs.append(ParamSpec((ours, "attn", f"{proj}_norm", "scale"), (c.head_dim,), (None,),
+                                       f"{hf}self_attn.{proj}_norm.weight",
+                                       f"{gg}attn_{proj}_norm.weight", init="ones"))
         specs.append(ParamSpec((ours, "mlp_norm", "scale"), (d,), (EMBED,),
                                hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight",
                                init="ones"))

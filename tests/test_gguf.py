@@ -115,6 +115,40 @@ def test_qwen2_round_trip_keeps_biases_and_rows(tmp_path):
         np.testing.assert_array_equal(a, b, err_msg=pa)
 
 
+def test_qwen3_round_trip_keeps_its_norms_and_head_width(tmp_path):
+    """A Qwen3 file: per-head q/k norms, heads wider than hidden / heads (its key_length), rows
+    not permuted, no biases; read back exactly."""
+    from tests.tiny_models import QWEN3_TINY
+
+    params = random_params(QWEN3_TINY)
+    path = tmp_path / "qwen3.gguf"
+    write_gguf(path, QWEN3_TINY, params, quantize=False, arch="qwen3")
+    config, loaded, fields = load_gguf(path)
+    assert config.qk_norm and not config.attention_bias and config.head_dim == 32
+    assert config.num_heads * config.head_dim == 2 * config.hidden_size
+    # GGUF stores the epsilon in float32
+    assert dataclasses.replace(config, name=QWEN3_TINY.name, rms_norm_eps=1e-6) == QWEN3_TINY
+    assert [p for p, _ in _leaves(loaded)] == [p for p, _ in _leaves(params)]
+    for (pa, a), (_, b) in zip(_leaves(loaded), _leaves(params)):
+        np.testing.assert_array_equal(a, b, err_msg=pa)
+    assert loaded["layers_1"]["attn"]["k_norm"]["scale"].shape == (32,)
+
+
+@needs_cpu_kernels
+def test_the_engine_over_a_qwen3_files_blocks_equals_the_reference(tmp_path, tiny_tokenizer):
+    """A quantized Qwen3 file on the CPU kernels (its layers as one loop, the q/k norms
+    between the fused projection and RoPE), batched and chunked: the reference's greedy
+    tokens over the float weights the blocks stand for."""
+    from tests.tiny_models import QWEN3_TINY
+
+    path = tmp_path / "qwen3-q.gguf"
+    write_gguf(path, QWEN3_TINY, random_params(QWEN3_TINY, seed=4), quantize=True, arch="qwen3")
+    config, floats, _ = load_gguf(path)
+    packed = {p: blocks for p, (blocks, _) in load_packed(path, config).items()}
+    assert ("layers_0", "attn", "q", "kernel") in packed
+    _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer)
+
+
 # Llama 3.1's RoPE scaling over a 64-position original context, so that most of head_dim 16's
 # frequencies are scaled (over Llama 3.1's own 8192 only the slowest would be).
 LLAMA3_TINY = dataclasses.replace(TINY, name="tiny-llama3", tie_embeddings=False,

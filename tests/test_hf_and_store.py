@@ -16,14 +16,15 @@ from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.hf import load_hf_config, load_hf_params, save_hf
 from tests.conftest import random_params
 from tests.fakes import needs_cpu_kernels
-from tests.tiny_models import QWEN_TINY
+from tests.tiny_models import QWEN3_TINY, QWEN_TINY
 from cadence.checkpoints.store import (
     is_converted, load_converted, load_tokenizer_files, save_converted,
 )
+from cadence.bench.random_gguf import SHAPES
 from cadence.model.config import LLAMA3_8B, SMOLLM2_135M, TINY, ModelConfig
 
 
-@pytest.fixture(params=[TINY, QWEN_TINY], ids=lambda c: c.name)
+@pytest.fixture(params=[TINY, QWEN_TINY, QWEN3_TINY], ids=lambda c: c.name)
 def model(request):
     return request.param, random_params(request.param)
 
@@ -80,7 +81,7 @@ def test_a_16_bit_checkpoint_is_converted_in_16_bits(tmp_path, model, dtype, tin
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("config", [TINY, QWEN_TINY], ids=["tied", "untied"])
+@pytest.mark.parametrize("config", [TINY, QWEN_TINY, QWEN3_TINY], ids=["tied", "untied", "qwen3"])
 def test_the_cpu_kernels_read_a_bf16_checkpoint_as_stored(tmp_path, tiny_tokenizer, config):
     """Restored as stored (as `cadence-serve` on the CPU kernels does), a BF16 checkpoint's
     matrices reach the kernels in bfloat16, half float32's bytes, an untied embedding table
@@ -169,6 +170,9 @@ def test_wrong_shape_is_named(tmp_path):
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 128},
      "sliding_window 128"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": True},
+     "attention_bias/mlp_bias on a qwen3 model"),
+    ({"model_type": "qwen3moe"}, "model_type 'qwen3moe' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
 ])
 def test_unsupported_config_is_refused(tmp_path, edit, match):
@@ -264,17 +268,26 @@ LLAMA31_8B_JSON = {  # Llama-3.1-8B's: Llama-3 RoPE scaling, no head_dim, untied
                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
     "rope_theta": 500000.0, "tie_word_embeddings": False, "vocab_size": 128256}
 
+QWEN3_06B_JSON = {  # Qwen3-0.6B's: q/k norms, head_dim 128 over a 1024-wide stream, no window
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "num_attention_heads": 16,
+    "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+    "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 151936}
+
 
 @pytest.mark.parametrize("raw, want", [
     (SMOLLM2_JSON, SMOLLM2_135M),
     (LLAMA31_8B_JSON, dataclasses.replace(LLAMA3_8B, max_context=131072)),
-], ids=["smollm2", "llama3.1"])
+    (QWEN3_06B_JSON, dataclasses.replace(SHAPES["qwen3-0.6b"][1], name="qwen3-0.6b")),
+], ids=["smollm2", "llama3.1", "qwen3-0.6b"])
 def test_real_configs(tmp_path, raw, want):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert load_hf_config(tmp_path, name=want.name) == want
 
 
-@pytest.mark.parametrize("config", [TINY, QWEN_TINY], ids=lambda c: c.name)
+@pytest.mark.parametrize("config", [TINY, QWEN_TINY, QWEN3_TINY], ids=lambda c: c.name)
 def test_params_tree_is_the_models(config):
     """The one description (`model.params`) is the tree the Flax modules build."""
     from cadence.model import llama, params

@@ -16,7 +16,7 @@ from cadence.model import cpu_kernels, layer_loop, llama
 from cadence.model.paged_kv import PagedKVCache
 from cadence.model.quant import quantize_grouped
 from tests.conftest import random_params
-from tests.tiny_models import QWEN_TINY, TINY, engine_greedy, undo_embedding_boost
+from tests.tiny_models import QWEN3_TINY, QWEN_TINY, TINY, engine_greedy, undo_embedding_boost
 
 needs_cpu_kernels = pytest.mark.skipif(not cpu_kernels.available(),
                                        reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
@@ -48,7 +48,7 @@ def _run(params, config, cache):
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("config", [TINY, QWEN_TINY], ids=["tiny", "qwen-tiny"])
+@pytest.mark.parametrize("config", [TINY, QWEN_TINY, QWEN3_TINY], ids=["tiny", "qwen-tiny", "qwen3-tiny"])
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
 def test_the_loop_computes_what_the_unrolled_layers_compute(config, kv_dtype):
     """Prefill and decode logits, and every page written, equal the unrolled layers' to the

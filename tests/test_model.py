@@ -12,7 +12,7 @@ from cadence.model.config import TINY, RopeScaling
 from cadence.model.paged_kv import PagedKVCache
 from cadence.model.llama import rope_frequencies
 from tests.conftest import random_params
-from tests.tiny_models import forward, full_logits
+from tests.tiny_models import QWEN3_TINY, forward, full_logits
 
 
 def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
@@ -41,8 +41,11 @@ def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
     for i in range(config.num_layers):
         L = p[f"layers_{i}"]
         a = rms(x, L["attn_norm"]["scale"])
-        q = rope(linear(a, L["attn"]["q"]).reshape(t, h, hd))
-        k = rope(linear(a, L["attn"]["k"]).reshape(t, kv, hd))
+        q = linear(a, L["attn"]["q"]).reshape(t, h, hd)
+        k = linear(a, L["attn"]["k"]).reshape(t, kv, hd)
+        if config.qk_norm:  # Qwen3: each head normalized over its own dimensions, then rotated
+            q, k = rms(q, L["attn"]["q_norm"]["scale"]), rms(k, L["attn"]["k_norm"]["scale"])
+        q, k = rope(q), rope(k)
         v = linear(a, L["attn"]["v"]).reshape(t, kv, hd)
         out = np.zeros((t, h, hd))
         for head in range(h):
@@ -69,7 +72,7 @@ MHA = dataclasses.replace(TINY, name="tiny-mha", num_kv_heads=4)
 
 
 @pytest.mark.parametrize("rope_lookup", [False, True], ids=["rope-computed", "rope-table"])
-@pytest.mark.parametrize("config", [TINY, QWEN_LIKE, LLAMA3_LIKE, MHA], ids=lambda c: c.name)
+@pytest.mark.parametrize("config", [TINY, QWEN_LIKE, QWEN3_TINY, LLAMA3_LIKE, MHA], ids=lambda c: c.name)
 def test_logits_match_float64_numpy(config, rope_lookup):
     params = random_params(config, seed=1)
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, 37)

@@ -54,6 +54,12 @@ QWEN_TINY = dataclasses.replace(
     rope_theta=1e6, rms_norm_eps=1e-6, rope_scaling=RopeScaling(factor=4.0))
 
 
+# Qwen3-style: per-head q/k norms, no biases, and (as Qwen3-0.6B) heads wider than the residual
+# stream over their count: 4 heads of 32 over a 64-wide stream.
+QWEN3_TINY = dataclasses.replace(
+    TINY, name="qwen3-tiny", qk_norm=True, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6)
+
+
 def undo_embedding_boost(params):
     """`random_params` scales the embedding up 8x so greedy choices are clear-cut; with tied
     embeddings that makes the tiny model copy its input token whatever attention returns (an
