@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 
 from cadence.engine.config import EngineConfig
-from cadence.model import cpu_kernels
+from cadence.model import cpu_kernels, paged_kv
 from cadence.model.config import ModelConfig
 from cadence.model.control import loop
 from cadence.model.llama import forward
+from cadence.model.paged_attention import writes_in_place
 from cadence.model.paged_kv import PagedKVCache
 from cadence.model.host_sampling import RequestSampling, SamplingParams, SamplingRows
 from cadence.model.sampling import Logprobs, choose, logprobs_of
@@ -259,16 +260,12 @@ def _decode_sample_program(logits, last_tokens, history, slots, positions, sampl
     return (out, lp_out), last_tokens, history
 
 
-def _copy_program(cache, sources, targets):
+def _copy_program(cache, sources, targets, *, cpu_kernel=False):
     """Copies pages `sources` [W] onto pages `targets` [W] in every layer (a target past the
-    pool, padding, writes nothing)."""
-    def copy(pool):
-        if cache.stacked:
-            return pool.at[:, :, targets].set(jnp.take(pool, sources, axis=2, mode="clip"), mode="drop")
-        return tuple(layer.at[:, targets].set(jnp.take(layer, sources, axis=1, mode="clip"), mode="drop")
-                     for layer in pool)
-
-    return PagedKVCache(k=copy(cache.k), v=copy(cache.v))
+    pool, padding, writes nothing); `cpu_kernel`: in place, by the kernels
+    (`paged_kv.copy_pages`)."""
+    return PagedKVCache(k=paged_kv.copy_pages(cache.k, sources, targets, cpu_kernel=cpu_kernel),
+                        v=paged_kv.copy_pages(cache.v, sources, targets, cpu_kernel=cpu_kernel))
 
 
 def _history_program(history, slot, tokens, prompt_len):
@@ -287,16 +284,12 @@ def _extract_program(cache, last_tokens, ids, slot):
     return take(cache.k), take(cache.v), last_tokens[slot]
 
 
-def _insert_program(cache, last_tokens, k, v, ids, slot, token):
+def _insert_program(cache, last_tokens, k, v, ids, slot, token, *, cpu_kernel=False):
     """Writes a handle's pages into pages `ids` [P] (an id past the pool, padding, writes
-    nothing) and makes `token` the slot's next decode input."""
-    def put(pool, new):
-        if cache.stacked:
-            return pool.at[:, :, ids].set(new.astype(pool.dtype), mode="drop")
-        return tuple(layer.at[:, ids].set(new[i].astype(layer.dtype), mode="drop")
-                     for i, layer in enumerate(pool))
-
-    cache = PagedKVCache(k=put(cache.k, k), v=put(cache.v, v))
+    nothing) and makes `token` the slot's next decode input; `cpu_kernel`: in place, by the
+    kernels (`paged_kv.insert_pages`)."""
+    cache = PagedKVCache(k=paged_kv.insert_pages(cache.k, k, ids, cpu_kernel=cpu_kernel),
+                         v=paged_kv.insert_pages(cache.v, v, ids, cpu_kernel=cpu_kernel))
     return cache, last_tokens.at[slot].set(token)
 
 
@@ -339,6 +332,7 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
             fn = cpu_kernels.with_activations(fn, config.cpu_activations)
         return jax.jit(fn, **({} if tp is None else {"out_shardings": out}), **kw)
 
+    in_place = writes_in_place(config.attention)  # the kernels write the pool (`paged_kv`)
     pool, token, handle = (None, None, None) if tp is None else (
         tp.pool_sharding, tp.replicated, tp.handle_sharding)
     stepped = (token, pool, token, token)  # (tokens, logprobs), pool, last_tokens, history
@@ -358,9 +352,10 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
         decode_sample=jit(functools.partial(_decode_sample_program, max_logprobs=config.max_logprobs),
                           (token, token, token), donate_argnames=("last_tokens", "history")),
         extract=jit(_extract_program, (handle, handle, token)),
-        insert=jit(_insert_program, (pool, token), donate_argnames=("cache", "last_tokens")),
+        insert=jit(functools.partial(_insert_program, cpu_kernel=in_place), (pool, token),
+                   donate_argnames=("cache", "last_tokens")),
         history=jit(_history_program, token, donate_argnames=("history",)),
-        copy=jit(_copy_program, pool, donate_argnames=("cache",)),
+        copy=jit(functools.partial(_copy_program, cpu_kernel=in_place), pool, donate_argnames=("cache",)),
         verify=jit(functools.partial(_verify_program, **static), stepped, donate_argnames=donate),
     )
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from cadence.model import control, cpu_kernels, layer_loop, paged_kv, sharding
 from cadence.model.config import ModelConfig
-from cadence.model.paged_attention import get_paged_attention
+from cadence.model.paged_attention import get_paged_attention, writes_in_place
 from cadence.model.paged_kv import PagedKVCache
 
 
@@ -209,7 +209,7 @@ def _write_and_attend(attention: str, interpret: bool, branches: bool):
     traced once, not once per layer, it takes a 30-layer model's prefill program from ~1.7 s
     to ~0.6 s to trace and lower. XLA inlines the call, so the program is the same."""
     attend = get_paged_attention(attention)
-    cpu_kernel = attention in ("cpu", "cpu_rows")  # writes the pool in place
+    cpu_kernel = writes_in_place(attention)
 
     @jax.jit
     def write_and_attend(q, k, v, k_pages, v_pages, page_table, positions, lengths):

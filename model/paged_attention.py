@@ -339,6 +339,12 @@ PAGED_IMPLEMENTATIONS.update({f"{name}_rows": query_rows(PAGED_IMPLEMENTATIONS[n
                               for name in ("xla", "pallas", "mosaic", "cpu")})
 
 
+def writes_in_place(name: str) -> bool:
+    """Whether attention `name` is the CPU kernels', whose pool the kernels write in place
+    (`model.paged_kv.write`'s and `put_pages`' `cpu_kernel`)."""
+    return name in ("cpu", "cpu_rows")
+
+
 def get_paged_attention(name: str) -> Callable[..., jax.Array]:
     try:
         return PAGED_IMPLEMENTATIONS[name]

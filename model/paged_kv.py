@@ -21,6 +21,9 @@ pool in place (`cpu_kernels.PoolLayer`), and XLA's would copy the layer out of t
 The pool is created zero-filled and only ever holds written (finite) values: the XLA readers
 mask scores, not values, so they rely on every entry of every page they touch being finite.
 
+Whole pages move by `copy_pages` (a partial prefix hit's copy, a fork's) and `insert_pages` (a
+KV handoff), through the CPU kernels where they run, for the same reason as `write`.
+
 Non-goals: page allocation, prefix sharing / copy-on-write, quantized pages.
 """
 
@@ -154,3 +157,46 @@ def write(
     # Indices on the adjacent axes 1 and 2: the indexed view is [kv_heads, rows, t, head_dim].
     values = new.astype(pages.dtype).transpose(2, 0, 1, 3)
     return pages.at[:, page, positions % page_size].set(values, mode="drop")
+
+
+
+def put_pages(pages, new: jax.Array, ids: jax.Array, *, cpu_kernel: bool = False):
+    """Writes whole pages into one layer's `pages` [kv_heads, num_pages, page_size, head_dim]
+    (or a `cpu_kernels.PoolLayer`): `new` [kv_heads, n, page_size, head_dim] onto pages `ids`
+    [n]; an id past the pool (padding) writes nothing. `cpu_kernel`: in place, by
+    `cpu_kernels.paged_write` (a page's tokens as its rows), to the same bits as XLA's scatter,
+    which on the CPU widens a 16-bit pool to float32 and back, whole: copying one page of
+    Qwen3-0.6B's bfloat16 pool (8 x 4096 tokens) took 1.15 s for its keys and as long for its
+    values, and takes 6 ms each in place (`bench/results/qwen3-cpu/copy_pages.txt`)."""
+    if not (cpu_kernel or isinstance(pages, cpu_kernels.PoolLayer)):
+        return pages.at[:, ids].set(new.astype(pages.dtype), mode="drop")
+    _, n, page_size, _ = new.shape
+    tokens = (n, page_size)
+    return cpu_kernels.paged_write(pages, new.transpose(1, 2, 0, 3), jnp.broadcast_to(ids[:, None], tokens),
+                                   jnp.broadcast_to(jnp.arange(page_size, dtype=jnp.int32), tokens))
+
+
+def insert_pages(pool, new: jax.Array, ids: jax.Array, *, cpu_kernel: bool = False):
+    """A pool's keys or values (a tuple of layers, or their stack) with `new` [layers, kv_heads,
+    P, page_size, head_dim] written onto pages `ids` [P] of every layer (`put_pages`)."""
+    if isinstance(pool, tuple):
+        return tuple(put_pages(layer, new[i], ids, cpu_kernel=cpu_kernel) for i, layer in enumerate(pool))
+    if not cpu_kernel:
+        return pool.at[:, :, ids].set(new.astype(pool.dtype), mode="drop")
+    return jax.lax.fori_loop(
+        0, pool.shape[0], lambda i, p: put_pages(cpu_kernels.PoolLayer(p, i), new[i], ids).pool, pool)
+
+
+def copy_pages(pool, sources: jax.Array, targets: jax.Array, *, cpu_kernel: bool = False):
+    """A pool's keys or values (a tuple of layers, or their stack) with pages `sources` [W]
+    copied onto pages `targets` [W] in every layer; a target past the pool writes nothing."""
+    def one(pages):
+        if cpu_kernel or isinstance(pages, cpu_kernels.PoolLayer):
+            return put_pages(pages, cpu_kernels.take_pages(pages, sources), targets, cpu_kernel=True)
+        return pages.at[:, targets].set(jnp.take(pages, sources, axis=1, mode="clip"), mode="drop")
+
+    if isinstance(pool, tuple):
+        return tuple(one(layer) for layer in pool)
+    if not cpu_kernel:
+        return pool.at[:, :, targets].set(jnp.take(pool, sources, axis=2, mode="clip"), mode="drop")
+    return jax.lax.fori_loop(0, pool.shape[0], lambda i, p: one(cpu_kernels.PoolLayer(p, i)).pool, pool)

@@ -10,6 +10,7 @@ is slow.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -32,6 +33,8 @@ from cadence.model.pallas_paged import (
     paged_decode, paged_prefill, paged_split_partials, pallas_paged_attention,
 )
 from cadence.model.pallas_prefill import PrefillTiling
+from cadence.model.paged_kv import PagedKVCache
+from tests.fakes import needs_cpu_kernels
 from tests.paged_cases import ATOL, FINITE_POISON, case, check, poisoned_pair, reference
 
 INTERPRET = os.environ.get("CADENCE_PALLAS_INTERPRET", "1") != "0"
@@ -235,3 +238,27 @@ def test_write_through_page_tables_equals_contiguous_write():
     new = jnp.ones((rows, 1, kv_heads, head_dim))
     after = write(pages, new, table, jnp.full((rows, 1), -1, jnp.int32), jnp.ones(rows, jnp.int32))
     np.testing.assert_array_equal(np.asarray(after), np.asarray(pages))
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("stacked", [False, True], ids=["layers", "stacked"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_kernels_copy_and_insert_pages_as_xla_does(dtype, stacked):
+    """Whole-page copies (a partial prefix hit, a fork) and inserts (a KV handoff) written in
+    place by the CPU kernels: the same bits as XLA's scatter, in every layer, padding (a target
+    past the pool) writing nothing."""
+    config = dataclasses.replace(TINY, num_layers=3)
+    rng = np.random.default_rng(0)
+    shape = (config.num_layers, *PagedKVCache.shape(config, 9, 4))
+    pool = jnp.asarray(rng.standard_normal(shape), dtype)
+    as_pool = (lambda a: a) if stacked else (lambda a: tuple(a))
+    sources, targets = jnp.asarray([2, 5, 5, 0], jnp.int32), jnp.asarray([7, 1, 9, 9], jnp.int32)
+    new = jnp.asarray(rng.standard_normal((config.num_layers, shape[1], 2, 4, shape[-1])), jnp.float32)
+    ids = jnp.asarray([3, 9], jnp.int32)
+    for op, args in ((paged_kv.copy_pages, (sources, targets)), (paged_kv.insert_pages, (new, ids))):
+        run = jax.jit(lambda p, *a, kernel: op(p, *a, cpu_kernel=kernel), static_argnames="kernel")
+        got = np.asarray(jnp.stack(run(as_pool(pool), *args, kernel=True)), np.float32)
+        want = np.asarray(jnp.stack(run(as_pool(pool), *args, kernel=False)), np.float32)
+        np.testing.assert_array_equal(got, want, err_msg=op.__name__)
+        changed = np.flatnonzero((got != np.asarray(pool, np.float32)).any(axis=(0, 1, 3, 4)))
+        assert list(changed) == ([1, 7] if op is paged_kv.copy_pages else [3]), op.__name__
