@@ -8,8 +8,9 @@ Contract:
   way `transformers` does: a sandboxed, immutable environment with `trim_blocks` and
   `lstrip_blocks`, loop controls, a `raise_exception(msg)` helper, a `tojson` filter that keeps
   non-ASCII text as is, `strftime_now(fmt)`, and the variables `messages`,
-  `add_generation_prompt`, `bos_token` and `eos_token`, and `tools` (OpenAI's function tools)
-  when a request has them. With no template it renders ChatML.
+  `add_generation_prompt`, `bos_token` and `eos_token`, `tools` (OpenAI's function tools)
+  when a request has them, and a request's own (`chat_template_kwargs`: Qwen3's
+  `enable_thinking`), which cannot replace those. With no template it renders ChatML.
 - Any template failure (syntax error, `raise_exception`, undefined variable, sandbox
   violation) becomes a `TokenizerError`, so a bad request maps to a 4xx and never reaches the
   engine.
@@ -97,15 +98,19 @@ def _compile(template: str) -> jinja2.Template:
 
 def render_chat(template: str | None, messages: Any, *, add_generation_prompt: bool = True,
                 bos_token: str | None = None, eos_token: str | None = None,
-                tools: list[dict] | None = None) -> str:
+                tools: list[dict] | None = None, variables: dict[str, Any] | None = None) -> str:
     """Renders `messages` with `template` (ChatML when None) and returns the prompt text;
-    `tools`, if given, is the template's `tools` variable."""
+    `tools`, if given, is the template's `tools` variable; `variables` are more of them (a
+    request's `chat_template_kwargs`, such as Qwen3's `enable_thinking`), beneath the ones
+    named here."""
     messages = validate_messages(messages)
     compiled = _compile(template if template is not None else CHATML_TEMPLATE)
-    extra = {} if tools is None else {"tools": tools}
+    extra = dict(variables or {})
+    if tools is not None:
+        extra["tools"] = tools
     try:
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=bos_token or "", eos_token=eos_token or "", **extra)
+        return compiled.render({**extra, "messages": messages, "add_generation_prompt": add_generation_prompt,
+                                "bos_token": bos_token or "", "eos_token": eos_token or ""})
     except Exception as e:  # noqa: BLE001 - template code can raise anything; none may escape.
         # raise_exception, undefined attributes, sandbox violations and type errors inside
         # the template (e.g. `content + 1`) all mean "this template cannot format this input".

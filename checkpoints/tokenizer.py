@@ -165,10 +165,12 @@ class Tokenizer:
         return token_id in self._special
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None,
+                            variables: dict[str, Any] | None = None) -> str:
         return chat.render_chat(self.chat_template, messages,
                                 add_generation_prompt=add_generation_prompt,
-                                bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
+                                bos_token=self.bos_token, eos_token=self.eos_token, tools=tools,
+                                variables=variables)
 
     @property
     def bos_token(self) -> str | None:

@@ -47,12 +47,12 @@ from cadence.scheduler.grammar import Grammar, GrammarCompiler, GrammarError
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
 from cadence.scheduler.stream import merged
-from cadence.server import client_json, parsing, protocol
+from cadence.server import client_json, parsing, protocol, reasoning
 from cadence.server.info_api import InfoAPI
 from cadence.server.metrics import Metrics
 from cadence.server.protocol import APIError
 from cadence.server.responses_api import ResponsesAPI
-from cadence.server.tool_call_parser import ToolCallParser
+from cadence.server.tool_call_parser import Delta, ToolCallParser
 from cadence.server.tool_requests import ToolRequest
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
@@ -107,6 +107,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout: float = 30.0  # seconds in-flight requests may take to finish on shutdown
     grammar_timeout: float = 10.0  # seconds a response format's grammar may take to compile
+    reasoning_parser: str = "auto"  # `reasoning.PARSERS`: split chat answers' <think> blocks
 
 
 class Server:
@@ -136,6 +137,8 @@ class Server:
         # Response formats' and forced tool calls' grammars (`scheduler.grammar`).
         self.grammars = GrammarCompiler(tokenizer, scheduler.engine.vocab_size,
                                         timeout=config.grammar_timeout)
+        # Whether chat answers' reasoning is split out (`server.reasoning`).
+        self.splits_reasoning = reasoning.parser_on(config.reasoning_parser, tokenizer.chat_template)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -236,7 +239,10 @@ class Server:
         """On a worker thread (chat rendering and tokenizing cost time in the prompt's length):
         each prompt's tokens, a chat's one."""
         if parsed.messages is not None:
-            texts: list[str | list[int]] = [parsing.render_chat(parsed.messages, self.tokenizer, parsed.tools)]
+            text = parsing.render_chat(parsed.messages, self.tokenizer, parsed.tools, parsed.template_kwargs)
+            if self.splits_reasoning and parsed.separate_reasoning:
+                parsed.reasoning_inside = reasoning.opens_inside(text)
+            texts: list[str | list[int]] = [text]
         else:
             texts = parsed.prompts
         prompts = []
@@ -330,7 +336,8 @@ class Server:
                   for g in groups]
         tools = parsed.tools if parsed.parses_tool_calls else None
         if parsed.stream:
-            frames = self._sse(groups, request_id, chat, parsed.include_usage, echoes, tools)
+            frames = self._sse(groups, request_id, chat, parsed.include_usage, echoes, tools,
+                               parsed.tokens_as_ids, parsed.reasoning_inside)
             return StreamingResponse(frames, media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         records = await self.collect(request, [s for g in groups for s in g])
@@ -344,7 +351,9 @@ class Server:
             answers.append(protocol.Answer(protocol.best(generated, parsed.n), generated, echo))
         return JSONResponse(protocol.full_response(
             request_id, self.model_name, chat, answers, self.tokenizer,
-            logprobs=parsed.params.logprobs is not None, tools=tools), headers=headers)
+            logprobs=parsed.params.logprobs is not None, tools=tools,
+            tokens_as_ids=parsed.tokens_as_ids, reasoning_inside=parsed.reasoning_inside),
+            headers=headers)
 
     async def collect(self, request: Request, streams: list[RequestStream]) -> list[RequestRecord]:
         """Waits for the whole answer; a client that hangs up meanwhile cancels it."""
@@ -368,7 +377,8 @@ class Server:
 
     async def _sse(self, groups: list[list[RequestStream]], request_id: str, chat: bool,
                    include_usage: bool, echoes: list[protocol.Echo | None],
-                   tools: ToolRequest | None = None) -> AsyncIterator[str]:
+                   tools: ToolRequest | None = None, tokens_as_ids: bool = False,
+                   reasoning_inside: bool | None = None) -> AsyncIterator[str]:
         """The streams' events as SSE frames, each choice's chunks under its index (prompt by
         prompt, then choice: streamed requests have no best_of, so stream i is choice i).
         Every event waiting when the loop gets to this request goes out in one write: when the
@@ -377,7 +387,9 @@ class Server:
         With an echo (completions), each choice's first chunk is its prompt. With `tools` (chat,
         calls parsed), each choice's text goes through its `ToolCallParser`: content as
         content, calls as `tool_calls` deltas, and "tool_calls" as the finish reason of an
-        answer with calls that was not cut off."""
+        answer with calls that was not cut off. `tokens_as_ids`: logprobs name tokens by id.
+        `reasoning_inside` (chat; None: not split): each choice's text goes first through a
+        `ReasoningParser`, its reasoning streamed as `reasoning_content`, the rest as content."""
         created, name = int(time.time()), self.model_name
         streams = [s for group in groups for s in group]
         # Each stream's prompt: its echo, and the stream that computes the prompt's logprobs.
@@ -385,9 +397,36 @@ class Server:
         head_of = [group[0] for group in groups for _ in group]
         first = [True] * len(streams)
         text_frames = [protocol.TextFrames(request_id, name, chat, created, i) for i in range(len(streams))]
-        logprobs = [protocol.LogprobFormat(self.tokenizer, chat) for _ in streams]
+        thinkers = [None if reasoning_inside is None else reasoning.ReasoningParser(reasoning_inside)
+                    for _ in streams]
+        thought_frames = [protocol.TextFrames(request_id, name, chat, created, i, reasoning=True)
+                          if thinker else None for i, thinker in enumerate(thinkers)]
+        logprobs = [protocol.LogprobFormat(self.tokenizer, chat, tokens_as_ids) for _ in streams]
         parsers = [ToolCallParser(tools.names) if tools else None for _ in streams]
         records: list[RequestRecord | None] = [None] * len(streams)
+
+        def emit(i: int, thought: str, text: str, lp: dict | None = None, always: bool = False,
+                 delta: Delta | None = None) -> None:
+            """Choice i's reasoning and answer text (the answer through its tool-call parser, or
+            that parser's `delta` as given), as chunks: plain text frames where nothing else
+            goes with them, else one chunk (a chat's first, one with logprobs (`always`: sent
+            even empty), or one with calls). At the end nothing empty is sent."""
+            calls = None
+            if delta is None and parsers[i] is not None:
+                delta = parsers[i].feed(text)
+            if delta is not None:
+                text, calls = delta.content, delta.tool_calls
+            if always or calls or (chat and first[i] and (records[i] is None or text or thought)):
+                frames.append(protocol.frame(protocol.chunk(
+                    request_id, name, chat, text if text or not thought else None, None, created,
+                    first[i], lp, i, calls, reasoning=thought or None)))
+                first[i] = False
+                return
+            if thought:
+                frames.append(thought_frames[i](thought))
+            if text:
+                frames.append(text_frames[i](text))
+
         try:
             async for batch in merged(streams):
                 frames = []
@@ -401,29 +440,21 @@ class Server:
                             None, created, logprobs=lp, index=i)))
                         first[i] = False
                     if isinstance(event, TokenEvent):
-                        text, calls = event.text, None
-                        if parsers[i] is not None:
-                            delta = parsers[i].feed(text)
-                            text, calls = delta.content, delta.tool_calls
-                        if (chat and first[i]) or event.logprobs is not None or calls:
-                            # with logprobs, every token's chunk goes out, text or not
-                            lp = None if event.logprobs is None else logprobs[i](event.logprobs)
-                            frames.append(protocol.frame(protocol.chunk(
-                                request_id, name, chat, text, None, created, first[i], lp, i, calls)))
-                            first[i] = False
-                        elif text:
-                            frames.append(text_frames[i](text))
+                        thought, text = "", event.text
+                        if thinkers[i] is not None:
+                            thought, text = dataclasses.astuple(thinkers[i].feed(text))
+                        lp = None if event.logprobs is None else logprobs[i](event.logprobs)
+                        # with logprobs, every token's chunk goes out, text or not
+                        emit(i, thought, text, lp, always=event.logprobs is not None)
                         continue
                     records[i] = event
                     called = False
-                    if parsers[i] is not None and event.finish_reason != "error":
-                        delta = parsers[i].finish()  # what it held back, at the end
-                        if delta.content or delta.tool_calls:
-                            frames.append(protocol.frame(protocol.chunk(
-                                request_id, name, chat, delta.content, None, created, first[i],
-                                None, i, delta.tool_calls)))
-                            first[i] = False
-                        called = bool(parsers[i].calls)
+                    if event.finish_reason != "error":  # what the parsers held back, at the end
+                        if thinkers[i] is not None:
+                            emit(i, *dataclasses.astuple(thinkers[i].finish()))
+                        if parsers[i] is not None:
+                            emit(i, "", "", delta=parsers[i].finish())
+                            called = bool(parsers[i].calls)
                     reason = protocol.finish_reason(event, called)
                     if event.finish_reason == "error":
                         error = APIError(500, f"generation failed: {event.error}", type="server_error")

@@ -16,7 +16,9 @@ response_format and, with messages, tools, tool_choice and parallel_tool_calls. 
      "queue_time", "ttft", "total_time", "prefill_chunks", "decode_steps"}
 and, where a line with tools was answered with calls, "tool_calls" (the chat API's shape, "text"
 then being the rest of the answer) and finish_reason "tool_calls" (unless it was cut off:
-"length").
+"length"). A chat line (messages, which may carry "chat_template_kwargs") on a thinking model
+(--reasoning_parser) has its reasoning as "reasoning_content" (null where it wrote none) and the
+answer after it as "text".
 with times in seconds, measured by the scheduler from the moment it accepted the request.
 
 Contract:
@@ -60,7 +62,8 @@ from tqdm import tqdm
 from cadence.checkpoints.errors import CheckpointError
 from cadence.scheduler.errors import NotRunning, Overloaded, SubmissionError
 from cadence.scheduler.request import FinishReason, RequestRecord
-from cadence.server import client_json, parsing, runtime
+from cadence.server import client_json, parsing, reasoning, runtime
+from cadence.server.flags import REASONING_PARSER
 from cadence.server.tool_call_parser import parse_tool_calls
 from cadence.server.tool_requests import ToolRequest
 
@@ -78,6 +81,7 @@ class Job:
     id: str | int
     entry: dict[str, Any]
     tools: ToolRequest | None = None  # a chat's tools, whose calls its answer is parsed for
+    reasoning_inside: bool | None = None  # a chat's reasoning split: `EntryRequest`'s
 
 
 def id_key(value: Any) -> str:
@@ -157,8 +161,11 @@ def result_json(job: Job, record: RequestRecord) -> dict[str, Any]:
         "prefill_chunks": record.prefill_chunks,
         "decode_steps": record.decode_steps,
     }
+    if job.reasoning_inside is not None:  # a thinking model's reasoning, as the chat API splits it
+        result["reasoning_content"], result["text"] = reasoning.split_reasoning(
+            record.text, job.reasoning_inside)
     if job.tools is not None:  # the answer's calls, as the chat API returns them
-        content, calls = parse_tool_calls(record.text, job.tools.names)
+        content, calls = parse_tool_calls(result["text"], job.tools.names)
         if calls:
             result.update(text=content or "", tool_calls=[c.message() for c in calls],
                           finish_reason="length" if record.finish_reason == "length" else "tool_calls")
@@ -267,18 +274,19 @@ def main(argv: list[str]) -> int:
             print(f"cadence-batch: error: {e}", file=sys.stderr)
             return 2
         defaults = parsing.defaults_from_flags(rt.model.generation)
+        splits = reasoning.parser_on(REASONING_PARSER.value, rt.model.tokenizer.chat_template)
         grammars = rt.grammars()
         work = []
         for job in todo:
             try:
                 entry = parsing.to_request(job.entry, rt.model.tokenizer, defaults,
                                             extra_fields=("id",), max_seq_len=rt.scheduler.max_seq_len,
-                                            grammars=grammars)
+                                            grammars=grammars, splits_reasoning=splits)
             except (SubmissionError, CheckpointError) as e:
                 report(job.line, f"id {job.id!r} invalid: {e}")
                 failed += 1
                 continue
-            job.tools = entry.tools
+            job.tools, job.reasoning_inside = entry.tools, entry.reasoning_inside
             work.append((job, entry.ids, entry.params))
         try:
             totals = run_jobs(rt, work, output, report)

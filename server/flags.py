@@ -15,6 +15,7 @@ from cadence.engine.config import DEFAULT_PAGE_SIZE, KV_DTYPES, WARMUPS
 from cadence.scheduler.policy import POLICIES
 from cadence.scheduler.priority import SLO, PriorityClasses
 from cadence.scheduler.scheduler import KV_RESERVATIONS
+from cadence.server.reasoning import PARSERS as REASONING_PARSERS
 
 MODEL_FLAG = flags.DEFINE_string("model", DEFAULT_MODEL, "Model name, GGUF file, HF folder or converted checkpoint.")
 NUM_SLOTS = flags.DEFINE_integer("num_slots", 8, "Most sequences in flight at once.", lower_bound=1)
@@ -136,6 +137,14 @@ GRAMMAR_TIMEOUT = flags.DEFINE_float(
     "grammar_timeout", 10.0,
     "Seconds a response format's or a tool choice's grammar may take to compile (on threads of "
     "its own, never delaying other requests); longer is a 400.", lower_bound=0.001)
+REASONING_PARSER = flags.DEFINE_enum(
+    "reasoning_parser", "auto", list(REASONING_PARSERS),
+    "Split a chat answer's reasoning (<think>...</think>) out of its content, into "
+    "message.reasoning_content (streamed as delta.reasoning_content), as llama-server and vLLM's "
+    "--reasoning-parser do. auto: for models whose chat template speaks of <think> (Qwen3, "
+    "DeepSeek-R1's distillations); think (or vLLM's names qwen3, deepseek_r1): always; none: "
+    "never. A server request's separate_reasoning: false keeps its reasoning in the content; "
+    "cadence-batch writes a chat line's reasoning as its result's reasoning_content.")
 PREFIX_CACHING = flags.DEFINE_bool(
     "prefix_caching", True,
     "Reuse the KV of prompt prefixes computed before, to the token (automatic prefix caching: a "

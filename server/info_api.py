@@ -72,7 +72,8 @@ class InfoAPI:
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize in vLLM's shape: a "prompt" (with `add_special_tokens`, default true:
         the BOS a completion's prompt gets) or chat "messages" (rendered as a chat request's
-        prompt, with its `tools`) -> {"count", "max_model_len", "tokens", "token_strs"}."""
+        prompt, with its `tools` and `chat_template_kwargs`) -> {"count", "max_model_len",
+        "tokens", "token_strs"}."""
         body = await self.server.read_body(request)
         entry = protocol.tokenize_request(body)
         self.server.check_model(entry.get("model"))
@@ -80,7 +81,8 @@ class InfoAPI:
         def run() -> list[int]:
             if "messages" in entry:
                 tools = parse_tools(entry)
-                text = parsing.render_chat(entry["messages"], self.server.tokenizer, tools)
+                text = parsing.render_chat(entry["messages"], self.server.tokenizer, tools,
+                                           parsing.template_kwargs(entry))
                 return self.server.tokenizer.encode(text)
             text = entry["prompt"]
             parsing.check_prompt_size(text, self.server.tokenizer, self.server.scheduler.max_seq_len)

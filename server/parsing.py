@@ -41,6 +41,7 @@ from cadence.scheduler.request import GenerationParams, check_params
 from cadence.scheduler.grammar import (Grammar, GrammarCompiler, GrammarError, JsonObject, JsonSchema, Spec,
                                       closed_schema)
 from cadence.server.client_json import MAX_INT_DIGITS, check_json_value
+from cadence.server.reasoning import opens_inside
 from cadence.server.tool_requests import NAME, ToolRequest, call_style, parse_tools, template_inputs
 
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 128, "Default most tokens to generate per prompt.", lower_bound=1)
@@ -322,12 +323,30 @@ def _tool_fields(i: int, message: dict) -> dict:
     return message
 
 
-def render_chat(messages: Any, tokenizer: Tokenizer, tools: ToolRequest | None = None) -> str:
-    """The prompt of a conversation (and its tools, `server.tool_requests`), in the model's template."""
+# The chat template's own variables, which `chat_template_kwargs` may not set.
+_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                 "raise_exception", "strftime_now"})
+
+
+def template_kwargs(entry: dict) -> dict[str, Any] | None:
+    """A chat's `chat_template_kwargs` (vLLM's, SGLang's, llama-server's): more variables for
+    the chat template, e.g. Qwen3's {"enable_thinking": false}; not the template's own."""
+    kwargs = field(entry, "chat_template_kwargs", (dict,))
+    taken = sorted(set(kwargs or ()) & _TEMPLATE_VARIABLES)
+    if taken:
+        raise SubmissionError(f'"chat_template_kwargs" may not set {", ".join(map(repr, taken))}: '
+                              "the server sets them", "chat_template_kwargs")
+    return kwargs or None
+
+
+def render_chat(messages: Any, tokenizer: Tokenizer, tools: ToolRequest | None = None,
+                variables: dict[str, Any] | None = None) -> str:
+    """The prompt of a conversation (and its tools, `server.tool_requests`), in the model's
+    template, given `variables` (`template_kwargs`) besides."""
     try:  # the chat module checks the conversation's shape and runs the template sandboxed
         conversation = validate_messages(chat_messages(messages))
         conversation, shown = template_inputs(conversation, tokenizer, tools)
-        return tokenizer.apply_chat_template(conversation, tools=shown)
+        return tokenizer.apply_chat_template(conversation, tools=shown, variables=variables)
     except CheckpointError as e:
         raise SubmissionError(f'"messages": {e}', "messages") from None
 
@@ -351,6 +370,9 @@ class EntryRequest(NamedTuple):
     ids: list[int]
     params: GenerationParams
     tools: ToolRequest | None  # a chat's tools, whose calls its answer is parsed for
+    # A chat's reasoning split (`server.reasoning`): whether its prompt left <think> open; None:
+    # not split (not a chat, or not asked).
+    reasoning_inside: bool | None = None
 
 
 def to_request(
@@ -362,6 +384,7 @@ def to_request(
     extra_fields: tuple[str, ...] = (),
     max_seq_len: int | None = None,
     grammars: GrammarCompiler | None = None,
+    splits_reasoning: bool = False,
 ) -> EntryRequest:
     """Tokenized prompt, generation parameters and tools of one entry; `SubmissionError` if
     invalid.
@@ -370,14 +393,17 @@ def to_request(
     model's chat template), and optionally the fields in `SAMPLING_FIELDS` and in
     `STRUCTURE_FIELDS` (OpenAI's response_format, and a chat's tools; their grammar compiled
     by `grammars`). `chat` wraps a plain "prompt" as one user message. `extra_fields` are keys
-    the caller handles itself (such as a batch job's "id"). With `max_seq_len`, a prompt that
+    the caller handles itself (such as a batch job's "id"). A chat may carry
+    "chat_template_kwargs" (`template_kwargs`); with `splits_reasoning`, its answer's reasoning
+    is to be split out (`EntryRequest.reasoning_inside`). With `max_seq_len`, a prompt that
     cannot fit is refused before it is tokenized. Context-length checks on the tokens are the
     scheduler's (`RequestTooLong`).
     """
     if not isinstance(entry, dict):
         raise SubmissionError(f"a request must be a JSON object, got {type(entry).__name__}")
     check_json_value(entry)
-    known = ("prompt", "messages", *SAMPLING_FIELDS, *STRUCTURE_FIELDS, *extra_fields)
+    known = ("prompt", "messages", "chat_template_kwargs", *SAMPLING_FIELDS, *STRUCTURE_FIELDS,
+             *extra_fields)
     unknown = sorted(set(entry) - set(known))
     if unknown:
         raise SubmissionError(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(known)}")
@@ -385,16 +411,21 @@ def to_request(
         raise SubmissionError('a request needs exactly one of "prompt" or "messages"')
     params = generation_params(entry, defaults)
     fmt, tools = structure(entry, chat or "messages" in entry)
+    is_chat = chat or "messages" in entry
+    if entry.get("chat_template_kwargs") is not None and not is_chat:
+        raise SubmissionError('"chat_template_kwargs" goes with "messages"', "chat_template_kwargs")
+    variables = template_kwargs(entry)
     if "messages" in entry:
-        text = render_chat(entry["messages"], tokenizer, tools)
+        text = render_chat(entry["messages"], tokenizer, tools, variables)
     else:
         text = field(entry, "prompt", (str,))
         if text is None:
             raise SubmissionError('"prompt" must be a string', "prompt")
         if chat:
-            text = render_chat([{"role": "user", "content": text}], tokenizer, tools)
+            text = render_chat([{"role": "user", "content": text}], tokenizer, tools, variables)
     if max_seq_len is not None:
         check_prompt_size(text, tokenizer, max_seq_len)
     grammar = grammar_of(fmt, tools, tokenizer, grammars)
     params = dataclasses.replace(params, grammar=grammar)
-    return EntryRequest(tokenizer.encode(text), params, tools if tools and tools.parses_calls else None)
+    return EntryRequest(tokenizer.encode(text), params, tools if tools and tools.parses_calls else None,
+                        opens_inside(text) if is_chat and splits_reasoning else None)

@@ -29,6 +29,7 @@ from cadence.scheduler.grammar import Spec
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenLogprob
 from cadence.server import parsing, tool_requests
 from cadence.server.tool_call_parser import ToolCall, parse_tool_calls
+from cadence.server.reasoning import split_reasoning
 
 
 class APIError(Exception):
@@ -60,23 +61,24 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 _SGLANG_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "no_stop_trim": (False,), "skip_special_tokens": (True,), "continue_final_message": (False,),
     "return_hidden_states": (False,),
-    # Reasoning is separated only by a reasoning parser, which cadence has none of: either value.
-    "separate_reasoning": (True, False), "stream_reasoning": (True, False),
+    # Reasoning is streamed as it comes, whichever value (`separate_reasoning` is honoured).
+    "stream_reasoning": (True, False),
 }
 _NEUTRAL.update(_SGLANG_NEUTRAL)
 # Fields that change nothing cadence does: accepted and ignored. (`reasoning_effort` and
-# `verbosity` steer reasoning models and the newest OpenAI ones; cadence serves neither kind, and
-# vLLM ignores them likewise for a model that does not reason.)
+# `verbosity` steer OpenAI's reasoning models; the open ones cadence serves think or not by their
+# chat template's variables (`chat_template_kwargs`), and vLLM ignores the two likewise.)
 IGNORED_FIELDS: dict[str, type] = {
     "user": str, "metadata": dict, "store": bool, "service_tier": str, "prompt_cache_key": str,
     "safety_identifier": str, "reasoning_effort": str, "verbosity": str}
 MAX_PROMPTS = 256  # prompts in one batched completions request
 _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format",
-                     *parsing.SAMPLING_FIELDS})
+                     "return_tokens_as_token_ids", *parsing.SAMPLING_FIELDS})
 _ALLOWED = {
     False: _COMMON | {"prompt", "logprobs", "best_of", "echo", "parallel_tool_calls"},
     True: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                     "tool_choice", "parallel_tool_calls"},
+                     "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                     "separate_reasoning"},
 }
 
 
@@ -93,6 +95,12 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt before each choice's text (and its logprobs)
     response_format: Spec | None = None  # the grammar its answer must follow, if any
     tools: tool_requests.ToolRequest | None = None  # chat: its tools and tool_choice
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's field)
+    template_kwargs: dict[str, Any] | None = None  # chat: more variables for the chat template
+    separate_reasoning: bool = True  # chat: split the reasoning out, where the server does
+    # Set when the chat is rendered, where the reasoning is split: whether the prompt left a
+    # `<think>` open (`server.reasoning.opens_inside`). None: the answer is not split.
+    reasoning_inside: bool | None = None
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -173,8 +181,12 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
         raise SubmissionError('"best_of" > n cannot be streamed (the best are known at the end)', "best_of")
     echo = not chat and parsing.field(body, "echo", (bool,), False)
     response_format, tools = parsing.structure(body, chat)
+    tokens_as_ids = parsing.field(body, "return_tokens_as_token_ids", (bool,), False)
+    template_kwargs = parsing.template_kwargs(body) if chat else None
+    separate = parsing.field(body, "separate_reasoning", (bool,), True)
     return ParsedRequest(model, prompts, messages, params, stream, include_usage,
-                         n, best_of, echo, response_format, tools)
+                         n, best_of, echo, response_format, tools, tokens_as_ids,
+                         template_kwargs, separate)
 
 
 def _token_ids(value: Any) -> bool:
@@ -197,7 +209,7 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 
 _TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", "add_special_tokens",
-                              "return_token_strs"})
+                              "return_token_strs", "chat_template_kwargs"})
 
 
 def tokenize_request(body: Any) -> dict:
@@ -285,13 +297,20 @@ class LogprobFormat:
     A sampled token's "token" is the text it added to the output (`TokenLogprob.text`), so the
     tokens spell the content exactly; "bytes" are its own bytes in the vocabulary, so a
     character split across tokens is in their bytes. An alternative's text is its bytes decoded
-    alone (U+FFFD for a partial character)."""
+    alone (U+FFFD for a partial character). With `as_ids` (a request's
+    `return_tokens_as_token_ids`, vLLM's), every token and alternative is named "token_id:<id>"
+    instead, which tells apart ids whose texts are the same; offsets still count the text."""
 
-    def __init__(self, tokenizer: Tokenizer, chat: bool):
-        self._tokenizer, self._chat, self._offset = tokenizer, chat, 0
+    def __init__(self, tokenizer: Tokenizer, chat: bool, as_ids: bool = False):
+        self._tokenizer, self._chat, self._as_ids, self._offset = tokenizer, chat, as_ids, 0
 
     def _alternative(self, token_id: int) -> str:
+        if self._as_ids:
+            return f"token_id:{token_id}"
         return self._tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def _sampled(self, entry: TokenLogprob) -> str:
+        return f"token_id:{entry.token_id}" if self._as_ids else entry.text
 
     def prompt(self, echo: Echo, entries: list[TokenLogprob | None] | None) -> dict:
         """Completions' echo: the prompt's tokens, with their logprobs (the first has none:
@@ -304,7 +323,7 @@ class LogprobFormat:
         raw = self._tokenizer.token_bytes
         if self._chat:
             return {"content": [
-                {"token": e.text, "logprob": e.logprob, "bytes": list(raw(e.token_id)),
+                {"token": self._sampled(e), "logprob": e.logprob, "bytes": list(raw(e.token_id)),
                  "top_logprobs": [{"token": self._alternative(t), "logprob": v, "bytes": list(raw(t))}
                                   for t, v in e.top]}
                 for e in entries], "refusal": None}
@@ -312,7 +331,7 @@ class LogprobFormat:
         for e in entries:
             offsets.append(self._offset)
             self._offset += len(e.text)
-        return {"tokens": [e.text for e in entries],
+        return {"tokens": [self._sampled(e) for e in entries],
                 "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [None if e.top is None else {self._alternative(t): v for t, v in e.top}
                                  for e in entries],
@@ -321,11 +340,14 @@ class LogprobFormat:
 
 def chunk(request_id: str, model: str, chat: bool, text: str | None, reason: str | None,
           created: int, first: bool = False, logprobs: dict | None = None,
-          index: int = 0, tool_calls: list[dict] | None = None) -> dict[str, Any]:
+          index: int = 0, tool_calls: list[dict] | None = None,
+          reasoning: str | None = None) -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {}
         if first:
             delta["role"] = "assistant"
+        if reasoning is not None:
+            delta["reasoning_content"] = reasoning
         if text is not None:
             delta["content"] = text
         if tool_calls:
@@ -349,14 +371,17 @@ def frame(obj: dict) -> str:
 
 
 class TextFrames:
-    """The SSE frames of one stream's text chunks, `frame(chunk(..., text, None, ...))` exactly:
-    everything but the text is serialized once per stream, so a token costs one string escape
-    (this runs for every token of every stream, on the event loop)."""
+    """The SSE frames of one stream's text chunks, `frame(chunk(..., text, None, ...))` exactly
+    (with `reasoning`, a chat's `frame(chunk(..., None, ..., reasoning=text))`): everything but
+    the text is serialized once per stream, so a token costs one string escape (this runs for
+    every token of every stream, on the event loop)."""
 
     _MARK = "\x00cadence text\x00"
 
-    def __init__(self, request_id: str, model: str, chat: bool, created: int, index: int = 0):
-        whole = frame(chunk(request_id, model, chat, self._MARK, None, created, index=index))
+    def __init__(self, request_id: str, model: str, chat: bool, created: int, index: int = 0,
+                 reasoning: bool = False):
+        whole = frame(chunk(request_id, model, chat, None if reasoning else self._MARK, None, created,
+                            index=index, reasoning=self._MARK if reasoning else None))
         self._head, self._tail = whole.split(_ENCODE_STRING(self._MARK))
 
     def __call__(self, text: str) -> str:
@@ -422,13 +447,16 @@ class Answer:
 
 def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Answer],
                   tokenizer: Tokenizer | None = None, logprobs: bool = True,
-                  tools: tool_requests.ToolRequest | None = None) -> dict[str, Any]:
+                  tools: tool_requests.ToolRequest | None = None,
+                  tokens_as_ids: bool = False, reasoning_inside: bool | None = None) -> dict[str, Any]:
     """The whole answer: a choice per record, the answers' (prompts') one after another,
     indexed across them (OpenAI's order for a batch: prompt by prompt, then choice). `tokenizer`
     spells their logprobs, if they have any and `logprobs` (False: computed for best_of's ranking
     only). With echo, an answer's prompt text goes before each of its choices' (and with
     logprobs its tokens'). With `tools` (chat) whose calls are parsed, a choice's calls are its
-    message's `tool_calls`."""
+    message's `tool_calls`. `tokens_as_ids`: `LogprobFormat`'s `as_ids`. `reasoning_inside`
+    (chat; None: not split): a choice's reasoning is split out of its text first
+    (`server.reasoning`), its message's `reasoning_content`; the tools parse the rest."""
     created = int(time.time())
     choices = []
     for answer in answers:
@@ -437,7 +465,7 @@ def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Ans
         for record in answer.records:
             lp = None
             if logprobs and record.logprobs is not None:
-                spell = LogprobFormat(tokenizer, chat)
+                spell = LogprobFormat(tokenizer, chat, tokens_as_ids)
                 head = spell.prompt(echo, prompt_logprobs) if echo else None
                 lp = spell(record.logprobs)
                 lp = merge_logprobs(head, lp) if head else lp
@@ -445,13 +473,17 @@ def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Ans
                 record = dataclasses.replace(record, text=echo.text + record.text)
             index = len(choices)
             if chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": record.text},
+                thought, text = (None, record.text) if reasoning_inside is None else (
+                    split_reasoning(record.text, reasoning_inside))
+                choice = {"index": index, "message": {"role": "assistant", "content": text},
                           "finish_reason": finish_reason(record), "logprobs": lp}
                 if tools is not None and tools.parses_calls:
-                    content, calls = parse_tool_calls(record.text, tools.names)
+                    content, calls = parse_tool_calls(text, tools.names)
                     if calls:
                         choice["message"] = assistant_calls(content, calls)
                         choice["finish_reason"] = finish_reason(record, calls=True)
+                if reasoning_inside is not None:
+                    choice["message"]["reasoning_content"] = thought
             else:
                 choice = {"index": index, "text": record.text, "finish_reason": finish_reason(record),
                           "logprobs": lp}

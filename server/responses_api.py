@@ -66,8 +66,8 @@ _FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "tem
 # cadence's own sampling fields, passed to the chat request as they are (max_tokens is
 # max_output_tokens here).
 _SAMPLING = frozenset(parsing.SAMPLING_FIELDS) - {"max_tokens"}
-# Accepted (of these types) and ignored: they change nothing cadence does (`reasoning`: cadence
-# serves no reasoning model; `metadata` is echoed).
+# Accepted (of these types) and ignored: they change nothing cadence does (`reasoning`: the
+# Responses API here splits out no reasoning; `metadata` is echoed).
 _IGNORED: dict[str, type] = {"metadata": dict, "user": str, "prompt_cache_key": str,
                              "safety_identifier": str, "service_tier": str, "reasoning": dict,
                              "prompt_cache_retention": str}

@@ -25,7 +25,7 @@ from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.registry import KNOWN_MODELS
 from cadence.server import runtime
 from cadence.server.app import DEFAULT_MAX_BODY_BYTES, ServerConfig, create_app
-from cadence.server.flags import GRAMMAR_TIMEOUT, MODEL_FLAG
+from cadence.server.flags import GRAMMAR_TIMEOUT, MODEL_FLAG, REASONING_PARSER
 
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
@@ -92,7 +92,8 @@ def main(argv: list[str]) -> int:
         sock = listen(_HOST.value, _PORT.value)
         config = ServerConfig(api_key=api_key(), protect_metrics=_PROTECT_METRICS.value,
                               max_body_bytes=runtime.parse_size(_MAX_BODY.value), drain_timeout=_DRAIN.value,
-                              max_n=_MAX_N.value, grammar_timeout=GRAMMAR_TIMEOUT.value)
+                              max_n=_MAX_N.value, grammar_timeout=GRAMMAR_TIMEOUT.value,
+                              reasoning_parser=REASONING_PARSER.value)
         names = served_names(MODEL_FLAG.value, _SERVED_NAMES.value)
         rt = runtime.build_from_flags(warm=False)
     except (CheckpointError, ValueError, OSError) as e:

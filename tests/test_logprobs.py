@@ -118,6 +118,10 @@ def test_openai_shapes_streamed_and_whole(tiny_engine, tiny_tokenizer, tiny_para
         chat_whole = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=60).json()
         chat_streamed = httpx.post(f"{base}/v1/chat/completions", json={**chat, "stream": True}, timeout=60)
         plain = httpx.post(f"{base}/v1/completions", json={**body, "logprobs": None}, timeout=60).json()
+        by_id = httpx.post(f"{base}/v1/completions", json={**body, "return_tokens_as_token_ids": True},
+                           timeout=60).json()["choices"][0]["logprobs"]
+        chat_by_id = httpx.post(f"{base}/v1/chat/completions", json={
+            **chat, "stream": True, "return_tokens_as_token_ids": True}, timeout=60)
         for bad, fragment in [({"top_logprobs": 21}, "at most 20 logprobs"),
                               ({"logprobs": False, "top_logprobs": 2}, "needs"),
                               ({"top_logprobs": -1}, ">= 0"), ({"logprobs": 1}, "true or false")]:
@@ -137,6 +141,19 @@ def test_openai_shapes_streamed_and_whole(tiny_engine, tiny_tokenizer, tiny_para
     assert sum((p["logprobs"]["text_offset"] for p in parts), []) == lp["text_offset"]
     np.testing.assert_allclose(sum((p["logprobs"]["token_logprobs"] for p in parts), []),
                                lp["token_logprobs"], atol=1e-6)
+
+    # By id (vLLM's return_tokens_as_token_ids): the same entries, each token named by its id.
+    assert by_id["tokens"] == [f"token_id:{t}" for t in want]
+    assert by_id["text_offset"] == lp["text_offset"] and by_id["token_logprobs"] == lp["token_logprobs"]
+    for i, top in enumerate(by_id["top_logprobs"]):
+        assert len(top) == 3
+        np.testing.assert_allclose([v for v in top.values()],
+                                   [reference[i, int(k.removeprefix("token_id:"))] for k in top], atol=1e-4)
+    by_id_content = sum((c["choices"][0]["logprobs"]["content"] for c in lines(chat_by_id)
+                         if c["choices"] and c["choices"][0].get("logprobs")), [])
+    ids_of = [int(c["token"].removeprefix("token_id:")) for c in by_id_content]
+    assert tiny_tokenizer.decode(ids_of) == chat_whole["choices"][0]["message"]["content"]
+    assert all(a["token"].startswith("token_id:") for c in by_id_content for a in c["top_logprobs"])
 
     content = chat_whole["choices"][0]["logprobs"]["content"]
     text = chat_whole["choices"][0]["message"]["content"]
