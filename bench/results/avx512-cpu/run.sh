@@ -15,12 +15,4 @@ for round in ${ROUNDS:-1 2}; do
     done
   done
 done
-$LLAMA_SERVER -m qwen.gguf --port 8001 -np 8 -c 32768 -t 2 -tb 2 > /dev/null 2>&1 &
-until curl -sf http://127.0.0.1:8001/health > /dev/null; do sleep 1; done
-for round in ${ROUNDS:-1 2}; do
-  .venv/bin/python -m cadence.bench.decode_rate --base_url=http://127.0.0.1:8001/v1 --model=qwen \
-    --concurrency=1,8 --rounds=3 --max_tokens=128 --label=llama-server-$round \
-    --extra_body='{"cache_prompt": false}' --out=$here/rate-llama-server-$round.json \
-    | grep "stream(s)" | tee -a $here/rates.txt
-done
-kill %1
+OUT=$here MODEL=qwen.gguf bash bench/results/llama-server-cpu/rate.sh

@@ -1,0 +1,171 @@
+"""cadence against llama.cpp on one Qwen3 GGUF: the same greedy tokens, the same log-probabilities.
+
+    python bench/results/qwen3-cpu/parity.py --llama_server=<llama-server> \
+        --tokenizer_from=<a Qwen2.5 or Qwen3 GGUF> --out=bench/results/qwen3-cpu/parity.json
+
+No Qwen3 weights can be fetched here, so the file is a small Qwen3-shaped model of random weights:
+4 layers, 4 query heads of 128 over a 256-wide stream (as Qwen3-0.6B's heads are wider than
+hidden / heads), 2 KV heads, q/k norms whose scales are drawn around 1 (not llama.cpp's ones),
+float32 tensors, the tokenizer and chat template of `--tokenizer_from`.
+
+Each prompt goes, as token ids, to llama-server's /completion (temperature 0, its 5 top
+probabilities per token, no prompt cache; a float32 KV cache and no flash attention, which on
+the CPU rounds through float16) and to cadence-serve's /v1/completions (greedy, top 5
+log-probabilities named by token id) on the same file. The script reports, per prompt, whether the greedy tokens
+agree and the largest difference between the two servers' log-probabilities of llama.cpp's top 5
+at each position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import gguf
+import httpx
+import jax
+import numpy as np
+from absl import app, flags
+
+from cadence.bench.random_gguf import add_shape, copy_tokenizer
+from cadence.model import params as params_lib
+from cadence.model.config import ModelConfig
+
+FLAGS = flags.DEFINE_string("llama_server", None, "llama.cpp's llama-server binary", required=True)
+TOKENIZER = flags.DEFINE_string("tokenizer_from", None, "a Qwen GGUF whose tokenizer to copy", required=True)
+OUT = flags.DEFINE_string("out", None, "where to write the JSON results", required=True)
+TOKENS = flags.DEFINE_integer("max_tokens", 32, "greedy tokens per prompt")
+
+CONFIG = ModelConfig(name="qwen3-parity", vocab_size=151936, hidden_size=256, num_layers=4,
+                     num_heads=4, num_kv_heads=2, head_dim=128, ffn_size=768, rms_norm_eps=1e-6,
+                     rope_theta=1e6, tie_embeddings=True, qk_norm=True, max_context=4096)
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    " ".join(["the quick brown fox jumps over the lazy dog"] * 12),
+]
+
+
+def write_model(path: Path) -> None:
+    rng = np.random.default_rng(0)
+    params = params_lib.random_params(CONFIG, jax.random.key(0))
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    add_shape(w, CONFIG)
+    w.add_name(CONFIG.name)
+    copy_tokenizer(TOKENIZER.value)(w)
+    for spec in params_lib.param_specs(CONFIG):
+        array = np.asarray(params_lib.get(params, spec.path), np.float32)
+        if spec.path[-1] == "scale":
+            array = (1 + 0.3 * rng.standard_normal(array.shape)).astype(np.float32)
+        w.add_tensor(spec.gguf_name, np.ascontiguousarray(array.T if spec.transpose else array))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@contextlib.contextmanager
+def served(command: list[str], port: int, env: dict | None = None):
+    """A server started by `command`, once its /health answers 200; stopped afterwards."""
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{command[0]} exited with {proc.returncode}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(command[0])
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def llama_cpp(path: Path, prompts: list[list[int]]) -> list[dict]:
+    # A float32 KV cache, as cadence's on the CPU (llama.cpp's default is float16), and no flash
+    # attention: llama.cpp's CPU flash attention rounds through float16, ~1e-3 off in a logprob.
+    out = []
+    with served([FLAGS.value, "-m", str(path), "--port", "8931", "-c", "4096", "-np", "1", "-t", "2",
+                 "-ctk", "f32", "-ctv", "f32", "-fa", "off"], 8931) as base:
+        for ids in prompts:
+            r = httpx.post(f"{base}/completion", timeout=120, json={
+                "prompt": ids, "n_predict": TOKENS.value, "temperature": 0, "n_probs": 5,
+                "cache_prompt": False, "return_tokens": True}).json()
+            steps = [{t["id"]: t["logprob"] for t in p["top_logprobs"]}
+                     for p in r["completion_probabilities"]]
+            out.append({"tokens": r["tokens"], "top": steps})
+    return out
+
+
+def by_id(name: str) -> int:
+    return int(name.removeprefix("token_id:"))
+
+
+def cadence(path: Path, prompts: list[list[int]]) -> list[dict]:
+    env = dict(os.environ, CADENCE_CACHE=tempfile.mkdtemp(prefix="cadence-parity-"))
+    out = []
+    with served([sys.executable, "-m", "cadence.server.serve_cli", f"--model={path}", "--port=8932",
+                 "--num_slots=2", "--max_seq_len=1024", "--served_model_name=m"], 8932, env) as base:
+        for ids in prompts:
+            r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+                "model": "m", "prompt": ids, "max_tokens": TOKENS.value, "temperature": 0,
+                "logprobs": 5, "ignore_eos": True, "return_tokens_as_token_ids": True}).json()
+            lp = r["choices"][0]["logprobs"]
+            out.append({"tokens": [by_id(t) for t in lp["tokens"]],
+                        "top": [{by_id(k): v for k, v in top.items()} for top in lp["top_logprobs"]]})
+    return out
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    from cadence.checkpoints.gguf import read_fields
+    from cadence.checkpoints.tokenizer import Tokenizer
+
+    work = Path(tempfile.mkdtemp(prefix="qwen3-parity-"))
+    path = work / "qwen3-parity.gguf"
+    write_model(path)
+    tok = Tokenizer.from_gguf_fields(read_fields(gguf.GGUFReader(path)))
+    prompts = [tok.encode(p) for p in PROMPTS]
+    theirs, ours = llama_cpp(path, prompts), cadence(path, prompts)
+    rows = []
+    for text, ids, a, b in zip(PROMPTS, prompts, theirs, ours):
+        agree = 0
+        while agree < min(len(a["tokens"]), len(b["tokens"])) and a["tokens"][agree] == b["tokens"][agree]:
+            agree += 1
+        # Through the first position where they part, both saw the same tokens. The top 5s
+        # are compared where both name a token (a near tie at rank 5 may swap the fifth).
+        pairs = list(zip(a["top"][:agree + 1], b["top"][:agree + 1]))
+        diffs = [abs(top[t] - mine[t]) for top, mine in pairs for t in top if t in mine]
+        same_sets = sum(set(top) == set(mine) for top, mine in pairs)
+        row = {"prompt_tokens": len(ids), "greedy_tokens": TOKENS.value, "tokens_agree": agree,
+               "max_logprob_diff": max(diffs), "positions_compared": len(pairs),
+               "positions_with_the_same_top5": same_sets,
+               "llama_cpp": a["tokens"], "cadence": b["tokens"]}
+        line = (f"{len(ids):4d} prompt tokens: {agree}/{TOKENS.value} greedy tokens agree; the same "
+                f"top 5 at {same_sets}/{len(pairs)} positions; max |logprob difference| "
+                f"{max(diffs):.2e}")
+        if agree < TOKENS.value:  # how close the two choices were, by llama.cpp's numbers
+            top = a["top"][agree]
+            row["gap_where_they_part"] = top[a["tokens"][agree]] - top.get(b["tokens"][agree], float("-inf"))
+            line += f"; where they part, llama.cpp's top two differ by {row['gap_where_they_part']:.2e}"
+        rows.append(row)
+        print(line)
+    Path(OUT.value).write_text(json.dumps({"config": json.loads(CONFIG.to_json()), "prompts": rows},
+                                          indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)
