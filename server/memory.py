@@ -38,6 +38,17 @@ def resident() -> Resident | None:
         return None
 
 
+def available() -> int | None:
+    """Bytes the machine can still give without swapping (/proc/meminfo's MemAvailable), or
+    None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return _kib(fields["MemAvailable"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def _kib(value: str) -> int:
     number, unit = value.split()
     assert unit == "kB", unit

@@ -31,7 +31,8 @@ from cadence.engine import multihost
 from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine, cpu_weights
 from cadence.model import cpu_kernels, layer_loop
-from cadence.model.paged_kv import pages_for_bytes
+from cadence.model.config import ModelConfig
+from cadence.model.paged_kv import bytes_per_token, pages_for_bytes
 from cadence.model.params import MATRICES, cast_bytes, get, param_specs
 from cadence.model.quant import quantize, quantize_grouped
 from cadence.model.sharding import TensorParallel
@@ -187,6 +188,28 @@ def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int,
     if pages < 1:
         raise ValueError(f"--kv_cache_memory={KV_MEMORY.value} holds no page of {page_size} tokens")
     return pages
+
+
+def check_pool_fits(config: ModelConfig, engine_config: EngineConfig, pools: int = 1,
+                    free: int | None = None) -> None:
+    """Refuses, before allocating it, a KV pool in host memory that the machine cannot hold
+    (`free`, default `memory.available()`, less a tenth for the programs and the request
+    buffers): the pool is written zeros when it is made, so it would be resident at once, and
+    the kernel would end the process mid-start, or the machine would swap. `pools`: the
+    engines that each hold one (2 disaggregated)."""
+    free = memory.available() if free is None else free
+    per_token = bytes_per_token(config, jnp.dtype(engine_config.pool_dtype))
+    tokens = engine_config.pool_pages * engine_config.page_size
+    need = pools * tokens * per_token
+    if free is None or need <= 0.9 * free:
+        return
+    halve = ("" if jnp.dtype(engine_config.pool_dtype).itemsize == 2
+             else ", or halve it with --kv_cache_dtype=bfloat16")
+    raise ValueError(
+        f"the KV pool needs {need / 2**30:.1f} GiB ({pools} x {tokens} tokens of "
+        f"{engine_config.pool_dtype}, {per_token / 2**10:.0f} KiB a token for {config.name}) and "
+        f"this machine has {free / 2**30:.1f} GiB available: lower --num_slots or --max_seq_len, "
+        f"or set --kv_cache_memory{halve}")
 
 
 def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Device | None = None,
@@ -434,6 +457,8 @@ def build_from_flags(warm: bool = True) -> Runtime:
             f"--max_seq_len={engine_config.max_seq_len} exceeds {model.name}'s context of "
             f"{model.config.max_context} tokens"
         )
+    if jax.default_backend() == "cpu" and tp is None:
+        check_pool_fits(model.config, engine_config, pools=1 if pair is None else 2)
     with memory.loading():
         engines, where = _engines(model, packed, engine_config, pair, mesh_devices, tp)
     del packed
