@@ -355,8 +355,10 @@ class Server:
             tokens_as_ids=parsed.tokens_as_ids, reasoning_inside=parsed.reasoning_inside),
             headers=headers)
 
-    async def collect(self, request: Request, streams: list[RequestStream]) -> list[RequestRecord]:
-        """Waits for the whole answer; a client that hangs up meanwhile cancels it."""
+    async def collect(self, request: Request, streams: list[RequestStream],
+                      on_token: Callable[[TokenEvent], None] | None = None) -> list[RequestRecord]:
+        """Waits for the whole answer (each token event to `on_token`, where given); a client
+        that hangs up meanwhile cancels it."""
 
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -365,8 +367,9 @@ class Server:
                 stream.cancel()
 
         async def drain(stream: RequestStream) -> RequestRecord:
-            async for _ in stream:
-                pass
+            async for event in stream:
+                if on_token is not None and isinstance(event, TokenEvent):
+                    on_token(event)
             return stream.record
 
         watcher = asyncio.create_task(watch())

@@ -133,9 +133,9 @@ class ReasoningParser:
         return Split()
 
     @property
-    def reasoning_done(self) -> bool:
-        """Whether the answer has begun (the reasoning closed, or there was none)."""
-        return self._mode in (self._NEWLINES, self._ANSWER)
+    def inside(self) -> bool:
+        """Whether the text so far ends inside the reasoning."""
+        return self._mode == self._INSIDE
 
 
 def split_reasoning(text: str, inside: bool) -> tuple[str | None, str]:

@@ -19,9 +19,12 @@ the same code (with the Responses name in the message: `max_output_tokens`, `tex
     temperature, top_p, parallel_tool_calls, and cadence's own sampling fields (top_k, seed,
     stop, penalties, ignore_eos, ...) as chat takes them
 
-The answer is run through `Server.submit` and split into output items by the same
-`ToolCallParser` whether it is streamed or not: one `message` item of `output_text` for the
-text, one `function_call` item per call. Streaming sends OpenAI's typed events
+The answer is run through `Server.submit` and split into output items token by token, by the
+same code whether it is streamed or not: a thinking model's reasoning (where the server splits
+it, `server.reasoning`) as a `reasoning` item of `reasoning_text` first, one `message` item of
+`output_text` for the text, one `function_call` item per call (`ToolCallParser`). A `reasoning`
+item in `input` (a client that keeps the conversation itself sends back what it was given)
+becomes the next assistant turn's `reasoning_content`, which a template may show the model. Streaming sends OpenAI's typed events
 (`event: <type>` + `data: <json>`, with increasing `sequence_number`), which the SDK's
 `responses.stream` accumulator reads unchanged.
 
@@ -51,6 +54,7 @@ from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.stream import merged
 from cadence.server import parsing, protocol
 from cadence.server.protocol import APIError
+from cadence.server.reasoning import ReasoningParser
 from cadence.server.tool_call_parser import ToolCallParser
 
 if TYPE_CHECKING:
@@ -66,8 +70,8 @@ _FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "tem
 # cadence's own sampling fields, passed to the chat request as they are (max_tokens is
 # max_output_tokens here).
 _SAMPLING = frozenset(parsing.SAMPLING_FIELDS) - {"max_tokens"}
-# Accepted (of these types) and ignored: they change nothing cadence does (`reasoning`: the
-# Responses API here splits out no reasoning; `metadata` is echoed).
+# Accepted (of these types) and ignored: they change nothing cadence does (`reasoning`: its effort
+# and summary steer OpenAI's reasoning models; `metadata` is echoed).
 _IGNORED: dict[str, type] = {"metadata": dict, "user": str, "prompt_cache_key": str,
                              "safety_identifier": str, "service_tier": str, "reasoning": dict,
                              "prompt_cache_retention": str}
@@ -138,19 +142,30 @@ def input_messages(items: Any) -> list[dict]:
     if not isinstance(items, list):
         raise _error('"input" must be a string or an array of input items', "input")
     messages: list[dict] = []
+    thought: list[str] = []  # reasoning items' text, for the assistant turn they come before
+
+    def assistant(message: dict) -> dict:
+        if thought:
+            message["reasoning_content"] = "\n".join(thought)
+            thought.clear()
+        return message
+
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise _error(f"{where} must be an object (an input item)", "input")
         kind = item.get("type", "message" if "role" in item else None)
-        if kind == "message":
+        if kind == "reasoning":
+            thought.append(_reasoning_text(item, where))
+        elif kind == "message":
             _check_keys(item, {**_ITEM_FIELDS, "role": object, "content": object, "phase": str}, where)
             role = item.get("role")
             role = _MESSAGE_ROLES.get(role) if isinstance(role, str) else None
             if role is None:
                 raise _error(f"{where}.role must be one of {', '.join(_MESSAGE_ROLES)}, got "
                              f"{str(item.get('role'))[:40]!r}", "input")
-            messages.append({"role": role, "content": _text_parts(item.get("content"), where)})
+            message = {"role": role, "content": _text_parts(item.get("content"), where)}
+            messages.append(assistant(message) if role == "assistant" else message)
         elif kind == "function_call":
             _check_keys(item, {**_ITEM_FIELDS, "call_id": str, "name": str, "arguments": str}, where)
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
@@ -159,10 +174,10 @@ def input_messages(items: Any) -> list[dict]:
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             # A turn's calls, and the text before them, are one assistant message.
-            if i > 0 and messages and messages[-1]["role"] == "assistant":
+            if i > 0 and messages and messages[-1]["role"] == "assistant" and not thought:
                 messages[-1]["tool_calls"] = [*messages[-1].get("tool_calls", ()), call]
             else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                messages.append(assistant({"role": "assistant", "content": "", "tool_calls": [call]}))
         elif kind == "function_call_output":
             _check_keys(item, {**_ITEM_FIELDS, "call_id": str, "output": object}, where)
             if not isinstance(item.get("call_id"), str):
@@ -173,8 +188,29 @@ def input_messages(items: Any) -> list[dict]:
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
         else:
             raise _error(f"{where}: items of type {str(kind)[:40]!r} are not supported by cadence "
-                         "(it takes message, function_call and function_call_output items)", "input")
+                         "(it takes message, reasoning, function_call and function_call_output "
+                         "items)", "input")
     return messages
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its `reasoning_text` content, else its summary's text. Only
+    what cadence wrote can come back (no encrypted content: cadence never makes any)."""
+    _check_keys(item, {**_ITEM_FIELDS, "summary": object, "content": object, "encrypted_content": object},
+                where)
+    if item.get("encrypted_content") is not None:
+        raise _error(f"{where}: encrypted reasoning is another server's; cadence cannot read it",
+                     "input")
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key) or []
+        if not isinstance(parts, list):
+            raise _error(f"{where}.{key} must be an array of parts", "input")
+        for j, part in enumerate(parts):
+            if not isinstance(part, dict) or part.get("type") != kind or not isinstance(part.get("text"), str):
+                raise _error(f"{where}.{key}[{j}] must be a {kind} part with a \"text\" string", "input")
+        if parts:
+            return "".join(part["text"] for part in parts)
+    return ""
 
 
 def _chat_tools(tools: Any) -> Any:
@@ -259,8 +295,10 @@ class Output:
     open at a time (a message, or a call), closed when the next opens or at the end. Calls the
     parser abandons are closed "incomplete" and left out of the output."""
 
-    def __init__(self, parser: ToolCallParser | None):
-        self.parser = parser
+    def __init__(self, parser: ToolCallParser | None, thinker: ReasoningParser | None = None):
+        self.parser, self.thinker = parser, thinker
+        self.reasoning_tokens = 0  # the tokens before the answer, where there was reasoning
+        self._fed = 0
         self.items: list[dict] = []  # by output_index
         self.events: list[tuple[str, dict]] = []
         self._open: int | None = None  # the output index of the open item
@@ -269,6 +307,18 @@ class Output:
         self._dropped: set[int] = set()  # output indexes of abandoned calls
 
     def feed(self, text: str) -> None:
+        """One token's text."""
+        if self.thinker is not None:
+            inside = self.thinker.inside
+            split = self.thinker.feed(text)
+            self._fed += 1
+            if inside or self.thinker.inside:  # every token so far, through the one closing it
+                self.reasoning_tokens = self._fed
+            self._reasoning(split.reasoning)
+            text = split.content
+        self._answer(text)
+
+    def _answer(self, text: str) -> None:
         if self.parser is None:
             self._content(text)
             return
@@ -276,9 +326,14 @@ class Output:
 
     def finish(self, status: str) -> None:
         """Closes the open item; `status` is the answer's: "completed" or "incomplete"."""
+        if self.thinker is not None:
+            split = self.thinker.finish()
+            self._reasoning(split.reasoning)
+            self._answer(split.content)
         if self.parser is not None:
             self._parsed(self.parser.finish())
-        if not self.output:  # an empty answer (or one of abandoned calls) is still a message
+        if not any(item["type"] != "reasoning" for item in self.output):
+            # an empty answer (or one of abandoned calls, or all reasoning) is still a message
             self._content("", force=True)
         self._close(status)
 
@@ -289,6 +344,11 @@ class Output:
     @property
     def text(self) -> str:
         return "".join(part["text"] for item in self.output if item["type"] == "message"
+                       for part in item["content"])
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(part["text"] for item in self.output if item["type"] == "reasoning"
                        for part in item["content"])
 
     def calls(self) -> list[dict]:
@@ -326,6 +386,21 @@ class Output:
             self._emit("response.output_text.delta", item_id=self.items[self._open]["id"],
                        output_index=self._open, content_index=0, delta=text, logprobs=[])
 
+    def _reasoning(self, text: str) -> None:
+        if not text:
+            return
+        if self._open is None or self.items[self._open]["type"] != "reasoning":
+            self._close("completed")
+            self._open = len(self.items)
+            item = {"id": _new_id("rs"), "type": "reasoning", "summary": [], "content": [],
+                    "encrypted_content": None, "status": "in_progress"}
+            self.items.append(item)
+            self._emit("response.output_item.added", output_index=self._open, item=dict(item))
+            self._text = []
+        self._text.append(text)
+        self._emit("response.reasoning_text.delta", item_id=self.items[self._open]["id"],
+                   output_index=self._open, content_index=0, delta=text)
+
     def _call(self, entry: dict) -> None:
         fragment = entry["function"].get("arguments", "")
         if "id" in entry:  # a header: a new call
@@ -349,6 +424,11 @@ class Output:
         item = self.items[at]
         if at in self._dropped:
             status = "incomplete"
+        elif item["type"] == "reasoning":
+            text = "".join(self._text)
+            self._emit("response.reasoning_text.done", item_id=item["id"], output_index=at,
+                       content_index=0, text=text)
+            item["content"] = [{"type": "reasoning_text", "text": text}]
         elif item["type"] == "message":
             text = "".join(self._text)
             self._emit("response.output_text.done", item_id=item["id"], output_index=at,
@@ -367,13 +447,13 @@ def _part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _usage(record: RequestRecord) -> dict:
+def _usage(record: RequestRecord, reasoning_tokens: int = 0) -> dict:
     usage = protocol.usage([[record]])
     return {"input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                                      "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": usage["total_tokens"]}
 
 
@@ -384,6 +464,8 @@ def _assistant_turn(output: Output) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": output.text}
     if calls:
         message["tool_calls"] = calls
+    if output.reasoning:
+        message["reasoning_content"] = output.reasoning
     return message
 
 
@@ -463,11 +545,10 @@ class ResponsesAPI:
         if stream:
             return StreamingResponse(run.events(groups[0][0]), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
-        record, = await server.collect(request, [groups[0][0]])
+        output = run.output()  # token by token, as a stream builds it
+        record, = await server.collect(request, [groups[0][0]], lambda event: output.feed(event.text))
         if record.finish_reason == "error":
             raise APIError(500, f"generation failed: {record.error}", type="server_error")
-        output = run.output()
-        output.feed(record.text)
         return JSONResponse(run.finish(output, record), headers=headers)
 
 
@@ -498,8 +579,9 @@ class _Run:
         }
 
     def output(self) -> Output:
-        tools = self.parsed.tools
-        return Output(ToolCallParser(tools.names) if tools is not None and tools.parses_calls else None)
+        tools, inside = self.parsed.tools, self.parsed.reasoning_inside
+        return Output(ToolCallParser(tools.names) if tools is not None and tools.parses_calls else None,
+                      None if inside is None else ReasoningParser(inside))
 
     def response(self, status: str, output: list[dict], usage: dict | None = None,
                  error: dict | None = None) -> dict:
@@ -513,7 +595,7 @@ class _Run:
         """The finished response (stored if asked): "incomplete" when cut off by the limit."""
         status = "incomplete" if record.finish_reason == "length" else "completed"
         output.finish(status)
-        response = self.response(status, output.output, _usage(record))
+        response = self.response(status, output.output, _usage(record, output.reasoning_tokens))
         if self.conversation is not None:
             self.api.store.put(response, [*self.conversation, _assistant_turn(output)])
         return response
@@ -546,7 +628,7 @@ class _Run:
                         output.events.append(("error", {"code": "server_error", "message": message,
                                                         "param": None}))
                         output.events.append(("response.failed", {"response": self.response(
-                            "failed", output.output, _usage(event), error)}))
+                            "failed", output.output, _usage(event, output.reasoning_tokens), error)}))
                     else:
                         response = self.finish(output, event)
                         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"

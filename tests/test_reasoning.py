@@ -235,3 +235,44 @@ def test_a_batch_lines_reasoning_is_split_as_the_chat_api_splits_it():
     result = result_json(job, record)
     assert result["reasoning_content"] == "A greeting, then." and result["text"] == "Hello again!"
     assert "reasoning_content" not in result_json(Job(line=1, id=1, entry=entry), record)
+
+
+def test_the_responses_api_gives_the_reasoning_as_an_item_whole_and_streamed():
+    import json
+
+    import httpx
+
+    from cadence.server.responses_api import input_messages
+    from tests.fakes import TOK
+
+    with thinking_server({"on": ANSWERS["on"]}) as base:
+        body = {"model": "tiny", "input": "Say hello.", "max_output_tokens": 64, "temperature": 0}
+        whole = httpx.post(f"{base}/v1/responses", json=body, timeout=60).json()
+        with httpx.stream("POST", f"{base}/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    reasoning, message = whole["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_")
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "They want a greeting."}]
+    assert message["type"] == "message" and message["content"][0]["text"] == "Hello!"
+    # Every token up to the one that closed the block (the fake writes the scripted ids).
+    ids = TOK.encode(ANSWERS["on"], add_bos=False)
+    closing = next(i for i in range(len(ids)) if "</think>" in TOK.decode(ids[:i + 1]))
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == closing + 1
+    deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+    assert "".join(deltas) == "They want a greeting." and len(deltas) > 1
+    done = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed"
+    assert [item["type"] for item in done["output"]] == ["reasoning", "message"]
+    assert done["output"][0]["content"] == reasoning["content"]
+    for key in ("output_tokens", "output_tokens_details"):  # (the stream's prompt was cached)
+        assert done["usage"][key] == whole["usage"][key]
+
+    # A client that keeps the conversation sends the reasoning back: it is the next assistant
+    # turn's reasoning_content (encrypted reasoning, another server's, is refused).
+    call = {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"}
+    messages = input_messages([{"role": "user", "content": "Say hello."}, reasoning, call])
+    assert messages[1] == {"role": "assistant", "content": "", "reasoning_content": "They want a greeting.",
+                           "tool_calls": [{"id": "c1", "type": "function",
+                                           "function": {"name": "get_time", "arguments": "{}"}}]}
+    with pytest.raises(Exception, match="encrypted reasoning"):
+        input_messages([{**reasoning, "encrypted_content": "xyz"}])
