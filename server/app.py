@@ -263,6 +263,8 @@ class Server:
         compiling = asyncio.ensure_future(self.grammars.compile_async(wanted.spec)) if wanted else None
         try:
             prompts = await asyncio.to_thread(self._tokenize, parsed)
+            if wanted is not None and parsed.reasoning_inside:
+                parsed.reasoning_inside = False  # the grammar shapes the output from its start
             return prompts, (await compiling if compiling else None)
         except GrammarError as e:
             raise GrammarError(str(e), wanted.param) from None

@@ -427,5 +427,7 @@ def to_request(
         check_prompt_size(text, tokenizer, max_seq_len)
     grammar = grammar_of(fmt, tools, tokenizer, grammars)
     params = dataclasses.replace(params, grammar=grammar)
+    # A grammar shapes the output from its first token: it never starts inside the reasoning.
+    inside = opens_inside(text) and grammar is None
     return EntryRequest(tokenizer.encode(text), params, tools if tools and tools.parses_calls else None,
-                        opens_inside(text) if is_chat and splits_reasoning else None)
+                        inside if is_chat and splits_reasoning else None)

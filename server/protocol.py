@@ -61,8 +61,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 _SGLANG_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "no_stop_trim": (False,), "skip_special_tokens": (True,), "continue_final_message": (False,),
     "return_hidden_states": (False,),
-    # Reasoning is streamed as it comes, whichever value (`separate_reasoning` is honoured).
-    "stream_reasoning": (True, False),
+    # Reasoning is streamed as it comes, whichever value; chat honours `separate_reasoning`.
+    "stream_reasoning": (True, False), "separate_reasoning": (True, False),
 }
 _NEUTRAL.update(_SGLANG_NEUTRAL)
 # Fields that change nothing cadence does: accepted and ignored. (`reasoning_effort` and
@@ -77,8 +77,7 @@ _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format"
 _ALLOWED = {
     False: _COMMON | {"prompt", "logprobs", "best_of", "echo", "parallel_tool_calls"},
     True: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                     "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-                     "separate_reasoning"},
+                     "tool_choice", "parallel_tool_calls", "chat_template_kwargs"},
 }
 
 
@@ -224,6 +223,9 @@ def tokenize_request(body: Any) -> dict:
         parsing.field(body, "messages", (list,))
         parsing.field(body, "add_special_tokens", (bool,))
         parsing.field(body, "return_token_strs", (bool,))
+        if body.get("chat_template_kwargs") is not None and body.get("messages") is None:
+            raise SubmissionError('"chat_template_kwargs" goes with "messages"', "chat_template_kwargs")
+        parsing.template_kwargs(body)
         return {k: v for k, v in body.items() if v is not None}
     except SubmissionError as e:
         raise APIError(400, str(e), param=e.param) from None

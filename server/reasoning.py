@@ -13,7 +13,10 @@ the model to write (Qwen3 with thinking on) or put `<think>` at the end of the p
 output starts inside the reasoning and only closes it (DeepSeek-R1, Qwen3's "Thinking-2507"
 models); with thinking off, Qwen3's template writes an empty `<think></think>` into the prompt and
 the output is all answer. `opens_inside(prompt)` tells these apart from the rendered prompt: the
-output starts inside the reasoning where the prompt's last `<think>` is not closed.
+output starts inside the reasoning where the prompt ends with `<think>` (and whitespace), what
+such a template adds after the conversation; a `<think>` a message mentions is not an opening.
+A grammar in force (a response format, a forced tool call) shapes the output from its first
+token, so there the output never starts inside (the caller passes inside=False).
 
 Contract:
 - Outside: the output is answer, unless (after whitespace) it opens with `<think>`; then the
@@ -37,9 +40,9 @@ CLOSE = "</think>"
 
 
 def opens_inside(prompt: str) -> bool:
-    """Whether a rendered prompt leaves its last `<think>` open, so the output starts inside the
-    reasoning."""
-    return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+    """Whether a rendered prompt ends by opening the reasoning (`<think>`, then whitespace), so
+    the output starts inside it."""
+    return prompt.rstrip(" \t\r\n").endswith(OPEN)
 
 
 def template_thinks(template: str | None) -> bool:

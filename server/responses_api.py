@@ -155,6 +155,8 @@ def input_messages(items: Any) -> list[dict]:
         if not isinstance(item, dict):
             raise _error(f"{where} must be an object (an input item)", "input")
         kind = item.get("type", "message" if "role" in item else None)
+        if kind not in ("reasoning", "function_call") and not (kind == "message" and item.get("role") == "assistant"):
+            thought.clear()  # reasoning goes with the assistant turn right after it, or nowhere
         if kind == "reasoning":
             thought.append(_reasoning_text(item, where))
         elif kind == "message":
@@ -396,6 +398,8 @@ class Output:
                     "encrypted_content": None, "status": "in_progress"}
             self.items.append(item)
             self._emit("response.output_item.added", output_index=self._open, item=dict(item))
+            self._emit("response.content_part.added", item_id=item["id"], output_index=self._open,
+                       content_index=0, part=_reasoning_part(""))
             self._text = []
         self._text.append(text)
         self._emit("response.reasoning_text.delta", item_id=self.items[self._open]["id"],
@@ -428,7 +432,9 @@ class Output:
             text = "".join(self._text)
             self._emit("response.reasoning_text.done", item_id=item["id"], output_index=at,
                        content_index=0, text=text)
-            item["content"] = [{"type": "reasoning_text", "text": text}]
+            item["content"] = [_reasoning_part(text)]
+            self._emit("response.content_part.done", item_id=item["id"], output_index=at,
+                       content_index=0, part=_reasoning_part(text))
         elif item["type"] == "message":
             text = "".join(self._text)
             self._emit("response.output_text.done", item_id=item["id"], output_index=at,
@@ -445,6 +451,10 @@ class Output:
 
 def _part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _usage(record: RequestRecord, reasoning_tokens: int = 0) -> dict:

@@ -95,7 +95,9 @@ def test_the_prompt_says_where_the_output_starts():
     qwen3_off = qwen3_on + "<think>\n\n</think>\n\n"
     r1 = "<｜User｜>Hi<｜Assistant｜><think>\n"
     history = "<think>\nold\n</think>\n\nold answer" + qwen3_on
-    assert [opens_inside(p) for p in (qwen3_on, qwen3_off, r1, history)] == [False, False, True, False]
+    mentioned = "<|im_start|>user\nWhat does the <think> tag do?<|im_end|>\n<|im_start|>assistant\n"
+    assert [opens_inside(p) for p in (qwen3_on, qwen3_off, r1, history, mentioned)] == [
+        False, False, True, False, False]
     assert template_thinks("{{ '<think>' }}...{{ '</think>' }}") and not template_thinks("{{ x }}")
     assert not template_thinks(None)
 
@@ -166,6 +168,12 @@ def test_the_server_splits_reasoning_from_the_answer_whole_and_streamed():
         kept = ask(base, separate_reasoning=False)
     with thinking_server({"opened": ANSWERS["opened"]}) as base:
         opened = ask(base, chat_template_kwargs={"opened": True})
+        # A grammar shapes the output from its first token: the answer, though the prompt
+        # opened the reasoning.
+        shaped = ask(base, chat_template_kwargs={"opened": True}, response_format={"type": "json_object"})
+    for message, streamed in [shaped]:
+        assert message["reasoning_content"] is None and message["content"].lstrip().startswith("{")
+        assert streamed["reasoning_content"] == "" and streamed["content"] == message["content"]
     for (message, streamed), reasoning, content in [
             (on, "They want a greeting.", "Hello!"),
             (off, None, "Hello, quickly."),
@@ -201,6 +209,10 @@ def test_no_parser_no_split_and_the_templates_own_variables_are_refused():
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
         tokens = httpx.post(f"{base}/tokenize", timeout=60, json={
             "messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}).json()["tokens"]
+        for bad in ({"prompt": "x", "chat_template_kwargs": {}}, {"messages": ASK, "chat_template_kwargs": 3},
+                    {"messages": ASK, "chat_template_kwargs": {"tools": []}}):
+            r = httpx.post(f"{base}/tokenize", timeout=60, json=bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", bad
     from tests.fakes import TOK
     assert TOK.decode(tokens).endswith("<think>\n\n</think>\n\n")
 
@@ -225,6 +237,13 @@ def test_a_batch_lines_reasoning_is_split_as_the_chat_api_splits_it():
                              extra_fields=("id",), splits_reasoning=True)
     assert off.reasoning_inside is False
     assert parsing.to_request(entry, tokenizer, extra_fields=("id",)).reasoning_inside is None
+    # A grammar shapes the output from its first token: it is the answer, not reasoning.
+    from cadence.scheduler.grammar import GrammarCompiler
+
+    shaped = parsing.to_request({**entry, "response_format": {"type": "json_object"}}, tokenizer,
+                                extra_fields=("id",), splits_reasoning=True,
+                                grammars=GrammarCompiler(tokenizer, tokenizer.vocab_size))
+    assert shaped.reasoning_inside is False
     with pytest.raises(Exception, match="goes with"):
         parsing.to_request({"prompt": "x", "chat_template_kwargs": {}}, tokenizer)
 
@@ -276,3 +295,9 @@ def test_the_responses_api_gives_the_reasoning_as_an_item_whole_and_streamed():
                                            "function": {"name": "get_time", "arguments": "{}"}}]}
     with pytest.raises(Exception, match="encrypted reasoning"):
         input_messages([{**reasoning, "encrypted_content": "xyz"}])
+    # Reasoning that no assistant turn follows goes nowhere, not onto a later turn.
+    later = input_messages([reasoning, {"role": "user", "content": "Hi"},
+                            {"role": "assistant", "content": "Hello"}])
+    assert later == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    parts = [e["part"] for e in events if e["type"].startswith("response.content_part.")]
+    assert parts[0] == {"type": "reasoning_text", "text": ""} and parts[1] == reasoning["content"][0]
