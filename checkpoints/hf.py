@@ -1,11 +1,12 @@
 """Hugging Face checkpoints: `config.json` → `ModelConfig`, safetensors → the params pytree.
 
 Contract: `load_hf_config` accepts the Llama, Mistral, Qwen2 and Qwen3 (dense) families
-(`model_type` "llama", "mistral", "qwen2", "qwen3") and refuses, with a `CheckpointError`, anything cadence would run wrongly:
-other activations, biases outside q/k/v, RoPE scaling other than Llama 3's, a sliding window
-shorter than the context. `load_hf_params` reads one `*.safetensors` file or the shards named by
-`model.safetensors.index.json`, checks every expected tensor is there with the expected shape
-before reading any data, and returns float32 numpy arrays with kernels transposed to [in, out].
+(`model_type` "llama", "mistral", "qwen2", "qwen3") and refuses, with a `CheckpointError`,
+anything cadence would run wrongly: other activations, biases outside q/k/v, RoPE scaling other
+than Llama 3's, a sliding window shorter than the context. `load_hf_params` reads one
+`*.safetensors` file or the shards named by `model.safetensors.index.json`, checks every
+expected tensor is there with the expected shape before reading any data, and returns float32
+numpy arrays with kernels transposed to [in, out].
 Which tensor goes where, in which shape, is `model.params.param_specs`, the one description of
 the parameter tree that every loader reads. `save_hf` writes the same layout back (tests, export).
 
@@ -77,7 +78,8 @@ def load_hf_config(folder: str | Path, *, name: str | None = None) -> ModelConfi
             num_layers=int(need("num_hidden_layers")),
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            # transformers' Qwen3Config defaults head_dim to 128, not hidden / heads
+            head_dim=int(raw.get("head_dim") or (128 if model_type == "qwen3" else hidden // heads)),
             ffn_size=int(need("intermediate_size")),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),

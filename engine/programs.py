@@ -332,7 +332,9 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
             fn = cpu_kernels.with_activations(fn, config.cpu_activations)
         return jax.jit(fn, **({} if tp is None else {"out_shardings": out}), **kw)
 
-    in_place = writes_in_place(config.attention)  # the kernels write the pool (`paged_kv`)
+    # The kernels write the pool (`paged_kv`); a tensor-parallel pool is XLA's to scatter, by
+    # KV head, where a kernel call outside `sharding.per_head` would gather it whole.
+    in_place = writes_in_place(config.attention) and tp is None
     pool, token, handle = (None, None, None) if tp is None else (
         tp.pool_sharding, tp.replicated, tp.handle_sharding)
     stepped = (token, pool, token, token)  # (tokens, logprobs), pool, last_tokens, history

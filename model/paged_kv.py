@@ -159,7 +159,6 @@ def write(
     return pages.at[:, page, positions % page_size].set(values, mode="drop")
 
 
-
 def put_pages(pages, new: jax.Array, ids: jax.Array, *, cpu_kernel: bool = False):
     """Writes whole pages into one layer's `pages` [kv_heads, num_pages, page_size, head_dim]
     (or a `cpu_kernels.PoolLayer`): `new` [kv_heads, n, page_size, head_dim] onto pages `ids`

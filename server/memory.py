@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from pathlib import Path
 
 from cadence.model import host_memory
 from cadence.model.host_memory import glibc
@@ -39,14 +40,22 @@ def resident() -> Resident | None:
 
 
 def available() -> int | None:
-    """Bytes the machine can still give without swapping (/proc/meminfo's MemAvailable), or
-    None where it does not say."""
+    """Bytes this process can still be given without swapping: /proc/meminfo's MemAvailable,
+    or less where a cgroup (v2: a container's memory.max) leaves less; None where neither says."""
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return _kib(fields["MemAvailable"])
+        free = _kib(fields["MemAvailable"])
     except (OSError, KeyError, ValueError):
-        return None
+        free = None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            left = int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+            free = left if free is None else min(free, left)
+    except (OSError, ValueError):
+        pass
+    return free
 
 
 def _kib(value: str) -> int:

@@ -190,26 +190,28 @@ def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int,
     return pages
 
 
-def check_pool_fits(config: ModelConfig, engine_config: EngineConfig, pools: int = 1,
-                    free: int | None = None) -> None:
-    """Refuses, before allocating it, a KV pool in host memory that the machine cannot hold
+def check_pool_fits(config: ModelConfig, pools: Sequence[EngineConfig], copies: int = 1,
+                    free: int | None = None, sized: bool = False) -> None:
+    """Refuses, before allocating them, KV pools in host memory that the machine cannot hold
     (`free`, default `memory.available()`, less a tenth for the programs and the request
-    buffers): the pool is written zeros when it is made, so it would be resident at once, and
-    the kernel would end the process mid-start, or the machine would swap. `pools`: the
-    engines that each hold one (2 disaggregated)."""
+    buffers): a pool is written zeros when it is made, so it would be resident at once, and the
+    kernel would end the process mid-start, or the machine would swap. `pools`: each engine's
+    configuration (a disaggregated pair's two); `copies`: how many times each is held (a
+    tensor-parallel pool replicated over its devices); `sized`: --kv_cache_memory gave the size."""
     free = memory.available() if free is None else free
-    per_token = bytes_per_token(config, jnp.dtype(engine_config.pool_dtype))
-    tokens = engine_config.pool_pages * engine_config.page_size
-    need = pools * tokens * per_token
+    dtype = jnp.dtype(pools[0].pool_dtype)
+    per_token = bytes_per_token(config, dtype)
+    tokens = sum(p.pool_pages * p.page_size for p in pools) * copies
+    need = tokens * per_token
     if free is None or need <= 0.9 * free:
         return
-    halve = ("" if jnp.dtype(engine_config.pool_dtype).itemsize == 2
-             else ", or halve it with --kv_cache_dtype=bfloat16")
+    memory_flag = "lower --kv_cache_memory" if sized else "set --kv_cache_memory"
+    halve = "" if dtype.itemsize == 2 else ", or halve it with --kv_cache_dtype=bfloat16"
     raise ValueError(
-        f"the KV pool needs {need / 2**30:.1f} GiB ({pools} x {tokens} tokens of "
-        f"{engine_config.pool_dtype}, {per_token / 2**10:.0f} KiB a token for {config.name}) and "
-        f"this machine has {free / 2**30:.1f} GiB available: lower --num_slots or --max_seq_len, "
-        f"or set --kv_cache_memory{halve}")
+        f"the KV pool needs {need / 2**30:.1f} GiB ({tokens} tokens of {dtype.name}, "
+        f"{per_token / 2**10:.0f} KiB a token for {config.name}) and this machine has "
+        f"{free / 2**30:.1f} GiB available: lower --num_slots or --max_seq_len, or "
+        f"{memory_flag}{halve}")
 
 
 def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Device | None = None,
@@ -384,12 +386,25 @@ def warm_up(engines: Sequence[Engine], progress: Callable[[int, int, str], None]
     return seconds
 
 
-def _engines(model: LoadedModel, packed, engine_config: EngineConfig, pair, mesh_devices,
+def _pool_configs(model: LoadedModel, engine_config: EngineConfig, pair) -> list[EngineConfig]:
+    """Each engine's configuration: the one engine's, or the disaggregated pair's (prefill,
+    decode). Nothing decodes on the prefill engine, so its packs may take the whole token
+    budget; the decode engine's pool is sized on its own device."""
+    if pair is None:
+        return [engine_config]
+    prefill_config = dataclasses.replace(
+        engine_config, role="prefill", num_slots=PREFILL_SLOTS.value or engine_config.num_slots,
+        prefill_tokens=max(engine_config.prefill_chunk, token_budget()))
+    decode_config = dataclasses.replace(engine_config_from_flags(model, pair[1]), role="decode")
+    return [prefill_config, decode_config]
+
+
+def _engines(model: LoadedModel, packed, configs: list[EngineConfig], pair, mesh_devices,
              tp: TensorParallel | None) -> tuple[tuple[Engine, ...], str]:
-    """The engine (or the disaggregated pair) over the model's weights, and where it runs. One
-    engine takes the packed blocks over (`cpu_kernels.HandedOver`: `packed` is emptied, so that
-    each block goes once the engine has placed or copied it, as its layer loop stacks them); a
-    pair shares them, or the layers stacked once from them."""
+    """The engine (or the disaggregated pair) of `configs` over the model's weights, and where
+    it runs. One engine takes the packed blocks over (`cpu_kernels.HandedOver`: `packed` is
+    emptied, so that each block goes once the engine has placed or copied it, as its layer loop
+    stacks them); a pair shares them, or the layers stacked once from them."""
     if pair is None:
         where = jax.devices()[0].platform
         if tp is not None:
@@ -397,18 +412,14 @@ def _engines(model: LoadedModel, packed, engine_config: EngineConfig, pair, mesh
         handed = cpu_kernels.HandedOver(packed) if packed else packed
         if packed:
             packed.clear()
-        return (Engine(model.params, model.config, engine_config, devices=mesh_devices,
+        return (Engine(model.params, model.config, configs[0], devices=mesh_devices,
                        packed=handed),), where
-    # Nothing decodes on the prefill engine, so its packs may take the whole token budget.
-    prefill_config = dataclasses.replace(
-        engine_config, role="prefill", num_slots=PREFILL_SLOTS.value or engine_config.num_slots,
-        prefill_tokens=max(engine_config.prefill_chunk, token_budget()))
-    decode_config = dataclasses.replace(engine_config_from_flags(model, pair[1]), role="decode")
+    prefill_config, decode_config = configs
     params = model.params
-    if engine_config.decode_matmul == "cpu" and engine_config.layer_loop:
+    if prefill_config.decode_matmul == "cpu" and prefill_config.layer_loop:
         # Stacked once and read in place by both engines, which would each stack a copy.
         tree, looped = cpu_weights(params, cpu_kernels.HandedOver(packed or {}), model.config,
-                                   engine_config)
+                                   prefill_config)
         if looped:
             params = layer_loop.host_views(tree)
             if packed:
@@ -457,10 +468,13 @@ def build_from_flags(warm: bool = True) -> Runtime:
             f"--max_seq_len={engine_config.max_seq_len} exceeds {model.name}'s context of "
             f"{model.config.max_context} tokens"
         )
-    if jax.default_backend() == "cpu" and tp is None:
-        check_pool_fits(model.config, engine_config, pools=1 if pair is None else 2)
+    configs = _pool_configs(model, engine_config, pair)
+    if jax.default_backend() == "cpu":  # the pools are host memory
+        check_pool_fits(model.config if tp is None else tp.compute_config, configs,
+                        copies=1 if tp is None or tp.heads_sharded else tp.size,
+                        sized=KV_MEMORY.value is not None)
     with memory.loading():
-        engines, where = _engines(model, packed, engine_config, pair, mesh_devices, tp)
+        engines, where = _engines(model, packed, configs, pair, mesh_devices, tp)
     del packed
     for engine in engines:
         cfg = engine.config

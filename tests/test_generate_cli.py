@@ -77,18 +77,25 @@ def test_a_prompt_too_long_is_reported_not_dropped(tiny_model_dir, tmp_path):
 def test_a_kv_pool_larger_than_the_machine_is_refused_before_it_is_made(tiny_model_dir):
     """A pool the host cannot hold is a one-line error naming its size and what to change,
     not a process the kernel kills mid-start (or a machine that swaps)."""
+    import dataclasses
+
     from cadence.engine.config import EngineConfig
     from cadence.model.config import SMOLLM2_135M
     from cadence.server.runtime import check_pool_fits
 
     result = generate(tiny_model_dir, "--prompt=hi", "--kv_cache_memory=4096GiB")
     assert result.returncode == 2 and "the KV pool needs 4096.0 GiB" in result.stderr, result.stderr[-2000:]
-    assert "lower --num_slots or --max_seq_len, or set --kv_cache_memory" in result.stderr
+    assert "lower --num_slots or --max_seq_len, or lower --kv_cache_memory" in result.stderr
     # SmolLM2's default pool, 8 x 4096 float32 tokens at 45 KiB each: 1.4 GiB, which must fit
     # in 90% of what is free.
     config = EngineConfig(num_slots=8, max_seq_len=4096)
-    check_pool_fits(SMOLLM2_135M, config, free=int(1.6 * 2**30))
-    with pytest.raises(ValueError, match=r"needs 1\.4 GiB .* 45 KiB a token .* 1\.5 GiB available.*bfloat16"):
-        check_pool_fits(SMOLLM2_135M, config, free=int(1.5 * 2**30))
-    with pytest.raises(ValueError, match=r"needs 2\.8 GiB \(2 x"):  # disaggregated: two pools
-        check_pool_fits(SMOLLM2_135M, config, pools=2, free=3 * 2**30)
+    check_pool_fits(SMOLLM2_135M, [config], free=int(1.6 * 2**30))
+    with pytest.raises(ValueError, match=r"needs 1\.4 GiB \(32768 tokens .* 45 KiB a token .* 1\.5 GiB "
+                                         r"available.*bfloat16"):
+        check_pool_fits(SMOLLM2_135M, [config], free=int(1.5 * 2**30))
+    # Disaggregated, each engine's own pool (a prefill engine of 2 slots); replicated, each copy.
+    prefill = dataclasses.replace(config, num_slots=2)
+    with pytest.raises(ValueError, match=r"needs 1\.8 GiB \(40960 tokens"):
+        check_pool_fits(SMOLLM2_135M, [prefill, config], free=int(1.9 * 2**30))
+    with pytest.raises(ValueError, match=r"needs 2\.8 GiB \(65536 tokens"):
+        check_pool_fits(SMOLLM2_135M, [config], copies=2, free=3 * 2**30)

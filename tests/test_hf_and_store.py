@@ -172,7 +172,7 @@ def test_wrong_shape_is_named(tmp_path):
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
     ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": True},
      "attention_bias/mlp_bias on a qwen3 model"),
-    ({"model_type": "qwen3moe"}, "model_type 'qwen3moe' is not supported"),
+    ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
 ])
 def test_unsupported_config_is_refused(tmp_path, edit, match):
