@@ -116,3 +116,15 @@ def test_gpu_check_records_a_part_that_times_out_and_runs_the_next(tmp_path, mon
     assert list(summary["parts"]) == ["env", "kernels"]
     assert all(p["exit"] == "timeout" and not p["ok"] for p in summary["parts"].values())
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
+
+
+@pytest.mark.parametrize("attention", ["pallas", pytest.param("mosaic", marks=pytest.mark.slow)])
+def test_qwen3_gpu_engine_lowers_for_cuda(triton_verifications, attention):
+    """Qwen3-0.6B's shape (q/k norms; 16 query heads and 8 KV heads of 128 over a 1024-wide
+    stream), 2 of its 28 layers: every program of the GPU engine lowers for CUDA, its kernels
+    at head_dim 128 and a group of 2."""
+    from cadence.bench.random_gguf import SHAPES
+
+    config = gpu_engine_config(num_slots=8, attention=attention)
+    model = dataclasses.replace(SHAPES["qwen3-0.6b"][1], num_layers=2)
+    assert len(_lower_all(model, config, triton_verifications)) == 37
