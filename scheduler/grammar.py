@@ -23,6 +23,10 @@ exactly (|n| < 2**53), so a model cannot fill its budget with keys or digits eit
 A grammar whose start allows no token at all (a schema that only refers to itself) is refused
 when it compiles, before a request is admitted with it.
 
+`Thinking(spec)` lets a thinking model reason first: `<think>`, any text through the first
+`</think>`, newlines, then `spec`'s grammar, referenced as a grammar of its own (llguidance's
+`@name`), so a JSON schema or a tool call's Lark keeps its own compile options.
+
 Compiles run on the compiler's own bounded pool; a front door on an event loop awaits
 `compile_async`, which holds no thread while it waits, so requests without grammars never queue
 behind a slow schema. The time limit counts from the compile's own start, not from the wait
@@ -90,7 +94,18 @@ class Regex:
     pattern: str
 
 
-Spec = JsonSchema | JsonObject | Lark | Regex
+@dataclasses.dataclass(frozen=True)
+class Thinking:
+    """Output that reasons first, free, then follows `answer`: `<think>`, any text up to the
+    first `</think>`, newlines, then what `answer` derives. A thinking model (Qwen3,
+    DeepSeek-R1) asked for a format still thinks before it answers in it. `opened`: the prompt
+    wrote the `<think>` (the output starts inside the reasoning)."""
+
+    answer: JsonSchema | JsonObject | Lark | Regex
+    opened: bool = False
+
+
+Spec = JsonSchema | JsonObject | Lark | Regex | Thinking
 
 # Where a JSON schema keeps subschemas: one schema, a list of them, or a name -> schema map.
 _ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
@@ -160,8 +175,22 @@ def closed_schema(schema: dict) -> dict:
     return map_schema(schema, close)
 
 
+# The reasoning of `Thinking`: any text through the first `</think>`, and no further.
+_THOUGHT = r'THOUGHT: /(?s:.*)<\/think>/ & ~/(?s:.*<\/think>.+)/'
+
+
 def _grammar_text(spec: Spec) -> str:
     """llguidance's grammar for a spec (what `LLMatcher` compiles)."""
+    if isinstance(spec, Thinking):  # the reasoning, then the answer's grammar by reference
+        answer = _grammar_text(spec.answer)
+        try:
+            grammars = json.loads(answer)["grammars"]  # a JSON schema's: a top-level grammar
+        except ValueError:
+            grammars = [{"lark_grammar": answer}]  # Lark text
+        grammars[0] = {**grammars[0], "name": "answer"}
+        opening = "" if spec.opened else '"<think>" '
+        main = f"start: {opening}THOUGHT /\\n*/ @answer\n{_THOUGHT}\n"
+        return json.dumps({"grammars": [{"name": "thinking", "lark_grammar": main}, *grammars]})
     if isinstance(spec, JsonObject):
         spec = JsonSchema({"type": "object"})
     if isinstance(spec, JsonSchema):

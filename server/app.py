@@ -240,6 +240,7 @@ class Server:
         each prompt's tokens, a chat's one."""
         if parsed.messages is not None:
             text = parsing.render_chat(parsed.messages, self.tokenizer, parsed.tools, parsed.template_kwargs)
+            parsed.chat_prompt = text
             if self.splits_reasoning and parsed.separate_reasoning:
                 parsed.reasoning_inside = reasoning.opens_inside(text)
             texts: list[str | list[int]] = [text]
@@ -257,14 +258,19 @@ class Server:
     async def _prepare(self, parsed: protocol.ParsedRequest) -> tuple[list[list[int]], Grammar | None]:
         """The prompts' tokens and the answer's grammar. The grammar compiles on the compiler's
         own threads while the prompts are tokenized; waiting for it holds no thread, so requests
-        without grammars never queue behind a slow schema."""
+        without grammars never queue behind a slow schema. A thinking model's grammar waits for
+        the rendered prompt, which says where its reasoning stands (`reasoning.answer_spec`)."""
         wanted = parsing.grammar_request(parsed.response_format, parsed.tools, self.tokenizer,
                                           self.grammars)
-        compiling = asyncio.ensure_future(self.grammars.compile_async(wanted.spec)) if wanted else None
+        thinking = (wanted is not None and self.splits_reasoning and parsed.separate_reasoning
+                    and parsed.messages is not None)
+        compiling = (asyncio.ensure_future(self.grammars.compile_async(wanted.spec))
+                     if wanted and not thinking else None)
         try:
             prompts = await asyncio.to_thread(self._tokenize, parsed)
-            if wanted is not None and parsed.reasoning_inside:
-                parsed.reasoning_inside = False  # the grammar shapes the output from its start
+            if thinking:
+                spec = reasoning.answer_spec(wanted.spec, parsed.chat_prompt)
+                compiling = asyncio.ensure_future(self.grammars.compile_async(spec))
             return prompts, (await compiling if compiling else None)
         except GrammarError as e:
             raise GrammarError(str(e), wanted.param) from None

@@ -41,7 +41,7 @@ from cadence.scheduler.request import GenerationParams, check_params
 from cadence.scheduler.grammar import (Grammar, GrammarCompiler, GrammarError, JsonObject, JsonSchema, Spec,
                                       closed_schema)
 from cadence.server.client_json import MAX_INT_DIGITS, check_json_value
-from cadence.server.reasoning import opens_inside
+from cadence.server.reasoning import answer_spec, opens_inside
 from cadence.server.tool_requests import NAME, ToolRequest, call_style, parse_tools, template_inputs
 
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 128, "Default most tokens to generate per prompt.", lower_bound=1)
@@ -228,14 +228,17 @@ def grammar_request(fmt: Spec | None, tools: ToolRequest | None, tokenizer: Toke
 
 
 def grammar_of(fmt: Spec | None, tools: ToolRequest | None, tokenizer: Tokenizer,
-               grammars: GrammarCompiler | None) -> Grammar | None:
+               grammars: GrammarCompiler | None, thinking_prompt: str | None = None) -> Grammar | None:
     """`grammar_request`'s grammar, compiled on this thread; a GrammarError names the field at
-    fault. (The HTTP server awaits `GrammarCompiler.compile_async` instead.)"""
+    fault. (The HTTP server awaits `GrammarCompiler.compile_async` instead.) With a
+    `thinking_prompt` (a thinking model's rendered chat), after its reasoning
+    (`reasoning.answer_spec`)."""
     wanted = grammar_request(fmt, tools, tokenizer, grammars)
     if wanted is None:
         return None
+    spec = wanted.spec if thinking_prompt is None else answer_spec(wanted.spec, thinking_prompt)
     try:
-        return grammars.compile(wanted.spec)
+        return grammars.compile(spec)
     except GrammarError as e:
         raise GrammarError(str(e), wanted.param) from None
 
@@ -425,9 +428,8 @@ def to_request(
             text = render_chat([{"role": "user", "content": text}], tokenizer, tools, variables)
     if max_seq_len is not None:
         check_prompt_size(text, tokenizer, max_seq_len)
-    grammar = grammar_of(fmt, tools, tokenizer, grammars)
+    thinks = is_chat and splits_reasoning
+    grammar = grammar_of(fmt, tools, tokenizer, grammars, text if thinks else None)
     params = dataclasses.replace(params, grammar=grammar)
-    # A grammar shapes the output from its first token: it never starts inside the reasoning.
-    inside = opens_inside(text) and grammar is None
     return EntryRequest(tokenizer.encode(text), params, tools if tools and tools.parses_calls else None,
-                        inside if is_chat and splits_reasoning else None)
+                        opens_inside(text) if thinks else None)

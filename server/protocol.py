@@ -100,6 +100,7 @@ class ParsedRequest:
     # Set when the chat is rendered, where the reasoning is split: whether the prompt left a
     # `<think>` open (`server.reasoning.opens_inside`). None: the answer is not split.
     reasoning_inside: bool | None = None
+    chat_prompt: str | None = None  # set when the chat is rendered: its prompt text
 
     @property
     def parses_tool_calls(self) -> bool:

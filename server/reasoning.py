@@ -15,8 +15,10 @@ models); with thinking off, Qwen3's template writes an empty `<think></think>` i
 the output is all answer. `opens_inside(prompt)` tells these apart from the rendered prompt: the
 output starts inside the reasoning where the prompt ends with `<think>` (and whitespace), what
 such a template adds after the conversation; a `<think>` a message mentions is not an opening.
-A grammar in force (a response format, a forced tool call) shapes the output from its first
-token, so there the output never starts inside (the caller passes inside=False).
+A response format or a forced tool call (a grammar) then applies to the answer, after the
+reasoning, which stays free (`answer_spec`: `scheduler.grammar.Thinking`), as vLLM's
+reasoning-aware structured output does; where the prompt closed the reasoning (thinking off),
+from the first token.
 
 Contract:
 - Outside: the output is answer, unless (after whitespace) it opens with `<think>`; then the
@@ -35,6 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from cadence.scheduler.grammar import Spec, Thinking
+
 OPEN = "<think>"
 CLOSE = "</think>"
 
@@ -43,6 +47,14 @@ def opens_inside(prompt: str) -> bool:
     """Whether a rendered prompt ends by opening the reasoning (`<think>`, then whitespace), so
     the output starts inside it."""
     return prompt.rstrip(" \t\r\n").endswith(OPEN)
+
+
+def answer_spec(spec: Spec, prompt: str) -> Spec:
+    """The grammar a thinking model's answer follows, given its rendered prompt: `spec` after
+    the reasoning, left free (opened by the prompt, or by the model with `<think>`), unless the
+    prompt closed the reasoning (Qwen3 with thinking off): then `spec` from the first token."""
+    end = prompt.rstrip(" \t\r\n")
+    return spec if end.endswith(CLOSE) else Thinking(spec, opened=end.endswith(OPEN))
 
 
 def template_thinks(template: str | None) -> bool:

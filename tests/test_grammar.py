@@ -220,3 +220,30 @@ def test_a_sentencepiece_vocabulary_walks_to_valid_json(spm):
             assert matcher.accept(token)
             ids.append(token)
         jsonschema.validate(json.loads(spm.decode(ids)), SCHEMA)
+
+
+@pytest.mark.parametrize("opened", [False, True], ids=["the model opens", "the prompt opened"])
+@pytest.mark.parametrize("answer", [JsonSchema({"type": "object", "properties": {"a": {"type": "integer"}},
+                                                "required": ["a"]}),
+                                    Lark('start: "<tool_call>" %json {"type": "object"} "</tool_call>"')],
+                         ids=["schema", "lark"])
+def test_thinking_leaves_the_reasoning_free_and_then_holds_the_answer_to_its_grammar(compiler, opened, answer):
+    """A thinking model's format (`Thinking`): any text up to the first `</think>` (even one
+    that mentions the tag in part), newlines, then the answer's grammar, which ends the request."""
+    from cadence.scheduler.grammar import Thinking
+
+    grammar = compiler.compile(Thinking(answer, opened=opened))
+    head = "" if opened else "<think>"
+    body = '{"a": 3}' if isinstance(answer, JsonSchema) else '<tool_call>{"x": [1, 2]}</tool_call>'
+
+    def run(text: str) -> tuple[bool, bool]:
+        matcher = grammar.matcher()
+        ok = all(matcher.accept(t) for t in TOK.encode(text, add_bos=False))
+        return ok, matcher.done
+
+    assert run(f"{head}\nA </thin k> and <think> inside.\n</think>\n\n{body}") == (True, True)
+    assert run(f"{head}short</think>{body}") == (True, True)
+    assert run(f"{head}x</think>\n\nnot the format")[0] is False
+    assert run(f"{head}x</think></think>{body}")[0] is False  # the first </think> ends it
+    if not opened:
+        assert run(f"x</think>{body}")[0] is False  # the model must open it

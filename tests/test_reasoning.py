@@ -168,12 +168,6 @@ def test_the_server_splits_reasoning_from_the_answer_whole_and_streamed():
         kept = ask(base, separate_reasoning=False)
     with thinking_server({"opened": ANSWERS["opened"]}) as base:
         opened = ask(base, chat_template_kwargs={"opened": True})
-        # A grammar shapes the output from its first token: the answer, though the prompt
-        # opened the reasoning.
-        shaped = ask(base, chat_template_kwargs={"opened": True}, response_format={"type": "json_object"})
-    for message, streamed in [shaped]:
-        assert message["reasoning_content"] is None and message["content"].lstrip().startswith("{")
-        assert streamed["reasoning_content"] == "" and streamed["content"] == message["content"]
     for (message, streamed), reasoning, content in [
             (on, "They want a greeting.", "Hello!"),
             (off, None, "Hello, quickly."),
@@ -183,6 +177,25 @@ def test_the_server_splits_reasoning_from_the_answer_whole_and_streamed():
     message, streamed = kept  # separate_reasoning: false: all of it is content
     assert "reasoning_content" not in message and message["content"] == ANSWERS["on"]
     assert streamed == {"reasoning_content": "", "content": ANSWERS["on"], "calls": []}
+
+
+JSON_ANSWERS = {"on": '<think>\nKeys first.\n</think>\n\n{"greeting": "hi"}',
+                "off": '{"greeting": "hello"}',
+                "opened": 'An object, then.\n</think>\n\n{"greeting": "hey"}'}
+
+
+@pytest.mark.parametrize("kind, reasoning, content", [
+    ("on", "Keys first.", '{"greeting": "hi"}'),
+    ("off", None, '{"greeting": "hello"}'),  # the prompt closed the reasoning: JSON from the start
+    ("opened", "An object, then.", '{"greeting": "hey"}')])
+def test_a_format_applies_to_the_answer_after_the_reasoning(kind, reasoning, content):
+    """A thinking model asked for JSON thinks first, free, then answers in the format (the
+    grammar waits for </think>); the answer is the content, and ends the request."""
+    variables = {"on": {}, "off": {"enable_thinking": False}, "opened": {"opened": True}}[kind]
+    with thinking_server({kind: JSON_ANSWERS[kind]}) as base:
+        message, streamed = ask(base, chat_template_kwargs=variables, response_format={"type": "json_object"})
+    assert message["reasoning_content"] == reasoning and message["content"] == content
+    assert streamed["reasoning_content"] == (reasoning or "") and streamed["content"] == content
 
 
 def test_reasoning_then_a_tool_call():
@@ -237,13 +250,13 @@ def test_a_batch_lines_reasoning_is_split_as_the_chat_api_splits_it():
                              extra_fields=("id",), splits_reasoning=True)
     assert off.reasoning_inside is False
     assert parsing.to_request(entry, tokenizer, extra_fields=("id",)).reasoning_inside is None
-    # A grammar shapes the output from its first token: it is the answer, not reasoning.
-    from cadence.scheduler.grammar import GrammarCompiler
+    # A format applies after the reasoning, which the prompt opened here.
+    from cadence.scheduler.grammar import GrammarCompiler, JsonObject, Thinking
 
     shaped = parsing.to_request({**entry, "response_format": {"type": "json_object"}}, tokenizer,
                                 extra_fields=("id",), splits_reasoning=True,
                                 grammars=GrammarCompiler(tokenizer, tokenizer.vocab_size))
-    assert shaped.reasoning_inside is False
+    assert shaped.reasoning_inside is True and shaped.params.grammar.spec == Thinking(JsonObject(), opened=True)
     with pytest.raises(Exception, match="goes with"):
         parsing.to_request({"prompt": "x", "chat_template_kwargs": {}}, tokenizer)
 
