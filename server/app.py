@@ -348,7 +348,12 @@ class Server:
                                parsed.tokens_as_ids, parsed.reasoning_inside)
             return StreamingResponse(frames, media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
-        records = await self.collect(request, [s for g in groups for s in g])
+        streams = [s for g in groups for s in g]
+        # A thinking model's reasoning tokens, counted token by token (usage's details).
+        thinkers = ([reasoning.ReasoningParser(parsed.reasoning_inside) for _ in streams]
+                    if parsed.reasoning_inside is not None else None)
+        records = await self.collect(request, streams, None if thinkers is None else (
+            lambda i, event: thinkers[i].feed(event.text)))
         failed = next((r for r in records if r.finish_reason == "error"), None)
         if failed is not None:
             raise APIError(500, f"generation failed: {failed.error}", type="server_error")
@@ -360,13 +365,14 @@ class Server:
         return JSONResponse(protocol.full_response(
             request_id, self.model_name, chat, answers, self.tokenizer,
             logprobs=parsed.params.logprobs is not None, tools=tools,
-            tokens_as_ids=parsed.tokens_as_ids, reasoning_inside=parsed.reasoning_inside),
+            tokens_as_ids=parsed.tokens_as_ids, reasoning_inside=parsed.reasoning_inside,
+            reasoning_tokens=None if thinkers is None else sum(t.reasoning_pieces for t in thinkers)),
             headers=headers)
 
     async def collect(self, request: Request, streams: list[RequestStream],
-                      on_token: Callable[[TokenEvent], None] | None = None) -> list[RequestRecord]:
-        """Waits for the whole answer (each token event to `on_token`, where given); a client
-        that hangs up meanwhile cancels it."""
+                      on_token: Callable[[int, TokenEvent], None] | None = None) -> list[RequestRecord]:
+        """Waits for the whole answer (each token event to `on_token`, with its stream's index,
+        where given); a client that hangs up meanwhile cancels it."""
 
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -374,15 +380,15 @@ class Server:
             for stream in streams:
                 stream.cancel()
 
-        async def drain(stream: RequestStream) -> RequestRecord:
+        async def drain(index: int, stream: RequestStream) -> RequestRecord:
             async for event in stream:
                 if on_token is not None and isinstance(event, TokenEvent):
-                    on_token(event)
+                    on_token(index, event)
             return stream.record
 
         watcher = asyncio.create_task(watch())
         try:
-            return list(await asyncio.gather(*map(drain, streams)))
+            return list(await asyncio.gather(*map(drain, range(len(streams)), streams)))
         finally:
             watcher.cancel()
 
@@ -478,7 +484,8 @@ class Server:
                             done = iter(records)
                             frames.append(protocol.frame(protocol.usage_chunk(
                                 request_id, name, chat, [[next(done) for _ in g] for g in groups],
-                                created)))
+                                created, None if reasoning_inside is None else
+                                sum(t.reasoning_pieces for t in thinkers))))
                         frames.append("data: [DONE]\n\n")
                 if frames:
                     yield "".join(frames)

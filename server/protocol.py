@@ -267,17 +267,21 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return k
 
 
-def usage(groups: Sequence[Sequence[RequestRecord]]) -> dict[str, Any]:
+def usage(groups: Sequence[Sequence[RequestRecord]], reasoning_tokens: int | None = None) -> dict[str, Any]:
     """One request's usage over the records of each of its prompts' sequences: each prompt
-    counted once (its first sequence's, which prefilled it), every sequence's tokens."""
+    counted once (its first sequence's, which prefilled it), every sequence's tokens; with
+    `reasoning_tokens` (where the reasoning is split), OpenAI's `completion_tokens_details`."""
     prompt = sum(g[0].prompt_tokens for g in groups)
     completion = sum(r.output_tokens for g in groups for r in g)
-    return {
+    out = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(g[0].cached_tokens for g in groups)},
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def finish_reason(record: RequestRecord, calls: bool = False) -> str:
@@ -397,10 +401,10 @@ def assistant_calls(content: str | None, calls: Sequence[ToolCall]) -> dict[str,
 
 
 def usage_chunk(request_id: str, model: str, chat: bool, groups: Sequence[Sequence[RequestRecord]],
-                created: int) -> dict:
+                created: int, reasoning_tokens: int | None = None) -> dict:
     kind = "chat.completion.chunk" if chat else "text_completion"
     return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [],
-            "usage": usage(groups)}
+            "usage": usage(groups, reasoning_tokens)}
 
 
 def best(records: Sequence[RequestRecord], n: int) -> list[RequestRecord]:
@@ -451,7 +455,8 @@ class Answer:
 def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Answer],
                   tokenizer: Tokenizer | None = None, logprobs: bool = True,
                   tools: tool_requests.ToolRequest | None = None,
-                  tokens_as_ids: bool = False, reasoning_inside: bool | None = None) -> dict[str, Any]:
+                  tokens_as_ids: bool = False, reasoning_inside: bool | None = None,
+                  reasoning_tokens: int | None = None) -> dict[str, Any]:
     """The whole answer: a choice per record, the answers' (prompts') one after another,
     indexed across them (OpenAI's order for a batch: prompt by prompt, then choice). `tokenizer`
     spells their logprobs, if they have any and `logprobs` (False: computed for best_of's ranking
@@ -459,7 +464,8 @@ def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Ans
     logprobs its tokens'). With `tools` (chat) whose calls are parsed, a choice's calls are its
     message's `tool_calls`. `tokens_as_ids`: `LogprobFormat`'s `as_ids`. `reasoning_inside`
     (chat; None: not split): a choice's reasoning is split out of its text first
-    (`server.reasoning`), its message's `reasoning_content`; the tools parse the rest."""
+    (`server.reasoning`), its message's `reasoning_content`; the tools parse the rest.
+    `reasoning_tokens`: usage's, over every sequence generated."""
     created = int(time.time())
     choices = []
     for answer in answers:
@@ -493,4 +499,4 @@ def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Ans
             choices.append(choice)
     kind = "chat.completion" if chat else "text_completion"
     return {"id": request_id, "object": kind, "created": created, "model": model,
-            "choices": choices, "usage": usage([a.generated for a in answers])}
+            "choices": choices, "usage": usage([a.generated for a in answers], reasoning_tokens)}

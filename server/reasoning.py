@@ -97,8 +97,20 @@ class ReasoningParser:
         self._mode = self._INSIDE if inside else self._START
         self._head = True  # inside, nothing but newlines seen since `<think>`
         self._held = ""
+        self.pieces = 0  # feeds so far: tokens, as the servers feed one token's text each
+        # Where the output reasoned: the pieces through the one that closed the reasoning (all
+        # of them while it is open); usage's `reasoning_tokens`.
+        self.reasoning_pieces = 0
 
     def feed(self, text: str) -> Split:
+        inside = self._mode == self._INSIDE
+        split = self._feed(text)
+        self.pieces += 1
+        if inside or self._mode == self._INSIDE:
+            self.reasoning_pieces = self.pieces
+        return split
+
+    def _feed(self, text: str) -> Split:
         self._held += text
         reasoning, content = [], []
         while self._held:
@@ -146,11 +158,6 @@ class ReasoningParser:
         if self._mode == self._INSIDE:
             return Split(reasoning=held.rstrip("\n"))
         return Split()
-
-    @property
-    def inside(self) -> bool:
-        """Whether the text so far ends inside the reasoning."""
-        return self._mode == self._INSIDE
 
 
 def split_reasoning(text: str, inside: bool) -> tuple[str | None, str]:

@@ -299,8 +299,6 @@ class Output:
 
     def __init__(self, parser: ToolCallParser | None, thinker: ReasoningParser | None = None):
         self.parser, self.thinker = parser, thinker
-        self.reasoning_tokens = 0  # the tokens before the answer, where there was reasoning
-        self._fed = 0
         self.items: list[dict] = []  # by output_index
         self.events: list[tuple[str, dict]] = []
         self._open: int | None = None  # the output index of the open item
@@ -311,11 +309,7 @@ class Output:
     def feed(self, text: str) -> None:
         """One token's text."""
         if self.thinker is not None:
-            inside = self.thinker.inside
             split = self.thinker.feed(text)
-            self._fed += 1
-            if inside or self.thinker.inside:  # every token so far, through the one closing it
-                self.reasoning_tokens = self._fed
             self._reasoning(split.reasoning)
             text = split.content
         self._answer(text)
@@ -347,6 +341,11 @@ class Output:
     def text(self) -> str:
         return "".join(part["text"] for item in self.output if item["type"] == "message"
                        for part in item["content"])
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """The tokens through the end of the reasoning, where there was reasoning."""
+        return 0 if self.thinker is None else self.thinker.reasoning_pieces
 
     @property
     def reasoning(self) -> str:
@@ -556,7 +555,7 @@ class ResponsesAPI:
             return StreamingResponse(run.events(groups[0][0]), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         output = run.output()  # token by token, as a stream builds it
-        record, = await server.collect(request, [groups[0][0]], lambda event: output.feed(event.text))
+        record, = await server.collect(request, [groups[0][0]], lambda _, event: output.feed(event.text))
         if record.finish_reason == "error":
             raise APIError(500, f"generation failed: {record.error}", type="server_error")
         return JSONResponse(run.finish(output, record), headers=headers)

@@ -143,12 +143,17 @@ def ask(base: str, **body) -> tuple[dict, dict]:
     import httpx
 
     request = {"model": "tiny", "messages": ASK, "max_tokens": 64, "temperature": 0, **body}
-    message = httpx.post(f"{base}/v1/chat/completions", json=request, timeout=60).json()["choices"][0]["message"]
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**request, "stream": True},
-                      timeout=60) as response:
+    whole = httpx.post(f"{base}/v1/chat/completions", json=request, timeout=60).json()
+    message = whole["choices"][0]["message"]
+    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=60, json={
+            **request, "stream": True, "stream_options": {"include_usage": True}}) as response:
         chunks = [json.loads(line[6:]) for line in response.iter_lines()
                   if line.startswith("data: {")]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    # Both count the tokens of the reasoning the same (where it is split).
+    details = [u.get("completion_tokens_details") for u in (whole["usage"], chunks[-1]["usage"])]
+    assert details[0] == details[1] and (details[0] is None) == ("reasoning_content" not in message)
+    message["reasoning_tokens"] = None if details[0] is None else details[0]["reasoning_tokens"]
     assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
     streamed = {key: "".join(d.get(key) or "" for d in deltas) for key in ("reasoning_content", "content")}
     streamed["calls"] = [call for d in deltas for call in d.get("tool_calls") or []]
@@ -160,6 +165,14 @@ ANSWERS = {"on": "<think>\nThey want a greeting.\n</think>\n\nHello!",
            "opened": "A greeting, then.\n\n</think>\n\nHello again!"}
 
 
+def through_close(answer: str) -> int:
+    """The scripted answer's tokens through the one that completes `</think>`."""
+    from tests.fakes import TOK
+
+    ids = TOK.encode(answer, add_bos=False)
+    return next(i for i in range(len(ids)) if "</think>" in TOK.decode(ids[:i + 1])) + 1
+
+
 def test_the_server_splits_reasoning_from_the_answer_whole_and_streamed():
     # (Two servers: the "opened" prompt is the "on" prompt and the start of its answer.)
     with thinking_server({k: ANSWERS[k] for k in ("on", "off")}) as base:
@@ -168,14 +181,17 @@ def test_the_server_splits_reasoning_from_the_answer_whole_and_streamed():
         kept = ask(base, separate_reasoning=False)
     with thinking_server({"opened": ANSWERS["opened"]}) as base:
         opened = ask(base, chat_template_kwargs={"opened": True})
-    for (message, streamed), reasoning, content in [
-            (on, "They want a greeting.", "Hello!"),
-            (off, None, "Hello, quickly."),
-            (opened, "A greeting, then.", "Hello again!")]:
+    for (message, streamed), reasoning, content, kind in [
+            (on, "They want a greeting.", "Hello!", "on"),
+            (off, None, "Hello, quickly.", "off"),
+            (opened, "A greeting, then.", "Hello again!", "opened")]:
         assert message["reasoning_content"] == reasoning and message["content"] == content
+        # usage's reasoning tokens: every token through the one that closed the reasoning
+        assert message["reasoning_tokens"] == (0 if reasoning is None else through_close(ANSWERS[kind]))
         assert streamed["reasoning_content"] == (reasoning or "") and streamed["content"] == content
     message, streamed = kept  # separate_reasoning: false: all of it is content
     assert "reasoning_content" not in message and message["content"] == ANSWERS["on"]
+    assert message["reasoning_tokens"] is None
     assert streamed == {"reasoning_content": "", "content": ANSWERS["on"], "calls": []}
 
 
@@ -275,7 +291,6 @@ def test_the_responses_api_gives_the_reasoning_as_an_item_whole_and_streamed():
     import httpx
 
     from cadence.server.responses_api import input_messages
-    from tests.fakes import TOK
 
     with thinking_server({"on": ANSWERS["on"]}) as base:
         body = {"model": "tiny", "input": "Say hello.", "max_output_tokens": 64, "temperature": 0}
@@ -287,9 +302,7 @@ def test_the_responses_api_gives_the_reasoning_as_an_item_whole_and_streamed():
     assert reasoning["content"] == [{"type": "reasoning_text", "text": "They want a greeting."}]
     assert message["type"] == "message" and message["content"][0]["text"] == "Hello!"
     # Every token up to the one that closed the block (the fake writes the scripted ids).
-    ids = TOK.encode(ANSWERS["on"], add_bos=False)
-    closing = next(i for i in range(len(ids)) if "</think>" in TOK.decode(ids[:i + 1]))
-    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == closing + 1
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == through_close(ANSWERS["on"])
     deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
     assert "".join(deltas) == "They want a greeting." and len(deltas) > 1
     done = events[-1]["response"]
