@@ -459,7 +459,7 @@ class Server:
                     if isinstance(event, TokenEvent):
                         thought, text = "", event.text
                         if thinkers[i] is not None:
-                            thought, text = dataclasses.astuple(thinkers[i].feed(text))
+                            thought, text = thinkers[i].feed(text)
                         lp = None if event.logprobs is None else logprobs[i](event.logprobs)
                         # with logprobs, every token's chunk goes out, text or not
                         emit(i, thought, text, lp, always=event.logprobs is not None)
@@ -468,7 +468,7 @@ class Server:
                     called = False
                     if event.finish_reason != "error":  # what the parsers held back, at the end
                         if thinkers[i] is not None:
-                            emit(i, *dataclasses.astuple(thinkers[i].finish()))
+                            emit(i, *thinkers[i].finish())
                         if parsers[i] is not None:
                             emit(i, "", "", delta=parsers[i].finish())
                             called = bool(parsers[i].calls)

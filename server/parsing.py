@@ -413,8 +413,8 @@ def to_request(
     if ("prompt" in entry) == ("messages" in entry):
         raise SubmissionError('a request needs exactly one of "prompt" or "messages"')
     params = generation_params(entry, defaults)
-    fmt, tools = structure(entry, chat or "messages" in entry)
     is_chat = chat or "messages" in entry
+    fmt, tools = structure(entry, is_chat)
     if entry.get("chat_template_kwargs") is not None and not is_chat:
         raise SubmissionError('"chat_template_kwargs" goes with "messages"', "chat_template_kwargs")
     variables = template_kwargs(entry)

@@ -35,7 +35,7 @@ Contract:
 
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 from cadence.scheduler.grammar import Spec, Thinking
 
@@ -74,8 +74,9 @@ def parser_on(choice: str, template: str | None) -> bool:
     return choice != "none" and (choice != "auto" or template_thinks(template))
 
 
-@dataclasses.dataclass(frozen=True)
-class Split:
+class Split(NamedTuple):
+    """A piece of the output: its reasoning and its answer (either may be "")."""
+
     reasoning: str = ""
     content: str = ""
 
