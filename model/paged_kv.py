@@ -178,24 +178,30 @@ def put_pages(pages, new: jax.Array, ids: jax.Array, *, cpu_kernel: bool = False
 def insert_pages(pool, new: jax.Array, ids: jax.Array, *, cpu_kernel: bool = False):
     """A pool's keys or values (a tuple of layers, or their stack) with `new` [layers, kv_heads,
     P, page_size, head_dim] written onto pages `ids` [P] of every layer (`put_pages`)."""
-    if isinstance(pool, tuple):
-        return tuple(put_pages(layer, new[i], ids, cpu_kernel=cpu_kernel) for i, layer in enumerate(pool))
-    if not cpu_kernel:
-        return pool.at[:, :, ids].set(new.astype(pool.dtype), mode="drop")
-    return jax.lax.fori_loop(
-        0, pool.shape[0], lambda i, p: put_pages(cpu_kernels.PoolLayer(p, i), new[i], ids).pool, pool)
+    return _every_layer(
+        pool, lambda pages, i: put_pages(pages, new[i], ids, cpu_kernel=cpu_kernel),
+        lambda stack: stack.at[:, :, ids].set(new.astype(stack.dtype), mode="drop"), cpu_kernel)
 
 
 def copy_pages(pool, sources: jax.Array, targets: jax.Array, *, cpu_kernel: bool = False):
     """A pool's keys or values (a tuple of layers, or their stack) with pages `sources` [W]
     copied onto pages `targets` [W] in every layer; a target past the pool writes nothing."""
-    def one(pages):
-        if cpu_kernel or isinstance(pages, cpu_kernels.PoolLayer):
+    def one(pages, _):
+        if cpu_kernel:
             return put_pages(pages, cpu_kernels.take_pages(pages, sources), targets, cpu_kernel=True)
         return pages.at[:, targets].set(jnp.take(pages, sources, axis=1, mode="clip"), mode="drop")
 
+    return _every_layer(pool, one, lambda stack: stack.at[:, :, targets].set(
+        jnp.take(stack, sources, axis=2, mode="clip"), mode="drop"), cpu_kernel)
+
+
+def _every_layer(pool, layer_update, stack_update, cpu_kernel: bool):
+    """`layer_update(pages, i)` on each layer i of a pool's keys or values: a tuple's layers, or
+    with the kernels a stack's, each a `cpu_kernels.PoolLayer` updated in place in a loop; XLA
+    updates a stack whole (`stack_update`), the layer axis first."""
     if isinstance(pool, tuple):
-        return tuple(one(layer) for layer in pool)
+        return tuple(layer_update(layer, i) for i, layer in enumerate(pool))
     if not cpu_kernel:
-        return pool.at[:, :, targets].set(jnp.take(pool, sources, axis=2, mode="clip"), mode="drop")
-    return jax.lax.fori_loop(0, pool.shape[0], lambda i, p: one(cpu_kernels.PoolLayer(p, i)).pool, pool)
+        return stack_update(pool)
+    return jax.lax.fori_loop(
+        0, pool.shape[0], lambda i, p: layer_update(cpu_kernels.PoolLayer(p, i), i).pool, pool)
