@@ -131,11 +131,10 @@ void matmul_run(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, co
   });
 }
 
-// The rows of x [M, .] a matmul computes: the leading `live` ([] int32; prefill's rows that
-// hold tokens, the rest being its bucket's padding), at most M. y's other rows [M, N] are
-// written as zeros. -1 if `live` is not one value.
+// The rows of x [M, .] a matmul computes: the leading `live` ([] int32, one value, which the
+// caller checks; prefill's rows that hold tokens, the rest being its bucket's padding), at
+// most M. y's other rows [M, N] are written as zeros.
 int64_t live_rows(ffi::Buffer<ffi::S32> live, int64_t M, float* y, int64_t N) {
-  if (live.element_count() != 1) return -1;
   const int64_t rows = std::clamp<int64_t>(*live.typed_data(), 0, M);
   std::fill(y + rows * N, y + M * N, 0.0f);
   return rows;
