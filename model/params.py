@@ -30,8 +30,8 @@ a float scale per output channel beside it, `<name>_scale`: a kernel's columns, 
 rows (which are the tied LM head's output channels). Checkpoints hold the float tree; the int8
 tree is derived from it when the weights are loaded.
 
-Adding a family's tensor (Qwen2's q/k/v biases and Qwen3's q/k norms are two) is one entry here: the loaders, the
-converted-checkpoint checks, random weights and the shardings all follow. `model.llama`'s
+Adding a family's tensor (Qwen2's q/k/v biases and Qwen3's q/k norms are two) is one entry
+here: the loaders, the converted-checkpoint checks, random weights and the shardings all follow. `model.llama`'s
 modules must build the same tree; `tests/test_hf_and_store.py` checks they do.
 """
 

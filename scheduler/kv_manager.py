@@ -225,7 +225,8 @@ class Pool:
                                                 r.prefill_ids[start : min(start + size, last)])
             # A partial match holds the lent page beside its own until the copy: one page more
             # than computing those positions, which a sequence as large as the pool never has.
-            if r.tail is not None and self.pages.pages_for(self.reserve_tokens or r.prefill_len) >= self.pages.usable:
+            whole = self.pages.pages_for(self.reserve_tokens or r.prefill_len)
+            if r.tail is not None and whole >= self.pages.usable:
                 r.tail, agreed = None, 0
             if r.tail is not None:
                 r.prefix_evictable += self.pages.evictable_among([r.tail])

@@ -24,9 +24,9 @@ same code whether it is streamed or not: a thinking model's reasoning (where the
 it, `server.reasoning`) as a `reasoning` item of `reasoning_text` first, one `message` item of
 `output_text` for the text, one `function_call` item per call (`ToolCallParser`). A `reasoning`
 item in `input` (a client that keeps the conversation itself sends back what it was given)
-becomes the next assistant turn's `reasoning_content`, which a template may show the model. Streaming sends OpenAI's typed events
-(`event: <type>` + `data: <json>`, with increasing `sequence_number`), which the SDK's
-`responses.stream` accumulator reads unchanged.
+becomes the next assistant turn's `reasoning_content`, which a template may show the model.
+Streaming sends OpenAI's typed events (`event: <type>` + `data: <json>`, with increasing
+`sequence_number`), which the SDK's `responses.stream` accumulator reads unchanged.
 
 `store` (default true, as OpenAI's) keeps a response in memory, bounded (`ResponseStore`: the
 most recent, in count and in characters); a stored response keeps its whole conversation
@@ -155,7 +155,8 @@ def input_messages(items: Any) -> list[dict]:
         if not isinstance(item, dict):
             raise _error(f"{where} must be an object (an input item)", "input")
         kind = item.get("type", "message" if "role" in item else None)
-        if kind not in ("reasoning", "function_call") and not (kind == "message" and item.get("role") == "assistant"):
+        assistant_turn = kind == "function_call" or (kind == "message" and item.get("role") == "assistant")
+        if kind != "reasoning" and not assistant_turn:
             thought.clear()  # reasoning goes with the assistant turn right after it, or nowhere
         if kind == "reasoning":
             thought.append(_reasoning_text(item, where))
