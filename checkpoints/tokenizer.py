@@ -5,7 +5,8 @@ Contract:
   vocab + merges, or a byte-level / SentencePiece-style `tokenizer.json`) and a
   `sentencepiece` model (`tokenizer.model`, or a GGUF "llama" vocabulary rebuilt as one).
 - Added tokens (e.g. `<|im_start|>`) written literally in text encode to their single id, as
-  Hugging Face does. `encode` prepends BOS when `add_bos` asks for it, unless the ids already
+  Hugging Face does; with `special=False` a special token's text is plain text, as in llama.cpp's
+  `parse_special=false` (for a document's text, which must not inject control tokens). `encode` prepends BOS when `add_bos` asks for it, unless the ids already
   start with BOS (chat templates often write `bos_token` themselves).
 - `decode` and the `IncrementalDetokenizer` share `TokenByteStream`, so streamed deltas add up
   to exactly `decode(ids)`; `decode(encode(s)) == s` for identity-normalizing tokenizers.
@@ -80,6 +81,40 @@ def _gguf_bpe(fields: dict[str, Any], tokens: list[str], types: list[int]) -> to
     return hf
 
 
+# Each fill-in-the-middle role's token text across the code-model families, as llama.cpp
+# recognizes them (`checkpoints.fim` lays prompts out with them).
+FIM_TEXTS = {
+    "prefix": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
+               "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
+    "suffix": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
+               "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    "middle": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
+               "▁<MID>", "<|code_middle|>", "<|middle|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "repo": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "file_sep": ("<|file_sep|>",),
+}
+# A GGUF vocabulary records one EOS (and perhaps an EOT), but its model may end a turn or a
+# document with another token (Qwen2.5: <|im_end|> and <|endoftext|>). llama.cpp ends generation
+# at any of these texts, and at the first FIM pad, repository and file-separator tokens found
+# (whose output would start another file); so does cadence, for the same file, where the token
+# is a control token. (llama.cpp takes ordinary pieces too, such as Qwen's "</s>", which is
+# HTML's strikethrough closing and must not end an answer.)
+END_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
+             "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>",
+             "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>",
+             "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[")
+
+
+def end_of_generation(tokens: Sequence[str], types: Sequence[int]) -> list[str]:
+    """The control tokens' texts among a GGUF vocabulary's `tokens` (`types` 3) that end
+    generation, as llama.cpp reads the vocabulary."""
+    present = {t for t, kind in zip(tokens, types) if kind == 3}
+    firsts = [next((t for t in FIM_TEXTS[role] if t in present), None)
+              for role in ("pad", "repo", "file_sep")]
+    return [t for t in firsts if t is not None] + [t for t in END_TEXTS if t in present]
+
+
 class Tokenizer:
     """Encodes and decodes one model's text. Build it with a `from_*` constructor."""
 
@@ -115,15 +150,27 @@ class Tokenizer:
         self._eos_id = stops[0] if stops else None  # the template's eos_token
         self.add_bos: bool = bool(add_bos) and self.bos_id is not None
         self.chat_template: str | None = chat_template
-        alternatives = sorted({c for c, _ in self._added.values() if c}, key=len, reverse=True)
-        self._split = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")") \
-            if sp is not None and alternatives else None
+        self._ids_by_text = ids
+        self._split = self._splitter(special=True)
+        self._split_plain = self._splitter(special=False)
+        self._hf_plain: tokenizers.Tokenizer | None = None  # made when first needed
 
-    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+    def _splitter(self, special: bool) -> re.Pattern | None:
+        """SentencePiece: the added tokens to cut out of text first (with `special`, all)."""
+        alternatives = sorted({c for i, (c, _) in self._added.items()
+                               if c and (special or i not in self._special)}, key=len, reverse=True)
+        return re.compile("(" + "|".join(map(re.escape, alternatives)) + ")") \
+            if self._sp is not None and alternatives else None
+
+    def encode(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Text's ids; `special=False`: special tokens written in it are spelled as text."""
         if not isinstance(text, str):
             raise TokenizerError(f"encode() takes a str, got {type(text).__name__}")
-        ids = (self._hf.encode(text, add_special_tokens=False).ids if self._hf is not None
-               else self._sp_encode(text))
+        if self._hf is not None:
+            hf = self._hf if special else self._plain_hf()
+            ids = hf.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self._sp_encode(text, self._split if special else self._split_plain)
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
                 raise TokenizerError("this tokenizer has no BOS token; pass add_bos=False")
@@ -131,14 +178,23 @@ class Tokenizer:
                 ids.insert(0, self.bos_id)
         return ids
 
-    def _sp_encode(self, text: str) -> list[int]:
-        if self._split is None:
+    def _plain_hf(self) -> tokenizers.Tokenizer:
+        """A copy of the `tokenizers` backend that spells special tokens' texts out. (Two
+        threads may both build it; either copy serves.)"""
+        if self._hf_plain is None:
+            plain = tokenizers.Tokenizer.from_str(self._hf.to_str())
+            plain.encode_special_tokens = True
+            self._hf_plain = plain
+        return self._hf_plain
+
+    def _sp_encode(self, text: str, split: re.Pattern | None) -> list[int]:
+        if split is None:
             return self._sp.encode(text)
         ids: list[int] = []
         # SentencePiece would spell "<s>" out letter by letter, so added tokens are cut out
         # first; re.split with one group puts them at the odd indices. Each span between them
         # gets its own dummy prefix, as in transformers' LlamaTokenizer and llama.cpp.
-        for k, part in enumerate(self._split.split(text)):
+        for k, part in enumerate(split.split(text)):
             if k % 2:
                 ids.append(self._added_by_text[part])
             elif part:
@@ -163,6 +219,10 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the token whose text (piece, or added token's content) is `text`, if any."""
+        return self._ids_by_text.get(text)
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None,
@@ -202,7 +262,8 @@ class Tokenizer:
         types = [int(t) for t in fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)]
         kw = dict(bos=fields.get("tokenizer.ggml.bos_token_id"),
                   eos=[fields.get("tokenizer.ggml.eos_token_id"),
-                       fields.get("tokenizer.ggml.eot_token_id")],
+                       fields.get("tokenizer.ggml.eot_token_id"),
+                       fields.get("tokenizer.ggml.eom_token_id"), *end_of_generation(tokens, types)],
                   chat_template=fields.get("tokenizer.chat_template"))
         kind = fields.get("tokenizer.ggml.model")
         add_bos = fields.get("tokenizer.ggml.add_bos_token")

@@ -33,7 +33,7 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 SEED_RANGE = 2**32
 # Stop token ids a row carries to the device. A request with more EOS ids than this is still
 # stopped by the host on every one of them; the device just runs its surplus steps.
-MAX_STOP_TOKENS = 4
+MAX_STOP_TOKENS = 8
 # logit_bias entries per request (OpenAI's limit); a row's unused entries hold NO_TOKEN, an id
 # past any vocabulary, which the scatter that applies them drops.
 MAX_LOGIT_BIAS = 300

@@ -97,6 +97,34 @@ def tiny_tokenizer_fields(config: ModelConfig) -> dict:
     return fields
 
 
+# Qwen2.5-Coder's infill tokens, and where `fim_tokenizer` puts them (index from the end).
+FIM_ROLES = {"<|fim_prefix|>": -1, "<|fim_suffix|>": -2, "<|fim_middle|>": -3, "<|repo_name|>": -4,
+             "<|file_sep|>": -5}
+
+
+def fim_tokenizer_of(config: ModelConfig, roles: dict[str, int] = FIM_ROLES):
+    """The tiny tokenizer with its last pieces (the last merges learned) made control tokens
+    of infill texts (`roles`: text -> index from the end)."""
+    from cadence.checkpoints.tokenizer import Tokenizer
+
+    fields = tiny_tokenizer_fields(config)
+    tokens, types = list(fields["tokenizer.ggml.tokens"]), list(fields["tokenizer.ggml.token_type"])
+    gone = set()
+    for text, at in roles.items():
+        gone.add(tokens[at])
+        tokens[at], types[at] = text, 3
+    merges = [m for m in fields["tokenizer.ggml.merges"] if m.replace(" ", "") not in gone]
+    return Tokenizer.from_gguf_fields({**fields, "tokenizer.ggml.tokens": tokens,
+                                       "tokenizer.ggml.token_type": types,
+                                       "tokenizer.ggml.merges": merges})
+
+
+@pytest.fixture(scope="session")
+def fim_tokenizer(tiny_config):
+    """`tiny_tokenizer` that can fill in the middle: Qwen2.5-Coder's five infill tokens."""
+    return fim_tokenizer_of(tiny_config)
+
+
 @pytest.fixture(scope="session")
 def sp_dir(tmp_path_factory) -> Path:
     """A SentencePiece tokenizer's HF folder, trained once a session (`trained_tokenizers`)."""

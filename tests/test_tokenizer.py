@@ -358,3 +358,27 @@ def test_template_errors_become_tokenizer_errors(hf_bpe):
     broken = Tokenizer.from_gguf_fields({**fields, "tokenizer.chat_template": "{% for %}"})
     with pytest.raises(TokenizerError, match="does not parse"):
         broken.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_a_gguf_vocabulary_ends_generation_where_llama_cpp_does(tiny_config):
+    """GGUF files record one EOS (and maybe an EOT); the other control tokens that end a turn, a
+    document or a file (`<|endoftext|>`, FIM separators) stop generation too, by their texts.
+    An ordinary piece with such a text does not."""
+    from tests.conftest import fim_tokenizer_of, tiny_tokenizer_fields
+
+    fields = tiny_tokenizer_fields(tiny_config)
+    del fields["tokenizer.ggml.eot_token_id"]
+    tokens = list(fields["tokenizer.ggml.tokens"])
+    end = tokens.index("<|endoftext|>")
+    # An ordinary piece spelled "</s>" (Qwen's vocabulary has one: HTML's closing tag).
+    plain = next(i for i, t in enumerate(tokens) if len(t) > 3 and fields["tokenizer.ggml.token_type"][i] == 1)
+    tokens[plain] = "</s>"
+    tok = Tokenizer.from_gguf_fields({**fields, "tokenizer.ggml.tokens": tokens,
+                                      "tokenizer.ggml.merges": []})
+    assert tok.eos_ids == {tokens.index("<|im_end|>"), end}
+    assert tok.eos_token == "<|im_end|>"  # the recorded EOS stays the template's
+
+    fim = fim_tokenizer_of(tiny_config)
+    ids = {t: fim.token_id(t) for t in ("<|repo_name|>", "<|file_sep|>", "<|fim_middle|>")}
+    assert {ids["<|repo_name|>"], ids["<|file_sep|>"]} <= fim.eos_ids
+    assert ids["<|fim_middle|>"] not in fim.eos_ids
