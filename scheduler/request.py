@@ -199,6 +199,7 @@ class RequestRecord:
     prefill_chunks: int
     decode_steps: int
     text: str
+    stop_string: str | None = None  # the stop string that ended it ("stop" without one: EOS or its grammar)
     token_times: list[float] = dataclasses.field(default_factory=list)  # one per output token
     logprobs: list[TokenLogprob] | None = None  # one per output token, if the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first None)
@@ -299,6 +300,7 @@ class Request:
         # Its place in its grammar (structured output), advanced by every token it accepts.
         self.matcher = params.grammar.matcher() if params.grammar is not None else None
         self._held = ""  # text withheld because it may be the start of a stop string
+        self.stop_string: str | None = None  # the stop string that ended it, if one did
         self._text: list[str] = []
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self.cancelled = False
@@ -453,9 +455,12 @@ class Request:
         if not self.params.stop:
             return delta, False
         pending = self._held + delta
-        cut = min((i for i in (pending.find(s) for s in self.params.stop) if i >= 0), default=-1)
+        # The earliest match ends the text (of two at one place, the first listed).
+        cut, _, hit = min(((i, k, s) for k, s in enumerate(self.params.stop)
+                           if (i := pending.find(s)) >= 0), default=(-1, 0, None))
         if cut >= 0:
             self._held = ""
+            self.stop_string = hit
             return pending[:cut], True
         if final or self._hold == 0:
             self._held = ""
@@ -493,6 +498,7 @@ class Request:
             prefill_chunks=self.prefill_chunks,
             decode_steps=self.decode_steps,
             text="".join(self._text),
+            stop_string=self.stop_string,
             token_times=self.token_times,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,

@@ -40,6 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from cadence.checkpoints import fim
 from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer, TokenizerError
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
@@ -48,6 +49,7 @@ from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
 from cadence.scheduler.stream import merged
 from cadence.server import client_json, parsing, protocol, reasoning
+from cadence.server.infill import InfillAPI
 from cadence.server.info_api import InfoAPI
 from cadence.server.metrics import Metrics
 from cadence.server.protocol import APIError
@@ -139,6 +141,7 @@ class Server:
                                         timeout=config.grammar_timeout)
         # Whether chat answers' reasoning is split out (`server.reasoning`).
         self.splits_reasoning = reasoning.parser_on(config.reasoning_parser, tokenizer.chat_template)
+        self.fim = fim.FimTokens.of(tokenizer)  # None: the model cannot fill in the middle
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -246,6 +249,8 @@ class Server:
             texts: list[str | list[int]] = [text]
         else:
             texts = parsed.prompts
+        if parsed.hole is not None:
+            return [self._fill(text, parsed.hole) for text in texts]
         prompts = []
         for text in texts:
             if isinstance(text, list):
@@ -254,6 +259,14 @@ class Server:
             parsing.check_prompt_size(text, self.tokenizer, self.scheduler.max_seq_len)
             prompts.append(self.tokenizer.encode(text))
         return prompts
+
+    def _fill(self, prefix: str | list[int], hole: fim.Hole) -> list[int]:
+        """A fill-in-the-middle prompt's ids (`checkpoints.fim`), if the model can infill."""
+        if self.fim is None:
+            raise SubmissionError(fim.missing_message(self.tokenizer), "suffix")
+        texts = hole.texts() + ([prefix] if isinstance(prefix, str) else [])
+        parsing.check_prompt_size("".join(texts), self.tokenizer, self.scheduler.max_seq_len)
+        return fim.infill_ids(self.tokenizer, self.fim, prefix, hole)
 
     async def _prepare(self, parsed: protocol.ParsedRequest) -> tuple[list[list[int]], Grammar | None]:
         """The prompts' tokens and the answer's grammar. The grammar compiles on the compiler's
@@ -478,7 +491,8 @@ class Server:
                         frames.append(protocol.frame(error.body()) + "data: [DONE]\n\n")
                         break
                     frames.append(protocol.frame(protocol.chunk(
-                        request_id, name, chat, None if chat else "", reason, created, index=i)))
+                        request_id, name, chat, None if chat else "", reason, created, index=i,
+                        stop_reason=event.stop_string)))
                     if all(r is not None for r in records):
                         if include_usage:
                             done = iter(records)
@@ -529,6 +543,7 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Seq
             route("/v1/completions", lambda r: server.generate(r, chat=False), ["POST"]),
             route("/v1/chat/completions", lambda r: server.generate(r, chat=True), ["POST"]),
             *ResponsesAPI(server).routes(route),
+            *InfillAPI(server).routes(route),
             *InfoAPI(server).routes(route),
         ],
         lifespan=server.lifespan,

@@ -3,8 +3,8 @@
 Parsing goes through `server/parsing.py`, the one parser of every front door, and is strict
 where a silent guess would surprise a client: wrong types, out-of-range values and unknown
 fields are refused with the parameter named (OpenAI, too, refuses an unrecognized argument).
-Fields that would change the answer if honoured and that cadence does not implement (`suffix`,
-the legacy `functions`, vLLM's `guided_*`, ...) are refused unless they carry their neutral
+Fields that would change the answer if honoured and that cadence does not implement (the legacy
+`functions`, vLLM's `guided_*`, ...) are refused unless they carry their neutral
 value; fields that change nothing here (`user`, `metadata`, ...) are accepted and ignored.
 `response_format` (`json_object`, `json_schema`) constrains the answer with a grammar
 (`scheduler.grammar`); chat's `tools`, `tool_choice` and `parallel_tool_calls` are
@@ -23,6 +23,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from cadence.scheduler.errors import SubmissionError
+from cadence.checkpoints import fim
 from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.scheduler.grammar import Spec
@@ -52,7 +53,7 @@ DEFAULT_MAX_N = 8  # choices per request (n, and best_of on completions): the se
 
 # Fields that change the answer, which cadence does not implement: refused unless neutral.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "suffix": ("",), "functions": ([],), "function_call": ("none", "auto"),
+    "functions": ([],), "function_call": ("none", "auto"),
     "modalities": (["text"],), "prediction": (),
     "audio": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
 }
@@ -75,8 +76,8 @@ MAX_PROMPTS = 256  # prompts in one batched completions request
 _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format",
                      "return_tokens_as_token_ids", *parsing.SAMPLING_FIELDS})
 _ALLOWED = {
-    False: _COMMON | {"prompt", "logprobs", "best_of", "echo", "parallel_tool_calls"},
-    True: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+    False: _COMMON | {"prompt", "suffix", "logprobs", "best_of", "echo", "parallel_tool_calls"},
+    True: _COMMON | {"messages", "suffix", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                      "tool_choice", "parallel_tool_calls", "chat_template_kwargs"},
 }
 
@@ -101,6 +102,9 @@ class ParsedRequest:
     # `<think>` open (`server.reasoning.opens_inside`). None: the answer is not split.
     reasoning_inside: bool | None = None
     chat_prompt: str | None = None  # set when the chat is rendered: its prompt text
+    # Completions with a `suffix`, and /infill: each prompt is the prefix of a fill-in-the-middle
+    # prompt (`checkpoints.fim`).
+    hole: fim.Hole | None = None
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -180,13 +184,21 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
     if stream and best_of > n:
         raise SubmissionError('"best_of" > n cannot be streamed (the best are known at the end)', "best_of")
     echo = not chat and parsing.field(body, "echo", (bool,), False)
+    suffix = parsing.field(body, "suffix", (str,)) or None  # "": none
+    if suffix is not None and chat:
+        raise SubmissionError('"suffix" goes with a completion\'s "prompt" (fill in the middle), '
+                              "not with a chat", "suffix")
+    if suffix is not None and echo:
+        raise SubmissionError('"echo" cannot go with "suffix" (the prompt is not the text before '
+                              "the answer)", "echo")
     response_format, tools = parsing.structure(body, chat)
     tokens_as_ids = parsing.field(body, "return_tokens_as_token_ids", (bool,), False)
     template_kwargs = parsing.template_kwargs(body) if chat else None
     separate = parsing.field(body, "separate_reasoning", (bool,), True)
     return ParsedRequest(model, prompts, messages, params, stream, include_usage,
                          n, best_of, echo, response_format, tools, tokens_as_ids,
-                         template_kwargs, separate)
+                         template_kwargs, separate,
+                         hole=None if suffix is None else fim.Hole(suffix))
 
 
 def _token_ids(value: Any) -> bool:
@@ -348,7 +360,7 @@ class LogprobFormat:
 def chunk(request_id: str, model: str, chat: bool, text: str | None, reason: str | None,
           created: int, first: bool = False, logprobs: dict | None = None,
           index: int = 0, tool_calls: list[dict] | None = None,
-          reasoning: str | None = None) -> dict[str, Any]:
+          reasoning: str | None = None, stop_reason: str | None = None) -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {}
         if first:
@@ -364,6 +376,8 @@ def chunk(request_id: str, model: str, chat: bool, text: str | None, reason: str
     else:
         choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         kind = "text_completion"
+    if reason is not None:
+        choice["stop_reason"] = stop_reason
     return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [choice]}
 
 
@@ -496,6 +510,7 @@ def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Ans
             else:
                 choice = {"index": index, "text": record.text, "finish_reason": finish_reason(record),
                           "logprobs": lp}
+            choice["stop_reason"] = record.stop_string  # vLLM's: the stop string that ended it
             choices.append(choice)
     kind = "chat.completion" if chat else "text_completion"
     return {"id": request_id, "object": kind, "created": created, "model": model,

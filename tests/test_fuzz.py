@@ -94,10 +94,11 @@ def seeded(test):
 
 
 @pytest.fixture(scope="module")
-def url(tiny_engine, tiny_tokenizer):
-    sched = Scheduler(tiny_engine, tiny_tokenizer, SchedulerConfig(
+def url(tiny_engine, fim_tokenizer):
+    # The tiny tokenizer with infill tokens, so a suffix and /infill are served, not refused.
+    sched = Scheduler(tiny_engine, fim_tokenizer, SchedulerConfig(
         policy=PolicyConfig(token_budget=40, chunk=32), max_queue=64))
-    with loopback_server(create_app(sched, tiny_tokenizer, MODEL)) as base:
+    with loopback_server(create_app(sched, fim_tokenizer, MODEL)) as base:
         deadline = time.monotonic() + 60
         while httpx.get(f"{base}/health", timeout=TIMEOUT).status_code != 200:
             assert time.monotonic() < deadline, "the server never became ready"
@@ -251,6 +252,24 @@ def event_stream_problems(body: bytes) -> list[str]:
     return []
 
 
+def infill_stream_problems(body: bytes) -> list[str]:
+    """llama-server's /infill stream: `data: <chunk>` frames, the last with "stop": true (no [DONE])."""
+    frames = body.split(b"\n\n")
+    if frames[-1] != b"" or len(frames) < 2:
+        return ["an /infill stream that does not end with a whole frame"]
+    chunks = []
+    for frame in frames[:-1]:
+        try:
+            chunks.append(json.loads(frame.removeprefix(b"data: ")))
+        except ValueError:
+            return [f"an /infill frame that is not data: JSON {frame[:120]!r}"]
+    if not frame.startswith(b"data: ") or any("error" in c for c in chunks):
+        return [f"a malformed or failed /infill stream {body[:300]!r}"]
+    if [c["stop"] for c in chunks] != [False] * (len(chunks) - 1) + [True]:
+        return [f"an /infill stream that does not end with its one stop chunk {frames[-2][:300]!r}"]
+    return []
+
+
 class FuzzFailure(AssertionError):
     """A broken invariant. Subclasses name the class of failure, so that hypothesis reports
     each distinct class separately instead of only the first one it shrinks."""
@@ -296,7 +315,8 @@ def response_problems(exchange: Exchange) -> list[tuple[type[FuzzFailure], str]]
             problems.append((NotOpenAIError, f"a 4xx with content-type {content_type!r}, not application/json"))
         return problems
     if status == 200 and content_type.startswith("text/event-stream"):
-        problems = (event_stream_problems if exchange.path.startswith("/v1/responses") else sse_problems)
+        problems = (event_stream_problems if exchange.path.startswith("/v1/responses") else
+                    infill_stream_problems if exchange.path == "/infill" else sse_problems)
         return [(BrokenStream, p) for p in problems(exchange.body)]
     return []
 
@@ -328,6 +348,9 @@ def keep_short(case, data) -> None:
     for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if key in body:
             body[key] = _fold(body[key])
+    limit = body.get("n_predict")  # /infill's; absent or -1: to the end of the context
+    if case.path == "/infill" and (limit is None or type(limit) is int and (limit == -1 or limit > MAX_FUZZ_TOKENS)):
+        body["n_predict"] = data.draw(st.integers(1, MAX_FUZZ_TOKENS), label="n_predict set")
     if case.path == "/v1/chat/completions" and "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = data.draw(st.integers(1, MAX_FUZZ_TOKENS), label="max_tokens added")
     if case.path == "/v1/responses" and "max_output_tokens" not in body:
@@ -353,6 +376,8 @@ CASES = [  # (path, method, mode, examples); operations without inputs have no n
     ("/v1/completions", "POST", NEGATIVE, 150),
     ("/v1/chat/completions", "POST", POSITIVE, 200),
     ("/v1/chat/completions", "POST", NEGATIVE, 150),
+    ("/infill", "POST", POSITIVE, 100),
+    ("/infill", "POST", NEGATIVE, 100),
     ("/v1/responses", "POST", POSITIVE, 100),
     ("/v1/responses", "POST", NEGATIVE, 100),
     ("/v1/responses/{response_id}", "GET", POSITIVE, 5),

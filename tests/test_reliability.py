@@ -199,7 +199,7 @@ BAD_INPUTS = [
     ("an unknown field", "completions", {"prompt": "x", "temprature": 0.5}, 400, "unrecognized request argument"),
     ("an image part", "chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "text part"),
     ("0 is not false", "completions", {"prompt": "x", "echo": 0}, 400, "must be true or false"),
-    ("an empty suffix is neutral, another is not", "completions", {"prompt": "x", "suffix": "y"}, 400, "not supported"),
+    ("a suffix on a model that cannot fill in the middle", "completions", {"prompt": "x", "suffix": "y"}, 400, "cannot fill in the middle"),
     ("SGLang's no_stop_trim, not neutral", "completions", {"prompt": "x", "no_stop_trim": True}, 400, "no_stop_trim"),
     ("SGLang's skip_special_tokens, not neutral", "chat", {"messages": [{"role": "user", "content": "x"}], "skip_special_tokens": False}, 400, "skip_special_tokens"),
     ("SGLang's return_hidden_states, not neutral", "completions", {"prompt": "x", "return_hidden_states": True}, 400, "return_hidden_states"),
