@@ -133,6 +133,21 @@ def stop(proc: subprocess.Popen | None, timeout_s: float = 60) -> None:
 
 
 @contextlib.contextmanager
+def serving(command: list[str], port: int, env: dict | None = None,
+            health_timeout_s: float = 900.0) -> Iterator[str]:
+    """Any server `command` starts (a llama-server, a cadence-serve) listening on `port`, once
+    its /health answers 200, its output discarded; stopped when the block ends. Yields its root
+    URL."""
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    root = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, root, health_timeout_s, None)
+        yield root
+    finally:
+        stop(proc)
+
+
+@contextlib.contextmanager
 def spawned(config: ServerConfig, log: str | Path, health_timeout_s: float = 1200.0) -> Iterator[str]:
     port = free_port()
     log = Path(log)

@@ -18,13 +18,10 @@ at each position.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import gguf
@@ -33,6 +30,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from cadence.bench.cadence_server import serving
 from cadence.bench.random_gguf import add_shape, copy_tokenizer
 from cadence.model import params as params_lib
 from cadence.model.config import ModelConfig
@@ -71,34 +69,11 @@ def write_model(path: Path) -> None:
     w.close()
 
 
-@contextlib.contextmanager
-def served(command: list[str], port: int, env: dict | None = None):
-    """A server started by `command`, once its /health answers 200; stopped afterwards."""
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{command[0]} exited with {proc.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(command[0])
-            time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait()
-
-
 def llama_cpp(path: Path, prompts: list[list[int]]) -> list[dict]:
     # A float32 KV cache, as cadence's on the CPU (llama.cpp's default is float16), and no flash
     # attention: llama.cpp's CPU flash attention rounds through float16, ~1e-3 off in a logprob.
     out = []
-    with served([FLAGS.value, "-m", str(path), "--port", "8931", "-c", "4096", "-np", "1", "-t", "2",
+    with serving([FLAGS.value, "-m", str(path), "--port", "8931", "-c", "4096", "-np", "1", "-t", "2",
                  "-ctk", "f32", "-ctv", "f32", "-fa", "off"], 8931) as base:
         for ids in prompts:
             r = httpx.post(f"{base}/completion", timeout=120, json={
@@ -117,7 +92,7 @@ def by_id(name: str) -> int:
 def cadence(path: Path, prompts: list[list[int]]) -> list[dict]:
     env = dict(os.environ, CADENCE_CACHE=tempfile.mkdtemp(prefix="cadence-parity-"))
     out = []
-    with served([sys.executable, "-m", "cadence.server.serve_cli", f"--model={path}", "--port=8932",
+    with serving([sys.executable, "-m", "cadence.server.serve_cli", f"--model={path}", "--port=8932",
                  "--num_slots=2", "--max_seq_len=1024", "--served_model_name=m"], 8932, env) as base:
         for ids in prompts:
             r = httpx.post(f"{base}/v1/completions", timeout=120, json={
