@@ -8,6 +8,10 @@
     matcher.accept(token)    # False: the token breaks the grammar (`error` says how)
     matcher.done             # complete: nothing may follow (the request ends, "stop")
 
+Specs: `JsonSchema`, `JsonObject`, `Regex`, `Choice` (one of some strings), `Lark`
+(llguidance's dialect), `ContextFree` (llama.cpp's GBNF or Lark, as clients send them), and
+`Thinking` around any of them (below).
+
 A grammar is compiled once per distinct spec (a least-recently-used cache keeps them) on the
 compiler's own threads, never the caller's event loop; one that takes longer than the time limit,
 or that llguidance cannot build (an unsupported keyword, a bad regex), is a `GrammarError` naming
@@ -48,6 +52,7 @@ import time
 from typing import Any
 
 import llguidance
+from llguidance.gbnf_to_lark import GbnfToLarkError
 import numpy as np
 
 from cadence.checkpoints.tokenizer import Tokenizer
@@ -95,17 +100,33 @@ class Regex:
 
 
 @dataclasses.dataclass(frozen=True)
+class Choice:
+    """Output that is exactly one of `options`."""
+
+    options: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextFree:
+    """Output that `grammar` derives: llama.cpp's GBNF (`root ::= ...`, what vLLM's
+    `guided_grammar` and llama-server's `grammar` take) or llguidance's Lark, told apart by
+    llguidance."""
+
+    grammar: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Thinking:
     """Output that reasons first, free, then follows `answer`: `<think>`, any text up to the
     first `</think>`, newlines, then what `answer` derives. A thinking model (Qwen3,
     DeepSeek-R1) asked for a format still thinks before it answers in it. `opened`: the prompt
     wrote the `<think>` (the output starts inside the reasoning)."""
 
-    answer: JsonSchema | JsonObject | Lark | Regex
+    answer: JsonSchema | JsonObject | Lark | Regex | Choice | ContextFree
     opened: bool = False
 
 
-Spec = JsonSchema | JsonObject | Lark | Regex | Thinking
+Spec = JsonSchema | JsonObject | Lark | Regex | Choice | ContextFree | Thinking
 
 # Where a JSON schema keeps subschemas: one schema, a list of them, or a name -> schema map.
 _ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
@@ -200,6 +221,13 @@ def _grammar_text(spec: Spec) -> str:
             raise GrammarError(f"the JSON schema cannot be used: {e}") from None
     if isinstance(spec, Lark):
         return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
+    if isinstance(spec, Choice):
+        return llguidance.grammar_from("choice", json.dumps(spec.options))
+    if isinstance(spec, ContextFree):
+        try:
+            return llguidance.grammar_from("grammar", spec.grammar)
+        except (ValueError, GbnfToLarkError) as e:  # (GBNF that does not convert)
+            raise GrammarError(f"the grammar cannot be used: {_first_line(str(e))}") from None
     return llguidance.LLMatcher.grammar_from_regex(spec.pattern)
 
 

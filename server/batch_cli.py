@@ -10,7 +10,8 @@ Input, one JSON object a line (blank lines are skipped):
 Ids are strings or integers, unique in the file. The optional sampling fields are those of
 `server/parsing.py` (max_tokens, temperature, top_p, top_k, seed, the penalties, logit_bias,
 stop, ignore_eos, cache_salt, priority); absent ones take the flags' defaults. So are OpenAI's
-response_format and, with messages, tools, tool_choice and parallel_tool_calls. A job with
+response_format (or vLLM's guided_* fields and llama-server's grammar, `server.guided`) and,
+with messages, tools, tool_choice and parallel_tool_calls. A job with
 --priority_classes or a priority per line runs its lower numbers first. Output, one JSON object a line, in the order requests finish:
     {"id", "text", "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason",
      "queue_time", "ttft", "total_time", "prefill_chunks", "decode_steps"}

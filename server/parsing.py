@@ -3,7 +3,7 @@
     entry = client_json.load_json(raw_bytes)              # strict JSON, bounded; SubmissionError
     params = generation_params(entry, defaults)           # the sampling and stop fields
     messages = chat_messages(entry["messages"])           # text parts joined into strings
-    fmt, tools = structure(entry, chat)                   # response_format; a chat's tools
+    fmt, tools = structure(entry, chat)                   # response_format (or guided_*); tools
     grammar = grammar_of(fmt, tools, tokenizer, grammars) # what the answer must follow, compiled
     ids, params, tools = to_request(entry, tokenizer, defaults)  # a CLI or batch-job entry, whole
 
@@ -40,6 +40,7 @@ from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.request import GenerationParams, check_params
 from cadence.scheduler.grammar import (Grammar, GrammarCompiler, GrammarError, JsonObject, JsonSchema, Spec,
                                       closed_schema)
+from cadence.server import guided
 from cadence.server.client_json import MAX_INT_DIGITS, check_json_value
 from cadence.server.reasoning import answer_spec, opens_inside
 from cadence.server.tool_requests import NAME, ToolRequest, call_style, parse_tools, template_inputs
@@ -187,13 +188,26 @@ def response_format(entry: dict) -> Spec | None:
     return JsonSchema(closed_schema(schema))
 
 
-STRUCTURE_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
+STRUCTURE_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_calls", *guided.FIELDS)
 
 
-def structure(entry: dict, chat: bool) -> tuple[Spec | None, ToolRequest | None]:
-    """An entry's `response_format` and, for a chat, its tools (`server.tool_requests`); a format
-    cannot go with a tool choice that forces a call (the call's format is the answer's)."""
-    fmt = response_format(entry)
+class GrammarRequest(NamedTuple):
+    """The grammar an answer must follow, before it is compiled, and the field it came from."""
+
+    spec: Spec
+    param: str  # "tools", "response_format", "guided_regex", ...: named by its errors
+
+
+def structure(entry: dict, chat: bool) -> tuple[GrammarRequest | None, ToolRequest | None]:
+    """An entry's format (`response_format`, or another server's spelling of a constraint:
+    `server.guided`) and, for a chat, its tools (`server.tool_requests`); a format cannot go
+    with a tool choice that forces a call (the call's format is the answer's)."""
+    spec, other = response_format(entry), guided.constraint(entry)
+    if spec is not None and other is not None:
+        raise SubmissionError(f'"{other[1]}" cannot go with "response_format": a request takes '
+                              "one constraint", other[1])
+    fmt = GrammarRequest(spec, "response_format") if spec is not None else (
+        GrammarRequest(*other) if other is not None else None)
     if not chat:
         given = [name for name in ("tools", "tool_choice") if entry.get(name) is not None]
         if given:
@@ -201,33 +215,23 @@ def structure(entry: dict, chat: bool) -> tuple[Spec | None, ToolRequest | None]
         return fmt, None
     tools = parse_tools(entry)
     if fmt is not None and tools is not None and tools.forces_call:
-        raise SubmissionError('"response_format" cannot go with a "tool_choice" that forces a '
-                              "call: the call's format is the answer's", "response_format")
+        raise SubmissionError(f'"{fmt.param}" cannot go with a "tool_choice" that forces a '
+                              "call: the call's format is the answer's", fmt.param)
     return fmt, tools
 
 
-class GrammarRequest(NamedTuple):
-    """The grammar an answer must follow, before it is compiled, and the field it came from."""
-
-    spec: Spec
-    param: str  # "tools" or "response_format", named by its errors
-
-
-def grammar_request(fmt: Spec | None, tools: ToolRequest | None, tokenizer: Tokenizer,
+def grammar_request(fmt: GrammarRequest | None, tools: ToolRequest | None, tokenizer: Tokenizer,
                     grammars: GrammarCompiler | None) -> GrammarRequest | None:
     """What an answer must follow: a forced tool call's grammar (in the style of the model's
-    template), else the response format's; None if nothing."""
+    template), else the format's; None if nothing."""
     forced = tools is not None and tools.forces_call
-    spec = tools.grammar(call_style(tokenizer)) if forced else fmt
-    if spec is None:
-        return None
-    param = "tools" if forced else "response_format"
-    if grammars is None:
-        raise SubmissionError("structured output is off here (--nostructured_output)", param)
-    return GrammarRequest(spec, param)
+    wanted = GrammarRequest(tools.grammar(call_style(tokenizer)), "tools") if forced else fmt
+    if wanted is not None and grammars is None:
+        raise SubmissionError("structured output is off here (--nostructured_output)", wanted.param)
+    return wanted
 
 
-def grammar_of(fmt: Spec | None, tools: ToolRequest | None, tokenizer: Tokenizer,
+def grammar_of(fmt: GrammarRequest | None, tools: ToolRequest | None, tokenizer: Tokenizer,
                grammars: GrammarCompiler | None, thinking_prompt: str | None = None) -> Grammar | None:
     """`grammar_request`'s grammar, compiled on this thread; a GrammarError names the field at
     fault. (The HTTP server awaits `GrammarCompiler.compile_async` instead.) With a

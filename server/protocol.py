@@ -4,10 +4,10 @@ Parsing goes through `server/parsing.py`, the one parser of every front door, an
 where a silent guess would surprise a client: wrong types, out-of-range values and unknown
 fields are refused with the parameter named (OpenAI, too, refuses an unrecognized argument).
 Fields that would change the answer if honoured and that cadence does not implement (the legacy
-`functions`, vLLM's `guided_*`, ...) are refused unless they carry their neutral
+`functions`, `prediction`, ...) are refused unless they carry their neutral
 value; fields that change nothing here (`user`, `metadata`, ...) are accepted and ignored.
-`response_format` (`json_object`, `json_schema`) constrains the answer with a grammar
-(`scheduler.grammar`); chat's `tools`, `tool_choice` and `parallel_tool_calls` are
+`response_format` (`json_object`, `json_schema`), or vLLM's and llama-server's spellings of a
+constraint (`server.guided`), constrains the answer with a grammar (`scheduler.grammar`); chat's `tools`, `tool_choice` and `parallel_tool_calls` are
 `server.tool_requests`', and an answer's calls come back as `tool_calls` (`server.tool_call_parser`).
 Sampling fields a request leaves out take the model's published defaults
 (`SamplingDefaults.with_model`), else OpenAI's (temperature 1.0, top_p 1.0); completions default
@@ -26,9 +26,8 @@ from cadence.scheduler.errors import SubmissionError
 from cadence.checkpoints import fim
 from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer
-from cadence.scheduler.grammar import Spec
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenLogprob
-from cadence.server import parsing, tool_requests
+from cadence.server import guided, parsing, tool_requests
 from cadence.server.tool_call_parser import ToolCall, parse_tool_calls
 from cadence.server.reasoning import split_reasoning
 
@@ -54,8 +53,7 @@ DEFAULT_MAX_N = 8  # choices per request (n, and best_of on completions): the se
 # Fields that change the answer, which cadence does not implement: refused unless neutral.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "functions": ([],), "function_call": ("none", "auto"),
-    "modalities": (["text"],), "prediction": (),
-    "audio": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "modalities": (["text"],), "prediction": (), "audio": (),
 }
 # SGLang's own request fields, which sglang-router writes into every request it forwards (with
 # these values unless its client set others): accepted at the values that mean what cadence does.
@@ -74,7 +72,7 @@ IGNORED_FIELDS: dict[str, type] = {
     "safety_identifier": str, "reasoning_effort": str, "verbosity": str}
 MAX_PROMPTS = 256  # prompts in one batched completions request
 _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format",
-                     "return_tokens_as_token_ids", *parsing.SAMPLING_FIELDS})
+                     "return_tokens_as_token_ids", *parsing.SAMPLING_FIELDS, *guided.FIELDS})
 _ALLOWED = {
     False: _COMMON | {"prompt", "suffix", "logprobs", "best_of", "echo", "parallel_tool_calls"},
     True: _COMMON | {"messages", "suffix", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
@@ -93,7 +91,8 @@ class ParsedRequest:
     n: int = 1  # choices returned
     best_of: int = 1  # sequences generated (completions: >= n; the n likeliest are returned)
     echo: bool = False  # completions: the prompt before each choice's text (and its logprobs)
-    response_format: Spec | None = None  # the grammar its answer must follow, if any
+    # The grammar its answer must follow, if any, and the field that asked for it.
+    response_format: parsing.GrammarRequest | None = None
     tools: tool_requests.ToolRequest | None = None  # chat: its tools and tool_choice
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's field)
     template_kwargs: dict[str, Any] | None = None  # chat: more variables for the chat template
