@@ -242,7 +242,8 @@ class Server:
         """On a worker thread (chat rendering and tokenizing cost time in the prompt's length):
         each prompt's tokens, a chat's one."""
         if parsed.messages is not None:
-            text = parsing.render_chat(parsed.messages, self.tokenizer, parsed.tools, parsed.template_kwargs)
+            text = parsing.render_chat(parsed.messages, self.tokenizer, parsed.tools,
+                                       parsed.template_kwargs, parsed.chat_end)
             parsed.chat_prompt = text
             if self.splits_reasoning and parsed.separate_reasoning:
                 parsed.reasoning_inside = reasoning.opens_inside(text)

@@ -82,7 +82,7 @@ class InfoAPI:
             if "messages" in entry:
                 tools = parse_tools(entry)
                 text = parsing.render_chat(entry["messages"], self.server.tokenizer, tools,
-                                           parsing.template_kwargs(entry))
+                                           parsing.template_kwargs(entry), parsing.chat_end(entry))
                 return self.server.tokenizer.encode(text)
             text = entry["prompt"]
             parsing.check_prompt_size(text, self.server.tokenizer, self.server.scheduler.max_seq_len)

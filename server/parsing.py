@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 from absl import flags
 
-from cadence.checkpoints.chat import validate_messages
+from cadence.checkpoints.chat import continue_final, validate_messages
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer
@@ -346,14 +346,44 @@ def template_kwargs(entry: dict) -> dict[str, Any] | None:
     return kwargs or None
 
 
+# A chat's own fields (beside its tools), for the template.
+CHAT_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+
+
+class ChatEnd(NamedTuple):
+    """How a rendered chat ends (vLLM's chat fields): with the template's generation prompt (a
+    new assistant turn), or inside the final message, which the model continues."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+def chat_end(entry: dict) -> ChatEnd:
+    """A chat's `add_generation_prompt` (default: true, unless it continues its final message)
+    and `continue_final_message` (default false); both true is a contradiction."""
+    cont = field(entry, "continue_final_message", (bool,), False)
+    gen = field(entry, "add_generation_prompt", (bool,), not cont)
+    if cont and gen:
+        raise SubmissionError('"continue_final_message" continues the final message; it cannot '
+                              'go with "add_generation_prompt": true, which opens a new one',
+                              "continue_final_message")
+    return ChatEnd(gen, cont)
+
+
 def render_chat(messages: Any, tokenizer: Tokenizer, tools: ToolRequest | None = None,
-                variables: dict[str, Any] | None = None) -> str:
+                variables: dict[str, Any] | None = None, end: ChatEnd = ChatEnd()) -> str:
     """The prompt of a conversation (and its tools, `server.tool_requests`), in the model's
-    template, given `variables` (`template_kwargs`) besides."""
+    template, given `variables` (`template_kwargs`) besides, ending as `end` says."""
     try:  # the chat module checks the conversation's shape and runs the template sandboxed
         conversation = validate_messages(chat_messages(messages))
+        final = conversation[-1]
+        if end.continue_final_message and (final.get("role") != "assistant" or not final.get("content")):
+            raise SubmissionError('"continue_final_message" needs a final assistant message '
+                                  "with text to continue", "continue_final_message")
         conversation, shown = template_inputs(conversation, tokenizer, tools)
-        return tokenizer.apply_chat_template(conversation, tools=shown, variables=variables)
+        text = tokenizer.apply_chat_template(conversation, tools=shown, variables=variables,
+                                             add_generation_prompt=end.add_generation_prompt)
+        return continue_final(text, final["content"]) if end.continue_final_message else text
     except CheckpointError as e:
         raise SubmissionError(f'"messages": {e}', "messages") from None
 
@@ -409,8 +439,7 @@ def to_request(
     if not isinstance(entry, dict):
         raise SubmissionError(f"a request must be a JSON object, got {type(entry).__name__}")
     check_json_value(entry)
-    known = ("prompt", "messages", "chat_template_kwargs", *SAMPLING_FIELDS, *STRUCTURE_FIELDS,
-             *extra_fields)
+    known = ("prompt", "messages", *CHAT_FIELDS, *SAMPLING_FIELDS, *STRUCTURE_FIELDS, *extra_fields)
     unknown = sorted(set(entry) - set(known))
     if unknown:
         raise SubmissionError(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(known)}")
@@ -419,17 +448,19 @@ def to_request(
     params = generation_params(entry, defaults)
     is_chat = chat or "messages" in entry
     fmt, tools = structure(entry, is_chat)
-    if entry.get("chat_template_kwargs") is not None and not is_chat:
-        raise SubmissionError('"chat_template_kwargs" goes with "messages"', "chat_template_kwargs")
+    given = [name for name in CHAT_FIELDS if entry.get(name) is not None]
+    if given and not is_chat:
+        raise SubmissionError(f'"{given[0]}" goes with "messages"', given[0])
     variables = template_kwargs(entry)
     if "messages" in entry:
-        text = render_chat(entry["messages"], tokenizer, tools, variables)
+        text = render_chat(entry["messages"], tokenizer, tools, variables, chat_end(entry))
     else:
         text = field(entry, "prompt", (str,))
         if text is None:
             raise SubmissionError('"prompt" must be a string', "prompt")
         if chat:
-            text = render_chat([{"role": "user", "content": text}], tokenizer, tools, variables)
+            text = render_chat([{"role": "user", "content": text}], tokenizer, tools, variables,
+                               chat_end(entry))
     if max_seq_len is not None:
         check_prompt_size(text, tokenizer, max_seq_len)
     thinks = is_chat and splits_reasoning

@@ -76,7 +76,8 @@ _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format"
 _ALLOWED = {
     False: _COMMON | {"prompt", "suffix", "logprobs", "best_of", "echo", "parallel_tool_calls"},
     True: _COMMON | {"messages", "suffix", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                     "tool_choice", "parallel_tool_calls", "chat_template_kwargs"},
+                     "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                     "add_generation_prompt", "continue_final_message"},
 }
 
 
@@ -104,6 +105,7 @@ class ParsedRequest:
     # Completions with a `suffix`, and /infill: each prompt is the prefix of a fill-in-the-middle
     # prompt (`checkpoints.fim`).
     hole: fim.Hole | None = None
+    chat_end: parsing.ChatEnd = parsing.ChatEnd()  # chat: a new turn, or the final one continued
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -155,8 +157,8 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
     _known(body, _ALLOWED[chat] | _NEUTRAL.keys() | IGNORED_FIELDS.keys())
     for name, kind in IGNORED_FIELDS.items():  # ignored, but only as what they are
         parsing.field(body, name, (kind,))
-    for name, neutral in _NEUTRAL.items():
-        if body.get(name) is not None and not any(_same(body[name], n) for n in neutral):
+    for name, neutral in _NEUTRAL.items():  # (a chat's continue_final_message is its own)
+        if name not in _ALLOWED[chat] and body.get(name) is not None and not any(_same(body[name], n) for n in neutral):
             raise SubmissionError(f'"{name}" is not supported by cadence (only its neutral value '
                                   f"{', '.join(map(repr, neutral)) or 'null'} is accepted)", name)
     n = parsing.field(body, "n", (int,), 1)
@@ -197,7 +199,8 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
     return ParsedRequest(model, prompts, messages, params, stream, include_usage,
                          n, best_of, echo, response_format, tools, tokens_as_ids,
                          template_kwargs, separate,
-                         hole=None if suffix is None else fim.Hole(suffix))
+                         hole=None if suffix is None else fim.Hole(suffix),
+                         chat_end=parsing.chat_end(body) if chat else parsing.ChatEnd())
 
 
 def _token_ids(value: Any) -> bool:
@@ -220,7 +223,8 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 
 _TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", "add_special_tokens",
-                              "return_token_strs", "chat_template_kwargs"})
+                              "return_token_strs", "chat_template_kwargs", "add_generation_prompt",
+                              "continue_final_message"})
 
 
 def tokenize_request(body: Any) -> dict:
@@ -238,6 +242,7 @@ def tokenize_request(body: Any) -> dict:
         if body.get("chat_template_kwargs") is not None and body.get("messages") is None:
             raise SubmissionError('"chat_template_kwargs" goes with "messages"', "chat_template_kwargs")
         parsing.template_kwargs(body)
+        parsing.chat_end(body)
         return {k: v for k, v in body.items() if v is not None}
     except SubmissionError as e:
         raise APIError(400, str(e), param=e.param) from None
