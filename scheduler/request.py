@@ -59,7 +59,9 @@ class GenerationParams:
     max_tokens: int | None = None  # None: up to the end of the context
     sampling: RequestSampling = RequestSampling()
     stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # the model's EOS does not end it (its stop_token_ids still do)
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end it (vLLM's), kept in the text
+    include_stop: bool = False  # a stop string that ends it stays in its text (vLLM's)
     # Requests with different salts never share cached KV pages (vLLM's `cache_salt`): a
     # tenant's prompts cannot be probed by another's timing.
     cache_salt: str | None = None
@@ -109,6 +111,11 @@ def check_params(params: GenerationParams, vocab_size: int | None = None, max_lo
                                           or params.max_tokens < 1):
         raise SubmissionError(f"max_tokens must be an integer >= 1, got {params.max_tokens!r}",
                               "max_tokens")
+    if len(params.stop_token_ids) > MAX_STOP_STRINGS or not all(
+            type(t) is int and 0 <= t < (vocab_size or 2**31) for t in params.stop_token_ids):
+        raise SubmissionError(f"stop_token_ids must be at most {MAX_STOP_STRINGS} token ids of the "
+                              f"model's vocabulary{f' [0, {vocab_size})' if vocab_size else ''}",
+                              "stop_token_ids")
     # Stop strings are scanned on the scheduler thread for every token: bound the work.
     if len(params.stop) > MAX_STOP_STRINGS:
         raise SubmissionError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}",
@@ -199,7 +206,8 @@ class RequestRecord:
     prefill_chunks: int
     decode_steps: int
     text: str
-    stop_string: str | None = None  # the stop string that ended it ("stop" without one: EOS or its grammar)
+    # The stop string or stop token id that ended it ("stop" without one: EOS or its grammar).
+    stop_reason: str | int | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)  # one per output token
     logprobs: list[TokenLogprob] | None = None  # one per output token, if the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first None)
@@ -242,7 +250,11 @@ class Request:
         self.params = params
         self.priority = priority  # lower first (`scheduler.policy`)
         self.max_tokens = max_tokens
-        self.eos_ids = frozenset() if params.ignore_eos else tokenizer.eos_ids
+        # What ends it on its own: the model's EOS (unless ignored) and the request's stop ids.
+        self.eos_ids = ((frozenset() if params.ignore_eos else tokenizer.eos_ids)
+                        | frozenset(params.stop_token_ids))
+        self._shown_stops = frozenset(t for t in params.stop_token_ids
+                                      if not tokenizer.is_special(t) and t not in tokenizer.eos_ids)
         self.emit = emit
         self.state = State.WAITING
         self.slot: int | None = None
@@ -300,7 +312,8 @@ class Request:
         # Its place in its grammar (structured output), advanced by every token it accepts.
         self.matcher = params.grammar.matcher() if params.grammar is not None else None
         self._held = ""  # text withheld because it may be the start of a stop string
-        self.stop_string: str | None = None  # the stop string that ended it, if one did
+        # The stop string or stop token id (a request's own, not the model's EOS) that ended it.
+        self.stop_reason: str | int | None = None
         self._text: list[str] = []
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self.cancelled = False
@@ -425,7 +438,13 @@ class Request:
         self.token_times.append(now)
         reason = None
         if eos:
-            reason, delta = FinishReason.STOP, self.detok.flush()
+            reason = FinishReason.STOP
+            if token in self.params.stop_token_ids:
+                self.stop_reason = token
+            # A stop token id's text stays in the output, unless it is a special token (vLLM's
+            # rule); the model's EOS never shows.
+            shown = token in self._shown_stops
+            delta = (self.detok.add(token) if shown else "") + self.detok.flush()
         else:
             delta = self.detok.add(token)
             if len(self.output_ids) >= self.max_tokens:
@@ -460,8 +479,8 @@ class Request:
                            if (i := pending.find(s)) >= 0), default=(-1, 0, None))
         if cut >= 0:
             self._held = ""
-            self.stop_string = hit
-            return pending[:cut], True
+            self.stop_reason = hit
+            return pending[:cut + (len(hit) if self.params.include_stop else 0)], True
         if final or self._hold == 0:
             self._held = ""
             return pending, False
@@ -498,7 +517,7 @@ class Request:
             prefill_chunks=self.prefill_chunks,
             decode_steps=self.decode_steps,
             text="".join(self._text),
-            stop_string=self.stop_string,
+            stop_reason=self.stop_reason,
             token_times=self.token_times,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,

@@ -493,7 +493,7 @@ class Server:
                         break
                     frames.append(protocol.frame(protocol.chunk(
                         request_id, name, chat, None if chat else "", reason, created, index=i,
-                        stop_reason=event.stop_string)))
+                        stop_reason=event.stop_reason)))
                     if all(r is not None for r in records):
                         if include_usage:
                             done = iter(records)

@@ -115,7 +115,7 @@ class InfillAPI:
                 "id_slot": -1, "stop": True, "model": self.server.model_name,
                 "tokens_predicted": record.output_tokens, "tokens_evaluated": record.prompt_tokens,
                 "has_new_line": "\n" in record.text, "truncated": False,
-                "stop_type": stop_type(record), "stopping_word": record.stop_string or "",
+                "stop_type": stop_type(record), "stopping_word": record.stop_reason if isinstance(record.stop_reason, str) else "",
                 "tokens_cached": record.prompt_tokens + record.output_tokens,
                 "timings": timings(record)}
 
@@ -149,7 +149,7 @@ def stop_type(record: RequestRecord) -> str:
     "eos" (the model ended, or its grammar did)."""
     if record.finish_reason == "length":
         return "limit"
-    return "word" if record.stop_string is not None else "eos"
+    return "word" if isinstance(record.stop_reason, str) else "eos"
 
 
 def timings(record: RequestRecord) -> dict[str, float | int]:

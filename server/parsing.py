@@ -54,7 +54,8 @@ _SEED = flags.DEFINE_integer("seed", 0, "Default sampling seed.")
 
 PENALTY_FIELDS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", *PENALTY_FIELDS,
-                   "logit_bias", "stop", "ignore_eos", "cache_salt", "priority")
+                   "logit_bias", "stop", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+                   "cache_salt", "priority")
 MAX_CACHE_SALT = 256
 
 
@@ -136,9 +137,14 @@ def generation_params(entry: dict, defaults: SamplingDefaults, *,
     salt = field(entry, "cache_salt", (str,))
     if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT:
         raise SubmissionError(f'"cache_salt" must be a string of 1 to {MAX_CACHE_SALT} characters', "cache_salt")
+    stop_ids = field(entry, "stop_token_ids", (list,), [])
+    if not all(type(t) is int for t in stop_ids):
+        raise SubmissionError('"stop_token_ids" must be an array of token ids', "stop_token_ids")
     params = GenerationParams(max_tokens=max_tokens, sampling=sampling, stop=stop,
-                              ignore_eos=field(entry, "ignore_eos", (bool,), False), cache_salt=salt,
-                              priority=field(entry, "priority", (int,)))
+                              ignore_eos=field(entry, "ignore_eos", (bool,), False),
+                              stop_token_ids=tuple(stop_ids),
+                              include_stop=field(entry, "include_stop_str_in_output", (bool,), False),
+                              cache_salt=salt, priority=field(entry, "priority", (int,)))
     # The ranges (the priority's, the stop strings' bounds) are the scheduler layer's one
     # validation, the same for every door; what depends on the model it checks at submission.
     check_params(params)

@@ -364,7 +364,7 @@ class LogprobFormat:
 def chunk(request_id: str, model: str, chat: bool, text: str | None, reason: str | None,
           created: int, first: bool = False, logprobs: dict | None = None,
           index: int = 0, tool_calls: list[dict] | None = None,
-          reasoning: str | None = None, stop_reason: str | None = None) -> dict[str, Any]:
+          reasoning: str | None = None, stop_reason: str | int | None = None) -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {}
         if first:
@@ -514,7 +514,7 @@ def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Ans
             else:
                 choice = {"index": index, "text": record.text, "finish_reason": finish_reason(record),
                           "logprobs": lp}
-            choice["stop_reason"] = record.stop_string  # vLLM's: the stop string that ended it
+            choice["stop_reason"] = record.stop_reason  # vLLM's: the stop string or token id that ended it
             choices.append(choice)
     kind = "chat.completion" if chat else "text_completion"
     return {"id": request_id, "object": kind, "created": created, "model": model,
