@@ -7,6 +7,7 @@ before them:
     [FIM_REP]myproject\\n                    (where the vocabulary has FIM_REP)
     [FIM_SEP]path/a.py\\n  text of a.py      (one per extra file; without FIM_SEP, a snippet rule)
     [FIM_SEP]filename\\n                     (where it has FIM_SEP)
+    [BOS]                                   (where the tokenizer adds one)
     [FIM_PRE]prefix + prompt [FIM_SUF]suffix [FIM_MID]
 
 and write the middle after FIM_MID. This is llama.cpp's layout (llama-server's `/infill`, after
@@ -90,7 +91,7 @@ def infill_ids(tokenizer: Tokenizer, fim: FimTokens, prefix: str | Sequence[int]
     def text(s: str) -> list[int]:
         return tokenizer.encode(s, add_bos=False, special=False)
 
-    ids = [tokenizer.bos_id] if tokenizer.add_bos else []
+    ids = []
     if hole.extra is not None:
         if fim.repo is not None:
             ids += [fim.repo, *text(REPO_NAME + "\n")]
@@ -100,6 +101,8 @@ def infill_ids(tokenizer: Tokenizer, fim: FimTokens, prefix: str | Sequence[int]
             ids += text(file.text)
         if fim.file_sep is not None:
             ids += [fim.file_sep, *text(FILE_NAME + "\n")]
+    if tokenizer.add_bos:  # after the repository's files, where llama-server puts it
+        ids.append(tokenizer.bos_id)
     ids.append(fim.prefix)
     ids += text(prefix) if isinstance(prefix, str) else prefix
     ids += tokenizer.encode(hole.prompt, add_bos=False) if hole.prompt else []

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import sentencepiece
 import tokenizers
@@ -96,10 +96,10 @@ FIM_TEXTS = {
 }
 # A GGUF vocabulary records one EOS (and perhaps an EOT), but its model may end a turn or a
 # document with another token (Qwen2.5: <|im_end|> and <|endoftext|>). llama.cpp ends generation
-# at any of these texts, and at the first FIM pad, repository and file-separator tokens found
-# (whose output would start another file); so does cadence, for the same file, where the token
-# is a control token. (llama.cpp takes ordinary pieces too, such as Qwen's "</s>", which is
-# HTML's strikethrough closing and must not end an answer.)
+# at any of these texts; so does cadence, for the same file, where the token is a control token.
+# (llama.cpp takes ordinary pieces too, such as Qwen's "</s>", which is HTML's strikethrough
+# closing and must not end an answer.) A Hugging Face folder lists its own in
+# generation_config.json.
 END_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
              "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>",
              "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>",
@@ -110,9 +110,16 @@ def end_of_generation(tokens: Sequence[str], types: Sequence[int]) -> list[str]:
     """The control tokens' texts among a GGUF vocabulary's `tokens` (`types` 3) that end
     generation, as llama.cpp reads the vocabulary."""
     present = {t for t, kind in zip(tokens, types) if kind == 3}
-    firsts = [next((t for t in FIM_TEXTS[role] if t in present), None)
+    return [t for t in END_TEXTS if t in present]
+
+
+def fim_separators(special: Collection[str]) -> list[str]:
+    """Among special tokens' texts, the first FIM pad, repository and file separator found:
+    output that writes one is starting another file, so generation ends there (llama.cpp's
+    rule, for every vocabulary here)."""
+    firsts = [next((t for t in FIM_TEXTS[role] if t in special), None)
               for role in ("pad", "repo", "file_sep")]
-    return [t for t in firsts if t is not None] + [t for t in END_TEXTS if t in present]
+    return [t for t in firsts if t is not None]
 
 
 class Tokenizer:
@@ -145,7 +152,8 @@ class Tokenizer:
             return int(t) if t is not None and 0 <= int(t) < self.vocab_size else None
 
         self.bos_id: int | None = resolve(bos)
-        stops = [i for i in map(resolve, eos) if i is not None]
+        special_texts = {c for i, (c, _) in self._added.items() if i in self._special}
+        stops = [i for i in map(resolve, [*eos, *fim_separators(special_texts)]) if i is not None]
         self.eos_ids: frozenset[int] = frozenset(stops)
         self._eos_id = stops[0] if stops else None  # the template's eos_token
         self.add_bos: bool = bool(add_bos) and self.bos_id is not None

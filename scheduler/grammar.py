@@ -52,7 +52,6 @@ import time
 from typing import Any
 
 import llguidance
-from llguidance.gbnf_to_lark import GbnfToLarkError
 import numpy as np
 
 from cadence.checkpoints.tokenizer import Tokenizer
@@ -226,7 +225,7 @@ def _grammar_text(spec: Spec) -> str:
     if isinstance(spec, ContextFree):
         try:
             return llguidance.grammar_from("grammar", spec.grammar)
-        except (ValueError, GbnfToLarkError) as e:  # (GBNF that does not convert)
+        except ValueError as e:  # (GBNF that does not convert)
             raise GrammarError(f"the grammar cannot be used: {_first_line(str(e))}") from None
     return llguidance.LLMatcher.grammar_from_regex(spec.pattern)
 

@@ -49,7 +49,7 @@ from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
 from cadence.scheduler.stream import merged
 from cadence.server import client_json, parsing, protocol, reasoning
-from cadence.server.infill import InfillAPI
+from cadence.server.infill import InfillAPI, fill_ids
 from cadence.server.info_api import InfoAPI
 from cadence.server.metrics import Metrics
 from cadence.server.protocol import APIError
@@ -142,6 +142,8 @@ class Server:
         # Whether chat answers' reasoning is split out (`server.reasoning`).
         self.splits_reasoning = reasoning.parser_on(config.reasoning_parser, tokenizer.chat_template)
         self.fim = fim.FimTokens.of(tokenizer)  # None: the model cannot fill in the middle
+        if self.fim is not None:  # its plain-text tokenizer, built now rather than on a request
+            tokenizer.encode("", special=False)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -251,7 +253,8 @@ class Server:
         else:
             texts = parsed.prompts
         if parsed.hole is not None:
-            return [self._fill(text, parsed.hole) for text in texts]
+            return [fill_ids(self.tokenizer, self.fim, self.scheduler.max_seq_len, text, parsed.hole)
+                    for text in texts]
         prompts = []
         for text in texts:
             if isinstance(text, list):
@@ -260,14 +263,6 @@ class Server:
             parsing.check_prompt_size(text, self.tokenizer, self.scheduler.max_seq_len)
             prompts.append(self.tokenizer.encode(text))
         return prompts
-
-    def _fill(self, prefix: str | list[int], hole: fim.Hole) -> list[int]:
-        """A fill-in-the-middle prompt's ids (`checkpoints.fim`), if the model can infill."""
-        if self.fim is None:
-            raise SubmissionError(fim.missing_message(self.tokenizer), "suffix")
-        texts = hole.texts() + ([prefix] if isinstance(prefix, str) else [])
-        parsing.check_prompt_size("".join(texts), self.tokenizer, self.scheduler.max_seq_len)
-        return fim.infill_ids(self.tokenizer, self.fim, prefix, hole)
 
     async def _prepare(self, parsed: protocol.ParsedRequest) -> tuple[list[list[int]], Grammar | None]:
         """The prompts' tokens and the answer's grammar. The grammar compiles on the compiler's

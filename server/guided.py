@@ -98,8 +98,9 @@ def _structured_outputs(outputs: Any) -> list[tuple[Spec, str]]:
     for key in _SO_FLAGS:
         if outputs.get(key) is not None and not isinstance(outputs[key], bool):
             raise SubmissionError(f'"{name}".{key} must be true or false', name)
-    found = [(_spec(kind, outputs[key], f"{name}.{key}"), name)
-             for key, kind in _SO_KINDS.items() if outputs.get(key) is not None]
-    if outputs.get("json_object"):
-        found.append((JsonObject(), name))
-    return found
+    keys = [key for key in (*_SO_KINDS, "json_object") if outputs.get(key) not in (None, False)]
+    if len(keys) > 1:
+        raise SubmissionError(f'"{name}" takes one of {", ".join(_SO_KINDS)}, json_object; got '
+                              f'{" and ".join(keys)}', name)
+    return [(JsonObject() if key == "json_object" else
+             _spec(_SO_KINDS[key], outputs[key], f"{name}.{key}"), name) for key in keys]

@@ -13,69 +13,169 @@ each chunk is a `data:` line with its `content` and `"stop": false`, and the las
 
 Sampling fields are cadence's, as on /v1/completions (`temperature`, `top_k`, `top_p`, `min_p`,
 `seed`, `stop`, `ignore_eos`), with llama-server's `n_predict` (-1 or absent: up to the end of
-the context) for `max_tokens`. llama-server's `cache_prompt` is accepted (cadence's prefix cache
-never changes an answer); fields cadence does not do (its `samplers` order, its windowed
-penalties, time limits) are refused by name rather than ignored. Unlike llama-server, a prefix or
-suffix too long for its batch is not cut: a prompt past the context is refused, as every prompt is.
+the context; 0: the prompt only, which warms the prefix cache) for `max_tokens`. What editors
+(llama.vscode, llama.vim) send besides:
+- `n_indent`: a line of the answer indented less than this ends it, before the line's text (the
+  block being completed has ended), and `t_max_predict_ms`: a newline written after this long
+  since the first token ends it. Both are watched here, over the text as it comes
+  (`EditorStops`); the request is cancelled at once, and its slot freed.
+- `response_fields`: the whole answer holds only these (`timings/prompt_n` names a nested one).
+- `samplers`: accepted when it names llama.cpp's samplers, but cadence's order is its own
+  (vLLM's) and llama.cpp's `infill` sampler is not applied; `cache_prompt`, `id_slot` and
+  `t_max_prompt_ms` change nothing here (llama-server ignores the last too).
+Other llama-server fields (its windowed penalties, `n_probs`, ...) are refused by name. Unlike
+llama-server, a prefix or suffix too long for its batch is not cut: a prompt past the context is
+refused, as every prompt is.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from cadence.checkpoints import fim
-from cadence.scheduler.errors import SubmissionError
+from cadence.checkpoints.tokenizer import Tokenizer
+from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import RequestStream
 from cadence.server import parsing, protocol
 from cadence.server.protocol import APIError
 
-_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos")
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "logit_bias")
 _ALLOWED = frozenset({"input_prefix", "input_suffix", "input_extra", "prompt", "model", "stream",
-                      "n_predict", "max_tokens", "cache_prompt", "return_tokens", *_SAMPLING})
+                      "n_predict", "max_tokens", "cache_prompt", "return_tokens", "samplers",
+                      "n_indent", "t_max_predict_ms", "t_max_prompt_ms", "response_fields",
+                      "id_slot", *_SAMPLING})
+# llama.cpp's sampler names (`samplers`' accepted values).
+LLAMA_SAMPLERS = frozenset({"dry", "top_k", "typ_p", "typical_p", "top_p", "min_p", "xtc",
+                            "temperature", "infill", "penalties", "top_n_sigma"})
+MAX_EXTRA_FILES = 4096
 
 
-def parse(body: Any, defaults: parsing.SamplingDefaults) -> protocol.ParsedRequest:
-    """/infill's body into a completion of its prefix with a `fim.Hole`, or SubmissionError."""
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """/infill's own fields, beside the completion they ask for."""
+
+    with_ids: bool = False  # return_tokens: the answer's token ids
+    predict: bool = True  # false: n_predict 0, the prompt only
+    n_indent: int = 0  # 0: off
+    t_max_predict_ms: float = 0.0  # 0: off
+    fields: tuple[str, ...] = ()  # response_fields; empty: all
+
+
+def _names(body: dict, name: str, allowed: frozenset[str] | None = None) -> tuple[str, ...]:
+    values = parsing.field(body, name, (list,), [])
+    if not all(isinstance(v, str) and (allowed is None or v in allowed) for v in values):
+        known = f" of {', '.join(sorted(allowed))}" if allowed else ""
+        raise SubmissionError(f'"{name}" must be an array of names{known}', name)
+    return tuple(values)
+
+
+def _non_negative(body: dict, name: str, types: tuple[type, ...]) -> Any:
+    value = parsing.field(body, name, types, 0)
+    if value < 0:
+        raise SubmissionError(f'"{name}" must be >= 0, got {value}', name)
+    return value
+
+
+def parse(body: Any, defaults: parsing.SamplingDefaults) -> tuple[protocol.ParsedRequest, Options]:
+    """/infill's body: a completion of its prefix with a `fim.Hole`, and its `Options`; or
+    SubmissionError."""
     protocol._known(body, _ALLOWED)
     prefix = parsing.field(body, "input_prefix", (str,))
     suffix = parsing.field(body, "input_suffix", (str,))
     for name, value in (("input_prefix", prefix), ("input_suffix", suffix)):
         if value is None:
             raise SubmissionError(f'"{name}" is required (a string, may be empty)', name)
-    extra = []
-    for chunk in parsing.field(body, "input_extra", (list,), []):
-        if (not isinstance(chunk, dict) or set(chunk) - {"text", "filename"}
-                or not isinstance(chunk.get("text"), str)
-                or not isinstance(chunk.get("filename", ""), str)):
-            raise SubmissionError('"input_extra" must be an array of {"text": string, '
-                                  '"filename": string (optional)}', "input_extra")
-        extra.append(fim.ExtraFile(chunk["text"], chunk.get("filename", "tmp")))
+    chunks = parsing.field(body, "input_extra", (list,), [])
+    if len(chunks) > MAX_EXTRA_FILES or not all(
+            isinstance(c, dict) and not set(c) - {"text", "filename"} and isinstance(c.get("text"), str)
+            and isinstance(c.get("filename", ""), str) for c in chunks):
+        raise SubmissionError(f'"input_extra" must be an array of up to {MAX_EXTRA_FILES} '
+                              '{"text": string, "filename": string (optional)}', "input_extra")
+    extra = tuple(fim.ExtraFile(c["text"], c.get("filename", "tmp")) for c in chunks)
     parsing.field(body, "cache_prompt", (bool,))
+    parsing.field(body, "id_slot", (int,))
+    _non_negative(body, "t_max_prompt_ms", (int, float))
+    _names(body, "samplers", LLAMA_SAMPLERS)
     limit = parsing.field(body, "n_predict", (int,))
     if limit is not None and limit < -1:
         raise SubmissionError(f'"n_predict" must be -1 (no limit) or more, got {limit}', "n_predict")
-    if limit == 0:
-        raise SubmissionError('"n_predict" must be -1 (no limit) or at least 1, got 0', "n_predict")
     given = parsing.field(body, "max_tokens", (int,))  # llama-server's alias; n_predict wins
     if given is not None and given < 1:
         raise SubmissionError(f'"max_tokens" must be >= 1, got {given}', "max_tokens")
     entry = {name: body.get(name) for name in _SAMPLING}
-    entry["max_tokens"] = given if limit is None else (None if limit == -1 else limit)
+    # n_predict 0 computes the prompt (for the prefix cache) and one token no one sees.
+    entry["max_tokens"] = given if limit is None else {-1: None, 0: 1}.get(limit, limit)
     if entry["seed"] == -1:  # llama-server's "any seed": the server's default
         entry["seed"] = None
     params = parsing.generation_params(entry, dataclasses.replace(defaults, max_tokens=None))
-    return protocol.ParsedRequest(
+    parsed = protocol.ParsedRequest(
         model=parsing.field(body, "model", (str,)), prompts=[prefix], messages=None,
         params=params, stream=parsing.field(body, "stream", (bool,), False), include_usage=False,
-        hole=fim.Hole(suffix, parsing.field(body, "prompt", (str,), ""), tuple(extra)))
+        hole=fim.Hole(suffix, parsing.field(body, "prompt", (str,), ""), extra))
+    options = Options(with_ids=parsing.field(body, "return_tokens", (bool,), False),
+                      predict=limit != 0, n_indent=_non_negative(body, "n_indent", (int,)),
+                      t_max_predict_ms=float(_non_negative(body, "t_max_predict_ms", (int, float))),
+                      fields=_names(body, "response_fields"))
+    return parsed, options
+
+
+class EditorStops:
+    """llama-server's two ends for editors, over an answer's text as it comes (`feed` each
+    token's text, `finish` at the end): with `n_indent`, a line after the first whose first
+    character other than a space or tab comes at a smaller indentation ends the answer before
+    that character; with `t_max_predict_ms`, text with a newline, arriving that long after the
+    first token, ends it after that text. A line's indentation is held back until it is judged."""
+
+    def __init__(self, options: Options):
+        self._indent, self._limit_s = options.n_indent, options.t_max_predict_ms / 1e3
+        self._first: float | None = None
+        self._held = ""  # the current line's indentation, not yet judged
+        self._judging = False  # at the start of a line after a newline (with n_indent)
+        self.done = False
+
+    def feed(self, text: str, now: float) -> str:
+        """The part of `text` the answer keeps; `done` once it has ended."""
+        if self._first is None:
+            self._first = now
+        kept = []
+        for ch in text:
+            if self._judging:
+                if ch in " \t":
+                    self._held += ch
+                    continue
+                kept.append(self._held)
+                self._judging = False
+                if len(self._held) < self._indent:
+                    self.done = True
+                    return "".join(kept)
+                self._held = ""
+            kept.append(ch)
+            if ch == "\n" and self._indent:
+                self._judging, self._held = True, ""
+        if "\n" in text and self._limit_s and now - self._first > self._limit_s:
+            self.done = True
+        return "".join(kept)
+
+    def finish(self) -> str:
+        """What is still held at the end (a last line's indentation)."""
+        held, self._held = self._held, ""
+        return held
+
+
+class _End(NamedTuple):
+    record: RequestRecord
+    text: str  # the answer, as kept
+    ids: list[int]  # the tokens that made it (through the one that ended it)
+    limited: bool  # ended by EditorStops
 
 
 class InfillAPI:
@@ -89,8 +189,7 @@ class InfillAPI:
         server = self.server
         body = await server.read_body(request)
         try:
-            parsed = parse(body, server.defaults)
-            with_ids = parsing.field(body, "return_tokens", (bool,), False)
+            parsed, options = parse(body, server.defaults)
         except SubmissionError as e:
             raise APIError(400, str(e), param=e.param) from None
         server.check_model(parsed.model)
@@ -98,46 +197,113 @@ class InfillAPI:
         stream, = (await server.submit(parsed, request_id))[0]
         headers = {"X-Request-Id": request_id}
         if parsed.stream:
-            return StreamingResponse(self._chunks(stream), media_type="text/event-stream",
+            return StreamingResponse(self._chunks(stream, options), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
-        record, = await server.collect(request, [stream])
-        if record.finish_reason == "error":
-            raise APIError(500, f"generation failed: {record.error}", type="server_error")
-        content = self.final(stream, record, with_ids)
-        return JSONResponse(content, headers=headers)
+        steps = self._steps(stream, options)
+        watcher = asyncio.create_task(_watch(request, stream))
+        try:
+            end = [step async for step in steps][-1]
+        finally:
+            watcher.cancel()
+        if end.record.finish_reason == "error":
+            raise APIError(500, f"generation failed: {end.record.error}", type="server_error")
+        answer = self.final(end, options)
+        if options.fields:
+            answer = _selected(answer, options.fields)
+        return JSONResponse(answer, headers=headers)
 
-    def final(self, stream: RequestStream, record: RequestRecord, with_ids: bool,
-              content: str | None = None) -> dict[str, Any]:
-        """The whole answer, or a stream's last chunk (`content` ""), in llama-server's shape."""
-        ids = stream.request.output_ids
-        text = record.text if content is None else content
-        return {"index": 0, "content": text, "tokens": list(ids) if with_ids else [],
-                "id_slot": -1, "stop": True, "model": self.server.model_name,
-                "tokens_predicted": record.output_tokens, "tokens_evaluated": record.prompt_tokens,
-                "has_new_line": "\n" in record.text, "truncated": False,
-                "stop_type": stop_type(record), "stopping_word": record.stop_reason if isinstance(record.stop_reason, str) else "",
-                "tokens_cached": record.prompt_tokens + record.output_tokens,
-                "timings": timings(record)}
-
-    async def _chunks(self, stream: RequestStream) -> AsyncIterator[str]:
-        """A chunk per step (its text may be empty, held back for a stop string, as there),
-        then the totals. Token ids go in every chunk, as llama-server sends them."""
-        predicted, evaluated = 0, len(stream.request.prompt_ids)
+    async def _steps(self, stream: RequestStream, options: Options) -> AsyncIterator[tuple[str, list[int]] | _End]:
+        """Each token's kept text and ids, then the `_End`. A request the editor's stops end
+        is cancelled there; tokens already on their way are dropped."""
+        stops, text, ids = EditorStops(options), [], []
         try:
             async for event in stream:
                 if isinstance(event, TokenEvent):
-                    predicted += len(event.token_ids)
-                    yield _frame({"index": 0, "content": event.text, "tokens": event.token_ids,
-                                  "stop": False, "id_slot": -1, "tokens_predicted": predicted,
-                                  "tokens_evaluated": evaluated})
-                elif event.finish_reason == "error":
-                    yield _frame(APIError(500, f"generation failed: {event.error}",
+                    if stops.done or not options.predict:
+                        continue
+                    kept = stops.feed(event.text, event.time)
+                    text.append(kept)
+                    ids += event.token_ids
+                    yield kept, event.token_ids
+                    if stops.done:
+                        stream.cancel()
+                    continue
+                rest = "" if stops.done else stops.finish()
+                if rest:
+                    text.append(rest)
+                    yield rest, []
+                yield _End(event, "".join(text), ids, stops.done)
+        finally:
+            if stream.record is None:  # the client went away
+                stream.cancel()
+
+    def final(self, end: _End, options: Options, streamed: bool = False) -> dict[str, Any]:
+        """The whole answer, or a stream's last chunk (`streamed`: content ""), in
+        llama-server's shape."""
+        record, n = end.record, len(end.ids)
+        return {"index": 0, "content": "" if streamed else end.text,
+                "tokens": end.ids if options.with_ids and not streamed else [],
+                "id_slot": -1, "stop": True, "model": self.server.model_name,
+                "tokens_predicted": n, "tokens_evaluated": record.prompt_tokens,
+                "has_new_line": "\n" in end.text, "truncated": False,
+                "stop_type": "limit" if end.limited else stop_type(record),
+                "stopping_word": record.stop_reason if isinstance(record.stop_reason, str) else "",
+                "tokens_cached": record.prompt_tokens + n, "timings": timings(record, n)}
+
+    async def _chunks(self, stream: RequestStream, options: Options) -> AsyncIterator[str]:
+        """A chunk per step (its text may be empty, held back for a stop string or an
+        indentation, as there), then the totals. Token ids go in every chunk, as llama-server
+        sends them."""
+        predicted, evaluated = 0, len(stream.request.prompt_ids)
+        async for step in self._steps(stream, options):
+            if isinstance(step, _End):
+                if step.record.finish_reason == "error":
+                    yield _frame(APIError(500, f"generation failed: {step.record.error}",
                                           type="server_error").body())
                 else:
-                    yield _frame(self.final(stream, event, with_ids=False, content=""))
-        finally:
-            if stream.record is None:  # the client went away mid-stream
-                stream.cancel()
+                    yield _frame(self.final(step, options, streamed=True))
+                return
+            text, ids = step
+            predicted += len(ids)
+            yield _frame({"index": 0, "content": text, "tokens": ids, "stop": False, "id_slot": -1,
+                          "tokens_predicted": predicted, "tokens_evaluated": evaluated})
+
+
+async def _watch(request: Request, stream: RequestStream) -> None:
+    """Cancels `stream` if the client hangs up before its whole answer."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stream.cancel()
+
+
+def _selected(answer: dict, paths: tuple[str, ...]) -> dict:
+    """llama-server's `response_fields`: each path ("timings/prompt_n") found, under its own
+    name; the others left out."""
+    out = {}
+    for path in paths:
+        node: Any = answer
+        for key in path.split("/"):
+            if not isinstance(node, dict) or key not in node:
+                break
+            node = node[key]
+        else:
+            out[path] = node
+    return out
+
+
+def fill_ids(tokenizer: Tokenizer, fim_tokens: fim.FimTokens | None, max_seq_len: int,
+             prefix: str | list[int], hole: fim.Hole) -> list[int]:
+    """A fill-in-the-middle prompt's ids (`checkpoints.fim`), if the model can infill. Errors
+    name /infill's field, or completions' (a hole without files is `suffix`'s)."""
+    param = "input_prefix" if hole.extra is not None else "suffix"
+    if fim_tokens is None:
+        raise SubmissionError(fim.missing_message(tokenizer), param)
+    texts = hole.texts() + ([prefix] if isinstance(prefix, str) else [])
+    try:
+        parsing.check_prompt_size("".join(texts), tokenizer, max_seq_len)
+    except RequestTooLong as e:
+        raise RequestTooLong(str(e), param) from None
+    return fim.infill_ids(tokenizer, fim_tokens, prefix, hole)
 
 
 def _frame(payload: dict) -> str:
@@ -152,14 +318,14 @@ def stop_type(record: RequestRecord) -> str:
     return "word" if isinstance(record.stop_reason, str) else "eos"
 
 
-def timings(record: RequestRecord) -> dict[str, float | int]:
+def timings(record: RequestRecord, predicted_n: int) -> dict[str, float | int]:
     """llama-server's `timings`: the prompt's tokens computed (the cached ones not) and the
-    time to the first token since admission; the tokens generated and the time after it."""
+    time to the first token since admission; the `predicted_n` tokens of the answer and the
+    time after the first."""
     start = record.admitted if record.admitted is not None else record.submitted
     first = record.first_token if record.first_token is not None else record.finished
     prompt_n = record.prompt_tokens - record.cached_tokens
     prompt_ms, predicted_ms = (first - start) * 1e3, (record.finished - first) * 1e3
-    predicted_n = record.output_tokens
 
     def rates(n: int, ms: float) -> tuple[float, float]:
         return (ms / n if n else 0.0), (n * 1e3 / ms if ms > 0 else 0.0)

@@ -102,9 +102,10 @@ FIM_ROLES = {"<|fim_prefix|>": -1, "<|fim_suffix|>": -2, "<|fim_middle|>": -3, "
              "<|file_sep|>": -5}
 
 
-def fim_tokenizer_of(config: ModelConfig, roles: dict[str, int] = FIM_ROLES):
+def fim_tokenizer_of(config: ModelConfig, roles: dict[str, int] = FIM_ROLES, **more):
     """The tiny tokenizer with its last pieces (the last merges learned) made control tokens
-    of infill texts (`roles`: text -> index from the end)."""
+    of infill texts (`roles`: text -> index from the end); `more`: GGUF keys besides
+    (`tokenizer.ggml.` left out)."""
     from cadence.checkpoints.tokenizer import Tokenizer
 
     fields = tiny_tokenizer_fields(config)
@@ -116,7 +117,8 @@ def fim_tokenizer_of(config: ModelConfig, roles: dict[str, int] = FIM_ROLES):
     merges = [m for m in fields["tokenizer.ggml.merges"] if m.replace(" ", "") not in gone]
     return Tokenizer.from_gguf_fields({**fields, "tokenizer.ggml.tokens": tokens,
                                        "tokenizer.ggml.token_type": types,
-                                       "tokenizer.ggml.merges": merges})
+                                       "tokenizer.ggml.merges": merges,
+                                       **{f"tokenizer.ggml.{k}": v for k, v in more.items()}})
 
 
 @pytest.fixture(scope="session")

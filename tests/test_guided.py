@@ -105,6 +105,7 @@ def test_a_batch_line_takes_them_too(tiny_tokenizer):
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "not supported"),
     ({"structured_outputs": {"regexp": "a"}}, "structured_outputs", "unknown field"),
     ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs", "true or false"),
+    ({"structured_outputs": {"choice": CHOICES, "json_object": True}}, "structured_outputs", "choice and json_object"),
     ({"guided_decoding_backend": 3}, "guided_decoding_backend", "string"),
     ({"guided_regex": "a", "tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": "required"}, "guided_regex", "forces a call"),

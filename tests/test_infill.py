@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from cadence.checkpoints import fim
+from cadence.server.infill import EditorStops, Options
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.reference import greedy_generate
 from tests.conftest import fim_tokenizer_of, serve_tiny
@@ -65,12 +66,15 @@ def test_the_repository_layout_is_llama_servers(tok, tiny_config):
         f.file_sep, *text(tok, "filename\n"),
         f.prefix, *text(tok, "head"), *tok.encode("mid", add_bos=False), f.suffix,
         *text(tok, "tail"), f.middle]
-    # Without FIM_SEP and FIM_REP, files are parted by llama.cpp's snippet rule.
-    bare = fim_tokenizer_of(tiny_config, {"<PRE>": -1, "<SUF>": -2, "<MID>": -3})
+    # Without FIM_SEP and FIM_REP (CodeLlama), files are parted by llama.cpp's snippet rule, and
+    # a tokenizer's BOS comes after them, before the prefix, where llama-server puts it.
+    bare = fim_tokenizer_of(tiny_config, {"<PRE>": -1, "<SUF>": -2, "<MID>": -3}, add_bos_token=True)
     g = fim.FimTokens.of(bare)
+    assert bare.add_bos and bare.bos_id is not None
     assert fim.infill_ids(bare, g, "h", fim.Hole("t", extra=(fim.ExtraFile("x\n"),))) == [
-        *text(bare, "\n\n--- snippet ---\n\n"), *text(bare, "x\n"), g.prefix, *text(bare, "h"),
-        g.suffix, *text(bare, "t"), g.middle]
+        *text(bare, "\n\n--- snippet ---\n\n"), *text(bare, "x\n"), bare.bos_id, g.prefix,
+        *text(bare, "h"), g.suffix, *text(bare, "t"), g.middle]
+    assert fim.infill_ids(bare, g, "h", fim.Hole("t"))[:2] == [bare.bos_id, g.prefix]
 
 
 def test_control_tokens_in_the_document_are_text_and_in_the_prompt_are_tokens(tok):
@@ -166,9 +170,11 @@ def test_a_stop_string_is_named(url, tok, tiny_params, tiny_config):
 @pytest.mark.parametrize("body, param, fragment", [
     ({"input_suffix": ""}, "input_prefix", "is required"),
     ({"input_prefix": ""}, "input_suffix", "is required"),
-    ({"input_prefix": "", "input_suffix": "", "samplers": ["top_k"]}, "samplers", "unrecognized"),
+    ({"input_prefix": "", "input_suffix": "", "samplers": ["top_k", "beam"]}, "samplers", "array of names"),
+    ({"input_prefix": "", "input_suffix": "", "n_probs": 3}, "n_probs", "unrecognized"),
+    ({"input_prefix": "", "input_suffix": "", "n_indent": -1}, "n_indent", ">= 0"),
+    ({"input_prefix": "", "input_suffix": "", "response_fields": "content"}, "response_fields", "must be an array"),
     ({"input_prefix": "", "input_suffix": "", "input_extra": [{"file": "a"}]}, "input_extra", "array of"),
-    ({"input_prefix": "", "input_suffix": "", "n_predict": 0}, "n_predict", "at least 1"),
     ({"input_prefix": "", "input_suffix": "", "n_predict": -2}, "n_predict", "-1"),
     ({"input_prefix": 3, "input_suffix": ""}, "input_prefix", "must be a string"),
 ])
@@ -182,5 +188,67 @@ def test_a_model_without_infill_tokens_says_so(tiny_engine, tiny_tokenizer):
     with serve_tiny(tiny_engine, tiny_tokenizer) as base:
         r = httpx.post(f"{base}/infill", json={"input_prefix": "a", "input_suffix": "b"}, timeout=60)
         assert r.status_code == 400 and "cannot fill in the middle" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "input_prefix"
         ok = httpx.post(f"{base}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
         assert ok.status_code == 200
+
+
+# -- what editors send ---------------------------------------------------------------------
+
+
+def fed(stops: EditorStops, pieces: list[tuple[str, float]]) -> tuple[str, int]:
+    """The text `stops` keeps of `pieces` (text, time), and how many it read before it ended."""
+    kept = []
+    for k, (text, now) in enumerate(pieces):
+        kept.append(stops.feed(text, now))
+        if stops.done:
+            return "".join(kept), k + 1
+    return "".join(kept) + stops.finish(), len(pieces)
+
+
+def test_a_line_indented_less_than_n_indent_ends_the_answer():
+    four = Options(n_indent=4)
+    # The first line is never judged; the block's lines are; the line that leaves it is cut
+    # before its text (its indentation kept, as llama-server keeps it).
+    assert fed(EditorStops(four), [("x", 0), (" = 1\n", 0), ("    y = 2", 0), ("\n  z", 0), ("ok", 0)]) \
+        == ("x = 1\n    y = 2\n  ", 4)
+    # Indentation split across tokens is held until the line's first character.
+    assert fed(EditorStops(four), [("a\n  ", 0), ("  ", 0), ("b", 0)]) == ("a\n    b", 3)
+    assert fed(EditorStops(four), [("a\n  ", 0), ("\tb", 0)]) == ("a\n  \t", 2)
+    # A blank line is a line at indentation 0; a last line's indentation is given back.
+    assert fed(EditorStops(four), [("a\n\nb", 0)]) == ("a\n", 1)
+    assert fed(EditorStops(four), [("a\n   ", 0)]) == ("a\n   ", 1)
+    assert fed(EditorStops(Options()), [("a\n\nb", 0)]) == ("a\n\nb", 1)
+
+
+def test_a_newline_after_t_max_predict_ms_ends_the_answer():
+    stops = EditorStops(Options(t_max_predict_ms=1000))
+    assert fed(stops, [("a", 10.0), ("b\n", 10.5), ("c", 11.2), ("d\ne", 11.3), ("f", 11.4)]) \
+        == ("ab\ncd\ne", 4)
+
+
+def test_editors_requests_are_served(url, tok):
+    newline = tok.encode("\n", add_bos=False)
+    assert len(newline) == 1
+    body = {"input_prefix": "def f():\n    ", "input_suffix": "\n", "temperature": 0,
+            "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "t_max_prompt_ms": 500,
+            "id_slot": 0}
+    # Forced to write newlines, with n_indent 1: the blank second line ends it, and the
+    # request is cancelled there rather than running to n_predict.
+    r = httpx.post(f"{url}/infill", json={**body, "n_predict": 50, "n_indent": 1, "return_tokens": True,
+                                          "logit_bias": {str(newline[0]): 100}}, timeout=60).json()
+    assert r["content"] == "\n" and r["stop_type"] == "limit"
+    assert r["tokens"] == newline * 2 and r["tokens_predicted"] == 2
+    with httpx.stream("POST", f"{url}/infill", json={**body, "n_predict": 50, "n_indent": 1, "stream": True,
+                                                    "logit_bias": {str(newline[0]): 100}}, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line]
+    assert "".join(c["content"] for c in chunks) == "\n" and chunks[-1]["stop_type"] == "limit"
+    # n_predict 0 computes the prompt only; the next request finds it in the prefix cache.
+    warm = {**body, "input_prefix": "class Warm:\n    def go(self):\n        ", "input_suffix": ""}
+    r = httpx.post(f"{url}/infill", json={**warm, "n_predict": 0}, timeout=60).json()
+    assert r["content"] == "" and r["tokens_predicted"] == 0
+    cold = r["timings"]["cache_n"]  # (the repository's preamble, which every request shares)
+    assert r["timings"]["prompt_n"] > 0
+    r = httpx.post(f"{url}/infill", json={**warm, "n_predict": 2, "response_fields": [
+        "content", "timings/cache_n", "timings/nothing", "truncated"]}, timeout=60).json()
+    assert set(r) == {"content", "timings/cache_n", "truncated"} and r["timings/cache_n"] > cold

@@ -382,3 +382,19 @@ def test_a_gguf_vocabulary_ends_generation_where_llama_cpp_does(tiny_config):
     ids = {t: fim.token_id(t) for t in ("<|repo_name|>", "<|file_sep|>", "<|fim_middle|>")}
     assert {ids["<|repo_name|>"], ids["<|file_sep|>"]} <= fim.eos_ids
     assert ids["<|fim_middle|>"] not in fim.eos_ids
+
+
+def test_a_hugging_face_folder_stops_at_its_fim_separators(tiny_config, tmp_path):
+    """generation_config.json lists a folder's EOS ids; its FIM separators (a new file
+    beginning) end generation too."""
+    from tests.conftest import fim_tokenizer_of
+
+    fim = fim_tokenizer_of(tiny_config)
+    fim.save(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del cfg["eos_token_ids"]  # (cadence's own key: what a downloaded folder lacks)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    folder = Tokenizer.from_hf_dir(tmp_path)
+    separators = {fim.token_id("<|repo_name|>"), fim.token_id("<|file_sep|>")}
+    assert folder.eos_ids == {fim.token_id("<|im_end|>")} | separators
+    assert folder.eos_token == "<|im_end|>"
