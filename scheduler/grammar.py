@@ -355,6 +355,35 @@ class _Job:
         self.done: concurrent.futures.Future = concurrent.futures.Future()
 
 
+def _on_loop(future: concurrent.futures.Future) -> asyncio.Future:
+    """A compile thread's `future` as a future of the running loop, which cancelling leaves the
+    compile alone. Its outcome is handed over only while the loop is open: a compile can outlive
+    the loop of the request that asked for it (a server stopped meanwhile), and
+    `asyncio.wrap_future` would then call into the closed loop from the compile's thread."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def settle() -> None:
+        if waiter.done():  # (cancelled: its caller stopped waiting)
+            return
+        if future.cancelled():
+            waiter.cancel()
+        elif future.exception() is not None:
+            waiter.set_exception(future.exception())
+        else:
+            waiter.set_result(future.result())
+
+    def hand_over(_: concurrent.futures.Future) -> None:
+        try:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # closed between the check and the call
+            pass
+
+    future.add_done_callback(hand_over)
+    return waiter
+
+
 class GrammarCompiler:
     """Compiles specs into `Grammar`s for one model, on threads of its own, with a time limit,
     remembering the last `cached` it compiled (and sharing one compile between requests that
@@ -441,10 +470,10 @@ class GrammarCompiler:
         the compile to finish for whoever else asks for the spec."""
         job = self._job(spec)
         if not job.done.done():  # (a cached one is: its wrapper would finish a loop turn later)
-            started = await asyncio.shield(asyncio.wrap_future(job.started))
-            done = asyncio.shield(asyncio.wrap_future(job.done))
+            started = await _on_loop(job.started)
             try:
-                await asyncio.wait_for(done, max(0.0, started + self.timeout - time.perf_counter()))
+                await asyncio.wait_for(_on_loop(job.done),
+                                       max(0.0, started + self.timeout - time.perf_counter()))
             except TimeoutError:
                 raise self._slow() from None
             except GrammarError:

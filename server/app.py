@@ -4,7 +4,8 @@
 
 Routes: POST /v1/completions and POST /v1/chat/completions (each streaming over Server-Sent
 Events or not) are here; POST /v1/responses and GET /v1/responses/{id} (OpenAI's Responses API,
-on the chat path) are `server/responses_api.py`; the routes that describe the server rather than
+on the chat path) are `server/responses_api.py`; llama-server's own POST /completion and /infill
+are `server/llama_api.py`; the routes that describe the server rather than
 generate (models, /tokenize and /detokenize, /health, /metrics, what sglang-router asks a worker,
 /debug/timeline, /openapi.json) are `server/info_api.py`. /health answers 200 only while the
 engine is warm and alive.
@@ -49,7 +50,7 @@ from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
 from cadence.scheduler.stream import merged
 from cadence.server import client_json, parsing, protocol, reasoning
-from cadence.server.infill import InfillAPI, fill_ids
+from cadence.server.llama_api import LlamaAPI, fill_ids
 from cadence.server.info_api import InfoAPI
 from cadence.server.metrics import Metrics
 from cadence.server.protocol import APIError
@@ -539,7 +540,7 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Seq
             route("/v1/completions", lambda r: server.generate(r, chat=False), ["POST"]),
             route("/v1/chat/completions", lambda r: server.generate(r, chat=True), ["POST"]),
             *ResponsesAPI(server).routes(route),
-            *InfillAPI(server).routes(route),
+            *LlamaAPI(server).routes(route),
             *InfoAPI(server).routes(route),
         ],
         lifespan=server.lifespan,

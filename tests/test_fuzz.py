@@ -253,7 +253,8 @@ def event_stream_problems(body: bytes) -> list[str]:
 
 
 def infill_stream_problems(body: bytes) -> list[str]:
-    """llama-server's /infill stream: `data: <chunk>` frames, the last with "stop": true (no [DONE])."""
+    """llama-server's /infill or /completion stream: `data: <chunk>` frames, the last with
+    "stop": true (no [DONE])."""
     frames = body.split(b"\n\n")
     if frames[-1] != b"" or len(frames) < 2:
         return ["an /infill stream that does not end with a whole frame"]
@@ -316,7 +317,7 @@ def response_problems(exchange: Exchange) -> list[tuple[type[FuzzFailure], str]]
         return problems
     if status == 200 and content_type.startswith("text/event-stream"):
         problems = (event_stream_problems if exchange.path.startswith("/v1/responses") else
-                    infill_stream_problems if exchange.path == "/infill" else sse_problems)
+                    infill_stream_problems if exchange.path in ("/infill", "/completion") else sse_problems)
         return [(BrokenStream, p) for p in problems(exchange.body)]
     return []
 
@@ -349,7 +350,8 @@ def keep_short(case, data) -> None:
         if key in body:
             body[key] = _fold(body[key])
     limit = body.get("n_predict")  # /infill's; absent or -1: to the end of the context
-    if case.path == "/infill" and (limit is None or type(limit) is int and (limit == -1 or limit > MAX_FUZZ_TOKENS)):
+    if case.path in ("/infill", "/completion") and (
+            limit is None or type(limit) is int and (limit == -1 or limit > MAX_FUZZ_TOKENS)):
         body["n_predict"] = data.draw(st.integers(1, MAX_FUZZ_TOKENS), label="n_predict set")
     if case.path == "/v1/chat/completions" and "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = data.draw(st.integers(1, MAX_FUZZ_TOKENS), label="max_tokens added")
@@ -378,6 +380,8 @@ CASES = [  # (path, method, mode, examples); operations without inputs have no n
     ("/v1/chat/completions", "POST", NEGATIVE, 150),
     ("/infill", "POST", POSITIVE, 100),
     ("/infill", "POST", NEGATIVE, 100),
+    ("/completion", "POST", POSITIVE, 100),
+    ("/completion", "POST", NEGATIVE, 100),
     ("/v1/responses", "POST", POSITIVE, 100),
     ("/v1/responses", "POST", NEGATIVE, 100),
     ("/v1/responses/{response_id}", "GET", POSITIVE, 5),

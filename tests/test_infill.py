@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from cadence.checkpoints import fim
-from cadence.server.infill import EditorStops, Options
+from cadence.server.llama_api import EditorStops, Options
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.reference import greedy_generate
 from tests.conftest import fim_tokenizer_of, serve_tiny
@@ -171,7 +171,8 @@ def test_a_stop_string_is_named(url, tok, tiny_params, tiny_config):
     ({"input_suffix": ""}, "input_prefix", "is required"),
     ({"input_prefix": ""}, "input_suffix", "is required"),
     ({"input_prefix": "", "input_suffix": "", "samplers": ["top_k", "beam"]}, "samplers", "array of names"),
-    ({"input_prefix": "", "input_suffix": "", "n_probs": 3}, "n_probs", "unrecognized"),
+    ({"input_prefix": "", "input_suffix": "", "mirostat": 2}, "mirostat", "unrecognized"),
+    ({"input_prefix": "", "input_suffix": "", "repeat_penalty": 1.1}, "repeat_penalty", "only 1"),
     ({"input_prefix": "", "input_suffix": "", "n_indent": -1}, "n_indent", ">= 0"),
     ({"input_prefix": "", "input_suffix": "", "response_fields": "content"}, "response_fields", "must be an array"),
     ({"input_prefix": "", "input_suffix": "", "input_extra": [{"file": "a"}]}, "input_extra", "array of"),

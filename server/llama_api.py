@@ -1,29 +1,33 @@
-"""POST /infill: llama-server's fill-in-the-middle endpoint, for code editors' completion.
+"""llama-server's own endpoints: POST /completion (and /completions) and POST /infill.
 
-    {"input_prefix": "def add(a, b):\\n    ", "input_suffix": "\\n\\nprint(add(1, 2))\\n",
-     "input_extra": [{"filename": "util.py", "text": "..."}], "prompt": "", "n_predict": 64}
+    POST /completion {"prompt": "def add(a, b):", "n_predict": 64, "n_probs": 2}
+    POST /infill     {"input_prefix": "def add(a, b):\\n    ", "input_suffix": "\\n\\nprint(add(1, 2))\\n",
+                      "input_extra": [{"filename": "util.py", "text": "..."}], "prompt": ""}
 
-The model writes what goes between `input_prefix` (then `prompt`, the start of the middle) and
-`input_suffix`, with the repository's other files (`input_extra`) as context, in the layout of
-`checkpoints.fim`, which is llama-server's, so the same request gives the same prompt tokens on
-both. The answer is in llama-server's own (not OpenAI's) shape: `content`, `stop_type`
-("eos", "word" or "limit"), `tokens_predicted`, `tokens_evaluated`, `timings`, ...; streamed,
-each chunk is a `data:` line with its `content` and `"stop": false`, and the last has
-`"stop": true` with the totals (no `[DONE]`, as there).
+/completion continues a prompt (text, or token ids). /infill has the model write what goes
+between `input_prefix` (then `prompt`, the start of the middle) and `input_suffix`, with the
+repository's other files (`input_extra`) as context, in the layout of `checkpoints.fim`, which
+is llama-server's, so the same request gives the same prompt tokens on both. Answers are in
+llama-server's own (not OpenAI's) shape: `content`, `stop_type` ("eos", "word" or "limit"),
+`tokens_predicted`, `tokens_evaluated`, `timings`, with `n_probs` its
+`completion_probabilities`; streamed, each chunk is a `data:` line with its `content` and
+`"stop": false`, and the last has `"stop": true` with the totals (no `[DONE]`, as there).
 
 Sampling fields are cadence's, as on /v1/completions (`temperature`, `top_k`, `top_p`, `min_p`,
-`seed`, `stop`, `ignore_eos`), with llama-server's `n_predict` (-1 or absent: up to the end of
-the context; 0: the prompt only, which warms the prefix cache) for `max_tokens`. What editors
-(llama.vscode, llama.vim) send besides:
+`seed`, `stop`, `ignore_eos`, `logit_bias`), with llama-server's `n_predict` (-1 or absent: up
+to the end of the context; 0: the prompt only, which warms the prefix cache) for `max_tokens`,
+and its `grammar` (GBNF) and `json_schema` (`server.guided`). What editors (llama.vscode,
+llama.vim) send besides:
 - `n_indent`: a line of the answer indented less than this ends it, before the line's text (the
   block being completed has ended), and `t_max_predict_ms`: a newline written after this long
   since the first token ends it. Both are watched here, over the text as it comes
   (`EditorStops`); the request is cancelled at once, and its slot freed.
 - `response_fields`: the whole answer holds only these (`timings/prompt_n` names a nested one).
 - `samplers`: accepted when it names llama.cpp's samplers, but cadence's order is its own
-  (vLLM's) and llama.cpp's `infill` sampler is not applied; `cache_prompt`, `id_slot` and
-  `t_max_prompt_ms` change nothing here (llama-server ignores the last too).
-Other llama-server fields (its windowed penalties, `n_probs`, ...) are refused by name. Unlike
+  (vLLM's) and llama.cpp's `infill` sampler is not applied; `cache_prompt`, `id_slot`,
+  `repeat_last_n` and `t_max_prompt_ms` change nothing here (llama-server ignores the last too).
+llama-server's penalties count over its last `repeat_last_n` tokens, which cadence's do not: they
+are accepted only at the values that turn them off. Other fields are refused by name. Unlike
 llama-server, a prefix or suffix too long for its batch is not cut: a prompt past the context is
 refused, as every prompt is.
 """
@@ -43,16 +47,20 @@ from starlette.routing import Route
 from cadence.checkpoints import fim
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
-from cadence.scheduler.request import RequestRecord, TokenEvent
+from cadence.scheduler.request import RequestRecord, TokenEvent, TokenLogprob
 from cadence.scheduler.scheduler import RequestStream
-from cadence.server import parsing, protocol
+from cadence.server import guided, parsing, protocol
 from cadence.server.protocol import APIError
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "logit_bias")
-_ALLOWED = frozenset({"input_prefix", "input_suffix", "input_extra", "prompt", "model", "stream",
-                      "n_predict", "max_tokens", "cache_prompt", "return_tokens", "samplers",
-                      "n_indent", "t_max_predict_ms", "t_max_prompt_ms", "response_fields",
-                      "id_slot", *_SAMPLING})
+# llama-server's penalties count over its last repeat_last_n tokens, which cadence's do not:
+# accepted at the values that turn them off.
+_NEUTRAL = {"repeat_penalty": 1, "presence_penalty": 0, "frequency_penalty": 0}
+_COMMON = frozenset({"model", "prompt", "stream", "n_predict", "max_tokens", "cache_prompt",
+                     "return_tokens", "samplers", "n_indent", "t_max_predict_ms", "t_max_prompt_ms",
+                     "response_fields", "id_slot", "n_probs", "grammar", "json_schema",
+                     "repeat_last_n", *_NEUTRAL, *_SAMPLING})
+_INFILL = _COMMON | {"input_prefix", "input_suffix", "input_extra"}
 # llama.cpp's sampler names (`samplers`' accepted values).
 LLAMA_SAMPLERS = frozenset({"dry", "top_k", "typ_p", "typical_p", "top_p", "min_p", "xtc",
                             "temperature", "infill", "penalties", "top_n_sigma"})
@@ -61,7 +69,7 @@ MAX_EXTRA_FILES = 4096
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """/infill's own fields, beside the completion they ask for."""
+    """The fields of llama-server's endpoints beside the completion they ask for."""
 
     with_ids: bool = False  # return_tokens: the answer's token ids
     predict: bool = True  # false: n_predict 0, the prompt only
@@ -85,10 +93,18 @@ def _non_negative(body: dict, name: str, types: tuple[type, ...]) -> Any:
     return value
 
 
-def parse(body: Any, defaults: parsing.SamplingDefaults) -> tuple[protocol.ParsedRequest, Options]:
-    """/infill's body: a completion of its prefix with a `fim.Hole`, and its `Options`; or
-    SubmissionError."""
-    protocol._known(body, _ALLOWED)
+def parse_completion(body: Any, defaults: parsing.SamplingDefaults) -> tuple[protocol.ParsedRequest, Options]:
+    """/completion's body (a prompt: text, or token ids), or SubmissionError."""
+    protocol._known(body, _COMMON)
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, str) or protocol._token_ids(prompt)):
+        raise SubmissionError('"prompt" must be a string or an array of token ids', "prompt")
+    return _parse(body, defaults, prompt, None)
+
+
+def parse_infill(body: Any, defaults: parsing.SamplingDefaults) -> tuple[protocol.ParsedRequest, Options]:
+    """/infill's body: a completion of its prefix with a `fim.Hole`, or SubmissionError."""
+    protocol._known(body, _INFILL)
     prefix = parsing.field(body, "input_prefix", (str,))
     suffix = parsing.field(body, "input_suffix", (str,))
     for name, value in (("input_prefix", prefix), ("input_suffix", suffix)):
@@ -101,10 +117,24 @@ def parse(body: Any, defaults: parsing.SamplingDefaults) -> tuple[protocol.Parse
         raise SubmissionError(f'"input_extra" must be an array of up to {MAX_EXTRA_FILES} '
                               '{"text": string, "filename": string (optional)}', "input_extra")
     extra = tuple(fim.ExtraFile(c["text"], c.get("filename", "tmp")) for c in chunks)
+    hole = fim.Hole(suffix, parsing.field(body, "prompt", (str,), ""), extra)
+    return _parse(body, defaults, prefix, hole)
+
+
+def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[int],
+           hole: fim.Hole | None) -> tuple[protocol.ParsedRequest, Options]:
+    """The fields both endpoints share."""
     parsing.field(body, "cache_prompt", (bool,))
     parsing.field(body, "id_slot", (int,))
+    parsing.field(body, "repeat_last_n", (int,))
     _non_negative(body, "t_max_prompt_ms", (int, float))
     _names(body, "samplers", LLAMA_SAMPLERS)
+    for name, off in _NEUTRAL.items():
+        value = parsing.field(body, name, (int, float), off)
+        if value != off:
+            raise SubmissionError(f'"{name}" is not supported here (llama-server counts it over '
+                                  f"its last repeat_last_n tokens); only {off} is accepted. "
+                                  "POST /v1/completions takes OpenAI's and vLLM's penalties", name)
     limit = parsing.field(body, "n_predict", (int,))
     if limit is not None and limit < -1:
         raise SubmissionError(f'"n_predict" must be -1 (no limit) or more, got {limit}', "n_predict")
@@ -117,10 +147,13 @@ def parse(body: Any, defaults: parsing.SamplingDefaults) -> tuple[protocol.Parse
     if entry["seed"] == -1:  # llama-server's "any seed": the server's default
         entry["seed"] = None
     params = parsing.generation_params(entry, dataclasses.replace(defaults, max_tokens=None))
+    probs = _non_negative(body, "n_probs", (int,))
+    params = dataclasses.replace(params, logprobs=probs or None)
+    constraint = guided.constraint(body)  # llama-server's grammar or json_schema
     parsed = protocol.ParsedRequest(
-        model=parsing.field(body, "model", (str,)), prompts=[prefix], messages=None,
+        model=parsing.field(body, "model", (str,)), prompts=[prompt], messages=None,
         params=params, stream=parsing.field(body, "stream", (bool,), False), include_usage=False,
-        hole=fim.Hole(suffix, parsing.field(body, "prompt", (str,), ""), extra))
+        response_format=None if constraint is None else parsing.GrammarRequest(*constraint), hole=hole)
     options = Options(with_ids=parsing.field(body, "return_tokens", (bool,), False),
                       predict=limit != 0, n_indent=_non_negative(body, "n_indent", (int,)),
                       t_max_predict_ms=float(_non_negative(body, "t_max_predict_ms", (int, float))),
@@ -171,21 +204,32 @@ class EditorStops:
         return held
 
 
+class _Step(NamedTuple):
+    text: str  # what the answer keeps of this step's text
+    ids: list[int]
+    probs: list[TokenLogprob] | None  # with n_probs
+
+
 class _End(NamedTuple):
     record: RequestRecord
     text: str  # the answer, as kept
     ids: list[int]  # the tokens that made it (through the one that ended it)
+    probs: list[TokenLogprob] | None
     limited: bool  # ended by EditorStops
 
 
-class InfillAPI:
+class LlamaAPI:
+    """llama-server's native endpoints: POST /completion (and /completions) and /infill."""
+
     def __init__(self, server: Any):  # server.app.Server
         self.server = server
 
     def routes(self, route: Callable[[str, Any, list[str]], Route]) -> list[Route]:
-        return [route("/infill", self.infill, ["POST"])]
+        return [route("/infill", lambda r: self.generate(r, parse_infill, "infill"), ["POST"]),
+                *(route(path, lambda r: self.generate(r, parse_completion, "cmpl"), ["POST"])
+                  for path in ("/completion", "/completions"))]
 
-    async def infill(self, request: Request) -> Response:
+    async def generate(self, request: Request, parse: Callable, prefix: str) -> Response:
         server = self.server
         body = await server.read_body(request)
         try:
@@ -193,29 +237,31 @@ class InfillAPI:
         except SubmissionError as e:
             raise APIError(400, str(e), param=e.param) from None
         server.check_model(parsed.model)
-        request_id = server.request_id(request, "infill")
+        request_id = server.request_id(request, prefix)
         stream, = (await server.submit(parsed, request_id))[0]
         headers = {"X-Request-Id": request_id}
         if parsed.stream:
             return StreamingResponse(self._chunks(stream, options), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
-        steps = self._steps(stream, options)
         watcher = asyncio.create_task(_watch(request, stream))
         try:
-            end = [step async for step in steps][-1]
+            end = [step async for step in self._steps(stream, options)][-1]
         finally:
             watcher.cancel()
         if end.record.finish_reason == "error":
             raise APIError(500, f"generation failed: {end.record.error}", type="server_error")
         answer = self.final(end, options)
+        if end.probs is not None:
+            answer["completion_probabilities"] = self._probs(end.probs)
         if options.fields:
             answer = _selected(answer, options.fields)
         return JSONResponse(answer, headers=headers)
 
-    async def _steps(self, stream: RequestStream, options: Options) -> AsyncIterator[tuple[str, list[int]] | _End]:
-        """Each token's kept text and ids, then the `_End`. A request the editor's stops end
-        is cancelled there; tokens already on their way are dropped."""
+    async def _steps(self, stream: RequestStream, options: Options) -> AsyncIterator[_Step | _End]:
+        """Each token's `_Step`, then the `_End`. A request the editor's stops end is
+        cancelled there; tokens already on their way are dropped."""
         stops, text, ids = EditorStops(options), [], []
+        probs = [] if stream.request.params.logprobs is not None else None
         try:
             async for event in stream:
                 if isinstance(event, TokenEvent):
@@ -224,15 +270,17 @@ class InfillAPI:
                     kept = stops.feed(event.text, event.time)
                     text.append(kept)
                     ids += event.token_ids
-                    yield kept, event.token_ids
+                    if probs is not None:
+                        probs += event.logprobs
+                    yield _Step(kept, event.token_ids, event.logprobs)
                     if stops.done:
                         stream.cancel()
                     continue
                 rest = "" if stops.done else stops.finish()
                 if rest:
                     text.append(rest)
-                    yield rest, []
-                yield _End(event, "".join(text), ids, stops.done)
+                    yield _Step(rest, [], None)
+                yield _End(event, "".join(text), ids, probs, stops.done)
         finally:
             if stream.record is None:  # the client went away
                 stream.cancel()
@@ -250,6 +298,18 @@ class InfillAPI:
                 "stopping_word": record.stop_reason if isinstance(record.stop_reason, str) else "",
                 "tokens_cached": record.prompt_tokens + n, "timings": timings(record, n)}
 
+    def _probs(self, entries: list[TokenLogprob]) -> list[dict]:
+        """llama-server's `completion_probabilities`: each token's id, text, bytes and logprob,
+        with its `n_probs` likeliest alternatives."""
+        raw = self.server.tokenizer.token_bytes
+
+        def token(token_id: int, logprob: float, text: bytes) -> dict:
+            return {"id": token_id, "token": text.decode("utf-8", errors="replace"),
+                    "bytes": list(text), "logprob": logprob}
+
+        return [{**token(e.token_id, e.logprob, e.text.encode("utf-8")),
+                 "top_logprobs": [token(i, v, raw(i)) for i, v in e.top]} for e in entries]
+
     async def _chunks(self, stream: RequestStream, options: Options) -> AsyncIterator[str]:
         """A chunk per step (its text may be empty, held back for a stop string or an
         indentation, as there), then the totals. Token ids go in every chunk, as llama-server
@@ -263,10 +323,12 @@ class InfillAPI:
                 else:
                     yield _frame(self.final(step, options, streamed=True))
                 return
-            text, ids = step
-            predicted += len(ids)
-            yield _frame({"index": 0, "content": text, "tokens": ids, "stop": False, "id_slot": -1,
-                          "tokens_predicted": predicted, "tokens_evaluated": evaluated})
+            predicted += len(step.ids)
+            chunk = {"index": 0, "content": step.text, "tokens": step.ids, "stop": False,
+                     "id_slot": -1, "tokens_predicted": predicted, "tokens_evaluated": evaluated}
+            if step.probs:
+                chunk["completion_probabilities"] = self._probs(step.probs)
+            yield _frame(chunk)
 
 
 async def _watch(request: Request, stream: RequestStream) -> None:

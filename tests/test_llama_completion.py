@@ -1,0 +1,82 @@
+"""llama-server's own /completion (and /completions) on the tiny model: the reference's greedy
+tokens, its shapes whole and streamed, n_probs against /v1/completions' logprobs, a grammar,
+and what it refuses."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from cadence.engine.reference import greedy_generate
+from tests.conftest import serve_tiny
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def url(tiny_engine, tiny_tokenizer):
+    with serve_tiny(tiny_engine, tiny_tokenizer) as base:
+        yield base
+
+
+def test_a_greedy_completion_is_the_references(url, tiny_tokenizer, tiny_params, tiny_config):
+    ids = tiny_tokenizer.encode(PROMPT)
+    want = greedy_generate(tiny_params, tiny_config, ids, 12, tiny_tokenizer.eos_ids)
+    for path, prompt in (("/completion", PROMPT), ("/completions", ids)):
+        r = httpx.post(f"{url}{path}", json={"prompt": prompt, "n_predict": 12, "temperature": 0,
+                                            "return_tokens": True, "cache_prompt": True}, timeout=60).json()
+        assert r["tokens"] == want and r["content"] == tiny_tokenizer.decode(want, skip_special=True)
+        assert r["tokens_evaluated"] == len(ids) and r["tokens_predicted"] == len(want)
+        assert r["stop"] is True and r["stop_type"] == ("limit" if len(want) == 12 else "eos")
+
+
+def test_n_probs_are_the_openai_doors_logprobs(url):
+    body = {"prompt": PROMPT, "temperature": 0}
+    mine = httpx.post(f"{url}/completion", json={**body, "n_predict": 6, "n_probs": 3,
+                                                 "return_tokens": True}, timeout=60).json()
+    openai = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 6, "logprobs": 3,
+                                                       "return_tokens_as_token_ids": True},
+                        timeout=60).json()["choices"][0]["logprobs"]
+    probs = mine["completion_probabilities"]
+    assert [p["id"] for p in probs] == mine["tokens"]
+    assert [f"token_id:{p['id']}" for p in probs] == openai["tokens"]
+    assert [p["logprob"] for p in probs] == pytest.approx(openai["token_logprobs"], abs=1e-6)
+    for p, top in zip(probs, openai["top_logprobs"]):
+        assert len(p["top_logprobs"]) == 3 and p["top_logprobs"][0]["id"] == p["id"]  # greedy
+        assert {f"token_id:{t['id']}": t["logprob"] for t in p["top_logprobs"]} == pytest.approx(top, abs=1e-6)
+        assert bytes(p["bytes"]).decode("utf-8", errors="replace") == p["token"]
+
+
+def test_a_stream_spells_the_whole_answer(url):
+    body = {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "n_probs": 2, "return_tokens": True}
+    whole = httpx.post(f"{url}/completion", json=body, timeout=60).json()
+    with httpx.stream("POST", f"{url}/completion", json={**body, "stream": True}, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line]
+    *steps, last = chunks
+    assert "".join(c["content"] for c in steps) == whole["content"]
+    assert [t for c in steps for t in c["tokens"]] == whole["tokens"]
+    assert [p for c in steps for p in c["completion_probabilities"]] == whole["completion_probabilities"]
+    assert last["stop"] is True and last["tokens_predicted"] == len(whole["tokens"])
+
+
+def test_a_grammar_holds(url):
+    r = httpx.post(f"{url}/completion", json={"prompt": PROMPT, "n_predict": 30, "temperature": 1.0,
+                                             "seed": 2, "grammar": 'root ::= "yes" | "no" | [0-9]{2}'},
+                   timeout=60).json()
+    assert re.fullmatch(r"yes|no|[0-9]{2}", r["content"]) and r["stop_type"] == "eos"
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ({"prompt": ["a", 5]}, "prompt", "string or an array of token ids"),
+    ({}, "prompt", "string or an array of token ids"),
+    ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty", "only 0"),
+    ({"prompt": "a", "input_suffix": "b"}, "input_suffix", "unrecognized"),
+    ({"prompt": "a", "n_probs": -1}, "n_probs", ">= 0"),
+])
+def test_what_it_refuses(url, body, param, fragment):
+    r = httpx.post(f"{url}/completion", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and fragment in r.json()["error"]["message"]
