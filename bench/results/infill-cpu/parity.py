@@ -8,8 +8,10 @@ Both servers load the same GGUF (Qwen2.5-Coder-0.5B-Instruct Q4_K_M). Each case 
 (`tokens_evaluated`) and the answers' tokens are compared. Then each case's prefix and suffix go
 to cadence's `/v1/completions` as `prompt` and `suffix`, and the same prompt, as token ids
 (`<|fim_prefix|>` prefix `<|fim_suffix|>` suffix `<|fim_middle|>`, tokenized by llama-server's
-/tokenize), to llama-server's `/completion`. llama-server runs with a float32 KV cache and no
-flash attention (its CPU flash attention rounds through float16), as cadence computes.
+/tokenize), to llama-server's `/completion`. Last, each case's prefix goes as the same
+`/completion` request (n_probs 3) to both servers, llama-server's own endpoint on each: their
+tokens and log-probabilities are compared. llama-server runs with a float32 KV cache and no flash
+attention (its CPU flash attention rounds through float16), as cadence computes.
 
 Where two answers part, both servers are asked again for the same prompt ids (cadence's
 `checkpoints.fim` layout), greedy with their top two log-probabilities, and the gap between the
@@ -65,6 +67,18 @@ def cadence_serve() -> tuple[list[str], dict]:
             "--num_slots=2", "--max_seq_len=2048", "--served_model_name=m"], env
 
 
+def completion(base: str, case: dict) -> dict:
+    """The same llama-server /completion request on either server: the case's prefix, greedy,
+    with its top 3 log-probabilities."""
+    r = httpx.post(f"{base}/completion", timeout=300, json={
+        "prompt": case["input_prefix"], "n_predict": TOKENS.value, "temperature": 0, "n_probs": 3,
+        "return_tokens": True, "cache_prompt": False})
+    r.raise_for_status()
+    j = r.json()
+    return {"prompt_tokens": j["tokens_evaluated"], "tokens": j["tokens"], "content": j["content"],
+            "top": [{t["id"]: t["logprob"] for t in p["top_logprobs"]} for p in j["completion_probabilities"]]}
+
+
 def infill(base: str, case: dict) -> dict:
     r = httpx.post(f"{base}/infill", timeout=300, json={
         **case, "n_predict": TOKENS.value, "temperature": 0, "return_tokens": True,
@@ -75,9 +89,10 @@ def infill(base: str, case: dict) -> dict:
             "stop_type": j["stop_type"]}
 
 
-def llama_cpp() -> tuple[list[dict], list[dict]]:
+def llama_cpp() -> tuple[list[dict], list[dict], list[dict]]:
     with serving(llama_server(), 8931) as base:
         fills = [infill(base, case) for case in CASES]
+        native = [completion(base, case) for case in CASES]
         plain = []
         for case in CASES:
             def ids(text: str, special: bool = False) -> list[int]:
@@ -91,13 +106,14 @@ def llama_cpp() -> tuple[list[dict], list[dict]]:
                 "cache_prompt": False, "return_tokens": True}).json()
             plain.append({"prompt_tokens": r["tokens_evaluated"], "tokens": r["tokens"],
                           "content": r["content"]})
-    return fills, plain
+    return fills, plain, native
 
 
-def cadence() -> tuple[list[dict], list[dict]]:
+def cadence() -> tuple[list[dict], list[dict], list[dict]]:
     command, env = cadence_serve()
     with serving(command, 8932, env) as base:
         fills = [infill(base, case) for case in CASES]
+        native = [completion(base, case) for case in CASES]
         plain = []
         for case in CASES:
             r = httpx.post(f"{base}/v1/completions", timeout=300, json={
@@ -107,7 +123,7 @@ def cadence() -> tuple[list[dict], list[dict]]:
             choice = r["choices"][0]
             plain.append({"prompt_tokens": r["usage"]["prompt_tokens"], "content": choice["text"],
                           "tokens": [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]})
-    return fills, plain
+    return fills, plain, native
 
 
 def agree(a: list[int], b: list[int]) -> int:
@@ -151,18 +167,30 @@ def main(argv: list[str]) -> None:
     ours, theirs = cadence(), llama_cpp()
     rows = []
     for door, mine, other in (("/infill", ours[0], theirs[0]),
-                              ("suffix vs /completion", ours[1], theirs[1])):
+                              ("suffix vs /completion", ours[1], theirs[1]),
+                              ("/completion", ours[2], theirs[2])):
         for i, (a, b) in enumerate(zip(mine, other)):
             rows.append({"door": door, "case": i, "prompt_tokens": [a["prompt_tokens"], b["prompt_tokens"]],
                          "tokens": [len(a["tokens"]), len(b["tokens"])],
                          "agree_for": agree(a["tokens"], b["tokens"]),
                          "same": a["tokens"] == b["tokens"], "cadence": a["content"],
                          "llama_server": b["content"]})
+            if "top" in a:  # the largest logprob difference over both top-3s, while they agree
+                rows[-1]["max_logprob_diff"] = max(
+                    abs(x[t] - y[t]) for x, y in zip(a["top"][:rows[-1]["agree_for"] + 1],
+                                                     b["top"][:rows[-1]["agree_for"] + 1])
+                    for t in x.keys() & y.keys())
             print(f"{door:22} case {i}: prompt {a['prompt_tokens']} / {b['prompt_tokens']} tokens, "
                   f"answers agree for {rows[-1]['agree_for']} of {len(a['tokens'])} / {len(b['tokens'])}")
     for row in rows:
         if not row["same"]:
-            row["top2_gap_where_they_part"] = gaps(prompt_ids(row["door"], CASES[row["case"]]), row["agree_for"])
+            at = row["agree_for"]
+            if row["door"] == "/completion":  # both sent their top 3: the gaps are there
+                tops = {name: sorted(run[2][row["case"]]["top"][at].values(), reverse=True)
+                        for name, run in (("cadence", ours), ("llama_server", theirs))}
+                row["top2_gap_where_they_part"] = {k: v[0] - v[1] for k, v in tops.items()}
+            else:
+                row["top2_gap_where_they_part"] = gaps(prompt_ids(row["door"], CASES[row["case"]]), at)
             print(f"{row['door']:22} case {row['case']} parts at token {row['agree_for']}: top-2 "
                   f"log-probability gap {row['top2_gap_where_they_part']}")
     Path(OUT.value).write_text(json.dumps({"model": Path(MODEL.value).name, "greedy_tokens": TOKENS.value,
