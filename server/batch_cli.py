@@ -9,12 +9,14 @@ Input, one JSON object a line (blank lines are skipped):
     {"id": 4, "messages": [...], "tools": [{"type": "function", "function": {...}}], "tool_choice": "required"}
 Ids are strings or integers, unique in the file. The optional sampling fields are those of
 `server/parsing.py` (max_tokens, temperature, top_p, top_k, seed, the penalties, logit_bias,
-stop, ignore_eos, cache_salt, priority); absent ones take the flags' defaults. So are OpenAI's
+stop, ignore_eos, stop_token_ids, include_stop_str_in_output, cache_salt, priority); absent
+ones take the flags' defaults. So are OpenAI's
 response_format (or vLLM's guided_* fields and llama-server's grammar, `server.guided`) and,
 with messages, tools, tool_choice and parallel_tool_calls. A job with
 --priority_classes or a priority per line runs its lower numbers first. Output, one JSON object a line, in the order requests finish:
     {"id", "text", "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason",
-     "queue_time", "ttft", "total_time", "prefill_chunks", "decode_steps"}
+     "stop_reason", "queue_time", "ttft", "total_time", "prefill_chunks", "decode_steps"}
+("stop_reason": the stop string or stop token id that ended it, else null, as vLLM's),
 and, where a line with tools was answered with calls, "tool_calls" (the chat API's shape, "text"
 then being the rest of the answer) and finish_reason "tool_calls" (unless it was cut off:
 "length"). A chat line (messages, which may carry "chat_template_kwargs") on a thinking model
@@ -156,6 +158,7 @@ def result_json(job: Job, record: RequestRecord) -> dict[str, Any]:
         "cached_tokens": record.cached_tokens,
         "completion_tokens": record.output_tokens,
         "finish_reason": record.finish_reason,
+        "stop_reason": record.stop_reason,
         "queue_time": seconds(record.queue_time),
         "ttft": seconds(record.ttft),
         "total_time": seconds(record.finished - record.submitted),

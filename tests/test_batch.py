@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DRAFTS = 3
 ENGINE_FLAGS = ["--num_slots=4", "--max_seq_len=256", "--prefill_chunk=32", "--token_budget=160",
                 f"--num_speculative_tokens={DRAFTS}"]
-FIELDS = {"id", "text", "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason", "queue_time",
-          "ttft", "total_time", "prefill_chunks", "decode_steps"}
+FIELDS = {"id", "text", "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason",
+          "stop_reason", "queue_time", "ttft", "total_time", "prefill_chunks", "decode_steps"}
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +98,7 @@ def test_batch_run_matches_the_reference(setup, tmp_path, tiny_config, tiny_para
         assert set(r) == FIELDS
         assert 0 <= r["cached_tokens"] < r["prompt_tokens"]
         assert r["finish_reason"] in ("stop", "length")
+        assert r["stop_reason"] is None  # no stop string or stop id of these lines is written
         assert 0 <= r["queue_time"] <= r["ttft"] <= r["total_time"]
         assert r["prefill_chunks"] == cdiv(r["prompt_tokens"], 32)
         # The first token comes from prefill; a step emits 1 to 1 + DRAFTS more (an EOS that
