@@ -11,8 +11,9 @@ Contract:
   `add_generation_prompt`, `bos_token` and `eos_token`, `tools` (OpenAI's function tools)
   when a request has them, and a request's own (`chat_template_kwargs`: Qwen3's
   `enable_thinking`), which cannot replace those. With no template it renders ChatML.
-- `continue_final(rendered, final)` cuts a chat rendered without a generation prompt after its
-  final message's text, to have the model continue that message (an assistant's prefill).
+- `continue_final(rendered)` cuts a chat rendered without a generation prompt where its final
+  message's text ended (marked with `CONTINUE_MARK`), to have the model continue that message
+  (an assistant's prefill).
 - Any template failure (syntax error, `raise_exception`, undefined variable, sandbox
   violation) becomes a `TokenizerError`, so a bad request maps to a 4xx and never reaches the
   engine.
@@ -119,17 +120,18 @@ def render_chat(template: str | None, messages: Any, *, add_generation_prompt: b
         raise TokenizerError(f"the chat template rejected the messages: {e}") from e
 
 
-def continue_final(rendered: str, final: str) -> str:
-    """`rendered` (a chat rendered without a generation prompt) cut right after the text of its
-    final message, `final`, so that the model goes on writing that message (an assistant's
-    answer begun for it) rather than closing it. Templates may strip the message's surrounding
-    white space; the cut keeps what the template kept. TokenizerError if the template does not
-    write the message's text (it rewrote it)."""
-    core = final.strip()
-    at = rendered.rfind(core) if core else -1
-    if at < 0:
+# Appended to a final message's text before rendering, to find where that text ends in the
+# prompt (`continue_final`): a private-use character no template writes, around a name.
+CONTINUE_MARK = "\ue000cadence-continue\ue000"
+
+
+def continue_final(rendered: str) -> str:
+    """`rendered`, a chat rendered without a generation prompt whose final message's text ended
+    with CONTINUE_MARK, cut where the mark is: the model goes on writing that message (an
+    assistant's answer begun for it) rather than closing it. TokenizerError if the template
+    did not write the mark once (it rewrote the message)."""
+    at = rendered.find(CONTINUE_MARK)
+    if at < 0 or rendered.count(CONTINUE_MARK) != 1:
         raise TokenizerError("the chat template does not write the final message's text as it "
                              "is, so it cannot be continued")
-    kept = final.lstrip()  # the template kept the trailing white space, or stripped it
-    end = at + (len(kept) if rendered.startswith(kept, at) else len(core))
-    return rendered[:end]
+    return rendered[:at]

@@ -149,12 +149,12 @@ class SamplingRows:
 
     def set(self, slot: int, sampling: RequestSampling, stop_ids: Iterable[int] = (),
             logprobs: bool = False) -> None:
-        """Packs one row (the MAX_STOP_TOKENS smallest of `stop_ids`, and whether its request
+        """Packs one row (the first MAX_STOP_TOKENS of `stop_ids`, and whether its request
         wants logprobs); raises (and changes nothing) if a value does not fit its dtype."""
         values = (np.float32(sampling.temperature), np.int32(sampling.top_k),
                   np.float32(sampling.top_p), np.uint32(sampling.seed))
         stops = np.full(MAX_STOP_TOKENS, -1, np.int32)
-        ids = sorted(stop_ids)[:MAX_STOP_TOKENS]
+        ids = list(stop_ids)[:MAX_STOP_TOKENS]
         stops[: len(ids)] = np.asarray(ids, np.int32)
         bias_ids = np.full(MAX_LOGIT_BIAS, NO_TOKEN, np.int32)
         bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)

@@ -60,8 +60,8 @@ class GenerationParams:
     sampling: RequestSampling = RequestSampling()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # the model's EOS does not end it (its stop_token_ids still do)
-    stop_token_ids: tuple[int, ...] = ()  # more tokens that end it (vLLM's), kept in the text
-    include_stop: bool = False  # a stop string that ends it stays in its text (vLLM's)
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end it (vLLM's)
+    include_stop: bool = False  # the stop string or stop id that ends it stays in its text (vLLM's)
     # Requests with different salts never share cached KV pages (vLLM's `cache_salt`): a
     # tenant's prompts cannot be probed by another's timing.
     cache_salt: str | None = None
@@ -251,10 +251,15 @@ class Request:
         self.priority = priority  # lower first (`scheduler.policy`)
         self.max_tokens = max_tokens
         # What ends it on its own: the model's EOS (unless ignored) and the request's stop ids.
-        self.eos_ids = ((frozenset() if params.ignore_eos else tokenizer.eos_ids)
-                        | frozenset(params.stop_token_ids))
-        self._shown_stops = frozenset(t for t in params.stop_token_ids
-                                      if not tokenizer.is_special(t) and t not in tokenizer.eos_ids)
+        model_stops = () if params.ignore_eos else sorted(tokenizer.eos_ids)
+        self.eos_ids = frozenset(model_stops) | frozenset(params.stop_token_ids)
+        # The same, the model's first: what a device row carries (`SamplingRows.set` keeps the
+        # first MAX_STOP_TOKENS), so that many stop ids of its own never push its EOS out.
+        self.device_stops = (*model_stops, *(t for t in params.stop_token_ids if t not in model_stops))
+        # With include_stop_str_in_output, a stop id's text ends the answer (unless it is a
+        # special token), as in vLLM; the model's EOS never shows.
+        self._shown_stops = frozenset(t for t in params.stop_token_ids if params.include_stop
+                                      and not tokenizer.is_special(t) and t not in tokenizer.eos_ids)
         self.emit = emit
         self.state = State.WAITING
         self.slot: int | None = None
@@ -441,8 +446,6 @@ class Request:
             reason = FinishReason.STOP
             if token in self.params.stop_token_ids:
                 self.stop_reason = token
-            # A stop token id's text stays in the output, unless it is a special token (vLLM's
-            # rule); the model's EOS never shows.
             shown = token in self._shown_stops
             delta = (self.detok.add(token) if shown else "") + self.detok.flush()
         else:

@@ -300,7 +300,8 @@ class Server:
                 for k, ids in enumerate(prompts):
                     base = request_id if k == 0 else f"{request_id}-p{k}"
                     names = [base] + [f"{base}-{i}" for i in range(1, len(params))]
-                    groups.append(self.scheduler.submit_group(ids, params, names))
+                    capped = parsed.capped(params, len(ids), self.scheduler.max_seq_len)
+                    groups.append(self.scheduler.submit_group(ids, capped, names))
             except BaseException:
                 for stream in (s for group in groups for s in group):
                     stream.cancel()

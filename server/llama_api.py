@@ -153,7 +153,8 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
     parsed = protocol.ParsedRequest(
         model=parsing.field(body, "model", (str,)), prompts=[prompt], messages=None,
         params=params, stream=parsing.field(body, "stream", (bool,), False), include_usage=False,
-        response_format=None if constraint is None else parsing.GrammarRequest(*constraint), hole=hole)
+        response_format=None if constraint is None else parsing.GrammarRequest(*constraint), hole=hole,
+        limit_is_cap=True)
     options = Options(with_ids=parsing.field(body, "return_tokens", (bool,), False),
                       predict=limit != 0, n_indent=_non_negative(body, "n_indent", (int,)),
                       t_max_predict_ms=float(_non_negative(body, "t_max_predict_ms", (int, float))),
@@ -195,7 +196,9 @@ class EditorStops:
             if ch == "\n" and self._indent:
                 self._judging, self._held = True, ""
         if "\n" in text and self._limit_s and now - self._first > self._limit_s:
-            self.done = True
+            self.done = True  # (all of this text is the answer's, a held indentation too)
+            kept.append(self._held)
+            self._held = ""
         return "".join(kept)
 
     def finish(self) -> str:
@@ -237,6 +240,10 @@ class LlamaAPI:
         except SubmissionError as e:
             raise APIError(400, str(e), param=e.param) from None
         server.check_model(parsed.model)
+        most = server.scheduler.engine.config.max_logprobs
+        if (parsed.params.logprobs or 0) > most:
+            raise APIError(400, f'"n_probs" must be at most {most} (the server\'s --max_logprobs), '
+                                f"got {parsed.params.logprobs}", param="n_probs")
         request_id = server.request_id(request, prefix)
         stream, = (await server.submit(parsed, request_id))[0]
         headers = {"X-Request-Id": request_id}
@@ -272,9 +279,9 @@ class LlamaAPI:
                     ids += event.token_ids
                     if probs is not None:
                         probs += event.logprobs
-                    yield _Step(kept, event.token_ids, event.logprobs)
-                    if stops.done:
+                    if stops.done:  # (before the step goes out: a slow reader holds no slot)
                         stream.cancel()
+                    yield _Step(kept, event.token_ids, event.logprobs)
                     continue
                 rest = "" if stops.done else stops.finish()
                 if rest:
@@ -294,8 +301,10 @@ class LlamaAPI:
                 "id_slot": -1, "stop": True, "model": self.server.model_name,
                 "tokens_predicted": n, "tokens_evaluated": record.prompt_tokens,
                 "has_new_line": "\n" in end.text, "truncated": False,
-                "stop_type": "limit" if end.limited else stop_type(record),
-                "stopping_word": record.stop_reason if isinstance(record.stop_reason, str) else "",
+                # n_predict 0 (nothing predicted) ends where its limit is, whatever its hidden token was
+                "stop_type": "limit" if end.limited or not options.predict else stop_type(record),
+                "stopping_word": record.stop_reason if isinstance(record.stop_reason, str)
+                and options.predict else "",
                 "tokens_cached": record.prompt_tokens + n, "timings": timings(record, n)}
 
     def _probs(self, entries: list[TokenLogprob]) -> list[dict]:

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 from absl import flags
 
-from cadence.checkpoints.chat import continue_final, validate_messages
+from cadence.checkpoints.chat import CONTINUE_MARK, continue_final, validate_messages
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer
@@ -386,10 +386,12 @@ def render_chat(messages: Any, tokenizer: Tokenizer, tools: ToolRequest | None =
         if end.continue_final_message and (final.get("role") != "assistant" or not final.get("content")):
             raise SubmissionError('"continue_final_message" needs a final assistant message '
                                   "with text to continue", "continue_final_message")
+        if end.continue_final_message:  # marked, to cut where its text ends
+            conversation = [*conversation[:-1], {**final, "content": final["content"] + CONTINUE_MARK}]
         conversation, shown = template_inputs(conversation, tokenizer, tools)
         text = tokenizer.apply_chat_template(conversation, tools=shown, variables=variables,
                                              add_generation_prompt=end.add_generation_prompt)
-        return continue_final(text, final["content"]) if end.continue_final_message else text
+        return continue_final(text) if end.continue_final_message else text
     except CheckpointError as e:
         raise SubmissionError(f'"messages": {e}', "messages") from None
 

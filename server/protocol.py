@@ -106,10 +106,21 @@ class ParsedRequest:
     # prompt (`checkpoints.fim`).
     hole: fim.Hole | None = None
     chat_end: parsing.ChatEnd = parsing.ChatEnd()  # chat: a new turn, or the final one continued
+    # llama-server's endpoints: max_tokens (n_predict) is a cap, which a prompt near the end of
+    # the context lowers, rather than a length the context must hold (OpenAI's and vLLM's).
+    limit_is_cap: bool = False
 
     @property
     def parses_tool_calls(self) -> bool:
         return self.tools is not None and self.tools.parses_calls
+
+    def capped(self, params: list[GenerationParams], prompt_len: int, context: int) -> list[GenerationParams]:
+        """`params` for a prompt of `prompt_len` tokens: where the limit is a cap
+        (`limit_is_cap`) that the context cannot hold, up to the end of the context instead."""
+        if not self.limit_is_cap:
+            return params
+        return [p if p.max_tokens is None or prompt_len + p.max_tokens <= context
+                else dataclasses.replace(p, max_tokens=None) for p in params]
 
     def choice_params(self) -> list[GenerationParams]:
         """Each generated sequence's parameters: its own seed (`parsing.choice_seed`), and
@@ -239,8 +250,9 @@ def tokenize_request(body: Any) -> dict:
         parsing.field(body, "messages", (list,))
         parsing.field(body, "add_special_tokens", (bool,))
         parsing.field(body, "return_token_strs", (bool,))
-        if body.get("chat_template_kwargs") is not None and body.get("messages") is None:
-            raise SubmissionError('"chat_template_kwargs" goes with "messages"', "chat_template_kwargs")
+        given = [name for name in parsing.CHAT_FIELDS if body.get(name) is not None]
+        if given and body.get("messages") is None:
+            raise SubmissionError(f'"{given[0]}" goes with "messages"', given[0])
         parsing.template_kwargs(body)
         parsing.chat_end(body)
         return {k: v for k, v in body.items() if v is not None}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from cadence.checkpoints.chat import continue_final
+from cadence.checkpoints.chat import CONTINUE_MARK, continue_final
 from cadence.checkpoints.errors import TokenizerError
 from cadence.engine.reference import greedy_generate
 from cadence.server import parsing
@@ -21,16 +21,22 @@ def url(tiny_engine, tiny_tokenizer):
         yield base
 
 
-def test_the_cut_keeps_what_the_template_wrote():
-    assert continue_final("<u>hi</u><a>It is</a>", "It is") == "<u>hi</u><a>It is"
-    # A template that strips the message keeps no trailing space; one that keeps it, keeps it.
-    assert continue_final("<a>It is</a>", "It is ") == "<a>It is"
-    assert continue_final("<a>It is </a>", "It is ") == "<a>It is "
-    assert continue_final("<a>  It is</a>", "  It is") == "<a>  It is"
-    # The last occurrence: the final message, not an earlier turn that says the same.
-    assert continue_final("<u>yes</u><a>yes</a>", "yes") == "<u>yes</u><a>yes"
+def test_the_cut_is_where_the_final_text_ends():
+    assert continue_final(f"<u>hi</u><a>It is{CONTINUE_MARK}</a>") == "<u>hi</u><a>It is"
     with pytest.raises(TokenizerError, match="cannot be continued"):
-        continue_final("<a>[redacted]</a>", "It is")
+        continue_final("<a>[redacted]</a>")  # a template that rewrote the message
+    with pytest.raises(TokenizerError, match="cannot be continued"):
+        continue_final(f"<a>{CONTINUE_MARK}</a><b>{CONTINUE_MARK}</b>")
+
+
+@pytest.mark.parametrize("begun", [">", "end", "<", "im_end", "assistant", "My favourite is "])
+def test_text_the_template_also_writes_is_cut_after_the_message(tiny_tokenizer, begun):
+    """A begun answer that the template's own text repeats after it ("end", "<"): the prompt
+    still ends right after the message, its trailing space kept."""
+    chat = [BEGUN[0], {"role": "assistant", "content": begun}]
+    closed = parsing.render_chat(chat, tiny_tokenizer, end=parsing.ChatEnd(False, False))
+    assert parsing.render_chat(chat, tiny_tokenizer, end=parsing.ChatEnd(False, True)) \
+        == closed.removesuffix("<|im_end|>\n")
 
 
 def test_the_prompt_ends_inside_the_final_message(tiny_tokenizer):
@@ -83,3 +89,8 @@ def test_sglang_routers_neutral_value_still_passes_on_completions(url):
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2,
                                                   "continue_final_message": False}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_tokenize_takes_them_with_messages_only(url):
+    r = httpx.post(f"{url}/tokenize", json={"prompt": "x", "continue_final_message": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"

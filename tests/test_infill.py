@@ -226,6 +226,9 @@ def test_a_newline_after_t_max_predict_ms_ends_the_answer():
     stops = EditorStops(Options(t_max_predict_ms=1000))
     assert fed(stops, [("a", 10.0), ("b\n", 10.5), ("c", 11.2), ("d\ne", 11.3), ("f", 11.4)]) \
         == ("ab\ncd\ne", 4)
+    # The text that ends it is all kept, an indentation held for n_indent too.
+    both = EditorStops(Options(n_indent=4, t_max_predict_ms=1000))
+    assert fed(both, [("a", 10.0), ("b\n    ", 12.0), ("c", 12.1)]) == ("ab\n    ", 2)
 
 
 def test_editors_requests_are_served(url, tok):
@@ -236,10 +239,16 @@ def test_editors_requests_are_served(url, tok):
             "id_slot": 0}
     # Forced to write newlines, with n_indent 1: the blank second line ends it, and the
     # request is cancelled there rather than running to n_predict.
-    r = httpx.post(f"{url}/infill", json={**body, "n_predict": 50, "n_indent": 1, "return_tokens": True,
-                                          "logit_bias": {str(newline[0]): 100}}, timeout=60).json()
+    answer = httpx.post(f"{url}/infill", json={**body, "n_predict": 50, "n_indent": 1, "return_tokens": True,
+                                               "logit_bias": {str(newline[0]): 100}}, timeout=60)
+    r = answer.json()
     assert r["content"] == "\n" and r["stop_type"] == "limit"
     assert r["tokens"] == newline * 2 and r["tokens_predicted"] == 2
+    # The scheduler's record of it: cancelled there, well short of its 50 tokens.
+    name = answer.headers["X-Request-Id"]
+    timeline = httpx.get(f"{url}/debug/timeline", timeout=60).json()["requests"]
+    record = next(t for t in timeline if t["request_id"] == name)
+    assert record["finish_reason"] == "abort" and record["output_tokens"] < 50
     with httpx.stream("POST", f"{url}/infill", json={**body, "n_predict": 50, "n_indent": 1, "stream": True,
                                                     "logit_bias": {str(newline[0]): 100}}, timeout=60) as s:
         chunks = [json.loads(line[6:]) for line in s.iter_lines() if line]
@@ -247,7 +256,7 @@ def test_editors_requests_are_served(url, tok):
     # n_predict 0 computes the prompt only; the next request finds it in the prefix cache.
     warm = {**body, "input_prefix": "class Warm:\n    def go(self):\n        ", "input_suffix": ""}
     r = httpx.post(f"{url}/infill", json={**warm, "n_predict": 0}, timeout=60).json()
-    assert r["content"] == "" and r["tokens_predicted"] == 0
+    assert r["content"] == "" and r["tokens_predicted"] == 0 and r["stop_type"] == "limit"
     cold = r["timings"]["cache_n"]  # (the repository's preamble, which every request shares)
     assert r["timings"]["prompt_n"] > 0
     r = httpx.post(f"{url}/infill", json={**warm, "n_predict": 2, "response_fields": [

@@ -75,8 +75,22 @@ def test_a_grammar_holds(url):
     ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty", "only 0"),
     ({"prompt": "a", "input_suffix": "b"}, "input_suffix", "unrecognized"),
     ({"prompt": "a", "n_probs": -1}, "n_probs", ">= 0"),
+    ({"prompt": "a", "n_probs": 21}, "n_probs", "--max_logprobs"),
 ])
 def test_what_it_refuses(url, body, param, fragment):
     r = httpx.post(f"{url}/completion", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and fragment in r.json()["error"]["message"]
+
+
+def test_n_predict_is_a_cap_at_the_end_of_the_context(url, tiny_tokenizer, tiny_config):
+    """llama-server's n_predict past the context stops there ("limit"), where OpenAI's
+    max_tokens is refused."""
+    prompt = "word " * 100
+    n = len(tiny_tokenizer.encode(prompt))
+    room = tiny_config.max_context - n
+    r = httpx.post(f"{url}/completion", json={"prompt": prompt, "n_predict": room + 40, "temperature": 0,
+                                             "ignore_eos": True}, timeout=120).json()
+    assert r["stop_type"] == "limit" and r["tokens_predicted"] == room
+    refused = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": room + 40}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"

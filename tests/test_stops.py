@@ -33,9 +33,10 @@ def complete(url: str, **body) -> dict:
     return r.json()
 
 
-def test_a_stop_token_id_ends_the_answer_and_shows(url, tiny_tokenizer):
+def test_a_stop_token_id_ends_the_answer(url, tiny_tokenizer):
     """Sampled (a seeded request draws the same tokens wherever it stops): the answer with a
-    stop id is the free answer up to and with that token."""
+    stop id is the free answer up to and with that token, whose text is left out unless
+    asked for (vLLM's rule)."""
     sampled = {"temperature": 8.0, "seed": 3, "logprobs": 0, "return_tokens_as_token_ids": True}
     free = [int(t[len("token_id:"):]) for t in complete(url, **sampled)["choices"][0]["logprobs"]["tokens"]]
     k = next(i for i, t in enumerate(free) if i >= 2 and not tiny_tokenizer.is_special(t) and t not in free[:i])
@@ -43,21 +44,24 @@ def test_a_stop_token_id_ends_the_answer_and_shows(url, tiny_tokenizer):
     r = complete(url, stop_token_ids=[unused, free[k]], **sampled)
     choice = r["choices"][0]
     assert [int(t[len("token_id:"):]) for t in choice["logprobs"]["tokens"]] == free[:k + 1]
-    assert choice["text"] == tiny_tokenizer.decode(free[:k + 1])  # its text stays (not special)
+    assert choice["text"] == tiny_tokenizer.decode(free[:k])  # the stop id's text is left out
     assert choice["finish_reason"] == "stop" and choice["stop_reason"] == free[k]
+    kept = complete(url, stop_token_ids=[free[k]], include_stop_str_in_output=True, **sampled)
+    assert kept["choices"][0]["text"] == tiny_tokenizer.decode(free[:k + 1])  # unless asked for
     with httpx.stream("POST", f"{url}/v1/completions", json={
             "prompt": PROMPT, "max_tokens": 16, "ignore_eos": True, "stop_token_ids": [free[k]],
-            "stream": True, **sampled}, timeout=60) as s:
+            "include_stop_str_in_output": True, "stream": True, **sampled}, timeout=60) as s:
         chunks = [json.loads(l[6:]) for l in s.iter_lines() if l.startswith("data: {")]
-    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == kept["choices"][0]["text"]
     assert chunks[-1]["choices"][0]["stop_reason"] == free[k]
 
 
 def test_a_special_stop_token_is_not_shown(url, tiny_tokenizer):
     special = tiny_tokenizer.token_id("<|im_start|>")
     assert tiny_tokenizer.is_special(special) and special not in tiny_tokenizer.eos_ids
-    # Biased to come first, it ends the answer at once, and shows nothing.
-    r = complete(url, stop_token_ids=[special], logit_bias={str(special): 100})
+    # Biased to come first, it ends the answer at once, and shows nothing, even when asked.
+    r = complete(url, stop_token_ids=[special], logit_bias={str(special): 100},
+                 include_stop_str_in_output=True)
     choice = r["choices"][0]
     assert choice["text"] == "" and choice["stop_reason"] == special
     assert r["usage"]["completion_tokens"] == 1
