@@ -356,6 +356,14 @@ def template_kwargs(entry: dict) -> dict[str, Any] | None:
 CHAT_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 
 
+def check_chat_fields(entry: dict, chat: bool) -> None:
+    """A chat's own fields (`CHAT_FIELDS`) need a chat: SubmissionError naming the first given
+    to an entry that is not one."""
+    given = [name for name in CHAT_FIELDS if entry.get(name) is not None]
+    if given and not chat:
+        raise SubmissionError(f'"{given[0]}" goes with "messages"', given[0])
+
+
 class ChatEnd(NamedTuple):
     """How a rendered chat ends (vLLM's chat fields): with the template's generation prompt (a
     new assistant turn), or inside the final message, which the model continues."""
@@ -456,9 +464,7 @@ def to_request(
     params = generation_params(entry, defaults)
     is_chat = chat or "messages" in entry
     fmt, tools = structure(entry, is_chat)
-    given = [name for name in CHAT_FIELDS if entry.get(name) is not None]
-    if given and not is_chat:
-        raise SubmissionError(f'"{given[0]}" goes with "messages"', given[0])
+    check_chat_fields(entry, is_chat)
     variables = template_kwargs(entry)
     if "messages" in entry:
         text = render_chat(entry["messages"], tokenizer, tools, variables, chat_end(entry))

@@ -250,9 +250,7 @@ def tokenize_request(body: Any) -> dict:
         parsing.field(body, "messages", (list,))
         parsing.field(body, "add_special_tokens", (bool,))
         parsing.field(body, "return_token_strs", (bool,))
-        given = [name for name in parsing.CHAT_FIELDS if body.get(name) is not None]
-        if given and body.get("messages") is None:
-            raise SubmissionError(f'"{given[0]}" goes with "messages"', given[0])
+        parsing.check_chat_fields(body, body.get("messages") is not None)
         parsing.template_kwargs(body)
         parsing.chat_end(body)
         return {k: v for k, v in body.items() if v is not None}
