@@ -30,10 +30,16 @@ class SchedulerConfig:
     priority_classes: PriorityClasses = PriorityClasses()
     # Per-priority latency targets: a request predicted to miss its class's is refused at once.
     slo: SLO = SLO()
+    # Seconds an iteration should take while requests decode: each iteration's prefill is sized
+    # to it by the fitted cost of an iteration (`scheduler.cost`), so that a long prompt's chunks
+    # stretch no stream's inter-token gap past it. None: chunks are sized by tokens alone.
+    itl_target: float | None = None
     # Speculative decoding's drafts (prompt lookup), when the engine has a verify program
     # (`EngineConfig.speculative_tokens` > 0).
     speculative: SpeculativeConfig = SpeculativeConfig()
 
     def __post_init__(self) -> None:
+        if self.itl_target is not None and not (0 < self.itl_target < float("inf")):
+            raise ValueError(f"itl_target must be positive seconds, got {self.itl_target}")
         if self.kv_reservation not in KV_RESERVATIONS:
             raise ValueError(f"kv_reservation must be one of {KV_RESERVATIONS}, got {self.kv_reservation!r}")

@@ -112,6 +112,8 @@ class Outcomes:
         # (`applying`) it still applies, to requests that are finished by then.
         self._forget(pool.pending, message)
         pool.pending, pool.split = [], None  # (a split step's sampling will not run)
+        if pool is self._prefill_pool:
+            self.cost.forget_in_flight()
         for r in list(pool.running):
             self._finish(r, FinishReason.ERROR, now, message)
         pool.pages.clear_cache()  # recover() rebuilds the KV: no cached page holds its prefix now

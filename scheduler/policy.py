@@ -36,8 +36,12 @@ changes a plan. Otherwise (`order_waiting`, then the chunked policy):
   but while lower classes have prompts prefilling they get at least `lower_share` of it (at
   least one pack block), whatever arrives above them;
 - with a `PrefillLimit` (the scheduler's, from an inter-token target of a class that is
-  decoding), the classes below it prefill at most its tokens together, never less than that
-  floor.
+  decoding), the classes below it prefill at most what keeps the iteration within its seconds
+  by its cost, never less than that floor.
+
+A `PrefillLimit` for every request (an inter-token target for all, `--itl_target`) caps every
+prompt's chunks the same way, at least one pack block an iteration going through. With neither,
+prefill is sized by tokens alone.
 
 Hence the starvation bound: the earliest-admitted request of every class is never preempted
 for priority and decodes every iteration, its class prefills at least `lower_share` of the
@@ -181,12 +185,20 @@ def protected(running: Sequence[Request]) -> set[Request]:
 
 @dataclasses.dataclass(frozen=True)
 class PrefillLimit:
-    """This iteration, requests of a priority worse than `priority` prefill at most `tokens`
-    together (never less than their `lower_share` floor): what keeps the decode step of
-    `priority` and better within their inter-token target (`scheduler.priority`)."""
+    """This iteration's prefill takes at most `seconds` by `cost` (of a plan's chunks, as
+    (start, length) pairs: `scheduler.cost`) where it takes chunks of requests of a priority
+    worse than `priority` (of every request: None), but those take at least a floor of tokens:
+    one pack block for the best priority prefilling, `lower_share` of the budget for the worse
+    ones. What keeps the iteration, and so the gap between two tokens of each stream decoding in
+    it, within an inter-token target (`--itl_target`, or a priority's `--slo_itl`:
+    `scheduler.priority`)."""
 
-    priority: int
-    tokens: int
+    priority: int | None
+    seconds: float
+    cost: Callable[[Sequence[tuple[int, int]]], float]
+
+    def limits(self, r: Request) -> bool:
+        return self.priority is None or r.priority > self.priority
 
 
 def make_plan(
@@ -354,37 +366,54 @@ def _chunked(running, waiting, free_slots, config, pages, limit=None) -> Plan:
     if lower:
         wanted = sum(config.padded(min(config.chunk, r.prefill_len - r.prefilled)) for r in lower)
         reserve = min(wanted, floor, budget)
-    # Below the limit's priority, at most its tokens, and never less than the floor.
-    capped = _Cap(limit.priority, max(floor, limit.tokens // block * block)) if limit else None
-    # Capped too, the best ones leave the lower ones their reserve out of the cap.
-    left = _fill(plan, best, budget - reserve, config, capped, keep=reserve)
-    _fill(plan, lower, left + reserve, config, capped)
+    cap = _Cap(limit) if limit else None
+    if cap and lower and limit.limits(best[0]):  # the best leave the lower their reserve
+        cap.keep = limit.cost([(lower[0].prefilled, reserve)])
+    # Progress under the cap: a class below a decoding one keeps its share; under a target for
+    # everyone, the best prefilling class takes at least one block.
+    left = _fill(plan, best, budget - reserve, config, cap,
+                 floor=block if limit and limit.priority is None else floor)
+    if cap:
+        cap.keep = 0.0
+    _fill(plan, lower, left + reserve, config, cap, floor=floor)
     return plan
 
 
 @dataclasses.dataclass
 class _Cap:
-    priority: int  # requests of a worse priority share `tokens`
-    tokens: int
+    limit: PrefillLimit
+    keep: float = 0.0  # seconds of it the requests being filled leave to those after them
+
+    def tokens(self, r: Request, room: int, plan: Plan, config: PolicyConfig) -> int:
+        """The most of `room` (padded tokens) whose chunk of `r`, beside the plan's, keeps its
+        prefill within the limit."""
+        seconds = self.limit.seconds - self.keep
+        planned = [(c.start, c.length) for c in plan.prefill]
+        for n in range(room // config.pack_block * config.pack_block, 0, -config.pack_block):
+            length = min(n, config.chunk, r.prefill_len - r.prefilled)
+            if self.limit.cost([*planned, (r.prefilled, length)]) <= seconds:
+                return config.padded(length)
+        return 0
 
 
 def _fill(plan: Plan, requests: list[Request], budget: int, config: PolicyConfig,
-          cap: _Cap | None = None, keep: int = 0) -> int:
+          cap: _Cap | None = None, floor: int = 0) -> int:
     """Adds chunks of `requests`, in order, within `budget` padded tokens (and, for those
-    below `cap`'s priority, within its tokens but `keep`); returns what is left of `budget`."""
+    `cap` limits, within its seconds, but together at least `floor` tokens); returns what is
+    left of `budget`."""
     for r in requests:
         if budget <= 0:
             break
         room = min(budget, config.padded(config.chunk))
-        limited = cap is not None and r.priority > cap.priority
+        limited = cap is not None and cap.limit.limits(r)
         if limited:
-            room = min(room, cap.tokens - keep)
+            room = min(room, max(floor, cap.tokens(r, room, plan, config)))
         chunk = _chunks(r, r.prefilled, room, config.chunk, config.pack_block)
         plan.prefill.extend(chunk)
         used = sum(config.padded(c.length) for c in chunk)
         budget -= used
         if limited:
-            cap.tokens -= used
+            floor = max(0, floor - used)
     return budget
 
 

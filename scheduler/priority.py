@@ -19,12 +19,15 @@ at once (HTTP 429 with Retry-After: the seconds by which the queue ahead of it m
 queueing it would only make it, and everything behind it, miss. Until the server has measured a
 rate, everything is admitted.
 
-An inter-token (ITL) target shapes the plan first: while requests of a priority with one are
-decoding, the prompts of worse priorities prefill at most what an iteration can carry within
-the target (`prefill_tokens_within`, from a line fitted through recent iterations; never less
-than their `lower_share` floor). What that cannot save is refused: a request is refused while
-the recent decode step exceeds by the margin the target of a better priority that is running,
-or its own when nothing worse is running (when something is, the cap is what serves it).
+An inter-token (ITL) target shapes the plan first (`prefill_limit`): while requests of a
+priority with one are decoding, the prompts of worse priorities prefill at most what the
+iteration can carry within the target, by the scheduler's fitted cost of an iteration
+(`scheduler.cost`), never less than their `lower_share` floor. What that cannot save is
+refused: a request is refused while the recent decode step exceeds by the margin the target of
+a better priority that is running, or its own when nothing worse is running (when something
+is, the cap is what serves it). The scheduler's `itl_target` (`--itl_target`) is such a target
+for every request, without refusals: while anything decodes, the prefill of every prompt is
+sized to it (at least one pack block an iteration, so prompts always move).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
+from cadence.scheduler.cost import IterationCost
 from cadence.scheduler.policy import PrefillLimit
 from cadence.scheduler.request import Request, State
 
@@ -171,26 +175,6 @@ class AdmissionControl:
         steps = sum(s.decode_steps for s in decoded)
         return sum(s.wall for s in decoded) / steps if steps else None
 
-    def prefill_tokens_within(self, seconds: float) -> int | None:
-        """The most prompt tokens an iteration can carry and still take `seconds`, from a
-        least-squares line (iteration wall = base + per-token cost x prompt tokens) through the
-        recent single-step iterations; None until it can be drawn. When the tokens barely vary
-        (a saturated server), the whole wall is charged to them: a smaller answer, never a
-        larger one, and the iterations it shapes then vary enough to fit."""
-        samples = [s for s in self._recent() if s.decode_steps <= 1]
-        if not any(s.prefill_tokens for s in samples):
-            return None
-        x = [float(s.prefill_tokens) for s in samples]
-        y = [s.wall for s in samples]
-        mx, my = sum(x) / len(x), sum(y) / len(y)
-        var = sum((v - mx) ** 2 for v in x)
-        slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / var if var > 0 else 0.0
-        if var < (0.1 * mx) ** 2 * len(x) or slope <= 0:
-            slope, base = my / mx, 0.0
-        else:
-            base = max(0.0, my - slope * mx)
-        return max(0, int((seconds - base) / slope))
-
     def check(self, priority: int, tokens_ahead: int, running: frozenset[int] = frozenset()
               ) -> Rejection | None:
         """Whether to refuse a request of `priority` with `tokens_ahead` prompt tokens to
@@ -246,12 +230,18 @@ def tokens_ahead(r: Request, backlog: dict[int, tuple[int, int]], inbox: Iterabl
     return ahead + sum(q.prompt_len for q in inbox if q.priority <= r.priority) + r.prompt_len
 
 
-def prefill_limit(slo: SLO, admission: AdmissionControl, running: Iterable[Request]) -> PrefillLimit | None:
-    """With inter-token targets: while requests of targeted priorities decode, the prompt
-    tokens worse priorities may prefill within the tightest of their targets."""
-    targets = slo.itl
-    decoding = {r.priority for r in running if r.state is State.DECODING} & targets.keys()
-    if not decoding:
+def prefill_limit(slo: SLO, target: float | None, cost: IterationCost, running: Iterable[Request]
+                  ) -> PrefillLimit | None:
+    """The prefill cap for the next iteration: with `target` (seconds, the scheduler's
+    `itl_target`) every request's prefill, while anything decodes; with inter-token targets of
+    priorities that are decoding, the prefill of worse ones, within the tightest. None while
+    neither applies, or while `cost` has no model yet."""
+    decoding = [r for r in running if r.state is State.DECODING]
+    targeted = {r.priority for r in decoding} & slo.itl.keys()
+    seconds = [slo.itl[p] for p in targeted] + ([target] if target is not None and decoding else [])
+    if not seconds:
         return None
-    tokens = admission.prefill_tokens_within(min(targets[p] for p in decoding))
-    return None if tokens is None else PrefillLimit(max(decoding), tokens)
+    budget = cost.prefill_seconds(min(seconds), decoding)
+    if budget is None:
+        return None
+    return PrefillLimit(None if target is not None else max(targeted), budget, cost.prefill)

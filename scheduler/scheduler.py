@@ -70,6 +70,7 @@ from absl import logging
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.api import EngineAPI
 from cadence.scheduler.config import KV_RESERVATIONS, SchedulerConfig  # noqa: F401 - importers' names
+from cadence.scheduler.cost import IterationCost
 from cadence.scheduler.dispatch import Dispatch
 from cadence.scheduler.handoff import Handoff, KVTransfer, check_pair  # noqa: F401 - importers' names
 from cadence.scheduler.kv_manager import Pool
@@ -145,6 +146,9 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
         # Submissions refused for load, by reason: "queue_full", "ttft_slo", "itl_slo".
         self.rejections: collections.Counter[str] = collections.Counter()
         self.admission = AdmissionControl(config.slo)
+        # What the admitting pool's iterations cost, fitted as they run: sizes prefill to an
+        # inter-token target (`--itl_target`, `--slo_itl`).
+        self.cost = IterationCost(engine.config.pack_block, engine.config.prefill_buckets)
         # Per priority: (requests waiting, prompt tokens waiting or mid-prefill), as of the last
         # iteration (read by submitters and metrics, written by the admitting loop).
         self._backlog: dict[int, tuple[int, int]] = {}
@@ -329,6 +333,9 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
             values = [np.asarray(p.tokens) for p in previous]
         finally:
             self._state.acquire()
+        timed = pool is self._prefill_pool
+        if timed and previous:
+            self.cost.ready(time.monotonic())
         self._apply(previous, values)
         pool.applying = []
         pool.publish_running()
@@ -344,6 +351,8 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
         self._reserve(pool, plan)
         if drafts:
             self._dispatch_verify(plan, pool, drafts)
+            if timed:  # its results are `current`, awaited below
+                self.cost.dispatched(None, start)
         else:
             self._dispatch_decode(plan, pool, pool.rows.params())
         current = pool.begin() if drafts else []
@@ -359,7 +368,8 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
         waiting = [r for r in self._waiting
                    if not r.unapplied and not r.compiling and not r.awaits_parent]
         return make_plan(pool.running, waiting, len(pool.free_slots), self.config.policy,
-                         pool.page_budget(), prefill_limit(self.config.slo, self.admission, pool.running))
+                         pool.page_budget(),
+                         prefill_limit(self.config.slo, self.config.itl_target, self.cost, pool.running))
 
     def _finish_iteration(self, pool: Pool, previous: list[Pending], start: float, plan: Plan,
                           programs: int, chunks: int, handoffs: int = 0) -> bool:
@@ -367,6 +377,8 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
         goes on meanwhile), applies them, and records the iteration if anything ran."""
         values = [np.asarray(p.tokens) for p in previous]  # waits only if still running
         with self._state:
+            if pool is self._prefill_pool:
+                self._timed(previous, pool, plan, start)
             accepted = self._apply(previous, values)
             pool.applying = []
             if pool.split is not None:  # a decode step whose sampling waited for these tokens
@@ -401,6 +413,15 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
                                record.decode_steps)
         notify(self.iteration_listeners, record)
         return True
+
+    def _timed(self, previous: list[Pending], pool: Pool, plan: Plan, start: float) -> None:
+        """Tells the cost model that the previous plan's results are in, and what this
+        iteration dispatched (a plan of one decode step and no drafts to learn from)."""
+        if previous:
+            self.cost.ready(time.monotonic())
+        if pool.pending:
+            plain = plan.steps == 1 and not plan.drafted
+            self.cost.dispatched(self.cost.work(plan) if plain else None, start)
 
     def _take_inbox(self) -> None:
         with self._lock:

@@ -41,6 +41,15 @@ TOKEN_BUDGET = flags.DEFINE_integer(
     "token_budget", None, "Tokens per iteration, decode + prefill (default: prefill_chunk + num_slots)."
 )
 POLICY = flags.DEFINE_enum("policy", "chunked", POLICIES, "Iteration policy.")
+ITL_TARGET = flags.DEFINE_float(
+    "itl_target", None,
+    "Seconds an iteration should take while requests decode (chunked policy): each iteration's "
+    "prefill is sized to it by the measured cost of the server's recent iterations, its chunks "
+    "at a long prompt's end smaller than at its start, so that a long prompt stretches no "
+    "stream's gap between tokens past it; at least one pack block of prompt an iteration. "
+    "Default: chunks sized by --prefill_chunk and --token_budget alone.")
+flags.register_validator("itl_target", lambda v: v is None or 0 < v < float("inf"),
+                         "--itl_target must be positive seconds")
 DECODE_STEPS = flags.DEFINE_integer(
     "decode_steps", 1,
     "Most decode steps one dispatch runs when an iteration has only decoding to do (every "

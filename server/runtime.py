@@ -43,7 +43,7 @@ from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from cadence.scheduler.speculative import SpeculativeConfig
 from cadence.server import memory
 from cadence.server.flags import (ATTENTION, COORDINATOR, CPU_ACTIVATIONS, CPU_KERNELS, DECODE_DEVICES,
-                                  DECODE_STEPS, DTYPE, GRAMMAR_TIMEOUT, KV_DTYPE, KV_MEMORY,
+                                  DECODE_STEPS, DTYPE, GRAMMAR_TIMEOUT, ITL_TARGET, KV_DTYPE, KV_MEMORY,
                                   KV_RESERVATION, LAYER_LOOP, LOWER_SHARE, MAX_LOGPROBS, MAX_PREFILL_CHUNKS,
                                   MAX_QUEUE, MAX_SEQ_LEN, MODEL_FLAG, NUM_CPU_DEVICES,
                                   NUM_PROCESSES, NUM_SLOTS, NUM_SPECULATIVE_TOKENS, PAGE_SIZE,
@@ -339,7 +339,7 @@ def scheduler_config_from_flags(model_name: str) -> SchedulerConfig:
     return SchedulerConfig(policy=policy, max_queue=MAX_QUEUE.value,
                            kv_reservation=KV_RESERVATION.value, prefix_caching=PREFIX_CACHING.value,
                            cache_namespace=f"{model_name}/{WEIGHTS.value}/{DTYPE.value}",
-                           priority_classes=classes, slo=slo,
+                           priority_classes=classes, slo=slo, itl_target=ITL_TARGET.value,
                            speculative=SpeculativeConfig(PROMPT_LOOKUP_MIN.value, PROMPT_LOOKUP_MAX.value))
 
 

@@ -18,7 +18,7 @@ import random
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -86,6 +86,18 @@ class Decode:
     steps: int = 1
 
 
+class Later:
+    """A result its device is still computing: `np.asarray` waits until `ready_at`
+    (`time.monotonic()`), as reading a dispatched JAX array waits for its program."""
+
+    def __init__(self, array: np.ndarray, ready_at: float):
+        self.array, self.ready_at = array, ready_at
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        time.sleep(max(0.0, self.ready_at - time.monotonic()))
+        return self.array if dtype is None else self.array.astype(dtype)
+
+
 class FakeEngine:
     """The engine contract, in NumPy, with a deterministic "model" over each sequence's content.
 
@@ -96,7 +108,8 @@ class FakeEngine:
                  page_size: int = 16, num_pages: int | None = None,
                  script: dict[tuple[int, ...], list[int]] | None = None, eos_one_in: int = 0,
                  decode_delay: float = 0.0, decode_steps: int = 1, speculative_tokens: int = 0,
-                 speculative_batch: int = 4, quoting: bool = False):
+                 speculative_batch: int = 4, quoting: bool = False,
+                 device_seconds: Callable[[list, int], float] | None = None):
         self.config = EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len,
                                    prefill_chunk=prefill_chunk, page_size=page_size,
                                    num_pages=num_pages, decode_steps=decode_steps,
@@ -115,6 +128,10 @@ class FakeEngine:
         # previous occurrence (so prompt-lookup drafts are often right, and sometimes wrong).
         self.quoting = quoting
         self.decode_delay = decode_delay
+        # A device that takes time: `device_seconds(chunks, decode_rows)` for each program,
+        # run one after another from its dispatch; its results are `Later` until then.
+        self.device_seconds = device_seconds
+        self._device_free = 0.0
         self.fail_decode_call: int | None = None  # the index of a decode call that raises
         self.fail_prefill_call: int | None = None  # ... of a prefill call
         self.fail_insert_call: int | None = None  # ... of an insert
@@ -224,7 +241,15 @@ class FakeEngine:
             if c.final:
                 self.last_tokens[c.slot] = tokens[i]
         self.prefill_calls += 1
-        return PrefillTokens([(tokens, len(chunks))])
+        return PrefillTokens([(self._later(tokens, chunks, 0), len(chunks))])
+
+    def _later(self, tokens: np.ndarray, chunks: list, decode_rows: int):
+        """`tokens`, or with `device_seconds` those tokens when the program would be done."""
+        if self.device_seconds is None:
+            return tokens
+        self._device_free = (max(time.monotonic(), self._device_free)
+                             + self.device_seconds(chunks, decode_rows))
+        return Later(tokens, self._device_free)
 
     def decode(self, positions, active, sampling, page_table, steps=1) -> np.ndarray:
         """Like the engine's: `steps` steps, a slot ending at one of its stop ids (and writing
@@ -257,7 +282,7 @@ class FakeEngine:
                     self._content(page_table[i], p + 1), seed)
         if self.decode_calls in self.poison:
             tokens[0, self.poison[self.decode_calls]] = 2**31 - 1  # no such token
-        return tokens
+        return self._later(tokens, [], len(slots))
 
     def verify(self, positions, active, sampling, page_table, drafts, draft_lens,
                allowed=None) -> DecodeTokens:
