@@ -6,7 +6,7 @@
         await stream_into(result, http, target, spec, t0)
 
 Each request goes to `/v1/chat/completions` (or `/v1/completions`) with `stream: true` and
-`stream_options.include_usage`. For every Server-Sent Event that carries output text it records
+`stream_options.include_usage` (and vLLM's `continuous_usage_stats`). For every Server-Sent Event that carries output text it records
 the arrival time (time.perf_counter(), seconds from the run's t0) and the text. Token counts
 come from the last `usage` object the server sends (the final usage chunk, or the last of the
 cumulative per-chunk usages some servers send); usage is never summed and never re-derived by
@@ -71,7 +71,9 @@ class Target:
     def body(self, spec: RequestSpec) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model, "max_tokens": spec.max_tokens, "temperature": self.temperature,
-            "stream": True, "stream_options": {"include_usage": True},
+            # continuous_usage_stats (vLLM's, and cadence's): usage on every chunk, so each
+            # message's tokens are counted, not estimated; other servers ignore it.
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
         if self.endpoint == "chat":
             turns = spec.messages or (("user", spec.prompt),)

@@ -119,7 +119,8 @@ def token_gaps(r: RequestResult, window: Window) -> list[float]:
 
 def chat_itl(results: Sequence[RequestResult], window: Window, chat_classes: set[str]) -> dict:
     streams = [r for r in results if r.cls in chat_classes and r.message_times]
-    exact = all(r.tokens_exact and all(k == 1 for k in r.message_tokens()) for r in streams)
+    counted = all(r.tokens_exact for r in streams)
+    exact = counted and all(all(k == 1 for k in r.message_tokens()) for r in streams)
     tokens = [g for r in streams for g in token_gaps(r, window)]
     messages = [g for r in streams for g in message_gaps(r, window)]
     both = [deliveries(r, window) for r in streams]
@@ -128,6 +129,7 @@ def chat_itl(results: Sequence[RequestResult], window: Window, chat_classes: set
         "population": f"gaps between consecutive output messages of {sorted(chat_classes)} streams "
                       f"whose later message arrived in [{window[0]:g}, {window[1]:g}) s",
         "basis": "exact: one token per message" if exact else
+                 "counted: a message of k tokens (usage per message) counts k gaps of gap/k" if counted else
                  "estimate: chunk-normalized (a k-token message counts k gaps of gap/k)",
         **distribution(tokens, (50, 99), with_max=True),
         "message_gaps_s": distribution(messages, (50, 99), with_max=True),

@@ -356,7 +356,7 @@ class Server:
         tools = parsed.tools if parsed.parses_tool_calls else None
         if parsed.stream:
             frames = self._sse(groups, request_id, chat, parsed.include_usage, echoes, tools,
-                               parsed.tokens_as_ids, parsed.reasoning_inside)
+                               parsed.tokens_as_ids, parsed.reasoning_inside, parsed.continuous_usage)
             return StreamingResponse(frames, media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         streams = [s for g in groups for s in g]
@@ -406,7 +406,7 @@ class Server:
     async def _sse(self, groups: list[list[RequestStream]], request_id: str, chat: bool,
                    include_usage: bool, echoes: list[protocol.Echo | None],
                    tools: ToolRequest | None = None, tokens_as_ids: bool = False,
-                   reasoning_inside: bool | None = None) -> AsyncIterator[str]:
+                   reasoning_inside: bool | None = None, continuous: bool = False) -> AsyncIterator[str]:
         """The streams' events as SSE frames, each choice's chunks under its index (prompt by
         prompt, then choice: streamed requests have no best_of, so stream i is choice i).
         Every event waiting when the loop gets to this request goes out in one write: when the
@@ -417,7 +417,8 @@ class Server:
         content, calls as `tool_calls` deltas, and "tool_calls" as the finish reason of an
         answer with calls that was not cut off. `tokens_as_ids`: logprobs name tokens by id.
         `reasoning_inside` (chat; None: not split): each choice's text goes first through a
-        `ReasoningParser`, its reasoning streamed as `reasoning_content`, the rest as content."""
+        `ReasoningParser`, its reasoning streamed as `reasoning_content`, the rest as content.
+        `continuous`: every chunk carries its choice's usage so far (vLLM's)."""
         created, name = int(time.time()), self.model_name
         streams = [s for group in groups for s in group]
         # Each stream's prompt: its echo, and the stream that computes the prompt's logprobs.
@@ -432,6 +433,12 @@ class Server:
         logprobs = [protocol.LogprobFormat(self.tokenizer, chat, tokens_as_ids) for _ in streams]
         parsers = [ToolCallParser(tools.names) if tools else None for _ in streams]
         records: list[RequestRecord | None] = [None] * len(streams)
+        counted = [0] * len(streams)  # each choice's tokens so far
+
+        def framed(i: int, chunk: dict) -> None:
+            if continuous:
+                chunk["usage"] = protocol.usage_so_far(streams[i].request.prompt_len, counted[i])
+            frames.append(protocol.frame(chunk))
 
         def emit(i: int, thought: str, text: str, lp: dict | None = None, always: bool = False,
                  delta: Delta | None = None) -> None:
@@ -444,10 +451,11 @@ class Server:
                 delta = parsers[i].feed(text)
             if delta is not None:
                 text, calls = delta.content, delta.tool_calls
-            if always or calls or (chat and first[i] and (records[i] is None or text or thought)):
-                frames.append(protocol.frame(protocol.chunk(
+            whole = always or calls or (chat and first[i] and (records[i] is None or text or thought))
+            if whole or (continuous and (text or thought)):  # (usage goes in a whole chunk)
+                framed(i, protocol.chunk(
                     request_id, name, chat, text if text or not thought else None, None, created,
-                    first[i], lp, i, calls, reasoning=thought or None)))
+                    first[i], lp, i, calls, reasoning=thought or None))
                 first[i] = False
                 return
             if thought:
@@ -463,11 +471,11 @@ class Server:
                     if echo is not None and first[i]:
                         lp = (logprobs[i].prompt(echo, head_of[i].request.prompt_logprobs)
                               if streams[i].request.logprobs is not None else None)
-                        frames.append(protocol.frame(protocol.chunk(
-                            request_id, name, chat, echo.text,
-                            None, created, logprobs=lp, index=i)))
+                        framed(i, protocol.chunk(request_id, name, chat, echo.text, None, created,
+                                                 logprobs=lp, index=i))
                         first[i] = False
                     if isinstance(event, TokenEvent):
+                        counted[i] += len(event.token_ids)
                         thought, text = "", event.text
                         if thinkers[i] is not None:
                             thought, text = thinkers[i].feed(text)
@@ -488,9 +496,9 @@ class Server:
                         error = APIError(500, f"generation failed: {event.error}", type="server_error")
                         frames.append(protocol.frame(error.body()) + "data: [DONE]\n\n")
                         break
-                    frames.append(protocol.frame(protocol.chunk(
-                        request_id, name, chat, None if chat else "", reason, created, index=i,
-                        stop_reason=event.stop_reason)))
+                    counted[i] = event.output_tokens
+                    framed(i, protocol.chunk(request_id, name, chat, None if chat else "", reason, created,
+                                             index=i, stop_reason=event.stop_reason))
                     if all(r is not None for r in records):
                         if include_usage:
                             done = iter(records)

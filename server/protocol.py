@@ -109,6 +109,9 @@ class ParsedRequest:
     # llama-server's endpoints: max_tokens (n_predict) is a cap, which a prompt near the end of
     # the context lowers, rather than a length the context must hold (OpenAI's and vLLM's).
     limit_is_cap: bool = False
+    # Streamed with vLLM's stream_options.continuous_usage_stats: every chunk carries its
+    # choice's usage so far.
+    continuous_usage: bool = False
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -193,6 +196,8 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
     stream = parsing.field(body, "stream", (bool,), False)
     options = parsing.field(body, "stream_options", (dict,), {})
     include_usage = parsing.field(options, "include_usage", (bool,), False)
+    # vLLM's: usage on every chunk too (each choice's tokens so far), with include_usage only.
+    continuous = include_usage and parsing.field(options, "continuous_usage_stats", (bool,), False)
     if stream and best_of > n:
         raise SubmissionError('"best_of" > n cannot be streamed (the best are known at the end)', "best_of")
     echo = not chat and parsing.field(body, "echo", (bool,), False)
@@ -211,7 +216,8 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
                          n, best_of, echo, response_format, tools, tokens_as_ids,
                          template_kwargs, separate,
                          hole=None if suffix is None else fim.Hole(suffix),
-                         chat_end=parsing.chat_end(body) if chat else parsing.ChatEnd())
+                         chat_end=parsing.chat_end(body) if chat else parsing.ChatEnd(),
+                         continuous_usage=continuous)
 
 
 def _token_ids(value: Any) -> bool:
@@ -308,6 +314,12 @@ def usage(groups: Sequence[Sequence[RequestRecord]], reasoning_tokens: int | Non
     if reasoning_tokens is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out
+
+
+def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """One choice's usage in the middle of its stream (vLLM's continuous usage stats)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def finish_reason(record: RequestRecord, calls: bool = False) -> str:

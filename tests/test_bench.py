@@ -156,7 +156,7 @@ def test_client_against_another_openai_compatible_server():
     assert r.usage["completion_tokens"] == r.max_tokens  # the last usage, never a sum of cumulative ones
     assert r.tokens_basis == "exact: cumulative usage per message" and set(r.message_tokens()) == {2}
     summary = summarize(chat.results, chat.window, chat.chat_classes())
-    assert summary["chat_inter_token_s"]["basis"].startswith("estimate: chunk-normalized")
+    assert summary["chat_inter_token_s"]["basis"].startswith("counted: a message of k tokens")
     assert summary["chat_inter_token_s"]["n"] == 2 * summary["chat_inter_token_s"]["message_gaps_s"]["n"]
     p = next(r for r in plain.results if r.ok)
     assert p.tokens_basis.startswith("estimate: tokens spread") and sum(p.message_tokens()) == p.max_tokens

@@ -86,6 +86,32 @@ def test_chat_streaming_and_not_agree(client):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == full.usage.prompt_tokens - 1
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_continuous_usage_counts_each_choices_tokens_on_every_chunk(url, chat):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so
+    far, so a client counts the tokens of a chunk whose text held several (multi-byte
+    characters held back until whole) or none it shows; each choice counts its own."""
+    body = {"model": MODEL, "max_tokens": 24, "temperature": 0.8, "seed": 3, "n": 2, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body.update({"messages": [{"role": "user", "content": "中文 emoji 🎉"}]} if chat else {"prompt": "中文 emoji 🎉"})
+    route = "chat/completions" if chat else "completions"
+    frames = [json.loads(f) for f in sse_frames(httpx.post(f"{url}/v1/{route}", json=body).content)]
+    *chunks, total = frames
+    assert total["choices"] == [] and total["usage"]["completion_tokens"] == 48
+    prompt = total["usage"]["prompt_tokens"]
+    for index in (0, 1):
+        mine = [c for c in chunks if c["choices"][0]["index"] == index]
+        counts = [c["usage"]["completion_tokens"] for c in mine]
+        assert all(c["usage"]["prompt_tokens"] == prompt for c in mine)
+        assert all(c["usage"]["total_tokens"] == prompt + n for c, n in zip(mine, counts))
+        assert counts == sorted(counts) and counts[-1] == 24 and len(set(counts)) > 12  # token by token
+        assert mine[-1]["choices"][0]["finish_reason"] == "length"
+    # Without include_usage it asks for nothing (vLLM's rule).
+    body["stream_options"] = {"continuous_usage_stats": True}
+    frames = [json.loads(f) for f in sse_frames(httpx.post(f"{url}/v1/{route}", json=body).content)]
+    assert not any("usage" in f for f in frames)
+
+
 def test_models_and_health(client, url):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
