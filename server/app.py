@@ -29,7 +29,6 @@ import hmac
 import inspect
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 from contextlib import asynccontextmanager
@@ -59,7 +58,6 @@ from cadence.server.tool_call_parser import Delta, ToolCallParser
 from cadence.server.tool_requests import ToolRequest
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
-MAX_REQUEST_ID = 256
 
 
 class Timeline:
@@ -336,19 +334,13 @@ class Server:
                                 f"{', '.join(map(repr, self.model_names))}", param="model",
                            code="model_not_found")
 
-    def request_id(self, request: Request, prefix: str) -> str:
-        request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
-        if len(request_id) > MAX_REQUEST_ID:
-            raise APIError(400, f"X-Request-Id is longer than {MAX_REQUEST_ID} characters")
-        return request_id
-
     # -- routes -------------------------------------------------------------------------------
 
     async def generate(self, request: Request, chat: bool) -> Response:
         body = await self.read_body(request)
         parsed = protocol.parse(body, chat, self.defaults, self.config.max_n)
         self.check_model(parsed.model)
-        request_id = self.request_id(request, "chatcmpl" if chat else "cmpl")
+        request_id = protocol.request_id(request.headers, "chatcmpl" if chat else "cmpl")
         groups = await self.submit(parsed, request_id)
         headers = {"X-Request-Id": request_id}
         echoes = [protocol.Echo.of(self.tokenizer, g[0].request.prompt_ids) if parsed.echo else None
@@ -435,10 +427,9 @@ class Server:
         records: list[RequestRecord | None] = [None] * len(streams)
         counted = [0] * len(streams)  # each choice's tokens so far
 
-        def framed(i: int, chunk: dict) -> None:
-            if continuous:
-                chunk["usage"] = protocol.usage_so_far(streams[i].request.prompt_len, counted[i])
-            frames.append(protocol.frame(chunk))
+        def framed(i: int, chunk: dict) -> None:  # with continuous usage, its choice's so far
+            usage = protocol.usage_so_far(streams[i].request.prompt_len, counted[i]) if continuous else None
+            frames.append(protocol.frame(chunk if usage is None else {**chunk, "usage": usage}))
 
         def emit(i: int, thought: str, text: str, lp: dict | None = None, always: bool = False,
                  delta: Delta | None = None) -> None:

@@ -244,7 +244,7 @@ class LlamaAPI:
         if (parsed.params.logprobs or 0) > most:
             raise APIError(400, f'"n_probs" must be at most {most} (the server\'s --max_logprobs), '
                                 f"got {parsed.params.logprobs}", param="n_probs")
-        request_id = server.request_id(request, prefix)
+        request_id = protocol.request_id(request.headers, prefix)
         stream, = (await server.submit(parsed, request_id))[0]
         headers = {"X-Request-Id": request_id}
         if parsed.stream:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Collection, Sequence
+import uuid
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from cadence.scheduler.errors import SubmissionError
@@ -314,6 +315,17 @@ def usage(groups: Sequence[Sequence[RequestRecord]], reasoning_tokens: int | Non
     if reasoning_tokens is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out
+
+
+MAX_REQUEST_ID = 256  # characters of a client's X-Request-Id
+
+
+def request_id(headers: Mapping[str, str], prefix: str) -> str:
+    """A request's id: the client's X-Request-Id, else a new one starting with `prefix`."""
+    given = headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
+    if len(given) > MAX_REQUEST_ID:
+        raise APIError(400, f"X-Request-Id is longer than {MAX_REQUEST_ID} characters")
+    return given
 
 
 def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

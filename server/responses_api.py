@@ -545,7 +545,7 @@ class ResponsesAPI:
         except APIError as e:
             raise _renamed(e) from None
         server.check_model(parsed.model)
-        request_id = server.request_id(request, "resp")
+        request_id = protocol.request_id(request.headers, "resp")
         try:
             groups = await server.submit(parsed, request_id)
         except APIError as e:
