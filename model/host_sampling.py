@@ -148,19 +148,23 @@ class SamplingRows:
         return packed
 
     def set(self, slot: int, sampling: RequestSampling, stop_ids: Iterable[int] = (),
-            logprobs: bool = False) -> None:
+            logprobs: bool = False, masked: Iterable[int] = ()) -> None:
         """Packs one row (the first MAX_STOP_TOKENS of `stop_ids`, and whether its request
-        wants logprobs); raises (and changes nothing) if a value does not fit its dtype."""
+        wants logprobs); `masked`: token ids it must not sample (a bias of -inf, over its own
+        bias for them: min_tokens). Raises (and changes nothing) if a value does not fit its
+        dtype, or the biases their MAX_LOGIT_BIAS entries."""
         values = (np.float32(sampling.temperature), np.int32(sampling.top_k),
                   np.float32(sampling.top_p), np.uint32(sampling.seed))
         stops = np.full(MAX_STOP_TOKENS, -1, np.int32)
         ids = list(stop_ids)[:MAX_STOP_TOKENS]
         stops[: len(ids)] = np.asarray(ids, np.int32)
+        bias = dict(sampling.logit_bias) | dict.fromkeys(masked, -np.inf)
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"{len(bias)} biased and masked tokens exceed the row's {MAX_LOGIT_BIAS}")
         bias_ids = np.full(MAX_LOGIT_BIAS, NO_TOKEN, np.int32)
         bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
-        if sampling.logit_bias:
-            bias_ids[: len(sampling.logit_bias)], bias_values[: len(sampling.logit_bias)] = zip(
-                *sampling.logit_bias)
+        if bias:
+            bias_ids[: len(bias)], bias_values[: len(bias)] = zip(*bias.items())
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.seed[slot] = values
         self.stop_ids[slot] = stops
         self.min_p[slot] = sampling.min_p

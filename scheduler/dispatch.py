@@ -43,7 +43,7 @@ class Dispatch:
                 r.readmitted()
             pool.take_prefix(r)
             try:
-                pool.rows.set(r.slot, r.params.sampling, r.device_stops, r.params.logprobs is not None)
+                pool.set_row(r)
             except Exception as e:  # this request's values, this request's failure
                 self._fail_one(r, f"its sampling parameters cannot be packed: {e}", now)
                 continue

@@ -170,7 +170,7 @@ class Handoff:
                 continue
             self.moving.remove(r)
             try:
-                pool.rows.set(r.slot, r.params.sampling, r.device_stops, r.params.logprobs is not None)
+                pool.set_row(r)
             except Exception as e:
                 self._fail_one(r, f"its sampling parameters cannot be packed: {e}", time.monotonic())
                 continue

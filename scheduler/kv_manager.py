@@ -89,6 +89,21 @@ class Pool:
         r.pool = self
         self.running.append(r)
 
+    def set_row(self, r: Request) -> None:
+        """`r`'s sampling row in its slot: its parameters, its stop ids, and while its next
+        token is one of its first `min_tokens`, its stop ids masked out. Raises (changing
+        nothing) if its values cannot be packed."""
+        masking = r.masks_stops()
+        self.rows.set(r.slot, r.params.sampling, r.device_stops, r.params.logprobs is not None,
+                      masked=r.eos_ids if masking else ())
+        r.masking_stops = masking
+
+    def unmask_rows(self) -> None:
+        """Before a dispatch: the rows of requests past their `min_tokens` sample freely."""
+        for r in self.running:
+            if r.masking_stops and not r.masks_stops():
+                self.set_row(r)
+
     def grow(self, r: Request, tokens: int) -> bool:
         """Pages so that `r` holds `tokens` positions; False (nothing changed) if too few are free."""
         new = self.pages.grow(r.pages, tokens)

@@ -227,12 +227,15 @@ def decode_steps(plan: Plan, running: Sequence[Request], most: int, free_pages: 
     pool (`running`) is decoding (none mid-prompt, none with KV on its way in) and none has stop
     strings (the host finds those in text) or a grammar (the host fills its masks step by step);
     then as many as `most` allows and every request has tokens left for, so none ends sooner on
-    its length, and the free pages hold, so nobody is preempted for them."""
+    its length, none masking its stop ids (min_tokens) samples past its mask, and the free
+    pages hold, so nobody is preempted for them."""
     if most == 1 or plan.admit or plan.prefill or not plan.decode:
         return 1
     if any(r.state is not State.DECODING or r.params.stop or r.matcher is not None for r in running):
         return 1
     steps = min(most, min(r.max_tokens - r.dispatched for r in plan.decode))
+    # A row masking its stop ids (min_tokens) unmasks between dispatches, never inside one.
+    steps = min([steps] + [r.params.min_tokens - r.dispatched for r in plan.decode if r.masks_stops()])
     return max(steps, 1) if pages_wanted(plan.decode, steps, page_size) <= free_pages else 1
 
 
@@ -270,6 +273,8 @@ def propose_drafts(plan: Plan, k: int, context: int, page_size: int, free_pages:
         if r.state is not State.DECODING or not r.drafting:
             continue
         room = min(k, r.max_tokens - r.dispatched - 1, context - r.prompt_len - r.dispatched)
+        if r.masks_stops():  # every position the step samples stays within its mask
+            room = min(room, r.params.min_tokens - r.dispatched - 1)
         proposal = r.drafter.propose(r.prompt_ids, r.output_ids, room) if room > 0 else []
         if proposal and r.matcher is not None:  # only what its grammar allows
             proposal = proposal[: r.matcher.allows(proposal)]

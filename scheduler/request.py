@@ -60,6 +60,9 @@ class GenerationParams:
     sampling: RequestSampling = RequestSampling()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # the model's EOS does not end it (its stop_token_ids still do)
+    # vLLM's: the first `min_tokens` tokens are never one that would end it (its EOS and stop
+    # ids are masked out), and no stop string ends it before then.
+    min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end it (vLLM's)
     include_stop: bool = False  # the stop string or stop id that ends it stays in its text (vLLM's)
     # Requests with different salts never share cached KV pages (vLLM's `cache_salt`): a
@@ -111,6 +114,17 @@ def check_params(params: GenerationParams, vocab_size: int | None = None, max_lo
                                           or params.max_tokens < 1):
         raise SubmissionError(f"max_tokens must be an integer >= 1, got {params.max_tokens!r}",
                               "max_tokens")
+    if (isinstance(params.min_tokens, bool) or not isinstance(params.min_tokens, int)
+            or params.min_tokens < 0):
+        raise SubmissionError(f"min_tokens must be an integer >= 0, got {params.min_tokens!r}",
+                              "min_tokens")
+    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
+        raise SubmissionError(f"min_tokens ({params.min_tokens}) exceeds max_tokens "
+                              f"({params.max_tokens})", "min_tokens")
+    if params.min_tokens and params.grammar is not None:
+        raise SubmissionError("min_tokens cannot go with a grammar (a response format, a guided "
+                              "field or forced tools): the grammar decides where the answer ends",
+                              "min_tokens")
     if len(params.stop_token_ids) > MAX_STOP_STRINGS or not all(
             type(t) is int and 0 <= t < (vocab_size or 2**31) for t in params.stop_token_ids):
         raise SubmissionError(f"stop_token_ids must be at most {MAX_STOP_STRINGS} token ids of the "
@@ -260,6 +274,8 @@ class Request:
         # special token), as in vLLM; the model's EOS never shows.
         self._shown_stops = frozenset(t for t in params.stop_token_ids if params.include_stop
                                       and not tokenizer.is_special(t) and t not in tokenizer.eos_ids)
+        # min_tokens: whether its sampling row masks its stop ids now (`kv_manager.Pool.set_row`).
+        self.masking_stops = False
         self.emit = emit
         self.state = State.WAITING
         self.slot: int | None = None
@@ -472,10 +488,16 @@ class Request:
         self.emit(TokenEvent([token], text, now, None if entry is None else [entry]))
         return reason
 
+    def masks_stops(self) -> bool:
+        """Whether the next token it samples is one of its first `min_tokens`, which its stop
+        ids must not be (what its sampling row masks)."""
+        return self.dispatched < self.params.min_tokens
+
     def _apply_stop(self, delta: str, final: bool) -> tuple[str, bool]:
-        """Returns (text safe to emit, whether a stop string was found)."""
-        if not self.params.stop:
-            return delta, False
+        """Returns (text safe to emit, whether a stop string was found). Before `min_tokens`
+        tokens no stop string ends it (vLLM's rule): the text goes out as it comes."""
+        if not self.params.stop or len(self.output_ids) < self.params.min_tokens:
+            return delta, False  # (nothing is held before min_tokens)
         pending = self._held + delta
         # The earliest match ends the text (of two at one place, the first listed).
         cut, _, hit = min(((i, k, s) for k, s in enumerate(self.params.stop)

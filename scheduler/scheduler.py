@@ -293,6 +293,7 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
             previous = pool.begin()
             self._admit(plan, pool, start)
             self._reserve(pool, plan)
+            pool.unmask_rows()
             rows = pool.rows.params()  # every slot's sampling row, for both programs
             programs, chunks = self._dispatch_prefill(plan, pool, rows)
             self._dispatch_decode(plan, pool, rows)
@@ -317,6 +318,7 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
                                       pool.pages.free_count, self.page_size)
             previous = pool.begin()
             self._reserve(pool, plan)
+            pool.unmask_rows()
             self._dispatch_decode(plan, pool, pool.rows.params())
         return self._finish_iteration(pool, previous, start, plan, 0, 0, transfers + landed)
 
@@ -349,6 +351,7 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
             plan.steps = decode_steps(plan, pool.running, pool.engine.config.decode_steps,
                                       pool.pages.free_count, self.page_size)
         self._reserve(pool, plan)
+        pool.unmask_rows()
         if drafts:
             self._dispatch_verify(plan, pool, drafts)
             if timed:  # its results are `current`, awaited below

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded
+from cadence.model.host_sampling import MAX_LOGIT_BIAS
+from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, SubmissionError
 from cadence.scheduler.prefix_cache import PageKeys
 from cadence.scheduler.priority import tokens_ahead
 from cadence.scheduler.request import GenerationParams, Request, check_length, check_params, check_prompt
@@ -73,6 +74,9 @@ class Submissions:
         n = len(prompt_ids)
         check_prompt(prompt_ids, self.engine.vocab_size)
         max_tokens = check_length(n, params.max_tokens, self.context, self.max_seq_len)
+        if params.min_tokens > max_tokens:  # (max_tokens given: `check_params` said so already)
+            raise SubmissionError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens "
+                                  f"left in the context after the prompt", "min_tokens")
         priority = self.config.priority_classes.of(n) if params.priority is None else params.priority
         request = Request(
             prompt_ids, params, max_tokens, self.tokenizer,
@@ -81,6 +85,11 @@ class Submissions:
         if self.config.prefix_caching and not params.prompt_logprobs:
             request.page_keys = PageKeys(self.page_size, self.config.cache_namespace.encode(),
                                          params.cache_salt)
+        masked = dict(params.sampling.logit_bias) | dict.fromkeys(request.eos_ids)
+        if params.min_tokens and len(masked) > MAX_LOGIT_BIAS:
+            raise SubmissionError(f"min_tokens masks the request's {len(request.eos_ids)} stop ids "
+                                  f"beside its logit_bias: {len(masked)} tokens, past the row's "
+                                  f"{MAX_LOGIT_BIAS}", "min_tokens")
         stream = RequestStream(request, self.cancel, self._outbox)
         return stream
 

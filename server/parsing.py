@@ -54,7 +54,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "Default sampling seed.")
 
 PENALTY_FIELDS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", *PENALTY_FIELDS,
-                   "logit_bias", "stop", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+                   "logit_bias", "stop", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
                    "cache_salt", "priority")
 MAX_CACHE_SALT = 256
 
@@ -142,6 +142,7 @@ def generation_params(entry: dict, defaults: SamplingDefaults, *,
         raise SubmissionError('"stop_token_ids" must be an array of token ids', "stop_token_ids")
     params = GenerationParams(max_tokens=max_tokens, sampling=sampling, stop=stop,
                               ignore_eos=field(entry, "ignore_eos", (bool,), False),
+                              min_tokens=field(entry, "min_tokens", (int,), 0),
                               stop_token_ids=tuple(stop_ids),
                               include_stop=field(entry, "include_stop_str_in_output", (bool,), False),
                               cache_salt=salt, priority=field(entry, "priority", (int,)))

@@ -86,6 +86,11 @@ class Decode:
     steps: int = 1
 
 
+def masked(sampling: SamplingParams, slot: int) -> frozenset[int]:
+    """The ids a slot's sampling row biases to -inf: never sampled (min_tokens' stop ids)."""
+    return frozenset(sampling.bias_ids[slot][np.isneginf(sampling.bias_values[slot])].tolist())
+
+
 class Later:
     """A result its device is still computing: `np.asarray` waits until `ready_at`
     (`time.monotonic()`), as reading a dispatched JAX array waits for its program."""
@@ -143,6 +148,7 @@ class FakeEngine:
         self.split_steps = 0  # decode steps run in two halves (decode_forward, decode_sample)
         self.verify_calls = 0
         self.verified: list[tuple[int, int, int]] = []  # (slot, drafts, tokens emitted) per row
+        self.verify_rows: list[tuple[int, int, int]] = []  # (slot, first position, drafts) per row
         self._forward: tuple | None = None  # a decode_forward awaiting its decode_sample
         self.prefill_calls = 0
         self.extracts = 0
@@ -201,10 +207,15 @@ class FakeEngine:
                 return int(content[before[-1] + 1])
         return ALPHABET[(h // 7) % len(ALPHABET)]
 
-    def pick(self, content: Sequence[int], seed: int | None, allowed: np.ndarray | None) -> int:
+    def pick(self, content: Sequence[int], seed: int | None, allowed: np.ndarray | None,
+             masked: frozenset[int] = frozenset()) -> int:
         """`next_token`, among the ids a bitmask row `allowed` allows (None: any): the model's
-        own token where allowed, else one of the allowed ids chosen by the content's hash."""
+        own token where allowed, else one of the allowed ids chosen by the content's hash.
+        `masked`: ids its sampling row biases to -inf (min_tokens), never picked: the model's
+        own token then gives way to the alphabet's next one."""
         token = self.next_token(content, seed)
+        while token in masked:
+            token = ALPHABET[(ALPHABET.index(token) + 1) % len(ALPHABET)] if token in ALPHABET else ALPHABET[0]
         if allowed is None:
             return token
         bits = np.unpackbits(allowed.view(np.uint8), bitorder="little")[: self.vocab_size]
@@ -237,7 +248,7 @@ class FakeEngine:
         for i, c in enumerate(chunks):
             seed = int(sampling.seed[c.slot]) if sampling.temperature[c.slot] > 0 else None
             tokens[i] = self.pick(self._content(c.pages, c.start + len(c.tokens)), seed,
-                                  None if allowed is None else allowed[c.slot])
+                                  None if allowed is None else allowed[c.slot], masked(sampling, c.slot))
             if c.final:
                 self.last_tokens[c.slot] = tokens[i]
         self.prefill_calls += 1
@@ -278,8 +289,8 @@ class FakeEngine:
                 assert 0 <= p < self.config.max_seq_len, p
                 self._write(page_table[i], p, [self.last_tokens[i]])
                 seed = int(sampling.seed[i]) if sampling.temperature[i] > 0 else None
-                tokens[step, i] = self.last_tokens[i] = self.next_token(
-                    self._content(page_table[i], p + 1), seed)
+                tokens[step, i] = self.last_tokens[i] = self.pick(
+                    self._content(page_table[i], p + 1), seed, None, masked(sampling, i))
         if self.decode_calls in self.poison:
             tokens[0, self.poison[self.decode_calls]] = 2**31 - 1  # no such token
         return self._later(tokens, [], len(slots))
@@ -314,11 +325,13 @@ class FakeEngine:
             seed = int(sampling.seed[i]) if sampling.temperature[i] > 0 else None
             for j in range(d + 1):
                 tokens[j, i] = self.last_tokens[i] = self.pick(
-                    self._content(page_table[i], p + j + 1), seed, None if allowed is None else allowed[i, j])
+                    self._content(page_table[i], p + j + 1), seed, None if allowed is None else allowed[i, j],
+                    masked(sampling, i))
                 emitted[i] += 1
                 if j == d or tokens[j, i] != drafts[i, j] or tokens[j, i] in sampling.stop_ids[i]:
                     break
             self.verified.append((i, d, int(emitted[i])))
+            self.verify_rows.append((i, p, d))
         return DecodeTokens(tokens, k + 1, None, emitted)
 
     def decode_forward(self, positions, active, sampling, page_table) -> None:
@@ -350,7 +363,7 @@ class FakeEngine:
                 continue
             seed = int(sampling.seed[i]) if sampling.temperature[i] > 0 else None
             tokens[0, i] = self.last_tokens[i] = self.pick(
-                self._content(page_table[i], int(positions[i]) + 1), seed, allowed[i])
+                self._content(page_table[i], int(positions[i]) + 1), seed, allowed[i], masked(sampling, i))
         return tokens
 
     def copy_pages(self, sources, targets) -> None:
@@ -412,13 +425,15 @@ class FakeHandle:
 
 
 def expected(engine: FakeEngine, prompt: Sequence[int], max_tokens: int,
-             ignore_eos: bool = False, sampling: RequestSampling = RequestSampling()
-             ) -> tuple[list[int], str]:
-    """What one request must produce: the model run sequentially on prompt + its own output."""
+             ignore_eos: bool = False, sampling: RequestSampling = RequestSampling(),
+             min_tokens: int = 0) -> tuple[list[int], str]:
+    """What one request must produce: the model run sequentially on prompt + its own output
+    (its EOS masked for the first `min_tokens`)."""
     seed = sampling.seed if sampling.temperature > 0 else None
     content, out = list(prompt), []
     while len(out) < max_tokens:
-        token = engine.next_token(content, seed)
+        masking = len(out) < min_tokens and not ignore_eos
+        token = engine.pick(content, seed, None, frozenset(TOK.eos_ids) if masking else frozenset())
         out.append(token)
         if token == EOS and not ignore_eos:
             return out, "stop"
@@ -470,7 +485,7 @@ class Client:
         (an aborted request: its output is a prefix of the simulated one)."""
         assert self.record is not None, "the request never finished"
         want, reason = expected(engine, self.prompt, self.stream.request.max_tokens,
-                                self.params.ignore_eos, self.params.sampling)
+                                self.params.ignore_eos, self.params.sampling, self.params.min_tokens)
         if self.record.finish_reason == "abort":
             want = want[: len(self.token_ids)]
         else:
