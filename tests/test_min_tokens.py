@@ -109,6 +109,30 @@ def test_min_tokens_on_the_tiny_model_is_the_reference_with_its_stop_id_masked(
     assert got == want and stop not in got[:m] and got[:k] == free[:k]
 
 
+def test_a_masked_row_samples_through_every_filter(url, tiny_tokenizer):
+    """Sampled through top_k, top_p, min_p and penalties, with the model's end-of-sequence ids
+    biased up so far that a free answer ends at once: masked (a bias of -inf over the
+    request's own), they never come before min_tokens, every token drawn is a real one, and
+    right after the mask lifts the answer ends."""
+    stops = sorted(tiny_tokenizer.eos_ids)
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 1.5, "top_k": 50, "top_p": 0.9,
+            "min_p": 0.01, "presence_penalty": 0.5, "repetition_penalty": 1.2, "logprobs": 0,
+            "return_tokens_as_token_ids": True, "logit_bias": {str(t): 100 for t in stops}}
+    for seed in range(4):
+        def answer(**more):
+            r = httpx.post(f"{url}/v1/completions", json={**body, "seed": seed, **more}, timeout=60)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert all(lp <= 0 for lp in choice["logprobs"]["token_logprobs"])
+            return [int(t[len("token_id:"):]) for t in choice["logprobs"]["tokens"]], choice["finish_reason"]
+
+        free, reason = answer()
+        assert len(free) <= 2 and reason == "stop"  # without min_tokens it ends at once
+        got, reason = answer(min_tokens=12)
+        assert not set(got[:12]) & set(stops) and all(0 <= t < tiny_tokenizer.vocab_size for t in got)
+        assert len(got) <= 14 and reason == "stop"
+
+
 @pytest.mark.parametrize("body, fragment", [
     ({"min_tokens": -1}, "min_tokens must be an integer >= 0"),
     ({"min_tokens": True}, "min_tokens"),
