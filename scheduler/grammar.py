@@ -408,6 +408,7 @@ class GrammarCompiler:
         self._cached = cached
         self.max_pending = max_pending
         self._pending = 0  # compiles queued or running
+        self._unfinished: set[_Job] = set()  # their jobs, which `close` ends for their waiters
         self.compiled = 0  # grammars built (cache misses), and the seconds they took
         self.compile_seconds = 0.0
 
@@ -421,16 +422,18 @@ class GrammarCompiler:
                     raise Overloaded(f"{self._pending} grammars are compiling; retry shortly", retry_after=2)
                 job = self._cache[key] = _Job()
                 self._pending += 1
-                job.done.add_done_callback(self._finished)
+                self._unfinished.add(job)
+                job.done.add_done_callback(lambda _, job=job: self._finished(job))
                 self._pool.submit(self._build, spec, job)
                 while len(self._cache) > self._cached:
                     self._cache.popitem(last=False)
             self._cache.move_to_end(key)
         return job
 
-    def _finished(self, _: concurrent.futures.Future) -> None:
+    def _finished(self, job: _Job) -> None:
         with self._lock:
             self._pending -= 1
+            self._unfinished.discard(job)
 
     def _slow(self) -> GrammarError:
         return GrammarError(f"the grammar took longer than {self.timeout:g} s to compile; "
@@ -486,7 +489,7 @@ class GrammarCompiler:
                 if self._view is None:
                     self._view = token_view(self._tokenizer, self.vocab_size)
             start = time.perf_counter()
-            job.started.set_result(start)
+            _settle(job.started, start)
             text = _grammar_text(spec)
             matcher = llguidance.LLMatcher(self._view, text, log_level=0, limits=self._limits)
             if matcher.is_error():
@@ -501,11 +504,28 @@ class GrammarCompiler:
             with self._lock:
                 self.compiled += 1
                 self.compile_seconds += seconds
-            job.done.set_result(Grammar(spec, matcher, self.vocab_size, seconds))
+            _settle(job.done, Grammar(spec, matcher, self.vocab_size, seconds))
         except BaseException as e:  # every waiter hears of it, whatever it is
-            if not job.started.done():
-                job.started.set_result(time.perf_counter())
-            job.done.set_exception(e)
+            _settle(job.started, time.perf_counter())
+            _settle(job.done, error=e)
 
     def close(self) -> None:
+        """Stops compiling: queued compiles never start, and whoever waits for one that has not
+        finished hears GrammarError at once (a compile under way runs on to no one)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            unfinished = list(self._unfinished)
+        for job in unfinished:
+            _settle(job.started, time.perf_counter())
+            _settle(job.done, error=GrammarError("the server is shutting down; the grammar was not compiled"))
+
+
+def _settle(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
+    """Resolves `future` unless something else did first (a compile and `close` race)."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass

@@ -164,6 +164,7 @@ class Server:
                 # Drain: whatever is queued or running finishes; nothing new is accepted.
                 await asyncio.get_running_loop().run_in_executor(
                     None, lambda: self.scheduler.stop(drain=True, timeout=self.config.drain_timeout))
+            self.grammars.close()  # queued compiles: nobody is left to serve them
 
     @property
     def warming(self) -> bool:

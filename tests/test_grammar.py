@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import re
+import threading
 import time
 
 import jsonschema
@@ -79,6 +80,35 @@ def test_a_slow_compile_is_refused_and_nothing_waits_for_it():
     with pytest.raises(GrammarError, match="longer than"):
         impatient.compile(JsonSchema(SCHEMA))
     impatient.close()
+
+
+def test_closing_the_compiler_answers_everyone_still_waiting():
+    """A compile under way and one queued behind it (one worker): closed, both waiters hear
+    GrammarError at once, threads and loops alike, and the compile that was running finishes
+    to no one without an error of its own."""
+    closing = GrammarCompiler(TOK, TOK.vocab_size, workers=1)
+    closing._view_lock.acquire()  # the first compile stops before it starts: deterministic
+    running = threading.Thread(target=lambda: outcomes.append(_outcome(closing, Regex("[ab]+"))))
+    outcomes: list[str] = []
+    running.start()
+    queued = asyncio.new_event_loop()
+    waiter = queued.create_task(closing.compile_async(Regex("[cd]+")))
+    queued.run_until_complete(asyncio.sleep(0.05))
+    closing.close()
+    with pytest.raises(GrammarError, match="shutting down"):
+        queued.run_until_complete(asyncio.wait_for(waiter, 5))
+    queued.close()
+    closing._view_lock.release()  # the running compile goes on, and its result goes nowhere
+    running.join(5)
+    assert outcomes == ["GrammarError: the server is shutting down; the grammar was not compiled"]
+    assert closing._pending == 0
+
+
+def _outcome(compiler: GrammarCompiler, spec) -> str:
+    try:
+        return f"compiled {compiler.compile(spec)}"
+    except GrammarError as e:
+        return f"GrammarError: {e}"
 
 
 def run_constrained(h: Harness, grammar, n: int, rng_seed: int = 0, **params):
