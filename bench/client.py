@@ -5,8 +5,8 @@
     async with target.http() as http:
         await stream_into(result, http, target, spec, t0)
 
-Each request goes to `/v1/chat/completions` (or `/v1/completions`) with `stream: true` and
-`stream_options.include_usage` (and vLLM's `continuous_usage_stats`). For every Server-Sent Event that carries output text it records
+Each request goes to `/v1/chat/completions` (or `/v1/completions`) with `stream: true`,
+`stream_options.include_usage` and vLLM's `continuous_usage_stats`. For every Server-Sent Event that carries output text it records
 the arrival time (time.perf_counter(), seconds from the run's t0) and the text. Token counts
 come from the last `usage` object the server sends (the final usage chunk, or the last of the
 cumulative per-chunk usages some servers send); usage is never summed and never re-derived by

@@ -28,9 +28,11 @@ pairs. That term makes a chunk deep in a long document cost more than the same c
 start. (On 2 CPU cores, SmolLM2's iterations that carried a 128-token chunk of a 2-3k-token
 document took up to 0.44 s, against 12 ms for a decode step: `bench/results/itl-target-cpu/`.)
 
-Least squares over the last `window` plans that ran one decode step and nothing speculative,
-each coefficient kept >= 0: a feature whose coefficient comes out negative is dropped and the
-rest refitted. Until `min_samples` plans, prefill among them, have been seen there is no model.
+Least squares over the last plans that ran one decode step and nothing speculative (`window`
+of them with prefill and as many without, kept apart so that a quiet spell of decoding alone
+never forgets what prefill costs), each coefficient kept >= 0: a feature whose coefficient
+comes out negative is dropped and the rest refitted. Until `min_samples` plans, two of them
+with prefill, have been seen there is no model.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import numpy as np
 from cadence.engine.packing import bucket_for
 from cadence.model.arith import cdiv
 
-KILO = 1024.0  # keys and pairs are counted in thousands, to keep the features' scales near
+KILO = 1024.0  # keys and pairs are counted in thousands, so that no feature dwarfs the others
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +64,16 @@ class Work:
 
 
 class IterationCost:
-    """The fitted model; it lives on the scheduler's admitting loop's thread."""
+    """The fitted model. Not thread-safe: the scheduler calls it holding its state lock (from
+    the admitting loop, and from the decode loop when a handoff fails the prefill pool)."""
 
-    def __init__(self, block: int = 1, buckets: Sequence[int] | None = None, window: int = 256,
+    def __init__(self, block: int = 1, buckets: Sequence[int] | None = None, window: int = 128,
                  min_samples: int = 8):
         """`block`: the engine's pack block; `buckets`: its packed prefill programs' token
         sizes (None: a program of exactly the padded tokens)."""
         self.block, self.buckets, self.min_samples = block, tuple(buckets or ()), min_samples
-        self._samples: collections.deque[tuple[Work, float]] = collections.deque(maxlen=window)
+        # The plans learned from, with and without prefill, each with the seconds it took.
+        self._samples = {True: collections.deque(maxlen=window), False: collections.deque(maxlen=window)}
         self._flight: collections.deque[tuple[Work | None, float]] = collections.deque()
         self._last_ready: float | None = None
         self._coefficients: np.ndarray | None = None
@@ -103,13 +107,14 @@ class IterationCost:
         start = sent if self._last_ready is None else max(sent, self._last_ready)
         self._last_ready = at
         if work is not None:
-            self._samples.append((work, at - start))
+            self._samples[work.prefill_tokens > 0].append((work, at - start))
             self._stale = True
 
     @property
     def timings(self) -> list[tuple[Work, float]]:
-        """The plans learned from, each with the seconds it took, oldest first."""
-        return list(self._samples)
+        """The plans learned from, each with the seconds it took: those with prefill, then
+        those without, each oldest first."""
+        return [*self._samples[True], *self._samples[False]]
 
     def forget_in_flight(self) -> None:
         """After a failed iteration: what was in flight will never come back."""
@@ -124,10 +129,11 @@ class IterationCost:
         return self._coefficients
 
     def _fit(self) -> np.ndarray | None:
-        if len(self._samples) < self.min_samples or sum(1 for w, _ in self._samples if w.prefill_tokens) < 2:
+        samples = self.timings
+        if len(samples) < self.min_samples or len(self._samples[True]) < 2:
             return None
-        x = np.array([w.features() for w, _ in self._samples])
-        y = np.array([s for _, s in self._samples])
+        x = np.array([w.features() for w, _ in samples])
+        y = np.array([s for _, s in samples])
         kept = list(range(x.shape[1]))
         while kept:
             solution = np.linalg.lstsq(x[:, kept], y, rcond=None)[0]

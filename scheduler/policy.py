@@ -188,8 +188,9 @@ class PrefillLimit:
     """This iteration's prefill takes at most `seconds` by `cost` (of a plan's chunks, as
     (start, length) pairs: `scheduler.cost`) where it takes chunks of requests of a priority
     worse than `priority` (of every request: None), but those take at least a floor of tokens:
-    one pack block for the best priority prefilling, `lower_share` of the budget for the worse
-    ones. What keeps the iteration, and so the gap between two tokens of each stream decoding in
+    below a priority, `lower_share` of the budget together (the lowest classes `lower_share`
+    of that); for every request, a pack block for each of the best class prefilling and the
+    classes below it. What keeps the iteration, and so the gap between two tokens of each stream decoding in
     it, within an inter-token target (`--itl_target`, or a priority's `--slo_itl`:
     `scheduler.priority`)."""
 
@@ -372,15 +373,19 @@ def _chunked(running, waiting, free_slots, config, pages, limit=None) -> Plan:
         wanted = sum(config.padded(min(config.chunk, r.prefill_len - r.prefilled)) for r in lower)
         reserve = min(wanted, floor, budget)
     cap = _Cap(limit) if limit else None
-    if cap and lower and limit.limits(best[0]):  # the best leave the lower their reserve
-        cap.keep = limit.cost([(lower[0].prefilled, reserve)])
-    # Progress under the cap: a class below a decoding one keeps its share; under a target for
-    # everyone, the best prefilling class takes at least one block.
-    left = _fill(plan, best, budget - reserve, config, cap,
-                 floor=block if limit and limit.priority is None else floor)
+    best_floor = lower_floor = 0
+    if cap:
+        if lower and limit.limits(best[0]):  # the best leave the lower their reserve
+            cap.keep = limit.cost([(lower[0].prefilled, reserve)])
+        if limit.priority is None:  # a target for everyone: each class moves a block at least
+            best_floor, lower_floor = block, block if lower else 0
+        else:  # the classes below a decoding one share their floor, the lowest their share of it
+            lower_floor = min(reserve, max(block, int(floor * config.lower_share) // block * block))
+            best_floor = floor - lower_floor
+    left = _fill(plan, best, budget - reserve, config, cap, floor=best_floor)
     if cap:
         cap.keep = 0.0
-    _fill(plan, lower, left + reserve, config, cap, floor=floor)
+    _fill(plan, lower, left + reserve, config, cap, floor=lower_floor)
     return plan
 
 

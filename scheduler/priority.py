@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 
 from cadence.scheduler.cost import IterationCost
-from cadence.scheduler.policy import PrefillLimit
+from cadence.scheduler.policy import PrefillLimit, wants_decode
 from cadence.scheduler.request import Request, State
 
 
@@ -236,7 +236,7 @@ def prefill_limit(slo: SLO, target: float | None, cost: IterationCost, running: 
     `itl_target`) every request's prefill, while anything decodes; with inter-token targets of
     priorities that are decoding, the prefill of worse ones, within the tightest. None while
     neither applies, or while `cost` has no model yet."""
-    decoding = [r for r in running if r.state is State.DECODING]
+    decoding = [r for r in running if wants_decode(r)]
     targeted = {r.priority for r in decoding} & slo.itl.keys()
     seconds = [slo.itl[p] for p in targeted] + ([target] if target is not None and decoding else [])
     if not seconds:

@@ -354,7 +354,7 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
         pool.unmask_rows()
         if drafts:
             self._dispatch_verify(plan, pool, drafts)
-            if timed:  # its results are `current`, awaited below
+            if timed and pool.pending:  # its results are `current`, awaited below (if any went out)
                 self.cost.dispatched(None, start)
         else:
             self._dispatch_decode(plan, pool, pool.rows.params())

@@ -85,8 +85,8 @@ class Submissions:
         if self.config.prefix_caching and not params.prompt_logprobs:
             request.page_keys = PageKeys(self.page_size, self.config.cache_namespace.encode(),
                                          params.cache_salt)
-        masked = dict(params.sampling.logit_bias) | dict.fromkeys(request.eos_ids)
-        if params.min_tokens and len(masked) > MAX_LOGIT_BIAS:
+        masked = {t for t, _ in params.sampling.logit_bias} | request.eos_ids if params.min_tokens else set()
+        if len(masked) > MAX_LOGIT_BIAS:
             raise SubmissionError(f"min_tokens masks the request's {len(request.eos_ids)} stop ids "
                                   f"beside its logit_bias: {len(masked)} tokens, past the row's "
                                   f"{MAX_LOGIT_BIAS}", "min_tokens")

@@ -63,24 +63,22 @@ def test_a_verify_step_drafts_no_further_than_the_mask_reaches():
 
 
 def test_stop_strings_wait_for_min_tokens():
-    """A stop string in the first min_tokens tokens' text does not end the answer; one after
-    does, as without min_tokens."""
+    """Stop strings are looked for in the text from the min_tokens-th token on: one in the
+    text before does not end the answer, the first one after does."""
     rng = np.random.default_rng(5)
     prompt = random_prompt(rng, 12)
     h = Harness(FakeEngine(num_slots=2), chunked())
     free = h.submit(prompt, max_tokens=30, ignore_eos=True)
     h.run()
     text = TOK.decode(free.token_ids)
-    stop = text[2:4]
-    assert text.find(stop) < len(TOK.decode(free.token_ids[:6]))  # within the first tokens
+    after = len(TOK.decode(free.token_ids[:9]))  # where the 10th token's text begins
+    stop = next(c for c in text[:4] if c in text[after:])  # early, and again after the 10th
     early = h.submit(prompt, max_tokens=30, ignore_eos=True, stop=(stop,))
     late = h.submit(prompt, max_tokens=30, ignore_eos=True, stop=(stop,), min_tokens=10)
     h.run()
     assert early.record.output_tokens < 6 and early.text == text[: text.find(stop)]
-    tail = TOK.decode(free.token_ids[:10])
     assert late.record.output_tokens >= 10
-    cut = text.find(stop, len(tail) - len(stop) + 1)
-    assert late.text == (text if cut < 0 else text[:cut])
+    assert late.text == text[: text.find(stop, after)] and late.record.finish_reason == "stop"
 
 
 @pytest.fixture(scope="module")
