@@ -379,9 +379,12 @@ def _chunked(running, waiting, free_slots, config, pages, limit=None) -> Plan:
             cap.keep = limit.cost([(lower[0].prefilled, reserve)])
         if limit.priority is None:  # a target for everyone: each class moves a block at least
             best_floor, lower_floor = block, block if lower else 0
-        else:  # the classes below a decoding one share their floor, the lowest their share of it
+        elif limit.limits(best[0]):  # every class prefilling is below a decoding one: they
+            # share the floor, the lowest their share of it
             lower_floor = min(reserve, max(block, int(floor * config.lower_share) // block * block))
             best_floor = floor - lower_floor
+        else:  # the classes below a decoding one, not the best prefilling, share the floor
+            lower_floor = floor
     left = _fill(plan, best, budget - reserve, config, cap, floor=best_floor)
     if cap:
         cap.keep = 0.0

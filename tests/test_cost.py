@@ -136,6 +136,9 @@ def test_an_itl_limit_caps_the_worse_priorities_prefill_never_below_the_floor():
     assert _plan([chat, doc, other], PrefillLimit(0, 0.1, per_token)) == {doc: 96 - floor, other: floor}
     # Past the limit they share that floor, the worse taking its lower_share of it (a block).
     assert _plan([chat, doc, other], PrefillLimit(0, 0.0, per_token)) == {doc: floor - 16, other: 16}
+    # Below a chat that prefills unlimited (its priority is the limit's), the floor is theirs.
+    prompt = _request(200)
+    assert _plan([chat, prompt, doc], PrefillLimit(0, 0.0, per_token)) == {prompt: 192, doc: floor}
 
 
 def test_past_a_target_for_everyone_each_class_moves_a_block():
