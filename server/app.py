@@ -378,19 +378,13 @@ class Server:
         """Waits for the whole answer (each token event to `on_token`, with its stream's index,
         where given); a client that hangs up meanwhile cancels it."""
 
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            for stream in streams:
-                stream.cancel()
-
         async def drain(index: int, stream: RequestStream) -> RequestRecord:
             async for event in stream:
                 if on_token is not None and isinstance(event, TokenEvent):
                     on_token(index, event)
             return stream.record
 
-        watcher = asyncio.create_task(watch())
+        watcher = asyncio.create_task(protocol.cancel_on_disconnect(request, streams))
         try:
             return list(await asyncio.gather(*map(drain, range(len(streams)), streams)))
         finally:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
@@ -250,7 +249,7 @@ class LlamaAPI:
         if parsed.stream:
             return StreamingResponse(self._chunks(stream, options), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
-        watcher = asyncio.create_task(_watch(request, stream))
+        watcher = asyncio.create_task(protocol.cancel_on_disconnect(request, [stream]))
         try:
             end = [step async for step in self._steps(stream, options)][-1]
         finally:
@@ -327,24 +326,17 @@ class LlamaAPI:
         async for step in self._steps(stream, options):
             if isinstance(step, _End):
                 if step.record.finish_reason == "error":
-                    yield _frame(APIError(500, f"generation failed: {step.record.error}",
+                    yield protocol.frame(APIError(500, f"generation failed: {step.record.error}",
                                           type="server_error").body())
                 else:
-                    yield _frame(self.final(step, options, streamed=True))
+                    yield protocol.frame(self.final(step, options, streamed=True))
                 return
             predicted += len(step.ids)
             chunk = {"index": 0, "content": step.text, "tokens": step.ids, "stop": False,
                      "id_slot": -1, "tokens_predicted": predicted, "tokens_evaluated": evaluated}
             if step.probs:
                 chunk["completion_probabilities"] = self._probs(step.probs)
-            yield _frame(chunk)
-
-
-async def _watch(request: Request, stream: RequestStream) -> None:
-    """Cancels `stream` if the client hangs up before its whole answer."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    stream.cancel()
+            yield protocol.frame(chunk)
 
 
 def _selected(answer: dict, paths: tuple[str, ...]) -> dict:
@@ -375,10 +367,6 @@ def fill_ids(tokenizer: Tokenizer, fim_tokens: fim.FimTokens | None, max_seq_len
     except RequestTooLong as e:
         raise RequestTooLong(str(e), param) from None
     return fim.infill_ids(tokenizer, fim_tokens, prefix, hole)
-
-
-def _frame(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 def stop_type(record: RequestRecord) -> str:

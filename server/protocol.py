@@ -28,6 +28,7 @@ from cadence.checkpoints import fim
 from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenLogprob
+from cadence.scheduler.stream import RequestStream
 from cadence.server import guided, parsing, tool_requests
 from cadence.server.tool_call_parser import ToolCall, parse_tool_calls
 from cadence.server.reasoning import split_reasoning
@@ -326,6 +327,15 @@ def request_id(headers: Mapping[str, str], prefix: str) -> str:
     if len(given) > MAX_REQUEST_ID:
         raise APIError(400, f"X-Request-Id is longer than {MAX_REQUEST_ID} characters")
     return given
+
+
+async def cancel_on_disconnect(request: Any, streams: Sequence[RequestStream]) -> None:
+    """Cancels `streams` if the client of `request` (a Starlette Request) hangs up before they
+    end; run it as a task beside them, cancelled when they are done."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for stream in streams:
+        stream.cancel()
 
 
 def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
