@@ -391,11 +391,11 @@ def render_chat(messages: Any, tokenizer: Tokenizer, tools: ToolRequest | None =
     template, given `variables` (`template_kwargs`) besides, ending as `end` says."""
     try:  # the chat module checks the conversation's shape and runs the template sandboxed
         conversation = validate_messages(chat_messages(messages))
-        final = conversation[-1]
-        if end.continue_final_message and (final.get("role") != "assistant" or not final.get("content")):
-            raise SubmissionError('"continue_final_message" needs a final assistant message '
-                                  "with text to continue", "continue_final_message")
         if end.continue_final_message:  # marked, to cut where its text ends
+            final = conversation[-1]
+            if final.get("role") != "assistant" or not final.get("content"):
+                raise SubmissionError('"continue_final_message" needs a final assistant message '
+                                      "with text to continue", "continue_final_message")
             conversation = [*conversation[:-1], {**final, "content": final["content"] + CONTINUE_MARK}]
         conversation, shown = template_inputs(conversation, tokenizer, tools)
         text = tokenizer.apply_chat_template(conversation, tools=shown, variables=variables,
