@@ -123,6 +123,15 @@ def _check_logit_bias(bias) -> None:
                              f"{LOGIT_BIAS_RANGE:g}], got {value!r} for token {token}")
 
 
+def row_bias(logit_bias: Iterable[tuple[int, float]], masked: Iterable[int] = ()) -> dict[int, float]:
+    """A row's biases: a request's `logit_bias`, and -inf for the ids it must not sample
+    (over its own bias for them); ValueError past the row's MAX_LOGIT_BIAS entries."""
+    bias = dict(logit_bias) | dict.fromkeys(masked, -np.inf)
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"{len(bias)} biased and masked tokens exceed the row's {MAX_LOGIT_BIAS}")
+    return bias
+
+
 class SamplingRows:
     """Per-slot sampling parameters on the host, in the dtypes the programs take."""
 
@@ -158,9 +167,7 @@ class SamplingRows:
         stops = np.full(MAX_STOP_TOKENS, -1, np.int32)
         ids = list(stop_ids)[:MAX_STOP_TOKENS]
         stops[: len(ids)] = np.asarray(ids, np.int32)
-        bias = dict(sampling.logit_bias) | dict.fromkeys(masked, -np.inf)
-        if len(bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"{len(bias)} biased and masked tokens exceed the row's {MAX_LOGIT_BIAS}")
+        bias = row_bias(sampling.logit_bias, masked)
         bias_ids = np.full(MAX_LOGIT_BIAS, NO_TOKEN, np.int32)
         bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
         if bias:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cadence.model.host_sampling import MAX_LOGIT_BIAS
+from cadence.model.host_sampling import row_bias
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, SubmissionError
 from cadence.scheduler.prefix_cache import PageKeys
 from cadence.scheduler.priority import tokens_ahead
@@ -85,11 +85,12 @@ class Submissions:
         if self.config.prefix_caching and not params.prompt_logprobs:
             request.page_keys = PageKeys(self.page_size, self.config.cache_namespace.encode(),
                                          params.cache_salt)
-        masked = {t for t, _ in params.sampling.logit_bias} | request.eos_ids if params.min_tokens else set()
-        if len(masked) > MAX_LOGIT_BIAS:
-            raise SubmissionError(f"min_tokens masks the request's {len(request.eos_ids)} stop ids "
-                                  f"beside its logit_bias: {len(masked)} tokens, past the row's "
-                                  f"{MAX_LOGIT_BIAS}", "min_tokens")
+        if params.min_tokens:  # its row must hold its stop ids masked beside its biases
+            try:
+                row_bias(params.sampling.logit_bias, request.eos_ids)
+            except ValueError as e:
+                raise SubmissionError(f"min_tokens masks the request's {len(request.eos_ids)} stop "
+                                      f"ids beside its logit_bias: {e}", "min_tokens") from None
         stream = RequestStream(request, self.cancel, self._outbox)
         return stream
 
