@@ -91,8 +91,8 @@ class IterationCost:
     def work(self, plan) -> Work:
         """A `policy.Plan`'s features."""
         chunks = [(c.start, c.length) for c in plan.prefill]
-        return Work(len(plan.decode), sum(r.prompt_len + r.dispatched for r in plan.decode),
-                    self.program_tokens(chunks), _pairs(chunks))
+        return dataclasses.replace(_decoding(plan.decode), prefill_tokens=self.program_tokens(chunks),
+                                   prefill_pairs=_pairs(chunks))
 
     def dispatched(self, work: Work | None, at: float) -> None:
         """A plan's programs went out at `at`. `work` None: a plan not to learn from (several
@@ -160,9 +160,14 @@ class IterationCost:
     def prefill_seconds(self, target: float, decoding: Iterable) -> float | None:
         """What the prefill of a plan that decodes `decoding` (requests) may take within
         `target` seconds: never below 0; None while there is no model."""
-        rows = list(decoding)
-        rest = self.predict(Work(len(rows), sum(r.prompt_len + r.dispatched for r in rows)))
+        rest = self.predict(_decoding(decoding))
         return None if rest is None else max(0.0, target - rest)
+
+
+def _decoding(requests: Iterable) -> Work:
+    """The features of decoding `requests` (each row's context: its prompt and output so far)."""
+    rows = list(requests)
+    return Work(len(rows), sum(r.prompt_len + r.dispatched for r in rows))
 
 
 def _pairs(chunks: Sequence[tuple[int, int]]) -> int:
