@@ -55,6 +55,11 @@
     tokens.scores()                                     of a prefill result: {chunk index:
                                                         `HostLogprobs`} for the chunks with
                                                         `targets` (prompt logprobs, echo)
+    tokens.pooled()                                     of a prefill result: {chunk index: (sum,
+                                                        last)} for the chunks marked `pooled`
+                                                        (embeddings, which sample no token): the
+                                                        sum of the chunk's final hidden states
+                                                        and its last position's, [D] float32
 
 KV lives in pages of the engine's pool; the scheduler decides which pages each sequence holds
 (`scheduler.pages`) and passes them: a `PrefillChunk`'s `pages` is its sequence's page ids in

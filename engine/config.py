@@ -279,6 +279,7 @@ def fixed_page_tables(config: EngineConfig, order: Sequence[int] | None = None) 
 # the page copy on the engine that admits, verify where speculation is on, and moving KV in a
 # disaggregated pair); the others compile on first use (`Engine.prepare`):
 #   scoring     echo and prompt logprobs: the prefill that scores every position
+#   pooling     embeddings: the prefill that samples nothing and sums each chunk's hidden states
 #   structured  response formats and forced tool calls: a decode step split for the bitmask
 #   transfer    moving KV between the engines of a disaggregated pair (extract, insert)
 #   history     presence, frequency and repetition penalties: a slot's token history
@@ -287,5 +288,5 @@ def fixed_page_tables(config: EngineConfig, order: Sequence[int] | None = None) 
 #   speculative speculative decoding's verify program (with speculative_tokens > 0); where
 #               warm-up left it out, the scheduler starts its compile at the first iteration
 #               that could draft, and decodes plainly until it is ready
-GROUPS = ("prefill", "scoring", "decode", "structured", "transfer", "history", "copy", "speculative")
+GROUPS = ("prefill", "scoring", "pooling", "decode", "structured", "transfer", "history", "copy", "speculative")
 WARMUPS = ("all", "needed")

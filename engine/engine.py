@@ -70,7 +70,7 @@ from absl import logging
 from cadence.engine import compile_counter
 from cadence.engine.config import EngineConfig
 from cadence.engine.kv_ops import KVOps
-from cadence.engine.packing import Pack, PrefillChunk, bucket_for, pack_chunks
+from cadence.engine.packing import Pack, PrefillChunk, bucket_for, pack_chunks, row_chunks
 from cadence.engine.programs import jit_programs
 from cadence.engine.results import DecodeTokens, PrefillTokens
 from cadence.engine.warmup import Compiling, spec
@@ -227,6 +227,7 @@ class Engine(KVOps, Compiling):
         programs = self._programs = jit_programs(self.compute_config, config, self.tp)
         self._prefill, self._decode = programs.prefill, programs.decode
         self._prefill_scored = programs.prefill_scored
+        self._prefill_pooled = programs.prefill_pooled
         self._decode_batched = programs.decode_batched
         self._decode_forward, self._decode_sample = programs.decode_forward, programs.decode_sample
         self._decode_forward_batched = programs.decode_forward_batched
@@ -271,8 +272,11 @@ class Engine(KVOps, Compiling):
             if c.start < 0 or c.start + n > cfg.max_seq_len:
                 raise ValueError(f"chunk [{c.start}, {c.start + n}) overflows max_seq_len={cfg.max_seq_len}")
             self._check(c.slot, c.pages, cfg.pages_for(c.start + n))
-        plain = [i for i, c in enumerate(chunks) if c.targets is None]
+        plain = [i for i, c in enumerate(chunks) if c.targets is None and not c.pooled]
         scored = [i for i, c in enumerate(chunks) if c.targets is not None]
+        pooled = [i for i, c in enumerate(chunks) if c.pooled]
+        if any(c.pooled and c.targets is not None for c in chunks):
+            raise ValueError("a pooled chunk scores nothing: it has no targets")
         pack = functools.partial(
             pack_chunks, block=cfg.pack_block, page_buckets=cfg.prefill_page_buckets,
             page_size=cfg.page_size, num_slots=cfg.num_slots, max_chunks=cfg.chunks_per_program)
@@ -303,7 +307,28 @@ class Engine(KVOps, Compiling):
             (score,) = run(p, targets)
             _copy_to_host(score)
             scores[i] = (score, len(chunks[i].tokens))
-        return PrefillTokens(results, logprobs, order=plain + scored, scores=scores)
+        return PrefillTokens(results, logprobs, order=plain + scored, scores=scores,
+                             pooled=self._prefill_pooled_chunks([chunks[i] for i in pooled], pooled, pack))
+
+    def _prefill_pooled_chunks(self, chunks: Sequence[PrefillChunk], indices: Sequence[int],
+                               pack) -> dict[int, tuple[tuple[jax.Array, jax.Array], int]]:
+        """Embeddings' chunks, packed together in the pooling program: {chunk index: (that
+        program's (sums, lasts), the chunk's row in them)}."""
+        if not chunks:
+            return {}
+        self._ensure("pooling")
+        out, at = {}, 0
+        for p in pack(chunks, token_buckets=self.config.prefill_buckets):
+            pooled, self.cache = self._prefill_pooled(
+                self.params, self.rope, self.cache, p.tokens, p.positions, p.lengths, p.tables,
+                p.logit_index, row_chunks(p))
+            pooled = jax.tree.map(_local, pooled)
+            for a in pooled:
+                a.copy_to_host_async()
+            for row in range(p.count):
+                out[indices[at + row]] = (pooled, row)
+            at += p.count
+        return out
 
     def _run_pack(self, pack: Pack, sampling: SamplingParams, allowed: np.ndarray,
                   targets: np.ndarray | None = None):

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cadence.engine.config import EngineConfig
-from cadence.engine.packing import empty_pack
+from cadence.engine.packing import empty_pack, row_chunks
 from cadence.engine.programs import Programs, jit_programs, sampling_rows
 from cadence.model import control, pallas_common
 from cadence.model.config import ModelConfig
@@ -61,8 +61,8 @@ class Program:
 # The kernel each program of an engine with kernel attention calls, by backend: "pallas" (Triton)
 # and "mosaic" (Mosaic GPU). The batched decode programs run the reference einsum attention, and
 # the rest no attention.
-_ATTENDS = {"prefill": "prefill", "prefill_scored": "prefill", "decode": "decode",
-            "decode_forward": "decode", "verify": "decode"}
+_ATTENDS = {"prefill": "prefill", "prefill_scored": "prefill", "prefill_pooled": "prefill",
+            "decode": "decode", "decode_forward": "decode", "verify": "decode"}
 KERNELS = {
     "pallas": {field: f"cadence_paged_{phase}" for field, phase in _ATTENDS.items()},
     "mosaic": {field: f"cadence_mosaic_{phase}" for field, phase in _ATTENDS.items()},
@@ -124,6 +124,11 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, *, weights:
                 pack.tokens, pack.positions, pack.lengths, pack.tables, pack.logit_index,
                 pack.steps, pack.write_slot, pack.sampling_slot, rows(n),
                 all_allowed(n, mc.vocab_size), *scored)
+        for t, width in ((t, w) for t in cfg.prefill_buckets for w in cfg.prefill_page_buckets):
+            pack = empty_pack(t, width, cfg.pack_block, cfg.num_slots, cfg.chunks_per_program)
+            add(f"prefill_pooled[tokens={t},pages={width}]", "prefill_pooled", params, rope, cache,
+                pack.tokens, pack.positions, pack.lengths, pack.tables, pack.logit_index,
+                row_chunks(pack))
     decode = []
     if cfg.role != "prefill":
         decode = [("decode_batched", "decode_forward_batched", w) for w in cfg.batched_decode_page_buckets]

@@ -55,6 +55,10 @@ class PrefillChunk:
     # a prompt's last token); such a chunk runs in the scoring program, which gives each
     # position's logprob of its target and the alternatives (`PrefillTokens.scores`).
     targets: Sequence[int] | None = None
+    # An embedding's chunk (`scheduler` pooling): it runs in the pooling program, which samples
+    # nothing and gives the chunk's final hidden states summed, and its last one
+    # (`PrefillTokens.pooled`).
+    pooled: bool = False
 
 
 @dataclasses.dataclass
@@ -73,6 +77,14 @@ class Pack:
     def shape(self) -> tuple[int, int]:
         """(tokens, page-table width): the program this pack runs."""
         return self.tokens.size, self.tables.shape[1]
+
+
+def row_chunks(pack: Pack) -> np.ndarray:
+    """[rows] int32: the index of the chunk each row of `pack` holds (its chunk count for the
+    bucket's empty rows). A chunk's rows run up to the row of its last token (`logit_index`)."""
+    block = pack.tokens.shape[1]
+    last_rows = pack.logit_index[: pack.count] // block
+    return np.searchsorted(last_rows, np.arange(len(pack.lengths))).astype(np.int32)
 
 
 def bucket_for(buckets: Sequence[int], n: int) -> int:

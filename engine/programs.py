@@ -4,7 +4,8 @@
     (tokens, logprobs), cache, last_tokens, history = programs.decode(
         params, rope, cache, last_tokens, history, slots, positions, page_table, sampling, steps)
 
-Packed prefill (and its scoring form, which returns every position's logprobs), the two decode
+Packed prefill (and its scoring form, which returns every position's logprobs, and its pooling
+form, which samples nothing and returns embeddings' hidden states summed per chunk), the two decode
 programs (length-following, and the batched einsum one for short contexts), a decode step split
 in two halves for rows whose bitmask the host fills in between, speculative decoding's verify
 step (a row's last token and its drafts scored in one pass, accepted on the device), extract and insert (a sequence's
@@ -92,6 +93,25 @@ def _scored_prefill_program(
         allowed, max_logprobs)
     scores = logprobs_of(logits, jnp.maximum(targets, 0), max_logprobs, jnp.ones(1, bool))
     return (sampled, logprobs, scores), cache, last_tokens, history
+
+
+def _pooled_prefill_program(
+    params, rope, cache, tokens, positions, lengths, tables, logit_index, row_chunk, *, config,
+    attention, dtype, mesh,
+):
+    """A pack of embeddings' chunks: KV written as `_prefill_program` writes it, nothing
+    sampled. Returns, per chunk ([C, D] float32 each), the sum of its positions' final hidden
+    states (the final norm's output) and the one at its last token (`logit_index`); `row_chunk`
+    [rows] is each row's chunk (`packing.row_chunks`). The host pools a prompt from its chunks'."""
+    with _live_rows(tokens, lengths):
+        hidden, cache = forward(
+            params, tokens, positions, lengths, cache, tables, config=config, attention=attention,
+            dtype=dtype, mesh=mesh, rope_table=rope, hidden=True,
+        )
+    row_sums = jnp.sum(jnp.where((positions >= 0)[..., None], hidden, 0.0), axis=1)  # [rows, D]
+    sums = jax.ops.segment_sum(row_sums, row_chunk, num_segments=logit_index.shape[0])
+    lasts = hidden.reshape(-1, hidden.shape[-1])[logit_index]
+    return (sums, lasts), cache
 
 
 def _decode_program(
@@ -299,6 +319,7 @@ class Programs:
 
     prefill: Callable
     prefill_scored: Callable  # prefill with every position's logprobs (echo), a chunk at a time
+    prefill_pooled: Callable  # embeddings' prefill: hidden states summed per chunk, nothing sampled
     decode: Callable  # the length-following decode
     decode_batched: Callable  # the einsum decode over a page-table bucket
     # A decode step in two halves, for rows whose bitmask the host fills in between: the
@@ -343,6 +364,8 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
         prefill=jit(functools.partial(_prefill_program, **static), stepped, donate_argnames=donate),
         prefill_scored=jit(functools.partial(_scored_prefill_program, **static), stepped,
                            donate_argnames=donate),
+        prefill_pooled=jit(functools.partial(_pooled_prefill_program, **forward_only),
+                           ((token, token), pool), donate_argnames=("cache",)),
         decode=jit(functools.partial(_decode_program, **decode), stepped, donate_argnames=donate),
         decode_batched=jit(functools.partial(_decode_program, **{**decode, "attention": "reference"}),
                            stepped, donate_argnames=donate),

@@ -127,23 +127,26 @@ def greedy_generate(
     return (out, all_logits) if return_logits else out
 
 
-@partial(jax.jit, static_argnames=("config",))
-def _every_position(params, tokens, cache, *, config):
+@partial(jax.jit, static_argnames=("config", "hidden"))
+def _every_position(params, tokens, cache, *, config, hidden=False):
     n = tokens.shape[1]
-    logits, _ = forward(params, tokens, jnp.arange(n, dtype=jnp.int32)[None],
-                        jnp.full((1,), n, jnp.int32), cache, jnp.zeros((1, 1), jnp.int32),
-                        config=config, attention="reference", logit_index=None)
-    return logits[0]
+    out, _ = forward(params, tokens, jnp.arange(n, dtype=jnp.int32)[None],
+                     jnp.full((1,), n, jnp.int32), cache, jnp.zeros((1, 1), jnp.int32),
+                     config=config, attention="reference", logit_index=None, hidden=hidden)
+    return out[0]
 
 
-def sequence_logits(params, config: ModelConfig, token_ids: Sequence[int]) -> np.ndarray:
+def sequence_logits(params, config: ModelConfig, token_ids: Sequence[int],
+                    hidden: bool = False) -> np.ndarray:
     """[len(token_ids), vocab] float32: the logits after each position, from one forward pass
-    over the whole sequence (row i scores token i + 1). Jitted, as the generator's steps are:
-    one program per length, where running it op by op compiles each operation for each new
-    length (~15x the time on the tiny model)."""
+    over the whole sequence (row i scores token i + 1); with `hidden`, [len, D]: each
+    position's final hidden state (what an embedding pools). Jitted, as the generator's steps
+    are: one program per length, where running it op by op compiles each operation for each
+    new length (~15x the time on the tiny model)."""
     cache = PagedKVCache.create(config, num_pages=1, page_size=len(token_ids))
-    logits = _every_position(params, jnp.asarray([list(token_ids)], jnp.int32), cache, config=config)
-    return np.asarray(logits, np.float32)
+    out = _every_position(params, jnp.asarray([list(token_ids)], jnp.int32), cache, config=config,
+                          hidden=hidden)
+    return np.asarray(out, np.float32)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -87,44 +87,56 @@ def _read_logprobs(logprobs: Logprobs, rows: slice) -> HostLogprobs:
 
 class PrefillTokens:
     """What `Engine.prefill` returns: each chunk's sampled token, on the device until read.
-    `np.asarray(result)` waits for the programs and gives [len(chunks)] int32;
+    `np.asarray(result)` waits for the programs and gives [len(chunks)] int32 (-1 for a pooled
+    chunk);
     `result.logprobs()` the chunks' `HostLogprobs` (zeros unless a chunk's row asked);
     `result.scores()` each scored chunk's (`PrefillChunk.targets`) by its index: [n] and
-    [n, max_logprobs], position by position."""
+    [n, max_logprobs], position by position; `result.pooled()` each pooled chunk's
+    (`PrefillChunk.pooled`, which samples no token) by its index: the sum of its positions'
+    final hidden states and its last position's, [D] float32 each."""
 
     def __init__(self, parts: list[tuple[jax.Array, int]], logprobs: list[Logprobs] = (),
-                 order: list[int] | None = None, scores: dict[int, tuple[Logprobs, int]] | None = None):
+                 order: list[int] | None = None, scores: dict[int, tuple[Logprobs, int]] | None = None,
+                 pooled: dict[int, tuple[tuple[jax.Array, jax.Array], int]] | None = None):
         self._parts = parts  # (a program's tokens [C], how many of them are real chunks)
         self._logprobs = list(logprobs)  # each program's
         self._order = order  # the chunk index of each token the programs give, in their order
         self._scores = scores or {}
+        self._pooled = pooled or {}  # chunk index: (its program's (sums, lasts), its row there)
 
     def _in_order(self, a: np.ndarray) -> np.ndarray:
+        """Per chunk of the call: a pooled chunk's entry (it samples no token) is -1."""
         if self._order is None:
             return a
-        out = np.empty_like(a)
+        out = np.full((len(self),) + a.shape[1:], -1, a.dtype)
         out[np.asarray(self._order, np.int64)] = a
         return out
 
     def scores(self) -> dict[int, HostLogprobs]:
         return {i: _read_logprobs(lp, slice(0, n)) for i, (lp, n) in self._scores.items()}
 
+    def pooled(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        return {i: (np.asarray(sums)[row], np.asarray(lasts)[row])
+                for i, ((sums, lasts), row) in self._pooled.items()}
+
     @property
     def programs(self) -> int:
-        return len(self._parts)
+        return len(self._parts) + len({id(p) for p, _ in self._pooled.values()})
 
     def __len__(self) -> int:
-        return sum(n for _, n in self._parts)
+        return sum(n for _, n in self._parts) + len(self._pooled)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        if self._pooled:  # read as the tokens are: the programs have run once this returns
+            self.block_until_ready()
         tokens = [np.asarray(a)[:n] for a, n in self._parts]
-        out = self._in_order(np.concatenate(tokens)) if tokens else np.zeros(0, np.int32)
+        out = self._in_order(np.concatenate(tokens) if tokens else np.zeros(0, np.int32))
         return out if dtype is None else out.astype(dtype)
 
     def block_until_ready(self) -> PrefillTokens:
         import jax
 
-        jax.block_until_ready([a for a, _ in self._parts])
+        jax.block_until_ready(([a for a, _ in self._parts], [p for p, _ in self._pooled.values()]))
         return self
 
     def logprobs(self) -> HostLogprobs:

@@ -27,7 +27,7 @@ from absl import logging
 
 from cadence.engine import compile_counter
 from cadence.engine.config import GROUPS, WARMUPS, EngineConfig
-from cadence.engine.packing import empty_pack
+from cadence.engine.packing import empty_pack, row_chunks
 from cadence.engine.programs import Programs, sampling_rows
 from cadence.model.config import ModelConfig
 from cadence.model.host_sampling import RequestSampling, all_allowed
@@ -118,6 +118,11 @@ def list_programs(programs: Programs, cfg: EngineConfig, mc: ModelConfig, specs:
             history, pack.tokens, pack.positions, pack.lengths, pack.tables, pack.logit_index,
             pack.steps, pack.write_slot, pack.sampling_slot, rows(n), all_allowed(n, vocab),
             *scored)
+    for t, width in ((t, w) for t in cfg.prefill_buckets for w in cfg.prefill_page_buckets):
+        pack = empty_pack(t, width, cfg.pack_block, cfg.num_slots, cfg.chunks_per_program)
+        add("pooling", f"prefill_pooled[tokens={t},pages={width}]", programs.prefill_pooled, params,
+            rope, cache, pack.tokens, pack.positions, pack.lengths, pack.tables, pack.logit_index,
+            row_chunks(pack))
     decode = [("decode_batched", programs.decode_batched, programs.decode_forward_batched, w)
               for w in cfg.batched_decode_page_buckets]
     decode += [("decode", programs.decode, programs.decode_forward, w) for w in cfg.decode_page_buckets]
@@ -175,7 +180,7 @@ class Compiling:
             raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
         cfg = self.config
         groups = [g for g in GROUPS if not (
-            (cfg.role == "decode" and g in ("prefill", "scoring"))
+            (cfg.role == "decode" and g in ("prefill", "scoring", "pooling"))
             or (cfg.role == "prefill" and g in ("decode", "structured"))
             or (g == "structured" and not cfg.structured_output)
             or (g == "speculative" and (cfg.speculative_tokens == 0 or cfg.role == "prefill")))]

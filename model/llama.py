@@ -260,7 +260,7 @@ class Llama(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, positions, lengths, cache: PagedKVCache, page_table, logit_index,
-                 rope_table=None):
+                 rope_table=None, hidden=False):
         cfg = self.config
         embed = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed")
         x = embed(tokens)
@@ -286,6 +286,8 @@ class Llama(nn.Module):
         if logit_index is not None:
             x = x.reshape(-1, x.shape[-1])[logit_index]  # [n, D]
         x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
+        if hidden:  # the final hidden states (what an embedding pools), not the LM head's logits
+            return x.astype(jnp.float32), cache
         with jax.named_scope("lm_head"):
             if cfg.tie_embeddings:
                 logits = embed.attend(x)
@@ -308,8 +310,11 @@ def forward(
     dtype: jnp.dtype = jnp.float32,
     mesh: jax.sharding.Mesh | None = None,
     rope_table: jax.Array | None = None,
+    hidden: bool = False,
 ) -> tuple[jax.Array, PagedKVCache]:
-    """Runs the decoder; returns float32 logits ([rows, t, V], or [n, V] with logit_index).
+    """Runs the decoder; returns float32 logits ([rows, t, V], or [n, V] with logit_index), or
+    with `hidden` the final norm's output instead ([rows, t, D] or [n, D]): the hidden states
+    an embedding pools, the LM head left out.
 
     `rope_table`: `rope_table(config, n)` for positions below n, looked up rather than computed
     (the engine's programs pass one); None computes the rotations from the positions.
@@ -319,7 +324,8 @@ def forward(
     attention is left to XLA's SPMD partitioner, which follows the shardings of the params."""
     module = Llama(config, attention, dtype, mesh)
     return module.apply(
-        {"params": params}, tokens, positions, lengths, cache, page_table, logit_index, rope_table
+        {"params": params}, tokens, positions, lengths, cache, page_table, logit_index, rope_table,
+        hidden,
     )
 
 

@@ -24,7 +24,7 @@ from cadence.model.host_sampling import all_allowed
 from cadence.scheduler.kv_manager import Pool
 from cadence.scheduler.policy import Plan
 from cadence.scheduler.request import Request, State
-from cadence.scheduler.results import Row, Scores
+from cadence.scheduler.results import Pooled, Row, Scores
 
 
 class Dispatch:
@@ -78,7 +78,7 @@ class Dispatch:
         except Exception as e:
             logging.exception("copying prefixes' last pages failed")
             self._fail_pool(pool, f"{type(e).__name__}: {e}")
-        chunks, firsts, scored = [], [], []
+        chunks, firsts, scored, pooled = [], [], [], []
         allowed = None  # the token bitmasks of the slots whose first token a grammar constrains
         for chunk in plan.prefill:
             r = chunk.request
@@ -97,9 +97,12 @@ class Dispatch:
                 # each position's next prompt token (none after the prompt's last)
                 targets = r.prompt_ids[start + 1 : end + 1] + [-1] * max(0, end + 1 - r.prompt_len)
                 scored.append(Row(r, Scores(len(chunks), start)))
-            if chunk.final:
+            embeds = r.params.pooling is not None
+            if embeds:  # its hidden states, not a token (nor a decode after its last chunk)
+                pooled.append(Row(r, Pooled(len(chunks), chunk.final)))
+            elif chunk.final:
                 firsts.append(Row(r, len(chunks)))
-            chunks.append(PrefillChunk(r.slot, ids, start, chunk.final, r.pages, targets))
+            chunks.append(PrefillChunk(r.slot, ids, start, chunk.final, r.pages, targets, embeds))
             r.prefill_dispatched(chunk.length, chunk.final)
             if chunk.final:
                 r.state = State.DECODING
@@ -113,7 +116,7 @@ class Dispatch:
         tokens = pool.engine.prefill(chunks, rows, allowed)
         self.prefill_programs += tokens.programs
         self.prefill_chunks += len(chunks)
-        pool.expect(scored + firsts, tokens)  # a prompt's scores before its first token
+        pool.expect(scored + pooled + firsts, tokens)  # a prompt's scores before its first token
         return tokens.programs, len(chunks)
 
     def _dispatch_decode(self, plan: Plan, pool: Pool, rows) -> None:

@@ -19,7 +19,7 @@ from absl import logging
 
 from cadence.scheduler.kv_manager import Pool
 from cadence.scheduler.request import FinishReason, Request, State
-from cadence.scheduler.results import Pending, Scores
+from cadence.scheduler.results import Pending, Pooled, Scores
 from cadence.scheduler.stats import notify
 
 
@@ -37,10 +37,16 @@ class Outcomes:
             now = time.monotonic()
             steps, logprobs = result.read(values)
             emitted = None if result.drafts is None else result.tokens.emitted()
+            pooled = None
             for i, (r, index) in enumerate(result.rows):
                 r.unapplied -= 1
                 if isinstance(index, Scores):
                     r.take_scores(result.tokens.scores()[index.chunk], index.start)
+                    continue
+                if isinstance(index, Pooled):  # an embedding's chunk; its last one ends it
+                    pooled = pooled or result.tokens.pooled()
+                    if r.take_pooled(*pooled[index.chunk], index.final):
+                        self._finish(r, FinishReason.STOP, now)
                     continue
                 column = steps[:, index].tolist()
                 if emitted is not None:  # a verify step: its row's tokens, and its true length

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.model.host_sampling import RequestSampling
@@ -52,6 +54,8 @@ class FinishReason(str, enum.Enum):
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_PRIORITY = 2**31 - 1  # priorities are integers in [-MAX_PRIORITY, MAX_PRIORITY]
+# How an embedding pools its prompt's final hidden states: their mean, or its last token's.
+POOLINGS = ("mean", "last")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +84,10 @@ class GenerationParams:
     # Structured output (`scheduler.grammar`): every token is one the grammar allows, and the
     # request ends ("stop") when the grammar is complete.
     grammar: Grammar | None = None
+    # An embedding (one of POOLINGS): the prompt is prefilled, nothing is generated, and the
+    # request ends with its final hidden states pooled (`RequestRecord.embedding`). Its prompt
+    # is prefilled whole, never taken from the prefix cache, which has no hidden states.
+    pooling: str | None = None
 
 
 def check_params(params: GenerationParams, vocab_size: int | None = None, max_logprobs: int | None = None,
@@ -97,6 +105,8 @@ def check_params(params: GenerationParams, vocab_size: int | None = None, max_lo
     if outside:
         raise SubmissionError(f"logit_bias names token id {outside[0]}, outside the model's "
                               f"vocabulary [0, {vocab_size})", "logit_bias")
+    if params.pooling is not None:
+        _check_pooling(params)
     if params.prompt_logprobs and params.logprobs is None:
         raise SubmissionError("prompt logprobs (echo) need logprobs", "logprobs")
     most = max_logprobs
@@ -139,6 +149,19 @@ def check_params(params: GenerationParams, vocab_size: int | None = None, max_lo
             raise SubmissionError(
                 f"stop strings must be non-empty strings of at most {MAX_STOP_LENGTH} "
                 f"characters, got {str(stop)[:40]!r}{'...' if len(str(stop)) > 40 else ''}", "stop")
+
+
+def _check_pooling(params: GenerationParams) -> None:
+    if params.pooling not in POOLINGS:
+        raise SubmissionError(f"pooling must be one of {', '.join(POOLINGS)}, got {params.pooling!r}",
+                              "pooling")
+    generating = {"max_tokens": params.max_tokens is not None, "logprobs": params.logprobs is not None,
+                  "grammar": params.grammar is not None, "min_tokens": params.min_tokens > 0,
+                  "stop": bool(params.stop or params.stop_token_ids)}
+    given = [name for name, set_ in generating.items() if set_]
+    if given:
+        raise SubmissionError(f"an embedding generates nothing: {given[0]} cannot go with pooling",
+                              given[0])
 
 
 def check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> None:
@@ -225,6 +248,9 @@ class RequestRecord:
     token_times: list[float] = dataclasses.field(default_factory=list)  # one per output token
     logprobs: list[TokenLogprob] | None = None  # one per output token, if the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first None)
+    # An embedding's pooled final hidden states ([D] float32; `GenerationParams.pooling`), not
+    # normalized.
+    embedding: np.ndarray | None = None
     error: str | None = None
     preemptions: int = 0  # times its KV was dropped (for pages or for a higher priority) and recomputed
     priority: int = 0  # the priority it ran at (`GenerationParams.priority`, or its class's)
@@ -332,6 +358,10 @@ class Request:
         self.detok = IncrementalDetokenizer(tokenizer)
         # Its place in its grammar (structured output), advanced by every token it accepts.
         self.matcher = params.grammar.matcher() if params.grammar is not None else None
+        # An embedding's (`params.pooling`): the sum of the hidden states of its chunks taken so
+        # far, then, from its last chunk's, the pooled result.
+        self._hidden_sum: np.ndarray | None = None
+        self.embedding: np.ndarray | None = None
         self._held = ""  # text withheld because it may be the start of a stop string
         # The stop string or stop token id (a request's own, not the model's EOS) that ended it.
         self.stop_reason: str | int | None = None
@@ -360,7 +390,8 @@ class Request:
         """The engines' program groups (`engine.config.GROUPS`) it runs besides prefill and
         decode."""
         p = self.params
-        wanted = {"scoring": p.prompt_logprobs, "structured": p.grammar is not None,
+        wanted = {"scoring": p.prompt_logprobs, "pooling": p.pooling is not None,
+                  "structured": p.grammar is not None,
                   "history": p.sampling.penalized, "copy": self.fork_parent is not None}
         return tuple(group for group, needed in wanted.items() if needed)
 
@@ -407,7 +438,7 @@ class Request:
         self.prefilled += length
         self.kv_tokens += length
         self.prefill_chunks += 1
-        if final:
+        if final and self.params.pooling is None:  # (an embedding samples nothing)
             self.dispatched = self.prefill_len - self.prompt_len + 1
 
     def decode_dispatched(self, tokens: int, steps: int, now: float) -> int:
@@ -432,6 +463,7 @@ class Request:
         self.state = State.WAITING
         self.slot = None
         self.prefilled = self.kv_tokens = 0
+        self._hidden_sum = None  # its chunks' results still in flight are dropped (`take_pooled`)
         self.preemptions += 1
 
     def readmitted(self) -> None:
@@ -526,6 +558,19 @@ class Request:
             self.prompt_logprobs[p] = TokenLogprob(self.prompt_ids[p], float(value), "", tuple(
                 zip(map(int, ids[:k]), map(float, values[:k]))))
 
+    def take_pooled(self, hidden_sum: np.ndarray, last: np.ndarray, final: bool) -> bool:
+        """An embedding's chunk's results (`engine.api`'s pooled: its positions' final hidden
+        states summed, and its last one's), in prompt order; returns whether the embedding is
+        complete (`final`: the prompt's last chunk). Results of chunks dispatched before a
+        preemption arrive while it waits, and are dropped: its prefill starts over."""
+        if self.finished or self.state is State.WAITING:
+            return False
+        self._hidden_sum = hidden_sum if self._hidden_sum is None else self._hidden_sum + hidden_sum
+        if final:
+            self.embedding = (self._hidden_sum / np.float32(self.prompt_len)
+                              if self.params.pooling == "mean" else np.asarray(last))
+        return final
+
     def finish(self, reason: FinishReason, now: float, error: str | None = None) -> RequestRecord:
         self.state = State.FINISHED
         if self._held and reason in (FinishReason.ABORT, FinishReason.ERROR):
@@ -546,6 +591,7 @@ class Request:
             token_times=self.token_times,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            embedding=self.embedding,
             error=error,
             preemptions=self.preemptions,
             priority=self.priority,

@@ -5,7 +5,7 @@ step) leaves one
 `Pending` on its pool: the engine's result, whose tokens the host reads an iteration later,
 and a `Row` for each request it holds a token of: the request and the column of its token
 (its slot for decode, its chunk's index for prefill), or, for a scored prefill chunk, `Scores`
-(the chunk's prompt logprobs). `Pending.read` turns the tokens as read into arrays by step.
+(the chunk's prompt logprobs), and for an embedding's chunk, `Pooled` (its hidden states). `Pending.read` turns the tokens as read into arrays by step.
 """
 
 from __future__ import annotations
@@ -19,6 +19,15 @@ from cadence.scheduler.request import Request
 
 
 @dataclasses.dataclass(frozen=True)
+class Pooled:
+    """In a prefill result's rows: an embedding's chunk `chunk` (its index in the call), the
+    prompt's last when `final`: its hidden states summed, and its last one."""
+
+    chunk: int
+    final: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class Scores:
     """In a prefill result's rows: the prompt logprobs of the chunk `chunk` (its index in the
     call), which starts at position `start`."""
@@ -29,7 +38,7 @@ class Scores:
 
 class Row(NamedTuple):
     request: Request
-    index: int | Scores  # the column of its token in the result, or the scores it takes
+    index: int | Scores | Pooled  # the column of its token in the result, or what else it takes
 
 
 @dataclasses.dataclass(frozen=True)

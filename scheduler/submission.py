@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cadence.model.host_sampling import row_bias
-from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, SubmissionError
+from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
 from cadence.scheduler.prefix_cache import PageKeys
 from cadence.scheduler.priority import tokens_ahead
 from cadence.scheduler.request import GenerationParams, Request, check_length, check_params, check_prompt
@@ -73,7 +73,13 @@ class Submissions:
         self._check_params(params)
         n = len(prompt_ids)
         check_prompt(prompt_ids, self.engine.vocab_size)
-        max_tokens = check_length(n, params.max_tokens, self.context, self.max_seq_len)
+        if params.pooling is not None:  # an embedding: its prompt alone must fit
+            max_tokens = 0
+            if n > self.context:
+                raise RequestTooLong(f"the input ({n} tokens) exceeds the {self.context}-token "
+                                     f"context; shorten it", "input")
+        else:
+            max_tokens = check_length(n, params.max_tokens, self.context, self.max_seq_len)
         if params.min_tokens > max_tokens:  # (max_tokens given: `check_params` said so already)
             raise SubmissionError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens "
                                   f"left in the context after the prompt", "min_tokens")
@@ -82,7 +88,7 @@ class Submissions:
             prompt_ids, params, max_tokens, self.tokenizer,
             emit=lambda e: stream._push(e), request_id=request_id, priority=priority,
         )
-        if self.config.prefix_caching and not params.prompt_logprobs:
+        if self.config.prefix_caching and not params.prompt_logprobs and params.pooling is None:
             request.page_keys = PageKeys(self.page_size, self.config.cache_namespace.encode(),
                                          params.cache_salt)
         if params.min_tokens:  # its row must hold its stop ids masked beside its biases

@@ -160,6 +160,7 @@ def test_warmup_compiles_every_program(tiny_params, tiny_config):
     assert cfg.decode_batch_buckets == (1, 2)
     assert programs.count("decode") == len(cfg.decode_page_buckets) * batches == 2  # one width: it skips pages itself
     assert programs.count("decode_batched") == len(cfg.batched_decode_page_buckets) * batches == len(cfg.page_buckets) * 2
+    assert programs.count("prefill_pooled") == len(cfg.prefill_buckets)
     assert {"prefill_scored", "extract", "insert", "history", "copy"} <= set(programs)
     jax.block_until_ready(e.cache)
 
@@ -173,8 +174,8 @@ def test_needed_warmup_compiles_the_rest_on_first_use_once(tiny_params, tiny_con
                        page_size=32, structured_output=True)
     e = Engine(tiny_params, tiny_config, cfg)
     assert e.program_groups("needed") == ("prefill", "decode", "copy")
-    assert e.program_groups("all") == ("prefill", "scoring", "decode", "structured", "transfer",
-                                       "history", "copy")
+    assert e.program_groups("all") == ("prefill", "scoring", "pooling", "decode", "structured",
+                                       "transfer", "history", "copy")
     e.warmup(warmup="needed")
     assert e.ready("copy") and not e.ready("history") and not e.ready("transfer")
     first = e.prepare(["history"])

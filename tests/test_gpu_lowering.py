@@ -61,7 +61,7 @@ def test_engine_programs_are_what_warmup_compiles(tiny_config, tiny_params, monk
     for (field, want), (_, got) in zip(listed, calls):
         assert want == got, field
     assert {"decode", "decode_batched", "decode_forward", "decode_forward_batched",
-            "decode_sample", "prefill_scored", "verify"} <= {f for f, _ in calls}
+            "decode_sample", "prefill_scored", "prefill_pooled", "verify"} <= {f for f, _ in calls}
 
 
 def _lower_all(model_config, config, verified):
@@ -81,14 +81,14 @@ def _lower_all(model_config, config, verified):
 @pytest.mark.parametrize("layers", [
     2, pytest.param(SMOLLM2_135M.num_layers, marks=pytest.mark.slow)], ids=["2-layers", "30-layers"])
 def test_smollm2_gpu_engine_lowers_for_cuda(triton_verifications, layers, attention):
-    """SmolLM2-135M's GPU engine (8 slots, 4k context): 37 programs, with either kernel
+    """SmolLM2-135M's GPU engine (8 slots, 4k context): 43 programs, with either kernel
     backend (Triton; Mosaic GPU). The model's layers are unrolled, so each adds its kernel calls
     to every program: the default tier lowers the same shapes, buckets and kernels with 2 of
     the 30 layers (~10 s on 2 CPU cores), the full tier the whole model (~30 s)."""
     config = gpu_engine_config(num_slots=8, attention=attention)
     model = dataclasses.replace(SMOLLM2_135M, num_layers=layers)
     programs = _lower_all(model, config, triton_verifications)
-    assert len(programs) == 37
+    assert len(programs) == 43
     names = {p.name for p in programs}
     assert {f"decode[batch={b},pages=64]" for b in config.decode_batch_buckets} <= names
 
@@ -99,7 +99,7 @@ def test_llama3_8b_gpu_engine_lowers_for_cuda(triton_verifications, attention):
     """Llama-3-8B's GPU engine at 64 slots (every batch bucket 1..64): nothing allocated."""
     config = gpu_engine_config(attention=attention)
     programs = _lower_all(LLAMA3_8B, config, triton_verifications)
-    assert len(programs) == (len(config.prefill_buckets) + len(config.score_buckets)
+    assert len(programs) == (2 * len(config.prefill_buckets) + len(config.score_buckets)
                              + 3 * len(config.decode_batch_buckets) + len(config.verify_batch_buckets)
                              + 2 * len(config.page_buckets) + 2)
 
@@ -127,4 +127,4 @@ def test_qwen3_gpu_engine_lowers_for_cuda(triton_verifications, attention):
 
     config = gpu_engine_config(num_slots=8, attention=attention)
     model = dataclasses.replace(SHAPES["qwen3-0.6b"][1], num_layers=2)
-    assert len(_lower_all(model, config, triton_verifications)) == 37
+    assert len(_lower_all(model, config, triton_verifications)) == 43
