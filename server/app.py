@@ -7,7 +7,8 @@ Events or not) are here; POST /v1/responses and GET /v1/responses/{id} (OpenAI's
 on the chat path) are `server/responses_api.py`; llama-server's own POST /completion and /infill
 are `server/llama_api.py`; the routes that describe the server rather than
 generate (models, /tokenize and /detokenize, /health, /metrics, what sglang-router asks a worker,
-/debug/timeline, /openapi.json) are `server/info_api.py`. /health answers 200 only while the
+/debug/timeline, /openapi.json) are `server/info_api.py`; POST /v1/embeddings and llama-server's
+/embedding are `server/embeddings_api.py`. /health answers 200 only while the
 engine is warm and alive.
 All model and policy logic lives below this layer: the app reads the body (refusing one over
 `max_body_bytes` with 413 before buffering it), parses it (`server/parsing.py`), tokenizes on a
@@ -42,13 +43,14 @@ from starlette.routing import Route
 
 from cadence.checkpoints import fim
 from cadence.checkpoints.generation import GenerationDefaults
-from cadence.checkpoints.tokenizer import Tokenizer, TokenizerError
-from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
+from cadence.checkpoints.tokenizer import Tokenizer
+from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.grammar import Grammar, GrammarCompiler, GrammarError
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
 from cadence.scheduler.stream import merged
 from cadence.server import client_json, parsing, protocol, reasoning
+from cadence.server.embeddings_api import EmbeddingsAPI
 from cadence.server.llama_api import LlamaAPI, fill_ids
 from cadence.server.info_api import InfoAPI
 from cadence.server.metrics import Metrics
@@ -97,7 +99,8 @@ class Timeline:
 
 
 def _without_text(items: list[tuple[str, object]]) -> dict:
-    return {k: v for k, v in items if k != "text"}  # the client has the text already
+    # The client has the text (and an embedding) already.
+    return {k: v for k, v in items if k not in ("text", "embedding")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +112,7 @@ class ServerConfig:
     drain_timeout: float = 30.0  # seconds in-flight requests may take to finish on shutdown
     grammar_timeout: float = 10.0  # seconds a response format's grammar may take to compile
     reasoning_parser: str = "auto"  # `reasoning.PARSERS`: split chat answers' <think> blocks
+    pooling: str = "last"  # how embeddings pool the hidden states (`scheduler.request.POOLINGS`)
 
 
 class Server:
@@ -292,7 +296,7 @@ class Server:
         request id is the request's for k = 0, else `-p{k}` after it; choice i's is its
         prompt's, then `-i` for i > 0. A batch is submitted whole or not at all."""
         groups: list[list[RequestStream]] = []
-        try:
+        with protocol.submission_errors():
             prompts, grammar = await self._prepare(parsed)
             params = [dataclasses.replace(p, grammar=grammar) for p in parsed.choice_params()]
             try:
@@ -306,19 +310,6 @@ class Server:
                     stream.cancel()
                 raise
             return groups
-        except RequestTooLong as e:
-            raise APIError(400, str(e), param=e.param or "max_tokens", code="context_length_exceeded") from None
-        except SubmissionError as e:
-            raise APIError(400, str(e), param=e.param) from None
-        except TokenizerError as e:
-            raise APIError(400, str(e)) from None
-        except Overloaded as e:
-            raise APIError(429, str(e), type="rate_limit_error",
-                           headers={"Retry-After": str(e.retry_after)}) from None
-        except EngineDead as e:
-            raise APIError(503, str(e), type="service_unavailable", code="engine_dead") from None
-        except NotRunning as e:
-            raise APIError(503, str(e), type="service_unavailable") from None
 
     async def read_body(self, request: Request) -> Any:
         """A POST's JSON body, from a client this server may serve, or an APIError."""
@@ -535,6 +526,7 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Seq
             route("/v1/completions", lambda r: server.generate(r, chat=False), ["POST"]),
             route("/v1/chat/completions", lambda r: server.generate(r, chat=True), ["POST"]),
             *ResponsesAPI(server).routes(route),
+            *EmbeddingsAPI(server).routes(route),
             *LlamaAPI(server).routes(route),
             *InfoAPI(server).routes(route),
         ],

@@ -94,16 +94,16 @@ def _non_negative(body: dict, name: str, types: tuple[type, ...]) -> Any:
 
 def parse_completion(body: Any, defaults: parsing.SamplingDefaults) -> tuple[protocol.ParsedRequest, Options]:
     """/completion's body (a prompt: text, or token ids), or SubmissionError."""
-    protocol._known(body, _COMMON)
+    protocol.known_fields(body, _COMMON)
     prompt = body.get("prompt")
-    if not (isinstance(prompt, str) or protocol._token_ids(prompt)):
+    if not (isinstance(prompt, str) or protocol.token_ids(prompt)):
         raise SubmissionError('"prompt" must be a string or an array of token ids', "prompt")
     return _parse(body, defaults, prompt, None)
 
 
 def parse_infill(body: Any, defaults: parsing.SamplingDefaults) -> tuple[protocol.ParsedRequest, Options]:
     """/infill's body: a completion of its prefix with a `fim.Hole`, or SubmissionError."""
-    protocol._known(body, _INFILL)
+    protocol.known_fields(body, _INFILL)
     prefix = parsing.field(body, "input_prefix", (str,))
     suffix = parsing.field(body, "input_suffix", (str,))
     for name, value in (("input_prefix", prefix), ("input_suffix", suffix)):

@@ -16,17 +16,18 @@ to 16 tokens as OpenAI's do, chats to the end of the context.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
-from cadence.scheduler.errors import SubmissionError
+from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
 from cadence.checkpoints import fim
 from cadence.checkpoints.detokenizer import IncrementalDetokenizer
-from cadence.checkpoints.tokenizer import Tokenizer
+from cadence.checkpoints.tokenizer import Tokenizer, TokenizerError
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenLogprob
 from cadence.scheduler.stream import RequestStream
 from cadence.server import guided, parsing, tool_requests
@@ -159,7 +160,7 @@ def parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults = OPENAI_DEF
         raise APIError(400, str(e), param=e.param) from None
 
 
-def _known(body: Any, allowed: Collection[str]) -> dict:
+def known_fields(body: Any, allowed: Collection[str]) -> dict:
     """`body` if it is an object of only `allowed` fields, else SubmissionError."""
     if not isinstance(body, dict):
         raise SubmissionError("the request body must be a JSON object")
@@ -170,7 +171,7 @@ def _known(body: Any, allowed: Collection[str]) -> dict:
 
 
 def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int) -> ParsedRequest:
-    _known(body, _ALLOWED[chat] | _NEUTRAL.keys() | IGNORED_FIELDS.keys())
+    known_fields(body, _ALLOWED[chat] | _NEUTRAL.keys() | IGNORED_FIELDS.keys())
     for name, kind in IGNORED_FIELDS.items():  # ignored, but only as what they are
         parsing.field(body, name, (kind,))
     for name, neutral in _NEUTRAL.items():  # (a chat's continue_final_message is its own)
@@ -191,7 +192,7 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
         params = parsing.generation_params(body, dataclasses.replace(defaults, max_tokens=None),
                                             max_tokens_fields=("max_tokens", "max_completion_tokens"))
     else:
-        prompts = _prompts(body.get("prompt"))
+        prompts = prompts_of(body.get("prompt"))
         params = parsing.generation_params(
             body, dataclasses.replace(defaults, max_tokens=COMPLETION_MAX_TOKENS))
     params = dataclasses.replace(params, logprobs=_logprobs(body, chat))
@@ -222,23 +223,25 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
                          continuous_usage=continuous)
 
 
-def _token_ids(value: Any) -> bool:
+def token_ids(value: Any) -> bool:
+    """Whether `value` is a non-empty array of integers (token ids)."""
     return (isinstance(value, list) and bool(value)
             and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
-def _prompts(prompt: Any) -> list[str | list[int]]:
-    """Completions' `prompt`: a string, an array of token ids, or a batch (an array of
-    strings or of token-id arrays), as OpenAI and vLLM take it."""
-    if isinstance(prompt, str) or _token_ids(prompt):
-        return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p) for p in prompt):
-        if len(prompt) > MAX_PROMPTS:
-            raise SubmissionError(f'"prompt" holds {len(prompt)} prompts; at most {MAX_PROMPTS} '
-                                  "go in one request", "prompt")
-        return prompt
-    raise SubmissionError('"prompt" must be a string, an array of token ids, or an array of '
-                          "either (a batch)", "prompt")
+def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> list[str | list[int]]:
+    """Completions' `prompt` (and embeddings' `input`, as `name`): a string, an array of token
+    ids, or a batch of at most `most` (an array of strings or of token-id arrays), as OpenAI and
+    vLLM take it."""
+    if isinstance(value, str) or token_ids(value):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(p, str) or token_ids(p) for p in value):
+        if len(value) > most:
+            raise SubmissionError(f'"{name}" holds {len(value)} prompts; at most {most} go in one '
+                                  "request", name)
+        return value
+    raise SubmissionError(f'"{name}" must be a string, an array of token ids, or an array of '
+                          "either (a batch)", name)
 
 
 _TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", "add_special_tokens",
@@ -250,7 +253,7 @@ def tokenize_request(body: Any) -> dict:
     """/tokenize's body (vLLM's shape), checked: exactly one of "prompt" (a string) or
     "messages"; APIError 400 naming what is wrong."""
     try:
-        _known(body, _TOKENIZE_FIELDS)
+        known_fields(body, _TOKENIZE_FIELDS)
         if (body.get("prompt") is None) == (body.get("messages") is None):
             raise SubmissionError('send exactly one of "prompt" or "messages"')
         parsing.field(body, "model", (str,))
@@ -269,7 +272,7 @@ def tokenize_request(body: Any) -> dict:
 def detokenize_request(body: Any, vocab_size: int) -> dict:
     """/detokenize's body (vLLM's shape): {"tokens": [ids in the vocabulary]}."""
     try:
-        _known(body, ("model", "tokens"))
+        known_fields(body, ("model", "tokens"))
         parsing.field(body, "model", (str,))
         tokens = parsing.field(body, "tokens", (list,))
         if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
@@ -327,6 +330,28 @@ def request_id(headers: Mapping[str, str], prefix: str) -> str:
     if len(given) > MAX_REQUEST_ID:
         raise APIError(400, f"X-Request-Id is longer than {MAX_REQUEST_ID} characters")
     return given
+
+
+@contextlib.contextmanager
+def submission_errors() -> Iterator[None]:
+    """Submitting to the scheduler, with its refusals as the API's errors: 400 for what the
+    request got wrong (too long for the context, bad parameters, untokenizable text), 429 when
+    the queue or a latency target is full, 503 when the engine is dead or shutting down."""
+    try:
+        yield
+    except RequestTooLong as e:
+        raise APIError(400, str(e), param=e.param or "max_tokens", code="context_length_exceeded") from None
+    except SubmissionError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    except TokenizerError as e:
+        raise APIError(400, str(e)) from None
+    except Overloaded as e:
+        raise APIError(429, str(e), type="rate_limit_error",
+                       headers={"Retry-After": str(e.retry_after)}) from None
+    except EngineDead as e:
+        raise APIError(503, str(e), type="service_unavailable", code="engine_dead") from None
+    except NotRunning as e:
+        raise APIError(503, str(e), type="service_unavailable") from None
 
 
 async def cancel_on_disconnect(request: Any, streams: Sequence[RequestStream]) -> None:

@@ -526,7 +526,7 @@ class ResponsesAPI:
         server = self.server
         body = await server.read_body(request)
         try:
-            protocol._known(body, _ALLOWED)
+            protocol.known_fields(body, _ALLOWED)
             previous = parsing.field(body, "previous_response_id", (str,))
             stream = parsing.field(body, "stream", (bool,), False)
             store = parsing.field(body, "store", (bool,), True)

@@ -5,9 +5,12 @@ no prefix cache, preemption, batched generation unchanged beside them)."""
 
 from __future__ import annotations
 
+import base64
 import random
 
+import httpx
 import numpy as np
+import openai
 import pytest
 
 from cadence.engine.config import EngineConfig
@@ -18,8 +21,11 @@ from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
-from tests.conftest import ONE_LONGEST, SAMPLING_ENGINE, compiled
+from tests.conftest import ONE_LONGEST, SAMPLING_ENGINE, compiled, serve_tiny
 from tests.fakes import random_prompts, run_all
+
+
+TIMEOUT = httpx.Timeout(120.0, connect=5.0)
 
 
 @pytest.fixture
@@ -151,3 +157,110 @@ def test_an_input_longer_than_the_context_is_refused(engine, tiny_tokenizer):
     with pytest.raises(RequestTooLong, match="exceeds the 192-token context"):
         sched.submit([5] * 193, embed("mean"))
     sched.submit([5] * 192, embed("mean")).cancel()  # the whole context is fine: nothing follows
+
+
+# -- over HTTP ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def url(tiny_engine, tiny_tokenizer):
+    with serve_tiny(tiny_engine, tiny_tokenizer, ("tiny", "tiny-alias"), max_queue=3) as base:
+        yield base
+
+
+def unit(v: np.ndarray) -> np.ndarray:
+    return v / np.linalg.norm(v)
+
+
+def post(url: str, path: str = "/v1/embeddings", **body) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=TIMEOUT)
+
+
+def test_v1_embeddings_of_texts_and_token_ids(url, tiny_params, tiny_config, tiny_tokenizer):
+    """A batch of texts and token ids, more than the queue holds at once (max_queue=3): each
+    vector is the reference's last-token hidden state at unit length, in the input's order;
+    usage counts every input's tokens."""
+    rng = random.Random(5)
+    texts = ["Who is on the team?", "a longer text " * 12]
+    ids = random_prompts(rng, 6, tiny_config.vocab_size, 2, 90)
+    inputs = [texts[0], ids[0], texts[1], *ids[1:]]
+    r = post(url, input=inputs, model="tiny-alias")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["model"] == "tiny" and r.headers["x-request-id"] == body["id"]
+    prompts = [tiny_tokenizer.encode(x) if isinstance(x, str) else x for x in inputs]
+    assert body["usage"] == {"prompt_tokens": sum(map(len, prompts)), "total_tokens": sum(map(len, prompts))}
+    assert [d["index"] for d in body["data"]] == list(range(len(inputs)))
+    for d, prompt in zip(body["data"], prompts):
+        assert d["object"] == "embedding"
+        np.testing.assert_allclose(d["embedding"], unit(reference(tiny_params, tiny_config, prompt, "last")),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_encodings_norms_and_truncation(url, tiny_params, tiny_config, tiny_tokenizer):
+    """base64 is the float vector's little-endian float32 bytes; normalize=false is the pooled
+    state as it is; truncate_prompt_tokens keeps each input's last k tokens."""
+    prompt = random_prompts(random.Random(6), 1, tiny_config.vocab_size, 50, 50)[0]
+    raw = reference(tiny_params, tiny_config, prompt, "last")
+    floats = post(url, input=prompt).json()["data"][0]["embedding"]
+    packed = post(url, input=prompt, encoding_format="base64").json()["data"][0]["embedding"]
+    assert np.frombuffer(base64.b64decode(packed), "<f4").tolist() == floats
+    plain = post(url, input=prompt, normalize=False).json()["data"][0]["embedding"]
+    np.testing.assert_allclose(plain, raw, rtol=1e-4, atol=1e-5)
+    cut = post(url, input=[prompt, "some text " * 20], truncate_prompt_tokens=20).json()
+    np.testing.assert_allclose(cut["data"][0]["embedding"],
+                               unit(reference(tiny_params, tiny_config, prompt[-20:], "last")), rtol=1e-4, atol=1e-5)
+    assert cut["usage"]["prompt_tokens"] == 40
+
+
+def test_llama_server_embedding_shape_and_norms(url, tiny_params, tiny_config):
+    """llama-server's /embedding (and /embeddings): [{index, embedding: [vector]}], with its
+    embd_normalize: none, max-abs to int16, taxicab, euclidean, a p-norm."""
+    prompt = random_prompts(random.Random(7), 1, tiny_config.vocab_size, 30, 30)[0]
+    raw = reference(tiny_params, tiny_config, prompt, "last")
+    norms = {-1: 1.0, 0: np.abs(raw).max() / 32760, 1: np.abs(raw).sum(), 2: np.linalg.norm(raw),
+             3: np.sum(np.abs(raw) ** 3) ** (1 / 3)}
+    for path in ("/embedding", "/embeddings"):
+        for norm, scale in norms.items():
+            r = post(url, path, content=[prompt], embd_normalize=norm)
+            assert r.status_code == 200, r.text
+            (entry,) = r.json()
+            assert entry["index"] == 0 and len(entry["embedding"]) == 1
+            np.testing.assert_allclose(entry["embedding"][0], raw / scale, rtol=1e-4, atol=1e-5 / min(1, scale))
+    assert post(url, "/embedding", input="hello").status_code == 200
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"input": ""}, 400, "input"),
+    ({"input": []}, 400, "input"),
+    ({"input": [[]]}, 400, "input"),
+    ({"input": "hi", "dimensions": 7}, 400, "dimensions"),
+    ({"input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
+    ({"input": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ({"input": "hi", "messages": []}, 400, "messages"),
+    ({"input": [1, 10**6]}, 400, "prompt"),
+    ({"input": [5] * 600}, 400, "input"),
+    ({"input": ["hi"] * 2049}, 400, "input"),
+    ({"input": "hi", "model": "other"}, 404, "model"),
+])
+def test_bad_embedding_requests_are_refused(url, body, status, param):
+    r = post(url, **body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_the_openai_sdk_reads_its_embeddings(url, tiny_params, tiny_config, tiny_tokenizer):
+    """The official SDK asks for base64 by default and decodes it."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    out = client.embeddings.create(model="tiny", input=["Who is on the team?", "Nobody."])
+    assert [d.index for d in out.data] == [0, 1]
+    for d, text in zip(out.data, ["Who is on the team?", "Nobody."]):
+        want = unit(reference(tiny_params, tiny_config, tiny_tokenizer.encode(text), "last"))
+        np.testing.assert_allclose(d.embedding, want, rtol=1e-4, atol=1e-5)
+
+
+def test_mean_pooling_served(tiny_engine, tiny_params, tiny_config, tiny_tokenizer):
+    with serve_tiny(tiny_engine, tiny_tokenizer, pooling="mean") as base:
+        prompt = random_prompts(random.Random(8), 1, tiny_config.vocab_size, 70, 70)[0]
+        got = post(base, input=prompt).json()["data"][0]["embedding"]
+    np.testing.assert_allclose(got, unit(reference(tiny_params, tiny_config, prompt, "mean")),
+                               rtol=1e-4, atol=1e-5)

@@ -1,0 +1,233 @@
+"""Embeddings: POST /v1/embeddings (OpenAI's and vLLM's shape) and llama-server's POST /embedding.
+
+    POST /v1/embeddings {"input": ["a text", "another"], "encoding_format": "float"}
+    POST /embedding     {"content": "a text", "embd_normalize": 2}
+
+Each input is prefilled as a request that generates nothing (`GenerationParams.pooling`): its
+chunks share iterations with everyone else's prefill and decode, under the same policy and
+priorities, and the final hidden states (the output of the model's last norm) are pooled as
+the server's `--pooling` says: "last", the last token's (vLLM's default for a decoder, and what
+embedding models of this family are trained for), or "mean", over every token. The vector is
+then normalized: by default to unit length (OpenAI's; vLLM's `normalize`, llama-server's
+`embd_normalize`, which also takes its other norms, `normalized`).
+
+Inputs are strings, arrays of token ids, or a batch of either; strings are tokenized as a
+completion's prompt is (the model's BOS first, where it takes one). A batch larger than the
+queue has room for is submitted as room frees: its own requests ending make room for the rest,
+and only when none of its own is left in flight does a full queue refuse it (429). vLLM's
+`truncate_prompt_tokens` keeps each input's last k tokens; without it, an input past the
+context is refused, as every prompt is. OpenAI's `dimensions` is accepted only as the model's
+hidden size (no Matryoshka truncation), `user` is accepted and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from cadence.scheduler.errors import Overloaded, SubmissionError
+from cadence.scheduler.request import GenerationParams, RequestRecord
+from cadence.scheduler.stream import RequestStream
+from cadence.server import parsing, protocol
+from cadence.server.protocol import APIError
+
+MAX_INPUTS = 2048  # inputs in one request (OpenAI's limit)
+_OPENAI = frozenset({"model", "input", "encoding_format", "dimensions", "user", "normalize",
+                     "truncate_prompt_tokens", "priority", "add_special_tokens"})
+_LLAMA = frozenset({"model", "content", "input", "embd_normalize"})
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingRequest:
+    model: str | None
+    inputs: list[str | list[int]]
+    norm: float  # llama-server's embd_normalize: -1 none, 0 max-abs to int16, 1 taxicab, 2 euclidean, p
+    base64: bool = False
+    truncate: int | None = None  # keep each input's last this many tokens
+    priority: int | None = None
+    add_special: bool = True  # strings get the model's BOS, where it takes one
+
+
+def _inputs(value: Any, name: str) -> list[str | list[int]]:
+    inputs = protocol.prompts_of(value, name, MAX_INPUTS)
+    if any(v == "" for v in inputs):
+        raise SubmissionError(f'"{name}" holds an empty string, which has nothing to embed', name)
+    return inputs
+
+
+def parse_openai(body: Any, hidden_size: int) -> EmbeddingRequest:
+    """/v1/embeddings' body, or SubmissionError."""
+    protocol.known_fields(body, _OPENAI)
+    fmt = parsing.field(body, "encoding_format", (str,), "float")
+    if fmt not in ("float", "base64"):
+        raise SubmissionError(f'"encoding_format" must be "float" or "base64", got {fmt!r}',
+                              "encoding_format")
+    dimensions = parsing.field(body, "dimensions", (int,))
+    if dimensions is not None and dimensions != hidden_size:
+        raise SubmissionError(f'"dimensions" must be the model\'s {hidden_size}: cadence does not '
+                              f"shorten embeddings (got {dimensions})", "dimensions")
+    parsing.field(body, "user", (str,))
+    truncate = parsing.field(body, "truncate_prompt_tokens", (int,))
+    if truncate is not None and truncate < 1:
+        raise SubmissionError(f'"truncate_prompt_tokens" must be >= 1, got {truncate}',
+                              "truncate_prompt_tokens")
+    normalize = parsing.field(body, "normalize", (bool,), True)
+    return EmbeddingRequest(parsing.field(body, "model", (str,)), _inputs(body.get("input"), "input"),
+                            2.0 if normalize else -1.0, fmt == "base64", truncate,
+                            parsing.field(body, "priority", (int,)),
+                            parsing.field(body, "add_special_tokens", (bool,), True))
+
+
+def parse_llama(body: Any) -> EmbeddingRequest:
+    """/embedding's body (llama-server's: `content`, or `input`), or SubmissionError."""
+    protocol.known_fields(body, _LLAMA)
+    name = "content" if body.get("content") is not None else "input"
+    norm = parsing.field(body, "embd_normalize", (int,), 2)
+    if norm < -1:
+        raise SubmissionError(f'"embd_normalize" must be -1 (none), 0 (max absolute, to int16), 1 '
+                              f"(taxicab), 2 (euclidean) or more (a p-norm), got {norm}",
+                              "embd_normalize")
+    return EmbeddingRequest(parsing.field(body, "model", (str,)), _inputs(body.get(name), name),
+                            float(norm))
+
+
+def normalized(vector: np.ndarray, norm: float) -> np.ndarray:
+    """llama.cpp's `common_embd_normalize`: -1 leaves it, 0 scales its largest magnitude to
+    32760 (int16's range), 1 and 2 divide by the taxicab and euclidean norms, p > 2 by the
+    p-norm. A zero vector stays zero. In float64, returned as float32."""
+    x = np.asarray(vector, np.float64)
+    if norm < 0:
+        return x.astype(np.float32)
+    if norm == 0:
+        scale = np.abs(x).max() / 32760.0
+    elif norm == 2:
+        scale = np.sqrt(np.sum(x * x))
+    else:
+        scale = np.sum(np.abs(x) ** norm) ** (1.0 / norm)
+    return (x / scale if scale > 0 else x).astype(np.float32)
+
+
+def encoded(vector: np.ndarray, as_base64: bool) -> list[float] | str:
+    """OpenAI's encodings: a list of floats, or base64 of the little-endian float32 bytes (what
+    the openai SDK asks for by default, and decodes)."""
+    if as_base64:
+        return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+class EmbeddingsAPI:
+    """The embedding routes, over a `server.app.Server` (its scheduler, tokenizer, checks)."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def routes(self, route: Callable[[str, Any, list[str]], Route]) -> list[Route]:
+        return [route("/v1/embeddings", self.openai, ["POST"]),
+                *(route(path, self.llama, ["POST"]) for path in ("/embedding", "/embeddings"))]
+
+    async def openai(self, request: Request) -> Response:
+        server = self.server
+        body = await server.read_body(request)
+        try:
+            parsed = parse_openai(body, server.scheduler.engine.model_config.hidden_size)
+        except SubmissionError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        server.check_model(parsed.model)
+        request_id = protocol.request_id(request.headers, "embd")
+        records = await self.embed(request, parsed, request_id)
+        tokens = sum(r.prompt_tokens for r in records)
+        return JSONResponse({
+            "id": request_id, "object": "list", "created": int(time.time()),
+            "model": server.model_name,
+            "data": [{"object": "embedding", "index": i,
+                      "embedding": encoded(normalized(r.embedding, parsed.norm), parsed.base64)}
+                     for i, r in enumerate(records)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }, headers={"X-Request-Id": request_id})
+
+    async def llama(self, request: Request) -> Response:
+        """llama-server's shape: one entry per input, its pooled vector inside a list (where
+        llama-server, pooling nothing, would list one vector per token)."""
+        server = self.server
+        body = await server.read_body(request)
+        try:
+            parsed = parse_llama(body)
+        except SubmissionError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        server.check_model(parsed.model)
+        request_id = protocol.request_id(request.headers, "embd")
+        records = await self.embed(request, parsed, request_id)
+        return JSONResponse([{"index": i, "embedding": [normalized(r.embedding, parsed.norm).tolist()]}
+                             for i, r in enumerate(records)], headers={"X-Request-Id": request_id})
+
+    def _tokenize(self, parsed: EmbeddingRequest) -> list[list[int]]:
+        """On a worker thread: each input's token ids (cut to their last `truncate`)."""
+        server, out = self.server, []
+        for text in parsed.inputs:
+            if isinstance(text, str):
+                if parsed.truncate is None:
+                    parsing.check_prompt_size(text, server.tokenizer, server.scheduler.max_seq_len)
+                ids = server.tokenizer.encode(text, add_bos=None if parsed.add_special else False)
+            else:
+                ids = list(text)
+            out.append(ids[-parsed.truncate:] if parsed.truncate else ids)
+        return out
+
+    async def embed(self, request: Request, parsed: EmbeddingRequest,
+                    request_id: str) -> list[RequestRecord]:
+        """Every input's finished record, in order. Input k's request id is the request's for
+        k = 0, else `-{k}` after it. A failed input fails the whole request (500); a client
+        that hangs up cancels what is still running."""
+        scheduler = self.server.scheduler
+        params = GenerationParams(pooling=self.server.config.pooling, priority=parsed.priority)
+        streams: list[RequestStream] = []
+        running: dict[asyncio.Future, int] = {}
+        records: list[RequestRecord | None] = [None] * len(parsed.inputs)
+
+        async def finish(futures) -> None:
+            for future in futures:
+                records[running.pop(future)] = await future
+
+        async def drain(stream: RequestStream) -> RequestRecord:
+            async for _ in stream:
+                pass
+            return stream.record
+
+        watcher = asyncio.create_task(protocol.cancel_on_disconnect(request, streams))
+        try:
+            with protocol.submission_errors():
+                prompts = await asyncio.to_thread(self._tokenize, parsed)
+                for k, ids in enumerate(prompts):
+                    while True:
+                        try:
+                            stream = scheduler.submit(ids, params, request_id if k == 0 else f"{request_id}-{k}")
+                            break
+                        except Overloaded:
+                            if not running:  # none of its own to make room: the queue is others'
+                                raise
+                            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                            await finish(done)
+                    streams.append(stream)
+                    running[asyncio.ensure_future(drain(stream))] = k
+            await finish(list(running))
+        finally:
+            watcher.cancel()
+            for stream in streams:
+                if stream.record is None:  # a failure, or the client went away
+                    stream.cancel()
+            for future in running:
+                future.cancel()
+        failed = next((r for r in records if r.finish_reason != "stop"), None)
+        if failed is not None:
+            raise APIError(500, f"embedding failed: {failed.error or failed.finish_reason}",
+                           type="server_error")
+        return records
