@@ -7,6 +7,7 @@ Input, one JSON object a line (blank lines are skipped):
     {"id": 2, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7, "seed": 3}
     {"id": 3, "messages": [...], "response_format": {"type": "json_schema", "json_schema": {...}}}
     {"id": 4, "messages": [...], "tools": [{"type": "function", "function": {...}}], "tool_choice": "required"}
+    {"id": 5, "input": "a text to embed"}
 Ids are strings or integers, unique in the file. The optional sampling fields are those of
 `server/parsing.py` (max_tokens, temperature, top_p, top_k, seed, the penalties, logit_bias,
 stop, ignore_eos, stop_token_ids, include_stop_str_in_output, cache_salt, priority); absent
@@ -21,7 +22,9 @@ and, where a line with tools was answered with calls, "tool_calls" (the chat API
 then being the rest of the answer) and finish_reason "tool_calls" (unless it was cut off:
 "length"). A chat line (messages, which may carry "chat_template_kwargs") on a thinking model
 (--reasoning_parser) has its reasoning as "reasoning_content" (null where it wrote none) and the
-answer after it as "text".
+answer after it as "text". An input line (a string or token ids, and optionally "priority") is an
+embedding, pooled as --pooling says: its result is {"id", "embedding" (unit length),
+"prompt_tokens", "queue_time", "total_time", "prefill_chunks"}.
 with times in seconds, measured by the scheduler from the moment it accepted the request.
 
 Contract:
@@ -66,7 +69,8 @@ from cadence.checkpoints.errors import CheckpointError
 from cadence.scheduler.errors import NotRunning, Overloaded, SubmissionError
 from cadence.scheduler.request import FinishReason, RequestRecord
 from cadence.server import client_json, parsing, reasoning, runtime
-from cadence.server.flags import REASONING_PARSER
+from cadence.server.embeddings_api import normalized
+from cadence.server.flags import POOLING, REASONING_PARSER
 from cadence.server.tool_call_parser import parse_tool_calls
 from cadence.server.tool_requests import ToolRequest
 
@@ -150,6 +154,12 @@ def load_done(path: Path) -> tuple[set[str], int]:
 def result_json(job: Job, record: RequestRecord) -> dict[str, Any]:
     def seconds(value: float | None) -> float | None:
         return None if value is None else round(value, 6)
+
+    if record.embedding is not None:  # an input line: its vector, at unit length
+        return {"id": job.id, "embedding": normalized(record.embedding, 2).tolist(),
+                "prompt_tokens": record.prompt_tokens, "queue_time": seconds(record.queue_time),
+                "total_time": seconds(record.finished - record.submitted),
+                "prefill_chunks": record.prefill_chunks}
 
     result = {
         "id": job.id,
@@ -285,7 +295,8 @@ def main(argv: list[str]) -> int:
             try:
                 entry = parsing.to_request(job.entry, rt.model.tokenizer, defaults,
                                             extra_fields=("id",), max_seq_len=rt.scheduler.max_seq_len,
-                                            grammars=grammars, splits_reasoning=splits)
+                                            grammars=grammars, splits_reasoning=splits,
+                                            pooling=POOLING.value)
             except (SubmissionError, CheckpointError) as e:
                 report(job.line, f"id {job.id!r} invalid: {e}")
                 failed += 1

@@ -14,6 +14,7 @@ from cadence.checkpoints.registry import DEFAULT_MODEL
 from cadence.engine.config import DEFAULT_PAGE_SIZE, KV_DTYPES, WARMUPS
 from cadence.scheduler.policy import POLICIES
 from cadence.scheduler.priority import SLO, PriorityClasses
+from cadence.scheduler.request import POOLINGS
 from cadence.scheduler.scheduler import KV_RESERVATIONS
 from cadence.server.reasoning import PARSERS as REASONING_PARSERS
 
@@ -146,6 +147,11 @@ GRAMMAR_TIMEOUT = flags.DEFINE_float(
     "grammar_timeout", 10.0,
     "Seconds a response format's or a tool choice's grammar may take to compile (on threads of "
     "its own, never delaying other requests); longer is a 400.", lower_bound=0.001)
+POOLING = flags.DEFINE_enum(
+    "pooling", "last", list(POOLINGS),
+    "How embeddings (/v1/embeddings, llama-server's /embedding, cadence-batch's input lines) pool "
+    "a prompt's final hidden states: last, its last token's (vLLM's default for a decoder, what "
+    "embedding models of the Llama family are trained for), or mean, over every token.")
 REASONING_PARSER = flags.DEFINE_enum(
     "reasoning_parser", "auto", list(REASONING_PARSERS),
     "Split a chat answer's reasoning (<think>...</think>) out of its content, into "

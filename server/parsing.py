@@ -418,6 +418,25 @@ def check_prompt_size(text: str, tokenizer: Tokenizer, max_seq_len: int) -> None
 # -- whole entries (the command-line doors) ----------------------------------------------------
 
 
+def _embedding_entry(entry: dict, tokenizer: Tokenizer, pooling: str, extra_fields: tuple[str, ...],
+                     max_seq_len: int | None) -> EntryRequest:
+    known = ("input", "priority", *extra_fields)
+    unknown = sorted(set(entry) - set(known))
+    if unknown:
+        raise SubmissionError(f"an embedding's entry (input) takes only {', '.join(known)}; got "
+                              f"{', '.join(map(repr, unknown))}", unknown[0])
+    text = entry["input"]
+    if isinstance(text, str) and text:
+        if max_seq_len is not None:
+            check_prompt_size(text, tokenizer, max_seq_len)
+        ids = tokenizer.encode(text)
+    elif isinstance(text, list) and text and all(type(t) is int for t in text):
+        ids = list(text)
+    else:
+        raise SubmissionError('"input" must be a non-empty string or array of token ids', "input")
+    return EntryRequest(ids, GenerationParams(pooling=pooling, priority=field(entry, "priority", (int,))), None)
+
+
 class EntryRequest(NamedTuple):
     """A command-line door's entry, ready to submit."""
 
@@ -439,6 +458,7 @@ def to_request(
     max_seq_len: int | None = None,
     grammars: GrammarCompiler | None = None,
     splits_reasoning: bool = False,
+    pooling: str | None = None,
 ) -> EntryRequest:
     """Tokenized prompt, generation parameters and tools of one entry; `SubmissionError` if
     invalid.
@@ -452,10 +472,15 @@ def to_request(
     is to be split out (`EntryRequest.reasoning_inside`). With `max_seq_len`, a prompt that
     cannot fit is refused before it is tokenized. Context-length checks on the tokens are the
     scheduler's (`RequestTooLong`).
+
+    With `pooling` (a door that embeds), an entry may instead have "input" (a string, or token
+    ids) and "priority": an embedding of that input, pooled so.
     """
     if not isinstance(entry, dict):
         raise SubmissionError(f"a request must be a JSON object, got {type(entry).__name__}")
     check_json_value(entry)
+    if pooling is not None and "input" in entry:
+        return _embedding_entry(entry, tokenizer, pooling, extra_fields, max_seq_len)
     known = ("prompt", "messages", *CHAT_FIELDS, *SAMPLING_FIELDS, *STRUCTURE_FIELDS, *extra_fields)
     unknown = sorted(set(entry) - set(known))
     if unknown:

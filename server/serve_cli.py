@@ -24,9 +24,8 @@ from absl import app, flags, logging
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.registry import KNOWN_MODELS
 from cadence.server import runtime
-from cadence.scheduler.request import POOLINGS
 from cadence.server.app import DEFAULT_MAX_BODY_BYTES, ServerConfig, create_app
-from cadence.server.flags import GRAMMAR_TIMEOUT, MODEL_FLAG, REASONING_PARSER
+from cadence.server.flags import GRAMMAR_TIMEOUT, MODEL_FLAG, POOLING, REASONING_PARSER
 
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
@@ -47,11 +46,6 @@ _SERVED_NAMES = flags.DEFINE_list(
 _MAX_N = flags.DEFINE_integer(
     "max_n", 8, "Most choices one request may ask for (n, and best_of on completions); the "
     "later choices of a request take its prompt's KV from the first.", lower_bound=1)
-_POOLING = flags.DEFINE_enum(
-    "pooling", "last", list(POOLINGS),
-    "How /v1/embeddings (and llama-server's /embedding) pools a prompt's final hidden states: "
-    "last, its last token's (vLLM's default for a decoder, what embedding models of the Llama "
-    "family are trained for), or mean, over every token.")
 
 def api_key() -> str | None:
     """--api_key, else --api_key_file, else $CADENCE_API_KEY; None: no key required."""
@@ -99,7 +93,7 @@ def main(argv: list[str]) -> int:
         config = ServerConfig(api_key=api_key(), protect_metrics=_PROTECT_METRICS.value,
                               max_body_bytes=runtime.parse_size(_MAX_BODY.value), drain_timeout=_DRAIN.value,
                               max_n=_MAX_N.value, grammar_timeout=GRAMMAR_TIMEOUT.value,
-                              reasoning_parser=REASONING_PARSER.value, pooling=_POOLING.value)
+                              reasoning_parser=REASONING_PARSER.value, pooling=POOLING.value)
         names = served_names(MODEL_FLAG.value, _SERVED_NAMES.value)
         rt = runtime.build_from_flags(warm=False)
     except (CheckpointError, ValueError, OSError) as e:

@@ -84,6 +84,31 @@ def test_disaggregated_equals_colocated_and_the_reference(pair, tiny_params, tin
     assert disaggregated.kv_pages == (0, prefill.num_pages + decode.num_pages)
 
 
+def test_embeddings_stay_on_the_prefill_pool(pair, tiny_params, tiny_config, tiny_tokenizer):
+    """Embeddings beside generations, disaggregated: each is prefilled and pooled on the
+    prefill engine and never handed off; the vectors are the reference's, the answers too."""
+    from cadence.engine.reference import sequence_logits
+
+    prefill, decode, _ = pair
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(3, tiny_config.vocab_size, n)] for n in (40, 70, 9, 33)]
+    sched = Scheduler(prefill, tiny_tokenizer, POLICY, decode_engine=decode)
+    sched.start()
+    streams = [sched.submit(p, GenerationParams(pooling="mean") if i % 2 else
+                            GenerationParams(max_tokens=6, ignore_eos=True)) for i, p in enumerate(prompts)]
+    for s in streams:
+        list(s)
+    sched.stop(drain=True, timeout=30)
+    assert sched.kv_transfers == 2
+    for i, (prompt, s) in enumerate(zip(prompts, streams)):
+        if i % 2:
+            hidden = sequence_logits(tiny_params, tiny_config, prompt, hidden=True)
+            np.testing.assert_allclose(s.record.embedding, hidden.mean(0), rtol=1e-4, atol=1e-5)
+            assert s.record.transfer_start is None
+        else:
+            assert s.request.output_ids == greedy_generate(tiny_params, tiny_config, prompt, 6, frozenset())
+
+
 def test_each_engine_of_a_pair_runs_its_own_phase_only(pair):
     prefill, decode, _ = pair
     with pytest.raises(ValueError, match="runs prefill only"):
