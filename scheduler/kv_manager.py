@@ -306,7 +306,8 @@ class Pool:
                 continue
             tokens = decoded_end(r, plan.steps) if r in decoding else ends.get(r, 0)
             while r.pool is self and not self.grow_to(r, tokens):
-                victim = max((v for v in reversed(self.running) if v not in admitted),
+                victim = max((v for v in reversed(self.running)
+                              if v not in admitted and not v.pooled_dispatched),
                              key=lambda v: v.priority)  # the first of the lowest: the newest
                 self.preempt(victim)
                 out.preempted.append(victim)

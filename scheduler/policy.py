@@ -443,7 +443,8 @@ class _Victims:
         # the middle of a handoff (disaggregated) is not preempted here.
         self.candidates = sorted(
             (r for r in reversed(running)
-             if r not in keep and r.state in (State.PREFILLING, State.DECODING)),
+             if r not in keep and r.state in (State.PREFILLING, State.DECODING)
+             and not r.pooled_dispatched),
             key=lambda r: -r.priority)
 
     def frees(self, r: Request) -> int:

@@ -408,6 +408,12 @@ class Request:
                 future.add_done_callback(done)
 
     @property
+    def pooled_dispatched(self) -> bool:
+        """An embedding whose last chunk is dispatched: it only waits for its result, and frees
+        its pages then (preempting it would recompute the whole prompt for nothing)."""
+        return self.params.pooling is not None and self.state is State.DECODING
+
+    @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
 

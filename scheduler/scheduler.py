@@ -127,6 +127,8 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
                              f"per request, but a pool has only {usable} beside its null page; "
                              f"give the engine more pages or a shorter max_seq_len")
         self.context = min(self.max_seq_len, usable * engine.config.page_size + 1)
+        # The longest prompt an embedding may have: it writes the KV of every one of its tokens.
+        self.embed_context = min(self.max_seq_len, usable * engine.config.page_size)
         self.page_size = engine.config.page_size
         self._lock = threading.Condition()  # submissions, cancellations and wake-ups
         self._changes = 0  # bumped (under _lock) whenever a loop may have new work

@@ -45,6 +45,8 @@ class Submissions:
         prompt's last token copied, and only that token computed again, to sample its own first
         token. If the first is gone from the pool by then, the others prefill as usual."""
         self._check_running()
+        if len(params) > 1 and any(p.pooling is not None for p in params):
+            raise SubmissionError("an embedding is one sequence; submit it alone", "n")
         streams = [self._stream(prompt_ids, p, i) for p, i in zip(params, request_ids, strict=True)]
         first = streams[0].request
         for stream in streams[1:]:
@@ -75,9 +77,9 @@ class Submissions:
         check_prompt(prompt_ids, self.engine.vocab_size)
         if params.pooling is not None:  # an embedding: its prompt alone must fit
             max_tokens = 0
-            if n > self.context:
-                raise RequestTooLong(f"the input ({n} tokens) exceeds the {self.context}-token "
-                                     f"context; shorten it", "input")
+            if n > self.embed_context:
+                raise RequestTooLong(f"the text to embed ({n} tokens) exceeds the "
+                                     f"{self.embed_context} tokens a sequence may hold; shorten it")
         else:
             max_tokens = check_length(n, params.max_tokens, self.context, self.max_seq_len)
         if params.min_tokens > max_tokens:  # (max_tokens given: `check_params` said so already)

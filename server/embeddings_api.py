@@ -13,8 +13,9 @@ then normalized: by default to unit length (OpenAI's; vLLM's `normalize`, llama-
 
 Inputs are strings, arrays of token ids, or a batch of either; strings are tokenized as a
 completion's prompt is (the model's BOS first, where it takes one). A batch larger than the
-queue has room for is submitted as room frees: its own requests ending make room for the rest,
-and only when none of its own is left in flight does a full queue refuse it (429). vLLM's
+queue has room for is submitted as room frees: at most twice the engine's slots of its inputs
+wait or run at a time (enough to keep every slot busy, while the queue keeps room for other
+clients), and only when none of its own is left in flight does a full queue refuse it (429). vLLM's
 `truncate_prompt_tokens` keeps each input's last k tokens; without it, an input past the
 context is refused, as every prompt is. OpenAI's `dimensions` is accepted only as the model's
 hidden size (no Matryoshka truncation), `user` is accepted and changes nothing.
@@ -55,6 +56,7 @@ class EmbeddingRequest:
     truncate: int | None = None  # keep each input's last this many tokens
     priority: int | None = None
     add_special: bool = True  # strings get the model's BOS, where it takes one
+    field: str = "input"  # the request's field that held the inputs (what a 400 names)
 
 
 def _inputs(value: Any, name: str) -> list[str | list[int]]:
@@ -97,7 +99,7 @@ def parse_llama(body: Any) -> EmbeddingRequest:
                               f"(taxicab), 2 (euclidean) or more (a p-norm), got {norm}",
                               "embd_normalize")
     return EmbeddingRequest(parsing.field(body, "model", (str,)), _inputs(body.get(name), name),
-                            float(norm))
+                            float(norm), field=name)
 
 
 def normalized(vector: np.ndarray, norm: float) -> np.ndarray:
@@ -137,10 +139,8 @@ class EmbeddingsAPI:
     async def openai(self, request: Request) -> Response:
         server = self.server
         body = await server.read_body(request)
-        try:
+        with protocol.submission_errors(prompt="input"):
             parsed = parse_openai(body, server.scheduler.engine.model_config.hidden_size)
-        except SubmissionError as e:
-            raise APIError(400, str(e), param=e.param) from None
         server.check_model(parsed.model)
         request_id = protocol.request_id(request.headers, "embd")
         records = await self.embed(request, parsed, request_id)
@@ -159,10 +159,8 @@ class EmbeddingsAPI:
         llama-server, pooling nothing, would list one vector per token)."""
         server = self.server
         body = await server.read_body(request)
-        try:
+        with protocol.submission_errors(prompt="content"):
             parsed = parse_llama(body)
-        except SubmissionError as e:
-            raise APIError(400, str(e), param=e.param) from None
         server.check_model(parsed.model)
         request_id = protocol.request_id(request.headers, "embd")
         records = await self.embed(request, parsed, request_id)
@@ -185,28 +183,40 @@ class EmbeddingsAPI:
     async def embed(self, request: Request, parsed: EmbeddingRequest,
                     request_id: str) -> list[RequestRecord]:
         """Every input's finished record, in order. Input k's request id is the request's for
-        k = 0, else `-{k}` after it. A failed input fails the whole request (500); a client
-        that hangs up cancels what is still running."""
+        k = 0, else `-{k}` after it. At most `window` of its inputs are submitted at a time
+        (twice the engine's slots: enough to keep every slot busy, while the queue keeps room
+        for other clients), and a full queue is waited out while its own inputs run. A failed
+        input fails the whole request (500), a cancelled one (the server shutting down) gives a
+        503, and a client that hangs up cancels what is running and stops the rest."""
         scheduler = self.server.scheduler
         params = GenerationParams(pooling=self.server.config.pooling, priority=parsed.priority)
+        window = 2 * scheduler.engine.config.num_slots
         streams: list[RequestStream] = []
         running: dict[asyncio.Future, int] = {}
         records: list[RequestRecord | None] = [None] * len(parsed.inputs)
 
-        async def finish(futures) -> None:
-            for future in futures:
-                records[running.pop(future)] = await future
+        async def finish_one() -> None:
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                records[running.pop(future)] = future.result()
 
         async def drain(stream: RequestStream) -> RequestRecord:
             async for _ in stream:
                 pass
             return stream.record
 
+        def ended() -> bool:  # nothing more to submit: the client left, or an input failed
+            return watcher.done() or any(r is not None and r.finish_reason != "stop" for r in records)
+
         watcher = asyncio.create_task(protocol.cancel_on_disconnect(request, streams))
         try:
-            with protocol.submission_errors():
+            with protocol.submission_errors(prompt=parsed.field, length=parsed.field):
                 prompts = await asyncio.to_thread(self._tokenize, parsed)
                 for k, ids in enumerate(prompts):
+                    while len(running) >= window:
+                        await finish_one()
+                    if ended():
+                        break
                     while True:
                         try:
                             stream = scheduler.submit(ids, params, request_id if k == 0 else f"{request_id}-{k}")
@@ -214,11 +224,11 @@ class EmbeddingsAPI:
                         except Overloaded:
                             if not running:  # none of its own to make room: the queue is others'
                                 raise
-                            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                            await finish(done)
+                            await finish_one()
                     streams.append(stream)
                     running[asyncio.ensure_future(drain(stream))] = k
-            await finish(list(running))
+            while running:
+                await finish_one()
         finally:
             watcher.cancel()
             for stream in streams:
@@ -226,8 +236,10 @@ class EmbeddingsAPI:
                     stream.cancel()
             for future in running:
                 future.cancel()
-        failed = next((r for r in records if r.finish_reason != "stop"), None)
+        failed = next((r for r in records if r is not None and r.finish_reason == "error"), None)
         if failed is not None:
-            raise APIError(500, f"embedding failed: {failed.error or failed.finish_reason}",
-                           type="server_error")
+            raise APIError(500, f"embedding failed: {failed.error}", type="server_error")
+        if any(r is None or r.finish_reason != "stop" for r in records):
+            raise APIError(503, "the embedding was cancelled: the server is shutting down, or the "
+                                "client went away", type="service_unavailable")
         return records

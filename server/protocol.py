@@ -333,16 +333,19 @@ def request_id(headers: Mapping[str, str], prefix: str) -> str:
 
 
 @contextlib.contextmanager
-def submission_errors() -> Iterator[None]:
+def submission_errors(prompt: str = "prompt", length: str = "max_tokens") -> Iterator[None]:
     """Submitting to the scheduler, with its refusals as the API's errors: 400 for what the
     request got wrong (too long for the context, bad parameters, untokenizable text), 429 when
-    the queue or a latency target is full, 503 when the engine is dead or shutting down."""
+    the queue or a latency target is full, 503 when the engine is dead or shutting down. The
+    request's field for the prompt is `prompt` (what a refusal naming "prompt" names), and
+    `length` the one to change when it is too long (where the refusal names none)."""
     try:
         yield
-    except RequestTooLong as e:
-        raise APIError(400, str(e), param=e.param or "max_tokens", code="context_length_exceeded") from None
     except SubmissionError as e:
-        raise APIError(400, str(e), param=e.param) from None
+        param = prompt if e.param == "prompt" else e.param
+        if isinstance(e, RequestTooLong):
+            raise APIError(400, str(e), param=param or length, code="context_length_exceeded") from None
+        raise APIError(400, str(e), param=param) from None
     except TokenizerError as e:
         raise APIError(400, str(e)) from None
     except Overloaded as e:
