@@ -92,6 +92,8 @@ def parse_openai(body: Any, hidden_size: int) -> EmbeddingRequest:
 def parse_llama(body: Any) -> EmbeddingRequest:
     """/embedding's body (llama-server's: `content`, or `input`), or SubmissionError."""
     protocol.known_fields(body, _LLAMA)
+    if "content" in body and "input" in body:
+        raise SubmissionError('send the inputs in one of "content" or "input", not both', "input")
     name = "content" if body.get("content") is not None else "input"
     norm = parsing.field(body, "embd_normalize", (int,), 2)
     if norm < -1:
@@ -113,8 +115,9 @@ def normalized(vector: np.ndarray, norm: float) -> np.ndarray:
         scale = np.abs(x).max() / 32760.0
     elif norm == 2:
         scale = np.sqrt(np.sum(x * x))
-    else:
-        scale = np.sum(np.abs(x) ** norm) ** (1.0 / norm)
+    else:  # the largest magnitude taken out first: a large p neither overflows nor underflows to 0
+        top = np.abs(x).max()
+        scale = top * np.sum((np.abs(x) / top) ** norm) ** (1.0 / norm) if top > 0 else 0.0
     return (x / scale if scale > 0 else x).astype(np.float32)
 
 

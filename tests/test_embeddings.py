@@ -245,6 +245,10 @@ def test_llama_server_embedding_shape_and_norms(url, tiny_params, tiny_config):
             assert entry["index"] == 0 and len(entry["embedding"]) == 1
             np.testing.assert_allclose(entry["embedding"][0], raw / scale, rtol=1e-4, atol=1e-5 / min(1, scale))
     assert post(url, "/embedding", input="hello").status_code == 200
+    both = post(url, "/embedding", input="hello", content="hello")
+    assert both.status_code == 400 and both.json()["error"]["param"] == "input"
+    huge = post(url, "/embedding", content=[prompt], embd_normalize=10**6).json()[0]["embedding"][0]
+    np.testing.assert_allclose(huge, raw / np.abs(raw).max(), rtol=1e-4)  # the p-norm's limit: max
 
 
 @pytest.mark.parametrize("body, status, param", [
