@@ -258,10 +258,11 @@ def test_load_done_refuses_a_corrupt_middle_line(tmp_path):
     assert load_done(tmp_path / "missing.jsonl") == (set(), 0)
 
 
-def test_input_lines_are_embeddings(setup, tmp_path, tiny_config, tiny_params):
+@pytest.mark.parametrize("pooling", ["mean", pytest.param("last", marks=pytest.mark.slow)])
+def test_input_lines_are_embeddings(setup, tmp_path, tiny_config, tiny_params, pooling):
     """An input line (text or token ids) beside a prompt line: its result is the vector at unit
-    length, the reference's last-token hidden state (mean with --pooling=mean); a line mixing
-    input with generation fields is refused by name, and does not stop the others."""
+    length, the reference's pooled hidden states (--pooling); a line mixing input with
+    generation fields is refused by name, and does not stop the others."""
     from cadence.engine.reference import sequence_logits
 
     root, _ = setup
@@ -270,17 +271,16 @@ def test_input_lines_are_embeddings(setup, tmp_path, tiny_config, tiny_params):
     entries = [{"id": "t", "input": "the cat sat on the mat"}, {"id": "i", "input": ids, "priority": 1},
                {"id": "p", "prompt": "the house", "max_tokens": 4, "ignore_eos": True},
                {"id": "bad", "input": "the mat", "max_tokens": 3}]
-    for pooling in ("last", "mean"):
-        out = tmp_path / f"{pooling}.jsonl"
-        done = run_batch(setup, write_jsonl(tmp_path / "in.jsonl", entries), out, f"--pooling={pooling}")
-        assert done.returncode == 1, done.stderr  # the bad line
-        assert "id 'bad' invalid" in done.stderr and "'max_tokens'" in done.stderr
-        results = {r["id"]: r for r in read_results(out)}
-        assert sorted(results) == ["i", "p", "t"] and FIELDS <= set(results["p"])
-        for key, prompt in (("t", tok.encode("the cat sat on the mat")), ("i", ids)):
-            r = results[key]
-            assert set(r) == {"id", "embedding", "prompt_tokens", "queue_time", "total_time", "prefill_chunks"}
-            assert r["prompt_tokens"] == len(prompt)
-            hidden = sequence_logits(tiny_params, tiny_config, prompt, hidden=True).astype(np.float64)
-            want = hidden.mean(0) if pooling == "mean" else hidden[-1]
-            np.testing.assert_allclose(r["embedding"], want / np.linalg.norm(want), rtol=1e-4, atol=1e-5)
+    out = tmp_path / "out.jsonl"
+    done = run_batch(setup, write_jsonl(tmp_path / "in.jsonl", entries), out, f"--pooling={pooling}")
+    assert done.returncode == 1, done.stderr  # the bad line
+    assert "id 'bad' invalid" in done.stderr and "'max_tokens'" in done.stderr
+    results = {r["id"]: r for r in read_results(out)}
+    assert sorted(results) == ["i", "p", "t"] and FIELDS <= set(results["p"])
+    for key, prompt in (("t", tok.encode("the cat sat on the mat")), ("i", ids)):
+        r = results[key]
+        assert set(r) == {"id", "embedding", "prompt_tokens", "queue_time", "total_time", "prefill_chunks"}
+        assert r["prompt_tokens"] == len(prompt)
+        hidden = sequence_logits(tiny_params, tiny_config, prompt, hidden=True).astype(np.float64)
+        want = hidden.mean(0) if pooling == "mean" else hidden[-1]
+        np.testing.assert_allclose(r["embedding"], want / np.linalg.norm(want), rtol=1e-4, atol=1e-5)
