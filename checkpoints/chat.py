@@ -10,7 +10,11 @@ Contract:
   non-ASCII text as is, `strftime_now(fmt)`, and the variables `messages`,
   `add_generation_prompt`, `bos_token` and `eos_token`, `tools` (OpenAI's function tools)
   when a request has them, and a request's own (`chat_template_kwargs`: Qwen3's
-  `enable_thinking`), which cannot replace those. With no template it renders ChatML.
+  `enable_thinking`), which cannot replace those (`TEMPLATE_VARIABLES`). With no template it
+  renders ChatML.
+- `template_of(spec)` is a template a server is told to use instead of the model's
+  (`--chat_template`): a name (`TEMPLATES`), a file, or the template's own text;
+  `variables_of(text)` the variables it sets for every render (`--chat_template_kwargs`).
 - `continue_final(rendered)` cuts a chat rendered without a generation prompt where its final
   message's text ended (marked with `CONTINUE_MARK`), to have the model continue that message
   (an assistant's prefill).
@@ -28,6 +32,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import pathlib
 from typing import Any
 
 import jinja2
@@ -43,6 +48,52 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+# Templates by name, for `--chat_template` (llama-server's names).
+TEMPLATES = {"chatml": CHATML_TEMPLATE}
+
+# The variables a render sets itself, which a request's or a server's extra variables may not.
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                "raise_exception", "strftime_now"})
+
+
+def template_of(spec: str) -> str:
+    """The chat template `spec` names: one of `TEMPLATES`, a file's text, or `spec` itself
+    where it is Jinja (has `{{` or `{%`), as vLLM's --chat-template and llama-server's
+    --chat-template / --chat-template-file take it. TokenizerError if it is none of these, or
+    does not parse."""
+    if spec in TEMPLATES:
+        return TEMPLATES[spec]
+    if "{{" in spec or "{%" in spec:
+        text = spec
+    else:
+        path = pathlib.Path(spec).expanduser()
+        if not path.is_file():
+            raise TokenizerError(f"{spec!r} is not a file, a Jinja template, or one of the "
+                                 f"templates {', '.join(TEMPLATES)}")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"cannot read the chat template {spec}: {e}") from None
+    _compile(text)
+    return text
+
+
+def variables_of(text: str) -> dict[str, Any]:
+    """More variables for every render, from a JSON object (`--chat_template_kwargs`, as
+    llama-server's and vLLM's --default-chat-template-kwargs take it), not the render's own
+    (`TEMPLATE_VARIABLES`); TokenizerError otherwise."""
+    try:
+        variables = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"not JSON: {e}") from None
+    if not isinstance(variables, dict):
+        raise TokenizerError(f"must be a JSON object, got {type(variables).__name__}")
+    taken = sorted(set(variables) & TEMPLATE_VARIABLES)
+    if taken:
+        raise TokenizerError(f"may not set {', '.join(map(repr, taken))}: every render sets them")
+    return variables
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
@@ -95,8 +146,8 @@ def _compile(template: str) -> jinja2.Template:
         return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise TokenizerError(
-            f"the chat template does not parse (line {e.lineno}: {e.message}); "
-            "fix chat_template in tokenizer_config.json") from e
+            f"the chat template does not parse (line {e.lineno}: {e.message}); mend the model's "
+            "chat_template, or give one with --chat_template") from e
 
 
 def render_chat(template: str | None, messages: Any, *, add_generation_prompt: bool = True,

@@ -158,6 +158,9 @@ class Tokenizer:
         self._eos_id = stops[0] if stops else None  # the template's eos_token
         self.add_bos: bool = bool(add_bos) and self.bos_id is not None
         self.chat_template: str | None = chat_template
+        # More variables for every render (a server's --chat_template_kwargs), beneath a
+        # request's own.
+        self.chat_variables: dict[str, Any] = {}
         self._ids_by_text = ids
         self._split = self._splitter(special=True)
         self._split_plain = self._splitter(special=False)
@@ -238,7 +241,7 @@ class Tokenizer:
         return chat.render_chat(self.chat_template, messages,
                                 add_generation_prompt=add_generation_prompt,
                                 bos_token=self.bos_token, eos_token=self.eos_token, tools=tools,
-                                variables=variables)
+                                variables={**self.chat_variables, **(variables or {})})
 
     @property
     def bos_token(self) -> str | None:

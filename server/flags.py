@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from absl import flags
 
+from cadence.checkpoints import chat
 from cadence.checkpoints.registry import DEFAULT_MODEL
 from cadence.engine.config import DEFAULT_PAGE_SIZE, KV_DTYPES, WARMUPS
 from cadence.scheduler.policy import POLICIES
@@ -160,6 +161,20 @@ REASONING_PARSER = flags.DEFINE_enum(
     "DeepSeek-R1's distillations); think (or vLLM's names qwen3, deepseek_r1): always; none: "
     "never. A server request's separate_reasoning: false keeps its reasoning in the content; "
     "cadence-batch writes a chat line's reasoning as its result's reasoning_content.")
+CHAT_TEMPLATE = flags.DEFINE_string(
+    "chat_template", None,
+    "The chat template to render chats with instead of the model's own: a file (a Jinja "
+    "template, as vLLM's --chat-template and llama-server's --chat-template-file take it), the "
+    "template's text itself, or a name (chatml). For a model whose file has no template, or a "
+    "wrong one. Default: the model's own, else ChatML.")
+CHAT_TEMPLATE_KWARGS = flags.DEFINE_string(
+    "chat_template_kwargs", None,
+    "A JSON object of more variables for every chat's template, beneath a request's own "
+    "chat_template_kwargs (llama-server's --chat-template-kwargs, vLLM's "
+    "--default-chat-template-kwargs): '{\"enable_thinking\": false}' turns Qwen3's thinking off "
+    "unless a request turns it on.")
+flags.register_validator("chat_template", _parses(lambda v: v is None or chat.template_of(v)))
+flags.register_validator("chat_template_kwargs", _parses(lambda v: v is None or chat.variables_of(v)))
 PREFIX_CACHING = flags.DEFINE_bool(
     "prefix_caching", True,
     "Reuse the KV of prompt prefixes computed before, to the token (automatic prefix caching: a "

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 from absl import flags
 
-from cadence.checkpoints.chat import CONTINUE_MARK, continue_final, validate_messages
+from cadence.checkpoints.chat import CONTINUE_MARK, TEMPLATE_VARIABLES, continue_final, validate_messages
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer
@@ -337,16 +337,11 @@ def _tool_fields(i: int, message: dict) -> dict:
     return message
 
 
-# The chat template's own variables, which `chat_template_kwargs` may not set.
-_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
-                                 "raise_exception", "strftime_now"})
-
-
 def template_kwargs(entry: dict) -> dict[str, Any] | None:
     """A chat's `chat_template_kwargs` (vLLM's, SGLang's, llama-server's): more variables for
     the chat template, e.g. Qwen3's {"enable_thinking": false}; not the template's own."""
     kwargs = field(entry, "chat_template_kwargs", (dict,))
-    taken = sorted(set(kwargs or ()) & _TEMPLATE_VARIABLES)
+    taken = sorted(set(kwargs or ()) & TEMPLATE_VARIABLES)
     if taken:
         raise SubmissionError(f'"chat_template_kwargs" may not set {", ".join(map(repr, taken))}: '
                               "the server sets them", "chat_template_kwargs")

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from absl import logging
 from tqdm import tqdm
 
+from cadence.checkpoints import chat
 from cadence.checkpoints.registry import LoadedModel, cache_dir, load_model, resolve
 from cadence.checkpoints.store import AS_STORED
 from cadence.engine import multihost
@@ -42,7 +43,7 @@ from cadence.scheduler.priority import SLO, PriorityClasses
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from cadence.scheduler.speculative import SpeculativeConfig
 from cadence.server import memory
-from cadence.server.flags import (ATTENTION, COORDINATOR, CPU_ACTIVATIONS, CPU_KERNELS, DECODE_DEVICES,
+from cadence.server.flags import (ATTENTION, CHAT_TEMPLATE, CHAT_TEMPLATE_KWARGS, COORDINATOR, CPU_ACTIVATIONS, CPU_KERNELS, DECODE_DEVICES,
                                   DECODE_STEPS, DTYPE, GRAMMAR_TIMEOUT, ITL_TARGET, KV_DTYPE, KV_MEMORY,
                                   KV_RESERVATION, LAYER_LOOP, LOWER_SHARE, MAX_LOGPROBS, MAX_PREFILL_CHUNKS,
                                   MAX_QUEUE, MAX_SEQ_LEN, MODEL_FLAG, NUM_CPU_DEVICES,
@@ -429,6 +430,18 @@ def _engines(model: LoadedModel, packed, configs: list[EngineConfig], pair, mesh
             f"{pair[0]} (prefill) and {pair[1]} (decode), disaggregated")
 
 
+def chat_from_flags(model: LoadedModel) -> None:
+    """--chat_template and --chat_template_kwargs, on the model's tokenizer: every door's
+    chats (and /tokenize's, and the reasoning parser's view of the template) render with them."""
+    tok = model.tokenizer
+    if CHAT_TEMPLATE.value is not None:
+        tok.chat_template = chat.template_of(CHAT_TEMPLATE.value)
+        print(f"cadence: chats render with --chat_template's template, not {model.name}'s own",
+              file=sys.stderr)
+    if CHAT_TEMPLATE_KWARGS.value is not None:
+        tok.chat_variables = chat.variables_of(CHAT_TEMPLATE_KWARGS.value)
+
+
 def build_from_flags(warm: bool = True) -> Runtime:
     """Loads the model and builds the engine(s) and the scheduler; `warm=False` leaves warm-up
     to the caller (the server warms up while already answering /health with 503)."""
@@ -453,6 +466,7 @@ def build_from_flags(warm: bool = True) -> Runtime:
             (lambda config: plan(config).storage_shardings()) if mesh_devices else None),
             dtype=compute_dtype() if as_computed else AS_STORED if as_stored else None,
             skip_packed=as_stored)
+    chat_from_flags(model)
     tp = plan(model.config) if mesh_devices else None
     model, packed = quantize_from_flags(model, kernels)
     weights_line = describe_decode_weights(model, packed) if kernels else ""

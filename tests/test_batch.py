@@ -246,6 +246,30 @@ def test_response_formats_and_tool_calls(setup, tmp_path):
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in call["tool_calls"]][0] == ("f", {})
 
 
+def test_chat_template_flags_replace_the_models_template(setup, tmp_path, tiny_config, tiny_params):
+    """--chat_template (a file) renders every chat instead of the model's template, with
+    --chat_template_kwargs' variables beneath a line's own chat_template_kwargs."""
+    root, _ = setup
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ greeting }}:{% for m in messages %} <{{ m['role'] }}> {{ m['content'] }}"
+                        "{% endfor %}{% if add_generation_prompt %} <assistant>{% endif %}")
+    chat = [{"role": "user", "content": "the cat sat"}]
+    lines = [{"id": "server's", "messages": chat, "max_tokens": 6, "ignore_eos": True},
+             {"id": "own", "messages": chat, "max_tokens": 6, "ignore_eos": True,
+              "chat_template_kwargs": {"greeting": "yo"}}]
+    inp, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    result = run_batch(setup, inp, out, f"--chat_template={template}",
+                       '--chat_template_kwargs={"greeting": "hi there"}')
+    assert result.returncode == 0, result.stderr
+    tok = Tokenizer.from_hf_dir(root / "model")
+    results = {r["id"]: r for r in read_results(out)}
+    for key, greeting in (("server's", "hi there"), ("own", "yo")):
+        ids = tok.encode(f"{greeting}: <user> the cat sat <assistant>")
+        assert results[key]["prompt_tokens"] == len(ids)
+        assert results[key]["text"] == tok.decode(greedy_generate(tiny_params, tiny_config, ids, 6),
+                                                  skip_special=True)
+
+
 def test_load_done_refuses_a_corrupt_middle_line(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": 1}\nnot json\n{"id": 2}\n')

@@ -62,6 +62,11 @@ def test_bad_arguments_get_one_line_errors(tiny_model_dir, tmp_path):
     bad.write_text('{"prompt": "x"}\n{not json\n')
     result = generate(tiny_model_dir, f"--prompts_file={bad}")
     assert result.returncode == 2 and "bad.jsonl:2" in result.stderr
+    for flag, why in ((f"--chat_template={tmp_path / 'none.jinja'}", "is not a file, a Jinja template"),
+                      ("--chat_template={% if %}", "does not parse"),
+                      ("--chat_template_kwargs={\"tools\": 1}", "may not set 'tools'")):
+        result = generate(tiny_model_dir, "--prompt=x", flag)
+        assert result.returncode != 0 and why in result.stderr and "loaded" not in result.stderr, flag
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import sentencepiece
 import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 
+from cadence.checkpoints import chat
 from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer, TokenizerError
 from tests.trained_tokenizers import SMOLLM2_TEMPLATE, SPECIALS, gguf_fields, trained_bpe
@@ -398,3 +399,28 @@ def test_a_hugging_face_folder_stops_at_its_fim_separators(tiny_config, tmp_path
     separators = {fim.token_id("<|repo_name|>"), fim.token_id("<|file_sep|>")}
     assert folder.eos_ids == {fim.token_id("<|im_end|>")} | separators
     assert folder.eos_token == "<|im_end|>"
+
+
+def test_a_chat_template_is_named_a_file_or_its_own_text(tmp_path):
+    text = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    (tmp_path / "t.jinja").write_text(text)
+    assert chat.template_of(str(tmp_path / "t.jinja")) == text
+    assert chat.template_of(text) == text
+    assert chat.template_of("chatml") == chat.CHATML_TEMPLATE
+    with pytest.raises(TokenizerError, match="not a file, a Jinja template, or one of the templates chatml"):
+        chat.template_of(str(tmp_path / "missing.jinja"))
+    with pytest.raises(TokenizerError, match=r"does not parse \(line 1"):
+        chat.template_of("{% for %}")
+
+
+def test_server_variables_are_beneath_a_requests_own(hf_bpe):
+    assert chat.variables_of('{"enable_thinking": false}') == {"enable_thinking": False}
+    for bad, why in (("[1]", "JSON object"), ("{", "not JSON"), ('{"messages": 1}', "'messages'")):
+        with pytest.raises(TokenizerError, match=why):
+            chat.variables_of(bad)
+    tok = Tokenizer.from_gguf_fields({**gguf_fields(hf_bpe, "smollm"),
+                                      "tokenizer.chat_template": "{{ a }}{{ b }}"})
+    tok.chat_variables = {"a": "server-a", "b": "server-b"}
+    messages = [{"role": "user", "content": "x"}]
+    assert tok.apply_chat_template(messages) == "server-aserver-b"
+    assert tok.apply_chat_template(messages, variables={"b": "own-b"}) == "server-aown-b"
