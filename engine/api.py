@@ -53,8 +53,9 @@
                                                         the max_logprobs alternatives), real for
                                                         the rows whose sampling asked
     tokens.scores()                                     of a prefill result: {chunk index:
-                                                        `HostLogprobs`} for the chunks with
-                                                        `targets` (prompt logprobs, echo)
+                                                        `HostScores`} for the chunks with
+                                                        `targets` (prompt logprobs, echo): each
+                                                        target's logprob, rank, alternatives
     tokens.pooled()                                     of a prefill result: {chunk index: (sum,
                                                         last)} for the chunks marked `pooled`
                                                         (embeddings, which sample no token): the

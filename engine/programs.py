@@ -81,7 +81,7 @@ def _scored_prefill_program(
     mesh, max_logprobs,
 ):
     """`_prefill_program`, with the logits of every position of the pack: also returns each
-    position's `Logprobs` of `targets` [T] (its next token; -1 where none: ignored)."""
+    position's ranked `Logprobs` of `targets` [T] (its next token; -1 where none: ignored)."""
     every = jnp.arange(tokens.size, dtype=jnp.int32)
     with _live_rows(tokens, lengths):
         logits, cache = forward(
@@ -91,7 +91,7 @@ def _scored_prefill_program(
     sampled, logprobs, last_tokens, history = _take_chunk_tokens(
         logits[logit_index], last_tokens, history, steps, write_slot, sampling_slot, sampling,
         allowed, max_logprobs)
-    scores = logprobs_of(logits, jnp.maximum(targets, 0), max_logprobs, jnp.ones(1, bool))
+    scores = logprobs_of(logits, jnp.maximum(targets, 0), max_logprobs, jnp.ones(1, bool), ranked=True)
     return (sampled, logprobs, scores), cache, last_tokens, history
 
 

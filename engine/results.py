@@ -81,8 +81,22 @@ class HostLogprobs(NamedTuple):
     values: np.ndarray
 
 
+class HostScores(NamedTuple):
+    """A scored chunk's ranked `Logprobs` as read to the host: token and rank [n], ids and
+    values [n, max_logprobs]."""
+
+    token: np.ndarray
+    ids: np.ndarray
+    values: np.ndarray
+    rank: np.ndarray
+
+
 def _read_logprobs(logprobs: Logprobs, rows: slice) -> HostLogprobs:
     return HostLogprobs(*(np.asarray(a)[rows] for a in (logprobs.token, logprobs.ids, logprobs.values)))
+
+
+def _read_scores(logprobs: Logprobs, rows: slice) -> HostScores:
+    return HostScores(*_read_logprobs(logprobs, rows), np.asarray(logprobs.rank)[rows])
 
 
 class PrefillTokens:
@@ -90,8 +104,8 @@ class PrefillTokens:
     `np.asarray(result)` waits for the programs and gives [len(chunks)] int32 (-1 for a pooled
     chunk);
     `result.logprobs()` the chunks' `HostLogprobs` (zeros unless a chunk's row asked);
-    `result.scores()` each scored chunk's (`PrefillChunk.targets`) by its index: [n] and
-    [n, max_logprobs], position by position; `result.pooled()` each pooled chunk's
+    `result.scores()` each scored chunk's (`PrefillChunk.targets`) by its index, position by
+    position (`HostScores`); `result.pooled()` each pooled chunk's
     (`PrefillChunk.pooled`, which samples no token) by its index: the sum of its positions'
     final hidden states and its last position's, [D] float32 each."""
 
@@ -112,8 +126,8 @@ class PrefillTokens:
         out[np.asarray(self._order, np.int64)] = a
         return out
 
-    def scores(self) -> dict[int, HostLogprobs]:
-        return {i: _read_logprobs(lp, slice(0, n)) for i, (lp, n) in self._scores.items()}
+    def scores(self) -> dict[int, HostScores]:
+        return {i: _read_scores(lp, slice(0, n)) for i, (lp, n) in self._scores.items()}
 
     def pooled(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         return {i: (np.asarray(sums)[row], np.asarray(lasts)[row])

@@ -148,27 +148,34 @@ class Logprobs:
 
         token  [rows] f32      the sampled token's logprob
         ids    [rows, k] i32   the k likeliest ids, likeliest first
-        values [rows, k] f32   their logprobs"""
+        values [rows, k] f32   their logprobs
+        rank   [rows] i32      the token's rank: how many ids are at least as likely (itself
+                               included, as vLLM counts); only where asked (`ranked`)"""
 
     token: jax.Array
     ids: jax.Array
     values: jax.Array
+    rank: jax.Array | None = None
 
 
-def logprobs_of(logits: jax.Array, tokens: jax.Array, k: int, wanted: jax.Array) -> Logprobs:
+def logprobs_of(logits: jax.Array, tokens: jax.Array, k: int, wanted: jax.Array,
+                ranked: bool = False) -> Logprobs:
     """`Logprobs` of `tokens` [rows] under `logits` [rows, vocab], computed only if some row is
-    `wanted` (zeros otherwise)."""
+    `wanted` (zeros otherwise); with `ranked`, each token's rank too."""
     rows = logits.shape[0]
 
     def compute(logits):
         lsm = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         token = jnp.take_along_axis(lsm, tokens[:, None], axis=-1)[:, 0]
         values, ids = jax.lax.top_k(lsm, k) if k else (jnp.zeros((rows, 0)), jnp.zeros((rows, 0), jnp.int32))
-        return Logprobs(token=token, ids=ids.astype(jnp.int32), values=values.astype(jnp.float32))
+        rank = jnp.sum(lsm >= token[:, None], axis=-1, dtype=jnp.int32) if ranked else None
+        return Logprobs(token=token, ids=ids.astype(jnp.int32), values=values.astype(jnp.float32),
+                        rank=rank)
 
     def skip(logits):
         return Logprobs(token=jnp.zeros(rows, jnp.float32), ids=jnp.zeros((rows, k), jnp.int32),
-                        values=jnp.zeros((rows, k), jnp.float32))
+                        values=jnp.zeros((rows, k), jnp.float32),
+                        rank=jnp.zeros(rows, jnp.int32) if ranked else None)
 
     return when(jnp.any(wanted), compute, skip, logits)
 

@@ -75,9 +75,11 @@ class GenerationParams:
     # None: no logprobs; k: each output token's logprob and its k likeliest alternatives
     # (`TokenEvent.logprobs`), k at most the engine's max_logprobs.
     logprobs: int | None = None
-    # With logprobs: also each prompt token's (echo), from the prompt's forward pass; the
-    # prompt is then prefilled whole, never taken from the prefix cache.
-    prompt_logprobs: bool = False
+    # None: none; k: also each prompt token's logprob, rank and k likeliest alternatives
+    # (`RequestRecord.prompt_logprobs`: echo's, vLLM's prompt_logprobs), from the prompt's
+    # forward pass, k at most the engine's max_logprobs; the prompt is then prefilled whole,
+    # never taken from the prefix cache.
+    prompt_logprobs: int | None = None
     # Lower runs first (vLLM's semantics): it may preempt running requests of a higher number.
     # None: the server's priority classes decide from the prompt's length (0 without classes).
     priority: int | None = None
@@ -107,13 +109,13 @@ def check_params(params: GenerationParams, vocab_size: int | None = None, max_lo
                               f"vocabulary [0, {vocab_size})", "logit_bias")
     if params.pooling is not None:
         _check_pooling(params)
-    if params.prompt_logprobs and params.logprobs is None:
-        raise SubmissionError("prompt logprobs (echo) need logprobs", "logprobs")
     most = max_logprobs
-    if params.logprobs is not None and most is not None and not (isinstance(params.logprobs, int)
-                                                                 and 0 <= params.logprobs <= most):
-        raise SubmissionError(f"at most {most} logprobs per token (the server's --max_logprobs), "
-                              f"got {params.logprobs!r}", "logprobs")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and most is not None and not (isinstance(k, int) and not isinstance(k, bool)
+                                                       and 0 <= k <= most):
+            raise SubmissionError(f"at most {most} logprobs per token (the server's --max_logprobs), "
+                                  f"got {k!r}", name)
     if params.priority is not None and (isinstance(params.priority, bool)
                                         or not isinstance(params.priority, int)
                                         or not -MAX_PRIORITY <= params.priority <= MAX_PRIORITY):
@@ -156,7 +158,7 @@ def _check_pooling(params: GenerationParams) -> None:
         raise SubmissionError(f"pooling must be one of {', '.join(POOLINGS)}, got {params.pooling!r}",
                               "pooling")
     generating = {"max_tokens": params.max_tokens is not None, "logprobs": params.logprobs is not None,
-                  "grammar": params.grammar is not None, "min_tokens": params.min_tokens > 0,
+                  "prompt_logprobs": params.prompt_logprobs is not None, "grammar": params.grammar is not None, "min_tokens": params.min_tokens > 0,
                   "stop": bool(params.stop or params.stop_token_ids)}
     given = [name for name, set_ in generating.items() if set_]
     if given:
@@ -216,6 +218,8 @@ class TokenLogprob:
     logprob: float | None  # None: a prompt's first token, which nothing predicts
     text: str
     top: tuple[tuple[int, float], ...] | None  # (id, logprob), likeliest first
+    # How many ids are at least as likely, itself included (vLLM's rank); prompt tokens' only.
+    rank: int | None = None
 
 
 @dataclasses.dataclass
@@ -354,7 +358,7 @@ class Request:
         # Prompt logprobs (`params.prompt_logprobs`): entry p is prompt token p's (p >= 1), with
         # `text` empty (the front door spells the prompt); entry 0 stays None.
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
-            [None] * len(self.prompt_ids) if params.prompt_logprobs else None)
+            [None] * len(self.prompt_ids) if params.prompt_logprobs is not None else None)
         self.detok = IncrementalDetokenizer(tokenizer)
         # Its place in its grammar (structured output), advanced by every token it accepts.
         self.matcher = params.grammar.matcher() if params.grammar is not None else None
@@ -390,7 +394,7 @@ class Request:
         """The engines' program groups (`engine.config.GROUPS`) it runs besides prefill and
         decode."""
         p = self.params
-        wanted = {"scoring": p.prompt_logprobs, "pooling": p.pooling is not None,
+        wanted = {"scoring": p.prompt_logprobs is not None, "pooling": p.pooling is not None,
                   "structured": p.grammar is not None,
                   "history": p.sampling.penalized, "copy": self.fork_parent is not None}
         return tuple(group for group, needed in wanted.items() if needed)
@@ -556,13 +560,13 @@ class Request:
         `start`): position p's scores are prompt token p + 1's."""
         if self.finished:
             return
-        k = self.params.logprobs
-        for i, (value, ids, values) in enumerate(zip(*scores)):
+        k = self.params.prompt_logprobs
+        for i, (value, ids, values, rank) in enumerate(zip(*scores)):
             p = start + i + 1
             if p >= self.prompt_len:
                 break
             self.prompt_logprobs[p] = TokenLogprob(self.prompt_ids[p], float(value), "", tuple(
-                zip(map(int, ids[:k]), map(float, values[:k]))))
+                zip(map(int, ids[:k]), map(float, values[:k]))), int(rank))
 
     def take_pooled(self, hidden_sum: np.ndarray, last: np.ndarray, final: bool) -> bool:
         """An embedding's chunk's results (`engine.api`'s pooled: its positions' final hidden

@@ -90,7 +90,7 @@ class Submissions:
             prompt_ids, params, max_tokens, self.tokenizer,
             emit=lambda e: stream._push(e), request_id=request_id, priority=priority,
         )
-        if self.config.prefix_caching and not params.prompt_logprobs and params.pooling is None:
+        if self.config.prefix_caching and params.prompt_logprobs is None and params.pooling is None:
             request.page_keys = PageKeys(self.page_size, self.config.cache_namespace.encode(),
                                          params.cache_salt)
         if params.min_tokens:  # its row must hold its stop ids masked beside its biases

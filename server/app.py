@@ -359,9 +359,10 @@ class Server:
             answers.append(protocol.Answer(protocol.best(generated, parsed.n), generated, echo))
         return JSONResponse(protocol.full_response(
             request_id, self.model_name, chat, answers, self.tokenizer,
-            logprobs=parsed.params.logprobs is not None, tools=tools,
+            logprobs=parsed.params.logprobs, tools=tools,
             tokens_as_ids=parsed.tokens_as_ids, reasoning_inside=parsed.reasoning_inside,
-            reasoning_tokens=None if thinkers is None else sum(t.reasoning_pieces for t in thinkers)),
+            reasoning_tokens=None if thinkers is None else sum(t.reasoning_pieces for t in thinkers),
+            prompt_logprobs=parsed.prompt_logprobs),
             headers=headers)
 
     async def collect(self, request: Request, streams: list[RequestStream],
@@ -446,7 +447,8 @@ class Server:
                 for i, event in batch:
                     echo = echo_of[i]
                     if echo is not None and first[i]:
-                        lp = (logprobs[i].prompt(echo, head_of[i].request.prompt_logprobs)
+                        lp = (logprobs[i].prompt(echo, head_of[i].request.prompt_logprobs,
+                                                 streams[i].request.params.logprobs)
                               if streams[i].request.logprobs is not None else None)
                         framed(i, protocol.chunk(request_id, name, chat, echo.text, None, created,
                                                  logprobs=lp, index=i))

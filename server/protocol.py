@@ -75,7 +75,7 @@ IGNORED_FIELDS: dict[str, type] = {
     "safety_identifier": str, "reasoning_effort": str, "verbosity": str}
 MAX_PROMPTS = 256  # prompts in one batched completions request
 _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format",
-                     "return_tokens_as_token_ids", *parsing.SAMPLING_FIELDS, *guided.FIELDS})
+                     "return_tokens_as_token_ids", "prompt_logprobs", *parsing.SAMPLING_FIELDS, *guided.FIELDS})
 _ALLOWED = {
     False: _COMMON | {"prompt", "suffix", "logprobs", "best_of", "echo", "parallel_tool_calls"},
     True: _COMMON | {"messages", "suffix", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
@@ -115,6 +115,8 @@ class ParsedRequest:
     # Streamed with vLLM's stream_options.continuous_usage_stats: every chunk carries its
     # choice's usage so far.
     continuous_usage: bool = False
+    # vLLM's prompt_logprobs: each prompt token's logprob, rank and this many alternatives.
+    prompt_logprobs: int | None = None
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -134,10 +136,13 @@ class ParsedRequest:
         logprobs = self.params.logprobs
         if self.best_of > self.n and logprobs is None:
             logprobs = 0
-        # The prompt's logprobs are the same for every choice: the first computes them.
+        # The prompt's logprobs are the same for every choice: the first computes them, with
+        # as many alternatives as echo's logprobs and prompt_logprobs want.
+        wanted = [k for k in (self.params.logprobs if self.echo else None, self.prompt_logprobs)
+                  if k is not None]
         return [dataclasses.replace(
                     self.params, logprobs=logprobs,
-                    prompt_logprobs=self.echo and i == 0 and self.params.logprobs is not None,
+                    prompt_logprobs=max(wanted) if wanted and i == 0 else None,
                     sampling=dataclasses.replace(self.params.sampling,
                                                  seed=parsing.choice_seed(self.params.sampling.seed, i)))
                 for i in range(self.best_of)]
@@ -220,7 +225,7 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
                          template_kwargs, separate,
                          hole=None if suffix is None else fim.Hole(suffix),
                          chat_end=parsing.chat_end(body) if chat else parsing.ChatEnd(),
-                         continuous_usage=continuous)
+                         continuous_usage=continuous, prompt_logprobs=_prompt_logprobs(body, stream))
 
 
 def token_ids(value: Any) -> bool:
@@ -301,6 +306,23 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     k = k or 0
     if k < 0:
         raise SubmissionError(f'"{name}" must be >= 0, got {k}', name)
+    return k
+
+
+def _prompt_logprobs(body: dict, stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs`: k >= 0 alternatives per prompt token (the upper bound is the
+    server's `--max_logprobs`, the scheduler's check); not with a stream, as in vLLM."""
+    k = parsing.field(body, "prompt_logprobs", (int,))
+    if k is None:
+        return None
+    if k == -1:
+        raise SubmissionError('"prompt_logprobs": -1 (the whole vocabulary) is not served; ask for '
+                              "at most the server's --max_logprobs", "prompt_logprobs")
+    if k < 0:
+        raise SubmissionError(f'"prompt_logprobs" must be >= 0, got {k}', "prompt_logprobs")
+    if stream:
+        raise SubmissionError('"prompt_logprobs" are not available with "stream": true (as in vLLM); '
+                              "they come whole, in the answer", "prompt_logprobs")
     return k
 
 
@@ -407,12 +429,30 @@ class LogprobFormat:
     def _sampled(self, entry: TokenLogprob) -> str:
         return f"token_id:{entry.token_id}" if self._as_ids else entry.text
 
-    def prompt(self, echo: Echo, entries: list[TokenLogprob | None] | None) -> dict:
-        """Completions' echo: the prompt's tokens, with their logprobs (the first has none:
-        null), in the same shape and offsets as the output's."""
+    def prompt(self, echo: Echo, entries: list[TokenLogprob | None] | None, k: int) -> dict:
+        """Completions' echo: the prompt's tokens, with their logprobs and `k` alternatives
+        (the first has none: null), in the same shape and offsets as the output's."""
         entries = entries or [None] * len(echo.ids)
-        return self([TokenLogprob(t, None if e is None else e.logprob, text, None if e is None else e.top)
+        return self([TokenLogprob(t, None if e is None else e.logprob, text, None if e is None else e.top[:k])
                      for t, e, text in zip(echo.ids, entries, echo.texts)])
+
+    def ranked(self, entries: list[TokenLogprob | None], k: int) -> list[dict[str, dict] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token (the first: null), its own id's and its `k`
+        likeliest alternatives' {"logprob", "rank", "decoded_token"} by id (a JSON key: the id
+        as a string), its own first."""
+        def entry(token_id: int, logprob: float, rank: int) -> dict:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self._alternative(token_id)}
+
+        out: list[dict[str, dict] | None] = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            ranked = {str(e.token_id): entry(e.token_id, e.logprob, e.rank)}
+            for rank, (t, v) in enumerate(e.top[:k], 1):
+                ranked.setdefault(str(t), entry(t, v, rank))
+            out.append(ranked)
+        return out
 
     def __call__(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         raw = self._tokenizer.token_bytes
@@ -543,29 +583,34 @@ class Answer:
 
 
 def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Answer],
-                  tokenizer: Tokenizer | None = None, logprobs: bool = True,
+                  tokenizer: Tokenizer | None = None, logprobs: int | None = None,
                   tools: tool_requests.ToolRequest | None = None,
                   tokens_as_ids: bool = False, reasoning_inside: bool | None = None,
-                  reasoning_tokens: int | None = None) -> dict[str, Any]:
+                  reasoning_tokens: int | None = None, prompt_logprobs: int | None = None) -> dict[str, Any]:
     """The whole answer: a choice per record, the answers' (prompts') one after another,
     indexed across them (OpenAI's order for a batch: prompt by prompt, then choice). `tokenizer`
-    spells their logprobs, if they have any and `logprobs` (False: computed for best_of's ranking
-    only). With echo, an answer's prompt text goes before each of its choices' (and with
-    logprobs its tokens'). With `tools` (chat) whose calls are parsed, a choice's calls are its
+    spells their logprobs, if they have any and the request asked for `logprobs` alternatives
+    (None: computed for best_of's ranking only, if at all). With echo, an answer's prompt text
+    goes before each of its choices' (and with logprobs its tokens'). With `prompt_logprobs`
+    (vLLM's), its prompt's ranked logprobs go in each of its choices (completions) or once in
+    the response (chat). With `tools` (chat) whose calls are parsed, a choice's calls are its
     message's `tool_calls`. `tokens_as_ids`: `LogprobFormat`'s `as_ids`. `reasoning_inside`
     (chat; None: not split): a choice's reasoning is split out of its text first
     (`server.reasoning`), its message's `reasoning_content`; the tools parse the rest.
     `reasoning_tokens`: usage's, over every sequence generated."""
     created = int(time.time())
     choices = []
+    ranked = None
     for answer in answers:
         echo = answer.echo
-        prompt_logprobs = next((r.prompt_logprobs for r in answer.generated if r.prompt_logprobs), None)
+        scored = next((r.prompt_logprobs for r in answer.generated if r.prompt_logprobs), None)
+        if prompt_logprobs is not None:
+            ranked = LogprobFormat(tokenizer, chat, tokens_as_ids).ranked(scored, prompt_logprobs)
         for record in answer.records:
             lp = None
-            if logprobs and record.logprobs is not None:
+            if logprobs is not None and record.logprobs is not None:
                 spell = LogprobFormat(tokenizer, chat, tokens_as_ids)
-                head = spell.prompt(echo, prompt_logprobs) if echo else None
+                head = spell.prompt(echo, scored, logprobs) if echo else None
                 lp = spell(record.logprobs)
                 lp = merge_logprobs(head, lp) if head else lp
             if echo:
@@ -586,8 +631,13 @@ def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Ans
             else:
                 choice = {"index": index, "text": record.text, "finish_reason": finish_reason(record),
                           "logprobs": lp}
+                if ranked is not None:
+                    choice["prompt_logprobs"] = ranked
             choice["stop_reason"] = record.stop_reason  # vLLM's: the stop string or token id that ended it
             choices.append(choice)
     kind = "chat.completion" if chat else "text_completion"
-    return {"id": request_id, "object": kind, "created": created, "model": model,
-            "choices": choices, "usage": usage([a.generated for a in answers], reasoning_tokens)}
+    response = {"id": request_id, "object": kind, "created": created, "model": model,
+                "choices": choices, "usage": usage([a.generated for a in answers], reasoning_tokens)}
+    if chat and ranked is not None:
+        response["prompt_logprobs"] = ranked
+    return response

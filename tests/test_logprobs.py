@@ -176,7 +176,7 @@ def test_prompt_logprobs_equal_the_reference_forward_pass(engine, tiny_params, t
     the reference generator's."""
     rng = random.Random(9)
     prompt, other = random_prompts(rng, 2, tiny_config.vocab_size, 70, 80)
-    subs = [(prompt, GenerationParams(max_tokens=6, ignore_eos=True, logprobs=4, prompt_logprobs=True)),
+    subs = [(prompt, GenerationParams(max_tokens=6, ignore_eos=True, logprobs=4, prompt_logprobs=4)),
             (other, GenerationParams(max_tokens=6, ignore_eos=True))]
     # The process's count, less the programs compiled on first use (the scoring ones, warmed
     # "needed"): other tests compile their own programs.
@@ -193,6 +193,9 @@ def test_prompt_logprobs_equal_the_reference_forward_pass(engine, tiny_params, t
         assert e.token_id == prompt[p]
         assert e.logprob == pytest.approx(reference[p - 1, prompt[p]], abs=1e-4)
         np.testing.assert_allclose([v for _, v in e.top], np.sort(reference[p - 1])[::-1][:4], atol=1e-4)
+        # Its rank counts the ids at least as likely, itself included (within the tolerance).
+        row, value = reference[p - 1], reference[p - 1, prompt[p]]
+        assert 1 + np.sum(row > value + 1e-4) <= e.rank <= np.sum(row >= value - 1e-4)
     check_against_reference(tiny_params, tiny_config, prompt, scored.request, 4)
 
 
@@ -226,3 +229,49 @@ def test_echo_over_http(tiny_engine, tiny_tokenizer, tiny_params, tiny_config):
     assert sum((c["logprobs"]["tokens"] for c in chunks if c["logprobs"]), []) == lp["tokens"]
     assert all(c["text"] == text and c["logprobs"]["token_logprobs"][0] is None for c in two["choices"])
     assert two["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_prompt_logprobs_over_http(tiny_engine, tiny_tokenizer, tiny_params, tiny_config):
+    """vLLM's prompt_logprobs: each prompt token's logprob, rank and k alternatives by id, in
+    every choice of a completion and once in a chat's response; beside echo's logprobs of
+    another k, each keeps its own; streaming, -1 and more than --max_logprobs are 400s."""
+    prompt = "a b c the cat sat on the mat"
+    ids = tiny_tokenizer.encode(prompt)
+    reference = log_softmax(sequence_logits(tiny_params, tiny_config, ids))
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 3}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "prompt_logprobs": 0, "return_tokens_as_token_ids": True}
+    with serving(tiny_engine, tiny_tokenizer) as (base, _):
+        post = lambda path, b: httpx.post(f"{base}{path}", json=b, timeout=60)  # noqa: E731
+        two = post("/v1/completions", {**body, "n": 2, "temperature": 1.0, "seed": 1}).json()
+        echoed = post("/v1/completions", {**body, "echo": True, "logprobs": 1}).json()
+        chatted = post("/v1/chat/completions", chat).json()
+        refused = {name: post("/v1/completions", {**body, **change}) for name, change in (
+            ("stream", {"stream": True}), ("all", {"prompt_logprobs": -1}),
+            ("negative", {"prompt_logprobs": -2}), ("many", {"prompt_logprobs": 21}))}
+    ranked = two["choices"][0]["prompt_logprobs"]
+    assert [c["prompt_logprobs"] for c in two["choices"]] == [ranked, ranked]
+    assert ranked[0] is None and len(ranked) == len(ids)
+    for p in range(1, len(ids)):
+        row, entries = reference[p - 1], ranked[p]
+        own = entries[str(ids[p])]
+        assert list(entries)[0] == str(ids[p])  # its own first, then the 3 likeliest
+        assert own["logprob"] == pytest.approx(row[ids[p]], abs=1e-4)
+        assert 1 + np.sum(row > row[ids[p]] + 1e-4) <= own["rank"] <= np.sum(row >= row[ids[p]] - 1e-4)
+        top = np.argsort(-row)[:3]
+        assert {int(t) for t in entries} == {ids[p], *map(int, top)}
+        for rank, t in enumerate(top, 1):
+            e = entries[str(t)]
+            assert e["logprob"] == pytest.approx(row[t], abs=1e-4)
+            assert e["decoded_token"] == tiny_tokenizer.token_bytes(int(t)).decode("utf-8", errors="replace")
+            assert e["rank"] == (own["rank"] if t == ids[p] else rank)
+    choice = echoed["choices"][0]
+    assert choice["prompt_logprobs"] == ranked
+    assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:])  # echo's own k
+    assert "prompt_logprobs" not in chatted["choices"][0]
+    chat_ranked = chatted["prompt_logprobs"]
+    assert chat_ranked[0] is None and len(chat_ranked) == chatted["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 and next(iter(e.values()))["decoded_token"] == f"token_id:{next(iter(e))}"
+               for e in chat_ranked[1:])
+    for name, r in refused.items():
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", name

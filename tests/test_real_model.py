@@ -144,7 +144,7 @@ def test_engine_matches_reference_on_the_default_model(smollm2, default_model_ca
     streams = [sched.submit(p, GenerationParams(max_tokens=12)) for p, _ in default_model_cases]
     penalized_prompt, row, penalized_want, logprobs = penalized_case
     penalized = sched.submit(penalized_prompt, GenerationParams(max_tokens=12, sampling=row, logprobs=2,
-                                                                prompt_logprobs=True))
+                                                                prompt_logprobs=2))
     while not sched.idle():
         sched.step()
     for (prompt, want), stream in zip(default_model_cases, streams):
