@@ -49,7 +49,7 @@ DEFAULT_PAGE_SIZE = 64
 CPU_ACTIVATIONS = ("float32", "int8")
 
 ROLES = ("both", "prefill", "decode")
-KV_DTYPES = ("float32", "bfloat16", "float16")
+KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 DECODE_MATMULS = ("xla", "cpu")
 
 

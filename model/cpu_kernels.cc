@@ -361,13 +361,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_argmax, Argmax,
                                 ffi::Ffi::Bind()                       \
                                     .Ctx<ffi::ThreadPool>()            \
                                     .Arg<ffi::Buffer<ffi::S32>>()      \
-                                    .Arg<ffi::Buffer<dt>>()            \
+                                    .Arg<ffi::AnyBuffer>()             \
                                     .Arg<ffi::Buffer<ffi::S32>>()      \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
 CADENCE_TAKE_PAGES(cadence_cpu_take_pages, ffi::F32, float)
 CADENCE_TAKE_PAGES(cadence_cpu_take_pages_bf16, ffi::BF16, BF16)
 CADENCE_TAKE_PAGES(cadence_cpu_take_pages_f16, ffi::F16, F16)
+CADENCE_TAKE_PAGES(cadence_cpu_take_pages_f8e4m3, ffi::F8E4M3FN, F8E4M3)
+CADENCE_TAKE_PAGES(cadence_cpu_take_pages_f8e5m2, ffi::F8E5M2, F8E5M2)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_paged_write, PagedWrite,
                               ffi::Ffi::Bind()
@@ -395,8 +397,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_blocked_matmul_int8, BlockedMatmulInt8
                                     .Ctx<ffi::ThreadPool>()            \
                                     .Arg<ffi::Buffer<ffi::F32>>()      \
                                     .Arg<ffi::Buffer<ffi::S32>>()      \
-                                    .Arg<ffi::Buffer<dt>>()            \
-                                    .Arg<ffi::Buffer<dt>>()            \
+                                    .Arg<ffi::AnyBuffer>()             \
+                                    .Arg<ffi::AnyBuffer>()             \
                                     .Arg<ffi::Buffer<ffi::S32>>()      \
                                     .Arg<ffi::Buffer<ffi::S32>>()      \
                                     .Ret<ffi::Buffer<ffi::F32>>());
@@ -404,6 +406,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_blocked_matmul_int8, BlockedMatmulInt8
 CADENCE_PAGED_DECODE(cadence_cpu_paged_decode, ffi::F32, float)
 CADENCE_PAGED_DECODE(cadence_cpu_paged_decode_bf16, ffi::BF16, BF16)
 CADENCE_PAGED_DECODE(cadence_cpu_paged_decode_f16, ffi::F16, F16)
+CADENCE_PAGED_DECODE(cadence_cpu_paged_decode_f8e4m3, ffi::F8E4M3FN, F8E4M3)
+CADENCE_PAGED_DECODE(cadence_cpu_paged_decode_f8e5m2, ffi::F8E5M2, F8E5M2)
 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_layered_matmul, LayeredMatmul,

@@ -92,12 +92,13 @@ LAYERED_DEQUANTIZE = "cadence_cpu_layered_dequantize"
 # chunks.txt: prefill of 64 tokens 1.1-1.3x, int8 1.6-2.0x; 512 int8 1.03-1.10x).
 GEMM_ROWS = 64
 GEMM_ROWS_AVX512 = {"float32": 128, "int8": 1024}
-# Paged decode attention, by the pool's dtype: float32, or 16-bit pages widened as they are read.
-ATTENTION = {"float32": "cadence_cpu_paged_decode", "bfloat16": "cadence_cpu_paged_decode_bf16",
-             "float16": "cadence_cpu_paged_decode_f16"}
+# Paged decode attention and pages taken, by the pool's dtype: float32, or 16- and 8-bit pages
+# widened as they are read.
+_POOL_DTYPES = {"float32": "", "bfloat16": "_bf16", "float16": "_f16", "float8_e4m3fn": "_f8e4m3",
+                "float8_e5m2": "_f8e5m2"}
+ATTENTION = {dtype: f"cadence_cpu_paged_decode{suffix}" for dtype, suffix in _POOL_DTYPES.items()}
 PAGED_WRITE = "cadence_cpu_paged_write"
-TAKE_PAGES = {"float32": "cadence_cpu_take_pages", "bfloat16": "cadence_cpu_take_pages_bf16",
-              "float16": "cadence_cpu_take_pages_f16"}
+TAKE_PAGES = {dtype: f"cadence_cpu_take_pages{suffix}" for dtype, suffix in _POOL_DTYPES.items()}
 ARGMAX = "cadence_cpu_argmax"
 KTH_LARGEST = "cadence_cpu_kth_largest"
 MASS_THRESHOLD = "cadence_cpu_mass_threshold"
@@ -599,7 +600,7 @@ def paged_decode(q: jax.Array, k_pages, v_pages, page_table: jax.Array,
                  q_positions: jax.Array) -> jax.Array:
     """`model.paged_attention`'s interface for one query per row (q [rows, 1, heads, d]):
     keys 0..q_positions[row, 0] of the row's pages; -1 gives zeros. Computed in float32 over
-    pools (or `PoolLayer`s) of float32, bfloat16 or float16 (widened as read, exactly)."""
+    pools (or `PoolLayer`s) of `ATTENTION`'s dtypes (widened as read, exactly)."""
     _require()
     rows, q_len, heads, head_dim = q.shape
     if q_len != 1:
@@ -616,17 +617,16 @@ def paged_decode(q: jax.Array, k_pages, v_pages, page_table: jax.Array,
 
 
 def paged_write(pages, values: jax.Array, page: jax.Array, slot: jax.Array):
-    """A pool ([kv_heads, num_pages, page_size, d], or a `PoolLayer`) of float32, bfloat16 or
-    float16 with `values` [rows, t, kv_heads, d] written in place at each token's `page` and
+    """A pool ([kv_heads, num_pages, page_size, d], or a `PoolLayer`) of 32, 16 or 8 bits with
+    `values` [rows, t, kv_heads, d] (in its dtype) written in place at each token's `page` and
     `slot` [rows, t]; a token whose page is outside the pool is dropped. What
-    `model.paged_kv.write`'s scatter does, bit for bit (the values are rounded to the pool's
-    dtype first, as there), without XLA:CPU's float32 round trip of the whole pool around a
+    `model.paged_kv.write`'s scatter does, bit for bit, without XLA:CPU's float32 round trip of the whole pool around a
     16-bit scatter: on Qwen2.5-0.5B's bfloat16 pool that round trip made decode 3x slower than
     over a float32 pool (`bench/results/kv16-write-cpu/`); and within the layer loop, on the
     layer of the stacked pool, in place."""
     _require()
-    if pages.dtype.itemsize not in (2, 4):
-        raise ValueError(f"paged_write writes 16- and 32-bit pools, got {pages.dtype}")
+    if pages.dtype.itemsize not in (1, 2, 4):
+        raise ValueError(f"paged_write writes 8-, 16- and 32-bit pools, got {pages.dtype}")
     pool, layer = _pool_layer(pages)
     pool = jax.ffi.ffi_call(PAGED_WRITE, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
                             input_output_aliases={1: 0})(

@@ -24,7 +24,10 @@ mask scores, not values, so they rely on every entry of every page they touch be
 Whole pages move by `copy_pages` (a partial prefix hit's copy, a fork's) and `insert_pages` (a
 KV handoff), through the CPU kernels where they run, for the same reason as `write`.
 
-Non-goals: page allocation, prefix sharing / copy-on-write, quantized pages.
+A pool is float32, 16-bit or 8-bit floats (`--kv_cache_dtype`); `write` rounds keys and values
+to it (`as_pool`), and readers widen them.
+
+Non-goals: page allocation, prefix sharing / copy-on-write, pages quantized with scales.
 """
 
 from __future__ import annotations
@@ -120,6 +123,17 @@ def pages_for_bytes(
     return int(budget_bytes) // (page_size * bytes_per_token(config, dtype))
 
 
+def as_pool(values: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`values` rounded to a pool's `dtype`, narrower ones saturated at its largest value, so
+    that the pool holds finite values only: float8_e4m3fn has no infinity (XLA's conversion
+    gives NaN past 448), and float16's or float8_e5m2's infinity would make attention NaN."""
+    dtype = jnp.dtype(dtype)
+    if dtype != values.dtype and dtype.itemsize < 4:
+        top = float(jnp.finfo(dtype).max)
+        values = jnp.clip(values, -top, top)
+    return values.astype(dtype)
+
+
 def write(
     pages: jax.Array | cpu_kernels.PoolLayer,
     new: jax.Array,
@@ -152,10 +166,11 @@ def write(
     page = jnp.take_along_axis(page_table, jnp.clip(slot, 0, max_pages - 1), axis=1)
     # Out-of-range indices are dropped by the scatter: route invalid tokens there.
     page = jnp.where(valid, page, num_pages)
+    new = as_pool(new, pages.dtype)
     if cpu_kernel or isinstance(pages, cpu_kernels.PoolLayer):
         return cpu_kernels.paged_write(pages, new, page, positions % page_size)
     # Indices on the adjacent axes 1 and 2: the indexed view is [kv_heads, rows, t, head_dim].
-    values = new.astype(pages.dtype).transpose(2, 0, 1, 3)
+    values = new.transpose(2, 0, 1, 3)
     return pages.at[:, page, positions % page_size].set(values, mode="drop")
 
 

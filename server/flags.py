@@ -28,12 +28,16 @@ KV_MEMORY = flags.DEFINE_string(
     "Bytes for the KV page pool (a count, or with a unit: 1440MiB, 1.5GiB); with "
     "--tensor_parallel, per device. Default: on a GPU 90% of what is free after the weights; "
     "elsewhere num_slots x max_seq_len tokens' worth.")
+# vLLM's names for the 8-bit float pools.
+KV_DTYPE_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 KV_DTYPE = flags.DEFINE_enum(
-    "kv_cache_dtype", "auto", ["auto", *KV_DTYPES],
+    "kv_cache_dtype", "auto", ["auto", *KV_DTYPES, *KV_DTYPE_ALIASES],
     "The KV pool's dtype. auto: the compute dtype (float32 on the CPU, bfloat16 on a GPU). A "
     "16-bit pool on the CPU holds twice the tokens in the same memory, each key and value "
-    "rounded to 16 bits (llama.cpp's default cache is float16); attention still computes in "
-    "float32.")
+    "rounded to 16 bits (llama.cpp's default cache is float16); an 8-bit float pool "
+    "(float8_e4m3fn, or vLLM's fp8; float8_e5m2) four times, each rounded to 3 or 2 mantissa "
+    "bits and saturated, which costs accuracy (docs/serving.md). Attention still computes in "
+    "float32. On a GPU the Pallas kernels read a pool of the compute dtype only.")
 PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "Largest prefill chunk (tokens).", lower_bound=16)
 MAX_PREFILL_CHUNKS = flags.DEFINE_integer(
     "max_prefill_chunks", None,

@@ -43,12 +43,13 @@ from cadence.scheduler.priority import SLO, PriorityClasses
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from cadence.scheduler.speculative import SpeculativeConfig
 from cadence.server import memory
-from cadence.server.flags import (ATTENTION, CHAT_TEMPLATE, CHAT_TEMPLATE_KWARGS, COORDINATOR, CPU_ACTIVATIONS, CPU_KERNELS, DECODE_DEVICES,
-                                  DECODE_STEPS, DTYPE, GRAMMAR_TIMEOUT, ITL_TARGET, KV_DTYPE, KV_MEMORY,
-                                  KV_RESERVATION, LAYER_LOOP, LOWER_SHARE, MAX_LOGPROBS, MAX_PREFILL_CHUNKS,
-                                  MAX_QUEUE, MAX_SEQ_LEN, MODEL_FLAG, NUM_CPU_DEVICES,
-                                  NUM_PROCESSES, NUM_SLOTS, NUM_SPECULATIVE_TOKENS, PAGE_SIZE,
-                                  POLICY, PREFILL_CHUNK, PREFILL_DEVICES, PREFILL_SLOTS,
+from cadence.server.flags import (ATTENTION, CHAT_TEMPLATE, CHAT_TEMPLATE_KWARGS, COORDINATOR,
+                                  CPU_ACTIVATIONS, CPU_KERNELS, DECODE_DEVICES, DECODE_STEPS, DTYPE,
+                                  GRAMMAR_TIMEOUT, ITL_TARGET, KV_DTYPE, KV_DTYPE_ALIASES,
+                                  KV_MEMORY, KV_RESERVATION, LAYER_LOOP, LOWER_SHARE, MAX_LOGPROBS,
+                                  MAX_PREFILL_CHUNKS, MAX_QUEUE, MAX_SEQ_LEN, MODEL_FLAG,
+                                  NUM_CPU_DEVICES, NUM_PROCESSES, NUM_SLOTS, NUM_SPECULATIVE_TOKENS,
+                                  PAGE_SIZE, POLICY, PREFILL_CHUNK, PREFILL_DEVICES, PREFILL_SLOTS,
                                   PREFIX_CACHING, PRIORITY_CLASSES, PROCESS_ID, PROMPT_LOOKUP_MAX,
                                   PROMPT_LOOKUP_MIN, SLO_ITL, SLO_MARGIN, SLO_TTFT, SPECULATIVE,
                                   SPECULATIVE_MAX_BATCH, STRUCTURED_OUTPUT, TENSOR_PARALLEL,
@@ -323,7 +324,9 @@ def compute_dtype() -> str:
 
 def kv_dtype() -> str:
     """The KV pool's dtype: --kv_cache_dtype, or the compute dtype."""
-    return compute_dtype() if KV_DTYPE.value == "auto" else KV_DTYPE.value
+    if KV_DTYPE.value == "auto":
+        return compute_dtype()
+    return KV_DTYPE_ALIASES.get(KV_DTYPE.value, KV_DTYPE.value)
 
 
 def token_budget() -> int:

@@ -108,12 +108,15 @@ def test_paged_decode_matches_the_reference(heads, kv_heads, head_dim, page_size
     assert np.all(np.asarray(got)[0] == 0)  # position -1 sees nothing
 
 
+NARROW_POOLS = [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2]
+
+
 @needs_cpu_kernels
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", NARROW_POOLS)
 @pytest.mark.parametrize("heads, kv_heads, head_dim, page_size", [(9, 3, 64, 64), (8, 1, 128, 16)])
-def test_paged_decode_over_16_bit_pages_equals_them_widened(dtype, heads, kv_heads, head_dim, page_size):
-    """A bfloat16 / float16 pool (--kv_cache_dtype) is read as it is, each value widened as it
-    is loaded: exactly the float32 kernel over the same values widened first (the widening is
+def test_paged_decode_over_narrow_pages_equals_them_widened(dtype, heads, kv_heads, head_dim, page_size):
+    """A 16- or 8-bit pool (--kv_cache_dtype) is read as it is, each value widened as it is
+    loaded: exactly the float32 kernel over the same values widened first (the widening is
     exact, the arithmetic the same)."""
     rng = np.random.default_rng(head_dim)
     pages, width = 30, 6
@@ -130,14 +133,15 @@ def test_paged_decode_over_16_bit_pages_equals_them_widened(dtype, heads, kv_hea
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("dtype", [*NARROW_POOLS, jnp.float32])
 @pytest.mark.parametrize("donate", [True, False])
-def test_writing_a_16_bit_pool_in_place_equals_the_scatter(dtype, donate):
+def test_writing_a_narrow_pool_in_place_equals_the_scatter(dtype, donate):
     """`paged_kv.write` through the CPU kernel (a pool written in place) gives the
     scatter's pool to the bit: prefill rows of several tokens and a decode row, padding past a
     row's length, a position past its table, an inactive row (position -1), two rows writing
-    one page, values that round (float32 in, 16 bits stored). Donated, the kernel writes the
-    pool's own buffer; not donated, a copy of it."""
+    one page, values that round (float32 in, 16 or 8 bits stored), and values past an 8-bit
+    float's range, saturated. Donated, the kernel writes the pool's own buffer; not donated, a
+    copy of it."""
     rng = np.random.default_rng(5)
     kv_heads, pages, page_size, d = 2, 12, 8, 16
     pool = jnp.asarray(rng.standard_normal((kv_heads, pages, page_size, d)), dtype)
@@ -146,6 +150,7 @@ def test_writing_a_16_bit_pool_in_place_equals_the_scatter(dtype, donate):
                           [-1, -1, -1, -1, -1]], np.int32)
     lengths = np.array([5, 3, 4, 0], np.int32)  # row 1: past its table after 23
     new = rng.standard_normal((4, 5, kv_heads, d)).astype(np.float32)
+    new[0, 1, 0, :3] = [1e5, -1e6, np.float32(3e38)]  # past float8_e4m3fn's 448, e5m2's 57344
 
     def write(cpu_kernel):
         fn = jax.jit(functools.partial(paged_kv.write, cpu_kernel=cpu_kernel),
@@ -155,13 +160,18 @@ def test_writing_a_16_bit_pool_in_place_equals_the_scatter(dtype, donate):
     want = write(False)
     assert not np.array_equal(want, np.asarray(pool))
     np.testing.assert_array_equal(write(True), want)
+    assert np.isfinite(want.astype(np.float32)).all()
+    top = float(jnp.finfo(dtype).max)
+    if top < 1e5:  # float16 and the 8-bit floats: saturated at the format's largest value
+        assert want[0, 3, 6, :3].astype(np.float32).tolist() == [top, -top, top]
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-def test_taking_pages_of_a_16_bit_pool_equals_take_then_widen(dtype):
-    """Prefill's key tiles of a pool (16-bit, or float32 in the layer loop): the pages named
-    (ids past the pool clipped, as the gather's mode="clip"), widened to float32, to the bit."""
+@pytest.mark.parametrize("dtype", [*NARROW_POOLS, jnp.float32])
+def test_taking_pages_of_a_narrow_pool_equals_take_then_widen(dtype):
+    """Prefill's key tiles of a pool (16- or 8-bit, or float32 in the layer loop): the pages
+    named (ids past the pool clipped, as the gather's mode="clip"), widened to float32, to the
+    bit."""
     rng = np.random.default_rng(6)
     pool = jnp.asarray(rng.standard_normal((3, 10, 4, 24)), dtype)
     ids = jnp.asarray([4, 0, 9, 4, -3, 17], jnp.int32)
@@ -170,6 +180,19 @@ def test_taking_pages_of_a_16_bit_pool_equals_take_then_widen(dtype):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="reads pools of"):
         cpu_kernels.take_pages(pool.astype(jnp.int8), ids)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_every_8_bit_float_widens_exactly(dtype):
+    """Every finite value of an 8-bit float pool (subnormals, both zeros, the largest), as the
+    kernels widen it, equals XLA's conversion to float32."""
+    bits = np.arange(256, dtype=np.uint8)
+    values = bits.view(jnp.dtype(dtype))
+    finite = values[np.isfinite(values.astype(np.float32))]
+    pool = jnp.asarray(np.resize(finite, 8 * 32).reshape(1, 8, 4, 8))
+    got = jax.jit(cpu_kernels.take_pages)(pool, jnp.arange(8, dtype=jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(pool).astype(np.float32))
 
 
 @needs_cpu_kernels
@@ -347,21 +370,25 @@ def test_kernel_decode_logits_match_xla_decode(tiny_params, tiny_config):
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
-def test_an_engine_over_a_16_bit_pool_equals_the_reference_over_one(tiny_params, tiny_config,
-                                                                    tiny_tokenizer, kv_dtype):
-    """--kv_cache_dtype: an engine whose pool holds 16-bit keys and values (the kernel reads
-    them as they are, prefill's attention widens them) gives the greedy tokens of the reference
-    generator over a cache of that dtype, from a pool of half the float32 one's bytes."""
+@pytest.mark.parametrize("kv_dtype, attention", [
+    ("bfloat16", "cpu"), pytest.param("float16", "cpu", marks=pytest.mark.slow), ("float8_e4m3fn", "cpu"),
+    pytest.param("float8_e5m2", "cpu", marks=pytest.mark.slow), ("float8_e4m3fn", "xla")])
+def test_an_engine_over_a_narrow_pool_equals_the_reference_over_one(tiny_params, tiny_config,
+                                                                    tiny_tokenizer, kv_dtype, attention):
+    """--kv_cache_dtype: an engine whose pool holds 16- or 8-bit keys and values (the kernel
+    reads them as they are, prefill's attention widens them; or XLA's attention) gives the
+    greedy tokens of the reference generator over a cache of that dtype, from a pool of half
+    or a quarter of the float32 one's bytes."""
     from cadence.engine.engine import Engine
     from cadence.engine.reference import greedy_generate
     from cadence.scheduler.request import GenerationParams
     from tests.fakes import make_scheduler, run_all
 
-    config = EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=16, attention="cpu",
+    config = EngineConfig(num_slots=2, max_seq_len=128, prefill_chunk=16, attention=attention,
                           decode_matmul="cpu", decode_steps=2, kv_dtype=kv_dtype)
     engine = Engine(tiny_params, tiny_config, config)
-    assert engine.kv_cache_bytes * 2 == config.pool_pages * config.page_size * tiny_config.kv_bytes_per_token(4)
+    narrow = 4 // jnp.dtype(kv_dtype).itemsize
+    assert engine.kv_cache_bytes * narrow == config.pool_pages * config.page_size * tiny_config.kv_bytes_per_token(4)
     prompts = [[7, 300, 41, 9], list(range(100, 190))]
     streams = run_all(make_scheduler(engine, tiny_tokenizer, chunk=16, budget=18),
                       [(p, GenerationParams(max_tokens=16)) for p in prompts])

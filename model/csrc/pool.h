@@ -187,10 +187,11 @@ PoolLayer pool_layer(const ffi::AnyBuffer::Dimensions pd, ffi::Buffer<ffi::S32> 
   return {dims[0], dims[1], dims[2], dims[3], l * dims[0] * dims[1] * dims[2] * dims[3]};
 }
 
-// T: the pool's element type (`BF16`, `F16`, float) for FFI's type DT.
+// T: the pool's element type (float, `BF16`, `F16`, `F8E4M3`, `F8E5M2`) for FFI's type DT (the
+// pages are untyped buffers, checked to be of it: FFI has no native type for 8-bit floats).
 template <ffi::DataType DT, typename T>
 ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> layer,
-                       ffi::Buffer<DT> k_pages, ffi::Buffer<DT> v_pages,
+                       ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                        ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> positions,
                        ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_table.dimensions();
@@ -198,7 +199,7 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   const int64_t at = pl.at;
   if (qd.size() != 3 || at < 0 || td.size() != 2 || td[0] != qd[0] ||
       positions.element_count() != qd[0] || v_pages.element_count() != k_pages.element_count() ||
-      pl.d != qd[2]) {
+      k_pages.element_type() != DT || v_pages.element_type() != DT || pl.d != qd[2]) {
     return ffi::Error::InvalidArgument(
         "cadence_cpu_paged_decode takes q [rows, heads, d], k/v pages [kv_heads, pages, page_size, "
         "d] (or a layer of them stacked), page_table [rows, width] and positions [rows]");
@@ -214,8 +215,8 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   }
   const int64_t group = heads / kv_heads;
   const float* qp = q.typed_data();
-  const T* kp = reinterpret_cast<const T*>(k_pages.typed_data()) + at;
-  const T* vp = reinterpret_cast<const T*>(v_pages.typed_data()) + at;
+  const T* kp = static_cast<const T*>(k_pages.untyped_data()) + at;
+  const T* vp = static_cast<const T*>(v_pages.untyped_data()) + at;
   const int32_t* tp = page_table.typed_data();
   const int32_t* pp = positions.typed_data();
   float* op = out->typed_data();
@@ -236,7 +237,7 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
 //
 // A layer of pages [layers, kv_heads, num_pages, page_size, d] (the result, the same buffer
 // when XLA aliases it, as a donated pool is), values [rows, t, kv_heads, d] already in the
-// pool's dtype (16 or 32 bits), and each token's page and slot in it [rows, t]: a token whose
+// pool's dtype (8, 16 or 32 bits), and each token's page and slot in it [rows, t]: a token whose
 // page is outside [0, num_pages) is dropped (the scatter's mode="drop", which
 // `model.paged_kv.write` routes padding to). Tokens are written in order, so of two with one
 // slot the later stands.
@@ -263,10 +264,10 @@ ffi::Error PagedWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::An
   const int64_t width = ffi::ByteWidth(pages.element_type());
   if (pl.at < 0 || vd.size() != 4 || vd[2] != pl.kv_heads || vd[3] != pl.d ||
       page.element_count() != vd[0] * vd[1] || slot.element_count() != vd[0] * vd[1] ||
-      (width != 2 && width != 4) || values.element_type() != pages.element_type() ||
+      (width != 1 && width != 2 && width != 4) || values.element_type() != pages.element_type() ||
       out->element_type() != pages.element_type() || out->element_count() != pages.element_count()) {
     return ffi::Error::InvalidArgument(
-        "cadence_cpu_paged_write takes a layer of a 16- or 32-bit pool [layers, kv_heads, pages, "
+        "cadence_cpu_paged_write takes a layer of an 8-, 16- or 32-bit pool [layers, kv_heads, pages, "
         "page_size, d], values [rows, t, kv_heads, d] of its dtype, and page and slot [rows, t] "
         "int32");
   }
@@ -274,7 +275,11 @@ ffi::Error PagedWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::An
     std::memcpy(out->untyped_data(), pages.untyped_data(), pages.size_bytes());
   }
   const int64_t tokens = vd[0] * vd[1];
-  if (width == 2) {
+  if (width == 1) {
+    write_tokens(pool, static_cast<const uint8_t*>(values.untyped_data()),
+                 static_cast<uint8_t*>(out->untyped_data()) + pl.at, page.typed_data(),
+                 slot.typed_data(), tokens, pl.kv_heads, pl.num_pages, pl.page_size, pl.d);
+  } else if (width == 2) {
     write_tokens(pool, static_cast<const uint16_t*>(values.untyped_data()),
                  static_cast<uint16_t*>(out->untyped_data()) + pl.at, page.typed_data(),
                  slot.typed_data(), tokens, pl.kv_heads, pl.num_pages, pl.page_size, pl.d);
@@ -287,20 +292,21 @@ ffi::Error PagedWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::An
 }
 
 // Pages `ids` (clipped into the pool) of a layer of a pool [layers, kv_heads, num_pages,
-// page_size, d], widened (exactly) to float32 where 16-bit: [kv_heads, n, page_size, d].
+// page_size, d], widened (exactly) to float32 where 8- or 16-bit: [kv_heads, n, page_size, d].
 template <ffi::DataType DT, typename T>
-ffi::Error TakePages(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<DT> pages,
+ffi::Error TakePages(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer pages,
                      ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> out) {
   const auto pd = pages.dimensions();
   const int64_t n = ids.element_count();
   const PoolLayer pl = pool_layer(pd, layer);
-  if (pl.at < 0 || pl.d % 8 || out->element_count() != pl.kv_heads * n * pl.page_size * pl.d) {
+  if (pl.at < 0 || pl.d % 8 || pages.element_type() != DT ||
+      out->element_count() != pl.kv_heads * n * pl.page_size * pl.d) {
     return ffi::Error::InvalidArgument(
         "cadence_cpu_take_pages takes a layer of pages [layers, kv_heads, pages, page_size, d] "
         "(d a multiple of 8) and ids [n], and gives [kv_heads, n, page_size, d]");
   }
   const int64_t kv_heads = pl.kv_heads, num_pages = pl.num_pages, run = pl.page_size * pl.d;
-  const T* src = reinterpret_cast<const T*>(pages.typed_data()) + pl.at;
+  const T* src = static_cast<const T*>(pages.untyped_data()) + pl.at;
   const int32_t* ip = ids.typed_data();
   float* dst = out->typed_data();
   parallel_for(pool, kv_heads * n, 1, [=](int64_t first, int64_t last) {
