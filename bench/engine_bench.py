@@ -32,7 +32,7 @@ from absl import app, flags
 
 from cadence.bench import roofline
 from cadence.checkpoints.registry import load_model
-from cadence.engine.config import DEFAULT_PAGE_SIZE, EngineConfig, fixed_page_tables
+from cadence.engine.config import DEFAULT_PAGE_SIZE, KV_DTYPES, EngineConfig, fixed_page_tables
 from cadence.engine.engine import Engine
 from cadence.engine.packing import PrefillChunk
 from cadence.engine.programs import sampling_rows
@@ -54,6 +54,7 @@ _DECODE_STEPS = flags.DEFINE_list("decode_steps", ["1"], "Decode steps per dispa
                                   "a point's step time is its dispatch's time / k.")
 _PAGE = flags.DEFINE_integer("page_size", DEFAULT_PAGE_SIZE, "KV page size (tokens).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute and KV dtype.")
+_KV_DTYPE = flags.DEFINE_enum("kv_dtype", None, list(KV_DTYPES), "KV pool dtype (default: --dtype).")
 _WEIGHTS = flags.DEFINE_enum(
     "weights", "float", ["float", "int8", "gguf", "int8-grouped", "int4-grouped"],
     "float; int8 (per output channel); with --decode_matmul=cpu also gguf (the checkpoint's own "
@@ -98,7 +99,7 @@ def decode_point(engine, rows, tables, context: int, count: int, weight_bytes: i
     slots = engine.config.num_slots
     positions = np.full(slots, context - 1, np.int32)
     active = np.arange(slots) < count
-    kv_bytes = count * context * engine.model_config.kv_bytes_per_token(jnp.dtype(engine.config.dtype).itemsize)
+    kv_bytes = count * context * engine.model_config.kv_bytes_per_token(jnp.dtype(engine.config.pool_dtype).itemsize)
     engine.decode(positions, active, rows, tables, k).block_until_ready()
     steps, bandwidths = [], []
     for _ in range(_STEPS.value):
@@ -139,7 +140,7 @@ def main(argv) -> None:
         engine = Engine(params, cfg, EngineConfig(
             num_slots=slots, max_seq_len=_MAX_SEQ.value, prefill_chunk=_CHUNK.value,
             page_size=_PAGE.value, decode_steps=max(map(int, _DECODE_STEPS.value)), dtype=_DTYPE.value,
-            attention=_ATTENTION.value, decode_matmul=_DECODE_MATMUL.value), packed=packed)
+            kv_dtype=_KV_DTYPE.value, attention=_ATTENTION.value, decode_matmul=_DECODE_MATMUL.value), packed=packed)
         if _DECODE_MATMUL.value == "cpu":  # what decode reads: the blocked (or packed) matrices
             weight_bytes = cpu_kernels.decode_bytes(engine.params)
         rows = sampling_rows([RequestSampling()] * slots)
@@ -174,7 +175,8 @@ def main(argv) -> None:
             print(f"prefill {n} tokens in chunks of {chunk}: {seconds:.2f} s, {n / seconds:.0f} tok/s, "
                   f"{point['achieved_gflop_s']:.0f} GFLOP/s ({point['fraction_of_matmul_rate']:.0%} of matmul)")
     report = {
-        "model": _MODEL.value, "weights": _WEIGHTS.value, "dtype": _DTYPE.value, "page_size": _PAGE.value,
+        "model": _MODEL.value, "weights": _WEIGHTS.value, "dtype": _DTYPE.value,
+        "kv_dtype": _KV_DTYPE.value or _DTYPE.value, "page_size": _PAGE.value,
         "attention": _ATTENTION.value, "decode_matmul": _DECODE_MATMUL.value,
         "weight_bytes": weight_bytes, "machine": machine,
         "platform": platform.platform(), "processor": platform.processor() or platform.machine(),

@@ -132,9 +132,12 @@ class EngineConfig:
                              f"float32; dtype is {self.dtype}")
         if np.dtype(self.pool_dtype).name not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
-        if self.attention in ("pallas", "mosaic") and np.dtype(self.pool_dtype) != np.dtype(self.dtype):
-            raise ValueError(f"the Pallas kernels read a pool of the compute dtype ({self.dtype}); "
-                             f"kv_dtype is {self.kv_dtype}")
+        narrow = np.dtype(self.pool_dtype).itemsize == 1  # an 8-bit float pool
+        if (self.attention == "mosaic" or (self.attention == "pallas" and not narrow)) and (
+                np.dtype(self.pool_dtype) != np.dtype(self.dtype)):
+            raise ValueError(f"the {self.attention} kernels read a pool of the compute dtype "
+                             f"({self.dtype})" + (" or an 8-bit float" if self.attention == "pallas" else "")
+                             + f"; kv_dtype is {self.kv_dtype}")
         if self.attention == "mosaic" and np.dtype(self.dtype).itemsize != 2:
             raise ValueError(f"the Mosaic GPU kernels compute in bfloat16 or float16; dtype is "
                              f"{self.dtype}")

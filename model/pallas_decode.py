@@ -72,8 +72,9 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, group, rows, block_k, split_len
         k0 = start + j * block_k
         in_range = k0 + jnp.arange(block_k, dtype=jnp.int32) < end
         kv_mask = jnp.broadcast_to(in_range[:, None], (block_k, head_dim))
-        k = load(k_ref.at[pl.ds(k0, block_k), :], mask=kv_mask, other=0)
-        v = load(v_ref.at[pl.ds(k0, block_k), :], mask=kv_mask, other=0)
+        # An 8-bit float pool's tiles widened (exactly) to the queries' dtype.
+        k = load(k_ref.at[pl.ds(k0, block_k), :], mask=kv_mask, other=0.0).astype(q.dtype)
+        v = load(v_ref.at[pl.ds(k0, block_k), :], mask=kv_mask, other=0.0).astype(q.dtype)
         s = jnp.where(in_range[None, :], dot_nt(q, k, precision) * scale, NEG)  # base 2
         m_new = jnp.maximum(m, jnp.max(s, axis=1))  # finite: every tile has a key in range
         p = jnp.exp2(s - m_new[:, None])

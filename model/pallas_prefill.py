@@ -85,11 +85,12 @@ def _kernel(pos_ref, q_ref, k_ref, v_ref, *refs, q_len, kv_len, group, block_q, 
             key = k0 + jnp.arange(block_k, dtype=jnp.int32)
             in_reach = key < hi  # keys no query of the block sees are never read
             kv_mask = jnp.broadcast_to(in_reach[:, None], (block_k, head_dim))
-            k = load(k_ref.at[pl.ds(k0, block_k), :], mask=kv_mask, other=0)
-            v = load(v_ref.at[pl.ds(k0, block_k), :], mask=kv_mask, other=0)
+            k = load(k_ref.at[pl.ds(k0, block_k), :], mask=kv_mask, other=0.0)
+            v = load(v_ref.at[pl.ds(k0, block_k), :], mask=kv_mask, other=0.0)
         else:
             k = load(k_ref.at[pl.ds(k0, block_k), :])
             v = load(v_ref.at[pl.ds(k0, block_k), :])
+        k, v = k.astype(q.dtype), v.astype(q.dtype)  # an 8-bit float pool's, widened exactly
         s = dot_nt(q, k, precision) * scale  # [rows, block_k], base-2 logits
         if masked:
             visible = (key[None, :] <= row_pos[:, None]) & in_reach[None, :]

@@ -36,8 +36,9 @@ KV_DTYPE = flags.DEFINE_enum(
     "16-bit pool on the CPU holds twice the tokens in the same memory, each key and value "
     "rounded to 16 bits (llama.cpp's default cache is float16); an 8-bit float pool "
     "(float8_e4m3fn, or vLLM's fp8; float8_e5m2) four times, each rounded to 3 or 2 mantissa "
-    "bits and saturated, which costs accuracy (docs/serving.md). Attention still computes in "
-    "float32. On a GPU the Pallas kernels read a pool of the compute dtype only.")
+    "bits and saturated, which costs accuracy (docs/models.md). Attention still computes in "
+    "float32 (bfloat16 on a GPU, where the Mosaic GPU kernels read a pool of the compute dtype "
+    "only).")
 PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "Largest prefill chunk (tokens).", lower_bound=16)
 MAX_PREFILL_CHUNKS = flags.DEFINE_integer(
     "max_prefill_chunks", None,

@@ -75,7 +75,8 @@ IGNORED_FIELDS: dict[str, type] = {
     "safety_identifier": str, "reasoning_effort": str, "verbosity": str}
 MAX_PROMPTS = 256  # prompts in one batched completions request
 _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format",
-                     "return_tokens_as_token_ids", "prompt_logprobs", *parsing.SAMPLING_FIELDS, *guided.FIELDS})
+                     "return_tokens_as_token_ids", "prompt_logprobs", *parsing.SAMPLING_FIELDS,
+                     *guided.FIELDS})
 _ALLOWED = {
     False: _COMMON | {"prompt", "suffix", "logprobs", "best_of", "echo", "parallel_tool_calls"},
     True: _COMMON | {"messages", "suffix", "max_completion_tokens", "logprobs", "top_logprobs", "tools",

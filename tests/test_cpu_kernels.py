@@ -332,8 +332,11 @@ def test_engine_refuses_the_cpu_matmul_in_bfloat16(tiny_params, tiny_config):
         EngineConfig(attention="cpu", dtype="bfloat16")
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         EngineConfig(kv_dtype="int8")
-    with pytest.raises(ValueError, match="Pallas kernels read a pool of the compute dtype"):
+    with pytest.raises(ValueError, match="pallas kernels read a pool of the compute dtype"):
         EngineConfig(attention="pallas", dtype="bfloat16", kv_dtype="float16")
+    with pytest.raises(ValueError, match="mosaic kernels read a pool of the compute dtype"):
+        EngineConfig(attention="mosaic", dtype="bfloat16", kv_dtype="float8_e4m3fn")
+    assert EngineConfig(attention="pallas", dtype="bfloat16", kv_dtype="float8_e4m3fn").pool_dtype == "float8_e4m3fn"
     assert EngineConfig(attention="cpu", kv_dtype="bfloat16").pool_dtype == "bfloat16"
 
 

@@ -93,6 +93,15 @@ def test_smollm2_gpu_engine_lowers_for_cuda(triton_verifications, layers, attent
     assert {f"decode[batch={b},pages=64]" for b in config.decode_batch_buckets} <= names
 
 
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", pytest.param("float8_e5m2", marks=pytest.mark.slow)])
+def test_an_8_bit_pool_lowers_for_cuda_with_the_triton_kernels(triton_verifications, kv_dtype):
+    """--kv_cache_dtype=fp8 on a GPU: every program of SmolLM2's engine (2 layers) over an 8-bit
+    float pool lowers for CUDA, each Triton kernel widening its tiles to bfloat16."""
+    config = gpu_engine_config(num_slots=8, kv_dtype=kv_dtype)
+    model = dataclasses.replace(SMOLLM2_135M, num_layers=2)
+    assert len(_lower_all(model, config, triton_verifications)) == 43
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["pallas", "mosaic"])
 def test_llama3_8b_gpu_engine_lowers_for_cuda(triton_verifications, attention):

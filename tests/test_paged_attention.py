@@ -112,6 +112,27 @@ def test_pallas_paged_decode_matches_reference(i):
 PREFILL_TILINGS = [PrefillTiling(4, 16), PrefillTiling(8, 16), PrefillTiling(4, 16)]
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_pallas_paged_kernels_widen_an_8_bit_pool(dtype):
+    """--kv_cache_dtype=float8_* on the Pallas kernels: decode and a prefill chunk over an 8-bit
+    float pool (NaN poison where no query may look: every 8-bit NaN the pool could hold) equal
+    the same kernels over that pool widened to the queries' dtype first, to the bit."""
+    for i, (q_len, positions_of) in enumerate([(1, lambda n: n - 1), (5, lambda n: max(n - 5, 0))]):
+        heads, kv_heads, head_dim, page_size, max_pages, visible = DECODE[0]
+        q, pool, positions, _ = poisoned_pair(
+            40 + i, len(visible), heads, kv_heads, head_dim, page_size, max_pages,
+            [positions_of(n) for n in visible], q_len)
+        narrow = (pool[0].astype(dtype), pool[1].astype(dtype), pool[2])
+        wide = (narrow[0].astype(q.dtype), narrow[1].astype(q.dtype), pool[2])
+        if q_len == 1:
+            run = functools.partial(paged_decode, tiling=DECODE_TILINGS[0], interpret=INTERPRET)
+        else:
+            run = functools.partial(paged_prefill, tiling=PREFILL_TILINGS[0], interpret=INTERPRET)
+        got, want = run(q, *narrow, positions), run(q, *wide, positions)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert np.isfinite(np.asarray(got)).all()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(PREFILL)))
 def test_pallas_paged_prefill_matches_reference(i):

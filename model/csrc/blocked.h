@@ -44,19 +44,21 @@ inline __m256 load8(const F16* p) {
 // is written saturated (`model.paged_kv.as_pool`), so it holds no NaN or infinity to widen.
 struct F8E4M3 { uint8_t bits; };
 struct F8E5M2 { uint8_t bits; };
-inline __m128i load8_bytes(const uint8_t* p) {  // 8 bytes, each in a 16-bit lane
-  return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+inline __m128i load8_high_bytes(const uint8_t* p) {  // 8 bytes, each the high byte of a 16-bit lane
+  return _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 inline __m256 load8(const F8E5M2* p) {  // float8_e5m2 is a float16's high byte
-  return _mm256_cvtph_ps(_mm_slli_epi16(load8_bytes(&p->bits), 8));
+  return _mm256_cvtph_ps(load8_high_bytes(&p->bits));
+}
+// float8_e4m3fn's sign, exponent and mantissa set in a float16's (the exponent shifted down one
+// bit, its top bit cleared): its value times 2^-8, the exponents' biases being 7 and 15,
+// subnormals included. The attention kernel folds the 2^8 into its query and output.
+inline __m256 load8_e4m3_over_256(const F8E4M3* p) {
+  const __m128i h = _mm_and_si128(_mm_srai_epi16(load8_high_bytes(&p->bits), 1), _mm_set1_epi16(-0x4001));
+  return _mm256_cvtph_ps(h);
 }
 inline __m256 load8(const F8E4M3* p) {
-  // float8_e4m3fn's exponent and mantissa set in a float16's: its value times 2^-8 (the
-  // exponent biases are 7 and 15), subnormals included, with the sign bit moved up.
-  const __m128i w = load8_bytes(&p->bits);
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7),
-                                 _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
-  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+  return _mm256_mul_ps(load8_e4m3_over_256(p), _mm256_set1_ps(256.0f));
 }
 
 // The 16 weights of k-row k of a block, as two 8-lane float vectors: float32 as stored, 16-bit

@@ -52,11 +52,23 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// How the attention kernel widens a pool's elements: as `load8`, except float8_e4m3fn's, left
+// 2^-8 of their values (`kAttendScale`, exact), which the query and the output make up for: one
+// product fewer per 8 elements of every key and value read.
+template <typename T>
+inline __m256 attend_load8(const T* p) { return load8(p); }
+template <>
+inline __m256 attend_load8(const F8E4M3* p) { return load8_e4m3_over_256(p); }
+template <typename T>
+constexpr float kAttendScale = 1.0f;
+template <>
+constexpr float kAttendScale<F8E4M3> = 256.0f;
+
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t d) {
-  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), load8(b));
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), attend_load8(b));
   for (int64_t i = 8; i < d; i += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), attend_load8(b + i), acc);
   }
   return hsum(acc);
 }
@@ -71,10 +83,10 @@ inline void page_scores(const float* q, const T* k, int64_t n, int64_t d, float*
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t i = 0; i < d; i += 8) {
       const __m256 qv = _mm256_loadu_ps(q + i);
-      a0 = _mm256_fmadd_ps(qv, load8(k0 + i), a0);
-      a1 = _mm256_fmadd_ps(qv, load8(k0 + d + i), a1);
-      a2 = _mm256_fmadd_ps(qv, load8(k0 + 2 * d + i), a2);
-      a3 = _mm256_fmadd_ps(qv, load8(k0 + 3 * d + i), a3);
+      a0 = _mm256_fmadd_ps(qv, attend_load8(k0 + i), a0);
+      a1 = _mm256_fmadd_ps(qv, attend_load8(k0 + d + i), a1);
+      a2 = _mm256_fmadd_ps(qv, attend_load8(k0 + 2 * d + i), a2);
+      a3 = _mm256_fmadd_ps(qv, attend_load8(k0 + 3 * d + i), a3);
     }
     // [a0 a1 a2 a3] summed within each 128-bit half, then the halves added.
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -90,7 +102,7 @@ inline void accumulate_part(float* acc, const float* p, const T* v, int64_t n, i
   for (int j = 0; j < NV; ++j) a[j] = _mm256_loadu_ps(acc + 8 * j);
   for (int64_t t = 0; t < n; ++t, v += d) {
     const __m256 pt = _mm256_set1_ps(p[t]);
-    for (int j = 0; j < NV; ++j) a[j] = _mm256_fmadd_ps(pt, load8(v + 8 * j), a[j]);
+    for (int j = 0; j < NV; ++j) a[j] = _mm256_fmadd_ps(pt, attend_load8(v + 8 * j), a[j]);
   }
   for (int j = 0; j < NV; ++j) _mm256_storeu_ps(acc + 8 * j, a[j]);
 }
@@ -132,7 +144,7 @@ void attend_one(const float* q, const T* k_pool, const T* v_pool, const int32_t*
   alignas(32) float s[kMaxPage + 8];
   float peak[kMaxGroup], total[kMaxGroup];
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  for (int64_t i = 0; i < group * d; ++i) qs[i] = q[i] * scale;
+  for (int64_t i = 0; i < group * d; ++i) qs[i] = q[i] * scale * kAttendScale<T>;
   std::fill(acc, acc + group * d, 0.0f);
   std::fill(peak, peak + group, -1e30f);
   std::fill(total, total + group, 0.0f);
@@ -166,7 +178,7 @@ void attend_one(const float* q, const T* k_pool, const T* v_pool, const int32_t*
   }
   for (int64_t g = 0; g < group; ++g) {
     const float inverse = total[g] > 0 ? 1.0f / total[g] : 0.0f;
-    for (int64_t i = 0; i < d; ++i) out[g * d + i] = acc[g * d + i] * inverse;
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = acc[g * d + i] * inverse * kAttendScale<T>;
   }
 }
 
