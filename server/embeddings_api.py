@@ -173,13 +173,9 @@ class EmbeddingsAPI:
     def _tokenize(self, parsed: EmbeddingRequest) -> list[list[int]]:
         """On a worker thread: each input's token ids (cut to their last `truncate`)."""
         server, out = self.server, []
+        longest = None if parsed.truncate else server.scheduler.max_seq_len  # else cut after
         for text in parsed.inputs:
-            if isinstance(text, str):
-                if parsed.truncate is None:
-                    parsing.check_prompt_size(text, server.tokenizer, server.scheduler.max_seq_len)
-                ids = server.tokenizer.encode(text, add_bos=None if parsed.add_special else False)
-            else:
-                ids = list(text)
+            ids = parsing.prompt_ids(text, server.tokenizer, longest, None if parsed.add_special else False)
             out.append(ids[-parsed.truncate:] if parsed.truncate else ids)
         return out
 

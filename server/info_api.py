@@ -84,9 +84,8 @@ class InfoAPI:
                 text = parsing.render_chat(entry["messages"], self.server.tokenizer, tools,
                                            parsing.template_kwargs(entry), parsing.chat_end(entry))
                 return self.server.tokenizer.encode(text)
-            text = entry["prompt"]
-            parsing.check_prompt_size(text, self.server.tokenizer, self.server.scheduler.max_seq_len)
-            return self.server.tokenizer.encode(text, add_bos=None if entry.get("add_special_tokens", True) else False)
+            return parsing.prompt_ids(entry["prompt"], self.server.tokenizer, self.server.scheduler.max_seq_len,
+                                      None if entry.get("add_special_tokens", True) else False)
 
         try:
             ids = await asyncio.to_thread(run)

@@ -96,7 +96,7 @@ def parse_completion(body: Any, defaults: parsing.SamplingDefaults) -> tuple[pro
     """/completion's body (a prompt: text, or token ids), or SubmissionError."""
     protocol.known_fields(body, _COMMON)
     prompt = body.get("prompt")
-    if not (isinstance(prompt, str) or protocol.token_ids(prompt)):
+    if not (isinstance(prompt, str) or parsing.token_ids(prompt)):
         raise SubmissionError('"prompt" must be a string or an array of token ids', "prompt")
     return _parse(body, defaults, prompt, None)
 

@@ -400,6 +400,24 @@ def render_chat(messages: Any, tokenizer: Tokenizer, tools: ToolRequest | None =
         raise SubmissionError(f'"messages": {e}', "messages") from None
 
 
+def token_ids(value: Any) -> bool:
+    """Whether `value` is a non-empty array of integers (token ids)."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
+def prompt_ids(prompt: str | list[int], tokenizer: Tokenizer, max_seq_len: int | None,
+               add_bos: bool | None = None) -> list[int]:
+    """A prompt's token ids: ids as given, or a text tokenized (`add_bos`: the tokenizer's
+    own choice where None, as a completion's prompt gets it), refused first where it cannot fit
+    `max_seq_len` at any tokenization (`check_prompt_size`; None: not checked)."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if max_seq_len is not None:
+        check_prompt_size(prompt, tokenizer, max_seq_len)
+    return tokenizer.encode(prompt, add_bos=add_bos)
+
+
 def check_prompt_size(text: str, tokenizer: Tokenizer, max_seq_len: int) -> None:
     """Refuses, without tokenizing, a text too long for the context at any tokenization."""
     size = len(text.encode("utf-8"))
@@ -421,14 +439,9 @@ def _embedding_entry(entry: dict, tokenizer: Tokenizer, pooling: str, extra_fiel
         raise SubmissionError(f"an embedding's entry (input) takes only {', '.join(known)}; got "
                               f"{', '.join(map(repr, unknown))}", unknown[0])
     text = entry["input"]
-    if isinstance(text, str) and text:
-        if max_seq_len is not None:
-            check_prompt_size(text, tokenizer, max_seq_len)
-        ids = tokenizer.encode(text)
-    elif isinstance(text, list) and text and all(type(t) is int for t in text):
-        ids = list(text)
-    else:
+    if not ((isinstance(text, str) and text) or token_ids(text)):
         raise SubmissionError('"input" must be a non-empty string or array of token ids', "input")
+    ids = prompt_ids(text, tokenizer, max_seq_len)
     return EntryRequest(ids, GenerationParams(pooling=pooling, priority=field(entry, "priority", (int,))), None)
 
 

@@ -229,19 +229,13 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
                          continuous_usage=continuous, prompt_logprobs=_prompt_logprobs(body, stream))
 
 
-def token_ids(value: Any) -> bool:
-    """Whether `value` is a non-empty array of integers (token ids)."""
-    return (isinstance(value, list) and bool(value)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
-
-
 def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> list[str | list[int]]:
     """Completions' `prompt` (and embeddings' `input`, as `name`): a string, an array of token
     ids, or a batch of at most `most` (an array of strings or of token-id arrays), as OpenAI and
     vLLM take it."""
-    if isinstance(value, str) or token_ids(value):
+    if isinstance(value, str) or parsing.token_ids(value):
         return [value]
-    if isinstance(value, list) and value and all(isinstance(p, str) or token_ids(p) for p in value):
+    if isinstance(value, list) and value and all(isinstance(p, str) or parsing.token_ids(p) for p in value):
         if len(value) > most:
             raise SubmissionError(f'"{name}" holds {len(value)} prompts; at most {most} go in one '
                                   "request", name)
