@@ -84,6 +84,24 @@ def test_disaggregated_equals_colocated_and_the_reference(pair, tiny_params, tin
     assert disaggregated.kv_pages == (0, prefill.num_pages + decode.num_pages)
 
 
+def test_an_8_bit_pool_is_handed_over_as_it_is(tiny_params, tiny_config, tiny_tokenizer):
+    """--kv_cache_dtype=fp8 disaggregated: the pages handed over are 8-bit (a quarter of a
+    float32 pool's bytes), and the tokens are the reference generator's over an 8-bit cache."""
+    devices = jax.devices()
+    config = dataclasses_replace(CONFIG, kv_dtype="float8_e4m3fn")
+    prefill = Engine(tiny_params, tiny_config, dataclasses_replace(config, role="prefill"), device=devices[1])
+    decode = Engine(tiny_params, tiny_config, dataclasses_replace(config, role="decode"), device=devices[2])
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(3, tiny_config.vocab_size, n)] for n in (16, 40, 7)]
+    sched = Scheduler(prefill, tiny_tokenizer, POLICY, decode_engine=decode)
+    got = run(sched, prompts, 12)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == greedy_generate(tiny_params, tiny_config, prompt, 12, frozenset(),
+                                         kv_dtype="float8_e4m3fn")
+    per_page = 2 * tiny_config.num_layers * tiny_config.num_kv_heads * tiny_config.head_dim * 16
+    assert sched.kv_transfer_bytes == per_page * sum(cdiv(n, 16) for n in (16, 40, 7))
+
+
 def test_embeddings_stay_on_the_prefill_pool(pair, tiny_params, tiny_config, tiny_tokenizer):
     """Embeddings beside generations, disaggregated: each is prefilled and pooled on the
     prefill engine and never handed off; the vectors are the reference's, the answers too."""
