@@ -90,10 +90,15 @@ def variables_of(text: str) -> dict[str, Any]:
         raise TokenizerError(f"not JSON: {e}") from None
     if not isinstance(variables, dict):
         raise TokenizerError(f"must be a JSON object, got {type(variables).__name__}")
-    taken = sorted(set(variables) & TEMPLATE_VARIABLES)
+    taken = reserved_variables(variables)
     if taken:
         raise TokenizerError(f"may not set {', '.join(map(repr, taken))}: every render sets them")
     return variables
+
+
+def reserved_variables(variables: dict[str, Any]) -> list[str]:
+    """The names of `variables` that a render sets itself (`TEMPLATE_VARIABLES`), sorted."""
+    return sorted(set(variables) & TEMPLATE_VARIABLES)
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
@@ -145,9 +150,8 @@ def _compile(template: str) -> jinja2.Template:
     try:
         return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
-        raise TokenizerError(
-            f"the chat template does not parse (line {e.lineno}: {e.message}); mend the model's "
-            "chat_template, or give one with --chat_template") from e
+        raise TokenizerError(f"the chat template does not parse (line {e.lineno}: {e.message}); "
+                             "a server can be given another with --chat_template") from e
 
 
 def render_chat(template: str | None, messages: Any, *, add_generation_prompt: bool = True,

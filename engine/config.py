@@ -65,8 +65,8 @@ class EngineConfig:
     min_kv_bucket: int = 256  # tokens: the narrowest page-table bucket covers this many
     attention: str = "xla"
     dtype: str = "float32"  # compute dtype: float32 on CPU, bfloat16 on GPU
-    # The KV pool's dtype (None: dtype). 16-bit pages on the CPU halve the pool; every
-    # reader widens them to float32 as it reads (the CPU kernel as it loads them).
+    # The KV pool's dtype (None: dtype). 16-bit pages on the CPU halve the pool, 8-bit float
+    # ones quarter it; every reader widens them as it reads (the CPU kernel as it loads them).
     kv_dtype: str | None = None
     page_size: int = DEFAULT_PAGE_SIZE
     num_pages: int | None = None  # the pool; None: every slot can hold max_seq_len at once

@@ -36,8 +36,9 @@
 //                            XLA:CPU has no 16-bit scatter, and widens the whole pool layer to
 //                            float32 and back around one; within the layer loop, a layer of a
 //                            pool stacked over layers, which XLA would copy out.
-//   cadence_cpu_take_pages{,_bf16,_f16}   pages of a pool, widened to float32 (prefill's key
-//                            tiles): XLA:CPU widens the whole pool before a 16-bit gather.
+//   cadence_cpu_take_pages{,_bf16,_f16,_f8e4m3,_f8e5m2}   pages of a pool, widened to float32
+//                            (prefill's key tiles): XLA:CPU widens the whole pool before a
+//                            16-bit gather.
 //   cadence_cpu_argmax           each row's likeliest token, as jnp.argmax: XLA:CPU does not
 //                            vectorize its reduction over (value, index) pairs.
 //   cadence_cpu_kth_largest      each row's k-th largest key, top-k's threshold for sampling.

@@ -129,8 +129,8 @@ def as_pool(values: jax.Array, dtype: jnp.dtype) -> jax.Array:
     gives NaN past 448), and float16's or float8_e5m2's infinity would make attention NaN."""
     dtype = jnp.dtype(dtype)
     if dtype != values.dtype and dtype.itemsize < 4:
-        top = float(jnp.finfo(dtype).max)
-        values = jnp.clip(values, -top, top)
+        top = float(jnp.finfo(dtype).max)  # clipped in float32: a 16-bit bound could round up
+        values = jnp.clip(values.astype(jnp.float32), -top, top)
     return values.astype(dtype)
 
 
@@ -182,8 +182,9 @@ def put_pages(pages, new: jax.Array, ids: jax.Array, *, cpu_kernel: bool = False
     which on the CPU widens a 16-bit pool to float32 and back, whole: copying one page of
     Qwen3-0.6B's bfloat16 pool (8 x 4096 tokens) took 1.15 s for its keys and as long for its
     values, and takes 6 ms each in place (`bench/results/qwen3-cpu/copy_pages.txt`)."""
+    new = as_pool(new, pages.dtype)
     if not (cpu_kernel or isinstance(pages, cpu_kernels.PoolLayer)):
-        return pages.at[:, ids].set(new.astype(pages.dtype), mode="drop")
+        return pages.at[:, ids].set(new, mode="drop")
     _, n, page_size, _ = new.shape
     tokens = (n, page_size)
     return cpu_kernels.paged_write(pages, new.transpose(1, 2, 0, 3), jnp.broadcast_to(ids[:, None], tokens),
@@ -195,7 +196,7 @@ def insert_pages(pool, new: jax.Array, ids: jax.Array, *, cpu_kernel: bool = Fal
     P, page_size, head_dim] written onto pages `ids` [P] of every layer (`put_pages`)."""
     return _every_layer(
         pool, lambda pages, i: put_pages(pages, new[i], ids, cpu_kernel=cpu_kernel),
-        lambda stack: stack.at[:, :, ids].set(new.astype(stack.dtype), mode="drop"), cpu_kernel)
+        lambda stack: stack.at[:, :, ids].set(as_pool(new, stack.dtype), mode="drop"), cpu_kernel)
 
 
 def copy_pages(pool, sources: jax.Array, targets: jax.Array, *, cpu_kernel: bool = False):

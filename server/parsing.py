@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 from absl import flags
 
-from cadence.checkpoints.chat import CONTINUE_MARK, TEMPLATE_VARIABLES, continue_final, validate_messages
+from cadence.checkpoints.chat import CONTINUE_MARK, continue_final, reserved_variables, validate_messages
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer
@@ -341,7 +341,7 @@ def template_kwargs(entry: dict) -> dict[str, Any] | None:
     """A chat's `chat_template_kwargs` (vLLM's, SGLang's, llama-server's): more variables for
     the chat template, e.g. Qwen3's {"enable_thinking": false}; not the template's own."""
     kwargs = field(entry, "chat_template_kwargs", (dict,))
-    taken = sorted(set(kwargs or ()) & TEMPLATE_VARIABLES)
+    taken = reserved_variables(kwargs or {})
     if taken:
         raise SubmissionError(f'"chat_template_kwargs" may not set {", ".join(map(repr, taken))}: '
                               "the server sets them", "chat_template_kwargs")

@@ -316,8 +316,8 @@ def _prompt_logprobs(body: dict, stream: bool) -> int | None:
     if k < 0:
         raise SubmissionError(f'"prompt_logprobs" must be >= 0, got {k}', "prompt_logprobs")
     if stream:
-        raise SubmissionError('"prompt_logprobs" are not available with "stream": true (as in vLLM); '
-                              "they come whole, in the answer", "prompt_logprobs")
+        raise SubmissionError('"prompt_logprobs" are not available with "stream": true; they come '
+                              "whole, in the answer", "prompt_logprobs")
     return k
 
 
@@ -434,9 +434,12 @@ class LogprobFormat:
     def ranked(self, entries: list[TokenLogprob | None], k: int) -> list[dict[str, dict] | None]:
         """vLLM's `prompt_logprobs`: per prompt token (the first: null), its own id's and its `k`
         likeliest alternatives' {"logprob", "rank", "decoded_token"} by id (a JSON key: the id
-        as a string), its own first."""
+        as a string), its own first; an alternative's rank is its place in the list, which for
+        the prompt token itself, where it is one, differs from its count only in ties. The
+        decoded token is its text alone, with or without `as_ids` (as vLLM's)."""
         def entry(token_id: int, logprob: float, rank: int) -> dict:
-            return {"logprob": logprob, "rank": rank, "decoded_token": self._alternative(token_id)}
+            text = self._tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+            return {"logprob": logprob, "rank": rank, "decoded_token": text}
 
         out: list[dict[str, dict] | None] = []
         for e in entries:
@@ -445,7 +448,7 @@ class LogprobFormat:
                 continue
             ranked = {str(e.token_id): entry(e.token_id, e.logprob, e.rank)}
             for rank, (t, v) in enumerate(e.top[:k], 1):
-                ranked.setdefault(str(t), entry(t, v, rank))
+                ranked[str(t)] = entry(t, v, rank)
             out.append(ranked)
         return out
 

@@ -18,6 +18,7 @@ from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.registry import load_model
 from cadence.engine.reference import greedy_generate
 from cadence.server.flags import MODEL_FLAG as _MODEL
+from cadence.server.runtime import chat_from_flags
 
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text.", required=True)
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 16, "Tokens to generate (0: tokenize only).", lower_bound=0)
@@ -28,6 +29,7 @@ def main(argv: list[str]) -> int:
     del argv
     try:
         model = load_model(_MODEL.value)
+        chat_from_flags(model)
         tok = model.tokenizer
         text = _PROMPT.value
         if _CHAT.value:

@@ -208,7 +208,8 @@ def check_pool_fits(config: ModelConfig, pools: Sequence[EngineConfig], copies: 
     if free is None or need <= 0.9 * free:
         return
     memory_flag = "lower --kv_cache_memory" if sized else "set --kv_cache_memory"
-    halve = "" if dtype.itemsize == 2 else ", or halve it with --kv_cache_dtype=bfloat16"
+    halve = {4: ", or halve it with --kv_cache_dtype=bfloat16 (a quarter with fp8)",
+             2: ", or halve it with --kv_cache_dtype=fp8"}.get(dtype.itemsize, "")
     raise ValueError(
         f"the KV pool needs {need / 2**30:.1f} GiB ({tokens} tokens of {dtype.name}, "
         f"{per_token / 2**10:.0f} KiB a token for {config.name}) and this machine has "

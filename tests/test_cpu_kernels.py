@@ -193,6 +193,15 @@ def test_every_8_bit_float_widens_exactly(dtype):
     pool = jnp.asarray(np.resize(finite, 8 * 32).reshape(1, 8, 4, 8))
     got = jax.jit(cpu_kernels.take_pages)(pool, jnp.arange(8, dtype=jnp.int32))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(pool).astype(np.float32))
+    # Attention reads them its own way (e4m3's exponent offset folded into query and output):
+    # over keys and values of every value, the float32 kernel's answer over them widened.
+    q = np.random.default_rng(1).standard_normal((2, 1, 2, 8)).astype(np.float32)
+    table, positions = np.array([[0, 1, 2, 3], [7, 6, 5, 4]], np.int32), np.array([[15], [12]], np.int32)
+    values = jnp.flip(pool, axis=1)
+    narrow = jax.jit(cpu_kernels.paged_decode)(q, pool, values, table, positions)
+    wide = jax.jit(cpu_kernels.paged_decode)(q, pool.astype(jnp.float32), values.astype(jnp.float32),
+                                             table, positions)
+    np.testing.assert_array_equal(np.asarray(narrow), np.asarray(wide))
 
 
 @needs_cpu_kernels

@@ -217,6 +217,17 @@ def test_paged_kernels_lower_to_triton_for_gpu(triton_verifications):
     assert all(verified) and (len(verified) == 4 or not INTERPRET)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("computed", [jnp.float32, jnp.bfloat16])
+def test_values_past_a_narrow_pool_saturate(dtype, computed):
+    """Keys and values past a narrow pool's range are stored as its largest value, from float32
+    or bfloat16 activations alike (a float16 bound rounded to bfloat16 would be 65536: inf)."""
+    top = float(jnp.finfo(dtype).max)
+    values = jnp.asarray([7e4, -1e9, 1.5, 3e38], computed)
+    got = np.asarray(paged_kv.as_pool(values, dtype)).astype(np.float32)
+    assert got.tolist() == [top, -top, float(jnp.asarray(1.5, dtype)), top]
+
+
 def test_pool_shapes_and_sizes():
     pool = paged_kv.PagedKVCache.create(TINY, num_pages=10, page_size=8)
     spec = paged_kv.PagedKVCache.abstract(TINY, num_pages=10, page_size=8)

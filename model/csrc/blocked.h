@@ -41,7 +41,8 @@ inline __m256 load8(const F16* p) {
 }
 
 // 8-bit float KV pages (--kv_cache_dtype=float8_*), widened exactly through float16. The pool
-// is written saturated (`model.paged_kv.as_pool`), so it holds no NaN or infinity to widen.
+// is written saturated (`model.paged_kv.as_pool`), so it holds no infinity; a NaN, which only
+// a NaN activation writes, widens to e5m2's NaN but to e4m3's +-480.
 struct F8E4M3 { uint8_t bits; };
 struct F8E5M2 { uint8_t bits; };
 inline __m128i load8_high_bytes(const uint8_t* p) {  // 8 bytes, each the high byte of a 16-bit lane
