@@ -80,6 +80,13 @@ def template_of(spec: str) -> str:
     return text
 
 
+def check_template(text: str) -> str:
+    """`text` if it parses as a chat template (a request's own, vLLM's `chat_template`: text
+    only, never a file), else TokenizerError."""
+    _compile(text)
+    return text
+
+
 def variables_of(text: str) -> dict[str, Any]:
     """More variables for every render, from a JSON object (`--chat_template_kwargs`, as
     llama-server's and vLLM's --default-chat-template-kwargs take it), not the render's own

@@ -20,6 +20,7 @@ Non-goals: WordPiece and GGUF "bert"/"t5"/"rwkv" vocabularies, Unicode normalize
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -234,6 +235,12 @@ class Tokenizer:
     def token_id(self, text: str) -> int | None:
         """The id of the token whose text (piece, or added token's content) is `text`, if any."""
         return self._ids_by_text.get(text)
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """This tokenizer rendering chats with `template` instead (a request's own)."""
+        other = copy.copy(self)
+        other.chat_template = template
+        return other
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None,

@@ -113,6 +113,8 @@ class ServerConfig:
     grammar_timeout: float = 10.0  # seconds a response format's grammar may take to compile
     reasoning_parser: str = "auto"  # `reasoning.PARSERS`: split chat answers' <think> blocks
     pooling: str = "last"  # how embeddings pool the hidden states (`scheduler.request.POOLINGS`)
+    # A chat request may bring its own chat template (vLLM's --trust-request-chat-template).
+    trust_request_chat_template: bool = False
 
 
 class Server:
@@ -249,7 +251,7 @@ class Server:
         each prompt's tokens, a chat's one."""
         if parsed.messages is not None:
             text = parsing.render_chat(parsed.messages, self.tokenizer, parsed.tools,
-                                       parsed.template_kwargs, parsed.chat_end)
+                                       parsed.template_kwargs, parsed.chat_end, parsed.chat_template)
             parsed.chat_prompt = text
             if self.splits_reasoning and parsed.separate_reasoning:
                 parsed.reasoning_inside = reasoning.opens_inside(text)
@@ -319,12 +321,20 @@ class Server:
                                 f"{', '.join(map(repr, self.model_names))}", param="model",
                            code="model_not_found")
 
+    def check_template(self, template: str | None) -> None:
+        """A request's own chat template is served only where the server trusts them."""
+        if template is not None and not self.config.trust_request_chat_template:
+            raise APIError(400, '"chat_template" in a request needs a server started with '
+                                "--trust_request_chat_template; this one renders chats with its own "
+                                "template", param="chat_template")
+
     # -- routes -------------------------------------------------------------------------------
 
     async def generate(self, request: Request, chat: bool) -> Response:
         body = await self.read_body(request)
         parsed = protocol.parse(body, chat, self.defaults, self.config.max_n)
         self.check_model(parsed.model)
+        self.check_template(parsed.chat_template)
         request_id = protocol.request_id(request.headers, "chatcmpl" if chat else "cmpl")
         groups = await self.submit(parsed, request_id)
         headers = {"X-Request-Id": request_id}

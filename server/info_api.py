@@ -77,12 +77,14 @@ class InfoAPI:
         body = await self.server.read_body(request)
         entry = protocol.tokenize_request(body)
         self.server.check_model(entry.get("model"))
+        self.server.check_template(entry.get("chat_template"))
 
         def run() -> list[int]:
             if "messages" in entry:
                 tools = parse_tools(entry)
                 text = parsing.render_chat(entry["messages"], self.server.tokenizer, tools,
-                                           parsing.template_kwargs(entry), parsing.chat_end(entry))
+                                           parsing.template_kwargs(entry), parsing.chat_end(entry),
+                                           entry.get("chat_template"))
                 return self.server.tokenizer.encode(text)
             return parsing.prompt_ids(entry["prompt"], self.server.tokenizer, self.server.scheduler.max_seq_len,
                                       None if entry.get("add_special_tokens", True) else False)

@@ -30,7 +30,8 @@ from typing import Any, NamedTuple
 
 from absl import flags
 
-from cadence.checkpoints.chat import CONTINUE_MARK, continue_final, reserved_variables, validate_messages
+from cadence.checkpoints.chat import (CONTINUE_MARK, check_template, continue_final, reserved_variables,
+                                      validate_messages)
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer
@@ -349,7 +350,19 @@ def template_kwargs(entry: dict) -> dict[str, Any] | None:
 
 
 # A chat's own fields (beside its tools), for the template.
-CHAT_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+CHAT_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message", "chat_template")
+
+
+def request_template(entry: dict) -> str | None:
+    """A chat's own `chat_template` (vLLM's): the template's text, checked to parse. Whether
+    the door takes one is its own business (the server: --trust_request_chat_template)."""
+    text = field(entry, "chat_template", (str,))
+    if text is None:
+        return None
+    try:
+        return check_template(text)
+    except CheckpointError as e:
+        raise SubmissionError(f'"chat_template": {e}', "chat_template") from None
 
 
 def check_chat_fields(entry: dict, chat: bool) -> None:
@@ -381,9 +394,13 @@ def chat_end(entry: dict) -> ChatEnd:
 
 
 def render_chat(messages: Any, tokenizer: Tokenizer, tools: ToolRequest | None = None,
-                variables: dict[str, Any] | None = None, end: ChatEnd = ChatEnd()) -> str:
+                variables: dict[str, Any] | None = None, end: ChatEnd = ChatEnd(),
+                template: str | None = None) -> str:
     """The prompt of a conversation (and its tools, `server.tool_requests`), in the model's
-    template, given `variables` (`template_kwargs`) besides, ending as `end` says."""
+    template (or `template`, a request's own), given `variables` (`template_kwargs`) besides,
+    ending as `end` says."""
+    if template is not None:
+        tokenizer = tokenizer.with_chat_template(template)
     try:  # the chat module checks the conversation's shape and runs the template sandboxed
         conversation = validate_messages(chat_messages(messages))
         if end.continue_final_message:  # marked, to cut where its text ends
@@ -499,16 +516,16 @@ def to_request(
     is_chat = chat or "messages" in entry
     fmt, tools = structure(entry, is_chat)
     check_chat_fields(entry, is_chat)
-    variables = template_kwargs(entry)
+    variables, template = template_kwargs(entry), request_template(entry)
     if "messages" in entry:
-        text = render_chat(entry["messages"], tokenizer, tools, variables, chat_end(entry))
+        text = render_chat(entry["messages"], tokenizer, tools, variables, chat_end(entry), template)
     else:
         text = field(entry, "prompt", (str,))
         if text is None:
             raise SubmissionError('"prompt" must be a string', "prompt")
         if chat:
             text = render_chat([{"role": "user", "content": text}], tokenizer, tools, variables,
-                               chat_end(entry))
+                               chat_end(entry), template)
     if max_seq_len is not None:
         check_prompt_size(text, tokenizer, max_seq_len)
     thinks = is_chat and splits_reasoning

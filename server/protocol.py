@@ -80,7 +80,7 @@ _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format"
 _ALLOWED = {
     False: _COMMON | {"prompt", "suffix", "logprobs", "best_of", "echo", "parallel_tool_calls"},
     True: _COMMON | {"messages", "suffix", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                     "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                     "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "chat_template",
                      "add_generation_prompt", "continue_final_message"},
 }
 
@@ -118,6 +118,7 @@ class ParsedRequest:
     continuous_usage: bool = False
     # vLLM's prompt_logprobs: each prompt token's logprob, rank and this many alternatives.
     prompt_logprobs: int | None = None
+    chat_template: str | None = None  # chat: the request's own template (vLLM's), checked to parse
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -226,7 +227,8 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
                          template_kwargs, separate,
                          hole=None if suffix is None else fim.Hole(suffix),
                          chat_end=parsing.chat_end(body) if chat else parsing.ChatEnd(),
-                         continuous_usage=continuous, prompt_logprobs=_prompt_logprobs(body, stream))
+                         continuous_usage=continuous, prompt_logprobs=_prompt_logprobs(body, stream),
+                         chat_template=parsing.request_template(body) if chat else None)
 
 
 def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> list[str | list[int]]:
@@ -246,7 +248,7 @@ def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> lis
 
 _TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", "add_special_tokens",
                               "return_token_strs", "chat_template_kwargs", "add_generation_prompt",
-                              "continue_final_message"})
+                              "continue_final_message", "chat_template"})
 
 
 def tokenize_request(body: Any) -> dict:
@@ -263,6 +265,7 @@ def tokenize_request(body: Any) -> dict:
         parsing.field(body, "return_token_strs", (bool,))
         parsing.check_chat_fields(body, body.get("messages") is not None)
         parsing.template_kwargs(body)
+        parsing.request_template(body)
         parsing.chat_end(body)
         return {k: v for k, v in body.items() if v is not None}
     except SubmissionError as e:

@@ -47,6 +47,13 @@ _MAX_N = flags.DEFINE_integer(
     "max_n", 8, "Most choices one request may ask for (n, and best_of on completions); the "
     "later choices of a request take its prompt's KV from the first.", lower_bound=1)
 
+_TRUST_TEMPLATES = flags.DEFINE_bool(
+    "trust_request_chat_template", False,
+    "Let a chat request bring its own Jinja chat template (vLLM's chat_template field and "
+    "--trust-request-chat-template). Templates run sandboxed, but one can cost a worker thread "
+    "time; off, such a request is a 400.")
+
+
 def api_key() -> str | None:
     """--api_key, else --api_key_file, else $CADENCE_API_KEY; None: no key required."""
     if _API_KEY.value is not None and _API_KEY_FILE.value is not None:
@@ -93,7 +100,8 @@ def main(argv: list[str]) -> int:
         config = ServerConfig(api_key=api_key(), protect_metrics=_PROTECT_METRICS.value,
                               max_body_bytes=runtime.parse_size(_MAX_BODY.value), drain_timeout=_DRAIN.value,
                               max_n=_MAX_N.value, grammar_timeout=GRAMMAR_TIMEOUT.value,
-                              reasoning_parser=REASONING_PARSER.value, pooling=POOLING.value)
+                              reasoning_parser=REASONING_PARSER.value, pooling=POOLING.value,
+                              trust_request_chat_template=_TRUST_TEMPLATES.value)
         names = served_names(MODEL_FLAG.value, _SERVED_NAMES.value)
         rt = runtime.build_from_flags(warm=False)
     except (CheckpointError, ValueError, OSError) as e:

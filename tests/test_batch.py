@@ -248,7 +248,8 @@ def test_response_formats_and_tool_calls(setup, tmp_path):
 
 def test_chat_template_flags_replace_the_models_template(setup, tmp_path, tiny_config, tiny_params):
     """--chat_template (a file) renders every chat instead of the model's template, with
-    --chat_template_kwargs' variables beneath a line's own chat_template_kwargs."""
+    --chat_template_kwargs' variables beneath a line's own chat_template_kwargs; a line's own
+    chat_template (the job's file is the operator's: trusted) renders that line."""
     root, _ = setup
     template = tmp_path / "chat.jinja"
     template.write_text("{{ greeting }}:{% for m in messages %} <{{ m['role'] }}> {{ m['content'] }}"
@@ -256,15 +257,20 @@ def test_chat_template_flags_replace_the_models_template(setup, tmp_path, tiny_c
     chat = [{"role": "user", "content": "the cat sat"}]
     lines = [{"id": "server's", "messages": chat, "max_tokens": 6, "ignore_eos": True},
              {"id": "own", "messages": chat, "max_tokens": 6, "ignore_eos": True,
-              "chat_template_kwargs": {"greeting": "yo"}}]
+              "chat_template_kwargs": {"greeting": "yo"}},
+             {"id": "line's template", "messages": chat, "max_tokens": 6, "ignore_eos": True,
+              "chat_template": "[{{ greeting }}]{% for m in messages %} <{{ m['role'] }}> {{ m['content'] }}"
+                               "{% endfor %} <assistant>"}]
     inp, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
     result = run_batch(setup, inp, out, f"--chat_template={template}",
                        '--chat_template_kwargs={"greeting": "hi there"}')
     assert result.returncode == 0, result.stderr
     tok = Tokenizer.from_hf_dir(root / "model")
     results = {r["id"]: r for r in read_results(out)}
-    for key, greeting in (("server's", "hi there"), ("own", "yo")):
-        ids = tok.encode(f"{greeting}: <user> the cat sat <assistant>")
+    for key, text in (("server's", "hi there: <user> the cat sat <assistant>"),
+                      ("own", "yo: <user> the cat sat <assistant>"),
+                      ("line's template", "[hi there] <user> the cat sat <assistant>")):
+        ids = tok.encode(text)
         assert results[key]["prompt_tokens"] == len(ids)
         assert results[key]["text"] == tok.decode(greedy_generate(tiny_params, tiny_config, ids, 6),
                                                   skip_special=True)
