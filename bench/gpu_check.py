@@ -66,6 +66,9 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Lower every GPU program for CUDA
 _GREEDY_RANDOM = flags.DEFINE_string(
     "greedy_random", None, "greedy on random weights of this preset, not the default model's.")
 _MODELS = flags.DEFINE_list("models", ["smollm2-135m", "llama3-8b"], "Models of the dry run.")
+_KV_DTYPE = flags.DEFINE_string(
+    "kv_dtype", None, "The engine parts' KV pool dtype (default: bfloat16, the compute dtype): "
+    "float8_e4m3fn times decode over an 8-bit pool, in a call of its own.")
 _REHEARSE = flags.DEFINE_bool(
     "rehearse", False, "Every part at the tiny model's shapes, kernels interpreted, on any machine.")
 
@@ -240,10 +243,12 @@ def _engine_part(part: str) -> dict:
     weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
     slots = max(size.decode_active)
     engine = Engine(params, cfg, gpu_engine_config(num_slots=slots, max_seq_len=size.prefill_tokens + 32,
-                                                   prefill_chunk=size.prefill_tokens))
+                                                   prefill_chunk=size.prefill_tokens,
+                                                   kv_dtype=_KV_DTYPE.value))
     del params
     print(f"engine: {time.monotonic() - t0:.1f} s", flush=True)
-    result = {"model": model, "ceilings": ceilings, "weight_bytes": weight_bytes,
+    result = {"model": model, "kv_dtype": engine.config.pool_dtype, "ceilings": ceilings,
+              "weight_bytes": weight_bytes,
               "kv_cache_bytes": engine.kv_cache_bytes, "decode": []}
     tables = fixed_page_tables(engine.config)
     rows = sampling_rows([RequestSampling()] * slots)
@@ -258,7 +263,8 @@ def _engine_part(part: str) -> dict:
     print("prefill", json.dumps(result["prefill"]), flush=True)
     for active in size.decode_active:
         point = gpu_timing.roofline_point(engine, active, size.decode_context, rows, tables, weight_bytes,
-                                         cfg.kv_bytes_per_token(2), ceilings)
+                                         cfg.kv_bytes_per_token(jnp.dtype(engine.config.pool_dtype).itemsize),
+                                         ceilings)
         point["tokens_per_s"] = active / (point["step_ms"] / 1e3)
         result["decode"].append(point)
         print("decode", json.dumps(point), flush=True)
@@ -339,14 +345,15 @@ def run_part(name: str, out: Path) -> None:
     (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
 
 
-def drive(out: Path, parts: list[str], rehearse: bool = False) -> dict:
-    """Every part in a subprocess of its own, each under its timeout; returns the summary."""
+def drive(out: Path, parts: list[str], rehearse: bool = False, kv_dtype: str | None = None) -> dict:
+    """Every part in a subprocess of its own, each under its timeout (the engine parts over a
+    pool of `kv_dtype`); returns the summary."""
     summary = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "parts": {}}
     for name in parts:
         start = time.monotonic()
         cmd = [sys.executable, "-m", "cadence.bench.gpu_check", f"--part={name}", f"--out_dir={out}",
-               *(["--rehearse"] if rehearse else [])]
+               *(["--rehearse"] if rehearse else []), *([f"--kv_dtype={kv_dtype}"] if kv_dtype else [])]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open(out / f"{name}.log", "w") as log:
             # A session of its own: a part past its timeout goes with every process it started
@@ -430,7 +437,8 @@ def main(argv) -> None:
     unknown = set(_ONLY.value) - set(PARTS)
     if unknown:
         raise app.UsageError(f"unknown parts {sorted(unknown)}; the parts: {list(PARTS)}")
-    drive(out, [p for p in PARTS if not _ONLY.value or p in _ONLY.value], rehearse=_REHEARSE.value)
+    drive(out, [p for p in PARTS if not _ONLY.value or p in _ONLY.value], rehearse=_REHEARSE.value,
+          kv_dtype=_KV_DTYPE.value)
     print("\n".join(digest(out)))
 
 
