@@ -75,9 +75,10 @@ class InfoAPI:
         prompt, with its `tools` and `chat_template_kwargs`) -> {"count", "max_model_len",
         "tokens", "token_strs"}."""
         body = await self.server.read_body(request)
+        if isinstance(body, dict):  # before its template is parsed
+            self.server.check_template(body.get("chat_template"))
         entry = protocol.tokenize_request(body)
         self.server.check_model(entry.get("model"))
-        self.server.check_template(entry.get("chat_template"))
 
         def run() -> list[int]:
             if "messages" in entry:

@@ -58,7 +58,9 @@ def test_bad_templates_are_400(trusting, path, body, fragment):
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
-def test_a_server_that_does_not_trust_them_refuses(wary, path):
-    r = httpx.post(f"{wary}{path}", json={"messages": CHAT, "chat_template": TEMPLATE}, timeout=60)
+@pytest.mark.parametrize("template", [TEMPLATE, "{% for %}"], ids=["template", "unparsed"])
+def test_a_server_that_does_not_trust_them_refuses(wary, path, template):
+    """Refused before the template is even parsed."""
+    r = httpx.post(f"{wary}{path}", json={"messages": CHAT, "chat_template": template}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
     assert "--trust_request_chat_template" in r.json()["error"]["message"]
