@@ -130,7 +130,8 @@ class InfoAPI:
             "model_path": self.server.model_name, "served_model_name": self.server.model_name,
             "tp_size": tp.mesh.size if tp else 1, "dp_size": 1, "version": f"cadence {cadence.__version__}",
             "max_running_requests": sched.num_slots, "max_total_tokens": sched.kv_pages[1] * sched.page_size,
-            "max_prefill_tokens": sched.config.policy.chunk, "context_length": sched.max_seq_len})
+            "max_prefill_tokens": sched.config.policy.chunk, "context_length": sched.max_seq_len,
+            "page_size": sched.page_size, "kv_cache_dtype": sched.engine.config.pool_dtype})
 
     async def model_info(self, request: Request) -> Response:
         self.server._authorize(request)

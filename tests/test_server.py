@@ -338,3 +338,12 @@ def test_vllm_named_gauges_move_with_the_load(url):
         assert time.monotonic() < deadline, "the request never left"
         time.sleep(0.02)
     assert gauges(url, "vllm:kv_cache_usage_perc") == [0.0]
+
+
+def test_server_info_describes_the_kv_pool(url, engine):
+    """SGLang's /server_info with the pool's page size and dtype (--kv_cache_dtype) beside its
+    capacity in tokens."""
+    info = httpx.get(f"{url}/server_info", timeout=10).json()
+    assert info["kv_cache_dtype"] == engine.config.pool_dtype == "float32"
+    assert info["page_size"] == engine.config.page_size
+    assert info["max_total_tokens"] == engine.num_pages * engine.config.page_size
