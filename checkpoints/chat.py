@@ -76,8 +76,7 @@ def template_of(spec: str) -> str:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise TokenizerError(f"cannot read the chat template {spec}: {e}") from None
-    _compile(text)
-    return text
+    return check_template(text)
 
 
 def check_template(text: str) -> str:

@@ -619,8 +619,8 @@ def paged_decode(q: jax.Array, k_pages, v_pages, page_table: jax.Array,
 def paged_write(pages, values: jax.Array, page: jax.Array, slot: jax.Array):
     """A pool ([kv_heads, num_pages, page_size, d], or a `PoolLayer`) of 32, 16 or 8 bits with
     `values` [rows, t, kv_heads, d] (in its dtype) written in place at each token's `page` and
-    `slot` [rows, t]; a token whose page is outside the pool is dropped. What
-    `model.paged_kv.write`'s scatter does, bit for bit, without XLA:CPU's float32 round trip of the whole pool around a
+    `slot` [rows, t]; a token whose page is outside the pool is dropped. What `paged_kv.write`'s
+    scatter does, bit for bit, without XLA:CPU's float32 round trip of the whole pool around a
     16-bit scatter: on Qwen2.5-0.5B's bfloat16 pool that round trip made decode 3x slower than
     over a float32 pool (`bench/results/kv16-write-cpu/`); and within the layer loop, on the
     layer of the stacked pool, in place."""

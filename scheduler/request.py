@@ -158,7 +158,8 @@ def _check_pooling(params: GenerationParams) -> None:
         raise SubmissionError(f"pooling must be one of {', '.join(POOLINGS)}, got {params.pooling!r}",
                               "pooling")
     generating = {"max_tokens": params.max_tokens is not None, "logprobs": params.logprobs is not None,
-                  "prompt_logprobs": params.prompt_logprobs is not None, "grammar": params.grammar is not None, "min_tokens": params.min_tokens > 0,
+                  "prompt_logprobs": params.prompt_logprobs is not None,
+                  "grammar": params.grammar is not None, "min_tokens": params.min_tokens > 0,
                   "stop": bool(params.stop or params.stop_token_ids)}
     given = [name for name, set_ in generating.items() if set_]
     if given:

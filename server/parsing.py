@@ -526,10 +526,9 @@ def to_request(
         if chat:
             text = render_chat([{"role": "user", "content": text}], tokenizer, tools, variables,
                                chat_end(entry), template)
-    if max_seq_len is not None:
-        check_prompt_size(text, tokenizer, max_seq_len)
+    ids = prompt_ids(text, tokenizer, max_seq_len)
     thinks = is_chat and splits_reasoning
     grammar = grammar_of(fmt, tools, tokenizer, grammars, text if thinks else None)
     params = dataclasses.replace(params, grammar=grammar)
-    return EntryRequest(tokenizer.encode(text), params, tools if tools and tools.parses_calls else None,
+    return EntryRequest(ids, params, tools if tools and tools.parses_calls else None,
                         opens_inside(text) if thinks else None)

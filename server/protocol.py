@@ -419,10 +419,12 @@ class LogprobFormat:
     def __init__(self, tokenizer: Tokenizer, chat: bool, as_ids: bool = False):
         self._tokenizer, self._chat, self._as_ids, self._offset = tokenizer, chat, as_ids, 0
 
-    def _alternative(self, token_id: int) -> str:
-        if self._as_ids:
-            return f"token_id:{token_id}"
+    def _alone(self, token_id: int) -> str:
+        """A token's text decoded alone (U+FFFD for a partial character)."""
         return self._tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def _alternative(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self._as_ids else self._alone(token_id)
 
     def _sampled(self, entry: TokenLogprob) -> str:
         return f"token_id:{entry.token_id}" if self._as_ids else entry.text
@@ -441,8 +443,7 @@ class LogprobFormat:
         the prompt token itself, where it is one, differs from its count only in ties. The
         decoded token is its text alone, with or without `as_ids` (as vLLM's)."""
         def entry(token_id: int, logprob: float, rank: int) -> dict:
-            text = self._tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
-            return {"logprob": logprob, "rank": rank, "decoded_token": text}
+            return {"logprob": logprob, "rank": rank, "decoded_token": self._alone(token_id)}
 
         out: list[dict[str, dict] | None] = []
         for e in entries:
