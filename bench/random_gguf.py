@@ -14,6 +14,8 @@ it would the real model; its replies are noise.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable
 from pathlib import Path
 
@@ -99,6 +101,17 @@ def add_shape(w: gguf.GGUFWriter, config: ModelConfig) -> None:
     w.add_rope_dimension_count(config.head_dim)
     w.add_key_length(config.head_dim)  # a head's width, which hidden / heads need not be
     w.add_value_length(config.head_dim)
+    yarn = config.rope_scaling
+    if yarn is not None and yarn.rope_type == "yarn":  # as the converter writes Qwen2.5's, Qwen3's
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(yarn.factor)
+        w.add_rope_scaling_orig_ctx_len(yarn.original_max_position)
+        if (yarn.beta_fast, yarn.beta_slow) != (32.0, 1.0):
+            w.add_rope_scaling_yarn_beta_fast(yarn.beta_fast)
+            w.add_rope_scaling_yarn_beta_slow(yarn.beta_slow)
+        if yarn.attention_factor is not None:  # llama.cpp's multiplies the magnitude it computes
+            default = dataclasses.replace(yarn, attention_factor=None).magnitude
+            w.add_rope_scaling_yarn_attn_factor(yarn.attention_factor / default)
 
 
 def write_random_gguf(path: str | Path, config: ModelConfig, arch: str = "llama",

@@ -23,9 +23,11 @@ Three details matter for logits that match the Hugging Face model:
 - RoPE frequencies as llama.cpp computes them: its converter writes Llama 3.1/3.2's "llama3"
   frequency scaling as a `rope_freqs` tensor of per-frequency divisors (and no scaling metadata),
   which becomes `ModelConfig.rope_freq_factors` as it is (times a linear `rope.scaling.factor`
-  where the metadata gives one).
+  where the metadata gives one). YaRN scaling (`rope.scaling.type` "yarn", as the converter
+  writes Qwen2.5's and Qwen3's) becomes `ModelConfig.rope_scaling`, its cos and sin magnitude
+  ggml's: 0.1 ln(factor) + 1, times `rope.scaling.yarn_attn_factor`.
 
-Non-goals: Q5_1, Q2_K, Q3_K and the IQ formats in the kernels' format; YaRN and LongRoPE scaling and
+Non-goals: Q5_1, Q2_K, Q3_K and the IQ formats in the kernels' format; LongRoPE scaling and
 partial rotary embeddings (`rope.dimension_count` below the head size), which are refused;
 architectures other than llama, qwen2 and qwen3 (Qwen3's mixture-of-experts models are
 "qwen3moe", refused with the rest).
@@ -44,7 +46,7 @@ import numpy as np
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.hf import FLOAT_DTYPES
 from cadence.model import block_layout
-from cadence.model.config import ModelConfig
+from cadence.model.config import ModelConfig, RopeScaling
 from cadence.model.params import MATRICES, ParamSpec, build_tree, param_specs
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -79,6 +81,8 @@ def config_from_fields(fields: dict[str, Any], path: Path) -> ModelConfig:
     if rotated != head_dim:
         raise CheckpointError(f"{path}: RoPE rotates {rotated} of each head's {head_dim} "
                               "dimensions; cadence rotates whole heads only")
+    context = int(get("context_length"))
+    yarn = yarn_scaling(fields, context, path)
     return ModelConfig(
         name=str(fields.get("general.name") or Path(path).stem),
         vocab_size=vocab,
@@ -90,11 +94,44 @@ def config_from_fields(fields: dict[str, Any], path: Path) -> ModelConfig:
         ffn_size=int(get("feed_forward_length")),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=yarn,
         tie_embeddings=False,  # decided by the presence of output.weight in load_gguf
         attention_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
-        max_context=int(get("context_length")),
+        max_context=max(context, yarn.context) if yarn else context,
     )
+
+
+# YaRN's keys llama.cpp reads beside the factor, at the values where they change nothing
+# (an ext_factor of -1 is llama.cpp's "the type's default", 1 for YaRN).
+_YARN_NEUTRAL = {"rope.scaling.attn_factor": (1.0,), "rope.scaling.yarn_ext_factor": (1.0, -1.0),
+                 "rope.scaling.yarn_log_multiplier": (0.0,)}
+
+
+def yarn_scaling(fields: dict[str, Any], context: int, path: Path) -> RopeScaling | None:
+    """A YaRN file's scaling, as llama.cpp reads it: the factor, the original context (the
+    file's context length if not given), the ramp's betas, and `yarn_attn_factor` multiplying
+    the magnitude ggml computes. The serving context it stretches to is original x factor (or
+    the file's context length, where that says more). None for any other scaling type."""
+    arch = fields["general.architecture"]
+    if fields.get(f"{arch}.rope.scaling.type") != "yarn":
+        return None
+    for key, neutral in _YARN_NEUTRAL.items():
+        value = fields.get(f"{arch}.{key}")
+        if value is not None and float(value) not in neutral:
+            raise CheckpointError(f"{path}: YaRN with {arch}.{key} = {value} is not supported; "
+                                  f"cadence applies YaRN as transformers does ({key} {neutral[0]:g})")
+    factor = float(fields.get(f"{arch}.rope.scaling.factor") or 1.0)
+    try:
+        scaling = RopeScaling(
+            rope_type="yarn", factor=factor,
+            original_max_position=int(fields.get(f"{arch}.rope.scaling.original_context_length") or context),
+            beta_fast=float(fields.get(f"{arch}.rope.scaling.yarn_beta_fast") or 32.0),
+            beta_slow=float(fields.get(f"{arch}.rope.scaling.yarn_beta_slow") or 1.0))
+        attn = float(fields.get(f"{arch}.rope.scaling.yarn_attn_factor") or 1.0)
+        return scaling if attn == 1.0 else dataclasses.replace(scaling, attention_factor=attn * scaling.magnitude)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def rope_freq_factors(fields: dict[str, Any], rope_freqs: np.ndarray | None, half: int,
@@ -102,17 +139,18 @@ def rope_freq_factors(fields: dict[str, Any], rope_freqs: np.ndarray | None, hal
     """The divisor of each RoPE frequency as llama.cpp applies it (theta_i = position *
     base^(-2i/d) / rope_freqs[i] * freq_scale): the file's `rope_freqs` tensor times the
     metadata's linear scaling factor (1 / freq_scale; llama.cpp's scaling type defaults to linear,
-    and "none" ignores the factor). None when every divisor is 1."""
+    and "none" ignores the factor, as does "yarn", whose factor `yarn_scaling` reads). None when
+    every divisor is 1."""
     arch = fields["general.architecture"]
     kind = fields.get(f"{arch}.rope.scaling.type", "linear")
     scale = float(fields.get(f"{arch}.rope.scaling.factor")
                   or fields.get(f"{arch}.rope.scale_linear") or 1.0)  # 0 means unscaled too
-    if kind == "none":
+    if kind in ("none", "yarn"):
         scale = 1.0
     elif kind != "linear" and scale != 1.0:
         raise CheckpointError(f"{path}: RoPE scaling type {kind!r} (factor {scale:g}) is not "
-                              "supported; cadence applies linear scaling and per-frequency "
-                              "factors (rope_freqs) only")
+                              "supported; cadence applies linear and YaRN scaling and "
+                              "per-frequency factors (rope_freqs) only")
     factors = np.full(half, scale, np.float64)
     if rope_freqs is not None:
         if not np.all(np.isfinite(rope_freqs) & (rope_freqs > 0)):

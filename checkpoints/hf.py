@@ -3,7 +3,7 @@
 Contract: `load_hf_config` accepts the Llama, Mistral, Qwen2 and Qwen3 (dense) families
 (`model_type` "llama", "mistral", "qwen2", "qwen3") and refuses, with a `CheckpointError`,
 anything cadence would run wrongly: other activations, biases outside q/k/v, RoPE scaling other
-than Llama 3's, a sliding window shorter than the context. `load_hf_params` reads one
+than Llama 3's, YaRN and linear, a sliding window shorter than the context. `load_hf_params` reads one
 `*.safetensors` file or the shards named by `model.safetensors.index.json`, checks every
 expected tensor is there with the expected shape before reading any data, and returns float32
 numpy arrays with kernels transposed to [in, out].
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,9 @@ def load_hf_config(folder: str | Path, *, name: str | None = None) -> ModelConfi
     max_context = int(raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type])
     _check_supported(folder, raw, model_type, max_context)
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}  # transformers v5 / v4
+    # transformers' Qwen3Config defaults head_dim to 128, not hidden / heads
+    head_dim = int(raw.get("head_dim") or (128 if model_type == "qwen3" else hidden // heads))
+    scaling, factors = _rope_scaling(folder, rope, max_context, head_dim)
     tie = bool(raw.get("tie_word_embeddings", False))
     if not tie and _lm_head_absent(folder):
         tie = True  # some exports drop lm_head.weight yet leave tie_word_embeddings false
@@ -78,16 +82,16 @@ def load_hf_config(folder: str | Path, *, name: str | None = None) -> ModelConfi
             num_layers=int(need("num_hidden_layers")),
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            # transformers' Qwen3Config defaults head_dim to 128, not hidden / heads
-            head_dim=int(raw.get("head_dim") or (128 if model_type == "qwen3" else hidden // heads)),
+            head_dim=head_dim,
             ffn_size=int(need("intermediate_size")),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            rope_scaling=_rope_scaling(folder, rope),
+            rope_scaling=scaling,
+            rope_freq_factors=factors,
             tie_embeddings=tie,
             attention_bias=model_type == "qwen2",
             qk_norm=model_type == "qwen3",
-            max_context=max_context,
+            max_context=max(max_context, scaling.context) if scaling else max_context,
         )
     except ValueError as e:  # ModelConfig's own consistency checks
         raise CheckpointError(f"{folder / 'config.json'}: {e}") from e
@@ -203,7 +207,8 @@ def save_hf(folder: str | Path, config: ModelConfig, params: Params, *, dtype: s
 def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """`config` as a transformers `config.json` (Qwen2 when it has q/k/v biases, Qwen3 when it
     has q/k norms, else Llama)."""
-    if config.rope_freq_factors is not None:
+    factors = config.rope_freq_factors
+    if factors is not None and (len(set(factors)) > 1 or config.rope_scaling is not None):
         raise CheckpointError(f"{config.name}: per-frequency RoPE factors (a GGUF's rope_freqs) "
                               "have no Hugging Face config.json form; cannot export this model")
     if config.attention_bias and config.qk_norm:
@@ -229,8 +234,16 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any
         "max_position_embeddings": config.max_context,
         "torch_dtype": dtype,
     }
-    if config.rope_scaling is not None:
-        s = config.rope_scaling
+    s = config.rope_scaling
+    if factors is not None:
+        raw["rope_scaling"] = {"rope_type": "linear", "factor": factors[0]}
+    elif s is not None and s.rope_type == "yarn":
+        raw["rope_scaling"] = {"rope_type": "yarn", "factor": s.factor,
+                               "original_max_position_embeddings": s.original_max_position,
+                               "beta_fast": s.beta_fast, "beta_slow": s.beta_slow}
+        if s.attention_factor is not None:
+            raw["rope_scaling"]["attention_factor"] = s.attention_factor
+    elif s is not None:
         raw["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor,
                                "low_freq_factor": s.low_freq_factor,
                                "high_freq_factor": s.high_freq_factor,
@@ -259,20 +272,54 @@ def _check_supported(folder: Path, raw: dict[str, Any], model_type: str, max_con
                               "a checkpoint without a sliding window")
 
 
-def _rope_scaling(folder: Path, rope: dict[str, Any]) -> RopeScaling | None:
+def _rope_scaling(folder: Path, rope: dict[str, Any], max_positions: int,
+                  head_dim: int) -> tuple[RopeScaling | None, tuple[float, ...] | None]:
+    """config.json's RoPE scaling as `ModelConfig.rope_scaling` (llama3, yarn) or, for linear,
+    `rope_freq_factors` (every frequency divided by the factor), as transformers computes it."""
     kind = rope.get("rope_type", rope.get("type", "default"))
+    where = folder / "config.json"
     if kind == "default":
-        return None
-    if kind != "llama3":
-        raise CheckpointError(f"{folder / 'config.json'}: rope_type {kind!r} is not supported; "
-                              "cadence implements default and llama3 RoPE only")
-    default = RopeScaling()
-    return RopeScaling(
-        factor=float(rope.get("factor", default.factor)),
-        low_freq_factor=float(rope.get("low_freq_factor", default.low_freq_factor)),
-        high_freq_factor=float(rope.get("high_freq_factor", default.high_freq_factor)),
-        original_max_position=int(rope.get("original_max_position_embeddings",
-                                           default.original_max_position)))
+        return None, None
+    if kind == "linear":
+        if rope.get("factor") is None:
+            raise CheckpointError(f"{where}: linear RoPE scaling without a factor")
+        return None, (float(rope["factor"]),) * (head_dim // 2)
+    try:
+        if kind == "llama3":
+            default = RopeScaling()
+            return RopeScaling(
+                factor=float(rope.get("factor", default.factor)),
+                low_freq_factor=float(rope.get("low_freq_factor", default.low_freq_factor)),
+                high_freq_factor=float(rope.get("high_freq_factor", default.high_freq_factor)),
+                original_max_position=int(rope.get("original_max_position_embeddings",
+                                                   default.original_max_position))), None
+        if kind == "yarn":
+            return _yarn(where, rope, max_positions), None
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    raise CheckpointError(f"{where}: rope_type {kind!r} is not supported; cadence implements "
+                          "default, linear, llama3 and yarn RoPE")
+
+
+def _yarn(where: Path, rope: dict[str, Any], max_positions: int) -> RopeScaling:
+    """transformers' YaRN parameters: without a factor, max_position_embeddings over the
+    original; without an attention factor, DeepSeek's mscale pair where both are given."""
+    if rope.get("truncate", True) is not True:
+        raise CheckpointError(f"{where}: YaRN with truncate false is not supported; cadence "
+                              "rounds the ramp's ends to whole pairs, as transformers does by default")
+    original = int(rope.get("original_max_position_embeddings") or max_positions)
+    factor = float(rope.get("factor") or max_positions / original)
+
+    def mscale(m: float) -> float:
+        return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None and rope.get("mscale") and rope.get("mscale_all_dim"):
+        attention = mscale(float(rope["mscale"])) / mscale(float(rope["mscale_all_dim"]))
+    return RopeScaling(rope_type="yarn", factor=factor, original_max_position=original,
+                       beta_fast=float(rope.get("beta_fast") or 32.0),
+                       beta_slow=float(rope.get("beta_slow") or 1.0),
+                       attention_factor=None if attention is None else float(attention))
 
 
 @contextlib.contextmanager

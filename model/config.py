@@ -1,8 +1,8 @@
 """Model configuration for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
 
 One frozen dataclass describes every architecture cadence serves: RMSNorm, rotary position
-embeddings (optionally with Llama-3 frequency scaling, or any per-frequency factors as a GGUF's
-`rope_freqs` tensor gives them), SwiGLU MLP and grouped-query attention, with Qwen2's q/k/v
+embeddings (optionally with Llama-3 or YaRN frequency scaling, or any per-frequency factors as a
+GGUF's `rope_freqs` tensor gives them), SwiGLU MLP and grouped-query attention, with Qwen2's q/k/v
 biases or Qwen3's per-head query and key norms where a family has them. It is hashable, so it
 can be a static argument of a jitted function.
 
@@ -19,12 +19,57 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style RoPE frequency scaling ("rope_type": "llama3" in HF configs)."""
+    """RoPE frequency scaling, by its Hugging Face `rope_type`:
+
+    - "llama3": Llama 3.1's. Frequencies whose wavelength is longer than the original context
+      over `low_freq_factor` are divided by `factor`, those shorter than it over
+      `high_freq_factor` kept, the ones between blended.
+    - "yarn": YaRN's (Qwen2.5 and Qwen3 past 32k tokens). The rotated pairs that turn more than
+      `beta_fast` times over the original context keep their frequency, those turning less than
+      `beta_slow` times are divided by `factor`, with a linear ramp over the pairs between; and
+      cos and sin are scaled by `attention_factor` (so every attention score by its square),
+      by default 0.1 ln(factor) + 1.
+    """
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("llama3", "yarn"):
+            raise ValueError(f"rope_type {self.rope_type!r}: cadence scales RoPE as llama3 or yarn")
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            raise ValueError(f"RoPE scaling factor must be finite and positive, got {self.factor}")
+        if self.original_max_position < 1:
+            raise ValueError("original_max_position must be at least 1, got "
+                             f"{self.original_max_position}")
+        if self.rope_type == "yarn" and not self.beta_fast > self.beta_slow > 0:
+            raise ValueError(f"YaRN needs beta_fast > beta_slow > 0, got {self.beta_fast} and "
+                             f"{self.beta_slow}")
+        if self.attention_factor is not None and not (math.isfinite(self.attention_factor)
+                                                      and self.attention_factor > 0):
+            raise ValueError("attention_factor must be finite and positive, got "
+                             f"{self.attention_factor}")
+
+    @property
+    def magnitude(self) -> float:
+        """What cos and sin are multiplied by: YaRN's attention factor, else 1."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+    @property
+    def context(self) -> int:
+        """The context the scaling stretches the model to: YaRN's original times its factor
+        (as vLLM derives it; a checkpoint's own `max_position_embeddings` may say less)."""
+        return int(self.original_max_position * self.factor) if self.rope_type == "yarn" else 0
 
 
 @dataclasses.dataclass(frozen=True)

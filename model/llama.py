@@ -42,12 +42,13 @@ from cadence.model.paged_kv import PagedKVCache
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim // 2], with Llama-3 scaling and per-frequency factors
-    (`rope_freq_factors`, each frequency divided by its own) when configured."""
+    """Inverse frequencies [head_dim // 2], with Llama-3 or YaRN scaling and per-frequency
+    factors (`rope_freq_factors`, each frequency divided by its own) when configured."""
     half = config.head_dim // 2
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / config.head_dim))
     if config.rope_scaling is not None:
-        inv_freq = _llama3_scaled(inv_freq, config)
+        scaled = _yarn_scaled if config.rope_scaling.rope_type == "yarn" else _llama3_scaled
+        inv_freq = scaled(inv_freq, config)
     if config.rope_freq_factors is not None:
         inv_freq = inv_freq / np.asarray(config.rope_freq_factors, np.float64)
     return inv_freq.astype(np.float32)
@@ -66,10 +67,31 @@ def _llama3_scaled(inv_freq: np.ndarray, config: ModelConfig) -> np.ndarray:
     return np.where(wavelen < high_wavelen, inv_freq, scaled)
 
 
+def _yarn_scaled(inv_freq: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """YaRN's blend: pair i's frequency divided by `factor` in the share `ramp[i]`, the ramp
+    rising from 0 at the pair that turns `beta_fast` times over the original context (rounded
+    down) to 1 at the one turning `beta_slow` times (rounded up), as transformers and llama.cpp
+    place it."""
+    s, dim = config.rope_scaling, config.head_dim
+
+    def pair_turning(turns: float) -> float:  # solves original / wavelength(pair) = turns
+        return dim * math.log(s.original_max_position / (turns * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+    low = max(math.floor(pair_turning(s.beta_fast)), 0)
+    high = min(math.ceil(pair_turning(s.beta_slow)), dim - 1)
+    ramp = np.clip((np.arange(len(inv_freq)) - low) / max(high - low, 0.001), 0.0, 1.0)
+    return inv_freq / s.factor * ramp + inv_freq * (1 - ramp)
+
+
 def rope_tables(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of each position's angles, [*positions.shape, head_dim / 2], float32."""
+    """cos and sin of each position's angles, [*positions.shape, head_dim / 2], float32 (times
+    YaRN's attention factor where the model scales so)."""
     angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(config)
-    return jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    magnitude = 1.0 if config.rope_scaling is None else config.rope_scaling.magnitude
+    if magnitude != 1.0:
+        cos, sin = cos * magnitude, sin * magnitude
+    return cos, sin
 
 
 def rope_table(config: ModelConfig, length: int) -> jax.Array:

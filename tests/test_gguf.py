@@ -222,6 +222,52 @@ def test_llama3_gguf_with_rope_freqs_equals_its_hf_form(tmp_path):
     assert back == config and hash(back) == hash(config)
 
 
+def _yarn(factor, more=None, original=128):
+    """YaRN's keys as llama.cpp's converter writes a Qwen2.5 or Qwen3 config's rope_scaling."""
+    def metadata(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(factor)
+        w.add_rope_scaling_orig_ctx_len(original)
+        if more:
+            more(w)
+    return metadata
+
+
+def test_yarn_gguf_equals_its_hf_form(tmp_path):
+    """Qwen2.5's long-context recipe as its model card gives it (config.json's rope_scaling
+    {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": ...} beside an unchanged
+    max_position_embeddings) and as llama.cpp's converter writes it: the same scaling, the
+    context stretched to original x factor, the same logits; a `yarn_attn_factor` multiplies
+    the magnitude."""
+    from cadence.checkpoints.hf import load_hf_config, load_hf_params, save_hf
+    from tests.tiny_models import QWEN_TINY
+
+    plain = dataclasses.replace(QWEN_TINY, rope_scaling=None, max_context=128)
+    params = random_params(plain, seed=5)
+    save_hf(tmp_path / "hf", plain, params)
+    hparams = json.loads((tmp_path / "hf" / "config.json").read_text())
+    hparams["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hparams))
+    hf_config = load_hf_config(tmp_path / "hf")
+    assert hf_config.max_context == 512 and hf_config.rope_scaling.magnitude == pytest.approx(1 + 0.1 * math.log(4))
+
+    path = tmp_path / "yarn.gguf"
+    write_gguf(path, plain, params, quantize=False, arch="qwen2", metadata=_yarn(4.0))
+    config, gguf_params, _ = load_gguf(path)
+    assert dataclasses.replace(config, name=hf_config.name, rms_norm_eps=1e-6) == hf_config
+    tokens = np.random.default_rng(1).integers(0, plain.vocab_size, 200)
+    want = full_logits(load_hf_params(tmp_path / "hf", hf_config), hf_config, tokens)
+    got = full_logits(gguf_params, config, tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    unscaled = full_logits(gguf_params, plain, tokens)
+    assert np.abs(unscaled - want).max() > 100 * np.abs(got - want).max()  # the scaling matters
+
+    write_gguf(path, plain, params, quantize=False, arch="qwen2",
+               metadata=_yarn(4.0, lambda w: w.add_rope_scaling_yarn_attn_factor(1.5)))
+    stronger, _, _ = load_gguf(path)
+    assert stronger.rope_scaling.magnitude == pytest.approx(1.5 * (1 + 0.1 * math.log(4)))
+
+
 def _linear(factor, kind=gguf.RopeScalingType.LINEAR):
     def metadata(w):
         w.add_rope_scaling_type(kind)
@@ -246,9 +292,13 @@ def test_rope_factors_combine_as_llama_cpp_applies_them(tmp_path, tiny_params, r
 @pytest.mark.parametrize("rope_freqs, metadata, error", [
     (np.ones(7), None, r"rope_freqs.weight has shape \(7,\), expected \(8,\)"),
     (np.r_[np.ones(7), 0.0], None, "not finite and positive"),
-    (None, _linear(4.0, gguf.RopeScalingType.YARN), "RoPE scaling type 'yarn' .factor 4. is not supported"),
+    (None, _yarn(4.0, lambda w: w.add_rope_scaling_yarn_ext_factor(0.5)),
+     "yarn_ext_factor = 0.5 is not supported; cadence applies YaRN as transformers does"),
+    (None, _yarn(4.0, lambda w: w.add_rope_scaling_attn_factors(2.0)), "attn_factor = 2.0 is not supported"),
+    (None, _yarn(4.0, lambda w: w.add_rope_scaling_yarn_beta_slow(64.0)), "beta_fast > beta_slow > 0"),
+    (None, _linear(4.0, gguf.RopeScalingType.LONGROPE), "type 'longrope' .factor 4. is not supported"),
     (None, lambda w: w.add_key_length(32), "RoPE rotates 16 of each head's 32 dimensions"),
-], ids=["wrong-length", "zero-factor", "yarn", "partial-rotary"])
+], ids=["wrong-length", "zero-factor", "yarn-ext-factor", "yarn-attn-factor", "yarn-betas", "longrope", "partial-rotary"])
 def test_bad_rope_factors_get_clear_errors(tmp_path, tiny_params, rope_freqs, metadata, error):
     path = tmp_path / "bad.gguf"
     write_gguf(path, TINY, tiny_params, quantize=False, metadata=metadata,

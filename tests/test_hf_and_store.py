@@ -21,7 +21,7 @@ from cadence.checkpoints.store import (
     is_converted, load_converted, load_tokenizer_files, save_converted,
 )
 from cadence.bench.random_gguf import SHAPES
-from cadence.model.config import LLAMA3_8B, SMOLLM2_135M, TINY, ModelConfig
+from cadence.model.config import LLAMA3_8B, SMOLLM2_135M, TINY, ModelConfig, RopeScaling
 
 
 @pytest.fixture(params=[TINY, QWEN_TINY, QWEN3_TINY], ids=lambda c: c.name)
@@ -169,7 +169,11 @@ def test_wrong_shape_is_named(tmp_path):
     ({"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 128},
      "sliding_window 128"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type 'longrope'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": False}}, "truncate false"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": -4.0}}, "factor must be finite and positive"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "linear RoPE scaling without a factor"),
     ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": True},
      "attention_bias/mlp_bias on a qwen3 model"),
     ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe' is not supported"),
@@ -206,6 +210,34 @@ def test_rope_freq_factors_are_checked_kept_in_json_and_not_exported(tmp_path):
     with pytest.raises(CheckpointError, match="no Hugging Face config.json form"):
         save_hf(tmp_path, config, random_params(TINY))
     assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
+@pytest.mark.parametrize("rope, want, context", [
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+     RopeScaling(rope_type="yarn", factor=4.0, original_max_position=1024), 4096),
+    ({"rope_type": "yarn", "original_max_position_embeddings": 256},  # no factor: 1024 / 256
+     RopeScaling(rope_type="yarn", factor=4.0, original_max_position=256), 1024),
+    ({"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "beta_fast": 16,
+      "beta_slow": 2, "mscale": 0.707, "mscale_all_dim": 0.707},  # DeepSeek's pair: a factor of 1
+     RopeScaling(rope_type="yarn", factor=40.0, original_max_position=64, beta_fast=16.0,
+                 beta_slow=2.0, attention_factor=1.0), 2560),
+    ({"rope_type": "linear", "factor": 2.0}, None, 1024),
+], ids=["qwen-recipe", "factor-from-positions", "mscale-pair", "linear"])
+def test_rope_scaling_is_read_as_transformers_computes_it_and_exported(tmp_path, rope, want, context):
+    """config.json's YaRN and linear scaling: YaRN's factor defaults to max_position_embeddings
+    over the original, its attention factor to DeepSeek's mscale ratio where both are given;
+    the context stretches to original x factor (as vLLM serves it); linear becomes per-frequency
+    factors. Exported and read again, the same config."""
+    save_hf(tmp_path / "a", TINY, random_params(TINY))
+    raw = json.loads((tmp_path / "a" / "config.json").read_text())
+    raw.update(rope_scaling=rope, max_position_embeddings=1024)
+    (tmp_path / "a" / "config.json").write_text(json.dumps(raw))
+    config = load_hf_config(tmp_path / "a")
+    assert config.rope_scaling == want and config.max_context == context
+    assert config.rope_freq_factors == (None if want else (2.0,) * 8)
+    save_hf(tmp_path / "b", config, random_params(config))
+    assert load_hf_config(tmp_path / "b") == config
+    assert ModelConfig.from_json(config.to_json()) == config
 
 
 def test_converted_round_trip(tmp_path, model):

@@ -21,9 +21,7 @@ def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
     f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
     t = len(tokens)
     hd, h, kv = config.head_dim, config.num_heads, config.num_kv_heads
-    inv_freq = f64(rope_frequencies(config))
-    ang = np.arange(t)[:, None] * inv_freq[None, :]  # [t, hd/2]
-    cos, sin = np.cos(ang), np.sin(ang)
+    cos, sin = ggml_yarn_rope(config, t) if _yarn(config) else _rope(config, t)
 
     def rms(x, scale):
         return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + config.rms_norm_eps) * f64(scale)
@@ -63,16 +61,51 @@ def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
     return x @ head
 
 
+def _rope(config, t):
+    ang = np.arange(t)[:, None] * np.float64(rope_frequencies(config))[None, :]  # [t, hd/2]
+    return np.cos(ang), np.sin(ang)
+
+
+def _yarn(config) -> bool:
+    return config.rope_scaling is not None and config.rope_scaling.rope_type == "yarn"
+
+
+def ggml_yarn_rope(config, t):
+    """cos and sin [t, hd/2] of YaRN as ggml's rope_yarn computes each pair's angle: the
+    extrapolated (unscaled) angle mixed into the interpolated one by a ramp that is 1 below the
+    corrected dimension range and 0 above it, and the magnitude 1 + 0.1 ln(1 / freq_scale)."""
+    s, hd = config.rope_scaling, config.head_dim
+
+    def corr_dim(n_rot):
+        return hd * np.log(s.original_max_position / (n_rot * 2 * np.pi)) / (2 * np.log(config.rope_theta))
+
+    low = max(0.0, np.floor(corr_dim(s.beta_fast)))
+    high = min(hd - 1.0, np.ceil(corr_dim(s.beta_slow)))
+    i0 = np.arange(0, hd, 2, dtype=np.float64)
+    ramp_mix = 1 - np.clip((i0 / 2 - low) / max(0.001, high - low), 0, 1)
+    theta_extrap = np.arange(t)[:, None] * config.rope_theta ** (-i0 / hd)
+    theta_interp = theta_extrap / s.factor
+    theta = theta_interp * (1 - ramp_mix) + theta_extrap * ramp_mix
+    mscale = s.attention_factor or 1 + 0.1 * np.log(s.factor)
+    return np.cos(theta) * mscale, np.sin(theta) * mscale
+
+
 QWEN_LIKE = dataclasses.replace(TINY, name="tiny-qwen", attention_bias=True, tie_embeddings=False)
 LLAMA3_LIKE = dataclasses.replace(
     TINY, name="tiny-llama3", rope_theta=500000.0, max_context=512,
     rope_scaling=RopeScaling(factor=8.0, original_max_position=64),
 )
 MHA = dataclasses.replace(TINY, name="tiny-mha", num_kv_heads=4)
+# YaRN with its attention factor given (transformers' `attention_factor`), beside QWEN3_TINY's
+# default one, and the ramp placed by non-default betas.
+YARN_LIKE = dataclasses.replace(TINY, name="tiny-yarn", rope_scaling=RopeScaling(
+    rope_type="yarn", factor=8.0, original_max_position=64, beta_fast=16.0, beta_slow=2.0,
+    attention_factor=1.3))
 
 
 @pytest.mark.parametrize("rope_lookup", [False, True], ids=["rope-computed", "rope-table"])
-@pytest.mark.parametrize("config", [TINY, QWEN_LIKE, QWEN3_TINY, LLAMA3_LIKE, MHA], ids=lambda c: c.name)
+@pytest.mark.parametrize("config", [TINY, QWEN_LIKE, QWEN3_TINY, LLAMA3_LIKE, MHA, YARN_LIKE],
+                         ids=lambda c: c.name)
 def test_logits_match_float64_numpy(config, rope_lookup):
     params = random_params(config, seed=1)
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, 37)

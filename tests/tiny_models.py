@@ -55,9 +55,12 @@ QWEN_TINY = dataclasses.replace(
 
 
 # Qwen3-style: per-head q/k norms, no biases, and (as Qwen3-0.6B) heads wider than the residual
-# stream over their count: 4 heads of 32 over a 64-wide stream.
+# stream over their count: 4 heads of 32 over a 64-wide stream. YaRN stretches its 128 original
+# positions to TINY's 512, as Qwen3's own recipe stretches 32k to 128k: the ramp spans pairs 0-4
+# of 16, so some pairs keep their frequency, some blend, most are divided.
 QWEN3_TINY = dataclasses.replace(
-    TINY, name="qwen3-tiny", qk_norm=True, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6)
+    TINY, name="qwen3-tiny", qk_norm=True, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6,
+    rope_scaling=RopeScaling(rope_type="yarn", factor=4.0, original_max_position=128))
 
 
 def undo_embedding_boost(params):

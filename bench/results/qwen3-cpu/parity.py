@@ -2,6 +2,12 @@
 
     python bench/results/qwen3-cpu/parity.py --llama_server=<llama-server> \
         --tokenizer_from=<a Qwen2.5 or Qwen3 GGUF> --out=bench/results/qwen3-cpu/parity.json
+    python bench/results/qwen3-cpu/parity.py ... --yarn_factor=8 --yarn_original=256 \
+        --out=bench/results/yarn-cpu/parity.json
+
+With `--yarn_factor`, the file's RoPE is YaRN-scaled from `--yarn_original` positions (the keys
+llama.cpp's converter writes for Qwen2.5's and Qwen3's long-context recipe), and a fifth prompt,
+the start of docs/architecture.md (~1,500 tokens), runs far past the original context.
 
 No Qwen3 weights can be fetched here, so the file is a small Qwen3-shaped model of random weights:
 4 layers, 4 query heads of 128 over a 256-wide stream (as Qwen3-0.6B's heads are wider than
@@ -18,6 +24,7 @@ at each position.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -33,12 +40,14 @@ from absl import app, flags
 from cadence.bench.cadence_server import serving
 from cadence.bench.random_gguf import add_shape, copy_tokenizer
 from cadence.model import params as params_lib
-from cadence.model.config import ModelConfig
+from cadence.model.config import ModelConfig, RopeScaling
 
 FLAGS = flags.DEFINE_string("llama_server", None, "llama.cpp's llama-server binary", required=True)
 TOKENIZER = flags.DEFINE_string("tokenizer_from", None, "a Qwen GGUF whose tokenizer to copy", required=True)
 OUT = flags.DEFINE_string("out", None, "where to write the JSON results", required=True)
 TOKENS = flags.DEFINE_integer("max_tokens", 32, "greedy tokens per prompt")
+YARN_FACTOR = flags.DEFINE_float("yarn_factor", 0.0, "YaRN's factor; 0: no RoPE scaling")
+YARN_ORIGINAL = flags.DEFINE_integer("yarn_original", 256, "YaRN's original context, in tokens")
 
 CONFIG = ModelConfig(name="qwen3-parity", vocab_size=151936, hidden_size=256, num_layers=4,
                      num_heads=4, num_kv_heads=2, head_dim=128, ffn_size=768, rms_norm_eps=1e-6,
@@ -51,14 +60,21 @@ PROMPTS = [
 ]
 
 
-def write_model(path: Path) -> None:
+def model_config() -> ModelConfig:
+    if not YARN_FACTOR.value:
+        return CONFIG
+    return dataclasses.replace(CONFIG, name="qwen3-yarn-parity", rope_scaling=RopeScaling(
+        rope_type="yarn", factor=YARN_FACTOR.value, original_max_position=YARN_ORIGINAL.value))
+
+
+def write_model(path: Path, config: ModelConfig) -> None:
     rng = np.random.default_rng(0)
-    params = params_lib.random_params(CONFIG, jax.random.key(0))
+    params = params_lib.random_params(config, jax.random.key(0))
     w = gguf.GGUFWriter(str(path), "qwen3")
-    add_shape(w, CONFIG)
-    w.add_name(CONFIG.name)
+    add_shape(w, config)
+    w.add_name(config.name)
     copy_tokenizer(TOKENIZER.value)(w)
-    for spec in params_lib.param_specs(CONFIG):
+    for spec in params_lib.param_specs(config):
         array = np.asarray(params_lib.get(params, spec.path), np.float32)
         if spec.path[-1] == "scale":
             array = (1 + 0.3 * rng.standard_normal(array.shape)).astype(np.float32)
@@ -93,7 +109,7 @@ def cadence(path: Path, prompts: list[list[int]]) -> list[dict]:
     env = dict(os.environ, CADENCE_CACHE=tempfile.mkdtemp(prefix="cadence-parity-"))
     out = []
     with serving([sys.executable, "-m", "cadence.server.serve_cli", f"--model={path}", "--port=8932",
-                 "--num_slots=2", "--max_seq_len=1024", "--served_model_name=m"], 8932, env) as base:
+                 "--num_slots=2", "--max_seq_len=2048", "--served_model_name=m"], 8932, env) as base:
         for ids in prompts:
             r = httpx.post(f"{base}/v1/completions", timeout=120, json={
                 "model": "m", "prompt": ids, "max_tokens": TOKENS.value, "temperature": 0,
@@ -109,14 +125,17 @@ def main(argv: list[str]) -> None:
     from cadence.checkpoints.gguf import read_fields
     from cadence.checkpoints.tokenizer import Tokenizer
 
+    config = model_config()
     work = Path(tempfile.mkdtemp(prefix="qwen3-parity-"))
     path = work / "qwen3-parity.gguf"
-    write_model(path)
+    write_model(path, config)
     tok = Tokenizer.from_gguf_fields(read_fields(gguf.GGUFReader(path)))
-    prompts = [tok.encode(p) for p in PROMPTS]
+    texts = PROMPTS + ([(Path(__file__).parents[3] / "docs" / "architecture.md").read_text()[:6000]]
+                       if YARN_FACTOR.value else [])
+    prompts = [tok.encode(p) for p in texts]
     theirs, ours = llama_cpp(path, prompts), cadence(path, prompts)
     rows = []
-    for text, ids, a, b in zip(PROMPTS, prompts, theirs, ours):
+    for ids, a, b in zip(prompts, theirs, ours):
         agree = 0
         while agree < min(len(a["tokens"]), len(b["tokens"])) and a["tokens"][agree] == b["tokens"][agree]:
             agree += 1
@@ -138,7 +157,7 @@ def main(argv: list[str]) -> None:
             line += f"; where they part, llama.cpp's top two differ by {row['gap_where_they_part']:.2e}"
         rows.append(row)
         print(line)
-    Path(OUT.value).write_text(json.dumps({"config": json.loads(CONFIG.to_json()), "prompts": rows},
+    Path(OUT.value).write_text(json.dumps({"config": json.loads(config.to_json()), "prompts": rows},
                                           indent=1) + "\n")
 
 
