@@ -86,9 +86,11 @@ class InfoAPI:
                 text = parsing.render_chat(entry["messages"], self.server.tokenizer, tools,
                                            parsing.template_kwargs(entry), parsing.chat_end(entry),
                                            entry.get("chat_template"))
-                return self.server.tokenizer.encode(text)
-            return parsing.prompt_ids(entry["prompt"], self.server.tokenizer, self.server.scheduler.max_seq_len,
-                                      None if entry.get("add_special_tokens", True) else False)
+                add_bos = None  # as a chat request's prompt is tokenized
+            else:
+                text, add_bos = entry["prompt"], None if entry.get("add_special_tokens", True) else False
+            # Refused unread where it cannot fit the context at any tokenization.
+            return parsing.prompt_ids(text, self.server.tokenizer, self.server.scheduler.max_seq_len, add_bos)
 
         try:
             ids = await asyncio.to_thread(run)

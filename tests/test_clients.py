@@ -391,6 +391,9 @@ def test_tokenize_and_detokenize(url, tiny_tokenizer):
     for route, body, fragment in [("tokenize", {"prompt": "a", "messages": messages}, "exactly one"),
                                   ("tokenize", {"prompt": 5}, "must be a string"),
                                   ("tokenize", {"prompt": "a", "extra": 1}, "unrecognized"),
+                                  ("tokenize", {"prompt": "x" * 100_000}, "exceeds the context of 512"),
+                                  ("tokenize", {"messages": [{"role": "user", "content": "x" * 100_000}]},
+                                   "exceeds the context of 512"),
                                   ("detokenize", {"tokens": [-1]}, "token ids"),
                                   ("detokenize", {"tokens": [1], "model": "other"}, "not served")]:
         response = httpx.post(f"{url}/{route}", json=body)
