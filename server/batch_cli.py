@@ -27,6 +27,10 @@ embedding, pooled as --pooling says: its result is {"id", "embedding" (unit leng
 "prompt_tokens", "queue_time", "total_time", "prefill_chunks"}.
 with times in seconds, measured by the scheduler from the moment it accepted the request.
 
+A file in OpenAI's Batch API format instead ({"custom_id", "method", "url", "body"} lines) has
+each body answered by cadence-serve's own endpoint, in process, and written as OpenAI's output
+line (`server.openai_batch`); a file holds one format or the other.
+
 Contract:
 - Every request goes through the scheduler at full concurrency: all are submitted up front, and
   while the scheduler's queue is full the job waits for a completion and submits the rest then.
@@ -68,9 +72,10 @@ from tqdm import tqdm
 from cadence.checkpoints.errors import CheckpointError
 from cadence.scheduler.errors import NotRunning, Overloaded, SubmissionError
 from cadence.scheduler.request import FinishReason, RequestRecord
-from cadence.server import client_json, parsing, reasoning, runtime
+from cadence.server import client_json, openai_batch, parsing, reasoning, runtime
+from cadence.server.app import ServerConfig
 from cadence.server.embeddings_api import normalized
-from cadence.server.flags import POOLING, REASONING_PARSER
+from cadence.server.flags import GRAMMAR_TIMEOUT, MODEL_FLAG, POOLING, REASONING_PARSER
 from cadence.server.tool_call_parser import parse_tool_calls
 from cadence.server.tool_requests import ToolRequest
 
@@ -89,6 +94,7 @@ class Job:
     entry: dict[str, Any]
     tools: ToolRequest | None = None  # a chat's tools, whose calls its answer is parsed for
     reasoning_inside: bool | None = None  # a chat's reasoning split: `EntryRequest`'s
+    openai: bool = False  # an OpenAI Batch API line (`server.openai_batch`); `id` its custom_id
 
 
 def id_key(value: Any) -> str:
@@ -112,10 +118,15 @@ def parse_input(path: Path) -> tuple[list[Job], list[tuple[int, str]]]:
         if not isinstance(entry, dict):
             problems.append((number, f"expected a JSON object, got {type(entry).__name__}"))
             continue
-        if "id" not in entry:
-            problems.append((number, 'missing "id"; every line needs a unique string or integer id'))
+        openai = openai_batch.is_batch_line(entry)
+        if openai and (problem := openai_batch.line_problem(entry)):
+            problems.append((number, problem))
             continue
-        value = entry["id"]
+        if not openai and "id" not in entry:
+            problems.append((number, 'missing "id"; every line needs a unique string or integer id '
+                                     '(or, in OpenAI\'s batch format, a "custom_id")'))
+            continue
+        value = entry["custom_id" if openai else "id"]
         if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
             problems.append((number, f'"id" must be a non-empty string or an integer, got {value!r}'))
             continue
@@ -124,7 +135,10 @@ def parse_input(path: Path) -> tuple[list[Job], list[tuple[int, str]]]:
             problems.append((number, f"duplicate id {value!r} (first on line {first_line[key]}); skipped"))
             continue
         first_line[key] = number
-        jobs.append(Job(number, value, entry))
+        jobs.append(Job(number, value, entry, openai=openai))
+    if len({job.openai for job in jobs}) > 1:
+        raise BatchError(f"{path} mixes OpenAI batch lines (custom_id, url, body) with cadence's own "
+                         "(id and the request's fields); put each kind in a file of its own")
     return jobs, problems
 
 
@@ -139,7 +153,8 @@ def load_done(path: Path) -> tuple[set[str], int]:
         if not raw.strip():
             continue
         try:
-            done.add(id_key(json.loads(raw)["id"]))
+            result = json.loads(raw)
+            done.add(id_key(result["custom_id"] if "custom_id" in result else result["id"]))
         except (ValueError, KeyError, TypeError, RecursionError):
             raise BatchError(f"{path}:{number} is not a result record of this job; fix or delete "
                              "that line (or pass another --output), then rerun") from None
@@ -255,6 +270,41 @@ def run_jobs(rt: runtime.Runtime, work: list[tuple[Job, list[int], Any]], output
     return totals
 
 
+def run_own_lines(rt: runtime.Runtime, todo: list[Job], output: Path, report) -> Totals:
+    """cadence's own lines: each parsed as `parsing.to_request` (an invalid one is reported and
+    counted failed), then all through the scheduler (`run_jobs`)."""
+    defaults = parsing.defaults_from_flags(rt.model.generation)
+    splits = reasoning.parser_on(REASONING_PARSER.value, rt.model.tokenizer.chat_template)
+    grammars = rt.grammars()
+    work, invalid = [], 0
+    for job in todo:
+        try:
+            entry = parsing.to_request(job.entry, rt.model.tokenizer, defaults,
+                                        extra_fields=("id",), max_seq_len=rt.scheduler.max_seq_len,
+                                        grammars=grammars, splits_reasoning=splits,
+                                        pooling=POOLING.value)
+        except (SubmissionError, CheckpointError) as e:
+            report(job.line, f"id {job.id!r} invalid: {e}")
+            invalid += 1
+            continue
+        job.tools, job.reasoning_inside = entry.tools, entry.reasoning_inside
+        work.append((job, entry.ids, entry.params))
+    totals = run_jobs(rt, work, output, report)
+    totals.failed += invalid
+    return totals
+
+
+def run_openai_lines(rt: runtime.Runtime, todo: list[Job], output: Path, report) -> Totals:
+    """OpenAI Batch API lines, through cadence-serve's endpoints in process (`server.openai_batch`);
+    a line's request is the operator's, so its own chat_template is taken."""
+    config = ServerConfig(grammar_timeout=GRAMMAR_TIMEOUT.value, reasoning_parser=REASONING_PARSER.value,
+                          pooling=POOLING.value, trust_request_chat_template=True)
+    start = time.monotonic()
+    done, failed, prompt, completion = openai_batch.run(
+        rt, todo, output, report, config, runtime.served_names(MODEL_FLAG.value, None)[0])
+    return Totals(done, failed, prompt, completion, time.monotonic() - start)
+
+
 def main(argv: list[str]) -> int:
     del argv
     if not _INPUT.value or not _OUTPUT.value:
@@ -287,24 +337,8 @@ def main(argv: list[str]) -> int:
         except (CheckpointError, ValueError, OSError) as e:
             print(f"cadence-batch: error: {e}", file=sys.stderr)
             return 2
-        defaults = parsing.defaults_from_flags(rt.model.generation)
-        splits = reasoning.parser_on(REASONING_PARSER.value, rt.model.tokenizer.chat_template)
-        grammars = rt.grammars()
-        work = []
-        for job in todo:
-            try:
-                entry = parsing.to_request(job.entry, rt.model.tokenizer, defaults,
-                                            extra_fields=("id",), max_seq_len=rt.scheduler.max_seq_len,
-                                            grammars=grammars, splits_reasoning=splits,
-                                            pooling=POOLING.value)
-            except (SubmissionError, CheckpointError) as e:
-                report(job.line, f"id {job.id!r} invalid: {e}")
-                failed += 1
-                continue
-            job.tools, job.reasoning_inside = entry.tools, entry.reasoning_inside
-            work.append((job, entry.ids, entry.params))
         try:
-            totals = run_jobs(rt, work, output, report)
+            totals = (run_openai_lines if todo[0].openai else run_own_lines)(rt, todo, output, report)
         except KeyboardInterrupt:
             print("cadence-batch: interrupted; rerun the same command to resume", file=sys.stderr)
             return 130

@@ -19,6 +19,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from absl import logging
 from tqdm import tqdm
 
 from cadence.checkpoints import chat
-from cadence.checkpoints.registry import LoadedModel, cache_dir, load_model, resolve
+from cadence.checkpoints.registry import KNOWN_MODELS, LoadedModel, cache_dir, load_model, resolve
 from cadence.checkpoints.store import AS_STORED
 from cadence.engine import multihost
 from cadence.engine.config import EngineConfig
@@ -536,3 +537,16 @@ def build_from_flags(warm: bool = True) -> Runtime:
           + (f": prompts reuse cached KV to the token ({engines[0].config.page_size}-token pages "
              "by key, a partial page copied)" if config.prefix_caching else ""), file=sys.stderr)
     return Runtime(model=model, engines=engines, scheduler=scheduler, warmup_seconds=warm_seconds)
+
+
+def served_names(model: str, given: list[str] | None) -> list[str]:
+    """The names the server answers to: `given`, else `model`'s (a path's stem)."""
+    if given:
+        names = [n.strip() for n in given]
+        if not all(names) or len(set(names)) != len(names):
+            raise ValueError(f"--served_model_name={','.join(given)}: names must be non-empty and distinct")
+        return names
+    if model in KNOWN_MODELS:
+        return [model]
+    name = Path(model).expanduser().name
+    return [name.removesuffix(".gguf") or model]

@@ -22,7 +22,6 @@ import uvicorn
 from absl import app, flags, logging
 
 from cadence.checkpoints.errors import CheckpointError
-from cadence.checkpoints.registry import KNOWN_MODELS
 from cadence.server import runtime
 from cadence.server.app import DEFAULT_MAX_BODY_BYTES, ServerConfig, create_app
 from cadence.server.flags import GRAMMAR_TIMEOUT, MODEL_FLAG, POOLING, REASONING_PARSER
@@ -66,19 +65,6 @@ def api_key() -> str | None:
     return _API_KEY.value or os.environ.get("CADENCE_API_KEY") or None
 
 
-def served_names(model: str, given: list[str] | None) -> list[str]:
-    """The names the server answers to: `given`, else `model`'s (a path's stem)."""
-    if given:
-        names = [n.strip() for n in given]
-        if not all(names) or len(set(names)) != len(names):
-            raise ValueError(f"--served_model_name={','.join(given)}: names must be non-empty and distinct")
-        return names
-    if model in KNOWN_MODELS:
-        return [model]
-    name = Path(model).expanduser().name
-    return [name.removesuffix(".gguf") or model]
-
-
 def listen(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model loads: a port in use, or an address this
     machine does not have, is a one-line error at once rather than after the load and warm-up."""
@@ -102,7 +88,7 @@ def main(argv: list[str]) -> int:
                               max_n=_MAX_N.value, grammar_timeout=GRAMMAR_TIMEOUT.value,
                               reasoning_parser=REASONING_PARSER.value, pooling=POOLING.value,
                               trust_request_chat_template=_TRUST_TEMPLATES.value)
-        names = served_names(MODEL_FLAG.value, _SERVED_NAMES.value)
+        names = runtime.served_names(MODEL_FLAG.value, _SERVED_NAMES.value)
         rt = runtime.build_from_flags(warm=False)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"cadence-serve: error: {e}", file=sys.stderr)

@@ -314,3 +314,62 @@ def test_input_lines_are_embeddings(setup, tmp_path, tiny_config, tiny_params, p
         hidden = sequence_logits(tiny_params, tiny_config, prompt, hidden=True).astype(np.float64)
         want = hidden.mean(0) if pooling == "mean" else hidden[-1]
         np.testing.assert_allclose(r["embedding"], want / np.linalg.norm(want), rtol=1e-4, atol=1e-5)
+
+
+def test_openai_batch_lines_are_answered_by_the_endpoints(setup, tmp_path, tiny_config, tiny_params):
+    """OpenAI's Batch API format: each body answered as its endpoint answers it (the greedy
+    tokens, logprobs, prompt_logprobs, embeddings), in OpenAI's output line; a body the endpoint
+    refuses and a broken envelope are reported and left out, the rest run; a rerun skips the
+    custom_ids done, and a file mixing both formats is refused whole."""
+    root, _ = setup
+    tok = Tokenizer.from_hf_dir(root / "model")
+    chat = [{"role": "user", "content": "hello there"}]
+
+    def line(custom_id, url, **body):
+        return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "gpt-4o-mini", **body}}
+
+    entries = [
+        line("chat", "/v1/chat/completions", messages=chat, max_tokens=6, temperature=0, logprobs=True,
+             top_logprobs=2),
+        line("text", "/v1/completions", prompt="the cat sat", max_tokens=5, temperature=0, ignore_eos=True,
+             prompt_logprobs=1, n=2),
+        line("vector", "/v1/embeddings", input="the mat"),
+        line("refused", "/v1/completions", prompt="the cat", max_tokens=0),
+        {"custom_id": "nowhere", "method": "POST", "url": "/v1/images", "body": {}},
+        {"custom_id": "streamed", "url": "/v1/completions", "body": {"prompt": "x", "stream": True}},
+    ]
+    # Choices that outnumber 4 slots and a queue of 1: the scheduler turns some away (429s),
+    # which wait and go again.
+    more = [line(f"more-{i}", "/v1/completions", prompt=f"the cat {i}", max_tokens=3, n=2) for i in range(8)]
+    inp, out = write_jsonl(tmp_path / "in.jsonl", entries + more), tmp_path / "out.jsonl"
+    result = run_batch(setup, inp, out, "--max_queue=1")
+    assert result.returncode == 1, result.stderr
+    assert "custom_id 'refused' failed (400)" in result.stderr and "max_tokens" in result.stderr
+    assert ':5: "url" must be one of' in result.stderr and ":6: \"stream\": true" in result.stderr
+    records = {r["custom_id"]: r for r in read_results(out)}
+    assert sorted(records) == sorted(["chat", "text", "vector", *(m["custom_id"] for m in more)])
+    for r in records.values():
+        assert set(r) == {"id", "custom_id", "response", "error"} and r["error"] is None
+        assert r["id"].startswith("batch_req_") and r["response"]["status_code"] == 200
+    answer = records["chat"]["response"]["body"]
+    assert answer["object"] == "chat.completion" and records["chat"]["response"]["request_id"] == answer["id"]
+    ids = tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True))
+    want = greedy_generate(tiny_params, tiny_config, ids, 6)
+    assert answer["usage"]["prompt_tokens"] == len(ids)
+    assert len(answer["choices"][0]["logprobs"]["content"]) == answer["usage"]["completion_tokens"]
+    assert answer["choices"][0]["message"]["content"] == tok.decode(want[:answer["usage"]["completion_tokens"]],
+                                                                     skip_special=True)
+    text = records["text"]["response"]["body"]
+    prompt = tok.encode("the cat sat")
+    assert [c["text"] for c in text["choices"]] == [tok.decode(greedy_generate(
+        tiny_params, tiny_config, prompt, 5), skip_special=True)] * 2
+    scored = text["choices"][0]["prompt_logprobs"]
+    assert len(scored) == len(prompt) and scored[0] is None and str(prompt[1]) in scored[1]
+    vector = records["vector"]["response"]["body"]["data"][0]["embedding"]
+    assert len(vector) == tiny_config.hidden_size
+
+    again = run_batch(setup, inp, out)
+    assert summary(again.stderr)["skipped"] == len(records) and len(read_results(out)) == len(records)
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [entries[0], {"id": 1, "prompt": "the cat"}])
+    refused = run_batch(setup, mixed, tmp_path / "mixed-out.jsonl")
+    assert refused.returncode == 2 and "mixes OpenAI batch lines" in refused.stderr
