@@ -21,6 +21,7 @@ Non-goals: WordPiece and GGUF "bert"/"t5"/"rwkv" vocabularies, Unicode normalize
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -36,41 +37,74 @@ from cadence.checkpoints.detokenizer import (PREFIX_EACH, PREFIX_FIRST, PREFIX_N
 from cadence.checkpoints.errors import TokenizerError
 
 
-# tokenizer.ggml.pre values -> the regexes of the models' own tokenizer.json (llama.cpp keeps
-# the same list). None: GPT-2's regex, built into ByteLevel. Digits first for StarCoder-style
-# vocabularies (llama.cpp: "\p{N}", then the GPT-2 expression).
-_LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+# tokenizer.ggml.pre values -> the pre-tokenizers of the models' own tokenizer.json, which
+# llama.cpp names the same way (its regexes adapt these for its own engine): each regex splits
+# every piece the one before it left ("isolated"), then ByteLevel maps the bytes, with GPT-2's
+# regex where `gpt2_regex`. `digits` splits digits one by one first (StarCoder-style
+# vocabularies; llama.cpp: "\p{N}", then the GPT-2 expression). `ignore_merges`: a piece the
+# vocabulary holds whole is taken whole (Llama 3, Tekken). `add_bos`: llama.cpp's default where
+# the file does not say.
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+_LLAMA3_RE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_RE = _LLAMA3_RE.replace(r"\p{N}{1,3}", r"\p{N}")
-_PRE = {  # name -> (regex or None, split digits one by one, BPE ignore_merges)
-    "gpt2": (None, False, False),
-    "default": (None, False, False),  # no recorded pre-tokenizer: GPT-2's is the best guess
-    "smollm": (None, True, False),
-    "starcoder": (None, True, False),
-    "llama-bpe": (_LLAMA3_RE, False, True),  # Llama 3 takes whole words found in the vocab
-    "llama3": (_LLAMA3_RE, False, True),
-    "qwen2": (_QWEN2_RE, False, False),
+# Mistral's Tekken (Nemo, Small 3, Ministral): words split where case rises ("camelCase" ->
+# "camel", "Case"), digits one by one, a run of symbols keeps trailing newlines and slashes.
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_TEKKEN_RE = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+              r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pre:
+    splits: tuple[str, ...] = ()
+    gpt2_regex: bool = False
+    digits: bool = False
+    ignore_merges: bool = False
+    add_bos: bool = False
+
+
+_GPT2 = _Pre(gpt2_regex=True)
+# A file whose converter did not know its tokenizer: llama.cpp's fallback (runs of punctuation
+# apart, then GPT-2's expression, digit runs, and those in threes), which it warns may degrade
+# the output; cadence tokenizes such a file as llama.cpp does.
+_DEFAULT = _Pre((r"[\p{P}\$\+<=>\^~\|]+",
+                 r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+                 r"\p{N}+", r"[0-9][0-9][0-9]"))
+_STARCODER = _Pre(gpt2_regex=True, digits=True)
+_LLAMA3 = _Pre((_LLAMA3_RE,), ignore_merges=True, add_bos=True)
+_QWEN2 = _Pre((_QWEN2_RE,))
+_PRE = {
+    "gpt2": _GPT2, "gpt-2": _GPT2, "default": _DEFAULT,
+    "smollm": _STARCODER, "starcoder": _STARCODER,
+    "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "falcon3": _LLAMA3,
+    "pixtral": _LLAMA3, "smaug-bpe": _Pre((_LLAMA3_RE,)),
+    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,
+    "tekken": _Pre((_TEKKEN_RE,), ignore_merges=True, add_bos=True),
 }
 
 
-def _gguf_bpe(fields: dict[str, Any], tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
+def _pre_of(fields: dict[str, Any]) -> _Pre:
     pre = fields.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE:
         raise TokenizerError(f"unsupported tokenizer.ggml.pre {pre!r} (cadence knows "
                              f"{', '.join(sorted(_PRE))}); load the model's tokenizer.json "
                              "with Tokenizer.from_hf_dir instead")
-    regex, digits, ignore_merges = _PRE[pre]
+    return _PRE[pre]
+
+
+def _gguf_bpe(fields: dict[str, Any], tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
+    pre = _pre_of(fields)
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)  # a duplicated piece keeps its first id, as llama.cpp does
     # "left right": search from 1 so that a left side which is itself " " stays whole.
     merges = [(m[:k], m[k + 1:]) for m in fields.get("tokenizer.ggml.merges") or []
               for k in [m.find(" ", 1)] if k > 0]
-    hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
-    if regex is not None:
-        steps.append(pre_tokenizers.Split(Regex(regex), behavior="isolated"))
-    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=regex is None))
+    hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if pre.digits else []
+    steps += [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in pre.splits]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre.gpt2_regex))
     hf.pre_tokenizer = pre_tokenizers.Sequence(steps)
     hf.decoder = decoders.ByteLevel()
     # Control (3) and unknown (2) tokens are special, hence skippable; user-defined (4) ones
@@ -285,9 +319,10 @@ class Tokenizer:
                   chat_template=fields.get("tokenizer.chat_template"))
         kind = fields.get("tokenizer.ggml.model")
         add_bos = fields.get("tokenizer.ggml.add_bos_token")
-        if kind == "gpt2":  # llama.cpp's default for BPE vocabularies: no BOS
+        if kind == "gpt2":  # llama.cpp's default for BPE vocabularies: no BOS, but Llama 3's and Tekken's
             hf = _gguf_bpe(fields, tokens, types)
-            return cls._from_hf(hf, json.loads(hf.to_str()), add_bos=bool(add_bos), **kw)
+            add_bos = _pre_of(fields).add_bos if add_bos is None else bool(add_bos)
+            return cls._from_hf(hf, json.loads(hf.to_str()), add_bos=add_bos, **kw)
         if kind == "llama":  # llama.cpp's default for SentencePiece vocabularies: BOS
             proto = _spm_proto_from_gguf(fields, tokens, types)
             return cls._from_sp(proto, {}, add_bos=add_bos is None or bool(add_bos), **kw)

@@ -104,6 +104,34 @@ def test_pre_tokenizer_digit_grouping(hf_bpe, pre, groups):
         assert {sum(groups[:k + 1]) for k in range(len(groups))} <= ends
 
 
+@pytest.mark.parametrize("pre, text, pieces", [
+    # Tekken (Mistral Nemo): words split where case rises, digits alone, "/" kept on a symbol run.
+    ("tekken", "getElementById 123 a//b", ["get", "Element", "By", "Id", " ", "1", "2", "3", " a", "//", "b"]),
+    ("llama-bpe", "getElementById 1234 I'M", ["getElementById", " ", "123", "4", " I", "'M"]),
+    ("qwen2", "x 1234", ["x", " ", "1", "2", "3", "4"]),
+    # llama.cpp's fallback for a tokenizer its converter did not know: punctuation runs apart.
+    ("default", "we'll see; 1234", ["we", "'", "ll", " see", ";", " ", "123", "4"]),
+])
+def test_gguf_pre_tokenizers_split_as_the_models_own(hf_bpe, pre, text, pieces):
+    """A GGUF's pre-tokenizer by its tokenizer.ggml.pre name, as the model's tokenizer.json
+    splits text (bench/results/pretokenizers-cpu: every name gives llama.cpp's token ids)."""
+    tok = Tokenizer.from_gguf_fields(gguf_fields(hf_bpe, pre))
+    split = tok._hf.pre_tokenizer.pre_tokenize_str(text)
+    byte_decoder = decoders.ByteLevel()
+    assert [byte_decoder.decode([piece]) for piece, _ in split] == pieces
+    assert tok.decode(tok.encode(text)) == text
+
+
+@pytest.mark.parametrize("pre, recorded, want", [("llama-bpe", None, True), ("tekken", None, True),
+                                                 ("qwen2", None, False), ("llama-bpe", False, False)])
+def test_a_gguf_without_add_bos_takes_llama_cpps_default_for_its_pre_tokenizer(hf_bpe, pre, recorded, want):
+    fields = {**gguf_fields(hf_bpe, pre), "tokenizer.ggml.add_bos_token": recorded}
+    if recorded is None:
+        del fields["tokenizer.ggml.add_bos_token"]
+    tok = Tokenizer.from_gguf_fields(fields)
+    assert tok.add_bos is want and (tok.encode("hi")[0] == tok.bos_id) is want
+
+
 def test_unsupported_gguf_tokenizers_raise(hf_bpe):
     with pytest.raises(TokenizerError, match="smollm"):
         Tokenizer.from_gguf_fields(gguf_fields(hf_bpe, "no-such-pre"))
