@@ -10,7 +10,8 @@
 
 `packed` holds every matrix stored in a format the CPU decode kernels read directly (Q8_0,
 Q4_0, Q4_1, Q5_0: 32 weights per float16 scale, and for Q4_1 a float16 minimum; the K-quants
-Q4_K, Q5_K, Q6_K: 256-weight super-blocks with integer sub-block scales), re-laid into the
+Q4_K, Q5_K, Q6_K: 256-weight super-blocks with integer sub-block scales; IQ4_NL and IQ4_XS,
+whose 4-bit codes index a table of 16 values), re-laid into the
 kernels' grouped layout (`model.block_layout.pack_grouped` / `pack_superblocks`) with the same
 values: dequantizing a packed matrix gives `params`' float32 matrix exactly. Other formats
 (F16, BF16, Q5_1, Q2_K, Q3_K...) are left to `params` alone.
@@ -27,7 +28,7 @@ Three details matter for logits that match the Hugging Face model:
   writes Qwen2.5's and Qwen3's) becomes `ModelConfig.rope_scaling`, its cos and sin magnitude
   ggml's: 0.1 ln(factor) + 1, times `rope.scaling.yarn_attn_factor`.
 
-Non-goals: Q5_1, Q2_K, Q3_K and the IQ formats in the kernels' format; LongRoPE scaling and
+Non-goals: Q5_1, Q2_K, Q3_K and the IQ formats but IQ4_NL and IQ4_XS in the kernels' format; LongRoPE scaling and
 partial rotary embeddings (`rope.dimension_count` below the head size), which are refused;
 architectures other than llama, qwen2 and qwen3 (Qwen3's mixture-of-experts models are
 "qwen3moe", refused with the rest).
@@ -256,11 +257,14 @@ def load_gguf(
 # GGUF's block formats the grouped kernels read, by the bytes of a block: 32 weights (Q8_0,
 # Q4_0, Q4_1, Q5_0: a float16 scale d, Q4_1's float16 minimum m; w = d q (+ m)) or a 256-weight
 # super-block (the K-quants: a float16 d, Q4_K/Q5_K's float16 dmin, and a scale (and minimum)
-# per sub-block of 32 weights (Q6_K: 16), as integers). `unpack_blocks` reads them as
-# `gguf.quants` does; `FORMAT` names the kernels' layout each becomes.
-PACKABLE = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+# per sub-block of 32 weights (Q6_K: 16), as integers), and the IQ4s, whose 4-bit codes index a
+# table of 16 values (IQ4_NL: 32 weights to a float16 scale; IQ4_XS: a super-block of 256 with
+# signed 6-bit sub-block scales). `unpack_blocks` reads them as `gguf.quants` does; `FORMAT`
+# names the kernels' layout each becomes.
+PACKABLE = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
+            "IQ4_NL": 18, "IQ4_XS": 136}
 FORMAT = {"Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4", "Q5_0": "q5", "Q4_K": "q4k", "Q5_K": "q5k",
-          "Q6_K": "q6k"}
+          "Q6_K": "q6k", "IQ4_NL": "iq4nl", "IQ4_XS": "iq4xs"}
 SUPERBLOCK = 256  # weights per K-quant super-block
 
 
@@ -287,7 +291,7 @@ def unpack_blocks(data: np.ndarray, kind: str, columns: int) -> dict[str, np.nda
     `scale` / `minimum` (32-weight formats) or `d` / `dmin` (K-quants), and the K-quants'
     integer `sub_scale` / `sub_min` [rows, columns / 32 or / 16]."""
     rows = data.shape[0]
-    per_block = SUPERBLOCK if kind.endswith("_K") else 32
+    per_block = SUPERBLOCK if kind.endswith(("_K", "_XS")) else 32
     blocks = np.ascontiguousarray(data).reshape(rows, columns // per_block, PACKABLE[kind])
 
     def half(at: int) -> np.ndarray:
@@ -300,6 +304,15 @@ def unpack_blocks(data: np.ndarray, kind: str, columns: int) -> dict[str, np.nda
         return {"q": flat(blocks[..., 2:].copy().view(np.int8)), "scale": half(0)}
     if kind == "Q4_1":
         return {"q": flat(_nibbles(blocks[..., 4:], 16)), "scale": half(0), "minimum": half(2)}
+    if kind == "IQ4_NL":
+        return {"q": flat(_nibbles(blocks[..., 2:], 16)), "scale": half(0)}
+    if kind == "IQ4_XS":  # d, scales_h u16, scales_l u8[4], qs[128]: sub-block j's scale is
+        # scales_l's nibble j (low first) | scales_h's bits 2j, 2j + 1 at bit 4, less 32
+        low = _nibbles(blocks[..., 4:8], 4)[..., [0, 4, 1, 5, 2, 6, 3, 7]]
+        high = _bits(blocks[..., 2:4], 2, 2)[..., [0, 2, 4, 6, 1, 3, 5, 7]]
+        sub_scale = (low | (high << 4)).astype(np.int8) - np.int8(32)
+        q = _nibbles(blocks[..., 8:].reshape(rows, -1, 8, 16), 16).reshape(rows, -1, 256)
+        return {"q": flat(q), "d": half(0), "sub_scale": flat(sub_scale)}
     if kind == "Q4_0":
         scale = half(0)
         return {"q": flat(_nibbles(blocks[..., 2:], 16)), "scale": scale,
@@ -328,7 +341,7 @@ def pack_blocks(parts: dict[str, np.ndarray], kind: str) -> np.ndarray:
     kernels' layout for W [columns, rows]."""
     fmt = FORMAT[kind]
     t = {name: a.T for name, a in parts.items()}
-    if fmt in ("q8", "q4", "q5"):
+    if fmt in ("q8", "q4", "q5", "iq4nl"):
         return block_layout.pack_grouped(t["q"], t["scale"], t.get("minimum"), fmt)
     return block_layout.pack_superblocks(fmt, t["q"], t["d"], t["sub_scale"], t.get("dmin"), t.get("sub_min"))
 

@@ -6,7 +6,7 @@ A converted folder holds
                     float16 / bfloat16 where it stored those), but for the matrices packed/
                     holds; restored in the dtype asked for (default float32)
     packed/         where the source stored matrices block-quantized (GGUF Q8_0, Q4_0, Q4_1,
-                    Q5_0, Q4_K, Q5_K, Q6_K),
+                    Q5_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS),
                     those matrices as they are, in the CPU kernels' grouped layout (orbax,
                     uint8); the marker's "packed" names them, with their formats and shapes.
                     They are stored once: read as float32, each is dequantized from its blocks

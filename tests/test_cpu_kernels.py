@@ -418,6 +418,8 @@ def test_an_engine_over_a_narrow_pool_equals_the_reference_over_one(tiny_params,
 def _grouped(rng, fmt: str, k: int, n: int):
     """Random (q, scale, minimum) of a [k, n] matrix in `fmt`, scales of several magnitudes."""
     scale = rng.uniform(1e-3, 5e-2, (k // 32, n)).astype(np.float16)
+    if fmt == "iq4nl":
+        return rng.integers(0, 16, (k, n)).astype(np.uint8), scale / 16, None
     if fmt == "q8":
         return rng.integers(-127, 128, (k, n)).astype(np.int8), scale, None
     if fmt == "q5":
@@ -426,32 +428,45 @@ def _grouped(rng, fmt: str, k: int, n: int):
             rng.uniform(-0.4, 0.1, (k // 32, n)).astype(np.float16))
 
 
+def _reference(fmt: str, parts, codes=None):
+    """The float32 W `parts` stand for (with `codes` in place of parts' q, where given)."""
+    parts = parts if codes is None else (codes, *parts[1:])
+    return (_superblocks_dequantized if fmt in SUPERBLOCKS else _dequantized)(*parts, fmt=fmt)
+
+
 def _pack(fmt: str, parts):
     if fmt in SUPERBLOCKS:
         return block_layout.pack_superblocks(fmt, *parts)
     return block_layout.pack_grouped(*parts, fmt=fmt)
 
 
-def _dequantized(q, scale, minimum):
+def _dequantized(q, scale, minimum, fmt=None):
+    """W = q * scale (+ minimum) per group of 32 k-rows; iq4nl's q the table's values."""
+    q = block_layout.IQ4_VALUES[q] if fmt == "iq4nl" else q
     w = q.astype(np.float32) * np.repeat(scale.astype(np.float32), 32, axis=0)
     return w if minimum is None else w + np.repeat(minimum.astype(np.float32), 32, axis=0)
 
 
-SUPERBLOCKS = ("q4k", "q5k", "q6k")
+SUPERBLOCKS = ("q4k", "q5k", "q6k", "iq4xs")
+GROUPED = ("q8", "q4", "q5", "iq4nl")
 
 
 def _superblocks(rng, fmt: str, k: int, n: int):
     """Random (q, d, sub_scale, dmin, sub_min) of a [k, n] matrix in a K-quant `fmt`, with the
     codes' and sub-block scales' whole ranges."""
     d = rng.uniform(1e-4, 2e-3, (k // 256, n)).astype(np.float16)
+    if fmt == "iq4xs":
+        return (rng.integers(0, 16, (k, n)), d, rng.integers(-32, 32, (k // 32, n)), None, None)
     if fmt == "q6k":
         return (rng.integers(-32, 32, (k, n)), d, rng.integers(-128, 128, (k // 16, n)), None, None)
     return (rng.integers(0, 16 if fmt == "q4k" else 32, (k, n)), d, rng.integers(0, 64, (k // 32, n)),
             rng.uniform(1e-4, 2e-3, (k // 256, n)).astype(np.float16), rng.integers(0, 64, (k // 32, n)))
 
 
-def _superblocks_dequantized(q, d, sub_scale, dmin, sub_min):
-    """W = (d * sub_scale) * q - dmin * sub_min in float32, as GGUF's dequantizer orders it."""
+def _superblocks_dequantized(q, d, sub_scale, dmin, sub_min, fmt=None):
+    """W = (d * sub_scale) * q - dmin * sub_min in float32, as GGUF's dequantizer orders it;
+    iq4xs's q the table's values."""
+    q = block_layout.IQ4_VALUES[q] if fmt == "iq4xs" else q
     sub = q.shape[0] // sub_scale.shape[0]
     per = lambda a, r: np.repeat(a.astype(np.float32), r, axis=0)  # noqa: E731
     scale = per(per(d, 256 // sub) * sub_scale.astype(np.float32), sub)
@@ -517,6 +532,33 @@ def test_five_and_six_bit_layouts_split_codes_into_nibble_pairs_and_high_bits():
         np.testing.assert_array_equal(block_layout.unpack_grouped(packed, 48)[:, 37:], 0)
 
 
+def test_iq4_layouts_hold_table_indices_in_nibble_pairs():
+    """IQ4_NL's records are q4's without the minimums, IQ4_XS's super-blocks q4k's with one
+    int8 scale per 32 k-rows and no dmin or minimums; the 4-bit codes index IQ4_VALUES, and
+    each unpacks to the float32 values GGUF's dequantizer computes."""
+    rng = np.random.default_rng(4)
+    parts = _grouped(rng, "iq4nl", 64, 37)
+    packed = block_layout.pack_grouped(*parts, fmt="iq4nl")
+    assert packed.shape == (3, 2, 288) and cpu_kernels.grouped_format(packed) == "iq4nl"
+    q, scale, _ = parts
+    assert packed[2, 1, :32].view(np.float16)[4] == scale[1, 32 + 4]
+    byte = packed[2, 1, 32:].reshape(16, 16)[3, 2]
+    assert (byte & 15, byte >> 4) == (q[32 + 6, 32 + 2], q[32 + 7, 32 + 2])
+    np.testing.assert_array_equal(block_layout.unpack_grouped(packed, 37), _reference("iq4nl", parts))
+    parts = _superblocks(rng, "iq4xs", 512, 37)
+    packed = block_layout.pack_superblocks("iq4xs", *parts)
+    assert packed.shape == (3, 2, 2208) and cpu_kernels.grouped_format(packed) == "iq4xs"
+    q, d, sub_scale = parts[:3]
+    rec = packed[2, 1]
+    assert rec[:32].view(np.float16)[3] == d[1, 32 + 3]
+    assert rec[32:160].view(np.int8).reshape(8, 16)[5, 3] == sub_scale[8 + 5, 32 + 3]
+    byte = rec[160:].reshape(128, 16)[10, 3]
+    assert (byte & 15, byte >> 4) == (q[256 + 20, 32 + 3], q[256 + 21, 32 + 3])
+    np.testing.assert_array_equal(block_layout.unpack_grouped(packed, 37), _reference("iq4xs", parts))
+    with pytest.raises(ValueError, match="-32..31"):
+        block_layout.pack_superblocks("iq4xs", q, d, np.full_like(sub_scale, 32))
+
+
 def test_grouped_packing_refuses_what_the_kernels_do_not_read():
     rng = np.random.default_rng(1)
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -536,7 +578,7 @@ def test_grouped_packing_refuses_what_the_kernels_do_not_read():
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("fmt", ["q8", "q4", "q5"])
+@pytest.mark.parametrize("fmt", GROUPED)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 16, 37])
 @pytest.mark.parametrize("k, n", [(32, 5), (96, 37), (576, 192), (1536, 48)])
 def test_grouped_matmul_matches_numpy_dequantize_then_matmul(fmt, rows, k, n):
@@ -547,7 +589,7 @@ def test_grouped_matmul_matches_numpy_dequantize_then_matmul(fmt, rows, k, n):
     parts = _grouped(rng, fmt, k, n)
     x = rng.standard_normal((rows, k), np.float32)
     got = np.asarray(cpu_kernels.blocked_matmul(jnp.asarray(x), jnp.asarray(_pack(fmt, parts)), n))
-    want = x.astype(np.float64) @ _dequantized(*parts).astype(np.float64)
+    want = x.astype(np.float64) @ _reference(fmt, parts).astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(want).max())
 
 
@@ -563,7 +605,7 @@ def test_superblock_matmul_matches_numpy_dequantize_then_matmul(fmt, rows, k, n)
     parts = _superblocks(rng, fmt, k, n)
     x = rng.standard_normal((rows, k), np.float32)
     got = np.asarray(cpu_kernels.blocked_matmul(jnp.asarray(x), jnp.asarray(_pack(fmt, parts)), n))
-    want = x.astype(np.float64) @ _superblocks_dequantized(*parts).astype(np.float64)
+    want = x.astype(np.float64) @ _reference(fmt, parts).astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(want).max())
 
 
@@ -614,7 +656,7 @@ def _int8_rows(x: np.ndarray) -> np.ndarray:
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("fmt", ["q8", "q4", "q5", *SUPERBLOCKS])
+@pytest.mark.parametrize("fmt", [*GROUPED, *SUPERBLOCKS])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13])
 def test_int8_activations_match_their_integer_reference(fmt, rows):
     """--cpu_activations=int8: each group's sum over the codes is taken against x quantized
@@ -623,12 +665,10 @@ def test_int8_activations_match_their_integer_reference(fmt, rows):
     float32 kernel's numbers by the quantization (well under 2% here), not by more."""
     rng = np.random.default_rng(rows * 7 + len(fmt))
     k, n = 512, 37
-    if fmt in SUPERBLOCKS:
-        parts, dequantized = _superblocks(rng, fmt, k, n), _superblocks_dequantized
-    else:
-        parts, dequantized = _grouped(rng, fmt, k, n), _dequantized
-    w = dequantized(*parts).astype(np.float64)
-    w0 = dequantized(np.zeros_like(parts[0]), *parts[1:]).astype(np.float64)  # the minimums
+    parts = _superblocks(rng, fmt, k, n) if fmt in SUPERBLOCKS else _grouped(rng, fmt, k, n)
+    w = _reference(fmt, parts).astype(np.float64)
+    # the minimums (the IQ4s have none; their code 0 is a value)
+    w0 = 0 * w if fmt.startswith("iq4") else _reference(fmt, parts, np.zeros_like(parts[0])).astype(np.float64)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[0, 32:64] = 0  # a group of zeros: scale 0, codes 0
     blocked = jnp.asarray(_pack(fmt, parts))
@@ -702,7 +742,7 @@ def test_an_engine_over_int8_activations_decodes_the_float_engines_tokens(tiny_p
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("fmt", ["q8", "q4", "q5", *SUPERBLOCKS])
+@pytest.mark.parametrize("fmt", [*GROUPED, *SUPERBLOCKS])
 def test_dequantize_gives_the_files_own_values(fmt):
     """Prefill's dequantizer, inside a program, gives every weight exactly: the NumPy
     dequantization's bits (GGUF's, `unpack_grouped`), whole ranges of codes and scales, a width
@@ -715,8 +755,7 @@ def test_dequantize_gives_the_files_own_values(fmt):
     want = block_layout.unpack_grouped(blocked, n)
     assert got.shape == (k, n) and got.dtype == np.float32
     np.testing.assert_array_equal(got, want)
-    dequantized = _superblocks_dequantized(*parts) if fmt in SUPERBLOCKS else _dequantized(*parts)
-    np.testing.assert_array_equal(got, dequantized)
+    np.testing.assert_array_equal(got, _reference(fmt, parts))
     # a tied embedding's lookup: W's columns, from the blocks they fall in
     ids = np.array([[36, 0, 15], [16, 36, 1]], np.int32)
     np.testing.assert_array_equal(
@@ -824,7 +863,7 @@ def test_grouped_matmul_gives_the_same_bits_with_and_without_avx512(tmp_path):
     rng = np.random.default_rng(7)
     cases = {f"{fmt}-{rows}": (rng.standard_normal((rows, 512), np.float32),
                                _pack(fmt, (_superblocks if fmt in SUPERBLOCKS else _grouped)(rng, fmt, 512, 40)))
-             for fmt in ("q8", "q4", "q5", *SUPERBLOCKS) for rows in (1, 6, 8, 13)}
+             for fmt in (*GROUPED, *SUPERBLOCKS) for rows in (1, 6, 8, 13)}
     np.savez(tmp_path / "cases.npz", **{f"{k}-{part}": a for k, (x, w) in cases.items()
                                         for part, a in (("x", x), ("w", w))})
     script = (

@@ -31,6 +31,8 @@ namespace {
 //   q5k (Q5_K)  as q4k, with high u8[32][16] before the pairs               (5-bit q)
 //   q6k (Q6_K)  d f16[16], sc int8[16][16], high u8[64][16], pairs u8[128][16]
 //                                                          w = (d * sc) * (q - 32), 16-row groups
+//   iq4nl (IQ4_NL) scale f16[16], pairs u8[16][16]          w = kIQ4[q] * scale
+//   iq4xs (IQ4_XS) d f16[16], sc int8[8][16], pairs u8[128][16]   w = (d * sc) * kIQ4[q]
 // where a pairs byte (j, c) holds column c's low 4 bits of k-row 2j in its low nibble and of
 // k-row 2j + 1 in its high nibble, and a high byte (i, c) holds the code's remaining bits of
 // 8 / b consecutive k-rows from i * 8 / b, b bits each from its lowest (b = 1, or 2 for q6k).
@@ -58,6 +60,25 @@ inline void nibbles(const uint8_t* p, __m128i& even, __m128i& odd) {
   const __m128i bytes = load16(p);
   even = _mm_and_si128(bytes, low4);
   odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+}
+
+// The 16 columns' float16 d at r times their int8 sub-block scales at sc (Q6_K's, IQ4_XS's).
+inline void d_times_int8(const uint8_t* r, const uint8_t* sc, __m256& s0, __m256& s1) {
+  s0 = _mm256_mul_ps(half8(r), i8x8(sc));
+  s1 = _mm256_mul_ps(half8(r + 16), i8x8(sc + 8));
+}
+
+// IQ4_NL's and IQ4_XS's codes: 4-bit indices into llama.cpp's table of 16 int8 values
+// (kvalues_iq4nl), spaced to follow a normal distribution's quantiles.
+constexpr int8_t kIQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// Two k-rows of table codes from the 16 bytes of index pairs at p.
+inline void table_codes(const uint8_t* p, __m128i* q) {
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4));
+  __m128i even, odd;
+  nibbles(p, even, odd);
+  q[0] = _mm_shuffle_epi8(table, even);
+  q[1] = _mm_shuffle_epi8(table, odd);
 }
 
 // k-rows [k, k + 8 / kBits) of codes split into nibble pairs and a plane of kBits high bits a
@@ -89,10 +110,12 @@ inline void split_codes(const uint8_t* pairs, const uint8_t* high, int64_t k, __
 // codes(record, k, q) gives k-rows [k, k + kStep) of the record as 16 int8 codes each, and
 // scale / minimum (where kMin) group g's 16 float32 multipliers / terms. For the VNNI tile
 // (codes4): kBits a code, its low 4 (or 8) bits at kCodesAt, the rest in the plane at
-// kHighAt, and kLift, what it adds to make the codes unsigned.
+// kHighAt, and kLift, what it adds to make the codes unsigned; kTable: the codes are kIQ4's
+// values at 4-bit indices (kBits 8: signed bytes, as Q8_0's).
 struct Q8 {
   static constexpr int64_t kRows = 32, kGroupRows = 32, kStep = 1, kRecord = 2 * kBlock + 32 * kBlock;
   static constexpr bool kMin = false;
+  static constexpr bool kTable = false;
   static constexpr int kBits = 8, kLift = 128;
   static constexpr int64_t kCodesAt = 2 * kBlock, kHighAt = 0;
   static void codes(const uint8_t* r, int64_t k, __m128i* q) { q[0] = load16(r + 2 * kBlock + k * kBlock); }
@@ -103,6 +126,7 @@ struct Q8 {
 struct Q4 {
   static constexpr int64_t kRows = 32, kGroupRows = 32, kStep = 2, kRecord = 4 * kBlock + 16 * kBlock;
   static constexpr bool kMin = true;
+  static constexpr bool kTable = false;
   static constexpr int kBits = 4, kLift = 0;
   static constexpr int64_t kCodesAt = 4 * kBlock, kHighAt = 0;
   static void codes(const uint8_t* r, int64_t k, __m128i* q) { nibbles(r + 4 * kBlock + k / 2 * kBlock, q[0], q[1]); }
@@ -114,6 +138,7 @@ struct Q5 {
   static constexpr int64_t kRows = 32, kGroupRows = 32, kStep = 8, kHigh = 2 * kBlock;
   static constexpr int64_t kPairs = kHigh + 4 * kBlock, kRecord = kPairs + 16 * kBlock;
   static constexpr bool kMin = false;
+  static constexpr bool kTable = false;
   static constexpr int kBits = 5, kLift = 16;
   static constexpr int64_t kCodesAt = kPairs, kHighAt = kHigh;
   static void codes(const uint8_t* r, int64_t k, __m128i* q) { split_codes<1, 16>(r + kPairs, r + kHigh, k, q); }
@@ -129,6 +154,7 @@ struct QK {
   static constexpr int64_t kSc = 4 * kBlock, kM = kSc + 8 * kBlock, kHigh = kM + 8 * kBlock;
   static constexpr int64_t kPairs = kHigh + (kFive ? 32 * kBlock : 0), kRecord = kPairs + 128 * kBlock;
   static constexpr bool kMin = true;
+  static constexpr bool kTable = false;
   static constexpr int kBits = kFive ? 5 : 4, kLift = 0;
   static constexpr int64_t kCodesAt = kPairs, kHighAt = kHigh;
   static void codes(const uint8_t* r, int64_t k, __m128i* q) {
@@ -157,18 +183,41 @@ struct Q6K {
   static constexpr int64_t kSc = 2 * kBlock, kHigh = kSc + 16 * kBlock, kPairs = kHigh + 64 * kBlock;
   static constexpr int64_t kRecord = kPairs + 128 * kBlock;
   static constexpr bool kMin = false;
+  static constexpr bool kTable = false;
   static constexpr int kBits = 6, kLift = 32;
   static constexpr int64_t kCodesAt = kPairs, kHighAt = kHigh;
   static void codes(const uint8_t* r, int64_t k, __m128i* q) { split_codes<2, 32>(r + kPairs, r + kHigh, k, q); }
-  static void scale(const uint8_t* r, int64_t g, __m256& s0, __m256& s1) {
-    const uint8_t* sc = r + kSc + g * kBlock;
-    s0 = _mm256_mul_ps(half8(r), i8x8(sc));
-    s1 = _mm256_mul_ps(half8(r + 16), i8x8(sc + 8));
-  }
+  static void scale(const uint8_t* r, int64_t g, __m256& s0, __m256& s1) { d_times_int8(r, r + kSc + g * kBlock, s0, s1); }
+  static void minimum(const uint8_t*, int64_t, __m256&, __m256&) {}
+};
+
+// IQ4_NL: 32 k-rows to a float16 scale.
+struct IQ4NL {
+  static constexpr int64_t kRows = 32, kGroupRows = 32, kStep = 2, kRecord = 2 * kBlock + 16 * kBlock;
+  static constexpr bool kMin = false;
+  static constexpr bool kTable = true;
+  static constexpr int kBits = 8, kLift = 128;
+  static constexpr int64_t kCodesAt = 2 * kBlock, kHighAt = 0;
+  static void codes(const uint8_t* r, int64_t k, __m128i* q) { table_codes(r + kCodesAt + k / 2 * kBlock, q); }
+  static void scale(const uint8_t* r, int64_t, __m256& s0, __m256& s1) { s0 = half8(r); s1 = half8(r + 16); }
+  static void minimum(const uint8_t*, int64_t, __m256&, __m256&) {}
+};
+
+// IQ4_XS: 8 groups of 32 k-rows, 6-bit signed scales (an int8 each here) of the super-block's d.
+struct IQ4XS {
+  static constexpr int64_t kRows = 256, kGroupRows = 32, kStep = 2;
+  static constexpr int64_t kSc = 2 * kBlock, kPairs = kSc + 8 * kBlock, kRecord = kPairs + 128 * kBlock;
+  static constexpr bool kMin = false;
+  static constexpr bool kTable = true;
+  static constexpr int kBits = 8, kLift = 128;
+  static constexpr int64_t kCodesAt = kPairs, kHighAt = 0;
+  static void codes(const uint8_t* r, int64_t k, __m128i* q) { table_codes(r + kPairs + k / 2 * kBlock, q); }
+  static void scale(const uint8_t* r, int64_t g, __m256& s0, __m256& s1) { d_times_int8(r, r + kSc + g * kBlock, s0, s1); }
   static void minimum(const uint8_t*, int64_t, __m256&, __m256&) {}
 };
 
 static_assert(Q8::kRecord == 544 && Q4::kRecord == 320 && Q5::kRecord == 352);
+static_assert(IQ4NL::kRecord == 288 && IQ4XS::kRecord == 2208);
 static_assert(QK<false>::kRecord == 2368 && QK<true>::kRecord == 2880 && Q6K::kRecord == 3360);
 
 // acc[m] += x[m][k] * w for the 16 weights w0, w1 of one k-row.

@@ -159,13 +159,13 @@ CADENCE_VNNI inline __m512i load64(const std::array<uint8_t, 64>& a) {
 // its byte (and its high bits, at bit 4).
 template <class F, int kPhase>
 CADENCE_VNNI inline __m512i codes4(const uint8_t* r, int64_t k) {
-  if constexpr (F::kBits == 8) {
+  if constexpr (F::kBits == 8 && !F::kTable) {
     static constexpr auto order = bytes64([](int i) { return 16 * (i % 4) + i / 4; });
     const __m512i codes = _mm512_loadu_si512(r + F::kCodesAt + k * kBlock);
     return _mm512_xor_si512(_mm512_permutexvar_epi8(load64(order), codes),
                             _mm512_set1_epi8(static_cast<char>(0x80)));
   } else {
-    constexpr int kHighBits = F::kBits - 4;
+    constexpr int kHighBits = F::kTable ? 0 : F::kBits - 4;
     // The table: the pairs rows of k-rows k, k + 1 and k + 2, k + 3 (bytes 0-15, 16-31), and
     // the plane's row of their high bits (32-47). Lane q (columns 2q, 2q + 1) gathers its
     // columns' bytes of each: byte 2 row + column.
@@ -188,7 +188,10 @@ CADENCE_VNNI inline __m512i codes4(const uint8_t* r, int64_t k) {
     });
     const __m512i nibbles = _mm512_and_si512(_mm512_multishift_epi64_epi8(load64(low), lanes),
                                              _mm512_set1_epi8(0x0F));
-    if constexpr (kHighBits == 0) {
+    if constexpr (F::kTable) {  // the indices' values, lifted: one byte permutation (vpermb)
+      static constexpr auto lifted = bytes64([](int i) { return kIQ4[i % 16] + F::kLift; });
+      return _mm512_permutexvar_epi8(nibbles, load64(lifted));
+    } else if constexpr (kHighBits == 0) {
       return nibbles;
     } else {
       static constexpr auto high = bytes64([](int i) {

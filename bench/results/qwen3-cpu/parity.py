@@ -5,6 +5,7 @@
     python bench/results/qwen3-cpu/parity.py ... --yarn_factor=8 --yarn_original=256 \
         --out=bench/results/yarn-cpu/parity.json
 
+With `--gguf`, the servers read that file instead (a real model; `--tokenizer_from` unused).
 With `--yarn_factor`, the file's RoPE is YaRN-scaled from `--yarn_original` positions (the keys
 llama.cpp's converter writes for Qwen2.5's and Qwen3's long-context recipe), and a fifth prompt,
 the start of docs/architecture.md (~1,500 tokens), runs far past the original context.
@@ -43,7 +44,8 @@ from cadence.model import params as params_lib
 from cadence.model.config import ModelConfig, RopeScaling
 
 FLAGS = flags.DEFINE_string("llama_server", None, "llama.cpp's llama-server binary", required=True)
-TOKENIZER = flags.DEFINE_string("tokenizer_from", None, "a Qwen GGUF whose tokenizer to copy", required=True)
+TOKENIZER = flags.DEFINE_string("tokenizer_from", None, "a Qwen GGUF whose tokenizer to copy")
+GGUF = flags.DEFINE_string("gguf", None, "a GGUF to serve instead of the random Qwen3")
 OUT = flags.DEFINE_string("out", None, "where to write the JSON results", required=True)
 TOKENS = flags.DEFINE_integer("max_tokens", 32, "greedy tokens per prompt")
 YARN_FACTOR = flags.DEFINE_float("yarn_factor", 0.0, "YaRN's factor; 0: no RoPE scaling")
@@ -126,9 +128,11 @@ def main(argv: list[str]) -> None:
     from cadence.checkpoints.tokenizer import Tokenizer
 
     config = model_config()
-    work = Path(tempfile.mkdtemp(prefix="qwen3-parity-"))
-    path = work / "qwen3-parity.gguf"
-    write_model(path, config)
+    if GGUF.value:
+        path = Path(GGUF.value)
+    else:
+        path = Path(tempfile.mkdtemp(prefix="qwen3-parity-")) / "qwen3-parity.gguf"
+        write_model(path, config)
     tok = Tokenizer.from_gguf_fields(read_fields(gguf.GGUFReader(path)))
     texts = PROMPTS + ([(Path(__file__).parents[3] / "docs" / "architecture.md").read_text()[:6000]]
                        if YARN_FACTOR.value else [])
@@ -157,7 +161,8 @@ def main(argv: list[str]) -> None:
             line += f"; where they part, llama.cpp's top two differ by {row['gap_where_they_part']:.2e}"
         rows.append(row)
         print(line)
-    Path(OUT.value).write_text(json.dumps({"config": json.loads(config.to_json()), "prompts": rows},
+    described = {"gguf": path.name} if GGUF.value else {"config": json.loads(config.to_json())}
+    Path(OUT.value).write_text(json.dumps({**described, "prompts": rows},
                                           indent=1) + "\n")
 
 
