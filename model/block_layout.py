@@ -25,10 +25,13 @@ GROUP = 32  # k-rows per group of the 32-weight formats (GGUF's block of 32 weig
 # (a float16 scale per 32 weights, q4 a minimum too); q4k, q5k, q6k: its K-quants Q4_K, Q5_K,
 # Q6_K (256-weight super-blocks of a float16 d (and dmin) and 6-bit or int8 sub-block scales);
 # iq4nl, iq4xs: its IQ4_NL (as q4 without a minimum) and IQ4_XS (256-weight super-blocks of a
-# float16 d and signed 6-bit sub-block scales), whose 4-bit codes index `IQ4_VALUES`.
+# float16 d and signed 6-bit sub-block scales), whose 4-bit codes index `IQ4_VALUES`; q51: its
+# Q5_1 (q5's codes unsigned, with q4's minimum); q3k: its Q3_K (as q6k, the 3-bit codes a
+# nibble each).
 FORMATS = {"q8": (32, 32, 544), "q4": (32, 32, 320), "q5": (32, 32, 352),
            "q4k": (256, 32, 2368), "q5k": (256, 32, 2880), "q6k": (256, 16, 3360),
-           "iq4nl": (32, 32, 288), "iq4xs": (256, 32, 2208)}
+           "iq4nl": (32, 32, 288), "iq4xs": (256, 32, 2208), "q51": (32, 32, 384),
+           "q3k": (256, 16, 2336)}
 RECORD = {name: record for name, (_, _, record) in FORMATS.items()}
 # llama.cpp's kvalues_iq4nl: the int8 value of each 4-bit IQ4 code.
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
@@ -112,7 +115,8 @@ def pack_grouped(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None = 
     uint8 [ceil(N / 16), K / 32, record]. q8 (the default without `minimum`): q int8 [K, N],
     W = q * scale; q4 (with `minimum`): q the 4-bit codes 0..15 [K, N] (any integer dtype),
     W = q * scale + minimum; q5 (`fmt="q5"`, GGUF's Q5_0): q -16..15, W = q * scale; iq4nl
-    (`fmt="iq4nl"`, GGUF's IQ4_NL): q the 4-bit codes 0..15, W = IQ4_VALUES[q] * scale.
+    (`fmt="iq4nl"`, GGUF's IQ4_NL): q the 4-bit codes 0..15, W = IQ4_VALUES[q] * scale; q51
+    (`fmt="q51"`, GGUF's Q5_1, with `minimum`): q 0..31, W = q * scale + minimum.
     `scale`, `minimum` [K / 32, N], stored as float16 (the values GGUF files hold). Columns past
     N are zero."""
     fmt = fmt or ("q8" if minimum is None else "q4")
@@ -120,8 +124,8 @@ def pack_grouped(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None = 
     if k % GROUP or scale.shape != (k // GROUP, n) or (minimum is not None and minimum.shape != scale.shape):
         raise ValueError(f"q {list(q.shape)} needs K a multiple of {GROUP} and scales of shape "
                          f"[{k // GROUP}, {n}], got {list(scale.shape)}")
-    if (minimum is not None) != (fmt == "q4"):
-        raise ValueError(f"{fmt} takes {'a' if fmt == 'q4' else 'no'} minimum")
+    if (minimum is not None) != (fmt in ("q4", "q51")):
+        raise ValueError(f"{fmt} takes {'a' if fmt in ('q4', 'q51') else 'no'} minimum")
     scales = _runs(np.asarray(scale, np.float16), 1)
     if fmt == "q8":
         return np.concatenate([scales, _runs(np.asarray(q, np.int8), GROUP)], axis=-1)
@@ -133,8 +137,15 @@ def pack_grouped(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None = 
                                _pairs(codes, GROUP)], axis=-1)
     if fmt == "iq4nl":
         return np.concatenate([scales, _pairs(_four_bit(q, fmt), GROUP)], axis=-1)
+    if fmt == "q51":
+        codes = np.asarray(q)
+        if codes.min(initial=0) < 0 or codes.max(initial=0) > 31:
+            raise ValueError("q51 codes must lie in 0..31")
+        codes = codes.astype(np.uint8)
+        return np.concatenate([scales, _runs(np.asarray(minimum, np.float16), 1),
+                               _plane(codes >> 4, 1, GROUP), _pairs(codes & 15, GROUP)], axis=-1)
     if fmt != "q5":
-        raise ValueError(f"pack_grouped packs q8, q4, q5 and iq4nl, not {fmt!r} (see pack_superblocks)")
+        raise ValueError(f"pack_grouped packs q8, q4, q5, iq4nl and q51, not {fmt!r} (see pack_superblocks)")
     q = np.asarray(q)
     if q.min(initial=0) < -16 or q.max(initial=0) > 15:
         raise ValueError("q5 codes must lie in -16..15")
@@ -158,10 +169,12 @@ def pack_superblocks(fmt: str, q: np.ndarray, d: np.ndarray, sub_scale: np.ndarr
     minimums [K / 32, N], W = (d * sub_scale) * q - (dmin * sub_min);
     q6k: codes q -32..31, sub-blocks of 16 k-rows with int8 scales [K / 16, N], no minimums,
     W = (d * sub_scale) * q; iq4xs: codes q 0..15, sub-blocks of 32 k-rows with scales
-    -32..31 [K / 32, N], no minimums, W = (d * sub_scale) * IQ4_VALUES[q]. The products are
-    computed in float32, as GGUF's dequantizer does (and are exact). Columns past N are zero."""
-    if fmt not in ("q4k", "q5k", "q6k", "iq4xs"):
-        raise ValueError(f"pack_superblocks packs q4k, q5k, q6k and iq4xs, not {fmt!r}")
+    -32..31 [K / 32, N], no minimums, W = (d * sub_scale) * IQ4_VALUES[q]; q3k: codes q
+    -4..3, sub-blocks of 16 k-rows with scales -32..31 [K / 16, N], no minimums,
+    W = (d * sub_scale) * q. The products are computed in float32, as GGUF's dequantizer does
+    (and are exact). Columns past N are zero."""
+    if fmt not in ("q4k", "q5k", "q6k", "iq4xs", "q3k"):
+        raise ValueError(f"pack_superblocks packs q4k, q5k, q6k, iq4xs and q3k, not {fmt!r}")
     rows, sub, _ = FORMATS[fmt]
     k, n = q.shape
     want = {"d": (d, (k // rows, n)), "sub_scale": (sub_scale, (k // sub, n))}
@@ -174,17 +187,18 @@ def pack_superblocks(fmt: str, q: np.ndarray, d: np.ndarray, sub_scale: np.ndarr
             raise ValueError(f"{fmt}: q {list(q.shape)} needs K a multiple of {rows} and {name} "
                              f"of shape {list(shape)}, got {None if a is None else list(np.shape(a))}")
     q = np.asarray(q)
-    low, high = {"q4k": (0, 15), "q5k": (0, 31), "q6k": (-32, 31), "iq4xs": (0, 15)}[fmt]
+    low, high = {"q4k": (0, 15), "q5k": (0, 31), "q6k": (-32, 31), "iq4xs": (0, 15), "q3k": (-4, 3)}[fmt]
     if q.min(initial=0) < low or q.max(initial=0) > high:
         raise ValueError(f"{fmt} codes must lie in {low}..{high}")
-    low, high = {"q6k": (-128, 127), "iq4xs": (-32, 31)}.get(fmt, (0, 63))
+    low, high = {"q6k": (-128, 127), "iq4xs": (-32, 31), "q3k": (-32, 31)}.get(fmt, (0, 63))
     for a in (sub_scale, sub_min):
         if a is not None and (np.min(a, initial=0) < low or np.max(a, initial=0) > high):
             raise ValueError(f"{fmt} sub-block scales and minimums must lie in {low}..{high}")
     ds = _runs(np.asarray(d, np.float16), 1)
-    if fmt == "iq4xs":
+    if fmt in ("iq4xs", "q3k"):
+        codes = q.astype(np.int16) + (4 if fmt == "q3k" else 0)
         return np.concatenate([ds, _runs(np.asarray(sub_scale, np.int8), rows // sub),
-                               _pairs(q.astype(np.uint8), rows)], axis=-1)
+                               _pairs(codes.astype(np.uint8), rows)], axis=-1)
     if fmt == "q6k":
         codes = (q.astype(np.int16) + 32).astype(np.uint8)
         return np.concatenate([ds, _runs(np.asarray(sub_scale, np.int8), rows // sub),
@@ -209,10 +223,13 @@ def unpack_grouped(blocked: np.ndarray, n: int) -> np.ndarray:
     def per_sub(a: np.ndarray) -> np.ndarray:  # one value per sub-block -> per k-row
         return np.repeat(a.astype(f32), sub, axis=0)
 
-    if fmt in ("q8", "q4", "q5", "iq4nl"):
+    if fmt in ("q8", "q4", "q5", "iq4nl", "q51"):
         scale = per_sub(_unruns(blocked, 0, 1, np.float16))
         if fmt == "iq4nl":
             w = IQ4_VALUES[_unpairs(blocked, 2 * BLOCK, GROUP)].astype(f32) * scale
+        elif fmt == "q51":
+            codes = _unpairs(blocked, 8 * BLOCK, GROUP) | (_unplane(blocked, 4 * BLOCK, 1, GROUP) << 4)
+            w = codes.astype(f32) * scale + per_sub(_unruns(blocked, 2 * BLOCK, 1, np.float16))
         elif fmt == "q8":
             w = _unruns(blocked, 2 * BLOCK, GROUP, np.int8).astype(f32) * scale
         elif fmt == "q4":
@@ -224,9 +241,11 @@ def unpack_grouped(blocked: np.ndarray, n: int) -> np.ndarray:
         return w[:, :n]
     per_super = rows // sub
     d = np.repeat(_unruns(blocked, 0, 1, np.float16).astype(f32), per_super, axis=0)
-    if fmt == "iq4xs":
+    if fmt in ("iq4xs", "q3k"):
         scale = per_sub(d * _unruns(blocked, 2 * BLOCK, per_super, np.int8).astype(f32))
-        return (scale * IQ4_VALUES[_unpairs(blocked, 10 * BLOCK, rows)].astype(f32))[:, :n]
+        codes = _unpairs(blocked, (2 + per_super) * BLOCK, rows)
+        values = IQ4_VALUES[codes] if fmt == "iq4xs" else codes.astype(np.int8) - np.int8(4)
+        return (scale * values.astype(f32))[:, :n]
     if fmt == "q6k":
         scale = per_sub(d * _unruns(blocked, 2 * BLOCK, per_super, np.int8).astype(f32))
         at = 18 * BLOCK

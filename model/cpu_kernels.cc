@@ -186,7 +186,7 @@ void dequantize_run(ffi::ThreadPool& pool, const uint8_t* wp, int64_t K, int64_t
 // int32) picks the one a call reads, so that a loop over layers runs one program body. Both
 // handlers dispatch on the layer's format to the kernels above: the same numbers as a call
 // over that layer's matrix alone.
-enum Format : int32_t { kF32, kBF16, kF16, kQ8, kQ4, kQ5, kQ4K, kQ5K, kQ6K, kIQ4NL, kIQ4XS };  // FORMAT_CODES
+enum Format : int32_t { kF32, kBF16, kF16, kQ8, kQ4, kQ5, kQ4K, kQ5K, kQ6K, kIQ4NL, kIQ4XS, kQ51, kQ3K };  // FORMAT_CODES
 
 template <typename T>
 struct Tag {
@@ -207,6 +207,8 @@ ffi::Error with_format(int32_t format, Fn fn) {
     case kQ6K: return fn(Tag<Q6K>{});
     case kIQ4NL: return fn(Tag<IQ4NL>{});
     case kIQ4XS: return fn(Tag<IQ4XS>{});
+    case kQ51: return fn(Tag<Q51>{});
+    case kQ3K: return fn(Tag<Q3K>{});
     default: return ffi::Error::InvalidArgument("cadence_cpu_layered: unknown weight format");
   }
 }

@@ -424,7 +424,7 @@ def _grouped(rng, fmt: str, k: int, n: int):
         return rng.integers(-127, 128, (k, n)).astype(np.int8), scale, None
     if fmt == "q5":
         return rng.integers(-16, 16, (k, n)).astype(np.int8), scale, None
-    return (rng.integers(0, 16, (k, n)).astype(np.uint8), scale,
+    return (rng.integers(0, 32 if fmt == "q51" else 16, (k, n)).astype(np.uint8), scale,
             rng.uniform(-0.4, 0.1, (k // 32, n)).astype(np.float16))
 
 
@@ -447,8 +447,8 @@ def _dequantized(q, scale, minimum, fmt=None):
     return w if minimum is None else w + np.repeat(minimum.astype(np.float32), 32, axis=0)
 
 
-SUPERBLOCKS = ("q4k", "q5k", "q6k", "iq4xs")
-GROUPED = ("q8", "q4", "q5", "iq4nl")
+SUPERBLOCKS = ("q4k", "q5k", "q6k", "iq4xs", "q3k")
+GROUPED = ("q8", "q4", "q5", "iq4nl", "q51")
 
 
 def _superblocks(rng, fmt: str, k: int, n: int):
@@ -457,6 +457,8 @@ def _superblocks(rng, fmt: str, k: int, n: int):
     d = rng.uniform(1e-4, 2e-3, (k // 256, n)).astype(np.float16)
     if fmt == "iq4xs":
         return (rng.integers(0, 16, (k, n)), d, rng.integers(-32, 32, (k // 32, n)), None, None)
+    if fmt == "q3k":
+        return (rng.integers(-4, 4, (k, n)), d, rng.integers(-32, 32, (k // 16, n)), None, None)
     if fmt == "q6k":
         return (rng.integers(-32, 32, (k, n)), d, rng.integers(-128, 128, (k // 16, n)), None, None)
     return (rng.integers(0, 16 if fmt == "q4k" else 32, (k, n)), d, rng.integers(0, 64, (k // 32, n)),

@@ -33,6 +33,9 @@ namespace {
 //                                                          w = (d * sc) * (q - 32), 16-row groups
 //   iq4nl (IQ4_NL) scale f16[16], pairs u8[16][16]          w = kIQ4[q] * scale
 //   iq4xs (IQ4_XS) d f16[16], sc int8[8][16], pairs u8[128][16]   w = (d * sc) * kIQ4[q]
+//   q51 (Q5_1)  scale f16[16], min f16[16], high u8[4][16], pairs u8[16][16]  w = q * scale + min
+//   q3k (Q3_K)  d f16[16], sc int8[16][16], pairs u8[128][16]    w = (d * sc) * (q - 4), 16-row groups
+//               (the file's 3-bit codes a nibble each here: lossless, 4 bits a weight)
 // where a pairs byte (j, c) holds column c's low 4 bits of k-row 2j in its low nibble and of
 // k-row 2j + 1 in its high nibble, and a high byte (i, c) holds the code's remaining bits of
 // 8 / b consecutive k-rows from i * 8 / b, b bits each from its lowest (b = 1, or 2 for q6k).
@@ -216,7 +219,39 @@ struct IQ4XS {
   static void minimum(const uint8_t*, int64_t, __m256&, __m256&) {}
 };
 
+// Q5_1: Q5_0's codes, unsigned, with Q4_1's minimum.
+struct Q51 {
+  static constexpr int64_t kRows = 32, kGroupRows = 32, kStep = 8, kHigh = 4 * kBlock;
+  static constexpr int64_t kPairs = kHigh + 4 * kBlock, kRecord = kPairs + 16 * kBlock;
+  static constexpr bool kMin = true;
+  static constexpr bool kTable = false;
+  static constexpr int kBits = 5, kLift = 0;
+  static constexpr int64_t kCodesAt = kPairs, kHighAt = kHigh;
+  static void codes(const uint8_t* r, int64_t k, __m128i* q) { split_codes<1, 0>(r + kPairs, r + kHigh, k, q); }
+  static void scale(const uint8_t* r, int64_t, __m256& s0, __m256& s1) { s0 = half8(r); s1 = half8(r + 16); }
+  static void minimum(const uint8_t* r, int64_t, __m256& m0, __m256& m1) { m0 = half8(r + 32); m1 = half8(r + 48); }
+};
+
+// Q3_K: 16 groups of 16 k-rows, signed 6-bit scales (an int8 each here) of the super-block's d;
+// the codes -4..3 lifted by 4 into a nibble.
+struct Q3K {
+  static constexpr int64_t kRows = 256, kGroupRows = 16, kStep = 2;
+  static constexpr int64_t kSc = 2 * kBlock, kPairs = kSc + 16 * kBlock, kRecord = kPairs + 128 * kBlock;
+  static constexpr bool kMin = false;
+  static constexpr bool kTable = false;
+  static constexpr int kBits = 4, kLift = 4;
+  static constexpr int64_t kCodesAt = kPairs, kHighAt = 0;
+  static void codes(const uint8_t* r, int64_t k, __m128i* q) {
+    nibbles(r + kPairs + k / 2 * kBlock, q[0], q[1]);
+    q[0] = _mm_sub_epi8(q[0], _mm_set1_epi8(kLift));
+    q[1] = _mm_sub_epi8(q[1], _mm_set1_epi8(kLift));
+  }
+  static void scale(const uint8_t* r, int64_t g, __m256& s0, __m256& s1) { d_times_int8(r, r + kSc + g * kBlock, s0, s1); }
+  static void minimum(const uint8_t*, int64_t, __m256&, __m256&) {}
+};
+
 static_assert(Q8::kRecord == 544 && Q4::kRecord == 320 && Q5::kRecord == 352);
+static_assert(Q51::kRecord == 384 && Q3K::kRecord == 2336);
 static_assert(IQ4NL::kRecord == 288 && IQ4XS::kRecord == 2208);
 static_assert(QK<false>::kRecord == 2368 && QK<true>::kRecord == 2880 && Q6K::kRecord == 3360);
 

@@ -53,6 +53,8 @@ template <class F>
 inline void lifted_codes(const uint8_t* r, int64_t k, __m128i* q) {
   if constexpr (F::kLift == 0) {
     F::codes(r, k, q);
+  } else if constexpr (F::kBits == 4) {  // nibbles as stored (Q3_K's)
+    nibbles(r + F::kCodesAt + k / 2 * kBlock, q[0], q[1]);
   } else {
     split_codes<F::kBits - 4, 0>(r + F::kCodesAt, r + F::kHighAt, k, q);
   }

@@ -43,6 +43,9 @@ from cadence.bench.random_gguf import add_shape, copy_tokenizer
 from cadence.model import params as params_lib
 from cadence.model.config import ModelConfig, RopeScaling
 
+sys.path.insert(0, str(Path(__file__).parent))
+from prompts import PROMPTS  # noqa: E402
+
 FLAGS = flags.DEFINE_string("llama_server", None, "llama.cpp's llama-server binary", required=True)
 TOKENIZER = flags.DEFINE_string("tokenizer_from", None, "a Qwen GGUF whose tokenizer to copy")
 GGUF = flags.DEFINE_string("gguf", None, "a GGUF to serve instead of the random Qwen3")
@@ -54,12 +57,6 @@ YARN_ORIGINAL = flags.DEFINE_integer("yarn_original", 256, "YaRN's original cont
 CONFIG = ModelConfig(name="qwen3-parity", vocab_size=151936, hidden_size=256, num_layers=4,
                      num_heads=4, num_kv_heads=2, head_dim=128, ffn_size=768, rms_norm_eps=1e-6,
                      rope_theta=1e6, tie_embeddings=True, qk_norm=True, max_context=4096)
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-    " ".join(["the quick brown fox jumps over the lazy dog"] * 12),
-]
 
 
 def model_config() -> ModelConfig:
