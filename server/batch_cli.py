@@ -74,6 +74,7 @@ from cadence.scheduler.errors import NotRunning, Overloaded, SubmissionError
 from cadence.scheduler.request import FinishReason, RequestRecord
 from cadence.server import client_json, openai_batch, parsing, reasoning, runtime
 from cadence.server.app import ServerConfig
+from cadence.server.openai_batch import Totals
 from cadence.server.embeddings_api import normalized
 from cadence.server.flags import GRAMMAR_TIMEOUT, MODEL_FLAG, POOLING, REASONING_PARSER
 from cadence.server.tool_call_parser import parse_tool_calls
@@ -201,15 +202,6 @@ def result_json(job: Job, record: RequestRecord) -> dict[str, Any]:
     return result
 
 
-@dataclasses.dataclass
-class Totals:
-    done: int = 0
-    failed: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    seconds: float = 0.0
-
-
 def run_jobs(rt: runtime.Runtime, work: list[tuple[Job, list[int], Any]], output: Path,
              report) -> Totals:
     """Submits every job, waiting out a full queue, and appends each result as it finishes."""
@@ -299,10 +291,7 @@ def run_openai_lines(rt: runtime.Runtime, todo: list[Job], output: Path, report)
     a line's request is the operator's, so its own chat_template is taken."""
     config = ServerConfig(grammar_timeout=GRAMMAR_TIMEOUT.value, reasoning_parser=REASONING_PARSER.value,
                           pooling=POOLING.value, trust_request_chat_template=True)
-    start = time.monotonic()
-    done, failed, prompt, completion = openai_batch.run(
-        rt, todo, output, report, config, runtime.served_names(MODEL_FLAG.value, None)[0])
-    return Totals(done, failed, prompt, completion, time.monotonic() - start)
+    return openai_batch.run(rt, todo, output, report, config, runtime.served_names(MODEL_FLAG.value, None)[0])
 
 
 def main(argv: list[str]) -> int:

@@ -25,9 +25,11 @@ stderr and not in the output, so a rerun retries exactly them):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,6 +42,19 @@ from cadence.server.app import ServerConfig, create_app
 from cadence.server.runtime import Runtime
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+@dataclasses.dataclass
+class Totals:
+    """A cadence-batch run's counts, either kind of line."""
+
+    done: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+
+
 _KEYS = {"custom_id", "method", "url", "body"}
 
 
@@ -75,18 +90,20 @@ def record(custom_id: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(rt: Runtime, jobs: Sequence[Any], output: Path, report: Callable[[int, str], None],
-        config: ServerConfig, model_name: str) -> tuple[int, int, int, int]:
-    """Answers every job (`.line`, `.id`, `.entry`), appending each record as it finishes;
-    returns (done, failed, prompt tokens, completion tokens)."""
+        config: ServerConfig, model_name: str) -> Totals:
+    """Answers every job (`.line`, `.id`, `.entry`), appending each record as it finishes."""
     app = create_app(rt.scheduler, rt.model.tokenizer, model_name, config=config,
                      generation=rt.model.generation)
-    return asyncio.run(_run(app, jobs, output, report))
+    start = time.monotonic()
+    totals = asyncio.run(_run(app, jobs, output, report))
+    totals.seconds = time.monotonic() - start
+    return totals
 
 
-async def _run(app, jobs, output: Path, report) -> tuple[int, int, int, int]:
+async def _run(app, jobs, output: Path, report) -> Totals:
     sched = app.state.server.scheduler
     gate = asyncio.Semaphore(sched.num_slots + sched.config.max_queue)
-    totals = [0, 0, 0, 0]
+    totals = Totals()
     async with app.router.lifespan_context(app):
         await asyncio.to_thread(app.state.server.ready.wait)  # the runtime is warm already
         transport = httpx.ASGITransport(app=app)
@@ -110,14 +127,14 @@ async def _run(app, jobs, output: Path, report) -> tuple[int, int, int, int]:
                         out.flush()
                         os.fsync(out.fileno())  # a result on disk survives a kill
                         usage = answer.get("usage") or {}
-                        totals[0] += 1
-                        totals[2] += usage.get("prompt_tokens", 0)
-                        totals[3] += usage.get("completion_tokens", 0)
+                        totals.done += 1
+                        totals.prompt_tokens += usage.get("prompt_tokens", 0)
+                        totals.completion_tokens += usage.get("completion_tokens", 0)
                     else:
                         error = answer.get("error", {}).get("message", response.text)
                         report(job.line, f"custom_id {job.id!r} failed ({response.status_code}): {error}")
-                        totals[1] += 1
+                        totals.failed += 1
                     bar.update(1)
 
                 await asyncio.gather(*(one(job) for job in jobs))
-    return tuple(totals)
+    return totals
