@@ -43,6 +43,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+import cadence
 from cadence.checkpoints import fim
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
@@ -229,7 +230,28 @@ class LlamaAPI:
     def routes(self, route: Callable[[str, Any, list[str]], Route]) -> list[Route]:
         return [route("/infill", lambda r: self.generate(r, parse_infill, "infill"), ["POST"]),
                 *(route(path, lambda r: self.generate(r, parse_completion, "cmpl"), ["POST"])
-                  for path in ("/completion", "/completions"))]
+                  for path in ("/completion", "/completions")),
+                route("/props", self.props, ["GET"])]
+
+    async def props(self, request: Request) -> Response:
+        """GET /props in llama-server's shape: what its web UI and the clients written against
+        it read to learn a slot's context (`n_ctx`), the slots, the chat template and the
+        sampling a request gets by default. Changing them (POST) is not served."""
+        server = self.server
+        server._authorize(request)
+        tok, sched, d = server.tokenizer, server.scheduler, server.defaults
+        params = {"n_predict": -1, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
+                  "min_p": 0.0, "seed": d.seed, "n_probs": 0, "stop": [], "ignore_eos": False,
+                  "samplers": ["penalties", "temperature", "min_p", "top_k", "top_p"]}  # cadence's order
+        return JSONResponse({
+            "default_generation_settings": {"n_ctx": sched.max_seq_len, "params": params},
+            "total_slots": sched.num_slots, "model_alias": server.model_name,
+            "model_path": server.model_name,
+            "modalities": {"vision": False, "video": False, "audio": False},
+            "endpoint_slots": False, "endpoint_props": False, "endpoint_metrics": True,
+            "chat_template": tok.chat_template or "", "bos_token": tok.bos_token or "",
+            "eos_token": tok.eos_token or "", "build_info": f"cadence {cadence.__version__}",
+            "is_sleeping": False})
 
     async def generate(self, request: Request, parse: Callable, prefix: str) -> Response:
         server = self.server

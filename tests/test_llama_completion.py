@@ -94,3 +94,16 @@ def test_n_predict_is_a_cap_at_the_end_of_the_context(url, tiny_tokenizer, tiny_
     assert r["stop_type"] == "limit" and r["tokens_predicted"] == room
     refused = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": room + 40}, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_props_tell_a_llama_server_client_the_context_slots_and_template(url, tiny_tokenizer):
+    """GET /props (llama-server's web UI reads it): a slot's context, the slots, the chat
+    template and tokens, the sampling defaults; POST is not served."""
+    props = httpx.get(f"{url}/props", timeout=60).json()
+    assert props["default_generation_settings"]["n_ctx"] == 512 and props["total_slots"] >= 1
+    assert props["chat_template"] == tiny_tokenizer.chat_template
+    assert props["eos_token"] == tiny_tokenizer.eos_token and props["build_info"].startswith("cadence ")
+    params = props["default_generation_settings"]["params"]
+    assert params["n_predict"] == -1 and params["temperature"] >= 0
+    assert not any(props["modalities"].values())
+    assert httpx.post(f"{url}/props", json={}, timeout=60).status_code == 405
