@@ -127,13 +127,14 @@ def parse_input(path: Path) -> tuple[list[Job], list[tuple[int, str]]]:
             problems.append((number, 'missing "id"; every line needs a unique string or integer id '
                                      '(or, in OpenAI\'s batch format, a "custom_id")'))
             continue
-        value = entry["custom_id" if openai else "id"]
+        name = "custom_id" if openai else "id"
+        value = entry[name]
         if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
             problems.append((number, f'"id" must be a non-empty string or an integer, got {value!r}'))
             continue
         key = id_key(value)
         if key in first_line:
-            problems.append((number, f"duplicate id {value!r} (first on line {first_line[key]}); skipped"))
+            problems.append((number, f"duplicate {name} {value!r} (first on line {first_line[key]}); skipped"))
             continue
         first_line[key] = number
         jobs.append(Job(number, value, entry, openai=openai))

@@ -337,6 +337,7 @@ def test_openai_batch_lines_are_answered_by_the_endpoints(setup, tmp_path, tiny_
         line("refused", "/v1/completions", prompt="the cat", max_tokens=0),
         {"custom_id": "nowhere", "method": "POST", "url": "/v1/images", "body": {}},
         {"custom_id": "streamed", "url": "/v1/completions", "body": {"prompt": "x", "stream": True}},
+        line("chat", "/v1/completions", prompt="the cat"),  # a custom_id already taken
     ]
     # Choices that outnumber 4 slots and a queue of 1: the scheduler turns some away (429s),
     # which wait and go again.
@@ -346,6 +347,7 @@ def test_openai_batch_lines_are_answered_by_the_endpoints(setup, tmp_path, tiny_
     assert result.returncode == 1, result.stderr
     assert "custom_id 'refused' failed (400)" in result.stderr and "max_tokens" in result.stderr
     assert ':5: "url" must be one of' in result.stderr and ":6: \"stream\": true" in result.stderr
+    assert ":7: duplicate custom_id 'chat' (first on line 1)" in result.stderr
     records = {r["custom_id"]: r for r in read_results(out)}
     assert sorted(records) == sorted(["chat", "text", "vector", *(m["custom_id"] for m in more)])
     for r in records.values():
