@@ -48,11 +48,12 @@ SHAPES: dict[str, tuple[str, ModelConfig]] = {
 # dmin).
 HALVES = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
           Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
-          Q.Q3_K: (108,), Q.Q2_K: (80, 82)}
+          Q.Q3_K: (108,), Q.Q2_K: (80, 82), Q.IQ2_XXS: (0,)}
 # The range of those float16 fields per format: weights up to about 0.06.
 SCALES = {Q.Q6_K: (5e-6, 1.5e-5), Q.Q4_K: (2e-5, 6e-5), Q.Q5_K: (1e-5, 3e-5), Q.Q5_0: (1e-3, 3e-3),
           Q.Q8_0: (2e-4, 5e-4), Q.Q5_1: (1e-3, 3e-3), Q.Q4_0: (2e-3, 6e-3), Q.Q4_1: (2e-3, 6e-3),
-          Q.IQ4_NL: (2e-4, 5e-4), Q.IQ4_XS: (5e-6, 1.5e-5), Q.Q3_K: (2e-4, 5e-4), Q.Q2_K: (5e-4, 1.5e-3)}
+          Q.IQ4_NL: (2e-4, 5e-4), Q.IQ4_XS: (5e-6, 1.5e-5), Q.Q3_K: (2e-4, 5e-4), Q.Q2_K: (5e-4, 1.5e-3),
+          Q.IQ2_XXS: (2e-4, 5e-4)}
 
 
 def random_blocks(rng: np.random.Generator, qtype: Q, rows: int, columns: int,

@@ -10,11 +10,11 @@
 
 `packed` holds every matrix stored in a format the CPU decode kernels read directly (Q8_0,
 Q4_0, Q4_1, Q5_0, Q5_1: 32 weights per float16 scale, and for Q4_1 and Q5_1 a float16
-minimum; the K-quants Q3_K, Q4_K, Q5_K, Q6_K: 256-weight super-blocks with integer sub-block
+minimum; the K-quants Q2_K to Q6_K: 256-weight super-blocks with integer sub-block
 scales; IQ4_NL and IQ4_XS, whose 4-bit codes index a table of 16 values), re-laid into the
 kernels' grouped layout (`model.block_layout.pack_grouped` / `pack_superblocks`) with the same
 values: dequantizing a packed matrix gives `params`' float32 matrix exactly. Other formats
-(F16, BF16, Q2_K, the other IQ formats...) are left to `params` alone.
+(F16, BF16, the other IQ formats...) are left to `params` alone.
 
 Three details matter for logits that match the Hugging Face model:
 - Quantized tensors (Q8_0, Q4_1, ... anything the `gguf` package can dequantize) become float32.
@@ -28,7 +28,7 @@ Three details matter for logits that match the Hugging Face model:
   writes Qwen2.5's and Qwen3's) becomes `ModelConfig.rope_scaling`, its cos and sin magnitude
   ggml's: 0.1 ln(factor) + 1, times `rope.scaling.yarn_attn_factor`.
 
-Non-goals: Q2_K and the IQ formats but IQ4_NL and IQ4_XS in the kernels' format; LongRoPE scaling and
+Non-goals: the IQ formats but IQ4_NL and IQ4_XS in the kernels' format; LongRoPE scaling and
 partial rotary embeddings (`rope.dimension_count` below the head size), which are refused;
 architectures other than llama, qwen2 and qwen3 (Qwen3's mixture-of-experts models are
 "qwen3moe", refused with the rest).
@@ -256,15 +256,15 @@ def load_gguf(
 
 # GGUF's block formats the grouped kernels read, by the bytes of a block: 32 weights (Q8_0,
 # Q4_0, Q4_1, Q5_0, Q5_1: a float16 scale d, Q4_1's and Q5_1's float16 minimum m; w = d q (+ m))
-# or a 256-weight super-block (the K-quants: a float16 d, Q4_K/Q5_K's float16 dmin, and a scale
-# (and minimum) per sub-block of 32 weights (Q3_K, Q6_K: 16), as integers), and the IQ4s, whose 4-bit codes index a
-# table of 16 values (IQ4_NL: 32 weights to a float16 scale; IQ4_XS: a super-block of 256 with
+# or a 256-weight super-block (the K-quants: a float16 d, Q2_K/Q4_K/Q5_K's float16 dmin, and a
+# scale (and minimum) per sub-block of 32 weights (Q2_K, Q3_K, Q6_K: 16), as integers), and the
+# IQ4s, whose 4-bit codes index a table of 16 values (IQ4_NL: 32 weights to a float16 scale; IQ4_XS: a super-block of 256 with
 # signed 6-bit sub-block scales). `unpack_blocks` reads them as `gguf.quants` does; `FORMAT`
 # names the kernels' layout each becomes.
-PACKABLE = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q3_K": 110, "Q4_K": 144,
-            "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18, "IQ4_XS": 136}
-FORMAT = {"Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4", "Q5_0": "q5", "Q5_1": "q51", "Q3_K": "q3k",
-          "Q4_K": "q4k", "Q5_K": "q5k", "Q6_K": "q6k", "IQ4_NL": "iq4nl", "IQ4_XS": "iq4xs"}
+PACKABLE = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q2_K": 84, "Q3_K": 110,
+            "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18, "IQ4_XS": 136}
+FORMAT = {"Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4", "Q5_0": "q5", "Q5_1": "q51", "Q2_K": "q2k",
+          "Q3_K": "q3k", "Q4_K": "q4k", "Q5_K": "q5k", "Q6_K": "q6k", "IQ4_NL": "iq4nl", "IQ4_XS": "iq4xs"}
 SUPERBLOCK = 256  # weights per K-quant super-block
 
 
@@ -287,7 +287,7 @@ def unpack_blocks(data: np.ndarray, kind: str, columns: int) -> dict[str, np.nda
     """A GGUF tensor's rows of blocks (uint8 [rows, columns / weights per block * block bytes])
     as the arguments of `block_layout.pack_grouped` / `pack_superblocks` for its `FORMAT`, each
     [rows, ...] (a row's codes [rows, columns], its per-block values [rows, blocks]): the codes
-    q (Q8_0 int8; Q4_x 0..15; Q5_0 -16..15; Q5_1 0..31; Q3_K -4..3; Q4_K 0..15; Q5_K 0..31;
+    q (Q8_0 int8; Q4_x 0..15; Q5_0 -16..15; Q5_1 0..31; Q2_K 0..3; Q3_K -4..3; Q4_K 0..15; Q5_K 0..31;
     Q6_K -32..31; the IQ4s' table indices 0..15), float16
     `scale` / `minimum` (32-weight formats) or `d` / `dmin` (K-quants), and the K-quants'
     integer `sub_scale` / `sub_min` [rows, columns / 32 or / 16]."""
@@ -326,6 +326,10 @@ def unpack_blocks(data: np.ndarray, kind: str, columns: int) -> dict[str, np.nda
         if kind == "Q5_1":
             return {"q": flat(q), "scale": half(0), "minimum": half(2)}
         return {"q": flat(q.astype(np.int8) - np.int8(16)), "scale": half(0)}
+    if kind == "Q2_K":  # scales[16] (a sub-block's scale in the low nibble, its minimum high), qs[64], d, dmin
+        scales = blocks[..., :16]
+        return {"q": flat(_bits(blocks[..., 16:80], 32, 2)), "d": half(80), "dmin": half(82),
+                "sub_scale": flat(scales & 15), "sub_min": flat(scales >> 4)}
     if kind == "Q3_K":  # hmask[32], qs[64], 12 bytes of 6-bit scales, d
         low = _bits(blocks[..., 32:96], 32, 2)  # two runs of 32 bytes, 2 bits a weight
         offset = 1 - _bits(blocks[..., :32], 32, 1)  # a clear hmask bit: the code less 4

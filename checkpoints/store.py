@@ -6,7 +6,7 @@ A converted folder holds
                     float16 / bfloat16 where it stored those), but for the matrices packed/
                     holds; restored in the dtype asked for (default float32)
     packed/         where the source stored matrices block-quantized (GGUF Q8_0, Q4_0, Q4_1,
-                    Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS),
+                    Q5_0, Q5_1, Q2_K to Q6_K, IQ4_NL, IQ4_XS),
                     those matrices as they are, in the CPU kernels' grouped layout (orbax,
                     uint8); the marker's "packed" names them, with their formats and shapes.
                     They are stored once: read as float32, each is dequantized from its blocks
@@ -45,7 +45,7 @@ from cadence.model.params import abstract_params, nest
 
 Shardings = Callable[[ModelConfig], Any]
 # 2: packed/; 3: packed/ holds Q5_0 and the K-quants too; 4: not in params/; 5: params/ in the
-# source's float dtypes; 6: packed/ holds IQ4_NL, IQ4_XS, Q5_1 and Q3_K too
+# source's float dtypes; 6: packed/ holds IQ4_NL, IQ4_XS, Q5_1, Q3_K and Q2_K too
 FORMAT_VERSION = 6
 # `load_converted`'s dtype for every leaf as params/ stores it (a checkpoint's 16-bit floats
 # stay 16-bit), rather than one dtype for all.

@@ -27,11 +27,11 @@ GROUP = 32  # k-rows per group of the 32-weight formats (GGUF's block of 32 weig
 # iq4nl, iq4xs: its IQ4_NL (as q4 without a minimum) and IQ4_XS (256-weight super-blocks of a
 # float16 d and signed 6-bit sub-block scales), whose 4-bit codes index `IQ4_VALUES`; q51: its
 # Q5_1 (q5's codes unsigned, with q4's minimum); q3k: its Q3_K (as q6k, the 3-bit codes a
-# nibble each).
+# nibble each); q2k: its Q2_K (as q4k with 16-row sub-blocks, the 2-bit codes a nibble each).
 FORMATS = {"q8": (32, 32, 544), "q4": (32, 32, 320), "q5": (32, 32, 352),
            "q4k": (256, 32, 2368), "q5k": (256, 32, 2880), "q6k": (256, 16, 3360),
            "iq4nl": (32, 32, 288), "iq4xs": (256, 32, 2208), "q51": (32, 32, 384),
-           "q3k": (256, 16, 2336)}
+           "q3k": (256, 16, 2336), "q2k": (256, 16, 2624)}
 RECORD = {name: record for name, (_, _, record) in FORMATS.items()}
 # llama.cpp's kvalues_iq4nl: the int8 value of each 4-bit IQ4 code.
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
@@ -171,14 +171,15 @@ def pack_superblocks(fmt: str, q: np.ndarray, d: np.ndarray, sub_scale: np.ndarr
     W = (d * sub_scale) * q; iq4xs: codes q 0..15, sub-blocks of 32 k-rows with scales
     -32..31 [K / 32, N], no minimums, W = (d * sub_scale) * IQ4_VALUES[q]; q3k: codes q
     -4..3, sub-blocks of 16 k-rows with scales -32..31 [K / 16, N], no minimums,
-    W = (d * sub_scale) * q. The products are computed in float32, as GGUF's dequantizer does
-    (and are exact). Columns past N are zero."""
-    if fmt not in ("q4k", "q5k", "q6k", "iq4xs", "q3k"):
-        raise ValueError(f"pack_superblocks packs q4k, q5k, q6k, iq4xs and q3k, not {fmt!r}")
+    W = (d * sub_scale) * q; q2k: codes q 0..3, sub-blocks of 16 k-rows with scales and
+    minimums 0..15 [K / 16, N], W = (d * sub_scale) * q - (dmin * sub_min). The products are
+    computed in float32, as GGUF's dequantizer does (and are exact). Columns past N are zero."""
+    if fmt not in ("q4k", "q5k", "q6k", "iq4xs", "q3k", "q2k"):
+        raise ValueError(f"pack_superblocks packs q4k, q5k, q6k, iq4xs, q3k and q2k, not {fmt!r}")
     rows, sub, _ = FORMATS[fmt]
     k, n = q.shape
     want = {"d": (d, (k // rows, n)), "sub_scale": (sub_scale, (k // sub, n))}
-    if fmt in ("q4k", "q5k"):
+    if fmt in ("q4k", "q5k", "q2k"):
         want.update(dmin=(dmin, (k // rows, n)), sub_min=(sub_min, (k // sub, n)))
     elif dmin is not None or sub_min is not None:
         raise ValueError(f"{fmt} has no minimums")
@@ -187,10 +188,11 @@ def pack_superblocks(fmt: str, q: np.ndarray, d: np.ndarray, sub_scale: np.ndarr
             raise ValueError(f"{fmt}: q {list(q.shape)} needs K a multiple of {rows} and {name} "
                              f"of shape {list(shape)}, got {None if a is None else list(np.shape(a))}")
     q = np.asarray(q)
-    low, high = {"q4k": (0, 15), "q5k": (0, 31), "q6k": (-32, 31), "iq4xs": (0, 15), "q3k": (-4, 3)}[fmt]
+    low, high = {"q4k": (0, 15), "q5k": (0, 31), "q6k": (-32, 31), "iq4xs": (0, 15), "q3k": (-4, 3),
+                 "q2k": (0, 3)}[fmt]
     if q.min(initial=0) < low or q.max(initial=0) > high:
         raise ValueError(f"{fmt} codes must lie in {low}..{high}")
-    low, high = {"q6k": (-128, 127), "iq4xs": (-32, 31), "q3k": (-32, 31)}.get(fmt, (0, 63))
+    low, high = {"q6k": (-128, 127), "iq4xs": (-32, 31), "q3k": (-32, 31), "q2k": (0, 15)}.get(fmt, (0, 63))
     for a in (sub_scale, sub_min):
         if a is not None and (np.min(a, initial=0) < low or np.max(a, initial=0) > high):
             raise ValueError(f"{fmt} sub-block scales and minimums must lie in {low}..{high}")
@@ -253,8 +255,8 @@ def unpack_grouped(blocked: np.ndarray, n: int) -> np.ndarray:
         return (scale * (codes.astype(np.int8) - np.int8(32)).astype(f32))[:, :n]
     dmin = np.repeat(_unruns(blocked, 2 * BLOCK, 1, np.float16).astype(f32), per_super, axis=0)
     scale = per_sub(d * _unruns(blocked, 4 * BLOCK, per_super, np.uint8).astype(f32))
-    minimum = per_sub(dmin * _unruns(blocked, 12 * BLOCK, per_super, np.uint8).astype(f32))
-    at = 20 * BLOCK
+    minimum = per_sub(dmin * _unruns(blocked, (4 + per_super) * BLOCK, per_super, np.uint8).astype(f32))
+    at = (4 + 2 * per_super) * BLOCK
     if fmt == "q5k":
         codes = _unpairs(blocked, at + 32 * BLOCK, rows) | (_unplane(blocked, at, 1, rows) << 4)
     else:

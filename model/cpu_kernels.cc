@@ -95,11 +95,12 @@ void grouped_run(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, c
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t grain = std::max<int64_t>(
       1, std::min((256 << 10) / (K / F::kRows * F::kRecord), (blocks + threads - 1) / threads));
-  // Each row's group sums, for the minimums (formats without them need none).
-  std::unique_ptr<float[]> sums(new float[F::kMin ? groups : 1]);
-  for (int64_t i = 0; F::kMin && i < groups; ++i) {
+  // Each row's sums over the format's groups, for the minimums (formats without them need none).
+  const int64_t sum_groups = M * K / F::kGroupRows;
+  std::unique_ptr<float[]> sums(new float[F::kMin ? sum_groups : 1]);
+  for (int64_t i = 0; F::kMin && i < sum_groups; ++i) {
     float total = 0.0f;
-    for (int64_t k = 0; k < kGroup; ++k) total += xp[i * kGroup + k];
+    for (int64_t k = 0; k < F::kGroupRows; ++k) total += xp[i * F::kGroupRows + k];
     sums[i] = total;
   }
   const float* xsum = sums.get();
@@ -186,7 +187,7 @@ void dequantize_run(ffi::ThreadPool& pool, const uint8_t* wp, int64_t K, int64_t
 // int32) picks the one a call reads, so that a loop over layers runs one program body. Both
 // handlers dispatch on the layer's format to the kernels above: the same numbers as a call
 // over that layer's matrix alone.
-enum Format : int32_t { kF32, kBF16, kF16, kQ8, kQ4, kQ5, kQ4K, kQ5K, kQ6K, kIQ4NL, kIQ4XS, kQ51, kQ3K };  // FORMAT_CODES
+enum Format : int32_t { kF32, kBF16, kF16, kQ8, kQ4, kQ5, kQ4K, kQ5K, kQ6K, kIQ4NL, kIQ4XS, kQ51, kQ3K, kQ2K };  // FORMAT_CODES
 
 template <typename T>
 struct Tag {
@@ -209,6 +210,7 @@ ffi::Error with_format(int32_t format, Fn fn) {
     case kIQ4XS: return fn(Tag<IQ4XS>{});
     case kQ51: return fn(Tag<Q51>{});
     case kQ3K: return fn(Tag<Q3K>{});
+    case kQ2K: return fn(Tag<Q2K>{});
     default: return ffi::Error::InvalidArgument("cadence_cpu_layered: unknown weight format");
   }
 }

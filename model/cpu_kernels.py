@@ -21,7 +21,7 @@ in reading the pages. The kernels read each byte once, in memory order:
   (XLA:CPU materializes the conversion instead: `bench/results/int8-cpu/`). Over weights
   quantized in groups of input rows, as GGUF's blocks store them (`pack_grouped`: Q8_0, Q4_x,
   Q5_x and IQ4_NL, 32 rows to a float16 scale, or `model.quant.quantize_grouped`;
-  `pack_superblocks`: the K-quants Q3_K to Q6_K and IQ4_XS, super-blocks of 256 rows
+  `pack_superblocks`: the K-quants Q2_K to Q6_K and IQ4_XS, super-blocks of 256 rows
   with a float16 scale and integer sub-block scales), each group or super-block of a block is one
   record of scales (and minimums) and 4- to 8-bit codes; the kernel widens the codes in
   registers, sums them against x and scales each group's sums once: the numbers of the float32

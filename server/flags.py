@@ -212,7 +212,7 @@ LAYER_LOOP = flags.DEFINE_bool(
 WEIGHTS = flags.DEFINE_enum(
     "weights", "auto", ("auto", "float", "int8", "int4"),
     "auto: where decode runs on the CPU kernels, the matrices a GGUF checkpoint stores "
-    "block-quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_NL, IQ4_XS) are read as "
+    "block-quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q2_K to Q6_K, and IQ4_NL, IQ4_XS) are read as "
     "they are, everything else as float; "
     "float: every matrix in --dtype (a GGUF's blocks dequantized); int8, int4: every matrix "
     "quantized when loaded, weight-only (activations and the KV cache stay in --dtype): on the "

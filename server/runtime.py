@@ -297,7 +297,7 @@ def describe_decode_weights(model: LoadedModel, packed) -> str:
              for kind, n in sorted(own.items())]
     if rest:
         parts.append(f"{rest} {'matrix' if rest == 1 else 'matrices'} blocked from float32"
-                     + (" (--weights=auto reads a GGUF's Q8_0/Q4_x/Q5_x/Q3_K-Q6_K/IQ4_NL/IQ4_XS as they are)"
+                     + (" (--weights=auto reads a GGUF's Q8_0/Q4_x/Q5_x/Q2_K-Q6_K/IQ4_NL/IQ4_XS as they are)"
                         if WEIGHTS.value != "auto" and model.packed else ""))
     return ", ".join(parts) + (activations if any(p in (packed or {}) for p in matrices) else "")
 

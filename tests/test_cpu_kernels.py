@@ -447,7 +447,7 @@ def _dequantized(q, scale, minimum, fmt=None):
     return w if minimum is None else w + np.repeat(minimum.astype(np.float32), 32, axis=0)
 
 
-SUPERBLOCKS = ("q4k", "q5k", "q6k", "iq4xs", "q3k")
+SUPERBLOCKS = ("q4k", "q5k", "q6k", "iq4xs", "q3k", "q2k")
 GROUPED = ("q8", "q4", "q5", "iq4nl", "q51")
 
 
@@ -459,6 +459,9 @@ def _superblocks(rng, fmt: str, k: int, n: int):
         return (rng.integers(0, 16, (k, n)), d, rng.integers(-32, 32, (k // 32, n)), None, None)
     if fmt == "q3k":
         return (rng.integers(-4, 4, (k, n)), d, rng.integers(-32, 32, (k // 16, n)), None, None)
+    if fmt == "q2k":
+        return (rng.integers(0, 4, (k, n)), d, rng.integers(0, 16, (k // 16, n)),
+                rng.uniform(1e-4, 2e-3, (k // 256, n)).astype(np.float16), rng.integers(0, 16, (k // 16, n)))
     if fmt == "q6k":
         return (rng.integers(-32, 32, (k, n)), d, rng.integers(-128, 128, (k // 16, n)), None, None)
     return (rng.integers(0, 16 if fmt == "q4k" else 32, (k, n)), d, rng.integers(0, 64, (k // 32, n)),

@@ -344,7 +344,7 @@ def _assert_packed_equal_floats(packed, floats):
         np.testing.assert_array_equal(block_layout.unpack_grouped(blocks, want.shape[1]), want, err_msg=str(p))
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                                   "IQ4_NL", "IQ4_XS"])
 def test_each_packed_format_unpacks_to_ggufs_dequantizer(kind):
     """Random blocks of every format the kernels read (rows that fill no tile, several blocks
@@ -443,12 +443,12 @@ def _q4_k_m(spec) -> gguf.GGMLQuantizationType:
     """A "Q4_K_M"-style mix over K_TINY, as llama.cpp's mix chooses: Q4_K, with Q6_K for the
     (tied) output and some attn_v / ffn_down, plus one each of Q5_K, Q5_0 (its fallback for
     rows of partial super-blocks), Q8_0, IQ4_NL and IQ4_XS (an IQ4_XS file's types), Q5_1, Q3_K
-    (a Q3_K_M file's), and Q2_K (which the kernels do not read)."""
+    and Q2_K (a Q2_K file's), and IQ2_XXS (which the kernels do not read)."""
     if len(spec.shape) == 1:
         return Q.F32
     return {"token_embd.weight": Q.Q6_K, "blk.0.attn_v.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K,
             "blk.1.attn_v.weight": Q.Q5_K, "blk.1.attn_output.weight": Q.Q5_0,
-            "blk.0.attn_output.weight": Q.Q8_0, "blk.1.ffn_up.weight": Q.Q2_K,
+            "blk.0.attn_output.weight": Q.Q8_0, "blk.1.ffn_up.weight": Q.IQ2_XXS, "blk.0.attn_k.weight": Q.Q2_K,
             "blk.0.attn_q.weight": Q.IQ4_NL, "blk.1.ffn_gate.weight": Q.IQ4_XS,
             "blk.0.ffn_up.weight": Q.Q5_1, "blk.1.attn_k.weight": Q.Q3_K}.get(spec.gguf_name, Q.Q4_K)
 
@@ -470,24 +470,24 @@ def write_q4_k_m(path: Path, seed: int = 0) -> None:
 
 def test_a_q4_k_m_file_is_packed_but_for_the_formats_the_kernels_lack(tmp_path):
     """A Q4_K_M-style file: every Q4_K / Q5_K / Q6_K / Q5_0 / Q8_0 / IQ4_NL / IQ4_XS / Q5_1 /
-    Q3_K matrix comes back packed, holding exactly the dequantizing loader's values; the Q2_K
-    one is left to the float tree."""
+    Q3_K / Q2_K matrix comes back packed, holding exactly the dequantizing loader's values; the
+    IQ2_XXS one is left to the float tree."""
     path = tmp_path / "tiny-q4_k_m.gguf"
     write_q4_k_m(path)
     config, floats, _ = load_gguf(path)
     packed = load_packed(path, config)
     kinds = {spec.path: _q4_k_m(spec).name for spec in param_specs(K_TINY) if len(spec.shape) == 2}
-    assert {p: kind for p, (_, kind) in packed.items()} == {p: k for p, k in kinds.items() if k != "Q2_K"}
+    assert {p: kind for p, (_, kind) in packed.items()} == {p: k for p, k in kinds.items() if k != "IQ2_XXS"}
     assert {kind for _, kind in packed.values()} == {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0", "IQ4_NL", "IQ4_XS",
-                                                     "Q5_1", "Q3_K"}
+                                                     "Q5_1", "Q3_K", "Q2_K"}
     _assert_packed_equal_floats(packed, floats)
 
 
 @needs_cpu_kernels
 def test_the_engine_over_a_q4_k_m_file_equals_the_reference(tmp_path, tiny_tokenizer):
     """The engine's decode on the CPU kernels over a Q4_K_M-style file's own K-quant, Q5_0,
-    Q8_0, IQ4, Q5_1 and Q3_K blocks (its Q2_K matrix blocked from float; IQ4_XS beside Q4_K in
-    the layer loop's gate projections), and its prefill over them (chunks of 64:
+    Q8_0, IQ4, Q5_1, Q3_K and Q2_K blocks (its IQ2_XXS matrix blocked from float; IQ4_XS beside
+    Q4_K in the layer loop's gate projections), and its prefill over them (chunks of 64:
     XLA's GEMM over each matrix dequantized), give the reference generator's greedy tokens
     over the float weights they stand for."""
     path = tmp_path / "tiny-q4_k_m.gguf"

@@ -36,13 +36,15 @@ namespace {
 //   q51 (Q5_1)  scale f16[16], min f16[16], high u8[4][16], pairs u8[16][16]  w = q * scale + min
 //   q3k (Q3_K)  d f16[16], sc int8[16][16], pairs u8[128][16]    w = (d * sc) * (q - 4), 16-row groups
 //               (the file's 3-bit codes a nibble each here: lossless, 4 bits a weight)
+//   q2k (Q2_K)  d f16[16], dmin f16[16], sc u8[16][16], m u8[16][16], pairs u8[128][16]
+//                                           w = (d * sc) * q - (dmin * m), 16-row groups, q 0..3
 // where a pairs byte (j, c) holds column c's low 4 bits of k-row 2j in its low nibble and of
 // k-row 2j + 1 in its high nibble, and a high byte (i, c) holds the code's remaining bits of
 // 8 / b consecutive k-rows from i * 8 / b, b bits each from its lowest (b = 1, or 2 for q6k).
 // Every scale and minimum is a float32 product of integers and a float16 that is exact, as
 // GGUF's dequantizer computes it, so the kernel's sums are of the file's own values.
 
-constexpr int64_t kGroup = 32;            // k-rows per group sum of x (the minimums')
+constexpr int64_t kGroup = 32;            // k-rows per group of int8 activations
 constexpr int64_t kPrefetchBytes = 4096;  // a single pass prefetches this far ahead
 
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
@@ -69,6 +71,19 @@ inline void nibbles(const uint8_t* p, __m128i& even, __m128i& odd) {
 inline void d_times_int8(const uint8_t* r, const uint8_t* sc, __m256& s0, __m256& s1) {
   s0 = _mm256_mul_ps(half8(r), i8x8(sc));
   s1 = _mm256_mul_ps(half8(r + 16), i8x8(sc + 8));
+}
+
+// The K-quants' with minimums (Q2_K, Q4_K, Q5_K): the 16 columns' float16 d at r times their
+// unsigned sub-block scales at sc, and -(dmin * m), dmin after d, m their sub-block minimums.
+inline void d_times_u8(const uint8_t* r, const uint8_t* sc, __m256& s0, __m256& s1) {
+  s0 = _mm256_mul_ps(half8(r), u8x8(sc));
+  s1 = _mm256_mul_ps(half8(r + 16), u8x8(sc + 8));
+}
+
+inline void less_dmin_times_u8(const uint8_t* r, const uint8_t* m, __m256& m0, __m256& m1) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  m0 = _mm256_xor_ps(_mm256_mul_ps(half8(r + 32), u8x8(m)), sign);
+  m1 = _mm256_xor_ps(_mm256_mul_ps(half8(r + 48), u8x8(m + 8)), sign);
 }
 
 // IQ4_NL's and IQ4_XS's codes: 4-bit indices into llama.cpp's table of 16 int8 values
@@ -167,17 +182,8 @@ struct QK {
       nibbles(r + kPairs + k / 2 * kBlock, q[0], q[1]);
     }
   }
-  static void scale(const uint8_t* r, int64_t g, __m256& s0, __m256& s1) {
-    const uint8_t* sc = r + kSc + g * kBlock;
-    s0 = _mm256_mul_ps(half8(r), u8x8(sc));
-    s1 = _mm256_mul_ps(half8(r + 16), u8x8(sc + 8));
-  }
-  static void minimum(const uint8_t* r, int64_t g, __m256& m0, __m256& m1) {  // -(dmin * m)
-    const uint8_t* m = r + kM + g * kBlock;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    m0 = _mm256_xor_ps(_mm256_mul_ps(half8(r + 32), u8x8(m)), sign);
-    m1 = _mm256_xor_ps(_mm256_mul_ps(half8(r + 48), u8x8(m + 8)), sign);
-  }
+  static void scale(const uint8_t* r, int64_t g, __m256& s0, __m256& s1) { d_times_u8(r, r + kSc + g * kBlock, s0, s1); }
+  static void minimum(const uint8_t* r, int64_t g, __m256& m0, __m256& m1) { less_dmin_times_u8(r, r + kM + g * kBlock, m0, m1); }
 };
 
 // Q6_K: 16 groups of 16 k-rows, int8 scales of the super-block's d.
@@ -251,7 +257,22 @@ struct Q3K {
 };
 
 static_assert(Q8::kRecord == 544 && Q4::kRecord == 320 && Q5::kRecord == 352);
-static_assert(Q51::kRecord == 384 && Q3K::kRecord == 2336);
+// Q2_K: 16 groups of 16 k-rows, 4-bit scales and minimums (a byte each here) of the
+// super-block's d and dmin; the 2-bit codes a nibble each.
+struct Q2K {
+  static constexpr int64_t kRows = 256, kGroupRows = 16, kStep = 2;
+  static constexpr int64_t kSc = 4 * kBlock, kM = kSc + 16 * kBlock, kPairs = kM + 16 * kBlock;
+  static constexpr int64_t kRecord = kPairs + 128 * kBlock;
+  static constexpr bool kMin = true;
+  static constexpr bool kTable = false;
+  static constexpr int kBits = 4, kLift = 0;
+  static constexpr int64_t kCodesAt = kPairs, kHighAt = 0;
+  static void codes(const uint8_t* r, int64_t k, __m128i* q) { nibbles(r + kPairs + k / 2 * kBlock, q[0], q[1]); }
+  static void scale(const uint8_t* r, int64_t g, __m256& s0, __m256& s1) { d_times_u8(r, r + kSc + g * kBlock, s0, s1); }
+  static void minimum(const uint8_t* r, int64_t g, __m256& m0, __m256& m1) { less_dmin_times_u8(r, r + kM + g * kBlock, m0, m1); }
+};
+
+static_assert(Q51::kRecord == 384 && Q3K::kRecord == 2336 && Q2K::kRecord == 2624);
 static_assert(IQ4NL::kRecord == 288 && IQ4XS::kRecord == 2208);
 static_assert(QK<false>::kRecord == 2368 && QK<true>::kRecord == 2880 && Q6K::kRecord == 3360);
 
@@ -306,7 +327,7 @@ inline void store_rows(const __m256 (&acc)[MR][2], float* y, int64_t N) {
 template <int MR, class F>
 inline void grouped_tile(const float* x, const float* xsum, int64_t K, const uint8_t* w, float* y,
                          int64_t N, uintptr_t ahead, uint64_t start, uint64_t share) {
-  const int64_t records = K / F::kRows, xgroups = K / kGroup;
+  const int64_t records = K / F::kRows, xgroups = K / F::kGroupRows;  // x's sums a row
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t r = 0; r < records; ++r, w += F::kRecord) {
@@ -330,7 +351,7 @@ inline void grouped_tile(const float* x, const float* xsum, int64_t K, const uin
         acc[m][0] = _mm256_fmadd_ps(sums[m][0], s0, acc[m][0]);
         acc[m][1] = _mm256_fmadd_ps(sums[m][1], s1, acc[m][1]);
       }
-      if constexpr (F::kMin) add_minimums<MR, F>(acc, w, g, xsum + k0 / kGroup, xgroups);
+      if constexpr (F::kMin) add_minimums<MR, F>(acc, w, g, xsum + k0 / F::kGroupRows, xgroups);
     }
   }
   store_rows<MR>(acc, y, N);
@@ -366,7 +387,7 @@ template <int MR, class F>
 CADENCE_AVX512 inline void grouped_tile512(const float* x, const float* xsum, int64_t K,
                                            const uint8_t* w, float* y, int64_t N, uintptr_t ahead,
                                            uint64_t start, uint64_t share) {
-  const int64_t records = K / F::kRows, xgroups = K / kGroup;
+  const int64_t records = K / F::kRows, xgroups = K / F::kGroupRows;  // x's sums a row
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t r = 0; r < records; ++r, w += F::kRecord) {
@@ -386,7 +407,7 @@ CADENCE_AVX512 inline void grouped_tile512(const float* x, const float* xsum, in
       F::scale(w, g, s0, s1);
       const __m512 s = join512(s0, s1);
       for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(sums[m], s, acc[m]);
-      if constexpr (F::kMin) add_minimums512<MR, F>(acc, w, g, xsum + k0 / kGroup, xgroups);
+      if constexpr (F::kMin) add_minimums512<MR, F>(acc, w, g, xsum + k0 / F::kGroupRows, xgroups);
     }
   }
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * N, acc[m]);
@@ -443,7 +464,7 @@ void grouped_runs(int64_t M, int64_t run, const uint8_t* w, float* y, int64_t fi
 template <bool kWide, class F>
 void grouped_blocks(const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
                     float* y, int64_t N, int64_t first, int64_t last) {
-  const int64_t groups = K / kGroup;
+  const int64_t groups = K / F::kGroupRows;  // x's sums a row (the minimums')
   grouped_runs<kWide ? 8 : 4>(M, K / F::kRows * F::kRecord, w, y, first, last,
                [=](auto mr, int64_t m, const uint8_t* wb, float* yb, uintptr_t ahead,
                    uint64_t start, uint64_t share) {

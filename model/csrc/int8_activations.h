@@ -124,7 +124,7 @@ inline void grouped_tile_q8x(const int8_t* xq, const int32_t* xqsum, const float
         acc[m][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums[m][0]), d), s0, acc[m][0]);
         acc[m][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums[m][1]), d), s1, acc[m][1]);
       }
-      if constexpr (F::kMin) add_minimums<MR, F>(acc, w, g, xsum + k0 / kGroup, xgroups);
+      if constexpr (F::kMin) add_minimums<MR, F>(acc, w, g, xsum + k0 / F::kGroupRows, K / F::kGroupRows);
     }
   }
   store_rows<MR>(acc, y, N);
@@ -246,7 +246,7 @@ CADENCE_VNNI inline void grouped_tile_q8x512(const int8_t* xq, const int32_t* xq
         const __m512 d = _mm512_set1_ps(xd[m * xgroups + k0 / kGroup]);
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), d), s, acc[m]);
       }
-      if constexpr (F::kMin) add_minimums512<MR, F>(acc, w, g, xsum + k0 / kGroup, xgroups);
+      if constexpr (F::kMin) add_minimums512<MR, F>(acc, w, g, xsum + k0 / F::kGroupRows, K / F::kGroupRows);
     }
   }
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * N, acc[m]);
@@ -265,10 +265,10 @@ void grouped_blocks_q8x(const int8_t* xq, const int32_t* xqsum, const float* xd,
         constexpr int MR = decltype(mr)::value;
         if constexpr (kWide) {
           grouped_tile_q8x512<MR, F>(xq + m * K, xqsum + m * (K / 16), xd + m * groups,
-                                     xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share);
+                                     xsum + m * (K / F::kGroupRows), K, wb, yb + m * N, N, ahead, start, share);
         } else {
           grouped_tile_q8x<MR, F>(xq + m * K, xqsum + m * (K / 16), xd + m * groups,
-                                  xsum + m * groups, K, wb, yb + m * N, N, ahead, start, share);
+                                  xsum + m * (K / F::kGroupRows), K, wb, yb + m * N, N, ahead, start, share);
         }
       });
 }
