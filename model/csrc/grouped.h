@@ -152,24 +152,35 @@ struct Q4 {
   static void minimum(const uint8_t* r, int64_t, __m256& m0, __m256& m1) { m0 = half8(r + 32); m1 = half8(r + 48); }
 };
 
-struct Q5 {
-  static constexpr int64_t kRows = 32, kGroupRows = 32, kStep = 8, kHigh = 2 * kBlock;
+// Q5_0 (kMinimum false: the codes -16..15, stored lifted by 16) and Q5_1 (true: the codes
+// 0..31 and Q4_1's minimum, after the scale).
+template <bool kMinimum>
+struct Q5x {
+  static constexpr int64_t kRows = 32, kGroupRows = 32, kStep = 8, kHigh = (kMinimum ? 4 : 2) * kBlock;
   static constexpr int64_t kPairs = kHigh + 4 * kBlock, kRecord = kPairs + 16 * kBlock;
-  static constexpr bool kMin = false;
+  static constexpr bool kMin = kMinimum;
   static constexpr bool kTable = false;
-  static constexpr int kBits = 5, kLift = 16;
+  static constexpr int kBits = 5, kLift = kMinimum ? 0 : 16;
   static constexpr int64_t kCodesAt = kPairs, kHighAt = kHigh;
-  static void codes(const uint8_t* r, int64_t k, __m128i* q) { split_codes<1, 16>(r + kPairs, r + kHigh, k, q); }
+  static void codes(const uint8_t* r, int64_t k, __m128i* q) { split_codes<1, kLift>(r + kPairs, r + kHigh, k, q); }
   static void scale(const uint8_t* r, int64_t, __m256& s0, __m256& s1) { s0 = half8(r); s1 = half8(r + 16); }
-  static void minimum(const uint8_t*, int64_t, __m256&, __m256&) {}
+  static void minimum(const uint8_t* r, int64_t, __m256& m0, __m256& m1) {
+    if constexpr (kMinimum) {
+      m0 = half8(r + 32);
+      m1 = half8(r + 48);
+    }
+  }
 };
+using Q5 = Q5x<false>;
+using Q51 = Q5x<true>;
 
 // Q4_K and Q5_K: 8 groups of 32 k-rows, 6-bit scales and minimums (a byte each here) of the
-// super-block's d and dmin.
-template <bool kFive>
+// super-block's d and dmin; Q2_K (kGroups 16): 16 groups of 16 k-rows, 4-bit scales and
+// minimums, its 2-bit codes a nibble each.
+template <bool kFive, int64_t kGroups = 8>
 struct QK {
-  static constexpr int64_t kRows = 256, kGroupRows = 32, kStep = kFive ? 8 : 2;
-  static constexpr int64_t kSc = 4 * kBlock, kM = kSc + 8 * kBlock, kHigh = kM + 8 * kBlock;
+  static constexpr int64_t kRows = 256, kGroupRows = kRows / kGroups, kStep = kFive ? 8 : 2;
+  static constexpr int64_t kSc = 4 * kBlock, kM = kSc + kGroups * kBlock, kHigh = kM + kGroups * kBlock;
   static constexpr int64_t kPairs = kHigh + (kFive ? 32 * kBlock : 0), kRecord = kPairs + 128 * kBlock;
   static constexpr bool kMin = true;
   static constexpr bool kTable = false;
@@ -225,19 +236,6 @@ struct IQ4XS {
   static void minimum(const uint8_t*, int64_t, __m256&, __m256&) {}
 };
 
-// Q5_1: Q5_0's codes, unsigned, with Q4_1's minimum.
-struct Q51 {
-  static constexpr int64_t kRows = 32, kGroupRows = 32, kStep = 8, kHigh = 4 * kBlock;
-  static constexpr int64_t kPairs = kHigh + 4 * kBlock, kRecord = kPairs + 16 * kBlock;
-  static constexpr bool kMin = true;
-  static constexpr bool kTable = false;
-  static constexpr int kBits = 5, kLift = 0;
-  static constexpr int64_t kCodesAt = kPairs, kHighAt = kHigh;
-  static void codes(const uint8_t* r, int64_t k, __m128i* q) { split_codes<1, 0>(r + kPairs, r + kHigh, k, q); }
-  static void scale(const uint8_t* r, int64_t, __m256& s0, __m256& s1) { s0 = half8(r); s1 = half8(r + 16); }
-  static void minimum(const uint8_t* r, int64_t, __m256& m0, __m256& m1) { m0 = half8(r + 32); m1 = half8(r + 48); }
-};
-
 // Q3_K: 16 groups of 16 k-rows, signed 6-bit scales (an int8 each here) of the super-block's d;
 // the codes -4..3 lifted by 4 into a nibble.
 struct Q3K {
@@ -256,22 +254,9 @@ struct Q3K {
   static void minimum(const uint8_t*, int64_t, __m256&, __m256&) {}
 };
 
-static_assert(Q8::kRecord == 544 && Q4::kRecord == 320 && Q5::kRecord == 352);
-// Q2_K: 16 groups of 16 k-rows, 4-bit scales and minimums (a byte each here) of the
-// super-block's d and dmin; the 2-bit codes a nibble each.
-struct Q2K {
-  static constexpr int64_t kRows = 256, kGroupRows = 16, kStep = 2;
-  static constexpr int64_t kSc = 4 * kBlock, kM = kSc + 16 * kBlock, kPairs = kM + 16 * kBlock;
-  static constexpr int64_t kRecord = kPairs + 128 * kBlock;
-  static constexpr bool kMin = true;
-  static constexpr bool kTable = false;
-  static constexpr int kBits = 4, kLift = 0;
-  static constexpr int64_t kCodesAt = kPairs, kHighAt = 0;
-  static void codes(const uint8_t* r, int64_t k, __m128i* q) { nibbles(r + kPairs + k / 2 * kBlock, q[0], q[1]); }
-  static void scale(const uint8_t* r, int64_t g, __m256& s0, __m256& s1) { d_times_u8(r, r + kSc + g * kBlock, s0, s1); }
-  static void minimum(const uint8_t* r, int64_t g, __m256& m0, __m256& m1) { less_dmin_times_u8(r, r + kM + g * kBlock, m0, m1); }
-};
+using Q2K = QK<false, 16>;
 
+static_assert(Q8::kRecord == 544 && Q4::kRecord == 320 && Q5::kRecord == 352);
 static_assert(Q51::kRecord == 384 && Q3K::kRecord == 2336 && Q2K::kRecord == 2624);
 static_assert(IQ4NL::kRecord == 288 && IQ4XS::kRecord == 2208);
 static_assert(QK<false>::kRecord == 2368 && QK<true>::kRecord == 2880 && Q6K::kRecord == 3360);
