@@ -130,34 +130,23 @@ def pack_grouped(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None = 
     if fmt == "q8":
         return np.concatenate([scales, _runs(np.asarray(q, np.int8), GROUP)], axis=-1)
     if fmt == "q4":
-        codes = np.asarray(q, np.uint8)
-        if codes.max(initial=0) > 15:
-            raise ValueError("q4 codes must lie in 0..15")
         return np.concatenate([scales, _runs(np.asarray(minimum, np.float16), 1),
-                               _pairs(codes, GROUP)], axis=-1)
+                               _pairs(_in_range(q, fmt, 0, 15).astype(np.uint8), GROUP)], axis=-1)
     if fmt == "iq4nl":
-        return np.concatenate([scales, _pairs(_four_bit(q, fmt), GROUP)], axis=-1)
-    if fmt == "q51":
-        codes = np.asarray(q)
-        if codes.min(initial=0) < 0 or codes.max(initial=0) > 31:
-            raise ValueError("q51 codes must lie in 0..31")
-        codes = codes.astype(np.uint8)
-        return np.concatenate([scales, _runs(np.asarray(minimum, np.float16), 1),
-                               _plane(codes >> 4, 1, GROUP), _pairs(codes & 15, GROUP)], axis=-1)
-    if fmt != "q5":
+        return np.concatenate([scales, _pairs(_in_range(q, fmt, 0, 15).astype(np.uint8), GROUP)], axis=-1)
+    if fmt not in ("q5", "q51"):
         raise ValueError(f"pack_grouped packs q8, q4, q5, iq4nl and q51, not {fmt!r} (see pack_superblocks)")
-    q = np.asarray(q)
-    if q.min(initial=0) < -16 or q.max(initial=0) > 15:
-        raise ValueError("q5 codes must lie in -16..15")
-    codes = (q.astype(np.int16) + 16).astype(np.uint8)
-    return np.concatenate([scales, _plane(codes >> 4, 1, GROUP), _pairs(codes & 15, GROUP)], axis=-1)
+    lift = 16 if fmt == "q5" else 0  # Q5_0's codes are signed, stored lifted; Q5_1's are not
+    codes = (_in_range(q, fmt, -lift, 31 - lift).astype(np.int16) + lift).astype(np.uint8)
+    minimums = [_runs(np.asarray(minimum, np.float16), 1)] if fmt == "q51" else []
+    return np.concatenate([scales, *minimums, _plane(codes >> 4, 1, GROUP), _pairs(codes & 15, GROUP)], axis=-1)
 
 
-def _four_bit(q: np.ndarray, fmt: str) -> np.ndarray:
+def _in_range(q: np.ndarray, fmt: str, low: int, high: int) -> np.ndarray:
     codes = np.asarray(q)
-    if codes.min(initial=0) < 0 or codes.max(initial=0) > 15:
-        raise ValueError(f"{fmt} codes must lie in 0..15")
-    return codes.astype(np.uint8)
+    if codes.min(initial=0) < low or codes.max(initial=0) > high:
+        raise ValueError(f"{fmt} codes must lie in {low}..{high}")
+    return codes
 
 
 def pack_superblocks(fmt: str, q: np.ndarray, d: np.ndarray, sub_scale: np.ndarray,
@@ -229,17 +218,18 @@ def unpack_grouped(blocked: np.ndarray, n: int) -> np.ndarray:
         scale = per_sub(_unruns(blocked, 0, 1, np.float16))
         if fmt == "iq4nl":
             w = IQ4_VALUES[_unpairs(blocked, 2 * BLOCK, GROUP)].astype(f32) * scale
-        elif fmt == "q51":
-            codes = _unpairs(blocked, 8 * BLOCK, GROUP) | (_unplane(blocked, 4 * BLOCK, 1, GROUP) << 4)
-            w = codes.astype(f32) * scale + per_sub(_unruns(blocked, 2 * BLOCK, 1, np.float16))
         elif fmt == "q8":
             w = _unruns(blocked, 2 * BLOCK, GROUP, np.int8).astype(f32) * scale
         elif fmt == "q4":
             w = _unpairs(blocked, 4 * BLOCK, GROUP).astype(f32) * scale + per_sub(
                 _unruns(blocked, 2 * BLOCK, 1, np.float16))
-        else:
-            codes = _unpairs(blocked, 6 * BLOCK, GROUP) | (_unplane(blocked, 2 * BLOCK, 1, GROUP) << 4)
-            w = scale * (codes.astype(np.int8) - np.int8(16)).astype(f32)
+        else:  # q5, q51: the plane of fifth bits (after q51's minimums), then the pairs
+            at = (4 if fmt == "q51" else 2) * BLOCK
+            codes = _unpairs(blocked, at + 4 * BLOCK, GROUP) | (_unplane(blocked, at, 1, GROUP) << 4)
+            if fmt == "q51":
+                w = codes.astype(f32) * scale + per_sub(_unruns(blocked, 2 * BLOCK, 1, np.float16))
+            else:
+                w = scale * (codes.astype(np.int8) - np.int8(16)).astype(f32)
         return w[:, :n]
     per_super = rows // sub
     d = np.repeat(_unruns(blocked, 0, 1, np.float16).astype(f32), per_super, axis=0)
