@@ -11,7 +11,8 @@ Contract:
   sequence wait until the sequence completes. A byte run that can no longer become a valid
   character turns into U+FFFD as soon as that is certain, never earlier. `flush()` ends the
   stream and turns a dangling partial sequence into U+FFFD. All deltas plus `flush()` equal
-  `tokenizer.decode(ids, skip_special=skip_special)`.
+  `tokenizer.decode(ids, skip_special=skip_special)`. Special tokens named in `shown` are
+  text even when the others are skipped (Mistral's [TOOL_CALLS], for the tool-call parser).
 - `add` is O(1) per token: a table lookup and an incremental UTF-8 step; nothing is re-decoded.
 
 Non-goals: stop-string matching (the scheduler holds text back for that), and transformers'
@@ -72,19 +73,22 @@ class TokenByteStream:
     where that space is dropped.
     """
 
-    __slots__ = ("_token_bytes", "_added", "_special", "_space_mode", "_skip", "_run_start")
+    __slots__ = ("_token_bytes", "_added", "_special", "_space_mode", "_skip", "_shown", "_run_start")
 
     def __init__(self, token_bytes: Callable[[int], bytes], added_ids: Collection[int],
-                 special: Collection[int], space_mode: int, *, skip_special: bool) -> None:
+                 special: Collection[int], space_mode: int, *, skip_special: bool,
+                 shown: Collection[int] = ()) -> None:
         self._token_bytes, self._added, self._special = token_bytes, added_ids, special
         self._space_mode, self._skip, self._run_start = space_mode, skip_special, True
+        self._shown = frozenset(shown)  # special ids kept as text even when skipping the others
 
     def feed(self, token_id: int) -> bytes:
         data = self._token_bytes(token_id)  # validates the id
         if token_id in self._added or token_id in self._special:
             if self._space_mode == PREFIX_EACH and token_id in self._added:
                 self._run_start = True  # encode restarted the model after this token
-            return b"" if self._skip and token_id in self._special else data
+            skip = self._skip and token_id in self._special and token_id not in self._shown
+            return b"" if skip else data
         if self._run_start and data:
             self._run_start = False
             if self._space_mode != PREFIX_NONE and data[:1] == b" ":
@@ -95,14 +99,15 @@ class TokenByteStream:
 class ByteStreams(Protocol):
     """What a detokenizer needs of a tokenizer (`checkpoints.tokenizer.Tokenizer`)."""
 
-    def byte_stream(self, *, skip_special: bool) -> TokenByteStream: ...
+    def byte_stream(self, *, skip_special: bool, shown: Collection[int] = ()) -> TokenByteStream: ...
 
 
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas that are safe to send to a client."""
 
-    def __init__(self, tokenizer: ByteStreams, *, skip_special: bool = True) -> None:
-        self._bytes = tokenizer.byte_stream(skip_special=skip_special)
+    def __init__(self, tokenizer: ByteStreams, *, skip_special: bool = True,
+                 shown: Collection[int] = ()) -> None:
+        self._bytes = tokenizer.byte_stream(skip_special=skip_special, shown=shown)
         # With final=False, errors="replace" holds back any prefix that may still complete and
         # replaces bytes only once no continuation can make them valid (b"\xe4" then b"A").
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -247,15 +247,16 @@ class Tokenizer:
                 ids.extend(self._sp.encode(part))
         return ids
 
-    def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
-        stream = self.byte_stream(skip_special=skip_special)
+    def decode(self, ids: Sequence[int], *, skip_special: bool = False,
+               shown: Collection[int] = ()) -> str:
+        stream = self.byte_stream(skip_special=skip_special, shown=shown)
         return b"".join(stream.feed(i) for i in ids).decode("utf-8", errors="replace")
 
-    def byte_stream(self, *, skip_special: bool) -> TokenByteStream:
+    def byte_stream(self, *, skip_special: bool, shown: Collection[int] = ()) -> TokenByteStream:
         """The bytes ids contribute to text, fed one at a time: what `decode` and the
-        `IncrementalDetokenizer` read."""
+        `IncrementalDetokenizer` read; special ids in `shown` are text even when skipping."""
         return TokenByteStream(self.token_bytes, self._added_ids, self._special, self._space_mode,
-                               skip_special=skip_special)
+                               skip_special=skip_special, shown=shown)
 
     def token_bytes(self, token_id: int) -> bytes:
         if not 0 <= token_id < self.vocab_size:

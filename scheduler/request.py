@@ -90,6 +90,9 @@ class GenerationParams:
     # request ends with its final hidden states pooled (`RequestRecord.embedding`). Its prompt
     # is prefilled whole, never taken from the prefix cache, which has no hidden states.
     pooling: str | None = None
+    # Special tokens its text shows, though the others are skipped: those a chat's tool calls
+    # are written with where the parser must see them (Mistral's [TOOL_CALLS], [ARGS]).
+    shown_specials: tuple[int, ...] = ()
 
 
 def check_params(params: GenerationParams, vocab_size: int | None = None, max_logprobs: int | None = None,
@@ -142,6 +145,8 @@ def check_params(params: GenerationParams, vocab_size: int | None = None, max_lo
         raise SubmissionError(f"stop_token_ids must be at most {MAX_STOP_STRINGS} token ids of the "
                               f"model's vocabulary{f' [0, {vocab_size})' if vocab_size else ''}",
                               "stop_token_ids")
+    if not all(type(t) is int and 0 <= t < (vocab_size or 2**31) for t in params.shown_specials):
+        raise SubmissionError("shown_specials must be token ids of the model's vocabulary")
     # Stop strings are scanned on the scheduler thread for every token: bound the work.
     if len(params.stop) > MAX_STOP_STRINGS:
         raise SubmissionError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}",
@@ -360,7 +365,7 @@ class Request:
         # `text` empty (the front door spells the prompt); entry 0 stays None.
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] * len(self.prompt_ids) if params.prompt_logprobs is not None else None)
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.detok = IncrementalDetokenizer(tokenizer, shown=params.shown_specials)
         # Its place in its grammar (structured output), advanced by every token it accepts.
         self.matcher = params.grammar.matcher() if params.grammar is not None else None
         # An embedding's (`params.pooling`): the sum of the hidden states of its chunks taken so

@@ -56,8 +56,8 @@ from cadence.server.info_api import InfoAPI
 from cadence.server.metrics import Metrics
 from cadence.server.protocol import APIError
 from cadence.server.responses_api import ResponsesAPI
-from cadence.server.tool_call_parser import Delta, ToolCallParser
-from cadence.server.tool_requests import ToolRequest
+from cadence.server.tool_call_parser import Delta
+from cadence.server.tool_requests import ToolRequest, call_style
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
@@ -146,6 +146,7 @@ class Server:
                                         timeout=config.grammar_timeout)
         # Whether chat answers' reasoning is split out (`server.reasoning`).
         self.splits_reasoning = reasoning.parser_on(config.reasoning_parser, tokenizer.chat_template)
+        self.call_style = call_style(tokenizer)  # how its template writes tool calls
         self.fim = fim.FimTokens.of(tokenizer)  # None: the model cannot fill in the middle
         if self.fim is not None:  # its plain-text tokenizer, built now rather than on a request
             tokenizer.encode("", special=False)
@@ -293,7 +294,9 @@ class Server:
         groups: list[list[RequestStream]] = []
         with protocol.submission_errors():
             prompts, grammar = await self._prepare(parsed)
-            params = [dataclasses.replace(p, grammar=grammar) for p in parsed.choice_params()]
+            shown = self.call_style.shown if parsed.parses_tool_calls else ()
+            params = [dataclasses.replace(p, grammar=grammar, shown_specials=shown)
+                      for p in parsed.choice_params()]
             try:
                 for k, ids in enumerate(prompts):
                     base = request_id if k == 0 else f"{request_id}-p{k}"
@@ -415,7 +418,7 @@ class Server:
         thought_frames = [protocol.TextFrames(request_id, name, chat, created, i, reasoning=True)
                           if thinker else None for i, thinker in enumerate(thinkers)]
         logprobs = [protocol.LogprobFormat(self.tokenizer, chat, tokens_as_ids) for _ in streams]
-        parsers = [ToolCallParser(tools.names) if tools else None for _ in streams]
+        parsers = [self.call_style.parser(tools.names) if tools else None for _ in streams]
         records: list[RequestRecord | None] = [None] * len(streams)
         counted = [0] * len(streams)  # each choice's tokens so far
 

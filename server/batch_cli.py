@@ -77,8 +77,7 @@ from cadence.server.app import ServerConfig
 from cadence.server.openai_batch import Totals
 from cadence.server.embeddings_api import normalized
 from cadence.server.flags import GRAMMAR_TIMEOUT, MODEL_FLAG, POOLING, REASONING_PARSER
-from cadence.server.tool_call_parser import parse_tool_calls
-from cadence.server.tool_requests import ToolRequest
+from cadence.server.tool_requests import HERMES, CallStyle, ToolRequest, call_style
 
 _INPUT = flags.DEFINE_string("input", None, "JSONL file of requests, each with a unique id.")
 _OUTPUT = flags.DEFINE_string("output", None, "JSONL file results are appended to (resumable).")
@@ -94,6 +93,7 @@ class Job:
     id: str | int
     entry: dict[str, Any]
     tools: ToolRequest | None = None  # a chat's tools, whose calls its answer is parsed for
+    style: CallStyle = CallStyle(HERMES)  # how the model writes them
     reasoning_inside: bool | None = None  # a chat's reasoning split: `EntryRequest`'s
     openai: bool = False  # an OpenAI Batch API line (`server.openai_batch`); `id` its custom_id
 
@@ -196,7 +196,7 @@ def result_json(job: Job, record: RequestRecord) -> dict[str, Any]:
         result["reasoning_content"], result["text"] = reasoning.split_reasoning(
             record.text, job.reasoning_inside)
     if job.tools is not None:  # the answer's calls, as the chat API returns them
-        content, calls = parse_tool_calls(result["text"], job.tools.names)
+        content, calls = job.style.parse(result["text"], job.tools.names)
         if calls:
             result.update(text=content or "", tool_calls=[c.message() for c in calls],
                           finish_reason="length" if record.finish_reason == "length" else "tool_calls")
@@ -281,6 +281,7 @@ def run_own_lines(rt: runtime.Runtime, todo: list[Job], output: Path, report) ->
             invalid += 1
             continue
         job.tools, job.reasoning_inside = entry.tools, entry.reasoning_inside
+        job.style = call_style(rt.model.tokenizer)
         work.append((job, entry.ids, entry.params))
     totals = run_jobs(rt, work, output, report)
     totals.failed += invalid

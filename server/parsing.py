@@ -529,6 +529,8 @@ def to_request(
     ids = prompt_ids(text, tokenizer, max_seq_len)
     thinks = is_chat and splits_reasoning
     grammar = grammar_of(fmt, tools, tokenizer, grammars, text if thinks else None)
-    params = dataclasses.replace(params, grammar=grammar)
-    return EntryRequest(ids, params, tools if tools and tools.parses_calls else None,
+    parses = tools is not None and tools.parses_calls
+    params = dataclasses.replace(params, grammar=grammar,
+                                 shown_specials=call_style(tokenizer).shown if parses else ())
+    return EntryRequest(ids, params, tools if parses else None,
                         opens_inside(text) if thinks else None)

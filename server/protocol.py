@@ -31,7 +31,7 @@ from cadence.checkpoints.tokenizer import Tokenizer, TokenizerError
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenLogprob
 from cadence.scheduler.stream import RequestStream
 from cadence.server import guided, parsing, tool_requests
-from cadence.server.tool_call_parser import ToolCall, parse_tool_calls
+from cadence.server.tool_call_parser import ToolCall
 from cadence.server.reasoning import split_reasoning
 
 
@@ -596,7 +596,7 @@ def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Ans
     goes before each of its choices' (and with logprobs its tokens'). With `prompt_logprobs`
     (vLLM's), its prompt's ranked logprobs go in each of its choices (completions) or once in
     the response (chat). With `tools` (chat) whose calls are parsed, a choice's calls are its
-    message's `tool_calls`. `tokens_as_ids`: `LogprobFormat`'s `as_ids`. `reasoning_inside`
+    message's `tool_calls`, in the format of `tokenizer`'s template. `tokens_as_ids`: `LogprobFormat`'s `as_ids`. `reasoning_inside`
     (chat; None: not split): a choice's reasoning is split out of its text first
     (`server.reasoning`), its message's `reasoning_content`; the tools parse the rest.
     `reasoning_tokens`: usage's, over every sequence generated."""
@@ -624,7 +624,7 @@ def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Ans
                 choice = {"index": index, "message": {"role": "assistant", "content": text},
                           "finish_reason": finish_reason(record), "logprobs": lp}
                 if tools is not None and tools.parses_calls:
-                    content, calls = parse_tool_calls(text, tools.names)
+                    content, calls = tool_requests.call_style(tokenizer).parse(text, tools.names)
                     if calls:
                         choice["message"] = assistant_calls(content, calls)
                         choice["finish_reason"] = finish_reason(record, calls=True)

@@ -590,7 +590,8 @@ class _Run:
 
     def output(self) -> Output:
         tools, inside = self.parsed.tools, self.parsed.reasoning_inside
-        return Output(ToolCallParser(tools.names) if tools is not None and tools.parses_calls else None,
+        parses = tools is not None and tools.parses_calls
+        return Output(self.api.server.call_style.parser(tools.names) if parses else None,
                       None if inside is None else ReasoningParser(inside))
 
     def response(self, status: str, output: list[dict], usage: dict | None = None,

@@ -8,11 +8,23 @@
 
     content, calls = parse_tool_calls(text, names)   # a whole text, by the same code
 
-Two ways of writing a call are recognized:
+Two families of formats are recognized. The default parser reads two ways of writing a call:
 
 - Hermes / Qwen, anywhere in the text: `<tool_call>` JSON `</tool_call>`, any number of them.
 - Llama 3 JSON: the answer, after whitespace and an optional `<|python_tag|>`, starts with a
   JSON object; more may follow it, separated by whitespace or `;`. A `{` anywhere else is content.
+
+`ToolCallParser(names, mistral=True)` reads Mistral's instead, where calls follow its
+`[TOOL_CALLS]` token (the answer's text must show it: `GenerationParams.shown_specials`),
+anywhere in the text, any number of times:
+
+- a JSON list of call objects (Mistral 7B v0.3, Nemo): `[TOOL_CALLS][{"name": ..., "arguments":
+  {...}}, ...]`; bare objects without the list's brackets are read too;
+- a name and its arguments object (Mistral Small 3.2, Magistral, Devstral, Ministral 3):
+  `[TOOL_CALLS]get_weather[ARGS]{...}`, with an optional `[CALL_ID]` and id before `[ARGS]`
+  (dropped: cadence gives each call its own id). The arguments stream from their `{`.
+
+A Mistral call's id is 9 letters and digits, the only kind Mistral's templates accept back.
 
 The JSON is `{"name": <tool>, "arguments": {...}}` ("parameters" is accepted for "arguments",
 other keys are ignored, missing arguments mean `{}`). It is a call only if it parses as an object,
@@ -49,7 +61,7 @@ Contract:
   arguments (the one case where text goes out twice); the next call takes the next index, so
   `index` counts headers sent, which equals the position in `calls` unless one was abandoned.
 
-Non-goals: other formats (Mistral's [TOOL_CALLS], pythonic calls, XML-style parameters);
+Non-goals: other formats (pythonic calls, XML-style parameters);
 checking arguments against the tools' JSON schemas; tool_choice; reasoning text.
 """
 
@@ -64,6 +76,7 @@ from collections.abc import Callable, Collection
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # Mistral's special tokens
 
 _WS = " \t\n\r"  # JSON's whitespace, also what is dropped around calls
 _PAIRS = {"{": "}", "[": "]"}
@@ -74,15 +87,26 @@ _HEAD = re.compile(r'\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*("(?:[^"\\]|\\.)*")[
 
 # The parser's modes: what the start of its buffer may be.
 _START = "start"      # the answer's beginning: a Llama call may start
-_TEXT = "text"        # content, in which a `<tool_call>` may start
-_OPENING = "opening"  # just after `<tool_call>`: whitespace, then the object's `{`
+_TEXT = "text"        # content, in which a `<tool_call>` (`[TOOL_CALLS]`) may start
+_OPENING = "opening"  # just after `<tool_call>` or `[TOOL_CALLS]`: whitespace, then the object
 _SCAN = "scan"        # inside a candidate's JSON object
 _CLOSING = "closing"  # after a Hermes call: whitespace and its `</tool_call>`
-_NEXT = "next"        # after a Llama call: separators, then maybe another call
+_NEXT = "next"        # after a Llama call or a Mistral list's: separators, then maybe another
+_NAME = "name"        # a Mistral call's name, up to its `[ARGS]`
+
+# What a call's JSON object is part of: Hermes' tags, a Llama answer's start, a Mistral list,
+# or (ARGS_ONLY) no object at all: the object scanned is a Mistral call's arguments themselves.
+_HERMES, _LLAMA, _LIST, _ARGS_ONLY = "hermes", "llama", "list", "args_only"
+_NAME_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-"
 
 
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
+
+
+def new_mistral_call_id() -> str:
+    """Nine letters and digits: Mistral's templates refuse any other id in a conversation."""
+    return uuid.uuid4().hex[:9]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +134,7 @@ class Delta:
 class _Candidate:
     """A JSON object that may be a call, with what is needed to undo it if it is not."""
 
-    hermes: bool
+    kind: str            # _HERMES, _LLAMA, _LIST or _ARGS_ONLY
     keep: str            # text before the object that is plain content if this is not a call
     again: str = ""      # text before the object that is scanned again if this is not a call
     drop_ws: bool = False  # whether `again` starts right after a call
@@ -133,12 +157,15 @@ class _Candidate:
 class ToolCallParser:
     """Splits one answer, fed piece by piece, into content and tool calls (see the module doc)."""
 
-    def __init__(self, names: Collection[str], new_id: Callable[[], str] | None = None):
+    def __init__(self, names: Collection[str], new_id: Callable[[], str] | None = None, *,
+                 mistral: bool = False):
         self.names = frozenset(names)
         self.calls: list[ToolCall] = []
         self.abandoned: list[int] = []  # indexes of headers sent for calls that did not complete
-        self._new_id = new_id or new_call_id
-        self._mode = _START
+        self._new_id = new_id or (new_mistral_call_id if mistral else new_call_id)
+        self._mistral = mistral
+        self._open = TOOL_CALLS if mistral else OPEN  # the tag a call starts with in text
+        self._mode = _TEXT if mistral else _START
         self._buf = ""          # text not yet consumed by the current mode
         self._drop_ws = False   # whether `_buf` starts right after a call
         self._cand: _Candidate | None = None
@@ -147,7 +174,8 @@ class ToolCallParser:
         self._deltas: list[dict] = []
         self._finished = False
         self._modes = {_START: self._start, _TEXT: self._text, _OPENING: self._opening,
-                       _SCAN: self._scan, _CLOSING: self._closing, _NEXT: self._next}
+                       _SCAN: self._scan, _CLOSING: self._closing, _NEXT: self._next,
+                       _NAME: self._name}
 
     def feed(self, text: str) -> Delta:
         if self._finished:
@@ -189,7 +217,7 @@ class ToolCallParser:
         if j == len(buf) and not final:
             return False
         if j < len(buf) and buf[j] == "{":
-            self._cand = _Candidate(hermes=False, keep=buf[:tag_end], again=buf[tag_end:j])
+            self._cand = _Candidate(_LLAMA, keep=buf[:tag_end], again=buf[tag_end:j])
             self._buf, self._mode = buf[j:], _SCAN
         else:
             self._mode = _TEXT
@@ -203,31 +231,40 @@ class ToolCallParser:
                 self._buf = ""
                 return False
             self._drop_ws = False
-        at = buf.find(OPEN)
+        tag = self._open
+        at = buf.find(tag)
         if at >= 0:
             body = buf[:at].rstrip(_WS)
             self._emit(body)
             # The whitespace before the tag goes with the candidate: dropped if it is a call.
-            self._cand = _Candidate(hermes=True, keep=buf[len(body):at + len(OPEN)])
-            self._buf, self._mode = buf[at + len(OPEN):], _OPENING
+            self._cand = _Candidate(_HERMES if tag == OPEN else _LIST, keep=buf[len(body):at + len(tag)])
+            self._buf = buf[at + len(tag):]
+            self._mode = _OPENING
             return True
         if final:
             self._emit(buf)
             self._buf = ""
             return False
-        body = buf[:len(buf) - _partial_suffix(buf, OPEN)].rstrip(_WS)
+        body = buf[:len(buf) - _partial_suffix(buf, tag)].rstrip(_WS)
         self._emit(body)
         self._buf = buf[len(body):]
         return False
 
     def _opening(self, final: bool) -> bool:
+        """After the opening tag: whitespace, then the call object's `{`; after Mistral's
+        `[TOOL_CALLS]`, also a list's `[` before it, or a call's name instead."""
         buf, cand = self._buf, self._cand
-        j = _skip(buf, 0, _WS)
-        if j == len(buf) and not final:
+        j = k = _skip(buf, 0, _WS)
+        if self._mistral and buf[j:j + 1] == "[":
+            k = _skip(buf, j + 1, _WS)
+        if k == len(buf) and not final:
             return False
-        if j < len(buf) and buf[j] == "{":
+        if buf[k:k + 1] == "{":
+            cand.again = buf[:k]
+            self._buf, self._mode = buf[k:], _SCAN
+        elif self._mistral and k == j and buf[j:j + 1] and buf[j] in _NAME_CHARS:
             cand.again = buf[:j]
-            self._buf, self._mode = buf[j:], _SCAN
+            self._buf, self._mode = buf[j:], _NAME
         else:
             self._fail(cand)
         return True
@@ -243,16 +280,47 @@ class ToolCallParser:
         return True
 
     def _next(self, final: bool) -> bool:
+        """After a Llama call, or one in a Mistral list: separators (`;`, or `,`) and another
+        call, or (Mistral's) the list's `]`."""
         buf = self._buf
-        j = _skip(buf, 0, _WS + ";")
+        j = _skip(buf, 0, _WS + ("," if self._mistral else ";"))
         if j == len(buf) and not final:
             return False
-        if j < len(buf) and buf[j] == "{":
-            self._cand = _Candidate(hermes=False, keep="", again=buf[:j], drop_ws=True)
+        if buf[j:j + 1] == "{":
+            kind = _LIST if self._mistral else _LLAMA
+            self._cand = _Candidate(kind, keep="", again=buf[:j], drop_ws=True)
             self._buf, self._mode = buf[j:], _SCAN
         else:
-            # A `;` not followed by another call is content; the whitespace before it is not.
+            if self._mistral and buf[j:j + 1] == "]" and "," not in buf[:j]:
+                self._buf = buf[j + 1:]  # the list's end is syntax
+            # A separator not followed by another call is content; the whitespace before it is not.
             self._mode, self._drop_ws = _TEXT, True
+        return True
+
+    def _name(self, final: bool) -> bool:
+        """`name[ARGS]{`, or `name[CALL_ID]id[ARGS]{`: a call whose arguments follow; its
+        header goes out at their `{` if the name is a tool's."""
+        buf, cand = self._buf, self._cand
+        i = _skip(buf, 0, _NAME_CHARS)
+        j = i
+        if buf.startswith(CALL_ID, i):
+            j = _skip(buf, i + len(CALL_ID), _NAME_CHARS)
+        elif CALL_ID.startswith(buf[i:]) and not final:
+            return False  # (an empty rest too: the name may go on)
+        k = _skip(buf, j + len(ARGS), _WS) if buf.startswith(ARGS, j) else None
+        if k is None or k == len(buf):
+            if not final and (k is not None or ARGS.startswith(buf[j:])):
+                return False
+            self._fail(cand)
+            return True
+        name = buf[:i]
+        if buf[k] != "{" or name not in self.names:
+            self._fail(cand)
+            return True
+        cand.kind, cand.again = _ARGS_ONLY, cand.again + buf[:k]
+        cand.head_seen, cand.phase = True, "args"
+        self._header(cand, name)
+        self._buf, self._mode = buf[k:], _SCAN
         return True
 
     def _scan(self, final: bool) -> bool:
@@ -294,20 +362,25 @@ class ToolCallParser:
                 if not cand.stack or _PAIRS[cand.stack.pop()] != c:
                     end = "broken"
                     break
-                if cand.phase == "args" and len(cand.stack) == 1:
+                # The arguments close where the stack is back at the call object (or empty:
+                # Mistral's [ARGS] scans the arguments alone).
+                if cand.phase == "args" and len(cand.stack) == (0 if cand.kind == _ARGS_ONLY else 1):
                     cand.args_end = len(cand.json) + i
                     args = (cand.json + buf[:i])[cand.args_start:]
                     if _is_object(args):
                         # Committed: the call stands whatever follows its arguments.
                         cand.phase = "tail"
                         self.calls.append(ToolCall(cand.call_id, cand.name, args))
+                        if not cand.stack:  # Mistral's [ARGS]: the call ends with them
+                            end = "closed"
+                            break
                     else:
                         end = "broken"
                         break
                 elif not cand.stack:
                     end = "closed"
                     break
-            elif c == ">" and cand.hermes and \
+            elif c == ">" and cand.kind == _HERMES and \
                     (cand.json[-len(CLOSE):] + buf[max(0, i - len(CLOSE)):i]).endswith(CLOSE):
                 # A closing tag outside any string: this object is not going to close.
                 end = "broken"
@@ -337,7 +410,8 @@ class ToolCallParser:
             self._fail(cand)
         else:
             args = cand.json[cand.args_start:cand.args_end]
-            whole = end == "closed" and _call_parts(cand.json) == (cand.name, args)
+            whole = end == "closed" and (cand.kind == _ARGS_ONLY
+                                         or _call_parts(cand.json) == (cand.name, args))
             # The call stands either way; what follows its arguments is only syntax if the
             # object ended properly.
             self._after(cand, "" if whole else cand.json[cand.args_end:])
@@ -367,11 +441,12 @@ class ToolCallParser:
     def _after(self, cand: _Candidate, leftover: str) -> None:
         self._cand = None
         self._buf = leftover + self._buf
-        self._mode = _CLOSING if cand.hermes else _NEXT
+        self._mode = {_HERMES: _CLOSING, _LLAMA: _NEXT, _LIST: _NEXT}.get(cand.kind, _TEXT)
+        self._drop_ws = self._mode == _TEXT
 
     def _fail(self, cand: _Candidate) -> None:
-        """Not a call: the candidate's text is content. Everything after its opening (`<tool_call>`
-        or `<|python_tag|>`) is scanned again, as text: it may hold a real call."""
+        """Not a call: the candidate's text is content. Everything after its opening (`<tool_call>`,
+        `<|python_tag|>`, `[TOOL_CALLS]`) is scanned again, as text: it may hold a real call."""
         if cand.index is not None:
             self.abandoned.append(cand.index)
         self._emit(cand.keep)
@@ -404,11 +479,12 @@ def _one_per_index(deltas: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
-def parse_tool_calls(text: str, names: Collection[str]) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, names: Collection[str], *,
+                     mistral: bool = False) -> tuple[str | None, list[ToolCall]]:
     """A whole text -> (content, calls). Content is the text outside the calls, stripped of
     leading and trailing whitespace, None if empty. It is one feed and a finish, so streaming
     and whole parsing cannot disagree."""
-    parser = ToolCallParser(names)
+    parser = ToolCallParser(names, mistral=mistral)
     content = parser.feed(text).content + parser.finish().content
     return content.strip() or None, list(parser.calls)
 

@@ -3,8 +3,9 @@ the prompt that shows a model its tools, and the grammar that makes it call one.
 
     tools = parse_tools(body)                        # None without tools; SubmissionError by field
     messages, shown = template_inputs(messages, tokenizer, tools)   # what the template renders
-    spec = tools.grammar(call_style(tokenizer))      # "required" / a named function: a Lark spec
-    content, calls = tool_call_parser.parse_tool_calls(answer, tools.names)   # the answer's calls
+    style = call_style(tokenizer)                    # how the model's template writes calls
+    spec = tools.grammar(style)                      # "required" / a named function: a Lark spec
+    content, calls = style.parse(answer, tools.names)   # the answer's calls
 
 A chat template that speaks of `tools` (Qwen2, Llama 3.1, Hermes...) renders them itself, from
 OpenAI's shapes, as Hugging Face's transformers passes them; earlier assistant turns' calls go
@@ -14,8 +15,13 @@ have seen: a system section listing the tools inside <tools></tools>, each earli
 <tool_call> block in its assistant turn, and each tool result as a user turn inside
 <tool_response></tool_response>.
 
+A Mistral template (one that writes `[TOOL_CALLS]`) has its own call format, in two versions
+(`MISTRAL`, `MISTRAL_ARGS`), written with special tokens that the answer's text then shows
+(`CallStyle.shown`), and call ids of 9 letters and digits, which it checks: ids a conversation
+brings in another shape (OpenAI's `call_...`) are given one, the same for a call and its result.
+
 `tool_choice` "auto" (the default with tools) leaves the model free and finds calls in what it
-writes (`server.tool_call_parser`, both the Hermes style and Llama 3's JSON); "required" and a named
+writes (`server.tool_call_parser`: both the Hermes style and Llama 3's JSON, or Mistral's); "required" and a named
 function constrain its answer with a grammar over the call format the template implies (one or
 more calls, or one with `parallel_tool_calls: false` or a named function), with each call's
 arguments valid against that function's parameters; "none" renders the tools and parses nothing.
@@ -24,19 +30,26 @@ arguments valid against that function's parameters; "none" renders the tools and
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
+from collections.abc import Collection
 from typing import Any
 
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.grammar import JSON_LAYOUT, Lark, closed_schema, map_schema
 from cadence.server.client_json import TooDeep, load_json
+from cadence.server.tool_call_parser import (ARGS, CALL_ID, TOOL_CALLS, ToolCall, ToolCallParser,
+                                             parse_tool_calls)
 
 MAX_TOOLS = 128  # OpenAI's limit
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's function names
 CHOICES = ("none", "auto", "required")
-HERMES, LLAMA3_JSON = "hermes", "llama3_json"  # the call formats `call_style` tells apart
+# The call formats `call_style` tells apart: Hermes' <tool_call> blocks, Llama 3's JSON,
+# Mistral's list after [TOOL_CALLS] (7B v0.3, Nemo) and its [TOOL_CALLS]name[ARGS]{...} (v11+).
+HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS = "hermes", "llama3_json", "mistral", "mistral_args"
+MISTRAL_ID = re.compile(r"[a-zA-Z0-9]{9}")  # the only call ids Mistral's templates take
 
 # cadence's own tool section, for templates that render no tools themselves.
 _TOOL_SECTION = """You may call these functions, each described by a JSON object on its own line:
@@ -87,12 +100,19 @@ class ToolRequest:
         """"required", or a named function: the answer is calls, which a grammar enforces."""
         return self.choice in ("required", "function")
 
-    def grammar(self, style: str) -> Lark | None:
+    def grammar(self, style: CallStyle) -> Lark | None:
         """The grammar that enforces "required" or a named function's call: None otherwise."""
         if not self.forces_call:
             return None
         tools = [t for t in self.tools if self.choice == "required" or t.name == self.function]
-        key = "parameters" if style == LLAMA3_JSON else "arguments"
+        many = self.parallel and self.choice == "required"
+        if style.name == MISTRAL_ARGS:  # the name outside the JSON: each tool's own arguments
+            options = " | ".join(
+                f'"{t.name}" {style.token(ARGS)} %json '
+                + json.dumps({**closed_schema(t.parameters), "x-guidance": JSON_LAYOUT})
+                for t in tools)
+            return Lark(f"start: call{'+' if many else ''}\ncall: {style.token(TOOL_CALLS)} ({options})\n")
+        key = "parameters" if style.name == LLAMA3_JSON else "arguments"
         # Each tool's parameters keep their own schema root: they sit under the call's $defs,
         # and their references into themselves ("#/$defs/Person", "#") are moved with them.
         roots = {f"tool_{i}": _rooted(closed_schema(t.parameters), f"#/$defs/tool_{i}")
@@ -103,9 +123,11 @@ class ToolRequest:
                    for t, root in zip(tools, roots)]
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         call = f"%json {json.dumps({**schema, '$defs': roots, 'x-guidance': JSON_LAYOUT})}"
-        if style == LLAMA3_JSON:  # Llama 3.1's format has one call per answer
+        if style.name == LLAMA3_JSON:  # Llama 3.1's format has one call per answer
             return Lark(f"start: {call}\n")
-        many = self.parallel and self.choice == "required"
+        if style.name == MISTRAL:
+            calls = 'call (", " call)*' if many else "call"
+            return Lark(f'start: {style.token(TOOL_CALLS)} "[" {calls} "]"\ncall: {call}\n')
         start = 'start: call ("\\n" call)*' if many else "start: call"
         return Lark(f'{start}\ncall: "<tool_call>\\n" {call} "\\n</tool_call>"\n')
 
@@ -192,13 +214,49 @@ def template_renders_tools(tokenizer: Tokenizer) -> bool:
     return "tools" in (tokenizer.chat_template or "")
 
 
-def call_style(tokenizer: Tokenizer) -> str:
-    """The call format the model's template teaches: Llama 3's JSON ({"name", "parameters"})
-    where the template speaks of it, else Hermes' <tool_call> blocks (cadence's own too)."""
+@dataclasses.dataclass(frozen=True)
+class CallStyle:
+    """A call format (`call_style`), and the special tokens its calls are written with, by text
+    and id: Mistral's, which the answer's text must show (`shown`) for its calls to be found."""
+
+    name: str
+    markers: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def mistral(self) -> bool:
+        return self.name in (MISTRAL, MISTRAL_ARGS)
+
+    @property
+    def shown(self) -> tuple[int, ...]:
+        """The ids `GenerationParams.shown_specials` takes for an answer whose calls are parsed."""
+        return tuple(sorted(i for _, i in self.markers))
+
+    def token(self, text: str) -> str:
+        """A marker as llguidance's Lark matches the token itself: `<[id]>`."""
+        return f"<[{dict(self.markers)[text]}]>"
+
+    def parser(self, names: Collection[str]) -> ToolCallParser:
+        return ToolCallParser(names, mistral=self.mistral)
+
+    def parse(self, text: str, names: Collection[str]) -> tuple[str | None, list[ToolCall]]:
+        """A whole answer -> (content, calls) (`tool_call_parser.parse_tool_calls`)."""
+        return parse_tool_calls(text, names, mistral=self.mistral)
+
+
+def call_style(tokenizer: Tokenizer) -> CallStyle:
+    """The call format the model's template teaches: Mistral's where it writes `[TOOL_CALLS]`
+    (a special token of the vocabulary), with a name and `[ARGS]` where it writes that too;
+    Llama 3's JSON ({"name", "parameters"}) where the template speaks of it; else Hermes'
+    <tool_call> blocks (cadence's own too)."""
     template = tokenizer.chat_template or ""
+    markers = tuple((text, i) for text in (TOOL_CALLS, ARGS, CALL_ID)
+                    if text in template and (i := tokenizer.token_id(text)) is not None
+                    and tokenizer.is_special(i))
+    if markers and markers[0][0] == TOOL_CALLS:
+        return CallStyle(MISTRAL_ARGS if ARGS in dict(markers) else MISTRAL, markers)
     if "<tool_call>" not in template and ("<|python_tag|>" in template or '"parameters"' in template):
-        return LLAMA3_JSON
-    return HERMES
+        return CallStyle(LLAMA3_JSON)
+    return CallStyle(HERMES)
 
 
 def template_inputs(messages: list[dict], tokenizer: Tokenizer,
@@ -209,6 +267,8 @@ def template_inputs(messages: list[dict], tokenizer: Tokenizer,
     OpenAI's shapes; for one that does not, the conversation rewritten in cadence's Hermes
     rendering (a tool section in the system turn, calls and results as text), and no tools."""
     if template_renders_tools(tokenizer):
+        if call_style(tokenizer).mistral:
+            messages = [_with_mistral_ids(m) for m in messages]
         return [_with_argument_objects(m) for m in messages], (
             [t.openai() for t in tools.tools] if tools else None)
     out = []
@@ -254,4 +314,22 @@ def _with_argument_objects(message: dict) -> dict:
     if not message.get("tool_calls"):
         return message
     calls = [{**c, "function": {**c["function"], "arguments": _arguments(c)}} for c in message["tool_calls"]]
+    return {**message, "tool_calls": calls}
+
+
+def mistral_id(call_id: Any) -> Any:
+    """A call id as a Mistral template takes it: 9 letters and digits as they are, any other
+    string turned into 9 hex digits of its hash (the same for a call and its result's
+    `tool_call_id`); what is not a string is left for the template to refuse."""
+    if not isinstance(call_id, str) or MISTRAL_ID.fullmatch(call_id):
+        return call_id
+    return hashlib.sha256(call_id.encode("utf-8")).hexdigest()[:9]
+
+
+def _with_mistral_ids(message: dict) -> dict:
+    if message.get("role") == "tool" and "tool_call_id" in message:
+        return {**message, "tool_call_id": mistral_id(message["tool_call_id"])}
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**c, "id": mistral_id(c["id"])} if "id" in c else c for c in message["tool_calls"]]
     return {**message, "tool_calls": calls}

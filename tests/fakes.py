@@ -38,12 +38,12 @@ from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import RequestStream, Scheduler, SchedulerConfig
 
-# --- a byte-level tokenizer: id b is byte b, then three special tokens --------------------------
+# --- a byte-level tokenizer: id b is byte b, then three special tokens (and any more) -------------
 
 
-def _byte_tokenizer() -> Tokenizer:
+def byte_tokenizer(more_specials: tuple[str, ...] = ()) -> Tokenizer:
     byte_char = {byte_level_piece_bytes(c)[0]: c for c in ByteLevel.alphabet()}
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *more_specials]
     return Tokenizer.from_gguf_fields({
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.tokens": [byte_char[b] for b in range(256)] + specials,
@@ -55,7 +55,7 @@ def _byte_tokenizer() -> Tokenizer:
     })
 
 
-TOK = _byte_tokenizer()
+TOK = byte_tokenizer()
 EOS = 258
 ALPHABET = [ord(c) for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"]
 
@@ -114,13 +114,14 @@ class FakeEngine:
                  script: dict[tuple[int, ...], list[int]] | None = None, eos_one_in: int = 0,
                  decode_delay: float = 0.0, decode_steps: int = 1, speculative_tokens: int = 0,
                  speculative_batch: int = 4, quoting: bool = False,
-                 device_seconds: Callable[[list, int], float] | None = None):
+                 device_seconds: Callable[[list, int], float] | None = None,
+                 vocab_size: int = TOK.vocab_size):
         self.config = EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len,
                                    prefill_chunk=prefill_chunk, page_size=page_size,
                                    num_pages=num_pages, decode_steps=decode_steps,
                                    structured_output=True, speculative_tokens=speculative_tokens,
                                    speculative_batch=speculative_batch)
-        self.model_config = dataclasses.replace(TINY, vocab_size=TOK.vocab_size,
+        self.model_config = dataclasses.replace(TINY, vocab_size=vocab_size,
                                                 max_context=max_seq_len)
         self.compilations_after_warmup = 0
         self.num_pages = self.config.pool_pages

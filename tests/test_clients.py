@@ -20,7 +20,7 @@ import pytest
 
 from cadence.scheduler.grammar import JSON_SAFE_INTEGER, GrammarCompiler, JsonSchema, closed_schema
 from cadence.server.tool_call_parser import parse_tool_calls
-from cadence.server.tool_requests import HERMES, parse_tools
+from cadence.server.tool_requests import HERMES, CallStyle, parse_tools
 from tests.conftest import SERVING_ENGINE, serve_tiny
 
 NAMES = ("tiny", "tiny-alias")
@@ -109,7 +109,7 @@ def test_forced_calls_of_nested_models_walk_to_valid_arguments(tiny_tokenizer):
     tools = parse_tools({"tools": [openai.pydantic_function_tool(Team), openai.pydantic_function_tool(Ln)],
                          "tool_choice": "required", "parallel_tool_calls": False})
     compiler = GrammarCompiler(tiny_tokenizer, tiny_tokenizer.vocab_size)
-    grammar = compiler.compile(tools.grammar(HERMES))
+    grammar = compiler.compile(tools.grammar(CallStyle(HERMES)))
     rng = np.random.default_rng(0)
     row = np.zeros((tiny_tokenizer.vocab_size + 31) // 32, np.int32)
     complete = 0

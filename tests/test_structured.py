@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import httpx
 import jsonschema
@@ -14,8 +15,8 @@ import pytest
 from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine
 from cadence.server import parsing
-from cadence.server.tool_requests import HERMES, LLAMA3_JSON, call_style, parse_tools
-from tests.fakes import EOS, TOK, FakeEngine
+from cadence.server.tool_requests import HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, call_style, parse_tools
+from tests.fakes import EOS, TOK, FakeEngine, byte_tokenizer
 from tests.conftest import serve_tiny as serve
 from tests.structured_cases import SCHEMAS, TOOLS, assembled, check_calls, schema_format
 
@@ -257,7 +258,7 @@ def with_template(template: str):
 
 def test_a_template_that_knows_tools_renders_them_itself():
     tokenizer = with_template(HERMES_TEMPLATE)
-    assert call_style(tokenizer) == HERMES
+    assert call_style(tokenizer).name == HERMES
     messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}]}]
     prompt = parsing.render_chat(messages, tokenizer, parse_tools({"tools": TOOLS}))
@@ -270,7 +271,7 @@ def test_a_llama_style_template_gets_its_call_format_forced_and_parsed():
     """Where the template teaches Llama 3's JSON, a forced call is written that way (one call,
     "parameters"), and comes back as a call, whole and streamed."""
     tokenizer = with_template(LLAMA_TEMPLATE)
-    assert call_style(tokenizer) == LLAMA3_JSON
+    assert call_style(tokenizer).name == LLAMA3_JSON
     with serve(FakeEngine(num_slots=2, max_seq_len=2048, page_size=16), tokenizer) as base:
         body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 300}
         choice = post(base, body).json()["choices"][0]
@@ -281,3 +282,131 @@ def test_a_llama_style_template_gets_its_call_format_forced_and_parsed():
     check_calls(calls, {"get_weather", "get_time"})
     assert [(c["name"], c["arguments"]) for c in streamed["calls"].values()] == [
         (calls[0]["function"]["name"], calls[0]["function"]["arguments"])]
+
+
+# Mistral's formats: templates of the kinds Mistral 7B v0.3 / Nemo's (a JSON list after
+# [TOOL_CALLS]) and Small 3.2's are ([TOOL_CALLS]name[ARGS]{...}), over a vocabulary that has
+# their special tokens. Both check call ids as Mistral's do: 9 characters, or an exception.
+MISTRAL_TOK = byte_tokenizer(("[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                              "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[ARGS]", "[CALL_ID]"))
+_NINE = '{%- if x | length != 9 %}{{ raise_exception("Tool call IDs should be 9 characters") }}{% endif %}'
+_MISTRAL_HEAD = (
+    "{{- bos_token }}{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{%- for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{%- elif m.role == 'tool' %}{% set x = m.tool_call_id %}" + _NINE +
+    "[TOOL_RESULTS]{{ m.tool_call_id }}: {{ m.content }}[/TOOL_RESULTS]"
+    "{%- elif m.tool_calls %}")
+MISTRAL_TEMPLATES = {
+    "mistral": _MISTRAL_HEAD + (
+        "[TOOL_CALLS][{% for c in m.tool_calls %}{% set x = c.id %}" + _NINE +
+        '{"name": {{ c.function.name | tojson }}, "arguments": {{ c.function.arguments | tojson }}, '
+        '"id": "{{ c.id }}"}{{ ", " if not loop.last }}{% endfor %}]{{ eos_token }}'
+        "{%- else %}{{ m.content }}{{ eos_token }}{% endif %}{% endfor %}"),
+    "mistral_args": _MISTRAL_HEAD + (
+        "{%- for c in m.tool_calls %}{% set x = c.id %}" + _NINE +
+        "[TOOL_CALLS]{{ c.function.name }}[CALL_ID]{{ c.id }}[ARGS]{{ c.function.arguments | tojson }}"
+        "{%- endfor %}{{ eos_token }}{% else %}{{ m.content }}{{ eos_token }}{% endif %}{% endfor %}"),
+}
+WRITTEN_BY_MISTRAL = {
+    "mistral": 'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
+               '{"name": "get_time", "arguments": {}}]',
+    "mistral_args": 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "c"}'
+                    '[TOOL_CALLS]get_time[CALL_ID]abc123XYZ[ARGS]{}',
+}
+
+
+def mistral_tokenizer(style: str):
+    tokenizer = copy.copy(MISTRAL_TOK)
+    tokenizer.chat_template = MISTRAL_TEMPLATES[style]
+    return tokenizer
+
+
+def mistral_engine(**kw) -> FakeEngine:
+    return FakeEngine(num_slots=2, max_seq_len=2048, page_size=16, vocab_size=MISTRAL_TOK.vocab_size, **kw)
+
+
+@pytest.mark.parametrize("style", [MISTRAL, MISTRAL_ARGS])
+def test_mistral_templates_are_told_apart_by_their_tokens(style):
+    found = call_style(mistral_tokenizer(style))
+    assert found.name == style and found.mistral
+    markers = ["[TOOL_CALLS]"] + (["[ARGS]", "[CALL_ID]"] if style == MISTRAL_ARGS else [])
+    assert found.shown == tuple(sorted(MISTRAL_TOK.token_id(m) for m in markers))
+    # The same template over a vocabulary without the tokens is no Mistral model's.
+    assert call_style(with_template(MISTRAL_TEMPLATES[style])).name == HERMES
+    # The batch job's and CLI's requests show them too, where the calls are parsed.
+    for choice, shown in [("auto", found.shown), ("none", ())]:
+        entry = parsing.to_request({"messages": ASK, "tools": TOOLS, "tool_choice": choice},
+                                   mistral_tokenizer(style))
+        assert entry.params.shown_specials == shown
+
+
+@pytest.mark.parametrize("style", [MISTRAL, MISTRAL_ARGS])
+def test_calls_a_mistral_model_writes_come_back_as_tool_calls(style):
+    """[TOOL_CALLS] and [ARGS] are special tokens, which an answer's text skips; with tools its
+    text shows them to the parser, and the calls come back (with 9-character ids), whole and
+    streamed. Without tools the same answer is plain text without them."""
+    tokenizer = mistral_tokenizer(style)
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 400}
+    script = {}
+    for tools in (True, False):
+        prompt = tokenizer.encode(parsing.render_chat(ASK, tokenizer, parse_tools(body) if tools else None))
+        script[tuple(prompt)] = tokenizer.encode(WRITTEN_BY_MISTRAL[style]) + [EOS]
+    with serve(mistral_engine(script=script), tokenizer) as base:
+        whole = post(base, body).json()["choices"][0]
+        streamed = assembled(stream(base, body))[0]
+        plain = post(base, {k: v for k, v in body.items() if k != "tools"}).json()["choices"][0]
+    expected = [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {})]
+    calls = whole["message"]["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == expected
+    assert all(re.fullmatch(r"[a-zA-Z0-9]{9}", c["id"]) for c in calls)
+    assert whole["finish_reason"] == streamed["finish"] == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"].values()] == expected
+    assert whole["message"]["content"] == streamed["content"] == "Checking."
+    assert "[TOOL_CALLS]" not in plain["message"]["content"] and "tool_calls" not in plain["message"]
+    assert plain["message"]["content"].startswith("Checking.")
+
+
+@pytest.mark.parametrize("style", [MISTRAL, MISTRAL_ARGS])
+def test_forced_mistral_calls_are_written_with_its_tokens(style):
+    """"required" and a named function: the grammar writes the calls as the template does,
+    special tokens and all, and they come back as calls with ids the template takes back: the
+    next turn, with each call's result, renders."""
+    tokenizer = mistral_tokenizer(style)
+    with serve(mistral_engine(), tokenizer) as base:
+        for extra, names, most in [({"tool_choice": "required"}, {"get_weather", "get_time"}, None),
+                                   ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+                                    {"get_time"}, 1)]:
+            body = {"messages": ASK, "tools": TOOLS, "max_tokens": 400, **extra}
+            choice = post(base, body).json()["choices"][0]
+            streamed = assembled(stream(base, body))[0]
+            assert choice["finish_reason"] == streamed["finish"] == "tool_calls", choice
+            calls = choice["message"]["tool_calls"]
+            check_calls(calls, names)
+            assert most is None or len(calls) == most
+            assert [(c["name"], c["arguments"]) for c in streamed["calls"].values()] == [
+                (c["function"]["name"], c["function"]["arguments"]) for c in calls]
+            results = [{"role": "tool", "tool_call_id": c["id"], "content": "22 C"} for c in calls]
+            turn = ASK + [choice["message"]] + results
+            prompt = parsing.render_chat(turn, tokenizer, parse_tools({"tools": TOOLS}))
+            assert all(f"[TOOL_RESULTS]{c['id']}: 22 C" in prompt for c in calls)
+
+
+def test_other_servers_call_ids_are_given_mistral_ones_consistently():
+    """A conversation whose ids a Mistral template would refuse (OpenAI's `call_...`) renders,
+    each call and its result under the same 9-character id; ids it takes are kept."""
+    tokenizer = mistral_tokenizer(MISTRAL)
+    calls = [{"id": "call_Xy12abcdefghijklmnop", "type": "function",
+              "function": {"name": "get_time", "arguments": "{}"}},
+             {"id": "k3Lm9Pq2R", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+    turn = ASK + [{"role": "assistant", "content": None, "tool_calls": calls},
+                  {"role": "tool", "tool_call_id": calls[0]["id"], "content": "noon"},
+                  {"role": "tool", "tool_call_id": "k3Lm9Pq2R", "content": "rain"}]
+    prompt = parsing.render_chat(turn, tokenizer, parse_tools({"tools": TOOLS}))
+    first = re.search(r'"name": "get_time", "arguments": \{\}, "id": "([a-zA-Z0-9]{9})"', prompt)[1]
+    assert first != "call_Xy12" and f"[TOOL_RESULTS]{first}: noon" in prompt
+    assert '"id": "k3Lm9Pq2R"' in prompt and "[TOOL_RESULTS]k3Lm9Pq2R: rain" in prompt
+    # The same conversation with ids the template cannot take is a 400, not a 500.
+    short = [{**turn[1], "tool_calls": [{**calls[0], "id": 7}]}]
+    with serve(mistral_engine(), tokenizer) as base:
+        response = post(base, {"messages": ASK + short, "tools": TOOLS, "max_tokens": 2})
+    assert response.status_code == 400, response.text

@@ -81,6 +81,10 @@ def test_special_tokens_in_text_are_single_ids(bpe):
     assert ids[0] == start[0] and end[0] in ids
     assert bpe.decode(ids, skip_special=True) == "user\nHi\n"
     assert bpe.token_bytes(start[0]) == b"<|im_start|>"
+    # A special token that is `shown` is text while the others are skipped, streamed or not.
+    assert bpe.decode(ids, skip_special=True, shown=end) == "user\nHi<|im_end|>\n"
+    detok = IncrementalDetokenizer(bpe, shown=end)
+    assert "".join(detok.add(i) for i in ids) + detok.flush() == "user\nHi<|im_end|>\n"
 
 
 def test_token_bytes_undo_the_byte_map(bpe):

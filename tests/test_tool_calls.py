@@ -1,4 +1,5 @@
-"""Tool-call parsing (server/tool_call_parser.py): both styles, whole and streamed, in any split."""
+"""Tool-call parsing (server/tool_call_parser.py): Hermes, Llama 3 and Mistral calls, whole and
+streamed, in any split."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cadence.server.tool_call_parser import (CLOSE, OPEN, PYTHON_TAG, Delta, ToolCall, ToolCallParser,
-                                       parse_tool_calls)
+from cadence.server.tool_call_parser import (ARGS, CALL_ID, CLOSE, OPEN, PYTHON_TAG, TOOL_CALLS, Delta,
+                                             ToolCall, ToolCallParser, parse_tool_calls)
 
 NAMES = {"get_weather", "get_time"}
 WS = " \t\n\r"
@@ -22,8 +23,8 @@ def counter_ids():
     return lambda: f"call_{next(counter):024x}"
 
 
-def stream(text: str, names=NAMES, cuts=()) -> tuple[ToolCallParser, list[Delta]]:
-    parser = ToolCallParser(names, new_id=counter_ids())
+def stream(text: str, names=NAMES, cuts=(), mistral=False) -> tuple[ToolCallParser, list[Delta]]:
+    parser = ToolCallParser(names, new_id=counter_ids(), mistral=mistral)
     bounds = sorted(set(cuts) | {0, len(text)})
     deltas = [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])]
     return parser, deltas + [parser.finish()]
@@ -51,13 +52,13 @@ def collect(deltas: list[Delta]) -> tuple[str, list[tuple[str, str, str]]]:
     return content, [tuple(call) for call in calls]
 
 
-def check(text: str, names=NAMES, extra_cuts=()) -> tuple[str, list[ToolCall]]:
+def check(text: str, names=NAMES, extra_cuts=(), mistral=False) -> tuple[str, list[ToolCall]]:
     """Parses `text` whole, one character at a time and in the given splits; they must agree.
     Returns the streamed content (unstripped) and the calls."""
     splits = [(), range(1, len(text)), *extra_cuts]
     results = []
     for cuts in splits:
-        parser, deltas = stream(text, names, cuts)
+        parser, deltas = stream(text, names, cuts, mistral)
         content, streamed = collect(deltas)
         live = [call for i, call in enumerate(streamed) if i not in parser.abandoned]
         assert [(c.id, c.name, c.arguments) for c in parser.calls] == live
@@ -65,7 +66,7 @@ def check(text: str, names=NAMES, extra_cuts=()) -> tuple[str, list[ToolCall]]:
             assert isinstance(json.loads(call.arguments), dict)
         results.append((content, [(c.name, c.arguments) for c in parser.calls], parser.abandoned))
     assert all(result == results[0] for result in results)
-    whole_content, whole_calls = parse_tool_calls(text, names)
+    whole_content, whole_calls = parse_tool_calls(text, names, mistral=mistral)
     assert whole_content == (results[0][0].strip() or None)
     assert [(c.name, c.arguments) for c in whole_calls] == results[0][1]
     return results[0][0], parser.calls
@@ -277,6 +278,82 @@ def test_no_tools_means_no_calls():
     assert parse_tool_calls(text, ()) == (text, [])
 
 
+# Mistral
+
+
+def test_mistral_list_of_calls():
+    content, calls = check('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                           '{"name": "get_time", "arguments": {}}]', mistral=True)
+    assert content == ""
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}'),
+                                                      ("get_time", "{}")]
+
+
+def test_mistral_calls_after_content_and_bare_objects():
+    content, calls = check('Let me look. [TOOL_CALLS] {"name": "get_time", "arguments": {"z": [1]}}\n'
+                           '{"name": "get_weather", "arguments": {}} done', mistral=True)
+    assert content == "Let me look.done"
+    assert [(c.name, c.arguments) for c in calls] == [("get_time", '{"z": [1]}'), ("get_weather", "{}")]
+
+
+def test_mistral_name_and_args_calls_stream_their_arguments():
+    text = (f'{TOOL_CALLS}get_weather{ARGS}{{"city": "Paris", "days": [1, 2]}}'
+            f'{TOOL_CALLS}get_time{CALL_ID}a1B2c3D4e{ARGS} {{}}')
+    content, calls = check(text, mistral=True)
+    assert content == ""
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris", "days": [1, 2]}'),
+                                                      ("get_time", "{}")]
+    parser = ToolCallParser(NAMES, new_id=counter_ids(), mistral=True)
+    assert parser.feed(f'{TOOL_CALLS}get_weather{ARGS}{{"city": "Pa').tool_calls == [
+        {"index": 0, "id": "call_" + "0" * 24, "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Pa'}}]
+    assert parser.feed('ris"} ok').tool_calls == [{"index": 0, "function": {"arguments": 'ris"}'}}]
+
+
+@pytest.mark.parametrize("text", [
+    f'{TOOL_CALLS}[{{"name": "nope", "arguments": {{}}}}]',
+    f'{TOOL_CALLS}nope{ARGS}{{"a": 1}} and more',
+    f'{TOOL_CALLS}get_time{ARGS}"not an object"',
+    f'{TOOL_CALLS}get_time [ARGS]{{}}',
+    f'{TOOL_CALLS}"get_time"',
+    f'{TOOL_CALLS}[]',
+    f'{TOOL_CALLS}',
+    f'{TOOL_CALLS}get_time{CALL_ID}',
+    'plain text with a [TOOL bracket',
+    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',  # Hermes' is not Mistral's
+    '{"name": "get_time", "arguments": {}}',  # nor is Llama's
+])
+def test_mistral_not_calls_are_content_exactly(text):
+    content, calls = check(text, mistral=True)
+    assert calls == [] and content == text
+
+
+def test_a_mistral_list_that_ends_badly_keeps_what_is_not_syntax():
+    content, calls = check(f'{TOOL_CALLS}[{{"name": "get_time", "arguments": {{}}}}, ] x', mistral=True)
+    assert [c.name for c in calls] == ["get_time"] and content == ", ] x"
+    content, calls = check(f'{TOOL_CALLS}[{{"name": "get_time", "arguments": {{}}}}; y', mistral=True)
+    assert [c.name for c in calls] == ["get_time"] and content == "; y"
+
+
+def test_mistral_calls_are_content_to_the_default_parser():
+    text = f'{TOOL_CALLS}[{{"name": "get_time", "arguments": {{}}}}]'
+    assert parse_tool_calls(text, NAMES) == (text, [])
+
+
+def test_mistral_broken_arguments_abandon_the_call_and_keep_the_text():
+    text = f'{TOOL_CALLS}get_weather{ARGS}{{"city": ]'
+    parser, deltas = stream(text, mistral=True)
+    content, sent = collect(deltas)
+    assert parser.calls == [] and parser.abandoned == [0] and sent[0][1] == "get_weather"
+    assert content == text
+
+
+def test_mistral_ids_are_nine_letters_and_digits():
+    _, calls = parse_tool_calls(f"{TOOL_CALLS}get_time{ARGS}{{}}" * 3, NAMES, mistral=True)
+    assert len(calls) == 3 and len({c.id for c in calls}) == 3
+    assert all(re.fullmatch(r"[a-zA-Z0-9]{9}", c.id) for c in calls)
+
+
 def test_ids_and_message_shape():
     _, calls = parse_tool_calls('<tool_call>{"name": "get_time"}</tool_call>' * 3, NAMES)
     assert all(re.fullmatch(r"call_[0-9a-f]{24}", call.id) for call in calls)
@@ -353,6 +430,43 @@ def answers(draw):
         text = lead + "".join(sep + call[0] for sep, call in zip(["", *seps], calls)) + trailing
         expected = trailing.lstrip(WS)
     return text, expected, [call[1:] for call in calls]
+
+
+@st.composite
+def mistral_answers(draw):
+    """(text, expected content as streamed, expected calls), Mistral's way: content, then calls
+    after [TOOL_CALLS] (a list, bare objects, or name[ARGS]arguments), then maybe more content."""
+    pieces = [draw(mistral_text) for _ in range(3)]
+    calls, text = [], pieces[0]
+    for piece in pieces[1:]:
+        batch = draw(st.lists(calls_json(llama=False), min_size=1, max_size=3))
+        form = draw(st.sampled_from(["list", "bare", "args"]))
+        if form == "args":
+            text += "".join(TOOL_CALLS + name + draw(st.sampled_from(["", CALL_ID + "x1Y2z3W4v"]))
+                            + ARGS + draw(ws) + args for _, name, args, _ in batch)
+        else:
+            sep = "," if form == "list" else ""
+            objects = f"{sep}{draw(ws)}".join(call[0] for call in batch)
+            text += TOOL_CALLS + draw(ws) + (f"[{draw(ws)}{objects}{draw(ws)}]" if form == "list" else objects)
+        text += piece
+        calls += batch
+    expected = pieces[0].rstrip(WS) + pieces[1].strip(WS) + pieces[2].lstrip(WS)
+    return text, expected, [call[1:] for call in calls]
+
+
+mistral_text = st.lists(st.sampled_from(["Sure", " ", "\n", "[", "]", "{", "}", "TOOL", "ARGS",
+                                         "é", OPEN, "x"]), max_size=6).map("".join).filter(
+    lambda t: t.strip(WS)[:1] not in ("[", "]", "{", ",") and not t.rstrip(WS).endswith("["))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(answer=mistral_answers(), data=st.data())
+def test_generated_mistral_answers_in_random_splits(answer, data):
+    text, expected_content, expected_calls = answer
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
+    content, calls = check(text, extra_cuts=[cuts], mistral=True)
+    assert content == expected_content
+    assert [(c.name, c.arguments) for c in calls] == [(n, a) for n, a, _ in expected_calls]
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
