@@ -324,9 +324,10 @@ class Server:
                                 f"{', '.join(map(repr, self.model_names))}", param="model",
                            code="model_not_found")
 
-    def check_template(self, template: Any) -> None:
-        """A request's own chat template (its field, unparsed) is taken only where the server
-        trusts them."""
+    def check_template(self, body: Any) -> None:
+        """A request's own chat template (its body's field, before the template is parsed) is
+        taken only where the server trusts them."""
+        template = body.get("chat_template") if isinstance(body, dict) else None
         if template is not None and not self.config.trust_request_chat_template:
             raise APIError(400, '"chat_template" in a request needs a server started with '
                                 "--trust_request_chat_template; this one renders chats with its own "
@@ -336,8 +337,8 @@ class Server:
 
     async def generate(self, request: Request, chat: bool) -> Response:
         body = await self.read_body(request)
-        if chat and isinstance(body, dict):  # before its template is parsed
-            self.check_template(body.get("chat_template"))
+        if chat:
+            self.check_template(body)
         parsed = protocol.parse(body, chat, self.defaults, self.config.max_n)
         self.check_model(parsed.model)
         request_id = protocol.request_id(request.headers, "chatcmpl" if chat else "cmpl")

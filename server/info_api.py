@@ -75,8 +75,7 @@ class InfoAPI:
         prompt, with its `tools` and `chat_template_kwargs`) -> {"count", "max_model_len",
         "tokens", "token_strs"}."""
         body = await self.server.read_body(request)
-        if isinstance(body, dict):  # before its template is parsed
-            self.server.check_template(body.get("chat_template"))
+        self.server.check_template(body)
         entry = protocol.tokenize_request(body)
         self.server.check_model(entry.get("model"))
 
