@@ -123,7 +123,7 @@ def compile_counts(config, n: int, batch: int, chunk: int) -> dict[str, dict]:
     rope = jax.eval_shape(lambda: rope_table(cc, engine.max_seq_len))
     rope = jax.ShapeDtypeStruct(rope.shape, rope.dtype, sharding=tp.replicated)
     history = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=tp.replicated),
-                           jax.eval_shape(lambda: TokenHistory.create(batch, cc.vocab_size)))
+                           jax.eval_shape(lambda: TokenHistory.create(batch, cc.vocab_size, engine.max_seq_len)))
     width = engine.max_pages_per_seq
     decode = programs.decode.lower(
         params, rope, cache, last, history, np.arange(batch, dtype=np.int32), np.full(batch, 512, np.int32),

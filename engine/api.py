@@ -45,9 +45,11 @@
                                                         of a disaggregated pair: the other raises)
     engine.copy_pages(sources, targets)                 page KV onto other pages (a forked
                                                         sequence's copy of a partial page)
-    engine.set_history(slot, prompt_ids, output_ids)    the slot's token history (what penalties
-                                                        read): call it when a penalized request
-                                                        takes a slot, before its next program
+    engine.set_history(slot, prompt_ids, output_ids, window)
+                                                        the slot's token history (what penalties
+                                                        read, over the request's penalty_window):
+                                                        call it when a penalized request takes a
+                                                        slot, before its next program
     tokens.logprobs()                                   of a prefill or decode result: `HostLogprobs`
                                                         shaped like its tokens (and [..., k] for
                                                         the max_logprobs alternatives), real for
@@ -145,7 +147,8 @@ class EngineAPI(Protocol):
 
     def copy_pages(self, sources: Sequence[int], targets: Sequence[int]) -> None: ...
 
-    def set_history(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int] = ()) -> None: ...
+    def set_history(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int] = (),
+                    window: int = 0) -> None: ...
 
     def recover(self) -> None: ...
 

@@ -1,7 +1,7 @@
 """An engine's calls on its device state besides the steps: a slot's KV pages and token history.
 
     engine.copy_pages(sources, targets)         # a sequence's own copy of a cached page
-    engine.set_history(slot, prompt, output)    # penalties: what a slot has seen so far
+    engine.set_history(slot, prompt, output, window)   # penalties: what a slot has seen so far
     handle = engine.extract(pages, length, slot)      # disaggregated: a sequence's KV out,
     landed = other.receive(handle)                    # onto the other engine's device,
     other.insert(landed, pages, slot)                 # and into its pool
@@ -46,11 +46,13 @@ class KVOps:
         self._ensure("copy")
         self.cache = self._copy(self.cache, src, dst)
 
-    def set_history(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int] = ()) -> None:
+    def set_history(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int] = (),
+                    window: int = 0) -> None:
         """Makes `slot`'s token history (what presence, frequency and repetition penalties
-        read) that of a sequence with this prompt and output so far; the programs count every
-        token the slot samples after. Call it when a penalized request takes a slot, before
-        its next prefill or decode. Returns at once."""
+        read) that of a sequence with this prompt and output so far, for a request with this
+        `penalty_window` (0: none); the programs count every token the slot samples after.
+        Call it when a penalized request takes a slot, before its next prefill or decode.
+        Returns at once."""
         cfg = self.config
         if not 0 <= slot < cfg.num_slots:
             raise ValueError(f"slot {slot} is not in [0, {cfg.num_slots})")
@@ -60,7 +62,8 @@ class KVOps:
         tokens = np.full(cfg.max_seq_len, NO_TOKEN, np.int32)
         tokens[:n] = np.asarray([*prompt_ids, *output_ids], np.int32)
         self._ensure("history")
-        self.history = self._history(self.history, np.int32(slot), tokens, np.int32(len(prompt_ids)))
+        self.history = self._history(self.history, np.int32(slot), tokens, np.int32(len(prompt_ids)),
+                                     np.int32(min(window, 2**31 - 1)))
 
     def _check(self, slot: int, pages: Sequence[int], needed: int) -> None:
         """A call's slot and pages: the slot exists, and `pages` holds `needed` pages."""
@@ -131,7 +134,7 @@ class KVOps:
                                          stacked=self.stacked_layers)
         self.last_tokens = jnp.zeros((cfg.num_slots,), jnp.int32, device=self._token_at)
         self.history = TokenHistory.create(cfg.num_slots, self.model_config.vocab_size,
-                                           device=self._token_at)
+                                           cfg.max_seq_len, device=self._token_at)
         # Counted here, once: a metrics reader on another thread may otherwise meet the pool
         # between a program's donation of it and the return of its successor.
         self._kv_cache_bytes = sum(shard.data.nbytes for layer in self.cache.arrays()

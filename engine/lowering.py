@@ -101,7 +101,7 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, *, weights:
     layer = jax.ShapeDtypeStruct(PagedKVCache.shape(mc, cfg.pool_pages, cfg.page_size), pool_dtype)
     cache = PagedKVCache(k=(layer,) * mc.num_layers, v=(layer,) * mc.num_layers)
     last = jax.ShapeDtypeStruct((cfg.num_slots,), jnp.int32)
-    history = jax.eval_shape(lambda: TokenHistory.create(cfg.num_slots, mc.vocab_size))
+    history = jax.eval_shape(lambda: TokenHistory.create(cfg.num_slots, mc.vocab_size, cfg.max_seq_len))
     i32 = jax.ShapeDtypeStruct((), jnp.int32)
     out: list[Program] = []
 
@@ -162,7 +162,7 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, *, weights:
         add(f"extract[pages={width}]", "extract", cache, last, np.zeros(width, np.int32), i32)
         add(f"insert[pages={width}]", "insert", cache, last, kv, kv, np.zeros(width, np.int32),
             i32, i32)
-    add("history", "history", history, i32, np.zeros(cfg.max_seq_len, np.int32), i32)
+    add("history", "history", history, i32, np.zeros(cfg.max_seq_len, np.int32), i32, i32)
     add("copy", "copy", cache, np.zeros(cfg.num_slots, np.int32), np.zeros(cfg.num_slots, np.int32))
     return out
 

@@ -135,8 +135,8 @@ class Leader:
         return self._call("verify", positions, active, sampling, page_table, drafts, draft_lens,
                           allowed)
 
-    def set_history(self, slot, prompt_ids, output_ids=()):
-        self._call("set_history", slot, list(prompt_ids), list(output_ids))
+    def set_history(self, slot, prompt_ids, output_ids=(), window=0):
+        self._call("set_history", slot, list(prompt_ids), list(output_ids), window)
 
     def copy_pages(self, sources, targets):
         self._call("copy_pages", list(sources), list(targets))

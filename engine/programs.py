@@ -288,9 +288,9 @@ def _copy_program(cache, sources, targets, *, cpu_kernel=False):
                         v=paged_kv.copy_pages(cache.v, sources, targets, cpu_kernel=cpu_kernel))
 
 
-def _history_program(history, slot, tokens, prompt_len):
+def _history_program(history, slot, tokens, prompt_len, window):
     """Writes slot `slot`'s token history from its sequence so far (`TokenHistory.set_row`)."""
-    return history.set_row(slot, tokens, prompt_len)
+    return history.set_row(slot, tokens, prompt_len, window)
 
 
 def _extract_program(cache, last_tokens, ids, slot):

@@ -51,14 +51,19 @@ def adjusted_logits(logits: np.ndarray, sampling: RequestSampling, prompt_ids: S
     """One row's logits after `sampling`'s logit_bias, repetition penalty (HF's: over every id
     of prompt and output, a positive logit divided by it, a negative one multiplied), then
     frequency and presence penalties (OpenAI's: minus frequency x the id's count in the output,
-    minus presence if it occurs there at all)."""
+    minus presence if it occurs there at all). With a `penalty_window` of n, all three read the
+    last n tokens of prompt and output instead (llama.cpp's penalties)."""
     out = np.array(logits, np.float32)
     for token, bias in sampling.logit_bias:
         out[token] += np.float32(bias)
+    if sampling.penalty_window:
+        recent = [*prompt_ids, *output_ids][-sampling.penalty_window:]
+        seen, counts = set(recent), collections.Counter(recent)
+    else:
+        seen, counts = set(prompt_ids) | set(output_ids), collections.Counter(output_ids)
     rep = np.float32(sampling.repetition_penalty)
-    for token in set(prompt_ids) | set(output_ids):
+    for token in seen:
         out[token] = out[token] / rep if out[token] > 0 else out[token] * rep
-    counts = collections.Counter(output_ids)
     for token, n in counts.items():
         out[token] -= np.float32(sampling.frequency_penalty) * np.float32(n)
         out[token] -= np.float32(sampling.presence_penalty)

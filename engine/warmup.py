@@ -159,7 +159,8 @@ def list_programs(programs: Programs, cfg: EngineConfig, mc: ModelConfig, specs:
         add("transfer", f"insert[pages={width}]", programs.insert, cache, last, kv, kv,
             np.zeros(width, np.int32), i32,
             jax.ShapeDtypeStruct((), jnp.int32, sharding=last.sharding))
-    add("history", "history", programs.history, history, i32, np.zeros(cfg.max_seq_len, np.int32), i32)
+    add("history", "history", programs.history, history, i32, np.zeros(cfg.max_seq_len, np.int32), i32,
+        i32)
     add("copy", "copy", programs.copy, cache, np.zeros(cfg.num_slots, np.int32),
         np.zeros(cfg.num_slots, np.int32))
     return out

@@ -42,6 +42,7 @@ NO_TOKEN = 2**31 - 1
 # OpenAI's range for presence_penalty and frequency_penalty; vLLM's for repetition_penalty.
 PENALTY_RANGE = 2.0
 MAX_REPETITION_PENALTY = 2.0
+MAX_PENALTY_WINDOW = 2**31 - 1  # int32's: a window past the sequence holds all of it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,10 @@ class RequestSampling:
     # (token id, bias) pairs, ids distinct; whether an id is in the vocabulary is the
     # scheduler's check (it knows the model).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # 0: the penalties over the whole history, as OpenAI's and HF's (presence and frequency
+    # over the output, repetition over prompt and output); n > 0: llama.cpp's (its
+    # repeat_last_n), all three over the last n tokens of prompt and output.
+    penalty_window: int = 0
 
     @property
     def penalized(self) -> bool:
@@ -78,7 +83,7 @@ class RequestSampling:
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not math.isfinite(value) or abs(value) > FLOAT32_MAX):
                 raise ValueError(f"{name} must be a finite number that fits float32, got {value!r}")
-        for name in ("top_k", "seed"):
+        for name in ("top_k", "seed", "penalty_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -96,6 +101,9 @@ class RequestSampling:
             if not -PENALTY_RANGE <= getattr(self, name) <= PENALTY_RANGE:
                 raise ValueError(f"{name} must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], "
                                  f"got {getattr(self, name)}")
+        if not 0 <= self.penalty_window <= MAX_PENALTY_WINDOW:
+            raise ValueError(f"penalty_window must be in [0, {MAX_PENALTY_WINDOW}] (0: the whole "
+                             f"history), got {self.penalty_window}")
         if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 "
                              f"disables it), got {self.repetition_penalty}")
@@ -145,6 +153,7 @@ class SamplingRows:
         self.presence_penalty = np.zeros(num_slots, np.float32)
         self.frequency_penalty = np.zeros(num_slots, np.float32)
         self.repetition_penalty = np.ones(num_slots, np.float32)
+        self.penalty_window = np.zeros(num_slots, np.int32)
         self.bias_ids = np.full((num_slots, MAX_LOGIT_BIAS), NO_TOKEN, np.int32)
         self.bias_values = np.zeros((num_slots, MAX_LOGIT_BIAS), np.float32)
         self.logprobs = np.zeros(num_slots, bool)
@@ -178,6 +187,7 @@ class SamplingRows:
         self.presence_penalty[slot] = sampling.presence_penalty
         self.frequency_penalty[slot] = sampling.frequency_penalty
         self.repetition_penalty[slot] = sampling.repetition_penalty
+        self.penalty_window[slot] = sampling.penalty_window
         self.bias_ids[slot], self.bias_values[slot] = bias_ids, bias_values
         self.logprobs[slot] = logprobs
 
@@ -205,6 +215,7 @@ class SamplingParams(NamedTuple):
     presence_penalty: Any
     frequency_penalty: Any
     repetition_penalty: Any
+    penalty_window: Any
     bias_ids: Any
     bias_values: Any
     logprobs: Any

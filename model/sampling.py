@@ -13,6 +13,8 @@ greedy and sampled requests:
     min_p        [rows] f32   0 means off: drop tokens less likely than min_p x the likeliest
     presence_penalty, frequency_penalty   [rows] f32   0 means off (OpenAI's, over the output)
     repetition_penalty                    [rows] f32   1 means off (HF/vLLM's, prompt + output)
+    penalty_window  [rows] i32   0: the penalties as above; n: llama.cpp's, all three over the
+                 last n tokens of prompt and output (its repeat_last_n)
     bias_ids, bias_values  [rows, MAX_LOGIT_BIAS]  logit_bias entries (NO_TOKEN pads)
     logprobs     [rows] bool  whether the row's request asks for logprobs (`token_logprobs`)
 
@@ -55,36 +57,63 @@ from cadence.model.host_sampling import ALL_ALLOWED, NO_TOKEN, SamplingParams
 class TokenHistory:
     """What the penalties read, per slot, on the device (donated through every program):
 
-        counts  [slots, vocab] int32  how often each id was generated (the output so far)
-        prompt  [slots, vocab] bool   which ids the prompt holds
+        counts  [slots, vocab] int32  how often each id was generated (the output so far), or
+                                      for a windowed row (`penalty_window` n > 0) how often it
+                                      occurs in the last n tokens of prompt and output
+        prompt  [slots, vocab] bool   which ids the prompt holds (none for a windowed row: its
+                                      prompt is in its counts)
+        tokens  [slots, seq] int32    the sequence so far (NO_TOKEN past it), whose oldest
+                                      token leaves a window as a new one comes
+        length  [slots] int32         its length
 
-    A row is written whole when a penalized request takes its slot (`history_row`, from the
-    tokens the host knows) and then counted on: every token a penalized row samples adds one.
+    A row is written whole when a penalized request takes its slot (`set_row`, from the tokens
+    the host knows) and then counted on: every token a penalized row samples adds one (and a
+    windowed row drops the one that falls out of its window, as llama.cpp's ring does).
     Rows of other requests are neither read (their penalties are neutral) nor kept current."""
 
     counts: jax.Array
     prompt: jax.Array
+    tokens: jax.Array
+    length: jax.Array
 
     @classmethod
-    def create(cls, slots: int, vocab: int, device=None) -> TokenHistory:
+    def create(cls, slots: int, vocab: int, seq_len: int, device=None) -> TokenHistory:
         return cls(counts=jnp.zeros((slots, vocab), jnp.int32, device=device),
-                   prompt=jnp.zeros((slots, vocab), bool, device=device))
+                   prompt=jnp.zeros((slots, vocab), bool, device=device),
+                   tokens=jnp.full((slots, seq_len), NO_TOKEN, jnp.int32, device=device),
+                   length=jnp.zeros(slots, jnp.int32, device=device))
 
     def count(self, slots: jax.Array, tokens: jax.Array, params: SamplingParams) -> TokenHistory:
         """Adds `tokens` [rows] to the rows `slots` [rows] (a slot past the last drops out)
-        whose request is penalized."""
-        add = params.penalized.astype(jnp.int32)
-        return self.replace(counts=self.counts.at[slots, tokens].add(add, mode="drop"))
+        whose request is penalized; a windowed row's token `window` back leaves its counts."""
+        penalized = params.penalized
+        add = penalized.astype(jnp.int32)
+        num_slots, seq = self.tokens.shape
+        n = jnp.take(self.length, slots, mode="clip")
+        window = params.penalty_window
+        leaving = self.tokens[jnp.minimum(slots, num_slots - 1), jnp.clip(n - window, 0, seq - 1)]
+        leaves = (penalized & (window > 0) & (n >= window)).astype(jnp.int32)
+        counts = self.counts.at[slots, tokens].add(add, mode="drop")
+        into = jnp.where(penalized, slots, num_slots)  # the others' rows stay as they are
+        return self.replace(counts=counts.at[slots, leaving].add(-leaves, mode="drop"),
+                            tokens=self.tokens.at[into, n].set(tokens, mode="drop"),
+                            length=self.length.at[into].add(1, mode="drop"))
 
-    def set_row(self, slot: jax.Array, tokens: jax.Array, prompt_len: jax.Array) -> TokenHistory:
-        """Row `slot` from a sequence `tokens` [n] (NO_TOKEN pads): the first `prompt_len` are
-        the prompt, the rest output."""
+    def set_row(self, slot: jax.Array, tokens: jax.Array, prompt_len: jax.Array,
+                window: jax.Array) -> TokenHistory:
+        """Row `slot` from a sequence `tokens` [seq] (NO_TOKEN pads): the first `prompt_len` are
+        the prompt, the rest output; `window` (0: none) its request's `penalty_window`."""
         vocab = self.counts.shape[1]
-        in_prompt = jnp.arange(tokens.shape[0]) < prompt_len
-        counts = jnp.zeros(vocab, jnp.int32).at[tokens].add((~in_prompt).astype(jnp.int32), mode="drop")
-        prompt = jnp.zeros(vocab, bool).at[jnp.where(in_prompt, tokens, NO_TOKEN)].set(True, mode="drop")
+        at = jnp.arange(tokens.shape[0])
+        n = jnp.sum(tokens != NO_TOKEN, dtype=jnp.int32)
+        in_prompt = at < prompt_len
+        counted = jnp.where(window > 0, (at >= n - window) & (at < n), ~in_prompt)
+        counts = jnp.zeros(vocab, jnp.int32).at[tokens].add(counted.astype(jnp.int32), mode="drop")
+        shown = in_prompt & (window == 0)
+        prompt = jnp.zeros(vocab, bool).at[jnp.where(shown, tokens, NO_TOKEN)].set(True, mode="drop")
         return self.replace(counts=self.counts.at[slot].set(counts),
-                            prompt=self.prompt.at[slot].set(prompt))
+                            prompt=self.prompt.at[slot].set(prompt),
+                            tokens=self.tokens.at[slot].set(tokens), length=self.length.at[slot].set(n))
 
 
 def _same(x):

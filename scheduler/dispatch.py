@@ -49,7 +49,8 @@ class Dispatch:
                 continue
             if r.params.sampling.penalized:  # its slot's history, before its prefill samples
                 try:
-                    pool.engine.set_history(r.slot, r.prompt_ids, r.output_ids)
+                    pool.engine.set_history(r.slot, r.prompt_ids, r.output_ids,
+                                            r.params.sampling.penalty_window)
                 except Exception as e:  # the history buffer went into a failed program
                     logging.exception("setting %s's token history failed", r.id)
                     self._fail_pool(pool, f"{type(e).__name__}: {e}")

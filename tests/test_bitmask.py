@@ -53,7 +53,7 @@ def test_unconstrained_rows_choose_as_without_a_mask():
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.standard_normal((4, VOCAB)).astype(np.float32) * 3)
     params = SamplingParams.make([0.0, 0.9, 1.3, 0.0], [0, 20, 0, 0], [1.0, 0.8, 1.0, 1.0], [0, 7, 9, 0])
-    history = TokenHistory.create(4, VOCAB)
+    history = TokenHistory.create(4, VOCAB, 8)
     slots, step = jnp.arange(4), jnp.full(4, 5)
     plain = choose(logits, params, history, slots, step, 3)
     masked = choose(logits, params, history, slots, step, 3, jnp.asarray(all_allowed(4, VOCAB)))
@@ -68,7 +68,7 @@ def test_constrained_rows_draw_only_allowed_tokens():
     mask = jnp.asarray(bitmask_of(allowed_ids))
     temperature = [0.0 if i % 4 == 0 else 1.5 for i in range(rows)]
     params = SamplingParams.make(temperature, [0] * rows, [1.0] * rows, list(range(rows)))
-    tokens, _ = choose(logits, params, TokenHistory.create(rows, VOCAB), jnp.arange(rows),
+    tokens, _ = choose(logits, params, TokenHistory.create(rows, VOCAB, 8), jnp.arange(rows),
                        jnp.zeros(rows, jnp.int32), 0, mask)
     for row, token in enumerate(np.asarray(tokens).tolist()):
         assert token in allowed_ids[row]

@@ -82,7 +82,9 @@ def test_choose_branch_free_equals_branches(batch, constrained):
     n = len(BATCHES[batch])
     logits = jnp.asarray(rng.normal(0, 3, (n, VOCAB)), jnp.float32)
     history = TokenHistory(counts=jnp.asarray(rng.integers(0, 3, (n, VOCAB)), jnp.int32),
-                           prompt=jnp.asarray(rng.random((n, VOCAB)) < 0.1))
+                           prompt=jnp.asarray(rng.random((n, VOCAB)) < 0.1),
+                           tokens=jnp.asarray(rng.integers(0, VOCAB, (n, 16)), jnp.int32),
+                           length=jnp.full(n, 16, jnp.int32))
     allowed = np.full((n, bitmask_words(VOCAB)), ALL_ALLOWED, np.int32)
     if constrained:
         allowed[1] = rng.integers(-2**31, 2**31 - 1, allowed.shape[1], dtype=np.int64).astype(np.int32)

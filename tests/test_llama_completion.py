@@ -1,6 +1,6 @@
 """llama-server's own /completion (and /completions) on the tiny model: the reference's greedy
 tokens, its shapes whole and streamed, n_probs against /v1/completions' logprobs, a grammar,
-and what it refuses."""
+its penalties over the last repeat_last_n tokens, and what it refuses."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from cadence.engine.reference import greedy_generate
+from cadence.model.host_sampling import RequestSampling
 from tests.conftest import serve_tiny
 
 PROMPT = "The capital of France is"
@@ -69,10 +70,33 @@ def test_a_grammar_holds(url):
     assert re.fullmatch(r"yes|no|[0-9]{2}", r["content"]) and r["stop_type"] == "eos"
 
 
+def test_penalties_count_over_the_last_repeat_last_n_tokens(url, tiny_tokenizer, tiny_params, tiny_config):
+    """repeat_penalty, presence_penalty and frequency_penalty as llama-server counts them: over
+    the last repeat_last_n tokens (64 when absent) of prompt and output, as the reference
+    generator computes llama.cpp's; repeat_last_n 0 turns them off."""
+    prompt = "the quick brown fox jumps over the lazy dog and the dog sleeps " * 8
+    ids = tiny_tokenizer.encode(prompt)
+    fields = {"repeat_penalty": 2.0, "presence_penalty": 2.0, "frequency_penalty": 2.0}
+    body = {"prompt": prompt, "n_predict": 16, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+    outputs = {}
+    for window in (None, 6, 0, -1):
+        extra = {} if window is None else {"repeat_last_n": window}
+        outputs[window] = httpx.post(f"{url}/completion", json={**body, **fields, **extra},
+                                     timeout=60).json()["tokens"]
+        counted = {None: 64, -1: 2**31 - 1}.get(window, window)
+        row = RequestSampling(repetition_penalty=2.0, presence_penalty=2.0, frequency_penalty=2.0,
+                              penalty_window=counted) if counted else RequestSampling()
+        assert outputs[window] == greedy_generate(tiny_params, tiny_config, ids, 16, sampling=row), window
+    assert outputs[0] == greedy_generate(tiny_params, tiny_config, ids, 16)
+    assert outputs[6] != outputs[None] != outputs[0]  # the window counts
+
+
 @pytest.mark.parametrize("body, param, fragment", [
     ({"prompt": ["a", 5]}, "prompt", "string or an array of token ids"),
     ({}, "prompt", "string or an array of token ids"),
-    ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty", "only 0"),
+    ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in"),
+    ({"prompt": "a", "repeat_penalty": 0}, "repeat_penalty", "repeat_penalty must be in"),
+    ({"prompt": "a", "repeat_last_n": -2}, "repeat_last_n", "-1 (the whole context)"),
     ({"prompt": "a", "input_suffix": "b"}, "input_suffix", "unrecognized"),
     ({"prompt": "a", "n_probs": -1}, "n_probs", ">= 0"),
     ({"prompt": "a", "n_probs": 21}, "n_probs", "--max_logprobs"),

@@ -28,13 +28,16 @@ PENALIZED = [
     RequestSampling(frequency_penalty=1.5),
     RequestSampling(presence_penalty=2.0, frequency_penalty=-0.5),
     RequestSampling(repetition_penalty=0.7, presence_penalty=0.5),
+    # llama.cpp's: over the last n tokens of prompt and output
+    RequestSampling(repetition_penalty=1.6, frequency_penalty=0.8, penalty_window=5),
+    RequestSampling(presence_penalty=1.5, frequency_penalty=1.0, penalty_window=64),
 ]
 
 
 def test_adjust_logits_equals_the_reference_row_by_row():
     """Random logits and histories; rows with every stage, one stage, and none (which must come
     out bit-identical): the device's stages equal the NumPy reference's."""
-    vocab, slots = 64, 6
+    vocab, slots = 64, 9
     rng = np.random.default_rng(0)
     rows = [RequestSampling(), *PENALIZED,
             RequestSampling(logit_bias=((3, 100.0), (7, -100.0), (63, 0.5)), repetition_penalty=1.3)]
@@ -42,11 +45,10 @@ def test_adjust_logits_equals_the_reference_row_by_row():
     sequences = [(list(rng.integers(0, vocab, rng.integers(1, 30))), list(rng.integers(0, vocab, rng.integers(0, 20))))
                  for _ in rows]
     slot_of = rng.permutation(slots)[: len(rows)]
-    history = TokenHistory.create(slots, vocab)
-    for slot, (prompt, output) in zip(slot_of, sequences):
-        tokens = np.full(40, 2**31 - 1, np.int32)
-        tokens[: len(prompt) + len(output)] = prompt + output
-        history = history.set_row(jnp.int32(slot), tokens, jnp.int32(len(prompt)))
+    history = TokenHistory.create(slots, vocab, 50)
+    for slot, row, (prompt, output) in zip(slot_of, rows, sequences):
+        history = history.set_row(jnp.int32(slot), padded(prompt + output, 50), jnp.int32(len(prompt)),
+                                  jnp.int32(row.penalty_window))
     got = np.asarray(jax.jit(adjust_logits)(logits, SamplingRows.of(rows).params(), history, slot_of))
     for i, (row, (prompt, output)) in enumerate(zip(rows, sequences)):
         np.testing.assert_allclose(got[i], adjusted_logits(logits[i], row, prompt, output), rtol=1e-6)
@@ -54,8 +56,35 @@ def test_adjust_logits_equals_the_reference_row_by_row():
     assert not np.array_equal(got[1:], logits[1:])
 
 
+def padded(tokens: list[int], n: int) -> np.ndarray:
+    out = np.full(n, 2**31 - 1, np.int32)
+    out[: len(tokens)] = tokens
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 1, 4, 100])
+def test_counting_token_by_token_equals_writing_the_row_whole(window):
+    """A row set from its prompt and then counted on, token by token, equals the row set from
+    the whole sequence: with a window, each token that falls out of it leaves its counts."""
+    vocab, seq = 16, 48
+    rng = np.random.default_rng(window)
+    row = RequestSampling(frequency_penalty=1.0, penalty_window=window)
+    params = SamplingRows.of([row, RequestSampling()]).params()
+    prompt, output = list(rng.integers(0, vocab, 9)), list(rng.integers(0, vocab, 30))
+    count = jax.jit(TokenHistory.count)
+    history = TokenHistory.create(2, vocab, seq).set_row(
+        jnp.int32(0), padded(prompt, seq), jnp.int32(len(prompt)), jnp.int32(window))
+    for token in output:
+        history = count(history, jnp.asarray([0, 1]), jnp.asarray([token, 3]), params)
+    whole = TokenHistory.create(2, vocab, seq).set_row(
+        jnp.int32(0), padded(prompt + output, seq), jnp.int32(len(prompt)), jnp.int32(window))
+    jax.tree.map(np.testing.assert_array_equal, history, whole)  # row 1 (plain) untouched
+    recent = (prompt + output)[-window:] if window else output
+    np.testing.assert_array_equal(np.asarray(history.counts)[0], np.bincount(recent, minlength=vocab))
+
+
 def test_history_counts_only_penalized_rows():
-    history = TokenHistory.create(3, 8)
+    history = TokenHistory.create(3, 8, 4)
     params = SamplingRows.of([RequestSampling(), RequestSampling(frequency_penalty=1.0),
                               RequestSampling()]).params()
     history = history.count(jnp.asarray([0, 1, 3]), jnp.asarray([5, 5, 5]), params)  # 3: dropped
@@ -80,6 +109,7 @@ def test_min_p_keeps_tokens_within_its_share_of_the_likeliest():
     {"logit_bias": ((1, 101.0),)}, {"logit_bias": ((-1, 1.0),)}, {"logit_bias": ((1, 1.0), (1, 2.0))},
     {"logit_bias": tuple((i, 1.0) for i in range(301))}, {"logit_bias": ((True, 1.0),)},
     {"logit_bias": ((1, float("inf")),)}, {"logit_bias": [(1, 1.0)]},
+    {"penalty_window": -1}, {"penalty_window": 2**31}, {"penalty_window": 1.5}, {"penalty_window": True},
 ])
 def test_bad_penalties_and_biases_are_refused(kwargs):
     with pytest.raises(ValueError):
@@ -111,7 +141,7 @@ def test_penalized_greedy_equals_the_reference_beside_plain_rows(engine, tiny_pa
     its penalties, the plain ones equal plain greedy, and the penalties change outputs."""
     rng = random.Random(3)
     prompts = random_prompts(rng, 8, tiny_config.vocab_size, 5, 90)
-    rows = [PENALIZED[i % 4] if i % 2 else RequestSampling() for i in range(len(prompts))]
+    rows = [PENALIZED[i % len(PENALIZED)] if i % 2 else RequestSampling() for i in range(len(prompts))]
     subs = [(p, GenerationParams(max_tokens=24, ignore_eos=True, sampling=s)) for p, s in zip(prompts, rows)]
     before = engine.compilations_after_warmup  # the process's (the engine is shared)
     streams = run_all(scheduler(engine, tiny_tokenizer), subs, [rng.randint(0, 6) for _ in subs])
@@ -146,7 +176,7 @@ def test_history_covers_cached_prefixes_and_preempted_outputs(tiny_params, tiny_
     rng = random.Random(8)
     shared = random_prompts(rng, 1, tiny_config.vocab_size, 64, 64)[0]
     prompts = [shared + p for p in random_prompts(rng, 6, tiny_config.vocab_size, 1, 40)]
-    rows = [PENALIZED[i % 4] for i in range(len(prompts))]
+    rows = [PENALIZED[i % len(PENALIZED)] for i in range(len(prompts))]
     sched = scheduler(e, tiny_tokenizer, prefix_caching=True)
     subs = [(p, GenerationParams(max_tokens=40, ignore_eos=True, sampling=s)) for p, s in zip(prompts, rows)]
     streams = run_all(sched, subs, [0, 6, 7, 8, 9, 10])

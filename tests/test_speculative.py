@@ -401,8 +401,8 @@ def test_speculative_serving_equals_plain_serving_on_the_engine(tiny_params, tin
                                                                 tiny_tokenizer, shared_engine, kernels):
     """The tiny model served with drafts of up to 4 tokens and without, over a pool that holds
     one longest sequence (preemptions, recomputes, prefix-cache hits from shared prompt
-    starts): greedy outputs equal the reference generator's, seeded-sampled and penalized
-    ones equal serving without drafts; drafts were accepted; nothing compiled after warm-up."""
+    starts): greedy outputs (plain, and penalized over a window) equal the reference generator's,
+    seeded-sampled and penalized ones equal serving without drafts; drafts were accepted; nothing compiled after warm-up."""
     if kernels == "cpu" and not cpu_kernels.available():
         pytest.skip(cpu_kernels.unavailable_reason())
     rng = random.Random(3)
@@ -410,9 +410,10 @@ def test_speculative_serving_equals_plain_serving_on_the_engine(tiny_params, tin
     prompts = [shared[: rng.randint(1, 40)] + [rng.randrange(3, 500) for _ in range(rng.randint(1, 60))]
                for _ in range(8)]
     kinds = [RequestSampling(), RequestSampling(temperature=20.0, seed=9),
-             RequestSampling(temperature=1.0, seed=4, presence_penalty=1.5, frequency_penalty=0.5)]
+             RequestSampling(temperature=1.0, seed=4, presence_penalty=1.5, frequency_penalty=0.5),
+             RequestSampling(repetition_penalty=1.5, frequency_penalty=0.5, penalty_window=6)]
     subs = [(p, GenerationParams(max_tokens=rng.randint(20, 80), ignore_eos=True,
-                                 sampling=kinds[i % 3])) for i, p in enumerate(prompts)]
+                                 sampling=kinds[i % len(kinds)])) for i, p in enumerate(prompts)]
     arrivals = sorted(rng.randint(0, 30) for _ in subs)
     outputs = {}
     for k in (0, 4):
@@ -429,8 +430,9 @@ def test_speculative_serving_equals_plain_serving_on_the_engine(tiny_params, tin
     assert sched.spec_accepted > 0 and sched.preemptions > 0
     assert outputs[4] == outputs[0]
     for (prompt, params), out in zip(subs, outputs[4]):
-        if params.sampling.temperature == 0:
-            assert out == greedy_generate(tiny_params, tiny_config, prompt, params.max_tokens)
+        if params.sampling.temperature == 0:  # (penalties over a window of 6 on two of them)
+            assert out == greedy_generate(tiny_params, tiny_config, prompt, params.max_tokens,
+                                          sampling=params.sampling)
 
 
 def test_structured_output_with_drafts_equals_it_without_on_the_engine(tiny_config, tiny_tokenizer,
