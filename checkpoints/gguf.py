@@ -18,9 +18,12 @@ values: dequantizing a packed matrix gives `params`' float32 matrix exactly. Oth
 
 Three details matter for logits that match the Hugging Face model:
 - Quantized tensors (Q8_0, Q4_1, ... anything the `gguf` package can dequantize) become float32.
-- llama.cpp's converter permutes the rows of the query and key projections of "llama" models so
-  its RoPE can rotate adjacent pairs; cadence rotates halves (as HF does), so the permutation is
-  undone here. Qwen2 and Qwen3 GGUFs are not permuted (their RoPE rotates halves).
+- llama.cpp's converter permutes the rows of the query and key projections of "llama" (and
+  "smollm3") models so its RoPE can rotate adjacent pairs; cadence rotates halves (as HF does),
+  so the permutation is undone here. Qwen2 and Qwen3 GGUFs are not permuted (their RoPE rotates
+  halves).
+- "smollm3" is Llama with every fourth layer unrotated, (i + 1) % 4 == 0, as llama.cpp builds it
+  (the file says nothing of it): `ModelConfig.no_rope_layers`.
 - RoPE frequencies as llama.cpp computes them: its converter writes Llama 3.1/3.2's "llama3"
   frequency scaling as a `rope_freqs` tensor of per-frequency divisors (and no scaling metadata),
   which becomes `ModelConfig.rope_freq_factors` as it is (times a linear `rope.scaling.factor`
@@ -30,8 +33,8 @@ Three details matter for logits that match the Hugging Face model:
 
 Non-goals: the IQ formats but IQ4_NL and IQ4_XS in the kernels' format; LongRoPE scaling and
 partial rotary embeddings (`rope.dimension_count` below the head size), which are refused;
-architectures other than llama, qwen2 and qwen3 (Qwen3's mixture-of-experts models are
-"qwen3moe", refused with the rest).
+architectures other than llama, qwen2, qwen3 and smollm3 (Qwen3's mixture-of-experts models
+are "qwen3moe", refused with the rest).
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ from cadence.model import block_layout
 from cadence.model.config import ModelConfig, RopeScaling
 from cadence.model.params import MATRICES, ParamSpec, build_tree, param_specs
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3")
+PERMUTED_ARCHITECTURES = ("llama", "smollm3")  # q/k rows permuted by llama.cpp's converter
+NO_ROPE_INTERVAL = 4  # SmolLM3's: layer i is unrotated where (i + 1) % 4 == 0 (llama.cpp's constant)
 
 
 def read_fields(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -83,12 +88,13 @@ def config_from_fields(fields: dict[str, Any], path: Path) -> ModelConfig:
         raise CheckpointError(f"{path}: RoPE rotates {rotated} of each head's {head_dim} "
                               "dimensions; cadence rotates whole heads only")
     context = int(get("context_length"))
+    layers = int(get("block_count"))
     yarn = yarn_scaling(fields, context, path)
     return ModelConfig(
         name=str(fields.get("general.name") or Path(path).stem),
         vocab_size=vocab,
         hidden_size=hidden,
-        num_layers=int(get("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -99,6 +105,8 @@ def config_from_fields(fields: dict[str, Any], path: Path) -> ModelConfig:
         tie_embeddings=False,  # decided by the presence of output.weight in load_gguf
         attention_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
+        no_rope_layers=tuple(i for i in range(layers) if (i + 1) % NO_ROPE_INTERVAL == 0)
+        if arch == "smollm3" else (),
         max_context=max(context, yarn.context) if yarn else context,
     )
 
@@ -237,7 +245,7 @@ def load_gguf(
     rope_freqs = take("rope_freqs.weight", (half,)) if "rope_freqs.weight" in tensors else None
     config = dataclasses.replace(config, tie_embeddings="output.weight" not in tensors,
                                  rope_freq_factors=rope_freq_factors(fields, rope_freqs, half, path))
-    permute = arch == "llama"
+    permute = arch in PERMUTED_ARCHITECTURES
 
     def tensor(spec: ParamSpec) -> np.ndarray | jax.ShapeDtypeStruct:
         if not packable and _packs(spec, tensors.get(spec.gguf_name)):
@@ -374,7 +382,7 @@ def load_packed(path: str | Path, config: ModelConfig) -> dict[tuple[str, ...], 
     reader = gguf.GGUFReader(Path(path))
     tensors = {t.name: t for t in reader.tensors}
     arch = reader.fields.get("general.architecture")  # only this field: not the vocabulary's
-    permute = arch is not None and arch.contents() == "llama"
+    permute = arch is not None and arch.contents() in PERMUTED_ARCHITECTURES
     out = {}
     for spec in param_specs(config):
         t = tensors.get(spec.gguf_name)

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints: `config.json` → `ModelConfig`, safetensors → the params pytree.
 
-Contract: `load_hf_config` accepts the Llama, Mistral, Qwen2 and Qwen3 (dense) families
-(`model_type` "llama", "mistral", "qwen2", "qwen3") and refuses, with a `CheckpointError`,
+Contract: `load_hf_config` accepts the Llama, Mistral, Qwen2, Qwen3 (dense) and SmolLM3 families
+(`model_type` "llama", "mistral", "qwen2", "qwen3", "smollm3"; SmolLM3's `no_rope_layers`, or
+every `no_rope_layer_interval`-th layer, unrotated) and refuses, with a `CheckpointError`,
 anything cadence would run wrongly: other activations, biases outside q/k/v, RoPE scaling other
 than Llama 3's, YaRN and linear, a sliding window shorter than the context. `load_hf_params` reads one
 `*.safetensors` file or the shards named by `model.safetensors.index.json`, checks every
@@ -33,9 +34,13 @@ from cadence.model.config import ModelConfig, RopeScaling
 from cadence.model.params import build_tree, get, param_specs
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "smollm3": "SmolLM3ForCausalLM"}
 # HF's per-family defaults for fields a config.json may omit.
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 32768, "qwen2": 32768, "qwen3": 32768}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 32768, "qwen2": 32768, "qwen3": 32768,
+                          "smollm3": 32768}
+_DEFAULT_ROPE_THETA = {"smollm3": 2e6}  # (others: 10000)
+_DEFAULT_TIED = {"smollm3": True}  # (others: untied)
 # The float dtypes checkpoints store tensors in, by their name in safetensors and GGUF; a
 # converted checkpoint keeps each as its source stored it (`checkpoints.store`).
 FLOAT_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -71,7 +76,8 @@ def load_hf_config(folder: str | Path, *, name: str | None = None) -> ModelConfi
     # transformers' Qwen3Config defaults head_dim to 128, not hidden / heads
     head_dim = int(raw.get("head_dim") or (128 if model_type == "qwen3" else hidden // heads))
     scaling, factors = _rope_scaling(folder, rope, max_context, head_dim)
-    tie = bool(raw.get("tie_word_embeddings", False))
+    tie = bool(raw.get("tie_word_embeddings", _DEFAULT_TIED.get(model_type, False)))
+    layers = int(need("num_hidden_layers"))
     if not tie and _lm_head_absent(folder):
         tie = True  # some exports drop lm_head.weight yet leave tie_word_embeddings false
     try:
@@ -79,22 +85,37 @@ def load_hf_config(folder: str | Path, *, name: str | None = None) -> ModelConfi
             name=name or str(raw.get("_name_or_path") or folder.name).rstrip("/").split("/")[-1],
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=head_dim,
             ffn_size=int(need("intermediate_size")),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta")
+                             or _DEFAULT_ROPE_THETA.get(model_type, 10000.0)),
             rope_scaling=scaling,
             rope_freq_factors=factors,
             tie_embeddings=tie,
             attention_bias=model_type == "qwen2",
             qk_norm=model_type == "qwen3",
+            no_rope_layers=_no_rope_layers(folder, raw, layers) if model_type == "smollm3" else (),
             max_context=max(max_context, scaling.context) if scaling else max_context,
         )
     except ValueError as e:  # ModelConfig's own consistency checks
         raise CheckpointError(f"{folder / 'config.json'}: {e}") from e
+
+
+def _no_rope_layers(folder: Path, raw: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """SmolLM3's unrotated layers, as transformers reads them: `no_rope_layers` holds a flag per
+    layer (1: rotated), else every `no_rope_layer_interval`-th layer (4) is unrotated."""
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = int(raw.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) != layers or not all(f in (0, 1) for f in flags):
+        raise CheckpointError(f"{folder / 'config.json'}: no_rope_layers must be a 0 or 1 for each "
+                              f"of the {layers} layers")
+    return tuple(i for i, rotated in enumerate(flags) if not rotated)
 
 
 def load_hf_params(folder: str | Path, config: ModelConfig, *, keep_16_bit: bool = False) -> Params:
@@ -206,15 +227,16 @@ def save_hf(folder: str | Path, config: ModelConfig, params: Params, *, dtype: s
 
 def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """`config` as a transformers `config.json` (Qwen2 when it has q/k/v biases, Qwen3 when it
-    has q/k norms, else Llama)."""
+    has q/k norms, SmolLM3 when some layers are unrotated, else Llama)."""
     factors = config.rope_freq_factors
     if factors is not None and (len(set(factors)) > 1 or config.rope_scaling is not None):
         raise CheckpointError(f"{config.name}: per-frequency RoPE factors (a GGUF's rope_freqs) "
                               "have no Hugging Face config.json form; cannot export this model")
-    if config.attention_bias and config.qk_norm:
-        raise CheckpointError(f"{config.name}: q/k/v biases with q/k norms is no transformers "
-                              "architecture; cannot export this model")
-    model_type = "qwen2" if config.attention_bias else "qwen3" if config.qk_norm else "llama"
+    if config.attention_bias + config.qk_norm + bool(config.no_rope_layers) > 1:
+        raise CheckpointError(f"{config.name}: q/k/v biases, q/k norms and unrotated layers "
+                              "together are no transformers architecture; cannot export this model")
+    model_type = ("qwen2" if config.attention_bias else "qwen3" if config.qk_norm
+                  else "smollm3" if config.no_rope_layers else "llama")
     raw: dict[str, Any] = {
         "_name_or_path": config.name,
         "architectures": [ARCHITECTURES[model_type]],
@@ -250,8 +272,12 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any
                                "original_max_position_embeddings": s.original_max_position}
     if model_type in ("qwen2", "qwen3"):
         raw.update(use_sliding_window=False, sliding_window=config.max_context)
-    if model_type == "qwen3":
-        raw.update(attention_bias=False)  # transformers' Qwen3 reads it (for q/k/v and o)
+    if model_type in ("qwen3", "smollm3"):
+        raw.update(attention_bias=False)  # transformers reads it (for q/k/v and o)
+    if model_type == "smollm3":
+        unrotated = set(config.no_rope_layers)
+        raw.update(no_rope_layers=[int(i not in unrotated) for i in range(config.num_layers)],
+                   use_sliding_window=False, mlp_bias=False)
     return raw
 
 
@@ -260,11 +286,11 @@ def _check_supported(folder: Path, raw: dict[str, Any], model_type: str, max_con
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported; "
                               "cadence runs SwiGLU (silu) MLPs only")
-    if model_type in ("llama", "qwen3") and (raw.get("attention_bias") or raw.get("mlp_bias")):
+    if model_type in ("llama", "qwen3", "smollm3") and (raw.get("attention_bias") or raw.get("mlp_bias")):
         raise CheckpointError(f"{where}: attention_bias/mlp_bias on a {model_type} model is not "
                               "supported; cadence has biases on q/k/v only (Qwen2)")
     window = raw.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "smollm3") and not raw.get("use_sliding_window", False):
         window = None
     if window is not None and int(window) < max_context:
         raise CheckpointError(f"{where}: sliding_window {window} is shorter than the context "

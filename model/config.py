@@ -1,12 +1,14 @@
-"""Model configuration for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
+"""Model configuration for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3).
 
 One frozen dataclass describes every architecture cadence serves: RMSNorm, rotary position
 embeddings (optionally with Llama-3 or YaRN frequency scaling, or any per-frequency factors as a
 GGUF's `rope_freqs` tensor gives them), SwiGLU MLP and grouped-query attention, with Qwen2's q/k/v
-biases or Qwen3's per-head query and key norms where a family has them. It is hashable, so it
-can be a static argument of a jitted function.
+biases, Qwen3's per-head query and key norms, or SmolLM3's layers without rotary embeddings
+(NoPE) where a family has them. It is hashable, so it can be a static argument of a jitted
+function.
 
-Non-goals: mixture-of-experts, sliding-window attention, non-rotary position encodings.
+Non-goals: mixture-of-experts, sliding-window attention, position encodings other than rotary
+(or none).
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ class ModelConfig:
     # Qwen3 RMS-normalizes each head's query and key over head_dim (a learned scale [head_dim]
     # per layer for each), after the projections and before RoPE.
     qk_norm: bool = False
+    # Layers whose queries and keys are not rotated (no position encoding of their own):
+    # SmolLM3's every fourth, (i + 1) % 4 == 0. Sorted indices; () for every other family.
+    no_rope_layers: tuple[int, ...] = ()
     max_context: int = 4096
     name: str = "llama"
 
@@ -103,6 +108,11 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        layers = tuple(sorted({int(i) for i in self.no_rope_layers}))  # a list from JSON, too
+        object.__setattr__(self, "no_rope_layers", layers)
+        if layers and not 0 <= layers[0] <= layers[-1] < self.num_layers:
+            raise ValueError(f"no_rope_layers {list(layers)} must be layers of the model's "
+                             f"{self.num_layers}")
         if self.rope_freq_factors is not None:
             factors = tuple(float(f) for f in self.rope_freq_factors)  # a list from JSON, too
             object.__setattr__(self, "rope_freq_factors", factors)

@@ -30,6 +30,7 @@ import gc
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from cadence.model import cpu_kernels, host_memory
@@ -139,19 +140,27 @@ def layer_params(stacked: dict[str, Any], layer: jax.Array) -> dict[str, Any]:
 
 
 def run(block, stacked: dict[str, Any], num_layers: int, x: jax.Array, cache: PagedKVCache,
-        *args) -> tuple[jax.Array, PagedKVCache]:
+        positions, rope, lengths, page_table, *,
+        no_rope: tuple[int, ...] = ()) -> tuple[jax.Array, PagedKVCache]:
     """x through every layer of `block` (an unbound `model.llama.Block`) over `stacked`, in a
     loop whose counter is the layer: each writes its keys and values into its layer of the
-    stacked pool and attends over them, as the unrolled layers do. `args`: the block's
-    positions, rope, lengths and page table."""
+    stacked pool and attends over them, as the unrolled layers do, with the block's positions,
+    rope (cos, sin), lengths and page table. The layers in `no_rope` rotate by nothing (cos 1,
+    sin 0: their queries and keys come out exactly as they went in, as an unrolled layer
+    without rope leaves them)."""
     if not cache.stacked:
         raise ValueError("the layer loop reads a pool stacked over layers "
                          "(PagedKVCache.create(stacked=True))")
+    unrotated = np.isin(np.arange(num_layers), no_rope)
 
     def body(i, carry):
         x, k, v = carry
-        x, k, v = block.apply({"params": layer_params(stacked, i)}, x, *args,
-                              cpu_kernels.PoolLayer(k, i), cpu_kernels.PoolLayer(v, i))
+        layer_rope = rope
+        if no_rope:
+            off = jnp.asarray(unrotated)[i]
+            layer_rope = (jnp.where(off, 1.0, rope[0]), jnp.where(off, 0.0, rope[1]))
+        x, k, v = block.apply({"params": layer_params(stacked, i)}, x, positions, layer_rope, lengths,
+                              page_table, cpu_kernels.PoolLayer(k, i), cpu_kernels.PoolLayer(v, i))
         return x, k.pool, v.pool
 
     x, k, v = jax.lax.fori_loop(0, num_layers, body, (x, cache.k, cache.v))

@@ -210,7 +210,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:  # Qwen3: each head's query and key normalized, then rotated
             q = RMSNorm(cfg.rms_norm_eps, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, name="k_norm")(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if rope is not None:  # (None: a layer without position encoding, SmolLM3's NoPE)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 
         attend = _write_and_attend(self.attention, *control.form())
         if self.mesh is not None:  # each device writes and reads its own heads' pages
@@ -294,13 +295,15 @@ class Llama(nn.Module):
         if self.has_variable("params", "layers"):  # stacked, run as a loop (`model.layer_loop`)
             block = Block(cfg, self.attention, self.dtype, self.mesh, parent=None)
             x, cache = layer_loop.run(block, self.get_variable("params", "layers"), cfg.num_layers,
-                                      x, cache, positions, rope, lengths, page_table)
+                                      x, cache, positions, rope, lengths, page_table,
+                                      no_rope=cfg.no_rope_layers)
         else:
             new_k, new_v = [], []
             for i in range(cfg.num_layers):
                 with jax.named_scope(f"layer_{i}"):
+                    layer_rope = None if i in cfg.no_rope_layers else rope
                     x, k, v = Block(cfg, self.attention, self.dtype, self.mesh, name=f"layers_{i}")(
-                        x, positions, rope, lengths, page_table, cache.k[i], cache.v[i]
+                        x, positions, layer_rope, lengths, page_table, cache.k[i], cache.v[i]
                     )
                 new_k.append(k)
                 new_v.append(v)

@@ -15,7 +15,7 @@ import pytest
 from cadence.bench.random_gguf import add_shape, random_blocks, write_random_gguf
 from cadence.checkpoints import store
 from cadence.checkpoints.errors import CheckpointError
-from cadence.checkpoints.gguf import load_gguf, load_packed, permute_rope_rows
+from cadence.checkpoints.gguf import PERMUTED_ARCHITECTURES, load_gguf, load_packed, permute_rope_rows
 from cadence.model import cpu_kernels
 from cadence.model import params as params_lib
 from cadence.model.config import TINY, RopeScaling
@@ -43,7 +43,7 @@ def write_gguf(path: Path, config, params, quantize: bool, arch: str = "llama",
     for spec in param_specs(config):
         array = np.asarray(params_lib.get(params, spec.path), np.float32)
         array = array.T if spec.transpose else array  # [out, in] rows, as llama.cpp stores them
-        if arch == "llama" and spec.rope_heads:
+        if arch in PERMUTED_ARCHITECTURES and spec.rope_heads:
             array = permute_rope_rows(array, spec.rope_heads)
         qtype = (types or _qtype)(spec) if quantize else Q.F32
         array = np.ascontiguousarray(array)
@@ -146,6 +146,29 @@ def test_the_engine_over_a_qwen3_files_blocks_equals_the_reference(tmp_path, tin
     config, floats, _ = load_gguf(path)
     packed = {p: blocks for p, (blocks, _) in load_packed(path, config).items()}
     assert ("layers_0", "attn", "q", "kernel") in packed
+    _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer)
+
+
+def test_a_smollm3_file_leaves_every_fourth_layer_unrotated(tmp_path, tiny_tokenizer):
+    """A "smollm3" file is Llama's (rows permuted as llama's are) with layer 3 of its 4
+    unrotated, which the file does not say: read back exactly, and quantized, the engine over
+    its blocks (its layers as one loop) gives the reference's greedy tokens."""
+    from tests.tiny_models import SMOLLM3_TINY
+
+    params = random_params(SMOLLM3_TINY)
+    path = tmp_path / "smollm3.gguf"
+    write_gguf(path, SMOLLM3_TINY, params, quantize=False, arch="smollm3")
+    config, loaded, _ = load_gguf(path)
+    assert config.no_rope_layers == (3,)
+    assert dataclasses.replace(config, name=SMOLLM3_TINY.name, rms_norm_eps=1e-5) == SMOLLM3_TINY  # (float32 in the file)
+    for (pa, a), (_, b) in zip(_leaves(loaded), _leaves(params)):
+        np.testing.assert_array_equal(a, b, err_msg=pa)
+    if not cpu_kernels.available():
+        return
+    path = tmp_path / "smollm3-q.gguf"
+    write_gguf(path, SMOLLM3_TINY, random_params(SMOLLM3_TINY, seed=4), quantize=True, arch="smollm3")
+    config, floats, _ = load_gguf(path)
+    packed = {p: blocks for p, (blocks, _) in load_packed(path, config).items()}
     _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer)
 
 

@@ -16,7 +16,7 @@ from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.hf import load_hf_config, load_hf_params, save_hf
 from tests.conftest import random_params
 from tests.fakes import needs_cpu_kernels
-from tests.tiny_models import QWEN3_TINY, QWEN_TINY
+from tests.tiny_models import QWEN3_TINY, QWEN_TINY, SMOLLM3_TINY
 from cadence.checkpoints.store import (
     is_converted, load_converted, load_tokenizer_files, save_converted,
 )
@@ -24,7 +24,7 @@ from cadence.bench.random_gguf import SHAPES
 from cadence.model.config import LLAMA3_8B, SMOLLM2_135M, TINY, ModelConfig, RopeScaling
 
 
-@pytest.fixture(params=[TINY, QWEN_TINY, QWEN3_TINY], ids=lambda c: c.name)
+@pytest.fixture(params=[TINY, QWEN_TINY, QWEN3_TINY, SMOLLM3_TINY], ids=lambda c: c.name)
 def model(request):
     return request.param, random_params(request.param)
 
@@ -178,6 +178,10 @@ def test_wrong_shape_is_named(tmp_path):
      "attention_bias/mlp_bias on a qwen3 model"),
     ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "no_rope_layers": [1]},
+     "a 0 or 1 for each of the 2 layers"),
+    ({"model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "use_sliding_window": True,
+      "sliding_window": 128}, "sliding_window 128"),
 ])
 def test_unsupported_config_is_refused(tmp_path, edit, match):
     save_hf(tmp_path, TINY, random_params(TINY))
@@ -186,6 +190,21 @@ def test_unsupported_config_is_refused(tmp_path, edit, match):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match=match):
         load_hf_config(tmp_path)
+
+
+def test_smollm3_rotates_all_but_every_fourth_layer_unless_told_which(tmp_path):
+    """SmolLM3's config.json: `no_rope_layers` flags each layer (1: rotated); without it,
+    every `no_rope_layer_interval`-th layer (4 by default) is unrotated, as transformers reads it."""
+    config = dataclasses.replace(SMOLLM3_TINY, num_layers=8, no_rope_layers=())
+    save_hf(tmp_path, config, random_params(config))
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.update(model_type="smollm3", architectures=["SmolLM3ForCausalLM"])
+    for extra, unrotated in [({}, (3, 7)), ({"no_rope_layer_interval": 3}, (2, 5)),
+                             ({"no_rope_layers": [1, 0, 1, 1, 1, 1, 1, 0]}, (1, 7))]:
+        (tmp_path / "config.json").write_text(json.dumps({**raw, **extra}))
+        assert load_hf_config(tmp_path).no_rope_layers == unrotated
+    with pytest.raises(ValueError, match="must be layers of the model's 4"):
+        dataclasses.replace(SMOLLM3_TINY, no_rope_layers=(4,))
 
 
 def test_mistral_long_window_is_accepted(tmp_path):

@@ -16,7 +16,7 @@ from cadence.model import cpu_kernels, layer_loop, llama
 from cadence.model.paged_kv import PagedKVCache
 from cadence.model.quant import quantize_grouped
 from tests.conftest import random_params
-from tests.tiny_models import QWEN3_TINY, QWEN_TINY, TINY, engine_greedy, undo_embedding_boost
+from tests.tiny_models import QWEN3_TINY, QWEN_TINY, SMOLLM3_TINY, TINY, engine_greedy, undo_embedding_boost
 
 needs_cpu_kernels = pytest.mark.skipif(not cpu_kernels.available(),
                                        reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
@@ -48,20 +48,22 @@ def _run(params, config, cache):
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("config", [TINY, QWEN_TINY, QWEN3_TINY], ids=["tiny", "qwen-tiny", "qwen3-tiny"])
+@pytest.mark.parametrize("config", [TINY, QWEN_TINY, QWEN3_TINY, SMOLLM3_TINY],
+                         ids=["tiny", "qwen-tiny", "qwen3-tiny", "smollm3-tiny"])
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
 def test_the_loop_computes_what_the_unrolled_layers_compute(config, kv_dtype):
     """Prefill and decode logits, and every page written, equal the unrolled layers' to the
     bit, over layers of mixed formats (each layer's matrix read in its own), q/k/v biases and
-    an untied head (qwen-tiny), 16-bit pages."""
+    an untied head (qwen-tiny), an unrotated layer (smollm3-tiny), 16-bit pages."""
     params = random_params(config)
     unrolled = _mixed_tree(params, config)
     assert unrolled["layers_0"]["mlp"]["down"]["kernel_blocked"].dtype == jnp.uint8
     assert unrolled["layers_1"]["mlp"]["down"]["kernel_blocked"].dtype == jnp.float32
     assert "qkv" not in unrolled["layers_1"]["attn"] and "gate_up" in unrolled["layers_1"]["mlp"]
     stacked = layer_loop.stack_layers(_mixed_tree(params, config), config.num_layers)
-    assert stacked["layers"]["mlp"]["down"]["kernel_blocked"].formats == ("q4", "float32")
-    assert stacked["layers"]["attn"]["v"]["kernel_blocked"].formats == ("q8", "q4")
+    more = ("q4",) * (config.num_layers - 2)
+    assert stacked["layers"]["mlp"]["down"]["kernel_blocked"].formats == ("q4", "float32", *more)
+    assert stacked["layers"]["attn"]["v"]["kernel_blocked"].formats == ("q8", "q4", *more)
     # What a step reads is the same bytes either way (but each stacked matrix's alignment).
     read, stacked_read = cpu_kernels.decode_bytes(unrolled), cpu_kernels.decode_bytes(stacked)
     assert read <= stacked_read < read + 64 * 7 * config.num_layers

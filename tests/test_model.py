@@ -12,7 +12,7 @@ from cadence.model.config import TINY, RopeScaling
 from cadence.model.paged_kv import PagedKVCache
 from cadence.model.llama import rope_frequencies
 from tests.conftest import random_params
-from tests.tiny_models import QWEN3_TINY, forward, full_logits
+from tests.tiny_models import QWEN3_TINY, SMOLLM3_TINY, forward, full_logits
 
 
 def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
@@ -43,7 +43,8 @@ def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
         k = linear(a, L["attn"]["k"]).reshape(t, kv, hd)
         if config.qk_norm:  # Qwen3: each head normalized over its own dimensions, then rotated
             q, k = rms(q, L["attn"]["q_norm"]["scale"]), rms(k, L["attn"]["k_norm"]["scale"])
-        q, k = rope(q), rope(k)
+        if i not in config.no_rope_layers:  # SmolLM3's NoPE layers leave them as they are
+            q, k = rope(q), rope(k)
         v = linear(a, L["attn"]["v"]).reshape(t, kv, hd)
         out = np.zeros((t, h, hd))
         for head in range(h):
@@ -104,7 +105,7 @@ YARN_LIKE = dataclasses.replace(TINY, name="tiny-yarn", rope_scaling=RopeScaling
 
 
 @pytest.mark.parametrize("rope_lookup", [False, True], ids=["rope-computed", "rope-table"])
-@pytest.mark.parametrize("config", [TINY, QWEN_LIKE, QWEN3_TINY, LLAMA3_LIKE, MHA, YARN_LIKE],
+@pytest.mark.parametrize("config", [TINY, QWEN_LIKE, QWEN3_TINY, LLAMA3_LIKE, MHA, YARN_LIKE, SMOLLM3_TINY],
                          ids=lambda c: c.name)
 def test_logits_match_float64_numpy(config, rope_lookup):
     params = random_params(config, seed=1)

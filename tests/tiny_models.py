@@ -63,6 +63,11 @@ QWEN3_TINY = dataclasses.replace(
     rope_scaling=RopeScaling(rope_type="yarn", factor=4.0, original_max_position=128))
 
 
+# SmolLM3-style: Llama with every fourth layer unrotated (NoPE), as its GGUF architecture
+# implies: 4 layers, the last without RoPE.
+SMOLLM3_TINY = dataclasses.replace(TINY, name="smollm3-tiny", num_layers=4, no_rope_layers=(3,))
+
+
 def undo_embedding_boost(params):
     """`random_params` scales the embedding up 8x so greedy choices are clear-cut; with tied
     embeddings that makes the tiny model copy its input token whatever attention returns (an

@@ -4,6 +4,13 @@
         --tokenizer_from=<a Qwen2.5 or Qwen3 GGUF> --out=bench/results/qwen3-cpu/parity.json
     python bench/results/qwen3-cpu/parity.py ... --yarn_factor=8 --yarn_original=256 \
         --out=bench/results/yarn-cpu/parity.json
+    python bench/results/qwen3-cpu/parity.py ... --arch=smollm3 --out=bench/results/smollm3-cpu/parity.json
+
+With `--arch=smollm3`, the file is a SmolLM3 of the same kind instead: Llama's layers (no q/k
+norms, heads of 64, rows permuted as llama.cpp's converter permutes them), 8 of them, of which
+llama.cpp leaves layers 3 and 7 unrotated (NoPE); RoPE's base is 10,000, not SmolLM3's 5e6, so
+that rotating or not shows within these prompts. A control goes beside it: cadence serving the
+same weights as a "llama" file, every layer rotated, which must not agree.
 
 With `--gguf`, the servers read that file instead (a real model; `--tokenizer_from` unused).
 With `--yarn_factor`, the file's RoPE is YaRN-scaled from `--yarn_original` positions (the keys
@@ -40,6 +47,7 @@ from absl import app, flags
 
 from cadence.bench.cadence_server import serving
 from cadence.bench.random_gguf import add_shape, copy_tokenizer
+from cadence.checkpoints.gguf import PERMUTED_ARCHITECTURES, permute_rope_rows
 from cadence.model import params as params_lib
 from cadence.model.config import ModelConfig, RopeScaling
 
@@ -53,23 +61,31 @@ OUT = flags.DEFINE_string("out", None, "where to write the JSON results", requir
 TOKENS = flags.DEFINE_integer("max_tokens", 32, "greedy tokens per prompt")
 YARN_FACTOR = flags.DEFINE_float("yarn_factor", 0.0, "YaRN's factor; 0: no RoPE scaling")
 YARN_ORIGINAL = flags.DEFINE_integer("yarn_original", 256, "YaRN's original context, in tokens")
+ARCH = flags.DEFINE_enum("arch", "qwen3", ["qwen3", "smollm3"], "the random file's architecture")
 
 CONFIG = ModelConfig(name="qwen3-parity", vocab_size=151936, hidden_size=256, num_layers=4,
                      num_heads=4, num_kv_heads=2, head_dim=128, ffn_size=768, rms_norm_eps=1e-6,
                      rope_theta=1e6, tie_embeddings=True, qk_norm=True, max_context=4096)
 
 
+# SmolLM3's layers: Llama's, every fourth unrotated.
+SMOLLM3 = dataclasses.replace(CONFIG, name="smollm3-parity", num_layers=8, head_dim=64, qk_norm=False,
+                              rope_theta=1e4, no_rope_layers=(3, 7))
+
+
 def model_config() -> ModelConfig:
+    if ARCH.value == "smollm3":
+        return SMOLLM3
     if not YARN_FACTOR.value:
         return CONFIG
     return dataclasses.replace(CONFIG, name="qwen3-yarn-parity", rope_scaling=RopeScaling(
         rope_type="yarn", factor=YARN_FACTOR.value, original_max_position=YARN_ORIGINAL.value))
 
 
-def write_model(path: Path, config: ModelConfig) -> None:
+def write_model(path: Path, config: ModelConfig, arch: str) -> None:
     rng = np.random.default_rng(0)
     params = params_lib.random_params(config, jax.random.key(0))
-    w = gguf.GGUFWriter(str(path), "qwen3")
+    w = gguf.GGUFWriter(str(path), arch)
     add_shape(w, config)
     w.add_name(config.name)
     copy_tokenizer(TOKENIZER.value)(w)
@@ -77,7 +93,10 @@ def write_model(path: Path, config: ModelConfig) -> None:
         array = np.asarray(params_lib.get(params, spec.path), np.float32)
         if spec.path[-1] == "scale":
             array = (1 + 0.3 * rng.standard_normal(array.shape)).astype(np.float32)
-        w.add_tensor(spec.gguf_name, np.ascontiguousarray(array.T if spec.transpose else array))
+        array = array.T if spec.transpose else array
+        if arch in PERMUTED_ARCHITECTURES and spec.rope_heads:
+            array = permute_rope_rows(array, spec.rope_heads)
+        w.add_tensor(spec.gguf_name, np.ascontiguousarray(array))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -119,22 +138,9 @@ def cadence(path: Path, prompts: list[list[int]]) -> list[dict]:
     return out
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    from cadence.checkpoints.gguf import read_fields
-    from cadence.checkpoints.tokenizer import Tokenizer
-
-    config = model_config()
-    if GGUF.value:
-        path = Path(GGUF.value)
-    else:
-        path = Path(tempfile.mkdtemp(prefix="qwen3-parity-")) / "qwen3-parity.gguf"
-        write_model(path, config)
-    tok = Tokenizer.from_gguf_fields(read_fields(gguf.GGUFReader(path)))
-    texts = PROMPTS + ([(Path(__file__).parents[3] / "docs" / "architecture.md").read_text()[:6000]]
-                       if YARN_FACTOR.value else [])
-    prompts = [tok.encode(p) for p in texts]
-    theirs, ours = llama_cpp(path, prompts), cadence(path, prompts)
+def compare(prompts: list[list[int]], theirs: list[dict], ours: list[dict]) -> list[dict]:
+    """Per prompt: how many greedy tokens agree, and the log-probabilities' largest difference
+    up to where they part (printed as it goes)."""
     rows = []
     for ids, a, b in zip(prompts, theirs, ours):
         agree = 0
@@ -158,9 +164,35 @@ def main(argv: list[str]) -> None:
             line += f"; where they part, llama.cpp's top two differ by {row['gap_where_they_part']:.2e}"
         rows.append(row)
         print(line)
-    described = {"gguf": path.name} if GGUF.value else {"config": json.loads(config.to_json())}
-    Path(OUT.value).write_text(json.dumps({**described, "prompts": rows},
-                                          indent=1) + "\n")
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    from cadence.checkpoints.gguf import read_fields
+    from cadence.checkpoints.tokenizer import Tokenizer
+
+    config = model_config()
+    folder = Path(tempfile.mkdtemp(prefix="parity-"))
+    if GGUF.value:
+        path = Path(GGUF.value)
+    else:
+        path = folder / f"{config.name}.gguf"
+        write_model(path, config, ARCH.value)
+    tok = Tokenizer.from_gguf_fields(read_fields(gguf.GGUFReader(path)))
+    texts = PROMPTS + ([(Path(__file__).parents[3] / "docs" / "architecture.md").read_text()[:6000]]
+                       if YARN_FACTOR.value else [])
+    prompts = [tok.encode(p) for p in texts]
+    theirs = llama_cpp(path, prompts)
+    rows = compare(prompts, theirs, cadence(path, prompts))
+    result = {"gguf": path.name} if GGUF.value else {"config": json.loads(config.to_json())}
+    result["prompts"] = rows
+    if ARCH.value == "smollm3" and not GGUF.value:  # the control: every layer rotated
+        print("control: cadence on the same weights as a llama file, every layer rotated")
+        control = folder / "as-llama.gguf"
+        write_model(control, dataclasses.replace(config, no_rope_layers=()), "llama")
+        result["control_every_layer_rotated"] = compare(prompts, theirs, cadence(control, prompts))
+    Path(OUT.value).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
