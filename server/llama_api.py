@@ -29,6 +29,10 @@ llama.vim) send besides:
 - llama-server's penalties, `repeat_penalty`, `presence_penalty` and `frequency_penalty`, count
   as its do: all three over the last `repeat_last_n` tokens (64 by default; 0 turns them off,
   -1 takes the whole context) of prompt and output (`RequestSampling.penalty_window`).
+- llama.cpp's samplers that cadence does not run (typical, top-n-sigma, XTC, DRY, Mirostat,
+  dynamic temperature, adaptive, tail-free) and its other extras: accepted where they are off,
+  as a client that sends all its settings sends them (`_OFF`), with the settings that mean
+  nothing while their sampler is off (`_UNUSED`); on, each is a 400 naming it.
 Other fields are refused by name. Unlike
 llama-server, a prefix or suffix too long for its batch is not cut: a prompt past the context is
 refused, as every prompt is.
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
@@ -60,10 +65,40 @@ _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_e
 _PENALTIES = {"repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
               "frequency_penalty": "frequency_penalty"}
 REPEAT_LAST_N = 64  # llama-server's default window
+# llama.cpp's fields for what cadence does not do, with the test that a value leaves it off and
+# that value in words: typical_p >= 1, a negative top_n_sigma or adaptive_target, ... (tfs_z and
+# penalize_nl are older llama-servers', which clients still send).
+_OFF: dict[str, tuple[tuple[type, ...], Callable[[Any], bool], str]] = {
+    "typical_p": ((int, float), lambda v: v >= 1, "1"),
+    "top_n_sigma": ((int, float), lambda v: v < 0, "-1"),
+    "xtc_probability": ((int, float), lambda v: v == 0, "0"),
+    "dynatemp_range": ((int, float), lambda v: v <= 0, "0"),
+    "dry_multiplier": ((int, float), lambda v: v == 0, "0"),
+    "mirostat": ((int,), lambda v: v == 0, "0"),
+    "adaptive_target": ((int, float), lambda v: v < 0, "-1"),
+    "tfs_z": ((int, float), lambda v: v >= 1, "1"),
+    "min_keep": ((int,), lambda v: v <= 1, "0"),  # (every sampler keeps one token anyway)
+    "n_cmpl": ((int,), lambda v: v == 1, "1"),
+    "lora": ((list,), lambda v: not v, "[]"),
+    "post_sampling_probs": ((bool,), lambda v: not v, "false"),
+    "penalize_nl": ((bool,), lambda v: not v, "false"),
+    "timings_per_token": ((bool,), lambda v: not v, "false"),
+    "return_progress": ((bool,), lambda v: not v, "false"),
+    "verbose": ((bool,), lambda v: not v, "false"),
+}
+# Settings of those samplers, meaning nothing while they are off, and of llama-server's context
+# shift and SSE pings, which change no token here (a prompt past the context is refused, not
+# shifted): checked for their type and ignored.
+_UNUSED: dict[str, tuple[type, ...]] = {
+    "xtc_threshold": (int, float), "dynatemp_exponent": (int, float), "dry_base": (int, float),
+    "dry_allowed_length": (int,), "dry_penalty_last_n": (int,), "dry_sequence_breakers": (list,),
+    "mirostat_tau": (int, float), "mirostat_eta": (int, float), "adaptive_decay": (int, float),
+    "n_keep": (int,), "n_discard": (int,), "n_cache_reuse": (int,), "sse_ping_interval": (int, float),
+}
 _COMMON = frozenset({"model", "prompt", "stream", "n_predict", "max_tokens", "cache_prompt",
                      "return_tokens", "samplers", "n_indent", "t_max_predict_ms", "t_max_prompt_ms",
                      "response_fields", "id_slot", "n_probs", "grammar", "json_schema",
-                     "repeat_last_n", *_PENALTIES, *_SAMPLING})
+                     "repeat_last_n", *_PENALTIES, *_SAMPLING, *_OFF, *_UNUSED})
 _INFILL = _COMMON | {"input_prefix", "input_suffix", "input_extra"}
 # llama.cpp's sampler names (`samplers`' accepted values).
 LLAMA_SAMPLERS = frozenset({"dry", "top_k", "typ_p", "typical_p", "top_p", "min_p", "xtc",
@@ -132,6 +167,13 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
     parsing.field(body, "id_slot", (int,))
     _non_negative(body, "t_max_prompt_ms", (int, float))
     _names(body, "samplers", LLAMA_SAMPLERS)
+    for name, types in _UNUSED.items():
+        parsing.field(body, name, types)
+    for name, (types, off, words) in _OFF.items():
+        value = parsing.field(body, name, types)
+        if value is not None and not off(value):
+            raise SubmissionError(f'"{name}" is not supported by cadence; only {words} (off) is '
+                                  f"accepted, got {json.dumps(value)[:40]}", name)
     window = parsing.field(body, "repeat_last_n", (int,), REPEAT_LAST_N)
     if window < -1:
         raise SubmissionError('"repeat_last_n" must be -1 (the whole context), 0 (no penalties) '

@@ -91,7 +91,30 @@ def test_penalties_count_over_the_last_repeat_last_n_tokens(url, tiny_tokenizer,
     assert outputs[6] != outputs[None] != outputs[0]  # the window counts
 
 
+# What a client that sends all its settings sends with llama.cpp's other samplers off (as
+# SillyTavern's llama.cpp source does).
+SAMPLERS_OFF = {"typical_p": 1, "top_n_sigma": -1, "xtc_probability": 0, "xtc_threshold": 0.1,
+                "dynatemp_range": 0, "dynatemp_exponent": 1, "dry_multiplier": 0, "dry_base": 1.75,
+                "dry_allowed_length": 2, "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n"],
+                "mirostat": 0, "mirostat_tau": 5, "mirostat_eta": 0.1, "tfs_z": 1, "min_keep": 0,
+                "penalize_nl": False, "n_keep": 0, "n_discard": 0, "post_sampling_probs": False,
+                "lora": [], "timings_per_token": False, "n_cmpl": 1, "adaptive_target": -1}
+
+
+def test_llama_cpps_other_samplers_are_accepted_off(url):
+    body = {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "return_tokens": True}
+    plain = httpx.post(f"{url}/completion", json=body, timeout=60).json()
+    off = httpx.post(f"{url}/completion", json={**body, **SAMPLERS_OFF}, timeout=60)
+    assert off.status_code == 200, off.text
+    assert off.json()["tokens"] == plain["tokens"]
+
+
 @pytest.mark.parametrize("body, param, fragment", [
+    ({"prompt": "a", "typical_p": 0.9}, "typical_p", "only 1 (off)"),
+    ({"prompt": "a", "dry_multiplier": 0.8}, "dry_multiplier", "only 0 (off)"),
+    ({"prompt": "a", "mirostat": 2}, "mirostat", "only 0 (off)"),
+    ({"prompt": "a", "lora": [{"id": 0, "scale": 1}]}, "lora", "only [] (off)"),
+    ({"prompt": "a", "dry_base": "x"}, "dry_base", "must be a number"),
     ({"prompt": ["a", 5]}, "prompt", "string or an array of token ids"),
     ({}, "prompt", "string or an array of token ids"),
     ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in"),
