@@ -41,7 +41,7 @@ from tqdm import tqdm
 from cadence.server.app import ServerConfig, create_app
 from cadence.server.runtime import Runtime
 
-URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 
 
 @dataclasses.dataclass
@@ -126,10 +126,11 @@ async def _run(app, jobs, output: Path, report) -> Totals:
                         out.write(line.encode("utf-8"))
                         out.flush()
                         os.fsync(out.fileno())  # a result on disk survives a kill
-                        usage = answer.get("usage") or {}
+                        usage = answer.get("usage") or {}  # (a response's names its counts so)
                         totals.done += 1
-                        totals.prompt_tokens += usage.get("prompt_tokens", 0)
-                        totals.completion_tokens += usage.get("completion_tokens", 0)
+                        totals.prompt_tokens += usage.get("prompt_tokens", usage.get("input_tokens", 0))
+                        totals.completion_tokens += usage.get("completion_tokens",
+                                                              usage.get("output_tokens", 0))
                     else:
                         error = answer.get("error", {}).get("message", response.text)
                         report(job.line, f"custom_id {job.id!r} failed ({response.status_code}): {error}")

@@ -334,6 +334,7 @@ def test_openai_batch_lines_are_answered_by_the_endpoints(setup, tmp_path, tiny_
         line("text", "/v1/completions", prompt="the cat sat", max_tokens=5, temperature=0, ignore_eos=True,
              prompt_logprobs=1, n=2),
         line("vector", "/v1/embeddings", input="the mat"),
+        line("response", "/v1/responses", input="hello there", max_output_tokens=6, temperature=0),
         line("refused", "/v1/completions", prompt="the cat", max_tokens=0),
         {"custom_id": "nowhere", "method": "POST", "url": "/v1/images", "body": {}},
         {"custom_id": "streamed", "url": "/v1/completions", "body": {"prompt": "x", "stream": True}},
@@ -346,10 +347,10 @@ def test_openai_batch_lines_are_answered_by_the_endpoints(setup, tmp_path, tiny_
     result = run_batch(setup, inp, out, "--max_queue=1")
     assert result.returncode == 1, result.stderr
     assert "custom_id 'refused' failed (400)" in result.stderr and "max_tokens" in result.stderr
-    assert ':5: "url" must be one of' in result.stderr and ":6: \"stream\": true" in result.stderr
-    assert ":7: duplicate custom_id 'chat' (first on line 1)" in result.stderr
+    assert ':6: "url" must be one of' in result.stderr and ":7: \"stream\": true" in result.stderr
+    assert ":8: duplicate custom_id 'chat' (first on line 1)" in result.stderr
     records = {r["custom_id"]: r for r in read_results(out)}
-    assert sorted(records) == sorted(["chat", "text", "vector", *(m["custom_id"] for m in more)])
+    assert sorted(records) == sorted(["chat", "text", "vector", "response", *(m["custom_id"] for m in more)])
     for r in records.values():
         assert set(r) == {"id", "custom_id", "response", "error"} and r["error"] is None
         assert r["id"].startswith("batch_req_") and r["response"]["status_code"] == 200
@@ -369,6 +370,9 @@ def test_openai_batch_lines_are_answered_by_the_endpoints(setup, tmp_path, tiny_
     assert len(scored) == len(prompt) and scored[0] is None and str(prompt[1]) in scored[1]
     vector = records["vector"]["response"]["body"]["data"][0]["embedding"]
     assert len(vector) == tiny_config.hidden_size
+    response = records["response"]["response"]["body"]  # the Responses API's answer to the same chat
+    assert response["object"] == "response" and response["usage"]["input_tokens"] == len(ids)
+    assert response["output"][-1]["content"][0]["text"] == answer["choices"][0]["message"]["content"]
 
     again = run_batch(setup, inp, out)
     assert summary(again.stderr)["skipped"] == len(records) and len(read_results(out)) == len(records)
