@@ -256,6 +256,7 @@ class RequestRecord:
     # The stop string or stop token id that ended it ("stop" without one: EOS or its grammar).
     stop_reason: str | int | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)  # one per output token
+    output_ids: list[int] = dataclasses.field(default_factory=list)  # every token generated
     logprobs: list[TokenLogprob] | None = None  # one per output token, if the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first None)
     # An embedding's pooled final hidden states ([D] float32; `GenerationParams.pooling`), not
@@ -605,6 +606,7 @@ class Request:
             text="".join(self._text),
             stop_reason=self.stop_reason,
             token_times=self.token_times,
+            output_ids=self.output_ids,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             embedding=self.embedding,

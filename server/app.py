@@ -349,7 +349,8 @@ class Server:
         tools = parsed.tools if parsed.parses_tool_calls else None
         if parsed.stream:
             frames = self._sse(groups, request_id, chat, parsed.include_usage, echoes, tools,
-                               parsed.tokens_as_ids, parsed.reasoning_inside, parsed.continuous_usage)
+                               parsed.tokens_as_ids, parsed.reasoning_inside, parsed.continuous_usage,
+                               parsed.token_ids)
             return StreamingResponse(frames, media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         streams = [s for g in groups for s in g]
@@ -365,13 +366,14 @@ class Server:
         answers = []
         for k, echo in enumerate(echoes):
             generated = records[k * per_prompt:(k + 1) * per_prompt]
-            answers.append(protocol.Answer(protocol.best(generated, parsed.n), generated, echo))
+            answers.append(protocol.Answer(protocol.best(generated, parsed.n), generated, echo,
+                                           groups[k][0].request.prompt_ids))
         return JSONResponse(protocol.full_response(
             request_id, self.model_name, chat, answers, self.tokenizer,
             logprobs=parsed.params.logprobs, tools=tools,
             tokens_as_ids=parsed.tokens_as_ids, reasoning_inside=parsed.reasoning_inside,
             reasoning_tokens=None if thinkers is None else sum(t.reasoning_pieces for t in thinkers),
-            prompt_logprobs=parsed.prompt_logprobs),
+            prompt_logprobs=parsed.prompt_logprobs, token_ids=parsed.token_ids),
             headers=headers)
 
     async def collect(self, request: Request, streams: list[RequestStream],
@@ -394,7 +396,8 @@ class Server:
     async def _sse(self, groups: list[list[RequestStream]], request_id: str, chat: bool,
                    include_usage: bool, echoes: list[protocol.Echo | None],
                    tools: ToolRequest | None = None, tokens_as_ids: bool = False,
-                   reasoning_inside: bool | None = None, continuous: bool = False) -> AsyncIterator[str]:
+                   reasoning_inside: bool | None = None, continuous: bool = False,
+                   token_ids: bool = False) -> AsyncIterator[str]:
         """The streams' events as SSE frames, each choice's chunks under its index (prompt by
         prompt, then choice: streamed requests have no best_of, so stream i is choice i).
         Every event waiting when the loop gets to this request goes out in one write: when the
@@ -406,7 +409,9 @@ class Server:
         answer with calls that was not cut off. `tokens_as_ids`: logprobs name tokens by id.
         `reasoning_inside` (chat; None: not split): each choice's text goes first through a
         `ReasoningParser`, its reasoning streamed as `reasoning_content`, the rest as content.
-        `continuous`: every chunk carries its choice's usage so far (vLLM's)."""
+        `continuous`: every chunk carries its choice's usage so far (vLLM's). `token_ids`
+        (vLLM's return_token_ids): every token's chunk goes out carrying its ids, and the
+        prompt's ids go in the response's first chunk (chat) or each choice's (completions)."""
         created, name = int(time.time()), self.model_name
         streams = [s for group in groups for s in group]
         # Each stream's prompt: its echo, and the stream that computes the prompt's logprobs.
@@ -422,13 +427,23 @@ class Server:
         parsers = [self.call_style.parser(tools.names) if tools else None for _ in streams]
         records: list[RequestRecord | None] = [None] * len(streams)
         counted = [0] * len(streams)  # each choice's tokens so far
+        # Whose prompt ids are still to go out (return_token_ids): a chat's once, with whichever
+        # choice's chunk goes first; a completion's in each choice's first chunk.
+        prompt_due = set(range(1 if chat else len(streams))) if token_ids else set()
+
+        def prompt_of(i: int) -> list[int] | None:
+            due = 0 if chat else i
+            if due not in prompt_due:
+                return None
+            prompt_due.discard(due)
+            return list(streams[i].request.prompt_ids)
 
         def framed(i: int, chunk: dict) -> None:  # with continuous usage, its choice's so far
             usage = protocol.usage_so_far(streams[i].request.prompt_len, counted[i]) if continuous else None
             frames.append(protocol.frame(chunk if usage is None else {**chunk, "usage": usage}))
 
         def emit(i: int, thought: str, text: str, lp: dict | None = None, always: bool = False,
-                 delta: Delta | None = None) -> None:
+                 delta: Delta | None = None, ids: list[int] | None = None) -> None:
             """Choice i's reasoning and answer text (the answer through its tool-call parser, or
             that parser's `delta` as given), as chunks: plain text frames where nothing else
             goes with them, else one chunk (a chat's first, one with logprobs (`always`: sent
@@ -442,7 +457,8 @@ class Server:
             if whole or (continuous and (text or thought)):  # (usage goes in a whole chunk)
                 framed(i, protocol.chunk(
                     request_id, name, chat, text if text or not thought else None, None, created,
-                    first[i], lp, i, calls, reasoning=thought or None))
+                    first[i], lp, i, calls, reasoning=thought or None, token_ids=ids,
+                    prompt_ids=prompt_of(i)))
                 first[i] = False
                 return
             if thought:
@@ -460,7 +476,7 @@ class Server:
                                                  streams[i].request.params.logprobs)
                               if streams[i].request.logprobs is not None else None)
                         framed(i, protocol.chunk(request_id, name, chat, echo.text, None, created,
-                                                 logprobs=lp, index=i))
+                                                 logprobs=lp, index=i, prompt_ids=prompt_of(i)))
                         first[i] = False
                     if isinstance(event, TokenEvent):
                         counted[i] += len(event.token_ids)
@@ -468,8 +484,9 @@ class Server:
                         if thinkers[i] is not None:
                             thought, text = thinkers[i].feed(text)
                         lp = None if event.logprobs is None else logprobs[i](event.logprobs)
-                        # with logprobs, every token's chunk goes out, text or not
-                        emit(i, thought, text, lp, always=event.logprobs is not None)
+                        # with logprobs or token ids, every token's chunk goes out, text or not
+                        emit(i, thought, text, lp, always=event.logprobs is not None or token_ids,
+                             ids=list(event.token_ids) if token_ids else None)
                         continue
                     records[i] = event
                     called = False

@@ -75,7 +75,8 @@ IGNORED_FIELDS: dict[str, type] = {
     "safety_identifier": str, "reasoning_effort": str, "verbosity": str}
 MAX_PROMPTS = 256  # prompts in one batched completions request
 _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format",
-                     "return_tokens_as_token_ids", "prompt_logprobs", *parsing.SAMPLING_FIELDS,
+                     "return_tokens_as_token_ids", "return_token_ids", "prompt_logprobs",
+                     *parsing.SAMPLING_FIELDS,
                      *guided.FIELDS})
 _ALLOWED = {
     False: _COMMON | {"prompt", "suffix", "logprobs", "best_of", "echo", "parallel_tool_calls"},
@@ -119,6 +120,9 @@ class ParsedRequest:
     # vLLM's prompt_logprobs: each prompt token's logprob, rank and this many alternatives.
     prompt_logprobs: int | None = None
     chat_template: str | None = None  # chat: the request's own template (vLLM's), checked to parse
+    # vLLM's return_token_ids: the prompt's token ids and each choice's generated ones go with
+    # the answer (streamed: the prompt's in the first chunk, each chunk's own tokens in it).
+    token_ids: bool = False
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -228,7 +232,8 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
                          hole=None if suffix is None else fim.Hole(suffix),
                          chat_end=parsing.chat_end(body) if chat else parsing.ChatEnd(),
                          continuous_usage=continuous, prompt_logprobs=_prompt_logprobs(body, stream),
-                         chat_template=parsing.request_template(body) if chat else None)
+                         chat_template=parsing.request_template(body) if chat else None,
+                         token_ids=parsing.field(body, "return_token_ids", (bool,), False))
 
 
 def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> list[str | list[int]]:
@@ -478,7 +483,11 @@ class LogprobFormat:
 def chunk(request_id: str, model: str, chat: bool, text: str | None, reason: str | None,
           created: int, first: bool = False, logprobs: dict | None = None,
           index: int = 0, tool_calls: list[dict] | None = None,
-          reasoning: str | None = None, stop_reason: str | int | None = None) -> dict[str, Any]:
+          reasoning: str | None = None, stop_reason: str | int | None = None,
+          token_ids: list[int] | None = None, prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    """One streamed chunk of choice `index`. `token_ids`: the tokens it carries, and
+    `prompt_ids` the prompt's, in its first chunk (vLLM's return_token_ids: a chat's at the
+    chunk's top, a completion's in its choice)."""
     if chat:
         delta: dict[str, Any] = {}
         if first:
@@ -496,7 +505,12 @@ def chunk(request_id: str, model: str, chat: bool, text: str | None, reason: str
         kind = "text_completion"
     if reason is not None:
         choice["stop_reason"] = stop_reason
-    return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [choice]}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    out = {"id": request_id, "object": kind, "created": created, "model": model, "choices": [choice]}
+    if prompt_ids is not None:
+        (out if chat else choice)["prompt_token_ids"] = prompt_ids
+    return out
 
 
 # json.dumps(..., ensure_ascii=False) builds an encoder per call; these are what it builds.
@@ -582,13 +596,15 @@ class Answer:
     records: Sequence[RequestRecord]
     generated: Sequence[RequestRecord]
     echo: Echo | None = None
+    prompt_ids: Sequence[int] = ()  # for `full_response`'s `token_ids`
 
 
 def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Answer],
                   tokenizer: Tokenizer | None = None, logprobs: int | None = None,
                   tools: tool_requests.ToolRequest | None = None,
                   tokens_as_ids: bool = False, reasoning_inside: bool | None = None,
-                  reasoning_tokens: int | None = None, prompt_logprobs: int | None = None) -> dict[str, Any]:
+                  reasoning_tokens: int | None = None, prompt_logprobs: int | None = None,
+                  token_ids: bool = False) -> dict[str, Any]:
     """The whole answer: a choice per record, the answers' (prompts') one after another,
     indexed across them (OpenAI's order for a batch: prompt by prompt, then choice). `tokenizer`
     spells their logprobs, if they have any and the request asked for `logprobs` alternatives
@@ -599,7 +615,9 @@ def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Ans
     message's `tool_calls`, in the format of `tokenizer`'s template. `tokens_as_ids`: `LogprobFormat`'s `as_ids`. `reasoning_inside`
     (chat; None: not split): a choice's reasoning is split out of its text first
     (`server.reasoning`), its message's `reasoning_content`; the tools parse the rest.
-    `reasoning_tokens`: usage's, over every sequence generated."""
+    `reasoning_tokens`: usage's, over every sequence generated. `token_ids` (vLLM's
+    return_token_ids): each choice's generated `token_ids`, and its prompt's
+    `prompt_token_ids` in each choice (completions) or once in the response (chat)."""
     created = int(time.time())
     choices = []
     ranked = None
@@ -635,6 +653,10 @@ def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Ans
                           "logprobs": lp}
                 if ranked is not None:
                     choice["prompt_logprobs"] = ranked
+                if token_ids:
+                    choice["prompt_token_ids"] = list(answer.prompt_ids)
+            if token_ids:
+                choice["token_ids"] = list(record.output_ids)
             choice["stop_reason"] = record.stop_reason  # vLLM's: the stop string or token id that ended it
             choices.append(choice)
     kind = "chat.completion" if chat else "text_completion"
@@ -642,4 +664,6 @@ def full_response(request_id: str, model: str, chat: bool, answers: Sequence[Ans
                 "choices": choices, "usage": usage([a.generated for a in answers], reasoning_tokens)}
     if chat and ranked is not None:
         response["prompt_logprobs"] = ranked
+    if chat and token_ids:
+        response["prompt_token_ids"] = list(answers[0].prompt_ids)
     return response

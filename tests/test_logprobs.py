@@ -276,3 +276,47 @@ def test_prompt_logprobs_over_http(tiny_engine, tiny_tokenizer, tiny_params, tin
                for e in chat_ranked[1:])
     for name, r in refused.items():
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", name
+
+
+def test_return_token_ids_gives_the_prompts_and_each_choices_ids(tiny_engine, tiny_tokenizer,
+                                                                 tiny_params, tiny_config):
+    """vLLM's return_token_ids: completions' choices carry their prompt's ids and their own, a
+    chat's response its prompt's once; streamed, the prompt's go in the first chunk (each
+    choice's, for completions) and each chunk carries its tokens, which add up to the whole
+    answer's; the generated ids are the reference's, end of sequence included."""
+    prompt = "the quick brown fox jumps over"
+    ids = tiny_tokenizer.encode(prompt)
+    want = greedy_generate(tiny_params, tiny_config, ids, 10, tiny_tokenizer.eos_ids)
+    messages = [{"role": "user", "content": prompt}]
+    chat_ids = tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(messages))
+    body = {"model": "tiny", "prompt": [prompt, "over the lazy"], "max_tokens": 10, "temperature": 0,
+            "return_token_ids": True}
+    chat = {"model": "tiny", "messages": messages, "max_tokens": 10, "temperature": 0,
+            "return_token_ids": True, "n": 2}
+    with serving(tiny_engine, tiny_tokenizer) as (base, _):
+        whole = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+        streamed = lines(httpx.post(f"{base}/v1/completions", json={**body, "stream": True}, timeout=60))
+        chat_whole = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=60).json()
+        chat_streamed = lines(httpx.post(f"{base}/v1/chat/completions", json={**chat, "stream": True},
+                                         timeout=60))
+        plain = httpx.post(f"{base}/v1/completions", json={**body, "return_token_ids": False}, timeout=60)
+        bad = httpx.post(f"{base}/v1/completions", json={**body, "return_token_ids": 1}, timeout=60)
+    first = whole["choices"][0]
+    assert first["prompt_token_ids"] == ids and first["token_ids"] == want
+    assert whole["choices"][1]["prompt_token_ids"] == tiny_tokenizer.encode("over the lazy")
+    assert tiny_tokenizer.decode(first["token_ids"], skip_special=True) == first["text"]
+    for index, choice in enumerate(whole["choices"]):
+        chunks = [c["choices"][0] for c in streamed if c["choices"] and c["choices"][0]["index"] == index]
+        assert chunks[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+        assert all("prompt_token_ids" not in c for c in chunks[1:])
+        assert [t for c in chunks for t in c.get("token_ids", [])] == choice["token_ids"]
+    assert chat_whole["prompt_token_ids"] == chat_ids
+    assert all(c["token_ids"] and "prompt_token_ids" not in c for c in chat_whole["choices"])
+    assert chat_streamed[0]["prompt_token_ids"] == chat_ids
+    assert all("prompt_token_ids" not in c for c in chat_streamed[1:])
+    for choice in chat_whole["choices"]:
+        i = choice["index"]
+        assert [t for c in chat_streamed for ch in c["choices"] if ch["index"] == i
+                for t in ch.get("token_ids", [])] == choice["token_ids"]
+    assert all("token_ids" not in c and "prompt_token_ids" not in c for c in plain.json()["choices"])
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_token_ids"
