@@ -37,6 +37,8 @@ from contextlib import asynccontextmanager
 from absl import logging
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -115,6 +117,9 @@ class ServerConfig:
     pooling: str = "last"  # how embeddings pool the hidden states (`scheduler.request.POOLINGS`)
     # A chat request may bring its own chat template (vLLM's --trust-request-chat-template).
     trust_request_chat_template: bool = False
+    # Origins a browser page may call the API from (CORS); () answers no cross-origin request,
+    # ("*",) any. Preflights pass without the API key; every other request still needs it.
+    allowed_origins: tuple[str, ...] = ()
 
 
 class Server:
@@ -559,6 +564,9 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Seq
             *InfoAPI(server).routes(route),
         ],
         lifespan=server.lifespan,
+        middleware=[Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                               allow_methods=["*"], allow_headers=["*"],
+                               expose_headers=["X-Request-Id"])] if config.allowed_origins else [],
     )
     app.state.server = server
     return app

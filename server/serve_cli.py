@@ -46,6 +46,11 @@ _MAX_N = flags.DEFINE_integer(
     "max_n", 8, "Most choices one request may ask for (n, and best_of on completions); the "
     "later choices of a request take its prompt's KV from the first.", lower_bound=1)
 
+_ORIGINS = flags.DEFINE_list(
+    "allowed_origins", ["*"], "Origins whose web pages may call the API from a browser (CORS), "
+    "as vLLM's --allowed-origins and llama-server allow: '*' any (the default, as theirs), a "
+    "list of origins (https://chat.example.com), or empty (--allowed_origins=) for none. "
+    "Preflight requests need no API key; the requests themselves do.")
 _TRUST_TEMPLATES = flags.DEFINE_bool(
     "trust_request_chat_template", False,
     "Let a chat request bring its own Jinja chat template (vLLM's chat_template field and "
@@ -87,7 +92,8 @@ def main(argv: list[str]) -> int:
                               max_body_bytes=runtime.parse_size(_MAX_BODY.value), drain_timeout=_DRAIN.value,
                               max_n=_MAX_N.value, grammar_timeout=GRAMMAR_TIMEOUT.value,
                               reasoning_parser=REASONING_PARSER.value, pooling=POOLING.value,
-                              trust_request_chat_template=_TRUST_TEMPLATES.value)
+                              trust_request_chat_template=_TRUST_TEMPLATES.value,
+                              allowed_origins=tuple(_ORIGINS.value))
         names = runtime.served_names(MODEL_FLAG.value, _SERVED_NAMES.value)
         rt = runtime.build_from_flags(warm=False)
     except (CheckpointError, ValueError, OSError) as e:

@@ -171,6 +171,30 @@ def test_api_key(engine, tiny_tokenizer):
         assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
 
 
+def test_browser_pages_of_the_allowed_origins_may_call_the_api(engine, tiny_tokenizer):
+    """CORS: a preflight from an allowed origin passes without the API key and names what the
+    page may send; the request itself still needs the key, and its answer (an error too) is
+    readable by the page; another origin gets no grant, and a server that allows none answers
+    every origin without one."""
+    page, other = "https://chat.example.com", "https://evil.example.com"
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    body = {"prompt": "x", "max_tokens": 2}
+    with serve(engine, tiny_tokenizer, api_key="sekret", allowed_origins=(page,)) as base:
+        url = f"{base}/v1/completions"
+        ok = httpx.options(url, headers={"Origin": page, **preflight})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == page
+        assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+        assert "access-control-allow-origin" not in httpx.options(url, headers={"Origin": other, **preflight}).headers
+        unkeyed = httpx.post(url, json=body, headers={"Origin": page})
+        assert unkeyed.status_code == 401 and unkeyed.headers["access-control-allow-origin"] == page
+        keyed = httpx.post(url, json=body, headers={"Origin": page, "Authorization": "Bearer sekret"})
+        assert keyed.status_code == 200 and "x-request-id" in keyed.headers["access-control-expose-headers"].lower()
+    with serve(engine, tiny_tokenizer) as base:
+        closed = httpx.post(f"{base}/v1/completions", json=body, headers={"Origin": page})
+        assert closed.status_code == 200 and "access-control-allow-origin" not in closed.headers
+
+
 def test_not_ready_is_503_until_warm(engine, tiny_tokenizer):
     release, reported = threading.Event(), threading.Event()
 
