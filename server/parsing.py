@@ -285,7 +285,8 @@ def chat_messages(messages: Any) -> list[dict]:
     (`[{"type": "text", "text": ...}]`) are joined with newlines, as vLLM does. Other parts
     (images, audio) are refused: cadence serves text models. An assistant turn may carry its
     `tool_calls` (its content then may be null: ""), and a "tool" turn answers one of them
-    (`tool_call_id`); the legacy `function_call` is refused."""
+    (`tool_call_id`); the legacy `function_call` is refused. OpenAI's "developer" role, its
+    newer name for the instructions, is a "system" turn: the role templates know."""
     if not isinstance(messages, list) or not messages:
         raise SubmissionError('"messages" must be a non-empty array', "messages")
     out = []
@@ -297,6 +298,8 @@ def chat_messages(messages: Any) -> list[dict]:
             if message.get("name") is not None and not isinstance(message["name"], str):
                 raise SubmissionError(f'messages[{i}]["name"] must be a string', "messages")
             message = _tool_fields(i, message)
+            if message.get("role") == "developer":
+                message = {**message, "role": "system"}
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
             texts = []

@@ -94,3 +94,12 @@ def test_sglang_routers_neutral_value_still_passes_on_completions(url):
 def test_tokenize_takes_them_with_messages_only(url):
     r = httpx.post(f"{url}/tokenize", json={"prompt": "x", "continue_final_message": True}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_a_developer_turn_is_a_system_turn(tiny_tokenizer):
+    """OpenAI's "developer" role (the instructions, as its newer models name them) renders as
+    the template's system turn, not as a role the model never saw."""
+    said = [{"role": "user", "content": "Hi"}]
+    system = parsing.render_chat([{"role": "system", "content": "Be brief."}, *said], tiny_tokenizer)
+    assert parsing.render_chat([{"role": "developer", "content": "Be brief."}, *said], tiny_tokenizer) == system
+    assert "developer" not in system and "Be brief." in system
