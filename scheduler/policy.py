@@ -256,7 +256,7 @@ def speculates(plan: Plan, running: Sequence[Request], engine_config, config: Sp
         return False
     wanting = False
     for r in plan.decode:
-        r.drafter = r.drafter or Drafter(config)
+        r.drafter = r.drafter or Drafter(config, r.params.prediction)
         r.drafting = r.drafter.acceptance.wants()
         wanting |= r.drafting
     return wanting

@@ -90,6 +90,10 @@ class GenerationParams:
     # request ends with its final hidden states pooled (`RequestRecord.embedding`). Its prompt
     # is prefilled whole, never taken from the prefix cache, which has no hidden states.
     pooling: str | None = None
+    # What its answer is expected to be, mostly (OpenAI's Predicted Outputs): token ids that
+    # speculative decoding drafts from (`scheduler.speculative.Drafter`). The answer is the
+    # same with or without them; only how many steps it takes changes.
+    prediction: tuple[int, ...] = ()
     # Special tokens its text shows, though the others are skipped: those a chat's tool calls
     # are written with where the parser must see them (Mistral's [TOOL_CALLS], [ARGS]).
     shown_specials: tuple[int, ...] = ()
@@ -147,6 +151,8 @@ def check_params(params: GenerationParams, vocab_size: int | None = None, max_lo
                               "stop_token_ids")
     if not all(type(t) is int and 0 <= t < (vocab_size or 2**31) for t in params.shown_specials):
         raise SubmissionError("shown_specials must be token ids of the model's vocabulary")
+    if not all(type(t) is int and 0 <= t < (vocab_size or 2**31) for t in params.prediction):
+        raise SubmissionError("a prediction must be token ids of the model's vocabulary", "prediction")
     # Stop strings are scanned on the scheduler thread for every token: bound the work.
     if len(params.stop) > MAX_STOP_STRINGS:
         raise SubmissionError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}",
@@ -257,6 +263,8 @@ class RequestRecord:
     stop_reason: str | int | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)  # one per output token
     output_ids: list[int] = dataclasses.field(default_factory=list)  # every token generated
+    # With a prediction: its drafts that verification accepted, and those it rejected.
+    prediction_tokens: tuple[int, int] | None = None
     logprobs: list[TokenLogprob] | None = None  # one per output token, if the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first None)
     # An embedding's pooled final hidden states ([D] float32; `GenerationParams.pooling`), not
@@ -607,6 +615,8 @@ class Request:
             stop_reason=self.stop_reason,
             token_times=self.token_times,
             output_ids=self.output_ids,
+            prediction_tokens=((self.drafter.prediction_accepted, self.drafter.prediction_rejected)
+                               if self.drafter else (0, 0)) if self.params.prediction else None,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             embedding=self.embedding,

@@ -18,6 +18,11 @@ samples its own token at every position with the request's sampler, and keeps dr
 they equal its samples: the output is the one decoding without drafts gives, token for token
 (samples are keyed by position, so this holds for seeded sampling as well as greedy).
 
+A request may also bring a prediction of its answer (OpenAI's Predicted Outputs: a file to be
+edited, as it was): its own `NgramDrafts`, searched for the sequence's end first (`propose`'s
+`tail`), so an answer that follows the prediction drafts from it even where its prompt does
+not hold the text. The drafts it gave and how many were accepted are counted for the usage.
+
 `Acceptance` is the per-request record the policy reads: speculation pays only while drafts
 are accepted, so a request whose recent drafts were mostly rejected stops drafting for a while
 and tries again later; one whose sequence offered nothing to draft sits out a few steps (a
@@ -29,6 +34,7 @@ device work for nothing), and longer each time in a row. `Drafter` is both, for 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Iterable
 
@@ -99,25 +105,43 @@ class NgramDrafts:
     def propose(self, k: int) -> list[int]:
         """Up to `k` tokens that followed the longest earlier match (min_n..max_n tokens) of
         the sequence's end; [] when its last min_n tokens never occurred before."""
+        return self.lookup(k)[0]
+
+    def lookup(self, k: int, tail: list[int] | None = None,
+               after: int | None = None) -> tuple[list[int], int]:
+        """`propose`'s drafts and where they start in this sequence. With `tail` (another
+        sequence: the answer so far), its end is matched here instead. Candidates are the most
+        recent matches, or with `after` the first from that position on (a prediction is
+        read in order; the most recent where none is that far on)."""
         seq, n = self.tokens, self.min_n
-        if k <= 0 or len(seq) <= n:
-            return []
-        starts = self._where.get(tuple(seq[-n:]))
-        if not starts or len(starts) < 2:
-            return []  # only the sequence's own end
+        tail = seq if tail is None else tail
+        if k <= 0 or len(tail) <= n:
+            return [], 0
+        starts = self._where.get(tuple(tail[-n:]))
+        if not starts:
+            return [], 0
+        first = len(starts) if after is None else bisect.bisect_left(starts, after)
+        if first < len(starts):  # from `after` on, nearest first
+            candidates = starts[first:first + self.max_candidates]
+        else:  # the most recent first
+            candidates = starts[:-self.max_candidates - 2:-1]
         best, best_len = -1, 0
-        end = len(seq)
-        for start in reversed(starts[-self.max_candidates - 1 : -1]):  # skip the end's own entry
+        end = len(tail)
+        for start in candidates:
+            if start + n >= len(seq):
+                continue  # nothing follows it (the sequence's own end, where tail is the sequence)
             length = n
             while (length < self.max_n and start - (length - n) - 1 >= 0
-                   and seq[start - (length - n) - 1] == seq[end - length - 1]):
+                   and seq[start - (length - n) - 1] == tail[end - length - 1]):
                 length += 1
             if length > best_len:
                 best, best_len = start, length
             if length == self.max_n:
-                break  # the most recent of the longest possible
+                break  # the nearest (or most recent) of the longest possible
+        if best < 0:
+            return [], 0
         follow = best + n
-        return seq[follow : min(follow + k, end)]
+        return seq[follow : follow + k], follow
 
 
 @dataclasses.dataclass
@@ -168,12 +192,21 @@ class Acceptance:
 
 
 class Drafter:
-    """One request's drafting: an n-gram index over its prompt and output, and its acceptance.
-    `propose` catches the index up with the tokens the request has, then drafts."""
+    """One request's drafting: an n-gram index over its prompt and output (and one over its
+    `prediction`, if it has one), and its acceptance. `propose` catches the index up with the
+    tokens the request has, then drafts: from the prediction where its end matches there,
+    else from the sequence itself."""
 
-    def __init__(self, config: SpeculativeConfig = SpeculativeConfig()):
+    def __init__(self, config: SpeculativeConfig = SpeculativeConfig(), prediction: list[int] = ()):
         self.ngrams = NgramDrafts(config.min_n, config.max_n)
         self.acceptance = Acceptance()
+        self.prediction: NgramDrafts | None = None
+        if prediction:
+            self.prediction = NgramDrafts(config.min_n, config.max_n)
+            self.prediction.extend(prediction)
+        self.predicted_at: int | None = None  # where the last proposal began in the prediction
+        self.cursor = 0  # how far the answer has followed the prediction (where to look next)
+        self.prediction_accepted = self.prediction_rejected = 0  # its drafts, verified
 
     def propose(self, prompt_ids: list[int], output_ids: list[int], k: int) -> list[int]:
         seen = len(self.ngrams)
@@ -181,7 +214,9 @@ class Drafter:
             self.ngrams.extend(prompt_ids[seen:])
             seen = len(prompt_ids)
         self.ngrams.extend(output_ids[seen - len(prompt_ids):])
-        return self.ngrams.propose(k)
+        drafts, at = self.prediction.lookup(k, self.ngrams.tokens, self.cursor) if self.prediction else ([], 0)
+        self.predicted_at = at if drafts else None
+        return drafts or self.ngrams.propose(k)
 
     def observe(self, drafts: list[int], tokens: list[int]) -> int:
         """The tokens a verify step gave for `drafts`: how many drafts they accepted (their
@@ -190,4 +225,8 @@ class Drafter:
         while accepted < min(len(drafts), len(tokens)) and drafts[accepted] == tokens[accepted]:
             accepted += 1
         self.acceptance.observe(len(drafts), accepted)
+        if self.predicted_at is not None:
+            self.prediction_accepted += accepted
+            self.prediction_rejected += len(drafts) - accepted
+            self.cursor = max(self.cursor, self.predicted_at + accepted - self.prediction.max_n)
         return accepted

@@ -264,6 +264,9 @@ class Server:
             texts: list[str | list[int]] = [text]
         else:
             texts = parsed.prompts
+        if parsed.prediction:  # as the answer's text would be tokenized: no BOS, no specials
+            parsed.prediction_ids = tuple(self.tokenizer.encode(parsed.prediction, add_bos=False,
+                                                                special=False))
         if parsed.hole is not None:
             return [fill_ids(self.tokenizer, self.fim, self.scheduler.max_seq_len, text, parsed.hole)
                     for text in texts]
@@ -300,7 +303,8 @@ class Server:
         with protocol.submission_errors():
             prompts, grammar = await self._prepare(parsed)
             shown = self.call_style.shown if parsed.parses_tool_calls else ()
-            params = [dataclasses.replace(p, grammar=grammar, shown_specials=shown)
+            params = [dataclasses.replace(p, grammar=grammar, shown_specials=shown,
+                                          prediction=parsed.prediction_ids)
                       for p in parsed.choice_params()]
             try:
                 for k, ids in enumerate(prompts):

@@ -4,7 +4,7 @@ Parsing goes through `server/parsing.py`, the one parser of every front door, an
 where a silent guess would surprise a client: wrong types, out-of-range values and unknown
 fields are refused with the parameter named (OpenAI, too, refuses an unrecognized argument).
 Fields that would change the answer if honoured and that cadence does not implement (the legacy
-`functions`, `prediction`, ...) are refused unless they carry their neutral
+`functions`, `audio`, ...) are refused unless they carry their neutral
 value; fields that change nothing here (`user`, `metadata`, ...) are accepted and ignored.
 `response_format` (`json_object`, `json_schema`), or vLLM's and llama-server's spellings of a
 constraint (`server.guided`), constrains the answer with a grammar (`scheduler.grammar`); chat's `tools`, `tool_choice` and `parallel_tool_calls` are
@@ -56,7 +56,7 @@ DEFAULT_MAX_N = 8  # choices per request (n, and best_of on completions): the se
 # Fields that change the answer, which cadence does not implement: refused unless neutral.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "functions": ([],), "function_call": ("none", "auto"),
-    "modalities": (["text"],), "prediction": (), "audio": (),
+    "modalities": (["text"],), "audio": (),
 }
 # SGLang's own request fields, which sglang-router writes into every request it forwards (with
 # these values unless its client set others): accepted at the values that mean what cadence does.
@@ -82,7 +82,7 @@ _ALLOWED = {
     False: _COMMON | {"prompt", "suffix", "logprobs", "best_of", "echo", "parallel_tool_calls"},
     True: _COMMON | {"messages", "suffix", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                      "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "chat_template",
-                     "add_generation_prompt", "continue_final_message"},
+                     "add_generation_prompt", "continue_final_message", "prediction"},
 }
 
 
@@ -123,6 +123,11 @@ class ParsedRequest:
     # vLLM's return_token_ids: the prompt's token ids and each choice's generated ones go with
     # the answer (streamed: the prompt's in the first chunk, each chunk's own tokens in it).
     token_ids: bool = False
+    # OpenAI's Predicted Outputs (chat): text the answer is expected to follow, drafted from in
+    # speculative decoding (`GenerationParams.prediction`), never a change to the answer; its
+    # ids are set when the chat is tokenized.
+    prediction: str | None = None
+    prediction_ids: tuple[int, ...] = ()
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -233,7 +238,8 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
                          chat_end=parsing.chat_end(body) if chat else parsing.ChatEnd(),
                          continuous_usage=continuous, prompt_logprobs=_prompt_logprobs(body, stream),
                          chat_template=parsing.request_template(body) if chat else None,
-                         token_ids=parsing.field(body, "return_token_ids", (bool,), False))
+                         token_ids=parsing.field(body, "return_token_ids", (bool,), False),
+                         prediction=_prediction(body) if chat else None)
 
 
 def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> list[str | list[int]]:
@@ -312,6 +318,22 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return k
 
 
+def _prediction(body: dict) -> str | None:
+    """OpenAI's Predicted Outputs: `{"type": "content", "content": text or text parts}`, what
+    the answer is expected to be, mostly (a file being edited): the text, or None."""
+    prediction = parsing.field(body, "prediction", (dict,))
+    if prediction is None:
+        return None
+    content = prediction.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if prediction.get("type") != "content" or not isinstance(content, str) or set(prediction) - {"type", "content"}:
+        raise SubmissionError('"prediction" must be {"type": "content", "content": a string or an '
+                              "array of text parts}", "prediction")
+    return content
+
+
 def _prompt_logprobs(body: dict, stream: bool) -> int | None:
     """vLLM's `prompt_logprobs`: k >= 0 alternatives per prompt token (the upper bound is the
     server's `--max_logprobs`, the scheduler's check); not with a stream, as in vLLM."""
@@ -332,7 +354,8 @@ def _prompt_logprobs(body: dict, stream: bool) -> int | None:
 def usage(groups: Sequence[Sequence[RequestRecord]], reasoning_tokens: int | None = None) -> dict[str, Any]:
     """One request's usage over the records of each of its prompts' sequences: each prompt
     counted once (its first sequence's, which prefilled it), every sequence's tokens; with
-    `reasoning_tokens` (where the reasoning is split), OpenAI's `completion_tokens_details`."""
+    `reasoning_tokens` (where the reasoning is split), or a prediction, OpenAI's
+    `completion_tokens_details` (a prediction's drafts the model wrote, and those it did not)."""
     prompt = sum(g[0].prompt_tokens for g in groups)
     completion = sum(r.output_tokens for g in groups for r in g)
     out = {
@@ -341,8 +364,15 @@ def usage(groups: Sequence[Sequence[RequestRecord]], reasoning_tokens: int | Non
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(g[0].cached_tokens for g in groups)},
     }
+    details: dict[str, int] = {}
     if reasoning_tokens is not None:
-        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        details["reasoning_tokens"] = reasoning_tokens
+    predicted = [r.prediction_tokens for g in groups for r in g if r.prediction_tokens is not None]
+    if predicted:  # Predicted Outputs: the prediction's drafts, accepted and rejected
+        details["accepted_prediction_tokens"] = sum(a for a, _ in predicted)
+        details["rejected_prediction_tokens"] = sum(r for _, r in predicted)
+    if details:
+        out["completion_tokens_details"] = details
     return out
 
 

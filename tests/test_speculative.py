@@ -612,3 +612,60 @@ def test_a_verify_program_left_to_first_use_compiles_off_the_loop(tiny_params, t
     scraped = Metrics(sched, "tiny").render().decode()  # what /metrics reports of them
     assert f'cadence:compilations_on_demand{{model_name="tiny"}} {e.compilations_on_demand:.1f}' in scraped
     assert 'cadence:compilations_after_warmup{model_name="tiny"} 0.0' in scraped
+
+
+def test_a_prediction_drafts_what_the_prompt_does_not_hold():
+    """A prediction's own index is searched for the answer's end first: its continuation is
+    drafted where the prompt holds none, the sequence's own lookup where the prediction has
+    nothing, and the drafts it gave are counted as accepted or rejected."""
+    prediction = [50, 51, 52, 53, 54, 55, 56, 57]
+    drafter = Drafter(SpeculativeConfig(2, 4), prediction)
+    assert drafter.propose([1, 2, 3], [50, 51], 3) == [52, 53, 54] and drafter.predicted_at == 2
+    assert drafter.observe([52, 53, 54], [52, 53, 99]) == 2
+    assert (drafter.prediction_accepted, drafter.prediction_rejected) == (2, 1)
+    # Off the prediction: the sequence's own lookup (its prompt's "2 3" was followed by 4, 9),
+    # whose drafts are not the prediction's to count.
+    assert drafter.propose([1, 2, 3], [50, 51, 52, 53, 2, 3, 4, 9, 2, 3], 2) == [4, 9]
+    assert drafter.predicted_at is None
+    drafter.observe([4, 9], [4, 7])
+    assert (drafter.prediction_accepted, drafter.prediction_rejected) == (2, 1)
+    assert Drafter(SpeculativeConfig(2, 4)).propose([1, 2, 3], [50, 51], 3) == []
+    # A prediction is read in order: of two equal matches, the one after what was followed.
+    drafter = Drafter(SpeculativeConfig(2, 4), [1, 2, 7, 7, 1, 2, 8, 8])
+    assert drafter.propose([0], [1, 2], 2) == [7, 7]  # its start, not its most recent match
+    drafter.observe([7, 7], [7, 7])
+    assert drafter.propose([0], [1, 2, 7, 7, 1, 2], 2) == [8, 8]
+
+
+def test_a_predicted_answer_is_the_same_answer_in_fewer_steps(tiny_params, tiny_config, tiny_tokenizer,
+                                                              shared_engine):
+    """OpenAI's Predicted Outputs over a speculative engine: with the answer itself as the
+    prediction, or a wrong one, the answer is the one without (the reference's), and usage
+    counts the prediction's drafts the model wrote and those it did not; a right prediction
+    takes fewer decode steps."""
+    import httpx
+
+    from tests.conftest import SERVING_ENGINE, serve_tiny
+
+    e = compiled(shared_engine(EngineConfig(**SERVING_ENGINE, speculative_tokens=4), "needed"), "speculative")
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "a b c d e f"}], "max_tokens": 40,
+            "temperature": 0, "ignore_eos": True}
+    with serve_tiny(e, tiny_tokenizer) as url:
+        def ask(**extra) -> dict:
+            r = httpx.post(f"{url}/v1/chat/completions", json={**chat, **extra}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        plain = ask(return_token_ids=True)
+        answer = plain["choices"][0]["message"]["content"]
+        right = ask(prediction={"type": "content", "content": [{"type": "text", "text": answer}]})
+        wrong = ask(prediction={"type": "content", "content": "zz " * 30})
+        bad = httpx.post(f"{url}/v1/chat/completions", json={**chat, "prediction": {"type": "x"}}, timeout=60)
+    ids = tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(chat["messages"]))
+    assert plain["choices"][0]["token_ids"] == greedy_generate(tiny_params, tiny_config, ids, 40)
+    assert right["choices"][0]["message"]["content"] == wrong["choices"][0]["message"]["content"] == answer
+    details = right["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] > 20 and details["rejected_prediction_tokens"] <= 8
+    assert wrong["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
+    assert "completion_tokens_details" not in plain["usage"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prediction"
