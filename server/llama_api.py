@@ -28,7 +28,7 @@ llama.vim) send besides:
   and `t_max_prompt_ms` change nothing here (llama-server ignores the last too).
 - llama-server's penalties, `repeat_penalty`, `presence_penalty` and `frequency_penalty`, count
   as its do: all three over the last `repeat_last_n` tokens (64 by default; 0 turns them off,
-  -1 takes the whole context) of prompt and output (`RequestSampling.penalty_window`).
+  -1 takes the whole context) of prompt and output (`parsing.llama_penalties`).
 - llama.cpp's samplers that cadence does not run (typical, top-n-sigma, XTC, DRY, Mirostat,
   dynamic temperature, adaptive, tail-free) and its other extras: accepted where they are off,
   as a client that sends all its settings sends them (`_OFF`), with the settings that mean
@@ -53,7 +53,6 @@ from starlette.routing import Route
 import cadence
 from cadence.checkpoints import fim
 from cadence.checkpoints.tokenizer import Tokenizer
-from cadence.model.host_sampling import MAX_PENALTY_WINDOW
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.request import RequestRecord, TokenEvent, TokenLogprob
 from cadence.scheduler.scheduler import RequestStream
@@ -62,9 +61,6 @@ from cadence.server.protocol import APIError
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "logit_bias")
 # llama-server's penalties, by cadence's names; they count over its last repeat_last_n tokens.
-_PENALTIES = {"repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-              "frequency_penalty": "frequency_penalty"}
-REPEAT_LAST_N = 64  # llama-server's default window
 # llama.cpp's fields for what cadence does not do, with the test that a value leaves it off and
 # that value in words: typical_p >= 1, a negative top_n_sigma or adaptive_target, ... (tfs_z and
 # penalize_nl are older llama-servers', which clients still send).
@@ -98,7 +94,7 @@ _UNUSED: dict[str, tuple[type, ...]] = {
 _COMMON = frozenset({"model", "prompt", "stream", "n_predict", "max_tokens", "cache_prompt",
                      "return_tokens", "samplers", "n_indent", "t_max_predict_ms", "t_max_prompt_ms",
                      "response_fields", "id_slot", "n_probs", "grammar", "json_schema",
-                     "repeat_last_n", *_PENALTIES, *_SAMPLING, *_OFF, *_UNUSED})
+                     *parsing.LLAMA_PENALTY_FIELDS, *_SAMPLING, *_OFF, *_UNUSED})
 _INFILL = _COMMON | {"input_prefix", "input_suffix", "input_extra"}
 # llama.cpp's sampler names (`samplers`' accepted values).
 LLAMA_SAMPLERS = frozenset({"dry", "top_k", "typ_p", "typical_p", "top_p", "min_p", "xtc",
@@ -174,10 +170,6 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
         if value is not None and not off(value):
             raise SubmissionError(f'"{name}" is not supported by cadence; only {words} (off) is '
                                   f"accepted, got {json.dumps(value)[:40]}", name)
-    window = parsing.field(body, "repeat_last_n", (int,), REPEAT_LAST_N)
-    if window < -1:
-        raise SubmissionError('"repeat_last_n" must be -1 (the whole context), 0 (no penalties) '
-                              f"or a number of tokens, got {window}", "repeat_last_n")
     limit = parsing.field(body, "n_predict", (int,))
     if limit is not None and limit < -1:
         raise SubmissionError(f'"n_predict" must be -1 (no limit) or more, got {limit}', "n_predict")
@@ -185,23 +177,12 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
     if given is not None and given < 1:
         raise SubmissionError(f'"max_tokens" must be >= 1, got {given}', "max_tokens")
     entry = {name: body.get(name) for name in _SAMPLING}
-    if window:  # 0: llama-server applies no penalty
-        entry |= {ours: body.get(theirs) for theirs, ours in _PENALTIES.items()}
     # n_predict 0 computes the prompt (for the prefix cache) and one token no one sees.
     entry["max_tokens"] = given if limit is None else {-1: None, 0: 1}.get(limit, limit)
     if entry["seed"] == -1:  # llama-server's "any seed": the server's default
         entry["seed"] = None
-    try:
-        params = parsing.generation_params(entry, dataclasses.replace(defaults, max_tokens=None))
-    except SubmissionError as e:  # named as the request named it
-        theirs = {ours: theirs for theirs, ours in _PENALTIES.items()}.get(e.param)
-        if theirs is None:
-            raise
-        raise SubmissionError(str(e).replace(e.param, theirs), theirs) from None
-    # -1, or any window past the sequence: all of it
-    whole = window == -1 or window > MAX_PENALTY_WINDOW
-    sampling = dataclasses.replace(params.sampling, penalty_window=MAX_PENALTY_WINDOW if whole else window)
-    params = dataclasses.replace(params, sampling=sampling)
+    params = parsing.generation_params(entry, dataclasses.replace(defaults, max_tokens=None))
+    params = parsing.llama_penalties(body, params)
     probs = _non_negative(body, "n_probs", (int,))
     params = dataclasses.replace(params, logprobs=probs or None)
     constraint = guided.constraint(body)  # llama-server's grammar or json_schema
@@ -297,7 +278,7 @@ class LlamaAPI:
         tok, sched, d = server.tokenizer, server.scheduler, server.defaults
         params = {"n_predict": -1, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
                   "min_p": 0.0, "seed": d.seed, "n_probs": 0, "stop": [], "ignore_eos": False,
-                  "repeat_last_n": REPEAT_LAST_N, "repeat_penalty": 1.0, "presence_penalty": 0.0,
+                  "repeat_last_n": parsing.REPEAT_LAST_N, "repeat_penalty": 1.0, "presence_penalty": 0.0,
                   "frequency_penalty": 0.0,
                   "samplers": ["penalties", "temperature", "min_p", "top_k", "top_p"]}  # cadence's order
         return JSONResponse({

@@ -37,6 +37,7 @@ from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.api import RequestSampling
 from cadence.model.arith import cdiv
+from cadence.model.host_sampling import MAX_PENALTY_WINDOW
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.request import GenerationParams, check_params
 from cadence.scheduler.grammar import (Grammar, GrammarCompiler, GrammarError, JsonObject, JsonSchema, Spec,
@@ -58,6 +59,11 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", *PENAL
                    "logit_bias", "stop", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
                    "cache_salt", "priority")
 MAX_CACHE_SALT = 256
+# llama-server's penalties, by cadence's names; all three count over its last repeat_last_n tokens.
+LLAMA_PENALTIES = {"repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                   "frequency_penalty": "frequency_penalty"}
+LLAMA_PENALTY_FIELDS = ("repeat_last_n", *LLAMA_PENALTIES)
+REPEAT_LAST_N = 64  # llama-server's default window
 
 
 # -- fields -----------------------------------------------------------------------------------
@@ -151,6 +157,30 @@ def generation_params(entry: dict, defaults: SamplingDefaults, *,
     # validation, the same for every door; what depends on the model it checks at submission.
     check_params(params)
     return params
+
+
+def llama_penalties(entry: dict, params: GenerationParams) -> GenerationParams:
+    """`params` with llama-server's penalties, as its sampler counts them: `repeat_penalty`,
+    `presence_penalty` and `frequency_penalty`, all three over the last `repeat_last_n` tokens
+    (64 when absent; 0: no penalty; -1, or more than any sequence holds: all of it) of prompt
+    and output (`RequestSampling.penalty_window`). Errors name the fields as llama-server does."""
+    window = field(entry, "repeat_last_n", (int,), REPEAT_LAST_N)
+    if window < -1:
+        raise SubmissionError('"repeat_last_n" must be -1 (the whole context), 0 (no penalties) '
+                              f"or a number of tokens, got {window}", "repeat_last_n")
+    values = {}
+    for theirs, ours in LLAMA_PENALTIES.items():
+        value = float(field(entry, theirs, (int, float), 1.0 if ours == "repetition_penalty" else 0.0))
+        values[ours] = value if window else (1.0 if ours == "repetition_penalty" else 0.0)
+    whole = window == -1 or window > MAX_PENALTY_WINDOW
+    try:
+        sampling = dataclasses.replace(params.sampling, **values,
+                                       penalty_window=MAX_PENALTY_WINDOW if whole else window)
+    except ValueError as e:  # RequestSampling's range checks, named as the request named them
+        ours = next(name for name in values if str(e).startswith(name))
+        theirs = next(t for t, o in LLAMA_PENALTIES.items() if o == ours)
+        raise SubmissionError(str(e).replace(ours, theirs, 1), theirs) from None
+    return dataclasses.replace(params, sampling=sampling)
 
 
 def response_format(entry: dict) -> Spec | None:

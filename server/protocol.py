@@ -76,7 +76,7 @@ IGNORED_FIELDS: dict[str, type] = {
 MAX_PROMPTS = 256  # prompts in one batched completions request
 _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format",
                      "return_tokens_as_token_ids", "return_token_ids", "prompt_logprobs",
-                     *parsing.SAMPLING_FIELDS,
+                     *parsing.SAMPLING_FIELDS, *parsing.LLAMA_PENALTY_FIELDS,
                      *guided.FIELDS})
 _ALLOWED = {
     False: _COMMON | {"prompt", "suffix", "logprobs", "best_of", "echo", "parallel_tool_calls"},
@@ -211,6 +211,14 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
         prompts = prompts_of(body.get("prompt"))
         params = parsing.generation_params(
             body, dataclasses.replace(defaults, max_tokens=COMPLETION_MAX_TOKENS))
+    if any(body.get(name) is not None for name in ("repeat_penalty", "repeat_last_n")):
+        # llama-server's names bring its penalties, as its own /v1 counts them: all three
+        # over the last repeat_last_n tokens.
+        if body.get("repetition_penalty") is not None:
+            raise SubmissionError('"repetition_penalty" (vLLM\'s, over the whole sequence) cannot go '
+                                  'with llama-server\'s "repeat_penalty" or "repeat_last_n"',
+                                  "repetition_penalty")
+        params = parsing.llama_penalties(body, params)
     params = dataclasses.replace(params, logprobs=_logprobs(body, chat))
     stream = parsing.field(body, "stream", (bool,), False)
     options = parsing.field(body, "stream_options", (dict,), {})

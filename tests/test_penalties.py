@@ -212,3 +212,38 @@ def test_the_api_serves_penalties_and_biases_as_the_reference_computes_them(
     text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in streamed.text.splitlines()
                    if line.startswith("data: {"))
     assert text == tiny_tokenizer.decode(want)
+
+
+def test_llama_servers_penalty_names_on_the_openai_doors_count_as_it_does(
+        tiny_engine, tiny_params, tiny_config, tiny_tokenizer):
+    """llama-server's own /v1 takes repeat_penalty and repeat_last_n, and counts all three
+    penalties over the window: so do cadence's /v1 doors when a request names them (64 tokens
+    when only repeat_penalty is given), as the reference computes llama.cpp's; vLLM's
+    repetition_penalty beside them is a 400."""
+    from tests.serving import serving
+
+    import httpx
+
+    prompt = "the quick brown fox jumps over the lazy dog and the dog sleeps " * 8
+    ids = tiny_tokenizer.encode(prompt)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "presence_penalty": 2.0, "frequency_penalty": 2.0}
+    with serving(tiny_engine, tiny_tokenizer) as (base, _):
+        def tokens(**extra):
+            r = httpx.post(f"{base}/v1/completions", json={**body, **extra}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        windowed, default_window = tokens(repeat_penalty=2.0, repeat_last_n=6), tokens(repeat_penalty=2.0)
+        openai = tokens()
+        both = httpx.post(f"{base}/v1/completions", json={**body, "repeat_last_n": 6,
+                                                          "repetition_penalty": 1.5}, timeout=60)
+    penalties = dict(repetition_penalty=2.0, presence_penalty=2.0, frequency_penalty=2.0)
+    assert windowed == greedy_generate(tiny_params, tiny_config, ids, 16,
+                                       sampling=RequestSampling(**penalties, penalty_window=6))
+    assert default_window == greedy_generate(tiny_params, tiny_config, ids, 16,
+                                             sampling=RequestSampling(**penalties, penalty_window=64))
+    assert openai == greedy_generate(tiny_params, tiny_config, ids, 16, sampling=RequestSampling(
+        presence_penalty=2.0, frequency_penalty=2.0))
+    assert windowed != openai
+    assert both.status_code == 400 and both.json()["error"]["param"] == "repetition_penalty"
