@@ -105,6 +105,26 @@ def _without_text(items: list[tuple[str, object]]) -> dict:
     return {k: v for k, v in items if k not in ("text", "embedding")}
 
 
+async def read_capped(request: Request, limit: int) -> bytes:
+    """A request's body, refused with 413 as soon as it exceeds `limit` bytes (never buffered
+    past it)."""
+    too_large = APIError(413, f"the request body exceeds {limit} bytes; send a shorter prompt",
+                         code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise APIError(400, "invalid Content-Length")
+        if int(declared) > limit:
+            raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     api_key: str | None = None
@@ -233,25 +253,6 @@ class Server:
             raise APIError(503, "the server is warming up or shutting down; retry shortly",
                            type="service_unavailable", headers={"Retry-After": "5"})
 
-    async def _body(self, request: Request) -> bytes:
-        """The request body, refused with 413 as soon as it exceeds the limit (never buffered)."""
-        limit = self.config.max_body_bytes
-        too_large = APIError(413, f"the request body exceeds {limit} bytes; send a shorter prompt",
-                             code="request_too_large")
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                raise APIError(400, "invalid Content-Length")
-            if int(declared) > limit:
-                raise too_large
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     def _tokenize(self, parsed: protocol.ParsedRequest) -> list[list[int]]:
         """On a worker thread (chat rendering and tokenizing cost time in the prompt's length):
         each prompt's tokens, a chat's one."""
@@ -321,7 +322,7 @@ class Server:
     async def read_body(self, request: Request) -> Any:
         """A POST's JSON body, from a client this server may serve, or an APIError."""
         self._check(request)
-        raw = await self._body(request)
+        raw = await read_capped(request, self.config.max_body_bytes)
         try:
             return client_json.load_json(raw)
         except SubmissionError as e:

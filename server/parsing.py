@@ -159,6 +159,22 @@ def generation_params(entry: dict, defaults: SamplingDefaults, *,
     return params
 
 
+def prediction(body: dict) -> str | None:
+    """OpenAI's Predicted Outputs: `{"type": "content", "content": text or text parts}`, what
+    the answer is expected to be, mostly (a file being edited): the text, or None."""
+    prediction = field(body, "prediction", (dict,))
+    if prediction is None:
+        return None
+    content = prediction.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if prediction.get("type") != "content" or not isinstance(content, str) or set(prediction) - {"type", "content"}:
+        raise SubmissionError('"prediction" must be {"type": "content", "content": a string or an '
+                              "array of text parts}", "prediction")
+    return content
+
+
 def llama_penalties(entry: dict, params: GenerationParams) -> GenerationParams:
     """`params` with llama-server's penalties, as its sampler counts them: `repeat_penalty`,
     `presence_penalty` and `frequency_penalty`, all three over the last `repeat_last_n` tokens

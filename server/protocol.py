@@ -247,7 +247,7 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
                          continuous_usage=continuous, prompt_logprobs=_prompt_logprobs(body, stream),
                          chat_template=parsing.request_template(body) if chat else None,
                          token_ids=parsing.field(body, "return_token_ids", (bool,), False),
-                         prediction=_prediction(body) if chat else None)
+                         prediction=parsing.prediction(body) if chat else None)
 
 
 def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> list[str | list[int]]:
@@ -324,22 +324,6 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     if k < 0:
         raise SubmissionError(f'"{name}" must be >= 0, got {k}', name)
     return k
-
-
-def _prediction(body: dict) -> str | None:
-    """OpenAI's Predicted Outputs: `{"type": "content", "content": text or text parts}`, what
-    the answer is expected to be, mostly (a file being edited): the text, or None."""
-    prediction = parsing.field(body, "prediction", (dict,))
-    if prediction is None:
-        return None
-    content = prediction.get("content")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        content = "".join(p["text"] for p in content)
-    if prediction.get("type") != "content" or not isinstance(content, str) or set(prediction) - {"type", "content"}:
-        raise SubmissionError('"prediction" must be {"type": "content", "content": a string or an '
-                              "array of text parts}", "prediction")
-    return content
 
 
 def _prompt_logprobs(body: dict, stream: bool) -> int | None:
