@@ -78,10 +78,7 @@ def parse_openai(body: Any, hidden_size: int) -> EmbeddingRequest:
         raise SubmissionError(f'"dimensions" must be the model\'s {hidden_size}: cadence does not '
                               f"shorten embeddings (got {dimensions})", "dimensions")
     parsing.field(body, "user", (str,))
-    truncate = parsing.field(body, "truncate_prompt_tokens", (int,))
-    if truncate is not None and truncate < 1:
-        raise SubmissionError(f'"truncate_prompt_tokens" must be >= 1, got {truncate}',
-                              "truncate_prompt_tokens")
+    truncate = parsing.truncation(body)
     normalize = parsing.field(body, "normalize", (bool,), True)
     return EmbeddingRequest(parsing.field(body, "model", (str,)), _inputs(body.get("input"), "input"),
                             2.0 if normalize else -1.0, fmt == "base64", truncate,
@@ -172,12 +169,10 @@ class EmbeddingsAPI:
 
     def _tokenize(self, parsed: EmbeddingRequest) -> list[list[int]]:
         """On a worker thread: each input's token ids (cut to their last `truncate`)."""
-        server, out = self.server, []
-        longest = None if parsed.truncate else server.scheduler.max_seq_len  # else cut after
-        for text in parsed.inputs:
-            ids = parsing.prompt_ids(text, server.tokenizer, longest, None if parsed.add_special else False)
-            out.append(ids[-parsed.truncate:] if parsed.truncate else ids)
-        return out
+        server = self.server
+        return [parsing.prompt_ids(text, server.tokenizer, server.scheduler.max_seq_len,
+                                   None if parsed.add_special else False, keep=parsed.truncate)
+                for text in parsed.inputs]
 
     async def embed(self, request: Request, parsed: EmbeddingRequest,
                     request_id: str) -> list[RequestRecord]:

@@ -473,15 +473,30 @@ def token_ids(value: Any) -> bool:
 
 
 def prompt_ids(prompt: str | list[int], tokenizer: Tokenizer, max_seq_len: int | None,
-               add_bos: bool | None = None) -> list[int]:
+               add_bos: bool | None = None, keep: int | None = None) -> list[int]:
     """A prompt's token ids: ids as given, or a text tokenized (`add_bos`: the tokenizer's
     own choice where None, as a completion's prompt gets it), refused first where it cannot fit
-    `max_seq_len` at any tokenization (`check_prompt_size`; None: not checked)."""
+    `max_seq_len` at any tokenization (`check_prompt_size`; None: not checked). `keep` (vLLM's
+    truncate_prompt_tokens, as the request asked): only its last `keep` tokens, unchecked."""
+    if keep is not None:
+        return prompt_ids(prompt, tokenizer, None, add_bos)[-keep:]
     if not isinstance(prompt, str):
         return list(prompt)
     if max_seq_len is not None:
         check_prompt_size(prompt, tokenizer, max_seq_len)
     return tokenizer.encode(prompt, add_bos=add_bos)
+
+
+def truncation(body: dict, fill: bool = False) -> int | None:
+    """vLLM's `truncate_prompt_tokens`: keep each prompt's last k >= 1 tokens (None: all); not
+    for a prompt that is the start of a fill-in-the-middle layout (`fill`)."""
+    keep = field(body, "truncate_prompt_tokens", (int,))
+    if keep is not None and keep < 1:
+        raise SubmissionError(f'"truncate_prompt_tokens" must be >= 1, got {keep}', "truncate_prompt_tokens")
+    if keep is not None and fill:
+        raise SubmissionError('"truncate_prompt_tokens" cannot go with "suffix": the prompt\'s start '
+                              "is the fill-in-the-middle layout's", "truncate_prompt_tokens")
+    return keep
 
 
 def check_prompt_size(text: str, tokenizer: Tokenizer, max_seq_len: int) -> None:

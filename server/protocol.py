@@ -76,6 +76,7 @@ IGNORED_FIELDS: dict[str, type] = {
 MAX_PROMPTS = 256  # prompts in one batched completions request
 _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format",
                      "return_tokens_as_token_ids", "return_token_ids", "prompt_logprobs",
+                     "truncate_prompt_tokens",
                      *parsing.SAMPLING_FIELDS, *parsing.LLAMA_PENALTY_FIELDS,
                      *guided.FIELDS})
 _ALLOWED = {
@@ -128,6 +129,7 @@ class ParsedRequest:
     # ids are set when the chat is tokenized.
     prediction: str | None = None
     prediction_ids: tuple[int, ...] = ()
+    truncate: int | None = None  # vLLM's truncate_prompt_tokens: each prompt's last this many
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -247,7 +249,8 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
                          continuous_usage=continuous, prompt_logprobs=_prompt_logprobs(body, stream),
                          chat_template=parsing.request_template(body) if chat else None,
                          token_ids=parsing.field(body, "return_token_ids", (bool,), False),
-                         prediction=parsing.prediction(body) if chat else None)
+                         prediction=parsing.prediction(body) if chat else None,
+                         truncate=parsing.truncation(body, fill=suffix is not None))
 
 
 def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> list[str | list[int]]:

@@ -320,3 +320,33 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_ids(tiny_engine, ti
                 for t in ch.get("token_ids", [])] == choice["token_ids"]
     assert all("token_ids" not in c and "prompt_token_ids" not in c for c in plain.json()["choices"])
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_token_ids"
+
+
+def test_truncate_prompt_tokens_keeps_each_prompts_last_tokens(tiny_engine, tiny_tokenizer,
+                                                               tiny_params, tiny_config):
+    """vLLM's truncate_prompt_tokens: a completion's (and a chat's rendered) prompt cut to its
+    last k tokens, as the request asked, answered as that prompt alone would be; a prompt past
+    the context is then served, where without it it is a 400; 0 and with a suffix, a 400."""
+    long_text = "the quick brown fox jumps over the lazy dog " * 200  # past the 512-token context
+    ids = tiny_tokenizer.encode(long_text)
+    assert len(ids) > tiny_config.max_context
+    body = {"model": "tiny", "prompt": long_text, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hello there, how are you"}],
+            "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "truncate_prompt_tokens": 4}
+    with serving(tiny_engine, tiny_tokenizer) as (base, _):
+        cut = httpx.post(f"{base}/v1/completions", json={**body, "truncate_prompt_tokens": 100}, timeout=60)
+        whole = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        chatted = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=60).json()
+        bad = [httpx.post(f"{base}/v1/completions", json={**body, **extra}, timeout=60)
+               for extra in ({"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": 5, "suffix": "x"})]
+    choice = cut.json()["choices"][0]
+    assert cut.status_code == 200 and choice["prompt_token_ids"] == ids[-100:]
+    assert cut.json()["usage"]["prompt_tokens"] == 100
+    assert choice["token_ids"] == greedy_generate(tiny_params, tiny_config, ids[-100:], 6)
+    assert whole.status_code == 400 and whole.json()["error"]["code"] == "context_length_exceeded"
+    rendered = tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(chat["messages"]))
+    assert chatted["prompt_token_ids"] == rendered[-4:]
+    assert chatted["choices"][0]["token_ids"] == greedy_generate(tiny_params, tiny_config, rendered[-4:], 6)
+    assert all(r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens" for r in bad)
