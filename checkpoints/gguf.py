@@ -24,6 +24,8 @@ Three details matter for logits that match the Hugging Face model:
   halves).
 - "smollm3" is Llama with every fourth layer unrotated, (i + 1) % 4 == 0, as llama.cpp builds it
   (the file says nothing of it): `ModelConfig.no_rope_layers`.
+- "granite" is Llama with four scalars, `embedding_scale`, `residual_scale`, `attention.scale`
+  and `logit_scale` (0 or absent: none), `ModelConfig`'s multipliers.
 - RoPE frequencies as llama.cpp computes them: its converter writes Llama 3.1/3.2's "llama3"
   frequency scaling as a `rope_freqs` tensor of per-frequency divisors (and no scaling metadata),
   which becomes `ModelConfig.rope_freq_factors` as it is (times a linear `rope.scaling.factor`
@@ -33,8 +35,8 @@ Three details matter for logits that match the Hugging Face model:
 
 Non-goals: the IQ formats but IQ4_NL and IQ4_XS in the kernels' format; LongRoPE scaling and
 partial rotary embeddings (`rope.dimension_count` below the head size), which are refused;
-architectures other than llama, qwen2, qwen3 and smollm3 (Qwen3's mixture-of-experts models
-are "qwen3moe", refused with the rest).
+architectures other than llama, qwen2, qwen3, smollm3 and granite (Qwen3's mixture-of-experts
+models are "qwen3moe", Granite's "granitemoe" and "granitehybrid", refused with the rest).
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ from cadence.model import block_layout
 from cadence.model.config import ModelConfig, RopeScaling
 from cadence.model.params import MATRICES, ParamSpec, build_tree, param_specs
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3")
-PERMUTED_ARCHITECTURES = ("llama", "smollm3")  # q/k rows permuted by llama.cpp's converter
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "granite")
+PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")  # q/k rows permuted by llama.cpp's converter
 NO_ROPE_INTERVAL = 4  # SmolLM3's: layer i is unrotated where (i + 1) % 4 == 0 (llama.cpp's constant)
 
 
@@ -90,25 +92,37 @@ def config_from_fields(fields: dict[str, Any], path: Path) -> ModelConfig:
     context = int(get("context_length"))
     layers = int(get("block_count"))
     yarn = yarn_scaling(fields, context, path)
-    return ModelConfig(
-        name=str(fields.get("general.name") or Path(path).stem),
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        ffn_size=int(get("feed_forward_length")),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=yarn,
-        tie_embeddings=False,  # decided by the presence of output.weight in load_gguf
-        attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
-        no_rope_layers=tuple(i for i in range(layers) if (i + 1) % NO_ROPE_INTERVAL == 0)
-        if arch == "smollm3" else (),
-        max_context=max(context, yarn.context) if yarn else context,
-    )
+    try:
+        return ModelConfig(
+            name=str(fields.get("general.name") or Path(path).stem),
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            ffn_size=int(get("feed_forward_length")),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=yarn,
+            tie_embeddings=False,  # decided by the presence of output.weight in load_gguf
+            attention_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
+            no_rope_layers=tuple(i for i in range(layers) if (i + 1) % NO_ROPE_INTERVAL == 0)
+            if arch == "smollm3" else (),
+            **(_granite_scalars(fields) if arch == "granite" else {}),
+            max_context=max(context, yarn.context) if yarn else context,
+        )
+    except ValueError as e:  # ModelConfig's own checks
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def _granite_scalars(fields: dict[str, Any]) -> dict[str, float | None]:
+    """A granite file's scalars, as llama.cpp reads them (0 or absent: none)."""
+    return {"embedding_multiplier": float(fields.get("granite.embedding_scale") or 1.0),
+            "residual_multiplier": float(fields.get("granite.residual_scale") or 1.0),
+            "attention_multiplier": float(fields.get("granite.attention.scale") or 0.0) or None,
+            "logits_scaling": float(fields.get("granite.logit_scale") or 1.0)}
 
 
 # YaRN's keys llama.cpp reads beside the factor, at the values where they change nothing

@@ -1,8 +1,9 @@
 """Hugging Face checkpoints: `config.json` → `ModelConfig`, safetensors → the params pytree.
 
-Contract: `load_hf_config` accepts the Llama, Mistral, Qwen2, Qwen3 (dense) and SmolLM3 families
-(`model_type` "llama", "mistral", "qwen2", "qwen3", "smollm3"; SmolLM3's `no_rope_layers`, or
-every `no_rope_layer_interval`-th layer, unrotated) and refuses, with a `CheckpointError`,
+Contract: `load_hf_config` accepts the Llama, Mistral, Qwen2, Qwen3 (dense), SmolLM3 and Granite
+families (`model_type` "llama", "mistral", "qwen2", "qwen3", "smollm3", "granite"; SmolLM3's
+`no_rope_layers`, or every `no_rope_layer_interval`-th layer, unrotated; Granite's four
+multipliers) and refuses, with a `CheckpointError`,
 anything cadence would run wrongly: other activations, biases outside q/k/v, RoPE scaling other
 than Llama 3's, YaRN and linear, a sliding window shorter than the context. `load_hf_params` reads one
 `*.safetensors` file or the shards named by `model.safetensors.index.json`, checks every
@@ -35,10 +36,10 @@ from cadence.model.params import build_tree, get, param_specs
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "smollm3": "SmolLM3ForCausalLM"}
+                 "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}
 # HF's per-family defaults for fields a config.json may omit.
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 32768, "qwen2": 32768, "qwen3": 32768,
-                          "smollm3": 32768}
+                          "smollm3": 32768, "granite": 2048}
 _DEFAULT_ROPE_THETA = {"smollm3": 2e6}  # (others: 10000)
 _DEFAULT_TIED = {"smollm3": True}  # (others: untied)
 # The float dtypes checkpoints store tensors in, by their name in safetensors and GGUF; a
@@ -99,6 +100,7 @@ def load_hf_config(folder: str | Path, *, name: str | None = None) -> ModelConfi
             attention_bias=model_type == "qwen2",
             qk_norm=model_type == "qwen3",
             no_rope_layers=_no_rope_layers(folder, raw, layers) if model_type == "smollm3" else (),
+            **(_granite_multipliers(raw) if model_type == "granite" else {}),
             max_context=max(max_context, scaling.context) if scaling else max_context,
         )
     except ValueError as e:  # ModelConfig's own consistency checks
@@ -116,6 +118,15 @@ def _no_rope_layers(folder: Path, raw: dict[str, Any], layers: int) -> tuple[int
         raise CheckpointError(f"{folder / 'config.json'}: no_rope_layers must be a 0 or 1 for each "
                               f"of the {layers} layers")
     return tuple(i for i, rotated in enumerate(flags) if not rotated)
+
+
+def _granite_multipliers(raw: dict[str, Any]) -> dict[str, float]:
+    """Granite's scalars at transformers' defaults where config.json leaves them out (its
+    attention scores are scaled by attention_multiplier alone, 1.0 by default)."""
+    return {"embedding_multiplier": float(raw.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(raw.get("residual_multiplier", 1.0)),
+            "attention_multiplier": float(raw.get("attention_multiplier", 1.0)),
+            "logits_scaling": float(raw.get("logits_scaling", 1.0))}
 
 
 def load_hf_params(folder: str | Path, config: ModelConfig, *, keep_16_bit: bool = False) -> Params:
@@ -227,16 +238,20 @@ def save_hf(folder: str | Path, config: ModelConfig, params: Params, *, dtype: s
 
 def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """`config` as a transformers `config.json` (Qwen2 when it has q/k/v biases, Qwen3 when it
-    has q/k norms, SmolLM3 when some layers are unrotated, else Llama)."""
+    has q/k norms, SmolLM3 when some layers are unrotated, Granite when it has multipliers,
+    else Llama)."""
     factors = config.rope_freq_factors
     if factors is not None and (len(set(factors)) > 1 or config.rope_scaling is not None):
         raise CheckpointError(f"{config.name}: per-frequency RoPE factors (a GGUF's rope_freqs) "
                               "have no Hugging Face config.json form; cannot export this model")
-    if config.attention_bias + config.qk_norm + bool(config.no_rope_layers) > 1:
-        raise CheckpointError(f"{config.name}: q/k/v biases, q/k norms and unrotated layers "
-                              "together are no transformers architecture; cannot export this model")
+    granite = (config.embedding_multiplier, config.residual_multiplier, config.attention_multiplier,
+               config.logits_scaling) != (1.0, 1.0, None, 1.0)
+    if config.attention_bias + config.qk_norm + bool(config.no_rope_layers) + granite > 1:
+        raise CheckpointError(f"{config.name}: q/k/v biases, q/k norms, unrotated layers and "
+                              "Granite's multipliers together are no transformers architecture; "
+                              "cannot export this model")
     model_type = ("qwen2" if config.attention_bias else "qwen3" if config.qk_norm
-                  else "smollm3" if config.no_rope_layers else "llama")
+                  else "smollm3" if config.no_rope_layers else "granite" if granite else "llama")
     raw: dict[str, Any] = {
         "_name_or_path": config.name,
         "architectures": [ARCHITECTURES[model_type]],
@@ -272,8 +287,13 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any
                                "original_max_position_embeddings": s.original_max_position}
     if model_type in ("qwen2", "qwen3"):
         raw.update(use_sliding_window=False, sliding_window=config.max_context)
-    if model_type in ("qwen3", "smollm3"):
+    if model_type in ("qwen3", "smollm3", "granite"):
         raw.update(attention_bias=False)  # transformers reads it (for q/k/v and o)
+    if model_type == "granite":
+        raw.update(embedding_multiplier=config.embedding_multiplier, mlp_bias=False,
+                   residual_multiplier=config.residual_multiplier, logits_scaling=config.logits_scaling,
+                   attention_multiplier=(config.head_dim ** -0.5 if config.attention_multiplier is None
+                                         else config.attention_multiplier))
     if model_type == "smollm3":
         unrotated = set(config.no_rope_layers)
         raw.update(no_rope_layers=[int(i not in unrotated) for i in range(config.num_layers)],
@@ -286,7 +306,7 @@ def _check_supported(folder: Path, raw: dict[str, Any], model_type: str, max_con
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported; "
                               "cadence runs SwiGLU (silu) MLPs only")
-    if model_type in ("llama", "qwen3", "smollm3") and (raw.get("attention_bias") or raw.get("mlp_bias")):
+    if model_type in ("llama", "qwen3", "smollm3", "granite") and (raw.get("attention_bias") or raw.get("mlp_bias")):
         raise CheckpointError(f"{where}: attention_bias/mlp_bias on a {model_type} model is not "
                               "supported; cadence has biases on q/k/v only (Qwen2)")
     window = raw.get("sliding_window")

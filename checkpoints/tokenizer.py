@@ -76,7 +76,7 @@ _LLAMA3 = _Pre((_LLAMA3_RE,), ignore_merges=True, add_bos=True)
 _QWEN2 = _Pre((_QWEN2_RE,))
 _PRE = {
     "gpt2": _GPT2, "gpt-2": _GPT2, "default": _DEFAULT,
-    "smollm": _STARCODER, "starcoder": _STARCODER,
+    "smollm": _STARCODER, "starcoder": _STARCODER, "refact": _STARCODER, "command-r": _STARCODER,
     "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "falcon3": _LLAMA3,
     "pixtral": _LLAMA3, "smaug-bpe": _Pre((_LLAMA3_RE,)),
     "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,

@@ -1,10 +1,12 @@
-"""Model configuration for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3).
+"""Model configuration for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3,
+Granite 3).
 
 One frozen dataclass describes every architecture cadence serves: RMSNorm, rotary position
 embeddings (optionally with Llama-3 or YaRN frequency scaling, or any per-frequency factors as a
 GGUF's `rope_freqs` tensor gives them), SwiGLU MLP and grouped-query attention, with Qwen2's q/k/v
-biases, Qwen3's per-head query and key norms, or SmolLM3's layers without rotary embeddings
-(NoPE) where a family has them. It is hashable, so it can be a static argument of a jitted
+biases, Qwen3's per-head query and key norms, SmolLM3's layers without rotary embeddings
+(NoPE), or Granite's four scalars (embeddings, residual branches, attention scores and logits
+scaled) where a family has them. It is hashable, so it can be a static argument of a jitted
 function.
 
 Non-goals: mixture-of-experts, sliding-window attention, position encodings other than rotary
@@ -97,6 +99,14 @@ class ModelConfig:
     # Layers whose queries and keys are not rotated (no position encoding of their own):
     # SmolLM3's every fourth, (i + 1) % 4 == 0. Sorted indices; () for every other family.
     no_rope_layers: tuple[int, ...] = ()
+    # Granite's scalars (transformers' names): the embeddings times embedding_multiplier, each
+    # residual branch (attention's and the MLP's output) times residual_multiplier, attention
+    # scores times attention_multiplier (None: 1 / sqrt(head_dim)), the logits over
+    # logits_scaling. At 1 (None) they change nothing, and nothing is computed for them.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     max_context: int = 4096
     name: str = "llama"
 
@@ -108,6 +118,11 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        scalars = (self.embedding_multiplier, self.residual_multiplier, self.logits_scaling,
+                   1.0 if self.attention_multiplier is None else self.attention_multiplier)
+        if not all(math.isfinite(v) and v > 0 for v in scalars):
+            raise ValueError(f"the embedding, residual, attention and logit scalars must be finite "
+                             f"and positive, got {scalars}")
         layers = tuple(sorted({int(i) for i in self.no_rope_layers}))  # a list from JSON, too
         object.__setattr__(self, "no_rope_layers", layers)
         if layers and not 0 <= layers[0] <= layers[-1] < self.num_layers:

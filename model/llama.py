@@ -212,6 +212,8 @@ class Attention(nn.Module):
             k = RMSNorm(cfg.rms_norm_eps, name="k_norm")(k)
         if rope is not None:  # (None: a layer without position encoding, SmolLM3's NoPE)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cfg.attention_multiplier is not None:  # Granite's score scale, where every kernel
+            q = q * (cfg.attention_multiplier * math.sqrt(cfg.head_dim))  # divides by sqrt(d)
 
         attend = _write_and_attend(self.attention, *control.form())
         if self.mesh is not None:  # each device writes and reads its own heads' pages
@@ -270,8 +272,10 @@ class Block(nn.Module):
         h, k_pages, v_pages = Attention(self.config, self.attention, self.dtype, self.mesh, name="attn")(
             RMSNorm(eps, name="attn_norm")(x), positions, rope, lengths, page_table, k_pages, v_pages
         )
-        x = x + h
-        x = x + MLP(self.config, self.dtype, name="mlp")(RMSNorm(eps, name="mlp_norm")(x))
+        r = self.config.residual_multiplier  # (Granite's; 1 elsewhere)
+        x = x + (h if r == 1 else h * r)
+        h = MLP(self.config, self.dtype, name="mlp")(RMSNorm(eps, name="mlp_norm")(x))
+        x = x + (h if r == 1 else h * r)
         return x, k_pages, v_pages
 
 
@@ -287,6 +291,8 @@ class Llama(nn.Module):
         cfg = self.config
         embed = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed")
         x = embed(tokens)
+        if cfg.embedding_multiplier != 1:  # (Granite's)
+            x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
         if rope_table is None:
             cos, sin = rope_tables(positions, cfg)
         else:
@@ -318,7 +324,8 @@ class Llama(nn.Module):
                 logits = embed.attend(x)
             else:
                 logits = Linear(cfg.vocab_size, False, self.dtype, name="lm_head")(x)
-        return logits.astype(jnp.float32), cache
+        logits = logits.astype(jnp.float32)
+        return (logits if cfg.logits_scaling == 1 else logits / cfg.logits_scaling), cache
 
 
 def forward(

@@ -172,6 +172,37 @@ def test_a_smollm3_file_leaves_every_fourth_layer_unrotated(tmp_path, tiny_token
     _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer)
 
 
+def test_a_granite_file_keeps_its_four_scalars(tmp_path, tiny_tokenizer):
+    """A "granite" file is Llama's (rows permuted) with its embedding, residual, attention and
+    logit scales as llama.cpp reads them: read back exactly, and quantized, the engine over its
+    blocks gives the reference's greedy tokens."""
+    from tests.tiny_models import GRANITE_TINY
+
+    def scalars(w):
+        w.add_embedding_scale(GRANITE_TINY.embedding_multiplier)
+        w.add_residual_scale(GRANITE_TINY.residual_multiplier)
+        w.add_attention_scale(GRANITE_TINY.attention_multiplier)
+        w.add_logit_scale(GRANITE_TINY.logits_scaling)
+
+    params = random_params(GRANITE_TINY)
+    path = tmp_path / "granite.gguf"
+    write_gguf(path, GRANITE_TINY, params, quantize=False, arch="granite", metadata=scalars)
+    config, loaded, _ = load_gguf(path)
+    assert dataclasses.replace(config, name=GRANITE_TINY.name, rms_norm_eps=1e-5,
+                               residual_multiplier=0.22) == GRANITE_TINY  # (float32s in the file)
+    assert config.residual_multiplier == pytest.approx(0.22)
+    for (pa, a), (_, b) in zip(_leaves(loaded), _leaves(params)):
+        np.testing.assert_array_equal(a, b, err_msg=pa)
+    if not cpu_kernels.available():
+        return
+    path = tmp_path / "granite-q.gguf"
+    write_gguf(path, GRANITE_TINY, random_params(GRANITE_TINY, seed=4), quantize=True, arch="granite",
+               metadata=scalars)
+    config, floats, _ = load_gguf(path)
+    packed = {p: blocks for p, (blocks, _) in load_packed(path, config).items()}
+    _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer)
+
+
 # Llama 3.1's RoPE scaling over a 64-position original context, so that most of head_dim 16's
 # frequencies are scaled (over Llama 3.1's own 8192 only the slowest would be).
 LLAMA3_TINY = dataclasses.replace(TINY, name="tiny-llama3", tie_embeddings=False,

@@ -16,7 +16,7 @@ from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.hf import load_hf_config, load_hf_params, save_hf
 from tests.conftest import random_params
 from tests.fakes import needs_cpu_kernels
-from tests.tiny_models import QWEN3_TINY, QWEN_TINY, SMOLLM3_TINY
+from tests.tiny_models import GRANITE_TINY, QWEN3_TINY, QWEN_TINY, SMOLLM3_TINY
 from cadence.checkpoints.store import (
     is_converted, load_converted, load_tokenizer_files, save_converted,
 )
@@ -24,7 +24,7 @@ from cadence.bench.random_gguf import SHAPES
 from cadence.model.config import LLAMA3_8B, SMOLLM2_135M, TINY, ModelConfig, RopeScaling
 
 
-@pytest.fixture(params=[TINY, QWEN_TINY, QWEN3_TINY, SMOLLM3_TINY], ids=lambda c: c.name)
+@pytest.fixture(params=[TINY, QWEN_TINY, QWEN3_TINY, SMOLLM3_TINY, GRANITE_TINY], ids=lambda c: c.name)
 def model(request):
     return request.param, random_params(request.param)
 
@@ -165,7 +165,7 @@ def test_wrong_shape_is_named(tmp_path):
 
 @pytest.mark.parametrize("edit, match", [
     ({"model_type": "gpt2"},
-     "model_type 'gpt2' is not supported; cadence loads llama, mistral, qwen2"),
+     "model_type 'gpt2' is not supported; cadence loads granite, llama, mistral, qwen2"),
     ({"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 128},
      "sliding_window 128"),

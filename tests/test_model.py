@@ -12,7 +12,7 @@ from cadence.model.config import TINY, RopeScaling
 from cadence.model.paged_kv import PagedKVCache
 from cadence.model.llama import rope_frequencies
 from tests.conftest import random_params
-from tests.tiny_models import QWEN3_TINY, SMOLLM3_TINY, forward, full_logits
+from tests.tiny_models import GRANITE_TINY, QWEN3_TINY, SMOLLM3_TINY, forward, full_logits
 
 
 def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
@@ -35,7 +35,9 @@ def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
         y = x @ f64(layer["kernel"])
         return y + f64(layer["bias"]) if "bias" in layer else y
 
-    x = f64(p["embed"]["embedding"])[tokens]
+    x = f64(p["embed"]["embedding"])[tokens] * config.embedding_multiplier  # (Granite's scalars:
+    r = config.residual_multiplier                                          # 1 elsewhere)
+    score = config.attention_multiplier or 1 / np.sqrt(hd)
     for i in range(config.num_layers):
         L = p[f"layers_{i}"]
         a = rms(x, L["attn_norm"]["scale"])
@@ -49,17 +51,17 @@ def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
         out = np.zeros((t, h, hd))
         for head in range(h):
             g = head // (h // kv)
-            s = q[:, head] @ k[:, g].T / np.sqrt(hd)
+            s = q[:, head] @ k[:, g].T * score
             s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
             w = np.exp(s - s.max(-1, keepdims=True))
             out[:, head] = (w / w.sum(-1, keepdims=True)) @ v[:, g]
-        x = x + out.reshape(t, h * hd) @ f64(L["attn"]["o"]["kernel"])
+        x = x + r * (out.reshape(t, h * hd) @ f64(L["attn"]["o"]["kernel"]))
         m = rms(x, L["mlp_norm"]["scale"])
         gate, up = m @ f64(L["mlp"]["gate"]["kernel"]), m @ f64(L["mlp"]["up"]["kernel"])
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ f64(L["mlp"]["down"]["kernel"])
+        x = x + r * ((gate / (1 + np.exp(-gate)) * up) @ f64(L["mlp"]["down"]["kernel"]))
     x = rms(x, p["final_norm"]["scale"])
     head = f64(p["embed"]["embedding"]).T if config.tie_embeddings else f64(p["lm_head"]["kernel"])
-    return x @ head
+    return x @ head / config.logits_scaling
 
 
 def _rope(config, t):
@@ -105,7 +107,8 @@ YARN_LIKE = dataclasses.replace(TINY, name="tiny-yarn", rope_scaling=RopeScaling
 
 
 @pytest.mark.parametrize("rope_lookup", [False, True], ids=["rope-computed", "rope-table"])
-@pytest.mark.parametrize("config", [TINY, QWEN_LIKE, QWEN3_TINY, LLAMA3_LIKE, MHA, YARN_LIKE, SMOLLM3_TINY],
+@pytest.mark.parametrize("config", [TINY, QWEN_LIKE, QWEN3_TINY, LLAMA3_LIKE, MHA, YARN_LIKE, SMOLLM3_TINY,
+                                    GRANITE_TINY],
                          ids=lambda c: c.name)
 def test_logits_match_float64_numpy(config, rope_lookup):
     params = random_params(config, seed=1)

@@ -113,6 +113,8 @@ def test_pre_tokenizer_digit_grouping(hf_bpe, pre, groups):
     ("tekken", "getElementById 123 a//b", ["get", "Element", "By", "Id", " ", "1", "2", "3", " a", "//", "b"]),
     ("llama-bpe", "getElementById 1234 I'M", ["getElementById", " ", "123", "4", " I", "'M"]),
     ("qwen2", "x 1234", ["x", " ", "1", "2", "3", "4"]),
+    # StarCoder's, which llama.cpp gives "refact" and "command-r" too: digits alone.
+    *[(pre, "x 12 y's", ["x", " ", "1", "2", " y", "'s"]) for pre in ("starcoder", "refact", "command-r")],
     # llama.cpp's fallback for a tokenizer its converter did not know: punctuation runs apart.
     ("default", "we'll see; 1234", ["we", "'", "ll", " see", ";", " ", "123", "4"]),
 ])

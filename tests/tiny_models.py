@@ -67,6 +67,12 @@ QWEN3_TINY = dataclasses.replace(
 # implies: 4 layers, the last without RoPE.
 SMOLLM3_TINY = dataclasses.replace(TINY, name="smollm3-tiny", num_layers=4, no_rope_layers=(3,))
 
+# Granite-style: Llama with its four scalars (Granite 3.3 2B's, but for the attention's, which is
+# 1/128 there over heads of 64 and here over TINY's heads of 16).
+GRANITE_TINY = dataclasses.replace(TINY, name="granite-tiny", embedding_multiplier=12.0,
+                                   residual_multiplier=0.22, attention_multiplier=0.03125,
+                                   logits_scaling=8.0)
+
 
 def undo_embedding_boost(params):
     """`random_params` scales the embedding up 8x so greedy choices are clear-cut; with tied

@@ -5,12 +5,16 @@
     python bench/results/qwen3-cpu/parity.py ... --yarn_factor=8 --yarn_original=256 \
         --out=bench/results/yarn-cpu/parity.json
     python bench/results/qwen3-cpu/parity.py ... --arch=smollm3 --out=bench/results/smollm3-cpu/parity.json
+    python bench/results/qwen3-cpu/parity.py ... --arch=granite --out=bench/results/granite-cpu/parity.json
 
 With `--arch=smollm3`, the file is a SmolLM3 of the same kind instead: Llama's layers (no q/k
 norms, heads of 64, rows permuted as llama.cpp's converter permutes them), 8 of them, of which
 llama.cpp leaves layers 3 and 7 unrotated (NoPE); RoPE's base is 10,000, not SmolLM3's 5e6, so
 that rotating or not shows within these prompts. A control goes beside it: cadence serving the
-same weights as a "llama" file, every layer rotated, which must not agree.
+same weights as a "llama" file, every layer rotated, which must not agree. With
+`--arch=granite`, a Granite of the same kind: Llama's layers (8, heads of 64, rows permuted) with
+Granite 3.3 2B's four scalars (embeddings x12, residual branches x0.22, attention scores x1/64,
+logits /8), and the same control (the weights as a "llama" file, no scalars).
 
 With `--gguf`, the servers read that file instead (a real model; `--tokenizer_from` unused).
 With `--yarn_factor`, the file's RoPE is YaRN-scaled from `--yarn_original` positions (the keys
@@ -61,7 +65,7 @@ OUT = flags.DEFINE_string("out", None, "where to write the JSON results", requir
 TOKENS = flags.DEFINE_integer("max_tokens", 32, "greedy tokens per prompt")
 YARN_FACTOR = flags.DEFINE_float("yarn_factor", 0.0, "YaRN's factor; 0: no RoPE scaling")
 YARN_ORIGINAL = flags.DEFINE_integer("yarn_original", 256, "YaRN's original context, in tokens")
-ARCH = flags.DEFINE_enum("arch", "qwen3", ["qwen3", "smollm3"], "the random file's architecture")
+ARCH = flags.DEFINE_enum("arch", "qwen3", ["qwen3", "smollm3", "granite"], "the random file's architecture")
 
 CONFIG = ModelConfig(name="qwen3-parity", vocab_size=151936, hidden_size=256, num_layers=4,
                      num_heads=4, num_kv_heads=2, head_dim=128, ffn_size=768, rms_norm_eps=1e-6,
@@ -73,9 +77,14 @@ SMOLLM3 = dataclasses.replace(CONFIG, name="smollm3-parity", num_layers=8, head_
                               rope_theta=1e4, no_rope_layers=(3, 7))
 
 
+# Granite's: Llama's layers with its four scalars (Granite 3.3 2B's).
+GRANITE = dataclasses.replace(SMOLLM3, name="granite-parity", no_rope_layers=(), embedding_multiplier=12.0,
+                              residual_multiplier=0.22, attention_multiplier=1 / 64, logits_scaling=8.0)
+
+
 def model_config() -> ModelConfig:
-    if ARCH.value == "smollm3":
-        return SMOLLM3
+    if ARCH.value in ("smollm3", "granite"):
+        return SMOLLM3 if ARCH.value == "smollm3" else GRANITE
     if not YARN_FACTOR.value:
         return CONFIG
     return dataclasses.replace(CONFIG, name="qwen3-yarn-parity", rope_scaling=RopeScaling(
@@ -88,6 +97,11 @@ def write_model(path: Path, config: ModelConfig, arch: str) -> None:
     w = gguf.GGUFWriter(str(path), arch)
     add_shape(w, config)
     w.add_name(config.name)
+    if arch == "granite":
+        w.add_embedding_scale(config.embedding_multiplier)
+        w.add_residual_scale(config.residual_multiplier)
+        w.add_attention_scale(config.attention_multiplier)
+        w.add_logit_scale(config.logits_scaling)
     copy_tokenizer(TOKENIZER.value)(w)
     for spec in params_lib.param_specs(config):
         array = np.asarray(params_lib.get(params, spec.path), np.float32)
@@ -152,12 +166,12 @@ def compare(prompts: list[list[int]], theirs: list[dict], ours: list[dict]) -> l
         diffs = [abs(top[t] - mine[t]) for top, mine in pairs for t in top if t in mine]
         same_sets = sum(set(top) == set(mine) for top, mine in pairs)
         row = {"prompt_tokens": len(ids), "greedy_tokens": TOKENS.value, "tokens_agree": agree,
-               "max_logprob_diff": max(diffs), "positions_compared": len(pairs),
+               "max_logprob_diff": max(diffs, default=None), "positions_compared": len(pairs),
                "positions_with_the_same_top5": same_sets,
                "llama_cpp": a["tokens"], "cadence": b["tokens"]}
         line = (f"{len(ids):4d} prompt tokens: {agree}/{TOKENS.value} greedy tokens agree; the same "
                 f"top 5 at {same_sets}/{len(pairs)} positions; max |logprob difference| "
-                f"{max(diffs):.2e}")
+                + (f"{max(diffs):.2e}" if diffs else "none (no token in both top 5s)"))
         if agree < TOKENS.value:  # how close the two choices were, by llama.cpp's numbers
             top = a["top"][agree]
             row["gap_where_they_part"] = top[a["tokens"][agree]] - top.get(b["tokens"][agree], float("-inf"))
@@ -187,11 +201,13 @@ def main(argv: list[str]) -> None:
     rows = compare(prompts, theirs, cadence(path, prompts))
     result = {"gguf": path.name} if GGUF.value else {"config": json.loads(config.to_json())}
     result["prompts"] = rows
-    if ARCH.value == "smollm3" and not GGUF.value:  # the control: every layer rotated
-        print("control: cadence on the same weights as a llama file, every layer rotated")
+    if ARCH.value in ("smollm3", "granite") and not GGUF.value:  # the control: plain Llama
+        print("control: cadence on the same weights as a llama file (every layer rotated, no scalars)")
         control = folder / "as-llama.gguf"
-        write_model(control, dataclasses.replace(config, no_rope_layers=()), "llama")
-        result["control_every_layer_rotated"] = compare(prompts, theirs, cadence(control, prompts))
+        write_model(control, dataclasses.replace(
+            config, no_rope_layers=(), embedding_multiplier=1.0, residual_multiplier=1.0,
+            attention_multiplier=None, logits_scaling=1.0), "llama")
+        result["control_as_plain_llama"] = compare(prompts, theirs, cadence(control, prompts))
     Path(OUT.value).write_text(json.dumps(result, indent=1) + "\n")
 
 
