@@ -25,6 +25,8 @@ anywhere in the text, any number of times:
   (dropped: cadence gives each call its own id). The arguments stream from their `{`.
 
 A Mistral call's id is 9 letters and digits, the only kind Mistral's templates accept back.
+`ToolCallParser(names, list_tag="<|tool_call|>")` reads the same lists after another tag
+(Granite 3's), with OpenAI's ids.
 
 The JSON is `{"name": <tool>, "arguments": {...}}` ("parameters" is accepted for "arguments",
 other keys are ignored, missing arguments mean `{}`). It is a call only if it parses as an object,
@@ -158,13 +160,14 @@ class ToolCallParser:
     """Splits one answer, fed piece by piece, into content and tool calls (see the module doc)."""
 
     def __init__(self, names: Collection[str], new_id: Callable[[], str] | None = None, *,
-                 mistral: bool = False):
+                 mistral: bool = False, list_tag: str | None = None):
         self.names = frozenset(names)
         self.calls: list[ToolCall] = []
         self.abandoned: list[int] = []  # indexes of headers sent for calls that did not complete
         self._new_id = new_id or (new_mistral_call_id if mistral else new_call_id)
-        self._mistral = mistral
-        self._open = TOOL_CALLS if mistral else OPEN  # the tag a call starts with in text
+        self._mistral = mistral or list_tag is not None  # calls in lists after a tag
+        # the tag a call starts with in text
+        self._open = list_tag or (TOOL_CALLS if mistral else OPEN)
         self._mode = _TEXT if mistral else _START
         self._buf = ""          # text not yet consumed by the current mode
         self._drop_ws = False   # whether `_buf` starts right after a call
@@ -237,7 +240,7 @@ class ToolCallParser:
             body = buf[:at].rstrip(_WS)
             self._emit(body)
             # The whitespace before the tag goes with the candidate: dropped if it is a call.
-            self._cand = _Candidate(_HERMES if tag == OPEN else _LIST, keep=buf[len(body):at + len(tag)])
+            self._cand = _Candidate(_LIST if self._mistral else _HERMES, keep=buf[len(body):at + len(tag)])
             self._buf = buf[at + len(tag):]
             self._mode = _OPENING
             return True
@@ -479,12 +482,12 @@ def _one_per_index(deltas: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
-def parse_tool_calls(text: str, names: Collection[str], *,
-                     mistral: bool = False) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, names: Collection[str], *, mistral: bool = False,
+                     list_tag: str | None = None) -> tuple[str | None, list[ToolCall]]:
     """A whole text -> (content, calls). Content is the text outside the calls, stripped of
     leading and trailing whitespace, None if empty. It is one feed and a finish, so streaming
     and whole parsing cannot disagree."""
-    parser = ToolCallParser(names, mistral=mistral)
+    parser = ToolCallParser(names, mistral=mistral, list_tag=list_tag)
     content = parser.feed(text).content + parser.finish().content
     return content.strip() or None, list(parser.calls)
 

@@ -15,7 +15,9 @@ have seen: a system section listing the tools inside <tools></tools>, each earli
 <tool_call> block in its assistant turn, and each tool result as a user turn inside
 <tool_response></tool_response>.
 
-A Mistral template (one that writes `[TOOL_CALLS]`) has its own call format, in two versions
+A Granite 3 template (one that speaks of `<|tool_call|>`) has the model answer with that token
+and a JSON list of calls (`GRANITE`). A Mistral template (one that writes `[TOOL_CALLS]`) has
+its own call format, in two versions
 (`MISTRAL`, `MISTRAL_ARGS`), written with special tokens that the answer's text then shows
 (`CallStyle.shown`), and call ids of 9 letters and digits, which it checks: ids a conversation
 brings in another shape (OpenAI's `call_...`) are given one, the same for a call and its result.
@@ -49,6 +51,7 @@ CHOICES = ("none", "auto", "required")
 # The call formats `call_style` tells apart: Hermes' <tool_call> blocks, Llama 3's JSON,
 # Mistral's list after [TOOL_CALLS] (7B v0.3, Nemo) and its [TOOL_CALLS]name[ARGS]{...} (v11+).
 HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS = "hermes", "llama3_json", "mistral", "mistral_args"
+GRANITE, GRANITE_TAG = "granite", "<|tool_call|>"  # Granite 3's: a JSON list after its tag
 MISTRAL_ID = re.compile(r"[a-zA-Z0-9]{9}")  # the only call ids Mistral's templates take
 
 # cadence's own tool section, for templates that render no tools themselves.
@@ -125,9 +128,10 @@ class ToolRequest:
         call = f"%json {json.dumps({**schema, '$defs': roots, 'x-guidance': JSON_LAYOUT})}"
         if style.name == LLAMA3_JSON:  # Llama 3.1's format has one call per answer
             return Lark(f"start: {call}\n")
-        if style.name == MISTRAL:
+        if style.name in (MISTRAL, GRANITE):  # a JSON list after the style's tag
             calls = 'call (", " call)*' if many else "call"
-            return Lark(f'start: {style.token(TOOL_CALLS)} "[" {calls} "]"\ncall: {call}\n')
+            tag = style.token(TOOL_CALLS if style.name == MISTRAL else GRANITE_TAG)
+            return Lark(f'start: {tag} "[" {calls} "]"\ncall: {call}\n')
         start = 'start: call ("\\n" call)*' if many else "start: call"
         return Lark(f'{start}\ncall: "<tool_call>\\n" {call} "\\n</tool_call>"\n')
 
@@ -232,20 +236,27 @@ class CallStyle:
         return tuple(sorted(i for _, i in self.markers))
 
     def token(self, text: str) -> str:
-        """A marker as llguidance's Lark matches the token itself: `<[id]>`."""
-        return f"<[{dict(self.markers)[text]}]>"
+        """A marker as llguidance's Lark matches the token itself (`<[id]>`), or as text where
+        the vocabulary spells it."""
+        markers = dict(self.markers)
+        return f"<[{markers[text]}]>" if text in markers else json.dumps(text)
+
+    @property
+    def _list_tag(self) -> str | None:
+        return GRANITE_TAG if self.name == GRANITE else None
 
     def parser(self, names: Collection[str]) -> ToolCallParser:
-        return ToolCallParser(names, mistral=self.mistral)
+        return ToolCallParser(names, mistral=self.mistral, list_tag=self._list_tag)
 
     def parse(self, text: str, names: Collection[str]) -> tuple[str | None, list[ToolCall]]:
         """A whole answer -> (content, calls) (`tool_call_parser.parse_tool_calls`)."""
-        return parse_tool_calls(text, names, mistral=self.mistral)
+        return parse_tool_calls(text, names, mistral=self.mistral, list_tag=self._list_tag)
 
 
 def call_style(tokenizer: Tokenizer) -> CallStyle:
     """The call format the model's template teaches: Mistral's where it writes `[TOOL_CALLS]`
     (a special token of the vocabulary), with a name and `[ARGS]` where it writes that too;
+    Granite's list after `<|tool_call|>` where it speaks of that;
     Llama 3's JSON ({"name", "parameters"}) where the template speaks of it; else Hermes'
     <tool_call> blocks (cadence's own too)."""
     template = tokenizer.chat_template or ""
@@ -254,6 +265,9 @@ def call_style(tokenizer: Tokenizer) -> CallStyle:
                     and tokenizer.is_special(i))
     if markers and markers[0][0] == TOOL_CALLS:
         return CallStyle(MISTRAL_ARGS if ARGS in dict(markers) else MISTRAL, markers)
+    if GRANITE_TAG in template:  # shown where it is a special token
+        i = tokenizer.token_id(GRANITE_TAG)
+        return CallStyle(GRANITE, ((GRANITE_TAG, i),) if i is not None and tokenizer.is_special(i) else ())
     if "<tool_call>" not in template and ("<|python_tag|>" in template or '"parameters"' in template):
         return CallStyle(LLAMA3_JSON)
     return CallStyle(HERMES)

@@ -15,7 +15,8 @@ import pytest
 from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine
 from cadence.server import parsing
-from cadence.server.tool_requests import HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, call_style, parse_tools
+from cadence.server.tool_requests import (GRANITE, HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, call_style,
+                                          parse_tools)
 from tests.fakes import EOS, TOK, FakeEngine, byte_tokenizer
 from tests.conftest import serve_tiny as serve
 from tests.structured_cases import SCHEMAS, TOOLS, assembled, check_calls, schema_format
@@ -410,3 +411,34 @@ def test_other_servers_call_ids_are_given_mistral_ones_consistently():
     with serve(mistral_engine(), tokenizer) as base:
         response = post(base, {"messages": ASK + short, "tools": TOOLS, "max_tokens": 2})
     assert response.status_code == 400, response.text
+
+
+# Granite 3's: the tools shown in a role of their own, calls as a JSON list after <|tool_call|>.
+GRANITE_TEMPLATE = (
+    "{%- if tools %}<|start_of_role|>available_tools<|end_of_role|>{{ tools | tojson }}<|end_of_text|>"
+    "{% endif %}{%- for m in messages %}<|start_of_role|>{{ m.role }}<|end_of_role|>{{ m.content }}"
+    "<|end_of_text|>{% endfor %}<|start_of_role|>assistant<|end_of_role|>"
+    "{#- respond with <|tool_call|> and a JSON list of calls #}")
+
+
+def test_granite_calls_are_a_list_after_its_tag():
+    """A Granite template's calls: the special <|tool_call|> token shown to the parser, then a
+    list; written by the model (arguments first) or forced by the grammar, they come back."""
+    tok = copy.copy(byte_tokenizer(("<|tool_call|>",)))
+    tok.chat_template = GRANITE_TEMPLATE
+    style = call_style(tok)
+    assert style.name == GRANITE and style.shown == (tok.token_id("<|tool_call|>"),)
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 400}
+    prompt = tok.encode(parsing.render_chat(ASK, tok, parse_tools(body)))
+    written = '<|tool_call|>[{"arguments": {"city": "Oslo"}, "name": "get_weather"}]'
+    engine = FakeEngine(num_slots=2, max_seq_len=2048, page_size=16, vocab_size=tok.vocab_size,
+                        script={tuple(prompt): tok.encode(written) + [EOS]})
+    with serve(engine, tok) as base:
+        choice = post(base, body).json()["choices"][0]
+        forced = post(base, {**body, "messages": [{"role": "user", "content": "x"}],
+                             "tool_choice": "required"}).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in choice["message"]["tool_calls"]] == [("get_weather", {"city": "Oslo"})]
+    assert forced["finish_reason"] == "tool_calls"
+    check_calls(forced["message"]["tool_calls"], {"get_weather", "get_time"})

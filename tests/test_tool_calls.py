@@ -23,8 +23,8 @@ def counter_ids():
     return lambda: f"call_{next(counter):024x}"
 
 
-def stream(text: str, names=NAMES, cuts=(), mistral=False) -> tuple[ToolCallParser, list[Delta]]:
-    parser = ToolCallParser(names, new_id=counter_ids(), mistral=mistral)
+def stream(text: str, names=NAMES, cuts=(), mistral=False, list_tag=None) -> tuple[ToolCallParser, list[Delta]]:
+    parser = ToolCallParser(names, new_id=counter_ids(), mistral=mistral, list_tag=list_tag)
     bounds = sorted(set(cuts) | {0, len(text)})
     deltas = [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])]
     return parser, deltas + [parser.finish()]
@@ -52,13 +52,13 @@ def collect(deltas: list[Delta]) -> tuple[str, list[tuple[str, str, str]]]:
     return content, [tuple(call) for call in calls]
 
 
-def check(text: str, names=NAMES, extra_cuts=(), mistral=False) -> tuple[str, list[ToolCall]]:
+def check(text: str, names=NAMES, extra_cuts=(), mistral=False, list_tag=None) -> tuple[str, list[ToolCall]]:
     """Parses `text` whole, one character at a time and in the given splits; they must agree.
     Returns the streamed content (unstripped) and the calls."""
     splits = [(), range(1, len(text)), *extra_cuts]
     results = []
     for cuts in splits:
-        parser, deltas = stream(text, names, cuts, mistral)
+        parser, deltas = stream(text, names, cuts, mistral, list_tag)
         content, streamed = collect(deltas)
         live = [call for i, call in enumerate(streamed) if i not in parser.abandoned]
         assert [(c.id, c.name, c.arguments) for c in parser.calls] == live
@@ -66,7 +66,7 @@ def check(text: str, names=NAMES, extra_cuts=(), mistral=False) -> tuple[str, li
             assert isinstance(json.loads(call.arguments), dict)
         results.append((content, [(c.name, c.arguments) for c in parser.calls], parser.abandoned))
     assert all(result == results[0] for result in results)
-    whole_content, whole_calls = parse_tool_calls(text, names, mistral=mistral)
+    whole_content, whole_calls = parse_tool_calls(text, names, mistral=mistral, list_tag=list_tag)
     assert whole_content == (results[0][0].strip() or None)
     assert [(c.name, c.arguments) for c in whole_calls] == results[0][1]
     return results[0][0], parser.calls
@@ -333,6 +333,16 @@ def test_a_mistral_list_that_ends_badly_keeps_what_is_not_syntax():
     assert [c.name for c in calls] == ["get_time"] and content == ", ] x"
     content, calls = check(f'{TOOL_CALLS}[{{"name": "get_time", "arguments": {{}}}}; y', mistral=True)
     assert [c.name for c in calls] == ["get_time"] and content == "; y"
+
+
+def test_granite_lists_after_its_tag():
+    tag = "<|tool_call|>"
+    text = f'Sure.{tag}[{{"arguments": {{"city": "Paris"}}, "name": "get_weather"}}, {{"name": "get_time"}}]'
+    content, calls = check(text, list_tag=tag)
+    assert content == "Sure." and [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    assert all(c.id.startswith("call_") for c in parse_tool_calls(text, NAMES, list_tag=tag)[1])
+    assert parse_tool_calls("[TOOL_CALLS][]", NAMES, list_tag=tag) == ("[TOOL_CALLS][]", [])
 
 
 def test_mistral_calls_are_content_to_the_default_parser():
