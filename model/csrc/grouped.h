@@ -223,36 +223,31 @@ struct IQ4NL {
   static void minimum(const uint8_t*, int64_t, __m256&, __m256&) {}
 };
 
-// IQ4_XS: 8 groups of 32 k-rows, 6-bit signed scales (an int8 each here) of the super-block's d.
-struct IQ4XS {
-  static constexpr int64_t kRows = 256, kGroupRows = 32, kStep = 2;
-  static constexpr int64_t kSc = 2 * kBlock, kPairs = kSc + 8 * kBlock, kRecord = kPairs + 128 * kBlock;
+// IQ4_XS (kIQ, 8 groups of 32 k-rows: its codes kIQ4's values at 4-bit indices) and Q3_K
+// (16 groups of 16 k-rows: its codes -4..3 lifted by 4 into a nibble): signed 6-bit scales (an
+// int8 each here) of the super-block's d.
+template <int64_t kGroups, bool kIQ>
+struct QSigned {
+  static constexpr int64_t kRows = 256, kGroupRows = kRows / kGroups, kStep = 2;
+  static constexpr int64_t kSc = 2 * kBlock, kPairs = kSc + kGroups * kBlock, kRecord = kPairs + 128 * kBlock;
   static constexpr bool kMin = false;
-  static constexpr bool kTable = true;
-  static constexpr int kBits = 8, kLift = 128;
-  static constexpr int64_t kCodesAt = kPairs, kHighAt = 0;
-  static void codes(const uint8_t* r, int64_t k, __m128i* q) { table_codes(r + kPairs + k / 2 * kBlock, q); }
-  static void scale(const uint8_t* r, int64_t g, __m256& s0, __m256& s1) { d_times_int8(r, r + kSc + g * kBlock, s0, s1); }
-  static void minimum(const uint8_t*, int64_t, __m256&, __m256&) {}
-};
-
-// Q3_K: 16 groups of 16 k-rows, signed 6-bit scales (an int8 each here) of the super-block's d;
-// the codes -4..3 lifted by 4 into a nibble.
-struct Q3K {
-  static constexpr int64_t kRows = 256, kGroupRows = 16, kStep = 2;
-  static constexpr int64_t kSc = 2 * kBlock, kPairs = kSc + 16 * kBlock, kRecord = kPairs + 128 * kBlock;
-  static constexpr bool kMin = false;
-  static constexpr bool kTable = false;
-  static constexpr int kBits = 4, kLift = 4;
+  static constexpr bool kTable = kIQ;
+  static constexpr int kBits = kIQ ? 8 : 4, kLift = kIQ ? 128 : 4;
   static constexpr int64_t kCodesAt = kPairs, kHighAt = 0;
   static void codes(const uint8_t* r, int64_t k, __m128i* q) {
-    nibbles(r + kPairs + k / 2 * kBlock, q[0], q[1]);
-    q[0] = _mm_sub_epi8(q[0], _mm_set1_epi8(kLift));
-    q[1] = _mm_sub_epi8(q[1], _mm_set1_epi8(kLift));
+    if constexpr (kIQ) {
+      table_codes(r + kPairs + k / 2 * kBlock, q);
+    } else {
+      nibbles(r + kPairs + k / 2 * kBlock, q[0], q[1]);
+      q[0] = _mm_sub_epi8(q[0], _mm_set1_epi8(kLift));
+      q[1] = _mm_sub_epi8(q[1], _mm_set1_epi8(kLift));
+    }
   }
   static void scale(const uint8_t* r, int64_t g, __m256& s0, __m256& s1) { d_times_int8(r, r + kSc + g * kBlock, s0, s1); }
   static void minimum(const uint8_t*, int64_t, __m256&, __m256&) {}
 };
+using IQ4XS = QSigned<8, true>;
+using Q3K = QSigned<16, false>;
 
 using Q2K = QK<false, 16>;
 
