@@ -50,7 +50,16 @@ def _batched_matmul(a: jax.Array, b: jax.Array, contract_a: int, contract_b: int
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> jax.Array:
+def visible_keys(key_pos: jax.Array, q_pos: jax.Array, window=None) -> jax.Array:
+    """Which keys a query sees: those at or before its position, and with a sliding `window`
+    (a [] int32, traced or not; None: none) only the last `window` of them, its own included."""
+    visible = key_pos <= q_pos
+    return visible if window is None else visible & (key_pos > q_pos - window)
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
+                  window=None) -> jax.Array:
+    """The reference; `window`: a sliding window (`visible_keys`)."""
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads, kv_len = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
@@ -63,7 +72,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Arr
     values = v.reshape(batch * num_kv_heads, kv_len, head_dim)
     scores = _batched_matmul(qg, keys, 2, 2) * (1.0 / jnp.sqrt(jnp.float32(head_dim)))
     key_pos = jnp.arange(kv_len, dtype=jnp.int32)
-    visible = key_pos[None, None, :] <= q_positions[:, :, None]  # [batch, q_len, kv_len]
+    visible = visible_keys(key_pos[None, None, :], q_positions[:, :, None], window)  # [batch, q_len, kv_len]
     visible = jnp.broadcast_to(
         visible[:, None, None], (batch, num_kv_heads, group, q_len, kv_len)
     ).reshape(scores.shape)

@@ -31,7 +31,8 @@
 //   cadence_cpu_blocked_matmul_int8   int8 blocks, widened in registers, with a float scale
 //                            per output column: a quarter of float32's bytes (`live` rows too).
 //   cadence_cpu_paged_decode     one query token per row over its pages of a paged KV pool,
-//                            online softmax in float32, keys 0..position of the row.
+//                            online softmax in float32, keys 0..position of the row (the
+//                            last `window` of them where window > 0).
 //   cadence_cpu_paged_write      new keys or values into their slots of a pool, in place:
 //                            XLA:CPU has no 16-bit scatter, and widens the whole pool layer to
 //                            float32 and back around one; within the layer loop, a layer of a
@@ -406,6 +407,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cadence_cpu_blocked_matmul_int8, BlockedMatmulInt8
                                     .Arg<ffi::Buffer<ffi::S32>>()      \
                                     .Arg<ffi::AnyBuffer>()             \
                                     .Arg<ffi::AnyBuffer>()             \
+                                    .Arg<ffi::Buffer<ffi::S32>>()      \
                                     .Arg<ffi::Buffer<ffi::S32>>()      \
                                     .Arg<ffi::Buffer<ffi::S32>>()      \
                                     .Ret<ffi::Buffer<ffi::F32>>());

@@ -597,10 +597,9 @@ def _pool_layer(pages) -> tuple[jax.Array, jax.Array]:
 
 
 def paged_decode(q: jax.Array, k_pages, v_pages, page_table: jax.Array,
-                 q_positions: jax.Array) -> jax.Array:
-    """`model.paged_attention`'s interface for one query per row (q [rows, 1, heads, d]):
-    keys 0..q_positions[row, 0] of the row's pages; -1 gives zeros. Computed in float32 over
-    pools (or `PoolLayer`s) of `ATTENTION`'s dtypes (widened as read, exactly)."""
+                 q_positions: jax.Array, window=None) -> jax.Array:
+    """`model.paged_attention`'s decode (q [rows, 1, heads, d]): keys 0..q_positions[row, 0], the
+    last `window` if given (-1: zeros), in float32 over pools (`PoolLayer`s) of `ATTENTION`'s."""
     _require()
     rows, q_len, heads, head_dim = q.shape
     if q_len != 1:
@@ -612,7 +611,8 @@ def paged_decode(q: jax.Array, k_pages, v_pages, page_table: jax.Array,
     out_shape = jax.ShapeDtypeStruct((rows, heads, head_dim), jnp.float32)
     out = jax.ffi.ffi_call(ATTENTION[k_pages.dtype.name], out_shape)(
         q.reshape(rows, heads, head_dim).astype(jnp.float32), layer, k_pool, v_pool,
-        page_table.astype(jnp.int32), q_positions[:, 0].astype(jnp.int32))
+        page_table.astype(jnp.int32), q_positions[:, 0].astype(jnp.int32),
+        jnp.asarray(0 if window is None else window, jnp.int32))
     return out.reshape(rows, 1, heads, head_dim).astype(q.dtype)
 
 

@@ -7,6 +7,8 @@ page tables.
       page_table   [rows, max_pages] int32   position p: page page_table[row, p // page_size]
       q_positions  [rows, q_len] int32   query t sees keys 0..q_positions[t] of its own sequence;
                                          -1 sees none and gets zeros
+      window       (keyword, optional) a sliding window, [] int32: query t sees only keys after
+                                         q_positions[t] - window (Gemma 3's sliding layers)
       out          [rows, q_len, num_heads, head_dim]
 
 The semantic is exactly `model.attention`'s on the row's sequence laid out contiguously
@@ -54,7 +56,12 @@ read by position, so they rely on the pool holding finite values (it is created 
   each, a query per row: a few queries of one sequence at once (speculative decoding's verify
   step).
 
-Non-goals: page allocation (host side), writes (`model.paged_kv.write`), sliding windows.
+Sliding windows are masks: the pages before a window stay where they are (the pool holds the
+whole sequence for the full-attention layers anyway). The decode loops and the prefill tiles
+start at the window's first page, so a sliding layer reads only the pages it sees; the GPU
+kernels do not take windows yet.
+
+Non-goals: page allocation (host side), writes (`model.paged_kv.write`).
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ import jax.numpy as jnp
 
 from cadence.model import cpu_kernels
 from cadence.model.arith import cdiv
-from cadence.model.attention import DECODE_TILE, _batched_matmul, xla_attention
+from cadence.model.attention import DECODE_TILE, _batched_matmul, visible_keys, xla_attention
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -83,13 +90,13 @@ def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
 
 def paged_reference_attention(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
-    q_positions: jax.Array,
+    q_positions: jax.Array, window=None,
 ) -> jax.Array:
     """The oracle: every row's whole page table gathered, then the contiguous reference, over
     keys and values widened to the queries' dtype (a 16-bit pool under float32 compute)."""
     k = gather_pages(k_pages, page_table).astype(q.dtype)
     v = gather_pages(v_pages, page_table).astype(q.dtype)
-    return xla_attention(q, k, v, q_positions)
+    return xla_attention(q, k, v, q_positions, window)
 
 
 def _online_step(carry, qr, kt, vt, valid):
@@ -109,7 +116,7 @@ def _online_step(carry, qr, kt, vt, valid):
     return new_peak, total, acc
 
 
-def _paged_decode(q, k_pages, v_pages, page_table, q_positions, *, tile_pages: int):
+def _paged_decode(q, k_pages, v_pages, page_table, q_positions, *, tile_pages: int, window=None):
     """Decode over pages, one static loop per row (as `_tiled_decode`), reading only the row's
     live pages: first a loop over the whole tiles of `tile_pages` pages below the row's length,
     unmasked, then the pages left (fewer than a tile, or a tile's worth whose last page is
@@ -141,16 +148,18 @@ def _paged_decode(q, k_pages, v_pages, page_table, q_positions, *, tile_pages: i
         table = page_table[row]  # [max_pages]
         live = jnp.clip(position + 1, 0, max_pages * page_size)  # keys 0..position
 
-        def whole_tile(i, carry, qr=qr, table=table):
+        def whole_tile(i, carry, qr=qr, table=table, position=position):
             first = i * tile_pages
             kt = read(k_pages, table, first, tile_pages)
             vt = read(v_pages, table, first, tile_pages)
-            return _online_step(carry, qr, kt, vt, None)
+            key_pos = first * page_size + jnp.arange(tile, dtype=jnp.int32)
+            valid = None if window is None else visible_keys(key_pos, position, window)
+            return _online_step(carry, qr, kt, vt, valid)
 
         def part_tile(carry, first, n, qr=qr, table=table, position=position):
             kt, vt = read(k_pages, table, first, n), read(v_pages, table, first, n)
             key_pos = first * page_size + jnp.arange(n * page_size, dtype=jnp.int32)
-            return _online_step(carry, qr, kt, vt, key_pos <= position)
+            return _online_step(carry, qr, kt, vt, visible_keys(key_pos, position, window))
 
         carry = (
             jnp.full((num_kv_heads, group), -1e30, jnp.float32),
@@ -158,7 +167,8 @@ def _paged_decode(q, k_pages, v_pages, page_table, q_positions, *, tile_pages: i
             jnp.zeros((num_kv_heads, group, head_dim), jnp.float32),
         )
         whole = live // tile
-        carry = jax.lax.fori_loop(0, whole, whole_tile, carry)
+        start = 0 if window is None else jnp.clip(position - window + 1, 0, None) // tile
+        carry = jax.lax.fori_loop(jnp.minimum(start, whole), whole, whole_tile, carry)
         first = whole * tile_pages
         left = cdiv(live, page_size) - first  # 0..tile_pages pages
         n = 1 << (tile_pages.bit_length() - 1)  # the largest power of two <= tile_pages
@@ -175,15 +185,17 @@ def _paged_decode(q, k_pages, v_pages, page_table, q_positions, *, tile_pages: i
     return out.astype(q.dtype)
 
 
-def paged_decode_gather(q, k_pages, v_pages, page_table, q_positions, tile: int = DECODE_TILE):
+def paged_decode_gather(q, k_pages, v_pages, page_table, q_positions, tile: int = DECODE_TILE,
+                        window=None):
     """CPU decode: tiles of `tile` positions gathered from their pages (q_len == 1)."""
     tile_pages = max(1, tile // k_pages.shape[2])
-    return _paged_decode(q, k_pages, v_pages, page_table, q_positions, tile_pages=tile_pages)
+    return _paged_decode(q, k_pages, v_pages, page_table, q_positions, tile_pages=tile_pages,
+                         window=window)
 
 
-def paged_decode_pages(q, k_pages, v_pages, page_table, q_positions):
+def paged_decode_pages(q, k_pages, v_pages, page_table, q_positions, window=None):
     """CPU decode: one page read in place per iteration (q_len == 1)."""
-    return _paged_decode(q, k_pages, v_pages, page_table, q_positions, tile_pages=1)
+    return _paged_decode(q, k_pages, v_pages, page_table, q_positions, tile_pages=1, window=window)
 
 
 PREFILL_TILE_ROWS = 8  # rows of a packed prefill per query tile on the CPU: 128 queries at 16
@@ -197,7 +209,7 @@ def _take_pages(pages: jax.Array, ids: jax.Array) -> jax.Array:
 def paged_prefill_tiled(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
     q_positions: jax.Array, *, tile_rows: int = PREFILL_TILE_ROWS, key_tile: int = PREFILL_KEY_TILE,
-    take: Callable[[jax.Array, jax.Array], jax.Array] = _take_pages,
+    take: Callable[[jax.Array, jax.Array], jax.Array] = _take_pages, window=None,
 ) -> jax.Array:
     """CPU prefill over rows that may be a packed prefill's: flash attention in XLA loops.
 
@@ -211,7 +223,8 @@ def paged_prefill_tiled(
     GEMMs at half speed, and a 16-query row alone was 1.6x slower than the chunk it came from.
     Tiles are visited in order and each writes `tile_rows` rows of the output, of which the
     rows past its own are rewritten by the tiles that own them. `take(pages, ids)` reads a key
-    tile's pages (`cpu_kernels.take_pages` where the CPU kernels run)."""
+    tile's pages (`cpu_kernels.take_pages` where the CPU kernels run). With a `window`, a query
+    tile's key loop starts at the tile holding the first key its earliest query sees."""
     rows, q_len, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_heads // num_kv_heads
@@ -255,13 +268,17 @@ def paged_prefill_tiled(
             kt = take(k_pages, ids).reshape(num_kv_heads, -1, head_dim)
             vt = take(v_pages, ids).reshape(num_kv_heads, -1, head_dim)
             key_pos = j * tile_pages * page_size + jnp.arange(tile_pages * page_size, dtype=jnp.int32)
-            return _online_step(carry, qg, kt, vt, key_pos[None, :] <= qpos[:, None])
+            return _online_step(carry, qg, kt, vt, visible_keys(key_pos[None, :], qpos[:, None], window))
 
         carry = (jnp.full((num_kv_heads, group * queries), -1e30, jnp.float32),
                  jnp.zeros((num_kv_heads, group * queries), jnp.float32),
                  jnp.zeros((num_kv_heads, group * queries, head_dim), jnp.float32))
         steps = (jnp.max(pos) + tile_pages * page_size) // (tile_pages * page_size)
-        _, total, acc = jax.lax.fori_loop(0, steps, key_body, carry)
+        start = 0
+        if window is not None:  # the tile holding the first key the earliest query sees
+            earliest = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max))
+            start = jnp.minimum(jnp.clip(earliest - window + 1, 0, None) // (tile_pages * page_size), steps)
+        _, total, acc = jax.lax.fori_loop(start, steps, key_body, carry)
         res = acc / jnp.where(total > 0, total, 1.0)[..., None]  # no visible key: zeros
         res = res.reshape(num_kv_heads, group, tile_rows, q_len, head_dim).transpose(2, 3, 0, 1, 4)
         res = res.reshape(tile_rows, q_len, num_heads, head_dim).astype(out.dtype)
@@ -274,38 +291,50 @@ def paged_prefill_tiled(
 
 def xla_paged_attention(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
-    q_positions: jax.Array,
+    q_positions: jax.Array, window=None,
 ) -> jax.Array:
     """The XLA serving path: gathered pages for chunks, a length-following loop for decode."""
     if q.shape[1] == 1:
-        return paged_decode_pages(q, k_pages, v_pages, page_table, q_positions)
-    return paged_prefill_tiled(q, k_pages, v_pages, page_table, q_positions)
+        return paged_decode_pages(q, k_pages, v_pages, page_table, q_positions, window)
+    return paged_prefill_tiled(q, k_pages, v_pages, page_table, q_positions, window=window)
 
 
-def cpu_paged_attention(q, k_pages, v_pages, page_table, q_positions):
+def cpu_paged_attention(q, k_pages, v_pages, page_table, q_positions, window=None):
     """The CPU kernels' path: decode by `model.cpu_kernels.paged_decode` (the row's live pages
     read once, no loop steps), prefill by the XLA tiles above, whose key tiles
     `cpu_kernels.take_pages` reads (widening a 16-bit pool's as it reads them, and reading a
     layer of a stacked pool in place)."""
     if q.shape[1] == 1:
-        return cpu_kernels.paged_decode(q, k_pages, v_pages, page_table, q_positions)
+        return cpu_kernels.paged_decode(q, k_pages, v_pages, page_table, q_positions, window)
     return paged_prefill_tiled(q, k_pages, v_pages, page_table, q_positions,
-                               take=cpu_kernels.take_pages)
+                               take=cpu_kernels.take_pages, window=window)
 
 
-def pallas_paged_attention(q, k_pages, v_pages, page_table, q_positions, *, interpret=None):
+def _no_window(name: str, window) -> None:
+    if window is not None:
+        raise NotImplementedError(f"the {name} kernels do not take sliding windows yet; a model "
+                                  "with sliding-window layers runs attention 'xla' on a GPU")
+
+
+def pallas_paged_attention(q, k_pages, v_pages, page_table, q_positions, *, interpret=None,
+                           window=None):
     """`model.pallas_paged.pallas_paged_attention`, imported lazily (keeps Pallas off the
     XLA-only import path)."""
     from cadence.model import pallas_paged
+
+    _no_window("Pallas", window)
 
     return pallas_paged.pallas_paged_attention(
         q, k_pages, v_pages, page_table, q_positions, interpret=interpret
     )
 
 
-def mosaic_paged_attention(q, k_pages, v_pages, page_table, q_positions, *, interpret=None):
+def mosaic_paged_attention(q, k_pages, v_pages, page_table, q_positions, *, interpret=None,
+                           window=None):
     """`model.mosaic_paged.mosaic_paged_attention`, imported lazily (as the Pallas one)."""
     from cadence.model import mosaic_paged
+
+    _no_window("Mosaic GPU", window)
 
     return mosaic_paged.mosaic_paged_attention(
         q, k_pages, v_pages, page_table, q_positions, interpret=interpret
@@ -318,10 +347,11 @@ def query_rows(attend: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     decoding's verify step scores (the last token and its drafts, whose KV is written before
     attention reads it). Exact, as each query sees keys up to its own position either way; on
     the CPU a handful of queries per row ran ~3x slower through the prefill tiles."""
-    def attend_rows(q, k_pages, v_pages, page_table, q_positions):
+    def attend_rows(q, k_pages, v_pages, page_table, q_positions, **window):
         rows, q_len, num_heads, head_dim = q.shape
         out = attend(q.reshape(rows * q_len, 1, num_heads, head_dim), k_pages, v_pages,
-                     jnp.repeat(page_table, q_len, axis=0), q_positions.reshape(rows * q_len, 1))
+                     jnp.repeat(page_table, q_len, axis=0), q_positions.reshape(rows * q_len, 1),
+                     **window)
         return out.reshape(rows, q_len, num_heads, head_dim)
 
     return attend_rows

@@ -129,16 +129,19 @@ constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxPage = 1024;    // tokens per page
 
 // One (row, KV head): the group's queries [group, d] against keys 0..position, a page at a
-// time: scores, their running max and sum (online softmax), then the values they weigh.
+// time: scores, their running max and sum (online softmax), then the values they weigh. With a
+// sliding window (window > 0), only keys after position - window: the pages before the one
+// holding the first are never read, and that page's earlier keys are masked.
 template <typename T>
 void attend_one(const float* q, const T* k_pool, const T* v_pool, const int32_t* table,
                 int64_t width, int64_t num_pages, int64_t page_size, int64_t d, int64_t group,
-                int32_t position, float* out) {
+                int32_t position, int32_t window, float* out) {
   if (position < 0) {
     std::fill(out, out + group * d, 0.0f);
     return;
   }
   const int64_t live = std::min<int64_t>(int64_t{position} + 1, width * page_size);
+  const int64_t first = window > 0 ? std::max<int64_t>(int64_t{position} - window + 1, 0) : 0;
   alignas(32) float qs[kMaxGroup * kMaxHeadDim];
   alignas(32) float acc[kMaxGroup * kMaxHeadDim];
   alignas(32) float s[kMaxPage + 8];
@@ -148,14 +151,16 @@ void attend_one(const float* q, const T* k_pool, const T* v_pool, const int32_t*
   std::fill(acc, acc + group * d, 0.0f);
   std::fill(peak, peak + group, -1e30f);
   std::fill(total, total + group, 0.0f);
-  for (int64_t start = 0, j = 0; start < live; start += page_size, ++j) {
+  for (int64_t j = first / page_size, start = j * page_size; start < live; start += page_size, ++j) {
     const int64_t page = std::clamp<int64_t>(table[j], 0, num_pages - 1);
     const T* kp = k_pool + page * page_size * d;
     const T* vp = v_pool + page * page_size * d;
     const int64_t n = std::min(page_size, live - start);
     const int64_t padded = (n + 7) & ~int64_t{7};
+    const int64_t hidden = std::max<int64_t>(first - start, 0);  // keys before the window
     for (int64_t g = 0; g < group; ++g) {
       page_scores(qs + g * d, kp, n, d, s);
+      for (int64_t t = 0; t < hidden; ++t) s[t] = -1e30f;  // exp gives 0 (a later key is seen)
       float top = peak[g];
       for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
       for (int64_t t = n; t < padded; ++t) s[t] = -1e30f;  // exp gives 0
@@ -205,16 +210,18 @@ template <ffi::DataType DT, typename T>
 ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> layer,
                        ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                        ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> positions,
-                       ffi::ResultBuffer<ffi::F32> out) {
+                       ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_table.dimensions();
   const PoolLayer pl = pool_layer(kd, layer);
   const int64_t at = pl.at;
   if (qd.size() != 3 || at < 0 || td.size() != 2 || td[0] != qd[0] ||
       positions.element_count() != qd[0] || v_pages.element_count() != k_pages.element_count() ||
-      k_pages.element_type() != DT || v_pages.element_type() != DT || pl.d != qd[2]) {
+      k_pages.element_type() != DT || v_pages.element_type() != DT || pl.d != qd[2] ||
+      window.element_count() != 1) {
     return ffi::Error::InvalidArgument(
         "cadence_cpu_paged_decode takes q [rows, heads, d], k/v pages [kv_heads, pages, page_size, "
-        "d] (or a layer of them stacked), page_table [rows, width] and positions [rows]");
+        "d] (or a layer of them stacked), page_table [rows, width], positions [rows] and a "
+        "window []");
   }
   const int64_t rows = qd[0], heads = qd[1], d = qd[2];
   const int64_t kv_heads = pl.kv_heads, num_pages = pl.num_pages, page_size = pl.page_size;
@@ -231,6 +238,7 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   const T* vp = static_cast<const T*>(v_pages.untyped_data()) + at;
   const int32_t* tp = page_table.typed_data();
   const int32_t* pp = positions.typed_data();
+  const int32_t w = *window.typed_data();
   float* op = out->typed_data();
   const int64_t pool_stride = num_pages * page_size * d;  // one KV head's pages
   parallel_for(pool, rows * kv_heads, 1, [=](int64_t first, int64_t last) {
@@ -238,7 +246,7 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
       const int64_t row = item / kv_heads, h = item % kv_heads;
       const int64_t offset = (row * heads + h * group) * d;
       attend_one(qp + offset, kp + h * pool_stride, vp + h * pool_stride, tp + row * width, width,
-                 num_pages, page_size, d, group, pp[row], op + offset);
+                 num_pages, page_size, d, group, pp[row], w, op + offset);
     }
   });
   return ffi::Error::Success();
