@@ -326,7 +326,10 @@ class Tokenizer:
             return cls._from_hf(hf, json.loads(hf.to_str()), add_bos=add_bos, **kw)
         if kind == "llama":  # llama.cpp's default for SentencePiece vocabularies: BOS
             proto = _spm_proto_from_gguf(fields, tokens, types)
-            return cls._from_sp(proto, {}, add_bos=add_bos is None or bool(add_bos), **kw)
+            # llama.cpp cuts user-defined pieces out of the raw text first (Gemma's runs of
+            # spaces, tabs and newlines, which SentencePiece, reading spaces as "▁", never meets).
+            user = {i: (tokens[i], False) for i, t in enumerate(types) if t == 4}  # user-defined
+            return cls._from_sp(proto, user, add_bos=add_bos is None or bool(add_bos), **kw)
         raise TokenizerError(f"unsupported tokenizer.ggml.model {kind!r} (cadence reads 'gpt2' "
                              "and 'llama'); load the model's Hugging Face tokenizer with "
                              "Tokenizer.from_hf_dir instead")

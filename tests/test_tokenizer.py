@@ -244,6 +244,30 @@ def test_spm_from_gguf_fields_encodes_the_same(spm, sp_dir):
         assert tok.decode(tok.encode(text, add_bos=False)) == text
 
 
+def test_spm_from_gguf_cuts_user_defined_pieces_out_of_the_raw_text(sp_dir):
+    """Gemma's vocabulary holds runs of spaces and tabs as user-defined pieces written with
+    real spaces, which SentencePiece (reading spaces as "▁") never meets: as llama.cpp does,
+    they are cut out of the text first, longest first, and each span between is encoded alone."""
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(sp_dir / "tokenizer.model"))
+    n = sp.get_piece_size()
+    runs = ["  ", "   ", "\t\t"]
+    fields = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.add_space_prefix": False,
+              "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)] + runs,
+              "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)] + [-1000.0] * 3,
+              "tokenizer.ggml.token_type": [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6
+                                            if sp.is_byte(i) else 1 for i in range(n)] + [4] * 3,
+              "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+              "tokenizer.ggml.unknown_token_id": 0}
+    tok = Tokenizer.from_gguf_fields(fields)
+    plain = lambda text: tok.encode(text, add_bos=False)  # noqa: E731
+    for special in (True, False):  # ordinary text: cut out whether or not specials are parsed
+        assert tok.encode("def f():\n    return", add_bos=False, special=special) == (
+            plain("def f():\n") + [n + 1] + plain(" return"))
+    assert plain("a  b\t\tc") == plain("a") + [n] + plain("b") + [n + 2] + plain("c")
+    text = "x     y\t\t\tz"
+    assert tok.decode(plain(text)) == text and not tok.is_special(n)
+
+
 def test_spm_save_and_restore(spm, tmp_path):
     spm.save(tmp_path)
     assert (tmp_path / "tokenizer.model").is_file()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -31,6 +32,9 @@ from cadence.checkpoints.gguf import read_fields
 from cadence.checkpoints.tokenizer import _PRE, Tokenizer
 from cadence.model.config import ModelConfig
 
+sys.path.insert(0, str(Path(__file__).parent))
+from texts import TEXTS  # noqa: E402
+
 SERVER = flags.DEFINE_string("llama_server", None, "llama.cpp's llama-server binary", required=True)
 SOURCE = flags.DEFINE_string("tokenizer_from", None, "a Qwen2.5 GGUF whose vocabulary to use", required=True)
 OUT = flags.DEFINE_string("out", None, "where to write the JSON results", required=True)
@@ -38,22 +42,6 @@ OUT = flags.DEFINE_string("out", None, "where to write the JSON results", requir
 CONFIG = ModelConfig(name="pre-parity", vocab_size=151936, hidden_size=256, num_layers=1, num_heads=4,
                      num_kv_heads=4, head_dim=64, ffn_size=256, rms_norm_eps=1e-6, rope_theta=1e6,
                      tie_embeddings=True, max_context=512)
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "I'M SURE IT'S FINE, ISN'T IT? We'll see; they've said so, you'd think. O'Neil's car.",
-    "getElementById XMLHttpRequest parseJSONResponse camelCaseWords snake_case_words CONSTANT_NAME",
-    "Numbers: 1234567, 3.14159, 2024-06-01, 1e-9, 0xDEADBEEF, 1,000,000 and ٣٤٥ and ５６７.",
-    "def main():\n    for i in range(10):\n\t\tprint(f\"{i:>4}\")\r\n    return None  \n\n\n",
-    "path/to/file.py // comment /* block */ https://example.com/a?b=c&d=e#f ../../up\n",
-    '{"key": [1, 2, {"nested": true}], "s": "quote \\" inside"}\n',
-    "Café, naïve, façade, jalapeño, Zürich, ÉCOLE, Éa, ÀÉÎÕÜ and İstanbul; ǅemal and ǈ.",
-    "日本語のテキストと中文字符，还有한국어 문장도 있습니다。カタカナとひらがな。",
-    "Ελληνικά γράμματα και русский текст, а также العربية و עברית and हिन्दी भाषा.",
-    "Emoji 🎉🚀😀👩‍👩‍👧‍👦 and symbols ™ © ° ± → ∑ ∞ ≈ ≠ ½ ² µ ß ﬁ.",
-    "   leading spaces, trailing spaces   \n \n\t mixed whitespace\u00a0nbsp\u2003em\u3000ideographic",
-    "!!!???... --- *** ### $$$ %%% ^^^ &&& ((( ))) [[[ ]]] {{{ }}} <<< >>> ||| \\\\\\ ~~~ ```",
-    "Mixed1Words2With3Digits and ABCdef and abcDEF and A1b2C3 and ALLCAPS123lower.",
-]
 
 
 def vocabulary(pre: str):
