@@ -26,6 +26,9 @@ Three details matter for logits that match the Hugging Face model:
   (the file says nothing of it): `ModelConfig.no_rope_layers`.
 - "granite" is Llama with four scalars, `embedding_scale`, `residual_scale`, `attention.scale`
   and `logit_scale` (0 or absent: none), `ModelConfig`'s multipliers.
+- "gemma3" is Gemma 3's text model (`_gemma3`): sliding-window layers with a RoPE base of their
+  own, GELU, norms after attention and the MLP, scaled embeddings, Qwen3's query and key norms.
+  Its rows are not permuted (llama.cpp rotates its halves, as HF does).
 - RoPE frequencies as llama.cpp computes them: its converter writes Llama 3.1/3.2's "llama3"
   frequency scaling as a `rope_freqs` tensor of per-frequency divisors (and no scaling metadata),
   which becomes `ModelConfig.rope_freq_factors` as it is (times a linear `rope.scaling.factor`
@@ -35,8 +38,9 @@ Three details matter for logits that match the Hugging Face model:
 
 Non-goals: the IQ formats but IQ4_NL and IQ4_XS in the kernels' format; LongRoPE scaling and
 partial rotary embeddings (`rope.dimension_count` below the head size), which are refused;
-architectures other than llama, qwen2, qwen3, smollm3 and granite (Qwen3's mixture-of-experts
-models are "qwen3moe", Granite's "granitemoe" and "granitehybrid", refused with the rest).
+architectures other than llama, qwen2, qwen3, smollm3, granite and gemma3 (Qwen3's
+mixture-of-experts models are "qwen3moe", Granite's "granitemoe" and "granitehybrid", Gemma 2's
+"gemma2", Gemma 3n's "gemma3n", refused with the rest).
 """
 
 from __future__ import annotations
@@ -55,9 +59,10 @@ from cadence.model import block_layout
 from cadence.model.config import ModelConfig, RopeScaling
 from cadence.model.params import MATRICES, ParamSpec, build_tree, param_specs
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "granite")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "granite", "gemma3")
 PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")  # q/k rows permuted by llama.cpp's converter
 NO_ROPE_INTERVAL = 4  # SmolLM3's: layer i is unrotated where (i + 1) % 4 == 0 (llama.cpp's constant)
+GEMMA3_PATTERN = 6  # Gemma 3's: layer i slides where i % 6 < 5, unless the file says (llama.cpp's)
 
 
 def read_fields(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -107,10 +112,11 @@ def config_from_fields(fields: dict[str, Any], path: Path) -> ModelConfig:
             rope_scaling=yarn,
             tie_embeddings=False,  # decided by the presence of output.weight in load_gguf
             attention_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             no_rope_layers=tuple(i for i in range(layers) if (i + 1) % NO_ROPE_INTERVAL == 0)
             if arch == "smollm3" else (),
             **(_granite_scalars(fields) if arch == "granite" else {}),
+            **(_gemma3(fields, layers, hidden, heads) if arch == "gemma3" else {}),
             max_context=max(context, yarn.context) if yarn else context,
         )
     except ValueError as e:  # ModelConfig's own checks
@@ -123,6 +129,30 @@ def _granite_scalars(fields: dict[str, Any]) -> dict[str, float | None]:
             "residual_multiplier": float(fields.get("granite.residual_scale") or 1.0),
             "attention_multiplier": float(fields.get("granite.attention.scale") or 0.0) or None,
             "logits_scaling": float(fields.get("granite.logit_scale") or 1.0)}
+
+
+def _gemma3(fields: dict[str, Any], layers: int, hidden: int, heads: int) -> dict[str, Any]:
+    """A gemma3 file's differences from Llama, as llama.cpp builds the model: sliding layers
+    where `attention.sliding_window` is set (those `attention.sliding_window_pattern` marks, or
+    of each 6 layers all but the last), rotated with `rope.freq_base_swa` (default 10000); the
+    embeddings scaled by sqrt(hidden); queries by 1 / sqrt(hidden / heads) in the 62-layer model
+    (27B), by the usual 1 / sqrt(head_dim) elsewhere; GELU; norms after each branch too. Its
+    norms' weights are stored with Gemma's 1 added (the converter adds it)."""
+    window = int(fields.get("gemma3.attention.sliding_window") or 0)
+    pattern = fields.get("gemma3.attention.sliding_window_pattern", GEMMA3_PATTERN)
+    if isinstance(pattern, (list, tuple)):
+        sliding = tuple(i for i, on in enumerate(pattern[:layers]) if on)
+    else:
+        n = int(pattern)
+        sliding = tuple(i for i in range(layers) if n == 0 or i % n < n - 1)
+    cap = float(fields.get("gemma3.final_logit_softcapping") or 0.0)
+    return {"sliding_window": window, "sliding_layers": sliding if window else (),
+            "rope_local_theta": float(fields.get("gemma3.rope.freq_base_swa") or 10000.0)
+            if window else None,
+            "hidden_act": "gelu_tanh", "post_norms": True,
+            "embedding_multiplier": hidden ** 0.5,
+            "attention_multiplier": (heads / hidden) ** 0.5 if layers == 62 else None,
+            "final_logit_softcapping": cap or None}
 
 
 # YaRN's keys llama.cpp reads beside the factor, at the values where they change nothing

@@ -3,9 +3,12 @@
 Contract: `load_hf_config` accepts the Llama, Mistral, Qwen2, Qwen3 (dense), SmolLM3 and Granite
 families (`model_type` "llama", "mistral", "qwen2", "qwen3", "smollm3", "granite"; SmolLM3's
 `no_rope_layers`, or every `no_rope_layer_interval`-th layer, unrotated; Granite's four
-multipliers) and refuses, with a `CheckpointError`,
+multipliers) and Gemma 3's text models ("gemma3_text": Gemma3ForCausalLM, its sliding layers
+from `layer_types` or `sliding_window_pattern`; its norms store their scale less 1, which is
+added as they load and taken off as they are saved) and refuses, with a `CheckpointError`,
 anything cadence would run wrongly: other activations, biases outside q/k/v, RoPE scaling other
-than Llama 3's, YaRN and linear, a sliding window shorter than the context. `load_hf_params` reads one
+than Llama 3's, YaRN and linear, a sliding window shorter than the context outside Gemma 3,
+attention logit soft-capping. `load_hf_params` reads one
 `*.safetensors` file or the shards named by `model.safetensors.index.json`, checks every
 expected tensor is there with the expected shape before reading any data, and returns float32
 numpy arrays with kernels transposed to [in, out].
@@ -13,7 +16,7 @@ Which tensor goes where, in which shape, is `model.params.param_specs`, the one 
 the parameter tree that every loader reads. `save_hf` writes the same layout back (tests, export).
 
 Non-goals: pytorch `.bin` files, quantized safetensors (GPTQ, AWQ, FP8), Mistral's
-`consolidated.safetensors` naming, sliding-window attention.
+`consolidated.safetensors` naming, Gemma 3's multimodal checkpoints (Gemma3ForConditionalGeneration).
 """
 
 from __future__ import annotations
@@ -36,12 +39,14 @@ from cadence.model.params import build_tree, get, param_specs
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}
+                 "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}
 # HF's per-family defaults for fields a config.json may omit.
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 32768, "qwen2": 32768, "qwen3": 32768,
-                          "smollm3": 32768, "granite": 2048}
-_DEFAULT_ROPE_THETA = {"smollm3": 2e6}  # (others: 10000)
-_DEFAULT_TIED = {"smollm3": True}  # (others: untied)
+                          "smollm3": 32768, "granite": 2048, "gemma3_text": 131072}
+_DEFAULT_ROPE_THETA = {"smollm3": 2e6, "gemma3_text": 1e6}  # (others: 10000)
+_DEFAULT_TIED = {"smollm3": True, "gemma3_text": True}  # (others: untied)
+_GEMMA3_PATTERN = 6  # transformers' sliding_window_pattern default: of each 6 layers, the last is full
 # The float dtypes checkpoints store tensors in, by their name in safetensors and GGUF; a
 # converted checkpoint keeps each as its source stored it (`checkpoints.store`).
 FLOAT_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -98,9 +103,10 @@ def load_hf_config(folder: str | Path, *, name: str | None = None) -> ModelConfi
             rope_freq_factors=factors,
             tie_embeddings=tie,
             attention_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             no_rope_layers=_no_rope_layers(folder, raw, layers) if model_type == "smollm3" else (),
             **(_granite_multipliers(raw) if model_type == "granite" else {}),
+            **(_gemma3(folder, raw, layers, hidden, head_dim) if model_type == "gemma3_text" else {}),
             max_context=max(max_context, scaling.context) if scaling else max_context,
         )
     except ValueError as e:  # ModelConfig's own consistency checks
@@ -118,6 +124,36 @@ def _no_rope_layers(folder: Path, raw: dict[str, Any], layers: int) -> tuple[int
         raise CheckpointError(f"{folder / 'config.json'}: no_rope_layers must be a 0 or 1 for each "
                               f"of the {layers} layers")
     return tuple(i for i, rotated in enumerate(flags) if not rotated)
+
+
+def _gemma3(folder: Path, raw: dict[str, Any], layers: int, hidden: int,
+            head_dim: int) -> dict[str, Any]:
+    """Gemma 3's fields, as transformers reads them: the sliding layers (`layer_types`, else
+    all but every `sliding_window_pattern`-th), their RoPE base, the query scale
+    (query_pre_attn_scalar^-1/2), the logits' soft cap."""
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        n = int(raw.get("sliding_window_pattern") or _GEMMA3_PATTERN)
+        kinds = ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(layers)]
+    if (not isinstance(kinds, list) or len(kinds) != layers
+            or not set(kinds) <= {"sliding_attention", "full_attention"}):
+        raise CheckpointError(f"{folder / 'config.json'}: layer_types must name sliding_attention "
+                              f"or full_attention for each of the {layers} layers")
+    window = int(raw.get("sliding_window") or 0)
+    scalar = float(raw.get("query_pre_attn_scalar") or head_dim)
+    return {"sliding_window": window,
+            "sliding_layers": tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
+            if window else (),
+            "rope_local_theta": float(raw.get("rope_local_base_freq") or 10000.0) if window else None,
+            "hidden_act": "gelu_tanh", "post_norms": True, "embedding_multiplier": hidden ** 0.5,
+            "attention_multiplier": None if scalar == head_dim else scalar ** -0.5,
+            "final_logit_softcapping": raw.get("final_logit_softcapping")}
+
+
+def _norm_offset(config: ModelConfig) -> float:
+    """What a checkpoint's norm weights lack of the scale they apply: Gemma's store it less 1
+    (Gemma, alone among the families cadence reads, has norms after its branches)."""
+    return 1.0 if config.post_norms else 0.0
 
 
 def _granite_multipliers(raw: dict[str, Any]) -> dict[str, float]:
@@ -168,6 +204,8 @@ def load_hf_params(folder: str | Path, config: ModelConfig, *, keep_16_bit: bool
                 for hf_name in names:
                     spec, array = specs[hf_name], _read_tensor(f, *where[hf_name])
                     array = array.T if spec.transpose else array
+                    if spec.path[-1] == "scale" and _norm_offset(config):
+                        array = array.astype(np.float32) + _norm_offset(config)
                     arrays[hf_name] = np.ascontiguousarray(
                         array, dtype=None if keep_16_bit else np.float32)
                     bar.update()
@@ -213,6 +251,8 @@ def save_hf(folder: str | Path, config: ModelConfig, params: Params, *, dtype: s
             raise CheckpointError(f"params {'/'.join(spec.path)} has shape {list(array.shape)}, "
                                   f"{config.name} needs {list(spec.shape)}")
         array = array.T if spec.transpose else array
+        if spec.path[-1] == "scale":
+            array = array - _norm_offset(config)
         tensors[spec.hf_name] = np.ascontiguousarray(array, dtype=_SAVE_DTYPES[dtype])
 
     shards: list[dict[str, np.ndarray]] = [{}]
@@ -246,6 +286,8 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any
                               "have no Hugging Face config.json form; cannot export this model")
     granite = (config.embedding_multiplier, config.residual_multiplier, config.attention_multiplier,
                config.logits_scaling) != (1.0, 1.0, None, 1.0)
+    if config.post_norms:
+        return _gemma3_config_dict(config, dtype)
     if config.attention_bias + config.qk_norm + bool(config.no_rope_layers) + granite > 1:
         raise CheckpointError(f"{config.name}: q/k/v biases, q/k norms, unrotated layers and "
                               "Granite's multipliers together are no transformers architecture; "
@@ -301,8 +343,49 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any
     return raw
 
 
+def _gemma3_config_dict(config: ModelConfig, dtype: str) -> dict[str, Any]:
+    """A Gemma 3 (`post_norms`) as Gemma3ForCausalLM's config.json."""
+    gemma = dict(hidden_act="gelu_tanh", qk_norm=True, embedding_multiplier=config.hidden_size ** 0.5,
+                 residual_multiplier=1.0, logits_scaling=1.0, attention_bias=False, no_rope_layers=())
+    if any(getattr(config, k) != v for k, v in gemma.items()) or config.rope_scaling is not None:
+        raise CheckpointError(f"{config.name}: norms after each branch without the rest of Gemma 3 "
+                              "are no transformers architecture; cannot export this model")
+    factors = config.rope_freq_factors
+    if factors is not None and len(set(factors)) > 1:
+        raise CheckpointError(f"{config.name}: per-frequency RoPE factors have no Gemma 3 "
+                              "config.json form; cannot export this model")
+    sliding = set(config.sliding_layers)
+    return {
+        "_name_or_path": config.name, "architectures": [ARCHITECTURES["gemma3_text"]],
+        "model_type": "gemma3_text", "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "intermediate_size": config.ffn_size,
+        "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_local_base_freq": config.rope_local_theta or config.rope_theta,
+        "rope_scaling": None if factors is None else {"rope_type": "linear", "factor": factors[0]},
+        "sliding_window": config.sliding_window or config.max_context,
+        "layer_types": ["sliding_attention" if i in sliding else "full_attention"
+                        for i in range(config.num_layers)],
+        "query_pre_attn_scalar": (config.head_dim if config.attention_multiplier is None
+                                  else config.attention_multiplier ** -2),
+        "final_logit_softcapping": config.final_logit_softcapping,
+        "attn_logit_softcapping": None, "tie_word_embeddings": config.tie_embeddings,
+        "max_position_embeddings": config.max_context, "attention_bias": False, "torch_dtype": dtype,
+    }
+
+
 def _check_supported(folder: Path, raw: dict[str, Any], model_type: str, max_context: int) -> None:
     where = folder / "config.json"
+    if model_type == "gemma3_text":
+        act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise CheckpointError(f"{where}: hidden_activation {act!r} is not supported; cadence "
+                                  "runs Gemma 3's MLPs with gelu_pytorch_tanh")
+        if raw.get("attn_logit_softcapping") is not None:
+            raise CheckpointError(f"{where}: attention logit soft-capping is not supported")
+        return
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported; "
                               "cadence runs SwiGLU (silu) MLPs only")

@@ -1,16 +1,18 @@
 """Model configuration for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3,
-Granite 3).
+Granite 3) and Gemma 3.
 
 One frozen dataclass describes every architecture cadence serves: RMSNorm, rotary position
 embeddings (optionally with Llama-3 or YaRN frequency scaling, or any per-frequency factors as a
 GGUF's `rope_freqs` tensor gives them), SwiGLU MLP and grouped-query attention, with Qwen2's q/k/v
 biases, Qwen3's per-head query and key norms, SmolLM3's layers without rotary embeddings
-(NoPE), or Granite's four scalars (embeddings, residual branches, attention scores and logits
-scaled) where a family has them. It is hashable, so it can be a static argument of a jitted
-function.
+(NoPE), Granite's four scalars (embeddings, residual branches, attention scores and logits
+scaled), or Gemma 3's differences (sliding-window attention in most layers, with a RoPE base of
+their own; GELU for SiLU; norms after attention and the MLP as well as before; the embeddings
+scaled by sqrt(hidden_size)) where a family has them. It is hashable, so it can be a static
+argument of a jitted function.
 
-Non-goals: mixture-of-experts, sliding-window attention, position encodings other than rotary
-(or none).
+Non-goals: mixture-of-experts, position encodings other than rotary (or none), attention logit
+soft-capping (Gemma 2).
 """
 
 from __future__ import annotations
@@ -107,6 +109,18 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Gemma 3: the layers in `sliding_layers` attend to their last `sliding_window` positions
+    # only (a query's own and the sliding_window - 1 before it), rotated with base
+    # `rope_local_theta`, unscaled (None: as every other layer); the MLP's gate is GELU's
+    # (`hidden_act` "gelu_tanh", tanh-approximated) rather than SiLU; `post_norms` adds an
+    # RMSNorm to each branch's output (attention's and the MLP's) before the residual sum; the
+    # logits are soft-capped, c * tanh(logits / c), by `final_logit_softcapping` where given.
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
+    hidden_act: str = "silu"
+    post_norms: bool = False
+    final_logit_softcapping: float | None = None
     max_context: int = 4096
     name: str = "llama"
 
@@ -123,11 +137,22 @@ class ModelConfig:
         if not all(math.isfinite(v) and v > 0 for v in scalars):
             raise ValueError(f"the embedding, residual, attention and logit scalars must be finite "
                              f"and positive, got {scalars}")
-        layers = tuple(sorted({int(i) for i in self.no_rope_layers}))  # a list from JSON, too
-        object.__setattr__(self, "no_rope_layers", layers)
-        if layers and not 0 <= layers[0] <= layers[-1] < self.num_layers:
-            raise ValueError(f"no_rope_layers {list(layers)} must be layers of the model's "
-                             f"{self.num_layers}")
+        for field in ("no_rope_layers", "sliding_layers"):
+            layers = tuple(sorted({int(i) for i in getattr(self, field)}))  # a list from JSON, too
+            object.__setattr__(self, field, layers)
+            if layers and not 0 <= layers[0] <= layers[-1] < self.num_layers:
+                raise ValueError(f"{field} {list(layers)} must be layers of the model's "
+                                 f"{self.num_layers}")
+        if bool(self.sliding_layers) != (self.sliding_window > 0):
+            raise ValueError(f"a sliding window ({self.sliding_window}) needs the layers it applies "
+                             f"to, and sliding_layers ({list(self.sliding_layers)}) a window")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act {self.hidden_act!r}: cadence's MLPs gate with silu or "
+                             "gelu_tanh")
+        for name in ("rope_local_theta", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be finite and positive, got {value}")
         if self.rope_freq_factors is not None:
             factors = tuple(float(f) for f in self.rope_freq_factors)  # a list from JSON, too
             object.__setattr__(self, "rope_freq_factors", factors)
@@ -136,6 +161,14 @@ class ModelConfig:
                                  f"{self.head_dim} rotates {self.head_dim // 2} pairs")
             if not all(math.isfinite(f) and f > 0 for f in factors):
                 raise ValueError("rope_freq_factors must be finite and positive")
+
+    def window(self, layer: int) -> int:
+        """How many positions a query of `layer` sees, its own included; 0: all before it."""
+        return self.sliding_window if layer in self.sliding_layers else 0
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether `layer` rotates with the sliding layers' own base (`rope_local_theta`)."""
+        return self.rope_local_theta is not None and layer in self.sliding_layers
 
     @property
     def group_size(self) -> int:
@@ -151,7 +184,7 @@ class ModelConfig:
             attn += h * hd + 2 * kv * hd
         if self.qk_norm:
             attn += 2 * hd
-        layer = attn + 3 * d * f + 2 * d
+        layer = attn + 3 * d * f + (4 if self.post_norms else 2) * d
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.num_layers * layer + embed + d
 

@@ -140,14 +140,16 @@ def layer_params(stacked: dict[str, Any], layer: jax.Array) -> dict[str, Any]:
 
 
 def run(block, stacked: dict[str, Any], num_layers: int, x: jax.Array, cache: PagedKVCache,
-        positions, rope, lengths, page_table, *,
-        no_rope: tuple[int, ...] = ()) -> tuple[jax.Array, PagedKVCache]:
+        positions, rope, lengths, page_table, *, no_rope: tuple[int, ...] = (),
+        windows: list[int] | None = None, local_rope=None) -> tuple[jax.Array, PagedKVCache]:
     """x through every layer of `block` (an unbound `model.llama.Block`) over `stacked`, in a
     loop whose counter is the layer: each writes its keys and values into its layer of the
     stacked pool and attends over them, as the unrolled layers do, with the block's positions,
     rope (cos, sin), lengths and page table. The layers in `no_rope` rotate by nothing (cos 1,
     sin 0: their queries and keys come out exactly as they went in, as an unrolled layer
-    without rope leaves them)."""
+    without rope leaves them). `windows`: each layer's attention window (`llama.layer_window`),
+    the counter's taken as the loop runs; `local_rope`: ((cos, sin), [layers] bool), the
+    rotation the layers marked True take instead of `rope` (Gemma 3's sliding layers)."""
     if not cache.stacked:
         raise ValueError("the layer loop reads a pool stacked over layers "
                          "(PagedKVCache.create(stacked=True))")
@@ -156,11 +158,17 @@ def run(block, stacked: dict[str, Any], num_layers: int, x: jax.Array, cache: Pa
     def body(i, carry):
         x, k, v = carry
         layer_rope = rope
+        if local_rope is not None:
+            (cos, sin), local = local_rope
+            on = jnp.asarray(local)[i]
+            layer_rope = (jnp.where(on, cos, rope[0]), jnp.where(on, sin, rope[1]))
         if no_rope:
             off = jnp.asarray(unrotated)[i]
-            layer_rope = (jnp.where(off, 1.0, rope[0]), jnp.where(off, 0.0, rope[1]))
+            layer_rope = (jnp.where(off, 1.0, layer_rope[0]), jnp.where(off, 0.0, layer_rope[1]))
+        window = None if windows is None else jnp.asarray(windows, jnp.int32)[i]
         x, k, v = block.apply({"params": layer_params(stacked, i)}, x, positions, layer_rope, lengths,
-                              page_table, cpu_kernels.PoolLayer(k, i), cpu_kernels.PoolLayer(v, i))
+                              page_table, cpu_kernels.PoolLayer(k, i), cpu_kernels.PoolLayer(v, i),
+                              window)
         return x, k.pool, v.pool
 
     x, k, v = jax.lax.fori_loop(0, num_layers, body, (x, cache.k, cache.v))

@@ -41,11 +41,16 @@ from cadence.model.paged_attention import get_paged_attention, writes_in_place
 from cadence.model.paged_kv import PagedKVCache
 
 
-def rope_frequencies(config: ModelConfig) -> np.ndarray:
+def rope_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
     """Inverse frequencies [head_dim // 2], with Llama-3 or YaRN scaling and per-frequency
-    factors (`rope_freq_factors`, each frequency divided by its own) when configured."""
+    factors (`rope_freq_factors`, each frequency divided by its own: linear scaling is one
+    factor for all) when configured. `local`: the sliding-window layers' own (Gemma 3's
+    `rope_local_theta`), which nothing scales."""
     half = config.head_dim // 2
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / config.head_dim))
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (np.arange(half, dtype=np.float64) * 2 / config.head_dim))
+    if local:
+        return inv_freq.astype(np.float32)
     if config.rope_scaling is not None:
         scaled = _yarn_scaled if config.rope_scaling.rope_type == "yarn" else _llama3_scaled
         inv_freq = scaled(inv_freq, config)
@@ -83,24 +88,28 @@ def _yarn_scaled(inv_freq: np.ndarray, config: ModelConfig) -> np.ndarray:
     return inv_freq / s.factor * ramp + inv_freq * (1 - ramp)
 
 
-def rope_tables(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def rope_tables(positions: jax.Array, config: ModelConfig, local: bool = False
+                ) -> tuple[jax.Array, jax.Array]:
     """cos and sin of each position's angles, [*positions.shape, head_dim / 2], float32 (times
-    YaRN's attention factor where the model scales so)."""
-    angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(config)
+    YaRN's attention factor where the model scales so); `local`: the sliding layers' own."""
+    angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(config, local)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    magnitude = 1.0 if config.rope_scaling is None else config.rope_scaling.magnitude
+    magnitude = 1.0 if config.rope_scaling is None or local else config.rope_scaling.magnitude
     if magnitude != 1.0:
         cos, sin = cos * magnitude, sin * magnitude
     return cos, sin
 
 
 def rope_table(config: ModelConfig, length: int) -> jax.Array:
-    """`rope_tables` of positions 0..length-1, stacked: [2, length, head_dim / 2]. An engine
+    """`rope_tables` of positions 0..length-1, stacked: [2, length, head_dim / 2], and the
+    sliding layers' own after them ([4, ...]) where they have a base of their own. An engine
     makes it once and its programs look positions up in it (`forward`'s `rope_table`): computed
     inside a program, XLA fuses the cos and sin into each of the 2 * layers projections that
     use them and evaluates them anew in each, per head (on XLA:CPU, over 50 ms of trigonometry
     per 512-token prefill chunk of SmolLM2-135M, ~2.5 ms per decode step at 8 rows)."""
-    return jnp.stack(rope_tables(jnp.arange(length), config))
+    positions = jnp.arange(length)
+    local = rope_tables(positions, config, True) if config.rope_local_theta is not None else ()
+    return jnp.stack([*rope_tables(positions, config), *local])
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -194,7 +203,7 @@ class Attention(nn.Module):
     mesh: jax.sharding.Mesh | None = None  # heads sharded over its tensor-parallel axis
 
     @nn.compact
-    def __call__(self, x, positions, rope, lengths, page_table, k_pages, v_pages):
+    def __call__(self, x, positions, rope, lengths, page_table, k_pages, v_pages, window=None):
         cfg = self.config
         rows, t, _ = x.shape
         dense = lambda n, bias, name: Linear(n, bias, self.dtype, name=name)  # noqa: E731
@@ -215,20 +224,23 @@ class Attention(nn.Module):
         if cfg.attention_multiplier is not None:  # Granite's score scale, where every kernel
             q = q * (cfg.attention_multiplier * math.sqrt(cfg.head_dim))  # divides by sqrt(d)
 
-        attend = _write_and_attend(self.attention, *control.form())
+        attend = _write_and_attend(self.attention, *control.form(), window is not None)
         if self.mesh is not None:  # each device writes and reads its own heads' pages
             attend = sharding.per_head(attend, self.mesh)
+        windows = () if window is None else (jnp.asarray(window, jnp.int32),)
         with jax.named_scope("attention"):
-            out, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, page_table, positions, lengths)
+            out, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, page_table, positions, lengths,
+                                           *windows)
         out = dense(cfg.hidden_size, False, "o")(out.reshape(rows, t, -1))
         return out, k_pages, v_pages
 
 
 @functools.cache
-def _write_and_attend(attention: str, interpret: bool, branches: bool):
+def _write_and_attend(attention: str, interpret: bool, branches: bool, windowed: bool = False):
     """Writes a chunk's keys and values into its pages, then attends over them with the paged
     attention named `attention`: one jitted function per form it is traced in (the Pallas
-    kernels interpreted or compiled; branches or none: `model.control.form`),
+    kernels interpreted or compiled; branches or none: `model.control.form`; `windowed`: with
+    a sliding window, a traced [] int32 argument after the lengths, so every layer shares one),
     so every layer of a program calls the one trace of it. A layer's attention is most of
     what tracing a prefill program costs, and tracing is most of what a warm start costs:
     traced once, not once per layer, it takes a 30-layer model's prefill program from ~1.7 s
@@ -237,10 +249,11 @@ def _write_and_attend(attention: str, interpret: bool, branches: bool):
     cpu_kernel = writes_in_place(attention)
 
     @jax.jit
-    def write_and_attend(q, k, v, k_pages, v_pages, page_table, positions, lengths):
+    def write_and_attend(q, k, v, k_pages, v_pages, page_table, positions, lengths, *window):
         k_pages = paged_kv.write(k_pages, k, page_table, positions, lengths, cpu_kernel=cpu_kernel)
         v_pages = paged_kv.write(v_pages, v, page_table, positions, lengths, cpu_kernel=cpu_kernel)
-        return attend(q, k_pages, v_pages, page_table, positions), k_pages, v_pages
+        extra = {"window": window[0]} if windowed else {}
+        return attend(q, k_pages, v_pages, page_table, positions, **extra), k_pages, v_pages
 
     return write_and_attend
 
@@ -257,7 +270,8 @@ class MLP(nn.Module):
         else:
             gate = Linear(f, False, self.dtype, name="gate")(x)
             up = Linear(f, False, self.dtype, name="up")(x)
-        return Linear(d, False, self.dtype, name="down")(nn.silu(gate) * up)
+        act = nn.silu(gate) if self.config.hidden_act == "silu" else nn.gelu(gate, approximate=True)
+        return Linear(d, False, self.dtype, name="down")(act * up)
 
 
 class Block(nn.Module):
@@ -267,14 +281,19 @@ class Block(nn.Module):
     mesh: jax.sharding.Mesh | None = None
 
     @nn.compact
-    def __call__(self, x, positions, rope, lengths, page_table, k_pages, v_pages):
-        eps = self.config.rms_norm_eps
+    def __call__(self, x, positions, rope, lengths, page_table, k_pages, v_pages, window=None):
+        eps, post = self.config.rms_norm_eps, self.config.post_norms
         h, k_pages, v_pages = Attention(self.config, self.attention, self.dtype, self.mesh, name="attn")(
-            RMSNorm(eps, name="attn_norm")(x), positions, rope, lengths, page_table, k_pages, v_pages
+            RMSNorm(eps, name="attn_norm")(x), positions, rope, lengths, page_table, k_pages, v_pages,
+            window,
         )
+        if post:  # (Gemma's: each branch normalized before it joins the residual stream)
+            h = RMSNorm(eps, name="attn_post_norm")(h)
         r = self.config.residual_multiplier  # (Granite's; 1 elsewhere)
         x = x + (h if r == 1 else h * r)
         h = MLP(self.config, self.dtype, name="mlp")(RMSNorm(eps, name="mlp_norm")(x))
+        if post:
+            h = RMSNorm(eps, name="mlp_post_norm")(h)
         x = x + (h if r == 1 else h * r)
         return x, k_pages, v_pages
 
@@ -291,25 +310,34 @@ class Llama(nn.Module):
         cfg = self.config
         embed = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed")
         x = embed(tokens)
-        if cfg.embedding_multiplier != 1:  # (Granite's)
+        if cfg.embedding_multiplier != 1:  # (Granite's and Gemma's)
             x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
-        if rope_table is None:
-            cos, sin = rope_tables(positions, cfg)
-        else:
-            cos, sin = (jnp.take(rope_table[i], positions, axis=0, mode="clip") for i in (0, 1))
-        rope = cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
+        ropes = []  # the layers' (cos, sin), and the sliding layers' own after it if they have one
+        for local in (False, True)[:1 + (cfg.rope_local_theta is not None)]:
+            if rope_table is None:
+                cos, sin = rope_tables(positions, cfg, local)
+            else:
+                cos, sin = (jnp.take(rope_table[2 * local + i], positions, axis=0, mode="clip")
+                            for i in (0, 1))
+            ropes.append((cos[:, :, None, :], sin[:, :, None, :]))  # broadcast over heads
+        rope = ropes[0]
         if self.has_variable("params", "layers"):  # stacked, run as a loop (`model.layer_loop`)
             block = Block(cfg, self.attention, self.dtype, self.mesh, parent=None)
+            windows = [layer_window(cfg, i) for i in range(cfg.num_layers)]
+            local = [cfg.local_rope(i) for i in range(cfg.num_layers)]
             x, cache = layer_loop.run(block, self.get_variable("params", "layers"), cfg.num_layers,
                                       x, cache, positions, rope, lengths, page_table,
-                                      no_rope=cfg.no_rope_layers)
+                                      no_rope=cfg.no_rope_layers,
+                                      windows=windows if cfg.sliding_layers else None,
+                                      local_rope=(ropes[1], local) if any(local) else None)
         else:
             new_k, new_v = [], []
             for i in range(cfg.num_layers):
                 with jax.named_scope(f"layer_{i}"):
-                    layer_rope = None if i in cfg.no_rope_layers else rope
+                    layer_rope = None if i in cfg.no_rope_layers else ropes[cfg.local_rope(i)]
                     x, k, v = Block(cfg, self.attention, self.dtype, self.mesh, name=f"layers_{i}")(
-                        x, positions, layer_rope, lengths, page_table, cache.k[i], cache.v[i]
+                        x, positions, layer_rope, lengths, page_table, cache.k[i], cache.v[i],
+                        layer_window(cfg, i),
                     )
                 new_k.append(k)
                 new_v.append(v)
@@ -325,7 +353,23 @@ class Llama(nn.Module):
             else:
                 logits = Linear(cfg.vocab_size, False, self.dtype, name="lm_head")(x)
         logits = logits.astype(jnp.float32)
-        return (logits if cfg.logits_scaling == 1 else logits / cfg.logits_scaling), cache
+        if cfg.logits_scaling != 1:
+            logits = logits / cfg.logits_scaling
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = cap * jnp.tanh(logits / cap)
+        return logits, cache
+
+
+NO_WINDOW = 1 << 30  # a full-attention layer's window, among sliding ones: every position
+
+
+def layer_window(config: ModelConfig, layer: int) -> int | None:
+    """The window `layer`'s attention takes: None where the model has no sliding layers (no
+    window is computed at all), else the positions its queries see (`NO_WINDOW`: all)."""
+    if not config.sliding_layers:
+        return None
+    return config.window(layer) or NO_WINDOW
 
 
 def forward(

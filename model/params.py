@@ -135,14 +135,23 @@ def _float_specs(config: ModelConfig) -> list[ParamSpec]:
                 specs.append(ParamSpec((ours, "attn", f"{proj}_norm", "scale"), (c.head_dim,), (None,),
                                        f"{hf}self_attn.{proj}_norm.weight",
                                        f"{gg}attn_{proj}_norm.weight", init="ones"))
+        if c.post_norms:  # (Gemma's HF names: its post_attention_layernorm is this one)
+            specs.append(ParamSpec((ours, "attn_post_norm", "scale"), (d,), (EMBED,),
+                                   hf + "post_attention_layernorm.weight",
+                                   gg + "post_attention_norm.weight", init="ones"))
         specs.append(ParamSpec((ours, "mlp_norm", "scale"), (d,), (EMBED,),
-                               hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight",
-                               init="ones"))
+                               hf + ("pre_feedforward_layernorm.weight" if c.post_norms
+                                     else "post_attention_layernorm.weight"),
+                               gg + "ffn_norm.weight", init="ones"))
         for proj, shape, axes in (("gate", (d, f), (EMBED, FFN)), ("up", (d, f), (EMBED, FFN)),
                                   ("down", (f, d), (FFN, EMBED))):
             specs.append(ParamSpec((ours, "mlp", proj, "kernel"), shape, axes,
                                    f"{hf}mlp.{proj}_proj.weight", f"{gg}ffn_{proj}.weight",
                                    transpose=True))
+        if c.post_norms:
+            specs.append(ParamSpec((ours, "mlp_post_norm", "scale"), (d,), (EMBED,),
+                                   hf + "post_feedforward_layernorm.weight",
+                                   gg + "post_ffw_norm.weight", init="ones"))
     specs.append(ParamSpec(("final_norm", "scale"), (d,), (EMBED,), "model.norm.weight",
                            "output_norm.weight", init="ones"))
     if not c.tie_embeddings:

@@ -163,11 +163,15 @@ def _repeat_heads(array, axis: int, heads: int, repeat: int):
 
 
 def per_head(attend: Callable, mesh: Mesh) -> Callable:
-    """`attend(q, k, v, k_pages, v_pages, page_table, positions, lengths)` run on each device
-    over its own heads: q, k, v [rows, t, heads, d] and the pool layers split by head, the
-    page table, positions and lengths whole on every device. Attention needs nothing from
-    another device's heads, so no collective runs inside."""
+    """`attend(q, k, v, k_pages, v_pages, page_table, positions, lengths, *window)` run on each
+    device over its own heads: q, k, v [rows, t, heads, d] and the pool layers split by head, the
+    page table, positions, lengths (and a sliding window) whole on every device. Attention needs
+    nothing from another device's heads, so no collective runs inside."""
     heads, pool, whole = PartitionSpec(None, None, AXIS), PartitionSpec(AXIS), PartitionSpec()
-    return jax.shard_map(attend, mesh=mesh,
-                         in_specs=(heads, heads, heads, pool, pool, whole, whole, whole),
-                         out_specs=(heads, pool, pool), check_vma=False)
+
+    def run(*args):
+        specs = (heads, heads, heads, pool, pool) + (whole,) * (len(args) - 5)
+        return jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=(heads, pool, pool),
+                             check_vma=False)(*args)
+
+    return run

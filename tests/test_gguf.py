@@ -163,13 +163,7 @@ def test_a_smollm3_file_leaves_every_fourth_layer_unrotated(tmp_path, tiny_token
     assert dataclasses.replace(config, name=SMOLLM3_TINY.name, rms_norm_eps=1e-5) == SMOLLM3_TINY  # (float32 in the file)
     for (pa, a), (_, b) in zip(_leaves(loaded), _leaves(params)):
         np.testing.assert_array_equal(a, b, err_msg=pa)
-    if not cpu_kernels.available():
-        return
-    path = tmp_path / "smollm3-q.gguf"
-    write_gguf(path, SMOLLM3_TINY, random_params(SMOLLM3_TINY, seed=4), quantize=True, arch="smollm3")
-    config, floats, _ = load_gguf(path)
-    packed = {p: blocks for p, (blocks, _) in load_packed(path, config).items()}
-    _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer)
+    _assert_quantized_file_serves_the_reference(tmp_path, SMOLLM3_TINY, "smollm3", tiny_tokenizer)
 
 
 def test_a_granite_file_keeps_its_four_scalars(tmp_path, tiny_tokenizer):
@@ -193,14 +187,46 @@ def test_a_granite_file_keeps_its_four_scalars(tmp_path, tiny_tokenizer):
     assert config.residual_multiplier == pytest.approx(0.22)
     for (pa, a), (_, b) in zip(_leaves(loaded), _leaves(params)):
         np.testing.assert_array_equal(a, b, err_msg=pa)
-    if not cpu_kernels.available():
-        return
-    path = tmp_path / "granite-q.gguf"
-    write_gguf(path, GRANITE_TINY, random_params(GRANITE_TINY, seed=4), quantize=True, arch="granite",
-               metadata=scalars)
-    config, floats, _ = load_gguf(path)
-    packed = {p: blocks for p, (blocks, _) in load_packed(path, config).items()}
-    _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer)
+    _assert_quantized_file_serves_the_reference(tmp_path, GRANITE_TINY, "granite", tiny_tokenizer,
+                                                metadata=scalars)
+
+
+def _gemma3_keys(w: gguf.GGUFWriter, pattern=4) -> None:
+    """GEMMA3_TINY's keys beside its shape, as llama.cpp's converter writes a Gemma 3's (the
+    pattern as a count; a newer converter writes a flag per layer)."""
+    from tests.tiny_models import GEMMA3_TINY
+
+    w.add_sliding_window(GEMMA3_TINY.sliding_window)
+    w.add_key_value("gemma3.attention.sliding_window_pattern", pattern,
+                    gguf.GGUFValueType.ARRAY if isinstance(pattern, list) else gguf.GGUFValueType.UINT32,
+                    sub_type=gguf.GGUFValueType.BOOL if isinstance(pattern, list) else None)
+    w.add_key_value("gemma3.rope.freq_base_swa", GEMMA3_TINY.rope_local_theta, gguf.GGUFValueType.FLOAT32)
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(GEMMA3_TINY.rope_freq_factors[0])
+    w.add_final_logit_softcapping(GEMMA3_TINY.final_logit_softcapping)
+
+
+@pytest.mark.parametrize("pattern", [4, [True, True, True, False]], ids=["count", "flags"])
+def test_a_gemma3_file_reads_as_llama_cpp_builds_it(tmp_path, tiny_tokenizer, pattern):
+    """A "gemma3" file (rows not permuted; norms stored with Gemma's 1 added, as the converter
+    writes them) gives its sliding layers from the pattern, their RoPE base, the global layers'
+    linear scaling, GELU, post-branch norms, scaled embeddings and the logits' soft cap; read
+    back exactly, and quantized, the engine over its blocks (its layers as one loop, each
+    layer's window and rotation picked as it runs) gives the reference's greedy tokens."""
+    from tests.tiny_models import GEMMA3_TINY
+
+    params = random_params(GEMMA3_TINY)
+    path = tmp_path / "gemma3.gguf"
+    write_gguf(path, GEMMA3_TINY, params, quantize=False, arch="gemma3",
+               metadata=lambda w: _gemma3_keys(w, pattern))
+    config, loaded, _ = load_gguf(path)
+    # The query scale is 1 / sqrt(head_dim) but in the 62-layer 27B, as llama.cpp sets it.
+    assert dataclasses.replace(config, name=GEMMA3_TINY.name, rms_norm_eps=1e-6) == dataclasses.replace(
+        GEMMA3_TINY, attention_multiplier=None)  # (eps: a float32 in the file)
+    for (pa, a), (_, b) in zip(_leaves(loaded), _leaves(params)):
+        np.testing.assert_array_equal(a, b, err_msg=pa)
+    _assert_quantized_file_serves_the_reference(tmp_path, GEMMA3_TINY, "gemma3", tiny_tokenizer,
+                                                metadata=lambda w: _gemma3_keys(w, pattern))
 
 
 # Llama 3.1's RoPE scaling over a 64-position original context, so that most of head_dim 16's
@@ -467,6 +493,18 @@ def test_the_engine_over_the_files_blocks_equals_the_reference(tmp_path, tiny_pa
     config, floats, _ = load_gguf(path)
     packed = {p: blocks for p, (blocks, _) in load_packed(path, config).items()}
     _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer)
+
+
+def _assert_quantized_file_serves_the_reference(tmp_path, config, arch, tokenizer, metadata=None):
+    """`config`'s random weights as a quantized `arch` file: the engine over its blocks gives
+    the reference's greedy tokens (where the CPU kernels build)."""
+    if not cpu_kernels.available():
+        return
+    path = tmp_path / f"{arch}-q.gguf"
+    write_gguf(path, config, random_params(config, seed=4), quantize=True, arch=arch, metadata=metadata)
+    loaded, floats, _ = load_gguf(path)
+    packed = {p: blocks for p, (blocks, _) in load_packed(path, loaded).items()}
+    _assert_engine_equals_reference(floats, loaded, packed, tokenizer)
 
 
 def _assert_engine_equals_reference(floats, config, packed, tokenizer, chunk=16, params=None):

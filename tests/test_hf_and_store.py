@@ -16,7 +16,7 @@ from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.hf import load_hf_config, load_hf_params, save_hf
 from tests.conftest import random_params
 from tests.fakes import needs_cpu_kernels
-from tests.tiny_models import GRANITE_TINY, QWEN3_TINY, QWEN_TINY, SMOLLM3_TINY
+from tests.tiny_models import GEMMA3_TINY, GRANITE_TINY, QWEN3_TINY, QWEN_TINY, SMOLLM3_TINY
 from cadence.checkpoints.store import (
     is_converted, load_converted, load_tokenizer_files, save_converted,
 )
@@ -165,7 +165,7 @@ def test_wrong_shape_is_named(tmp_path):
 
 @pytest.mark.parametrize("edit, match", [
     ({"model_type": "gpt2"},
-     "model_type 'gpt2' is not supported; cadence loads granite, llama, mistral, qwen2"),
+     "model_type 'gpt2' is not supported; cadence loads gemma3_text, granite, llama, mistral"),
     ({"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 128},
      "sliding_window 128"),
@@ -205,6 +205,37 @@ def test_smollm3_rotates_all_but_every_fourth_layer_unless_told_which(tmp_path):
         assert load_hf_config(tmp_path).no_rope_layers == unrotated
     with pytest.raises(ValueError, match="must be layers of the model's 4"):
         dataclasses.replace(SMOLLM3_TINY, no_rope_layers=(4,))
+
+
+def test_gemma3_round_trips_with_its_norms_stored_less_one(tmp_path):
+    """Gemma3ForCausalLM's config.json and safetensors: its norms hold their scale less 1 (as
+    transformers' Gemma3RMSNorm multiplies by 1 + weight), its sliding layers come from
+    `layer_types`, or without it from `sliding_window_pattern` (6 by default), and its query
+    scale from query_pre_attn_scalar."""
+    import safetensors.numpy
+
+    params = random_params(GEMMA3_TINY)
+    save_hf(tmp_path, GEMMA3_TINY, params)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["model_type"] == "gemma3_text" and raw["query_pre_attn_scalar"] == 64.0
+    assert raw["layer_types"] == ["sliding_attention"] * 3 + ["full_attention"]
+    stored = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+    np.testing.assert_array_equal(stored["model.layers.1.pre_feedforward_layernorm.weight"],
+                                  params["layers_1"]["mlp_norm"]["scale"] - 1)
+    np.testing.assert_array_equal(stored["model.layers.1.post_attention_layernorm.weight"],
+                                  params["layers_1"]["attn_post_norm"]["scale"] - 1)
+    assert load_hf_config(tmp_path) == GEMMA3_TINY
+    assert_trees_equal(params, load_hf_params(tmp_path, GEMMA3_TINY))
+    del raw["layer_types"]
+    for extra, sliding in [({}, (0, 1, 2, 3)), ({"sliding_window_pattern": 2}, (0, 2))]:
+        (tmp_path / "config.json").write_text(json.dumps({**raw, **extra}))
+        assert load_hf_config(tmp_path).sliding_layers == sliding
+    for edit, match in [({"attn_logit_softcapping": 50.0}, "soft-capping"),
+                        ({"hidden_activation": "relu"}, "hidden_activation 'relu'"),
+                        ({"layer_types": ["sliding_attention"]}, "each of the 4 layers")]:
+        (tmp_path / "config.json").write_text(json.dumps({**raw, **edit}))
+        with pytest.raises(CheckpointError, match=match):
+            load_hf_config(tmp_path)
 
 
 def test_mistral_long_window_is_accepted(tmp_path):

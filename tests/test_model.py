@@ -12,7 +12,7 @@ from cadence.model.config import TINY, RopeScaling
 from cadence.model.paged_kv import PagedKVCache
 from cadence.model.llama import rope_frequencies
 from tests.conftest import random_params
-from tests.tiny_models import GRANITE_TINY, QWEN3_TINY, SMOLLM3_TINY, forward, full_logits
+from tests.tiny_models import GEMMA3_TINY, GRANITE_TINY, QWEN3_TINY, SMOLLM3_TINY, forward, full_logits
 
 
 def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
@@ -21,15 +21,23 @@ def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
     f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
     t = len(tokens)
     hd, h, kv = config.head_dim, config.num_heads, config.num_kv_heads
-    cos, sin = ggml_yarn_rope(config, t) if _yarn(config) else _rope(config, t)
+    tables = {False: ggml_yarn_rope(config, t) if _yarn(config) else _rope(config, t)}
+    if config.rope_local_theta is not None:  # Gemma 3's sliding layers: their own base, unscaled
+        ang = np.arange(t)[:, None] * config.rope_local_theta ** (-np.arange(0, hd, 2) / hd)
+        tables[True] = np.cos(ang), np.sin(ang)
 
     def rms(x, scale):
         return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + config.rms_norm_eps) * f64(scale)
 
-    def rope(x):  # x [t, heads, hd]; rotate halves
+    def rope(x, cos, sin):  # x [t, heads, hd]; rotate halves
         x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
         c, s = cos[:, None, :], sin[:, None, :]
         return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    def act(g):  # SiLU, or Gemma's tanh-approximated GELU
+        if config.hidden_act == "silu":
+            return g / (1 + np.exp(-g))
+        return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
 
     def linear(x, layer):
         y = x @ f64(layer["kernel"])
@@ -46,22 +54,30 @@ def numpy_forward(params: dict, config, tokens: np.ndarray) -> np.ndarray:
         if config.qk_norm:  # Qwen3: each head normalized over its own dimensions, then rotated
             q, k = rms(q, L["attn"]["q_norm"]["scale"]), rms(k, L["attn"]["k_norm"]["scale"])
         if i not in config.no_rope_layers:  # SmolLM3's NoPE layers leave them as they are
-            q, k = rope(q), rope(k)
+            cos, sin = tables[config.rope_local_theta is not None and i in config.sliding_layers]
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
         v = linear(a, L["attn"]["v"]).reshape(t, kv, hd)
+        seen = np.tril(np.ones((t, t), bool))
+        if i in config.sliding_layers:  # the query's own position and the window - 1 before it
+            seen &= np.subtract.outer(np.arange(t), np.arange(t)) < config.sliding_window
         out = np.zeros((t, h, hd))
         for head in range(h):
             g = head // (h // kv)
             s = q[:, head] @ k[:, g].T * score
-            s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+            s = np.where(seen, s, -np.inf)
             w = np.exp(s - s.max(-1, keepdims=True))
             out[:, head] = (w / w.sum(-1, keepdims=True)) @ v[:, g]
-        x = x + r * (out.reshape(t, h * hd) @ f64(L["attn"]["o"]["kernel"]))
+        o = out.reshape(t, h * hd) @ f64(L["attn"]["o"]["kernel"])
+        x = x + r * (rms(o, L["attn_post_norm"]["scale"]) if config.post_norms else o)
         m = rms(x, L["mlp_norm"]["scale"])
         gate, up = m @ f64(L["mlp"]["gate"]["kernel"]), m @ f64(L["mlp"]["up"]["kernel"])
-        x = x + r * ((gate / (1 + np.exp(-gate)) * up) @ f64(L["mlp"]["down"]["kernel"]))
+        o = (act(gate) * up) @ f64(L["mlp"]["down"]["kernel"])
+        x = x + r * (rms(o, L["mlp_post_norm"]["scale"]) if config.post_norms else o)
     x = rms(x, p["final_norm"]["scale"])
     head = f64(p["embed"]["embedding"]).T if config.tie_embeddings else f64(p["lm_head"]["kernel"])
-    return x @ head / config.logits_scaling
+    logits = x @ head / config.logits_scaling
+    cap = config.final_logit_softcapping
+    return logits if cap is None else cap * np.tanh(logits / cap)
 
 
 def _rope(config, t):
@@ -108,7 +124,7 @@ YARN_LIKE = dataclasses.replace(TINY, name="tiny-yarn", rope_scaling=RopeScaling
 
 @pytest.mark.parametrize("rope_lookup", [False, True], ids=["rope-computed", "rope-table"])
 @pytest.mark.parametrize("config", [TINY, QWEN_LIKE, QWEN3_TINY, LLAMA3_LIKE, MHA, YARN_LIKE, SMOLLM3_TINY,
-                                    GRANITE_TINY],
+                                    GRANITE_TINY, GEMMA3_TINY],
                          ids=lambda c: c.name)
 def test_logits_match_float64_numpy(config, rope_lookup):
     params = random_params(config, seed=1)

@@ -31,7 +31,7 @@ from cadence.scheduler.request import GenerationParams
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.conftest import random_params
 from tests.serving import cli, generate_gives_the_reference_text
-from tests.tiny_models import QWEN3_TINY
+from tests.tiny_models import GEMMA3_TINY, QWEN3_TINY
 
 pytestmark = pytest.mark.slow  # the full tier: tensor parallelism over several CPU devices
 
@@ -89,9 +89,10 @@ def single_and_sharded(config, n, attention="xla", weights="float"):
     return results
 
 
-@pytest.mark.parametrize("config, n", [(TINY, 2), (TINY, 4), (SIX, 2), (SIX, 4), (QWEN3_TINY, 2)],
+@pytest.mark.parametrize("config, n", [(TINY, 2), (TINY, 4), (SIX, 2), (SIX, 4), (QWEN3_TINY, 2),
+                                       (GEMMA3_TINY, 2)],
                          ids=["tiny-tp2", "tiny-tp4-kv-repeated", "six-tp2-replicated", "six-tp4",
-                              "qwen3-tp2"])
+                              "qwen3-tp2", "gemma3-tp2-sliding"])
 def test_sharded_logits_and_kv_equal_one_devices(config, n):
     (chunk1, step1, kv1), (chunk, step, kv) = single_and_sharded(config, n)
     # Logits reach ~50 here, and a sharded sum adds in another order: float32 rounding of the

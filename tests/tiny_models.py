@@ -73,6 +73,16 @@ GRANITE_TINY = dataclasses.replace(TINY, name="granite-tiny", embedding_multipli
                                    residual_multiplier=0.22, attention_multiplier=0.03125,
                                    logits_scaling=8.0)
 
+# Gemma 3-style: sliding-window layers (a window of 5 positions, in 3 of 4 layers) rotated with a
+# base of their own, the global layer's RoPE scaled linearly (as Gemma 3 4B's), GELU, norms
+# after each branch, scaled embeddings and query/key norms, a query scale of its own (the 27B's
+# kind) and soft-capped logits (which Gemma 3's config allows, and Gemma 2 has).
+GEMMA3_TINY = dataclasses.replace(
+    TINY, name="gemma3-tiny", num_layers=4, qk_norm=True, rms_norm_eps=1e-6, rope_theta=1e6,
+    rope_freq_factors=(8.0,) * 8, sliding_window=5,
+    sliding_layers=(0, 1, 2), rope_local_theta=10000.0, hidden_act="gelu_tanh", post_norms=True,
+    embedding_multiplier=8.0, attention_multiplier=0.125, final_logit_softcapping=30.0)
+
 
 def undo_embedding_boost(params):
     """`random_params` scales the embedding up 8x so greedy choices are clear-cut; with tied

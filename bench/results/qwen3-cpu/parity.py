@@ -14,9 +14,14 @@ that rotating or not shows within these prompts. A control goes beside it: caden
 same weights as a "llama" file, every layer rotated, which must not agree. With
 `--arch=granite`, a Granite of the same kind: Llama's layers (8, heads of 64, rows permuted) with
 Granite 3.3 2B's four scalars (embeddings x12, residual branches x0.22, attention scores x1/64,
-logits /8), and the same control (the weights as a "llama" file, no scalars).
+logits /8), and the same control (the weights as a "llama" file, no scalars). With
+`--arch=gemma3` (`--tokenizer_from` a Gemma 3 GGUF), a Gemma 3 of the same kind (`GEMMA3`
+below: sliding layers over 16 positions), whose control is the same weights without the
+window (and, in cadence, without the sliding layers' own RoPE base, which llama.cpp then
+drops too).
 
-With `--gguf`, the servers read that file instead (a real model; `--tokenizer_from` unused).
+With `--gguf`, the servers read that file instead (a real model; `--tokenizer_from` unused);
+`--long_prompt` adds the ~1,500-token prompt below (past a Gemma 3's 512-position window).
 With `--yarn_factor`, the file's RoPE is YaRN-scaled from `--yarn_original` positions (the keys
 llama.cpp's converter writes for Qwen2.5's and Qwen3's long-context recipe), and a fifth prompt,
 the start of docs/architecture.md (~1,500 tokens), runs far past the original context.
@@ -65,7 +70,10 @@ OUT = flags.DEFINE_string("out", None, "where to write the JSON results", requir
 TOKENS = flags.DEFINE_integer("max_tokens", 32, "greedy tokens per prompt")
 YARN_FACTOR = flags.DEFINE_float("yarn_factor", 0.0, "YaRN's factor; 0: no RoPE scaling")
 YARN_ORIGINAL = flags.DEFINE_integer("yarn_original", 256, "YaRN's original context, in tokens")
-ARCH = flags.DEFINE_enum("arch", "qwen3", ["qwen3", "smollm3", "granite"], "the random file's architecture")
+ARCH = flags.DEFINE_enum("arch", "qwen3", ["qwen3", "smollm3", "granite", "gemma3"],
+                        "the random file's architecture")
+LONG = flags.DEFINE_bool("long_prompt", False, "add the start of docs/architecture.md (~1,500 "
+                         "tokens) as a fifth prompt (with --yarn_factor, always)")
 
 CONFIG = ModelConfig(name="qwen3-parity", vocab_size=151936, hidden_size=256, num_layers=4,
                      num_heads=4, num_kv_heads=2, head_dim=128, ffn_size=768, rms_norm_eps=1e-6,
@@ -82,7 +90,21 @@ GRANITE = dataclasses.replace(SMOLLM3, name="granite-parity", no_rope_layers=(),
                               residual_multiplier=0.22, attention_multiplier=1 / 64, logits_scaling=8.0)
 
 
+# Gemma 3's: 270M's kind of layers (one KV head, q/k norms, GELU, norms after each branch,
+# embeddings x sqrt(hidden)), 8 of them, of which llama.cpp's pattern of 6 leaves layers 5 and
+# 7 global, the others sliding over a window of 16 positions (270M's is 512: the prompts here
+# are shorter) with their own RoPE base; the global layers' RoPE linearly scaled (4B's x8),
+# the logits soft-capped at 30.
+GEMMA3 = dataclasses.replace(
+    CONFIG, name="gemma3-parity", vocab_size=262144, num_layers=8, num_kv_heads=1, head_dim=64,
+    sliding_window=16, sliding_layers=(0, 1, 2, 3, 4, 6), rope_local_theta=1e4,
+    rope_freq_factors=(8.0,) * 32, hidden_act="gelu_tanh", post_norms=True,
+    embedding_multiplier=16.0, final_logit_softcapping=30.0)
+
+
 def model_config() -> ModelConfig:
+    if ARCH.value == "gemma3":
+        return GEMMA3
     if ARCH.value in ("smollm3", "granite"):
         return SMOLLM3 if ARCH.value == "smollm3" else GRANITE
     if not YARN_FACTOR.value:
@@ -97,6 +119,14 @@ def write_model(path: Path, config: ModelConfig, arch: str) -> None:
     w = gguf.GGUFWriter(str(path), arch)
     add_shape(w, config)
     w.add_name(config.name)
+    if arch == "gemma3":
+        if config.sliding_window:
+            w.add_sliding_window(config.sliding_window)
+        w.add_key_value("gemma3.rope.freq_base_swa", config.rope_local_theta or config.rope_theta,
+                        gguf.GGUFValueType.FLOAT32)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(config.rope_freq_factors[0])
+        w.add_final_logit_softcapping(config.final_logit_softcapping)
     if arch == "granite":
         w.add_embedding_scale(config.embedding_multiplier)
         w.add_residual_scale(config.residual_multiplier)
@@ -195,13 +225,18 @@ def main(argv: list[str]) -> None:
         write_model(path, config, ARCH.value)
     tok = Tokenizer.from_gguf_fields(read_fields(gguf.GGUFReader(path)))
     texts = PROMPTS + ([(Path(__file__).parents[3] / "docs" / "architecture.md").read_text()[:6000]]
-                       if YARN_FACTOR.value else [])
+                       if YARN_FACTOR.value or LONG.value else [])
     prompts = [tok.encode(p) for p in texts]
     theirs = llama_cpp(path, prompts)
     rows = compare(prompts, theirs, cadence(path, prompts))
     result = {"gguf": path.name} if GGUF.value else {"config": json.loads(config.to_json())}
     result["prompts"] = rows
-    if ARCH.value in ("smollm3", "granite") and not GGUF.value:  # the control: plain Llama
+    if ARCH.value == "gemma3" and not GGUF.value:  # the control: every layer global
+        print("control: cadence on the same weights as a gemma3 file without a sliding window")
+        control = folder / "no-window.gguf"
+        write_model(control, dataclasses.replace(config, sliding_window=0, sliding_layers=()), "gemma3")
+        result["control_without_the_window"] = compare(prompts, theirs, cadence(control, prompts))
+    elif ARCH.value in ("smollm3", "granite") and not GGUF.value:  # the control: plain Llama
         print("control: cadence on the same weights as a llama file (every layer rotated, no scalars)")
         control = folder / "as-llama.gguf"
         write_model(control, dataclasses.replace(
