@@ -58,8 +58,8 @@ read by position, so they rely on the pool holding finite values (it is created 
 
 Sliding windows are masks: the pages before a window stay where they are (the pool holds the
 whole sequence for the full-attention layers anyway). The decode loops and the prefill tiles
-start at the window's first page, so a sliding layer reads only the pages it sees; the GPU
-kernels do not take windows yet.
+start at the window's first page, so a sliding layer reads only the pages it sees, as do the
+Pallas kernels (`model.pallas_common.first_keys`); the Mosaic GPU ones do not take windows yet.
 
 Non-goals: page allocation (host side), writes (`model.paged_kv.write`).
 """
@@ -310,22 +310,14 @@ def cpu_paged_attention(q, k_pages, v_pages, page_table, q_positions, window=Non
                                take=cpu_kernels.take_pages, window=window)
 
 
-def _no_window(name: str, window) -> None:
-    if window is not None:
-        raise NotImplementedError(f"the {name} kernels do not take sliding windows yet; a model "
-                                  "with sliding-window layers runs attention 'xla' on a GPU")
-
-
 def pallas_paged_attention(q, k_pages, v_pages, page_table, q_positions, *, interpret=None,
                            window=None):
     """`model.pallas_paged.pallas_paged_attention`, imported lazily (keeps Pallas off the
     XLA-only import path)."""
     from cadence.model import pallas_paged
 
-    _no_window("Pallas", window)
-
     return pallas_paged.pallas_paged_attention(
-        q, k_pages, v_pages, page_table, q_positions, interpret=interpret
+        q, k_pages, v_pages, page_table, q_positions, interpret=interpret, window=window
     )
 
 
@@ -334,7 +326,9 @@ def mosaic_paged_attention(q, k_pages, v_pages, page_table, q_positions, *, inte
     """`model.mosaic_paged.mosaic_paged_attention`, imported lazily (as the Pallas one)."""
     from cadence.model import mosaic_paged
 
-    _no_window("Mosaic GPU", window)
+    if window is not None:
+        raise NotImplementedError("the Mosaic GPU kernels do not take sliding windows yet; a "
+                                  "model with sliding-window layers runs --attention=pallas")
 
     return mosaic_paged.mosaic_paged_attention(
         q, k_pages, v_pages, page_table, q_positions, interpret=interpret

@@ -12,7 +12,11 @@ Numerics: scores are kept in base 2 (the 1/sqrt(d) scale is multiplied by log2(e
 online softmax uses `exp2`. "Minus infinity" is a large finite number: `exp2(NEG - m)` underflows
 to 0 and `NEG - NEG` is 0, so a row that has seen no key yet never produces NaN.
 
-Non-goals: paged KV, sliding windows, soft-capping, backward passes.
+Sliding windows (Gemma 3's) reach both kernels as each query's first visible key
+(`first_keys`), beside its position: zeros without a window, so the kernels are one code path.
+
+Non-goals: paged KV here (`model.pallas_paged` views pages as these kernels' tiles),
+soft-capping, backward passes.
 """
 
 from __future__ import annotations
@@ -32,6 +36,14 @@ from cadence.model.control import compiled_kernels, default_interpret  # noqa: F
 NEG = -1e30  # finite minus-infinity for float32 scores (see the module docstring)
 LOG2_E = 1.4426950408889634
 MIN_DOT = 16  # Triton's tensor-core dot needs every matmul dimension >= 16
+
+
+def first_keys(q_positions: jax.Array, window, kv_len: int) -> jax.Array:
+    """Each query's first visible key: 0, or with a sliding `window` ([] int32) the window's
+    first, max(0, position - window + 1) (clipped to kv_len)."""
+    if window is None:
+        return jnp.zeros(q_positions.shape, jnp.int32)
+    return jnp.clip(q_positions.astype(jnp.int32) - window + 1, 0, kv_len)
 
 
 def next_pow2(n: int) -> int:

@@ -1,16 +1,18 @@
 """Split-K decode attention (flash-decoding): a Pallas kernel behind the `attend` interface.
 
-    out = flash_decode(q, k, v, q_positions)
+    out = flash_decode(q, k, v, q_positions, window=None)
       q            [batch, 1, num_heads, head_dim]       one new token per row (slot)
       k, v         [batch, num_kv_heads, kv_len, head_dim]
       q_positions  [batch, 1] int32   row b sees keys 0..q_positions[b]; -1 = inactive row
+      window       [] int32 or None   a sliding window: only the last `window` of those keys
       out          [batch, 1, num_heads, head_dim], zeros for an inactive row
 
 Grid: (batch, KV head, split). The key axis is cut into `num_splits` equal ranges so that even
 one long sequence spreads over the whole GPU. A program takes one KV head's whole group of query
 heads (padded to 16 matmul rows) and walks its range in `block_k` tiles, but only up to its
-row's length: a split that starts past the row's length runs no iteration at all, and writes
-the neutral partial (max NEG, sum 0, output 0). Partials are merged outside the kernel by a
+row's length (and from its window's first key): a split that starts past the row's length, or
+ends before its window, runs no iteration at all, and writes the neutral partial (max NEG,
+sum 0, output 0). Partials are merged outside the kernel by a
 log-sum-exp combine over the splits, which costs O(batch * heads * splits * head_dim).
 
 The KV tensors are read in their cache layout (each (row, KV head) a contiguous
@@ -29,7 +31,7 @@ from jax.experimental import pallas as pl
 
 from cadence.model.arith import cdiv
 from cadence.model.pallas_common import (
-    MIN_DOT, NEG, default_interpret, dot_nn, dot_nt, dot_precision, load, next_pow2,
+    MIN_DOT, NEG, default_interpret, dot_nn, dot_nt, dot_precision, first_keys, load, next_pow2,
     score_scale, store, triton_call,
 )
 
@@ -55,12 +57,14 @@ def default_tiling(batch: int, num_kv_heads: int, kv_len: int, head_dim: int) ->
     return DecodeTiling(block_k=block_k, num_splits=max(1, min(wanted, most)))
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, group, rows, block_k, split_len, precision):
+def _kernel(len_ref, first_ref, q_ref, k_ref, v_ref, *refs, group, rows, block_k, split_len,
+            precision):
     o_ref, m_ref, l_ref = refs[-3:]  # any refs before them are aliased initial partials
     head_dim = q_ref.shape[-1]
     scale = score_scale(head_dim)
-    start = pl.program_id(2) * split_len
-    end = jnp.minimum(start + split_len, len_ref[pl.program_id(0)])
+    split = pl.program_id(2) * split_len
+    start = jnp.maximum(split, first_ref[pl.program_id(0)])  # (a sliding window's first key)
+    end = jnp.minimum(split + split_len, len_ref[pl.program_id(0)])
     num_tiles = lax.div(jnp.maximum(end - start, 0) + block_k - 1, block_k)
 
     g_ok = jnp.arange(rows) < group
@@ -107,6 +111,7 @@ def split_partials(
     tiling: DecodeTiling | None = None,
     interpret: bool | None = None,
     partials: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    window=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The kernel alone: per-split (unnormalised output, base-2 max, sum), shaped
     [batch, kv_heads, splits, group, head_dim], [..., group], [..., group], all float32.
@@ -117,16 +122,17 @@ def split_partials(
     kv_spec = pl.BlockSpec((None, None, k.shape[2], q.shape[-1]), lambda b, h, s: (b, h, 0, 0))
     return split_call(q, q_positions, k.shape[1], k.shape[2], [k, v], [kv_spec, kv_spec], _kernel,
                       name="cadence_flash_decode", tiling=tiling, interpret=interpret,
-                      partials=partials)
+                      partials=partials, window=window)
 
 
 def split_call(q, q_positions, num_kv_heads: int, kv_len: int, kv_args: list, kv_specs: list,
                kernel, *, name: str, tiling: DecodeTiling | None, interpret: bool | None,
-               partials, **kernel_kw) -> tuple[jax.Array, jax.Array, jax.Array]:
+               partials, window=None, **kernel_kw) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The split-K launch around a decode kernel body, whatever layout its keys and values
     come in (`kv_args` with their `kv_specs`: a contiguous cache, or page tables and pools):
-    the grid, the per-row lengths, the GQA query groups, the partial outputs and their
-    aliasing. `kv_len` is the most keys a row can have; `kernel_kw` go to the kernel."""
+    the grid, the per-row key ranges (a sliding `window`'s too), the GQA query groups, the
+    partial outputs and their aliasing. `kv_len` is the most keys a row can have; `kernel_kw`
+    go to the kernel."""
     batch, q_len, num_heads, head_dim = q.shape
     if q_len != 1:
         raise ValueError(f"decode attention takes one query per row, got q_len={q_len}")
@@ -151,10 +157,11 @@ def split_call(q, q_positions, num_kv_heads: int, kv_len: int, kv_args: list, kv
     )
     in_specs = [
         pl.BlockSpec((batch,), lambda b, h, s: (0,)),
+        pl.BlockSpec((batch,), lambda b, h, s: (0,)),
         pl.BlockSpec((None, None, group, head_dim), lambda b, h, s: (b, h, 0, 0)),
         *kv_specs,
     ]
-    args = [lengths, qg, *kv_args]
+    args = [lengths, first_keys(q_positions[:, 0], window, kv_len), qg, *kv_args]
     aliases = {}
     if partials is not None:
         aliases = {len(args) + i: i for i in range(3)}
@@ -201,9 +208,10 @@ def flash_decode(
     tiling: DecodeTiling | None = None,
     interpret: bool | None = None,
     partials: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    window=None,
 ) -> jax.Array:
     """Decode attention for one query per row (see the module docstring)."""
     acc, m, l = split_partials(
-        q, k, v, q_positions, tiling=tiling, interpret=interpret, partials=partials
+        q, k, v, q_positions, tiling=tiling, interpret=interpret, partials=partials, window=window
     )
     return combine(acc, m, l).reshape(q.shape).astype(q.dtype)

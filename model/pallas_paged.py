@@ -76,14 +76,14 @@ class PagedRows:
         return self.pool_ref.at[row[:, None], jnp.arange(head_dim, dtype=jnp.int32)[None, :]]
 
 
-def _decode_kernel(len_ref, q_ref, table_ref, k_ref, v_ref, *refs, page_size, **kwargs):
+def _decode_kernel(len_ref, first_ref, q_ref, table_ref, k_ref, v_ref, *refs, page_size, **kwargs):
     k, v = (PagedRows(ref, table_ref, page_size) for ref in (k_ref, v_ref))
-    pallas_decode._kernel(len_ref, q_ref, k, v, *refs, **kwargs)
+    pallas_decode._kernel(len_ref, first_ref, q_ref, k, v, *refs, **kwargs)
 
 
-def _prefill_kernel(pos_ref, q_ref, table_ref, k_ref, v_ref, *refs, page_size, **kwargs):
+def _prefill_kernel(pos_ref, first_ref, q_ref, table_ref, k_ref, v_ref, *refs, page_size, **kwargs):
     k, v = (PagedRows(ref, table_ref, page_size) for ref in (k_ref, v_ref))
-    pallas_prefill._kernel(pos_ref, q_ref, k, v, *refs, **kwargs)
+    pallas_prefill._kernel(pos_ref, first_ref, q_ref, k, v, *refs, **kwargs)
 
 
 def _paged_operands(page_table, k_pages, v_pages):
@@ -107,6 +107,7 @@ def paged_split_partials(
     tiling: DecodeTiling | None = None,
     interpret: bool | None = None,
     partials: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    window=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The decode kernel alone: per-split (unnormalised output, base-2 max, sum), shaped
     [rows, kv_heads, splits, group, head_dim], [..., group], [..., group], all float32, as
@@ -117,7 +118,7 @@ def paged_split_partials(
     return pallas_decode.split_call(
         q, q_positions, num_kv_heads, capacity, paged_args, paged_specs, _decode_kernel,
         name="cadence_paged_decode", tiling=tiling, interpret=interpret, partials=partials,
-        page_size=page_size)
+        window=window, page_size=page_size)
 
 
 def paged_decode(
@@ -130,11 +131,12 @@ def paged_decode(
     tiling: DecodeTiling | None = None,
     interpret: bool | None = None,
     partials: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    window=None,
 ) -> jax.Array:
     """Decode attention over pages for one query per row (see the module docstring)."""
     acc, m, l = paged_split_partials(
         q, k_pages, v_pages, page_table, q_positions, tiling=tiling, interpret=interpret,
-        partials=partials,
+        partials=partials, window=window,
     )
     return combine(acc, m, l).reshape(q.shape).astype(q.dtype)
 
@@ -149,6 +151,7 @@ def paged_prefill(
     tiling: PrefillTiling | None = None,
     interpret: bool | None = None,
     out: jax.Array | None = None,
+    window=None,
 ) -> jax.Array:
     """Flash attention over pages for a chunk of queries at any positions (see the module
     docstring); `out`, when given, is a buffer of the output's shape written in place."""
@@ -157,7 +160,7 @@ def paged_prefill(
     return pallas_prefill.flash_call(
         q, q_positions, num_kv_heads, page_table.shape[1] * page_size, paged_args, paged_specs,
         _prefill_kernel, name="cadence_paged_prefill", tiling=tiling, interpret=interpret,
-        out=out, page_size=page_size)
+        out=out, window=window, page_size=page_size)
 
 
 def pallas_paged_attention(
@@ -168,19 +171,20 @@ def pallas_paged_attention(
     q_positions: jax.Array,
     *,
     interpret: bool | None = None,
+    window=None,
 ) -> jax.Array:
-    """The GPU default: paged decode for one query per row, paged prefill otherwise."""
+    """The GPU default: paged decode for one query per row, paged prefill otherwise; `window`:
+    a sliding window ([] int32), each query seeing only its last `window` keys."""
     if interpret is None:
         interpret = default_interpret()
     return _pallas_paged_attention(
-        q, k_pages, v_pages, page_table, q_positions, interpret=interpret
+        q, k_pages, v_pages, page_table, q_positions, window, interpret=interpret
     )
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def _pallas_paged_attention(q, k_pages, v_pages, page_table, q_positions, *, interpret: bool):
+def _pallas_paged_attention(q, k_pages, v_pages, page_table, q_positions, window, *, interpret: bool):
     # A jit of its own, as in model.attention: every layer calls the same traced function, so a
     # program lowers each kernel once, not once per layer.
-    if q.shape[1] == 1:
-        return paged_decode(q, k_pages, v_pages, page_table, q_positions, interpret=interpret)
-    return paged_prefill(q, k_pages, v_pages, page_table, q_positions, interpret=interpret)
+    attend = paged_decode if q.shape[1] == 1 else paged_prefill
+    return attend(q, k_pages, v_pages, page_table, q_positions, interpret=interpret, window=window)

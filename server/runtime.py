@@ -218,16 +218,6 @@ def check_pool_fits(config: ModelConfig, pools: Sequence[EngineConfig], copies: 
         f"{memory_flag}{halve}")
 
 
-def gpu_attention(model: LoadedModel | None) -> str:
-    """The GPU's attention: the Pallas kernels, but XLA's paths for a model with sliding-window
-    layers (Gemma 3), which the kernels do not take yet."""
-    if model is not None and model.config.sliding_layers:
-        logging.warning("%s has sliding-window layers, which the Pallas kernels do not take yet: "
-                        "its attention runs on XLA's paths", model.name)
-        return "xla"
-    return "pallas"
-
-
 def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Device | None = None,
                              tp: TensorParallel | None = None) -> EngineConfig:
     """The engine the flags describe; with the model, the KV pool is sized by memory (on
@@ -244,7 +234,7 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
         num_slots=NUM_SLOTS.value,
         max_seq_len=MAX_SEQ_LEN.value,
         prefill_chunk=PREFILL_CHUNK.value,
-        attention=ATTENTION.value or (gpu_attention(model) if on_gpu else "cpu" if kernels else "xla"),
+        attention=ATTENTION.value or ("pallas" if on_gpu else "cpu" if kernels else "xla"),
         decode_matmul="cpu" if kernels else "xla",
         cpu_activations=CPU_ACTIVATIONS.value,
         layer_loop=LAYER_LOOP.value,

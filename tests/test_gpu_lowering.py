@@ -137,3 +137,19 @@ def test_qwen3_gpu_engine_lowers_for_cuda(triton_verifications, attention):
     config = gpu_engine_config(num_slots=8, attention=attention)
     model = dataclasses.replace(SHAPES["qwen3-0.6b"][1], num_layers=2)
     assert len(_lower_all(model, config, triton_verifications)) == 43
+
+
+def test_gemma3_gpu_engine_lowers_for_cuda(triton_verifications):
+    """Gemma 3 270M's shape (4 query heads of 256 and one KV head over a 640-wide stream, a
+    262k vocabulary), 6 of its 18 layers (five sliding over 512 positions, one global, as its
+    pattern has them): every program of the GPU engine lowers for CUDA, the Triton kernels
+    taking each layer's window."""
+    from cadence.model.config import ModelConfig
+
+    model = ModelConfig(name="gemma3-270m-6", vocab_size=262144, hidden_size=640, num_layers=6,
+                        num_heads=4, num_kv_heads=1, head_dim=256, ffn_size=2048, rms_norm_eps=1e-6,
+                        rope_theta=1e6, tie_embeddings=True, qk_norm=True, sliding_window=512,
+                        sliding_layers=(0, 1, 2, 3, 4), rope_local_theta=1e4, hidden_act="gelu_tanh",
+                        post_norms=True, embedding_multiplier=640 ** 0.5, max_context=32768)
+    config = gpu_engine_config(num_slots=8)
+    assert len(_lower_all(model, config, triton_verifications)) == 43

@@ -11,6 +11,7 @@ so their layouts hold finite values there).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +23,14 @@ from cadence.model.arith import cdiv
 from cadence.model.paged_attention import (
     get_paged_attention, paged_decode_gather, paged_decode_pages, paged_prefill_tiled,
 )
+from cadence.model.pallas_decode import DecodeTiling
+from cadence.model.pallas_paged import paged_decode, paged_prefill, pallas_paged_attention
+from cadence.model.pallas_prefill import PrefillTiling
 from tests.fakes import needs_cpu_kernels
 from tests.paged_cases import FINITE_POISON, case
 
 ATOL = 2e-5
+INTERPRET = os.environ.get("CADENCE_PALLAS_INTERPRET", "1") != "0"
 
 
 def windowed(q, k, v, positions, window) -> np.ndarray:
@@ -120,8 +125,46 @@ def test_the_kernel_takes_no_window_as_every_key():
     assert cdiv(max(visible), page_size) <= max_pages
 
 
-@pytest.mark.parametrize("name", ["pallas", "mosaic"])
-def test_the_gpu_kernels_refuse_a_window(name):
+def test_the_pallas_kernels_see_only_the_window():
+    """The Triton-style kernels, interpreted: decode splits that start at the window's first
+    key (a split wholly before it runs no tile; pages before it hold NaN and are never read),
+    and prefill blocks whose key loop starts at the tile of their earliest window, masked
+    there and unmasked where every query's window covers the tile."""
+    heads, kv_heads, head_dim, page_size, max_pages, visible = DECODE[0]
+    q, pool, positions = case(63, len(visible), heads, kv_heads, head_dim, page_size, max_pages,
+                              [n - 1 for n in visible], 1, FINITE_POISON)
+    decode = jax.jit(functools.partial(paged_decode, tiling=DecodeTiling(16, 2), interpret=INTERPRET))
+    for window in (1, 9, 1 << 30):
+        layout = poison_before_windows(pool, positions, window, page_size)
+        got = np.asarray(decode(q, *layout[:3], positions, window=jnp.int32(window)))
+        assert np.isfinite(got).all(), f"read a page before the window {window}"
+        np.testing.assert_allclose(got, windowed(q, pool[3], pool[4], positions, window),
+                                   atol=ATOL, rtol=ATOL, err_msg=f"decode {window}")
+    heads, kv_heads, head_dim, page_size, max_pages, q_len, starts = PREFILL[0]
+    q, pool, positions = case(64, len(starts), heads, kv_heads, head_dim, page_size, max_pages,
+                              starts, q_len, FINITE_POISON)
+    prefill = jax.jit(functools.partial(paged_prefill, tiling=PrefillTiling(4, 16), interpret=INTERPRET))
+    for window in (5, 17, 40):  # inside a key tile, across one, most of the sequence
+        got = np.asarray(prefill(q, *pool[:3], positions, window=jnp.int32(window)))
+        np.testing.assert_allclose(got, windowed(q, pool[3], pool[4], positions, window),
+                                   atol=ATOL, rtol=ATOL, err_msg=f"prefill {window}")
+
+
+def test_the_pallas_kernels_lower_for_cuda_with_a_window(triton_verifications):
+    """With a traced window, as a sliding layer passes it, both paged kernels still lower for a
+    CUDA GPU and their Triton modules verify (Gemma 3 270M's heads: 4 of 256, one KV head)."""
+    attend = jax.jit(functools.partial(pallas_paged_attention, interpret=False))
+    for batch, q_len in [(1, 512), (64, 1)]:
+        q = jax.ShapeDtypeStruct((batch, q_len, 4, 256), jnp.bfloat16)
+        pages = jax.ShapeDtypeStruct((1, 1024, 16, 256), jnp.bfloat16)
+        table = jax.ShapeDtypeStruct((batch, 64), jnp.int32)
+        pos = jax.ShapeDtypeStruct((batch, q_len), jnp.int32)
+        attend.trace(q, pages, pages, table, pos, window=jax.ShapeDtypeStruct((), jnp.int32)).lower(
+            lowering_platforms=("cuda",))
+    assert all(triton_verifications) and (len(triton_verifications) == 2 or not INTERPRET)
+
+
+def test_the_mosaic_kernels_refuse_a_window():
     q, pool, positions = case(62, 1, 2, 1, 16, 8, 2, [3], 1, FINITE_POISON)
     with pytest.raises(NotImplementedError, match="sliding windows"):
-        get_paged_attention(name)(q, *pool[:3], positions, window=4)
+        get_paged_attention("mosaic")(q, *pool[:3], positions, window=4)
