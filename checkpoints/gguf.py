@@ -54,6 +54,7 @@ import jax
 import numpy as np
 
 from cadence.checkpoints.errors import CheckpointError
+from cadence.checkpoints.gguf_file import read_gguf
 from cadence.checkpoints.hf import FLOAT_DTYPES
 from cadence.model import block_layout
 from cadence.model.config import ModelConfig, RopeScaling
@@ -63,10 +64,6 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "granite", "gem
 PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")  # q/k rows permuted by llama.cpp's converter
 NO_ROPE_INTERVAL = 4  # SmolLM3's: layer i is unrotated where (i + 1) % 4 == 0 (llama.cpp's constant)
 GEMMA3_PATTERN = 6  # Gemma 3's: layer i slides where i % 6 < 5, unless the file says (llama.cpp's)
-
-
-def read_fields(reader: gguf.GGUFReader) -> dict[str, Any]:
-    return {name: field.contents() for name, field in reader.fields.items()}
 
 
 def config_from_fields(fields: dict[str, Any], path: Path) -> ModelConfig:
@@ -247,16 +244,14 @@ def load_gguf(
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} does not exist; check the path")
     try:
-        reader = gguf.GGUFReader(path)
-        fields = read_fields(reader)
-    except Exception as e:  # the gguf reader raises ValueError, struct.error, IndexError...
+        fields, tensors = read_gguf(path)
+    except Exception as e:  # ValueError, struct.error, UnicodeDecodeError...
         raise CheckpointError(
             f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); "
             "re-download or re-convert it"
         ) from None
     config = config_from_fields(fields, path)
     arch = fields["general.architecture"]
-    tensors = {t.name: t for t in reader.tensors}
     done, total = 0, len(tensors)
 
     def tick() -> None:
@@ -423,10 +418,8 @@ def load_packed(path: str | Path, config: ModelConfig) -> dict[tuple[str, ...], 
     type's name), by its path in the params tree. The embedding's entry is the embedding
     transposed (its rows are a tied LM head's output columns), whose columns an embedding
     lookup reads, tied or not (`cpu_kernels.take_columns`)."""
-    reader = gguf.GGUFReader(Path(path))
-    tensors = {t.name: t for t in reader.tensors}
-    arch = reader.fields.get("general.architecture")  # only this field: not the vocabulary's
-    permute = arch is not None and arch.contents() in PERMUTED_ARCHITECTURES
+    fields, tensors = read_gguf(path)
+    permute = fields.get("general.architecture") in PERMUTED_ARCHITECTURES
     out = {}
     for spec in param_specs(config):
         t = tensors.get(spec.gguf_name)

@@ -791,3 +791,57 @@ def test_bad_files_get_clear_errors(tmp_path, tiny_params):
 
 def _leaves(tree):
     return [(jax.tree_util.keystr(p), np.asarray(v)) for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def test_read_gguf_gives_what_ggufs_own_reader_gives(tmp_path):
+    """`checkpoints.gguf_file.read_gguf` against `gguf.GGUFReader`: every metadata value type
+    (each scalar, strings with multi-byte text, arrays of numbers, bools and strings, an
+    alignment of its own) and tensors of float and block formats, the same values, types,
+    shapes and bytes; a file that is not one, or is cut short, is refused."""
+    from cadence.checkpoints.gguf_file import read_gguf
+
+    path = tmp_path / "all.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)
+    for kind, value in [("UINT8", 200), ("INT8", -7), ("UINT16", 60000), ("INT16", -30000),
+                        ("UINT32", 4_000_000_000), ("INT32", -2_000_000_000), ("FLOAT32", 1e-6),
+                        ("BOOL", True), ("UINT64", 2**63 + 5), ("INT64", -(2**62)), ("FLOAT64", 0.1),
+                        ("STRING", "naïve ▁ 日本 🙂")]:
+        w.add_key_value(f"test.{kind.lower()}", value, getattr(gguf.GGUFValueType, kind))
+    array = gguf.GGUFValueType.ARRAY
+    w.add_key_value("test.floats", [0.5, -2.25, 1e-6], array, sub_type=gguf.GGUFValueType.FLOAT32)
+    w.add_key_value("test.flags", [True, False, True], array, sub_type=gguf.GGUFValueType.BOOL)
+    w.add_key_value("test.words", ["", "▁the", "<start_of_turn>", "  \t\n"], array,
+                    sub_type=gguf.GGUFValueType.STRING)
+    rng = np.random.default_rng(0)
+    matrix = rng.standard_normal((8, 256)).astype(np.float32)
+    w.add_tensor("f32", matrix)
+    w.add_tensor("f16", matrix.astype(np.float16))
+    for qtype in (Q.Q8_0, Q.BF16):
+        w.add_tensor(qtype.name.lower(), gguf.quants.quantize(matrix, qtype), raw_dtype=qtype)
+    w.add_tensor("q4_k", random_blocks(rng, Q.Q4_K, 8, 256), raw_dtype=Q.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    fields, tensors = read_gguf(path)
+    reader = gguf.GGUFReader(path)
+    theirs = {name: f.contents() for name, f in reader.fields.items()}
+    assert list(fields) == list(theirs)
+    for key, value in theirs.items():
+        assert fields[key] == value and type(fields[key]) is type(value), key
+    assert fields["general.alignment"] == 64 and fields["test.words"][3] == "  \t\n"
+    assert list(tensors) == [t.name for t in reader.tensors] == ["f32", "f16", "q8_0", "bf16", "q4_k"]
+    for t in reader.tensors:
+        ours = tensors[t.name]
+        assert ours.tensor_type == t.tensor_type and ours.shape == tuple(t.shape.tolist())
+        assert ours.data.dtype == t.data.dtype and ours.data.shape == t.data.shape, t.name
+        np.testing.assert_array_equal(ours.data.view(np.uint8), t.data.view(np.uint8), err_msg=t.name)
+    np.testing.assert_array_equal(tensors["f32"].data, matrix)
+
+    (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04" + bytes(40))
+    (tmp_path / "short.gguf").write_bytes(path.read_bytes()[:-100])
+    for bad, match in [("not.gguf", "no GGUF magic"), ("short.gguf", "past the end of the file")]:
+        with pytest.raises(ValueError, match=match):
+            read_gguf(tmp_path / bad)

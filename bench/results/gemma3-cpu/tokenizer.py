@@ -17,12 +17,11 @@ import json
 import sys
 from pathlib import Path
 
-import gguf
 import httpx
 from absl import app, flags
 
 from cadence.bench.cadence_server import serving
-from cadence.checkpoints.gguf import read_fields
+from cadence.checkpoints.gguf_file import read_gguf
 from cadence.checkpoints.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "pretokenizers-cpu"))
@@ -37,7 +36,7 @@ TURN = "<start_of_turn>user\nWrite a haiku about the sea.<end_of_turn>\n<start_o
 
 def main(argv: list[str]) -> None:
     del argv
-    ours = Tokenizer.from_gguf_fields(read_fields(gguf.GGUFReader(GGUF.value)))
+    ours = Tokenizer.from_gguf_fields(read_gguf(GGUF.value)[0])
     cases = [(text, False) for text in TEXTS] + [(TURN, True)]
     with serving([SERVER.value, "-m", GGUF.value, "--port", "8950", "-c", "512", "-np", "1", "-t", "2"],
                  8950) as base:

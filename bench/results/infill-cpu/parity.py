@@ -132,13 +132,11 @@ def agree(a: list[int], b: list[int]) -> int:
 
 def prompt_ids(door: str, case: dict) -> list[int]:
     """The prompt both servers built for `case` at `door`, built here by cadence's code."""
-    import gguf
-
     from cadence.checkpoints import fim
-    from cadence.checkpoints.gguf import read_fields
+    from cadence.checkpoints.gguf_file import read_gguf
     from cadence.checkpoints.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_gguf_fields(read_fields(gguf.GGUFReader(MODEL.value)))
+    tok = Tokenizer.from_gguf_fields(read_gguf(MODEL.value)[0])
     extra = (tuple(fim.ExtraFile(f["text"], f.get("filename", "tmp")) for f in case.get("input_extra", ()))
              if door == "/infill" else None)
     hole = fim.Hole(case["input_suffix"], case.get("prompt", "") if extra is not None else "", extra)

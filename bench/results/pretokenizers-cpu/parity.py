@@ -28,7 +28,7 @@ from absl import app, flags
 
 from cadence.bench.cadence_server import serving
 from cadence.bench.random_gguf import write_random_gguf
-from cadence.checkpoints.gguf import read_fields
+from cadence.checkpoints.gguf_file import read_gguf
 from cadence.checkpoints.tokenizer import _PRE, Tokenizer
 from cadence.model.config import ModelConfig
 
@@ -47,7 +47,7 @@ CONFIG = ModelConfig(name="pre-parity", vocab_size=151936, hidden_size=256, num_
 def vocabulary(pre: str):
     """`write_random_gguf`'s `metadata`: Qwen2.5's tokenizer keys, pre-tokenized as `pre`, with
     the numbers 00-999 as tokens (appended, "1" + "2" -> "12", "12" + "3" -> "123")."""
-    fields = read_fields(gguf.GGUFReader(SOURCE.value))
+    fields = read_gguf(SOURCE.value)[0]
     tokens, merges = list(fields["tokenizer.ggml.tokens"]), list(fields["tokenizer.ggml.merges"])
     known = set(tokens)
     for n in [f"{a}{b}" for a in range(10) for b in range(10)] + [f"{a}{b:02d}" for a in range(10) for b in range(100)]:
@@ -75,7 +75,7 @@ def main(argv: list[str]) -> None:
         path = work / f"{pre}.gguf"
         metadata, size = vocabulary(pre)
         write_random_gguf(path, dataclasses.replace(CONFIG, vocab_size=size), "qwen2", metadata)
-        ours = Tokenizer.from_gguf_fields(read_fields(gguf.GGUFReader(path)))
+        ours = Tokenizer.from_gguf_fields(read_gguf(path)[0])
         port = 8940 + i
         try:
             with serving([SERVER.value, "-m", str(path), "--port", str(port), "-c", "512", "-np", "1",

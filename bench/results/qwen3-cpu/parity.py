@@ -213,7 +213,7 @@ def compare(prompts: list[list[int]], theirs: list[dict], ours: list[dict]) -> l
 
 def main(argv: list[str]) -> None:
     del argv
-    from cadence.checkpoints.gguf import read_fields
+    from cadence.checkpoints.gguf_file import read_gguf
     from cadence.checkpoints.tokenizer import Tokenizer
 
     config = model_config()
@@ -223,7 +223,7 @@ def main(argv: list[str]) -> None:
     else:
         path = folder / f"{config.name}.gguf"
         write_model(path, config, ARCH.value)
-    tok = Tokenizer.from_gguf_fields(read_fields(gguf.GGUFReader(path)))
+    tok = Tokenizer.from_gguf_fields(read_gguf(path)[0])
     texts = PROMPTS + ([(Path(__file__).parents[3] / "docs" / "architecture.md").read_text()[:6000]]
                        if YARN_FACTOR.value or LONG.value else [])
     prompts = [tok.encode(p) for p in texts]

@@ -8,10 +8,9 @@ the same format after free reasoning (`scheduler.grammar.Thinking`), on Qwen2.5'
 import sys
 import time
 
-import gguf
 import numpy as np
 
-from cadence.checkpoints.gguf import read_fields
+from cadence.checkpoints.gguf_file import read_gguf
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.model.host_sampling import bitmask_words
 from cadence.scheduler.grammar import GrammarCompiler, JsonObject, Thinking
@@ -21,7 +20,7 @@ ANSWER = '{"name": "Ann", "age": 30}'
 REASONING = ("<think>\nThe user wants a JSON object describing a person. Let me pick a name, an "
              "age and a city, then write them as keys.\n</think>\n\n")
 
-tokenizer = Tokenizer.from_gguf_fields(read_fields(gguf.GGUFReader(sys.argv[1])))
+tokenizer = Tokenizer.from_gguf_fields(read_gguf(sys.argv[1])[0])
 compiler = GrammarCompiler(tokenizer, VOCAB)
 for spec, text in ((JsonObject(), ANSWER), (Thinking(JsonObject()), REASONING + ANSWER)):
     grammar = compiler.compile(spec)
