@@ -279,7 +279,7 @@ def save_hf(folder: str | Path, config: ModelConfig, params: Params, *, dtype: s
 def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """`config` as a transformers `config.json` (Qwen2 when it has q/k/v biases, Qwen3 when it
     has q/k norms, SmolLM3 when some layers are unrotated, Granite when it has multipliers,
-    else Llama)."""
+    Gemma 3 when it has norms after each branch, else Llama)."""
     factors = config.rope_freq_factors
     if factors is not None and (len(set(factors)) > 1 or config.rope_scaling is not None):
         raise CheckpointError(f"{config.name}: per-frequency RoPE factors (a GGUF's rope_freqs) "
@@ -287,13 +287,15 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any
     granite = (config.embedding_multiplier, config.residual_multiplier, config.attention_multiplier,
                config.logits_scaling) != (1.0, 1.0, None, 1.0)
     if config.post_norms:
-        return _gemma3_config_dict(config, dtype)
-    if config.attention_bias + config.qk_norm + bool(config.no_rope_layers) + granite > 1:
+        _check_gemma3(config)
+        model_type = "gemma3_text"
+    elif config.attention_bias + config.qk_norm + bool(config.no_rope_layers) + granite > 1:
         raise CheckpointError(f"{config.name}: q/k/v biases, q/k norms, unrotated layers and "
                               "Granite's multipliers together are no transformers architecture; "
                               "cannot export this model")
-    model_type = ("qwen2" if config.attention_bias else "qwen3" if config.qk_norm
-                  else "smollm3" if config.no_rope_layers else "granite" if granite else "llama")
+    else:
+        model_type = ("qwen2" if config.attention_bias else "qwen3" if config.qk_norm
+                      else "smollm3" if config.no_rope_layers else "granite" if granite else "llama")
     raw: dict[str, Any] = {
         "_name_or_path": config.name,
         "architectures": [ARCHITECTURES[model_type]],
@@ -340,40 +342,27 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict[str, Any
         unrotated = set(config.no_rope_layers)
         raw.update(no_rope_layers=[int(i not in unrotated) for i in range(config.num_layers)],
                    use_sliding_window=False, mlp_bias=False)
+    if model_type == "gemma3_text":
+        del raw["hidden_act"]  # (Gemma's is `hidden_activation`)
+        sliding = set(config.sliding_layers)
+        raw.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+                   rope_local_base_freq=config.rope_local_theta or config.rope_theta,
+                   sliding_window=config.sliding_window or config.max_context,
+                   layer_types=["sliding_attention" if i in sliding else "full_attention"
+                                for i in range(config.num_layers)],
+                   query_pre_attn_scalar=(config.head_dim if config.attention_multiplier is None
+                                          else config.attention_multiplier ** -2),
+                   final_logit_softcapping=config.final_logit_softcapping, attn_logit_softcapping=None)
     return raw
 
 
-def _gemma3_config_dict(config: ModelConfig, dtype: str) -> dict[str, Any]:
-    """A Gemma 3 (`post_norms`) as Gemma3ForCausalLM's config.json."""
+def _check_gemma3(config: ModelConfig) -> None:
+    """Refuses to export norms after each branch (`post_norms`) without the rest of Gemma 3."""
     gemma = dict(hidden_act="gelu_tanh", qk_norm=True, embedding_multiplier=config.hidden_size ** 0.5,
                  residual_multiplier=1.0, logits_scaling=1.0, attention_bias=False, no_rope_layers=())
     if any(getattr(config, k) != v for k, v in gemma.items()) or config.rope_scaling is not None:
         raise CheckpointError(f"{config.name}: norms after each branch without the rest of Gemma 3 "
                               "are no transformers architecture; cannot export this model")
-    factors = config.rope_freq_factors
-    if factors is not None and len(set(factors)) > 1:
-        raise CheckpointError(f"{config.name}: per-frequency RoPE factors have no Gemma 3 "
-                              "config.json form; cannot export this model")
-    sliding = set(config.sliding_layers)
-    return {
-        "_name_or_path": config.name, "architectures": [ARCHITECTURES["gemma3_text"]],
-        "model_type": "gemma3_text", "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim, "intermediate_size": config.ffn_size,
-        "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_local_base_freq": config.rope_local_theta or config.rope_theta,
-        "rope_scaling": None if factors is None else {"rope_type": "linear", "factor": factors[0]},
-        "sliding_window": config.sliding_window or config.max_context,
-        "layer_types": ["sliding_attention" if i in sliding else "full_attention"
-                        for i in range(config.num_layers)],
-        "query_pre_attn_scalar": (config.head_dim if config.attention_multiplier is None
-                                  else config.attention_multiplier ** -2),
-        "final_logit_softcapping": config.final_logit_softcapping,
-        "attn_logit_softcapping": None, "tie_word_embeddings": config.tie_embeddings,
-        "max_position_embeddings": config.max_context, "attention_bias": False, "torch_dtype": dtype,
-    }
 
 
 def _check_supported(folder: Path, raw: dict[str, Any], model_type: str, max_context: int) -> None:

@@ -224,7 +224,7 @@ class Attention(nn.Module):
         if cfg.attention_multiplier is not None:  # Granite's score scale, where every kernel
             q = q * (cfg.attention_multiplier * math.sqrt(cfg.head_dim))  # divides by sqrt(d)
 
-        attend = _write_and_attend(self.attention, *control.form(), window is not None)
+        attend = _write_and_attend(self.attention, *control.form())
         if self.mesh is not None:  # each device writes and reads its own heads' pages
             attend = sharding.per_head(attend, self.mesh)
         windows = () if window is None else (jnp.asarray(window, jnp.int32),)
@@ -236,11 +236,11 @@ class Attention(nn.Module):
 
 
 @functools.cache
-def _write_and_attend(attention: str, interpret: bool, branches: bool, windowed: bool = False):
+def _write_and_attend(attention: str, interpret: bool, branches: bool):
     """Writes a chunk's keys and values into its pages, then attends over them with the paged
     attention named `attention`: one jitted function per form it is traced in (the Pallas
-    kernels interpreted or compiled; branches or none: `model.control.form`; `windowed`: with
-    a sliding window, a traced [] int32 argument after the lengths, so every layer shares one),
+    kernels interpreted or compiled; branches or none: `model.control.form`; a sliding window
+    comes as a traced [] int32 argument after the lengths, so every layer shares one trace),
     so every layer of a program calls the one trace of it. A layer's attention is most of
     what tracing a prefill program costs, and tracing is most of what a warm start costs:
     traced once, not once per layer, it takes a 30-layer model's prefill program from ~1.7 s
@@ -252,7 +252,7 @@ def _write_and_attend(attention: str, interpret: bool, branches: bool, windowed:
     def write_and_attend(q, k, v, k_pages, v_pages, page_table, positions, lengths, *window):
         k_pages = paged_kv.write(k_pages, k, page_table, positions, lengths, cpu_kernel=cpu_kernel)
         v_pages = paged_kv.write(v_pages, v, page_table, positions, lengths, cpu_kernel=cpu_kernel)
-        extra = {"window": window[0]} if windowed else {}
+        extra = {"window": window[0]} if window else {}
         return attend(q, k_pages, v_pages, page_table, positions, **extra), k_pages, v_pages
 
     return write_and_attend
