@@ -60,7 +60,6 @@ from cadence.server import guided, parsing, protocol
 from cadence.server.protocol import APIError
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "logit_bias")
-# llama-server's penalties, by cadence's names; they count over its last repeat_last_n tokens.
 # llama.cpp's fields for what cadence does not do, with the test that a value leaves it off and
 # that value in words: typical_p >= 1, a negative top_n_sigma or adaptive_target, ... (tfs_z and
 # penalize_nl are older llama-servers', which clients still send).
