@@ -3,10 +3,11 @@
     plan = make_plan(running, waiting, free_slots, config, pages)
     plan.steps = decode_steps(plan, running, most, free_pages, page_size)   # multi-step decode
     if speculates(plan, running, engine_config, speculative, split):         # speculative decode
-        drafts = propose_drafts(plan, k, context, page_size, free_pages)
+        drafts = propose_drafts(plan, k, context, page_size, free_pages, model)  # model: optional
 
 It reads request state and returns a `Plan` (requests to admit, prefill chunks, requests to
-decode); it never touches the engine or mutates a request. A waiting request whose prompt
+decode); it never touches the engine or mutates a request (but for drafting: a drafting row's
+acceptance record, and a draft model's own engine, which `propose_drafts` asks for drafts). A waiting request whose prompt
 starts with cached pages has them as `prefix` and `prefilled` already (the scheduler looked them
 up): its prefill starts after them. Two policies:
 
@@ -57,6 +58,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from cadence.model.arith import cdiv
+from cadence.scheduler.draft_model import DraftModel
 from cadence.scheduler.request import Request, State
 from cadence.scheduler.speculative import Drafter, SpeculativeConfig
 
@@ -262,26 +264,35 @@ def speculates(plan: Plan, running: Sequence[Request], engine_config, config: Sp
     return wanting
 
 
-def propose_drafts(plan: Plan, k: int, context: int, page_size: int, free_pages: int
-                   ) -> dict[Request, list[int]]:
-    """Each drafting row's drafts (`Drafter.propose`, over every token it has): up to `k`, none
-    past its max_tokens (a verify step's last token is the target's own) or `context`, and
-    under a grammar those it allows (the first it does not, and all after, are dropped). A row
-    that found nothing sits out a few steps. Empty unless some row drafted, and if the pages
-    the drafts need are not free: drafting never preempts."""
+def propose_drafts(plan: Plan, k: int, context: int, page_size: int, free_pages: int,
+                   model: DraftModel | None = None) -> dict[Request, list[int]]:
+    """Each drafting row's drafts: up to `k`, none past its max_tokens (a verify step's last
+    token is the target's own) or `context`, and under a grammar those it allows (the first it
+    does not, and all after, are dropped). They come from the row's prediction where its answer
+    follows it, else from the draft `model` (all such rows in one call) if there is one, else
+    from the row's own n-grams (`Drafter.propose`). A row that found nothing sits out a few
+    steps. Empty unless some row drafted, and if the pages the drafts need are not free:
+    drafting never preempts."""
     drafts: dict[Request, list[int]] = {}
+    asked: dict[Request, tuple[int, list[int], int]] = {}  # the draft model's rows
     for r in plan.decode:
         if r.state is not State.DECODING or not r.drafting:
             continue
         room = min(k, r.max_tokens - r.dispatched - 1, context - r.prompt_len - r.dispatched)
         if r.masks_stops():  # every position the step samples stays within its mask
             room = min(room, r.params.min_tokens - r.dispatched - 1)
-        proposal = r.drafter.propose(r.prompt_ids, r.output_ids, room) if room > 0 else []
+        if room <= 0:
+            continue
+        drafts[r] = r.drafter.propose(r.prompt_ids, r.output_ids, room, ngrams=model is None)
+        if not drafts[r] and model is not None:
+            asked[r] = (r.slot, r.prompt_ids + r.output_ids, room)
+    if asked:
+        drafts.update(model.propose(asked))
+    for r, proposal in list(drafts.items()):
         if proposal and r.matcher is not None:  # only what its grammar allows
-            proposal = proposal[: r.matcher.allows(proposal)]
-        if proposal:
-            drafts[r] = proposal
-        elif room > 0:
+            proposal = drafts[r] = proposal[: r.matcher.allows(proposal)]
+        if not proposal:
+            del drafts[r]
             r.drafter.acceptance.observe(0, 0)
     if not drafts:
         return {}

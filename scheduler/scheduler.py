@@ -50,7 +50,8 @@ iteration sends to an engine (admission, the page reservation, the dispatches) i
 engine's `_fail_pool`, `_die`) is `outcomes.Outcomes`. What the loop uses, module by module: `kv_manager` (each engine's slots and pages: prefix and fork
 matching, `reserve`, the pool's pending results), `pages` and `prefix_cache` (the page
 allocator, its null page and the cached prefixes), `policy` (the plan, the decode steps, whether
-and what to draft), `speculative` (whether an engine can verify yet), `priority` (SLO
+and what to draft), `speculative` (whether an engine can verify yet), `draft_model` (drafts
+from a second model), `priority` (SLO
 admission, the backlog), `handoff` (the disaggregated transfers), `request` (a request's state,
 what each dispatch counts for it, and the one validation of its parameters), `results` (pending
 results), `stream` (request streams and their delivery), `stats` (`IterationRecord`, and
@@ -72,6 +73,7 @@ from cadence.engine.api import EngineAPI
 from cadence.scheduler.config import KV_RESERVATIONS, SchedulerConfig  # noqa: F401 - importers' names
 from cadence.scheduler.cost import IterationCost
 from cadence.scheduler.dispatch import Dispatch
+from cadence.scheduler.draft_model import DraftModel
 from cadence.scheduler.handoff import Handoff, KVTransfer, check_pair  # noqa: F401 - importers' names
 from cadence.scheduler.kv_manager import Pool
 from cadence.scheduler.outcomes import Outcomes
@@ -93,9 +95,11 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
     `Outcomes`; its readings: `Readings`."""
 
     def __init__(self, engine: EngineAPI, tokenizer: Tokenizer, config: SchedulerConfig = SchedulerConfig(),
-                 decode_engine: EngineAPI | None = None):
+                 decode_engine: EngineAPI | None = None, draft_engine: EngineAPI | None = None):
         """`engine` prefills and decodes; with `decode_engine`, `engine` only prefills and
-        `decode_engine` decodes (disaggregated serving: two devices, two loops)."""
+        `decode_engine` decodes (disaggregated serving: two devices, two loops). With
+        `draft_engine` (a smaller model of the same vocabulary), speculative decoding drafts
+        from it (`scheduler.draft_model`) rather than from each sequence's n-grams."""
         if config.policy.chunk > engine.config.prefill_chunk:
             raise ValueError(
                 f"policy chunk {config.policy.chunk} exceeds the engine's prefill_chunk "
@@ -117,6 +121,7 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
                              else Pool(decode_engine, "decode", reserve=reserve))
         self.pools = tuple(dict.fromkeys((self._prefill_pool, self._decode_pool)))
         self.num_slots = self._decode_pool.num_slots  # sequences that decode at once
+        self.draft = None if draft_engine is None else DraftModel.for_target(draft_engine, self._decode_pool.engine)
         self.max_seq_len = engine.config.max_seq_len
         # The longest sequence a request may reach: the context, unless a pool is too small to
         # hold that beside its null page (a pool of exactly one longest sequence): a sequence
@@ -345,7 +350,8 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
         pool.publish_running()
         plan = Plan(decode=[r for r in pool.running if wants_decode(r)])
         drafts = propose_drafts(plan, pool.engine.config.speculative_tokens, self.context,
-                                self.page_size, pool.pages.free_count)
+                                self.page_size, pool.pages.free_count,
+                                self.draft if pool is self._decode_pool else None)
         if drafts:
             plan.steps = 1 + max(len(d) for d in drafts.values())
             plan.drafted = sum(len(d) for d in drafts.values())

@@ -208,7 +208,9 @@ class Drafter:
         self.cursor = 0  # how far the answer has followed the prediction (where to look next)
         self.prediction_accepted = self.prediction_rejected = 0  # its drafts, verified
 
-    def propose(self, prompt_ids: list[int], output_ids: list[int], k: int) -> list[int]:
+    def propose(self, prompt_ids: list[int], output_ids: list[int], k: int, ngrams: bool = True) -> list[int]:
+        """Up to `k` drafts: the prediction's, where the answer follows it, else (with
+        `ngrams`) the sequence's own."""
         seen = len(self.ngrams)
         if seen < len(prompt_ids):
             self.ngrams.extend(prompt_ids[seen:])
@@ -216,7 +218,7 @@ class Drafter:
         self.ngrams.extend(output_ids[seen - len(prompt_ids):])
         drafts, at = self.prediction.lookup(k, self.ngrams.tokens, self.cursor) if self.prediction else ([], 0)
         self.predicted_at = at if drafts else None
-        return drafts or self.ngrams.propose(k)
+        return drafts or (self.ngrams.propose(k) if ngrams else [])
 
     def observe(self, drafts: list[int], tokens: list[int]) -> int:
         """The tokens a verify step gave for `drafts`: how many drafts they accepted (their

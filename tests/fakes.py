@@ -604,9 +604,9 @@ needs_cpu_kernels = pytest.mark.skipif(
     not cpu_kernels.available(), reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
 
 
-def make_scheduler(engine, tokenizer, policy="chunked", chunk=64, budget=96) -> Scheduler:
+def make_scheduler(engine, tokenizer, policy="chunked", chunk=64, budget=96, draft_engine=None) -> Scheduler:
     cfg = SchedulerConfig(policy=PolicyConfig(name=policy, token_budget=budget, chunk=chunk))
-    return Scheduler(engine, tokenizer, cfg)
+    return Scheduler(engine, tokenizer, cfg, draft_engine=draft_engine)
 
 
 def run_all(sched: Scheduler, submissions, arrival_steps=None) -> list[RequestStream]:

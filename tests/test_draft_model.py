@@ -1,0 +1,169 @@
+"""Speculative decoding with a draft model: its drafts against the reference generator's greedy
+continuations (through catch-ups, rejections and evictions), and serving with it against
+serving without."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from cadence.engine.config import EngineConfig
+from cadence.engine.engine import Engine
+from cadence.engine.reference import greedy_generate
+from cadence.engine.packing import PrefillChunk
+from cadence.model.host_sampling import RequestSampling, SamplingRows
+from cadence.scheduler.draft_model import DraftModel
+from cadence.scheduler.request import GenerationParams
+from tests.conftest import ONE_LONGEST, compiled
+from tests.fakes import make_scheduler, run_all
+
+K = 4
+# The draft's engine: the target's slots and context, k - 1 decode steps a call, and a pool of
+# `pages` pages.
+def draft_config(pages: int = 2 * (192 // 16) + 1) -> EngineConfig:
+    return EngineConfig(num_slots=4, max_seq_len=192, prefill_chunk=32, min_kv_bucket=192,
+                        page_size=16, num_pages=pages, decode_steps=K - 1)
+
+
+@pytest.fixture(scope="module")
+def other_params(tiny_params, tiny_config):
+    """The tiny model's weights, each moved by noise a quarter its own size: a draft model that
+    is right often, not always."""
+    rng = np.random.default_rng(11)
+    return jax.tree.map(lambda w: (w + 0.25 * np.std(w) * rng.standard_normal(w.shape)).astype(w.dtype),
+                        tiny_params)
+
+
+def test_drafts_are_the_draft_models_greedy_continuation(tiny_params, tiny_config, shared_engine):
+    """Rows of several lengths (one over several prefill chunks) draft k tokens; then each row's
+    sequence moves on as verify steps move it (some or all drafts kept, a token of the
+    target's own, plain decode steps, or a sequence cut back as after a preemption): every proposal is what the reference
+    generator continues the row's sequence with, so the KV kept from the steps before was right."""
+    drafts = DraftModel(shared_engine(draft_config()), K)
+    fresh = shared_engine(draft_config(pages=2 * (192 // 16) + 2))  # (another engine)
+    rng = random.Random(5)
+    seqs = {"a": [5, 6, 7], "b": [rng.randrange(3, 500) for _ in range(70)], "c": [9]}
+    slots = {"a": 0, "b": 2, "c": 3}
+    for step in range(6):
+        rooms = {key: rng.randint(1, K) for key in seqs}
+        got = drafts.propose({key: (slots[key], seqs[key], rooms[key]) for key in seqs})
+        for key, seq in seqs.items():
+            want = greedy_generate(tiny_params, tiny_config, seq, rooms[key])
+            assert got[key] == want, (step, key)
+            # The KV the row keeps is its tokens' own, as one prefill of them writes it.
+            row = drafts._rows[key]
+            np.testing.assert_allclose(_kv(drafts.engine, row.pages, len(row.written)),
+                                       _kv(fresh, None, len(row.written), row.written), atol=2e-5)
+            kept = rng.choice([len(want), rng.randint(0, len(want))])
+            # The target's own token after them, and the tokens of some steps without drafts.
+            seq += want[:kept] + [rng.randrange(3, 500) for _ in range(rng.choice([1, 1, 3]))]
+        if step == 3:
+            del seqs["c"][2:]  # recomputed from its third token
+    assert drafts.caught_up < sum(len(s) for s in seqs.values()) + 6 * 3 * 2
+
+
+def _kv(engine, pages, length, tokens=None) -> np.ndarray:
+    """The keys and values of a sequence's first `length` tokens in `pages` of `engine`, or
+    those `tokens` write prefilled into its first pages."""
+    cfg = engine.config
+    if tokens is not None:
+        engine.recover()
+        pages = list(range(1, 1 + cfg.pages_for(length)))
+        engine.prefill([PrefillChunk(0, tokens[at:at + cfg.prefill_chunk], at,
+                                     at + cfg.prefill_chunk >= length, pages)
+                        for at in range(0, length, cfg.prefill_chunk)], SamplingRows(cfg.num_slots).params())
+    handle = engine.extract(list(pages)[: cfg.pages_for(length)], length, 0)
+    k, v = (np.asarray(a)[:, :, : cfg.pages_for(length)] for a in (handle.k, handle.v))
+    layers, heads, _, _, dim = k.shape
+    return np.stack([a.reshape(layers, heads, -1, dim)[:, :, :length] for a in (k, v)])
+
+
+def test_a_short_pool_takes_back_the_least_recently_drafted_rows(tiny_params, tiny_config, shared_engine):
+    """A pool of one longest sequence (12 pages) and three rows of 63-88 tokens: each step's
+    rows take pages back from those that drafted least recently, which catch up from their
+    first token when they draft again, and a row that does not fit even so drafts nothing.
+    Every draft is still the reference generator's."""
+    drafts = DraftModel(shared_engine(draft_config(pages=192 // 16 + 1)), K)
+    rng = random.Random(2)
+    seqs = [[rng.randrange(3, 500) for _ in range(rng.randint(60, 100))] for _ in range(3)]
+    for i in [0, 1, 2, 0, 1]:
+        got = drafts.propose({i: (i, seqs[i], K)})
+        assert got[i] == greedy_generate(tiny_params, tiny_config, seqs[i], K)
+    # Rows of 5, 6 and 6 pages: 2 took 0's, 0 took 1's, 1 took 2's, and each caught up whole.
+    assert drafts.evicted == 3
+    assert drafts.caught_up == sum(len(seqs[i]) for i in [0, 1, 2, 0, 1])
+    # Together the three do not fit: the last drafts nothing, the others are kept.
+    assert drafts.propose({0: (0, seqs[0], K), 1: (1, seqs[1], K), 2: (2, seqs[2], K)}).keys() == {0, 1}
+    assert drafts.propose({0: (0, [3] * 189, K)})  # the drafts' KV reaches max_seq_len
+    assert drafts.propose({0: (0, [3] * 190, K)}) == {}  # past it
+
+
+def test_a_failed_draft_engine_fails_no_request(tiny_config, shared_engine):
+    """A draft engine that raises: the call drafts nothing, the engine recovers, and the next
+    call drafts again from scratch."""
+    engine = shared_engine(draft_config())
+    drafts = DraftModel(engine, K)
+    assert drafts.propose({"a": (0, [5, 6, 7], K)})
+    prefill = engine.prefill
+    engine.prefill = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("device lost"))
+    try:
+        assert drafts.propose({"a": (0, [5, 6, 7, 8], K)}) == {}
+    finally:
+        engine.prefill = prefill
+    assert not drafts.failed and drafts._rows == {}
+    assert len(drafts.propose({"a": (0, [5, 6, 7, 8], K)})["a"]) == K
+
+
+def test_a_draft_model_must_match_its_target(tiny_params, tiny_config, shared_engine):
+    target = shared_engine(EngineConfig(**ONE_LONGEST, speculative_tokens=K))
+    with pytest.raises(ValueError, match="4 slots of 192 tokens"):
+        DraftModel.for_target(shared_engine(dataclasses.replace(draft_config(), num_slots=2)), target)
+    with pytest.raises(ValueError, match="speculative_tokens > 0"):
+        DraftModel.for_target(shared_engine(draft_config()), shared_engine(EngineConfig(**ONE_LONGEST)))
+    with pytest.raises(ValueError, match="decode_steps is 1"):
+        DraftModel(shared_engine(EngineConfig(**ONE_LONGEST)), K)
+    assert DraftModel.for_target(shared_engine(draft_config()), target).k == K
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_serving_with_a_draft_model_equals_serving_without(tiny_params, tiny_config, tiny_tokenizer,
+                                                         shared_engine, other_params, draft):
+    """The tiny model served with a draft model and without, over a pool that holds one longest
+    sequence (preemptions), greedy, seeded-sampled and penalized requests: the same tokens.
+    A draft model with the target's own weights has every greedy draft accepted; one with other
+    weights some rejected; nothing compiled after warm-up."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 60))] for _ in range(6)]
+    kinds = [RequestSampling(), RequestSampling(temperature=0.8, seed=9),
+             RequestSampling(temperature=1.0, seed=4, presence_penalty=1.5, frequency_penalty=0.5)]
+    subs = [(p, GenerationParams(max_tokens=rng.randint(20, 60), ignore_eos=True,
+                                 sampling=kinds[i % len(kinds)])) for i, p in enumerate(prompts)]
+    arrivals = sorted(rng.randint(0, 30) for _ in subs)
+    cfg = EngineConfig(**ONE_LONGEST, speculative_tokens=K, speculative_batch=4)
+    target = compiled(shared_engine(cfg, "needed"), "history", "speculative")
+    plain = make_scheduler(shared_engine(EngineConfig(**ONE_LONGEST), "needed"), tiny_tokenizer, chunk=32, budget=48)
+    want = [s.request.output_ids for s in run_all(plain, subs, arrivals)]
+    if draft == "same":
+        draft_engine = shared_engine(draft_config(), "needed")
+    else:
+        draft_engine = Engine(other_params, tiny_config, draft_config())
+        draft_engine.warmup(warmup="needed")
+    before = target.compilations_after_warmup
+    sched = make_scheduler(target, tiny_tokenizer, chunk=32, budget=48, draft_engine=draft_engine)
+    streams = run_all(sched, subs, arrivals)
+    assert [s.request.output_ids for s in streams] == want
+    for (prompt, params), out in zip(subs, want):
+        if params.sampling.temperature == 0:
+            assert out == greedy_generate(tiny_params, tiny_config, prompt, params.max_tokens)
+    assert target.compilations_after_warmup == before
+    assert sched.preemptions > 0 and sched.spec_drafted > 0
+    greedy = [s.request.drafter.acceptance for s in streams if s.request.params.sampling.temperature == 0]
+    if draft == "same":
+        assert all(a.proposed and a.accepted == a.proposed for a in greedy)
+    else:
+        assert 0 < sched.spec_accepted < sched.spec_drafted
+    assert sched.kv_pages == (0, cfg.num_pages)
