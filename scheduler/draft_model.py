@@ -2,12 +2,12 @@
 draft model, llama.cpp's --model-draft).
 
     drafts = DraftModel(draft_engine, k=4)
-    proposals = drafts.propose({key: (slot, tokens, room)})   # {key: up to `room` tokens}
+    proposals = drafts.propose({key: (tokens, room)})   # {key: up to `room` tokens}
 
 `tokens` is a decoding row's sequence as the target has it (prompt, then output; its last
-token is the one the target's next step consumes), `slot` its slot, `room` how many drafts it
-may take (at most k). The draft model runs ahead of the target greedily, on its own engine
-(`engine.api.EngineAPI`: its own weights, KV pool and programs, the same slots): a row's KV is
+token is the one the target's next step consumes), `room` how many drafts it may take (at most
+k). The draft model runs ahead of the target greedily, on its own engine (`engine.api.
+EngineAPI`: its own weights, KV pool and programs; a slot for each row of a call): a row's KV is
 first caught up with the tokens of its sequence the draft model has not seen, one prefill
 whose sampled token is the first draft (the whole prompt the first time; after a verify step,
 the one or two tokens it added past the drafts already written), then the other drafts are
@@ -65,7 +65,7 @@ class DraftModel:
     @classmethod
     def for_target(cls, engine: EngineAPI, target: EngineAPI) -> DraftModel:
         """A draft model for `target`'s verify steps (k = its speculative_tokens): the same
-        vocabulary and slots, a context as long."""
+        vocabulary, a context as long, a slot for every row a verify step runs."""
         t, d = target.config, engine.config
         if not t.speculative_tokens:
             raise ValueError("a draft model drafts for a verify program: the target engine needs "
@@ -73,14 +73,16 @@ class DraftModel:
         if engine.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary has {engine.vocab_size} tokens, the "
                              f"target's {target.vocab_size}: a draft model shares its target's")
-        if d.num_slots < t.num_slots or d.max_seq_len < t.max_seq_len:
-            raise ValueError(f"the draft engine needs the target's {t.num_slots} slots of "
-                             f"{t.max_seq_len} tokens, got {d.num_slots} of {d.max_seq_len}")
+        rows = min(t.num_slots, t.speculative_batch)
+        if d.num_slots < rows or d.max_seq_len < t.max_seq_len:
+            raise ValueError(f"the draft engine needs {rows} slots of {t.max_seq_len} tokens (the "
+                             f"target's verify rows and context), got {d.num_slots} of {d.max_seq_len}")
         return cls(engine, t.speculative_tokens)
 
-    def propose(self, rows: Mapping[Hashable, tuple[int, Sequence[int], int]]) -> dict[Hashable, list[int]]:
-        """Up to `room` greedy drafts for each row `key: (slot, tokens, room)`; a row whose
-        KV does not fit the draft pool, or with no room, is left out. Waits for the drafts.
+    def propose(self, rows: Mapping[Hashable, tuple[Sequence[int], int]]) -> dict[Hashable, list[int]]:
+        """Up to `room` greedy drafts for each row `key: (tokens, room)`; a row whose KV does
+        not fit the draft pool, with no room, or past the engine's slots is left out. Waits for
+        the drafts.
 
         A failed draft engine fails no request: its call's rows draft nothing (they decode
         plainly), the engine recovers and every row's draft KV is forgotten; if it cannot
@@ -99,13 +101,15 @@ class DraftModel:
                 self.failed = True
             return {}
 
-    def _propose(self, rows: Mapping[Hashable, tuple[int, Sequence[int], int]]) -> dict[Hashable, list[int]]:
+    def _propose(self, rows: Mapping[Hashable, tuple[Sequence[int], int]]) -> dict[Hashable, list[int]]:
         cfg = self.engine.config
         placed: dict[Hashable, tuple[int, list[int], int, int]] = {}  # key: (slot, tokens, room, from)
-        for key, (slot, tokens, room) in rows.items():
+        for key, (tokens, room) in rows.items():
             tokens = list(tokens)
             if room <= 0 or not tokens or len(tokens) + self.k - 1 > cfg.max_seq_len:
                 continue  # (a decode call writes k - 1 drafts' KV for every row)
+            if len(placed) == cfg.num_slots:
+                break
             row = self._rows.pop(key, None) or _Row()
             self._rows[key] = row  # the most recently drafted
             start = _common_start(row.written, tokens, len(tokens) - 1)  # the last is always fed
@@ -115,7 +119,7 @@ class DraftModel:
                 self.pages.release(row.pages)
                 del self._rows[key], row.written[:]
                 continue
-            placed[key] = (slot, tokens, min(room, self.k), start)
+            placed[key] = (len(placed), tokens, min(room, self.k), start)
         if not placed:
             return {}
         chunks = []

@@ -274,7 +274,7 @@ def propose_drafts(plan: Plan, k: int, context: int, page_size: int, free_pages:
     steps. Empty unless some row drafted, and if the pages the drafts need are not free:
     drafting never preempts."""
     drafts: dict[Request, list[int]] = {}
-    asked: dict[Request, tuple[int, list[int], int]] = {}  # the draft model's rows
+    asked: dict[Request, tuple[list[int], int]] = {}  # the draft model's rows
     for r in plan.decode:
         if r.state is not State.DECODING or not r.drafting:
             continue
@@ -285,7 +285,7 @@ def propose_drafts(plan: Plan, k: int, context: int, page_size: int, free_pages:
             continue
         drafts[r] = r.drafter.propose(r.prompt_ids, r.output_ids, room, ngrams=model is None)
         if not drafts[r] and model is not None:
-            asked[r] = (r.slot, r.prompt_ids + r.output_ids, room)
+            asked[r] = (r.prompt_ids + r.output_ids, room)
     if asked:
         drafts.update(model.propose(asked))
     for r, proposal in list(drafts.items()):

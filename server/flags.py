@@ -63,13 +63,24 @@ DECODE_STEPS = flags.DEFINE_integer(
     "request with that many tokens to go and no stop strings): less host work per token, "
     "tokens reach clients k at a time.", lower_bound=1)
 SPECULATIVE = flags.DEFINE_enum(
-    "speculative", "ngram", ["off", "ngram"],
-    "Speculative decoding. ngram: prompt lookup, each step drafts the tokens that followed the "
-    "sequence's last n-gram where it occurred before (answers that quote or edit their prompt), "
-    "and one verify step keeps those the model's own sampling agrees with: the same output, "
-    "several tokens a step while drafts are accepted. Applies while at most "
-    "--speculative_max_batch requests decode; its program compiles at the first chance to "
-    "draft (or at warm-up with --warmup=all).")
+    "speculative", None, ["off", "ngram", "draft"],
+    "Speculative decoding: each step drafts some tokens ahead, and one verify step keeps those "
+    "the model's own sampling agrees with: the same output, several tokens a step while drafts "
+    "are accepted. ngram: prompt lookup, the tokens that followed the sequence's last n-gram "
+    "where it occurred before (answers that quote or edit their prompt); draft: a smaller model's "
+    "greedy continuation (--draft_model). Applies while at most --speculative_max_batch "
+    "requests decode; the verify program compiles at the first chance to draft (or at warm-up "
+    "with --warmup=all). Default: draft with --draft_model, else ngram.")
+DRAFT_MODEL = flags.DEFINE_string(
+    "draft_model", None,
+    "A smaller model of the same vocabulary whose greedy continuations speculative decoding "
+    "drafts (as --model: a name, GGUF file, HF folder or converted checkpoint), e.g. "
+    "Qwen2.5-Coder-0.5B for Qwen2.5-Coder-7B. It runs beside the model on its own KV pool, "
+    "--speculative_max_batch sequences of --max_seq_len, and its weights as --weights says.")
+flags.register_multi_flags_validator(
+    ["speculative", "draft_model"],
+    lambda f: (f["speculative"] == "draft") == bool(f["draft_model"]) or f["speculative"] is None,
+    "--speculative=draft drafts from --draft_model: give both, or neither")
 NUM_SPECULATIVE_TOKENS = flags.DEFINE_integer(
     "num_speculative_tokens", None,
     "With --speculative: most draft tokens a step verifies per request (default: 3 on the CPU "

@@ -45,7 +45,8 @@ from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from cadence.scheduler.speculative import SpeculativeConfig
 from cadence.server import memory
 from cadence.server.flags import (ATTENTION, CHAT_TEMPLATE, CHAT_TEMPLATE_KWARGS, COORDINATOR,
-                                  CPU_ACTIVATIONS, CPU_KERNELS, DECODE_DEVICES, DECODE_STEPS, DTYPE,
+                                  CPU_ACTIVATIONS, CPU_KERNELS, DECODE_DEVICES, DECODE_STEPS,
+                                  DRAFT_MODEL, DTYPE,
                                   GRAMMAR_TIMEOUT, ITL_TARGET, KV_DTYPE, KV_DTYPE_ALIASES,
                                   KV_MEMORY, KV_RESERVATION, LAYER_LOOP, LOWER_SHARE, MAX_LOGPROBS,
                                   MAX_PREFILL_CHUNKS, MAX_QUEUE, MAX_SEQ_LEN, MODEL_FLAG,
@@ -63,9 +64,10 @@ class Runtime:
     engines: tuple[Engine, ...]  # one, or the prefill engine and the decode engine
     scheduler: Scheduler
     warmup_seconds: float
+    draft_engine: Engine | None = None  # --draft_model's
 
     def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> float:
-        return warm_up(self.engines, progress)
+        return warm_up(_with_draft(self.engines, self.draft_engine), progress)
 
     def grammars(self) -> GrammarCompiler | None:
         """A grammar compiler for the model (structured output), or None where it is off."""
@@ -247,11 +249,16 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
         max_logprobs=MAX_LOGPROBS.value,
         structured_output=STRUCTURED_OUTPUT.value,
         speculative_tokens=(NUM_SPECULATIVE_TOKENS.value or (3 if kernels else 4)
-                            if SPECULATIVE.value == "ngram" else 0),
+                            if speculative() != "off" else 0),
         speculative_batch=SPECULATIVE_MAX_BATCH.value or (8 if on_gpu else 1),
         # An iteration's prompt chunks, packed, fit one program even with every slot decoding.
         prefill_tokens=max(PREFILL_CHUNK.value, token_budget() - NUM_SLOTS.value),
     )
+
+
+def speculative() -> str:
+    """--speculative, or its default: draft with --draft_model, else ngram."""
+    return SPECULATIVE.value or ("draft" if DRAFT_MODEL.value else "ngram")
 
 
 def quantize_from_flags(model: LoadedModel, kernels: bool):
@@ -347,6 +354,12 @@ def scheduler_config_from_flags(model_name: str) -> SchedulerConfig:
                            cache_namespace=f"{model_name}/{WEIGHTS.value}/{DTYPE.value}",
                            priority_classes=classes, slo=slo, itl_target=ITL_TARGET.value,
                            speculative=SpeculativeConfig(PROMPT_LOOKUP_MIN.value, PROMPT_LOOKUP_MAX.value))
+
+
+def _with_draft(engines: tuple[Engine, ...], draft: Engine | None) -> tuple[Engine, ...]:
+    """What warm-up compiles for: the draft engine first, so that the engines the scheduler
+    counts compilations on (`compilations_after_warmup`, process-wide) count from after its."""
+    return ((draft,) if draft else ()) + engines
 
 
 def warm_up(engines: Sequence[Engine], progress: Callable[[int, int, str], None] | None = None,
@@ -447,6 +460,54 @@ def chat_from_flags(model: LoadedModel) -> None:
         tok.chat_variables = chat.variables_of(CHAT_TEMPLATE_KWARGS.value)
 
 
+def _load(spec: str, kernels: bool, shardings=None) -> LoadedModel:
+    """A model's weights as its engine reads them: sharded, they land on the devices in the
+    engine's dtype (no float32 copy left there); unquantized, they are restored in it (a GPU's
+    bfloat16: a bf16 checkpoint is never widened). On the CPU kernels with --weights=auto, the
+    file's block-quantized matrices are read as they are, never as float32, and its 16-bit
+    floats stay 16-bit (the kernels widen them)."""
+    as_computed = shardings is not None or (not kernels and WEIGHTS.value in ("auto", "float"))
+    as_stored = kernels and WEIGHTS.value == "auto"
+    with memory.loading():
+        return load_model(spec, shardings=shardings,
+                          dtype=compute_dtype() if as_computed else AS_STORED if as_stored else None,
+                          skip_packed=as_stored)
+
+
+def draft_engine_from_flags(target: LoadedModel, config: EngineConfig, kernels: bool,
+                            device: jax.Device | None = None) -> Engine:
+    """--draft_model's engine, on `device` (the decoding one): its weights loaded as the
+    target's are, the target engine's slots, context and pages, k - 1 decode steps a call
+    (k: the target's speculative_tokens), and a KV pool of --speculative_max_batch longest
+    sequences. Its tokenizer must be the target's, token for token."""
+    draft = _load(DRAFT_MODEL.value, kernels)
+    ours, theirs = target.tokenizer, draft.tokenizer
+    differ = ([ours.vocab_size] if ours.vocab_size != theirs.vocab_size else
+              [i for i in range(ours.vocab_size) if ours.token_bytes(i) != theirs.token_bytes(i)][:1])
+    if differ or draft.config.vocab_size != target.config.vocab_size:
+        at = f" (token {differ[0]} first)" if differ else ""
+        raise ValueError(f"the draft model {draft.name}'s vocabulary is not {target.name}'s{at}: "
+                         "a draft model shares its model's tokenizer (--draft_model)")
+    if config.max_seq_len > draft.config.max_context:
+        raise ValueError(f"--max_seq_len={config.max_seq_len} exceeds the draft model {draft.name}'s "
+                         f"context of {draft.config.max_context} tokens")
+    draft, packed = quantize_from_flags(draft, kernels)
+    k, rows = config.speculative_tokens, min(config.num_slots, config.speculative_batch)
+    config = dataclasses.replace(
+        config, role="both", num_slots=rows, speculative_tokens=0, decode_steps=max(1, k - 1),
+        max_logprobs=0, structured_output=False, num_pages=rows * config.max_pages_per_seq + 1)
+    if jax.default_backend() == "cpu":
+        check_pool_fits(draft.config, [config], sized=False)
+    with memory.loading():
+        engine = Engine(draft.params, draft.config, config, device=device,
+                        packed=cpu_kernels.HandedOver(packed) if packed else packed)
+    print(f"cadence: drafts from {draft.name} (--draft_model), up to {k} tokens a step while at "
+          f"most {rows} request{'s' if rows > 1 else ''} decode{'' if rows > 1 else 's'}; its KV pool "
+          f"{engine.num_pages} pages, {engine.kv_cache_bytes / 2**20:.0f} MiB of {config.pool_dtype}",
+          file=sys.stderr)
+    return engine
+
+
 def build_from_flags(warm: bool = True) -> Runtime:
     """Loads the model and builds the engine(s) and the scheduler; `warm=False` leaves warm-up
     to the caller (the server warms up while already answering /health with 503)."""
@@ -455,22 +516,16 @@ def build_from_flags(warm: bool = True) -> Runtime:
     pair = pool_devices()
     mesh_devices = tensor_parallel_devices()
     plan = functools.cache(lambda config: TensorParallel.plan(config, mesh_devices))
+    if speculative() == "draft" and (mesh_devices or multi_process()):
+        raise ValueError("--draft_model runs on one device: not with --tensor_parallel or "
+                         "several processes")
     if multi_process():  # process 0 converts the model first; the others then find it done
         if jax.process_index() == 0:
             resolve(MODEL_FLAG.value)
         multihost.barrier("cadence: the model is converted")
-    # Sharded, the weights land on the devices in the engine's dtype (no float32 copy left there);
-    # unquantized, they are restored in it (a GPU's bfloat16: a bf16 checkpoint is never widened).
-    # On the CPU kernels with --weights=auto, the file's block-quantized matrices are read as
-    # they are, never as float32, and its 16-bit floats stay 16-bit (the kernels widen them).
     kernels = not mesh_devices and cpu_kernels_apply(compute_dtype(), None)
-    as_computed = mesh_devices or (not kernels and WEIGHTS.value in ("auto", "float"))
-    as_stored = kernels and WEIGHTS.value == "auto"
-    with memory.loading():
-        model = load_model(MODEL_FLAG.value, shardings=(
-            (lambda config: plan(config).storage_shardings()) if mesh_devices else None),
-            dtype=compute_dtype() if as_computed else AS_STORED if as_stored else None,
-            skip_packed=as_stored)
+    model = _load(MODEL_FLAG.value, kernels, shardings=(
+        (lambda config: plan(config).storage_shardings()) if mesh_devices else None))
     chat_from_flags(model)
     tp = plan(model.config) if mesh_devices else None
     model, packed = quantize_from_flags(model, kernels)
@@ -530,13 +585,17 @@ def build_from_flags(warm: bool = True) -> Runtime:
         # Before jax.distributed's own exit hook (registered earlier, so run later), which waits
         # for every process: the followers must first be told to stop.
         atexit.register(engines[0].close)
-    warm_seconds = warm_up(engines) if warm else 0.0
+    draft = (draft_engine_from_flags(model, engines[-1].config, kernels, pair[1] if pair else None)
+             if speculative() == "draft" else None)
+    warm_seconds = warm_up(_with_draft(engines, draft)) if warm else 0.0
     config = scheduler_config_from_flags(model.name)
-    scheduler = Scheduler(engines[0], model.tokenizer, config, decode_engine=engines[1] if pair else None)
+    scheduler = Scheduler(engines[0], model.tokenizer, config, decode_engine=engines[1] if pair else None,
+                          draft_engine=draft)
     print(f"cadence: prefix caching {'on' if config.prefix_caching else 'off (--noprefix_caching)'}"
           + (f": prompts reuse cached KV to the token ({engines[0].config.page_size}-token pages "
              "by key, a partial page copied)" if config.prefix_caching else ""), file=sys.stderr)
-    return Runtime(model=model, engines=engines, scheduler=scheduler, warmup_seconds=warm_seconds)
+    return Runtime(model=model, engines=engines, scheduler=scheduler, warmup_seconds=warm_seconds,
+                   draft_engine=draft)
 
 
 def served_names(model: str, given: list[str] | None) -> list[str]:

@@ -47,10 +47,9 @@ def test_drafts_are_the_draft_models_greedy_continuation(tiny_params, tiny_confi
     fresh = shared_engine(draft_config(pages=2 * (192 // 16) + 2))  # (another engine)
     rng = random.Random(5)
     seqs = {"a": [5, 6, 7], "b": [rng.randrange(3, 500) for _ in range(70)], "c": [9]}
-    slots = {"a": 0, "b": 2, "c": 3}
     for step in range(6):
         rooms = {key: rng.randint(1, K) for key in seqs}
-        got = drafts.propose({key: (slots[key], seqs[key], rooms[key]) for key in seqs})
+        got = drafts.propose({key: (seqs[key], rooms[key]) for key in seqs})
         for key, seq in seqs.items():
             want = greedy_generate(tiny_params, tiny_config, seq, rooms[key])
             assert got[key] == want, (step, key)
@@ -91,15 +90,15 @@ def test_a_short_pool_takes_back_the_least_recently_drafted_rows(tiny_params, ti
     rng = random.Random(2)
     seqs = [[rng.randrange(3, 500) for _ in range(rng.randint(60, 100))] for _ in range(3)]
     for i in [0, 1, 2, 0, 1]:
-        got = drafts.propose({i: (i, seqs[i], K)})
+        got = drafts.propose({i: (seqs[i], K)})
         assert got[i] == greedy_generate(tiny_params, tiny_config, seqs[i], K)
     # Rows of 5, 6 and 6 pages: 2 took 0's, 0 took 1's, 1 took 2's, and each caught up whole.
     assert drafts.evicted == 3
     assert drafts.caught_up == sum(len(seqs[i]) for i in [0, 1, 2, 0, 1])
     # Together the three do not fit: the last drafts nothing, the others are kept.
-    assert drafts.propose({0: (0, seqs[0], K), 1: (1, seqs[1], K), 2: (2, seqs[2], K)}).keys() == {0, 1}
-    assert drafts.propose({0: (0, [3] * 189, K)})  # the drafts' KV reaches max_seq_len
-    assert drafts.propose({0: (0, [3] * 190, K)}) == {}  # past it
+    assert drafts.propose({i: (seqs[i], K) for i in range(3)}).keys() == {0, 1}
+    assert drafts.propose({0: ([3] * 189, K)})  # the drafts' KV reaches max_seq_len
+    assert drafts.propose({0: ([3] * 190, K)}) == {}  # past it
 
 
 def test_a_failed_draft_engine_fails_no_request(tiny_config, shared_engine):
@@ -107,26 +106,28 @@ def test_a_failed_draft_engine_fails_no_request(tiny_config, shared_engine):
     call drafts again from scratch."""
     engine = shared_engine(draft_config())
     drafts = DraftModel(engine, K)
-    assert drafts.propose({"a": (0, [5, 6, 7], K)})
+    assert drafts.propose({"a": ([5, 6, 7], K)})
     prefill = engine.prefill
     engine.prefill = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("device lost"))
     try:
-        assert drafts.propose({"a": (0, [5, 6, 7, 8], K)}) == {}
+        assert drafts.propose({"a": ([5, 6, 7, 8], K)}) == {}
     finally:
         engine.prefill = prefill
     assert not drafts.failed and drafts._rows == {}
-    assert len(drafts.propose({"a": (0, [5, 6, 7, 8], K)})["a"]) == K
+    assert len(drafts.propose({"a": ([5, 6, 7, 8], K)})["a"]) == K
 
 
 def test_a_draft_model_must_match_its_target(tiny_params, tiny_config, shared_engine):
     target = shared_engine(EngineConfig(**ONE_LONGEST, speculative_tokens=K))
-    with pytest.raises(ValueError, match="4 slots of 192 tokens"):
+    with pytest.raises(ValueError, match="4 slots of 192 tokens"):  # 4 verify rows
         DraftModel.for_target(shared_engine(dataclasses.replace(draft_config(), num_slots=2)), target)
     with pytest.raises(ValueError, match="speculative_tokens > 0"):
         DraftModel.for_target(shared_engine(draft_config()), shared_engine(EngineConfig(**ONE_LONGEST)))
     with pytest.raises(ValueError, match="decode_steps is 1"):
         DraftModel(shared_engine(EngineConfig(**ONE_LONGEST)), K)
     assert DraftModel.for_target(shared_engine(draft_config()), target).k == K
+    two = DraftModel(shared_engine(dataclasses.replace(draft_config(), num_slots=2)), K)
+    assert two.propose({i: ([5 + i, 6], K) for i in range(3)}).keys() == {0, 1}  # a slot a row
 
 
 @pytest.mark.parametrize("draft", ["same", "other"])
@@ -167,3 +168,37 @@ def test_serving_with_a_draft_model_equals_serving_without(tiny_params, tiny_con
     else:
         assert 0 < sched.spec_accepted < sched.spec_drafted
     assert sched.kv_pages == (0, cfg.num_pages)
+
+
+def test_the_flags_refuse_a_draft_model_of_another_vocabulary(tiny_model_dir, tiny_config, tiny_tokenizer):
+    """--draft_model's tokenizer must be the model's token for token (one piece changed is
+    refused, naming it); --speculative=draft needs --draft_model and --draft_model drafts only
+    with it (or by default)."""
+    from absl import flags
+    from absl.testing import flagsaver
+
+    from cadence.checkpoints.registry import LoadedModel
+    from cadence.checkpoints.tokenizer import Tokenizer
+    from cadence.server import runtime
+    from tests.conftest import tiny_tokenizer_fields
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    path = str(tiny_model_dir[0] / "model")
+    fields = tiny_tokenizer_fields(tiny_config)
+    old, fields["tokenizer.ggml.tokens"][511] = fields["tokenizer.ggml.tokens"][511], "<|not_the_same|>"
+    fields["tokenizer.ggml.merges"] = [m for m in fields["tokenizer.ggml.merges"]  # none making it
+                                       if old not in (*m.split(" "), m.replace(" ", ""))]
+    target = LoadedModel("tiny", tiny_config, None, Tokenizer.from_gguf_fields(fields), tiny_model_dir[0])
+    config = EngineConfig(**ONE_LONGEST, speculative_tokens=K)
+    with flagsaver.flagsaver(draft_model=path):
+        assert runtime.speculative() == "draft"
+        with pytest.raises(ValueError, match=r"model's vocabulary is not tiny's \(token 511 first\)"):
+            runtime.draft_engine_from_flags(target, config, kernels=False)
+        engine = runtime.draft_engine_from_flags(dataclasses.replace(target, tokenizer=tiny_tokenizer),
+                                                 config, kernels=False)
+        assert (engine.config.num_slots, engine.config.decode_steps, engine.num_pages) == (4, K - 1, 4 * 12 + 1)
+    for bad in (dict(speculative="draft"), dict(speculative="ngram", draft_model=path)):
+        with pytest.raises(flags.IllegalFlagValueError, match="give both, or neither"):
+            with flagsaver.flagsaver(**bad):
+                pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,20 @@ def test_a_kv_pool_larger_than_the_machine_is_refused_before_it_is_made(tiny_mod
         check_pool_fits(SMOLLM2_135M, [prefill, config], free=int(1.9 * 2**30))
     with pytest.raises(ValueError, match=r"needs 2\.8 GiB \(65536 tokens"):
         check_pool_fits(SMOLLM2_135M, [config], copies=2, free=3 * 2**30)
+
+
+def test_a_draft_model_drafts_and_the_text_is_still_the_reference(tiny_model_dir, tiny_params, tiny_config):
+    """--draft_model with the model's own weights: every greedy draft is accepted, the text is
+    the reference generator's, and the draft engine compiled nothing after warm-up either."""
+    root, _ = tiny_model_dir
+    result = generate(tiny_model_dir, "--prompt=The capital of France is", "--max_tokens=40",
+                      "--temperature=0", f"--draft_model={root / 'model'}", "--num_speculative_tokens=3")
+    assert result.returncode == 0, result.stderr
+    tok = Tokenizer.from_hf_dir(root / "model")
+    ids = greedy_generate(tiny_params, tiny_config, tok.encode("The capital of France is"), 40, tok.eos_ids)
+    assert result.stdout.rstrip("\n") == tok.decode(ids, skip_special=True)
+    assert re.search(r"drafts from \S+model \(--draft_model\), up to 3 tokens a step while at most 1 "
+                     r"request decodes; its KV pool 5 pages", result.stderr)
+    drafted, accepted = re.search(r"(\d+) draft tokens in \d+ drafts, (\d+) accepted", result.stderr).groups()
+    assert int(drafted) == int(accepted) > 0
+    assert "compilations_after_warmup: 0" in result.stderr

@@ -8,7 +8,7 @@ out=bench/results/speculative-cpu
 source $out/servers.sh
 start_servers --num_slots=8 --max_seq_len=4096 --prefill_chunk=128
 for chats in 1 4; do
-  for mode in off ngram; do
+  for mode in $modes; do
     .venv/bin/cadence-bench run --base_url=http://127.0.0.1:$(port_of $mode)/v1 --chat_concurrency=$chats \
       --chat_prompt=50,400 --chat_output=64,128 --doc_rate=0.05 --doc_prompt=2000,3000 \
       --doc_output=32,128 --warmup=10 --duration=60 --drain_timeout=120 --seed=1 \

@@ -5,7 +5,8 @@
 # runs on the same cores. The commands behind README.md here.
 #   OUT: where results go; SERVE_FLAGS: cadence-serve's flags (the model included);
 #   MODEL: the served name requests use; WORKLOADS: which of those below, in order;
-#   REPEATS: rounds per workload and server. ../speculative-qwen-cpu/run.sh sets them.
+#   REPEATS: rounds per workload and server; MODES, DRAFT_MODEL: the servers (servers.sh).
+#   ../speculative-qwen-cpu/run.sh and ../draft-cpu/run.sh set them.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 out=${OUT:-bench/results/speculative-cpu}
@@ -18,7 +19,7 @@ rm -rf $out/rounds && mkdir -p $out/rounds
 workload() {  # name, then decode_rate's flags
   local name=$1; shift
   for i in $(seq 1 $repeats); do
-    for mode in off ngram; do
+    for mode in $modes; do
       .venv/bin/python -m cadence.bench.decode_rate --base_url=http://127.0.0.1:$(port_of $mode)/v1 \
         --model=${MODEL:-smollm2-135m} --rounds=1 --max_tokens=200 --label=$mode-$name \
         --out=$out/rounds/$name-$mode-$i.json "$@" 2>&1 | grep -v "^  free" | tee -a $out/rates.txt

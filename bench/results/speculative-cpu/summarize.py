@@ -1,5 +1,6 @@
-"""Per workload: the median per-stream decode rate and aggregate with speculation off and on
-(over the alternating rounds `run.sh` wrote), their ratio, and the tokens per verify step."""
+"""Per workload: the median per-stream decode rate and aggregate of each speculative mode (over
+the alternating rounds `run.sh` wrote), each against `off`, and each drafting mode's tokens per
+verify step."""
 
 import json
 import statistics
@@ -13,16 +14,24 @@ for path in sorted(Path(sys.argv[1]).glob("*.json")):
     setting = json.loads(path.read_text())["settings"][0]
     rounds[name][mode].append(setting)
 
-print("| workload | streams | off: stream tok/s | ngram: stream tok/s | ratio | off: aggregate | "
-      "ngram: aggregate | ratio | tokens per verify step | rounds |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-for name, modes in rounds.items():
-    off, on = modes["off"], modes["ngram"]
-    stream = {m: statistics.median(s["median_stream_decode_tok_s"] for s in modes[m]) for m in modes}
-    total = {m: statistics.median(s["median_aggregate_tok_s"] for s in modes[m]) for m in modes}
-    spec = [s["speculation"] for s in on if s.get("speculation")]
-    drafts = sum(s["drafts"] for s in spec)
-    per_verify = f"{1 + sum(s['accepted_tokens'] for s in spec) / drafts:.2f} ({drafts:.0f} drafts)" if drafts else "no drafts"
-    print(f"| {name} | {off[0]['streams']} | {stream['off']:.1f} | {stream['ngram']:.1f} | "
-          f"{stream['ngram'] / stream['off']:.2f}x | {total['off']:.1f} | {total['ngram']:.1f} | "
-          f"{total['ngram'] / total['off']:.2f}x | {per_verify} | {len(off)} + {len(on)} |")
+modes = sorted({m for workload in rounds.values() for m in workload}, key=lambda m: (m != "off", m))
+drafting = [m for m in modes if m != "off"]
+head = ["workload", "streams", *(f"{m}: stream tok/s" for m in modes),
+        *(f"{m}/off stream" for m in drafting), *(f"{m}/off aggregate" for m in drafting),
+        *(f"{m}: tokens per verify step" for m in drafting), "rounds"]
+print("| " + " | ".join(head) + " |")
+print("|" + " --- |" * len(head))
+for name, runs in rounds.items():
+    stream = {m: statistics.median(s["median_stream_decode_tok_s"] for s in runs[m]) for m in runs}
+    total = {m: statistics.median(s["median_aggregate_tok_s"] for s in runs[m]) for m in runs}
+
+    def per_verify(mode):
+        spec = [s["speculation"] for s in runs[mode] if s.get("speculation")]
+        drafts = sum(s["drafts"] for s in spec)
+        return f"{1 + sum(s['accepted_tokens'] for s in spec) / drafts:.2f} ({drafts:.0f} drafts)" if drafts else "no drafts"
+
+    row = [name, str(runs["off"][0]["streams"]), *(f"{stream[m]:.1f}" for m in modes),
+           *(f"{stream[m] / stream['off']:.2f}x" for m in drafting),
+           *(f"{total[m] / total['off']:.2f}x" for m in drafting),
+           *(per_verify(m) for m in drafting), " + ".join(str(len(runs[m])) for m in modes)]
+    print("| " + " | ".join(row) + " |")
