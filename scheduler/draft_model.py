@@ -129,10 +129,11 @@ class DraftModel:
                 end = min(at + cfg.prefill_chunk, len(tokens))
                 chunks.append(PrefillChunk(slot, tokens[at:end], at, end == len(tokens), pages))
             self.caught_up += len(tokens) - start
-        first = np.asarray(self.engine.prefill(chunks, self._greedy))
-        finals = [i for i, c in enumerate(chunks) if c.final]
-        drafts = {key: [int(first[i])] for key, i in zip(placed, finals)}
+        # The decode call follows on the device (each row's first draft is its slot's next
+        # input there), so the host reads both calls' tokens once, after both.
+        first = self.engine.prefill(chunks, self._greedy)
         steps = max(room for _, _, room, _ in placed.values()) - 1
+        after = None
         if steps:
             positions = np.zeros(cfg.num_slots, np.int32)
             active = np.zeros(cfg.num_slots, bool)
@@ -141,7 +142,12 @@ class DraftModel:
                 positions[slot], active[slot] = len(tokens), True
                 pages = self._rows[key].pages
                 table[slot, : len(pages)] = pages
-            after = np.asarray(self.engine.decode(positions, active, self._greedy, table, steps))
+            after = self.engine.decode(positions, active, self._greedy, table, steps)
+        first = np.asarray(first)
+        finals = [i for i, c in enumerate(chunks) if c.final]
+        drafts = {key: [int(first[i])] for key, i in zip(placed, finals)}
+        if after is not None:
+            after = np.asarray(after)
             for key, (slot, _, _, _) in placed.items():
                 drafts[key] += after[:, slot].tolist()
         for key, (_, tokens, room, _) in placed.items():
