@@ -59,10 +59,12 @@ def _prefill_program(
 
 def _live_rows(tokens, lengths):
     """A pack's chunks fill its rows from the first (`engine.packing`): the CPU kernels' matmuls
-    over its positions compute the rows that hold tokens and skip its bucket's empty rows (and
+    over its positions compute them up to its last token and skip the rest of its bucket (and
     so does the scoring program's LM head over every position: the padding's logits come out
-    zero, and nobody reads them)."""
-    return cpu_kernels.live_rows(tokens.size, jnp.sum(lengths > 0, dtype=jnp.int32) * tokens.shape[1])
+    zero, and nobody reads them). A prompt of 1-4 tokens (a draft model catching up with a
+    verify step's tokens, a short turn) thus costs about a decode step, not a row of 16."""
+    full = jnp.maximum(jnp.sum(lengths > 0, dtype=jnp.int32) - 1, 0)  # rows before the last one
+    return cpu_kernels.live_rows(tokens.size, full * tokens.shape[1] + jnp.take(lengths, full))
 
 
 def _take_chunk_tokens(logits, last_tokens, history, steps, write_slot, sampling_slot, sampling,

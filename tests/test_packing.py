@@ -4,6 +4,7 @@ one-chunk-at-a-time prefill and the reference generator."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import jax
@@ -16,6 +17,7 @@ from cadence.engine.packing import PrefillChunk, pack_chunks
 from cadence.engine.programs import sampling_rows
 from cadence.engine.reference import greedy_generate
 from cadence.engine.results import KVHandle
+from cadence.model import cpu_kernels
 from cadence.model.host_sampling import RequestSampling
 from cadence.scheduler.pages import PageAllocator
 from tests.conftest import compiled
@@ -93,21 +95,29 @@ def _prefill(engine, prompts, rounds, tables, packed: bool):
     return tokens
 
 
-def test_packed_prefill_equals_one_chunk_at_a_time_and_the_reference(tiny_params, tiny_config, shared_engine):
+@pytest.mark.parametrize("kernels", ["xla", "cpu"])
+def test_packed_prefill_equals_one_chunk_at_a_time_and_the_reference(tiny_params, tiny_config, shared_engine,
+                                                                     kernels):
+    """On the CPU kernels too, whose matmuls compute a pack's positions up to its last token
+    (`cpu_kernels.live_rows`): chunks of a few tokens alone, and several in a pack whose last
+    row is partial."""
+    if kernels == "cpu" and not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    config = CONFIG if kernels == "xla" else dataclasses.replace(CONFIG, attention="cpu", decode_matmul="cpu")
     rng = random.Random(11)
     prompts, rounds = _plans(rng, tiny_config.vocab_size)
-    order = np.random.default_rng(3).permutation(CONFIG.pool_pages)
-    tables = order[: CONFIG.num_slots * CONFIG.max_pages_per_seq].reshape(CONFIG.num_slots, -1)
+    order = np.random.default_rng(3).permutation(config.pool_pages)
+    tables = order[: config.num_slots * config.max_pages_per_seq].reshape(config.num_slots, -1)
     results = {}
     for packed in (False, True):
-        e = shared_engine(CONFIG)  # as new each time: an empty pool
+        e = shared_engine(config)  # as new each time: an empty pool
         tokens = _prefill(e, prompts, rounds, tables, packed)
         pool = [np.asarray(a) for a in e.cache.k + e.cache.v]
         outputs = [[] for _ in prompts]
         positions = np.asarray([len(p) for p in prompts], np.int32)
         for _ in range(6):
             at = positions + np.asarray([len(o) for o in outputs], np.int32)
-            step = np.asarray(e.decode(at, np.ones(4, bool), greedy_rows(CONFIG), tables))[0]
+            step = np.asarray(e.decode(at, np.ones(4, bool), greedy_rows(config), tables))[0]
             for i in range(4):
                 outputs[i].append(int(step[i]))
         results[packed] = tokens, pool, outputs
