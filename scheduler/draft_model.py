@@ -1,7 +1,7 @@
 """Speculative decoding's drafts from a second, smaller model of the same vocabulary (vLLM's
 draft model, llama.cpp's --model-draft).
 
-    drafts = DraftModel(draft_engine, k=4)
+    drafts = DraftModel(draft_engine, k=4, p_min=0.75)
     proposals = drafts.propose({key: (tokens, room)})   # {key: up to `room` tokens}
 
 `tokens` is a decoding row's sequence as the target has it (prompt, then output; its last
@@ -13,7 +13,10 @@ whose sampled token is the first draft (the whole prompt the first time; after a
 the one or two tokens it added past the drafts already written), then the other drafts are
 decoded, k - 1 steps in one call. Every drafting row goes in the same two calls. The target's
 verify step keeps only the drafts its own sampling agrees with, so the draft model changes how
-many tokens a step yields, never which.
+many tokens a step yields, never which. With `p_min` (llama.cpp's --draft-p-min), a row's
+drafts end before the first the draft model gave less than that probability: where it is
+unsure (free prose), the verify step scores fewer guesses, and a row left with none decodes
+plainly and sits out a few steps (`speculative.Acceptance`), as one whose n-grams found nothing.
 
 A row's draft KV lives in pages this class allocates from the draft engine's pool
 (`scheduler.pages.PageAllocator`, no prefix cache) and keeps across steps, so the catch-up
@@ -21,7 +24,10 @@ stays short; what they hold is recorded as the tokens written there, and a step 
 the first that differs from the row's sequence (a rejected draft, a preempted and recomputed
 request). When the pool runs short, the rows that drafted least recently give their pages
 back (they catch up from their first token if they draft again), so finished requests need
-no notice: their pages go first. A row whose sequence does not fit even then drafts nothing.
+no notice: their pages go first. A row whose sequence does not fit even then drafts nothing. A
+row new here takes over the KV of the one it agrees with longest (at least a page) among those
+not drafting in the call: a chat's next turn resumes from the last one's, as the model's own
+prefix cache lets it.
 """
 
 from __future__ import annotations
@@ -47,23 +53,27 @@ class DraftModel:
     """A draft model's engine and the KV it holds for each drafting row (keyed by whatever the
     caller names rows with: the scheduler's requests)."""
 
-    def __init__(self, engine: EngineAPI, k: int):
+    def __init__(self, engine: EngineAPI, k: int, p_min: float = 0.0):
         cfg = engine.config
         if k < 1:
             raise ValueError(f"a draft model drafts at least 1 token a step, got k={k}")
         if k > 1 and cfg.decode_steps < k - 1:
             raise ValueError(f"the draft engine decodes {k - 1} steps a call for k={k} drafts; its "
                              f"decode_steps is {cfg.decode_steps}")
-        self.engine, self.k = engine, k
+        if not 0.0 <= p_min < 1.0:
+            raise ValueError(f"p_min is a probability in [0, 1), got {p_min}")
+        self.engine, self.k, self.p_min = engine, k, p_min
         self.pages = PageAllocator(engine.num_pages, cfg.page_size)
         self._rows: collections.OrderedDict[Hashable, _Row] = collections.OrderedDict()  # LRU first
-        self._greedy = SamplingRows(cfg.num_slots).params()
+        greedy = SamplingRows(cfg.num_slots)
+        greedy.logprobs[:] = p_min > 0  # each draft's probability, to cut the drafts at p_min
+        self._greedy = greedy.params()
         self.caught_up = 0  # tokens prefilled to catch rows up, since the start (for its record)
         self.evicted = 0  # rows whose pages were taken back for others
         self.failed = False  # its engine failed and did not recover: it drafts no more
 
     @classmethod
-    def for_target(cls, engine: EngineAPI, target: EngineAPI) -> DraftModel:
+    def for_target(cls, engine: EngineAPI, target: EngineAPI, p_min: float = 0.0) -> DraftModel:
         """A draft model for `target`'s verify steps (k = its speculative_tokens): the same
         vocabulary, a context as long, a slot for every row a verify step runs."""
         t, d = target.config, engine.config
@@ -77,7 +87,7 @@ class DraftModel:
         if d.num_slots < rows or d.max_seq_len < t.max_seq_len:
             raise ValueError(f"the draft engine needs {rows} slots of {t.max_seq_len} tokens (the "
                              f"target's verify rows and context), got {d.num_slots} of {d.max_seq_len}")
-        return cls(engine, t.speculative_tokens)
+        return cls(engine, t.speculative_tokens, p_min)
 
     def propose(self, rows: Mapping[Hashable, tuple[Sequence[int], int]]) -> dict[Hashable, list[int]]:
         """Up to `room` greedy drafts for each row `key: (tokens, room)`; a row whose KV does
@@ -110,7 +120,7 @@ class DraftModel:
                 continue  # (a decode call writes k - 1 drafts' KV for every row)
             if len(placed) == cfg.num_slots:
                 break
-            row = self._rows.pop(key, None) or _Row()
+            row = self._rows.pop(key, None) or self._take_over(tokens, rows) or _Row()
             self._rows[key] = row  # the most recently drafted
             start = _common_start(row.written, tokens, len(tokens) - 1)  # the last is always fed
             del row.written[start:]
@@ -143,18 +153,33 @@ class DraftModel:
                 pages = self._rows[key].pages
                 table[slot, : len(pages)] = pages
             after = self.engine.decode(positions, active, self._greedy, table, steps)
-        first = np.asarray(first)
         finals = [i for i, c in enumerate(chunks) if c.final]
-        drafts = {key: [int(first[i])] for key, i in zip(placed, finals)}
+        drafts = {key: [int(t)] for key, t in zip(placed, np.asarray(first)[finals])}
+        sure = {key: [float(p)] for key, p in zip(placed, first.logprobs().token[finals])} if self.p_min else {}
         if after is not None:
-            after = np.asarray(after)
             for key, (slot, _, _, _) in placed.items():
-                drafts[key] += after[:, slot].tolist()
+                drafts[key] += np.asarray(after)[:, slot].tolist()
+                if self.p_min:
+                    sure[key] += after.logprobs().token[:, slot].tolist()
         for key, (_, tokens, room, _) in placed.items():
             # The KV written: the sequence, and every draft decoded from (all but the last).
             self._rows[key].written = tokens + drafts[key][: steps]
+            if self.p_min:  # up to the first the draft model was not sure enough of
+                room = next((i for i, lp in enumerate(sure[key][:room]) if lp < np.log(self.p_min)), room)
             drafts[key] = drafts[key][:room]
-        return drafts
+        return {key: d for key, d in drafts.items() if d}
+
+    def _take_over(self, tokens: list[int], keep: Mapping) -> _Row | None:
+        """For a row new here: the KV of another (none of `keep`) that agrees with its tokens
+        longest, if over at least a page, which it takes over (the next turn of a chat takes the
+        last one's, which is done and drafts no more)."""
+        best, length = None, self.engine.config.page_size - 1
+        for key, row in self._rows.items():
+            if key not in keep:
+                n = _common_start(row.written, tokens, len(tokens) - 1)
+                if n > length:
+                    best, length = key, n
+        return None if best is None else self._rows.pop(best)
 
     def _grow(self, row: _Row, tokens: int, keep: Mapping) -> bool:
         """Pages for `tokens` tokens of `row`, taking back the least recently drafted rows'

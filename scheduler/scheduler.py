@@ -121,7 +121,8 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
                              else Pool(decode_engine, "decode", reserve=reserve))
         self.pools = tuple(dict.fromkeys((self._prefill_pool, self._decode_pool)))
         self.num_slots = self._decode_pool.num_slots  # sequences that decode at once
-        self.draft = None if draft_engine is None else DraftModel.for_target(draft_engine, self._decode_pool.engine)
+        self.draft = None if draft_engine is None else DraftModel.for_target(
+            draft_engine, self._decode_pool.engine, config.speculative.draft_p_min)
         self.max_seq_len = engine.config.max_seq_len
         # The longest sequence a request may reach: the context, unless a pool is too small to
         # hold that beside its null page (a pool of exactly one longest sequence): a sequence
@@ -348,6 +349,7 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
         self._apply(previous, values)
         pool.applying = []
         pool.publish_running()
+        self._outbox.deliver()  # before drafting (a draft model's first catch-up: a whole prompt)
         plan = Plan(decode=[r for r in pool.running if wants_decode(r)])
         drafts = propose_drafts(plan, pool.engine.config.speculative_tokens, self.context,
                                 self.page_size, pool.pages.free_count,

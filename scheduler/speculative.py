@@ -43,17 +43,21 @@ MAX_CANDIDATES = 8  # most recent occurrences of the key n-gram examined per pro
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """Prompt lookup's n-gram sizes (vLLM's `prompt_lookup_min` / `prompt_lookup_max`). How
-    many tokens a step drafts, and for how many rows at most, are the engine's
-    (`EngineConfig.speculative_tokens`, `speculative_batch`): with speculative_tokens 0 nothing
-    drafts."""
+    """Prompt lookup's n-gram sizes (vLLM's `prompt_lookup_min` / `prompt_lookup_max`), and a
+    draft model's least probability for a draft (llama.cpp's --draft-p-min:
+    `draft_model.DraftModel`'s `p_min`). How many tokens a step drafts, and for how many rows at
+    most, are the engine's (`EngineConfig.speculative_tokens`, `speculative_batch`): with
+    speculative_tokens 0 nothing drafts."""
 
     min_n: int = 2
     max_n: int = 4
+    draft_p_min: float = 0.75
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {self.min_n} and {self.max_n}")
+        if not 0.0 <= self.draft_p_min < 1.0:
+            raise ValueError(f"draft_p_min is a probability in [0, 1), got {self.draft_p_min}")
 
 
 def verify_ready(engine) -> bool:

@@ -77,6 +77,11 @@ DRAFT_MODEL = flags.DEFINE_string(
     "drafts (as --model: a name, GGUF file, HF folder or converted checkpoint), e.g. "
     "Qwen2.5-Coder-0.5B for Qwen2.5-Coder-7B. It runs beside the model on its own KV pool, "
     "--speculative_max_batch sequences of --max_seq_len, and its weights as --weights says.")
+DRAFT_P_MIN = flags.DEFINE_float(
+    "draft_p_min", 0.75,
+    "With --draft_model: a step's drafts for a request end before the first the draft model "
+    "gave less than this probability (llama.cpp's --draft-p-min); 0 drafts all "
+    "--num_speculative_tokens.", lower_bound=0.0, upper_bound=0.99)
 flags.register_multi_flags_validator(
     ["speculative", "draft_model"],
     lambda f: (f["speculative"] == "draft") == bool(f["draft_model"]) or f["speculative"] is None,

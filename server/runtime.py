@@ -46,7 +46,7 @@ from cadence.scheduler.speculative import SpeculativeConfig
 from cadence.server import memory
 from cadence.server.flags import (ATTENTION, CHAT_TEMPLATE, CHAT_TEMPLATE_KWARGS, COORDINATOR,
                                   CPU_ACTIVATIONS, CPU_KERNELS, DECODE_DEVICES, DECODE_STEPS,
-                                  DRAFT_MODEL, DTYPE,
+                                  DRAFT_MODEL, DRAFT_P_MIN, DTYPE,
                                   GRAMMAR_TIMEOUT, ITL_TARGET, KV_DTYPE, KV_DTYPE_ALIASES,
                                   KV_MEMORY, KV_RESERVATION, LAYER_LOOP, LOWER_SHARE, MAX_LOGPROBS,
                                   MAX_PREFILL_CHUNKS, MAX_QUEUE, MAX_SEQ_LEN, MODEL_FLAG,
@@ -353,7 +353,8 @@ def scheduler_config_from_flags(model_name: str) -> SchedulerConfig:
                            kv_reservation=KV_RESERVATION.value, prefix_caching=PREFIX_CACHING.value,
                            cache_namespace=f"{model_name}/{WEIGHTS.value}/{DTYPE.value}",
                            priority_classes=classes, slo=slo, itl_target=ITL_TARGET.value,
-                           speculative=SpeculativeConfig(PROMPT_LOOKUP_MIN.value, PROMPT_LOOKUP_MAX.value))
+                           speculative=SpeculativeConfig(PROMPT_LOOKUP_MIN.value, PROMPT_LOOKUP_MAX.value,
+                                                         DRAFT_P_MIN.value))
 
 
 def _with_draft(engines: tuple[Engine, ...], draft: Engine | None) -> tuple[Engine, ...]:

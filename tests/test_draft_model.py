@@ -202,3 +202,52 @@ def test_the_flags_refuse_a_draft_model_of_another_vocabulary(tiny_model_dir, ti
         with pytest.raises(flags.IllegalFlagValueError, match="give both, or neither"):
             with flagsaver.flagsaver(**bad):
                 pass
+
+
+def test_a_chats_next_turn_takes_over_the_last_turns_draft_kv(tiny_params, tiny_config, shared_engine):
+    """A new row whose tokens start with a finished row's (a chat's next turn) catches up from
+    where they part, in that row's pages; one that shares less than a page starts afresh, and a
+    row drafting in the same call is never taken over."""
+    drafts = DraftModel(shared_engine(draft_config()), K)
+    rng = random.Random(8)
+    turn = [rng.randrange(3, 500) for _ in range(40)]
+    drafts.propose({"turn 1": (turn, K)})
+    pages = list(drafts._rows["turn 1"].pages)
+    following = turn + [rng.randrange(3, 500) for _ in range(10)]
+    before = drafts.caught_up
+    got = drafts.propose({"turn 2": (following, K)})
+    assert got["turn 2"] == greedy_generate(tiny_params, tiny_config, following, K)
+    assert drafts.caught_up - before == 10 and "turn 1" not in drafts._rows
+    assert drafts._rows["turn 2"].pages[: len(pages)] == pages
+    other = turn[:15] + [rng.randrange(3, 500) for _ in range(20)]  # 15 tokens shared: under a page
+    drafts.propose({"other": (other, K)})
+    assert "turn 2" in drafts._rows and drafts.caught_up - before == 10 + 35
+    both = drafts.propose({"turn 2": (following, K), "again": (following + [7], K)})
+    assert set(both) == {"turn 2", "again"} and "turn 2" in drafts._rows
+
+
+def test_drafts_end_before_the_first_the_draft_model_was_unsure_of(tiny_params, tiny_config):
+    """With p_min, a row's drafts are the reference generator's greedy continuation up to the
+    first token whose probability there is under p_min; a row left with none is left out. (The
+    tiny model with its embedding scaled by 0.3: probabilities of 0.13-0.96, top logits apart
+    by 0.13 or more.)"""
+    tiny_params = jax.tree_util.tree_map_with_path(
+        lambda path, w: w * 0.3 if "embedding" in jax.tree_util.keystr(path) else w, tiny_params)
+    engine = Engine(tiny_params, tiny_config, draft_config())
+    rng = random.Random(6)
+    seqs = {i: [rng.randrange(3, 500) for _ in range(rng.randint(3, 50))] for i in range(4)}
+    sure = {}
+    for i, seq in seqs.items():
+        want, logits = greedy_generate(tiny_params, tiny_config, seq, K, return_logits=True)
+        probs = [float(np.max(np.exp(z - z.max()) / np.exp(z - z.max()).sum())) for z in logits]
+        sure[i] = want, probs
+    cuts = set()
+    for p_min in (0.2, 0.5, 0.9):
+        engine.recover()
+        got = DraftModel(engine, K, p_min=p_min).propose({i: (s, K) for i, s in seqs.items()})
+        for i, (want, probs) in sure.items():
+            assert all(abs(p - p_min) > 1e-4 for p in probs)  # no draft on the edge
+            n = next((j for j, p in enumerate(probs) if p < p_min), K)
+            assert got.get(i, []) == want[:n], (p_min, i, probs)
+            cuts.add(n)
+    assert cuts == {0, 1, K}, (cuts, sure)  # drafts cut after one, none kept, all kept
