@@ -7,9 +7,9 @@
 
 It reads request state and returns a `Plan` (requests to admit, prefill chunks, requests to
 decode); it never touches the engine or mutates a request (but for drafting: a drafting row's
-acceptance record, and a draft model's own engine, which `propose_drafts` asks for drafts). A waiting request whose prompt
-starts with cached pages has them as `prefix` and `prefilled` already (the scheduler looked them
-up): its prefill starts after them. Two policies:
+acceptance record, and a draft model's own engine, which `propose_drafts` asks for drafts). A
+waiting request whose prompt starts with cached pages has them as `prefix` and `prefilled`
+already (the scheduler looked them up): its prefill starts after them. Two policies:
 
 - `chunked` (default, after Sarathi-Serve): every decoding request advances every iteration;
   prefill fills what is left of a per-iteration token budget, at most `chunk` tokens per request
