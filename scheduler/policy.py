@@ -293,7 +293,7 @@ def propose_drafts(plan: Plan, k: int, context: int, page_size: int, free_pages:
             proposal = drafts[r] = proposal[: r.matcher.allows(proposal)]
         if not proposal:
             del drafts[r]
-            r.drafter.acceptance.observe(0, 0)
+            r.drafter.acceptance.observe(0, 0, costly=r in asked)
     if not drafts:
         return {}
     steps = 1 + max(len(d) for d in drafts.values())

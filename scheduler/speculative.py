@@ -155,7 +155,9 @@ class Acceptance:
     after which the average fell too low, is a failure: the request sits out MISS_PAUSE or PAUSE
     steps, doubled for every failure in a row since drafts last paid, up to MAX_PAUSE. Free text
     then costs a drafting step (one that waits for the host) every MAX_PAUSE steps or so, while
-    a quote that starts mid-answer waits at most that long to be drafted."""
+    a quote that starts mid-answer waits at most that long to be drafted. Finding nothing
+    `costly` (a draft model ran, and was sure of no token) sits out PAUSE, as drafts that fail:
+    such a step costs the draft model's work besides."""
 
     rate: float = 1.0  # optimistic: a new request drafts
     pause: int = 0
@@ -169,9 +171,9 @@ class Acceptance:
     MISS_PAUSE = 4  # ... once the sequence had nothing to draft
     MAX_PAUSE = 32
 
-    def observe(self, proposed: int, accepted: int) -> None:
+    def observe(self, proposed: int, accepted: int, costly: bool = False) -> None:
         if proposed <= 0:
-            self._fail(self.MISS_PAUSE)
+            self._fail(self.PAUSE if costly else self.MISS_PAUSE)
             return
         self.proposed += proposed
         self.accepted += accepted

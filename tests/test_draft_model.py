@@ -251,3 +251,23 @@ def test_drafts_end_before_the_first_the_draft_model_was_unsure_of(tiny_params, 
             assert got.get(i, []) == want[:n], (p_min, i, probs)
             cuts.add(n)
     assert cuts == {0, 1, K}, (cuts, sure)  # drafts cut after one, none kept, all kept
+
+
+def test_a_draft_model_sure_of_nothing_costs_a_longer_pause_than_ngrams_finding_nothing():
+    """A step in which the draft model ran and was sure of no token is a failure as drafts
+    that fail are (PAUSE steps, doubled while it repeats); n-grams finding nothing cost nothing
+    and sit out MISS_PAUSE."""
+    from cadence.scheduler.speculative import Acceptance
+
+    def sat_out(a: Acceptance) -> int:
+        steps = 0
+        while not a.wants():
+            steps += 1
+        return steps
+
+    cheap, costly = Acceptance(), Acceptance()
+    cheap.observe(0, 0)
+    costly.observe(0, 0, costly=True)
+    assert (sat_out(cheap), sat_out(costly)) == (Acceptance.MISS_PAUSE, Acceptance.PAUSE)
+    costly.observe(0, 0, costly=True)
+    assert sat_out(costly) == min(2 * Acceptance.PAUSE, Acceptance.MAX_PAUSE)
