@@ -153,21 +153,26 @@ class DraftModel:
                 pages = self._rows[key].pages
                 table[slot, : len(pages)] = pages
             after = self.engine.decode(positions, active, self._greedy, table, steps)
+        # Each row's drafts in order, [1 + steps], and their logprobs (with p_min), read once.
         finals = [i for i, c in enumerate(chunks) if c.final]
-        drafts = {key: [int(t)] for key, t in zip(placed, np.asarray(first)[finals])}
-        sure = {key: [float(p)] for key, p in zip(placed, first.logprobs().token[finals])} if self.p_min else {}
+        slots = [slot for slot, _, _, _ in placed.values()]
+        tokens_read = np.asarray(first)[finals][:, None]
+        sure = first.logprobs().token[finals][:, None] if self.p_min else None
         if after is not None:
-            for key, (slot, _, _, _) in placed.items():
-                drafts[key] += np.asarray(after)[:, slot].tolist()
-                if self.p_min:
-                    sure[key] += after.logprobs().token[:, slot].tolist()
-        for key, (_, tokens, room, _) in placed.items():
+            tokens_read = np.concatenate([tokens_read, np.asarray(after)[:, slots].T], axis=1)
+            if self.p_min:
+                sure = np.concatenate([sure, after.logprobs().token[:, slots].T], axis=1)
+        drafts = {}
+        for i, (key, (_, tokens, room, _)) in enumerate(placed.items()):
+            row = tokens_read[i].tolist()
             # The KV written: the sequence, and every draft decoded from (all but the last).
-            self._rows[key].written = tokens + drafts[key][: steps]
+            self._rows[key].written = tokens + row[:steps]
             if self.p_min:  # up to the first the draft model was not sure enough of
-                room = next((i for i, lp in enumerate(sure[key][:room]) if lp < np.log(self.p_min)), room)
-            drafts[key] = drafts[key][:room]
-        return {key: d for key, d in drafts.items() if d}
+                unsure = np.flatnonzero(sure[i, :room] < np.log(self.p_min))
+                room = int(unsure[0]) if unsure.size else room
+            if room:
+                drafts[key] = row[:room]
+        return drafts
 
     def _take_over(self, tokens: list[int], keep: Mapping) -> _Row | None:
         """For a row new here: the KV of another (none of `keep`) that agrees with its tokens
