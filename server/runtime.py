@@ -483,10 +483,10 @@ def draft_engine_from_flags(target: LoadedModel, config: EngineConfig, kernels: 
     sequences. Its tokenizer must be the target's, token for token."""
     draft = _load(DRAFT_MODEL.value, kernels)
     ours, theirs = target.tokenizer, draft.tokenizer
-    differ = ([ours.vocab_size] if ours.vocab_size != theirs.vocab_size else
-              [i for i in range(ours.vocab_size) if ours.token_bytes(i) != theirs.token_bytes(i)][:1])
-    if differ or draft.config.vocab_size != target.config.vocab_size:
-        at = f" (token {differ[0]} first)" if differ else ""
+    differ = (ours.vocab_size if ours.vocab_size != theirs.vocab_size else
+              next((i for i in range(ours.vocab_size) if ours.token_bytes(i) != theirs.token_bytes(i)), None))
+    if differ is not None or draft.config.vocab_size != target.config.vocab_size:
+        at = f" (token {differ} first)" if differ is not None else ""
         raise ValueError(f"the draft model {draft.name}'s vocabulary is not {target.name}'s{at}: "
                          "a draft model shares its model's tokenizer (--draft_model)")
     if config.max_seq_len > draft.config.max_context:
