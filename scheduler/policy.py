@@ -2,7 +2,7 @@
 
     plan = make_plan(running, waiting, free_slots, config, pages)
     plan.steps = decode_steps(plan, running, most, free_pages, page_size)   # multi-step decode
-    if speculates(plan, running, engine_config, speculative, split):         # speculative decode
+    if speculates(plan, running, engine_config, speculative, split, model is not None):  # speculative
         drafts = propose_drafts(plan, k, context, page_size, free_pages, model)  # model: optional
 
 It reads request state and returns a `Plan` (requests to admit, prefill chunks, requests to
@@ -243,14 +243,15 @@ def decode_steps(plan: Plan, running: Sequence[Request], most: int, free_pages: 
 
 
 def speculates(plan: Plan, running: Sequence[Request], engine_config, config: SpeculativeConfig,
-               split=None) -> bool:
+               split=None, model: bool = False) -> bool:
     """Whether an iteration decodes speculatively: the engine has a verify program
     (`speculative_tokens`), the plan does nothing but decode, at most `speculative_batch` rows
     (beyond it a step costs its compute more than its weight read, and drafts stop paying),
     every request of the pool (`running`) decodes (none mid-prompt, none with KV on its way in),
-    no split step is in flight (`split`), and some row's
-    acceptance record wants drafts this step. Each decoding request's record counts the step
-    (`Acceptance.wants`) whatever the answer, and keeps it as `Request.drafting`."""
+    no split step is in flight (`split`), and some row wants drafts this step from its own
+    sequence or (with `model`: a draft model serves this pool) the draft model. Each decoding
+    request's records count the step (`Drafter.wants`) whatever the answer, kept as
+    `Request.drafting`."""
     if (not engine_config.speculative_tokens or plan.admit or plan.prefill or plan.preempt
             or not plan.decode or len(plan.decode) > engine_config.speculative_batch or split is not None):
         return False
@@ -259,7 +260,7 @@ def speculates(plan: Plan, running: Sequence[Request], engine_config, config: Sp
     wanting = False
     for r in plan.decode:
         r.drafter = r.drafter or Drafter(config, r.params.prediction)
-        r.drafting = r.drafter.acceptance.wants()
+        r.drafting = r.drafter.wants(model)
         wanting |= r.drafting
     return wanting
 
@@ -268,11 +269,12 @@ def propose_drafts(plan: Plan, k: int, context: int, page_size: int, free_pages:
                    model: DraftModel | None = None) -> dict[Request, list[int]]:
     """Each drafting row's drafts: up to `k`, none past its max_tokens (a verify step's last
     token is the target's own) or `context`, and under a grammar those it allows (the first it
-    does not, and all after, are dropped). They come from the row's prediction where its answer
-    follows it, else from the draft `model` (all such rows in one call) if there is one, else
-    from the row's own n-grams (`Drafter.propose`). A row that found nothing sits out a few
-    steps. Empty unless some row drafted, and if the pages the drafts need are not free:
-    drafting never preempts."""
+    does not, and all after, are dropped). They come from the row's own sequence
+    (`Drafter.propose`: its prediction where its answer follows it, else its n-grams), and
+    where those found nothing from the draft `model` if there is one (all such rows in one
+    call), each source only while its record wants drafts. A source that found nothing sits
+    out a few steps. Empty unless some row drafted, and if the pages the drafts need are not
+    free: drafting never preempts."""
     drafts: dict[Request, list[int]] = {}
     asked: dict[Request, tuple[list[int], int]] = {}  # the draft model's rows
     for r in plan.decode:
@@ -283,21 +285,32 @@ def propose_drafts(plan: Plan, k: int, context: int, page_size: int, free_pages:
             room = min(room, r.params.min_tokens - r.dispatched - 1)
         if room <= 0:
             continue
-        drafts[r] = r.drafter.propose(r.prompt_ids, r.output_ids, room, ngrams=model is None)
-        if not drafts[r] and model is not None:
+        if r.drafter.own:
+            own = _allowed(r, r.drafter.propose(r.prompt_ids, r.output_ids, room))
+            if own:
+                drafts[r] = own
+                continue
+            r.drafter.acceptance.observe(0, 0)  # the sequence offered nothing
+        if model is not None and r.drafter.by_model:
             asked[r] = (r.prompt_ids + r.output_ids, room)
     if asked:
-        drafts.update(model.propose(asked))
-    for r, proposal in list(drafts.items()):
-        if proposal and r.matcher is not None:  # only what its grammar allows
-            proposal = drafts[r] = proposal[: r.matcher.allows(proposal)]
-        if not proposal:
-            del drafts[r]
-            r.drafter.acceptance.observe(0, 0, costly=r in asked)
+        proposed = model.propose(asked)
+        for r in asked:
+            r.drafter.drafted_by_model()
+            proposal = _allowed(r, proposed.get(r, []))
+            if proposal:
+                drafts[r] = proposal
+            else:
+                r.drafter.model_acceptance.observe(0, 0)
     if not drafts:
         return {}
     steps = 1 + max(len(d) for d in drafts.values())
     return drafts if pages_wanted(plan.decode, steps, page_size) <= free_pages else {}
+
+
+def _allowed(r: Request, proposal: list[int]) -> list[int]:
+    """The start of `proposal` that the row's grammar allows (all of it without one)."""
+    return proposal[: r.matcher.allows(proposal)] if proposal and r.matcher is not None else proposal
 
 
 def running_cost(running: Sequence[Request], config: PolicyConfig, pages: PageBudget) -> int:

@@ -293,8 +293,8 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
             pool.match_prefixes(self._waiting)
             pool.match_forks(self._waiting)
             plan = self._plan(pool)
-            if verify_ready(pool.engine) and speculates(
-                    plan, pool.running, pool.engine.config, self.config.speculative, pool.split):
+            if verify_ready(pool.engine) and speculates(plan, pool.running, pool.engine.config,
+                                                        self.config.speculative, pool.split, self._drafts_here(pool)):
                 return self._speculate(pool, start)
             plan.steps = decode_steps(plan, pool.running, pool.engine.config.decode_steps,
                                       pool.pages.free_count, self.page_size)
@@ -319,8 +319,8 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
             landed = self._handoff.insert_landed()
             transfers = self._handoff.start()
             plan = Plan(decode=[r for r in pool.running if wants_decode(r)])
-            if verify_ready(pool.engine) and speculates(
-                    plan, pool.running, pool.engine.config, self.config.speculative, pool.split):
+            if verify_ready(pool.engine) and speculates(plan, pool.running, pool.engine.config,
+                                                        self.config.speculative, pool.split, self._drafts_here(pool)):
                 return self._speculate(pool, start, transfers + landed)
             plan.steps = decode_steps(plan, pool.running, pool.engine.config.decode_steps,
                                       pool.pages.free_count, self.page_size)
@@ -353,7 +353,7 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
         plan = Plan(decode=[r for r in pool.running if wants_decode(r)])
         drafts = propose_drafts(plan, pool.engine.config.speculative_tokens, self.context,
                                 self.page_size, pool.pages.free_count,
-                                self.draft if pool is self._decode_pool else None)
+                                self.draft if self._drafts_here(pool) else None)
         if drafts:
             plan.steps = 1 + max(len(d) for d in drafts.values())
             plan.drafted = sum(len(d) for d in drafts.values())
@@ -374,6 +374,10 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
             return self._finish_iteration(pool, current, start, plan, 0, 0, handoffs) or bool(previous)
         finally:
             self._state.acquire()
+
+    def _drafts_here(self, pool: Pool) -> bool:
+        """Whether the draft model drafts for `pool`'s rows (it serves the decoding pool)."""
+        return self.draft is not None and pool is self._decode_pool
 
     def _plan(self, pool: Pool) -> Plan:
         # A request with a result still in flight (disaggregated: preempted on the decode pool

@@ -27,8 +27,10 @@ not hold the text. The drafts it gave and how many were accepted are counted for
 are accepted, so a request whose recent drafts were mostly rejected stops drafting for a while
 and tries again later; one whose sequence offered nothing to draft sits out a few steps (a
 step that drafts is one the host waits for, so drafting nothing costs the overlap of host and
-device work for nothing), and longer each time in a row. `Drafter` is both, for one request, as the scheduler keeps it
-(`Request.drafter`), and `SpeculativeConfig` the n-gram sizes every request's uses.
+device work for nothing), and longer each time in a row. `Drafter` is one request's n-grams
+and a record for each source of its drafts (its own, and a draft model's where the server has
+one), as the scheduler keeps it (`Request.drafter`); `SpeculativeConfig` the n-gram sizes
+every request's uses.
 `verify_ready` says whether an engine's verify program can run yet.
 """
 
@@ -155,15 +157,9 @@ class Acceptance:
     after which the average fell too low, is a failure: the request sits out MISS_PAUSE or PAUSE
     steps, doubled for every failure in a row since drafts last paid, up to MAX_PAUSE. Free text
     then costs a drafting step (one that waits for the host) every MAX_PAUSE steps or so, while
-    a quote that starts mid-answer waits at most that long to be drafted. Finding nothing
-    `costly` (a draft model ran, and was sure of no token) sits out PAUSE, as drafts that fail:
-    such a step costs the draft model's work besides."""
-
-    rate: float = 1.0  # optimistic: a new request drafts
-    pause: int = 0
-    failures: int = 0  # in a row
-    proposed: int = 0  # totals, for its record
-    accepted: int = 0
+    a quote that starts mid-answer waits at most that long to be drafted. A draft model's
+    record misses with `miss_pause` PAUSE: its finding nothing (sure of no token) cost its
+    work, as drafts that fail do."""
 
     DECAY = 0.5
     LOW = 0.25  # below this, drafting costs more than it saves
@@ -171,9 +167,16 @@ class Acceptance:
     MISS_PAUSE = 4  # ... once the sequence had nothing to draft
     MAX_PAUSE = 32
 
-    def observe(self, proposed: int, accepted: int, costly: bool = False) -> None:
+    miss_pause: int = MISS_PAUSE
+    rate: float = 1.0  # optimistic: a new request drafts
+    pause: int = 0
+    failures: int = 0  # in a row
+    proposed: int = 0  # totals, for its record
+    accepted: int = 0
+
+    def observe(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
-            self._fail(self.PAUSE if costly else self.MISS_PAUSE)
+            self._fail(self.miss_pause)
             return
         self.proposed += proposed
         self.accepted += accepted
@@ -199,13 +202,20 @@ class Acceptance:
 
 class Drafter:
     """One request's drafting: an n-gram index over its prompt and output (and one over its
-    `prediction`, if it has one), and its acceptance. `propose` catches the index up with the
-    tokens the request has, then drafts: from the prediction where its end matches there,
-    else from the sequence itself."""
+    `prediction`, if it has one), and an acceptance record for each source of its drafts: its
+    own (the prediction and the n-grams, free to look up) and, where the server has one, the
+    draft model's (`draft_model.DraftModel`, whose misses cost its work). Each step, a source
+    whose record wants drafts may draft (`wants`). The request's own drafts come first
+    (`propose`: the prediction's where the answer's end matches there, else the sequence's),
+    the draft model's only where those found nothing (`drafted_by_model`); a verify step's
+    outcome goes to the record of the source that drafted (`observe`)."""
 
     def __init__(self, config: SpeculativeConfig = SpeculativeConfig(), prediction: list[int] = ()):
         self.ngrams = NgramDrafts(config.min_n, config.max_n)
-        self.acceptance = Acceptance()
+        self.acceptance = Acceptance()  # its own drafts'
+        self.model_acceptance = Acceptance(miss_pause=Acceptance.PAUSE)  # the draft model's
+        self.own = self.by_model = False  # which sources may draft this step (`wants`)
+        self._record = self.acceptance  # where the next verify step's outcome goes
         self.prediction: NgramDrafts | None = None
         if prediction:
             self.prediction = NgramDrafts(config.min_n, config.max_n)
@@ -214,9 +224,16 @@ class Drafter:
         self.cursor = 0  # how far the answer has followed the prediction (where to look next)
         self.prediction_accepted = self.prediction_rejected = 0  # its drafts, verified
 
-    def propose(self, prompt_ids: list[int], output_ids: list[int], k: int, ngrams: bool = True) -> list[int]:
-        """Up to `k` drafts: the prediction's, where the answer follows it, else (with
-        `ngrams`) the sequence's own."""
+    def wants(self, model: bool = False) -> bool:
+        """Whether to draft this step: from the request's own sequence, or (with `model`: the
+        server has a draft model) from the draft model. Counts the step in each record."""
+        self.own = self.acceptance.wants()
+        self.by_model = model and self.model_acceptance.wants()
+        return self.own or self.by_model
+
+    def propose(self, prompt_ids: list[int], output_ids: list[int], k: int) -> list[int]:
+        """Up to `k` drafts of its own: the prediction's, where the answer follows it, else
+        the sequence's n-grams'."""
         seen = len(self.ngrams)
         if seen < len(prompt_ids):
             self.ngrams.extend(prompt_ids[seen:])
@@ -224,7 +241,12 @@ class Drafter:
         self.ngrams.extend(output_ids[seen - len(prompt_ids):])
         drafts, at = self.prediction.lookup(k, self.ngrams.tokens, self.cursor) if self.prediction else ([], 0)
         self.predicted_at = at if drafts else None
-        return drafts or (self.ngrams.propose(k) if ngrams else [])
+        self._record = self.acceptance
+        return drafts or self.ngrams.propose(k)
+
+    def drafted_by_model(self) -> None:
+        """This step's drafts are the draft model's."""
+        self._record, self.predicted_at = self.model_acceptance, None
 
     def observe(self, drafts: list[int], tokens: list[int]) -> int:
         """The tokens a verify step gave for `drafts`: how many drafts they accepted (their
@@ -232,7 +254,7 @@ class Drafter:
         accepted = 0
         while accepted < min(len(drafts), len(tokens)) and drafts[accepted] == tokens[accepted]:
             accepted += 1
-        self.acceptance.observe(len(drafts), accepted)
+        self._record.observe(len(drafts), accepted)
         if self.predicted_at is not None:
             self.prediction_accepted += accepted
             self.prediction_rejected += len(drafts) - accepted

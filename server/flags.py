@@ -67,8 +67,8 @@ SPECULATIVE = flags.DEFINE_enum(
     "Speculative decoding: each step drafts some tokens ahead, and one verify step keeps those "
     "the model's own sampling agrees with: the same output, several tokens a step while drafts "
     "are accepted. ngram: prompt lookup, the tokens that followed the sequence's last n-gram "
-    "where it occurred before (answers that quote or edit their prompt); draft: a smaller model's "
-    "greedy continuation (--draft_model). Applies while at most --speculative_max_batch "
+    "where it occurred before (answers that quote or edit their prompt); draft: prompt lookup "
+    "first, and where it finds nothing a smaller model's greedy continuation (--draft_model). Applies while at most --speculative_max_batch "
     "requests decode; the verify program compiles at the first chance to draft (or at warm-up "
     "with --warmup=all). Default: draft with --draft_model, else ngram.")
 DRAFT_MODEL = flags.DEFINE_string(
