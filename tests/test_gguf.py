@@ -206,7 +206,8 @@ def _gemma3_keys(w: gguf.GGUFWriter, pattern=4) -> None:
     w.add_final_logit_softcapping(GEMMA3_TINY.final_logit_softcapping)
 
 
-@pytest.mark.parametrize("pattern", [4, [True, True, True, False]], ids=["count", "flags"])
+@pytest.mark.parametrize("pattern", [4, pytest.param([True, True, True, False], marks=pytest.mark.slow)],
+                         ids=["count", "flags"])
 def test_a_gemma3_file_reads_as_llama_cpp_builds_it(tmp_path, tiny_tokenizer, pattern):
     """A "gemma3" file (rows not permuted; norms stored with Gemma's 1 added, as the converter
     writes them) gives its sliding layers from the pattern, their RoPE base, the global layers'

@@ -77,14 +77,18 @@ def _lower_all(model_config, config, verified):
     return programs
 
 
-@pytest.mark.parametrize("attention", ["pallas", "mosaic"])
-@pytest.mark.parametrize("layers", [
-    2, pytest.param(SMOLLM2_135M.num_layers, marks=pytest.mark.slow)], ids=["2-layers", "30-layers"])
+@pytest.mark.parametrize("layers, attention", [
+    (2, "pallas"), pytest.param(2, "mosaic", marks=pytest.mark.slow),
+    pytest.param(SMOLLM2_135M.num_layers, "pallas", marks=pytest.mark.slow),
+    pytest.param(SMOLLM2_135M.num_layers, "mosaic", marks=pytest.mark.slow)],
+    ids=["2-layers-pallas", "2-layers-mosaic", "30-layers-pallas", "30-layers-mosaic"])
 def test_smollm2_gpu_engine_lowers_for_cuda(triton_verifications, layers, attention):
     """SmolLM2-135M's GPU engine (8 slots, 4k context): 43 programs, with either kernel
     backend (Triton; Mosaic GPU). The model's layers are unrolled, so each adds its kernel calls
     to every program: the default tier lowers the same shapes, buckets and kernels with 2 of
-    the 30 layers (~10 s on 2 CPU cores), the full tier the whole model (~30 s)."""
+    the 30 layers and the default (Triton) kernels (~10 s on 2 CPU cores); the full tier the
+    Mosaic GPU kernels too, and the whole model (~30 s). The other shapes and pools below are
+    the full tier's."""
     config = gpu_engine_config(num_slots=8, attention=attention)
     model = dataclasses.replace(SMOLLM2_135M, num_layers=layers)
     programs = _lower_all(model, config, triton_verifications)
@@ -93,7 +97,8 @@ def test_smollm2_gpu_engine_lowers_for_cuda(triton_verifications, layers, attent
     assert {f"decode[batch={b},pages=64]" for b in config.decode_batch_buckets} <= names
 
 
-@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", pytest.param("float8_e5m2", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_an_8_bit_pool_lowers_for_cuda_with_the_triton_kernels(triton_verifications, kv_dtype):
     """--kv_cache_dtype=fp8 on a GPU: every program of SmolLM2's engine (2 layers) over an 8-bit
     float pool lowers for CUDA, each Triton kernel widening its tiles to bfloat16."""
@@ -127,7 +132,8 @@ def test_gpu_check_records_a_part_that_times_out_and_runs_the_next(tmp_path, mon
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 
-@pytest.mark.parametrize("attention", ["pallas", pytest.param("mosaic", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["pallas", "mosaic"])
 def test_qwen3_gpu_engine_lowers_for_cuda(triton_verifications, attention):
     """Qwen3-0.6B's shape (q/k norms; 16 query heads and 8 KV heads of 128 over a 1024-wide
     stream), 2 of its 28 layers: every program of the GPU engine lowers for CUDA, its kernels
@@ -139,6 +145,7 @@ def test_qwen3_gpu_engine_lowers_for_cuda(triton_verifications, attention):
     assert len(_lower_all(model, config, triton_verifications)) == 43
 
 
+@pytest.mark.slow
 def test_gemma3_gpu_engine_lowers_for_cuda(triton_verifications):
     """Gemma 3 270M's shape (4 query heads of 256 and one KV head over a 640-wide stream, a
     262k vocabulary), 6 of its 18 layers (five sliding over 512 positions, one global, as its
