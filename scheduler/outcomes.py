@@ -53,7 +53,11 @@ class Outcomes:
                     drafts, column = result.drafts[i], column[: emitted[index]]
                     r.not_emitted(len(drafts) + 1 - len(column))
                     if drafts and not r.finished:
-                        accepted += r.drafter.observe(drafts, column)
+                        kept = r.drafter.observe(drafts, column)
+                        accepted += kept
+                        if r.drafter.from_model:
+                            self.draft_model_drafted += len(drafts)
+                            self.draft_model_accepted += kept
                 for step, token in enumerate(column):
                     if r.finished:
                         break  # a step dispatched before the request ended: discard

@@ -99,7 +99,7 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
         """`engine` prefills and decodes; with `decode_engine`, `engine` only prefills and
         `decode_engine` decodes (disaggregated serving: two devices, two loops). With
         `draft_engine` (a smaller model of the same vocabulary), speculative decoding drafts
-        from it (`scheduler.draft_model`) rather than from each sequence's n-grams."""
+        from it (`scheduler.draft_model`) where a sequence's own n-grams find nothing."""
         if config.policy.chunk > engine.config.prefill_chunk:
             raise ValueError(
                 f"policy chunk {config.policy.chunk} exceeds the engine's prefill_chunk "
@@ -149,6 +149,7 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
         self.spec_drafts = 0  # speculative decoding: rows that drafted, their draft tokens
         self.spec_drafted = 0  # and those accepted
         self.spec_accepted = 0
+        self.draft_model_drafted = self.draft_model_accepted = 0  # of those, the draft model's
         self.prefill_programs = 0  # packed prefill programs run, and the chunks they carried
         self.prefill_chunks = 0
         # Submissions refused for load, by reason: "queue_full", "ttft_slo", "itl_slo".

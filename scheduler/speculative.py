@@ -248,6 +248,11 @@ class Drafter:
         """This step's drafts are the draft model's."""
         self._record, self.predicted_at = self.model_acceptance, None
 
+    @property
+    def from_model(self) -> bool:
+        """Whether the last drafts were the draft model's."""
+        return self._record is self.model_acceptance
+
     def observe(self, drafts: list[int], tokens: list[int]) -> int:
         """The tokens a verify step gave for `drafts`: how many drafts they accepted (their
         common start), recorded."""

@@ -59,6 +59,18 @@ class PoolStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class DraftStats:
+    """A draft model's (speculative decoding): its KV pool, and the tokens it drafted."""
+
+    kv_pages_used: int  # held by rows' draft KV
+    kv_pages_total: int  # the null page included
+    draft_tokens: int  # its drafts that verify steps scored, and those accepted
+    accepted_tokens: int
+    caught_up_tokens: int  # tokens it prefilled to catch rows' draft KV up
+    evicted_rows: int  # rows whose draft KV gave its pages to others
+
+
+@dataclasses.dataclass(frozen=True)
 class SchedulerStats:
     num_running: int  # requests holding a slot
     num_waiting: int  # queued for one (submitted since the last iteration included)
@@ -89,6 +101,7 @@ class SchedulerStats:
     compilations_after_warmup: int
     compilations_on_demand: int
     pools: tuple[PoolStats, ...]
+    draft: DraftStats | None = None  # the draft model's, where one drafts
 
     @property
     def kv_usage(self) -> float:
@@ -127,7 +140,15 @@ class Readings:
             spec_drafts=self.spec_drafts, spec_draft_tokens=self.spec_drafted,
             spec_accepted_tokens=self.spec_accepted,
             compilations_after_warmup=self.compilations_after_warmup,
-            compilations_on_demand=self.compilations_on_demand, pools=pools)
+            compilations_on_demand=self.compilations_on_demand, pools=pools, draft=self.draft_stats())
+
+    def draft_stats(self) -> DraftStats | None:
+        """The draft model's readings (None without one)."""
+        draft = self.draft
+        if draft is None:
+            return None
+        return DraftStats(draft.pages.used_count, draft.pages.num_pages, self.draft_model_drafted,
+                          self.draft_model_accepted, draft.caught_up, draft.evicted)
 
     @property
     def num_running(self) -> int:

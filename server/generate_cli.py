@@ -158,8 +158,10 @@ def main(argv: list[str]) -> int:
     )
     sched = rt.scheduler
     if sched.spec_drafts:
+        model = (f"; the draft model's: {sched.draft_model_drafted}, {sched.draft_model_accepted} accepted"
+                 if sched.draft else "")
         print(f"speculative decoding: {sched.spec_drafted} draft tokens in {sched.spec_drafts} "
-              f"drafts, {sched.spec_accepted} accepted", file=sys.stderr)
+              f"drafts, {sched.spec_accepted} accepted{model}", file=sys.stderr)
     return 1 if rejected else 0
 
 

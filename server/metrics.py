@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from cadence.scheduler.request import RequestRecord
 from cadence.scheduler.priority import REJECTION_REASONS
 from cadence.scheduler.scheduler import IterationRecord, KVTransfer, Scheduler
-from cadence.scheduler.stats import PoolStats, SchedulerStats
+from cadence.scheduler.stats import DraftStats, PoolStats, SchedulerStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                     1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -95,6 +95,20 @@ _VLLM_NAMES = {
     "vllm:spec_decode_num_draft_tokens": "cadence:spec_decode_num_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "cadence:spec_decode_num_accepted_tokens",
 }
+# The draft model's (`--draft_model`), reported only where one drafts.
+_DRAFT_READINGS: dict[str, tuple[str, str, Callable[[DraftStats], float]]] = {
+    "cadence:draft_model_draft_tokens": ("counter", "Of the draft tokens verified, the draft model's (the "
+                                         "rest are prompt lookup's or a prediction's).", lambda d: d.draft_tokens),
+    "cadence:draft_model_accepted_tokens": ("counter", "Of those, accepted.", lambda d: d.accepted_tokens),
+    "cadence:draft_model_caught_up_tokens": ("counter", "Tokens the draft model prefilled to catch a row's "
+                                             "draft KV up with its sequence.", lambda d: d.caught_up_tokens),
+    "cadence:draft_model_evicted_rows": ("counter", "Rows whose draft KV gave its pages to others (they catch "
+                                         "up from their first token if they draft again).", lambda d: d.evicted_rows),
+    "cadence:draft_model_kv_pages_used": ("gauge", "Pages of the draft model's KV pool holding rows' draft KV.",
+                                          lambda d: d.kv_pages_used),
+    "cadence:draft_model_kv_pages_total": ("gauge", "Pages in the draft model's KV pool.",
+                                           lambda d: d.kv_pages_total),
+}
 # Per pool ("colocated", or "prefill" and "decode").
 _POOL_READINGS: dict[str, tuple[str, Callable[[PoolStats], float]]] = {
     "cadence:pool_queue_length": ("Requests waiting for the pool: the queue for the one that admits, "
@@ -112,6 +126,11 @@ class _SchedulerReadings:
     def __init__(self, scheduler: Scheduler, model_name: str, label: Callable[[int], str]):
         self.scheduler, self.model_name, self.label = scheduler, model_name, label
 
+    def _family(self, name: str, kind: str, doc: str, value: float):
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
+
     def collect(self):
         stats = self.scheduler.stats()
         readings = {**_READINGS, **{alias: _READINGS[name] for alias, name in _VLLM_NAMES.items()}}
@@ -119,10 +138,9 @@ class _SchedulerReadings:
         readings["vllm:gpu_cache_usage_perc"] = (
             "gauge", "Fraction of the KV page pool held (0-1); vLLM v0's name.", lambda s: s.kv_usage)
         for name, (kind, doc, value) in readings.items():
-            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
-                name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], value(stats))
-            yield family
+            yield self._family(name, kind, doc, value(stats))
+        for name, (kind, doc, value) in (_DRAFT_READINGS.items() if stats.draft else ()):
+            yield self._family(name, kind, doc, value(stats.draft))
         for name, (doc, value) in _POOL_READINGS.items():
             family = GaugeMetricFamily(name, doc, labels=["model_name", "pool"])
             for pool in stats.pools:

@@ -20,6 +20,7 @@ from cadence.scheduler.draft_model import DraftModel
 from cadence.scheduler.policy import Plan, propose_drafts, speculates
 from cadence.scheduler.request import GenerationParams, Request, State
 from cadence.scheduler.speculative import Acceptance, Drafter, SpeculativeConfig
+from cadence.server.metrics import Metrics
 from tests.conftest import ONE_LONGEST, compiled
 from tests.fakes import make_scheduler, run_all
 
@@ -324,15 +325,16 @@ def test_a_serving_draft_model_and_ngrams_each_draft(tiny_params, tiny_config, t
     """Served with a draft model (the target's own weights), prompts that repeat and prompts
     that do not: rows draft from their n-grams and from the draft model, each source's record
     counts its own, every draft of the draft model is accepted, and the output is the
-    reference generator's."""
+    reference generator's. /metrics reports the draft model's share and its KV pool (a
+    scheduler without one reports neither)."""
     rng = random.Random(12)
     block = [rng.randrange(3, 500) for _ in range(12)]
     prompts = [block * 4, [rng.randrange(3, 500) for _ in range(40)], block * 2 + [7, 8]]
     subs = [(p, GenerationParams(max_tokens=40, ignore_eos=True)) for p in prompts]
     cfg = EngineConfig(**ONE_LONGEST, speculative_tokens=K, speculative_batch=4)
     target = compiled(shared_engine(cfg, "needed"), "speculative")
-    sched = make_scheduler(target, tiny_tokenizer, chunk=32, budget=48,
-                           draft_engine=shared_engine(draft_config(), "needed"))
+    draft_engine = shared_engine(draft_config(), "needed")
+    sched = make_scheduler(target, tiny_tokenizer, chunk=32, budget=48, draft_engine=draft_engine)
     streams = run_all(sched, subs)
     for (prompt, params), s in zip(subs, streams):
         assert s.request.output_ids == greedy_generate(tiny_params, tiny_config, prompt, params.max_tokens)
@@ -341,3 +343,14 @@ def test_a_serving_draft_model_and_ngrams_each_draft(tiny_params, tiny_config, t
     assert sum(a.proposed for a in own) > 0 and sum(a.proposed for a in by_model) > 0
     assert all(a.accepted == a.proposed for a in by_model)
     assert sched.spec_drafted == sum(a.proposed for a in own + by_model)
+    stats = sched.stats().draft
+    assert (stats.draft_tokens, stats.accepted_tokens) == (sum(a.proposed for a in by_model),) * 2
+    assert stats.kv_pages_total == draft_engine.num_pages and 0 < stats.kv_pages_used < stats.kv_pages_total
+    assert stats.caught_up_tokens == sched.draft.caught_up >= len(prompts[1])  # (its prompt, at least)
+    scraped = Metrics(sched, "tiny").render().decode()
+    for name, value in [("draft_model_draft_tokens_total", stats.draft_tokens),
+                        ("draft_model_kv_pages_used", stats.kv_pages_used),
+                        ("draft_model_caught_up_tokens_total", stats.caught_up_tokens)]:
+        assert f'cadence:{name}{{model_name="tiny"}} {value:.1f}' in scraped
+    plain = make_scheduler(target, tiny_tokenizer, chunk=32, budget=48)
+    assert plain.stats().draft is None and "draft_model" not in Metrics(plain, "tiny").render().decode()
