@@ -169,10 +169,11 @@ def parse_size(text: str) -> int:
 
 
 def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int,
-                  device: jax.Device | None = None, tp: TensorParallel | None = None) -> int | None:
+                  device: jax.Device | None = None, tp: TensorParallel | None = None,
+                  reserve: int = 0) -> int | None:
     """Pages of --kv_cache_dtype for --kv_cache_memory; on a GPU without it, 90% of the memory
-    left after the weights (in `dtype`) on `device`; None (the engine's default: every slot
-    at max_seq_len) otherwise.
+    left after the weights (in `dtype`) and `reserve` bytes (a draft model's) on `device`;
+    None (the engine's default: every slot at max_seq_len) otherwise.
     With `tp` the budget is each device's: the weights are on the devices already (restored
     into their shards), and a device holds its KV heads' share of every page, or all of it
     where attention is replicated."""
@@ -183,7 +184,7 @@ def kv_pool_pages(model: LoadedModel, dtype: str, page_size: int,
         if "bytes_limit" not in stats:
             return None
         on_host = 0 if tp is not None else cast_bytes(model.params, dtype)
-        budget = int(0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0) - on_host))
+        budget = int(0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0) - on_host - reserve))
     else:
         return None
     pages = pages_for_bytes(model.config if tp is None else tp.compute_config, budget, page_size,
@@ -221,9 +222,10 @@ def check_pool_fits(config: ModelConfig, pools: Sequence[EngineConfig], copies: 
 
 
 def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Device | None = None,
-                             tp: TensorParallel | None = None) -> EngineConfig:
+                             tp: TensorParallel | None = None, reserve: int = 0) -> EngineConfig:
     """The engine the flags describe; with the model, the KV pool is sized by memory (on
-    `device`, default the first, or over `tp`'s devices)."""
+    `device`, default the first, or over `tp`'s devices; `reserve`: bytes it leaves there, a
+    draft model's)."""
     on_gpu = jax.default_backend() == "gpu"
     dtype = compute_dtype()
     kernels = cpu_kernels_apply(dtype, tp)
@@ -243,7 +245,7 @@ def engine_config_from_flags(model: LoadedModel | None = None, device: jax.Devic
         dtype=dtype,
         kv_dtype=kv_dtype(),
         page_size=PAGE_SIZE.value,
-        num_pages=None if model is None else kv_pool_pages(model, dtype, PAGE_SIZE.value, device, tp),
+        num_pages=None if model is None else kv_pool_pages(model, dtype, PAGE_SIZE.value, device, tp, reserve),
         max_prefill_chunks=MAX_PREFILL_CHUNKS.value,
         decode_steps=DECODE_STEPS.value,
         max_logprobs=MAX_LOGPROBS.value,
@@ -406,16 +408,17 @@ def warm_up(engines: Sequence[Engine], progress: Callable[[int, int, str], None]
     return seconds
 
 
-def _pool_configs(model: LoadedModel, engine_config: EngineConfig, pair) -> list[EngineConfig]:
+def _pool_configs(model: LoadedModel, engine_config: EngineConfig, pair, reserve: int = 0) -> list[EngineConfig]:
     """Each engine's configuration: the one engine's, or the disaggregated pair's (prefill,
     decode). Nothing decodes on the prefill engine, so its packs may take the whole token
-    budget; the decode engine's pool is sized on its own device."""
+    budget; the decode engine's pool is sized on its own device, leaving `reserve` bytes there
+    (a draft model's)."""
     if pair is None:
         return [engine_config]
     prefill_config = dataclasses.replace(
         engine_config, role="prefill", num_slots=PREFILL_SLOTS.value or engine_config.num_slots,
         prefill_tokens=max(engine_config.prefill_chunk, token_budget()))
-    decode_config = dataclasses.replace(engine_config_from_flags(model, pair[1]), role="decode")
+    decode_config = dataclasses.replace(engine_config_from_flags(model, pair[1], reserve=reserve), role="decode")
     return [prefill_config, decode_config]
 
 
@@ -475,12 +478,9 @@ def _load(spec: str, kernels: bool, shardings=None) -> LoadedModel:
                           skip_packed=as_stored)
 
 
-def draft_engine_from_flags(target: LoadedModel, config: EngineConfig, kernels: bool,
-                            device: jax.Device | None = None) -> Engine:
-    """--draft_model's engine, on `device` (the decoding one): its weights loaded as the
-    target's are, the target engine's slots, context and pages, k - 1 decode steps a call
-    (k: the target's speculative_tokens), and a KV pool of --speculative_max_batch longest
-    sequences. Its tokenizer must be the target's, token for token."""
+def load_draft(target: LoadedModel, kernels: bool) -> LoadedModel:
+    """--draft_model, loaded as the model is (`_load`); refused unless its tokenizer is the
+    model's token for token."""
     draft = _load(DRAFT_MODEL.value, kernels)
     ours, theirs = target.tokenizer, draft.tokenizer
     differ = (ours.vocab_size if ours.vocab_size != theirs.vocab_size else
@@ -489,23 +489,48 @@ def draft_engine_from_flags(target: LoadedModel, config: EngineConfig, kernels: 
         at = f" (token {differ} first)" if differ is not None else ""
         raise ValueError(f"the draft model {draft.name}'s vocabulary is not {target.name}'s{at}: "
                          "a draft model shares its model's tokenizer (--draft_model)")
+    return draft
+
+
+def draft_engine_config(config: EngineConfig) -> EngineConfig:
+    """The draft engine's configuration beside a decoding engine of `config`: its context and
+    pages, a slot for each row a verify step runs (--speculative_max_batch at most), k - 1 decode
+    steps a call (k: `config`'s speculative_tokens), and a KV pool of that many longest
+    sequences."""
+    k, rows = config.speculative_tokens, min(config.num_slots, config.speculative_batch)
+    return dataclasses.replace(
+        config, role="both", num_slots=rows, speculative_tokens=0, decode_steps=max(1, k - 1),
+        max_logprobs=0, structured_output=False, num_pages=rows * config.max_pages_per_seq + 1)
+
+
+def draft_device_bytes(draft: LoadedModel, config: EngineConfig) -> int:
+    """The device memory the draft model's engine beside a decoding engine of `config` takes:
+    its weights in the compute dtype (before any --quantization) and its KV pool. On a GPU the
+    model's pool is sized to leave this much room (`kv_pool_pages`)."""
+    cfg = draft_engine_config(config)
+    pool = cfg.pool_pages * cfg.page_size * bytes_per_token(draft.config, jnp.dtype(cfg.pool_dtype))
+    return cast_bytes(draft.params, cfg.dtype) + pool
+
+
+def draft_engine_from_flags(draft: LoadedModel, config: EngineConfig, kernels: bool,
+                            device: jax.Device | None = None) -> Engine:
+    """The engine of `draft` (`load_draft`'s) beside a decoding engine of `config`
+    (`draft_engine_config`), on `device` (the decoding one)."""
     if config.max_seq_len > draft.config.max_context:
         raise ValueError(f"--max_seq_len={config.max_seq_len} exceeds the draft model {draft.name}'s "
                          f"context of {draft.config.max_context} tokens")
     draft, packed = quantize_from_flags(draft, kernels)
-    k, rows = config.speculative_tokens, min(config.num_slots, config.speculative_batch)
-    config = dataclasses.replace(
-        config, role="both", num_slots=rows, speculative_tokens=0, decode_steps=max(1, k - 1),
-        max_logprobs=0, structured_output=False, num_pages=rows * config.max_pages_per_seq + 1)
+    k, config = config.speculative_tokens, draft_engine_config(config)
     if jax.default_backend() == "cpu":
         check_pool_fits(draft.config, [config], sized=False)
     with memory.loading():
         engine = Engine(draft.params, draft.config, config, device=device,
                         packed=cpu_kernels.HandedOver(packed) if packed else packed)
-    print(f"cadence: drafts from {draft.name} (--draft_model), up to {k} tokens a step while at "
-          f"most {rows} request{'s' if rows > 1 else ''} decode{'' if rows > 1 else 's'}; its KV pool "
-          f"{engine.num_pages} pages, {engine.kv_cache_bytes / 2**20:.0f} MiB of {config.pool_dtype}",
-          file=sys.stderr)
+    rows = config.num_slots
+    print(f"cadence: drafts from {draft.name} (--draft_model), up to {k} tokens a "
+          f"step while at most {rows} request{'s' if rows > 1 else ''} decode{'' if rows > 1 else 's'}; "
+          f"its KV pool {engine.num_pages} pages, {engine.kv_cache_bytes / 2**20:.0f} MiB of "
+          f"{config.pool_dtype}", file=sys.stderr)
     return engine
 
 
@@ -533,7 +558,12 @@ def build_from_flags(warm: bool = True) -> Runtime:
     weights_line = describe_decode_weights(model, packed) if kernels else ""
     # From here the engines hold the weights: one engine takes the blocks over.
     model = dataclasses.replace(model, packed={})
-    engine_config = engine_config_from_flags(model, pair[0] if pair else None, tp)
+    # A draft model loads first: on a GPU the model's KV pool leaves room for it beside the
+    # decoding engine.
+    draft_model = load_draft(model, kernels) if speculative() == "draft" else None
+    reserve = (draft_device_bytes(draft_model, engine_config_from_flags())
+               if draft_model is not None and jax.default_backend() == "gpu" else 0)
+    engine_config = engine_config_from_flags(model, pair[0] if pair else None, tp, 0 if pair else reserve)
     if multi_process() and engine_config.num_pages is not None and KV_MEMORY.value is None:
         # Each process sized the pool by its own free memory; every one must run the same
         # programs, so all take the smallest.
@@ -543,7 +573,7 @@ def build_from_flags(warm: bool = True) -> Runtime:
             f"--max_seq_len={engine_config.max_seq_len} exceeds {model.name}'s context of "
             f"{model.config.max_context} tokens"
         )
-    configs = _pool_configs(model, engine_config, pair)
+    configs = _pool_configs(model, engine_config, pair, reserve)
     if jax.default_backend() == "cpu":  # the pools are host memory
         check_pool_fits(model.config if tp is None else tp.compute_config, configs,
                         copies=1 if tp is None or tp.heads_sharded else tp.size,
@@ -586,8 +616,8 @@ def build_from_flags(warm: bool = True) -> Runtime:
         # Before jax.distributed's own exit hook (registered earlier, so run later), which waits
         # for every process: the followers must first be told to stop.
         atexit.register(engines[0].close)
-    draft = (draft_engine_from_flags(model, engines[-1].config, kernels, pair[1] if pair else None)
-             if speculative() == "draft" else None)
+    draft = (None if draft_model is None else
+             draft_engine_from_flags(draft_model, engines[-1].config, kernels, pair[1] if pair else None))
     warm_seconds = warm_up(_with_draft(engines, draft)) if warm else 0.0
     config = scheduler_config_from_flags(model.name)
     scheduler = Scheduler(engines[0], model.tokenizer, config, decode_engine=engines[1] if pair else None,

@@ -175,10 +175,11 @@ def test_serving_with_a_draft_model_equals_serving_without(tiny_params, tiny_con
     assert sched.kv_pages == (0, cfg.num_pages)
 
 
-def test_the_flags_refuse_a_draft_model_of_another_vocabulary(tiny_model_dir, tiny_config, tiny_tokenizer):
+def test_the_flags_refuse_a_draft_model_of_another_vocabulary(tiny_model_dir, tiny_config, tiny_tokenizer,
+                                                              monkeypatch):
     """--draft_model's tokenizer must be the model's token for token (one piece changed is
     refused, naming it); --speculative=draft needs --draft_model and --draft_model drafts only
-    with it (or by default)."""
+    with it (or by default). On a GPU the model's KV pool leaves room for the draft model."""
     from absl import flags
     from absl.testing import flagsaver
 
@@ -199,10 +200,27 @@ def test_the_flags_refuse_a_draft_model_of_another_vocabulary(tiny_model_dir, ti
     with flagsaver.flagsaver(draft_model=path):
         assert runtime.speculative() == "draft"
         with pytest.raises(ValueError, match=r"model's vocabulary is not tiny's \(token 511 first\)"):
-            runtime.draft_engine_from_flags(target, config, kernels=False)
-        engine = runtime.draft_engine_from_flags(dataclasses.replace(target, tokenizer=tiny_tokenizer),
-                                                 config, kernels=False)
+            runtime.load_draft(target, kernels=False)
+        draft = runtime.load_draft(dataclasses.replace(target, tokenizer=tiny_tokenizer), kernels=False)
+        engine = runtime.draft_engine_from_flags(draft, config, kernels=False)
         assert (engine.config.num_slots, engine.config.decode_steps, engine.num_pages) == (4, K - 1, 4 * 12 + 1)
+        # On a GPU, the model's pool sized by free memory leaves the draft model's weights (in
+        # the compute dtype) and its pool.
+        reserve = runtime.draft_device_bytes(draft, config)
+        weights = sum(a.size for a in jax.tree.leaves(draft.params)) * 4
+        assert reserve == weights + engine.kv_cache_bytes
+
+        class Gpu:  # (what a GPU's jax.Device reports)
+            def memory_stats(self):
+                return {"bytes_limit": 2**30, "bytes_in_use": 2**28}
+
+        with monkeypatch.context() as m:
+            m.setattr(jax, "default_backend", lambda: "gpu")
+            page = 16 * tiny_config.kv_bytes_per_token(np.dtype(runtime.kv_dtype()).itemsize)  # (bf16)
+            alone = runtime.kv_pool_pages(target, "float32", 16, Gpu())
+            beside = runtime.kv_pool_pages(target, "float32", 16, Gpu(), reserve=reserve)
+        assert alone == int(0.9 * 3 * 2**28) // page
+        assert abs((alone - beside) * page - 0.9 * reserve) <= page
     for bad in (dict(speculative="draft"), dict(speculative="ngram", draft_model=path)):
         with pytest.raises(flags.IllegalFlagValueError, match="give both, or neither"):
             with flagsaver.flagsaver(**bad):
