@@ -59,6 +59,21 @@ class PoolStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class SlotStats:
+    """One KV slot of a pool, and the request holding it, if any (llama-server's /slots)."""
+
+    pool: str
+    slot: int
+    request_id: str | None = None  # None: the slot is free
+    state: str = "idle"  # else the request's: "prefilling", "transferring" or "decoding"
+    priority: int = 0
+    prompt_tokens: int = 0
+    prefilled: int = 0  # of those, whose KV it holds (taken from the cache, or computed)
+    decoded: int = 0  # output tokens so far
+    remaining: int = 0  # output tokens it may still take (its max_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
 class DraftStats:
     """A draft model's (speculative decoding): its KV pool, and the tokens it drafted."""
 
@@ -141,6 +156,22 @@ class Readings:
             spec_accepted_tokens=self.spec_accepted,
             compilations_after_warmup=self.compilations_after_warmup,
             compilations_on_demand=self.compilations_on_demand, pools=pools, draft=self.draft_stats())
+
+    def slots(self) -> list[SlotStats]:
+        """Every pool's slots in order, each with the request holding it (read without the
+        state lock: a request may have moved on by the time it is read)."""
+        out = []
+        for pool in self.pools:
+            held = {r.slot: r for r in list(pool.running) if r.slot is not None}
+            for slot in range(pool.num_slots):
+                r = held.get(slot)
+                if r is None:
+                    out.append(SlotStats(pool.name, slot))
+                    continue
+                decoded = len(r.output_ids)
+                out.append(SlotStats(pool.name, slot, r.id, r.state.value, r.priority, r.prompt_len,
+                                     min(r.prefilled, r.prompt_len), decoded, max(0, r.max_tokens - decoded)))
+        return out
 
     def draft_stats(self) -> DraftStats | None:
         """The draft model's readings (None without one)."""

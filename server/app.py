@@ -140,6 +140,7 @@ class ServerConfig:
     # Origins a browser page may call the API from (CORS); () answers no cross-origin request,
     # ("*",) any. Preflights pass without the API key; every other request still needs it.
     allowed_origins: tuple[str, ...] = ()
+    slots: bool = True  # GET /slots (llama-server's view of each slot)
 
 
 class Server:

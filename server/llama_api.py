@@ -257,7 +257,8 @@ class _End(NamedTuple):
 
 
 class LlamaAPI:
-    """llama-server's native endpoints: POST /completion (and /completions) and /infill."""
+    """llama-server's native endpoints: POST /completion (and /completions) and /infill, GET
+    /props and /slots."""
 
     def __init__(self, server: Any):  # server.app.Server
         self.server = server
@@ -266,7 +267,8 @@ class LlamaAPI:
         return [route("/infill", lambda r: self.generate(r, parse_infill, "infill"), ["POST"]),
                 *(route(path, lambda r: self.generate(r, parse_completion, "cmpl"), ["POST"])
                   for path in ("/completion", "/completions")),
-                route("/props", self.props, ["GET"])]
+                route("/props", self.props, ["GET"]),
+                *([route("/slots", self.slots, ["GET"])] if self.server.config.slots else [])]
 
     async def props(self, request: Request) -> Response:
         """GET /props in llama-server's shape: what its web UI and the clients written against
@@ -285,10 +287,33 @@ class LlamaAPI:
             "total_slots": sched.num_slots, "model_alias": server.model_name,
             "model_path": server.model_name,
             "modalities": {"vision": False, "video": False, "audio": False},
-            "endpoint_slots": False, "endpoint_props": False, "endpoint_metrics": True,
+            "endpoint_slots": server.config.slots, "endpoint_props": False, "endpoint_metrics": True,
             "chat_template": tok.chat_template or "", "bos_token": tok.bos_token or "",
             "eos_token": tok.eos_token or "", "build_info": f"cadence {cadence.__version__}",
             "is_sleeping": False})
+
+    async def slots(self, request: Request) -> Response:
+        """GET /slots in llama-server's shape: each KV slot (of every pool: `pool`, and `id`
+        within it), whether a request holds it (`is_processing`, its id as `id_task`, and
+        `next_token`'s counts), with cadence's own fields beside them: the request's `state`,
+        `priority` and prompt tokens (`n_prompt_tokens`, `n_prompt_tokens_processed`). Not its
+        prompt text, which llama-server shows. `?fail_on_no_slot=1`: 503 when no slot is free."""
+        server = self.server
+        server._authorize(request)
+        sched = server.scheduler
+        slots = sched.slots()
+        speculative = bool(sched.pools[-1].engine.config.speculative_tokens)
+        body = [{"id": s.slot, "pool": s.pool, "id_task": s.request_id if s.request_id else -1,
+                 "n_ctx": sched.max_seq_len, "speculative": speculative,
+                 "is_processing": s.request_id is not None, "state": s.state, "priority": s.priority,
+                 "n_prompt_tokens": s.prompt_tokens, "n_prompt_tokens_processed": s.prefilled,
+                 "next_token": {"has_next_token": s.request_id is not None, "has_new_line": False,
+                                "n_remain": s.remaining, "n_decoded": s.decoded, "stopping_word": ""}}
+                for s in slots]
+        if request.query_params.get("fail_on_no_slot") not in (None, "", "0", "false") and not any(
+                s.request_id is None for s in slots):
+            raise APIError(503, "no slot available (fail_on_no_slot)", type="service_unavailable")
+        return JSONResponse(body)
 
     async def generate(self, request: Request, parse: Callable, prefix: str) -> Response:
         server = self.server

@@ -51,6 +51,9 @@ _ORIGINS = flags.DEFINE_list(
     "as vLLM's --allowed-origins and llama-server allow: '*' any (the default, as theirs), a "
     "list of origins (https://chat.example.com), or empty (--allowed_origins=) for none. "
     "Preflight requests need no API key; the requests themselves do.")
+_SLOTS = flags.DEFINE_bool(
+    "slots", True, "Serve GET /slots, each KV slot and the request holding it (llama-server's "
+    "endpoint, token counts rather than its prompt text); --noslots turns it off (404).")
 _TRUST_TEMPLATES = flags.DEFINE_bool(
     "trust_request_chat_template", False,
     "Let a chat request bring its own Jinja chat template (vLLM's chat_template field and "
@@ -93,7 +96,7 @@ def main(argv: list[str]) -> int:
                               max_n=_MAX_N.value, grammar_timeout=GRAMMAR_TIMEOUT.value,
                               reasoning_parser=REASONING_PARSER.value, pooling=POOLING.value,
                               trust_request_chat_template=_TRUST_TEMPLATES.value,
-                              allowed_origins=tuple(_ORIGINS.value))
+                              allowed_origins=tuple(_ORIGINS.value), slots=_SLOTS.value)
         names = runtime.served_names(MODEL_FLAG.value, _SERVED_NAMES.value)
         rt = runtime.build_from_flags(warm=False)
     except (CheckpointError, ValueError, OSError) as e:

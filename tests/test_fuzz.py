@@ -395,6 +395,7 @@ CASES = [  # (path, method, mode, examples); operations without inputs have no n
     ("/server_info", "GET", POSITIVE, 5),
     ("/model_info", "GET", POSITIVE, 5),
     ("/get_load", "GET", POSITIVE, 5),
+    ("/slots", "GET", POSITIVE, 5),
     ("/debug/timeline", "GET", POSITIVE, 30),
     ("/debug/timeline", "GET", NEGATIVE, 30),
     ("/openapi.json", "GET", POSITIVE, 5),

@@ -12,9 +12,57 @@ import pytest
 
 from cadence.engine.reference import greedy_generate
 from cadence.model.host_sampling import RequestSampling
-from tests.conftest import serve_tiny
+from tests.conftest import serve_tiny, tiny_app
 
 PROMPT = "The capital of France is"
+
+
+def test_slots_show_each_slot_and_the_request_holding_it(tiny_engine, tiny_tokenizer):
+    """GET /slots (llama-server's): every slot, free or held; a held one names its request and
+    has its state and its prompt, prefilled, decoded and remaining tokens as the scheduler has
+    them, step by step; fail_on_no_slot=1 is a 503 only while every slot is held; with slots
+    off there is no such route. (First in the module: the server the others share is not up,
+    and this test steps its own scheduler of the same engine by hand.)"""
+    from starlette.testclient import TestClient
+
+    from cadence.scheduler.request import GenerationParams
+
+    app, sched = tiny_app(tiny_engine, tiny_tokenizer)
+    client = TestClient(app)  # (no lifespan: nothing steps the scheduler but this test)
+    n = sched.num_slots
+    long = sched.submit(list(range(3, 83)), GenerationParams(max_tokens=12, ignore_eos=True))
+    short = sched.submit([5, 6, 7], GenerationParams(max_tokens=4, ignore_eos=True))
+    seen = set()
+    while not sched.idle():
+        sched.step()
+        slots = client.get("/slots").json()
+        assert [s["id"] for s in slots] == list(range(n)) and {s["pool"] for s in slots} == {"colocated"}
+        held = {s["id_task"]: s for s in slots if s["is_processing"]}
+        assert all(s["id_task"] == -1 and s["state"] == "idle" for s in slots if not s["is_processing"])
+        for stream in (long, short):
+            r = stream.request
+            if r.slot is None or r.finished:  # (a finished request keeps its slot's number)
+                assert r.id not in held
+                continue
+            s = held[r.id]
+            assert s["id"] == r.slot and s["n_ctx"] == sched.max_seq_len and s["state"] == r.state.value
+            assert (s["n_prompt_tokens"], s["n_prompt_tokens_processed"]) == (r.prompt_len, min(r.prefilled, r.prompt_len))
+            assert (s["next_token"]["n_decoded"], s["next_token"]["n_remain"]) == (
+                len(r.output_ids), r.max_tokens - len(r.output_ids))
+            seen.add((r.id, s["state"], 0 < s["n_prompt_tokens_processed"] < r.prompt_len))
+    assert (long.request.id, "prefilling", True) in seen and (long.request.id, "decoding", False) in seen
+    assert client.get("/slots?fail_on_no_slot=1").status_code == 200
+    streams = [sched.submit([5, 6, 7], GenerationParams(max_tokens=32, ignore_eos=True)) for _ in range(n)]
+    while any(s.request.state.value in ("waiting", "prefilling") for s in streams):
+        sched.step()
+    assert client.get("/slots?fail_on_no_slot=1").status_code == 503
+    assert all(s["is_processing"] for s in client.get("/slots").json())
+    while not sched.idle():
+        sched.step()
+    assert client.get("/slots?fail_on_no_slot=1").status_code == 200
+    off, _ = tiny_app(tiny_engine, tiny_tokenizer, slots=False)
+    assert TestClient(off).get("/slots").status_code == 404
+    assert TestClient(off).get("/props").json()["endpoint_slots"] is False
 
 
 @pytest.fixture(scope="module")
