@@ -250,8 +250,8 @@ def speculates(plan: Plan, running: Sequence[Request], engine_config, config: Sp
     every request of the pool (`running`) decodes (none mid-prompt, none with KV on its way in),
     no split step is in flight (`split`), and some row wants drafts this step from its own
     sequence or (with `model`: a draft model serves this pool) the draft model. Each decoding
-    request's records count the step (`Drafter.wants`) whatever the answer, kept as
-    `Request.drafting`."""
+    request's records count the step (`Drafter.wants`) whatever the answer, which its drafter
+    keeps for the step (`Drafter.drafting`)."""
     if (not engine_config.speculative_tokens or plan.admit or plan.prefill or plan.preempt
             or not plan.decode or len(plan.decode) > engine_config.speculative_batch or split is not None):
         return False
@@ -260,8 +260,7 @@ def speculates(plan: Plan, running: Sequence[Request], engine_config, config: Sp
     wanting = False
     for r in plan.decode:
         r.drafter = r.drafter or Drafter(config, r.params.prediction)
-        r.drafting = r.drafter.wants(model)
-        wanting |= r.drafting
+        wanting |= r.drafter.wants(model)
     return wanting
 
 
@@ -278,7 +277,7 @@ def propose_drafts(plan: Plan, k: int, context: int, page_size: int, free_pages:
     drafts: dict[Request, list[int]] = {}
     asked: dict[Request, tuple[list[int], int]] = {}  # the draft model's rows
     for r in plan.decode:
-        if r.state is not State.DECODING or not r.drafting:
+        if r.state is not State.DECODING or r.drafter is None or not r.drafter.drafting:
             continue
         room = min(k, r.max_tokens - r.dispatched - 1, context - r.prompt_len - r.dispatched)
         if r.masks_stops():  # every position the step samples stays within its mask

@@ -362,7 +362,6 @@ class Request:
         # Speculative decoding: its n-gram drafts and acceptance, from its first drafting
         # iteration on (`scheduler.speculative.Drafter`).
         self.drafter: Drafter | None = None
-        self.drafting = False  # whether it drafts in this iteration
         # The engines' programs it needs that warm-up left for their first use, compiling
         # (`Engine.prepare`): it waits until they are done, while others run.
         self.compiling: list = []

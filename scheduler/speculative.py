@@ -231,6 +231,11 @@ class Drafter:
         self.by_model = model and self.model_acceptance.wants()
         return self.own or self.by_model
 
+    @property
+    def drafting(self) -> bool:
+        """Whether some source may draft this step (as `wants` last said)."""
+        return self.own or self.by_model
+
     def propose(self, prompt_ids: list[int], output_ids: list[int], k: int) -> list[int]:
         """Up to `k` drafts of its own: the prediction's, where the answer follows it, else
         the sequence's n-grams'."""
