@@ -229,7 +229,7 @@ class Drafter:
         server has a draft model) from the draft model. Counts the step in each record."""
         self.own = self.acceptance.wants()
         self.by_model = model and self.model_acceptance.wants()
-        return self.own or self.by_model
+        return self.drafting
 
     @property
     def drafting(self) -> bool:
