@@ -162,14 +162,15 @@ class DraftModel:
             tokens_read = np.concatenate([tokens_read, np.asarray(after)[:, slots].T], axis=1)
             if self.p_min:
                 sure = np.concatenate([sure, after.logprobs().token[:, slots].T], axis=1)
+        unsure = sure < np.log(self.p_min) if self.p_min else None  # every row's, at once
         drafts = {}
         for i, (key, (_, tokens, room, _)) in enumerate(placed.items()):
             row = tokens_read[i].tolist()
             # The KV written: the sequence, and every draft decoded from (all but the last).
             self._rows[key].written = tokens + row[:steps]
-            if self.p_min:  # up to the first the draft model was not sure enough of
-                unsure = np.flatnonzero(sure[i, :room] < np.log(self.p_min))
-                room = int(unsure[0]) if unsure.size else room
+            if unsure is not None:  # up to the first the draft model was not sure enough of
+                cut = np.flatnonzero(unsure[i, :room])
+                room = int(cut[0]) if cut.size else room
             if room:
                 drafts[key] = row[:room]
         return drafts
