@@ -200,9 +200,9 @@ def load_hf_params(folder: str | Path, config: ModelConfig, *, keep_16_bit: bool
     with tqdm(total=len(specs), desc=f"loading {folder.name}", unit="tensor", disable=None) as bar:
         for path, names in by_file.items():
             with open(path, "rb") as f:
-                where = _tensor_offsets(f)
+                where = tensor_offsets(f)
                 for hf_name in names:
-                    spec, array = specs[hf_name], _read_tensor(f, *where[hf_name])
+                    spec, array = specs[hf_name], read_tensor(f, *where[hf_name])
                     array = array.T if spec.transpose else array
                     if spec.path[-1] == "scale" and _norm_offset(config):
                         array = array.astype(np.float32) + _norm_offset(config)
@@ -212,7 +212,7 @@ def load_hf_params(folder: str | Path, config: ModelConfig, *, keep_16_bit: bool
     return build_tree(specs.values(), lambda spec: arrays[spec.hf_name])
 
 
-def _tensor_offsets(f) -> dict[str, tuple[int, np.dtype, tuple[int, ...]]]:
+def tensor_offsets(f) -> dict[str, tuple[int, np.dtype, tuple[int, ...]]]:
     """A safetensors file's tensors (open, binary): name -> (byte offset, dtype, shape), read
     from its header (an 8-byte little-endian length, then that much JSON)."""
     size = int.from_bytes(f.read(8), "little")
@@ -222,7 +222,7 @@ def _tensor_offsets(f) -> dict[str, tuple[int, np.dtype, tuple[int, ...]]]:
             for name, entry in header.items() if entry["dtype"] in FLOAT_DTYPES}
 
 
-def _read_tensor(f, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+def read_tensor(f, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     """One tensor read into memory of its own with plain reads. safetensors' reader maps the
     file, and the mapped pages a load touches count as resident beside the arrays made from
     them: loading a checkpoint held it about twice (6.8 GB for a 3.2 GiB one)."""

@@ -107,6 +107,11 @@ class EngineConfig:
     # scheduler decodes plainly, where a step costs its compute rather than its weight read).
     speculative_tokens: int = 0
     speculative_batch: int = 4
+    # LoRA adapters (`model.lora`): the bank's slots (how many adapters the engine holds at
+    # once; 0: none, the programs as without) and the highest rank it holds. The bank is an
+    # argument of fixed shape: what a slot holds, and which rows use it, compile nothing.
+    lora_slots: int = 0
+    lora_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -146,6 +151,9 @@ class EngineConfig:
         if self.speculative_tokens < 0 or self.speculative_batch < 1:
             raise ValueError(f"speculative_tokens must be >= 0 and speculative_batch >= 1, got "
                              f"{self.speculative_tokens} and {self.speculative_batch}")
+        if self.lora_slots < 0 or self.lora_rank < 0 or (self.lora_slots > 0) != (self.lora_rank > 0):
+            raise ValueError(f"lora_slots and lora_rank are both 0 (no adapters) or both >= 1, got "
+                             f"{self.lora_slots} and {self.lora_rank}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.page_size < 1:

@@ -74,9 +74,10 @@ from cadence.engine.packing import Pack, PrefillChunk, bucket_for, pack_chunks, 
 from cadence.engine.programs import jit_programs
 from cadence.engine.results import DecodeTokens, PrefillTokens
 from cadence.engine.warmup import Compiling, spec
-from cadence.model import cpu_kernels, layer_loop
+from cadence.model import cpu_kernels, layer_loop, lora
 from cadence.model.config import ModelConfig
 from cadence.model.llama import rope_table
+from cadence.model.lora import LoraAdapter
 from cadence.model.params import cast
 from cadence.model.sharding import TensorParallel
 from cadence.model.paged_kv import PagedKVCache
@@ -84,17 +85,27 @@ from cadence.model.host_sampling import SamplingParams, SamplingRows, gather_all
 from cadence.model.sampling import Logprobs, TokenHistory
 
 
-_GREEDY_ROW = SamplingRows(1).params()  # what a padding row samples with (read only)
+@functools.cache
+def _greedy_row(lora_slots: int) -> SamplingParams:
+    """What a padding row samples with (read only)."""
+    return SamplingRows(1, lora_slots).params()
 
 
-def _gather_rows(sampling: SamplingParams, pick: np.ndarray, live: np.ndarray) -> SamplingParams:
+def _gather_rows(sampling: SamplingParams, pick: np.ndarray, live: np.ndarray,
+                 lora_slots: int) -> SamplingParams:
     """The sampling rows of the slots `pick`; padding rows (not `live`) are greedy, so they
-    never send a step down the sampling path."""
+    never send a step down the sampling path (and use no LoRA adapter). The rows must carry
+    the engine's `lora_slots` scales each (another width would be another program)."""
+    if np.shape(sampling.lora)[-1] != lora_slots:
+        raise ValueError(f"sampling rows carry {np.shape(sampling.lora)[-1]} LoRA scales each; this "
+                         f"engine's bank has {lora_slots} slots (SamplingRows(num_slots, lora_slots))")
+    greedy_row = _greedy_row(lora_slots)
+
     def gather(a, greedy):
         rows = live.reshape(live.shape + (1,) * (greedy.ndim - 1))
         return np.where(rows, np.asarray(a)[pick], greedy).astype(greedy.dtype)
 
-    return jax.tree.map(gather, sampling, _GREEDY_ROW)
+    return jax.tree.map(gather, sampling, greedy_row)
 
 
 def _placed_as_stored(path) -> bool:
@@ -170,7 +181,8 @@ class Engine(KVOps, Compiling):
 
     def __init__(self, params, model_config: ModelConfig, config: EngineConfig = EngineConfig(),
                  device: jax.Device | None = None, devices: Sequence[jax.Device] | None = None,
-                 packed: Mapping[tuple[str, ...], np.ndarray] | None = None):
+                 packed: Mapping[tuple[str, ...], np.ndarray] | None = None,
+                 adapters: Sequence[LoraAdapter] = ()):
         """`device`: where the weights, the pool and every program live (default: the first).
         Everything the engine holds is committed to it, so programs run there whatever device
         a `KVHandle` or an argument comes from.
@@ -182,7 +194,10 @@ class Engine(KVOps, Compiling):
         `packed`: matrices in a grouped block-quantized format (`model.block_layout.pack_grouped`,
         GGUF's own blocks: `LoadedModel.packed`), by path, that decode_matmul="cpu" reads in
         place of blocking their float matrices (their leaves in `params` are not read, and may
-        be anything of the right shape)."""
+        be anything of the right shape).
+
+        `adapters`: LoRA adapters (`model.lora`) for the bank of `config.lora_slots` slots,
+        adapter i in slot i; a request uses them through its sampling row's `lora` scales."""
         if config.max_seq_len > model_config.max_context:
             raise ValueError(
                 f"max_seq_len {config.max_seq_len} exceeds the model's context of "
@@ -215,6 +230,11 @@ class Engine(KVOps, Compiling):
             self._pool_at, self._token_at = self.tp.pool_sharding, self.tp.replicated
             self._handle_at = self.tp.handle_sharding
             logging.info("%s", self.tp.describe())
+        if config.lora_slots:
+            self.params = self._with_lora_bank(adapters)
+        elif adapters:
+            raise ValueError(f"{len(adapters)} LoRA adapters for an engine without a bank "
+                             "(EngineConfig.lora_slots)")
         if config.decode_matmul == "cpu" and (self.tp is not None or self.device.platform != "cpu"):
             raise ValueError("decode_matmul='cpu' runs on one CPU device; use 'xla' with tensor "
                              "parallelism or an accelerator")
@@ -252,6 +272,17 @@ class Engine(KVOps, Compiling):
             self.num_pages * config.page_size, self.cache.nbytes / 2**20,
         )
 
+    def _with_lora_bank(self, adapters: Sequence[LoraAdapter]) -> dict:
+        """The placed params with the LoRA bank's leaves (`model.lora`), in the compute dtype
+        on this engine's device."""
+        if self.tp is not None:
+            raise ValueError("LoRA adapters run on one device (not yet with tensor parallelism)")
+        bank = lora.bank_arrays(self.model_config, adapters, self.config.lora_slots,
+                                self.config.lora_rank)
+        dtype = jnp.dtype(self.config.dtype)
+        return lora.with_bank(self.params, bank, self.model_config.num_layers,
+                              place=lambda a: cast(jax.device_put(a, self.device), dtype))
+
     # -- the two programs -------------------------------------------------------------------
 
     def prefill(self, chunks: Sequence[PrefillChunk], sampling: SamplingParams,
@@ -287,7 +318,7 @@ class Engine(KVOps, Compiling):
             live = p.sampling_slot < cfg.num_slots
             pick = np.where(live, p.sampling_slot, 0)
             tokens, lp, *score = self._run_pack(
-                p, _gather_rows(sampling, pick, live),
+                p, _gather_rows(sampling, pick, live, cfg.lora_slots),
                 gather_allowed(allowed, (cfg.num_slots,), self.vocab_size, pick, live), targets)
             tokens.copy_to_host_async()
             if wanted:
@@ -364,8 +395,8 @@ class Engine(KVOps, Compiling):
         program = self._decode_batched if batch.batched else self._decode
         (tokens, logprobs), self.cache, self.last_tokens, self.history = program(
             self.params, self.rope, self.cache, self.last_tokens, self.history, batch.rows,
-            batch.positions, batch.tables, _gather_rows(sampling, batch.pick, batch.live),
-            np.int32(steps),
+            batch.positions, batch.tables,
+            _gather_rows(sampling, batch.pick, batch.live, self.config.lora_slots), np.int32(steps),
         )
         return self._decode_result(tokens, logprobs, steps, sampling, batch)
 
@@ -406,7 +437,7 @@ class Engine(KVOps, Compiling):
         self._ensure("speculative")
         (tokens, logprobs, emitted), self.cache, self.last_tokens, self.history = self._verify(
             self.params, self.rope, self.cache, self.last_tokens, self.history, batch.rows,
-            batch.positions, batch.tables, _gather_rows(sampling, batch.pick, batch.live),
+            batch.positions, batch.tables, _gather_rows(sampling, batch.pick, batch.live, cfg.lora_slots),
             np.where(batch.live[:, None], drafts[batch.pick], 0).astype(np.int32),
             np.where(batch.live, draft_lens[batch.pick], 0).astype(np.int32),
             gather_allowed(allowed, (cfg.num_slots, k + 1), self.vocab_size, batch.pick, batch.live))
@@ -426,7 +457,7 @@ class Engine(KVOps, Compiling):
         self._ensure("structured")
         batch = self._decode_batch(positions, active, page_table, 1)
         program = self._decode_forward_batched if batch.batched else self._decode_forward
-        gathered = _gather_rows(sampling, batch.pick, batch.live)
+        gathered = _gather_rows(sampling, batch.pick, batch.live, self.config.lora_slots)
         logits, self.cache = program(self.params, self.rope, self.cache, self.last_tokens,
                                      batch.rows, batch.positions, batch.tables, gathered)
         self._pending = _PendingStep(batch, sampling, gathered, logits)

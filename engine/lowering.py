@@ -111,7 +111,7 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, *, weights:
         out.append(Program(name, field, getattr(p, field), _abstract(args), frozenset(kernels)))
 
     def rows(n):
-        return sampling_rows([RequestSampling()] * n)
+        return sampling_rows([RequestSampling()] * n, cfg.lora_slots)
 
     if cfg.role != "decode":
         shapes = [(t, w, "prefill") for t in cfg.prefill_buckets for w in cfg.prefill_page_buckets]

@@ -46,15 +46,31 @@ def _prefill_program(
     table, one token sampled per chunk (with its slot's history, `sampling_slot`, among the
     tokens its bitmask `allowed` allows), and each
     prompt's last chunk's token written into its slot's `last_tokens` and counted into its
-    history (other entries of `write_slot` are num_slots and drop out)."""
+    history (other entries of `write_slot` are num_slots and drop out). Each row runs with its
+    chunk's LoRA adapters (`sampling.lora`, gathered per chunk)."""
     with _live_rows(tokens, lengths):
         logits, cache = forward(
             params, tokens, positions, lengths, cache, tables, config=config,
             logit_index=logit_index, attention=attention, dtype=dtype, mesh=mesh, rope_table=rope,
+            adapters=_row_adapters(sampling, tokens, logit_index, sampling_slot, last_tokens.shape[0]),
         )
     sampled, logprobs, last_tokens, history = _take_chunk_tokens(
         logits, last_tokens, history, steps, write_slot, sampling_slot, sampling, allowed, max_logprobs)
     return (sampled, logprobs), cache, last_tokens, history
+
+
+def _row_adapters(sampling, tokens, logit_index, sampling_slot, num_slots):
+    """Each row's LoRA scales [rows, lora_slots] in a pack whose chunks' rows (`sampling`,
+    gathered per chunk) hold them: a row's chunk is the first whose last token's row is not
+    before it (`packing.row_chunks`; padding chunks, `sampling_slot` num_slots, end nowhere),
+    and rows past every chunk take none."""
+    if sampling.lora.shape[-1] == 0:
+        return None
+    rows, block = tokens.shape
+    ends = jnp.where(sampling_slot < num_slots, logit_index // block, rows)  # padding: past every row
+    chunk = jnp.sum(ends[None, :] < jnp.arange(rows, dtype=jnp.int32)[:, None], axis=1)
+    real = jnp.sum(sampling_slot < num_slots)
+    return jnp.where((chunk < real)[:, None], jnp.take(sampling.lora, chunk, axis=0, mode="clip"), 0.0)
 
 
 def _live_rows(tokens, lengths):
@@ -89,6 +105,7 @@ def _scored_prefill_program(
         logits, cache = forward(
             params, tokens, positions, lengths, cache, tables, config=config, logit_index=every,
             attention=attention, dtype=dtype, mesh=mesh, rope_table=rope,
+            adapters=_row_adapters(sampling, tokens, logit_index, sampling_slot, last_tokens.shape[0]),
         )
     sampled, logprobs, last_tokens, history = _take_chunk_tokens(
         logits[logit_index], last_tokens, history, steps, write_slot, sampling_slot, sampling,
@@ -143,7 +160,8 @@ def _decode_program(
         live = live & (step < steps)  # off the CPU the loop runs max_steps: the rest write nothing
         at = positions + step
         logits, cache = _decode_forward(params, rope, cache, inputs, live, at, page_table,
-                                        config=config, attention=attention, dtype=dtype, mesh=mesh)
+                                        sampling.lora, config=config, attention=attention,
+                                        dtype=dtype, mesh=mesh)
         tokens, last_tokens, history, out, lp_out = _decode_sample(
             logits, live, inputs, slots, at, sampling, history, last_tokens, out, lp_out, step,
             max_logprobs=max_logprobs)
@@ -193,7 +211,8 @@ def _verify_program(
     rows = attention if attention == "reference" else f"{attention}_rows"
     logits, cache = forward(
         params, tokens, at, jnp.where(live, lens + 1, 0), cache, page_table, config=config,
-        attention=rows, dtype=dtype, mesh=mesh, rope_table=rope)  # [batch, k + 1, vocab]
+        attention=rows, dtype=dtype, mesh=mesh, rope_table=rope,
+        adapters=sampling.lora)  # [batch, k + 1, vocab]
 
     into_none = jnp.full_like(slots, num_slots)
     drafts = jnp.concatenate([drafts, jnp.zeros((batch, 1), drafts.dtype)], axis=1)  # [batch, k + 1]
@@ -232,13 +251,14 @@ def _no_logprobs(shape, max_logprobs):
                     values=jnp.zeros((*shape, max_logprobs), jnp.float32))
 
 
-def _decode_forward(params, rope, cache, inputs, live, at, page_table, *, config, attention, dtype,
-                    mesh):
-    """One decode step's forward pass: each live row's KV at `at` written, its logits."""
+def _decode_forward(params, rope, cache, inputs, live, at, page_table, adapters, *, config,
+                    attention, dtype, mesh):
+    """One decode step's forward pass: each live row's KV at `at` written, its logits (with
+    its LoRA `adapters`' scales)."""
     rows = jnp.arange(inputs.shape[0], dtype=jnp.int32)
     return forward(params, inputs[:, None], at[:, None], live.astype(jnp.int32), cache, page_table,
                    config=config, logit_index=rows, attention=attention, dtype=dtype, mesh=mesh,
-                   rope_table=rope)
+                   rope_table=rope, adapters=adapters)
 
 
 def _decode_sample(logits, live, inputs, slots, at, sampling, history, last_tokens, out, lp_out,
@@ -263,8 +283,8 @@ def _decode_forward_program(params, rope, cache, last_tokens, slots, positions, 
     filled from the token the step before sampled): the forward pass of `_decode_program`'s
     first step, returning the logits [batch, vocab] that `_decode_sample_program` samples."""
     inputs, live = _decode_inputs(last_tokens, slots, sampling)
-    return _decode_forward(params, rope, cache, inputs, live, positions, page_table, config=config,
-                           attention=attention, dtype=dtype, mesh=mesh)
+    return _decode_forward(params, rope, cache, inputs, live, positions, page_table, sampling.lora,
+                           config=config, attention=attention, dtype=dtype, mesh=mesh)
 
 
 def _decode_sample_program(logits, last_tokens, history, slots, positions, sampling, allowed, *,
@@ -387,5 +407,5 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
     )
 
 
-def sampling_rows(rows: Sequence[RequestSampling]) -> SamplingParams:
-    return SamplingRows.of(list(rows)).params()
+def sampling_rows(rows: Sequence[RequestSampling], lora_slots: int = 0) -> SamplingParams:
+    return SamplingRows.of(list(rows), lora_slots).params()

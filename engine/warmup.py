@@ -103,7 +103,7 @@ def list_programs(programs: Programs, cfg: EngineConfig, mc: ModelConfig, specs:
             out.append(WarmProgram(group, name, fn, args))
 
     def rows(n):
-        return sampling_rows([RequestSampling()] * n)
+        return sampling_rows([RequestSampling()] * n, cfg.lora_slots)
 
     # Packs mix sequences, so any token bucket can meet any page-table width; so can a
     # scored chunk's.

@@ -69,6 +69,9 @@ class RequestSampling:
     # over the output, repetition over prompt and output); n > 0: llama.cpp's (its
     # repeat_last_n), all three over the last n tokens of prompt and output.
     penalty_window: int = 0
+    # LoRA adapters (`model.lora`): (slot in the engine's bank, scale) pairs, slots distinct;
+    # whether the engine's bank has the slot is `SamplingRows.set`'s check (it knows its size).
+    lora: tuple[tuple[int, float], ...] = ()
 
     @property
     def penalized(self) -> bool:
@@ -108,6 +111,21 @@ class RequestSampling:
             raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 "
                              f"disables it), got {self.repetition_penalty}")
         _check_logit_bias(self.logit_bias)
+        _check_lora(self.lora)
+
+
+def _check_lora(lora) -> None:
+    if not isinstance(lora, tuple) or not all(isinstance(e, tuple) and len(e) == 2 for e in lora):
+        raise ValueError(f"lora must be a tuple of (adapter slot, scale) pairs, got {lora!r}")
+    slots = [slot for slot, _ in lora]
+    if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in slots):
+        raise ValueError(f"lora's adapter slots are integers >= 0, got {slots}")
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"lora names an adapter twice: {slots}")
+    for slot, scale in lora:
+        if (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+                or abs(scale) > FLOAT32_MAX):
+            raise ValueError(f"lora scales are finite numbers, got {scale!r} for adapter {slot}")
 
 
 def _check_logit_bias(bias) -> None:
@@ -141,9 +159,10 @@ def row_bias(logit_bias: Iterable[tuple[int, float]], masked: Iterable[int] = ()
 
 
 class SamplingRows:
-    """Per-slot sampling parameters on the host, in the dtypes the programs take."""
+    """Per-slot sampling parameters on the host, in the dtypes the programs take; `lora_slots`:
+    the size of the engine's LoRA bank, each row's scale per adapter ([num_slots, lora_slots])."""
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, lora_slots: int = 0):
         self.temperature = np.zeros(num_slots, np.float32)
         self.top_k = np.zeros(num_slots, np.int32)
         self.top_p = np.ones(num_slots, np.float32)
@@ -157,10 +176,11 @@ class SamplingRows:
         self.bias_ids = np.full((num_slots, MAX_LOGIT_BIAS), NO_TOKEN, np.int32)
         self.bias_values = np.zeros((num_slots, MAX_LOGIT_BIAS), np.float32)
         self.logprobs = np.zeros(num_slots, bool)
+        self.lora = np.zeros((num_slots, lora_slots), np.float32)
 
     @classmethod
-    def of(cls, rows: list[RequestSampling]) -> SamplingRows:
-        packed = cls(len(rows))
+    def of(cls, rows: list[RequestSampling], lora_slots: int = 0) -> SamplingRows:
+        packed = cls(len(rows), lora_slots)
         for slot, row in enumerate(rows):
             packed.set(slot, row)
         return packed
@@ -181,6 +201,11 @@ class SamplingRows:
         bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
         if bias:
             bias_ids[: len(bias)], bias_values[: len(bias)] = zip(*bias.items())
+        lora = np.zeros(self.lora.shape[1], np.float32)
+        for adapter, scale in sampling.lora:
+            if adapter >= len(lora):
+                raise ValueError(f"LoRA adapter {adapter} is past the engine's {len(lora)} adapter slots")
+            lora[adapter] = scale
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.seed[slot] = values
         self.stop_ids[slot] = stops
         self.min_p[slot] = sampling.min_p
@@ -190,6 +215,7 @@ class SamplingRows:
         self.penalty_window[slot] = sampling.penalty_window
         self.bias_ids[slot], self.bias_values[slot] = bias_ids, bias_values
         self.logprobs[slot] = logprobs
+        self.lora[slot] = lora
 
     def clear(self, slot: int) -> None:
         """Greedy again: a free slot must not make a step take the sampling path."""
@@ -203,8 +229,9 @@ class SamplingRows:
 
 class SamplingParams(NamedTuple):
     """Every slot's sampling row, one array per setting ([rows], the stop ids [rows,
-    MAX_STOP_TOKENS], the logit biases [rows, MAX_LOGIT_BIAS]): NumPy as `SamplingRows.params`
-    packs them, device arrays inside a program. Its methods work on either."""
+    MAX_STOP_TOKENS], the logit biases [rows, MAX_LOGIT_BIAS], the LoRA scales [rows,
+    lora_slots]): NumPy as `SamplingRows.params` packs them, device arrays inside a program.
+    Its methods work on either."""
 
     temperature: Any
     top_k: Any
@@ -219,6 +246,7 @@ class SamplingParams(NamedTuple):
     bias_ids: Any
     bias_values: Any
     logprobs: Any
+    lora: Any
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingParams:

@@ -141,7 +141,8 @@ def layer_params(stacked: dict[str, Any], layer: jax.Array) -> dict[str, Any]:
 
 def run(block, stacked: dict[str, Any], num_layers: int, x: jax.Array, cache: PagedKVCache,
         positions, rope, lengths, page_table, *, no_rope: tuple[int, ...] = (),
-        windows: list[int] | None = None, local_rope=None) -> tuple[jax.Array, PagedKVCache]:
+        windows: list[int] | None = None, local_rope=None, adapters=None
+        ) -> tuple[jax.Array, PagedKVCache]:
     """x through every layer of `block` (an unbound `model.llama.Block`) over `stacked`, in a
     loop whose counter is the layer: each writes its keys and values into its layer of the
     stacked pool and attends over them, as the unrolled layers do, with the block's positions,
@@ -149,7 +150,8 @@ def run(block, stacked: dict[str, Any], num_layers: int, x: jax.Array, cache: Pa
     sin 0: their queries and keys come out exactly as they went in, as an unrolled layer
     without rope leaves them). `windows`: each layer's attention window (`llama.layer_window`),
     the counter's taken as the loop runs; `local_rope`: ((cos, sin), [layers] bool), the
-    rotation the layers marked True take instead of `rope` (Gemma 3's sliding layers)."""
+    rotation the layers marked True take instead of `rope` (Gemma 3's sliding layers);
+    `adapters`: each row's LoRA scales (`model.lora`), for the layer's slice of the bank."""
     if not cache.stacked:
         raise ValueError("the layer loop reads a pool stacked over layers "
                          "(PagedKVCache.create(stacked=True))")
@@ -168,7 +170,7 @@ def run(block, stacked: dict[str, Any], num_layers: int, x: jax.Array, cache: Pa
         window = None if windows is None else jnp.asarray(windows, jnp.int32)[i]
         x, k, v = block.apply({"params": layer_params(stacked, i)}, x, positions, layer_rope, lengths,
                               page_table, cpu_kernels.PoolLayer(k, i), cpu_kernels.PoolLayer(v, i),
-                              window)
+                              window, adapters)
         return x, k.pool, v.pool
 
     x, k, v = jax.lax.fori_loop(0, num_layers, body, (x, cache.k, cache.v))

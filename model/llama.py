@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cadence.model import control, cpu_kernels, layer_loop, paged_kv, sharding
+from cadence.model import control, cpu_kernels, layer_loop, lora, paged_kv, sharding
 from cadence.model.config import ModelConfig
 from cadence.model.paged_attention import get_paged_attention, writes_in_place
 from cadence.model.paged_kv import PagedKVCache
@@ -203,7 +203,8 @@ class Attention(nn.Module):
     mesh: jax.sharding.Mesh | None = None  # heads sharded over its tensor-parallel axis
 
     @nn.compact
-    def __call__(self, x, positions, rope, lengths, page_table, k_pages, v_pages, window=None):
+    def __call__(self, x, positions, rope, lengths, page_table, k_pages, v_pages, window=None,
+                 adapters=None):
         cfg = self.config
         rows, t, _ = x.shape
         dense = lambda n, bias, name: Linear(n, bias, self.dtype, name=name)  # noqa: E731
@@ -213,6 +214,7 @@ class Attention(nn.Module):
             q, k, v = fused(self, "qkv", x, widths)
         else:
             q, k, v = (dense(n, cfg.attention_bias, name)(x) for n, name in zip(widths, "qkv"))
+        q, k, v = (lora.plus(y, self, name, x, adapters) for y, name in zip((q, k, v), "qkv"))
         q = q.reshape(rows, t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(rows, t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(rows, t, cfg.num_kv_heads, cfg.head_dim)
@@ -231,8 +233,8 @@ class Attention(nn.Module):
         with jax.named_scope("attention"):
             out, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, page_table, positions, lengths,
                                            *windows)
-        out = dense(cfg.hidden_size, False, "o")(out.reshape(rows, t, -1))
-        return out, k_pages, v_pages
+        out = out.reshape(rows, t, -1)
+        return lora.plus(dense(cfg.hidden_size, False, "o")(out), self, "o", out, adapters), k_pages, v_pages
 
 
 @functools.cache
@@ -263,15 +265,17 @@ class MLP(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, adapters=None):
         f, d = self.config.ffn_size, self.config.hidden_size
         if self.has_variable("params", "gate_up"):  # a decode tree: one kernel call
             gate, up = fused(self, "gate_up", x, (f, f))
         else:
             gate = Linear(f, False, self.dtype, name="gate")(x)
             up = Linear(f, False, self.dtype, name="up")(x)
+        gate, up = lora.plus(gate, self, "gate", x, adapters), lora.plus(up, self, "up", x, adapters)
         act = nn.silu(gate) if self.config.hidden_act == "silu" else nn.gelu(gate, approximate=True)
-        return Linear(d, False, self.dtype, name="down")(act * up)
+        h = act * up
+        return lora.plus(Linear(d, False, self.dtype, name="down")(h), self, "down", h, adapters)
 
 
 class Block(nn.Module):
@@ -281,17 +285,18 @@ class Block(nn.Module):
     mesh: jax.sharding.Mesh | None = None
 
     @nn.compact
-    def __call__(self, x, positions, rope, lengths, page_table, k_pages, v_pages, window=None):
+    def __call__(self, x, positions, rope, lengths, page_table, k_pages, v_pages, window=None,
+                 adapters=None):
         eps, post = self.config.rms_norm_eps, self.config.post_norms
         h, k_pages, v_pages = Attention(self.config, self.attention, self.dtype, self.mesh, name="attn")(
             RMSNorm(eps, name="attn_norm")(x), positions, rope, lengths, page_table, k_pages, v_pages,
-            window,
+            window, adapters,
         )
         if post:  # (Gemma's: each branch normalized before it joins the residual stream)
             h = RMSNorm(eps, name="attn_post_norm")(h)
         r = self.config.residual_multiplier  # (Granite's; 1 elsewhere)
         x = x + (h if r == 1 else h * r)
-        h = MLP(self.config, self.dtype, name="mlp")(RMSNorm(eps, name="mlp_norm")(x))
+        h = MLP(self.config, self.dtype, name="mlp")(RMSNorm(eps, name="mlp_norm")(x), adapters)
         if post:
             h = RMSNorm(eps, name="mlp_post_norm")(h)
         x = x + (h if r == 1 else h * r)
@@ -306,7 +311,7 @@ class Llama(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, positions, lengths, cache: PagedKVCache, page_table, logit_index,
-                 rope_table=None, hidden=False):
+                 rope_table=None, hidden=False, adapters=None):
         cfg = self.config
         embed = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed")
         x = embed(tokens)
@@ -329,7 +334,8 @@ class Llama(nn.Module):
                                       x, cache, positions, rope, lengths, page_table,
                                       no_rope=cfg.no_rope_layers,
                                       windows=windows if cfg.sliding_layers else None,
-                                      local_rope=(ropes[1], local) if any(local) else None)
+                                      local_rope=(ropes[1], local) if any(local) else None,
+                                      adapters=adapters)
         else:
             new_k, new_v = [], []
             for i in range(cfg.num_layers):
@@ -337,7 +343,7 @@ class Llama(nn.Module):
                     layer_rope = None if i in cfg.no_rope_layers else ropes[cfg.local_rope(i)]
                     x, k, v = Block(cfg, self.attention, self.dtype, self.mesh, name=f"layers_{i}")(
                         x, positions, layer_rope, lengths, page_table, cache.k[i], cache.v[i],
-                        layer_window(cfg, i),
+                        layer_window(cfg, i), adapters,
                     )
                 new_k.append(k)
                 new_v.append(v)
@@ -387,6 +393,7 @@ def forward(
     mesh: jax.sharding.Mesh | None = None,
     rope_table: jax.Array | None = None,
     hidden: bool = False,
+    adapters: jax.Array | None = None,
 ) -> tuple[jax.Array, PagedKVCache]:
     """Runs the decoder; returns float32 logits ([rows, t, V], or [n, V] with logit_index), or
     with `hidden` the final norm's output instead ([rows, t, D] or [n, D]): the hidden states
@@ -397,11 +404,16 @@ def forward(
 
     `mesh`: attention runs per device over the heads its tensor-parallel axis holds
     (`model.sharding`); the params and pool must be sharded to match. Everything outside
-    attention is left to XLA's SPMD partitioner, which follows the shardings of the params."""
+    attention is left to XLA's SPMD partitioner, which follows the shardings of the params.
+
+    `adapters` [rows, slots]: each row's scale for each LoRA adapter of the params' bank
+    (`model.lora`); None, or a tree without a bank, runs the base model alone."""
     module = Llama(config, attention, dtype, mesh)
+    if adapters is not None and adapters.shape[-1] == 0:
+        adapters = None
     return module.apply(
         {"params": params}, tokens, positions, lengths, cache, page_table, logit_index, rope_table,
-        hidden,
+        hidden, adapters,
     )
 
 

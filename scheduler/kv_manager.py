@@ -66,7 +66,7 @@ class Pool:
         # Each slot's occupant's pages; free slots' rows, and the entries past a sequence's
         # last page, point at the null page, which any step may read (never write) without harm.
         self.tables = np.full((cfg.num_slots, cfg.max_pages_per_seq), NULL_PAGE, np.int32)
-        self.rows = SamplingRows(cfg.num_slots)  # each slot's occupant's sampling row
+        self.rows = SamplingRows(cfg.num_slots, cfg.lora_slots)  # each slot's occupant's sampling row
         self.free_slots = list(range(cfg.num_slots))[::-1]
         self.running: list[Request] = []  # holding a slot here, in slot-assignment order
         # Results dispatched on this engine, not yet applied (`scheduler.results`).

@@ -100,12 +100,13 @@ class GenerationParams:
 
 
 def check_params(params: GenerationParams, vocab_size: int | None = None, max_logprobs: int | None = None,
-                 structured: bool = True) -> None:
+                 structured: bool = True, lora_slots: int | None = None) -> None:
     """The one validation of generation parameters, for every front door: raises
     SubmissionError (naming the parameter) for anything the scheduler's loop could not serve.
-    The scheduler checks every submission with its engines' `vocab_size`, `max_logprobs` and
-    whether they run `structured` output; a front door may check earlier without them (what
-    depends on the model is then left to the scheduler)."""
+    The scheduler checks every submission with its engines' `vocab_size`, `max_logprobs`,
+    whether they run `structured` output and how many LoRA adapters they hold (`lora_slots`);
+    a front door may check earlier without them (what depends on the model is then left to
+    the scheduler)."""
     if not isinstance(params.sampling, RequestSampling):
         raise SubmissionError(f"sampling must be a RequestSampling, got {type(params.sampling).__name__}")
     if params.grammar is not None and vocab_size is not None:
@@ -116,6 +117,10 @@ def check_params(params: GenerationParams, vocab_size: int | None = None, max_lo
                               f"vocabulary [0, {vocab_size})", "logit_bias")
     if params.pooling is not None:
         _check_pooling(params)
+    beyond = [slot for slot, _ in params.sampling.lora if lora_slots is not None and slot >= lora_slots]
+    if beyond:
+        raise SubmissionError(f"LoRA adapter {beyond[0]} is not loaded: this server holds "
+                              f"{lora_slots} (--lora)", "lora")
     most = max_logprobs
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name)
@@ -176,6 +181,9 @@ def _check_pooling(params: GenerationParams) -> None:
     if given:
         raise SubmissionError(f"an embedding generates nothing: {given[0]} cannot go with pooling",
                               given[0])
+    if params.sampling.lora:
+        raise SubmissionError("embeddings are the base model's: a LoRA adapter cannot go with "
+                              "pooling", "lora")
 
 
 def check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> None:

@@ -92,7 +92,7 @@ class Submissions:
         )
         if self.config.prefix_caching and params.prompt_logprobs is None and params.pooling is None:
             request.page_keys = PageKeys(self.page_size, self.config.cache_namespace.encode(),
-                                         params.cache_salt)
+                                         params.cache_salt, params.sampling.lora)
         if params.min_tokens:  # its row must hold its stop ids masked beside its biases
             try:
                 row_bias(params.sampling.logit_bias, request.eos_ids)
@@ -113,7 +113,8 @@ class Submissions:
         (`scheduler.request.check_params`, which every front door calls too)."""
         decoders = [e for e in self.engines if e.config.role != "prefill"]
         check_params(params, self.engine.vocab_size, self.engine.config.max_logprobs,
-                     structured=all(e.config.structured_output for e in decoders))
+                     structured=all(e.config.structured_output for e in decoders),
+                     lora_slots=min(e.config.lora_slots for e in self.engines))
 
     def cancel(self, request: Request) -> None:
         with self._lock:

@@ -57,6 +57,7 @@ from cadence.server.llama_api import LlamaAPI, fill_ids
 from cadence.server.info_api import InfoAPI
 from cadence.server.metrics import Metrics
 from cadence.server.protocol import APIError
+from cadence.server.served_models import ServedModels
 from cadence.server.responses_api import ResponsesAPI
 from cadence.server.tool_call_parser import Delta
 from cadence.server.tool_requests import ToolRequest, call_style
@@ -141,6 +142,9 @@ class ServerConfig:
     # ("*",) any. Preflights pass without the API key; every other request still needs it.
     allowed_origins: tuple[str, ...] = ()
     slots: bool = True  # GET /slots (llama-server's view of each slot)
+    # LoRA adapters' names, in the engine's bank order (`--lora`): a request's "model" may name
+    # one, and its answer carries that name.
+    lora_adapters: tuple[str, ...] = ()
 
 
 class Server:
@@ -150,12 +154,8 @@ class Server:
                  on_fatal: Callable[[str], None] | None = None):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
-        # The names a request's "model" may give (vLLM's --served-model-name): the first is the
-        # one answers carry.
-        self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
-        if not self.model_names or not all(self.model_names):
-            raise ValueError("a server needs at least one non-empty model name")
-        self.model_name = self.model_names[0]
+        self.models = ServedModels(model_name, config.lora_adapters)  # what "model" may name
+        self.model_name = self.models.name  # the one answers carry
         self.config = config
         self.defaults = protocol.OPENAI_DEFAULTS.with_model(generation)
         self.metrics = Metrics(scheduler, self.model_name)
@@ -306,8 +306,10 @@ class Server:
         with protocol.submission_errors():
             prompts, grammar = await self._prepare(parsed)
             shown = self.call_style.shown if parsed.parses_tool_calls else ()
+            lora = parsed.params.sampling.lora or self.models.lora(parsed.model)  # llama's, or the model's
             params = [dataclasses.replace(p, grammar=grammar, shown_specials=shown,
-                                          prediction=parsed.prediction_ids)
+                                          prediction=parsed.prediction_ids,
+                                          sampling=dataclasses.replace(p.sampling, lora=lora))
                       for p in parsed.choice_params()]
             try:
                 for k, ids in enumerate(prompts):
@@ -330,12 +332,6 @@ class Server:
         except SubmissionError as e:
             raise APIError(400, str(e)) from None
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise APIError(404, f"model '{model}' is not served here; this server serves "
-                                f"{', '.join(map(repr, self.model_names))}", param="model",
-                           code="model_not_found")
-
     def check_template(self, body: Any) -> None:
         """A request's own chat template (its body's field, before the template is parsed) is
         taken only where the server trusts them."""
@@ -352,7 +348,7 @@ class Server:
         if chat:
             self.check_template(body)
         parsed = protocol.parse(body, chat, self.defaults, self.config.max_n)
-        self.check_model(parsed.model)
+        self.models.check(parsed.model)
         request_id = protocol.request_id(request.headers, "chatcmpl" if chat else "cmpl")
         groups = await self.submit(parsed, request_id)
         headers = {"X-Request-Id": request_id}
@@ -362,7 +358,7 @@ class Server:
         if parsed.stream:
             frames = self._sse(groups, request_id, chat, parsed.include_usage, echoes, tools,
                                parsed.tokens_as_ids, parsed.reasoning_inside, parsed.continuous_usage,
-                               parsed.token_ids)
+                               parsed.token_ids, parsed.model)
             return StreamingResponse(frames, media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         streams = [s for g in groups for s in g]
@@ -381,7 +377,7 @@ class Server:
             answers.append(protocol.Answer(protocol.best(generated, parsed.n), generated, echo,
                                            groups[k][0].request.prompt_ids))
         return JSONResponse(protocol.full_response(
-            request_id, self.model_name, chat, answers, self.tokenizer,
+            request_id, self.models.answer(parsed.model), chat, answers, self.tokenizer,
             logprobs=parsed.params.logprobs, tools=tools,
             tokens_as_ids=parsed.tokens_as_ids, reasoning_inside=parsed.reasoning_inside,
             reasoning_tokens=None if thinkers is None else sum(t.reasoning_pieces for t in thinkers),
@@ -409,7 +405,7 @@ class Server:
                    include_usage: bool, echoes: list[protocol.Echo | None],
                    tools: ToolRequest | None = None, tokens_as_ids: bool = False,
                    reasoning_inside: bool | None = None, continuous: bool = False,
-                   token_ids: bool = False) -> AsyncIterator[str]:
+                   token_ids: bool = False, model: str | None = None) -> AsyncIterator[str]:
         """The streams' events as SSE frames, each choice's chunks under its index (prompt by
         prompt, then choice: streamed requests have no best_of, so stream i is choice i).
         Every event waiting when the loop gets to this request goes out in one write: when the
@@ -423,8 +419,9 @@ class Server:
         `ReasoningParser`, its reasoning streamed as `reasoning_content`, the rest as content.
         `continuous`: every chunk carries its choice's usage so far (vLLM's). `token_ids`
         (vLLM's return_token_ids): every token's chunk goes out carrying its ids, and the
-        prompt's ids go in the response's first chunk (chat) or each choice's (completions)."""
-        created, name = int(time.time()), self.model_name
+        prompt's ids go in the response's first chunk (chat) or each choice's (completions).
+        `model`: the request's, which names its chunks' model where it is an adapter."""
+        created, name = int(time.time()), self.models.answer(model)
         streams = [s for group in groups for s in group]
         # Each stream's prompt: its echo, and the stream that computes the prompt's logprobs.
         echo_of = [echo for echo, group in zip(echoes, groups) for _ in group]

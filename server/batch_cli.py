@@ -292,7 +292,8 @@ def run_openai_lines(rt: runtime.Runtime, todo: list[Job], output: Path, report)
     """OpenAI Batch API lines, through cadence-serve's endpoints in process (`server.openai_batch`);
     a line's request is the operator's, so its own chat_template is taken."""
     config = ServerConfig(grammar_timeout=GRAMMAR_TIMEOUT.value, reasoning_parser=REASONING_PARSER.value,
-                          pooling=POOLING.value, trust_request_chat_template=True)
+                          pooling=POOLING.value, trust_request_chat_template=True,
+                          lora_adapters=tuple(a.name for a in rt.adapters))
     return openai_batch.run(rt, todo, output, report, config, runtime.served_names(MODEL_FLAG.value, None)[0])
 
 

@@ -141,7 +141,7 @@ class EmbeddingsAPI:
         body = await server.read_body(request)
         with protocol.submission_errors(prompt="input"):
             parsed = parse_openai(body, server.scheduler.engine.model_config.hidden_size)
-        server.check_model(parsed.model)
+        server.models.check_base(parsed.model)
         request_id = protocol.request_id(request.headers, "embd")
         records = await self.embed(request, parsed, request_id)
         tokens = sum(r.prompt_tokens for r in records)
@@ -161,7 +161,7 @@ class EmbeddingsAPI:
         body = await server.read_body(request)
         with protocol.submission_errors(prompt="content"):
             parsed = parse_llama(body)
-        server.check_model(parsed.model)
+        server.models.check_base(parsed.model)
         request_id = protocol.request_id(request.headers, "embd")
         records = await self.embed(request, parsed, request_id)
         return JSONResponse([{"index": i, "embedding": [normalized(r.embedding, parsed.norm).tolist()]}

@@ -77,6 +77,17 @@ DRAFT_MODEL = flags.DEFINE_string(
     "drafts (as --model: a name, GGUF file, HF folder or converted checkpoint), e.g. "
     "Qwen2.5-Coder-0.5B for Qwen2.5-Coder-7B. It runs beside the model on its own KV pool, "
     "--speculative_max_batch sequences of --max_seq_len, and its weights as --weights says.")
+LORA = flags.DEFINE_multi_string(
+    "lora", [],
+    "A LoRA adapter served beside the model, NAME=PATH (or PATH, named after its file or "
+    "folder): a PEFT folder (adapter_config.json, adapter_model.safetensors) or a GGUF adapter "
+    "(llama.cpp's convert_lora_to_gguf.py). Repeat for more. A request uses one by giving its "
+    "NAME as the model; llama-server's /completion mixes them with `lora: [{id, scale}]`, ids in "
+    "the order given here. Every adapter sits in one bank the programs read, so requests on "
+    "different adapters (and none) decode in one batch.")
+MAX_LORA_RANK = flags.DEFINE_integer(
+    "max_lora_rank", 0,
+    "The highest LoRA rank the bank holds (0: the highest of --lora's adapters).", lower_bound=0)
 DRAFT_P_MIN = flags.DEFINE_float(
     "draft_p_min", 0.75,
     "With --draft_model: a step's drafts for a request end before the first the draft model "

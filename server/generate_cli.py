@@ -13,6 +13,7 @@ stderr: per-request TTFT and per-stream rate, aggregate throughput, and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import threading
@@ -30,6 +31,7 @@ from cadence.server import client_json, parsing, runtime
 _PROMPT = flags.DEFINE_string("prompt", None, "A prompt.")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "File of prompts: one per line, or JSONL.")
 _CHAT = flags.DEFINE_bool("chat", False, "Apply the model's chat template to each prompt.")
+_ADAPTER = flags.DEFINE_string("adapter", None, "Run every prompt with this LoRA adapter (a --lora NAME).")
 _TRACE = flags.DEFINE_string(
     "trace_file", None, "Write the scheduler timeline (iterations, request phases) as a Chrome trace."
 )
@@ -52,6 +54,18 @@ def read_prompts(path: Path) -> list[dict]:
         else:
             entries.append({"prompt": line})
     return entries
+
+
+def with_adapter(jobs: list, names: list[str], adapter: str | None) -> list:
+    """The jobs with `adapter` (one of the loaded LoRA adapters' `names`) in their sampling."""
+    if adapter is None:
+        return jobs
+    if adapter not in names:
+        raise ValueError(f"--adapter={adapter}: the loaded LoRA adapters (--lora) are "
+                         f"{names or 'none'}")
+    lora = ((names.index(adapter), 1.0),)
+    return [(ids, dataclasses.replace(p, sampling=dataclasses.replace(p.sampling, lora=lora)))
+            for ids, p in jobs]
 
 
 def rate(record: RequestRecord) -> float | None:
@@ -87,6 +101,7 @@ def main(argv: list[str]) -> int:
         grammars = rt.grammars()
         jobs = [parsing.to_request(e, tok, defaults, chat=_CHAT.value, grammars=grammars,
                                     max_seq_len=rt.scheduler.max_seq_len)[:2] for e in entries]
+        jobs = with_adapter(jobs, [a.name for a in rt.adapters], _ADAPTER.value)
     except (CheckpointError, SubmissionError, ValueError, OSError) as e:
         print(f"cadence-generate: error: {e}", file=sys.stderr)
         return 2

@@ -55,18 +55,23 @@ class InfoAPI:
                 route("/openapi.json", self.openapi, ["GET"])]
 
     def _model_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self.server.created, "owned_by": "cadence",
+        """A served name's card; a LoRA adapter's names its base model as `parent` (vLLM's)."""
+        card = {"id": name, "object": "model", "created": self.server.created, "owned_by": "cadence",
                 "root": self.server.model_name, "max_model_len": self.server.scheduler.max_seq_len}
+        if name in self.server.models.adapters:
+            card.update(root=name, parent=self.server.model_name)
+        return card
 
     async def models(self, request: Request) -> Response:
         self.server._check(request)
-        return JSONResponse({"object": "list", "data": [self._model_card(n) for n in self.server.model_names]})
+        return JSONResponse({"object": "list",
+                             "data": [self._model_card(n) for n in self.server.models.every]})
 
     async def model(self, request: Request) -> Response:
         """GET /v1/models/{id}: one served name's card (an id may hold slashes)."""
         self.server._check(request)
         name = request.path_params["model_id"]
-        self.server.check_model(name)
+        self.server.models.check(name)
         return JSONResponse(self._model_card(name))
 
     async def tokenize(self, request: Request) -> Response:
@@ -77,7 +82,7 @@ class InfoAPI:
         body = await self.server.read_body(request)
         self.server.check_template(body)
         entry = protocol.tokenize_request(body)
-        self.server.check_model(entry.get("model"))
+        self.server.models.check(entry.get("model"))
 
         def run() -> list[int]:
             if "messages" in entry:
@@ -115,7 +120,7 @@ class InfoAPI:
         """POST /detokenize in vLLM's shape: {"tokens": [ids]} -> {"prompt": text}."""
         body = await self.server.read_body(request)
         entry = protocol.detokenize_request(body, self.server.tokenizer.vocab_size)
-        self.server.check_model(entry.get("model"))
+        self.server.models.check(entry.get("model"))
         return JSONResponse({"prompt": self.server.tokenizer.decode(entry["tokens"])})
 
     # -- what a router asks a worker ------------------------------------------------------------

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
@@ -74,7 +75,6 @@ _OFF: dict[str, tuple[tuple[type, ...], Callable[[Any], bool], str]] = {
     "tfs_z": ((int, float), lambda v: v >= 1, "1"),
     "min_keep": ((int,), lambda v: v <= 1, "0"),  # (every sampler keeps one token anyway)
     "n_cmpl": ((int,), lambda v: v == 1, "1"),
-    "lora": ((list,), lambda v: not v, "[]"),
     "post_sampling_probs": ((bool,), lambda v: not v, "false"),
     "penalize_nl": ((bool,), lambda v: not v, "false"),
     "timings_per_token": ((bool,), lambda v: not v, "false"),
@@ -90,7 +90,7 @@ _UNUSED: dict[str, tuple[type, ...]] = {
     "mirostat_tau": (int, float), "mirostat_eta": (int, float), "adaptive_decay": (int, float),
     "n_keep": (int,), "n_discard": (int,), "n_cache_reuse": (int,), "sse_ping_interval": (int, float),
 }
-_COMMON = frozenset({"model", "prompt", "stream", "n_predict", "max_tokens", "cache_prompt",
+_COMMON = frozenset({"model", "prompt", "stream", "n_predict", "max_tokens", "cache_prompt", "lora",
                      "return_tokens", "samplers", "n_indent", "t_max_predict_ms", "t_max_prompt_ms",
                      "response_fields", "id_slot", "n_probs", "grammar", "json_schema",
                      *parsing.LLAMA_PENALTY_FIELDS, *_SAMPLING, *_OFF, *_UNUSED})
@@ -155,6 +155,21 @@ def parse_infill(body: Any, defaults: parsing.SamplingDefaults) -> tuple[protoco
     return _parse(body, defaults, prefix, hole)
 
 
+def _lora(body: dict) -> tuple[tuple[int, float], ...]:
+    """llama-server's per-request adapters, `[{"id": i, "scale": s}, ...]` (ids in --lora's
+    order, an adapter left out at scale 0): the (id, scale) pairs of nonzero scale."""
+    entries = parsing.field(body, "lora", (list,), [])
+    if not all(isinstance(e, dict) and set(e) == {"id", "scale"} and isinstance(e["id"], int)
+               and not isinstance(e["id"], bool) and e["id"] >= 0 and isinstance(e["scale"], (int, float))
+               and not isinstance(e["scale"], bool) and math.isfinite(e["scale"]) for e in entries):
+        raise SubmissionError('"lora" must be an array of {"id": adapter index >= 0, "scale": a '
+                              'finite number}', "lora")
+    ids = [e["id"] for e in entries]
+    if len(set(ids)) != len(ids):
+        raise SubmissionError(f'"lora" names an adapter twice: {ids}', "lora")
+    return tuple((e["id"], float(e["scale"])) for e in entries if e["scale"] != 0)
+
+
 def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[int],
            hole: fim.Hole | None) -> tuple[protocol.ParsedRequest, Options]:
     """The fields both endpoints share."""
@@ -182,6 +197,7 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
         entry["seed"] = None
     params = parsing.generation_params(entry, dataclasses.replace(defaults, max_tokens=None))
     params = parsing.llama_penalties(body, params)
+    params = dataclasses.replace(params, sampling=dataclasses.replace(params.sampling, lora=_lora(body)))
     probs = _non_negative(body, "n_probs", (int,))
     params = dataclasses.replace(params, logprobs=probs or None)
     constraint = guided.constraint(body)  # llama-server's grammar or json_schema
@@ -322,7 +338,7 @@ class LlamaAPI:
             parsed, options = parse(body, server.defaults)
         except SubmissionError as e:
             raise APIError(400, str(e), param=e.param) from None
-        server.check_model(parsed.model)
+        server.models.check(parsed.model)
         most = server.scheduler.engine.config.max_logprobs
         if (parsed.params.logprobs or 0) > most:
             raise APIError(400, f'"n_probs" must be at most {most} (the server\'s --max_logprobs), '

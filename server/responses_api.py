@@ -544,7 +544,7 @@ class ResponsesAPI:
             raise APIError(400, str(e), param=e.param) from None
         except APIError as e:
             raise _renamed(e) from None
-        server.check_model(parsed.model)
+        server.models.check(parsed.model)
         request_id = protocol.request_id(request.headers, "resp")
         try:
             groups = await server.submit(parsed, request_id)
@@ -599,8 +599,8 @@ class _Run:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {"id": self.id, "object": "response", "created_at": self.created,
                 "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
-                "status": status, "model": self.api.server.model_name, "output": output,
-                "usage": usage, "error": error, "incomplete_details": incomplete, **self.settings}
+                "status": status, "model": self.api.server.models.answer(self.parsed.model),
+                "output": output, "usage": usage, "error": error, "incomplete_details": incomplete, **self.settings}
 
     def finish(self, output: Output, record: RequestRecord) -> dict:
         """The finished response (stored if asked): "incomplete" when cut off by the limit."""

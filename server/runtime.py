@@ -27,6 +27,7 @@ from absl import logging
 from tqdm import tqdm
 
 from cadence.checkpoints import chat
+from cadence.checkpoints.adapters import load_adapter
 from cadence.checkpoints.registry import KNOWN_MODELS, LoadedModel, cache_dir, load_model, resolve
 from cadence.checkpoints.store import AS_STORED
 from cadence.engine import multihost
@@ -34,6 +35,7 @@ from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine, cpu_weights
 from cadence.model import cpu_kernels, layer_loop
 from cadence.model.config import ModelConfig
+from cadence.model.lora import LoraAdapter
 from cadence.model.paged_kv import bytes_per_token, pages_for_bytes
 from cadence.model.params import MATRICES, cast_bytes, get, param_specs
 from cadence.model.quant import quantize, quantize_grouped
@@ -46,7 +48,7 @@ from cadence.scheduler.speculative import SpeculativeConfig
 from cadence.server import memory
 from cadence.server.flags import (ATTENTION, CHAT_TEMPLATE, CHAT_TEMPLATE_KWARGS, COORDINATOR,
                                   CPU_ACTIVATIONS, CPU_KERNELS, DECODE_DEVICES, DECODE_STEPS,
-                                  DRAFT_MODEL, DRAFT_P_MIN, DTYPE,
+                                  DRAFT_MODEL, DRAFT_P_MIN, DTYPE, LORA, MAX_LORA_RANK,
                                   GRAMMAR_TIMEOUT, ITL_TARGET, KV_DTYPE, KV_DTYPE_ALIASES,
                                   KV_MEMORY, KV_RESERVATION, LAYER_LOOP, LOWER_SHARE, MAX_LOGPROBS,
                                   MAX_PREFILL_CHUNKS, MAX_QUEUE, MAX_SEQ_LEN, MODEL_FLAG,
@@ -65,6 +67,7 @@ class Runtime:
     scheduler: Scheduler
     warmup_seconds: float
     draft_engine: Engine | None = None  # --draft_model's
+    adapters: tuple[LoraAdapter, ...] = ()  # --lora's, in the bank's order
 
     def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> float:
         return warm_up(_with_draft(self.engines, self.draft_engine), progress)
@@ -422,8 +425,30 @@ def _pool_configs(model: LoadedModel, engine_config: EngineConfig, pair, reserve
     return [prefill_config, decode_config]
 
 
+def load_adapters(config: ModelConfig) -> tuple[LoraAdapter, ...]:
+    """--lora's adapters for a base model of `config`, names distinct."""
+    adapters = []
+    for spec in LORA.value:
+        name, _, path = spec.rpartition("=")
+        adapters.append(load_adapter(Path(path).expanduser(), config, name or None))
+        print(f"cadence: LoRA adapter {adapters[-1].name!r} (rank {adapters[-1].rank}, "
+              f"{', '.join(sorted(adapters[-1].projections))}) from {path}", file=sys.stderr)
+    names = [a.name for a in adapters]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora: adapter names must be distinct, got {names} (name them NAME=PATH)")
+    return tuple(adapters)
+
+
+def with_lora(config: EngineConfig, adapters: Sequence[LoraAdapter]) -> EngineConfig:
+    """`config` with a bank for `adapters` (none: as it is)."""
+    if not adapters:
+        return config
+    rank = MAX_LORA_RANK.value or max(a.rank for a in adapters)
+    return dataclasses.replace(config, lora_slots=len(adapters), lora_rank=rank)
+
+
 def _engines(model: LoadedModel, packed, configs: list[EngineConfig], pair, mesh_devices,
-             tp: TensorParallel | None) -> tuple[tuple[Engine, ...], str]:
+             tp: TensorParallel | None, adapters: Sequence[LoraAdapter] = ()) -> tuple[tuple[Engine, ...], str]:
     """The engine (or the disaggregated pair) of `configs` over the model's weights, and where
     it runs. One engine takes the packed blocks over (`cpu_kernels.HandedOver`: `packed` is
     emptied, so that each block goes once the engine has placed or copied it, as its layer loop
@@ -436,7 +461,7 @@ def _engines(model: LoadedModel, packed, configs: list[EngineConfig], pair, mesh
         if packed:
             packed.clear()
         return (Engine(model.params, model.config, configs[0], devices=mesh_devices,
-                       packed=handed),), where
+                       packed=handed, adapters=adapters),), where
     prefill_config, decode_config = configs
     params = model.params
     if prefill_config.decode_matmul == "cpu" and prefill_config.layer_loop:
@@ -447,8 +472,10 @@ def _engines(model: LoadedModel, packed, configs: list[EngineConfig], pair, mesh
             params = layer_loop.host_views(tree)
             if packed:
                 packed.clear()  # the stacked copies are the blocks now
-    return ((Engine(params, model.config, prefill_config, device=pair[0], packed=packed),
-             Engine(params, model.config, decode_config, device=pair[1], packed=packed)),
+    return ((Engine(params, model.config, prefill_config, device=pair[0], packed=packed,
+                    adapters=adapters),
+             Engine(params, model.config, decode_config, device=pair[1], packed=packed,
+                    adapters=adapters)),
             f"{pair[0]} (prefill) and {pair[1]} (decode), disaggregated")
 
 
@@ -573,13 +600,14 @@ def build_from_flags(warm: bool = True) -> Runtime:
             f"--max_seq_len={engine_config.max_seq_len} exceeds {model.name}'s context of "
             f"{model.config.max_context} tokens"
         )
-    configs = _pool_configs(model, engine_config, pair, reserve)
+    adapters = load_adapters(model.config)
+    configs = [with_lora(c, adapters) for c in _pool_configs(model, engine_config, pair, reserve)]
     if jax.default_backend() == "cpu":  # the pools are host memory
         check_pool_fits(model.config if tp is None else tp.compute_config, configs,
                         copies=1 if tp is None or tp.heads_sharded else tp.size,
                         sized=KV_MEMORY.value is not None)
     with memory.loading():
-        engines, where = _engines(model, packed, configs, pair, mesh_devices, tp)
+        engines, where = _engines(model, packed, configs, pair, mesh_devices, tp, adapters)
     del packed
     for engine in engines:
         cfg = engine.config
@@ -626,7 +654,7 @@ def build_from_flags(warm: bool = True) -> Runtime:
           + (f": prompts reuse cached KV to the token ({engines[0].config.page_size}-token pages "
              "by key, a partial page copied)" if config.prefix_caching else ""), file=sys.stderr)
     return Runtime(model=model, engines=engines, scheduler=scheduler, warmup_seconds=warm_seconds,
-                   draft_engine=draft)
+                   draft_engine=draft, adapters=adapters)
 
 
 def served_names(model: str, given: list[str] | None) -> list[str]:

@@ -12,6 +12,7 @@ logged and the server exits with status 1. Binds to loopback unless --host says 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -110,6 +111,7 @@ def main(argv: list[str]) -> int:
         print(f"cadence-serve: error: {reason}; exiting", file=sys.stderr)
         server.should_exit = True
 
+    config = dataclasses.replace(config, lora_adapters=tuple(a.name for a in rt.adapters))
     application = create_app(
         rt.scheduler, rt.model.tokenizer, names, config=config,
         warmup=rt.warm_up, generation=rt.model.generation, on_fatal=on_fatal)

@@ -3,6 +3,8 @@ against, and greedy decoding driven through an engine's own programs.
 
     logits = full_logits(params, config, tokens)   # [len(tokens), vocab], one program
     tokens = engine_greedy(engine, prompts, max_new, chunk_sizes)
+    adapter = random_adapter(config, "sql", 4, lora.PROJECTIONS, seed=1)   # LoRA, and on disk:
+    write_peft_adapter(folder, config, adapter, alpha=8)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from cadence.engine.config import EngineConfig, fixed_page_tables
 from cadence.engine.engine import Engine
 from cadence.engine.packing import PrefillChunk
 from cadence.engine.programs import sampling_rows
-from cadence.model import llama
+from cadence.model import llama, lora
 from cadence.model.config import TINY, RopeScaling
 from cadence.model.host_sampling import RequestSampling
 from cadence.model.llama import rope_table
@@ -93,16 +95,17 @@ def undo_embedding_boost(params):
     )
 
 
-def engine_greedy(engine, prompts, max_new, chunk_sizes):
+def engine_greedy(engine, prompts, max_new, chunk_sizes, rows=None):
     """Prefills the prompts in chunks of the given sizes (so chunks start at odd offsets), one
     chunk of each prompt per packed program, then decodes every slot together; the last slot
-    stays empty. Each slot's pages are scattered
-    over the pool in a shuffled order."""
+    stays empty. Each slot's pages are scattered over the pool in a shuffled order. `rows`:
+    the slots' sampling rows (default greedy, no adapters)."""
     order = np.random.default_rng(0).permutation(engine.config.pool_pages)
     tables = fixed_page_tables(engine.config, order)
     out = [[] for _ in prompts]
     slots = engine.config.num_slots
-    rows = sampling_rows([RequestSampling()] * slots)
+    if rows is None:
+        rows = sampling_rows([RequestSampling()] * slots, engine.config.lora_slots)
     starts, i = [0] * len(prompts), 0
     while any(start < len(p) for start, p in zip(starts, prompts)):
         chunks = []  # one chunk of every prompt still prefilling, packed into one program
@@ -141,3 +144,50 @@ def greedy_with_each(params, model, attentions, prompt_lengths, max_new, chunk_s
         results[attention] = engine_greedy(engine, prompts, max_new, chunk_sizes)
         assert len({t for row in results[attention] for t in row}) > 5
     return results
+
+
+def random_adapter(config, name, rank, projections, seed, spread=0.3) -> lora.LoraAdapter:
+    """A LoRA adapter of random matrices for `projections` of every layer, large enough to
+    change the tiny model's greedy tokens."""
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for layer in range(config.num_layers):
+        for proj in projections:
+            n_in, n_out = lora.projection_shape(config, proj)
+            weights[(layer, proj)] = (rng.normal(0, spread, (n_in, rank)).astype(np.float32),
+                                      rng.normal(0, spread, (rank, n_out)).astype(np.float32))
+    return lora.LoraAdapter(name, rank, weights)
+
+
+def peft_tensors(config, adapter: lora.LoraAdapter, alpha: float) -> dict[str, np.ndarray]:
+    """`adapter` as PEFT names its tensors (lora_A [r, in], lora_B [out, r] without the alpha /
+    r that `LoraAdapter` folds into b)."""
+    from cadence.model.params import param_specs
+
+    names = {(int(s.path[0].removeprefix("layers_")), s.path[2]): s.hf_name.removesuffix(".weight")
+             for s in param_specs(config) if len(s.path) == 4 and s.path[3] == "kernel"}
+    out = {}
+    for key, (a, b) in adapter.weights.items():
+        module = f"base_model.model.{names[key]}"
+        out[f"{module}.lora_A.weight"] = np.ascontiguousarray(a.T)
+        out[f"{module}.lora_B.weight"] = np.ascontiguousarray(b.T / (alpha / a.shape[1]))
+    return out
+
+
+def write_peft_adapter(folder, config, adapter: lora.LoraAdapter, alpha: float, **settings) -> None:
+    """`adapter` as a PEFT folder: adapter_config.json (`settings` over the defaults) and
+    adapter_model.safetensors."""
+    import json
+    from pathlib import Path
+
+    import safetensors.numpy
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    targets = sorted({f"{p}_proj" for p in adapter.projections})
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": adapter.rank, "lora_alpha": alpha, "target_modules": targets,
+         "bias": "none", "use_dora": False, "use_rslora": False, "modules_to_save": None,
+         **settings}))
+    safetensors.numpy.save_file(peft_tensors(config, adapter, alpha),
+                                str(folder / "adapter_model.safetensors"))

@@ -1,0 +1,128 @@
+"""LoRA adapters over HTTP: a request names an adapter as its model (vLLM's) or mixes them with
+llama-server's `lora`, requests on different adapters and none decode together and each answer
+is the reference's on its own merged weights; the prefix cache never hands one adapter's KV to
+another; the names the API lists and refuses; `--lora` through the command line."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import jax
+import numpy as np
+import pytest
+
+from cadence.engine.config import EngineConfig
+from cadence.engine.engine import Engine
+from cadence.engine.reference import greedy_generate
+from cadence.model import lora
+from tests.serving import cli, gauge, serving
+from tests.tiny_models import random_adapter, undo_embedding_boost, write_peft_adapter
+
+ADAPTERS = ("every", "some")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_config, tiny_params, tiny_tokenizer):
+    """The real app over an engine with two adapters in its bank (the CPU kernels, layer loop),
+    its base URL, scheduler, weights and adapters."""
+    params = jax.tree.map(np.asarray, undo_embedding_boost(tiny_params))  # no copy loops
+    adapters = [random_adapter(tiny_config, "every", 4, lora.PROJECTIONS, 1),
+                random_adapter(tiny_config, "some", 2, ("q", "v", "down"), 2)]
+    engine = Engine(params, tiny_config, EngineConfig(
+        num_slots=4, max_seq_len=256, prefill_chunk=32, min_kv_bucket=256, attention="cpu",
+        decode_matmul="cpu", lora_slots=2, lora_rank=4), adapters=adapters)
+    engine.warmup(warmup="needed")
+    with serving(engine, tiny_tokenizer, lora_adapters=ADAPTERS) as (base, sched):
+        yield base, sched, params, adapters
+
+
+def reference(params, config, adapters, pairs, ids, n):
+    return greedy_generate(lora.merged_params(params, config, [(adapters[i], s) for i, s in pairs]),
+                           config, ids, n)
+
+
+def test_requests_on_different_adapters_decode_together_each_as_its_merged_weights(served, tiny_config,
+                                                                                 tiny_tokenizer):
+    base, sched, params, adapters = served
+    prompt = "the quick brown fox jumps over the lazy dog and runs"
+    ids = tiny_tokenizer.encode(prompt)
+    n = 12
+    # (how the request asks, the adapters it runs with)
+    asks = [({"model": "tiny"}, ()), ({"model": "every"}, ((0, 1.0),)), ({"model": "some"}, ((1, 1.0),)),
+            ({"lora": [{"id": 0, "scale": 0.5}, {"id": 1, "scale": -1.0}]}, ((0, 0.5), (1, -1.0)))]
+    want = [reference(params, tiny_config, adapters, pairs, ids, n) for _, pairs in asks]
+    compiles = sched.engine.compilations_after_warmup  # (process-wide: after the reference's)
+
+    def ask(fields):
+        if "lora" in fields:  # llama-server's /completion
+            r = httpx.post(f"{base}/completion", json={"prompt": prompt, "n_predict": n, "temperature": 0,
+                                                      "ignore_eos": True, "return_tokens": True, **fields},
+                           timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["tokens"], r.json()["model"]
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                      "ignore_eos": True, "return_token_ids": True, **fields},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"], r.json()["model"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
+        answers = list(pool.map(ask, [fields for fields, _ in asks]))
+    assert sched.engine.compilations_after_warmup == compiles  # the mix compiled nothing
+    for (fields, pairs), expected, (tokens, model) in zip(asks, want, answers):
+        assert tokens == expected, fields
+        assert model == fields.get("model", "tiny")  # an adapter's answer carries its name
+        assert (tokens != want[0]) == bool(pairs)  # each adapter changed the answer
+
+
+def test_the_prefix_cache_keeps_each_adapters_kv_to_itself(served, tiny_config, tiny_tokenizer):
+    base, _, params, adapters = served
+    prompt = "a long shared system prompt that fills several pages of the cache " * 3
+    ids = tiny_tokenizer.encode(prompt)
+    answers = []
+    for model in ("every", "tiny", "every", "some"):
+        hits = gauge(base, "prefix_cache_hits_total")
+        r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 6,
+                                                      "temperature": 0, "ignore_eos": True,
+                                                      "return_token_ids": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        answers.append((model, r.json()["choices"][0]["token_ids"], gauge(base, "prefix_cache_hits_total") - hits))
+    pairs = {"tiny": (), "every": ((0, 1.0),), "some": ((1, 1.0),)}
+    for model, tokens, _ in answers:
+        assert tokens == reference(params, tiny_config, adapters, pairs[model], ids, 6), model
+    # Only the second request on "every" found its pages; the base model's and "some"'s found
+    # none of another adapter's.
+    assert [hit > 0 for _, _, hit in answers] == [False, False, True, False]
+
+
+def test_the_api_lists_the_adapters_and_refuses_what_they_cannot_do(served):
+    base = served[0]
+    cards = {c["id"]: c for c in httpx.get(f"{base}/v1/models", timeout=30).json()["data"]}
+    assert set(cards) == {"tiny", *ADAPTERS}
+    assert cards["every"]["parent"] == "tiny" and "parent" not in cards["tiny"]
+    assert httpx.get(f"{base}/v1/models/some", timeout=30).json()["parent"] == "tiny"
+    missing = httpx.post(f"{base}/v1/completions", json={"model": "other", "prompt": "a"}, timeout=30)
+    assert missing.status_code == 404 and "'every', 'some'" in missing.json()["error"]["message"]
+    embedded = httpx.post(f"{base}/v1/embeddings", json={"model": "every", "input": "a"}, timeout=30)
+    assert embedded.status_code == 400 and "LoRA adapter" in embedded.json()["error"]["message"]
+    beyond = httpx.post(f"{base}/completion", json={"prompt": "a", "lora": [{"id": 2, "scale": 1}]},
+                        timeout=30)
+    assert beyond.status_code == 400 and "adapter 2 is not loaded" in beyond.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_generate_runs_a_peft_adapter_from_the_command_line(tmp_path, tiny_model_dir, tiny_config,
+                                                            tiny_params, tiny_tokenizer):
+    adapter = random_adapter(tiny_config, "sql", 4, lora.PROJECTIONS, 3, spread=0.6)
+    write_peft_adapter(tmp_path / "sql", tiny_config, adapter, alpha=8)
+    prompt = "hello world"
+    run = cli(tiny_model_dir, "cadence.server.generate_cli", f"--lora=sql={tmp_path / 'sql'}",
+              "--adapter=sql", f"--prompt={prompt}", "--max_tokens=8", "--temperature=0")
+    assert run.returncode == 0, run.stderr
+    assert "LoRA adapter 'sql' (rank 4" in run.stderr
+    ids = tiny_tokenizer.encode(prompt)
+    params = jax.tree.map(np.asarray, tiny_params)
+    want = greedy_generate(lora.merged_params(params, tiny_config, [(adapter, 1.0)]), tiny_config, ids, 8)
+    assert want != greedy_generate(params, tiny_config, ids, 8)
+    assert run.stdout.strip() == tiny_tokenizer.decode(want).strip()
