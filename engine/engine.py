@@ -280,7 +280,8 @@ class Engine(KVOps, Compiling):
         bank = lora.bank_arrays(self.model_config, adapters, self.config.lora_slots,
                                 self.config.lora_rank)
         dtype = jnp.dtype(self.config.dtype)
-        return lora.with_bank(self.params, bank, self.model_config.num_layers,
+        kernels = self.config.decode_matmul == "cpu"  # a decode tree: the kernels read the bank too
+        return lora.with_bank(self.params, bank, self.model_config.num_layers, blocked=kernels,
                               place=lambda a: cast(jax.device_put(a, self.device), dtype))
 
     # -- the two programs -------------------------------------------------------------------

@@ -76,7 +76,7 @@ def _copy_bytes(a, into: np.ndarray) -> None:
         ctypes.memmove(into.ctypes.data, a.unsafe_buffer_pointer(), a.nbytes)
 
 
-def _stack_matrices(matrices: list[Any]) -> cpu_kernels.Stacked:
+def stack_matrices(matrices: list[Any]) -> cpu_kernels.Stacked:
     """The layers' matrices of one role in one 64-byte-aligned buffer."""
     sizes = [a.nbytes for a in matrices]
     offsets = np.cumsum([0] + [-(-size // ALIGN) * ALIGN for size in sizes])
@@ -109,7 +109,7 @@ def stack_layers(tree: dict[str, Any], num_layers: int) -> dict[str, Any]:
     layers.clear()
     stacked = []
     for (path, _), column in zip(paths, columns):
-        stacked.append(_stack_matrices(column) if cpu_kernels.is_blocked(path)
+        stacked.append(stack_matrices(column) if cpu_kernels.is_blocked(path)
                        else np.stack([np.asarray(a) for a in column]))
         column.clear()
         # The norms' and biases' arrays, read as NumPy, wait for the cycle collector; the heap

@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cadence.model import control, cpu_kernels, layer_loop
+from cadence.model.block_layout import block
 from cadence.model.config import ModelConfig
 
 ATTENTION = ("q", "k", "v", "o")
@@ -118,55 +120,70 @@ def bank_arrays(config: ModelConfig, adapters: Sequence[LoraAdapter], slots: int
 
 
 def with_bank(params: dict[str, Any], bank: Mapping[tuple[int, str], tuple[np.ndarray, np.ndarray]],
-              num_layers: int, place: Callable[[np.ndarray], Any] = lambda a: a) -> dict[str, Any]:
-    """`params` with the bank's leaves added (each through `place`: onto a device) where the
-    model reads them: per layer (`layers_i`), or stacked over layers where the tree's layers
-    are (`layers`, `model.layer_loop`). The caller's tree is not changed."""
+              num_layers: int, place: Callable[[Any], Any] = lambda a: a,
+              blocked: bool = False) -> dict[str, Any]:
+    """`params` with the bank's leaves added (each array through `place`: onto a device)
+    where the model reads them: per layer (`layers_i`), or stacked over layers where the tree's
+    layers are (`layers`, `model.layer_loop`). `blocked`: in the CPU kernels' layout (a decode
+    tree's, `model.cpu_kernels`), `a_blocked` and `b_blocked`, stacked as `cpu_kernels.Stacked`
+    (read at the loop's layer in place, where slicing a stacked array would copy it every
+    layer of every step); else `a` and `b`. The caller's tree is not changed."""
+    names = ("a_blocked", "b_blocked") if blocked else ("a", "b")
     params = dict(params)
-    if "layers" in params:  # stacked: one [layers, ...] leaf per projection's a and b
+    if "layers" in params:  # stacked: one leaf per projection's a and b, over every layer
         layers = dict(params["layers"])
         for proj in sorted({p for _, p in bank}, key=PROJECTIONS.index):
-            pair = [place(np.stack([bank[(i, proj)][j] for i in range(num_layers)])) for j in (0, 1)]
-            _put(layers, (_module(proj), "lora", proj), pair)
+            pair = [[bank[(i, proj)][j] for i in range(num_layers)] for j in (0, 1)]
+            pair = [jax.tree.map(place, layer_loop.stack_matrices([block(m) for m in ms])) if blocked
+                    else place(np.stack(ms)) for ms in pair]
+            _put(layers, (_module(proj), "lora", proj), dict(zip(names, pair)))
         params["layers"] = layers
         return params
     for (layer, proj), pair in bank.items():
         name = f"layers_{layer}"
         params[name] = dict(params[name])
-        _put(params[name], (_module(proj), "lora", proj), [place(m) for m in pair])
+        _put(params[name], (_module(proj), "lora", proj),
+             dict(zip(names, [place(block(m) if blocked else m) for m in pair])))
     return params
 
 
-def _put(tree: dict[str, Any], path: tuple[str, ...], pair) -> None:
-    """tree[path] = {"a": pair[0], "b": pair[1]}, copying the dicts on the way (the caller's
-    tree is not changed)."""
+def _put(tree: dict[str, Any], path: tuple[str, ...], leaves: dict[str, Any]) -> None:
+    """tree[path] = leaves, copying the dicts on the way (the caller's tree is not changed)."""
     node = tree
     for key in path[:-1]:
         node[key] = dict(node.get(key, {}))
         node = node[key]
-    node[path[-1]] = {"a": pair[0], "b": pair[1]}
-
-
-def delta(module, proj: str, x: jax.Array, scales: jax.Array | None) -> jax.Array | None:
-    """The adapters' correction to projection `proj` of `module` (a `model.llama` Attention or
-    MLP) for input x [rows, t, in]: ((x A) * s) B, [rows, t, out], with each row's `scales`
-    [rows, slots]; None where there is nothing to add (no bank entry, or no scales)."""
-    if scales is None or not module.has_variable("params", "lora"):
-        return None
-    bank = module.get_variable("params", "lora")
-    if proj not in bank:
-        return None
-    a, b = bank[proj]["a"], bank[proj]["b"]
-    rank = a.shape[-1] // scales.shape[-1]
-    s = jnp.repeat(scales.astype(module.dtype), rank, axis=-1)[:, None, :]  # [rows, 1, slots * rank]
-    u = jnp.dot(x.astype(module.dtype), a.astype(module.dtype)) * s
-    return jnp.dot(u, b.astype(module.dtype))
+    node[path[-1]] = leaves
 
 
 def plus(y: jax.Array, module, proj: str, x: jax.Array, scales: jax.Array | None) -> jax.Array:
-    """y with `delta` added (y as it is where there is none)."""
-    d = delta(module, proj, x, scales)
-    return y if d is None else y + d.astype(y.dtype)
+    """y [rows, t, out] (projection `proj` of `module`, a `model.llama` Attention or MLP, over
+    x [rows, t, in]) with the adapters' correction ((x A) * s) B added for each row's `scales`
+    [rows, slots]: y as it is where the bank has no entry for it or there are no scales. On the
+    CPU a batch whose rows use no adapter skips the correction (`control.when`); the CPU
+    kernels' tree reads the bank with the kernels."""
+    if scales is None or not module.has_variable("params", "lora"):
+        return y
+    bank = module.get_variable("params", "lora")
+    if proj not in bank:
+        return y
+    node, n_out = bank[proj], y.shape[-1]
+    if "a_blocked" in node:
+        a, b = node["a_blocked"], node["b_blocked"]
+        width = cpu_kernels.blocked_k(b)
+        matmul = cpu_kernels.matmul
+    else:
+        a, b = node["a"].astype(module.dtype), node["b"].astype(module.dtype)
+        width = a.shape[-1]
+        matmul = lambda v, m, _: jnp.dot(v, m)  # noqa: E731
+    rank = width // scales.shape[-1]
+
+    def correction(x):
+        s = jnp.repeat(scales.astype(module.dtype), rank, axis=-1)[:, None, :]  # [rows, 1, slots * rank]
+        return matmul(matmul(x.astype(module.dtype), a, width) * s, b, n_out).astype(y.dtype)
+
+    used = jnp.any(scales != 0)
+    return y + control.when(used, correction, lambda x: jnp.zeros_like(y), x)
 
 
 def merged_params(params: dict[str, Any], config: ModelConfig,
