@@ -125,7 +125,7 @@ def _check_lora(lora) -> None:
     for slot, scale in lora:
         if (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
                 or abs(scale) > FLOAT32_MAX):
-            raise ValueError(f"lora scales are finite numbers, got {scale!r} for adapter {slot}")
+            raise ValueError(f"lora scales are finite numbers that fit float32, got {scale!r} for adapter {slot}")
 
 
 def _check_logit_bias(bias) -> None:

@@ -22,7 +22,9 @@ weights in the rotate-half RoPE layout); these modules build exactly that tree. 
 matrices (`model.quant`), `Linear` and `Embed` read them with their per-channel scales; given a
 decode tree (`model.cpu_kernels.decode_params`: `kernel_blocked` for `kernel`, q/k/v and
 gate/up fused into `qkv` and `gate_up`, and the tied LM head's `embedding_blocked`), they run
-the CPU matmul kernel over it: the same modules, whatever the weights.
+the CPU matmul kernel over it: the same modules, whatever the weights. A tree with a LoRA bank
+(`model.lora`) and `forward`'s `adapters` (each row's scale per adapter) adds each adapter's
+correction to the projections it changes.
 """
 
 from __future__ import annotations

@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
@@ -55,7 +54,7 @@ import cadence
 from cadence.checkpoints import fim
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
-from cadence.scheduler.request import RequestRecord, TokenEvent, TokenLogprob
+from cadence.scheduler.request import GenerationParams, RequestRecord, TokenEvent, TokenLogprob
 from cadence.scheduler.scheduler import RequestStream
 from cadence.server import guided, parsing, protocol
 from cadence.server.protocol import APIError
@@ -155,19 +154,23 @@ def parse_infill(body: Any, defaults: parsing.SamplingDefaults) -> tuple[protoco
     return _parse(body, defaults, prefix, hole)
 
 
-def _lora(body: dict) -> tuple[tuple[int, float], ...]:
-    """llama-server's per-request adapters, `[{"id": i, "scale": s}, ...]` (ids in --lora's
-    order, an adapter left out at scale 0): the (id, scale) pairs of nonzero scale."""
+def _with_lora(body: dict, params: GenerationParams) -> GenerationParams:
+    """`params` with llama-server's per-request adapters, `"lora": [{"id": i, "scale": s}, ...]`
+    (ids in --lora's order, an adapter left out at scale 0): the (id, scale) pairs of nonzero
+    scale, checked as `RequestSampling` checks them."""
     entries = parsing.field(body, "lora", (list,), [])
     if not all(isinstance(e, dict) and set(e) == {"id", "scale"} and isinstance(e["id"], int)
                and not isinstance(e["id"], bool) and e["id"] >= 0 and isinstance(e["scale"], (int, float))
-               and not isinstance(e["scale"], bool) and math.isfinite(e["scale"]) for e in entries):
+               and not isinstance(e["scale"], bool) for e in entries):
         raise SubmissionError('"lora" must be an array of {"id": adapter index >= 0, "scale": a '
-                              'finite number}', "lora")
-    ids = [e["id"] for e in entries]
-    if len(set(ids)) != len(ids):
-        raise SubmissionError(f'"lora" names an adapter twice: {ids}', "lora")
-    return tuple((e["id"], float(e["scale"])) for e in entries if e["scale"] != 0)
+                              'number}', "lora")
+    pairs = tuple((e["id"], float(e["scale"])) for e in entries)
+    try:
+        dataclasses.replace(params.sampling, lora=pairs)  # (every pair checked, zeros too)
+    except ValueError as e:
+        raise SubmissionError(f'"lora": {e}', "lora") from None
+    lora = tuple((i, scale) for i, scale in pairs if scale != 0)
+    return dataclasses.replace(params, sampling=dataclasses.replace(params.sampling, lora=lora))
 
 
 def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[int],
@@ -197,7 +200,7 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
         entry["seed"] = None
     params = parsing.generation_params(entry, dataclasses.replace(defaults, max_tokens=None))
     params = parsing.llama_penalties(body, params)
-    params = dataclasses.replace(params, sampling=dataclasses.replace(params.sampling, lora=_lora(body)))
+    params = _with_lora(body, params)
     probs = _non_negative(body, "n_probs", (int,))
     params = dataclasses.replace(params, logprobs=probs or None)
     constraint = guided.constraint(body)  # llama-server's grammar or json_schema

@@ -192,3 +192,31 @@ def test_cadence_batch_disaggregated_gives_the_reference_text(tiny_model_dir, ti
 def test_a_mode_that_cannot_run_is_refused_with_the_reason(tiny_model_dir, flags, message):
     result = cli(tiny_model_dir, "cadence.server.generate_cli", "--prompt=x", *flags)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_lora_requests_handed_over_decode_with_their_adapters(tiny_params, tiny_config, tiny_tokenizer):
+    """Both engines hold the LoRA bank: a request's adapter shapes its prompt's KV on the
+    prefill device and its tokens on the decode device, mixed with base-model requests."""
+    from cadence.model import lora
+    from cadence.model.host_sampling import RequestSampling
+    from tests.tiny_models import random_adapter, undo_embedding_boost
+
+    params = jax.tree.map(np.asarray, undo_embedding_boost(tiny_params))
+    adapters = [random_adapter(tiny_config, "a", 4, lora.PROJECTIONS, 1)]
+    config = dataclasses_replace(CONFIG, lora_slots=1, lora_rank=4)
+    devices = jax.devices()
+    prefill, decode = (Engine(params, tiny_config, dataclasses_replace(config, role=role), device=devices[i],
+                              adapters=adapters) for i, role in ((1, "prefill"), (2, "decode")))
+    sched = Scheduler(prefill, tiny_tokenizer, POLICY, decode_engine=decode)
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(3, tiny_config.vocab_size, n)] for n in (20, 37, 9)]
+    scales = [((0, 1.0),), (), ((0, 0.5),)]
+    sched.start()
+    streams = [sched.submit(p, GenerationParams(max_tokens=8, ignore_eos=True, sampling=RequestSampling(lora=s)))
+               for p, s in zip(prompts, scales)]
+    got = [[t for e in stream for t in getattr(e, "token_ids", [])] for stream in streams]
+    sched.stop(drain=True, timeout=30)
+    for prompt, pairs, tokens in zip(prompts, scales, got):
+        merged = lora.merged_params(params, tiny_config, [(adapters[i], s) for i, s in pairs])
+        assert tokens == greedy_generate(merged, tiny_config, prompt, 8, frozenset())
+    assert sched.kv_transfers == len(prompts)

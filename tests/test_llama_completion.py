@@ -164,6 +164,8 @@ def test_llama_cpps_other_samplers_are_accepted_off(url):
     ({"prompt": "a", "lora": [{"id": 0, "scale": 1}]}, "lora", "adapter 0 is not loaded"),
     ({"prompt": "a", "lora": [{"id": 0, "scale": 1}, {"id": 0, "scale": 2}]}, "lora", "names an adapter twice"),
     ({"prompt": "a", "lora": [{"id": -1, "scale": 1}]}, "lora", '{"id": adapter index >= 0'),
+    ({"prompt": "a", "lora": [{"id": 0, "scale": 1e300}]}, "lora", "finite numbers"),
+    ({"prompt": "a", "lora": [{"id": 0, "scale": 0}, {"id": 0, "scale": 1}]}, "lora", "names an adapter twice"),
     ({"prompt": "a", "dry_base": "x"}, "dry_base", "must be a number"),
     ({"prompt": ["a", 5]}, "prompt", "string or an array of token ids"),
     ({}, "prompt", "string or an array of token ids"),

@@ -137,7 +137,7 @@ def test_a_peft_folder_loads_as_the_adapter_it_holds(tmp_path, tiny_config, adap
         np.testing.assert_allclose(loaded.weights[(layer, proj)][1], b / 2 * alpha / 2, rtol=1e-5)
 
 
-def write_gguf_adapter(path, config, adapter, alpha, arch="llama", qtype=None):
+def write_gguf_adapter(path, config, adapter, alpha, arch="llama"):
     """`adapter` as llama.cpp's convert_lora_to_gguf.py writes one: lora_a [r, in] and lora_b
     [out, r] (q/k rows permuted for `arch`'s RoPE order where its converter permutes them)."""
     import gguf
@@ -157,12 +157,7 @@ def write_gguf_adapter(path, config, adapter, alpha, arch="llama", qtype=None):
         if arch in PERMUTED_ARCHITECTURES and spec.rope_heads:
             b_rows = permute_rope_rows(b_rows, spec.rope_heads)
         for side, array in (("a", a.T), ("b", b_rows)):
-            array = np.ascontiguousarray(array, np.float32)
-            if qtype is None:
-                w.add_tensor(f"{spec.gguf_name}.lora_{side}", array)
-            else:
-                w.add_tensor(f"{spec.gguf_name}.lora_{side}", gguf.quants.quantize(array, qtype),
-                             raw_dtype=qtype)
+            w.add_tensor(f"{spec.gguf_name}.lora_{side}", np.ascontiguousarray(array, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -222,6 +217,16 @@ def test_adapters_cadence_cannot_serve_are_refused_by_name(tmp_path, tiny_config
         load_adapter(tmp_path / "pickle", tiny_config)
     with pytest.raises(CheckpointError, match="not a PEFT folder"):
         load_adapter(tmp_path / "missing", tiny_config)
+    import gguf
+
+    model = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama")  # a model's file, no adapter keys
+    model.add_tensor("blk.0.attn_q.weight", np.zeros((64, 64), np.float32))
+    model.write_header_to_file()
+    model.write_kv_data_to_file()
+    model.write_tensors_to_file()
+    model.close()
+    with pytest.raises(CheckpointError, match="a GGUF model, not a LoRA adapter"):
+        load_adapter(tmp_path / "model.gguf", tiny_config)
 
 
 def test_a_verify_step_scores_each_rows_drafts_with_its_adapters(tiny_config, tiny_params, adapters):
