@@ -70,11 +70,12 @@ from absl import logging
 from cadence.engine import compile_counter
 from cadence.engine.config import EngineConfig
 from cadence.engine.kv_ops import KVOps
+from cadence.engine.lora_bank import LoraBank
 from cadence.engine.packing import Pack, PrefillChunk, bucket_for, pack_chunks, row_chunks
 from cadence.engine.programs import jit_programs
 from cadence.engine.results import DecodeTokens, PrefillTokens
 from cadence.engine.warmup import Compiling, spec
-from cadence.model import cpu_kernels, layer_loop, lora
+from cadence.model import cpu_kernels, layer_loop
 from cadence.model.config import ModelConfig
 from cadence.model.llama import rope_table
 from cadence.model.lora import LoraAdapter
@@ -174,10 +175,11 @@ class _PendingStep:
 
 
 
-class Engine(KVOps, Compiling):
+class Engine(KVOps, Compiling, LoraBank):
     """See the module's docstring. Its calls on a slot's KV and history besides the steps
     (page copies, token histories, KV moves, recovery) are `engine.kv_ops.KVOps`; warm-up and
-    compiling on first use, `engine.warmup.Compiling`."""
+    compiling on first use, `engine.warmup.Compiling`; its LoRA adapters' bank,
+    `engine.lora_bank.LoraBank`."""
 
     def __init__(self, params, model_config: ModelConfig, config: EngineConfig = EngineConfig(),
                  device: jax.Device | None = None, devices: Sequence[jax.Device] | None = None,
@@ -197,7 +199,9 @@ class Engine(KVOps, Compiling):
         be anything of the right shape).
 
         `adapters`: LoRA adapters (`model.lora`) for the bank of `config.lora_slots` slots,
-        adapter i in slot i; a request uses them through its sampling row's `lora` scales."""
+        adapter i in slot i; a request uses them through its sampling row's `lora` scales. The
+        bank holds the projections they change, or all of them where slots are left free (for
+        `set_adapter`)."""
         if config.max_seq_len > model_config.max_context:
             raise ValueError(
                 f"max_seq_len {config.max_seq_len} exceeds the model's context of "
@@ -230,11 +234,7 @@ class Engine(KVOps, Compiling):
             self._pool_at, self._token_at = self.tp.pool_sharding, self.tp.replicated
             self._handle_at = self.tp.handle_sharding
             logging.info("%s", self.tp.describe())
-        if config.lora_slots:
-            self.params = self._with_lora_bank(adapters)
-        elif adapters:
-            raise ValueError(f"{len(adapters)} LoRA adapters for an engine without a bank "
-                             "(EngineConfig.lora_slots)")
+        self._place_lora_bank(adapters)
         if config.decode_matmul == "cpu" and (self.tp is not None or self.device.platform != "cpu"):
             raise ValueError("decode_matmul='cpu' runs on one CPU device; use 'xla' with tensor "
                              "parallelism or an accelerator")
@@ -271,18 +271,6 @@ class Engine(KVOps, Compiling):
             "KV pool: %d pages x %d tokens (%d tokens), %.1f MiB", self.num_pages, config.page_size,
             self.num_pages * config.page_size, self.cache.nbytes / 2**20,
         )
-
-    def _with_lora_bank(self, adapters: Sequence[LoraAdapter]) -> dict:
-        """The placed params with the LoRA bank's leaves (`model.lora`), in the compute dtype
-        on this engine's device."""
-        if self.tp is not None:
-            raise ValueError("LoRA adapters run on one device (not yet with tensor parallelism)")
-        bank = lora.bank_arrays(self.model_config, adapters, self.config.lora_slots,
-                                self.config.lora_rank)
-        dtype = jnp.dtype(self.config.dtype)
-        kernels = self.config.decode_matmul == "cpu"  # a decode tree: the kernels read the bank too
-        return lora.with_bank(self.params, bank, self.model_config.num_layers, blocked=kernels,
-                              place=lambda a: cast(jax.device_put(a, self.device), dtype))
 
     # -- the two programs -------------------------------------------------------------------
 

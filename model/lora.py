@@ -91,19 +91,22 @@ class LoraAdapter:
         return {proj for _, proj in self.weights}
 
 
-def bank_arrays(config: ModelConfig, adapters: Sequence[LoraAdapter], slots: int, rank: int
-                ) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
-    """Per (layer, projection) that any adapter changes: (A [in, slots * rank], B [slots * rank,
-    out]) float32, adapter i in slot i."""
+def bank_arrays(config: ModelConfig, adapters: Sequence[LoraAdapter | None], slots: int, rank: int,
+                projections: Sequence[str] | None = None) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+    """Per (layer, projection) of `projections` (default: those any adapter changes): (A [in,
+    slots * rank], B [slots * rank, out]) float32, adapter i in slot i (None: an empty slot)."""
     if len(adapters) > slots:
         raise ValueError(f"{len(adapters)} adapters for a bank of {slots} slots")
-    for adapter in adapters:
+    changed = {proj for adapter in adapters if adapter is not None for proj in adapter.projections}
+    used = sorted(changed if projections is None else projections, key=PROJECTIONS.index)
+    for adapter in filter(None, adapters):
         adapter.check(config)
         if adapter.rank > rank:
             raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}; the bank holds "
                              f"rank {rank} at most (raise the maximum LoRA rank)")
-    used = sorted({proj for adapter in adapters for proj in adapter.projections},
-                  key=PROJECTIONS.index)
+        if not adapter.projections <= set(used):
+            raise ValueError(f"adapter {adapter.name!r} changes {', '.join(sorted(adapter.projections - set(used)))}, "
+                             f"which the bank does not hold ({', '.join(used)})")
     bank = {}
     for layer in range(config.num_layers):
         for proj in used:
@@ -111,7 +114,7 @@ def bank_arrays(config: ModelConfig, adapters: Sequence[LoraAdapter], slots: int
             a = np.zeros((n_in, slots * rank), np.float32)
             b = np.zeros((slots * rank, n_out), np.float32)
             for i, adapter in enumerate(adapters):
-                if (layer, proj) in adapter.weights:
+                if adapter is not None and (layer, proj) in adapter.weights:
                     a_i, b_i = adapter.weights[(layer, proj)]
                     a[:, i * rank: i * rank + a_i.shape[1]] = a_i
                     b[i * rank: i * rank + a_i.shape[1]] = b_i

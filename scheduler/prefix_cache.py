@@ -46,17 +46,18 @@ class PageKeys:
 
     key(i) = blake2b-256(key(i - 1) || page i's token ids), and key(-1) is a digest of the
     namespace (what else the KV depends on: the model, its weights, the compute dtype), the
-    request's cache salt and its LoRA adapters (`lora`: (bank slot, scale) pairs, which change
-    every layer's KV). So a page's key names its whole prefix, not only its own tokens."""
+    request's cache salt and its LoRA adapters (`lora`: (bank slot, scale, the slot's version)
+    entries, which change every layer's KV). So a page's key names its whole prefix, not only
+    its own tokens."""
 
     def __init__(self, page_size: int, namespace: bytes = b"", salt: str | None = None,
-                 lora: tuple[tuple[int, float], ...] = ()):
+                 lora: tuple[tuple[int, float, int], ...] = ()):
         self.page_size = page_size
         root = hashlib.blake2b(b"cadence-kv-prefix\0" + namespace, digest_size=32)
         if salt is not None:
             root.update(b"\0salt\0" + salt.encode("utf-8", "surrogatepass"))
         if lora:  # (none: the keys of the base model, as before adapters)
-            root.update(b"\0lora\0" + repr(sorted((int(i), float(s)) for i, s in lora)).encode())
+            root.update(b"\0lora\0" + repr(sorted((int(i), float(s), int(v)) for i, s, v in lora)).encode())
         self.root = root.digest()  # the parent of the first page
         self.keys: list[bytes] = []
 

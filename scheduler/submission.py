@@ -91,8 +91,11 @@ class Submissions:
             emit=lambda e: stream._push(e), request_id=request_id, priority=priority,
         )
         if self.config.prefix_caching and params.prompt_logprobs is None and params.pooling is None:
+            versions = getattr(self.engine, "lora_versions", None)  # (an engine's bank's)
+            lora = tuple((slot, scale, versions[slot] if versions else 0)
+                         for slot, scale in params.sampling.lora)
             request.page_keys = PageKeys(self.page_size, self.config.cache_namespace.encode(),
-                                         params.cache_salt, params.sampling.lora)
+                                         params.cache_salt, lora)
         if params.min_tokens:  # its row must hold its stop ids masked beside its biases
             try:
                 row_bias(params.sampling.logit_bias, request.eos_ids)

@@ -54,6 +54,7 @@ from cadence.scheduler.stream import merged
 from cadence.server import client_json, parsing, protocol, reasoning
 from cadence.server.embeddings_api import EmbeddingsAPI
 from cadence.server.llama_api import LlamaAPI, fill_ids
+from cadence.server.lora_api import LoraAPI
 from cadence.server.info_api import InfoAPI
 from cadence.server.metrics import Metrics
 from cadence.server.protocol import APIError
@@ -145,6 +146,8 @@ class ServerConfig:
     # LoRA adapters' names, in the engine's bank order (`--lora`): a request's "model" may name
     # one, and its answer carries that name.
     lora_adapters: tuple[str, ...] = ()
+    lora_slots: int = 0  # the bank's size (0: as many as lora_adapters)
+    runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's)
 
 
 class Server:
@@ -154,7 +157,7 @@ class Server:
                  on_fatal: Callable[[str], None] | None = None):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
-        self.models = ServedModels(model_name, config.lora_adapters)  # what "model" may name
+        self.models = ServedModels(model_name, config.lora_adapters, config.lora_slots or None)  # what "model" may name
         self.model_name = self.models.name  # the one answers carry
         self.config = config
         self.defaults = protocol.OPENAI_DEFAULTS.with_model(generation)
@@ -307,6 +310,7 @@ class Server:
             prompts, grammar = await self._prepare(parsed)
             shown = self.call_style.shown if parsed.parses_tool_calls else ()
             lora = parsed.params.sampling.lora or self.models.lora(parsed.model)  # llama's, or the model's
+            self.models.check_lora(lora)
             params = [dataclasses.replace(p, grammar=grammar, shown_specials=shown,
                                           prediction=parsed.prediction_ids,
                                           sampling=dataclasses.replace(p.sampling, lora=lora))
@@ -317,6 +321,7 @@ class Server:
                     names = [base] + [f"{base}-{i}" for i in range(1, len(params))]
                     capped = parsed.capped(params, len(ids), self.scheduler.max_seq_len)
                     groups.append(self.scheduler.submit_group(ids, capped, names))
+                    self.models.track([s.request for s in groups[-1]], lora)
             except BaseException:
                 for stream in (s for group in groups for s in group):
                     stream.cancel()
@@ -566,6 +571,7 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Seq
             *EmbeddingsAPI(server).routes(route),
             *LlamaAPI(server).routes(route),
             *InfoAPI(server).routes(route),
+            *(LoraAPI(server).routes(route) if config.runtime_lora else []),
         ],
         lifespan=server.lifespan,
         middleware=[Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),

@@ -87,7 +87,13 @@ LORA = flags.DEFINE_multi_string(
     "different adapters (and none) decode in one batch.")
 MAX_LORA_RANK = flags.DEFINE_integer(
     "max_lora_rank", 0,
-    "The highest LoRA rank the bank holds (0: the highest of --lora's adapters).", lower_bound=0)
+    "The highest LoRA rank the bank holds (0: the highest of --lora's adapters, at least 16 "
+    "where --max_loras leaves slots free).", lower_bound=0)
+MAX_LORAS = flags.DEFINE_integer(
+    "max_loras", 0,
+    "LoRA adapters the bank holds at once (0: as many as --lora gives). Slots beyond --lora's "
+    "take adapters loaded while serving (cadence-serve --runtime_lora); the bank then holds "
+    "every projection.", lower_bound=0)
 DRAFT_P_MIN = flags.DEFINE_float(
     "draft_p_min", 0.75,
     "With --draft_model: a step's drafts for a request end before the first the draft model "

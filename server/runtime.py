@@ -48,7 +48,7 @@ from cadence.scheduler.speculative import SpeculativeConfig
 from cadence.server import memory
 from cadence.server.flags import (ATTENTION, CHAT_TEMPLATE, CHAT_TEMPLATE_KWARGS, COORDINATOR,
                                   CPU_ACTIVATIONS, CPU_KERNELS, DECODE_DEVICES, DECODE_STEPS,
-                                  DRAFT_MODEL, DRAFT_P_MIN, DTYPE, LORA, MAX_LORA_RANK,
+                                  DRAFT_MODEL, DRAFT_P_MIN, DTYPE, LORA, MAX_LORA_RANK, MAX_LORAS,
                                   GRAMMAR_TIMEOUT, ITL_TARGET, KV_DTYPE, KV_DTYPE_ALIASES,
                                   KV_MEMORY, KV_RESERVATION, LAYER_LOOP, LOWER_SHARE, MAX_LOGPROBS,
                                   MAX_PREFILL_CHUNKS, MAX_QUEUE, MAX_SEQ_LEN, MODEL_FLAG,
@@ -440,11 +440,12 @@ def load_adapters(config: ModelConfig) -> tuple[LoraAdapter, ...]:
 
 
 def with_lora(config: EngineConfig, adapters: Sequence[LoraAdapter]) -> EngineConfig:
-    """`config` with a bank for `adapters` (none: as it is)."""
-    if not adapters:
+    """`config` with a bank for `adapters` and --max_loras's free slots (none: as it is)."""
+    slots = max(MAX_LORAS.value, len(adapters))
+    if not slots:
         return config
-    rank = MAX_LORA_RANK.value or max(a.rank for a in adapters)
-    return dataclasses.replace(config, lora_slots=len(adapters), lora_rank=rank)
+    rank = MAX_LORA_RANK.value or max([a.rank for a in adapters] + [16] * (slots > len(adapters)))
+    return dataclasses.replace(config, lora_slots=slots, lora_rank=rank)
 
 
 def _engines(model: LoadedModel, packed, configs: list[EngineConfig], pair, mesh_devices,

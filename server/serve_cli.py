@@ -25,7 +25,7 @@ from absl import app, flags, logging
 from cadence.checkpoints.errors import CheckpointError
 from cadence.server import runtime
 from cadence.server.app import DEFAULT_MAX_BODY_BYTES, ServerConfig, create_app
-from cadence.server.flags import GRAMMAR_TIMEOUT, MODEL_FLAG, POOLING, REASONING_PARSER
+from cadence.server.flags import GRAMMAR_TIMEOUT, LORA, MAX_LORAS, MODEL_FLAG, POOLING, REASONING_PARSER
 
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
@@ -55,6 +55,11 @@ _ORIGINS = flags.DEFINE_list(
 _SLOTS = flags.DEFINE_bool(
     "slots", True, "Serve GET /slots, each KV slot and the request holding it (llama-server's "
     "endpoint, token counts rather than its prompt text); --noslots turns it off (404).")
+_RUNTIME_LORA = flags.DEFINE_bool(
+    "runtime_lora", False,
+    "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA "
+    "updating): adapters read from paths on this machine into --max_loras's free slots. Off, "
+    "as vLLM's, since a request names a path to read.")
 _TRUST_TEMPLATES = flags.DEFINE_bool(
     "trust_request_chat_template", False,
     "Let a chat request bring its own Jinja chat template (vLLM's chat_template field and "
@@ -99,6 +104,9 @@ def main(argv: list[str]) -> int:
                               trust_request_chat_template=_TRUST_TEMPLATES.value,
                               allowed_origins=tuple(_ORIGINS.value), slots=_SLOTS.value)
         names = runtime.served_names(MODEL_FLAG.value, _SERVED_NAMES.value)
+        if _RUNTIME_LORA.value and MAX_LORAS.value <= len(LORA.value):
+            raise ValueError("--runtime_lora loads adapters into free bank slots: give --max_loras "
+                             f"more than --lora's {len(LORA.value)}")
         rt = runtime.build_from_flags(warm=False)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"cadence-serve: error: {e}", file=sys.stderr)
@@ -111,7 +119,8 @@ def main(argv: list[str]) -> int:
         print(f"cadence-serve: error: {reason}; exiting", file=sys.stderr)
         server.should_exit = True
 
-    config = dataclasses.replace(config, lora_adapters=tuple(a.name for a in rt.adapters))
+    config = dataclasses.replace(config, lora_adapters=tuple(a.name for a in rt.adapters),
+                                 lora_slots=rt.engines[-1].config.lora_slots, runtime_lora=_RUNTIME_LORA.value)
     application = create_app(
         rt.scheduler, rt.model.tokenizer, names, config=config,
         warmup=rt.warm_up, generation=rt.model.generation, on_fatal=on_fatal)

@@ -13,20 +13,65 @@ and answers carry it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from cadence.server.protocol import APIError
 
 
 class ServedModels:
-    def __init__(self, names: str | Sequence[str], adapters: Sequence[str] = ()):
+    """`adapters`: the names of the adapters in the engine's bank, slot by slot; `slots`: the
+    bank's size (default: as many), whose free slots `add` fills and `remove` frees."""
+
+    def __init__(self, names: str | Sequence[str], adapters: Sequence[str] = (), slots: int | None = None):
         self.names = (names,) if isinstance(names, str) else tuple(names)
         if not self.names or not all(self.names):
             raise ValueError("a server needs at least one non-empty model name")
         self.name = self.names[0]
-        self.adapters = {name: slot for slot, name in enumerate(adapters)}  # name -> bank slot
-        if len(self.adapters) != len(adapters) or set(self.adapters) & set(self.names):
-            raise ValueError(f"LoRA adapters' names {list(adapters)} must be distinct, and none "
-                             f"the model's ({', '.join(self.names)})")
+        self.slots = len(adapters) if slots is None else slots
+        if self.slots < len(adapters):
+            raise ValueError(f"{len(adapters)} LoRA adapters for a bank of {self.slots} slots")
+        self.adapters: dict[str, int] = {}  # name -> bank slot
+        self._users: list[tuple[Any, frozenset[int]]] = []  # (request, the slots it uses)
+        for name in adapters:
+            self.add(name)
+
+    def free_slot(self) -> int:
+        """The lowest slot no adapter holds; ValueError where none is free."""
+        free = sorted(set(range(self.slots)) - set(self.adapters.values()))
+        if not free:
+            raise ValueError(f"every one of the {self.slots} LoRA slots is taken (--max_loras); "
+                             "unload an adapter first")
+        return free[0]
+
+    def add(self, name: str, slot: int | None = None) -> int:
+        """Names `slot` (default: the lowest free one) `name` and returns it; ValueError where
+        the name is taken or no slot is free."""
+        if not name or name in self.every:
+            raise ValueError(f"a LoRA adapter's name must be new and non-empty; {name!r} is taken "
+                             f"({', '.join(self.every)})")
+        slot = self.free_slot() if slot is None else slot
+        self.adapters[name] = slot
+        return slot
+
+    def remove(self, name: str) -> int:
+        """Frees `name`'s slot and returns it; APIError 409 while a request uses it."""
+        slot = self.adapters[name]
+        users = self.users(slot)
+        if users:
+            raise APIError(409, f"LoRA adapter '{name}' is in use by {users} requests; unload it "
+                                "once they are done", param="lora_name")
+        return self.adapters.pop(name)
+
+    def track(self, requests: Sequence[Any], lora: tuple[tuple[int, float], ...]) -> None:
+        """Counts `requests` (`scheduler.request.Request`s) as using `lora`'s slots until they
+        finish."""
+        self._users = [(r, slots) for r, slots in self._users if not r.finished]
+        if lora:
+            self._users += [(r, frozenset(slot for slot, _ in lora)) for r in requests]
+
+    def users(self, slot: int) -> int:
+        """How many unfinished requests use `slot`."""
+        return sum(1 for r, slots in self._users if slot in slots and not r.finished)
 
     @property
     def every(self) -> tuple[str, ...]:
@@ -45,6 +90,13 @@ class ServedModels:
         if model in self.adapters:
             raise APIError(400, f"'{model}' is a LoRA adapter; embeddings are the base model's "
                                 f"('{self.name}')", param="model")
+
+    def check_lora(self, lora: tuple[tuple[int, float], ...]) -> None:
+        """APIError 400 unless every slot `lora` names holds an adapter."""
+        empty = [slot for slot, _ in lora if slot not in self.adapters.values()]
+        if empty:
+            raise APIError(400, f"LoRA adapter {empty[0]} is not loaded: the loaded ones are "
+                                f"{sorted(self.adapters.values()) or 'none'}", param="lora")
 
     def lora(self, model: str | None) -> tuple[tuple[int, float], ...]:
         """The adapter `model` names, as a request's (bank slot, scale) pairs; none for the model."""

@@ -113,6 +113,16 @@ def test_bank_and_rows_refuse_what_they_cannot_hold(tiny_config, tiny_params, ad
                adapters=adapters)
     with pytest.raises(ValueError, match="both 0"):
         EngineConfig(lora_slots=2)
+    # A full bank holds only the projections its adapters change: another is refused whole.
+    full = Engine(tiny_params, cfg, EngineConfig(num_slots=2, max_seq_len=64, prefill_chunk=16,
+                                                 lora_slots=1, lora_rank=4), adapters=adapters[1:])
+    before = jax.tree.map(np.asarray, full.params)
+    with pytest.raises(ValueError, match="changes gate, k, o, up, which the bank does not hold"):
+        full.set_adapter(0, adapters[0])
+    with pytest.raises(ValueError, match="slot 1 is outside the bank's 1"):
+        full.set_adapter(1, adapters[1])
+    assert full.lora_versions == [0]
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, full.params), before)
 
 
 def test_a_peft_folder_loads_as_the_adapter_it_holds(tmp_path, tiny_config, adapters):

@@ -126,3 +126,76 @@ def test_generate_runs_a_peft_adapter_from_the_command_line(tmp_path, tiny_model
     want = greedy_generate(lora.merged_params(params, tiny_config, [(adapter, 1.0)]), tiny_config, ids, 8)
     assert want != greedy_generate(params, tiny_config, ids, 8)
     assert run.stdout.strip() == tiny_tokenizer.decode(want).strip()
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_config, tiny_params, tiny_tokenizer, tmp_path_factory):
+    """A server whose bank has a free slot beside "every", loading and unloading adapters
+    while it serves (--runtime_lora); PEFT folders of two more adapters to load."""
+    params = jax.tree.map(np.asarray, undo_embedding_boost(tiny_params))
+    every = random_adapter(tiny_config, "every", 4, lora.PROJECTIONS, 1)
+    more = {name: random_adapter(tiny_config, name, r, projs, seed) for name, r, projs, seed in
+            (("some", 2, ("q", "v", "down"), 2), ("other", 4, ("k", "o", "up"), 5))}
+    root = tmp_path_factory.mktemp("adapters")
+    for name, adapter in more.items():
+        write_peft_adapter(root / name, tiny_config, adapter, alpha=4)
+    engine = Engine(params, tiny_config, EngineConfig(
+        num_slots=2, max_seq_len=512, prefill_chunk=32, min_kv_bucket=256, attention="cpu",
+        decode_matmul="cpu", lora_slots=2, lora_rank=4), adapters=[every])
+    engine.warmup(warmup="needed")
+    with serving(engine, tiny_tokenizer, lora_adapters=("every",), lora_slots=2, runtime_lora=True) as (base, sched):
+        yield base, sched, params, {"every": every, **more}, root
+
+
+def test_adapters_load_and_unload_while_serving(runtime, tiny_config, tiny_tokenizer):
+    base, sched, params, adapters, root = runtime
+    prompt = "a prompt long enough to fill a page of the prefix cache, and then some more words"
+    ids = tiny_tokenizer.encode(prompt)
+    want = {name: greedy_generate(lora.merged_params(params, tiny_config, [(a, 1.0)]), tiny_config, ids, 6)
+            for name, a in adapters.items()}
+    compiles = sched.engine.compilations_after_warmup  # (after the reference's compiles)
+
+    def complete(model):
+        r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 6,
+                                                      "temperature": 0, "ignore_eos": True,
+                                                      "return_token_ids": True}, timeout=120)
+        return r.status_code, (r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.json())
+
+    def post(route, **body):
+        return httpx.post(f"{base}/v1/{route}_lora_adapter", json=body, timeout=120)
+
+    assert complete("some")[0] == 404
+    loaded = post("load", lora_name="some", lora_path=str(root / "some"))
+    assert loaded.status_code == 200 and "added successfully" in loaded.text
+    assert complete("some") == (200, want["some"]) and complete("every") == (200, want["every"])
+    assert "some" in {c["id"] for c in httpx.get(f"{base}/v1/models", timeout=30).json()["data"]}
+    full = post("load", lora_name="other", lora_path=str(root / "other"))
+    assert full.status_code == 400 and "slots is taken" in full.json()["error"]["message"]
+    taken = post("load", lora_name="every", lora_path=str(root / "other"))
+    assert taken.status_code == 400 and "taken" in taken.json()["error"]["message"]
+    # In use: while a request on "some" waits behind two long ones (both slots), an unload is
+    # a 409; once it is done, the unload goes through.
+    long = {"prompt": prompt, "max_tokens": 450, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        ahead = [pool.submit(httpx.post, f"{base}/v1/completions", json=long, timeout=120) for _ in range(2)]
+        while gauge(base, "num_requests_running") < 2:
+            pass
+        behind = pool.submit(httpx.post, f"{base}/v1/completions", json={**long, "model": "some"}, timeout=120)
+        while gauge(base, "num_requests_waiting") < 1:
+            pass
+        busy = post("unload", lora_name="some")
+        assert busy.status_code == 409 and "in use by 1" in busy.json()["error"]["message"]
+        assert all(f.result().status_code == 200 for f in [*ahead, behind])
+    assert post("unload", lora_name="some").status_code == 200
+    assert complete("some")[0] == 404
+    unknown = httpx.post(f"{base}/completion", json={"prompt": "a", "lora": [{"id": 1, "scale": 1}]}, timeout=30)
+    assert unknown.status_code == 400 and "adapter 1 is not loaded" in unknown.json()["error"]["message"]
+    # The freed slot takes another adapter; the prompt's pages "some" left in the cache are not
+    # its (the slot's version moved on): its answer is its own.
+    assert post("load", lora_name="other", lora_path=str(root / "other")).status_code == 200
+    assert complete("other") == (200, want["other"])
+    assert sched.engine.compilations_after_warmup == compiles  # loading compiled nothing
+    assert post("unload", lora_name="missing").status_code == 404
+    assert post("unload", lora_name="other").status_code == 200
+    bad = post("load", lora_name="bad", lora_path=str(root / "nowhere"))
+    assert bad.status_code == 400 and "not a PEFT folder" in bad.json()["error"]["message"]
