@@ -34,8 +34,6 @@ class LoraBank:
         self.lora_versions = [0] * slots
         if not slots:
             return
-        if self.tp is not None:
-            raise ValueError("LoRA adapters run on one device (not yet with tensor parallelism)")
         self._lora_projections = (lora.PROJECTIONS if None in self._adapters else sorted(
             {p for a in adapters for p in a.projections}, key=lora.PROJECTIONS.index))
         self.params = self._with_lora_bank()
@@ -43,13 +41,19 @@ class LoraBank:
     def _with_lora_bank(self) -> dict:
         """The placed params with the bank's leaves of the adapters in its slots, in the compute
         dtype on this engine's device (a bank there already replaced); a decode tree's in the
-        CPU kernels' layout, which they read."""
+        CPU kernels' layout, which they read. Under tensor parallelism the bank is whole on
+        every device (XLA's partitioner adds each correction to the projection's shards), its
+        k/v b's heads repeated as the weights' are."""
         bank = lora.bank_arrays(self.model_config, self._adapters, self.config.lora_slots,
                                 self.config.lora_rank, self._lora_projections)
-        dtype = jnp.dtype(self.config.dtype)
+        dtype, tp = jnp.dtype(self.config.dtype), self.tp
+        if tp is not None:
+            bank = {(layer, proj): (a, tp.repeat_kv(b, 1) if proj in ("k", "v") else b)
+                    for (layer, proj), (a, b) in bank.items()}
+        where = self.device if tp is None else tp.replicated
         return lora.with_bank(self.params, bank, self.model_config.num_layers,
                               blocked=self.config.decode_matmul == "cpu",
-                              place=lambda a: cast(jax.device_put(a, self.device), dtype))
+                              place=lambda a: cast(jax.device_put(a, where), dtype))
 
     def set_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Puts `adapter` in bank slot `slot` (None empties it) and counts the slot's version

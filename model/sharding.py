@@ -143,6 +143,13 @@ class TensorParallel:
 
         return build_tree(param_specs(self.config, weights_of(params)), leaf)
 
+    def repeat_kv(self, array, axis: int):
+        """A k/v projection's `axis` of KV heads repeated as `place` repeats the weights' (a LoRA
+        adapter's b, `model.lora`)."""
+        if self.kv_repeat == 1:
+            return array
+        return _repeat_heads(array, axis, self.config.num_kv_heads, self.kv_repeat)
+
     def _repeats(self, spec: ParamSpec) -> bool:
         return self.kv_repeat > 1 and KV_HEADS in spec.axes
 

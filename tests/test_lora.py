@@ -268,3 +268,21 @@ def test_a_verify_step_scores_each_rows_drafts_with_its_adapters(tiny_config, ti
     result = engine.verify(positions, active, rows, tables, drafts, np.asarray([3, 3, 3, 0], np.int32))
     assert result.emitted()[:3].tolist() == [4, 4, 4]
     assert np.asarray(result)[:, :3].T.tolist() == [w[1:5] for w in want]
+
+
+@pytest.mark.slow  # several CPU devices
+@pytest.mark.parametrize("devices", [2, 4])  # 4: each KV head on two devices, the k/v b's heads repeated
+def test_tensor_parallel_rows_on_adapters_equal_the_reference(devices, tiny_config, tiny_params, adapters):
+    cfg = tiny_config
+    params = jax.tree.map(np.asarray, undo_embedding_boost(tiny_params))
+    engine = Engine(params, cfg, EngineConfig(num_slots=4, max_seq_len=128, prefill_chunk=32,
+                                              min_kv_bucket=64, lora_slots=3, lora_rank=4),
+                    devices=jax.devices()[:devices], adapters=adapters)
+    assert engine.tp.kv_repeat == devices // 2
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(n)] for n in (30, 9, 14)]
+    rows = sampling_rows([RequestSampling(lora=r) for r in ROWS] + [RequestSampling()], 3)
+    got = engine_greedy(engine, prompts, [6, 6, 6], [5, 32, 7], rows)
+    for prompt, pairs, tokens in zip(prompts, ROWS, got):
+        merged = lora.merged_params(params, cfg, [(adapters[i], s) for i, s in pairs])
+        assert tokens == greedy_generate(merged, cfg, prompt, 6)
