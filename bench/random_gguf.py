@@ -144,6 +144,33 @@ def write_random_gguf(path: str | Path, config: ModelConfig, arch: str = "llama"
     return Path(path).stat().st_size
 
 
+def write_gguf_adapter(path: str | Path, config: ModelConfig, adapter, alpha: float,
+                       arch: str = "llama") -> None:
+    """A LoRA adapter (`model.lora.LoraAdapter`, its b scaled by alpha / r) as llama.cpp's
+    convert_lora_to_gguf.py writes one: `general.type` "adapter", its alpha, and per projection
+    `<tensor>.lora_a` [r, in] and `.lora_b` [out, r] in float32 without the alpha / r, the
+    q/k rows of `lora_b` permuted for `arch`'s RoPE order where its converter permutes them."""
+    from cadence.checkpoints.gguf import PERMUTED_ARCHITECTURES, permute_rope_rows
+
+    specs = {(int(s.path[0].removeprefix("layers_")), s.path[2]): s for s in param_specs(config)
+             if len(s.path) == 4 and s.path[3] == "kernel"}
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", alpha)
+    for key, (a, b) in adapter.weights.items():
+        spec = specs[key]
+        b_rows = b.T / (alpha / a.shape[1])
+        if arch in PERMUTED_ARCHITECTURES and spec.rope_heads:
+            b_rows = permute_rope_rows(b_rows, spec.rope_heads)
+        for side, array in (("a", a.T), ("b", b_rows)):
+            w.add_tensor(f"{spec.gguf_name}.lora_{side}", np.ascontiguousarray(array, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def copy_tokenizer(source: str | Path) -> Callable[[gguf.GGUFWriter], None]:
     """`write_random_gguf`'s `metadata`: every `tokenizer.*` key of the GGUF at `source`."""
     reader = gguf.GGUFReader(str(source))

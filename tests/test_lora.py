@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cadence.bench.random_gguf import write_gguf_adapter
 from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine
 from cadence.engine.programs import sampling_rows
@@ -145,33 +146,6 @@ def test_a_peft_folder_loads_as_the_adapter_it_holds(tmp_path, tiny_config, adap
     for (layer, proj), (_, b) in adapter.weights.items():
         alpha = 2 if (layer, proj) == (1, "down") else 8
         np.testing.assert_allclose(loaded.weights[(layer, proj)][1], b / 2 * alpha / 2, rtol=1e-5)
-
-
-def write_gguf_adapter(path, config, adapter, alpha, arch="llama"):
-    """`adapter` as llama.cpp's convert_lora_to_gguf.py writes one: lora_a [r, in] and lora_b
-    [out, r] (q/k rows permuted for `arch`'s RoPE order where its converter permutes them)."""
-    import gguf
-
-    from cadence.checkpoints.gguf import PERMUTED_ARCHITECTURES, permute_rope_rows
-    from cadence.model.params import param_specs
-
-    specs = {(int(s.path[0].removeprefix("layers_")), s.path[2]): s for s in param_specs(config)
-             if len(s.path) == 4 and s.path[3] == "kernel"}
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_type("adapter")
-    w.add_string("adapter.type", "lora")
-    w.add_float32("adapter.lora.alpha", alpha)
-    for key, (a, b) in adapter.weights.items():
-        spec = specs[key]
-        b_rows = b.T / (alpha / a.shape[1])  # [out, r], without the scale
-        if arch in PERMUTED_ARCHITECTURES and spec.rope_heads:
-            b_rows = permute_rope_rows(b_rows, spec.rope_heads)
-        for side, array in (("a", a.T), ("b", b_rows)):
-            w.add_tensor(f"{spec.gguf_name}.lora_{side}", np.ascontiguousarray(array, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
