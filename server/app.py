@@ -161,7 +161,7 @@ class Server:
         self.model_name = self.models.name  # the one answers carry
         self.config = config
         self.defaults = protocol.OPENAI_DEFAULTS.with_model(generation)
-        self.metrics = Metrics(scheduler, self.model_name)
+        self.metrics = Metrics(scheduler, self.model_name, self.models)
         self.timeline = Timeline(scheduler)
         self.ready = threading.Event()
         self.warmup_error: str | None = None

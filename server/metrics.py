@@ -9,6 +9,7 @@ snapshot (`Scheduler.stats()`), so they are never stale and agree with each othe
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -18,6 +19,7 @@ from cadence.scheduler.request import RequestRecord
 from cadence.scheduler.priority import REJECTION_REASONS
 from cadence.scheduler.scheduler import IterationRecord, KVTransfer, Scheduler
 from cadence.scheduler.stats import DraftStats, PoolStats, SchedulerStats
+from cadence.server.served_models import ServedModels
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                     1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -164,6 +166,24 @@ class _SchedulerReadings:
         yield waiting
 
 
+class _LoraReadings:
+    """vLLM's `lora_requests_info`: the adapters running requests use and those queued ones
+    use, as labels (comma-separated names), beside the bank's size; its value is the time of
+    the reading."""
+
+    def __init__(self, models: ServedModels):
+        self.models = models
+
+    def collect(self):
+        running, waiting = self.models.in_use()
+        for name in ("cadence:lora_requests_info", "vllm:lora_requests_info"):
+            family = GaugeMetricFamily(name, "LoRA adapters in use: running_lora_adapters by requests "
+                                       "holding a KV slot, waiting_lora_adapters by queued ones.",
+                                       labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            family.add_metric([str(self.models.slots), ",".join(waiting), ",".join(running)], time.time())
+            yield family
+
+
 # What the server observes itself, from the scheduler's request, iteration and transfer records:
 # (attribute, type, name, help, the label besides model_name or None, a histogram's buckets), in
 # the order /metrics lists them. A family with a label of its own is kept whole (`.labels(...)`
@@ -206,7 +226,7 @@ class Metrics:
     """The server's /metrics: the families of `_OBSERVED` as attributes, fed by the scheduler's
     listeners, and the scheduler's own readings (`_SchedulerReadings`) read when scraped."""
 
-    def __init__(self, scheduler: Scheduler, model_name: str):
+    def __init__(self, scheduler: Scheduler, model_name: str, models: ServedModels | None = None):
         self.registry = r = CollectorRegistry()
         self._labelled = priority_labels(scheduler)
         self._labels = labels = {"model_name": model_name}
@@ -218,6 +238,8 @@ class Metrics:
                 family.labels(**{label: value}, **labels)
             setattr(self, attribute, family if label else family.labels(**labels))
         r.register(_SchedulerReadings(scheduler, model_name, self.priority_label))
+        if models is not None and models.slots:
+            r.register(_LoraReadings(models))
         scheduler.listeners.append(self.on_request)
         scheduler.iteration_listeners.append(self.on_iteration)
         scheduler.transfer_listeners.append(self.on_transfer)

@@ -69,6 +69,16 @@ class ServedModels:
         if lora:
             self._users += [(r, frozenset(slot for slot, _ in lora)) for r in requests]
 
+    def in_use(self) -> tuple[list[str], list[str]]:
+        """The adapters unfinished requests use: those of requests holding a KV slot, and of
+        those queued for one (names, sorted)."""
+        names = {slot: name for name, slot in self.adapters.items()}
+        running, waiting = set(), set()
+        for r, slots in self._users:
+            if not r.finished:
+                (running if r.pool is not None else waiting).update(names[s] for s in slots if s in names)
+        return sorted(running), sorted(waiting)
+
     def users(self, slot: int) -> int:
         """How many unfinished requests use `slot`."""
         return sum(1 for r, slots in self._users if slot in slots and not r.finished)

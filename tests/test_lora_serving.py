@@ -128,6 +128,17 @@ def test_generate_runs_a_peft_adapter_from_the_command_line(tmp_path, tiny_model
     assert run.stdout.strip() == tiny_tokenizer.decode(want).strip()
 
 
+def lora_info(base: str) -> tuple[str, str]:
+    """/metrics' vllm:lora_requests_info: (waiting_lora_adapters, running_lora_adapters)."""
+    import re
+
+    line = next(l for l in httpx.get(f"{base}/metrics", timeout=30).text.splitlines()
+                if l.startswith("vllm:lora_requests_info{"))
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+    assert labels["max_lora"] == "2"
+    return labels["waiting_lora_adapters"], labels["running_lora_adapters"]
+
+
 @pytest.fixture(scope="module")
 def runtime(tiny_config, tiny_params, tiny_tokenizer, tmp_path_factory):
     """A server whose bank has a free slot beside "every", loading and unloading adapters
@@ -185,7 +196,10 @@ def test_adapters_load_and_unload_while_serving(runtime, tiny_config, tiny_token
             pass
         busy = post("unload", lora_name="some")
         assert busy.status_code == 409 and "in use by 1" in busy.json()["error"]["message"]
+        waiting, running = lora_info(base)
+        assert "some" in waiting + running  # (queued still, or just admitted)
         assert all(f.result().status_code == 200 for f in [*ahead, behind])
+    assert lora_info(base) == ("", "")
     assert post("unload", lora_name="some").status_code == 200
     assert complete("some")[0] == 404
     unknown = httpx.post(f"{base}/completion", json={"prompt": "a", "lora": [{"id": 1, "scale": 1}]}, timeout=30)
