@@ -11,7 +11,8 @@ Input, one JSON object a line (blank lines are skipped):
 Ids are strings or integers, unique in the file. The optional sampling fields are those of
 `server/parsing.py` (max_tokens, temperature, top_p, top_k, seed, the penalties, logit_bias,
 stop, ignore_eos, stop_token_ids, include_stop_str_in_output, cache_salt, priority); absent
-ones take the flags' defaults. So are OpenAI's
+ones take the flags' defaults. A line's "model" may name one of --lora's adapters, which it then
+runs with (the model's own name, or none, runs the model). So are OpenAI's
 response_format (or vLLM's guided_* fields and llama-server's grammar, `server.guided`) and,
 with messages, tools, tool_choice and parallel_tool_calls. A job with
 --priority_classes or a priority per line runs its lower numbers first. Output, one JSON object a line, in the order requests finish:
@@ -269,14 +270,18 @@ def run_own_lines(rt: runtime.Runtime, todo: list[Job], output: Path, report) ->
     defaults = parsing.defaults_from_flags(rt.model.generation)
     splits = reasoning.parser_on(REASONING_PARSER.value, rt.model.tokenizer.chat_template)
     grammars = rt.grammars()
+    served = runtime.served_names(MODEL_FLAG.value, None)
     work, invalid = [], 0
     for job in todo:
         try:
             entry = parsing.to_request(job.entry, rt.model.tokenizer, defaults,
-                                        extra_fields=("id",), max_seq_len=rt.scheduler.max_seq_len,
+                                        extra_fields=("id", "model"), max_seq_len=rt.scheduler.max_seq_len,
                                         grammars=grammars, splits_reasoning=splits,
                                         pooling=POOLING.value)
-        except (SubmissionError, CheckpointError) as e:
+            model = job.entry.get("model")
+            if model is not None and model not in served:  # a --lora adapter's name
+                entry = entry._replace(params=runtime.with_adapter(entry.params, rt.adapters, model))
+        except (SubmissionError, CheckpointError, ValueError) as e:
             report(job.line, f"id {job.id!r} invalid: {e}")
             invalid += 1
             continue

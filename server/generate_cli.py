@@ -13,7 +13,6 @@ stderr: per-request TTFT and per-stream rate, aggregate throughput, and
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import threading
@@ -56,18 +55,6 @@ def read_prompts(path: Path) -> list[dict]:
     return entries
 
 
-def with_adapter(jobs: list, names: list[str], adapter: str | None) -> list:
-    """The jobs with `adapter` (one of the loaded LoRA adapters' `names`) in their sampling."""
-    if adapter is None:
-        return jobs
-    if adapter not in names:
-        raise ValueError(f"--adapter={adapter}: the loaded LoRA adapters (--lora) are "
-                         f"{names or 'none'}")
-    lora = ((names.index(adapter), 1.0),)
-    return [(ids, dataclasses.replace(p, sampling=dataclasses.replace(p.sampling, lora=lora)))
-            for ids, p in jobs]
-
-
 def rate(record: RequestRecord) -> float | None:
     """Per-stream output rate, (N - 1) / (t_last - t_first), for N > 1 tokens."""
     times = record.token_times
@@ -101,7 +88,8 @@ def main(argv: list[str]) -> int:
         grammars = rt.grammars()
         jobs = [parsing.to_request(e, tok, defaults, chat=_CHAT.value, grammars=grammars,
                                     max_seq_len=rt.scheduler.max_seq_len)[:2] for e in entries]
-        jobs = with_adapter(jobs, [a.name for a in rt.adapters], _ADAPTER.value)
+        if _ADAPTER.value is not None:
+            jobs = [(ids, runtime.with_adapter(p, rt.adapters, _ADAPTER.value)) for ids, p in jobs]
     except (CheckpointError, SubmissionError, ValueError, OSError) as e:
         print(f"cadence-generate: error: {e}", file=sys.stderr)
         return 2

@@ -439,6 +439,16 @@ def load_adapters(config: ModelConfig) -> tuple[LoraAdapter, ...]:
     return tuple(adapters)
 
 
+def with_adapter(params, adapters: Sequence[LoraAdapter], name: str):
+    """`params` (`GenerationParams`) run with the adapter of --lora named `name`; ValueError
+    naming the loaded ones where none is."""
+    names = [a.name for a in adapters]
+    if name not in names:
+        raise ValueError(f"no LoRA adapter {name!r} is loaded (--lora): {names or 'none'}")
+    lora = ((names.index(name), 1.0),)
+    return dataclasses.replace(params, sampling=dataclasses.replace(params.sampling, lora=lora))
+
+
 def with_lora(config: EngineConfig, adapters: Sequence[LoraAdapter]) -> EngineConfig:
     """`config` with a bank for `adapters` and --max_loras's free slots (none: as it is)."""
     slots = max(MAX_LORAS.value, len(adapters))

@@ -183,6 +183,7 @@ def test_bad_lines_are_reported_and_do_not_stop_the_others(setup, tmp_path):
         {"id": "l", "prompt": "x", "top_k": 2**31},                  # 16 past int32
         {"id": "m", "prompt": "x", "stop": ["s"] * 17},              # 17 too many stop strings
         {"id": "n", "prompt": "word " * 200_000},                    # 18 cannot fit, untokenized
+        {"id": "o", "prompt": "x", "model": "sql"},                  # 19 no such adapter
     ]
     inp, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
     result = run_batch(setup, inp, out)
@@ -192,7 +193,7 @@ def test_bad_lines_are_reported_and_do_not_stop_the_others(setup, tmp_path):
                 8: "unknown field(s) 'max_token'", 9: "expected a JSON object",
                 12: "5000 digits", 13: "nested too deeply", 14: "unpaired surrogate",
                 15: "out of range", 16: "top_k must be in", 17: "at most 16 stop strings",
-                18: "exceeds the context of 256 tokens"}
+                18: "exceeds the context of 256 tokens", 19: "no LoRA adapter 'sql' is loaded"}
     reported = [s for s in result.stderr.splitlines() if s.startswith(f"cadence-batch: {inp}:")]
     assert {int(s.split(":")[2]) for s in reported} == set(expected), reported
     for number, text in expected.items():

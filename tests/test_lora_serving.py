@@ -112,6 +112,29 @@ def test_the_api_lists_the_adapters_and_refuses_what_they_cannot_do(served):
 
 
 @pytest.mark.slow
+def test_a_batch_line_names_its_adapter_as_its_model(tmp_path, tiny_model_dir, tiny_config, tiny_params,
+                                                     tiny_tokenizer):
+    import json
+
+    adapter = random_adapter(tiny_config, "sql", 4, lora.PROJECTIONS, 3, spread=0.6)
+    write_peft_adapter(tmp_path / "sql", tiny_config, adapter, alpha=8)
+    lines = [{"id": "base", "prompt": "hello world", "max_tokens": 8, "temperature": 0},
+             {"id": "sql", "prompt": "hello world", "max_tokens": 8, "temperature": 0, "model": "sql"},
+             {"id": "named", "prompt": "hello world", "max_tokens": 8, "temperature": 0, "model": "model"}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = cli(tiny_model_dir, "cadence.server.batch_cli", f"--lora=sql={tmp_path / 'sql'}",
+              f"--input={tmp_path / 'in.jsonl'}", f"--output={tmp_path / 'out.jsonl'}")
+    assert run.returncode == 0, run.stderr
+    texts = {r["id"]: r["text"] for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    ids = tiny_tokenizer.encode("hello world")
+    params = jax.tree.map(np.asarray, tiny_params)
+    base = tiny_tokenizer.decode(greedy_generate(params, tiny_config, ids, 8))
+    tuned = tiny_tokenizer.decode(greedy_generate(lora.merged_params(params, tiny_config, [(adapter, 1.0)]),
+                                                  tiny_config, ids, 8))
+    assert texts == {"base": base, "sql": tuned, "named": base} and tuned != base
+
+
+@pytest.mark.slow
 def test_generate_runs_a_peft_adapter_from_the_command_line(tmp_path, tiny_model_dir, tiny_config,
                                                             tiny_params, tiny_tokenizer):
     adapter = random_adapter(tiny_config, "sql", 4, lora.PROJECTIONS, 3, spread=0.6)
