@@ -128,17 +128,19 @@ def with_bank(params: dict[str, Any], bank: Mapping[tuple[int, str], tuple[np.nd
     """`params` with the bank's leaves added (each array through `place`: onto a device)
     where the model reads them: per layer (`layers_i`), or stacked over layers where the tree's
     layers are (`layers`, `model.layer_loop`). `blocked`: in the CPU kernels' layout (a decode
-    tree's, `model.cpu_kernels`), `a_blocked` and `b_blocked`, stacked as `cpu_kernels.Stacked`
-    (read at the loop's layer in place, where slicing a stacked array would copy it every
-    layer of every step); else `a` and `b`. The caller's tree is not changed."""
+    tree's, `model.cpu_kernels`), `a_blocked` and `b_blocked`; stacked layers (which only the
+    kernels run) as `cpu_kernels.Stacked`, read at the loop's layer in place. Else `a` and `b`.
+    The caller's tree is not changed."""
     names = ("a_blocked", "b_blocked") if blocked else ("a", "b")
     params = dict(params)
-    if "layers" in params:  # stacked: one leaf per projection's a and b, over every layer
+    if "layers" in params:  # stacked: one Stacked per projection's a and b, over every layer
+        if not blocked:
+            raise ValueError("stacked layers are the CPU kernels' (a decode tree): their bank is blocked")
         layers = dict(params["layers"])
         for proj in sorted({p for _, p in bank}, key=PROJECTIONS.index):
-            pair = [[bank[(i, proj)][j] for i in range(num_layers)] for j in (0, 1)]
-            pair = [jax.tree.map(place, layer_loop.stack_matrices([block(m) for m in ms])) if blocked
-                    else place(np.stack(ms)) for ms in pair]
+            pair = [jax.tree.map(place, layer_loop.stack_matrices([block(bank[(i, proj)][j])
+                                                                   for i in range(num_layers)]))
+                    for j in (0, 1)]
             _put(layers, (_module(proj), "lora", proj), dict(zip(names, pair)))
         params["layers"] = layers
         return params
