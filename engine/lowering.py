@@ -38,7 +38,7 @@ import numpy as np
 from cadence.engine.config import EngineConfig
 from cadence.engine.packing import empty_pack, row_chunks
 from cadence.engine.programs import Programs, jit_programs, sampling_rows
-from cadence.model import control, pallas_common
+from cadence.model import control, lora, pallas_common
 from cadence.model.config import ModelConfig
 from cadence.model.llama import rope_table
 from cadence.model.paged_kv import PagedKVCache
@@ -96,6 +96,9 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, *, weights:
     dtype = jnp.dtype(cfg.dtype)
     p = programs or jit_programs(mc, cfg)
     params = abstract_params(mc, dtype, weights=weights)
+    if cfg.lora_slots:  # a bank with room for adapters: every projection's
+        params = lora.with_bank(params, lora.abstract_bank(mc, cfg.lora_slots, cfg.lora_rank, dtype),
+                                mc.num_layers)
     rope = jax.eval_shape(lambda: rope_table(mc, cfg.max_seq_len))
     pool_dtype = jnp.dtype(cfg.pool_dtype)
     layer = jax.ShapeDtypeStruct(PagedKVCache.shape(mc, cfg.pool_pages, cfg.page_size), pool_dtype)

@@ -122,6 +122,19 @@ def bank_arrays(config: ModelConfig, adapters: Sequence[LoraAdapter | None], slo
     return bank
 
 
+def abstract_bank(config: ModelConfig, slots: int, rank: int, dtype
+                  ) -> dict[tuple[int, str], tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
+    """`bank_arrays`' shapes for every projection (a bank with slots to fill), as
+    `jax.ShapeDtypeStruct`s of `dtype`: what lowering a program from shapes alone takes."""
+    out = {}
+    for layer in range(config.num_layers):
+        for proj in PROJECTIONS:
+            n_in, n_out = projection_shape(config, proj)
+            out[(layer, proj)] = (jax.ShapeDtypeStruct((n_in, slots * rank), dtype),
+                                  jax.ShapeDtypeStruct((slots * rank, n_out), dtype))
+    return out
+
+
 def with_bank(params: dict[str, Any], bank: Mapping[tuple[int, str], tuple[np.ndarray, np.ndarray]],
               num_layers: int, place: Callable[[Any], Any] = lambda a: a,
               blocked: bool = False) -> dict[str, Any]:

@@ -33,9 +33,11 @@ def _signature(args):
     return tree, [(tuple(a.shape), str(jnp.result_type(a))) for a in leaves]
 
 
-def test_engine_programs_are_what_warmup_compiles(tiny_config, tiny_params, monkeypatch):
+@pytest.mark.parametrize("lora_slots", [0, 2], ids=["plain", "lora-bank"])
+def test_engine_programs_are_what_warmup_compiles(tiny_config, tiny_params, monkeypatch, lora_slots):
     """The list is warm-up's own: every program it calls, in its order, with the same argument
-    trees, shapes and dtypes (an "xla" engine, which has both decode programs)."""
+    trees, shapes and dtypes (an "xla" engine, which has both decode programs; and one with a
+    LoRA bank of free slots, every projection's, in its params and rows)."""
     calls = []
     real = engine_module.jit_programs
 
@@ -54,7 +56,8 @@ def test_engine_programs_are_what_warmup_compiles(tiny_config, tiny_params, monk
 
     monkeypatch.setattr(engine_module, "jit_programs", recording)
     config = EngineConfig(num_slots=3, max_seq_len=128, prefill_chunk=32, min_kv_bucket=32,
-                          page_size=16, structured_output=True, speculative_tokens=3)
+                          page_size=16, structured_output=True, speculative_tokens=3,
+                          lora_slots=lora_slots, lora_rank=4 if lora_slots else 0)
     Engine(tiny_params, tiny_config, config).warmup()
     listed = [(p.field, _signature(p.args)) for p in engine_programs(tiny_config, config)]
     assert [f for f, _ in listed] == [f for f, _ in calls]
@@ -95,6 +98,15 @@ def test_smollm2_gpu_engine_lowers_for_cuda(triton_verifications, layers, attent
     assert len(programs) == 43
     names = {p.name for p in programs}
     assert {f"decode[batch={b},pages=64]" for b in config.decode_batch_buckets} <= names
+
+
+@pytest.mark.slow
+def test_a_lora_bank_lowers_for_cuda(triton_verifications):
+    """SmolLM2's GPU engine (2 layers) with a bank of 4 LoRA slots of rank 16: every program,
+    each projection's correction beside its matmul, lowers for CUDA."""
+    config = gpu_engine_config(num_slots=8, lora_slots=4, lora_rank=16)
+    model = dataclasses.replace(SMOLLM2_135M, num_layers=2)
+    assert len(_lower_all(model, config, triton_verifications)) == 43
 
 
 @pytest.mark.slow
