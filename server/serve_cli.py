@@ -107,6 +107,9 @@ def main(argv: list[str]) -> int:
         if _RUNTIME_LORA.value and MAX_LORAS.value <= len(LORA.value):
             raise ValueError("--runtime_lora loads adapters into free bank slots: give --max_loras "
                              f"more than --lora's {len(LORA.value)}")
+        if _RUNTIME_LORA.value and runtime.multi_process():
+            raise ValueError("--runtime_lora writes this process's banks; the others of "
+                             "--num_processes would not follow: load adapters with --lora")
         rt = runtime.build_from_flags(warm=False)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"cadence-serve: error: {e}", file=sys.stderr)

@@ -109,3 +109,17 @@ def test_a_port_in_use_is_a_one_line_error_before_the_model_loads(tiny_model_dir
     assert f"cadence-serve: error: cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
     assert "loaded" not in result.stderr and "Traceback" not in result.stderr
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--runtime_lora"], "give --max_loras more than --lora's 0"),
+    (["--runtime_lora", "--max_loras=2", "--num_processes=2", "--process_id=0"],
+     "the others of --num_processes would not follow"),
+])
+def test_runtime_lora_that_cannot_work_is_a_one_line_error(tiny_model_dir, flags, message):
+    root, env = tiny_model_dir
+    result = subprocess.run([sys.executable, "-m", "cadence.server.serve_cli", f"--model={root / 'model'}",
+                             "--port=0", *flags], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and "cadence-serve: error: --runtime_lora" in result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
