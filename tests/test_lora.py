@@ -68,7 +68,9 @@ ENGINES = {
 }
 
 
-@pytest.mark.parametrize("path", ENGINES)
+# XLA's path in the full tier (the default tier runs the model's XLA path above, and the engine
+# on the CPU kernels that serve on the CPU).
+@pytest.mark.parametrize("path", ["cpu-kernels", pytest.param("xla", marks=pytest.mark.slow)])
 def test_engine_rows_on_different_adapters_equal_the_reference_on_merged_weights(
         path, tiny_config, tiny_params, adapters):
     cfg = tiny_config

@@ -181,6 +181,7 @@ def runtime(tiny_config, tiny_params, tiny_tokenizer, tmp_path_factory):
         yield base, sched, params, {"every": every, **more}, root
 
 
+@pytest.mark.slow  # an engine and server of its own
 def test_adapters_load_and_unload_while_serving(runtime, tiny_config, tiny_tokenizer):
     base, sched, params, adapters, root = runtime
     prompt = "a prompt long enough to fill a page of the prefix cache, and then some more words"

@@ -111,6 +111,7 @@ def test_a_port_in_use_is_a_one_line_error_before_the_model_loads(tiny_model_dir
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow  # two processes started for a flag check
 @pytest.mark.parametrize("flags, message", [
     (["--runtime_lora"], "give --max_loras more than --lora's 0"),
     (["--runtime_lora", "--max_loras=2", "--num_processes=2", "--process_id=0"],
