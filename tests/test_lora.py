@@ -81,16 +81,25 @@ def test_engine_rows_on_different_adapters_equal_the_reference_on_merged_weights
                     adapters=adapters)
     if path == "cpu-kernels":
         assert engine.stacked_layers
-    rng = random.Random(5)
     # The first prompt ends alone, a chunk of two rows in a pack with room for a padding chunk.
-    prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(n)] for n in (75, 9, 14)]
+    rows_equal_the_merged_reference(engine, params, cfg, adapters, (75, 9, 14), seed=5, n=8,
+                                    changed=True)
+
+
+def rows_equal_the_merged_reference(engine, params, cfg, adapters, lengths, *, seed, n, changed=False):
+    """Random prompts of `lengths`, one on each of `ROWS`' mixes, greedy through `engine`
+    (`engine_greedy`: prefilled in chunks, decoded together): each row's `n` tokens are the
+    reference generator's over its merged weights (`changed`: and not the base model's, where
+    it runs an adapter)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(k)] for k in lengths]
     rows = sampling_rows([RequestSampling(lora=r) for r in ROWS] + [RequestSampling()], 3)
-    got = engine_greedy(engine, prompts, [8, 8, 8], [5, 32, 7], rows)
+    got = engine_greedy(engine, prompts, [n] * len(prompts), [5, 32, 7], rows)
     for prompt, pairs, tokens in zip(prompts, ROWS, got):
         merged = lora.merged_params(params, cfg, [(adapters[i], s) for i, s in pairs])
-        assert tokens == greedy_generate(merged, cfg, prompt, 8)
-        if pairs:
-            assert tokens != greedy_generate(params, cfg, prompt, 8)
+        assert tokens == greedy_generate(merged, cfg, prompt, n)
+        if changed and pairs:
+            assert tokens != greedy_generate(params, cfg, prompt, n)
 
 
 def test_bank_and_rows_refuse_what_they_cannot_hold(tiny_config, tiny_params, adapters):
@@ -255,10 +264,4 @@ def test_tensor_parallel_rows_on_adapters_equal_the_reference(devices, tiny_conf
                                               min_kv_bucket=64, lora_slots=3, lora_rank=4),
                     devices=jax.devices()[:devices], adapters=adapters)
     assert engine.tp.kv_repeat == devices // 2
-    rng = random.Random(11)
-    prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(n)] for n in (30, 9, 14)]
-    rows = sampling_rows([RequestSampling(lora=r) for r in ROWS] + [RequestSampling()], 3)
-    got = engine_greedy(engine, prompts, [6, 6, 6], [5, 32, 7], rows)
-    for prompt, pairs, tokens in zip(prompts, ROWS, got):
-        merged = lora.merged_params(params, cfg, [(adapters[i], s) for i, s in pairs])
-        assert tokens == greedy_generate(merged, cfg, prompt, 6)
+    rows_equal_the_merged_reference(engine, params, cfg, adapters, (30, 9, 14), seed=11, n=6)
