@@ -26,11 +26,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 
 from cadence.checkpoints.errors import CheckpointError
-from cadence.checkpoints.gguf import PERMUTED_ARCHITECTURES, unpermute_rope_rows
+from cadence.checkpoints.gguf import PERMUTED_ARCHITECTURES, dequantized, unpermute_rope_rows
 from cadence.checkpoints.gguf_file import read_gguf
 from cadence.checkpoints.hf import read_tensor, tensor_offsets
 from cadence.model.config import ModelConfig
@@ -156,21 +155,13 @@ def _load_gguf(path: Path, config: ModelConfig, name: str) -> LoraAdapter:
             continue
         if f"{module}.weight.lora_b" not in tensors:
             raise CheckpointError(f"LoRA adapter {path}: {module} has lora_a alone")
-        a, b = (_dequantized(path, tensors[f"{module}.weight.lora_{s}"]) for s in "ab")  # [r, in], [out, r]
+        a, b = (dequantized(path, tensors[f"{module}.weight.lora_{s}"]) for s in "ab")  # [r, in], [out, r]
         layer, proj, heads = modules[module]
         if permute and heads:
             b = unpermute_rope_rows(b, heads)
         scale = alpha / a.shape[0] if alpha else 1.0
         weights[(layer, proj)] = (np.ascontiguousarray(a.T), np.ascontiguousarray((b * scale).T))
     return _adapter(path, name, weights)
-
-
-def _dequantized(path: Path, tensor) -> np.ndarray:
-    try:
-        return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
-    except NotImplementedError:
-        raise CheckpointError(f"LoRA adapter {path}: tensor {tensor.name} has type "
-                              f"{tensor.tensor_type.name}, which cadence cannot read") from None
 
 
 def _adapter(path: Path, name: str, weights: dict) -> LoraAdapter:

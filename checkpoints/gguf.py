@@ -232,6 +232,16 @@ def permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 _SIXTEEN_BIT = {gguf.GGMLQuantizationType[name]: FLOAT_DTYPES[name] for name in ("F16", "BF16")}
 
 
+def dequantized(path: Path, tensor) -> np.ndarray:
+    """A GGUF tensor (a `gguf.ReaderTensor`) as float32, or CheckpointError naming a type the
+    `gguf` package cannot dequantize."""
+    try:
+        return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+    except NotImplementedError:
+        raise CheckpointError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which "
+                              "cadence cannot dequantize; use an F32, F16, BF16, Q8_0 or Q4_x file") from None
+
+
 def load_gguf(
     path: str | Path, progress: Callable[[int, int], None] | None = None, *, packable: bool = True,
     keep_16_bit: bool = False,
@@ -267,14 +277,7 @@ def load_gguf(
         if keep_16_bit and t.tensor_type in _SIXTEEN_BIT:
             array = np.ascontiguousarray(t.data).view(_SIXTEEN_BIT[t.tensor_type])
         else:
-            try:
-                array = gguf.quants.dequantize(t.data, t.tensor_type)
-            except NotImplementedError:
-                raise CheckpointError(
-                    f"{path}: tensor {name} has type {t.tensor_type.name}, which cadence cannot "
-                    "dequantize; use an F32, F16, BF16, Q8_0 or Q4_x file"
-                ) from None
-            array = np.asarray(array, dtype=np.float32)
+            array = dequantized(path, t)
         if array.shape != shape:
             raise CheckpointError(f"{path}: tensor {name} has shape {array.shape}, expected {shape}")
         tick()
