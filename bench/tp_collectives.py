@@ -101,7 +101,7 @@ def compile_counts(config, n: int, batch: int, chunk: int) -> dict[str, dict]:
     import numpy as np
 
     from cadence.engine.config import EngineConfig
-    from cadence.engine.packing import empty_pack
+    from cadence.engine.packing import empty_pack, row_chunks
     from cadence.engine.programs import jit_programs, sampling_rows
     from cadence.model.llama import rope_table
     from cadence.model.paged_kv import PagedKVCache
@@ -132,7 +132,7 @@ def compile_counts(config, n: int, batch: int, chunk: int) -> dict[str, dict]:
     pack = empty_pack(chunk, width, engine.pack_block, batch, engine.chunks_per_program)
     prefill = programs.prefill.lower(
         params, rope, cache, last, history, pack.tokens, pack.positions, pack.lengths, pack.tables,
-        pack.logit_index, pack.steps, pack.write_slot, pack.sampling_slot,
+        pack.logit_index, row_chunks(pack), pack.steps, pack.write_slot, pack.sampling_slot,
         sampling_rows([RequestSampling()] * len(pack.steps)), all_allowed(len(pack.steps), cc.vocab_size))
     return {name: collectives(lowered.compile().as_text())
             for name, lowered in (("decode", decode), ("prefill", prefill))}

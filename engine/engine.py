@@ -354,8 +354,8 @@ class Engine(KVOps, Compiling, LoraBank):
                   targets: np.ndarray | None = None):
         """(tokens, logprobs), and with `targets` the scoring program's, and its scores."""
         args = (self.params, self.rope, self.cache, self.last_tokens, self.history, pack.tokens,
-                pack.positions, pack.lengths, pack.tables, pack.logit_index, pack.steps,
-                pack.write_slot, pack.sampling_slot, sampling, allowed)
+                pack.positions, pack.lengths, pack.tables, pack.logit_index, row_chunks(pack),
+                pack.steps, pack.write_slot, pack.sampling_slot, sampling, allowed)
         if targets is None:
             out, self.cache, self.last_tokens, self.history = self._prefill(*args)
         else:

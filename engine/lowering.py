@@ -125,7 +125,7 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, *, weights:
             scored = (np.full(t, -1, np.int32),) if field == "prefill_scored" else ()
             add(f"{field}[tokens={t},pages={width}]", field, params, rope, cache, last, history,
                 pack.tokens, pack.positions, pack.lengths, pack.tables, pack.logit_index,
-                pack.steps, pack.write_slot, pack.sampling_slot, rows(n),
+                row_chunks(pack), pack.steps, pack.write_slot, pack.sampling_slot, rows(n),
                 all_allowed(n, mc.vocab_size), *scored)
         for t, width in ((t, w) for t in cfg.prefill_buckets for w in cfg.prefill_page_buckets):
             pack = empty_pack(t, width, cfg.pack_block, cfg.num_slots, cfg.chunks_per_program)

@@ -39,38 +39,33 @@ from cadence.model.sharding import TensorParallel
 
 def _prefill_program(
     params, rope, cache, last_tokens, history, tokens, positions, lengths, tables, logit_index,
-    steps, write_slot, sampling_slot, sampling, allowed, *, config, attention, dtype, mesh,
-    max_logprobs,
+    row_chunk, steps, write_slot, sampling_slot, sampling, allowed, *, config, attention, dtype,
+    mesh, max_logprobs,
 ):
     """Every chunk of a pack (`engine.packing`) in one pass: KV written through each row's
     table, one token sampled per chunk (with its slot's history, `sampling_slot`, among the
     tokens its bitmask `allowed` allows), and each
     prompt's last chunk's token written into its slot's `last_tokens` and counted into its
     history (other entries of `write_slot` are num_slots and drop out). Each row runs with its
-    chunk's LoRA adapters (`sampling.lora`, gathered per chunk)."""
+    chunk's LoRA adapters (`sampling.lora`, gathered per chunk; `row_chunk` [rows] is each
+    row's chunk, `packing.row_chunks`)."""
     with _live_rows(tokens, lengths):
         logits, cache = forward(
             params, tokens, positions, lengths, cache, tables, config=config,
             logit_index=logit_index, attention=attention, dtype=dtype, mesh=mesh, rope_table=rope,
-            adapters=_row_adapters(sampling, tokens, logit_index, sampling_slot, last_tokens.shape[0]),
+            adapters=_row_adapters(sampling, row_chunk),
         )
     sampled, logprobs, last_tokens, history = _take_chunk_tokens(
         logits, last_tokens, history, steps, write_slot, sampling_slot, sampling, allowed, max_logprobs)
     return (sampled, logprobs), cache, last_tokens, history
 
 
-def _row_adapters(sampling, tokens, logit_index, sampling_slot, num_slots):
-    """Each row's LoRA scales [rows, lora_slots] in a pack whose chunks' rows (`sampling`,
-    gathered per chunk) hold them: a row's chunk is the first whose last token's row is not
-    before it (`packing.row_chunks`; padding chunks, `sampling_slot` num_slots, end nowhere),
-    and rows past every chunk take none."""
+def _row_adapters(sampling, row_chunk):
+    """Each row's LoRA scales [rows, lora_slots]: its chunk's (`row_chunk`), and none for the
+    rows past every chunk (a padding chunk's sampling row has none either)."""
     if sampling.lora.shape[-1] == 0:
         return None
-    rows, block = tokens.shape
-    ends = jnp.where(sampling_slot < num_slots, logit_index // block, rows)  # padding: past every row
-    chunk = jnp.sum(ends[None, :] < jnp.arange(rows, dtype=jnp.int32)[:, None], axis=1)
-    real = jnp.sum(sampling_slot < num_slots)
-    return jnp.where((chunk < real)[:, None], jnp.take(sampling.lora, chunk, axis=0, mode="clip"), 0.0)
+    return jnp.take(sampling.lora, row_chunk, axis=0, mode="fill", fill_value=0)
 
 
 def _live_rows(tokens, lengths):
@@ -95,8 +90,8 @@ def _take_chunk_tokens(logits, last_tokens, history, steps, write_slot, sampling
 
 def _scored_prefill_program(
     params, rope, cache, last_tokens, history, tokens, positions, lengths, tables, logit_index,
-    steps, write_slot, sampling_slot, sampling, allowed, targets, *, config, attention, dtype,
-    mesh, max_logprobs,
+    row_chunk, steps, write_slot, sampling_slot, sampling, allowed, targets, *, config, attention,
+    dtype, mesh, max_logprobs,
 ):
     """`_prefill_program`, with the logits of every position of the pack: also returns each
     position's ranked `Logprobs` of `targets` [T] (its next token; -1 where none: ignored)."""
@@ -105,7 +100,7 @@ def _scored_prefill_program(
         logits, cache = forward(
             params, tokens, positions, lengths, cache, tables, config=config, logit_index=every,
             attention=attention, dtype=dtype, mesh=mesh, rope_table=rope,
-            adapters=_row_adapters(sampling, tokens, logit_index, sampling_slot, last_tokens.shape[0]),
+            adapters=_row_adapters(sampling, row_chunk),
         )
     sampled, logprobs, last_tokens, history = _take_chunk_tokens(
         logits[logit_index], last_tokens, history, steps, write_slot, sampling_slot, sampling,

@@ -116,7 +116,7 @@ def list_programs(programs: Programs, cfg: EngineConfig, mc: ModelConfig, specs:
         add(group, f"{'prefill_scored' if scored else 'prefill'}[tokens={t},pages={width}]",
             programs.prefill_scored if scored else programs.prefill, params, rope, cache, last,
             history, pack.tokens, pack.positions, pack.lengths, pack.tables, pack.logit_index,
-            pack.steps, pack.write_slot, pack.sampling_slot, rows(n), all_allowed(n, vocab),
+            row_chunks(pack), pack.steps, pack.write_slot, pack.sampling_slot, rows(n), all_allowed(n, vocab),
             *scored)
     for t, width in ((t, w) for t in cfg.prefill_buckets for w in cfg.prefill_page_buckets):
         pack = empty_pack(t, width, cfg.pack_block, cfg.num_slots, cfg.chunks_per_program)
