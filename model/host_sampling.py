@@ -43,6 +43,9 @@ NO_TOKEN = 2**31 - 1
 PENALTY_RANGE = 2.0
 MAX_REPETITION_PENALTY = 2.0
 MAX_PENALTY_WINDOW = 2**31 - 1  # int32's: a window past the sequence holds all of it
+# llama.cpp's samplers' settings, a row array each (`SamplingRows`).
+LLAMA_SAMPLERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
+                  "dynatemp_exponent", "temperature_last")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,18 @@ class RequestSampling:
     # LoRA adapters (`model.lora`): (slot in the engine's bank, scale) pairs, slots distinct;
     # whether the engine's bank has the slot is `SamplingRows.set`'s check (it knows its size).
     lora: tuple[tuple[int, float], ...] = ()
+    # llama.cpp's samplers (`model.sampling.kept`): typical_p 1, top_n_sigma 0, xtc_probability
+    # 0 and dynatemp_range 0 are off. XTC takes out, with xtc_probability, every token at least
+    # xtc_threshold likely but the least likely of them (off above 0.5, as there).
+    typical_p: float = 1.0
+    top_n_sigma: float = 0.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    # True: llama.cpp's order, the filters on the unscaled logits and the temperature (dynamic
+    # or not) last; False: vLLM's, the temperature first.
+    temperature_last: bool = False
 
     @property
     def penalized(self) -> bool:
@@ -81,7 +96,8 @@ class RequestSampling:
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+                     "repetition_penalty", "typical_p", "top_n_sigma", "xtc_probability",
+                     "xtc_threshold", "dynatemp_range", "dynatemp_exponent"):
             value = getattr(self, name)
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not math.isfinite(value) or abs(value) > FLOAT32_MAX):
@@ -110,6 +126,17 @@ class RequestSampling:
         if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 "
                              f"disables it), got {self.repetition_penalty}")
+        for name, low, high in (("typical_p", 0.0, 1.0), ("xtc_probability", 0.0, 1.0),
+                                ("xtc_threshold", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not (low < value <= high if name == "typical_p" else low <= value <= high):
+                bounds = f"({low:g}, {high:g}]" if name == "typical_p" else f"[{low:g}, {high:g}]"
+                raise ValueError(f"{name} must be in {bounds}, got {value}")
+        for name in ("top_n_sigma", "dynatemp_range", "dynatemp_exponent"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not isinstance(self.temperature_last, bool):
+            raise ValueError(f"temperature_last must be true or false, got {self.temperature_last!r}")
         _check_logit_bias(self.logit_bias)
         _check_lora(self.lora)
 
@@ -177,6 +204,13 @@ class SamplingRows:
         self.bias_values = np.zeros((num_slots, MAX_LOGIT_BIAS), np.float32)
         self.logprobs = np.zeros(num_slots, bool)
         self.lora = np.zeros((num_slots, lora_slots), np.float32)
+        self.typical_p = np.ones(num_slots, np.float32)
+        self.top_n_sigma = np.zeros(num_slots, np.float32)
+        self.xtc_probability = np.zeros(num_slots, np.float32)
+        self.xtc_threshold = np.zeros(num_slots, np.float32)
+        self.dynatemp_range = np.zeros(num_slots, np.float32)
+        self.dynatemp_exponent = np.ones(num_slots, np.float32)
+        self.temperature_last = np.zeros(num_slots, bool)
 
     @classmethod
     def of(cls, rows: list[RequestSampling], lora_slots: int = 0) -> SamplingRows:
@@ -216,6 +250,8 @@ class SamplingRows:
         self.bias_ids[slot], self.bias_values[slot] = bias_ids, bias_values
         self.logprobs[slot] = logprobs
         self.lora[slot] = lora
+        for name in LLAMA_SAMPLERS:
+            getattr(self, name)[slot] = getattr(sampling, name)
 
     def clear(self, slot: int) -> None:
         """Greedy again: a free slot must not make a step take the sampling path."""
@@ -247,6 +283,13 @@ class SamplingParams(NamedTuple):
     bias_values: Any
     logprobs: Any
     lora: Any
+    typical_p: Any
+    top_n_sigma: Any
+    xtc_probability: Any
+    xtc_threshold: Any
+    dynatemp_range: Any
+    dynatemp_exponent: Any
+    temperature_last: Any
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingParams:
@@ -267,6 +310,19 @@ class SamplingParams(NamedTuple):
         """[rows] bool: whether a row's logits depend on its token history."""
         return ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
                 | (self.repetition_penalty != 1))
+
+    @property
+    def drawn(self):
+        """[rows] bool: whether a row draws its token at random: a temperature above 0, or
+        llama.cpp's dynamic temperature (which that order applies whatever the temperature)."""
+        return (self.temperature > 0) | (self.temperature_last & (self.dynatemp_range > 0))
+
+    @property
+    def filtered(self):
+        """[rows] bool: whether a row's token depends on the filters (`model.sampling.kept`): a
+        drawn row, or a greedy one in llama.cpp's order whose typical_p or XTC may take out the
+        likeliest token (its token is then the likeliest of those left)."""
+        return self.drawn | (self.temperature_last & ((self.typical_p < 1) | (self.xtc_probability > 0)))
 
     def stops(self, tokens):
         """[rows] bool: whether each row's token ends its request."""

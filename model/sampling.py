@@ -17,6 +17,9 @@ greedy and sampled requests:
                  last n tokens of prompt and output (its repeat_last_n)
     bias_ids, bias_values  [rows, MAX_LOGIT_BIAS]  logit_bias entries (NO_TOKEN pads)
     logprobs     [rows] bool  whether the row's request asks for logprobs (`token_logprobs`)
+    typical_p, top_n_sigma, xtc_probability, xtc_threshold, dynatemp_range, dynatemp_exponent
+                 [rows] f32   llama.cpp's samplers (1, 0, 0, -, 0, -: off)
+    temperature_last  [rows] bool  llama.cpp's order rather than vLLM's (below)
 
 Beside them, `choose` takes each row's token bitmask (`allowed`, [rows, ceil(vocab / 32)] int32,
 llguidance's layout: bit j of word i allows token 32 i + j), which a grammar fills on the host
@@ -24,7 +27,10 @@ for structured output; a row of all ones (`ALL_ALLOWED`) constrains nothing.
 
 The order is vLLM's: logit_bias and the penalties change the logits (greedy rows too), the
 bitmask sends the tokens it forbids to -inf, then temperature, min_p, top-k and top-p shape the
-distribution a sampled row draws from. The
+distribution a sampled row draws from. A row of llama.cpp's order (`temperature_last`, what
+llama-server's endpoints ask for) filters the logits as they are, with top-n-sigma, top-k,
+typical, top-p, min_p and XTC in that order, and applies its temperature, dynamic or not, to
+what they leave; at temperature 0 it takes the likeliest token left (`kept`). The
 penalties read the row's token history, device state the programs carry and update
 (`TokenHistory`): how often each id was generated, and which ids the prompt holds.
 
@@ -131,7 +137,7 @@ def _biased(params: SamplingParams) -> jax.Array:
 
 
 def _sampled(params: SamplingParams) -> jax.Array:
-    return jnp.any(params.temperature > 0)
+    return jnp.any(params.filtered)
 
 
 def apply_bitmask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
@@ -247,32 +253,94 @@ def _cut(keys: jax.Array, target: jax.Array, weights: jax.Array | None = None) -
     return _threshold(keys, weights, target)
 
 
-def kept(logits: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
-    """(the temperature-scaled logits, which tokens a sampled row may draw): min_p, top-k and
-    top-p as thresholds on the scaled logits, found by bisection (`_threshold`). top-k keeps
-    the k likeliest (and any tied with the k-th); top-p then keeps, from the likeliest down,
-    tokens while the mass before them is below top_p of what top-k and min_p kept (the first
-    always stays). Each filter runs only if some row uses it."""
+def kept(logits: jax.Array, params: SamplingParams,
+         rngs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(the logits a row draws from, which tokens it may draw, whether it draws at all: its
+    final temperature is above 0), each filter a threshold found
+    by bisection (`_threshold`) and run only if some row uses it. In vLLM's order the logits are
+    scaled by the temperature first, then min_p, top-k and top-p filter them; in llama.cpp's
+    (`temperature_last`) top-n-sigma, top-k, typical, top-p, min_p and XTC filter the unscaled
+    logits, and the temperature (dynamic, with dynatemp_range) scales what they leave.
+    top-k keeps the k likeliest (and any tied with the k-th); top-p keeps, from the likeliest
+    down, tokens while the mass before them is below top_p of what the filters before it kept
+    (the first always stays); `rngs` [rows] are the rows' keys (XTC's coin)."""
     vocab = logits.shape[-1]
+    last = params.temperature_last
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
-    scaled = logits / temperature[:, None]
+    scaled = logits / jnp.where(last, 1.0, temperature)[:, None]
     keys = _order_keys(scaled)
     # min_p: a token stays if its probability is at least min_p x the likeliest one's, i.e. its
     # scaled logit is within log(min_p) of the largest (min_p 0: log 0 = -inf keeps every one).
     peak = jnp.max(scaled, axis=-1, keepdims=True)
-    keep = scaled >= peak + jnp.log(params.min_p)[:, None]
+    min_p = scaled >= peak + jnp.log(params.min_p)[:, None]
     top_k = jnp.where((params.top_k > 0) & (params.top_k < vocab), params.top_k, vocab)
+
+    def probs(keep):  # each kept token's weight, exp(logit - peak): its probability x a row's sum
+        return jnp.where(keep, jnp.exp(scaled - peak), 0)
+
+    def sigma(keep):  # within top_n_sigma standard deviations of the largest finite logit
+        finite = jnp.isfinite(scaled)
+        count = jnp.maximum(jnp.sum(finite, axis=-1, keepdims=True), 1)
+        mean = jnp.sum(jnp.where(finite, scaled, 0), axis=-1, keepdims=True) / count
+        std = jnp.sqrt(jnp.sum(jnp.where(finite, jnp.square(scaled - mean), 0), axis=-1, keepdims=True) / count)
+        return keep & ((scaled >= peak - params.top_n_sigma[:, None] * std) | (params.top_n_sigma <= 0)[:, None])
 
     def top(keep):
         return keep & (keys >= _cut(keys, top_k)[:, None])
 
+    def typical(keep):  # the tokens whose surprise is nearest the entropy, typical_p of the mass
+        weights = probs(keep)
+        total = jnp.sum(weights, axis=-1, keepdims=True)
+        logp = scaled - peak - jnp.log(total)
+        entropy = -jnp.sum(jnp.where(weights > 0, weights / total * logp, 0), axis=-1, keepdims=True)
+        near = _order_keys(-jnp.abs(logp + entropy))
+        cut = _cut(jnp.where(keep, near, 0), params.typical_p * total[:, 0], weights)
+        return keep & ((near >= cut[:, None]) | (params.typical_p >= 1)[:, None])
+
     def nucleus(keep):
-        probs = jnp.where(keep, jnp.exp(scaled - peak), 0)
-        cut = _cut(jnp.where(keep, keys, 0), params.top_p * jnp.sum(probs, axis=-1), probs)
+        weights = probs(keep)
+        cut = _cut(jnp.where(keep, keys, 0), params.top_p * jnp.sum(weights, axis=-1), weights)
         return keep & ((keys >= cut[:, None]) | (params.top_p >= 1)[:, None])
 
+    def xtc(keep):  # with xtc_probability, out go the tokens >= the threshold but the least likely
+        weights = probs(keep)
+        likely = (weights > 0) & (weights >= params.xtc_threshold[:, None] * jnp.sum(weights, axis=-1, keepdims=True))
+        least = jnp.min(jnp.where(likely, weights, jnp.inf), axis=-1, keepdims=True)
+        coin = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, XTC_STREAM)))(rngs)
+        on = ((coin < params.xtc_probability) & (params.xtc_threshold <= 0.5)
+              & (jnp.sum(likely, axis=-1) >= 2))
+        return keep & ~(likely & (weights > least) & on[:, None])
+
+    keep = jnp.where(last[:, None], True, min_p)
+    keep = when(jnp.any(params.top_n_sigma > 0), sigma, _same, keep)
     keep = when(jnp.any(top_k < vocab), top, _same, keep)
-    return scaled, when(jnp.any(params.top_p < 1), nucleus, _same, keep)
+    keep = when(jnp.any(last & (params.typical_p < 1)), typical, _same, keep)
+    keep = when(jnp.any(params.top_p < 1), nucleus, _same, keep)
+    keep = keep & min_p
+    keep = when(jnp.any(last & (params.xtc_probability > 0)), xtc, _same, keep)
+
+    def dynamic(scaled):
+        """llama.cpp's temp_ext: the entropy of what is kept, over the most it could be (all of
+        it equally likely), maps onto [temperature - range, temperature + range] (from 0)."""
+        weights = probs(keep)
+        total = jnp.sum(weights, axis=-1)
+        logp = scaled - peak - jnp.log(total)[:, None]
+        entropy = -jnp.sum(jnp.where(weights > 0, weights / total[:, None] * logp, 0), axis=-1)
+        most = jnp.log(jnp.maximum(jnp.sum(keep, axis=-1), 2))  # (one token left: any temperature)
+        low = jnp.maximum(params.temperature - params.dynatemp_range, 0)
+        high = params.temperature + params.dynatemp_range
+        spread = jnp.power(entropy / most, params.dynatemp_exponent)
+        return jnp.where(last & (params.dynatemp_range > 0), low + (high - low) * spread, params.temperature)
+
+    final = when(jnp.any(last & (params.dynatemp_range > 0)), dynamic,
+                 lambda _: params.temperature, scaled)
+    # At a temperature of 0 a row takes the likeliest token it kept, as llama.cpp's temp
+    # sampler does (in vLLM's order: the likeliest of all, which every filter keeps).
+    hot = final > 0
+    return jnp.where(last[:, None], scaled / jnp.where(hot, final, 1.0)[:, None], scaled), keep, hot
+
+
+XTC_STREAM = 0x58544321  # XTC's coin: the row's key folded with this, apart from the draw's noise
 
 
 def argmax(logits: jax.Array) -> jax.Array:
@@ -353,11 +421,12 @@ def _draw(scaled: jax.Array, keep: jax.Array, rngs: jax.Array, sampled: jax.Arra
 
 
 def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:
-    """One categorical draw per row over what `kept` leaves of its scaled logits."""
-    scaled, keep = kept(logits, params)
+    """One categorical draw per row over what `kept` leaves of its scaled logits; a row at a
+    temperature of 0 takes the likeliest token kept."""
     rngs = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, step)
-    sampled = params.temperature > 0
-    return jnp.where(sampled, _draw(scaled, keep, rngs, sampled), argmax(logits)).astype(jnp.int32)
+    scaled, keep, hot = kept(logits, params, rngs)
+    likeliest = argmax(jnp.where(keep | ~params.temperature_last[:, None], logits, -jnp.inf))
+    return jnp.where(hot, _draw(scaled, keep, rngs, hot), likeliest).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:

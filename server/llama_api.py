@@ -23,14 +23,18 @@ llama.vim) send besides:
   since the first token ends it. Both are watched here, over the text as it comes
   (`EditorStops`); the request is cancelled at once, and its slot freed.
 - `response_fields`: the whole answer holds only these (`timings/prompt_n` names a nested one).
-- `samplers`: accepted when it names llama.cpp's samplers, but cadence's order is its own
-  (vLLM's) and llama.cpp's `infill` sampler is not applied; `cache_prompt`, `id_slot`,
-  and `t_max_prompt_ms` change nothing here (llama-server ignores the last too).
+- llama.cpp's order: its filters read the logits before the temperature, which comes last (on
+  the OpenAI endpoints it comes first, as vLLM has it), and its samplers beside cadence's:
+  `top_n_sigma`, `typical_p`, XTC (`xtc_probability`, `xtc_threshold`) and the dynamic
+  temperature (`dynatemp_range`, `dynatemp_exponent`) (`_with_samplers`). `samplers` names
+  those that run, in that default order (one left out is off; another order is a 400); its
+  `infill` sampler is not applied. `cache_prompt`, `id_slot` and `t_max_prompt_ms` change
+  nothing here (llama-server ignores the last too).
 - llama-server's penalties, `repeat_penalty`, `presence_penalty` and `frequency_penalty`, count
   as its do: all three over the last `repeat_last_n` tokens (64 by default; 0 turns them off,
   -1 takes the whole context) of prompt and output (`parsing.llama_penalties`).
-- llama.cpp's samplers that cadence does not run (typical, top-n-sigma, XTC, DRY, Mirostat,
-  dynamic temperature, adaptive, tail-free) and its other extras: accepted where they are off,
+- llama.cpp's samplers that cadence does not run (DRY, Mirostat, adaptive, tail-free, min_keep)
+  and its other extras: accepted where they are off,
   as a client that sends all its settings sends them (`_OFF`), with the settings that mean
   nothing while their sampler is off (`_UNUSED`); on, each is a 400 naming it.
 Other fields are refused by name. Unlike
@@ -61,13 +65,9 @@ from cadence.server.protocol import APIError
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "logit_bias")
 # llama.cpp's fields for what cadence does not do, with the test that a value leaves it off and
-# that value in words: typical_p >= 1, a negative top_n_sigma or adaptive_target, ... (tfs_z and
+# that value in words: dry_multiplier 0, a negative adaptive_target, ... (tfs_z and
 # penalize_nl are older llama-servers', which clients still send).
 _OFF: dict[str, tuple[tuple[type, ...], Callable[[Any], bool], str]] = {
-    "typical_p": ((int, float), lambda v: v >= 1, "1"),
-    "top_n_sigma": ((int, float), lambda v: v < 0, "-1"),
-    "xtc_probability": ((int, float), lambda v: v == 0, "0"),
-    "dynatemp_range": ((int, float), lambda v: v <= 0, "0"),
     "dry_multiplier": ((int, float), lambda v: v == 0, "0"),
     "mirostat": ((int,), lambda v: v == 0, "0"),
     "adaptive_target": ((int, float), lambda v: v < 0, "-1"),
@@ -84,19 +84,28 @@ _OFF: dict[str, tuple[tuple[type, ...], Callable[[Any], bool], str]] = {
 # shift and SSE pings, which change no token here (a prompt past the context is refused, not
 # shifted): checked for their type and ignored.
 _UNUSED: dict[str, tuple[type, ...]] = {
-    "xtc_threshold": (int, float), "dynatemp_exponent": (int, float), "dry_base": (int, float),
-    "dry_allowed_length": (int,), "dry_penalty_last_n": (int,), "dry_sequence_breakers": (list,),
+    "dry_base": (int, float), "dry_allowed_length": (int,), "dry_penalty_last_n": (int,), "dry_sequence_breakers": (list,),
     "mirostat_tau": (int, float), "mirostat_eta": (int, float), "adaptive_decay": (int, float),
     "n_keep": (int,), "n_discard": (int,), "n_cache_reuse": (int,), "sse_ping_interval": (int, float),
 }
+# llama.cpp's samplers that cadence runs, with llama-server's defaults (`_with_samplers`).
+LLAMA_SAMPLER_FIELDS = {"typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
+                        "dynatemp_range": 0.0, "dynatemp_exponent": 1.0}
 _COMMON = frozenset({"model", "prompt", "stream", "n_predict", "max_tokens", "cache_prompt", "lora",
                      "return_tokens", "samplers", "n_indent", "t_max_predict_ms", "t_max_prompt_ms",
                      "response_fields", "id_slot", "n_probs", "grammar", "json_schema",
-                     *parsing.LLAMA_PENALTY_FIELDS, *_SAMPLING, *_OFF, *_UNUSED})
+                     *parsing.LLAMA_PENALTY_FIELDS, *_SAMPLING, *LLAMA_SAMPLER_FIELDS, *_OFF, *_UNUSED})
 _INFILL = _COMMON | {"input_prefix", "input_suffix", "input_extra"}
-# llama.cpp's sampler names (`samplers`' accepted values).
-LLAMA_SAMPLERS = frozenset({"dry", "top_k", "typ_p", "typical_p", "top_p", "min_p", "xtc",
-                            "temperature", "infill", "penalties", "top_n_sigma"})
+# llama.cpp's default sampler chain, the order cadence applies them in (`samplers` may leave
+# some out; typical_p is typ_p's other name), and what leaving each out turns off.
+LLAMA_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+LLAMA_SAMPLERS = frozenset({*LLAMA_ORDER, "typical_p", "infill"})
+_LEFT_OUT = {"penalties": {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0},
+             "dry": {}, "top_n_sigma": {"top_n_sigma": 0.0}, "top_k": {"top_k": 0},
+             "typ_p": {"typical_p": 1.0}, "top_p": {"top_p": 1.0}, "min_p": {"min_p": 0.0},
+             "xtc": {"xtc_probability": 0.0},
+             # without its temperature sampler llama.cpp draws from the distribution as it is
+             "temperature": {"temperature": 1.0, "dynatemp_range": 0.0}}
 MAX_EXTRA_FILES = 4096
 
 
@@ -154,6 +163,36 @@ def parse_infill(body: Any, defaults: parsing.SamplingDefaults) -> tuple[protoco
     return _parse(body, defaults, prefix, hole)
 
 
+def _with_samplers(body: dict, params: GenerationParams) -> GenerationParams:
+    """`params` in llama.cpp's order (`RequestSampling.temperature_last`), with its samplers as
+    llama-server reads them: typical_p (1 or more: off), top_n_sigma (0 or less: off),
+    xtc_probability with xtc_threshold (above 0.5: off), dynatemp_range (0 or less: off) with
+    dynatemp_exponent. `samplers`, where given, names those that run, in llama.cpp's default
+    order (`LLAMA_ORDER`, which cadence keeps): one left out is off."""
+    values = {name: float(parsing.field(body, name, (int, float), default))
+              for name, default in LLAMA_SAMPLER_FIELDS.items()}
+    values["typical_p"] = min(values["typical_p"], 1.0)
+    values["top_n_sigma"] = max(values["top_n_sigma"], 0.0)
+    values["dynatemp_range"] = max(values["dynatemp_range"], 0.0)
+    named = _names(body, "samplers", LLAMA_SAMPLERS)
+    if body.get("samplers") is not None:
+        chain = [{"typical_p": "typ_p"}.get(n, n) for n in named if n != "infill"]
+        at = [LLAMA_ORDER.index(n) for n in chain]
+        if at != sorted(set(at)):
+            raise SubmissionError(f'"samplers" runs in llama.cpp\'s default order here, each once: '
+                                  f'{", ".join(LLAMA_ORDER)} (any of them left out); got {", ".join(named)}',
+                                  "samplers")
+        for name in LLAMA_ORDER:
+            if name not in chain:
+                values.update(_LEFT_OUT[name])
+    try:
+        sampling = dataclasses.replace(params.sampling, **values, temperature_last=True)
+    except ValueError as e:  # RequestSampling's range checks, each naming its field
+        name = next((k for k in values if str(e).startswith(k)), None)
+        raise SubmissionError(str(e), name) from None
+    return dataclasses.replace(params, sampling=sampling)
+
+
 def _with_lora(body: dict, params: GenerationParams) -> GenerationParams:
     """`params` with llama-server's per-request adapters, `"lora": [{"id": i, "scale": s}, ...]`
     (ids in --lora's order, an adapter left out at scale 0): the (id, scale) pairs of nonzero
@@ -179,7 +218,6 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
     parsing.field(body, "cache_prompt", (bool,))
     parsing.field(body, "id_slot", (int,))
     _non_negative(body, "t_max_prompt_ms", (int, float))
-    _names(body, "samplers", LLAMA_SAMPLERS)
     for name, types in _UNUSED.items():
         parsing.field(body, name, types)
     for name, (types, off, words) in _OFF.items():
@@ -199,7 +237,7 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
     if entry["seed"] == -1:  # llama-server's "any seed": the server's default
         entry["seed"] = None
     params = parsing.generation_params(entry, dataclasses.replace(defaults, max_tokens=None))
-    params = parsing.llama_penalties(body, params)
+    params = _with_samplers(body, parsing.llama_penalties(body, params))
     params = _with_lora(body, params)
     probs = _non_negative(body, "n_probs", (int,))
     params = dataclasses.replace(params, logprobs=probs or None)
@@ -299,8 +337,8 @@ class LlamaAPI:
         params = {"n_predict": -1, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
                   "min_p": 0.0, "seed": d.seed, "n_probs": 0, "stop": [], "ignore_eos": False,
                   "repeat_last_n": parsing.REPEAT_LAST_N, "repeat_penalty": 1.0, "presence_penalty": 0.0,
-                  "frequency_penalty": 0.0,
-                  "samplers": ["penalties", "temperature", "min_p", "top_k", "top_p"]}  # cadence's order
+                  "frequency_penalty": 0.0, **LLAMA_SAMPLER_FIELDS,
+                  "samplers": [name for name in LLAMA_ORDER if name != "dry"]}
         return JSONResponse({
             "default_generation_settings": {"n_ctx": sched.max_seq_len, "params": params},
             "total_slots": sched.num_slots, "model_alias": server.model_name,

@@ -157,8 +157,77 @@ def test_llama_cpps_other_samplers_are_accepted_off(url):
     assert off.json()["tokens"] == plain["tokens"]
 
 
+LLAMA_SAMPLERS_ON = {"prompt": PROMPT, "n_predict": 12, "temperature": 1.5, "top_k": 0, "top_p": 1,
+                     "min_p": 0, "top_n_sigma": 3, "typical_p": 0.95, "xtc_probability": 0.5,
+                     "xtc_threshold": 0.05, "dynatemp_range": 0.5, "seed": 7, "ignore_eos": True,
+                     "return_tokens": True,
+                     # (the tiny model puts all its mass on one token; these it makes a choice of)
+                     "logit_bias": {str(i): 40 for i in range(10, 40)}}
+
+
+def test_llama_cpps_samplers_run_each_request_its_own(url):
+    """A seeded request with every llama.cpp sampler on gives the same tokens alone and batched
+    with others (greedy, other seeds, vLLM's order over /v1/completions); `samplers` leaving
+    some out turns those off, as their off values do."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def tokens(body, path="/completion"):
+        r = httpx.post(f"{url}{path}", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"] if path == "/completion" else r.json()["choices"][0]["text"]
+
+    alone = tokens(LLAMA_SAMPLERS_ON)
+    others = [({**LLAMA_SAMPLERS_ON, "seed": 8}, "/completion"), ({**LLAMA_SAMPLERS_ON, "temperature": 0}, "/completion"),
+              ({"prompt": PROMPT, "max_tokens": 12, "temperature": 0.9, "top_p": 0.9, "seed": 7}, "/v1/completions")]
+    with ThreadPoolExecutor(4) as pool:
+        batched = list(pool.map(lambda a: tokens(*a), [(LLAMA_SAMPLERS_ON, "/completion"), *others]))
+    assert batched[0] == alone
+    assert len({tuple(tokens({**LLAMA_SAMPLERS_ON, "seed": seed})) for seed in range(4)}) > 1  # it does sample
+    # Greedy, XTC at threshold 0 takes out every token but the least likely: another answer,
+    # unless `samplers` leaves XTC out.
+    greedy = {"prompt": PROMPT, "n_predict": 4, "temperature": 0, "return_tokens": True}
+    plain = tokens(greedy)
+    xtc = {**greedy, "xtc_probability": 1, "xtc_threshold": 0}
+    assert tokens(xtc)[0] != plain[0]
+    assert tokens({**xtc, "samplers": ["top_k", "top_p", "temperature"]}) == plain
+    props = httpx.get(f"{url}/props", timeout=60).json()["default_generation_settings"]["params"]
+    assert props["samplers"] == ["penalties", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
+
+
+def test_llama_cpps_samplers_parse_as_llama_server_reads_them():
+    """/completion's rows are of llama.cpp's order with its samplers' off values mapped (1 or
+    more, a negative n), and `samplers` leaving one out turns it off; /v1/completions' are vLLM's."""
+    from cadence.server import llama_api, parsing, protocol
+
+    def sampling(body):
+        return llama_api.parse_completion({"prompt": "a", **body}, parsing.SamplingDefaults())[0].params.sampling
+
+    on = sampling({"temperature": 0.7, "top_n_sigma": 1.5, "typical_p": 0.8, "xtc_probability": 0.4,
+                   "xtc_threshold": 0.2, "dynatemp_range": 0.3, "dynatemp_exponent": 2, "top_k": 9})
+    assert (on.temperature_last, on.top_n_sigma, on.typical_p, on.xtc_probability, on.xtc_threshold,
+            on.dynatemp_range, on.dynatemp_exponent) == (True, 1.5, 0.8, 0.4, 0.2, 0.3, 2.0)
+    off = sampling({"top_n_sigma": -1, "typical_p": 1.5, "dynatemp_range": -2})
+    assert (off.top_n_sigma, off.typical_p, off.dynatemp_range) == (0.0, 1.0, 0.0)
+    body = {"temperature": 0.7, "top_n_sigma": 1.5, "typical_p": 0.8, "xtc_probability": 0.4, "top_k": 9,
+            "top_p": 0.9, "min_p": 0.1, "dynatemp_range": 0.3, "repeat_penalty": 1.2}
+    left = sampling({**body, "samplers": ["top_k", "typical_p", "min_p"]})
+    assert (left.top_k, left.typical_p, left.min_p) == (9, 0.8, 0.1)
+    assert (left.top_n_sigma, left.top_p, left.xtc_probability, left.repetition_penalty) == (0.0, 1.0, 0.0, 1.0)
+    assert (left.temperature, left.dynatemp_range) == (1.0, 0.0)  # no temperature sampler: drawn at 1
+    assert sampling({**body, "samplers": []}).top_k == 0
+    openai = protocol.parse({"prompt": "a", "temperature": 0.7}, chat=False)
+    assert not openai.params.sampling.temperature_last
+
+
 @pytest.mark.parametrize("body, param, fragment", [
-    ({"prompt": "a", "typical_p": 0.9}, "typical_p", "only 1 (off)"),
+    ({"prompt": "a", "min_keep": 3}, "min_keep", "only 0 (off)"),
+    ({"prompt": "a", "typical_p": 0}, "typical_p", "typical_p must be in (0, 1]"),
+    ({"prompt": "a", "xtc_probability": 1.5}, "xtc_probability", "xtc_probability must be in [0, 1]"),
+    ({"prompt": "a", "xtc_threshold": -0.1}, "xtc_threshold", "xtc_threshold must be in [0, 1]"),
+    ({"prompt": "a", "dynatemp_exponent": -1}, "dynatemp_exponent", "must be >= 0"),
+    ({"prompt": "a", "top_n_sigma": "x"}, "top_n_sigma", "must be a number"),
+    ({"prompt": "a", "samplers": ["temperature", "top_k"]}, "samplers", "llama.cpp's default order"),
+    ({"prompt": "a", "samplers": ["top_k", "top_k"]}, "samplers", "each once"),
     ({"prompt": "a", "dry_multiplier": 0.8}, "dry_multiplier", "only 0 (off)"),
     ({"prompt": "a", "mirostat": 2}, "mirostat", "only 0 (off)"),
     ({"prompt": "a", "lora": [{"id": 0, "scale": 1}]}, "lora", "adapter 0 is not loaded"),

@@ -1,7 +1,10 @@
-"""On-device sampling: greedy, temperature, top-k, top-p, per-row parameters and seeds."""
+"""On-device sampling: greedy, temperature, top-k, top-p, per-row parameters and seeds; and
+llama.cpp's samplers (`RequestSampling.temperature_last` and its filters) against a slow
+reference written after llama.cpp's sampler chain: a sort per filter, in its default order."""
 
 from __future__ import annotations
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +13,7 @@ import pytest
 from cadence.model import cpu_kernels
 from cadence.model.host_sampling import RequestSampling, SamplingRows
 from cadence.model import sampling as model_sampling
-from cadence.model.sampling import SamplingParams, argmax, gumbel_at, kept, sample
+from cadence.model.sampling import XTC_STREAM, SamplingParams, argmax, gumbel_at, kept, sample
 from tests.fakes import needs_cpu_kernels
 
 VOCAB = 50
@@ -109,7 +112,7 @@ def test_the_threshold_filters_keep_what_sorting_keeps(kernels):
                                (1.0, 1, 1.0, 0), (2.0, 0, 0.5, 0), (1.0, 3000, 0.95, 0), (0.9, 0, 1e-6, 0)]]
     logits = (rng.normal(size=(len(rows), 49152)) * 3).astype(np.float32)
     fn = cpu_kernels.with_activations(kept, "float32") if kernels else kept
-    _, keep = jax.jit(fn)(logits, SamplingRows.of(rows).params())
+    _, keep, _ = jax.jit(fn)(logits, SamplingRows.of(rows).params(), jax.random.split(jax.random.key(0), len(rows)))
     keep = np.asarray(keep)
     for i, sampling in enumerate(rows):
         assert set(np.flatnonzero(keep[i]).tolist()) == kept_by_sorting(logits[i], sampling), sampling
@@ -147,10 +150,10 @@ def test_argmax_outside_the_kernels_programs_is_xlas(logits):
 def categorical(logits, params, step):
     """The slow reference of `sample`: jax.random.categorical over `kept`'s scaled logits, under
     each row's key (its seed and step); greedy rows their argmax."""
-    scaled, keep = kept(logits, params)
     rngs = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, step)
+    scaled, keep, hot = kept(logits, params, rngs)
     drawn = jax.vmap(jax.random.categorical)(rngs, jnp.where(keep, scaled, -jnp.inf))
-    return jnp.where(params.temperature > 0, drawn, jnp.argmax(logits, -1))
+    return jnp.where(hot, drawn, jnp.argmax(jnp.where(keep, logits, -jnp.inf), -1))
 
 
 @needs_cpu_kernels
@@ -180,10 +183,11 @@ def test_top_k_by_selection_keeps_what_the_bisection_keeps():
     params = SamplingParams.make([0.7, 1.0, 1.3, 0.5, 0.9, 1.0], [1, 40, 10, 3000, 5000, 7],
                                  [1.0, 0.9, 1.0, 0.8, 1.0, 0.5], list(range(6)))
     params = params._replace(min_p=np.asarray([0.0, 0.0, 0.1, 0.0, 0.0, 0.05], np.float32))
-    want_scaled, want = jax.jit(kept)(jnp.asarray(x), params)
-    hlo = jax.jit(cpu_kernels.with_activations(kept, "float32")).lower(jnp.asarray(x), params).as_text()
+    rngs = jax.random.split(jax.random.key(0), 6)
+    want_scaled, want, _ = jax.jit(kept)(jnp.asarray(x), params, rngs)
+    hlo = jax.jit(cpu_kernels.with_activations(kept, "float32")).lower(jnp.asarray(x), params, rngs).as_text()
     assert cpu_kernels.KTH_LARGEST in hlo
-    got_scaled, got = jax.jit(cpu_kernels.with_activations(kept, "float32"))(jnp.asarray(x), params)
+    got_scaled, got, _ = jax.jit(cpu_kernels.with_activations(kept, "float32"))(jnp.asarray(x), params, rngs)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got_scaled, want_scaled)
     assert np.asarray(got).sum(axis=1)[2] == 100  # the tied lead kept whole
@@ -382,3 +386,177 @@ def test_a_draw_over_infinite_logits_is_categoricals(ties):
     want = np.asarray(jax.jit(categorical)(x, params, step))
     assert list(want) == [500, 500]
     np.testing.assert_array_equal(jax.jit(cpu_kernels.with_activations(sample, "float32"))(x, params, step), want)
+
+
+# -- llama.cpp's samplers ------------------------------------------------------------------------
+
+
+def llama_chain(logits: np.ndarray, s: RequestSampling, coin: float) -> dict[int, float]:
+    """{token: probability} that llama.cpp's default chain (top-n-sigma, top-k, typical, top-p,
+    min_p, XTC, temperature) leaves one row of `logits` to draw from, in float64: its candidate
+    list cut by each sampler in turn (top-n-sigma sends tokens to -inf and keeps them listed),
+    `coin` XTC's draw. At a temperature of 0 the likeliest token left, alone."""
+    ids = np.arange(len(logits))
+    x = logits.astype(np.float64)
+
+    def by_logit(ids, x):
+        order = np.argsort(-x, kind="stable")
+        return ids[order], x[order]
+
+    def softmax(x):
+        p = np.exp(x - x.max())
+        return p / p.sum()
+
+    if s.top_n_sigma > 0:
+        finite = x[np.isfinite(x)]
+        x = np.where(x < finite.max() - s.top_n_sigma * finite.std(), -np.inf, x)
+    ids, x = by_logit(ids, x)
+    if 0 < s.top_k < len(x):
+        ids, x = ids[: s.top_k], x[: s.top_k]
+    if s.typical_p < 1:
+        p = softmax(x)
+        entropy = -np.sum(p[p > 0] * np.log(p[p > 0]))
+        order = np.argsort(np.abs(-np.log(p) - entropy), kind="stable")
+        last = np.flatnonzero(np.cumsum(p[order]) > s.typical_p)[0] + 1
+        ids, x = by_logit(ids[order[:last]], x[order[:last]])
+    if s.top_p < 1:
+        last = np.flatnonzero(np.cumsum(softmax(x)) >= s.top_p)[0] + 1
+        ids, x = ids[:last], x[:last]
+    if s.min_p > 0:
+        keep = x >= x[0] + np.log(s.min_p)
+        ids, x = ids[keep], x[keep]
+    if s.xtc_probability > 0 and s.xtc_threshold <= 0.5 and len(x) >= 2 and coin <= s.xtc_probability:
+        above = np.flatnonzero(softmax(x) >= s.xtc_threshold)
+        if len(above) >= 2:
+            ids, x = ids[above[-1]:], x[above[-1]:]
+    temperature = s.temperature
+    if s.dynatemp_range > 0 and len(x) > 1:
+        p = softmax(x)
+        entropy = -np.sum(p[p > 0] * np.log(p[p > 0]))
+        low, high = max(0.0, s.temperature - s.dynatemp_range), s.temperature + s.dynatemp_range
+        temperature = low + (high - low) * (entropy / np.log(len(x))) ** s.dynatemp_exponent
+    elif s.dynatemp_range > 0:
+        temperature = 1.0
+    if temperature <= 0:
+        return {int(ids[0]): 1.0}
+    p = softmax(x / temperature)
+    return {int(t): float(q) for t, q in zip(ids, p) if q > 0}
+
+
+def distributions(fn, logits: np.ndarray, rows: list[RequestSampling], seed_step=0):
+    """`kept`'s distribution per row, as {token: probability} (its likeliest kept token alone
+    where it draws nothing), and each row's XTC coin."""
+    params = SamplingRows.of(rows).params()
+    rngs = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), seed_step))(jnp.asarray(params.seed))
+    draw, keep, hot = jax.jit(fn)(jnp.asarray(logits), params, rngs)
+    coins = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, XTC_STREAM)))(rngs)
+    draw, keep, hot = np.asarray(draw, np.float64), np.asarray(keep), np.asarray(hot)
+    out = []
+    for i in range(len(rows)):
+        if not hot[i]:
+            out.append({int(np.argmax(np.where(keep[i], logits[i], -np.inf))): 1.0})
+            continue
+        x = np.where(keep[i], draw[i], -np.inf)
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        out.append({int(t): float(p[t]) for t in np.flatnonzero(p > 0)})
+    return out, np.asarray(coins)
+
+
+def assert_same(got: dict[int, float], want: dict[int, float], what):
+    assert set(got) == set(want), (what, sorted(set(got) ^ set(want))[:10])
+    ids = sorted(want)
+    np.testing.assert_allclose([got[t] for t in ids], [want[t] for t in ids], atol=2e-6, rtol=1e-4,
+                               err_msg=str(what))
+
+
+LLAMA = RequestSampling(temperature=0.8, seed=3, temperature_last=True)
+ROWS = [
+    dataclasses.replace(LLAMA, top_n_sigma=1.5),
+    dataclasses.replace(LLAMA, typical_p=0.5),
+    dataclasses.replace(LLAMA, typical_p=0.9, top_k=40),
+    dataclasses.replace(LLAMA, xtc_probability=1.0, xtc_threshold=0.05, top_k=40),
+    dataclasses.replace(LLAMA, xtc_probability=0.5, xtc_threshold=0.05, seed=11),
+    dataclasses.replace(LLAMA, xtc_probability=1.0, xtc_threshold=0.6),  # above 0.5: off
+    dataclasses.replace(LLAMA, dynatemp_range=0.5, top_k=40, top_p=0.95, min_p=0.05),
+    dataclasses.replace(LLAMA, temperature=0.0, dynatemp_range=1.5, dynatemp_exponent=2.0, top_k=20),
+    dataclasses.replace(LLAMA, temperature=1.3, top_k=40, top_p=0.9, min_p=0.1),  # temperature last
+    dataclasses.replace(LLAMA, top_n_sigma=2.0, top_k=100, typical_p=0.8, top_p=0.9, min_p=0.02,
+                        xtc_probability=1.0, xtc_threshold=0.02, dynatemp_range=0.3),
+    dataclasses.replace(LLAMA, temperature=0.0, typical_p=0.3),  # greedy, the likeliest typical token
+    dataclasses.replace(LLAMA, temperature=0.0, xtc_probability=1.0, xtc_threshold=0.01, top_k=10),
+    dataclasses.replace(LLAMA, temperature=0.0, top_k=5, top_p=0.5),  # greedy: the argmax
+]
+
+
+@pytest.fixture(scope="module")
+def wide():
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((len(ROWS), 4096)) * 2.5).astype(np.float32)
+    x[:, :6] += 6  # a few likely tokens, so that XTC and typical have something to cut
+    return x
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=needs_cpu_kernels)])
+def test_each_row_draws_from_what_llama_cpps_chain_leaves(wide, kernels):
+    """Every sampler alone and together, greedy rows of llama.cpp's order too: the same tokens
+    kept and the same probabilities as llama.cpp's chain, XLA's bisections and the CPU
+    kernels' selections alike."""
+    fn = cpu_kernels.with_activations(kept, "float32") if kernels else kept
+    got, coins = distributions(fn, wide, ROWS)
+    for i, row in enumerate(ROWS):
+        assert_same(got[i], llama_chain(wide[i], row, float(coins[i])), row)
+
+
+def test_the_filters_do_cut(wide):
+    """The cases above are not vacuous: each sampler changes what its row leaves."""
+    got, _ = distributions(kept, wide, ROWS)
+    plain = [llama_chain(wide[i], dataclasses.replace(LLAMA, top_k=r.top_k, temperature=r.temperature), 0.0)
+             for i, r in enumerate(ROWS)]
+    for i in (0, 1, 2, 3, 6, 7, 9, 10, 11):
+        assert got[i] != pytest.approx(plain[i]), ROWS[i]
+    assert got[5] == pytest.approx(plain[5])  # XTC above 0.5 is off
+    greedy = int(np.argmax(wide[10]))
+    assert greedy not in got[10]  # typical_p 0.3 left out the likeliest token
+    assert list(got[12]) == [int(np.argmax(wide[12]))]
+
+
+def test_temperature_last_moves_only_the_filters_that_read_the_temperature(wide):
+    """top_p and min_p read the distribution before the temperature in llama.cpp's order and
+    after it in vLLM's: the same settings keep different tokens; top-k keeps the same ones."""
+    vllm = dataclasses.replace(ROWS[8], temperature_last=False)
+    got, _ = distributions(kept, wide[[8, 8]], [ROWS[8], vllm])
+    assert set(got[0]) != set(got[1])
+    k_only = [dataclasses.replace(r, top_p=1.0, min_p=0.0) for r in (ROWS[8], vllm)]
+    got, _ = distributions(kept, wide[[8, 8]], k_only)
+    assert set(got[0]) == set(got[1])
+    np.testing.assert_allclose([got[0][t] for t in sorted(got[0])], [got[1][t] for t in sorted(got[1])], rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=needs_cpu_kernels)])
+def test_the_token_is_jax_random_categoricals_over_what_is_kept(wide, kernels):
+    """`sample` over rows of both orders and every sampler draws what jax.random.categorical
+    draws from `kept`'s logits under the row's key (greedy rows: the likeliest token kept),
+    and a row draws the same alone as in the batch."""
+    rows = [*ROWS, RequestSampling(temperature=0.7, top_p=0.9, seed=5), RequestSampling()]
+    x = jnp.asarray(np.concatenate([wide, wide[:2]]))
+    params = SamplingRows.of(rows).params()
+    step = jnp.arange(len(rows), dtype=jnp.int32) * 7
+    fn = cpu_kernels.with_activations(sample, "float32") if kernels else sample
+    got = np.asarray(jax.jit(fn)(x, params, step))
+    np.testing.assert_array_equal(got, jax.jit(categorical)(x, params, step))
+    for i in (3, 9, 10):
+        alone = jax.jit(fn)(x[i:i + 1], SamplingRows.of([rows[i]]).params(), step[i:i + 1])
+        assert int(alone[0]) == got[i]
+
+
+def test_xtc_cuts_as_often_as_its_probability_says():
+    """Over many steps a row of xtc_probability 0.3 takes out its likeliest tokens about 30% of
+    the time (its coin is the row's key, folded apart from the draw's noise)."""
+    x = jnp.log(jnp.asarray([0.5, 0.3, 0.15, 0.05]))[None].repeat(2000, 0)
+    row = dataclasses.replace(LLAMA, temperature=1.0, xtc_probability=0.3, xtc_threshold=0.2)
+    params = SamplingRows.of([row] * 2000).params()
+    tokens = np.asarray(jax.jit(sample)(x, params, jnp.arange(2000, dtype=jnp.int32)))
+    # Cut: only 0.3 (the least likely above 0.2), 0.15 and 0.05 stay: token 0 never comes.
+    # Not cut: token 0 comes half the time. So P(token 0) = 0.7 x 0.5.
+    assert abs(np.mean(tokens == 0) - 0.35) < 0.04

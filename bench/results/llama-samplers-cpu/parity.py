@@ -1,0 +1,174 @@
+"""cadence's llama.cpp samplers against llama-server's, on the default model: at every step of
+llama-server's answer, the tokens its sampler chain leaves and their probabilities, and cadence's
+over the same context; and the same greedy answers from both servers.
+
+    llama-quantize --allow-requantize SmolLM2-135M-Instruct.Q4_1.gguf smollm2-f32.gguf F32
+    python bench/results/llama-samplers-cpu/parity.py --llama_server=<llama-server> \
+        --gguf=smollm2-f32.gguf --out=bench/results/llama-samplers-cpu/parity.json
+
+The default model's weights, written out as float32 (llama.cpp's Q4_1 dot products quantize the
+activations too, which moves its logprobs by up to 0.2 from cadence's float32; from the same
+float32 weights both compute the same logits to about 1e-5).
+
+llama-server answers each prompt, case by case, with `post_sampling_probs` and `n_probs` 100:
+each step's list is what its chain (top-n-sigma, top-k, typical, top-p, min_p, XTC, the
+temperature, dynamic or not) left, up to 100 tokens, with the probabilities its final draw
+uses. cadence computes the same step from its own logits of the prompt and llama-server's
+answer so far (the reference forward, float32) with `model.sampling.kept`, the function its
+programs run, at the case's `RequestSampling` as /completion parses it. XTC runs at probability
+1, so that both cut at every step. Then cadence-serve and llama-server answer the greedy cases
+(temperature 0, where typical_p and XTC still move the answer) and the tokens are compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from cadence.bench.cadence_server import serving
+from cadence.checkpoints import registry
+from cadence.engine.reference import sequence_logits
+from cadence.model.host_sampling import SamplingRows
+from cadence.model.sampling import kept
+from cadence.server import llama_api, parsing
+
+LLAMA = flags.DEFINE_string("llama_server", None, "llama.cpp's llama-server binary", required=True)
+GGUF = flags.DEFINE_string("gguf", None, "the default model's weights as an F32 GGUF", required=True)
+OUT = flags.DEFINE_string("out", None, "where to write the JSON results", required=True)
+TOKENS = flags.DEFINE_integer("answer_tokens", 12, "tokens per answer")
+N_PROBS = 100
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "Here is a list of fruits: apple, banana,",
+]
+# Every sampler alone, then together; each case states every field llama-server would
+# otherwise default (its top_k 40, top_p 0.95, min_p 0.05, temperature 0.8).
+OFF = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "top_n_sigma": -1.0,
+       "xtc_probability": 0.0, "xtc_threshold": 0.1, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
+       "repeat_penalty": 1.0}
+CASES = {
+    "top_n_sigma 1": {"temperature": 0.9, "top_n_sigma": 1.0},
+    "typical_p 0.7": {"temperature": 0.8, "typical_p": 0.7},
+    "typical_p 0.9, top_k 50": {"temperature": 1.0, "typical_p": 0.9, "top_k": 50},
+    "xtc 0.1": {"temperature": 0.8, "xtc_probability": 1.0, "xtc_threshold": 0.1, "top_k": 60},
+    "dynatemp 0.5": {"temperature": 0.8, "dynatemp_range": 0.5, "top_k": 40},
+    "dynatemp 1.2, exponent 2": {"temperature": 1.0, "dynatemp_range": 1.2, "dynatemp_exponent": 2.0,
+                                 "top_k": 30},
+    "temperature last: top_p 0.9, min_p 0.05 at 1.5": {"temperature": 1.5, "top_p": 0.9, "min_p": 0.05},
+    "llama-server's defaults + all four": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+                                           "top_n_sigma": 2.0, "typical_p": 0.95, "xtc_probability": 1.0,
+                                           "xtc_threshold": 0.08, "dynatemp_range": 0.3},
+    "greedy, typical_p 0.5": {"temperature": 0.0, "typical_p": 0.5},
+    "greedy, xtc 0.05": {"temperature": 0.0, "xtc_probability": 1.0, "xtc_threshold": 0.05, "top_k": 20},
+    "greedy, dynatemp 0.7": {"temperature": 0.0, "dynatemp_range": 0.7, "top_k": 20},
+}
+
+
+def ask(url: str, ids: list[int], fields: dict) -> dict:
+    r = httpx.post(f"{url}/completion", timeout=300, json={
+        "prompt": ids, "n_predict": TOKENS.value, "n_probs": N_PROBS, "post_sampling_probs": True,
+        "seed": 1234, "cache_prompt": False, "return_tokens": True, **OFF, **fields})
+    r.raise_for_status()
+    return r.json()
+
+
+def cadence_steps(params, config, ids: list[int], answer: list[int], fields: dict,
+                  temperature_last: bool = True) -> list[dict[int, float]]:
+    """cadence's distribution at each step of `answer` after `ids`: {token: probability}
+    (`temperature_last` False: in vLLM's order instead, the control)."""
+    parsed, _ = llama_api.parse_completion({"prompt": ids, **OFF, **fields}, parsing.SamplingDefaults())
+    sampling = dataclasses.replace(parsed.params.sampling, temperature_last=temperature_last)
+    logits = sequence_logits(params, config, ids + answer)[len(ids) - 1:]
+    rows = SamplingRows.of([sampling] * len(logits)).params()
+    rngs = jax.vmap(lambda t: jax.random.fold_in(jax.random.key(sampling.seed), t))(jnp.arange(len(logits)))
+    draw, keep, hot = jax.jit(kept)(jnp.asarray(logits), rows, rngs)
+    out = []
+    for x, k, h, raw in zip(np.asarray(draw, np.float64), np.asarray(keep), np.asarray(hot), logits):
+        if not h:
+            out.append({int(np.argmax(np.where(k, raw, -np.inf))): 1.0})
+            continue
+        x = np.where(k, x, -np.inf)
+        p = np.exp((x - x.max()).astype(np.float32)).astype(np.float64)  # zero where expf underflows, as there
+        p /= p.sum()
+        out.append({int(t): float(p[t]) for t in np.flatnonzero(p > 0)})
+    return out[: len(answer)]
+
+
+def compare(theirs: list[dict], ours: list[dict[int, float]]) -> dict:
+    """Per step: whether the listed tokens are cadence's likeliest (as many as listed, or all
+    of cadence's where llama-server listed fewer than N_PROBS), and the largest gap in probability."""
+    same, worst, sizes = 0, 0.0, []
+    for step, mine in zip(theirs, ours):
+        listed = {t["id"]: t["prob"] for t in step["top_probs"]}
+        top = dict(sorted(mine.items(), key=lambda kv: -kv[1])[: len(listed)])
+        whole = len(listed) < N_PROBS
+        sizes.append(len(mine))
+        if set(listed) == set(top) and (not whole or len(mine) == len(listed)):
+            same += 1
+            worst = max(worst, max(abs(listed[t] - top[t]) for t in listed))
+        else:
+            worst = float("inf")
+    return {"steps": len(ours), "same_tokens": same, "max_prob_gap": worst, "kept_sizes": sizes}
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    gguf = Path(GGUF.value)
+    model = registry.load_model(str(gguf))
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+    results = {"model": gguf.name, "max_tokens": TOKENS.value, "n_probs": N_PROBS, "cases": {}}
+    with serving([LLAMA.value, "-m", str(gguf), "--port", "8932", "-c", "2048", "-np", "1", "-t", "2", "-ctk", "f32", "-ctv", "f32",
+                  "-fa", "off"], 8932) as url:
+        theirs = {name: [ask(url, ids, fields) for ids in prompts] for name, fields in CASES.items()}
+    for name, fields in CASES.items():
+        rows = []
+        for ids, body in zip(prompts, theirs[name]):
+            answer = body["tokens"]
+            ours = cadence_steps(model.params, model.config, ids, answer, fields)
+            rows.append({"tokens": answer, **compare(body["completion_probabilities"], ours)})
+        results["cases"][name] = rows
+        agree = sum(r["same_tokens"] for r in rows)
+        total = sum(r["steps"] for r in rows)
+        gap = max(r["max_prob_gap"] for r in rows)
+        print(f"{name:48s} steps agreeing {agree}/{total}, largest probability gap {gap:.2e}", file=sys.stderr)
+    # The control: the temperature-last case in vLLM's order (the temperature first) must part.
+    name = "temperature last: top_p 0.9, min_p 0.05 at 1.5"
+    control = [compare(body["completion_probabilities"],
+                       cadence_steps(model.params, model.config, ids, body["tokens"], CASES[name], False))
+               for ids, body in zip(prompts, theirs[name])]
+    results["control_vllm_order"] = control
+    print(f"{'control: ' + name + ' in vLLM order':48s} steps agreeing "
+          f"{sum(r['same_tokens'] for r in control)}/{sum(r['steps'] for r in control)}", file=sys.stderr)
+    greedy = {n: f for n, f in CASES.items() if f["temperature"] == 0 and not f.get("dynatemp_range")}
+    with serving([sys.executable, "-m", "cadence.server.serve_cli", "--model", str(gguf), "--port", "8933",
+                  "--num_slots", "2"],
+                 8933) as url:
+        for name, fields in greedy.items():
+            ours = [_cadence_greedy(url, ids, fields) for ids in prompts]
+            same = sum(o == b["tokens"] for o, b in zip(ours, theirs[name]))
+            results["cases"][name].append({"greedy_answers_equal": same, "of": len(prompts)})
+            print(f"{name:48s} greedy answers equal {same}/{len(prompts)}", file=sys.stderr)
+    Path(OUT.value).write_text(json.dumps(results, indent=1) + "\n")
+
+
+def _cadence_greedy(url: str, ids: list[int], fields: dict) -> list[int]:
+    """cadence-serve's /completion answer (it refuses post_sampling_probs, and needs no seed)."""
+    r = httpx.post(f"{url}/completion", timeout=300, json={
+        "prompt": ids, "n_predict": TOKENS.value, "return_tokens": True, **OFF, **fields})
+    r.raise_for_status()
+    return r.json()["tokens"]
+
+
+if __name__ == "__main__":
+    app.run(main)
