@@ -13,7 +13,8 @@ programs:
   2 * params * tokens (+ attention) / matmul rate.
 `--sampling` times decode with every row's settings of a kind (`SAMPLING_KINDS`: greedy;
 temperature 1 alone, OpenAI's defaults; temperature and top-p; both and top-k; penalized; with
-logprobs; or all of them), what each stage of `model.sampling` costs.
+logprobs; or all of them; llama-server's defaults in llama.cpp's order, alone and with its other
+samplers), what each stage of `model.sampling` costs.
 Prints a table and writes one JSON file (machine, JAX version, date, every figure).
 """
 
@@ -77,6 +78,13 @@ SAMPLING_KINDS = {
     "penalized": (RequestSampling(**PENALIZED), False),
     "logprobs": (RequestSampling(), True),
     "all": (RequestSampling(**SAMPLED, **PENALIZED, min_p=0.05), True),
+    # llama-server's defaults (top_k 40, top_p 0.95, min_p 0.05, temperature 0.8) in its order
+    "llama": (RequestSampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1,
+                              temperature_last=True), False),
+    # and every llama.cpp sampler cadence runs
+    "llama_all": (RequestSampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1,
+                                  temperature_last=True, top_n_sigma=2.0, typical_p=0.95,
+                                  xtc_probability=0.5, xtc_threshold=0.1, dynatemp_range=0.3), False),
 }
 _SAMPLING = flags.DEFINE_list("sampling", ["greedy"], f"Sampling kinds to time decode with: {list(SAMPLING_KINDS)}.")
 
