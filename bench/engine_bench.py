@@ -85,6 +85,10 @@ SAMPLING_KINDS = {
     "llama_all": (RequestSampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1,
                                   temperature_last=True, top_n_sigma=2.0, typical_p=0.95,
                                   xtc_probability=0.5, xtc_threshold=0.1, dynatemp_range=0.3), False),
+    # and DRY at SillyTavern's usual settings, over the last 1024 tokens
+    "llama_dry": (RequestSampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1,
+                                  temperature_last=True, dry_multiplier=0.8, dry_window=1024,
+                                  dry_breakers=(198, 28, 18)), False),
 }
 _SAMPLING = flags.DEFINE_list("sampling", ["greedy"], f"Sampling kinds to time decode with: {list(SAMPLING_KINDS)}.")
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from cadence.engine.packing import bucket_for
 from cadence.engine.results import KVHandle
-from cadence.model.host_sampling import NO_TOKEN
+from cadence.model.host_sampling import MAX_DRY_BREAKERS, NO_TOKEN, dry_matches
 from cadence.model.paged_kv import PagedKVCache
 from cadence.model.sampling import TokenHistory
 
@@ -47,12 +47,12 @@ class KVOps:
         self.cache = self._copy(self.cache, src, dst)
 
     def set_history(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int] = (),
-                    window: int = 0) -> None:
+                    window: int = 0, dry_breakers: Sequence[int] | None = None) -> None:
         """Makes `slot`'s token history (what presence, frequency and repetition penalties
-        read) that of a sequence with this prompt and output so far, for a request with this
-        `penalty_window` (0: none); the programs count every token the slot samples after.
-        Call it when a penalized request takes a slot, before its next prefill or decode.
-        Returns at once."""
+        and DRY read) that of a sequence with this prompt and output so far, for a request with
+        this `penalty_window` (0: none) and, on DRY, these `dry_breakers` (None: not on DRY);
+        the programs count every token the slot samples after. Call it when a penalized
+        request takes a slot, before its next prefill or decode. Returns at once."""
         cfg = self.config
         if not 0 <= slot < cfg.num_slots:
             raise ValueError(f"slot {slot} is not in [0, {cfg.num_slots})")
@@ -62,8 +62,13 @@ class KVOps:
         tokens = np.full(cfg.max_seq_len, NO_TOKEN, np.int32)
         tokens[:n] = np.asarray([*prompt_ids, *output_ids], np.int32)
         self._ensure("history")
+        breakers = np.full(MAX_DRY_BREAKERS, NO_TOKEN, np.int32)
+        breakers[: len(dry_breakers or ())] = np.asarray(dry_breakers or (), np.int32)
+        match = np.zeros(cfg.max_seq_len, np.int32)
+        if dry_breakers is not None:
+            match[:n] = dry_matches(tokens[:n])
         self.history = self._history(self.history, np.int32(slot), tokens, np.int32(len(prompt_ids)),
-                                     np.int32(min(window, 2**31 - 1)))
+                                     np.int32(min(window, 2**31 - 1)), breakers, match)
 
     def _check(self, slot: int, pages: Sequence[int], needed: int) -> None:
         """A call's slot and pages: the slot exists, and `pages` holds `needed` pages."""

@@ -135,8 +135,9 @@ class Leader:
         return self._call("verify", positions, active, sampling, page_table, drafts, draft_lens,
                           allowed)
 
-    def set_history(self, slot, prompt_ids, output_ids=(), window=0):
-        self._call("set_history", slot, list(prompt_ids), list(output_ids), window)
+    def set_history(self, slot, prompt_ids, output_ids=(), window=0, dry_breakers=None):
+        self._call("set_history", slot, list(prompt_ids), list(output_ids), window,
+                   None if dry_breakers is None else list(dry_breakers))
 
     def copy_pages(self, sources, targets):
         self._call("copy_pages", list(sources), list(targets))

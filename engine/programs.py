@@ -305,9 +305,9 @@ def _copy_program(cache, sources, targets, *, cpu_kernel=False):
                         v=paged_kv.copy_pages(cache.v, sources, targets, cpu_kernel=cpu_kernel))
 
 
-def _history_program(history, slot, tokens, prompt_len, window):
+def _history_program(history, slot, tokens, prompt_len, window, breakers, match):
     """Writes slot `slot`'s token history from its sequence so far (`TokenHistory.set_row`)."""
-    return history.set_row(slot, tokens, prompt_len, window)
+    return history.set_row(slot, tokens, prompt_len, window, breakers, match)
 
 
 def _extract_program(cache, last_tokens, ids, slot):

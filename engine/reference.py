@@ -67,7 +67,38 @@ def adjusted_logits(logits: np.ndarray, sampling: RequestSampling, prompt_ids: S
     for token, n in counts.items():
         out[token] -= np.float32(sampling.frequency_penalty) * np.float32(n)
         out[token] -= np.float32(sampling.presence_penalty)
+    for token, penalty in dry_penalties(sampling, [*prompt_ids, *output_ids]).items():
+        out[token] -= np.float32(penalty)
     return out
+
+
+def dry_penalties(sampling: RequestSampling, sequence: Sequence[int]) -> dict[int, float]:
+    """{token: what llama.cpp's DRY takes off its logit} after `sequence` (prompt and output),
+    step by step as llama.cpp's sampler does it: over the last dry_window tokens, the tokens
+    since the last breaker bound every repetition; each earlier position whose tokens end as
+    the sequence ends, for at least dry_allowed_length of them, names the token after it, which
+    would go on with that repetition; a token's longest one sets its penalty (breakers none)."""
+    if not sampling.dry_multiplier:
+        return {}
+    window = list(sequence)[-sampling.dry_window:] if sampling.dry_window else []
+    w, allowed, breakers = len(window), sampling.dry_allowed_length, set(sampling.dry_breakers)
+    if w <= allowed:
+        return {}
+    since = next((i for i, t in enumerate(reversed(window)) if t in breakers), w)
+    if since < allowed:
+        return {}
+    longest: dict[int, int] = {}
+    for end in range(w - 1):  # a repetition ending at `end`, and the token after it
+        n = 0
+        while n <= end and window[end - n] == window[w - 1 - n]:
+            n += 1
+        n = min(n, since)
+        if n >= allowed:
+            longest[window[end + 1]] = max(longest.get(window[end + 1], -1), n)
+    base = sampling.dry_base
+    most = int(88.7228391 / np.log(base)) if base > 1.000001 else 0
+    return {t: sampling.dry_multiplier * base ** (min(n - allowed, most) if most else n - allowed)
+            for t, n in longest.items() if t not in breakers}
 
 
 def greedy_generate(

@@ -45,7 +45,10 @@ MAX_REPETITION_PENALTY = 2.0
 MAX_PENALTY_WINDOW = 2**31 - 1  # int32's: a window past the sequence holds all of it
 # llama.cpp's samplers' settings, a row array each (`SamplingRows`).
 LLAMA_SAMPLERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
-                  "dynatemp_exponent", "temperature_last")
+                  "dynatemp_exponent", "temperature_last", "dry_multiplier", "dry_base",
+                  "dry_allowed_length", "dry_window")
+# DRY's sequence breakers: the token ids a request's slot holds (`TokenHistory.set_row`).
+MAX_DRY_BREAKERS = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,22 +90,39 @@ class RequestSampling:
     # True: llama.cpp's order, the filters on the unscaled logits and the temperature (dynamic
     # or not) last; False: vLLM's, the temperature first.
     temperature_last: bool = False
+    # llama.cpp's DRY ("don't repeat yourself", `model.sampling.TokenHistory`): a token that
+    # would extend a repetition of more than dry_allowed_length tokens within the last
+    # dry_window loses dry_multiplier x dry_base ** (its length - dry_allowed_length) of its
+    # logit; a repetition does not reach back past the last of the dry_breakers (token ids,
+    # which are never penalized themselves). dry_multiplier 0: off.
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_window: int = 64
+    dry_breakers: tuple[int, ...] = ()
 
     @property
     def penalized(self) -> bool:
         """Whether the request's logits depend on its token history (`TokenHistory`)."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
-                or self.repetition_penalty != 1)
+                or self.repetition_penalty != 1 or self.dry_multiplier != 0)
+
+    @property
+    def history_settings(self) -> tuple[int, tuple[int, ...] | None]:
+        """What a penalized request's slot history is written with (`set_history`'s window
+        and dry_breakers): its penalty_window, and its DRY breakers (None: not on DRY)."""
+        return self.penalty_window, self.dry_breakers if self.dry_multiplier else None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "typical_p", "top_n_sigma", "xtc_probability",
-                     "xtc_threshold", "dynatemp_range", "dynatemp_exponent"):
+                     "xtc_threshold", "dynatemp_range", "dynatemp_exponent", "dry_multiplier",
+                     "dry_base"):
             value = getattr(self, name)
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not math.isfinite(value) or abs(value) > FLOAT32_MAX):
                 raise ValueError(f"{name} must be a finite number that fits float32, got {value!r}")
-        for name in ("top_k", "seed", "penalty_window"):
+        for name in ("top_k", "seed", "penalty_window", "dry_allowed_length", "dry_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -135,6 +155,17 @@ class RequestSampling:
         for name in ("top_n_sigma", "dynatemp_range", "dynatemp_exponent"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.dry_multiplier < 0 or self.dry_base < 1:
+            raise ValueError(f"dry_multiplier must be >= 0 and dry_base >= 1, got {self.dry_multiplier} "
+                             f"and {self.dry_base}")
+        for name in ("dry_allowed_length", "dry_window"):
+            if not 0 <= getattr(self, name) <= MAX_PENALTY_WINDOW:
+                raise ValueError(f"{name} must be in [0, {MAX_PENALTY_WINDOW}], got {getattr(self, name)}")
+        breakers = self.dry_breakers
+        if (not isinstance(breakers, tuple) or len(breakers) > MAX_DRY_BREAKERS or len(set(breakers)) != len(breakers)
+                or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < NO_TOKEN
+                           for t in breakers)):
+            raise ValueError(f"dry_breakers must be a tuple of at most {MAX_DRY_BREAKERS} distinct token ids")
         if not isinstance(self.temperature_last, bool):
             raise ValueError(f"temperature_last must be true or false, got {self.temperature_last!r}")
         _check_logit_bias(self.logit_bias)
@@ -211,6 +242,10 @@ class SamplingRows:
         self.dynatemp_range = np.zeros(num_slots, np.float32)
         self.dynatemp_exponent = np.ones(num_slots, np.float32)
         self.temperature_last = np.zeros(num_slots, bool)
+        self.dry_multiplier = np.zeros(num_slots, np.float32)
+        self.dry_base = np.ones(num_slots, np.float32)
+        self.dry_allowed_length = np.zeros(num_slots, np.int32)
+        self.dry_window = np.zeros(num_slots, np.int32)
 
     @classmethod
     def of(cls, rows: list[RequestSampling], lora_slots: int = 0) -> SamplingRows:
@@ -290,6 +325,10 @@ class SamplingParams(NamedTuple):
     dynatemp_range: Any
     dynatemp_exponent: Any
     temperature_last: Any
+    dry_multiplier: Any
+    dry_base: Any
+    dry_allowed_length: Any
+    dry_window: Any
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingParams:
@@ -309,7 +348,7 @@ class SamplingParams(NamedTuple):
     def penalized(self):
         """[rows] bool: whether a row's logits depend on its token history."""
         return ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
-                | (self.repetition_penalty != 1))
+                | (self.repetition_penalty != 1) | (self.dry_multiplier != 0))
 
     @property
     def drawn(self):
@@ -327,6 +366,24 @@ class SamplingParams(NamedTuple):
     def stops(self, tokens):
         """[rows] bool: whether each row's token ends its request."""
         return (tokens[:, None] == self.stop_ids).any(axis=-1)
+
+
+def dry_matches(sequence: np.ndarray) -> np.ndarray:
+    """[n] int32 for a sequence of n tokens: at each position k before the last, how many
+    tokens the sequence up to k and the whole sequence end alike (DRY's repetitions,
+    `TokenHistory.match`); 0 at the last. The Z-algorithm over the sequence reversed, O(n)."""
+    r = np.asarray(sequence)[::-1].tolist()
+    n = len(r)
+    z = [0] * n
+    lo = hi = 0  # the rightmost window [lo, hi) known to repeat the start
+    for i in range(1, n):
+        k = min(z[i - lo], hi - i) if i < hi else 0
+        while i + k < n and r[k] == r[i + k]:
+            k += 1
+        z[i] = k
+        if i + k > hi:
+            lo, hi = i, i + k
+    return np.asarray(z[::-1], np.int32)  # z[n - 1 - k] is position k's; z[0] (the last's) is 0
 
 
 def bitmask_words(vocab: int) -> int:

@@ -15,6 +15,8 @@ greedy and sampled requests:
     repetition_penalty                    [rows] f32   1 means off (HF/vLLM's, prompt + output)
     penalty_window  [rows] i32   0: the penalties as above; n: llama.cpp's, all three over the
                  last n tokens of prompt and output (its repeat_last_n)
+    dry_multiplier, dry_base, dry_allowed_length, dry_window   [rows]   llama.cpp's DRY (0: off;
+                 `dry_penalties`), over the row's history
     bias_ids, bias_values  [rows, MAX_LOGIT_BIAS]  logit_bias entries (NO_TOKEN pads)
     logprobs     [rows] bool  whether the row's request asks for logprobs (`token_logprobs`)
     typical_p, top_n_sigma, xtc_probability, xtc_threshold, dynatemp_range, dynatemp_exponent
@@ -25,7 +27,7 @@ Beside them, `choose` takes each row's token bitmask (`allowed`, [rows, ceil(voc
 llguidance's layout: bit j of word i allows token 32 i + j), which a grammar fills on the host
 for structured output; a row of all ones (`ALL_ALLOWED`) constrains nothing.
 
-The order is vLLM's: logit_bias and the penalties change the logits (greedy rows too), the
+The order is vLLM's: logit_bias, the penalties and DRY change the logits (greedy rows too), the
 bitmask sends the tokens it forbids to -inf, then temperature, min_p, top-k and top-p shape the
 distribution a sampled row draws from. A row of llama.cpp's order (`temperature_last`, what
 llama-server's endpoints ask for) filters the logits as they are, with top-n-sigma, top-k,
@@ -71,6 +73,10 @@ class TokenHistory:
         tokens  [slots, seq] int32    the sequence so far (NO_TOKEN past it), whose oldest
                                       token leaves a window as a new one comes
         length  [slots] int32         its length
+        breaker [slots, vocab] bool   DRY's sequence breakers (`RequestSampling.dry_breakers`)
+        match   [slots, seq] int32    for DRY, at each position k before the last: how many
+                                      tokens the sequence up to k and the whole sequence end
+                                      alike (the repetition that token k + 1 went on with)
 
     A row is written whole when a penalized request takes its slot (`set_row`, from the tokens
     the host knows) and then counted on: every token a penalized row samples adds one (and a
@@ -81,13 +87,17 @@ class TokenHistory:
     prompt: jax.Array
     tokens: jax.Array
     length: jax.Array
+    breaker: jax.Array
+    match: jax.Array
 
     @classmethod
     def create(cls, slots: int, vocab: int, seq_len: int, device=None) -> TokenHistory:
         return cls(counts=jnp.zeros((slots, vocab), jnp.int32, device=device),
                    prompt=jnp.zeros((slots, vocab), bool, device=device),
                    tokens=jnp.full((slots, seq_len), NO_TOKEN, jnp.int32, device=device),
-                   length=jnp.zeros(slots, jnp.int32, device=device))
+                   length=jnp.zeros(slots, jnp.int32, device=device),
+                   breaker=jnp.zeros((slots, vocab), bool, device=device),
+                   match=jnp.zeros((slots, seq_len), jnp.int32, device=device))
 
     def count(self, slots: jax.Array, tokens: jax.Array, params: SamplingParams) -> TokenHistory:
         """Adds `tokens` [rows] to the rows `slots` [rows] (a slot past the last drops out)
@@ -101,14 +111,25 @@ class TokenHistory:
         leaves = (penalized & (window > 0) & (n >= window)).astype(jnp.int32)
         counts = self.counts.at[slots, tokens].add(add, mode="drop")
         into = jnp.where(penalized, slots, num_slots)  # the others' rows stay as they are
+
+        def extend(match):  # a DRY row's repetitions: those `tokens` goes on with grow by one
+            rows = jnp.minimum(slots, num_slots - 1)
+            before = jnp.pad(match[rows, :-1], ((0, 0), (1, 0)))  # [rows, seq]: each position's predecessor's
+            at = jnp.arange(seq)
+            grown = jnp.where((self.tokens[rows] == tokens[:, None]) & (at < n[:, None]), before + 1, 0)
+            return match.at[jnp.where(params.dry_multiplier != 0, slots, num_slots)].set(grown, mode="drop")
+
         return self.replace(counts=counts.at[slots, leaving].add(-leaves, mode="drop"),
                             tokens=self.tokens.at[into, n].set(tokens, mode="drop"),
-                            length=self.length.at[into].add(1, mode="drop"))
+                            length=self.length.at[into].add(1, mode="drop"),
+                            match=when(jnp.any(params.dry_multiplier != 0), extend, _same, self.match))
 
     def set_row(self, slot: jax.Array, tokens: jax.Array, prompt_len: jax.Array,
-                window: jax.Array) -> TokenHistory:
+                window: jax.Array, breakers: jax.Array, match: jax.Array) -> TokenHistory:
         """Row `slot` from a sequence `tokens` [seq] (NO_TOKEN pads): the first `prompt_len` are
-        the prompt, the rest output; `window` (0: none) its request's `penalty_window`."""
+        the prompt, the rest output; `window` (0: none) its request's `penalty_window`;
+        `breakers` [MAX_DRY_BREAKERS] (NO_TOKEN pads) its DRY breakers, and `match` [seq] each
+        position's repetition (`host_sampling.dry_matches`; zeros for a request not on DRY)."""
         vocab = self.counts.shape[1]
         at = jnp.arange(tokens.shape[0])
         n = jnp.sum(tokens != NO_TOKEN, dtype=jnp.int32)
@@ -119,7 +140,10 @@ class TokenHistory:
         prompt = jnp.zeros(vocab, bool).at[jnp.where(shown, tokens, NO_TOKEN)].set(True, mode="drop")
         return self.replace(counts=self.counts.at[slot].set(counts),
                             prompt=self.prompt.at[slot].set(prompt),
-                            tokens=self.tokens.at[slot].set(tokens), length=self.length.at[slot].set(n))
+                            tokens=self.tokens.at[slot].set(tokens), length=self.length.at[slot].set(n),
+                            breaker=self.breaker.at[slot].set(
+                                jnp.zeros(vocab, bool).at[breakers].set(True, mode="drop")),
+                            match=self.match.at[slot].set(match))
 
 
 def _same(x):
@@ -173,7 +197,45 @@ def adjust_logits(logits: jax.Array, params: SamplingParams, history: TokenHisto
         return logits - params.presence_penalty[:, None] * generated.astype(logits.dtype)
 
     logits = when(_biased(params), bias, _same, logits)
-    return when(jnp.any(params.penalized), penalize, _same, logits)
+    logits = when(jnp.any(params.penalized), penalize, _same, logits)
+    return when(jnp.any(params.dry_multiplier != 0), lambda x: x - dry_penalties(history, slots, params),
+                _same, logits)
+
+
+# exp(88.72...) is float32's largest: DRY's exponent stops where its base would reach it.
+_FLOAT_MAX_LOG = 88.7228391
+
+
+def dry_penalties(history: TokenHistory, slots: jax.Array, params: SamplingParams) -> jax.Array:
+    """[rows, vocab] what llama.cpp's DRY takes off each token's logit, row i over slot
+    `slots[i]`'s history: a token that would go on with a repetition of the end of the last
+    `dry_window` tokens (of prompt and output) longer than `dry_allowed_length` loses
+    dry_multiplier x dry_base ** (its longest such repetition's length - dry_allowed_length);
+    a repetition reaches back no further than the last breaker, and breakers lose nothing."""
+    rows = jnp.arange(slots.shape[0])
+    tokens = jnp.take(history.tokens, slots, axis=0, mode="clip")
+    match = jnp.take(history.match, slots, axis=0, mode="clip")
+    breaker = jnp.take(history.breaker, slots, axis=0, mode="clip")
+    n = jnp.take(history.length, slots, mode="clip")[:, None]
+    vocab, at = breaker.shape[1], jnp.arange(tokens.shape[1])[None]
+    window = jnp.minimum(n, params.dry_window[:, None])
+    start = n - window
+    broken = jnp.take_along_axis(breaker, jnp.clip(tokens, 0, vocab - 1), axis=1) & (at >= start) & (at < n)
+    last_break = jnp.max(jnp.where(broken, at, -1), axis=1, keepdims=True)
+    limit = jnp.where(last_break >= 0, n - 1 - last_break, window)  # tokens since the last breaker
+    allowed = params.dry_allowed_length[:, None]
+    length = jnp.minimum(jnp.minimum(match, at - start + 1), limit)
+    on = (params.dry_multiplier != 0)[:, None] & (window > allowed) & (limit >= allowed)
+    counted = on & (at >= start) & (at < n - 1) & (length >= allowed)
+    following = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)), constant_values=NO_TOKEN)
+    longest = jnp.full((slots.shape[0], vocab), -1, jnp.int32).at[
+        rows[:, None], jnp.where(counted, following, NO_TOKEN)].max(length, mode="drop")
+    base = params.dry_base[:, None]
+    most = jnp.where(base > 1.000001, jnp.floor(_FLOAT_MAX_LOG / jnp.log(base)), 0)
+    exponent = (longest - allowed).astype(jnp.float32)
+    exponent = jnp.where((most > 0) & (exponent > most), most, exponent)
+    penalty = params.dry_multiplier[:, None] * jnp.power(base, exponent)
+    return jnp.where((longest >= 0) & ~breaker, penalty, 0.0)
 
 
 @struct.dataclass

@@ -50,7 +50,7 @@ class Dispatch:
             if r.params.sampling.penalized:  # its slot's history, before its prefill samples
                 try:
                     pool.engine.set_history(r.slot, r.prompt_ids, r.output_ids,
-                                            r.params.sampling.penalty_window)
+                                            *r.params.sampling.history_settings)
                 except Exception as e:  # the history buffer went into a failed program
                     logging.exception("setting %s's token history failed", r.id)
                     self._fail_pool(pool, f"{type(e).__name__}: {e}")

@@ -178,7 +178,7 @@ class Handoff:
                 pool.engine.insert(r.landing, r.pages, r.slot)
                 if r.params.sampling.penalized:  # prompt and first token, on this engine too
                     pool.engine.set_history(r.slot, r.prompt_ids, r.output_ids,
-                                            r.params.sampling.penalty_window)
+                                            *r.params.sampling.history_settings)
             except Exception as e:
                 logging.exception("inserting %s's KV failed", r.id)
                 self._fail_pool(pool, f"{type(e).__name__}: {e}")

@@ -376,7 +376,7 @@ class FakeEngine:
             self.pool[target] = self.pool[source]
             self.copies.append((int(source), int(target)))
 
-    def set_history(self, slot, prompt_ids, output_ids=(), window=0) -> None:
+    def set_history(self, slot, prompt_ids, output_ids=(), window=0, dry_breakers=None) -> None:
         # The fake "model" has no penalties; recorded so tests can see when it is set.
         self.histories.append((slot, list(prompt_ids), list(output_ids)))
 

@@ -139,6 +139,28 @@ def test_penalties_count_over_the_last_repeat_last_n_tokens(url, tiny_tokenizer,
     assert outputs[6] != outputs[None] != outputs[0]  # the window counts
 
 
+def test_dry_greedy_is_the_references(url, tiny_tokenizer, tiny_params, tiny_config):
+    """DRY over /completion, greedy: the reference generator's tokens with DRY as llama.cpp
+    computes it, the breakers every token holding one of the characters; the tiny model, which
+    repeats one token, is made to leave it; and leaving "dry" out of `samplers` turns it off."""
+    from cadence.server.llama_api import DryBreakers
+
+    ids = tiny_tokenizer.encode(PROMPT)
+    body = {"prompt": PROMPT, "n_predict": 16, "temperature": 0, "return_tokens": True, "dry_multiplier": 3.0,
+            "dry_allowed_length": 2, "dry_penalty_last_n": 32, "dry_sequence_breakers": ["a", "\n"]}
+    got = httpx.post(f"{url}/completion", json=body, timeout=60).json()["tokens"]
+    row = RequestSampling(dry_multiplier=3.0, dry_allowed_length=2, dry_window=32,
+                          dry_breakers=DryBreakers(tiny_tokenizer).ids(("a", "\n")), temperature_last=True)
+    assert row.dry_breakers and got == greedy_generate(tiny_params, tiny_config, ids, 16, sampling=row)
+    plain = greedy_generate(tiny_params, tiny_config, ids, 16)
+    assert got != plain
+    off = httpx.post(f"{url}/completion", json={**body, "samplers": ["top_k", "temperature"]}, timeout=60)
+    assert off.json()["tokens"] == plain
+    # The token it repeats, " is", holds an "s": a breaker, it ends every repetition.
+    broken = httpx.post(f"{url}/completion", json={**body, "dry_sequence_breakers": ["s"]}, timeout=60)
+    assert broken.json()["tokens"] == plain
+
+
 # What a client that sends all its settings sends with llama.cpp's other samplers off (as
 # SillyTavern's llama.cpp source does).
 SAMPLERS_OFF = {"typical_p": 1, "top_n_sigma": -1, "xtc_probability": 0, "xtc_threshold": 0.1,
@@ -191,7 +213,7 @@ def test_llama_cpps_samplers_run_each_request_its_own(url):
     assert tokens(xtc)[0] != plain[0]
     assert tokens({**xtc, "samplers": ["top_k", "top_p", "temperature"]}) == plain
     props = httpx.get(f"{url}/props", timeout=60).json()["default_generation_settings"]["params"]
-    assert props["samplers"] == ["penalties", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
+    assert props["samplers"] == ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
 
 
 def test_llama_cpps_samplers_parse_as_llama_server_reads_them():
@@ -228,7 +250,11 @@ def test_llama_cpps_samplers_parse_as_llama_server_reads_them():
     ({"prompt": "a", "top_n_sigma": "x"}, "top_n_sigma", "must be a number"),
     ({"prompt": "a", "samplers": ["temperature", "top_k"]}, "samplers", "llama.cpp's default order"),
     ({"prompt": "a", "samplers": ["top_k", "top_k"]}, "samplers", "each once"),
-    ({"prompt": "a", "dry_multiplier": 0.8}, "dry_multiplier", "only 0 (off)"),
+    ({"prompt": "a", "dry_multiplier": -1}, "dry_multiplier", "dry_multiplier must be >= 0"),
+    ({"prompt": "a", "dry_multiplier": 1, "dry_sequence_breakers": []}, "dry_sequence_breakers", "non-empty array"),
+    ({"prompt": "a", "dry_multiplier": 1, "dry_sequence_breakers": ["\n\n"]}, "dry_sequence_breakers", "one-character"),
+    ({"prompt": "a", "dry_penalty_last_n": -2}, "dry_penalty_last_n", "-1 (the whole sequence)"),
+    ({"prompt": "a", "dry_allowed_length": -1}, "dry_allowed_length", "dry_allowed_length must be in"),
     ({"prompt": "a", "mirostat": 2}, "mirostat", "only 0 (off)"),
     ({"prompt": "a", "lora": [{"id": 0, "scale": 1}]}, "lora", "adapter 0 is not loaded"),
     ({"prompt": "a", "lora": [{"id": 0, "scale": 1}, {"id": 0, "scale": 2}]}, "lora", "names an adapter twice"),

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from cadence.engine.config import EngineConfig
-from cadence.engine.reference import adjusted_logits, greedy_generate
-from cadence.model.host_sampling import RequestSampling, SamplingRows
+from cadence.engine.reference import adjusted_logits, dry_penalties, greedy_generate
+from cadence.model.host_sampling import MAX_DRY_BREAKERS, RequestSampling, SamplingRows, dry_matches
 from cadence.model.sampling import SamplingParams, TokenHistory, adjust_logits, sample
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams
@@ -31,24 +31,60 @@ PENALIZED = [
     # llama.cpp's: over the last n tokens of prompt and output
     RequestSampling(repetition_penalty=1.6, frequency_penalty=0.8, penalty_window=5),
     RequestSampling(presence_penalty=1.5, frequency_penalty=1.0, penalty_window=64),
+    # llama.cpp's DRY: alone (token 3 a breaker), and beside a windowed penalty
+    RequestSampling(dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2, dry_window=64, dry_breakers=(3,)),
+    RequestSampling(dry_multiplier=2.0, dry_base=1.3, dry_allowed_length=1, dry_window=12, dry_breakers=(5, 9),
+                    repetition_penalty=1.2, penalty_window=8),
 ]
+
+
+def dry_args(row: RequestSampling, tokens: np.ndarray) -> tuple:
+    """`TokenHistory.set_row`'s DRY arguments for a request over `tokens` (padded): its
+    breakers, padded; each position's repetition where it is on DRY (`dry_matches`)."""
+    breakers = np.full(MAX_DRY_BREAKERS, 2**31 - 1, np.int32)
+    breakers[: len(row.dry_breakers)] = row.dry_breakers
+    match = np.zeros(len(tokens), np.int32)
+    n = int(np.sum(tokens != 2**31 - 1))
+    if row.dry_multiplier:
+        match[:n] = dry_matches(tokens[:n])
+    return breakers, match
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dry_matches_are_each_positions_repetition_of_the_end(seed):
+    """The Z-algorithm's repetitions against counting them position by position."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 1 + seed, 60)  # from one token (all alike) to four
+    got = dry_matches(tokens)
+    for k in range(len(tokens) - 1):
+        n = 0
+        while n <= k and tokens[k - n] == tokens[-1 - n]:
+            n += 1
+        assert got[k] == n, (k, got[k], n)
+    assert got[-1] == 0 and (seed or got[0] == 1)
 
 
 def test_adjust_logits_equals_the_reference_row_by_row():
     """Random logits and histories; rows with every stage, one stage, and none (which must come
     out bit-identical): the device's stages equal the NumPy reference's."""
-    vocab, slots = 64, 9
+    vocab, slots = 64, 12
     rng = np.random.default_rng(0)
     rows = [RequestSampling(), *PENALIZED,
             RequestSampling(logit_bias=((3, 100.0), (7, -100.0), (63, 0.5)), repetition_penalty=1.3)]
     logits = rng.normal(size=(len(rows), vocab)).astype(np.float32) * 4
     sequences = [(list(rng.integers(0, vocab, rng.integers(1, 30))), list(rng.integers(0, vocab, rng.integers(0, 20))))
                  for _ in rows]
+    # The DRY rows' sequences repeat themselves (the first's breaker, 3, cutting its repetitions
+    # to the two tokens after it).
+    sequences[-3] = ([3, 1, 2, 4, 3, 1, 2, 4], [3, 1, 2])
+    sequences[-2] = ([1, 2, 1, 2, 1, 2, 7, 1, 2, 6, 1], [2, 1, 2])
+    assert all(dry_penalties(row, sum(seq, [])) for row, seq in zip(rows[-3:-1], sequences[-3:-1]))
     slot_of = rng.permutation(slots)[: len(rows)]
     history = TokenHistory.create(slots, vocab, 50)
     for slot, row, (prompt, output) in zip(slot_of, rows, sequences):
-        history = history.set_row(jnp.int32(slot), padded(prompt + output, 50), jnp.int32(len(prompt)),
-                                  jnp.int32(row.penalty_window))
+        tokens = padded(prompt + output, 50)
+        history = history.set_row(jnp.int32(slot), tokens, jnp.int32(len(prompt)),
+                                  jnp.int32(row.penalty_window), *dry_args(row, tokens))
     got = np.asarray(jax.jit(adjust_logits)(logits, SamplingRows.of(rows).params(), history, slot_of))
     for i, (row, (prompt, output)) in enumerate(zip(rows, sequences)):
         np.testing.assert_allclose(got[i], adjusted_logits(logits[i], row, prompt, output), rtol=1e-6)
@@ -62,22 +98,26 @@ def padded(tokens: list[int], n: int) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("window", [0, 1, 4, 100])
-def test_counting_token_by_token_equals_writing_the_row_whole(window):
+@pytest.mark.parametrize("window, dry", [(0, False), (1, False), (4, False), (100, False), (0, True), (4, True)])
+def test_counting_token_by_token_equals_writing_the_row_whole(window, dry):
     """A row set from its prompt and then counted on, token by token, equals the row set from
-    the whole sequence: with a window, each token that falls out of it leaves its counts."""
-    vocab, seq = 16, 48
+    the whole sequence: with a window, each token that falls out of it leaves its counts; on
+    DRY, each position's repetition grows with the tokens that go on with it."""
+    vocab, seq = 4 if dry else 16, 48  # (few tokens: many repetitions)
     rng = np.random.default_rng(window)
-    row = RequestSampling(frequency_penalty=1.0, penalty_window=window)
+    row = RequestSampling(frequency_penalty=1.0, penalty_window=window, dry_multiplier=float(dry), dry_breakers=(2,))
     params = SamplingRows.of([row, RequestSampling()]).params()
     prompt, output = list(rng.integers(0, vocab, 9)), list(rng.integers(0, vocab, 30))
     count = jax.jit(TokenHistory.count)
     history = TokenHistory.create(2, vocab, seq).set_row(
-        jnp.int32(0), padded(prompt, seq), jnp.int32(len(prompt)), jnp.int32(window))
+        jnp.int32(0), padded(prompt, seq), jnp.int32(len(prompt)), jnp.int32(window),
+        *dry_args(row, padded(prompt, seq)))
     for token in output:
         history = count(history, jnp.asarray([0, 1]), jnp.asarray([token, 3]), params)
     whole = TokenHistory.create(2, vocab, seq).set_row(
-        jnp.int32(0), padded(prompt + output, seq), jnp.int32(len(prompt)), jnp.int32(window))
+        jnp.int32(0), padded(prompt + output, seq), jnp.int32(len(prompt)), jnp.int32(window),
+        *dry_args(row, padded(prompt + output, seq)))
+    assert np.asarray(whole.match).max() >= 2 if dry else not np.asarray(whole.match).any()
     jax.tree.map(np.testing.assert_array_equal, history, whole)  # row 1 (plain) untouched
     recent = (prompt + output)[-window:] if window else output
     np.testing.assert_array_equal(np.asarray(history.counts)[0], np.bincount(recent, minlength=vocab))
