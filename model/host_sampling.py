@@ -91,7 +91,7 @@ class RequestSampling:
     # or not) last; False: vLLM's, the temperature first.
     temperature_last: bool = False
     # llama.cpp's DRY ("don't repeat yourself", `model.sampling.TokenHistory`): a token that
-    # would extend a repetition of more than dry_allowed_length tokens within the last
+    # would extend a repetition of at least dry_allowed_length tokens within the last
     # dry_window loses dry_multiplier x dry_base ** (its length - dry_allowed_length) of its
     # logit; a repetition does not reach back past the last of the dry_breakers (token ids,
     # which are never penalized themselves). dry_multiplier 0: off.

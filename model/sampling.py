@@ -209,7 +209,7 @@ _FLOAT_MAX_LOG = 88.7228391
 def dry_penalties(history: TokenHistory, slots: jax.Array, params: SamplingParams) -> jax.Array:
     """[rows, vocab] what llama.cpp's DRY takes off each token's logit, row i over slot
     `slots[i]`'s history: a token that would go on with a repetition of the end of the last
-    `dry_window` tokens (of prompt and output) longer than `dry_allowed_length` loses
+    `dry_window` tokens (of prompt and output) of at least `dry_allowed_length` tokens loses
     dry_multiplier x dry_base ** (its longest such repetition's length - dry_allowed_length);
     a repetition reaches back no further than the last breaker, and breakers lose nothing."""
     rows = jnp.arange(slots.shape[0])
