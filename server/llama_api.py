@@ -24,13 +24,13 @@ llama.vim) send besides:
   (`EditorStops`); the request is cancelled at once, and its slot freed.
 - `response_fields`: the whole answer holds only these (`timings/prompt_n` names a nested one).
 - llama.cpp's order: its filters read the logits before the temperature, which comes last (on
-  the OpenAI endpoints it comes first, as vLLM has it), and its samplers beside cadence's:
-  DRY (`dry_multiplier`, ..., `_dry`; its breakers become token ids of the served vocabulary,
-  `DryBreakers`), `top_n_sigma`, `typical_p`, XTC (`xtc_probability`, `xtc_threshold`) and
-  the dynamic temperature (`dynatemp_range`, `dynatemp_exponent`) (`_with_samplers`). `samplers` names
-  those that run, in that default order (one left out is off; another order is a 400); its
-  `infill` sampler is not applied. `cache_prompt`, `id_slot` and `t_max_prompt_ms` change
-  nothing here (llama-server ignores the last too).
+  the OpenAI endpoints it comes first, as vLLM has it), and its samplers beside cadence's
+  (`_with_samplers`): DRY (`dry_multiplier`, ..., `_dry`; its breakers become token ids of
+  the served vocabulary, `DryBreakers`), `top_n_sigma`, `typical_p`, XTC (`xtc_probability`,
+  `xtc_threshold`) and the dynamic temperature (`dynatemp_range`, `dynatemp_exponent`).
+  `samplers` names those that run, in that default order (one left out is off; another order
+  is a 400); its `infill` sampler is not applied. `cache_prompt`, `id_slot` and
+  `t_max_prompt_ms` change nothing here (llama-server ignores the last too).
 - llama-server's penalties, `repeat_penalty`, `presence_penalty` and `frequency_penalty`, count
   as its do: all three over the last `repeat_last_n` tokens (64 by default; 0 turns them off,
   -1 takes the whole context) of prompt and output (`parsing.llama_penalties`).
@@ -180,8 +180,8 @@ def _with_samplers(body: dict, params: GenerationParams) -> tuple[GenerationPara
     values["typical_p"] = min(values["typical_p"], 1.0)
     values["top_n_sigma"] = max(values["top_n_sigma"], 0.0)
     values["dynatemp_range"] = max(values["dynatemp_range"], 0.0)
-    values.update(_dry(body))
-    breakers = values.pop("dry_breaker_text")
+    dry, breakers = _dry(body)
+    values.update(dry)
     named = _names(body, "samplers", LLAMA_SAMPLERS)
     if body.get("samplers") is not None:
         chain = [{"typical_p": "typ_p"}.get(n, n) for n in named if n != "infill"]
@@ -201,10 +201,10 @@ def _with_samplers(body: dict, params: GenerationParams) -> tuple[GenerationPara
     return dataclasses.replace(params, sampling=sampling), breakers
 
 
-def _dry(body: dict) -> dict[str, Any]:
+def _dry(body: dict) -> tuple[dict[str, Any], tuple[str, ...]]:
     """llama.cpp's DRY settings as llama-server reads them (its defaults; a dry_base below 1 is
-    its default too; dry_penalty_last_n -1: the whole sequence, 0: off), checked; the breakers'
-    token ids come from the server's vocabulary (`DryBreakers`), this the strings."""
+    its default too; dry_penalty_last_n -1: the whole sequence, 0: off), checked, and its
+    breakers as text (their token ids come from the served vocabulary, `DryBreakers`)."""
     multiplier = float(parsing.field(body, "dry_multiplier", (int, float), 0.0))
     base = float(parsing.field(body, "dry_base", (int, float), DRY_BASE))
     allowed = parsing.field(body, "dry_allowed_length", (int,), 2)
@@ -216,9 +216,9 @@ def _dry(body: dict) -> dict[str, Any]:
     if not breakers or not all(isinstance(b, str) and len(b) == 1 for b in breakers):
         raise SubmissionError('"dry_sequence_breakers" must be a non-empty array of one-character strings '
                               "(cadence's DRY breaks on single tokens)", "dry_sequence_breakers")
-    return {"dry_multiplier": multiplier if window else 0.0, "dry_base": base if base >= 1 else DRY_BASE,
-            "dry_allowed_length": allowed, "dry_breaker_text": tuple(dict.fromkeys(breakers)),
-            "dry_window": MAX_PENALTY_WINDOW if window == -1 else window}
+    return ({"dry_multiplier": multiplier if window else 0.0, "dry_base": base if base >= 1 else DRY_BASE,
+             "dry_allowed_length": allowed, "dry_window": MAX_PENALTY_WINDOW if window == -1 else window},
+            tuple(dict.fromkeys(breakers)))
 
 
 class DryBreakers:
