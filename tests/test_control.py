@@ -16,7 +16,7 @@ from cadence.engine.engine import Engine
 from cadence.engine.lowering import Program, engine_programs, host_waits, lower
 from cadence.engine.packing import PrefillChunk
 from cadence.model import control
-from cadence.model.host_sampling import ALL_ALLOWED, RequestSampling, SamplingRows, bitmask_words
+from cadence.model.host_sampling import ALL_ALLOWED, RequestSampling, SamplingRows, bitmask_words, dry_matches
 from cadence.model.sampling import TokenHistory, choose
 
 
@@ -68,6 +68,11 @@ BATCHES = {
                               repetition_penalty=1.2, logit_bias=((7, 5.0), (9, -3.0)), seed=3)],
     "penalized greedy": [RequestSampling(repetition_penalty=1.5), RequestSampling(),
                          RequestSampling(logit_bias=((1, 9.0),)), RequestSampling()],
+    # llama.cpp's order and samplers, DRY among them, greedy and drawn
+    "llama": [RequestSampling(temperature_last=True, typical_p=0.5, dry_multiplier=0.8, dry_allowed_length=1),
+              RequestSampling(temperature=0.9, temperature_last=True, top_n_sigma=1.0, xtc_probability=1.0,
+                              xtc_threshold=0.05, dynatemp_range=0.4, seed=4),
+              RequestSampling(temperature=0.7, top_p=0.9, seed=5), RequestSampling()],
 }
 
 
@@ -83,8 +88,9 @@ def test_choose_branch_free_equals_branches(batch, constrained):
     logits = jnp.asarray(rng.normal(0, 3, (n, VOCAB)), jnp.float32)
     history = TokenHistory(counts=jnp.asarray(rng.integers(0, 3, (n, VOCAB)), jnp.int32),
                            prompt=jnp.asarray(rng.random((n, VOCAB)) < 0.1),
-                           tokens=jnp.asarray(rng.integers(0, VOCAB, (n, 16)), jnp.int32),
-                           length=jnp.full(n, 16, jnp.int32))
+                           tokens=(tokens := jnp.asarray(rng.integers(0, 4, (n, 16)), jnp.int32)),
+                           length=jnp.full(n, 16, jnp.int32), breaker=jnp.zeros((n, VOCAB), bool),
+                           match=jnp.asarray(np.stack([dry_matches(t) for t in np.asarray(tokens)])))
     allowed = np.full((n, bitmask_words(VOCAB)), ALL_ALLOWED, np.int32)
     if constrained:
         allowed[1] = rng.integers(-2**31, 2**31 - 1, allowed.shape[1], dtype=np.int64).astype(np.int32)
