@@ -52,12 +52,13 @@ from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
 from cadence.scheduler.stream import merged
 from cadence.server import client_json, parsing, protocol, reasoning
+from cadence.server.api_error import APIError
 from cadence.server.embeddings_api import EmbeddingsAPI
 from cadence.server.llama_api import LlamaAPI, fill_ids
 from cadence.server.lora_api import LoraAPI
+from cadence.server.messages_api import MessagesAPI
 from cadence.server.info_api import InfoAPI
 from cadence.server.metrics import Metrics
-from cadence.server.protocol import APIError
 from cadence.server.served_models import ServedModels
 from cadence.server.responses_api import ResponsesAPI
 from cadence.server.tool_call_parser import Delta
@@ -241,10 +242,12 @@ class Server:
         if self.config.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":  # Anthropic's clients send theirs as x-api-key
+            token = request.headers.get("x-api-key", "")
         # Constant-time comparison: response timing must not reveal how much of a key matched.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), self.config.api_key.encode()):
-            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+        if not hmac.compare_digest(token.strip().encode(), self.config.api_key.encode()):
+            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>' "
+                                "or 'x-api-key: <key>')",
                            type="authentication_error", code="invalid_api_key")
 
     def _check(self, request: Request) -> None:
@@ -543,16 +546,18 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Seq
     server = Server(scheduler, tokenizer, model_name, config, warmup=warmup, generation=generation,
                     on_fatal=on_fatal)
 
-    def route(path: str, handler, methods: list[str]) -> Route:
+    def route(path: str, handler, methods: list[str],
+              error_body: Callable[[APIError], dict] = APIError.body) -> Route:
+        """`handler` at `path`, its errors answered in OpenAI's shape (or `error_body`'s)."""
         async def endpoint(request: Request) -> Response:
             try:
                 return await handler(request)
             except APIError as e:
-                return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+                return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
             except Exception as e:  # never let one request's bug take the server down
                 logging.exception("unhandled error on %s", path)
                 error = APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
-                return JSONResponse(error.body(), status_code=500)
+                return JSONResponse(error_body(error), status_code=500)
 
         return Route(path, endpoint, methods=methods)
 
@@ -568,6 +573,7 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Seq
             route("/v1/completions", lambda r: server.generate(r, chat=False), ["POST"]),
             route("/v1/chat/completions", lambda r: server.generate(r, chat=True), ["POST"]),
             *ResponsesAPI(server).routes(route),
+            *MessagesAPI(server).routes(route),
             *EmbeddingsAPI(server).routes(route),
             *LlamaAPI(server).routes(route),
             *InfoAPI(server).routes(route),

@@ -39,7 +39,7 @@ from cadence.scheduler.errors import Overloaded, SubmissionError
 from cadence.scheduler.request import GenerationParams, RequestRecord
 from cadence.scheduler.stream import RequestStream
 from cadence.server import parsing, protocol
-from cadence.server.protocol import APIError
+from cadence.server.api_error import APIError
 
 MAX_INPUTS = 2048  # inputs in one request (OpenAI's limit)
 _OPENAI = frozenset({"model", "input", "encoding_format", "dimensions", "user", "normalize",

@@ -27,7 +27,7 @@ import cadence
 from cadence.checkpoints.tokenizer import TokenizerError
 from cadence.scheduler.errors import SubmissionError
 from cadence.server import parsing, protocol
-from cadence.server.protocol import APIError
+from cadence.server.api_error import APIError
 from cadence.server.tool_requests import parse_tools
 
 if TYPE_CHECKING:

@@ -63,7 +63,7 @@ from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenEvent, TokenLogprob
 from cadence.scheduler.scheduler import RequestStream
 from cadence.server import guided, parsing, protocol
-from cadence.server.protocol import APIError
+from cadence.server.api_error import APIError
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "logit_bias")
 # llama.cpp's fields for what cadence does not do, with the test that a value leaves it off and

@@ -22,7 +22,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from cadence.checkpoints.adapters import load_adapter
 from cadence.checkpoints.errors import CheckpointError
-from cadence.server.protocol import APIError
+from cadence.server.api_error import APIError
 
 
 class LoraAPI:

@@ -31,21 +31,9 @@ from cadence.checkpoints.tokenizer import Tokenizer, TokenizerError
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenLogprob
 from cadence.scheduler.stream import RequestStream
 from cadence.server import guided, parsing, tool_requests
+from cadence.server.api_error import APIError
 from cadence.server.tool_call_parser import ToolCall
 from cadence.server.reasoning import split_reasoning
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
 
 
 # OpenAI's own defaults, for a model that publishes none.

@@ -53,7 +53,8 @@ from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.stream import merged
 from cadence.server import parsing, protocol
-from cadence.server.protocol import APIError
+from cadence.server.answer_parts import AnswerParts
+from cadence.server.api_error import APIError
 from cadence.server.reasoning import ReasoningParser
 from cadence.server.tool_call_parser import ToolCallParser
 
@@ -96,12 +97,9 @@ def _error(message: str, param: str | None = None) -> APIError:
 
 def _renamed(e: APIError) -> APIError:
     """A chat parse's error in the Responses request's names."""
-    message = e.message
-    for chat, ours in _PARAM.items():
-        message = message.replace(f'"{chat}"', f'"{ours}"')
-    message = message.replace("max_tokens", "max_output_tokens")  # (the context check's words)
-    return APIError(e.status, message, type=e.type, param=_PARAM.get(e.param, e.param), code=e.code,
-                    headers=e.headers)
+    e = e.renamed(_PARAM)
+    e.message = e.message.replace("max_tokens", "max_output_tokens")  # (the context check's words)
+    return e
 
 
 # -- the request ------------------------------------------------------------------------------
@@ -292,14 +290,14 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class Output:
+class Output(AnswerParts):
     """An answer's output items, built from its text as it arrives (through the tool-call
     parser when the request parses calls), with the stream events that build them: one item
     open at a time (a message, or a call), closed when the next opens or at the end. Calls the
     parser abandons are closed "incomplete" and left out of the output."""
 
     def __init__(self, parser: ToolCallParser | None, thinker: ReasoningParser | None = None):
-        self.parser, self.thinker = parser, thinker
+        super().__init__(parser, thinker)
         self.items: list[dict] = []  # by output_index
         self.events: list[tuple[str, dict]] = []
         self._open: int | None = None  # the output index of the open item
@@ -307,28 +305,9 @@ class Output:
         self._calls: dict[int, int] = {}  # the parser's call index -> output index
         self._dropped: set[int] = set()  # output indexes of abandoned calls
 
-    def feed(self, text: str) -> None:
-        """One token's text."""
-        if self.thinker is not None:
-            split = self.thinker.feed(text)
-            self._reasoning(split.reasoning)
-            text = split.content
-        self._answer(text)
-
-    def _answer(self, text: str) -> None:
-        if self.parser is None:
-            self._content(text)
-            return
-        self._parsed(self.parser.feed(text))
-
     def finish(self, status: str) -> None:
         """Closes the open item; `status` is the answer's: "completed" or "incomplete"."""
-        if self.thinker is not None:
-            split = self.thinker.finish()
-            self._reasoning(split.reasoning)
-            self._answer(split.content)
-        if self.parser is not None:
-            self._parsed(self.parser.finish())
+        self.finish_parts()
         if not any(item["type"] != "reasoning" for item in self.output):
             # an empty answer (or one of abandoned calls, or all reasoning) is still a message
             self._content("", force=True)
@@ -344,11 +323,6 @@ class Output:
                        for part in item["content"])
 
     @property
-    def reasoning_tokens(self) -> int:
-        """The tokens through the end of the reasoning, where there was reasoning."""
-        return 0 if self.thinker is None else self.thinker.reasoning_pieces
-
-    @property
     def reasoning(self) -> str:
         return "".join(part["text"] for item in self.output if item["type"] == "reasoning"
                        for part in item["content"])
@@ -356,16 +330,15 @@ class Output:
     def calls(self) -> list[dict]:
         return [item for item in self.output if item["type"] == "function_call"]
 
-    def _parsed(self, delta) -> None:
-        for index in self.parser.abandoned:
-            at = self._calls.get(index)
-            if at is not None and at not in self._dropped:
-                self._dropped.add(at)
-                if at == self._open:
-                    self._close("incomplete")
-        self._content(delta.content)
-        for entry in delta.tool_calls:
-            self._call(entry)
+    def on_abandoned(self, index: int) -> None:
+        at = self._calls.get(index)
+        if at is not None and at not in self._dropped:
+            self._dropped.add(at)
+            if at == self._open:
+                self._close("incomplete")
+
+    def on_content(self, text: str) -> None:
+        self._content(text)
 
     def _emit(self, kind: str, **fields) -> None:
         self.events.append((kind, fields))
@@ -388,7 +361,7 @@ class Output:
             self._emit("response.output_text.delta", item_id=self.items[self._open]["id"],
                        output_index=self._open, content_index=0, delta=text, logprobs=[])
 
-    def _reasoning(self, text: str) -> None:
+    def on_reasoning(self, text: str) -> None:
         if not text:
             return
         if self._open is None or self.items[self._open]["type"] != "reasoning":
@@ -405,7 +378,7 @@ class Output:
         self._emit("response.reasoning_text.delta", item_id=self.items[self._open]["id"],
                    output_index=self._open, content_index=0, delta=text)
 
-    def _call(self, entry: dict) -> None:
+    def on_call(self, entry: dict) -> None:
         fragment = entry["function"].get("arguments", "")
         if "id" in entry:  # a header: a new call
             self._close("completed")
@@ -556,9 +529,7 @@ class ResponsesAPI:
             return StreamingResponse(run.events(groups[0][0]), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         output = run.output()  # token by token, as a stream builds it
-        record, = await server.collect(request, [groups[0][0]], lambda _, event: output.feed(event.text))
-        if record.finish_reason == "error":
-            raise APIError(500, f"generation failed: {record.error}", type="server_error")
+        record = await output.collect(server, request, groups[0][0])
         return JSONResponse(run.finish(output, record), headers=headers)
 
 
@@ -589,10 +560,7 @@ class _Run:
         }
 
     def output(self) -> Output:
-        tools, inside = self.parsed.tools, self.parsed.reasoning_inside
-        parses = tools is not None and tools.parses_calls
-        return Output(self.api.server.call_style.parser(tools.names) if parses else None,
-                      None if inside is None else ReasoningParser(inside))
+        return Output.of(self.parsed, self.api.server.call_style)
 
     def response(self, status: str, output: list[dict], usage: dict | None = None,
                  error: dict | None = None) -> dict:

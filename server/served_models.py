@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cadence.server.protocol import APIError
+from cadence.server.api_error import APIError
 
 
 class ServedModels:

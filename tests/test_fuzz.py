@@ -8,8 +8,9 @@ Two sources of input:
   bodies, wrong content types, bytes that are not UTF-8, wrong methods and unknown paths.
 
 Every response is checked the same way: no 5xx; an answer within a client deadline (a hang
-fails); every 4xx is OpenAI's error object; a streamed 200 is well-formed SSE ending with
-`data: [DONE]` and carries no error frame. Schemathesis' own checks add: status codes, content
+fails); every 4xx is OpenAI's error object (Anthropic's on its Messages API); a streamed 200 is
+well-formed SSE ending with `data: [DONE]` (or the API's own last event) and carries no error
+frame. Schemathesis' own checks add: status codes, content
 types and bodies conform to the description, and a request that breaks the schema is refused.
 Meanwhile a neighbour streams normal requests, which must all complete; at the end the server
 still serves a normal completion.
@@ -195,17 +196,20 @@ def send(client: httpx.Client, method: str, path: str, *, content=None, headers=
                     time.monotonic() - start, response)
 
 
-def error_shape_problems(body: bytes) -> list[str]:
+def error_shape_problems(body: bytes, anthropic: bool = False) -> list[str]:
+    """OpenAI's error object, or (`anthropic`: the Messages API's) Anthropic's."""
     try:
         obj = json.loads(body)
     except ValueError:
-        return ["a 4xx body that is not JSON (not OpenAI's error object)"]
+        return ["a 4xx body that is not JSON (not an error object)"]
     error = obj.get("error") if isinstance(obj, dict) else None
     if not isinstance(error, dict):
         return ["a 4xx body without an 'error' object"]
     problems = []
     if not isinstance(error.get("message"), str) or not isinstance(error.get("type"), str):
         problems.append("error.message and error.type must be strings")
+    if anthropic:
+        return problems + ([] if obj.get("type") == "error" else ['an Anthropic error without "type": "error"'])
     for key in ("param", "code"):
         if key not in error or not (error[key] is None or isinstance(error[key], str)):
             problems.append(f"error.{key} must be present, a string or null")
@@ -230,25 +234,46 @@ def sse_problems(body: bytes) -> list[str]:
     return problems
 
 
-def event_stream_problems(body: bytes) -> list[str]:
-    """A Responses API stream: `event: <type>` + `data: <event>` frames, sequence numbers from 0,
-    ending with the whole response, completed or incomplete (no [DONE])."""
+def typed_events(body: bytes, api: str) -> list[dict] | str:
+    """A typed event stream's events (`event: <type>` + `data: <event>` frames, each frame's
+    type its event's), or what is wrong with it."""
     frames = body.split(b"\n\n")
     if frames[-1] != b"" or len(frames) < 2:
-        return ["a Responses stream that does not end with a whole frame"]
-    last = None
+        return f"a {api} stream that does not end with a whole frame"
+    events = []
     for i, frame in enumerate(frames[:-1]):
         head, _, data = frame.partition(b"\ndata: ")
         try:
             event = json.loads(data)
         except ValueError:
-            return [f"an SSE frame that is not an event and JSON data {frame[:120]!r}"]
-        if (not head.startswith(b"event: ") or head[len(b"event: "):].decode() != event.get("type")
-                or event.get("sequence_number") != i):
-            return [f"a malformed Responses event frame (#{i}) {frame[:160]!r}"]
-        last = event["type"]
-    if last not in ("response.completed", "response.incomplete"):
-        return [f"a 200 Responses stream that ended with {last!r}: {frames[-2][:300]!r}"]
+            return f"an SSE frame that is not an event and JSON data {frame[:120]!r}"
+        if not head.startswith(b"event: ") or head[len(b"event: "):].decode() != event.get("type"):
+            return f"a malformed {api} event frame (#{i}) {frame[:160]!r}"
+        events.append(event)
+    return events
+
+
+def event_stream_problems(body: bytes) -> list[str]:
+    """A Responses API stream: typed events, sequence numbers from 0, ending with the whole
+    response, completed or incomplete (no [DONE])."""
+    events = typed_events(body, "Responses")
+    if isinstance(events, str):
+        return [events]
+    if [e.get("sequence_number") for e in events] != list(range(len(events))):
+        return [f"a Responses stream whose sequence numbers do not count from 0: {body[:300]!r}"]
+    if events[-1]["type"] not in ("response.completed", "response.incomplete"):
+        return [f"a 200 Responses stream that ended with {events[-1]['type']!r}: {body[-300:]!r}"]
+    return []
+
+
+def messages_stream_problems(body: bytes) -> list[str]:
+    """A Messages API stream: typed events from message_start to message_stop, no error event."""
+    events = typed_events(body, "Messages")
+    if isinstance(events, str):
+        return [events]
+    kinds = [e["type"] for e in events]
+    if kinds[0] != "message_start" or kinds[-2:] != ["message_delta", "message_stop"] or "error" in kinds:
+        return [f"a 200 Messages stream of events {kinds[:3]}...{kinds[-3:]}: {body[-300:]!r}"]
     return []
 
 
@@ -311,12 +336,14 @@ def response_problems(exchange: Exchange) -> list[tuple[type[FuzzFailure], str]]
     if status >= 500:
         return [(server_error(status, exchange.body), f"a {status} (server error)")]
     if 400 <= status < 500:
-        problems = [(NotOpenAIError, p) for p in error_shape_problems(exchange.body)]
+        problems = [(NotOpenAIError, p) for p in error_shape_problems(
+            exchange.body, anthropic=exchange.path.startswith("/v1/messages"))]
         if not content_type.startswith("application/json"):
             problems.append((NotOpenAIError, f"a 4xx with content-type {content_type!r}, not application/json"))
         return problems
     if status == 200 and content_type.startswith("text/event-stream"):
         problems = (event_stream_problems if exchange.path.startswith("/v1/responses") else
+                    messages_stream_problems if exchange.path.startswith("/v1/messages") else
                     infill_stream_problems if exchange.path in ("/infill", "/completion") else sse_problems)
         return [(BrokenStream, p) for p in problems(exchange.body)]
     return []
@@ -385,6 +412,9 @@ CASES = [  # (path, method, mode, examples); operations without inputs have no n
     ("/v1/responses", "POST", POSITIVE, 100),
     ("/v1/responses", "POST", NEGATIVE, 100),
     ("/v1/responses/{response_id}", "GET", POSITIVE, 5),
+    ("/v1/messages", "POST", POSITIVE, 100),
+    ("/v1/messages", "POST", NEGATIVE, 100),
+    ("/v1/messages/count_tokens", "POST", POSITIVE, 30),
     ("/v1/embeddings", "POST", POSITIVE, 100),
     ("/v1/embeddings", "POST", NEGATIVE, 100),
     ("/embedding", "POST", POSITIVE, 50),

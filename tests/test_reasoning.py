@@ -327,3 +327,48 @@ def test_the_responses_api_gives_the_reasoning_as_an_item_whole_and_streamed():
     assert later == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     parts = [e["part"] for e in events if e["type"].startswith("response.content_part.")]
     assert parts[0] == {"type": "reasoning_text", "text": ""} and parts[1] == reasoning["content"][0]
+
+
+def test_the_messages_api_gives_thinking_blocks_whole_and_streamed():
+    """Anthropic's Messages API: the reasoning is a thinking block before the text, whole and
+    streamed; `thinking` disabled renders the template with enable_thinking false; reasoning
+    then a call is a thinking block, then a tool_use block."""
+    import json
+
+    import httpx
+
+    def blocks(base: str, **body) -> tuple[dict, list[dict], list[dict]]:
+        body = {"model": "tiny", "messages": ASK, "max_tokens": 200, "temperature": 0, **body}
+        whole = httpx.post(f"{base}/v1/messages", json=body, timeout=60).json()
+        with httpx.stream("POST", f"{base}/v1/messages", json={**body, "stream": True}, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        built = []  # the stream's blocks put together
+        for event in events:
+            if event["type"] == "content_block_start":
+                built.append(dict(event["content_block"]))
+            elif event["type"] == "content_block_delta":
+                delta = event["delta"]
+                key = {"text_delta": "text", "thinking_delta": "thinking"}.get(delta["type"], "partial_json")
+                block = built[event["index"]]
+                block[key] = block.get(key, "") + delta[key]
+        return whole, built, events
+
+    with thinking_server({"on": ANSWERS["on"], "off": ANSWERS["off"]}) as base:
+        whole, built, events = blocks(base)
+        assert whole["content"] == [{"type": "thinking", "thinking": "They want a greeting.", "signature": ""},
+                                    {"type": "text", "text": "Hello!"}]
+        assert built == whole["content"] and whole["stop_reason"] == "end_turn"
+        assert len([e for e in events if e.get("delta", {}).get("type") == "thinking_delta"]) > 1
+        off, _, _ = blocks(base, thinking={"type": "disabled"})
+        assert off["content"] == [{"type": "text", "text": "Hello, quickly."}]
+        on, _, _ = blocks(base, thinking={"type": "enabled", "budget_tokens": 1024})
+        assert on["content"] == whole["content"]
+
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    with thinking_server({"on": f"<think>\nI need the time.\n</think>\n\n{call}"}, tools) as base:
+        whole, built, _ = blocks(base, tools=[{"name": "get_time", "input_schema": {"type": "object"}}])
+    thinking, use = whole["content"]
+    assert thinking["thinking"] == "I need the time." and whole["stop_reason"] == "tool_use"
+    assert use["type"] == "tool_use" and use["name"] == "get_time" and use["input"] == {}
+    assert built[1]["partial_json"] == "{}" and built[0] == thinking
