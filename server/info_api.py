@@ -4,7 +4,7 @@
 
 GET /v1/models and /v1/models/{id} (OpenAI's model cards, one per served name); POST /tokenize,
 POST /detokenize and GET /tokenizer_info (vLLM's shapes, which lm-eval's remote tokenizer
-reads); GET /health; GET /metrics (Prometheus); GET /server_info, /model_info and /get_load
+reads, and llama-server's), POST /apply-template (llama-server's: a chat's prompt); GET /health; GET /metrics (Prometheus); GET /server_info, /model_info and /get_load
 (what sglang-router asks a worker, in SGLang's shapes); GET /debug/timeline (the scheduler's
 iteration log and finished requests' timelines, read by `bench/`); GET /openapi.json. Each reads
 the `Server`'s scheduler, tokenizer and state, and changes nothing.
@@ -46,6 +46,7 @@ class InfoAPI:
                 route("/tokenize", self.tokenize, ["POST"]),
                 route("/detokenize", self.detokenize, ["POST"]),
                 route("/tokenizer_info", self.tokenizer_info, ["GET"]),
+                route("/apply-template", self.apply_template, ["POST"]),
                 route("/health", self.health, ["GET"]),
                 route("/metrics", self.metrics_endpoint, ["GET"]),
                 route("/server_info", self.server_info, ["GET"]),
@@ -78,32 +79,61 @@ class InfoAPI:
         """POST /tokenize in vLLM's shape: a "prompt" (with `add_special_tokens`, default true:
         the BOS a completion's prompt gets) or chat "messages" (rendered as a chat request's
         prompt, with its `tools` and `chat_template_kwargs`) -> {"count", "max_model_len",
-        "tokens", "token_strs"}."""
-        body = await self.server.read_body(request)
-        self.server.check_template(body)
-        entry = protocol.tokenize_request(body)
-        self.server.models.check(entry.get("model"))
+        "tokens", "token_strs"}; or in llama-server's: a "content" (`add_special`, default
+        false; `parse_special`, default true: special tokens' text is their token) ->
+        {"tokens"}, each {"id", "piece"} with `with_pieces` (a piece that is not whole UTF-8
+        as its bytes)."""
+        entry = await self._entry(request, protocol.TOKENIZE_FIELDS)
+        tokenizer = self.server.tokenizer
 
         def run() -> list[int]:
+            special = entry.get("parse_special", True)
             if "messages" in entry:
-                tools = parse_tools(entry)
-                text = parsing.render_chat(entry["messages"], self.server.tokenizer, tools,
-                                           parsing.template_kwargs(entry), parsing.chat_end(entry),
-                                           entry.get("chat_template"))
-                add_bos = None  # as a chat request's prompt is tokenized
+                text, add_bos = self._render(entry), None  # as a chat request's prompt is tokenized
+            elif "content" in entry:
+                text, add_bos = entry["content"], None if entry.get("add_special", False) else False
             else:
                 text, add_bos = entry["prompt"], None if entry.get("add_special_tokens", True) else False
             # Refused unread where it cannot fit the context at any tokenization.
-            return parsing.prompt_ids(text, self.server.tokenizer, self.server.scheduler.max_seq_len, add_bos)
+            return parsing.prompt_ids(text, tokenizer, self.server.scheduler.max_seq_len, add_bos,
+                                      special=special)
 
-        try:
-            ids = await asyncio.to_thread(run)
-        except (SubmissionError, TokenizerError) as e:
-            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
-        strs = ([self.server.tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
+        ids = await self._run(run)
+        if "content" in entry:
+            if not entry.get("with_pieces"):
+                return JSONResponse({"tokens": ids})
+            return JSONResponse({"tokens": [{"id": t, "piece": _piece(tokenizer.token_bytes(t))} for t in ids]})
+        strs = ([tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
                 if entry.get("return_token_strs") else None)
         return JSONResponse({"count": len(ids), "max_model_len": self.server.scheduler.max_seq_len,
                              "tokens": ids, "token_strs": strs})
+
+    async def apply_template(self, request: Request) -> Response:
+        """POST /apply-template (llama-server's): chat "messages" (and a chat's fields) ->
+        {"prompt"}, the text a chat request with them would be prompted with."""
+        entry = await self._entry(request, protocol.TEMPLATE_FIELDS)
+        return JSONResponse({"prompt": await self._run(lambda: self._render(entry))})
+
+    async def _entry(self, request: Request, fields: frozenset[str]) -> dict:
+        body = await self.server.read_body(request)
+        self.server.check_template(body)
+        entry = protocol.tokenize_request(body, fields)
+        self.server.models.check(entry.get("model"))
+        return entry
+
+    def _render(self, entry: dict) -> str:
+        """A checked entry's chat, rendered as a chat request's prompt."""
+        return parsing.render_chat(entry["messages"], self.server.tokenizer, parse_tools(entry),
+                                   parsing.template_kwargs(entry), parsing.chat_end(entry),
+                                   entry.get("chat_template"))
+
+    @staticmethod
+    async def _run(work: Callable[[], Any]) -> Any:
+        """Rendering or tokenizing, on a worker thread (its cost grows with the text)."""
+        try:
+            return await asyncio.to_thread(work)
+        except (SubmissionError, TokenizerError) as e:
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
 
     async def tokenizer_info(self, request: Request) -> Response:
         """GET /tokenizer_info in vLLM's shape: what a client needs to tokenize through this
@@ -117,11 +147,13 @@ class InfoAPI:
                              "vocab_size": tok.vocab_size})
 
     async def detokenize(self, request: Request) -> Response:
-        """POST /detokenize in vLLM's shape: {"tokens": [ids]} -> {"prompt": text}."""
+        """POST /detokenize: {"tokens": [ids]} -> {"prompt": text} (vLLM's) and
+        {"content": text} (llama-server's), the same text."""
         body = await self.server.read_body(request)
         entry = protocol.detokenize_request(body, self.server.tokenizer.vocab_size)
         self.server.models.check(entry.get("model"))
-        return JSONResponse({"prompt": self.server.tokenizer.decode(entry["tokens"])})
+        text = self.server.tokenizer.decode(entry["tokens"])
+        return JSONResponse({"prompt": text, "content": text})
 
     # -- what a router asks a worker ------------------------------------------------------------
     # sglang-router (the SGLang Model Gateway) reads /server_info and /model_info when it
@@ -197,3 +229,12 @@ class InfoAPI:
                        "busy_seconds": p.busy_seconds} for p in sched.pools],
             **self.server.timeline.since(iteration, seq),
         })
+
+
+def _piece(data: bytes) -> str | list[int]:
+    """A token's text as llama-server's /tokenize gives it: a string where its bytes are whole
+    UTF-8, else the bytes."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)

@@ -473,18 +473,19 @@ def token_ids(value: Any) -> bool:
 
 
 def prompt_ids(prompt: str | list[int], tokenizer: Tokenizer, max_seq_len: int | None,
-               add_bos: bool | None = None, keep: int | None = None) -> list[int]:
+               add_bos: bool | None = None, keep: int | None = None, special: bool = True) -> list[int]:
     """A prompt's token ids: ids as given, or a text tokenized (`add_bos`: the tokenizer's
-    own choice where None, as a completion's prompt gets it), refused first where it cannot fit
-    `max_seq_len` at any tokenization (`check_prompt_size`; None: not checked). `keep` (vLLM's
-    truncate_prompt_tokens, as the request asked): only its last `keep` tokens, unchecked."""
+    own choice where None, as a completion's prompt gets it; `special=False`: special tokens'
+    text spelled as text), refused first where it cannot fit `max_seq_len` at any tokenization
+    (`check_prompt_size`; None: not checked). `keep` (vLLM's truncate_prompt_tokens, as the
+    request asked): only its last `keep` tokens, unchecked."""
     if keep is not None:
-        return prompt_ids(prompt, tokenizer, None, add_bos)[-keep:]
+        return prompt_ids(prompt, tokenizer, None, add_bos, special=special)[-keep:]
     if not isinstance(prompt, str):
         return list(prompt)
     if max_seq_len is not None:
         check_prompt_size(prompt, tokenizer, max_seq_len)
-    return tokenizer.encode(prompt, add_bos=add_bos)
+    return tokenizer.encode(prompt, add_bos=add_bos, special=special)
 
 
 def truncation(body: dict, fill: bool = False) -> int | None:

@@ -256,23 +256,36 @@ def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> lis
                           "either (a batch)", name)
 
 
-_TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", "add_special_tokens",
-                              "return_token_strs", "chat_template_kwargs", "add_generation_prompt",
-                              "continue_final_message", "chat_template"})
+# /tokenize's fields: vLLM's ("prompt" or "messages"), llama-server's ("content"), and the chat
+# fields a rendered chat takes; /apply-template (llama-server's) takes a chat's alone.
+_LLAMA_OPTIONS = frozenset({"add_special", "parse_special", "with_pieces"})  # with "content"
+_VLLM_OPTIONS = frozenset({"add_special_tokens", "return_token_strs"})  # with "prompt" or "messages"
+TEMPLATE_FIELDS = frozenset({"model", "messages", "tools", "chat_template_kwargs", "add_generation_prompt",
+                             "continue_final_message", "chat_template"})
+TOKENIZE_FIELDS = TEMPLATE_FIELDS | _LLAMA_OPTIONS | _VLLM_OPTIONS | {"prompt", "content"}
 
 
-def tokenize_request(body: Any) -> dict:
-    """/tokenize's body (vLLM's shape), checked: exactly one of "prompt" (a string) or
-    "messages"; APIError 400 naming what is wrong."""
+def tokenize_request(body: Any, fields: frozenset[str] = TOKENIZE_FIELDS) -> dict:
+    """/tokenize's body (or /apply-template's, of `fields`), checked: exactly one of "prompt"
+    (vLLM's text), "messages" or "content" (llama-server's text), llama-server's options with
+    its "content" alone and vLLM's without it; APIError 400 naming what is wrong."""
     try:
-        known_fields(body, _TOKENIZE_FIELDS)
-        if (body.get("prompt") is None) == (body.get("messages") is None):
-            raise SubmissionError('send exactly one of "prompt" or "messages"')
+        known_fields(body, fields)
+        given = [k for k in ("prompt", "messages", "content") if body.get(k) is not None]
+        if len(given) != 1:
+            allowed = [f'"{k}"' for k in ("prompt", "messages", "content") if k in fields]
+            raise SubmissionError(f"send exactly one of {', '.join(allowed)}")
+        llama = given == ["content"]
+        other = next((k for k in sorted(_VLLM_OPTIONS if llama else _LLAMA_OPTIONS) if body.get(k) is not None), None)
+        if other is not None:
+            raise SubmissionError(f'"{other}" goes with ' + ('"prompt" or "messages" (vLLM\'s /tokenize)' if llama
+                                                             else '"content" (llama-server\'s /tokenize)'), other)
         parsing.field(body, "model", (str,))
-        parsing.field(body, "prompt", (str,))
+        for name in ("prompt", "content"):
+            parsing.field(body, name, (str,))
         parsing.field(body, "messages", (list,))
-        parsing.field(body, "add_special_tokens", (bool,))
-        parsing.field(body, "return_token_strs", (bool,))
+        for name in ("add_special_tokens", "return_token_strs", "add_special", "parse_special", "with_pieces"):
+            parsing.field(body, name, (bool,))
         parsing.check_chat_fields(body, body.get("messages") is not None)
         parsing.template_kwargs(body)
         parsing.request_template(body)

@@ -383,7 +383,7 @@ def test_tokenize_and_detokenize(url, tiny_tokenizer):
     bare = httpx.post(f"{url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
     assert bare["tokens"] == tiny_tokenizer.encode(text, add_bos=False)
     back = httpx.post(f"{url}/detokenize", json={"tokens": out["tokens"], "model": NAMES[0]}).json()
-    assert back["prompt"] == tiny_tokenizer.decode(out["tokens"])
+    assert back["prompt"] == back["content"] == tiny_tokenizer.decode(out["tokens"])
     # A chat's tokens are the ones a chat request prefills.
     messages = [{"role": "user", "content": "Count my tokens."}]
     counted = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["count"]
@@ -398,6 +398,46 @@ def test_tokenize_and_detokenize(url, tiny_tokenizer):
                                   ("detokenize", {"tokens": [1], "model": "other"}, "not served")]:
         response = httpx.post(f"{url}/{route}", json=body)
         assert response.status_code in (400, 404) and fragment in response.json()["error"]["message"], response.text
+
+
+def test_llama_servers_tokenize_detokenize_and_apply_template(url, tiny_tokenizer):
+    """llama-server's shapes: "content" without the BOS unless `add_special`, special tokens'
+    text as their token unless `parse_special` is false, `with_pieces` (a piece that is not
+    whole UTF-8 as its bytes); /detokenize's "content"; /apply-template, a chat's prompt."""
+    def tokenize(**body):
+        response = httpx.post(f"{url}/tokenize", json=body)
+        assert response.status_code == 200, response.text
+        assert set(response.json()) == {"tokens"}
+        return response.json()["tokens"]
+
+    text = "Round trip, please. 語"
+    assert tokenize(content=text) == tiny_tokenizer.encode(text, add_bos=False)
+    assert tokenize(content=text, add_special=True) == tiny_tokenizer.encode(text)
+    eos = tiny_tokenizer.eos_token
+    assert tokenize(content=eos) == tiny_tokenizer.encode(eos, add_bos=False) and len(tokenize(content=eos)) == 1
+    spelled = tokenize(content=eos, parse_special=False)
+    assert spelled == tiny_tokenizer.encode(eos, add_bos=False, special=False) and len(spelled) > 1
+    pieces = tokenize(content=text, with_pieces=True)
+    assert [p["id"] for p in pieces] == tokenize(content=text)
+    raw = [bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in pieces]
+    assert b"".join(raw) == text.encode() and any(isinstance(p["piece"], list) for p in pieces)
+    assert all(isinstance(p["piece"], list) or p["piece"].encode() == tiny_tokenizer.token_bytes(p["id"])
+               for p in pieces)
+    back = httpx.post(f"{url}/detokenize", json={"tokens": tokenize(content=text)}).json()
+    assert back == {"content": text, "prompt": text}
+
+    messages = [{"role": "user", "content": "Count my tokens."}]
+    prompt = httpx.post(f"{url}/apply-template", json={"messages": messages}).json()["prompt"]
+    assert tokenize(content=prompt, add_special=True) == \
+        httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["tokens"]
+    for route, body, param in [("tokenize", {"content": "a", "add_special_tokens": True}, "add_special_tokens"),
+                               ("tokenize", {"prompt": "a", "with_pieces": True}, "with_pieces"),
+                               ("tokenize", {"content": "a", "prompt": "a"}, None),
+                               ("tokenize", {"content": "a", "parse_special": 1}, "parse_special"),
+                               ("apply-template", {"prompt": "a"}, "prompt"),
+                               ("apply-template", {}, None)]:
+        response = httpx.post(f"{url}/{route}", json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
 def test_tokenizer_info_is_what_a_remote_tokenizer_needs(url, tiny_tokenizer):
