@@ -247,6 +247,10 @@ def test_harmless_fields_are_accepted(client):
         extra_body={"seed": 3, "min_p": 0.1, "temperature": 0.5, "top_p": 0.9, "top_k": 5},
         extra_headers={"anthropic-beta": "x"})
     assert answer.usage.output_tokens <= 1
+    # Claude Code asks at /v1/messages?beta=true, with its beta headers.
+    beta = httpx.post(f"{client.base_url}/v1/messages?beta=true", headers={"anthropic-beta": "x"}, timeout=TIMEOUT,
+                      json={"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
+    assert beta.status_code == 200 and beta.json()["type"] == "message"
 
 
 # -- the blocks, without a server ---------------------------------------------------------------
