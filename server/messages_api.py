@@ -15,7 +15,7 @@ the same code (errors name the Messages fields: `stop_sequences`, `output_config
                                  its thinking blocks its reasoning_content; a user's tool_result
                                  blocks "tool" turns, before its text
     a final assistant turn    -> continue_final_message: the answer continues it (prefill)
-    max_tokens (required), temperature, top_p, top_k, stop_sequences -> chat's fields
+    max_tokens (required; a cap), temperature, top_p, top_k, stop_sequences -> chat's fields
     tools (custom), tool_choice (auto, any, tool, none; disable_parallel_tool_use)
     thinking                  -> chat_template_kwargs.enable_thinking (enabled: true,
                                  disabled: false; absent: the model's template decides)
@@ -27,8 +27,10 @@ model's reasoning as `thinking`, the text as `text`, each call as `tool_use`; st
 Anthropic's events (message_start, content_block_start/delta/stop, message_delta,
 message_stop), which the SDK's stream accumulator reads unchanged. A call's block goes out once
 the call stands (its arguments closed and parsed), whole: its text is never sent twice, even
-for a candidate that turns out to be no call. `stop_reason`: max_tokens when cut off, tool_use
-for an answer with calls, stop_sequence (and which) for a stop string, else end_turn. Usage
+for a candidate that turns out to be no call. `max_tokens` is a cap: past the context's end the
+answer stops there. `stop_reason`: max_tokens when cut off by it (model_context_window_exceeded
+by the context), tool_use for an answer with calls, stop_sequence (and which) for a stop
+string, else end_turn. Usage
 counts the prompt's tokens served from the prefix cache as cache_read_input_tokens, the rest as
 input_tokens (Anthropic's split). Errors come in Anthropic's shape. Clients send their key as
 `x-api-key` or as a bearer token; either is checked. Fields that would change the answer and are
@@ -372,10 +374,11 @@ class Blocks(AnswerParts):
             self._emit("content_block_stop", index=at)
 
 
-def _stop(record: RequestRecord, calls: bool) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence)."""
+def _stop(record: RequestRecord, calls: bool, limit: int | None) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of an answer whose max_tokens was `limit`."""
     if record.finish_reason == "length":
-        return "max_tokens", None
+        reached = limit is not None and record.output_tokens >= limit
+        return "max_tokens" if reached else "model_context_window_exceeded", None
     if calls:
         return "tool_use", None
     if isinstance(record.stop_reason, str):
@@ -418,6 +421,9 @@ class MessagesAPI:
         server = self.server
         parsed = protocol.parse(chat_body(body, allowed), True, server.defaults, server.config.max_n)
         server.models.check(parsed.model)
+        # max_tokens is a cap, as llama-server's n_predict is: Claude Code asks for 32000
+        # whatever the model's context, and an answer that reaches the context's end stops there.
+        parsed.limit_is_cap = True
         return parsed
 
     async def count_tokens(self, request: Request) -> Response:
@@ -453,12 +459,13 @@ class _Run:
     def __init__(self, api: MessagesAPI, parsed: protocol.ParsedRequest):
         self.api, self.parsed = api, parsed
         self.id = _new_id()
+        self.limit = parsed.params.max_tokens  # the request's, before the context capped it
 
     def blocks(self) -> Blocks:
         return Blocks.of(self.parsed, self.api.server.call_style)
 
     def message(self, content: list[dict], record: RequestRecord | None, calls: bool = False) -> dict:
-        reason, sequence = (None, None) if record is None else _stop(record, calls)
+        reason, sequence = (None, None) if record is None else _stop(record, calls, self.limit)
         usage = _usage(record) if record is not None else {
             "input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
             "output_tokens": 0}
@@ -486,7 +493,7 @@ class _Run:
                         blocks.events.append(("error", {"error": error_body(error)["error"]}))
                         continue
                     blocks.finish()
-                    reason, sequence = _stop(event, blocks.calls)
+                    reason, sequence = _stop(event, blocks.calls, self.limit)
                     blocks.events.append(("message_delta", {
                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
                         "usage": _usage(event)}))

@@ -91,6 +91,20 @@ def test_the_prompt_read_from_the_prefix_cache_is_cache_read_input_tokens(client
     assert again.usage.cache_read_input_tokens > first.usage.cache_read_input_tokens
 
 
+def test_max_tokens_is_a_cap_the_context_lowers(client, openai_client):
+    """Claude Code asks for 32000 tokens whatever the model: past the context's end (the tiny
+    model's 512) the answer stops there, model_context_window_exceeded, where a chat's
+    max_tokens would be refused."""
+    ask = dict(model=MODEL, max_tokens=32000, messages=[{"role": "user", "content": "Go on"}], **LONG)
+    answer = client.messages.create(**ask, timeout=120)  # (the SDK wants a stream or a timeout)
+    prompt = answer.usage.input_tokens + answer.usage.cache_read_input_tokens
+    assert answer.stop_reason == "model_context_window_exceeded" and prompt + answer.usage.output_tokens == 512
+    with client.messages.stream(**ask) as stream:
+        assert stream.get_final_message().stop_reason == "model_context_window_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        chat(openai_client, ask["messages"], max_tokens=32000)
+
+
 def test_streamed_events_build_the_same_message(client):
     kwargs = dict(model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "Tell me"}], **LONG)
     whole = client.messages.create(**kwargs)
