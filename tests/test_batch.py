@@ -247,6 +247,7 @@ def test_response_formats_and_tool_calls(setup, tmp_path):
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in call["tool_calls"]][0] == ("f", {})
 
 
+@pytest.mark.slow  # (chat templates: test_chat_templates; the batch job: the default tier's others)
 def test_chat_template_flags_replace_the_models_template(setup, tmp_path, tiny_config, tiny_params):
     """--chat_template (a file) renders every chat instead of the model's template, with
     --chat_template_kwargs' variables beneath a line's own chat_template_kwargs; a line's own
@@ -289,7 +290,8 @@ def test_load_done_refuses_a_corrupt_middle_line(tmp_path):
     assert load_done(tmp_path / "missing.jsonl") == (set(), 0)
 
 
-@pytest.mark.parametrize("pooling", ["mean", pytest.param("last", marks=pytest.mark.slow)])
+@pytest.mark.slow  # (embeddings: test_embeddings)
+@pytest.mark.parametrize("pooling", ["mean", "last"])
 def test_input_lines_are_embeddings(setup, tmp_path, tiny_config, tiny_params, pooling):
     """An input line (text or token ids) beside a prompt line: its result is the vector at unit
     length, the reference's pooled hidden states (--pooling); a line mixing input with
@@ -317,6 +319,7 @@ def test_input_lines_are_embeddings(setup, tmp_path, tiny_config, tiny_params, p
         np.testing.assert_allclose(r["embedding"], want / np.linalg.norm(want), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_openai_batch_lines_are_answered_by_the_endpoints(setup, tmp_path, tiny_config, tiny_params):
     """OpenAI's Batch API format: each body answered as its endpoint answers it (the greedy
     tokens, logprobs, prompt_logprobs, embeddings), in OpenAI's output line; a body the endpoint

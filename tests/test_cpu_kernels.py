@@ -383,7 +383,8 @@ def test_kernel_decode_logits_match_xla_decode(tiny_params, tiny_config):
 
 @needs_cpu_kernels
 @pytest.mark.parametrize("kv_dtype, attention", [
-    ("bfloat16", "cpu"), pytest.param("float16", "cpu", marks=pytest.mark.slow), ("float8_e4m3fn", "cpu"),
+    pytest.param("bfloat16", "cpu", marks=pytest.mark.slow),
+    pytest.param("float16", "cpu", marks=pytest.mark.slow), ("float8_e4m3fn", "cpu"),
     pytest.param("float8_e5m2", "cpu", marks=pytest.mark.slow), ("float8_e4m3fn", "xla")])
 def test_an_engine_over_a_narrow_pool_equals_the_reference_over_one(tiny_params, tiny_config,
                                                                     tiny_tokenizer, kv_dtype, attention):
@@ -857,6 +858,7 @@ def test_decode_params_read_packed_matrices_in_place_of_blocking(tiny_params, ti
 
 
 @needs_cpu_kernels
+@pytest.mark.slow  # (a build of the kernels without AVX-512: ~15 s)
 def test_grouped_matmul_gives_the_same_bits_with_and_without_avx512(tmp_path):
     """The AVX-512 tiles (where the CPU has them: eight rows a pass, and VNNI's integer dot
     products over int8 activations) compute each column as the AVX2 ones do:

@@ -133,7 +133,7 @@ def test_a_draft_model_must_match_its_target(tiny_params, tiny_config, shared_en
     assert two.propose({i: ([5 + i, 6], K) for i in range(3)}).keys() == {0, 1}  # a slot a row
 
 
-@pytest.mark.parametrize("draft", ["same", "other"])
+@pytest.mark.parametrize("draft", [pytest.param("same", marks=pytest.mark.slow), "other"])
 def test_serving_with_a_draft_model_equals_serving_without(tiny_params, tiny_config, tiny_tokenizer,
                                                          shared_engine, other_params, draft):
     """The tiny model served with a draft model and without, over a pool that holds one longest

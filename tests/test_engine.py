@@ -295,8 +295,9 @@ CPU_KERNELS = dict(attention="cpu", decode_matmul="cpu")
 
 
 # The default tier: a page size that does not divide the chunk, on XLA and on the CPU kernels.
-# Pages of 16 are the full tier's (test_speculative.py serves the same pool of 16-token pages on
-# both in the default tier, preempting, against the reference).
+# Pages of 16 are the full tier's (test_speculative.py serves the same pool of 16-token pages,
+# preempting, against the reference: on the CPU kernels in the default tier, on XLA too in the
+# full).
 @pytest.mark.parametrize("page_size, kernels", [
     pytest.param(16, {}, marks=pytest.mark.slow), (24, {}),
     pytest.param(16, CPU_KERNELS, marks=[needs_cpu_kernels, pytest.mark.slow]),

@@ -107,6 +107,7 @@ def test_a_kv_pool_larger_than_the_machine_is_refused_before_it_is_made(tiny_mod
         check_pool_fits(SMOLLM2_135M, [config], copies=2, free=3 * 2**30)
 
 
+@pytest.mark.slow  # (a draft model served: test_draft_model)
 def test_a_draft_model_drafts_and_the_text_is_still_the_reference(tiny_model_dir, tiny_params, tiny_config):
     """--draft_model with the model's own weights: every greedy draft is accepted, the text is
     the reference generator's, and the draft engine compiled nothing after warm-up either."""

@@ -135,6 +135,7 @@ def test_qwen3_round_trip_keeps_its_norms_and_head_width(tmp_path):
 
 
 @needs_cpu_kernels
+@pytest.mark.slow  # (Qwen3's layers: test_layer_loop; K-quant blocks: the Q4_K_M file's test)
 def test_the_engine_over_a_qwen3_files_blocks_equals_the_reference(tmp_path, tiny_tokenizer):
     """A quantized Qwen3 file on the CPU kernels (its layers as one loop, the q/k norms
     between the fused projection and RoPE), batched and chunked: the reference's greedy

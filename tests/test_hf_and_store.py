@@ -81,7 +81,9 @@ def test_a_16_bit_checkpoint_is_converted_in_16_bits(tmp_path, model, dtype, tin
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("config", [TINY, QWEN_TINY, QWEN3_TINY], ids=["tied", "untied", "qwen3"])
+@pytest.mark.parametrize("config", [pytest.param(TINY, marks=pytest.mark.slow), QWEN_TINY,
+                                    pytest.param(QWEN3_TINY, marks=pytest.mark.slow)],
+                         ids=["tied", "untied", "qwen3"])
 def test_the_cpu_kernels_read_a_bf16_checkpoint_as_stored(tmp_path, tiny_tokenizer, config):
     """Restored as stored (as `cadence-serve` on the CPU kernels does), a BF16 checkpoint's
     matrices reach the kernels in bfloat16, half float32's bytes, an untied embedding table

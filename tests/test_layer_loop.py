@@ -49,10 +49,13 @@ def _run(params, config, cache):
 
 
 @needs_cpu_kernels
-# Every family in float32 pages; 16-bit pages on the tiny model, the other families in the full tier.
+# Llama, Qwen2, Qwen3 and Gemma 3 in float32 pages, and 16-bit pages on the tiny model; SmolLM3,
+# Granite and the other 16-bit cases in the full tier (the default tier reads a SmolLM3 and a
+# Granite file through test_gguf).
 @pytest.mark.parametrize("config, kv_dtype", [
     pytest.param(config, kv_dtype, id=f"{dtype_id}-{config_id}",
-                 marks=[pytest.mark.slow] if kv_dtype is jnp.bfloat16 and config is not TINY else [])
+                 marks=[pytest.mark.slow] if (kv_dtype is jnp.bfloat16 and config is not TINY)
+                 or config_id in ("smollm3-tiny", "granite-tiny") else [])
     for kv_dtype, dtype_id in ((jnp.float32, "float32"), (jnp.bfloat16, "bfloat16"))
     for config, config_id in ((TINY, "tiny"), (QWEN_TINY, "qwen-tiny"), (QWEN3_TINY, "qwen3-tiny"),
                               (SMOLLM3_TINY, "smollm3-tiny"), (GRANITE_TINY, "granite-tiny"),
@@ -190,6 +193,7 @@ def test_a_stacked_matrix_is_read_at_a_layer_and_only_by_its_own_width():
 
 
 @needs_cpu_kernels
+@pytest.mark.slow  # (several devices: the full tier)
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs two CPU devices")
 def test_two_engines_place_one_stacked_tree_without_copying_it(tiny_params, tiny_config):
     """A disaggregated pair on the CPU (`server.runtime`): the layers stacked once, on the host,

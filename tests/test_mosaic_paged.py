@@ -67,7 +67,8 @@ DECODE = [
 ]
 
 
-@pytest.mark.parametrize("i", range(len(DECODE)))
+# The first case of each in the default tier, the rest in the full tier.
+@pytest.mark.parametrize("i", [0, *(pytest.param(i, marks=pytest.mark.slow) for i in range(1, len(DECODE)))])
 def test_mosaic_paged_decode_matches_reference(i):
     heads, kv_heads, head_dim, page_size, max_pages, visible, tiling = DECODE[i]
     q, pages, positions, ref = bf16_case(
@@ -89,7 +90,7 @@ PREFILL = [
 ]
 
 
-@pytest.mark.parametrize("i", range(len(PREFILL)))
+@pytest.mark.parametrize("i", [0, *(pytest.param(i, marks=pytest.mark.slow) for i in range(1, len(PREFILL)))])
 def test_mosaic_paged_prefill_matches_reference(i):
     heads, kv_heads, head_dim, page_size, max_pages, q_len, starts = PREFILL[i]
     q, pages, positions, ref = bf16_case(

@@ -95,7 +95,7 @@ def _prefill(engine, prompts, rounds, tables, packed: bool):
     return tokens
 
 
-@pytest.mark.parametrize("kernels", ["xla", "cpu"])
+@pytest.mark.parametrize("kernels", [pytest.param("xla", marks=pytest.mark.slow), "cpu"])
 def test_packed_prefill_equals_one_chunk_at_a_time_and_the_reference(tiny_params, tiny_config, shared_engine,
                                                                      kernels):
     """On the CPU kernels too, whose matmuls compute a pack's positions up to its last token

@@ -143,7 +143,7 @@ def _drafts(truth: list[int], emitted: int, plan: str, k: int) -> list[int]:
 
 
 @pytest.mark.parametrize("temperature,logprobs", [(0.0, 0), (20.0, 3)], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("kernels", ["xla", "reference", "cpu"])
+@pytest.mark.parametrize("kernels", [pytest.param("xla", marks=pytest.mark.slow), "reference", "cpu"])
 def test_verify_gives_what_plain_decoding_gives(shared_engine, temperature, logprobs, kernels):
     """Verify steps with drafts right, wrong at each index, short and absent, interleaved with
     plain decode steps: every slot's tokens (and logprobs) are plain decoding's, token for
@@ -396,7 +396,7 @@ def test_drafter_sits_out_after_finding_nothing():
 # -- the scheduler over the real engine -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kernels", ["xla", "cpu"])
+@pytest.mark.parametrize("kernels", [pytest.param("xla", marks=pytest.mark.slow), "cpu"])
 def test_speculative_serving_equals_plain_serving_on_the_engine(tiny_params, tiny_config,
                                                                 tiny_tokenizer, shared_engine, kernels):
     """The tiny model served with drafts of up to 4 tokens and without, over a pool that holds
@@ -547,7 +547,7 @@ def test_flags_turn_speculation_on_and_check_the_ngram_sizes():
             pass
 
 
-@pytest.mark.parametrize("name", ["xla_rows", "cpu_rows"])
+@pytest.mark.parametrize("name", [pytest.param("xla_rows", marks=pytest.mark.slow), "cpu_rows"])
 def test_query_rows_attention_equals_the_reference(name):
     """A few queries per row run as rows of their own: the reference attention's output, with
     GQA, rows of different lengths and a query at -1 (zeros)."""
@@ -584,6 +584,7 @@ def test_acceptance_backs_off_while_drafting_fails_and_recovers_when_it_pays():
     assert a.pause == Acceptance.MISS_PAUSE
 
 
+@pytest.mark.slow  # (programs compiled on first use, off the loop: test_engine)
 def test_a_verify_program_left_to_first_use_compiles_off_the_loop(tiny_params, tiny_config,
                                                                   tiny_tokenizer):
     """With a warm-up that leaves verify out (prefill and decode alone), the first iteration
