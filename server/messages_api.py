@@ -56,7 +56,8 @@ from cadence.scheduler.stream import merged
 from cadence.server import parsing, protocol
 from cadence.server.answer_parts import AnswerParts
 from cadence.server.api_error import APIError
-from cadence.server.tool_call_parser import ToolCall
+from cadence.server.reasoning import ReasoningParser
+from cadence.server.tool_call_parser import ToolCall, ToolCallParser
 
 if TYPE_CHECKING:
     from cadence.server.app import Server
@@ -192,6 +193,21 @@ def _assistant_turn(content: Any, where: str) -> dict:
     return turn
 
 
+def _add(turns: list[dict], turn: dict) -> None:
+    """Appends a turn; a user or assistant turn right after one of its role joins it, as
+    Anthropic combines consecutive turns of a role (a template may refuse two in a row)."""
+    last = turns[-1] if turns else None
+    if last is None or last["role"] != turn["role"] or turn["role"] == "tool":
+        turns.append(turn)
+        return
+    parts = [[{"type": "text", "text": c}] if isinstance(c, str) else c for c in (last["content"], turn["content"])]
+    last["content"] = [part for part in parts[0] + parts[1] if part["text"]]  # (joined as a turn's blocks)
+    if turn.get("tool_calls"):
+        last["tool_calls"] = [*last.get("tool_calls", ()), *turn["tool_calls"]]
+    if turn.get("reasoning_content"):
+        last["reasoning_content"] = "\n".join(filter(None, (last.get("reasoning_content"), turn["reasoning_content"])))
+
+
 def chat_messages(system: Any, messages: Any) -> tuple[list[dict], bool]:
     """`system` and `messages` as chat messages, and whether the last is an assistant turn the
     answer continues (Anthropic's prefill)."""
@@ -209,9 +225,10 @@ def chat_messages(system: Any, messages: Any) -> tuple[list[dict], bool]:
             raise _error(f'{where} needs "content"', "messages")
         role = message.get("role")
         if role == "user":
-            turns.extend(_user_turns(message["content"], where))
+            for turn in _user_turns(message["content"], where):
+                _add(turns, turn)
         elif role == "assistant":
-            turns.append(_assistant_turn(message["content"], where))
+            _add(turns, _assistant_turn(message["content"], where))
         else:
             raise _error(f"{where}.role must be \"user\" or \"assistant\", got {str(role)[:40]!r} "
                          '(the system prompt is the top-level "system")', "messages")
@@ -323,7 +340,7 @@ class Blocks(AnswerParts):
     that build them: one text or thinking block open at a time, closed when the next opens or
     at the end; a call's tool_use block whole, once the call stands."""
 
-    def __init__(self, parser, thinker=None):
+    def __init__(self, parser: ToolCallParser | None, thinker: ReasoningParser | None = None):
         super().__init__(parser, thinker)
         self.blocks: list[dict] = []
         self.events: list[tuple[str, dict]] = []

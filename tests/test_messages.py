@@ -80,6 +80,10 @@ def test_a_message_is_the_equivalent_chat(client, openai_client):
     assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == expected.usage.prompt_tokens
     counted = client.messages.count_tokens(model=MODEL, messages=turns, system="You are terse.")
     assert counted.input_tokens == expected.usage.prompt_tokens
+    # Consecutive turns of a role are one turn, as Anthropic combines them.
+    split = [{"role": "user", "content": "Hi"}, {"role": "user", "content": [{"type": "text", "text": "there"}]},
+             turns[1], {"role": "assistant", "content": ""}, turns[2]]
+    assert client.messages.count_tokens(model=MODEL, messages=split, system="You are terse.") == counted
 
 
 def test_the_prompt_read_from_the_prefix_cache_is_cache_read_input_tokens(client):
