@@ -4,8 +4,9 @@
 
 GET /v1/models and /v1/models/{id} (OpenAI's model cards, one per served name); POST /tokenize,
 POST /detokenize and GET /tokenizer_info (vLLM's shapes, which lm-eval's remote tokenizer
-reads, and llama-server's), POST /apply-template (llama-server's: a chat's prompt); GET /health; GET /metrics (Prometheus); GET /server_info, /model_info and /get_load
-(what sglang-router asks a worker, in SGLang's shapes); GET /debug/timeline (the scheduler's
+reads, and llama-server's); POST /apply-template (llama-server's: a chat's prompt); GET
+/health; GET /metrics (Prometheus); GET /server_info, /model_info and /get_load (what
+sglang-router asks a worker, in SGLang's shapes); GET /debug/timeline (the scheduler's
 iteration log and finished requests' timelines, read by `bench/`); GET /openapi.json. Each reads
 the `Server`'s scheduler, tokenizer and state, and changes nothing.
 """
