@@ -310,6 +310,8 @@ def chat_body(body: dict, allowed: frozenset[str] = _ALLOWED) -> dict:
     """A Messages body (of `allowed` fields; those not implemented are refused here) as a chat
     body."""
     protocol.known_fields(body, allowed)
+    if body.get("model") is None:
+        raise _error('"model" is required: the served model\'s name (GET /v1/models)', "model")
     for name in _NEUTRAL:
         if body.get(name) not in (None, [], {}):
             raise _error(f'"{name}" is not supported by cadence', name)

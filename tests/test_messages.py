@@ -216,6 +216,7 @@ def test_the_key_goes_as_x_api_key_or_as_a_bearer_token(tiny_engine, tiny_tokeni
 @pytest.mark.parametrize("body, words", [
     ({"frobnicate": 1}, "frobnicate"),
     ({"max_tokens": None}, "max_tokens"),
+    ({"model": None}, "model"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "system", "content": "x"}]}, "system"),
