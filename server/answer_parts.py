@@ -51,8 +51,8 @@ class AnswerParts:
     def of(cls, parsed: ParsedRequest, call_style: CallStyle):
         """As a parsed chat request asks: its calls parsed where it parses them (in the model's
         `call_style`), its reasoning split where the server splits it (once it is rendered)."""
-        tools, inside = parsed.tools, parsed.reasoning_inside
-        return cls(call_style.parser(tools.names) if tools is not None and tools.parses_calls else None,
+        inside = parsed.reasoning_inside
+        return cls(call_style.parser(parsed.tools.names) if parsed.parses_tool_calls else None,
                    None if inside is None else ReasoningParser(inside))
 
     async def collect(self, server: Server, request: Request, stream: RequestStream) -> RequestRecord:
