@@ -436,7 +436,7 @@ class MessagesAPI:
                 raise e.renamed(_PARAM) from None
         return endpoint
 
-    async def _parsed(self, body: Any, allowed: frozenset[str]) -> protocol.ParsedRequest:
+    def _parsed(self, body: Any, allowed: frozenset[str]) -> protocol.ParsedRequest:
         server = self.server
         parsed = protocol.parse(chat_body(body, allowed), True, server.defaults, server.config.max_n)
         server.models.check(parsed.model)
@@ -448,7 +448,7 @@ class MessagesAPI:
     async def count_tokens(self, request: Request) -> Response:
         """The prompt's tokens, as the Messages request would count them: {"input_tokens"}."""
         body = await self.server.read_body(request)
-        parsed = await self._parsed(body, _COUNT_ALLOWED)
+        parsed = self._parsed(body, _COUNT_ALLOWED)
         ids, = await asyncio.to_thread(self.server._tokenize, parsed)
         return JSONResponse({"input_tokens": len(ids)})
 
@@ -457,7 +457,7 @@ class MessagesAPI:
         body = await server.read_body(request)
         if isinstance(body, dict) and body.get("max_tokens") is None:
             raise _error('"max_tokens" is required: the most tokens the answer may have', "max_tokens")
-        parsed = await self._parsed(body, _ALLOWED)
+        parsed = self._parsed(body, _ALLOWED)
         stream = parsing.field(body, "stream", (bool,), False)
         request_id = protocol.request_id(request.headers, "msg")
         groups = await server.submit(parsed, request_id)
