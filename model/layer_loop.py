@@ -26,7 +26,6 @@ checks the logits and the pool against the unrolled program's.
 from __future__ import annotations
 
 import ctypes
-import gc
 from typing import Any
 
 import jax
@@ -66,7 +65,7 @@ def unstackable(tree: dict[str, Any], num_layers: int) -> str | None:
 
 
 def _copy_bytes(a, into: np.ndarray) -> None:
-    """A matrix's bytes into `into`. A jax array (on the CPU, laid out row-major) is copied
+    """An array's bytes into `into`. A jax array (on the CPU, laid out row-major) is copied
     from its buffer: read as NumPy, it would keep that view in a reference cycle with it, and
     only the cycle collector would free it, long after its copy was made."""
     if isinstance(a, np.ndarray):
@@ -91,6 +90,16 @@ def stack_matrices(matrices: list[Any]) -> cpu_kernels.Stacked:
     return cpu_kernels.Stacked(data, tuple(formats), tuple(int(o) for o in offsets[:-1]), k, blocks)
 
 
+def stack_arrays(arrays: list[Any]) -> np.ndarray:
+    """The layers' arrays of one role that the kernels do not read (norms, biases) on a new
+    first axis, each copied from its buffer (`_copy_bytes`) and let go as it is."""
+    stacked = np.empty((len(arrays), *arrays[0].shape), np.dtype(arrays[0].dtype))
+    for i, a in enumerate(arrays):
+        _copy_bytes(a, stacked[i].reshape(-1).view(np.uint8))
+        arrays[i] = a = None
+    return stacked
+
+
 def stack_layers(tree: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """A decode tree with its `layers_0` .. `layers_{n-1}` replaced by `layers`: each matrix a
     `cpu_kernels.Stacked` of every layer's, every other leaf stacked on a new first axis.
@@ -110,11 +119,11 @@ def stack_layers(tree: dict[str, Any], num_layers: int) -> dict[str, Any]:
     stacked = []
     for (path, _), column in zip(paths, columns):
         stacked.append(stack_matrices(column) if cpu_kernels.is_blocked(path)
-                       else np.stack([np.asarray(a) for a in column]))
+                       else stack_arrays(column))
         column.clear()
-        # The norms' and biases' arrays, read as NumPy, wait for the cycle collector; the heap
-        # holds the layers' smaller matrices until it is trimmed.
-        gc.collect()
+        # Nothing read here waits for the cycle collector (a full collection per role cost
+        # a second per engine in a large heap); the heap holds the layers' smaller matrices
+        # until it is trimmed.
         host_memory.release_free()
     return {**tree, "layers": jax.tree_util.tree_unflatten(treedef, stacked)}
 
