@@ -51,7 +51,7 @@ from cadence.scheduler.grammar import Grammar, GrammarCompiler, GrammarError
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
 from cadence.scheduler.stream import merged
-from cadence.server import client_json, parsing, protocol, reasoning
+from cadence.server import client_json, llama_sampling, parsing, protocol, reasoning
 from cadence.server.api_error import APIError
 from cadence.server.embeddings_api import EmbeddingsAPI
 from cadence.server.llama_api import LlamaAPI, fill_ids
@@ -158,6 +158,7 @@ class Server:
                  on_fatal: Callable[[str], None] | None = None):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        self.dry_breakers = llama_sampling.DryBreakers(tokenizer)
         self.models = ServedModels(model_name, config.lora_adapters, config.lora_slots or None)  # what "model" may name
         self.model_name = self.models.name  # the one answers carry
         self.config = config
@@ -311,12 +312,16 @@ class Server:
         groups: list[list[RequestStream]] = []
         with protocol.submission_errors():
             prompts, grammar = await self._prepare(parsed)
+            # DRY's breakers as token ids (the first set reads the vocabulary: off the loop)
+            breakers = (await asyncio.to_thread(self.dry_breakers.ids, parsed.dry_breakers)
+                        if parsed.params.sampling.dry_multiplier else ())
             shown = self.call_style.shown if parsed.parses_tool_calls else ()
             lora = parsed.params.sampling.lora or self.models.lora(parsed.model)  # llama's, or the model's
             self.models.check_lora(lora)
             params = [dataclasses.replace(p, grammar=grammar, shown_specials=shown,
                                           prediction=parsed.prediction_ids,
-                                          sampling=dataclasses.replace(p.sampling, lora=lora))
+                                          sampling=dataclasses.replace(p.sampling, lora=lora,
+                                                                       dry_breakers=breakers))
                       for p in parsed.choice_params()]
             try:
                 for k, ids in enumerate(prompts):

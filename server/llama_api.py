@@ -24,8 +24,8 @@ llama.vim) send besides:
   (`EditorStops`); the request is cancelled at once, and its slot freed.
 - `response_fields`: the whole answer holds only these (`timings/prompt_n` names a nested one).
 - llama.cpp's order: its filters read the logits before the temperature, which comes last (on
-  the OpenAI endpoints it comes first, as vLLM has it), and its samplers beside cadence's
-  (`_with_samplers`): DRY (`dry_multiplier`, ..., `_dry`; its breakers become token ids of
+  the OpenAI endpoints it comes first, as vLLM has it, unless a request names one of llama.cpp's
+  own samplers), and its samplers beside cadence's (`server.llama_sampling`): DRY (`dry_multiplier`, ..., `_dry`; its breakers become token ids of
   the served vocabulary, `DryBreakers`), `top_n_sigma`, `typical_p`, XTC (`xtc_probability`,
   `xtc_threshold`) and the dynamic temperature (`dynatemp_range`, `dynatemp_exponent`).
   `samplers` names those that run, in that default order (one left out is off; another order
@@ -35,9 +35,9 @@ llama.vim) send besides:
   as its do: all three over the last `repeat_last_n` tokens (64 by default; 0 turns them off,
   -1 takes the whole context) of prompt and output (`parsing.llama_penalties`).
 - llama.cpp's samplers that cadence does not run (Mirostat, adaptive, tail-free, min_keep)
-  and its other extras: accepted where they are off,
-  as a client that sends all its settings sends them (`_OFF`), with the settings that mean
-  nothing while their sampler is off (`_UNUSED`); on, each is a 400 naming it.
+  and llama-server's other extras: accepted where they are off, as a client that sends all
+  its settings sends them (`llama_sampling.OFF`, `_OFF`), with the settings that mean nothing
+  while they are off; on, each is a 400 naming it.
 Other fields are refused by name. Unlike
 llama-server, a prefix or suffix too long for its batch is not cut: a prompt past the context is
 refused, as every prompt is.
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
@@ -58,58 +57,31 @@ from starlette.routing import Route
 import cadence
 from cadence.checkpoints import fim
 from cadence.checkpoints.tokenizer import Tokenizer
-from cadence.model.host_sampling import MAX_DRY_BREAKERS, MAX_PENALTY_WINDOW
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenEvent, TokenLogprob
 from cadence.scheduler.scheduler import RequestStream
-from cadence.server import guided, parsing, protocol
+from cadence.server import guided, llama_sampling, parsing, protocol
 from cadence.server.api_error import APIError
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "logit_bias")
-# llama.cpp's fields for what cadence does not do, with the test that a value leaves it off and
-# that value in words: dry_multiplier 0, a negative adaptive_target, ... (tfs_z and
-# penalize_nl are older llama-servers', which clients still send).
-_OFF: dict[str, tuple[tuple[type, ...], Callable[[Any], bool], str]] = {
-    "mirostat": ((int,), lambda v: v == 0, "0"),
-    "adaptive_target": ((int, float), lambda v: v < 0, "-1"),
-    "tfs_z": ((int, float), lambda v: v >= 1, "1"),
-    "min_keep": ((int,), lambda v: v <= 1, "0"),  # (every sampler keeps one token anyway)
+# llama-server's extras that cadence does not do, accepted off (`llama_sampling.check_off`), and
+# the settings of its context shift and SSE pings, which change no token here (a prompt past
+# the context is refused, not shifted).
+_OFF: dict[str, llama_sampling.Off] = {
     "n_cmpl": ((int,), lambda v: v == 1, "1"),
     "post_sampling_probs": ((bool,), lambda v: not v, "false"),
-    "penalize_nl": ((bool,), lambda v: not v, "false"),
     "timings_per_token": ((bool,), lambda v: not v, "false"),
     "return_progress": ((bool,), lambda v: not v, "false"),
     "verbose": ((bool,), lambda v: not v, "false"),
 }
-# Settings of those samplers, meaning nothing while they are off, and of llama-server's context
-# shift and SSE pings, which change no token here (a prompt past the context is refused, not
-# shifted): checked for their type and ignored.
 _UNUSED: dict[str, tuple[type, ...]] = {
-    "mirostat_tau": (int, float), "mirostat_eta": (int, float), "adaptive_decay": (int, float),
-    "n_keep": (int,), "n_discard": (int,), "n_cache_reuse": (int,), "sse_ping_interval": (int, float),
-}
-# DRY's fields (`_dry`) and defaults, llama-server's.
-DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
-DRY_BASE, DRY_BREAKERS = 1.75, ("\n", ":", '"', "*")
-# llama.cpp's samplers that cadence runs, with llama-server's defaults (`_with_samplers`).
-LLAMA_SAMPLER_FIELDS = {"typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
-                        "dynatemp_range": 0.0, "dynatemp_exponent": 1.0}
+    "n_keep": (int,), "n_discard": (int,), "n_cache_reuse": (int,), "sse_ping_interval": (int, float)}
 _COMMON = frozenset({"model", "prompt", "stream", "n_predict", "max_tokens", "cache_prompt", "lora",
-                     "return_tokens", "samplers", "n_indent", "t_max_predict_ms", "t_max_prompt_ms",
+                     "return_tokens", "n_indent", "t_max_predict_ms", "t_max_prompt_ms",
                      "response_fields", "id_slot", "n_probs", "grammar", "json_schema",
-                     *parsing.LLAMA_PENALTY_FIELDS, *_SAMPLING, *LLAMA_SAMPLER_FIELDS, *DRY_FIELDS, *_OFF,
+                     *parsing.LLAMA_PENALTY_FIELDS, *_SAMPLING, *llama_sampling.FIELDS, *_OFF,
                      *_UNUSED})
 _INFILL = _COMMON | {"input_prefix", "input_suffix", "input_extra"}
-# llama.cpp's default sampler chain, the order cadence applies them in (`samplers` may leave
-# some out; typical_p is typ_p's other name), and what leaving each out turns off.
-LLAMA_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
-LLAMA_SAMPLERS = frozenset({*LLAMA_ORDER, "typical_p", "infill"})
-_LEFT_OUT = {"penalties": {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0},
-             "dry": {"dry_multiplier": 0.0}, "top_n_sigma": {"top_n_sigma": 0.0}, "top_k": {"top_k": 0},
-             "typ_p": {"typical_p": 1.0}, "top_p": {"top_p": 1.0}, "min_p": {"min_p": 0.0},
-             "xtc": {"xtc_probability": 0.0},
-             # without its temperature sampler llama.cpp draws from the distribution as it is
-             "temperature": {"temperature": 1.0, "dynatemp_range": 0.0}}
 MAX_EXTRA_FILES = 4096
 
 
@@ -122,15 +94,6 @@ class Options:
     n_indent: int = 0  # 0: off
     t_max_predict_ms: float = 0.0  # 0: off
     fields: tuple[str, ...] = ()  # response_fields; empty: all
-    dry_breakers: tuple[str, ...] = ()  # DRY's, as text (`DryBreakers` makes them token ids)
-
-
-def _names(body: dict, name: str, allowed: frozenset[str] | None = None) -> tuple[str, ...]:
-    values = parsing.field(body, name, (list,), [])
-    if not all(isinstance(v, str) and (allowed is None or v in allowed) for v in values):
-        known = f" of {', '.join(sorted(allowed))}" if allowed else ""
-        raise SubmissionError(f'"{name}" must be an array of names{known}', name)
-    return tuple(values)
 
 
 def _non_negative(body: dict, name: str, types: tuple[type, ...]) -> Any:
@@ -168,88 +131,6 @@ def parse_infill(body: Any, defaults: parsing.SamplingDefaults) -> tuple[protoco
     return _parse(body, defaults, prefix, hole)
 
 
-def _with_samplers(body: dict, params: GenerationParams) -> tuple[GenerationParams, tuple[str, ...]]:
-    """`params` in llama.cpp's order (`RequestSampling.temperature_last`), with its samplers as
-    llama-server reads them: typical_p (1 or more: off), top_n_sigma (0 or less: off),
-    xtc_probability with xtc_threshold (above 0.5: off), dynatemp_range (0 or less: off) with
-    dynatemp_exponent, and DRY (`_dry`; its breakers returned beside, as text). `samplers`,
-    where given, names those that run, in llama.cpp's default order (`LLAMA_ORDER`, which
-    cadence keeps): one left out is off."""
-    values = {name: float(parsing.field(body, name, (int, float), default))
-              for name, default in LLAMA_SAMPLER_FIELDS.items()}
-    values["typical_p"] = min(values["typical_p"], 1.0)
-    values["top_n_sigma"] = max(values["top_n_sigma"], 0.0)
-    values["dynatemp_range"] = max(values["dynatemp_range"], 0.0)
-    dry, breakers = _dry(body)
-    values.update(dry)
-    named = _names(body, "samplers", LLAMA_SAMPLERS)
-    if body.get("samplers") is not None:
-        chain = [{"typical_p": "typ_p"}.get(n, n) for n in named if n != "infill"]
-        at = [LLAMA_ORDER.index(n) for n in chain]
-        if at != sorted(set(at)):
-            raise SubmissionError(f'"samplers" runs in llama.cpp\'s default order here, each once: '
-                                  f'{", ".join(LLAMA_ORDER)} (any of them left out); got {", ".join(named)}',
-                                  "samplers")
-        for name in LLAMA_ORDER:
-            if name not in chain:
-                values.update(_LEFT_OUT[name])
-    try:
-        sampling = dataclasses.replace(params.sampling, **values, temperature_last=True)
-    except ValueError as e:  # RequestSampling's range checks, each naming its field
-        name = next((k for k in values if str(e).startswith(k)), None)
-        raise SubmissionError(str(e), {"dry_window": "dry_penalty_last_n"}.get(name, name)) from None
-    return dataclasses.replace(params, sampling=sampling), breakers
-
-
-def _dry(body: dict) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """llama.cpp's DRY settings as llama-server reads them (its defaults; a dry_base below 1 is
-    its default too; dry_penalty_last_n -1: the whole sequence, 0: off), checked, and its
-    breakers as text (their token ids come from the served vocabulary, `DryBreakers`)."""
-    multiplier = float(parsing.field(body, "dry_multiplier", (int, float), 0.0))
-    base = float(parsing.field(body, "dry_base", (int, float), DRY_BASE))
-    allowed = parsing.field(body, "dry_allowed_length", (int,), 2)
-    window = parsing.field(body, "dry_penalty_last_n", (int,), 64)
-    breakers = parsing.field(body, "dry_sequence_breakers", (list,), list(DRY_BREAKERS))
-    if window < -1:
-        raise SubmissionError('"dry_penalty_last_n" must be -1 (the whole sequence), 0 (off) or a number '
-                              f"of tokens, got {window}", "dry_penalty_last_n")
-    if not breakers or not all(isinstance(b, str) and len(b) == 1 for b in breakers):
-        raise SubmissionError('"dry_sequence_breakers" must be a non-empty array of one-character strings '
-                              "(cadence's DRY breaks on single tokens)", "dry_sequence_breakers")
-    return ({"dry_multiplier": multiplier if window else 0.0, "dry_base": base if base >= 1 else DRY_BASE,
-             "dry_allowed_length": allowed, "dry_window": MAX_PENALTY_WINDOW if window == -1 else window},
-            tuple(dict.fromkeys(breakers)))
-
-
-class DryBreakers:
-    """DRY's breakers as token ids of one vocabulary: every token whose text holds one of the
-    breaking characters (llama.cpp's single-token restart sequences). Each set is worked out
-    once (the vocabulary's texts once, ~0.1 s for 49k tokens)."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        self._tokenizer, self._texts = tokenizer, None
-        self._ids: dict[tuple[str, ...], tuple[int, ...]] = {}
-
-    def ids(self, breakers: tuple[str, ...]) -> tuple[int, ...]:
-        if breakers not in self._ids:
-            if self._texts is None:
-                self._texts = [self._tokenizer.decode([i]) for i in range(self._tokenizer.vocab_size)]
-            ids = tuple(i for i, text in enumerate(self._texts) if any(b in text for b in breakers))
-            if len(ids) > MAX_DRY_BREAKERS:
-                raise SubmissionError(f'"dry_sequence_breakers" are in {len(ids)} of the vocabulary\'s '
-                                      f"tokens; cadence holds at most {MAX_DRY_BREAKERS}", "dry_sequence_breakers")
-            self._ids[breakers] = ids
-        return self._ids[breakers]
-
-    def apply(self, parsed: protocol.ParsedRequest, options: Options) -> protocol.ParsedRequest:
-        """`parsed` with its DRY breakers' token ids (`options.dry_breakers`)."""
-        sampling = parsed.params.sampling
-        if not sampling.dry_multiplier:
-            return parsed
-        sampling = dataclasses.replace(sampling, dry_breakers=self.ids(options.dry_breakers))
-        return dataclasses.replace(parsed, params=dataclasses.replace(parsed.params, sampling=sampling))
-
-
 def _with_lora(body: dict, params: GenerationParams) -> GenerationParams:
     """`params` with llama-server's per-request adapters, `"lora": [{"id": i, "scale": s}, ...]`
     (ids in --lora's order, an adapter left out at scale 0): the (id, scale) pairs of nonzero
@@ -275,13 +156,7 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
     parsing.field(body, "cache_prompt", (bool,))
     parsing.field(body, "id_slot", (int,))
     _non_negative(body, "t_max_prompt_ms", (int, float))
-    for name, types in _UNUSED.items():
-        parsing.field(body, name, types)
-    for name, (types, off, words) in _OFF.items():
-        value = parsing.field(body, name, types)
-        if value is not None and not off(value):
-            raise SubmissionError(f'"{name}" is not supported by cadence; only {words} (off) is '
-                                  f"accepted, got {json.dumps(value)[:40]}", name)
+    llama_sampling.check_off(body, _OFF, _UNUSED)
     limit = parsing.field(body, "n_predict", (int,))
     if limit is not None and limit < -1:
         raise SubmissionError(f'"n_predict" must be -1 (no limit) or more, got {limit}', "n_predict")
@@ -294,7 +169,7 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
     if entry["seed"] == -1:  # llama-server's "any seed": the server's default
         entry["seed"] = None
     params = parsing.generation_params(entry, dataclasses.replace(defaults, max_tokens=None))
-    params, breakers = _with_samplers(body, parsing.llama_penalties(body, params))
+    params, breakers = llama_sampling.with_samplers(body, parsing.llama_penalties(body, params))
     params = _with_lora(body, params)
     probs = _non_negative(body, "n_probs", (int,))
     params = dataclasses.replace(params, logprobs=probs or None)
@@ -303,11 +178,11 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
         model=parsing.field(body, "model", (str,)), prompts=[prompt], messages=None,
         params=params, stream=parsing.field(body, "stream", (bool,), False), include_usage=False,
         response_format=None if constraint is None else parsing.GrammarRequest(*constraint), hole=hole,
-        limit_is_cap=True)
+        limit_is_cap=True, dry_breakers=breakers)
     options = Options(with_ids=parsing.field(body, "return_tokens", (bool,), False),
                       predict=limit != 0, n_indent=_non_negative(body, "n_indent", (int,)),
                       t_max_predict_ms=float(_non_negative(body, "t_max_predict_ms", (int, float))),
-                      fields=_names(body, "response_fields"), dry_breakers=breakers)
+                      fields=llama_sampling.names(body, "response_fields"))
     return parsed, options
 
 
@@ -376,7 +251,6 @@ class LlamaAPI:
 
     def __init__(self, server: Any):  # server.app.Server
         self.server = server
-        self.dry_breakers = DryBreakers(server.tokenizer)
 
     def routes(self, route: Callable[[str, Any, list[str]], Route]) -> list[Route]:
         return [route("/infill", lambda r: self.generate(r, parse_infill, "infill"), ["POST"]),
@@ -395,9 +269,10 @@ class LlamaAPI:
         params = {"n_predict": -1, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
                   "min_p": 0.0, "seed": d.seed, "n_probs": 0, "stop": [], "ignore_eos": False,
                   "repeat_last_n": parsing.REPEAT_LAST_N, "repeat_penalty": 1.0, "presence_penalty": 0.0,
-                  "frequency_penalty": 0.0, **LLAMA_SAMPLER_FIELDS, "dry_multiplier": 0.0,
-                  "dry_base": DRY_BASE, "dry_allowed_length": 2, "dry_penalty_last_n": 64,
-                  "dry_sequence_breakers": list(DRY_BREAKERS), "samplers": list(LLAMA_ORDER)}
+                  "frequency_penalty": 0.0, **llama_sampling.SAMPLER_FIELDS, "dry_multiplier": 0.0,
+                  "dry_base": llama_sampling.DRY_BASE, "dry_allowed_length": 2, "dry_penalty_last_n": 64,
+                  "dry_sequence_breakers": list(llama_sampling.DRY_BREAKERS),
+                  "samplers": list(llama_sampling.ORDER)}
         return JSONResponse({
             "default_generation_settings": {"n_ctx": sched.max_seq_len, "params": params},
             "total_slots": sched.num_slots, "model_alias": server.model_name,
@@ -436,8 +311,6 @@ class LlamaAPI:
         body = await server.read_body(request)
         try:
             parsed, options = parse(body, server.defaults)
-            if parsed.params.sampling.dry_multiplier:  # (the first set reads the vocabulary: off the loop)
-                parsed = await asyncio.to_thread(self.dry_breakers.apply, parsed, options)
         except SubmissionError as e:
             raise APIError(400, str(e), param=e.param) from None
         server.models.check(parsed.model)

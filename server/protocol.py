@@ -30,7 +30,7 @@ from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer, TokenizerError
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenLogprob
 from cadence.scheduler.stream import RequestStream
-from cadence.server import guided, parsing, tool_requests
+from cadence.server import guided, llama_sampling, parsing, tool_requests
 from cadence.server.api_error import APIError
 from cadence.server.tool_call_parser import ToolCall
 from cadence.server.reasoning import split_reasoning
@@ -65,7 +65,7 @@ MAX_PROMPTS = 256  # prompts in one batched completions request
 _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format",
                      "return_tokens_as_token_ids", "return_token_ids", "prompt_logprobs",
                      "truncate_prompt_tokens",
-                     *parsing.SAMPLING_FIELDS, *parsing.LLAMA_PENALTY_FIELDS,
+                     *parsing.SAMPLING_FIELDS, *parsing.LLAMA_PENALTY_FIELDS, *llama_sampling.FIELDS,
                      *guided.FIELDS})
 _ALLOWED = {
     False: _COMMON | {"prompt", "suffix", "logprobs", "best_of", "echo", "parallel_tool_calls"},
@@ -118,6 +118,7 @@ class ParsedRequest:
     prediction: str | None = None
     prediction_ids: tuple[int, ...] = ()
     truncate: int | None = None  # vLLM's truncate_prompt_tokens: each prompt's last this many
+    dry_breakers: tuple[str, ...] = ()  # llama.cpp's DRY's, as text (`llama_sampling.DryBreakers`)
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -209,6 +210,9 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
                                   'with llama-server\'s "repeat_penalty" or "repeat_last_n"',
                                   "repetition_penalty")
         params = parsing.llama_penalties(body, params)
+    breakers = ()
+    if llama_sampling.names_any(body):  # sampled as llama-server's /v1 samples: its order, its samplers
+        params, breakers = llama_sampling.with_samplers(body, params)
     params = dataclasses.replace(params, logprobs=_logprobs(body, chat))
     stream = parsing.field(body, "stream", (bool,), False)
     options = parsing.field(body, "stream_options", (dict,), {})
@@ -238,7 +242,7 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
                          chat_template=parsing.request_template(body) if chat else None,
                          token_ids=parsing.field(body, "return_token_ids", (bool,), False),
                          prediction=parsing.prediction(body) if chat else None,
-                         truncate=parsing.truncation(body, fill=suffix is not None))
+                         truncate=parsing.truncation(body, fill=suffix is not None), dry_breakers=breakers)
 
 
 def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> list[str | list[int]]:

@@ -12,6 +12,7 @@ import pytest
 
 from cadence.engine.reference import greedy_generate
 from cadence.model.host_sampling import RequestSampling
+from cadence.server import llama_sampling
 from tests.conftest import serve_tiny, tiny_app
 
 PROMPT = "The capital of France is"
@@ -143,7 +144,7 @@ def test_dry_greedy_is_the_references(url, tiny_tokenizer, tiny_params, tiny_con
     """DRY over /completion, greedy: the reference generator's tokens with DRY as llama.cpp
     computes it, the breakers every token holding one of the characters; the tiny model, which
     repeats one token, is made to leave it; and leaving "dry" out of `samplers` turns it off."""
-    from cadence.server.llama_api import DryBreakers
+    from cadence.server.llama_sampling import DryBreakers
 
     ids = tiny_tokenizer.encode(PROMPT)
     body = {"prompt": PROMPT, "n_predict": 16, "temperature": 0, "return_tokens": True, "dry_multiplier": 3.0,
@@ -239,6 +240,55 @@ def test_llama_cpps_samplers_parse_as_llama_server_reads_them():
     assert sampling({**body, "samplers": []}).top_k == 0
     openai = protocol.parse({"prompt": "a", "temperature": 0.7}, chat=False)
     assert not openai.params.sampling.temperature_last
+
+
+def test_the_openai_doors_sample_as_llama_server_where_a_request_names_its_samplers(url):
+    """llama-server's /v1 endpoints sample as its own do: a /v1/completions request naming
+    llama.cpp's samplers gives /completion's tokens, seeded with every sampler on and greedy
+    with DRY (whose breakers, the vocabulary's tokens, count there too: with "s" a breaker the
+    tiny model's repetition is never penalized); a chat takes them, and the ones cadence does
+    not run where they are off; on, or in another order, they are refused by name."""
+    def openai(body, path="/v1/completions"):
+        r = httpx.post(f"{url}{path}", json={**body, "return_token_ids": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    def llama(body):
+        return httpx.post(f"{url}/completion", json=body, timeout=120).json()["tokens"]
+
+    def as_openai(body):
+        fields = {k: v for k, v in body.items() if k not in ("n_predict", "return_tokens")}
+        return {**fields, "max_tokens": body["n_predict"]}
+
+    assert openai(as_openai(LLAMA_SAMPLERS_ON)) == llama(LLAMA_SAMPLERS_ON)
+    dry = {"prompt": PROMPT, "n_predict": 16, "temperature": 0, "return_tokens": True, "dry_multiplier": 3.0,
+           "dry_allowed_length": 2, "dry_penalty_last_n": 32}
+    plain = llama({**dry, "dry_multiplier": 0})
+    assert openai(as_openai(dry)) == llama(dry) != plain
+    assert openai(as_openai({**dry, "dry_sequence_breakers": ["s"]})) == plain
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0}
+    assert openai({**chat, **{k: v for k, v in SAMPLERS_OFF.items() if k in llama_sampling.FIELDS}},
+                  "/v1/chat/completions") == openai(chat, "/v1/chat/completions")
+    for body, param in (({"mirostat": 2}, "mirostat"), ({"samplers": ["temperature", "top_k"]}, "samplers"),
+                        ({"dry_multiplier": 1, "dry_sequence_breakers": ["ab"]}, "dry_sequence_breakers")):
+        r = httpx.post(f"{url}/v1/chat/completions", json={**chat, **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_request_naming_llama_cpps_samplers_is_parsed_in_its_order():
+    """On the OpenAI doors, naming one of llama.cpp's samplers (even one left off) asks for its
+    order; vLLM's fields alone keep vLLM's."""
+    from cadence.server import protocol
+
+    def sampling(body, chat=True):
+        base = {"messages": [{"role": "user", "content": "a"}]} if chat else {"prompt": "a"}
+        return protocol.parse({**base, "temperature": 0.7, **body}, chat=chat).params.sampling
+
+    on = sampling({"typical_p": 0.8, "top_n_sigma": 1.5, "samplers": ["top_n_sigma", "typ_p", "temperature"],
+                   "top_k": 9})
+    assert (on.temperature_last, on.typical_p, on.top_n_sigma, on.top_k) == (True, 0.8, 1.5, 0)
+    assert sampling({"mirostat": 0}, chat=False).temperature_last
+    assert not sampling({"top_k": 9, "min_p": 0.1, "repetition_penalty": 1.1}).temperature_last
 
 
 @pytest.mark.parametrize("body, param, fragment", [

@@ -38,7 +38,7 @@ from cadence.checkpoints import registry
 from cadence.engine.reference import sequence_logits
 from cadence.model.host_sampling import MAX_DRY_BREAKERS, NO_TOKEN, SamplingRows, dry_matches
 from cadence.model.sampling import TokenHistory, adjust_logits, kept
-from cadence.server import llama_api, parsing
+from cadence.server import llama_api, llama_sampling, parsing
 
 LLAMA = flags.DEFINE_string("llama_server", None, "llama.cpp's llama-server binary", required=True)
 GGUF = flags.DEFINE_string("gguf", None, "the default model's weights as an F32 GGUF", required=True)
@@ -93,16 +93,17 @@ def ask(url: str, ids: list[int], fields: dict) -> dict:
 
 
 SET_ROW = jax.jit(TokenHistory.set_row)
-BREAKERS: llama_api.DryBreakers  # the served vocabulary's (main)
+BREAKERS: llama_sampling.DryBreakers  # the served vocabulary's (main)
 
 
 def cadence_steps(params, config, ids: list[int], answer: list[int], fields: dict,
                   **control) -> list[dict[int, float]]:
     """cadence's distribution at each step of `answer` after `ids`: {token: probability}
     (`control`: RequestSampling fields to change, for the controls)."""
-    parsed, options = llama_api.parse_completion({"prompt": ids, **OFF, **fields}, parsing.SamplingDefaults())
-    parsed = BREAKERS.apply(parsed, options)
-    sampling = dataclasses.replace(parsed.params.sampling, **control)
+    parsed, _ = llama_api.parse_completion({"prompt": ids, **OFF, **fields}, parsing.SamplingDefaults())
+    sampling = parsed.params.sampling
+    breaker_ids = BREAKERS.ids(parsed.dry_breakers) if sampling.dry_multiplier else ()  # as the server's
+    sampling = dataclasses.replace(sampling, dry_breakers=breaker_ids, **control)
     sequence = ids + answer
     logits = sequence_logits(params, config, sequence)[len(ids) - 1:]
     rows = SamplingRows.of([sampling] * len(logits)).params()
@@ -159,7 +160,7 @@ def main(argv: list[str]) -> None:
     global BREAKERS
     gguf = Path(GGUF.value)
     model = registry.load_model(str(gguf))
-    BREAKERS = llama_api.DryBreakers(model.tokenizer)
+    BREAKERS = llama_sampling.DryBreakers(model.tokenizer)
     prompts = [model.tokenizer.encode(p) for p in PROMPTS]
     results = {"model": gguf.name, "max_tokens": TOKENS.value, "n_probs": N_PROBS, "cases": {}}
     with serving([LLAMA.value, "-m", str(gguf), "--port", "8932", "-c", "2048", "-np", "1", "-t", "2", "-ctk", "f32", "-ctv", "f32",
