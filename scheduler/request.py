@@ -97,6 +97,9 @@ class GenerationParams:
     # Special tokens its text shows, though the others are skipped: those a chat's tool calls
     # are written with where the parser must see them (Mistral's [TOOL_CALLS], [ARGS]).
     shown_specials: tuple[int, ...] = ()
+    # False: its text shows every special token it writes (vLLM's skip_special_tokens false);
+    # a stop token's only with include_stop, as a stop string's.
+    skip_special: bool = True
 
 
 def check_params(params: GenerationParams, vocab_size: int | None = None, max_logprobs: int | None = None,
@@ -154,6 +157,9 @@ def check_params(params: GenerationParams, vocab_size: int | None = None, max_lo
         raise SubmissionError(f"stop_token_ids must be at most {MAX_STOP_STRINGS} token ids of the "
                               f"model's vocabulary{f' [0, {vocab_size})' if vocab_size else ''}",
                               "stop_token_ids")
+    if not isinstance(params.skip_special, bool):
+        raise SubmissionError(f"skip_special_tokens must be a boolean, got {params.skip_special!r}",
+                              "skip_special_tokens")
     if not all(type(t) is int and 0 <= t < (vocab_size or 2**31) for t in params.shown_specials):
         raise SubmissionError("shown_specials must be token ids of the model's vocabulary")
     if not all(type(t) is int and 0 <= t < (vocab_size or 2**31) for t in params.prediction):
@@ -381,7 +387,8 @@ class Request:
         # `text` empty (the front door spells the prompt); entry 0 stays None.
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] * len(self.prompt_ids) if params.prompt_logprobs is not None else None)
-        self.detok = IncrementalDetokenizer(tokenizer, shown=params.shown_specials)
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special=params.skip_special,
+                                            shown=params.shown_specials)
         # Its place in its grammar (structured output), advanced by every token it accepts.
         self.matcher = params.grammar.matcher() if params.grammar is not None else None
         # An embedding's (`params.pooling`): the sum of the hidden states of its chunks taken so

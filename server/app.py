@@ -279,7 +279,8 @@ class Server:
         if parsed.hole is not None:
             return [fill_ids(self.tokenizer, self.fim, self.scheduler.max_seq_len, text, parsed.hole)
                     for text in texts]
-        return [parsing.prompt_ids(text, self.tokenizer, self.scheduler.max_seq_len, keep=parsed.truncate)
+        return [parsing.prompt_ids(text, self.tokenizer, self.scheduler.max_seq_len, parsed.add_bos,
+                                   keep=parsed.truncate)
                 for text in texts]
 
     async def _prepare(self, parsed: protocol.ParsedRequest) -> tuple[list[list[int]], Grammar | None]:

@@ -57,7 +57,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "Default sampling seed.")
 PENALTY_FIELDS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", *PENALTY_FIELDS,
                    "logit_bias", "stop", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
-                   "cache_salt", "priority")
+                   "cache_salt", "priority", "skip_special_tokens", "spaces_between_special_tokens")
 MAX_CACHE_SALT = 256
 # llama-server's penalties, by cadence's names; all three count over its last repeat_last_n tokens.
 LLAMA_PENALTIES = {"repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
@@ -152,7 +152,11 @@ def generation_params(entry: dict, defaults: SamplingDefaults, *,
                               min_tokens=field(entry, "min_tokens", (int,), 0),
                               stop_token_ids=tuple(stop_ids),
                               include_stop=field(entry, "include_stop_str_in_output", (bool,), False),
-                              cache_salt=salt, priority=field(entry, "priority", (int,)))
+                              cache_salt=salt, priority=field(entry, "priority", (int,)),
+                              skip_special=field(entry, "skip_special_tokens", (bool,), True))
+    # vLLM's spaces_between_special_tokens: its slow tokenizers' spelling, which its fast ones
+    # (and cadence's byte-level detokenizer) do not change: checked, and nothing changes.
+    field(entry, "spaces_between_special_tokens", (bool,))
     # The ranges (the priority's, the stop strings' bounds) are the scheduler layer's one
     # validation, the same for every door; what depends on the model it checks at submission.
     check_params(params)
@@ -395,11 +399,21 @@ def template_kwargs(entry: dict) -> dict[str, Any] | None:
     if taken:
         raise SubmissionError(f'"chat_template_kwargs" may not set {", ".join(map(repr, taken))}: '
                               "the server sets them", "chat_template_kwargs")
+    documents = field(entry, "documents", (list,))
+    if documents is not None:  # vLLM's: the documents a retrieval-augmented template shows
+        if not all(isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents):
+            raise SubmissionError('"documents" must be an array of objects of strings (such as '
+                                  '{"title": ..., "text": ...})', "documents")
+        if "documents" in (kwargs or {}):
+            raise SubmissionError('"documents" is given twice: as a field and in "chat_template_kwargs"',
+                                  "documents")
+        kwargs = {**(kwargs or {}), "documents": documents}
     return kwargs or None
 
 
 # A chat's own fields (beside its tools), for the template.
-CHAT_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message", "chat_template")
+CHAT_FIELDS = ("chat_template_kwargs", "documents", "add_generation_prompt", "continue_final_message",
+               "chat_template")
 
 
 def request_template(entry: dict) -> str | None:
@@ -486,6 +500,17 @@ def prompt_ids(prompt: str | list[int], tokenizer: Tokenizer, max_seq_len: int |
     if max_seq_len is not None:
         check_prompt_size(prompt, tokenizer, max_seq_len)
     return tokenizer.encode(prompt, add_bos=add_bos, special=special)
+
+
+def add_bos(body: dict, fill: bool = False) -> bool | None:
+    """vLLM's `add_special_tokens` as `prompt_ids` takes it: false, no BOS before the prompt
+    (a chat's template writes its own); true or absent (None), the tokenizer's, never twice.
+    Not with a fill-in-the-middle prompt (`fill`), whose layout places its own."""
+    add = field(body, "add_special_tokens", (bool,))
+    if add is not None and fill:
+        raise SubmissionError('"add_special_tokens" cannot go with "suffix": the fill-in-the-middle '
+                              "layout places its own special tokens", "add_special_tokens")
+    return None if add is None or add else False
 
 
 def truncation(body: dict, fill: bool = False) -> int | None:

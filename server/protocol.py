@@ -49,7 +49,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 # SGLang's own request fields, which sglang-router writes into every request it forwards (with
 # these values unless its client set others): accepted at the values that mean what cadence does.
 _SGLANG_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "no_stop_trim": (False,), "skip_special_tokens": (True,), "continue_final_message": (False,),
+    "no_stop_trim": (False,), "continue_final_message": (False,),
     "return_hidden_states": (False,),
     # Reasoning is streamed as it comes, whichever value; chat honours `separate_reasoning`.
     "stream_reasoning": (True, False), "separate_reasoning": (True, False),
@@ -64,13 +64,13 @@ IGNORED_FIELDS: dict[str, type] = {
 MAX_PROMPTS = 256  # prompts in one batched completions request
 _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format",
                      "return_tokens_as_token_ids", "return_token_ids", "prompt_logprobs",
-                     "truncate_prompt_tokens",
+                     "truncate_prompt_tokens", "add_special_tokens",
                      *parsing.SAMPLING_FIELDS, *parsing.LLAMA_PENALTY_FIELDS, *llama_sampling.FIELDS,
                      *guided.FIELDS})
 _ALLOWED = {
     False: _COMMON | {"prompt", "suffix", "logprobs", "best_of", "echo", "parallel_tool_calls"},
     True: _COMMON | {"messages", "suffix", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                     "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "chat_template",
+                     "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "documents", "chat_template",
                      "add_generation_prompt", "continue_final_message", "prediction"},
 }
 
@@ -103,11 +103,8 @@ class ParsedRequest:
     # llama-server's endpoints: max_tokens (n_predict) is a cap, which a prompt near the end of
     # the context lowers, rather than a length the context must hold (OpenAI's and vLLM's).
     limit_is_cap: bool = False
-    # Streamed with vLLM's stream_options.continuous_usage_stats: every chunk carries its
-    # choice's usage so far.
-    continuous_usage: bool = False
-    # vLLM's prompt_logprobs: each prompt token's logprob, rank and this many alternatives.
-    prompt_logprobs: int | None = None
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk its choice's usage
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank, k alternatives
     chat_template: str | None = None  # chat: the request's own template (vLLM's), checked to parse
     # vLLM's return_token_ids: the prompt's token ids and each choice's generated ones go with
     # the answer (streamed: the prompt's in the first chunk, each chunk's own tokens in it).
@@ -119,6 +116,7 @@ class ParsedRequest:
     prediction_ids: tuple[int, ...] = ()
     truncate: int | None = None  # vLLM's truncate_prompt_tokens: each prompt's last this many
     dry_breakers: tuple[str, ...] = ()  # llama.cpp's DRY's, as text (`llama_sampling.DryBreakers`)
+    add_bos: bool | None = None  # vLLM's add_special_tokens (`parsing.add_bos`)
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -242,7 +240,8 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
                          chat_template=parsing.request_template(body) if chat else None,
                          token_ids=parsing.field(body, "return_token_ids", (bool,), False),
                          prediction=parsing.prediction(body) if chat else None,
-                         truncate=parsing.truncation(body, fill=suffix is not None), dry_breakers=breakers)
+                         truncate=parsing.truncation(body, fill=suffix is not None), dry_breakers=breakers,
+                         add_bos=parsing.add_bos(body, fill=suffix is not None))
 
 
 def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> list[str | list[int]]:
@@ -264,8 +263,8 @@ def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> lis
 # fields a rendered chat takes; /apply-template (llama-server's) takes a chat's alone.
 _LLAMA_OPTIONS = frozenset({"add_special", "parse_special", "with_pieces"})  # with "content"
 _VLLM_OPTIONS = frozenset({"add_special_tokens", "return_token_strs"})  # with "prompt" or "messages"
-TEMPLATE_FIELDS = frozenset({"model", "messages", "tools", "chat_template_kwargs", "add_generation_prompt",
-                             "continue_final_message", "chat_template"})
+TEMPLATE_FIELDS = frozenset({"model", "messages", "tools", "chat_template_kwargs", "documents",
+                             "add_generation_prompt", "continue_final_message", "chat_template"})
 TOKENIZE_FIELDS = TEMPLATE_FIELDS | _LLAMA_OPTIONS | _VLLM_OPTIONS | {"prompt", "content"}
 
 

@@ -201,7 +201,7 @@ BAD_INPUTS = [
     ("0 is not false", "completions", {"prompt": "x", "echo": 0}, 400, "must be true or false"),
     ("a suffix on a model that cannot fill in the middle", "completions", {"prompt": "x", "suffix": "y"}, 400, "cannot fill in the middle"),
     ("SGLang's no_stop_trim, not neutral", "completions", {"prompt": "x", "no_stop_trim": True}, 400, "no_stop_trim"),
-    ("SGLang's skip_special_tokens, not neutral", "chat", {"messages": [{"role": "user", "content": "x"}], "skip_special_tokens": False}, 400, "skip_special_tokens"),
+    ("skip_special_tokens must be a boolean", "chat", {"messages": [{"role": "user", "content": "x"}], "skip_special_tokens": 0}, 400, "skip_special_tokens"),
     ("SGLang's return_hidden_states, not neutral", "completions", {"prompt": "x", "return_hidden_states": True}, 400, "return_hidden_states"),
     ("true is not an n", "completions", {"prompt": "x", "best_of": True}, 400, "must be an integer"),
     ("n past --max_n", "chat", {"messages": [{"role": "user", "content": "x"}], "n": 100}, 400, "--max_n"),
