@@ -89,12 +89,11 @@ class InfoAPI:
 
         def run() -> list[int]:
             special = entry.get("parse_special", True)
-            if "messages" in entry:
-                text, add_bos = self._render(entry), None  # as a chat request's prompt is tokenized
-            elif "content" in entry:
+            if "content" in entry:
                 text, add_bos = entry["content"], None if entry.get("add_special", False) else False
-            else:
-                text, add_bos = entry["prompt"], None if entry.get("add_special_tokens", True) else False
+            else:  # as a chat's or a completion's prompt is tokenized
+                text = self._render(entry) if "messages" in entry else entry["prompt"]
+                add_bos = parsing.add_bos(entry)
             # Refused unread where it cannot fit the context at any tokenization.
             return parsing.prompt_ids(text, tokenizer, self.server.scheduler.max_seq_len, add_bos,
                                       special=special)

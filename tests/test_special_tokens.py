@@ -15,9 +15,10 @@ from tests.conftest import serve_tiny, tiny_tokenizer_fields
 
 PROMPT = "The capital of France is"
 IM_START = 1  # the tiny vocabulary's <|im_start|>: a control token, neither BOS-only nor an end
-# The tiny template with the documents first, as Granite's and Command R's templates show them.
+# The tiny template with the documents first, as Granite's and Command R's templates show them,
+# and a prompt that does not begin with the BOS (<|im_start|>).
 TEMPLATE = ("{% for d in documents or [] %}<doc>{{ d.title }}: {{ d.text }}</doc>\n{% endfor %}"
-            "{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
+            "Conversation:\n{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
             "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
@@ -86,6 +87,12 @@ def test_add_special_tokens_false_leaves_the_bos_out(url, tokenizer, tiny_params
     count, ids = usage_and_ids(add_special_tokens=False)
     assert count == len(plain)
     assert ids == greedy_generate(tiny_params, tiny_config, plain, 6, frozenset())
+    messages = [{"role": "user", "content": "hi"}]
+    for add in (True, False):  # a chat's prompt too, as /tokenize counts it
+        chat = post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "add_special_tokens": add})
+        count = post(url, "/tokenize", {"messages": messages, "add_special_tokens": add})["count"]
+        assert chat["usage"]["prompt_tokens"] == count == len(tokenizer.encode(
+            tokenizer.apply_chat_template(messages), add_bos=None if add else False))
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "suffix": "b", "add_special_tokens": False},
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
