@@ -577,7 +577,9 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Seq
         exception_handlers={HTTPException: http_error},
         routes=[
             route("/v1/completions", lambda r: server.generate(r, chat=False), ["POST"]),
-            route("/v1/chat/completions", lambda r: server.generate(r, chat=True), ["POST"]),
+            # (llama-server serves chats at /chat/completions too, for a base URL without /v1)
+            *(route(path, lambda r: server.generate(r, chat=True), ["POST"])
+              for path in ("/v1/chat/completions", "/chat/completions")),
             *ResponsesAPI(server).routes(route),
             *MessagesAPI(server).routes(route),
             *EmbeddingsAPI(server).routes(route),

@@ -5,7 +5,8 @@
 GET /v1/models and /v1/models/{id} (OpenAI's model cards, one per served name); POST /tokenize,
 POST /detokenize and GET /tokenizer_info (vLLM's shapes, which lm-eval's remote tokenizer
 reads, and llama-server's); POST /apply-template (llama-server's: a chat's prompt); GET
-/health; GET /metrics (Prometheus); GET /server_info, /model_info and /get_load (what
+/health; POST /v1/chat/completions/input_tokens (llama-server's: a chat's prompt tokens, as
+`input_tokens`, which the Responses and Messages APIs count with too); GET /metrics (Prometheus); GET /server_info, /model_info and /get_load (what
 sglang-router asks a worker, in SGLang's shapes); GET /debug/timeline (the scheduler's
 iteration log and finished requests' timelines, read by `bench/`); GET /openapi.json. Each reads
 the `Server`'s scheduler, tokenizer and state, and changes nothing.
@@ -42,13 +43,15 @@ class InfoAPI:
         self.server = server
 
     def routes(self, route: Callable[[str, Any, list[str]], Route]) -> list[Route]:
-        return [route("/v1/models", self.models, ["GET"]),
+        return [*(route(path, self.models, ["GET"]) for path in ("/v1/models", "/models")),
+                *(route(path, self.count_chat, ["POST"])
+                  for path in ("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens")),
                 route("/v1/models/{model_id:path}", self.model, ["GET"]),
                 route("/tokenize", self.tokenize, ["POST"]),
                 route("/detokenize", self.detokenize, ["POST"]),
                 route("/tokenizer_info", self.tokenizer_info, ["GET"]),
                 route("/apply-template", self.apply_template, ["POST"]),
-                route("/health", self.health, ["GET"]),
+                *(route(path, self.health, ["GET"]) for path in ("/health", "/v1/health")),
                 route("/metrics", self.metrics_endpoint, ["GET"]),
                 route("/server_info", self.server_info, ["GET"]),
                 route("/model_info", self.model_info, ["GET"]),
@@ -107,6 +110,16 @@ class InfoAPI:
                 if entry.get("return_token_strs") else None)
         return JSONResponse({"count": len(ids), "max_model_len": self.server.scheduler.max_seq_len,
                              "tokens": ids, "token_strs": strs})
+
+    async def count_chat(self, request: Request) -> Response:
+        """POST /v1/chat/completions/input_tokens (llama-server's): a chat request's prompt
+        tokens, the request parsed and refused as the chat itself would be."""
+        server = self.server
+        body = await server.read_body(request)
+        server.check_template(body)
+        parsed = protocol.parse(body, True, server.defaults, server.config.max_n)
+        server.models.check(parsed.model)
+        return JSONResponse(await input_tokens(server, parsed))
 
     async def apply_template(self, request: Request) -> Response:
         """POST /apply-template (llama-server's): chat "messages" (and a chat's fields) ->
@@ -238,3 +251,11 @@ def _piece(data: bytes) -> str | list[int]:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         return list(data)
+
+
+async def input_tokens(server: Server, parsed: protocol.ParsedRequest) -> dict:
+    """A chat's prompt tokens, as its usage would count them, in the shape of OpenAI's and
+    llama-server's count routes: {"object": "response.input_tokens", "input_tokens"}."""
+    with protocol.submission_errors():
+        ids, = await asyncio.to_thread(server._tokenize, parsed)
+    return {"object": "response.input_tokens", "input_tokens": len(ids)}

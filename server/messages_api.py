@@ -40,7 +40,6 @@ them; `cache_control`, `metadata` and the like are accepted and change nothing.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -56,6 +55,7 @@ from cadence.scheduler.stream import merged
 from cadence.server import parsing, protocol
 from cadence.server.answer_parts import AnswerParts
 from cadence.server.api_error import APIError
+from cadence.server.info_api import input_tokens
 from cadence.server.reasoning import ReasoningParser
 from cadence.server.tool_call_parser import ToolCall, ToolCallParser
 
@@ -449,8 +449,8 @@ class MessagesAPI:
         """The prompt's tokens, as the Messages request would count them: {"input_tokens"}."""
         body = await self.server.read_body(request)
         parsed = self._parsed(body, _COUNT_ALLOWED)
-        ids, = await asyncio.to_thread(self.server._tokenize, parsed)
-        return JSONResponse({"input_tokens": len(ids)})
+        counted = await input_tokens(self.server, parsed)
+        return JSONResponse({"input_tokens": counted["input_tokens"]})
 
     async def create(self, request: Request) -> Response:
         server = self.server

@@ -55,6 +55,7 @@ from cadence.scheduler.stream import merged
 from cadence.server import parsing, protocol
 from cadence.server.answer_parts import AnswerParts
 from cadence.server.api_error import APIError
+from cadence.server.info_api import input_tokens
 from cadence.server.reasoning import ReasoningParser
 from cadence.server.tool_call_parser import ToolCallParser
 
@@ -483,7 +484,10 @@ class ResponsesAPI:
         self.store = store or ResponseStore()
 
     def routes(self, route: Callable[[str, Any, list[str]], Route]) -> list[Route]:
-        return [route("/v1/responses", self.create, ["POST"]),
+        # (llama-server's aliases without /v1 too)
+        return [*(route(path, self.create, ["POST"]) for path in ("/v1/responses", "/responses")),
+                *(route(path, self.input_tokens, ["POST"])
+                  for path in ("/v1/responses/input_tokens", "/responses/input_tokens")),
                 route("/v1/responses/{response_id}", self.retrieve, ["GET"])]
 
     async def retrieve(self, request: Request) -> Response:
@@ -495,14 +499,14 @@ class ResponsesAPI:
                            param="response_id", code="not_found")
         return JSONResponse(stored[0])
 
-    async def create(self, request: Request) -> Response:
-        server = self.server
-        body = await server.read_body(request)
+    def _parsed(self, body: Any) -> tuple[protocol.ParsedRequest, list[dict]]:
+        """A Responses body as the chat request that answers it (after the conversation its
+        previous_response_id names), and that conversation; errors in the Responses' names."""
         try:
             protocol.known_fields(body, _ALLOWED)
             previous = parsing.field(body, "previous_response_id", (str,))
-            stream = parsing.field(body, "stream", (bool,), False)
-            store = parsing.field(body, "store", (bool,), True)
+            parsing.field(body, "stream", (bool,))
+            parsing.field(body, "store", (bool,))
             parsing.field(body, "stream_options", (dict,))
             history: list[dict] = []
             if previous is not None:
@@ -512,12 +516,29 @@ class ResponsesAPI:
                                    param="previous_response_id", code="previous_response_not_found")
                 history = list(stored[1])
             chat, conversation = chat_body(body, history)
-            parsed = protocol.parse(chat, True, server.defaults, server.config.max_n)
+            parsed = protocol.parse(chat, True, self.server.defaults, self.server.config.max_n)
         except SubmissionError as e:
             raise APIError(400, str(e), param=e.param) from None
         except APIError as e:
             raise _renamed(e) from None
-        server.models.check(parsed.model)
+        self.server.models.check(parsed.model)
+        return parsed, conversation
+
+    async def input_tokens(self, request: Request) -> Response:
+        """POST /v1/responses/input_tokens (OpenAI's): the prompt's tokens, as the response's
+        usage would count them: {"object": "response.input_tokens", "input_tokens"}."""
+        parsed, _ = self._parsed(await self.server.read_body(request))
+        try:
+            return JSONResponse(await input_tokens(self.server, parsed))
+        except APIError as e:
+            raise _renamed(e) from None
+
+    async def create(self, request: Request) -> Response:
+        server = self.server
+        body = await server.read_body(request)
+        parsed, conversation = self._parsed(body)
+        stream = parsing.field(body, "stream", (bool,), False)  # (both checked by _parsed)
+        store = parsing.field(body, "store", (bool,), True)
         request_id = protocol.request_id(request.headers, "resp")
         try:
             groups = await server.submit(parsed, request_id)

@@ -440,6 +440,35 @@ def test_llama_servers_tokenize_detokenize_and_apply_template(url, tiny_tokenize
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
+def test_llama_servers_routes_without_v1_and_its_token_counts(url, client, tiny_tokenizer):
+    """llama-server's other spellings, for a client given a base URL without /v1: a chat at
+    /chat/completions is /v1/chat/completions' answer, /models and /v1/health answer; and its
+    count routes (/v1/chat/completions/input_tokens, OpenAI's /v1/responses/input_tokens, which
+    the openai SDK calls) count the prompt as the request's usage does, refusing what it would."""
+    messages = [{"role": "user", "content": "Count my tokens."}]
+    body = {"model": NAMES[0], "messages": messages, "max_tokens": 4, "temperature": 0}
+    at_v1 = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+    bare = httpx.post(f"{url}/chat/completions", json=body, timeout=60).json()
+    assert bare["choices"][0]["message"] == at_v1["choices"][0]["message"]
+    assert httpx.get(f"{url}/models").json() == httpx.get(f"{url}/v1/models").json()
+    assert httpx.get(f"{url}/v1/health").status_code == 200
+    for path in ("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"):
+        counted = httpx.post(f"{url}{path}", json=body, timeout=60).json()
+        assert counted == {"object": "response.input_tokens", "input_tokens": at_v1["usage"]["prompt_tokens"]}
+    response = client.responses.create(model=NAMES[0], instructions="Be brief.", input="Count my tokens.",
+                                       max_output_tokens=2)
+    counted = client.responses.input_tokens.count(model=NAMES[0], instructions="Be brief.",
+                                                  input="Count my tokens.")
+    assert counted.object == "response.input_tokens" and counted.input_tokens == response.usage.input_tokens
+    assert httpx.post(f"{url}/responses/input_tokens", json={"input": "Count my tokens.", "instructions": "Be brief."},
+                      timeout=60).json()["input_tokens"] == response.usage.input_tokens
+    for path, wrong, param in (("/v1/chat/completions/input_tokens", {"messages": messages, "top_k": "x"}, "top_k"),
+                               ("/v1/responses/input_tokens", {"input": "x", "max_output_tokens": 0},
+                                "max_output_tokens")):
+        r = httpx.post(f"{url}{path}", json=wrong, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_tokenizer_info_is_what_a_remote_tokenizer_needs(url, tiny_tokenizer):
     """lm-eval's remote tokenizer: /tokenizer_info's eos_token, encoded through /tokenize
     without special tokens, is the end-of-sequence id."""

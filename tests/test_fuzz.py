@@ -415,6 +415,8 @@ CASES = [  # (path, method, mode, examples); operations without inputs have no n
     ("/v1/messages", "POST", POSITIVE, 100),
     ("/v1/messages", "POST", NEGATIVE, 100),
     ("/v1/messages/count_tokens", "POST", POSITIVE, 30),
+    ("/v1/chat/completions/input_tokens", "POST", POSITIVE, 30),
+    ("/v1/responses/input_tokens", "POST", POSITIVE, 30),
     ("/tokenize", "POST", POSITIVE, 50),
     ("/tokenize", "POST", NEGATIVE, 30),
     ("/detokenize", "POST", POSITIVE, 20),
