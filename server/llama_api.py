@@ -257,6 +257,7 @@ class LlamaAPI:
                 *(route(path, lambda r: self.generate(r, parse_completion, "cmpl"), ["POST"])
                   for path in ("/completion", "/completions")),
                 route("/props", self.props, ["GET"]),
+                route("/lora-adapters", self.lora_adapters, ["GET", "POST"]),
                 *([route("/slots", self.slots, ["GET"])] if self.server.config.slots else [])]
 
     async def props(self, request: Request) -> Response:
@@ -282,6 +283,28 @@ class LlamaAPI:
             "chat_template": tok.chat_template or "", "bos_token": tok.bos_token or "",
             "eos_token": tok.eos_token or "", "build_info": f"cadence {cadence.__version__}",
             "is_sleeping": False})
+
+    async def lora_adapters(self, request: Request) -> Response:
+        """GET /lora-adapters (llama-server's): each loaded adapter, its bank slot as `id`, its
+        name as `path` (cadence keeps no path) and its `scale` in the global mix. POST
+        [{"id", "scale"}, ...] sets that mix (an adapter left out at 0): what a request on the
+        model itself runs with unless it gives its own `lora`. It starts empty, where
+        llama-server starts every adapter at 1: here adapters are asked for by name."""
+        server = self.server
+        models = server.models
+        if request.method == "POST":
+            body = await server.read_body(request)
+            try:
+                mix = _with_lora({"lora": body}, GenerationParams()).sampling.lora
+            except SubmissionError as e:
+                raise APIError(400, str(e).replace('"lora" must be', "the body must be"), param=e.param) from None
+            models.check_lora(mix)
+            models.mix = mix
+            return JSONResponse({"success": True})
+        server._authorize(request)
+        scales = dict(models.mix)
+        return JSONResponse([{"id": slot, "path": name, "scale": scales.get(slot, 0.0)}
+                             for name, slot in sorted(models.adapters.items(), key=lambda item: item[1])])
 
     async def slots(self, request: Request) -> Response:
         """GET /slots in llama-server's shape: each KV slot (of every pool: `pool`, and `id`

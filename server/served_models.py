@@ -31,6 +31,9 @@ class ServedModels:
         if self.slots < len(adapters):
             raise ValueError(f"{len(adapters)} LoRA adapters for a bank of {self.slots} slots")
         self.adapters: dict[str, int] = {}  # name -> bank slot
+        # llama-server's global mix (POST /lora-adapters): what a request on the model itself
+        # runs with where it gives no `lora` of its own, as (slot, scale) pairs.
+        self.mix: tuple[tuple[int, float], ...] = ()
         self._users: list[tuple[Any, frozenset[int]]] = []  # (request, the slots it uses)
         for name in adapters:
             self.add(name)
@@ -60,6 +63,7 @@ class ServedModels:
         if users:
             raise APIError(409, f"LoRA adapter '{name}' is in use by {users} requests; unload it "
                                 "once they are done", param="lora_name")
+        self.mix = tuple((s, scale) for s, scale in self.mix if s != slot)
         return self.adapters.pop(name)
 
     def track(self, requests: Sequence[Any], lora: tuple[tuple[int, float], ...]) -> None:
@@ -109,8 +113,9 @@ class ServedModels:
                                 f"{sorted(self.adapters.values()) or 'none'}", param="lora")
 
     def lora(self, model: str | None) -> tuple[tuple[int, float], ...]:
-        """The adapter `model` names, as a request's (bank slot, scale) pairs; none for the model."""
-        return ((self.adapters[model], 1.0),) if model in self.adapters else ()
+        """The adapter `model` names, as a request's (bank slot, scale) pairs; for the model
+        itself, the global mix (none unless POST /lora-adapters set one)."""
+        return ((self.adapters[model], 1.0),) if model in self.adapters else self.mix
 
     def answer(self, model: str | None) -> str:
         """The model an answer names: the adapter the request named, else the served model."""

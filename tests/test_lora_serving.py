@@ -96,6 +96,43 @@ def test_the_prefix_cache_keeps_each_adapters_kv_to_itself(served, tiny_config, 
     assert [hit > 0 for _, _, hit in answers] == [False, False, True, False]
 
 
+def test_llama_servers_global_mix_runs_where_a_request_gives_none(served, tiny_config, tiny_tokenizer):
+    """POST /lora-adapters sets the mix a request on the model itself runs with (each answer
+    its merged weights' reference), GET shows it, a request's own `lora` or adapter name still
+    wins, an empty mix is the model again; an adapter not loaded is refused."""
+    base, _, params, adapters = served
+    prompt = "the quick brown fox"
+    ids = tiny_tokenizer.encode(prompt)
+
+    def tokens(**fields):
+        r = httpx.post(f"{base}/completion", json={"prompt": prompt, "n_predict": 8, "temperature": 0,
+                                                  "ignore_eos": True, "return_tokens": True, **fields}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    def set_mix(entries):
+        r = httpx.post(f"{base}/lora-adapters", json=entries, timeout=30)
+        assert r.status_code == 200 and r.json() == {"success": True}, r.text
+
+    assert httpx.get(f"{base}/lora-adapters").json() == [{"id": 0, "path": "every", "scale": 0.0},
+                                                         {"id": 1, "path": "some", "scale": 0.0}]
+    try:
+        set_mix([{"id": 1, "scale": 0.5}])
+        assert httpx.get(f"{base}/lora-adapters").json()[1] == {"id": 1, "path": "some", "scale": 0.5}
+        assert tokens() == reference(params, tiny_config, adapters, ((1, 0.5),), ids, 8)
+        chat = httpx.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                         "ignore_eos": True, "return_token_ids": True}, timeout=120)
+        assert chat.json()["choices"][0]["token_ids"] == tokens()
+        own = [{"id": 0, "scale": 1.0}]
+        assert tokens(lora=own) == reference(params, tiny_config, adapters, ((0, 1.0),), ids, 8)
+        refused = httpx.post(f"{base}/lora-adapters", json=[{"id": 5, "scale": 1}], timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "lora"
+        assert httpx.post(f"{base}/lora-adapters", json={"id": 0}, timeout=30).status_code == 400
+    finally:
+        set_mix([])
+    assert tokens() == reference(params, tiny_config, adapters, (), ids, 8)
+
+
 def test_the_api_lists_the_adapters_and_refuses_what_they_cannot_do(served):
     base = served[0]
     cards = {c["id"]: c for c in httpx.get(f"{base}/v1/models", timeout=30).json()["data"]}
@@ -224,8 +261,12 @@ def test_adapters_load_and_unload_while_serving(runtime, tiny_config, tiny_token
         assert "some" in waiting + running  # (queued still, or just admitted)
         assert all(f.result().status_code == 200 for f in [*ahead, behind])
     assert lora_info(base) == ("", "")
+    # In llama-server's global mix, an adapter unloaded leaves it: the model's requests go on.
+    assert httpx.post(f"{base}/lora-adapters", json=[{"id": 1, "scale": 1}], timeout=30).status_code == 200
     assert post("unload", lora_name="some").status_code == 200
     assert complete("some")[0] == 404
+    assert httpx.get(f"{base}/lora-adapters", timeout=30).json() == [{"id": 0, "path": "every", "scale": 0.0}]
+    assert complete("tiny")[0] == 200
     unknown = httpx.post(f"{base}/completion", json={"prompt": "a", "lora": [{"id": 1, "scale": 1}]}, timeout=30)
     assert unknown.status_code == 400 and "adapter 1 is not loaded" in unknown.json()["error"]["message"]
     # The freed slot takes another adapter; the prompt's pages "some" left in the cache are not
