@@ -10,7 +10,8 @@
 
 Specs: `JsonSchema`, `JsonObject`, `Regex`, `Choice` (one of some strings), `Lark`
 (llguidance's dialect), `ContextFree` (llama.cpp's GBNF or Lark, as clients send them), and
-`Thinking` around any of them (below).
+`Thinking` around any of them (below). Beside grammars, `TokenSet` (vLLM's allowed_token_ids)
+takes the same path with a fixed bitmask, and never ends a request.
 
 A grammar is compiled once per distinct spec (a least-recently-used cache keeps them) on the
 compiler's own threads, never the caller's event loop; one that takes longer than the time limit,
@@ -240,6 +241,9 @@ class Grammar:
     """A compiled grammar: what `GenerationParams.grammar` carries. Immutable and shared by
     every request that asks for the same spec; `matcher()` gives each its own state."""
 
+    decides_end = True  # complete, it ends the request ("stop"), and nothing else may
+    param = "response_format"  # the request field its errors name
+
     def __init__(self, spec: Spec, start: llguidance.LLMatcher, vocab_size: int, seconds: float):
         self.spec = spec
         self._start = start  # the matcher in its start state, copied per request
@@ -296,6 +300,57 @@ class Matcher:
     @property
     def error(self) -> str:
         return _first_line(self._m.get_error()) or "no token the grammar allows comes next"
+
+
+class TokenSet:
+    """vLLM's `allowed_token_ids` as a constraint for the bitmask path, in place of a grammar:
+    every token the request samples is one of `ids`, at every step. It never completes, so it
+    decides nothing about the answer's end: an end-of-sequence token ends it where `ids` holds
+    one, and the length, stop strings and `min_tokens` act as they do without a constraint."""
+
+    decides_end = False
+    param = "allowed_token_ids"
+    compile_seconds = 0.0
+
+    def __init__(self, ids: frozenset[int], vocab_size: int):
+        self.ids, self.vocab_size = ids, vocab_size
+        bits = np.zeros(bitmask_words(vocab_size), np.uint32)
+        for token in ids:
+            bits[token >> 5] |= np.uint32(1 << (token & 31))  # llguidance's layout
+        self.row = bits.view(np.int32)
+
+    def matcher(self) -> TokenSetMatcher:
+        return TokenSetMatcher(self)
+
+    def __repr__(self) -> str:
+        return f"TokenSet({len(self.ids)} tokens)"
+
+
+class TokenSetMatcher:
+    """`Matcher`'s interface over a `TokenSet`, which has no state."""
+
+    done = False
+
+    def __init__(self, tokens: TokenSet):
+        self._tokens = tokens
+
+    def fill(self, row: np.ndarray) -> bool:
+        row[:] = self._tokens.row
+        return True
+
+    def accept(self, token: int) -> bool:
+        return token in self._tokens.ids
+
+    def allows(self, drafts: list[int]) -> int:
+        return next((i for i, token in enumerate(drafts) if token not in self._tokens.ids), len(drafts))
+
+    def draft_masks(self, drafts: list[int], rows: np.ndarray) -> bool:
+        rows[: len(drafts) + 1] = self._tokens.row
+        return True
+
+    @property
+    def error(self) -> str:
+        return "the token is not one of allowed_token_ids"
 
 
 def _first_line(message: str) -> str:

@@ -29,7 +29,7 @@ from cadence.scheduler.prefix_cache import PageKeys
 from cadence.scheduler.speculative import Drafter
 
 if TYPE_CHECKING:
-    from cadence.scheduler.grammar import Grammar
+    from cadence.scheduler.grammar import Grammar, TokenSet
 
 
 class State(enum.Enum):
@@ -84,8 +84,9 @@ class GenerationParams:
     # None: the server's priority classes decide from the prompt's length (0 without classes).
     priority: int | None = None
     # Structured output (`scheduler.grammar`): every token is one the grammar allows, and the
-    # request ends ("stop") when the grammar is complete.
-    grammar: Grammar | None = None
+    # request ends ("stop") when the grammar is complete; or vLLM's allowed_token_ids (a
+    # `TokenSet`), which ends nothing.
+    grammar: Grammar | TokenSet | None = None
     # An embedding (one of POOLINGS): the prompt is prefilled, nothing is generated, and the
     # request ends with its final hidden states pooled (`RequestRecord.embedding`). Its prompt
     # is prefilled whole, never taken from the prefix cache, which has no hidden states.
@@ -148,7 +149,7 @@ def check_params(params: GenerationParams, vocab_size: int | None = None, max_lo
     if params.max_tokens is not None and params.min_tokens > params.max_tokens:
         raise SubmissionError(f"min_tokens ({params.min_tokens}) exceeds max_tokens "
                               f"({params.max_tokens})", "min_tokens")
-    if params.min_tokens and params.grammar is not None:
+    if params.min_tokens and params.grammar is not None and params.grammar.decides_end:
         raise SubmissionError("min_tokens cannot go with a grammar (a response format, a guided "
                               "field or forced tools): the grammar decides where the answer ends",
                               "min_tokens")
@@ -219,14 +220,15 @@ def check_length(n: int, max_tokens: int | None, context: int, max_seq_len: int)
 
 
 def _check_grammar(params: GenerationParams, vocab_size: int, structured: bool) -> None:
+    grammar = params.grammar
     if not structured:
         raise SubmissionError("this server runs without structured output (start it with "
-                              "--structured_output)", "response_format")
-    if params.grammar.vocab_size != vocab_size:
+                              "--structured_output)", grammar.param)
+    if grammar.vocab_size != vocab_size:
         raise SubmissionError(f"the grammar was compiled for a vocabulary of "
-                              f"{params.grammar.vocab_size} tokens; the model has "
-                              f"{vocab_size}", "response_format")
-    if params.ignore_eos:
+                              f"{grammar.vocab_size} tokens; the model has "
+                              f"{vocab_size}", grammar.param)
+    if params.ignore_eos and grammar.decides_end:
         raise SubmissionError("ignore_eos cannot go with a grammar: the request ends where "
                               "the grammar does", "ignore_eos")
 

@@ -41,7 +41,7 @@ from cadence.model.host_sampling import MAX_PENALTY_WINDOW
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.request import GenerationParams, check_params
 from cadence.scheduler.grammar import (Grammar, GrammarCompiler, GrammarError, JsonObject, JsonSchema, Spec,
-                                      closed_schema)
+                                      TokenSet, closed_schema)
 from cadence.server import guided
 from cadence.server.client_json import MAX_INT_DIGITS, check_json_value
 from cadence.server.reasoning import answer_spec, opens_inside
@@ -511,6 +511,27 @@ def add_bos(body: dict, fill: bool = False) -> bool | None:
         raise SubmissionError('"add_special_tokens" cannot go with "suffix": the fill-in-the-middle '
                               "layout places its own special tokens", "add_special_tokens")
     return None if add is None or add else False
+
+
+def allowed_token_ids(body: dict) -> tuple[int, ...] | None:
+    """vLLM's `allowed_token_ids`: the only tokens the answer may hold (None: any)."""
+    ids = field(body, "allowed_token_ids", (list,))
+    if ids is not None and not (ids and all(type(t) is int and t >= 0 for t in ids)):
+        raise SubmissionError('"allowed_token_ids" must be a non-empty array of token ids', "allowed_token_ids")
+    return None if ids is None else tuple(dict.fromkeys(ids))
+
+
+def token_set(ids: tuple[int, ...], wanted: GrammarRequest | None, vocab_size: int) -> TokenSet:
+    """A request's `allowed_token_ids` as its constraint (`scheduler.grammar.TokenSet`): the only
+    one it has, of ids in the model's vocabulary; SubmissionError otherwise."""
+    if wanted is not None:
+        raise SubmissionError('"allowed_token_ids" cannot go with a response format, a guided field or '
+                              "tools (a request takes one constraint)", "allowed_token_ids")
+    outside = [t for t in ids if t >= vocab_size]
+    if outside:
+        raise SubmissionError(f'"allowed_token_ids" holds {outside[0]}, outside the model\'s vocabulary '
+                              f"[0, {vocab_size})", "allowed_token_ids")
+    return TokenSet(frozenset(ids), vocab_size)
 
 
 def truncation(body: dict, fill: bool = False) -> int | None:
