@@ -16,7 +16,7 @@ from cadence.engine.reference import greedy_generate
 from cadence.model import cpu_kernels
 from cadence.model.host_sampling import RequestSampling, SamplingRows
 from cadence.scheduler.speculative import Acceptance, Drafter, NgramDrafts, SpeculativeConfig
-from cadence.scheduler.grammar import GrammarCompiler, JsonSchema, Regex
+from cadence.scheduler.grammar import GrammarCompiler, JsonSchema, Regex, TokenSet
 from cadence.scheduler.request import GenerationParams
 from cadence.server.metrics import Metrics
 from tests.conftest import ONE_LONGEST, compiled
@@ -437,17 +437,19 @@ def test_speculative_serving_equals_plain_serving_on_the_engine(tiny_params, tin
 
 def test_structured_output_with_drafts_equals_it_without_on_the_engine(tiny_config, tiny_tokenizer,
                                                                          shared_engine):
-    """The tiny model under grammars (a regex, a JSON schema), greedy and sampled, beside an
-    unconstrained row, over a pool that holds one longest sequence (preemptions), with drafts
-    of up to 4 tokens and without: the same tokens; drafts of constrained rows were verified
-    and accepted; nothing compiled after warm-up."""
+    """The tiny model under grammars (a regex, a JSON schema) and a token set (allowed_token_ids),
+    greedy and sampled, beside an unconstrained row, over a pool that holds one longest sequence
+    (preemptions), with drafts of up to 4 tokens and without: the same tokens; drafts of
+    constrained rows were verified and accepted; nothing compiled after warm-up."""
     compiler = GrammarCompiler(tiny_tokenizer, tiny_config.vocab_size)
     grammars = [compiler.compile(Regex("(ab|abc|a b ){12,30}")), compiler.compile(Regex("[a-c ]{4,50}\\.")),
                 compiler.compile(JsonSchema({"type": "object", "required": ["k"], "properties": {
                     "k": {"type": "string", "minLength": 24, "maxLength": 30}}}))]
     prompt = tiny_tokenizer.encode("ab abc ab abc a b ab abc")
+    grammars.append(TokenSet(frozenset(prompt), tiny_config.vocab_size))  # vLLM's allowed_token_ids
     subs = [(prompt, GenerationParams(max_tokens=48, grammar=g, sampling=s)) for g, s in
-            zip(grammars, [RequestSampling(), RequestSampling(temperature=1.5, seed=2), RequestSampling()])]
+            zip(grammars, [RequestSampling(), RequestSampling(temperature=1.5, seed=2), RequestSampling(),
+                           RequestSampling()])]
     subs.append((prompt, GenerationParams(max_tokens=48, ignore_eos=True)))
     outputs = {}
     for k in (0, 4):
@@ -460,7 +462,8 @@ def test_structured_output_with_drafts_equals_it_without_on_the_engine(tiny_conf
         assert e.compilations_after_warmup == before
         accepted = [s.request.drafter.acceptance.accepted if s.request.drafter else 0 for s in streams]
     assert outputs[4] == outputs[0]
-    assert all(accepted[:3])  # each constrained row's drafts were accepted
+    assert all(accepted[:4])  # each constrained row's drafts were accepted
+    assert set(outputs[0][3][0]) <= set(prompt)
 
 
 @pytest.mark.slow
