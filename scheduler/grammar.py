@@ -11,7 +11,8 @@
 Specs: `JsonSchema`, `JsonObject`, `Regex`, `Choice` (one of some strings), `Lark`
 (llguidance's dialect), `ContextFree` (llama.cpp's GBNF or Lark, as clients send them), and
 `Thinking` around any of them (below). Beside grammars, `TokenSet` (vLLM's allowed_token_ids)
-takes the same path with a fixed bitmask, and never ends a request.
+and `BadWords` (its bad_words) take the same path with masks of their own, and never end a
+request.
 
 A grammar is compiled once per distinct spec (a least-recently-used cache keeps them) on the
 compiler's own threads, never the caller's event loop; one that takes longer than the time limit,
@@ -351,6 +352,73 @@ class TokenSetMatcher:
     @property
     def error(self) -> str:
         return "the token is not one of allowed_token_ids"
+
+
+class BadWords:
+    """vLLM's `bad_words` as a constraint for the bitmask path: each word's tokens
+    (`words`, each a tuple of ids) never all appear at the end of the answer. Where the answer
+    ends with all but a word's last token, that token is masked out (a one-token word always
+    is), as vLLM's sampler masks it. It never completes a request, as `TokenSet`."""
+
+    decides_end = False
+    param = "bad_words"
+    compile_seconds = 0.0
+
+    def __init__(self, words: tuple[tuple[int, ...], ...], vocab_size: int):
+        self.words, self.vocab_size = words, vocab_size
+
+    def matcher(self) -> BadWordsMatcher:
+        return BadWordsMatcher(self)
+
+    def __repr__(self) -> str:
+        return f"BadWords({len(self.words)} token sequences)"
+
+
+class BadWordsMatcher:
+    """`Matcher`'s interface over `BadWords`: its state is the answer's tokens so far."""
+
+    done = False
+
+    def __init__(self, bad: BadWords):
+        self._bad, self._out = bad, []
+
+    def _masked(self, out: list[int]) -> set[int]:
+        """The tokens that would end `out` with a whole bad word."""
+        return {w[-1] for w in self._bad.words
+                if len(w) - 1 <= len(out) and list(w[:-1]) == out[len(out) - len(w) + 1:]}
+
+    def _write(self, row: np.ndarray, out: list[int]) -> bool:
+        bits = row.view(np.uint32)
+        bits[:] = np.uint32(0xFFFFFFFF)
+        for token in self._masked(out):
+            bits[token >> 5] &= ~np.uint32(1 << (token & 31))
+        return True
+
+    def fill(self, row: np.ndarray) -> bool:
+        return self._write(row, self._out)
+
+    def accept(self, token: int) -> bool:
+        if token in self._masked(self._out):
+            return False
+        self._out.append(token)
+        return True
+
+    def allows(self, drafts: list[int]) -> int:
+        out = list(self._out)
+        for i, token in enumerate(drafts):
+            if token in self._masked(out):
+                return i
+            out.append(token)
+        return len(drafts)
+
+    def draft_masks(self, drafts: list[int], rows: np.ndarray) -> bool:
+        for i in range(len(drafts) + 1):
+            self._write(rows[i], self._out + list(drafts[:i]))
+        return True
+
+    @property
+    def error(self) -> str:
+        return "the token completes one of bad_words"
 
 
 def _first_line(message: str) -> str:

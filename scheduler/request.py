@@ -29,7 +29,7 @@ from cadence.scheduler.prefix_cache import PageKeys
 from cadence.scheduler.speculative import Drafter
 
 if TYPE_CHECKING:
-    from cadence.scheduler.grammar import Grammar, TokenSet
+    from cadence.scheduler.grammar import BadWords, Grammar, TokenSet
 
 
 class State(enum.Enum):
@@ -85,8 +85,8 @@ class GenerationParams:
     priority: int | None = None
     # Structured output (`scheduler.grammar`): every token is one the grammar allows, and the
     # request ends ("stop") when the grammar is complete; or vLLM's allowed_token_ids (a
-    # `TokenSet`), which ends nothing.
-    grammar: Grammar | TokenSet | None = None
+    # `TokenSet`) or bad_words (`BadWords`), which end nothing.
+    grammar: Grammar | TokenSet | BadWords | None = None
     # An embedding (one of POOLINGS): the prompt is prefilled, nothing is generated, and the
     # request ends with its final hidden states pooled (`RequestRecord.embedding`). Its prompt
     # is prefilled whole, never taken from the prefix cache, which has no hidden states.

@@ -47,7 +47,7 @@ from cadence.checkpoints import fim
 from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.scheduler.errors import SubmissionError
-from cadence.scheduler.grammar import Grammar, GrammarCompiler, GrammarError, TokenSet
+from cadence.scheduler.grammar import BadWords, Grammar, GrammarCompiler, GrammarError, TokenSet
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
 from cadence.scheduler.stream import merged
@@ -283,16 +283,17 @@ class Server:
                                    keep=parsed.truncate)
                 for text in texts]
 
-    async def _prepare(self, parsed: protocol.ParsedRequest) -> tuple[list[list[int]], Grammar | TokenSet | None]:
+    async def _prepare(self, parsed: protocol.ParsedRequest) -> tuple[list[list[int]], Grammar | TokenSet | BadWords | None]:
         """The prompts' tokens and the answer's grammar. The grammar compiles on the compiler's
         own threads while the prompts are tokenized; waiting for it holds no thread, so requests
         without grammars never queue behind a slow schema. A thinking model's grammar waits for
         the rendered prompt, which says where its reasoning stands (`reasoning.answer_spec`)."""
         wanted = parsing.grammar_request(parsed.response_format, parsed.tools, self.tokenizer,
                                           self.grammars)
-        if parsed.allowed_ids is not None:  # vLLM's allowed_token_ids: a constraint of its own
-            tokens = parsing.token_set(parsed.allowed_ids, wanted, self.scheduler.engine.vocab_size)
-            return await asyncio.to_thread(self._tokenize, parsed), tokens
+        if parsed.token_rules is not None:  # vLLM's allowed_token_ids or bad_words: a constraint too
+            own = await asyncio.to_thread(parsing.token_constraint, parsed.token_rules, wanted, self.tokenizer,
+                                          self.scheduler.engine.vocab_size)
+            return await asyncio.to_thread(self._tokenize, parsed), own
         thinking = (wanted is not None and self.splits_reasoning and parsed.separate_reasoning
                     and parsed.messages is not None)
         compiling = (asyncio.ensure_future(self.grammars.compile_async(wanted.spec))

@@ -41,7 +41,7 @@ from cadence.model.host_sampling import MAX_PENALTY_WINDOW
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.request import GenerationParams, check_params
 from cadence.scheduler.grammar import (Grammar, GrammarCompiler, GrammarError, JsonObject, JsonSchema, Spec,
-                                      TokenSet, closed_schema)
+                                      BadWords, TokenSet, closed_schema)
 from cadence.server import guided
 from cadence.server.client_json import MAX_INT_DIGITS, check_json_value
 from cadence.server.reasoning import answer_spec, opens_inside
@@ -513,25 +513,53 @@ def add_bos(body: dict, fill: bool = False) -> bool | None:
     return None if add is None or add else False
 
 
-def allowed_token_ids(body: dict) -> tuple[int, ...] | None:
-    """vLLM's `allowed_token_ids`: the only tokens the answer may hold (None: any)."""
+MAX_BAD_WORDS = 256  # each is looked for at every step, on the scheduler's thread
+
+
+class TokenRules(NamedTuple):
+    """vLLM's rules over an answer's tokens, one of them a request: `allowed_token_ids` (the
+    only tokens it may hold) or `bad_words` (texts it never ends with)."""
+
+    allowed: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+
+
+def token_rules(body: dict) -> TokenRules | None:
+    """A request's `allowed_token_ids` or `bad_words`, checked (None: neither)."""
     ids = field(body, "allowed_token_ids", (list,))
     if ids is not None and not (ids and all(type(t) is int and t >= 0 for t in ids)):
         raise SubmissionError('"allowed_token_ids" must be a non-empty array of token ids', "allowed_token_ids")
-    return None if ids is None else tuple(dict.fromkeys(ids))
+    words = field(body, "bad_words", (list,), [])
+    if len(words) > MAX_BAD_WORDS or not all(isinstance(w, str) and w.strip() for w in words):
+        raise SubmissionError(f'"bad_words" must be an array of at most {MAX_BAD_WORDS} strings, not blank',
+                              "bad_words")
+    if ids is not None and words:
+        raise SubmissionError('"bad_words" cannot go with "allowed_token_ids" (a request takes one '
+                              "constraint)", "bad_words")
+    return None if ids is None and not words else TokenRules(ids and tuple(dict.fromkeys(ids)), tuple(words))
 
 
-def token_set(ids: tuple[int, ...], wanted: GrammarRequest | None, vocab_size: int) -> TokenSet:
-    """A request's `allowed_token_ids` as its constraint (`scheduler.grammar.TokenSet`): the only
-    one it has, of ids in the model's vocabulary; SubmissionError otherwise."""
+def token_constraint(rules: TokenRules, wanted: GrammarRequest | None, tokenizer: Tokenizer,
+                     vocab_size: int) -> TokenSet | BadWords:
+    """A request's token rules as its constraint (`scheduler.grammar.TokenSet` or `BadWords`):
+    the only one it has; allowed ids in the model's vocabulary; bad words as token ids the way
+    vLLM finds them (the word, and after a space where that spells it with another first token
+    in as many tokens)."""
+    param = "bad_words" if rules.allowed is None else "allowed_token_ids"
     if wanted is not None:
-        raise SubmissionError('"allowed_token_ids" cannot go with a response format, a guided field or '
-                              "tools (a request takes one constraint)", "allowed_token_ids")
-    outside = [t for t in ids if t >= vocab_size]
+        raise SubmissionError(f'"{param}" cannot go with a response format, a guided field or tools '
+                              "(a request takes one constraint)", param)
+    if rules.allowed is None:
+        words = []
+        for word in rules.bad_words:
+            plain, spaced = (tokenizer.encode(text, add_bos=False) for text in (word.lstrip(), " " + word.lstrip()))
+            words += [tuple(plain)] + ([tuple(spaced)] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+        return BadWords(tuple(dict.fromkeys(words)), vocab_size)
+    outside = [t for t in rules.allowed if t >= vocab_size]
     if outside:
         raise SubmissionError(f'"allowed_token_ids" holds {outside[0]}, outside the model\'s vocabulary '
                               f"[0, {vocab_size})", "allowed_token_ids")
-    return TokenSet(frozenset(ids), vocab_size)
+    return TokenSet(frozenset(rules.allowed), vocab_size)
 
 
 def truncation(body: dict, fill: bool = False) -> int | None:

@@ -64,7 +64,7 @@ IGNORED_FIELDS: dict[str, type] = {
 MAX_PROMPTS = 256  # prompts in one batched completions request
 _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format",
                      "return_tokens_as_token_ids", "return_token_ids", "prompt_logprobs",
-                     "truncate_prompt_tokens", "add_special_tokens", "allowed_token_ids",
+                     "truncate_prompt_tokens", "add_special_tokens", "allowed_token_ids", "bad_words",
                      *parsing.SAMPLING_FIELDS, *parsing.LLAMA_PENALTY_FIELDS, *llama_sampling.FIELDS,
                      *guided.FIELDS})
 _ALLOWED = {
@@ -117,7 +117,7 @@ class ParsedRequest:
     truncate: int | None = None  # vLLM's truncate_prompt_tokens: each prompt's last this many
     dry_breakers: tuple[str, ...] = ()  # llama.cpp's DRY's, as text (`llama_sampling.DryBreakers`)
     add_bos: bool | None = None  # vLLM's add_special_tokens (`parsing.add_bos`)
-    allowed_ids: tuple[int, ...] | None = None  # vLLM's allowed_token_ids (`parsing.token_set`)
+    token_rules: parsing.TokenRules | None = None  # vLLM's allowed_token_ids or bad_words
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -243,7 +243,7 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
                          prediction=parsing.prediction(body) if chat else None,
                          truncate=parsing.truncation(body, fill=suffix is not None), dry_breakers=breakers,
                          add_bos=parsing.add_bos(body, fill=suffix is not None),
-                         allowed_ids=parsing.allowed_token_ids(body))
+                         token_rules=parsing.token_rules(body))
 
 
 def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> list[str | list[int]]:

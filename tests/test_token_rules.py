@@ -1,7 +1,8 @@
-"""vLLM's `allowed_token_ids` on the tiny model: the answer holds only those tokens, greedy it
-is the model's likeliest among them at every step (the reference's logits), sampled and
-streamed it is the same whole, batched or alone; the answer's end is the tokens' business, not
-the constraint's; and what is refused."""
+"""vLLM's rules over an answer's tokens on the tiny model. `allowed_token_ids`: the answer holds
+only those tokens, greedy it is the model's likeliest among them at every step (the
+reference's logits), sampled and streamed it is the same whole, batched or alone; the answer's
+end is the tokens' business, not the constraint's. `bad_words`: the answer never ends with one,
+greedy it is the likeliest token the words leave at each step. And what is refused."""
 
 from __future__ import annotations
 
@@ -80,6 +81,55 @@ def test_what_it_refuses(url, body, fragment):
     assert fragment in r.json()["error"]["message"]
 
 
+def masks_of(tiny_tokenizer, words, answer) -> list[set[int]]:
+    """The tokens each step of `answer` may not be, as the server's constraint for `words` has it."""
+    from cadence.server.parsing import TokenRules, token_constraint
+
+    bad = token_constraint(TokenRules(bad_words=tuple(words)), None, tiny_tokenizer, 512)
+    masks = []
+    for i in range(len(answer)):
+        matcher, row = bad.matcher(), np.zeros(16, np.int32)
+        assert all(matcher.accept(t) for t in answer[:i])
+        matcher.fill(row)
+        masks.append(set(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little") == 0)))
+    return masks
+
+
+IS = 464  # the tiny vocabulary's " is", which the tiny model repeats
+
+
+@pytest.mark.parametrize("words, pairs", [([" is"], [(IS,)]), (["is is"], [(IS, IS)])])
+def test_greedy_never_ends_with_a_bad_word(url, tiny_tokenizer, tiny_params, tiny_config, words, pairs):
+    """The tiny model repeats " is" (one token): as a bad word it never comes; as the two-token
+    "is is" it never comes twice in a row. Each token is the likeliest the words leave (the
+    reference's logits); the chat door takes them too."""
+    prompt = tiny_tokenizer.encode(PROMPT)
+    assert complete(url, temperature=0, allowed_token_ids=None)["token_ids"] == [IS] * 8
+    answer = complete(url, temperature=0, allowed_token_ids=None, bad_words=words)["token_ids"]
+    n = len(pairs[0])
+    assert not any(tuple(answer[i:i + n]) in pairs for i in range(len(answer)))
+    assert IS in answer or n == 1
+    masks = masks_of(tiny_tokenizer, words, answer)
+    logits = sequence_logits(tiny_params, tiny_config, prompt + answer)[len(prompt) - 1:]
+    assert answer == [int(np.argmax(np.where(np.isin(np.arange(len(row)), list(mask)), -np.inf, row)))
+                      for row, mask in zip(logits, masks)]
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}],
+                      "max_tokens": 4, "temperature": 0, "bad_words": words}, timeout=60)
+    assert chat.status_code == 200, chat.text
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ({"bad_words": ["ok", " "]}, "bad_words", "not blank"),
+    ({"bad_words": ["x"] * 257}, "bad_words", "at most 256"),
+    ({"bad_words": ["x"], "allowed_token_ids": [1]}, "bad_words", "one constraint"),
+    ({"bad_words": ["x"], "response_format": {"type": "json_object"}}, "bad_words", "one constraint"),
+])
+def test_bad_words_it_refuses(url, body, param, fragment):
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert fragment in r.json()["error"]["message"]
+
+
 def test_speculative_decoding_sees_the_same_set():
     """A verify step's drafts are cut at the first token outside the set, and every position's
     mask is the set, as sampling without drafts would have it (bits in llguidance's layout)."""
@@ -93,3 +143,17 @@ def test_speculative_decoding_sees_the_same_set():
     bits = np.unpackbits(rows.view(np.uint8), axis=1, bitorder="little")
     assert [set(np.flatnonzero(row)) for row in bits] == [{3, 40, 63}] * 3
     assert matcher.accept(63) and not matcher.accept(4) and not matcher.done
+
+
+def test_bad_words_draft_as_they_sample():
+    """Drafts are cut where a bad word would be completed, and each verify position's mask is
+    the one sampling after the drafts before it would see."""
+    from cadence.scheduler.grammar import BadWords
+
+    matcher = BadWords(((7,), (3, 4, 5)), 64).matcher()
+    assert matcher.allows([3, 4, 6, 3, 4, 5]) == 5 and matcher.allows([7]) == 0
+    rows = np.zeros((4, 2), np.int32)
+    assert matcher.draft_masks([3, 4, 9], rows)
+    masked = [set(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little") == 0)) for row in rows]
+    assert masked == [{7}, {7}, {7, 5}, {7}]
+    assert matcher.accept(3) and matcher.accept(4) and not matcher.accept(5) and not matcher.done
