@@ -366,6 +366,7 @@ class BadWords:
 
     def __init__(self, words: tuple[tuple[int, ...], ...], vocab_size: int):
         self.words, self.vocab_size = words, vocab_size
+        self.endings = [(list(w[:-1]), w[-1]) for w in words]  # (all but its last token, that one)
 
     def matcher(self) -> BadWordsMatcher:
         return BadWordsMatcher(self)
@@ -384,8 +385,8 @@ class BadWordsMatcher:
 
     def _masked(self, out: list[int]) -> set[int]:
         """The tokens that would end `out` with a whole bad word."""
-        return {w[-1] for w in self._bad.words
-                if len(w) - 1 <= len(out) and list(w[:-1]) == out[len(out) - len(w) + 1:]}
+        return {last for before, last in self._bad.endings
+                if len(before) <= len(out) and before == out[len(out) - len(before):]}
 
     def _write(self, row: np.ndarray, out: list[int]) -> bool:
         bits = row.view(np.uint32)

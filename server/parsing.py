@@ -39,7 +39,7 @@ from cadence.engine.api import RequestSampling
 from cadence.model.arith import cdiv
 from cadence.model.host_sampling import MAX_PENALTY_WINDOW
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
-from cadence.scheduler.request import GenerationParams, check_params
+from cadence.scheduler.request import MAX_STOP_LENGTH, GenerationParams, check_params
 from cadence.scheduler.grammar import (Grammar, GrammarCompiler, GrammarError, JsonObject, JsonSchema, Spec,
                                       BadWords, TokenSet, closed_schema)
 from cadence.server import guided
@@ -513,7 +513,8 @@ def add_bos(body: dict, fill: bool = False) -> bool | None:
     return None if add is None or add else False
 
 
-MAX_BAD_WORDS = 256  # each is looked for at every step, on the scheduler's thread
+MAX_BAD_WORDS = 256  # each is looked for at every step, on the scheduler's thread (as long as
+# a stop string at most, MAX_STOP_LENGTH characters)
 
 
 class TokenRules(NamedTuple):
@@ -530,9 +531,10 @@ def token_rules(body: dict) -> TokenRules | None:
     if ids is not None and not (ids and all(type(t) is int and t >= 0 for t in ids)):
         raise SubmissionError('"allowed_token_ids" must be a non-empty array of token ids', "allowed_token_ids")
     words = field(body, "bad_words", (list,), [])
-    if len(words) > MAX_BAD_WORDS or not all(isinstance(w, str) and w.strip() for w in words):
-        raise SubmissionError(f'"bad_words" must be an array of at most {MAX_BAD_WORDS} strings, not blank',
-                              "bad_words")
+    if len(words) > MAX_BAD_WORDS or not all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_LENGTH
+                                             for w in words):
+        raise SubmissionError(f'"bad_words" must be an array of at most {MAX_BAD_WORDS} strings, not blank, '
+                              f"of at most {MAX_STOP_LENGTH} characters", "bad_words")
     if ids is not None and words:
         raise SubmissionError('"bad_words" cannot go with "allowed_token_ids" (a request takes one '
                               "constraint)", "bad_words")

@@ -121,6 +121,7 @@ def test_greedy_never_ends_with_a_bad_word(url, tiny_tokenizer, tiny_params, tin
 @pytest.mark.parametrize("body, param, fragment", [
     ({"bad_words": ["ok", " "]}, "bad_words", "not blank"),
     ({"bad_words": ["x"] * 257}, "bad_words", "at most 256"),
+    ({"bad_words": ["x" * 257]}, "bad_words", "at most 256 characters"),
     ({"bad_words": ["x"], "allowed_token_ids": [1]}, "bad_words", "one constraint"),
     ({"bad_words": ["x"], "response_format": {"type": "json_object"}}, "bad_words", "one constraint"),
 ])
