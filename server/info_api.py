@@ -38,6 +38,60 @@ if TYPE_CHECKING:
 OPENAPI = Path(__file__).with_name("openapi.json")
 
 
+# /tokenize's fields: vLLM's ("prompt" or "messages"), llama-server's ("content"), and the chat
+# fields a rendered chat takes; /apply-template (llama-server's) takes a chat's alone.
+_LLAMA_OPTIONS = frozenset({"add_special", "parse_special", "with_pieces"})  # with "content"
+_VLLM_OPTIONS = frozenset({"add_special_tokens", "return_token_strs"})  # with "prompt" or "messages"
+TEMPLATE_FIELDS = frozenset({"model", "messages", "tools", "chat_template_kwargs", "documents",
+                             "add_generation_prompt", "continue_final_message", "chat_template"})
+TOKENIZE_FIELDS = TEMPLATE_FIELDS | _LLAMA_OPTIONS | _VLLM_OPTIONS | {"prompt", "content"}
+
+
+def tokenize_request(body: Any, fields: frozenset[str] = TOKENIZE_FIELDS) -> dict:
+    """/tokenize's body (or /apply-template's, of `fields`), checked: exactly one of "prompt"
+    (vLLM's text), "messages" or "content" (llama-server's text), llama-server's options with
+    its "content" alone and vLLM's without it; APIError 400 naming what is wrong."""
+    try:
+        protocol.known_fields(body, fields)
+        given = [k for k in ("prompt", "messages", "content") if body.get(k) is not None]
+        if len(given) != 1:
+            allowed = [f'"{k}"' for k in ("prompt", "messages", "content") if k in fields]
+            raise SubmissionError(f"send exactly one of {', '.join(allowed)}")
+        llama = given == ["content"]
+        other = next((k for k in sorted(_VLLM_OPTIONS if llama else _LLAMA_OPTIONS) if body.get(k) is not None), None)
+        if other is not None:
+            raise SubmissionError(f'"{other}" goes with ' + ('"prompt" or "messages" (vLLM\'s /tokenize)' if llama
+                                                             else '"content" (llama-server\'s /tokenize)'), other)
+        parsing.field(body, "model", (str,))
+        for name in ("prompt", "content"):
+            parsing.field(body, name, (str,))
+        parsing.field(body, "messages", (list,))
+        for name in ("add_special_tokens", "return_token_strs", "add_special", "parse_special", "with_pieces"):
+            parsing.field(body, name, (bool,))
+        parsing.check_chat_fields(body, body.get("messages") is not None)
+        parsing.template_kwargs(body)
+        parsing.request_template(body)
+        parsing.chat_end(body)
+        return {k: v for k, v in body.items() if v is not None}
+    except SubmissionError as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
+def detokenize_request(body: Any, vocab_size: int) -> dict:
+    """/detokenize's body (vLLM's shape): {"tokens": [ids in the vocabulary]}."""
+    try:
+        protocol.known_fields(body, ("model", "tokens"))
+        parsing.field(body, "model", (str,))
+        tokens = parsing.field(body, "tokens", (list,))
+        if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+                                     for t in tokens):
+            raise SubmissionError(f'"tokens" must be an array of token ids in [0, {vocab_size})', "tokens")
+        return {k: v for k, v in body.items() if v is not None}
+    except SubmissionError as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
+
 class InfoAPI:
     def __init__(self, server: Server):
         self.server = server
@@ -87,7 +141,7 @@ class InfoAPI:
         false; `parse_special`, default true: special tokens' text is their token) ->
         {"tokens"}, each {"id", "piece"} with `with_pieces` (a piece that is not whole UTF-8
         as its bytes)."""
-        entry = await self._entry(request, protocol.TOKENIZE_FIELDS)
+        entry = await self._entry(request, TOKENIZE_FIELDS)
         tokenizer = self.server.tokenizer
 
         def run() -> list[int]:
@@ -124,13 +178,13 @@ class InfoAPI:
     async def apply_template(self, request: Request) -> Response:
         """POST /apply-template (llama-server's): chat "messages" (and a chat's fields) ->
         {"prompt"}, the text a chat request with them would be prompted with."""
-        entry = await self._entry(request, protocol.TEMPLATE_FIELDS)
+        entry = await self._entry(request, TEMPLATE_FIELDS)
         return JSONResponse({"prompt": await self._run(lambda: self._render(entry))})
 
     async def _entry(self, request: Request, fields: frozenset[str]) -> dict:
         body = await self.server.read_body(request)
         self.server.check_template(body)
-        entry = protocol.tokenize_request(body, fields)
+        entry = tokenize_request(body, fields)
         self.server.models.check(entry.get("model"))
         return entry
 
@@ -163,7 +217,7 @@ class InfoAPI:
         """POST /detokenize: {"tokens": [ids]} -> {"prompt": text} (vLLM's) and
         {"content": text} (llama-server's), the same text."""
         body = await self.server.read_body(request)
-        entry = protocol.detokenize_request(body, self.server.tokenizer.vocab_size)
+        entry = detokenize_request(body, self.server.tokenizer.vocab_size)
         self.server.models.check(entry.get("model"))
         text = self.server.tokenizer.decode(entry["tokens"])
         return JSONResponse({"prompt": text, "content": text})

@@ -261,59 +261,6 @@ def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> lis
                           "either (a batch)", name)
 
 
-# /tokenize's fields: vLLM's ("prompt" or "messages"), llama-server's ("content"), and the chat
-# fields a rendered chat takes; /apply-template (llama-server's) takes a chat's alone.
-_LLAMA_OPTIONS = frozenset({"add_special", "parse_special", "with_pieces"})  # with "content"
-_VLLM_OPTIONS = frozenset({"add_special_tokens", "return_token_strs"})  # with "prompt" or "messages"
-TEMPLATE_FIELDS = frozenset({"model", "messages", "tools", "chat_template_kwargs", "documents",
-                             "add_generation_prompt", "continue_final_message", "chat_template"})
-TOKENIZE_FIELDS = TEMPLATE_FIELDS | _LLAMA_OPTIONS | _VLLM_OPTIONS | {"prompt", "content"}
-
-
-def tokenize_request(body: Any, fields: frozenset[str] = TOKENIZE_FIELDS) -> dict:
-    """/tokenize's body (or /apply-template's, of `fields`), checked: exactly one of "prompt"
-    (vLLM's text), "messages" or "content" (llama-server's text), llama-server's options with
-    its "content" alone and vLLM's without it; APIError 400 naming what is wrong."""
-    try:
-        known_fields(body, fields)
-        given = [k for k in ("prompt", "messages", "content") if body.get(k) is not None]
-        if len(given) != 1:
-            allowed = [f'"{k}"' for k in ("prompt", "messages", "content") if k in fields]
-            raise SubmissionError(f"send exactly one of {', '.join(allowed)}")
-        llama = given == ["content"]
-        other = next((k for k in sorted(_VLLM_OPTIONS if llama else _LLAMA_OPTIONS) if body.get(k) is not None), None)
-        if other is not None:
-            raise SubmissionError(f'"{other}" goes with ' + ('"prompt" or "messages" (vLLM\'s /tokenize)' if llama
-                                                             else '"content" (llama-server\'s /tokenize)'), other)
-        parsing.field(body, "model", (str,))
-        for name in ("prompt", "content"):
-            parsing.field(body, name, (str,))
-        parsing.field(body, "messages", (list,))
-        for name in ("add_special_tokens", "return_token_strs", "add_special", "parse_special", "with_pieces"):
-            parsing.field(body, name, (bool,))
-        parsing.check_chat_fields(body, body.get("messages") is not None)
-        parsing.template_kwargs(body)
-        parsing.request_template(body)
-        parsing.chat_end(body)
-        return {k: v for k, v in body.items() if v is not None}
-    except SubmissionError as e:
-        raise APIError(400, str(e), param=e.param) from None
-
-
-def detokenize_request(body: Any, vocab_size: int) -> dict:
-    """/detokenize's body (vLLM's shape): {"tokens": [ids in the vocabulary]}."""
-    try:
-        known_fields(body, ("model", "tokens"))
-        parsing.field(body, "model", (str,))
-        tokens = parsing.field(body, "tokens", (list,))
-        if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
-                                     for t in tokens):
-            raise SubmissionError(f'"tokens" must be an array of token ids in [0, {vocab_size})', "tokens")
-        return {k: v for k, v in body.items() if v is not None}
-    except SubmissionError as e:
-        raise APIError(400, str(e), param=e.param) from None
-
-
 def _logprobs(body: dict, chat: bool) -> int | None:
     """How many alternatives per token the request wants, or None for no logprobs: chat's
     `logprobs: true` with `top_logprobs: k` (default 0), completions' `logprobs: k`. The upper
