@@ -106,6 +106,8 @@ class InfoAPI:
                 route("/tokenizer_info", self.tokenizer_info, ["GET"]),
                 route("/apply-template", self.apply_template, ["POST"]),
                 *(route(path, self.health, ["GET"]) for path in ("/health", "/v1/health")),
+                route("/ping", self.health, ["GET", "POST"]),  # vLLM's (SageMaker's) health probe
+                route("/version", self.version, ["GET"]),
                 route("/metrics", self.metrics_endpoint, ["GET"]),
                 route("/server_info", self.server_info, ["GET"]),
                 route("/model_info", self.model_info, ["GET"]),
@@ -263,6 +265,10 @@ class InfoAPI:
         if self.server.warm_progress is not None:  # how far the compiler is: a slow start, not a hang
             body["programs_done"], body["programs_total"] = self.server.warm_progress
         return JSONResponse(body, status_code=503)
+
+    async def version(self, request: Request) -> Response:
+        """GET /version (vLLM's): {"version"}, cadence's."""
+        return JSONResponse({"version": cadence.__version__})
 
     async def metrics_endpoint(self, request: Request) -> Response:
         if self.server.config.protect_metrics:

@@ -18,6 +18,7 @@ import openai
 import pydantic
 import pytest
 
+import cadence
 from cadence.scheduler.grammar import JSON_SAFE_INTEGER, GrammarCompiler, JsonSchema, closed_schema
 from cadence.server.tool_call_parser import parse_tool_calls
 from cadence.server.tool_requests import HERMES, CallStyle, parse_tools
@@ -442,7 +443,8 @@ def test_llama_servers_tokenize_detokenize_and_apply_template(url, tiny_tokenize
 
 def test_llama_servers_routes_without_v1_and_its_token_counts(url, client, tiny_tokenizer):
     """llama-server's other spellings, for a client given a base URL without /v1: a chat at
-    /chat/completions is /v1/chat/completions' answer, /models and /v1/health answer; and its
+    /chat/completions is /v1/chat/completions' answer, /models and /v1/health answer (and
+    vLLM's /ping and /version); and its
     count routes (/v1/chat/completions/input_tokens, OpenAI's /v1/responses/input_tokens, which
     the openai SDK calls) count the prompt as the request's usage does, refusing what it would."""
     messages = [{"role": "user", "content": "Count my tokens."}]
@@ -452,6 +454,8 @@ def test_llama_servers_routes_without_v1_and_its_token_counts(url, client, tiny_
     assert bare["choices"][0]["message"] == at_v1["choices"][0]["message"]
     assert httpx.get(f"{url}/models").json() == httpx.get(f"{url}/v1/models").json()
     assert httpx.get(f"{url}/v1/health").status_code == 200
+    assert httpx.get(f"{url}/ping").json() == httpx.post(f"{url}/ping").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/version").json() == {"version": cadence.__version__}  # (vLLM's two)
     for path in ("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"):
         counted = httpx.post(f"{url}{path}", json=body, timeout=60).json()
         assert counted == {"object": "response.input_tokens", "input_tokens": at_v1["usage"]["prompt_tokens"]}

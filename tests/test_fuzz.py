@@ -428,6 +428,8 @@ CASES = [  # (path, method, mode, examples); operations without inputs have no n
     ("/embedding", "POST", NEGATIVE, 50),
     ("/v1/models", "GET", POSITIVE, 5),
     ("/health", "GET", POSITIVE, 5),
+    ("/ping", "GET", POSITIVE, 3),
+    ("/version", "GET", POSITIVE, 3),
     ("/metrics", "GET", POSITIVE, 5),
     ("/server_info", "GET", POSITIVE, 5),
     ("/model_info", "GET", POSITIVE, 5),
