@@ -6,8 +6,9 @@ GET /v1/models and /v1/models/{id} (OpenAI's model cards, one per served name); 
 POST /detokenize and GET /tokenizer_info (vLLM's shapes, which lm-eval's remote tokenizer
 reads, and llama-server's); POST /apply-template (llama-server's: a chat's prompt); GET
 /health; POST /v1/chat/completions/input_tokens (llama-server's: a chat's prompt tokens, as
-`input_tokens`, which the Responses and Messages APIs count with too); GET /metrics (Prometheus); GET /server_info, /model_info and /get_load (what
-sglang-router asks a worker, in SGLang's shapes); GET /debug/timeline (the scheduler's
+`input_tokens`, which the Responses and Messages APIs count with too); GET /metrics
+(Prometheus); GET /server_info, /model_info and /get_load (what sglang-router asks a worker,
+in SGLang's shapes); GET /debug/timeline (the scheduler's
 iteration log and finished requests' timelines, read by `bench/`); GET /openapi.json. Each reads
 the `Server`'s scheduler, tokenizer and state, and changes nothing.
 """
@@ -42,8 +43,7 @@ OPENAPI = Path(__file__).with_name("openapi.json")
 # fields a rendered chat takes; /apply-template (llama-server's) takes a chat's alone.
 _LLAMA_OPTIONS = frozenset({"add_special", "parse_special", "with_pieces"})  # with "content"
 _VLLM_OPTIONS = frozenset({"add_special_tokens", "return_token_strs"})  # with "prompt" or "messages"
-TEMPLATE_FIELDS = frozenset({"model", "messages", "tools", "chat_template_kwargs", "documents",
-                             "add_generation_prompt", "continue_final_message", "chat_template"})
+TEMPLATE_FIELDS = frozenset({"model", "messages", "tools", *parsing.CHAT_FIELDS})
 TOKENIZE_FIELDS = TEMPLATE_FIELDS | _LLAMA_OPTIONS | _VLLM_OPTIONS | {"prompt", "content"}
 
 
@@ -89,7 +89,6 @@ def detokenize_request(body: Any, vocab_size: int) -> dict:
         return {k: v for k, v in body.items() if v is not None}
     except SubmissionError as e:
         raise APIError(400, str(e), param=e.param) from None
-
 
 
 class InfoAPI:

@@ -25,9 +25,10 @@ llama.vim) send besides:
 - `response_fields`: the whole answer holds only these (`timings/prompt_n` names a nested one).
 - llama.cpp's order: its filters read the logits before the temperature, which comes last (on
   the OpenAI endpoints it comes first, as vLLM has it, unless a request names one of llama.cpp's
-  own samplers), and its samplers beside cadence's (`server.llama_sampling`): DRY (`dry_multiplier`, ..., `_dry`; its breakers become token ids of
-  the served vocabulary, `DryBreakers`), `top_n_sigma`, `typical_p`, XTC (`xtc_probability`,
-  `xtc_threshold`) and the dynamic temperature (`dynatemp_range`, `dynatemp_exponent`).
+  own samplers), and its samplers beside cadence's (`server.llama_sampling`): DRY
+  (`dry_multiplier`, ...; its breakers become token ids of the served vocabulary,
+  `DryBreakers`), `top_n_sigma`, `typical_p`, XTC (`xtc_probability`, `xtc_threshold`) and the
+  dynamic temperature (`dynatemp_range`, `dynatemp_exponent`).
   `samplers` names those that run, in that default order (one left out is off; another order
   is a 400); its `infill` sampler is not applied. `cache_prompt`, `id_slot` and
   `t_max_prompt_ms` change nothing here (llama-server ignores the last too).

@@ -70,8 +70,7 @@ _COMMON = frozenset({"model", "stream", "stream_options", "n", "response_format"
 _ALLOWED = {
     False: _COMMON | {"prompt", "suffix", "logprobs", "best_of", "echo", "parallel_tool_calls"},
     True: _COMMON | {"messages", "suffix", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                     "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "documents", "chat_template",
-                     "add_generation_prompt", "continue_final_message", "prediction"},
+                     "tool_choice", "parallel_tool_calls", "prediction", *parsing.CHAT_FIELDS},
 }
 
 
