@@ -367,6 +367,7 @@ class BadWords:
     def __init__(self, words: tuple[tuple[int, ...], ...], vocab_size: int):
         self.words, self.vocab_size = words, vocab_size
         self.endings = [(list(w[:-1]), w[-1]) for w in words]  # (all but its last token, that one)
+        self.reach = max(len(before) for before, _ in self.endings)  # the answer's tokens they read
 
     def matcher(self) -> BadWordsMatcher:
         return BadWordsMatcher(self)
@@ -376,7 +377,8 @@ class BadWords:
 
 
 class BadWordsMatcher:
-    """`Matcher`'s interface over `BadWords`: its state is the answer's tokens so far."""
+    """`Matcher`'s interface over `BadWords`: its state is the answer's last tokens, as many as
+    the longest word reads (`BadWords.reach`), so a step's work is the words', not the answer's."""
 
     done = False
 
@@ -402,6 +404,8 @@ class BadWordsMatcher:
         if token in self._masked(self._out):
             return False
         self._out.append(token)
+        if len(self._out) > 2 * self._bad.reach:  # (trimmed now and then, not every token)
+            del self._out[: len(self._out) - self._bad.reach]
         return True
 
     def allows(self, drafts: list[int]) -> int:

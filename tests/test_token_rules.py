@@ -158,3 +158,6 @@ def test_bad_words_draft_as_they_sample():
     masked = [set(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little") == 0)) for row in rows]
     assert masked == [{7}, {7}, {7, 5}, {7}]
     assert matcher.accept(3) and matcher.accept(4) and not matcher.accept(5) and not matcher.done
+    for before in range(12):  # a longer answer, whose start the matcher lets go: its end still counts
+        matcher = BadWords(((7,), (3, 4, 5)), 64).matcher()
+        assert all(matcher.accept(t) for t in [1] * before + [3, 4]) and not matcher.accept(5)
