@@ -283,7 +283,8 @@ class Server:
                                    keep=parsed.truncate)
                 for text in texts]
 
-    async def _prepare(self, parsed: protocol.ParsedRequest) -> tuple[list[list[int]], Grammar | TokenSet | BadWords | None]:
+    async def _prepare(self, parsed: protocol.ParsedRequest
+                       ) -> tuple[list[list[int]], Grammar | TokenSet | BadWords | None]:
         """The prompts' tokens and the answer's grammar. The grammar compiles on the compiler's
         own threads while the prompts are tokenized; waiting for it holds no thread, so requests
         without grammars never queue behind a slow schema. A thinking model's grammar waits for
@@ -291,9 +292,11 @@ class Server:
         wanted = parsing.grammar_request(parsed.response_format, parsed.tools, self.tokenizer,
                                           self.grammars)
         if parsed.token_rules is not None:  # vLLM's allowed_token_ids or bad_words: a constraint too
-            own = await asyncio.to_thread(parsing.token_constraint, parsed.token_rules, wanted, self.tokenizer,
-                                          self.scheduler.engine.vocab_size)
-            return await asyncio.to_thread(self._tokenize, parsed), own
+            def both():  # one worker thread: the rule (its words tokenized), then the prompts
+                rule = parsing.token_constraint(parsed.token_rules, wanted, self.tokenizer,
+                                                self.scheduler.engine.vocab_size)
+                return self._tokenize(parsed), rule
+            return await asyncio.to_thread(both)
         thinking = (wanted is not None and self.splits_reasoning and parsed.separate_reasoning
                     and parsed.messages is not None)
         compiling = (asyncio.ensure_future(self.grammars.compile_async(wanted.spec))
