@@ -14,7 +14,7 @@ on it:
 
     blocks = Blocks(parser, thinker)        # ToolCallParser or None, ReasoningParser or None
     blocks = Blocks.of(parsed, call_style)  # ... as a parsed chat request asks
-    blocks.feed(text)                       # each token's text
+    blocks.feed(text, logprobs)             # each step's text (and its tokens' logprobs, if asked)
     blocks.finish_parts()                   # at the end: what the parsers held back
     record = await blocks.collect(server, request, stream)   # a whole answer fed, not streamed
 
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
-from cadence.scheduler.request import RequestRecord
+from cadence.scheduler.request import RequestRecord, TokenLogprob
 from cadence.scheduler.stream import RequestStream
 from cadence.server.api_error import APIError
 from cadence.server.reasoning import ReasoningParser
@@ -57,13 +57,15 @@ class AnswerParts:
 
     async def collect(self, server: Server, request: Request, stream: RequestStream) -> RequestRecord:
         """The whole answer fed (a client that hangs up meanwhile cancels it); a 500 if it failed."""
-        record, = await server.collect(request, [stream], lambda _, event: self.feed(event.text))
+        record, = await server.collect(request, [stream],
+                                       lambda _, event: self.feed(event.text, event.logprobs))
         if record.finish_reason == "error":
             raise APIError(500, f"generation failed: {record.error}", type="server_error")
         return record
 
-    def feed(self, text: str) -> None:
-        """One token's text."""
+    def feed(self, text: str, logprobs: list[TokenLogprob] | None = None) -> None:
+        """One step's text, and its tokens' logprobs where the request asked for them (the
+        base takes no logprobs: a subclass that shows them overrides this)."""
         if self.thinker is not None:
             split = self.thinker.feed(text)
             self.on_reasoning(split.reasoning)

@@ -290,7 +290,7 @@ def test_the_responses_api_gives_the_reasoning_as_an_item_whole_and_streamed():
 
     import httpx
 
-    from cadence.server.responses_api import input_messages
+    from cadence.server.responses_request import input_messages
 
     with thinking_server({"on": ANSWERS["on"]}) as base:
         body = {"model": "tiny", "input": "Say hello.", "max_output_tokens": 64, "temperature": 0}

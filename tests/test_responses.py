@@ -14,6 +14,12 @@ import pytest
 
 from openai.types.responses import Response, ResponseStreamEvent
 
+from cadence.scheduler.request import TokenLogprob
+from cadence.server.protocol import LogprobFormat
+from cadence.server.reasoning import ReasoningParser
+from cadence.server.responses_api import Output
+from cadence.server.responses_request import LOGPROBS
+from cadence.server.tool_requests import HERMES, CallStyle
 from tests.conftest import serve_tiny
 
 MODEL = "tiny"
@@ -99,6 +105,72 @@ def test_streamed_events_build_the_same_answer(client):
     final = events[-1].response
     assert final.output_text == whole.output_text and final.status == "incomplete"
     assert final.usage.output_tokens == 6 and final.id == events[0].response.id
+
+
+def test_logprobs_are_the_chats_and_go_with_their_text(client):
+    """`include` "message.output_text.logprobs" with `top_logprobs`: the output_text's logprobs
+    are the equivalent chat's, token for token, and spell its text; streamed, each text delta
+    carries the logprobs of the tokens that wrote it. `top_logprobs` alone asks for them too;
+    neither, for none."""
+    limits = dict(extra_body={"ignore_eos": True}, store=False)
+    kwargs = dict(model=MODEL, input="Hello there", max_output_tokens=6, temperature=0,
+                  include=[LOGPROBS], top_logprobs=3, **limits)
+    body = {"model": MODEL, "input": "Hello there", "max_output_tokens": 2, "include": [LOGPROBS]}
+    raw = httpx.post(f"{client.base_url}responses", json=body, timeout=TIMEOUT)
+    Response.model_validate(raw.json(), strict=True)  # every field OpenAI's Response requires
+    answer = client.responses.create(**kwargs)
+    expected = chat(client, [{"role": "user", "content": "Hello there"}], max_tokens=6, logprobs=True,
+                    top_logprobs=3, extra_body={"ignore_eos": True})
+    want = [e.model_dump() for e in expected.choices[0].logprobs.content]
+    part = answer.output[0].content[0]
+    assert [e.model_dump() for e in part.logprobs] == want and len(want) == 6
+    assert all(len(e["top_logprobs"]) == 3 for e in want)
+    assert "".join(e.token for e in part.logprobs) == part.text and answer.top_logprobs == 3
+
+    events = list(client.responses.create(**kwargs, stream=True))
+    for event in events:
+        EVENT.validate_python(event.model_dump(mode="json", exclude_unset=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert all("".join(lp.token for lp in e.logprobs) == e.delta for e in deltas)
+    assert [lp.token for e in deltas for lp in e.logprobs] == [e["token"] for e in want]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [e.model_dump() for e in done.logprobs] == want
+    assert events[-1].response.output[0].content[0].logprobs == part.logprobs
+
+    alone = client.responses.create(**{**kwargs, "include": None, "top_logprobs": 2})
+    assert [[t.token for t in e.top_logprobs] for e in alone.output[0].content[0].logprobs] == \
+        [[t["token"] for t in e["top_logprobs"][:2]] for e in want]
+    plain = client.responses.create(**{**kwargs, "include": None, "top_logprobs": None})
+    assert plain.output_text == answer.output_text and plain.output[0].content[0].logprobs == []
+
+
+def test_logprobs_leave_out_the_tokens_of_reasoning_and_calls(tiny_tokenizer):
+    """A token whose text went to the reasoning (through the one that closed it) or to a call
+    has no logprob in the message; one whose text the parser held back goes out with the text
+    when it comes."""
+    def fed(output: Output, texts: list[str]) -> Output:
+        output.format = LogprobFormat(tiny_tokenizer, chat=True)
+        for i, text in enumerate(texts):
+            output.feed(text, [TokenLogprob(i + 1, -0.5, text, ())])
+        output.finish("completed")
+        return output
+
+    def tokens(output: Output) -> list[list[str]]:
+        return [[e["token"] for e in item["content"][0]["logprobs"]]
+                for item in output.output if item["type"] == "message"]
+
+    thought = fed(Output(None, ReasoningParser(False)), ["<think>", "hmm", "</think>", "\n\nHi", " there"])
+    assert thought.reasoning == "hmm" and thought.text == "Hi there"
+    assert tokens(thought) == [["\n\nHi", " there"]]
+    both = fed(Output(None, ReasoningParser(False)), ["<think>", "hmm</think>Hi", " there"])
+    assert both.text == "Hi there" and tokens(both) == [["hmm</think>Hi", " there"]]
+
+    call = ['<tool_call>', '{"name": "pt", ', '"arguments": {"x": 1}}', '</tool_call>']
+    called = fed(Output(CallStyle(HERMES).parser({"pt"})), ["Sure", ".", *call, " Done", "", "!"])
+    assert [item["type"] for item in called.output] == ["message", "function_call", "message"]
+    assert tokens(called) == [["Sure", "."], [" Done", "", "!"]]
+    # a last token of no text (bytes of a character the answer ended inside) is the message's
+    assert tokens(fed(Output(None), ["Hi", ""])) == [["Hi", ""]]
 
 
 def test_json_schema_format_parses_and_streams(client):
@@ -190,7 +262,11 @@ def test_previous_response_id_chains_stored_responses(client):
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "web_search"),
     ({"input": "x", "background": True}, "background", "background"),
     ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
-    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "include"),
+    ({"input": "x", "include": ["message.output_text.bytes"]}, "include", "unknown value"),
+    ({"input": "x", "include": [{"logprobs": True}]}, "include", "unknown value"),
+    ({"input": "x", "include": "message.output_text.logprobs"}, "include", "array"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
+    ({"input": "x", "top_logprobs": -1}, "top_logprobs", "between 0 and 20"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format", "text.format"),
     ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice", "tool_choice"),
