@@ -57,7 +57,7 @@ from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.gguf_file import read_gguf
 from cadence.checkpoints.hf import FLOAT_DTYPES
 from cadence.model import block_layout
-from cadence.model.config import ModelConfig, RopeScaling
+from cadence.model.config import POOLING_TYPES, ModelConfig, RopeScaling
 from cadence.model.params import MATRICES, ParamSpec, build_tree, param_specs
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "granite", "gemma3")
@@ -115,9 +115,17 @@ def config_from_fields(fields: dict[str, Any], path: Path) -> ModelConfig:
             **(_granite_scalars(fields) if arch == "granite" else {}),
             **(_gemma3(fields, layers, hidden, heads) if arch == "gemma3" else {}),
             max_context=max(context, yarn.context) if yarn else context,
+            pooling=_pooling_type(fields.get(f"{arch}.pooling_type")),
         )
     except ValueError as e:  # ModelConfig's own checks
         raise CheckpointError(f"{path}: {e}") from None
+
+
+def _pooling_type(value: Any) -> str | None:
+    """A GGUF's pooling_type (llama.cpp's enum; -1, unspecified, and absent: None)."""
+    if value is None or not 0 <= int(value) < len(POOLING_TYPES):
+        return None
+    return POOLING_TYPES[int(value)]
 
 
 def _granite_scalars(fields: dict[str, Any]) -> dict[str, float | None]:

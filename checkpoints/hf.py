@@ -108,9 +108,30 @@ def load_hf_config(folder: str | Path, *, name: str | None = None) -> ModelConfi
             **(_granite_multipliers(raw) if model_type == "granite" else {}),
             **(_gemma3(folder, raw, layers, hidden, head_dim) if model_type == "gemma3_text" else {}),
             max_context=max(max_context, scaling.context) if scaling else max_context,
+            pooling=_pooling(folder),
         )
     except ValueError as e:  # ModelConfig's own consistency checks
         raise CheckpointError(f"{folder / 'config.json'}: {e}") from e
+
+
+# sentence-transformers' pooling modes (a Pooling module's config.json) as llama.cpp names
+# them, or by their own names where llama.cpp has none.
+_ST_POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
+               "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+               "pooling_mode_weightedmean_tokens": "weightedmean",
+               "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len"}
+
+
+def _pooling(folder: Path) -> str | None:
+    """A sentence-transformers folder's pooling (modules.json's Pooling module), or None."""
+    if not (folder / "modules.json").is_file():
+        return None
+    modules: Any = _read_json(folder / "modules.json")  # (a list)
+    for module in modules if isinstance(modules, list) else []:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith(".Pooling"):
+            mode = _read_json(folder / str(module.get("path", "")) / "config.json")
+            return next((name for key, name in _ST_POOLING.items() if mode.get(key)), None)
+    return None
 
 
 def _no_rope_layers(folder: Path, raw: dict[str, Any], layers: int) -> tuple[int, ...]:

@@ -45,8 +45,9 @@ from cadence.model.params import abstract_params, nest
 
 Shardings = Callable[[ModelConfig], Any]
 # 2: packed/; 3: packed/ holds Q5_0 and the K-quants too; 4: not in params/; 5: params/ in the
-# source's float dtypes; 6: packed/ holds IQ4_NL, IQ4_XS, Q5_1, Q3_K and Q2_K too
-FORMAT_VERSION = 6
+# source's float dtypes; 6: packed/ holds IQ4_NL, IQ4_XS, Q5_1, Q3_K and Q2_K too; 7: the
+# config's pooling and the tokenizer's add_eos_token (an embedding model's)
+FORMAT_VERSION = 7
 # `load_converted`'s dtype for every leaf as params/ stores it (a checkpoint's 16-bit floats
 # stay 16-bit), rather than one dtype for all.
 AS_STORED = "stored"

@@ -192,6 +192,10 @@ class Tokenizer:
         self.eos_ids: frozenset[int] = frozenset(stops)
         self._eos_id = stops[0] if stops else None  # the template's eos_token
         self.add_bos: bool = bool(add_bos) and self.bos_id is not None
+        # Whether the model's texts end with its EOS (tokenizer.ggml.add_eos_token, HF's
+        # add_eos_token or post-processor: embedding models such as Qwen3-Embedding, pooled
+        # at their last token): `with_eos`. Set by the constructors.
+        self.add_eos: bool = False
         self.chat_template: str | None = chat_template
         # More variables for every render (a server's --chat_template_kwargs), beneath a
         # request's own.
@@ -222,6 +226,13 @@ class Tokenizer:
                 raise TokenizerError("this tokenizer has no BOS token; pass add_bos=False")
             if not ids or ids[0] != self.bos_id:
                 ids.insert(0, self.bos_id)
+        return ids
+
+    def with_eos(self, ids: list[int]) -> list[int]:
+        """An embedding's tokenized text as the model expects it: ending with its EOS where
+        the tokenizer adds one (`add_eos`; never twice), as llama.cpp tokenizes it."""
+        if self.add_eos and ids[-1:] != [self._eos_id]:
+            return [*ids, self._eos_id]
         return ids
 
     def _plain_hf(self) -> tokenizers.Tokenizer:
@@ -323,16 +334,19 @@ class Tokenizer:
         if kind == "gpt2":  # llama.cpp's default for BPE vocabularies: no BOS, but Llama 3's and Tekken's
             hf = _gguf_bpe(fields, tokens, types)
             add_bos = _pre_of(fields).add_bos if add_bos is None else bool(add_bos)
-            return cls._from_hf(hf, json.loads(hf.to_str()), add_bos=add_bos, **kw)
-        if kind == "llama":  # llama.cpp's default for SentencePiece vocabularies: BOS
+            tok = cls._from_hf(hf, json.loads(hf.to_str()), add_bos=add_bos, **kw)
+        elif kind == "llama":  # llama.cpp's default for SentencePiece vocabularies: BOS
             proto = _spm_proto_from_gguf(fields, tokens, types)
             # llama.cpp cuts user-defined pieces out of the raw text first (Gemma's runs of
             # spaces, tabs and newlines, which SentencePiece, reading spaces as "▁", never meets).
             user = {i: (tokens[i], False) for i, t in enumerate(types) if t == 4}  # user-defined
-            return cls._from_sp(proto, user, add_bos=add_bos is None or bool(add_bos), **kw)
-        raise TokenizerError(f"unsupported tokenizer.ggml.model {kind!r} (cadence reads 'gpt2' "
-                             "and 'llama'); load the model's Hugging Face tokenizer with "
-                             "Tokenizer.from_hf_dir instead")
+            tok = cls._from_sp(proto, user, add_bos=add_bos is None or bool(add_bos), **kw)
+        else:
+            raise TokenizerError(f"unsupported tokenizer.ggml.model {kind!r} (cadence reads 'gpt2' "
+                                 "and 'llama'); load the model's Hugging Face tokenizer with "
+                                 "Tokenizer.from_hf_dir instead")
+        tok.add_eos = bool(fields.get("tokenizer.ggml.add_eos_token")) and tok._eos_id is not None
+        return tok
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
@@ -356,15 +370,23 @@ class Tokenizer:
                *cfg.get("eos_token_ids", []), *gen_eos]
         bos = _token_text(cfg.get("bos_token", smap.get("bos_token"))) or gen.get("bos_token_id")
         kw = dict(bos=bos, eos=eos, chat_template=template, add_bos=cfg.get("add_bos_token"))
+        add_eos = cfg.get("add_eos_token")
         try:
             if (path / "tokenizer.json").is_file():
                 text = (path / "tokenizer.json").read_text(encoding="utf-8")
-                return cls._from_hf(tokenizers.Tokenizer.from_str(text), json.loads(text), **kw)
+                hf = tokenizers.Tokenizer.from_str(text)
+                tok = cls._from_hf(hf, json.loads(text), **kw)
+                if add_eos is None and tok._eos_id is not None:  # the post-processor says
+                    add_eos = hf.encode("a", add_special_tokens=True).ids[-1:] == [tok._eos_id]
+                tok.add_eos = bool(add_eos) and tok._eos_id is not None
+                return tok
             if (path / "tokenizer.model").is_file():
                 extra = {int(k): (v["content"], bool(v.get("special")))
                          for k, v in cfg.get("added_tokens_decoder", {}).items()}
                 kw["add_bos"] = kw["add_bos"] is None or kw["add_bos"]  # LlamaTokenizer's default
-                return cls._from_sp((path / "tokenizer.model").read_bytes(), extra, **kw)
+                tok = cls._from_sp((path / "tokenizer.model").read_bytes(), extra, **kw)
+                tok.add_eos = bool(add_eos) and tok._eos_id is not None
+                return tok
         except TokenizerError:
             raise
         except Exception as e:  # noqa: BLE001 - tokenizers/sentencepiece raise bare Exception
@@ -420,7 +442,8 @@ class Tokenizer:
         else:
             (d / keep).write_bytes(self._sp.serialized_model_proto())
         cfg = {"tokenizer_class": "PreTrainedTokenizerFast" if self._hf else "LlamaTokenizer",
-               "add_bos_token": self.add_bos, "bos_token": self.bos_token,
+               "add_bos_token": self.add_bos, "add_eos_token": self.add_eos,
+               "bos_token": self.bos_token,
                "eos_token": self.eos_token,
                "eos_token_ids": sorted(self.eos_ids),  # cadence's key: every stop id
                "chat_template": self.chat_template,

@@ -123,6 +123,10 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     max_context: int = 4096
     name: str = "llama"
+    # How the checkpoint says its embeddings are pooled (a GGUF's pooling_type, a
+    # sentence-transformers folder's Pooling module): one of POOLING_TYPES, or None where it
+    # says nothing. Read by the embedding doors' default (`server.flags.pooling`).
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -205,6 +209,10 @@ class ModelConfig:
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
         return cls.from_dict(json.loads(text))
+
+
+# llama.cpp's pooling types, in its numbering (a GGUF's `<arch>.pooling_type`).
+POOLING_TYPES = ("none", "mean", "cls", "last", "rank")
 
 
 # A model small enough for CPU unit tests: every code path (GQA, tied embeddings) stays live.

@@ -77,7 +77,7 @@ from cadence.server import client_json, openai_batch, parsing, reasoning, runtim
 from cadence.server.app import ServerConfig
 from cadence.server.openai_batch import Totals
 from cadence.server.embeddings_api import normalized
-from cadence.server.flags import GRAMMAR_TIMEOUT, MODEL_FLAG, POOLING, REASONING_PARSER
+from cadence.server.flags import GRAMMAR_TIMEOUT, MODEL_FLAG, REASONING_PARSER, pooling
 from cadence.server.tool_requests import HERMES, CallStyle, ToolRequest, call_style
 
 _INPUT = flags.DEFINE_string("input", None, "JSONL file of requests, each with a unique id.")
@@ -277,7 +277,7 @@ def run_own_lines(rt: runtime.Runtime, todo: list[Job], output: Path, report) ->
             entry = parsing.to_request(job.entry, rt.model.tokenizer, defaults,
                                         extra_fields=("id", "model"), max_seq_len=rt.scheduler.max_seq_len,
                                         grammars=grammars, splits_reasoning=splits,
-                                        pooling=POOLING.value)
+                                        pooling=pooling(rt.model.config))
             model = job.entry.get("model")
             if model is not None and model not in served:  # a --lora adapter's name
                 entry = entry._replace(params=runtime.with_adapter(entry.params, rt.adapters, model))
@@ -297,7 +297,7 @@ def run_openai_lines(rt: runtime.Runtime, todo: list[Job], output: Path, report)
     """OpenAI Batch API lines, through cadence-serve's endpoints in process (`server.openai_batch`);
     a line's request is the operator's, so its own chat_template is taken."""
     config = ServerConfig(grammar_timeout=GRAMMAR_TIMEOUT.value, reasoning_parser=REASONING_PARSER.value,
-                          pooling=POOLING.value, trust_request_chat_template=True,
+                          pooling=pooling(rt.model.config), trust_request_chat_template=True,
                           lora_adapters=tuple(a.name for a in rt.adapters))
     return openai_batch.run(rt, todo, output, report, config, runtime.served_names(MODEL_FLAG.value, None)[0])
 

@@ -170,8 +170,8 @@ class EmbeddingsAPI:
     def _tokenize(self, parsed: EmbeddingRequest) -> list[list[int]]:
         """On a worker thread: each input's token ids (cut to their last `truncate`)."""
         server = self.server
-        return [parsing.prompt_ids(text, server.tokenizer, server.scheduler.max_seq_len,
-                                   None if parsed.add_special else False, keep=parsed.truncate)
+        return [parsing.embedding_ids(text, server.tokenizer, server.scheduler.max_seq_len,
+                                      parsed.add_special, keep=parsed.truncate)
                 for text in parsed.inputs]
 
     async def embed(self, request: Request, parsed: EmbeddingRequest,

@@ -8,11 +8,12 @@ warm-up, attention and weights, and the device layout (the disaggregated mode's
 
 from __future__ import annotations
 
-from absl import flags
+from absl import flags, logging
 
 from cadence.checkpoints import chat
 from cadence.checkpoints.registry import DEFAULT_MODEL
 from cadence.engine.config import DEFAULT_PAGE_SIZE, KV_DTYPES, WARMUPS
+from cadence.model.config import ModelConfig
 from cadence.scheduler.policy import POLICIES
 from cadence.scheduler.priority import SLO, PriorityClasses
 from cadence.scheduler.request import POOLINGS
@@ -187,10 +188,25 @@ GRAMMAR_TIMEOUT = flags.DEFINE_float(
     "Seconds a response format's or a tool choice's grammar may take to compile (on threads of "
     "its own, never delaying other requests); longer is a 400.", lower_bound=0.001)
 POOLING = flags.DEFINE_enum(
-    "pooling", "last", list(POOLINGS),
+    "pooling", None, list(POOLINGS),
     "How embeddings (/v1/embeddings, llama-server's /embedding, cadence-batch's input lines) pool "
     "a prompt's final hidden states: last, its last token's (vLLM's default for a decoder, what "
-    "embedding models of the Llama family are trained for), or mean, over every token.")
+    "embedding models of the Llama family are trained for), or mean, over every token. Default: "
+    "the checkpoint's own (a GGUF's pooling_type, a sentence-transformers folder's Pooling "
+    "module) where it is one of these, else last.")
+def pooling(config: ModelConfig) -> str:
+    """--pooling, or where not given the checkpoint's own (`ModelConfig.pooling`) where cadence
+    pools that way, else "last" (logged where the checkpoint asked for another)."""
+    if POOLING.value is not None:
+        return POOLING.value
+    if config.pooling in POOLINGS:
+        return config.pooling
+    if config.pooling not in (None, "none"):
+        logging.warning("%s's checkpoint pools its embeddings by %r, which cadence does not do; "
+                        "embeddings pool the last token (--pooling chooses)", config.name, config.pooling)
+    return "last"
+
+
 REASONING_PARSER = flags.DEFINE_enum(
     "reasoning_parser", "auto", list(REASONING_PARSERS),
     "Split a chat answer's reasoning (<think>...</think>) out of its content, into "

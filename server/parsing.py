@@ -502,6 +502,20 @@ def prompt_ids(prompt: str | list[int], tokenizer: Tokenizer, max_seq_len: int |
     return tokenizer.encode(prompt, add_bos=add_bos, special=special)
 
 
+def embedding_ids(text: str | list[int], tokenizer: Tokenizer, max_seq_len: int | None,
+                  add_special: bool = True, keep: int | None = None) -> list[int]:
+    """An embedding's input as `prompt_ids` tokenizes a prompt, a text ending with the model's
+    EOS where its tokenizer adds one (`Tokenizer.with_eos`; `add_special` false: neither BOS
+    nor EOS), before `keep` cuts it to its last tokens; ids are taken as given."""
+    if not isinstance(text, str):
+        return prompt_ids(text, tokenizer, max_seq_len, keep=keep)
+    ids = prompt_ids(text, tokenizer, max_seq_len if keep is None else None,
+                     None if add_special else False)
+    if add_special:
+        ids = tokenizer.with_eos(ids)
+    return ids if keep is None else ids[-keep:]
+
+
 def add_bos(body: dict, fill: bool = False) -> bool | None:
     """vLLM's `add_special_tokens` as `prompt_ids` takes it: false, no BOS before the prompt
     (a chat's template writes its own); true or absent (None), the tokenizer's, never twice.
@@ -599,7 +613,7 @@ def _embedding_entry(entry: dict, tokenizer: Tokenizer, pooling: str, extra_fiel
     text = entry["input"]
     if not ((isinstance(text, str) and text) or token_ids(text)):
         raise SubmissionError('"input" must be a non-empty string or array of token ids', "input")
-    ids = prompt_ids(text, tokenizer, max_seq_len)
+    ids = embedding_ids(text, tokenizer, max_seq_len)
     return EntryRequest(ids, GenerationParams(pooling=pooling, priority=field(entry, "priority", (int,))), None)
 
 

@@ -25,7 +25,7 @@ from absl import app, flags, logging
 from cadence.checkpoints.errors import CheckpointError
 from cadence.server import runtime
 from cadence.server.app import DEFAULT_MAX_BODY_BYTES, ServerConfig, create_app
-from cadence.server.flags import GRAMMAR_TIMEOUT, LORA, MAX_LORAS, MODEL_FLAG, POOLING, REASONING_PARSER
+from cadence.server.flags import GRAMMAR_TIMEOUT, LORA, MAX_LORAS, MODEL_FLAG, REASONING_PARSER, pooling
 
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
         config = ServerConfig(api_key=api_key(), protect_metrics=_PROTECT_METRICS.value,
                               max_body_bytes=runtime.parse_size(_MAX_BODY.value), drain_timeout=_DRAIN.value,
                               max_n=_MAX_N.value, grammar_timeout=GRAMMAR_TIMEOUT.value,
-                              reasoning_parser=REASONING_PARSER.value, pooling=POOLING.value,
+                              reasoning_parser=REASONING_PARSER.value,
                               trust_request_chat_template=_TRUST_TEMPLATES.value,
                               allowed_origins=tuple(_ORIGINS.value), slots=_SLOTS.value)
         names = runtime.served_names(MODEL_FLAG.value, _SERVED_NAMES.value)
@@ -122,7 +122,8 @@ def main(argv: list[str]) -> int:
         print(f"cadence-serve: error: {reason}; exiting", file=sys.stderr)
         server.should_exit = True
 
-    config = dataclasses.replace(config, lora_adapters=tuple(a.name for a in rt.adapters),
+    config = dataclasses.replace(config, pooling=pooling(rt.model.config),
+                                 lora_adapters=tuple(a.name for a in rt.adapters),
                                  lora_slots=rt.engines[-1].config.lora_slots, runtime_lora=_RUNTIME_LORA.value)
     application = create_app(
         rt.scheduler, rt.model.tokenizer, names, config=config,

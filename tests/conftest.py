@@ -97,6 +97,21 @@ def tiny_tokenizer_fields(config: ModelConfig) -> dict:
     return fields
 
 
+def tokenizer_keys(fields: dict):
+    """A GGUF writer's `metadata` callback adding a tokenizer's keys (`tiny_tokenizer_fields`)."""
+    def add(w):
+        w.add_tokenizer_model(fields["tokenizer.ggml.model"])
+        w.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
+        w.add_token_list(fields["tokenizer.ggml.tokens"])
+        w.add_token_types(fields["tokenizer.ggml.token_type"])
+        w.add_token_merges(fields["tokenizer.ggml.merges"])
+        w.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"])
+        w.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"])
+        w.add_add_bos_token(fields["tokenizer.ggml.add_bos_token"])
+        w.add_chat_template(fields["tokenizer.chat_template"])
+    return add
+
+
 # Qwen2.5-Coder's infill tokens, and where `fim_tokenizer` puts them (index from the end).
 FIM_ROLES = {"<|fim_prefix|>": -1, "<|fim_suffix|>": -2, "<|fim_middle|>": -3, "<|repo_name|>": -4,
              "<|file_sep|>": -5}

@@ -6,6 +6,7 @@ no prefix cache, preemption, batched generation unchanged beside them)."""
 from __future__ import annotations
 
 import base64
+import json
 import random
 
 import httpx
@@ -286,3 +287,110 @@ def test_mean_pooling_served(tiny_engine, tiny_params, tiny_config, tiny_tokeniz
         got = post(base, input=prompt).json()["data"][0]["embedding"]
     np.testing.assert_allclose(got, unit(reference(tiny_params, tiny_config, prompt, "mean")),
                                rtol=1e-4, atol=1e-5)
+
+
+# -- an embedding model's own settings ---------------------------------------------------------
+
+
+def eos_tokenizer(tiny_config):
+    """The tiny tokenizer as an embedding model's GGUF gives it (Qwen3-Embedding's
+    tokenizer.ggml.add_eos_token), and its EOS id."""
+    from cadence.checkpoints.tokenizer import Tokenizer
+    from tests.conftest import tiny_tokenizer_fields
+
+    fields = {**tiny_tokenizer_fields(tiny_config), "tokenizer.ggml.add_eos_token": True}
+    return Tokenizer.from_gguf_fields(fields), fields["tokenizer.ggml.eos_token_id"]
+
+
+def test_a_tokenizer_that_adds_eos_keeps_it_through_its_files(tiny_config, tmp_path):
+    """add_eos_token from a GGUF, through the converted folder's tokenizer files, and from a
+    Hugging Face tokenizer.json whose post-processor appends the EOS (no add_eos_token in its
+    config); `with_eos` appends it once."""
+    from cadence.checkpoints.tokenizer import Tokenizer
+
+    tok, eos = eos_tokenizer(tiny_config)
+    ids = tok.encode("Who is on the team?")
+    assert tok.add_eos and ids[-1] != eos
+    assert tok.with_eos(ids) == [*ids, eos] and tok.with_eos([*ids, eos]) == [*ids, eos]
+    tok.save(tmp_path)
+    assert Tokenizer.from_hf_dir(tmp_path).add_eos
+
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del config["add_eos_token"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert not Tokenizer.from_hf_dir(tmp_path).add_eos  # the GGUF's BPE appends nothing itself
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    token = tok.eos_token
+    piece = [{"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": token, "type_id": 0}}]
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": piece, "pair": piece,
+                              "special_tokens": {token: {"id": token, "ids": [eos], "tokens": [token]}}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    read = Tokenizer.from_hf_dir(tmp_path)
+    assert read.add_eos and read.encode("Who is on the team?") == ids  # (prompts take no EOS)
+
+
+def test_an_embedding_of_a_model_that_adds_eos_ends_with_it(tiny_engine, tiny_params, tiny_config):
+    """A text is embedded with the model's EOS after it, as llama.cpp tokenizes it (usage counts
+    it); vLLM's add_special_tokens false leaves the BOS and the EOS out; ids are as given."""
+    tok, eos = eos_tokenizer(tiny_config)
+    text = "Who is on the team?"
+    with serve_tiny(tiny_engine, tok) as base:
+        whole = post(base, input=[text, [5, 6, 7]]).json()
+        plain = post(base, input=text, add_special_tokens=False).json()
+    ids = [*tok.encode(text), eos]
+    assert whole["usage"]["prompt_tokens"] == len(ids) + 3
+    np.testing.assert_allclose(whole["data"][0]["embedding"], unit(reference(tiny_params, tiny_config, ids, "last")),
+                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(whole["data"][1]["embedding"],
+                               unit(reference(tiny_params, tiny_config, [5, 6, 7], "last")), rtol=1e-4, atol=1e-5)
+    bare = tok.encode(text, add_bos=False)
+    assert plain["usage"]["prompt_tokens"] == len(bare) and bare[-1] != eos
+    np.testing.assert_allclose(plain["data"][0]["embedding"], unit(reference(tiny_params, tiny_config, bare, "last")),
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("declared, flag, pooled", [
+    (None, None, "last"), ("mean", None, "mean"), ("last", None, "last"), ("cls", None, "last"),
+    ("rank", None, "last"), ("mean", "last", "last"), (None, "mean", "mean")])
+def test_the_checkpoints_pooling_is_the_default(tmp_path, tiny_config, declared, flag, pooled):
+    """A GGUF's pooling_type reaches the converted model's config; the embedding doors pool by
+    --pooling where given, else by the checkpoint's own where cadence pools that way, else by
+    the last token."""
+    import gguf
+    from absl import flags
+    from absl.testing import flagsaver
+
+    from cadence.bench.random_gguf import write_random_gguf
+    from cadence.checkpoints.registry import load_model
+    from cadence.server.flags import pooling
+    from tests.conftest import tiny_tokenizer_fields, tokenizer_keys
+
+    def keys(w):
+        tokenizer_keys(tiny_tokenizer_fields(tiny_config))(w)
+        if declared is not None:
+            w.add_pooling_type(gguf.PoolingType[declared.upper()])
+
+    path = tmp_path / "embed.gguf"
+    write_random_gguf(path, tiny_config, metadata=keys)
+    model = load_model(str(path), tmp_path / "cache")
+    assert model.config.pooling == declared
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    with flagsaver.flagsaver(pooling=flag):
+        assert pooling(model.config) == pooled
+
+
+def test_a_sentence_transformers_folder_names_its_pooling(tmp_path, tiny_config, tiny_params):
+    """A Hugging Face folder's modules.json and its Pooling module's config give the pooling."""
+    from cadence.checkpoints.hf import load_hf_config, save_hf
+
+    save_hf(tmp_path, tiny_config, tiny_params)
+    assert load_hf_config(tmp_path).pooling is None
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    for key, pooled in (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_lasttoken", "last")):
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": tiny_config.hidden_size, "pooling_mode_cls_token": False, key: True}))
+        assert load_hf_config(tmp_path).pooling == pooled

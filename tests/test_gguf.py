@@ -20,7 +20,7 @@ from cadence.model import cpu_kernels
 from cadence.model import params as params_lib
 from cadence.model.config import TINY, RopeScaling
 from cadence.model.params import param_specs
-from tests.conftest import random_params
+from tests.conftest import random_params, tokenizer_keys
 from cadence.scheduler.request import GenerationParams
 from tests.fakes import make_scheduler, needs_cpu_kernels, run_all
 from tests.tiny_models import full_logits
@@ -615,21 +615,6 @@ def test_an_untied_embedding_in_blocks_is_looked_up_from_them(tmp_path, tiny_tok
     _assert_engine_equals_reference(floats, config, packed, tiny_tokenizer, chunk=64)
 
 
-def _tokenizer_keys(fields: dict):
-    """`write_gguf`'s `metadata` for a tokenizer's GGUF keys (`tiny_tokenizer_fields`)."""
-    def add(w):
-        w.add_tokenizer_model(fields["tokenizer.ggml.model"])
-        w.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
-        w.add_token_list(fields["tokenizer.ggml.tokens"])
-        w.add_token_types(fields["tokenizer.ggml.token_type"])
-        w.add_token_merges(fields["tokenizer.ggml.merges"])
-        w.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"])
-        w.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"])
-        w.add_add_bos_token(fields["tokenizer.ggml.add_bos_token"])
-        w.add_chat_template(fields["tokenizer.chat_template"])
-    return add
-
-
 def test_two_processes_starting_on_one_new_file_convert_it_once(tmp_path, tiny_params, monkeypatch):
     """Two servers started together on a GGUF not yet converted (replicas behind a router): the
     second waits for the first's conversion and loads it. Before, both converted, and the
@@ -641,7 +626,7 @@ def test_two_processes_starting_on_one_new_file_convert_it_once(tmp_path, tiny_p
     from tests.conftest import tiny_tokenizer_fields
 
     path = tmp_path / "tiny-q.gguf"
-    write_gguf(path, TINY, tiny_params, quantize=True, metadata=_tokenizer_keys(tiny_tokenizer_fields(TINY)))
+    write_gguf(path, TINY, tiny_params, quantize=True, metadata=tokenizer_keys(tiny_tokenizer_fields(TINY)))
     conversions = []
     convert = registry._convert
     monkeypatch.setattr(registry, "_convert", lambda *args: (conversions.append(args), convert(*args)))
@@ -711,7 +696,7 @@ def test_loading_a_q4_k_m_model_holds_its_blocks_once(tmp_path):
                                      num_layers=layers, num_heads=12, num_kv_heads=4,
                                      head_dim=64, ffn_size=2048)
         path = tmp_path / f"{config.name}.gguf"
-        size = write_random_gguf(path, config, metadata=_tokenizer_keys(tiny_tokenizer_fields(config)))
+        size = write_random_gguf(path, config, metadata=tokenizer_keys(tiny_tokenizer_fields(config)))
         registry.resolve(str(path), tmp_path / "cache")  # converted here, measured loading there
         out = subprocess.run([sys.executable, "-c", _LOAD_AND_MEASURE, str(path)],
                              env=dict(os.environ, CADENCE_CACHE=str(tmp_path / "cache")),
@@ -736,7 +721,7 @@ def test_a_16_bit_gguf_is_converted_in_16_bits(tmp_path, tiny_params, kind):
     path = tmp_path / f"tiny-{kind}.gguf"
     write_gguf(path, TINY, tiny_params, quantize=True,
                types=lambda spec: Q.F32 if len(spec.shape) == 1 else Q[kind],
-               metadata=_tokenizer_keys(tiny_tokenizer_fields(TINY)))
+               metadata=tokenizer_keys(tiny_tokenizer_fields(TINY)))
     folder = registry.resolve(str(path), tmp_path / "cache")
     with ocp.StandardCheckpointer() as checkpointer:
         stored = store._flatten(checkpointer.metadata(folder / "params").item_metadata.tree)
@@ -758,7 +743,7 @@ def test_a_damaged_conversion_is_a_short_clear_error(tmp_path, tiny_params):
     from tests.conftest import tiny_tokenizer_fields
 
     path = tmp_path / "tiny-q.gguf"
-    write_gguf(path, TINY, tiny_params, quantize=True, metadata=_tokenizer_keys(tiny_tokenizer_fields(TINY)))
+    write_gguf(path, TINY, tiny_params, quantize=True, metadata=tokenizer_keys(tiny_tokenizer_fields(TINY)))
     folder = registry.resolve(str(path), tmp_path / "cache")
     shutil.rmtree(folder / "packed" / "d")
     with pytest.raises(CheckpointError, match="packed is unreadable") as error:
