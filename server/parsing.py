@@ -37,7 +37,7 @@ from cadence.checkpoints.generation import GenerationDefaults
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.engine.api import RequestSampling
 from cadence.model.arith import cdiv
-from cadence.model.host_sampling import MAX_PENALTY_WINDOW
+from cadence.model.host_sampling import MAX_PENALTY_WINDOW, SEED_RANGE
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.request import MAX_STOP_LENGTH, GenerationParams, check_params
 from cadence.scheduler.grammar import (Grammar, GrammarCompiler, GrammarError, JsonObject, JsonSchema, Spec,
@@ -123,11 +123,19 @@ def generation_params(entry: dict, defaults: SamplingDefaults, *,
             raise SubmissionError(f'"{name}" must be >= 1, got {value}', name)
         max_tokens = max_tokens if value is None else value
     top_k = field(entry, "top_k", (int,), defaults.top_k)
+    top_p = float(field(entry, "top_p", (int, float), defaults.top_p))
+    if top_p == 0.0:  # OpenAI's [0, 1]: the likeliest token alone (llama.cpp keeps one, too)
+        top_k, top_p = 1, 1.0
+    seed = field(entry, "seed", (int,), defaults.seed)
+    if not -2**63 <= seed < 2**64:
+        raise SubmissionError(f'"seed" must be a 64-bit integer, got {seed}', "seed")
     values = {
         "temperature": float(field(entry, "temperature", (int, float), defaults.temperature)),
         "top_k": 0 if top_k == -1 else top_k,  # vLLM spells "no limit" as -1
-        "top_p": float(field(entry, "top_p", (int, float), defaults.top_p)),
-        "seed": field(entry, "seed", (int,), defaults.seed),
+        "top_p": top_p,
+        # OpenAI's int64 (vLLM's too), folded into the device's 32 bits: a seed is still its
+        # answer, and seeds 2**32 apart give the same one
+        "seed": seed % SEED_RANGE,
         **{name: float(field(entry, name, (int, float), default)) for name, default in
            zip(PENALTY_FIELDS, (0.0, 0.0, 0.0, 1.0))},
         "logit_bias": logit_bias(field(entry, "logit_bias", (dict,), {})),
@@ -258,8 +266,8 @@ class GrammarRequest(NamedTuple):
 
 def structure(entry: dict, chat: bool) -> tuple[GrammarRequest | None, ToolRequest | None]:
     """An entry's format (`response_format`, or another server's spelling of a constraint:
-    `server.guided`) and, for a chat, its tools (`server.tool_requests`); a format cannot go
-    with a tool choice that forces a call (the call's format is the answer's)."""
+    `server.guided`) and, for a chat, its tools (`server.tool_requests`): both may be given, as
+    OpenAI takes them (`grammar_request` says what the answer follows)."""
     spec, other = response_format(entry), guided.constraint(entry)
     if spec is not None and other is not None:
         raise SubmissionError(f'"{other[1]}" cannot go with "response_format": a request takes '
@@ -271,19 +279,24 @@ def structure(entry: dict, chat: bool) -> tuple[GrammarRequest | None, ToolReque
         if given:
             raise SubmissionError(f'"{given[0]}" needs a chat ("messages")', given[0])
         return fmt, None
-    tools = parse_tools(entry)
-    if fmt is not None and tools is not None and tools.forces_call:
-        raise SubmissionError(f'"{fmt.param}" cannot go with a "tool_choice" that forces a '
-                              "call: the call's format is the answer's", fmt.param)
-    return fmt, tools
+    return fmt, parse_tools(entry)
 
 
 def grammar_request(fmt: GrammarRequest | None, tools: ToolRequest | None, tokenizer: Tokenizer,
                     grammars: GrammarCompiler | None) -> GrammarRequest | None:
     """What an answer must follow: a forced tool call's grammar (in the style of the model's
-    template), else the format's; None if nothing."""
-    forced = tools is not None and tools.forces_call
-    wanted = GrammarRequest(tools.grammar(call_style(tokenizer)), "tools") if forced else fmt
+    template; the calls are the answer, so a format has no message to shape); with tools the
+    model may call ("auto") and a JSON format, the calls or the format's JSON; else the
+    format's; None if nothing. (Beside tools it may call, a format of another kind (a regex,
+    a grammar) is the answer's alone.)"""
+    answer = fmt.spec if fmt is not None and isinstance(fmt.spec, (JsonSchema, JsonObject)) else None
+    if tools is not None and tools.forces_call:
+        wanted = GrammarRequest(tools.grammar(call_style(tokenizer)), "tools")
+    elif tools is not None and tools.choice == "auto" and answer is not None:
+        schema = answer.schema if isinstance(answer, JsonSchema) else {"type": "object"}
+        wanted = GrammarRequest(tools.grammar(call_style(tokenizer), schema), fmt.param)
+    else:
+        wanted = fmt
     if wanted is not None and grammars is None:
         raise SubmissionError("structured output is off here (--nostructured_output)", wanted.param)
     return wanted

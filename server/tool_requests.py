@@ -103,37 +103,50 @@ class ToolRequest:
         """"required", or a named function: the answer is calls, which a grammar enforces."""
         return self.choice in ("required", "function")
 
-    def grammar(self, style: CallStyle) -> Lark | None:
-        """The grammar that enforces "required" or a named function's call: None otherwise."""
-        if not self.forces_call:
+    def grammar(self, style: CallStyle, answer: dict | None = None) -> Lark | None:
+        """The grammar that enforces "required" or a named function's calls; with "auto" and a
+        JSON `answer` (the schema of the request's response format), the calls or that JSON,
+        as OpenAI lets a model answer a request with both. None otherwise."""
+        if self.forces_call:
+            tools = [t for t in self.tools if self.choice == "required" or t.name == self.function]
+            many = self.parallel and self.choice == "required"
+        elif self.choice == "auto" and answer is not None:
+            tools, many = list(self.tools), self.parallel
+        else:
             return None
-        tools = [t for t in self.tools if self.choice == "required" or t.name == self.function]
-        many = self.parallel and self.choice == "required"
-        if style.name == MISTRAL_ARGS:  # the name outside the JSON: each tool's own arguments
-            options = " | ".join(
-                f'"{t.name}" {style.token(ARGS)} %json '
-                + json.dumps({**closed_schema(t.parameters), "x-guidance": JSON_LAYOUT})
-                for t in tools)
-            return Lark(f"start: call{'+' if many else ''}\ncall: {style.token(TOOL_CALLS)} ({options})\n")
-        key = "parameters" if style.name == LLAMA3_JSON else "arguments"
-        # Each tool's parameters keep their own schema root: they sit under the call's $defs,
-        # and their references into themselves ("#/$defs/Person", "#") are moved with them.
-        roots = {f"tool_{i}": _rooted(closed_schema(t.parameters), f"#/$defs/tool_{i}")
-                 for i, t in enumerate(tools)}
-        options = [{"type": "object", "properties": {"name": {"const": t.name},
-                                                     key: {"$ref": f"#/$defs/{root}"}},
-                    "required": ["name", key], "additionalProperties": False}
-                   for t, root in zip(tools, roots)]
-        schema = options[0] if len(options) == 1 else {"anyOf": options}
-        call = f"%json {json.dumps({**schema, '$defs': roots, 'x-guidance': JSON_LAYOUT})}"
-        if style.name == LLAMA3_JSON:  # Llama 3.1's format has one call per answer
-            return Lark(f"start: {call}\n")
-        if style.name in (MISTRAL, GRANITE):  # a JSON list after the style's tag
-            calls = 'call (", " call)*' if many else "call"
-            tag = style.token(TOOL_CALLS if style.name == MISTRAL else GRANITE_TAG)
-            return Lark(f'start: {tag} "[" {calls} "]"\ncall: {call}\n')
-        start = 'start: call ("\\n" call)*' if many else "start: call"
-        return Lark(f'{start}\ncall: "<tool_call>\\n" {call} "\\n</tool_call>"\n')
+        calls, rules = _calls(style, tools, many)
+        if answer is not None and not self.forces_call:
+            calls = f"({calls}) | %json {json.dumps({**answer, 'x-guidance': JSON_LAYOUT})}"
+        return Lark(f"start: {calls}\n{rules}")
+
+
+def _calls(style: CallStyle, tools: list[Tool], many: bool) -> tuple[str, str]:
+    """The calls of `tools` in the model's `style` (`many`: one or more, else one): the
+    expression a grammar's start takes, and the rules it names."""
+    if style.name == MISTRAL_ARGS:  # the name outside the JSON: each tool's own arguments
+        options = " | ".join(
+            f'"{t.name}" {style.token(ARGS)} %json '
+            + json.dumps({**closed_schema(t.parameters), "x-guidance": JSON_LAYOUT})
+            for t in tools)
+        return "call+" if many else "call", f"call: {style.token(TOOL_CALLS)} ({options})\n"
+    key = "parameters" if style.name == LLAMA3_JSON else "arguments"
+    # Each tool's parameters keep their own schema root: they sit under the call's $defs,
+    # and their references into themselves ("#/$defs/Person", "#") are moved with them.
+    roots = {f"tool_{i}": _rooted(closed_schema(t.parameters), f"#/$defs/tool_{i}")
+             for i, t in enumerate(tools)}
+    options = [{"type": "object", "properties": {"name": {"const": t.name},
+                                                 key: {"$ref": f"#/$defs/{root}"}},
+                "required": ["name", key], "additionalProperties": False}
+               for t, root in zip(tools, roots)]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    call = f"%json {json.dumps({**schema, '$defs': roots, 'x-guidance': JSON_LAYOUT})}"
+    if style.name == LLAMA3_JSON:  # Llama 3.1's format has one call per answer
+        return "call", f"call: {call}\n"
+    if style.name in (MISTRAL, GRANITE):  # a JSON list after the style's tag
+        calls = 'call (", " call)*' if many else "call"
+        tag = style.token(TOOL_CALLS if style.name == MISTRAL else GRANITE_TAG)
+        return f'{tag} "[" {calls} "]"', f"call: {call}\n"
+    return ('call ("\\n" call)*' if many else "call"), f'call: "<tool_call>\\n" {call} "\\n</tool_call>"\n'
 
 
 def _rooted(schema: dict, at: str) -> dict:

@@ -107,8 +107,6 @@ def test_a_batch_line_takes_them_too(tiny_tokenizer):
     ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs", "true or false"),
     ({"structured_outputs": {"choice": CHOICES, "json_object": True}}, "structured_outputs", "choice and json_object"),
     ({"guided_decoding_backend": 3}, "guided_decoding_backend", "string"),
-    ({"guided_regex": "a", "tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": "required"}, "guided_regex", "forces a call"),
 ])
 def test_misuse_is_a_400_naming_the_field(url, body, param, fragment):
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body}, timeout=60)

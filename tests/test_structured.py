@@ -114,6 +114,33 @@ def test_required_and_named_tool_choices_always_call(fake_url, temperature):
                 (c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
 
+def test_a_format_beside_tools_takes_the_calls_or_the_formats_json(fake_url):
+    """A JSON response format beside tools the model may call ("auto"): an answer is calls of
+    the tools or the format's JSON, as OpenAI takes the two together (the Agents SDK's
+    output_type beside tools, instructor's Responses modes); beside a forced choice, calls."""
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+              "required": ["city"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "Place", "schema": schema, "strict": True}}
+    kinds = set()
+    for i in range(10):
+        body = {"messages": [{"role": "user", "content": f"Where is place {i}?"}], "tools": TOOLS,
+                "response_format": fmt, "max_tokens": 400}
+        choice = post(fake_url, body).json()["choices"][0]
+        if choice["message"].get("tool_calls"):
+            assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"]
+            check_calls(choice["message"]["tool_calls"], {"get_weather", "get_time"})
+            kinds.add("calls")
+        else:
+            assert choice["finish_reason"] == "stop", choice
+            jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+            kinds.add("json")
+    assert kinds == {"calls", "json"}
+    for forced in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        choice = post(fake_url, {**body, "tool_choice": forced}).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        check_calls(choice["message"]["tool_calls"], {"get_weather", "get_time"})
+
+
 def test_tool_choice_none_returns_text(fake_url):
     url = fake_url
     answer = post(url, {"messages": ASK, "tools": TOOLS, "tool_choice": "none", "max_tokens": 8}).json()
@@ -157,8 +184,6 @@ def test_a_conversation_with_calls_and_results_renders(fake_url, tiny_tokenizer)
      "tool_choice", "send_email"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
     ({"tool_choice": "required"}, "tool_choice", "needs"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "response_format", "forces a call"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "string", "pattern": "(["}}}}}],
       "tool_choice": "required"}, "tools", "unclosed"),
