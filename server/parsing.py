@@ -126,16 +126,13 @@ def generation_params(entry: dict, defaults: SamplingDefaults, *,
     top_p = float(field(entry, "top_p", (int, float), defaults.top_p))
     if top_p == 0.0:  # OpenAI's [0, 1]: the likeliest token alone (llama.cpp keeps one, too)
         top_k, top_p = 1, 1.0
-    seed = field(entry, "seed", (int,), defaults.seed)
+    seed = field(entry, "seed", (int,), defaults.seed)  # OpenAI's int64 (or a uint64) ...
     if not -2**63 <= seed < 2**64:
         raise SubmissionError(f'"seed" must be a 64-bit integer, got {seed}', "seed")
     values = {
         "temperature": float(field(entry, "temperature", (int, float), defaults.temperature)),
-        "top_k": 0 if top_k == -1 else top_k,  # vLLM spells "no limit" as -1
-        "top_p": top_p,
-        # OpenAI's int64 (vLLM's too), folded into the device's 32 bits: a seed is still its
-        # answer, and seeds 2**32 apart give the same one
-        "seed": seed % SEED_RANGE,
+        "top_k": 0 if top_k == -1 else top_k, "top_p": top_p,  # vLLM's -1 for top_k: no limit
+        "seed": seed % SEED_RANGE,  # ... folded into the device's 32 bits
         **{name: float(field(entry, name, (int, float), default)) for name, default in
            zip(PENALTY_FIELDS, (0.0, 0.0, 0.0, 1.0))},
         "logit_bias": logit_bias(field(entry, "logit_bias", (dict,), {})),
@@ -522,10 +519,8 @@ def embedding_ids(text: str | list[int], tokenizer: Tokenizer, max_seq_len: int 
     nor EOS), before `keep` cuts it to its last tokens; ids are taken as given."""
     if not isinstance(text, str):
         return prompt_ids(text, tokenizer, max_seq_len, keep=keep)
-    ids = prompt_ids(text, tokenizer, max_seq_len if keep is None else None,
-                     None if add_special else False)
-    if add_special:
-        ids = tokenizer.with_eos(ids)
+    ids = prompt_ids(text, tokenizer, max_seq_len if keep is None else None, None if add_special else False)
+    ids = tokenizer.with_eos(ids) if add_special else ids
     return ids if keep is None else ids[-keep:]
 
 

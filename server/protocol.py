@@ -166,10 +166,12 @@ def parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults = OPENAI_DEF
 
 
 def known_fields(body: Any, allowed: Collection[str]) -> dict:
-    """`body` if it is an object of only `allowed` fields, else SubmissionError."""
+    """`body` if it is an object of only `allowed` fields, else SubmissionError. A field given
+    as null is not given (OpenAI's reading): an unknown one is let be (clients send their
+    newer fields' nulls, as the openai SDK's `web_search_options=None`)."""
     if not isinstance(body, dict):
         raise SubmissionError("the request body must be a JSON object")
-    unknown = sorted(set(body) - set(allowed))
+    unknown = sorted(name for name, value in body.items() if value is not None and name not in allowed)
     if unknown:
         raise SubmissionError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
     return body

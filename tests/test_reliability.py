@@ -163,7 +163,8 @@ def _chunked(data: bytes):
 # (name, route, body (dict: JSON; bytes: raw), status, fragment of the error message)
 BAD_INPUTS = [
     ("top_k past int32", "completions", {"prompt": "x", "top_k": 2**31, "temperature": 0.5}, 400, "top_k"),
-    ("seed past uint32", "completions", {"prompt": "x", "seed": 2**32}, 400, "seed"),
+    ("seed past uint64", "completions", {"prompt": "x", "seed": 2**64}, 400, "seed"),
+    ("seed below int64", "chat", {"messages": [{"role": "user", "content": "x"}], "seed": -2**63 - 1}, 400, "seed"),
     ("1e999", "completions", b'{"prompt": "x", "temperature": 1e999}', 400, "out of range"),
     ("400-digit float", "completions", b'{"prompt": "x", "top_p": 1' + b"0" * 400 + b'.5}', 400, "out of range"),
     ("NaN literal", "completions", b'{"prompt": "x", "temperature": NaN}', 400, "NaN is not valid JSON"),
@@ -242,11 +243,12 @@ def test_every_bad_input_gets_a_clear_4xx_and_no_neighbour_notices(server):
 
 
 def test_edge_values_and_neutral_fields_are_served(server):
-    """The widest valid values and the neutral values of unsupported fields are accepted."""
+    """The widest valid values and the neutral values of unsupported fields are accepted, and
+    a field cadence does not know given as null (not given, as OpenAI reads it)."""
     edges = [
         {"prompt": "x", "max_tokens": 3, "top_k": 2**31 - 1, "seed": 2**32 - 1, "temperature": 1.5},
         {"prompt": "x", "max_tokens": 3, "top_k": -1, "presence_penalty": 0, "logit_bias": {},
-         "user": "someone", "logprobs": None, "echo": False},
+         "user": "someone", "logprobs": None, "echo": False, "web_search_options": None},
         {"prompt": "x", "max_tokens": 3, "presence_penalty": -2, "frequency_penalty": 2,
          "repetition_penalty": 2, "min_p": 1, "temperature": 1, "logit_bias": {"0": -100, "511": 100}},
     ]
@@ -254,6 +256,22 @@ def test_edge_values_and_neutral_fields_are_served(server):
         response = httpx.post(f"{server}/v1/completions", json=body, timeout=TIMEOUT)
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 3
+
+
+def test_openais_seed_and_top_p_ranges_are_served(server):
+    """OpenAI's int64 seeds fold into the device's 32 bits (a seed 2**32 apart from another is
+    its answer); top_p 0 keeps the likeliest token alone (the greedy answer)."""
+    def text(**body) -> str:
+        response = httpx.post(f"{server}/v1/completions", json={
+            "prompt": "the house", "max_tokens": 8, "temperature": 20.0, "ignore_eos": True, **body},
+            timeout=TIMEOUT)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    assert text(seed=7 + 2**32) == text(seed=7) == text(seed=7 - 2**32)
+    assert text(seed=-1) == text(seed=2**32 - 1) and text(seed=2**63 - 1) == text(seed=2**32 - 1)
+    assert text(seed=7) != text(seed=8)  # (so the seeds above were told apart)
+    assert text(top_p=0, seed=1) == text(temperature=0) == text(top_p=0, seed=2)
 
 
 def test_the_fields_sglang_router_adds_are_accepted_and_change_nothing(server):
