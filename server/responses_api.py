@@ -1,7 +1,8 @@
-"""OpenAI's Responses API on cadence's chat path: POST /v1/responses and GET /v1/responses/{id}.
+"""OpenAI's Responses API on cadence's chat path: POST /v1/responses, and GET and DELETE
+/v1/responses/{id} and GET /v1/responses/{id}/input_items for stored responses.
 
     api = ResponsesAPI(server)               # server: the app's `Server`
-    routes = api.routes(route)               # create_app's route wrapper -> two Routes
+    routes = api.routes(route)               # create_app's route wrapper -> its Routes
 
 A Responses request is translated into a chat-completions body (`responses_request`) and parsed
 by `protocol.parse` exactly as a chat is, so every field it shares with chat is checked,
@@ -42,7 +43,7 @@ from cadence.server.answer_parts import AnswerParts
 from cadence.server.api_error import APIError
 from cadence.server.info_api import input_tokens
 from cadence.server.reasoning import ReasoningParser
-from cadence.server.responses_request import ALLOWED, chat_body, renamed
+from cadence.server.responses_request import ALLOWED, chat_body, input_items, new_id, renamed
 from cadence.server.tool_call_parser import ToolCall, ToolCallParser
 
 if TYPE_CHECKING:
@@ -52,10 +53,6 @@ STORE_RESPONSES = 1024  # stored responses kept, the most recent
 STORE_CHARS = 64 * 2**20  # ... and their conversations' characters, all together
 
 # -- the answer -------------------------------------------------------------------------------
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 class Output(AnswerParts):
@@ -139,7 +136,7 @@ class Output(AnswerParts):
         if self._open is None or self.items[self._open]["type"] != "message":
             self._close("completed")
             self._open = len(self.items)
-            item = {"id": _new_id("msg"), "type": "message", "role": "assistant",
+            item = {"id": new_id("msg"), "type": "message", "role": "assistant",
                     "status": "in_progress", "content": []}
             self.items.append(item)
             self._emit("response.output_item.added", output_index=self._open, item=dict(item))
@@ -160,7 +157,7 @@ class Output(AnswerParts):
         if self._open is None or self.items[self._open]["type"] != "reasoning":
             self._close("completed")
             self._open = len(self.items)
-            item = {"id": _new_id("rs"), "type": "reasoning", "summary": [], "content": [],
+            item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [],
                     "encrypted_content": None, "status": "in_progress"}
             self.items.append(item)
             self._emit("response.output_item.added", output_index=self._open, item=dict(item))
@@ -180,7 +177,7 @@ class Output(AnswerParts):
         if "id" in entry:  # a header: a new call
             self._close("completed")
             self._open = self._calls[entry["index"]] = len(self.items)
-            item = {"id": _new_id("fc"), "type": "function_call", "status": "in_progress",
+            item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress",
                     "call_id": entry["id"], "name": entry["function"]["name"], "arguments": ""}
             self.items.append(item)
             self._emit("response.output_item.added", output_index=self._open, item=dict(item))
@@ -251,20 +248,20 @@ def _assistant_turn(output: Output) -> dict:
 
 class ResponseStore:
     """The most recent stored responses, bounded in count and in their conversations' size;
-    each is (the response object, its conversation as chat messages)."""
+    each is the response object, its conversation as chat messages, and its input items."""
 
     def __init__(self, capacity: int = STORE_RESPONSES, chars: int = STORE_CHARS):
         self.capacity, self.chars = capacity, chars
-        self._entries: collections.OrderedDict[str, tuple[dict, list[dict], int]] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[str, tuple[dict, list[dict], list[dict], int]] = \
+            collections.OrderedDict()
         self._size = 0
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        size = len(json.dumps(conversation)) + len(json.dumps(response))
-        self._entries[response["id"]] = (response, conversation, size)
+    def put(self, response: dict, conversation: list[dict], items: list[dict]) -> None:
+        size = len(json.dumps(conversation)) + len(json.dumps(response)) + len(json.dumps(items))
+        self._entries[response["id"]] = (response, conversation, items, size)
         self._size += size
         while self._entries and (len(self._entries) > self.capacity or self._size > self.chars):
-            _, (_, _, dropped) = self._entries.popitem(last=False)
-            self._size -= dropped
+            self.delete(next(iter(self._entries)))
 
     def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
         entry = self._entries.get(response_id)
@@ -272,6 +269,16 @@ class ResponseStore:
             return None
         self._entries.move_to_end(response_id)
         return entry[0], entry[1]
+
+    def items(self, response_id: str) -> list[dict] | None:
+        entry = self._entries.get(response_id)
+        return None if entry is None else entry[2]
+
+    def delete(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self._size -= entry[3]
+        return entry is not None
 
 
 class ResponsesAPI:
@@ -284,16 +291,57 @@ class ResponsesAPI:
         return [*(route(path, self.create, ["POST"]) for path in ("/v1/responses", "/responses")),
                 *(route(path, self.input_tokens, ["POST"])
                   for path in ("/v1/responses/input_tokens", "/responses/input_tokens")),
-                route("/v1/responses/{response_id}", self.retrieve, ["GET"])]
+                route("/v1/responses/{response_id}", self.retrieve, ["GET"]),
+                route("/v1/responses/{response_id}", self.delete, ["DELETE"]),
+                route("/v1/responses/{response_id}/input_items", self.input_items, ["GET"])]
 
-    async def retrieve(self, request: Request) -> Response:
+    def _stored(self, request: Request) -> str:
+        """The stored response the path names (its id), else a 404."""
         self.server._check(request)
         response_id = request.path_params["response_id"]
-        stored = self.store.get(response_id)
-        if stored is None:
+        if self.store.items(response_id) is None:
             raise APIError(404, f"Response with id '{response_id[:100]}' not found.",
                            param="response_id", code="not_found")
-        return JSONResponse(stored[0])
+        return response_id
+
+    async def retrieve(self, request: Request) -> Response:
+        return JSONResponse(self.store.get(self._stored(request))[0])
+
+    async def delete(self, request: Request) -> Response:
+        """DELETE /v1/responses/{id}: forgets a stored response (a later previous_response_id
+        naming it is a 400)."""
+        response_id = self._stored(request)
+        self.store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def input_items(self, request: Request) -> Response:
+        """GET /v1/responses/{id}/input_items: the items the response's request gave, a page
+        at a time as OpenAI lists them (`order` desc by default, `limit` 1 to 100 (20), `after`
+        and `before` an item id; `include` changes nothing)."""
+        items = self.store.items(self._stored(request))
+        query = request.query_params
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f'"order" must be asc or desc, got {order[:20]!r}', param="order")
+        limit = query.get("limit", "20")
+        if not (limit.isdigit() and 1 <= int(limit) <= 100):
+            raise APIError(400, f'"limit" must be an integer from 1 to 100, got {limit[:20]!r}', param="limit")
+        listed = items if order == "asc" else items[::-1]
+        ids = [item["id"] for item in listed]
+        start, end = 0, len(listed)
+        for name in ("after", "before"):
+            cursor = query.get(name)
+            if cursor is not None and cursor not in ids:
+                raise APIError(400, f'"{name}" names no input item of this response', param=name)
+        if "after" in query:
+            start = ids.index(query["after"]) + 1
+        if "before" in query:
+            end = ids.index(query["before"])
+        page = listed[start:end][:int(limit)]
+        return JSONResponse({"object": "list", "data": page,
+                             "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None,
+                             "has_more": end - start > len(page)})
 
     def _parsed(self, body: Any) -> tuple[protocol.ParsedRequest, list[dict]]:
         """A Responses body as the chat request that answers it (after the conversation its
@@ -356,7 +404,8 @@ class _Run:
     def __init__(self, api: ResponsesAPI, body: dict, parsed: protocol.ParsedRequest,
                  conversation: list[dict] | None):
         self.api, self.parsed, self.conversation = api, parsed, conversation
-        self.id = _new_id("resp")
+        self.items = input_items(body["input"]) if conversation is not None else []
+        self.id = new_id("resp")
         self.created = int(time.time())
         sampling = parsed.params.sampling
         text = body.get("text") or {}
@@ -397,7 +446,7 @@ class _Run:
         output.finish(status)
         response = self.response(status, output.output, _usage(record, output.reasoning_tokens))
         if self.conversation is not None:
-            self.api.store.put(response, [*self.conversation, _assistant_turn(output)])
+            self.api.store.put(response, [*self.conversation, _assistant_turn(output)], self.items)
         return response
 
     async def events(self, stream) -> AsyncIterator[str]:

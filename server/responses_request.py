@@ -31,6 +31,7 @@ which never occur, and `reasoning.encrypted_content`, as reasoning is returned i
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 from cadence.server import parsing, protocol
@@ -113,6 +114,31 @@ def _check_keys(item: dict, allowed: dict[str, type], where: str) -> None:
     wrong = next((k for k, kind in allowed.items() if k in item and not isinstance(item[k], kind)), None)
     if wrong is not None:
         raise _error(f"{where}.{wrong} must be {parsing._TYPE_NAMES[allowed[wrong]]}", "input")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+_ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items(items: str | list[dict]) -> list[dict]:
+    """`input` (as `input_messages` took it) as OpenAI lists a response's input items: each
+    with an id (its own, else a new one) and a status, a message's content as parts."""
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    listed = []
+    for item in items:
+        kind = item.get("type", "message")
+        entry = {**item, "type": kind, "id": item.get("id") or new_id(_ITEM_IDS[kind])}
+        if kind == "message" and isinstance(item["content"], str):
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            entry["content"] = [{"type": part, "text": item["content"]}]
+        if kind != "reasoning":
+            entry.setdefault("status", "completed")
+        listed.append(entry)
+    return listed
 
 
 def input_messages(items: Any) -> list[dict]:

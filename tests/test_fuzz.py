@@ -412,6 +412,8 @@ CASES = [  # (path, method, mode, examples); operations without inputs have no n
     ("/v1/responses", "POST", POSITIVE, 100),
     ("/v1/responses", "POST", NEGATIVE, 100),
     ("/v1/responses/{response_id}", "GET", POSITIVE, 5),
+    ("/v1/responses/{response_id}", "DELETE", POSITIVE, 5),
+    ("/v1/responses/{response_id}/input_items", "GET", POSITIVE, 20),
     ("/v1/messages", "POST", POSITIVE, 100),
     ("/v1/messages", "POST", NEGATIVE, 100),
     ("/v1/messages/count_tokens", "POST", POSITIVE, 30),

@@ -252,6 +252,41 @@ def test_previous_response_id_chains_stored_responses(client):
         client.responses.retrieve(unstored.id)
 
 
+def test_a_stored_responses_input_items_are_listed_and_it_can_be_deleted(client, url):
+    """GET /v1/responses/{id}/input_items lists the request's own input, newest first unless
+    asked, a page at a time; DELETE forgets the response, which nothing can name after."""
+    given = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+             {"role": "assistant", "content": "Hello.", "id": "msg_mine"}, {"role": "user", "content": "Again"}]
+    first = client.responses.create(model=MODEL, input=given, max_output_tokens=2, temperature=0)
+    newest = client.responses.input_items.list(first.id)
+    assert [(i.type, i.role, i.content[0].text) for i in newest.data] == [
+        ("message", "user", "Again"), ("message", "assistant", "Hello."), ("message", "user", "Hi"),
+        ("message", "developer", "Be brief.")]
+    assert newest.data[1].id == "msg_mine" and newest.data[1].content[0].type == "output_text"
+    assert all(i.id.startswith("msg_") and i.status == "completed" for i in newest.data)
+    assert not newest.has_more and newest.first_id == newest.data[0].id
+    pages = list(client.responses.input_items.list(first.id, order="asc", limit=3).iter_pages())
+    assert [len(p.data) for p in pages] == [3, 1] and pages[0].has_more and not pages[1].has_more
+    assert [i.id for p in pages for i in p.data] == [i.id for i in reversed(newest.data)]
+    second = client.responses.create(model=MODEL, input="Two", max_output_tokens=2, previous_response_id=first.id)
+    (only,) = client.responses.input_items.list(second.id).data
+    assert (only.role, only.content[0].type, only.content[0].text) == ("user", "input_text", "Two")
+    for query, param in (("limit=0", "limit"), ("order=up", "order"), ("after=msg_nope", "after")):
+        refused = httpx.get(f"{url}/v1/responses/{first.id}/input_items?{query}", timeout=TIMEOUT)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+
+    deleted = httpx.delete(f"{url}/v1/responses/{first.id}", timeout=TIMEOUT)
+    assert deleted.json() == {"id": first.id, "object": "response", "deleted": True}
+    for gone in (lambda: client.responses.retrieve(first.id), lambda: client.responses.delete(first.id),
+                 lambda: client.responses.input_items.list(first.id)):
+        with pytest.raises(openai.NotFoundError):
+            gone()
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL, input="x", previous_response_id=first.id)
+    assert client.responses.retrieve(second.id).id == second.id
+
+
 @pytest.mark.parametrize("body, param, words", [
     ({"input": "x", "frobnicate": 1}, "frobnicate", "unrecognized"),
     ({}, "input", "required"),
