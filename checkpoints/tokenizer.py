@@ -163,7 +163,7 @@ class Tokenizer:
     def __init__(self, *, pieces: list[str], piece_bytes: list[bytes],
                  added: dict[int, tuple[str, bool]], special: set[int], bos: int | str | None,
                  eos: Sequence[int | str | None], add_bos: bool | None,
-                 chat_template: str | None, space_mode: int,
+                 chat_template: str | None, space_mode: int, add_eos: bool | None = None,
                  hf: tokenizers.Tokenizer | None = None,
                  sp: sentencepiece.SentencePieceProcessor | None = None) -> None:
         self._hf, self._sp, self._space_mode, self._pieces = hf, sp, space_mode, pieces
@@ -194,8 +194,8 @@ class Tokenizer:
         self.add_bos: bool = bool(add_bos) and self.bos_id is not None
         # Whether the model's texts end with its EOS (tokenizer.ggml.add_eos_token, HF's
         # add_eos_token or post-processor: embedding models such as Qwen3-Embedding, pooled
-        # at their last token): `with_eos`. Set by the constructors.
-        self.add_eos: bool = False
+        # at their last token): `with_eos`.
+        self.add_eos: bool = bool(add_eos) and self._eos_id is not None
         self.chat_template: str | None = chat_template
         # More variables for every render (a server's --chat_template_kwargs), beneath a
         # request's own.
@@ -328,25 +328,23 @@ class Tokenizer:
                   eos=[fields.get("tokenizer.ggml.eos_token_id"),
                        fields.get("tokenizer.ggml.eot_token_id"),
                        fields.get("tokenizer.ggml.eom_token_id"), *end_of_generation(tokens, types)],
-                  chat_template=fields.get("tokenizer.chat_template"))
+                  chat_template=fields.get("tokenizer.chat_template"),
+                  add_eos=bool(fields.get("tokenizer.ggml.add_eos_token")))
         kind = fields.get("tokenizer.ggml.model")
         add_bos = fields.get("tokenizer.ggml.add_bos_token")
         if kind == "gpt2":  # llama.cpp's default for BPE vocabularies: no BOS, but Llama 3's and Tekken's
             hf = _gguf_bpe(fields, tokens, types)
             add_bos = _pre_of(fields).add_bos if add_bos is None else bool(add_bos)
-            tok = cls._from_hf(hf, json.loads(hf.to_str()), add_bos=add_bos, **kw)
-        elif kind == "llama":  # llama.cpp's default for SentencePiece vocabularies: BOS
+            return cls._from_hf(hf, json.loads(hf.to_str()), add_bos=add_bos, **kw)
+        if kind == "llama":  # llama.cpp's default for SentencePiece vocabularies: BOS
             proto = _spm_proto_from_gguf(fields, tokens, types)
             # llama.cpp cuts user-defined pieces out of the raw text first (Gemma's runs of
             # spaces, tabs and newlines, which SentencePiece, reading spaces as "▁", never meets).
             user = {i: (tokens[i], False) for i, t in enumerate(types) if t == 4}  # user-defined
-            tok = cls._from_sp(proto, user, add_bos=add_bos is None or bool(add_bos), **kw)
-        else:
-            raise TokenizerError(f"unsupported tokenizer.ggml.model {kind!r} (cadence reads 'gpt2' "
-                                 "and 'llama'); load the model's Hugging Face tokenizer with "
-                                 "Tokenizer.from_hf_dir instead")
-        tok.add_eos = bool(fields.get("tokenizer.ggml.add_eos_token")) and tok._eos_id is not None
-        return tok
+            return cls._from_sp(proto, user, add_bos=add_bos is None or bool(add_bos), **kw)
+        raise TokenizerError(f"unsupported tokenizer.ggml.model {kind!r} (cadence reads 'gpt2' "
+                             "and 'llama'); load the model's Hugging Face tokenizer with "
+                             "Tokenizer.from_hf_dir instead")
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
@@ -369,24 +367,17 @@ class Tokenizer:
         eos = [_token_text(cfg.get("eos_token", smap.get("eos_token"))),
                *cfg.get("eos_token_ids", []), *gen_eos]
         bos = _token_text(cfg.get("bos_token", smap.get("bos_token"))) or gen.get("bos_token_id")
-        kw = dict(bos=bos, eos=eos, chat_template=template, add_bos=cfg.get("add_bos_token"))
-        add_eos = cfg.get("add_eos_token")
+        kw = dict(bos=bos, eos=eos, chat_template=template, add_bos=cfg.get("add_bos_token"),
+                  add_eos=cfg.get("add_eos_token"))
         try:
             if (path / "tokenizer.json").is_file():
                 text = (path / "tokenizer.json").read_text(encoding="utf-8")
-                hf = tokenizers.Tokenizer.from_str(text)
-                tok = cls._from_hf(hf, json.loads(text), **kw)
-                if add_eos is None and tok._eos_id is not None:  # the post-processor says
-                    add_eos = hf.encode("a", add_special_tokens=True).ids[-1:] == [tok._eos_id]
-                tok.add_eos = bool(add_eos) and tok._eos_id is not None
-                return tok
+                return cls._from_hf(tokenizers.Tokenizer.from_str(text), json.loads(text), **kw)
             if (path / "tokenizer.model").is_file():
                 extra = {int(k): (v["content"], bool(v.get("special")))
                          for k, v in cfg.get("added_tokens_decoder", {}).items()}
                 kw["add_bos"] = kw["add_bos"] is None or kw["add_bos"]  # LlamaTokenizer's default
-                tok = cls._from_sp((path / "tokenizer.model").read_bytes(), extra, **kw)
-                tok.add_eos = bool(add_eos) and tok._eos_id is not None
-                return tok
+                return cls._from_sp((path / "tokenizer.model").read_bytes(), extra, **kw)
         except TokenizerError:
             raise
         except Exception as e:  # noqa: BLE001 - tokenizers/sentencepiece raise bare Exception
@@ -397,7 +388,7 @@ class Tokenizer:
 
     @classmethod
     def _from_hf(cls, hf: tokenizers.Tokenizer, spec: dict, *, add_bos: bool | None,
-                 **kw: Any) -> Tokenizer:
+                 add_eos: bool | None = None, **kw: Any) -> Tokenizer:
         style, space_mode = _classify_tokenizer_json(spec)
         pieces = [hf.id_to_token(i) or "" for i in range(hf.get_vocab_size(with_added_tokens=True))]
         piece_bytes = [byte_level_piece_bytes(p) if style == "byte_level"
@@ -405,10 +396,15 @@ class Tokenizer:
         added = {i: (t.content, t.special) for i, t in hf.get_added_tokens_decoder().items()}
         tok = cls(pieces=pieces, piece_bytes=piece_bytes, added=added, special=set(),
                   add_bos=False, space_mode=space_mode, hf=hf, **kw)
+        # No add_bos_token or add_eos_token in the config (Llama 3's BOS, Qwen3-Embedding's
+        # EOS): the post-processor says.
+        marked = hf.encode("a", add_special_tokens=True).ids
         if add_bos is None and tok.bos_id is not None:
-            # No add_bos_token in the config (Llama 3): the post-processor says.
-            add_bos = hf.encode("a", add_special_tokens=True).ids[:1] == [tok.bos_id]
+            add_bos = marked[:1] == [tok.bos_id]
         tok.add_bos = bool(add_bos) and tok.bos_id is not None
+        if add_eos is None and tok._eos_id is not None:
+            add_eos = marked[-1:] == [tok._eos_id]
+        tok.add_eos = bool(add_eos) and tok._eos_id is not None
         return tok
 
     @classmethod

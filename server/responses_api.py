@@ -22,6 +22,7 @@ most recent, in count and in characters); a stored response keeps its whole conv
 (earlier turns, input, output), which `previous_response_id` puts before the next request's
 input.
 """
+
 from __future__ import annotations
 
 import collections
