@@ -3,7 +3,7 @@
     app = create_app(scheduler, tokenizer, model_name="smollm2-135m", warmup=engine.warmup)
 
 Routes: POST /v1/completions and POST /v1/chat/completions (each streaming over Server-Sent
-Events or not) are here; POST /v1/responses and GET /v1/responses/{id} (OpenAI's Responses API,
+Events, `server/openai_stream.py`, or not) are here; POST /v1/responses and GET /v1/responses/{id} (OpenAI's Responses API,
 on the chat path) are `server/responses_api.py`; llama-server's own POST /completion and /infill
 are `server/llama_api.py`; the routes that describe the server rather than
 generate (models, /tokenize and /detokenize, /health, /metrics, what sglang-router asks a worker,
@@ -30,7 +30,7 @@ import hmac
 import inspect
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from contextlib import asynccontextmanager
 
@@ -50,19 +50,18 @@ from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.grammar import BadWords, Grammar, GrammarCompiler, GrammarError, TokenSet
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
-from cadence.scheduler.stream import merged
 from cadence.server import client_json, llama_sampling, parsing, protocol, reasoning
 from cadence.server.api_error import APIError
 from cadence.server.embeddings_api import EmbeddingsAPI
 from cadence.server.llama_api import LlamaAPI, fill_ids
 from cadence.server.lora_api import LoraAPI
 from cadence.server.messages_api import MessagesAPI
+from cadence.server.openai_stream import sse_frames
 from cadence.server.info_api import InfoAPI
 from cadence.server.metrics import Metrics
 from cadence.server.served_models import ServedModels
 from cadence.server.responses_api import ResponsesAPI
-from cadence.server.tool_call_parser import Delta
-from cadence.server.tool_requests import ToolRequest, call_style
+from cadence.server.tool_requests import call_style
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
@@ -375,13 +374,11 @@ class Server:
         headers = {"X-Request-Id": request_id}
         echoes = [protocol.Echo.of(self.tokenizer, g[0].request.prompt_ids) if parsed.echo else None
                   for g in groups]
-        tools = parsed.tools if parsed.parses_tool_calls else None
         if parsed.stream:
-            frames = self._sse(groups, request_id, chat, parsed.include_usage, echoes, tools,
-                               parsed.tokens_as_ids, parsed.reasoning_inside, parsed.continuous_usage,
-                               parsed.token_ids, parsed.model)
+            frames = sse_frames(self, parsed, groups, request_id, chat, echoes)
             return StreamingResponse(frames, media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
+        tools = parsed.tools if parsed.parses_tool_calls else None
         streams = [s for g in groups for s in g]
         # A thinking model's reasoning tokens, counted token by token (usage's details).
         thinkers = ([reasoning.ReasoningParser(parsed.reasoning_inside) for _ in streams]
@@ -421,135 +418,6 @@ class Server:
             return list(await asyncio.gather(*map(drain, range(len(streams)), streams)))
         finally:
             watcher.cancel()
-
-    async def _sse(self, groups: list[list[RequestStream]], request_id: str, chat: bool,
-                   include_usage: bool, echoes: list[protocol.Echo | None],
-                   tools: ToolRequest | None = None, tokens_as_ids: bool = False,
-                   reasoning_inside: bool | None = None, continuous: bool = False,
-                   token_ids: bool = False, model: str | None = None) -> AsyncIterator[str]:
-        """The streams' events as SSE frames, each choice's chunks under its index (prompt by
-        prompt, then choice: streamed requests have no best_of, so stream i is choice i).
-        Every event waiting when the loop gets to this request goes out in one write: when the
-        loop runs behind the scheduler (many streams, a fast device), tokens are coalesced
-        instead of each paying for a send. One choice failing ends the response with the error.
-        With an echo (completions), each choice's first chunk is its prompt. With `tools` (chat,
-        calls parsed), each choice's text goes through its `ToolCallParser`: content as
-        content, calls as `tool_calls` deltas, and "tool_calls" as the finish reason of an
-        answer with calls that was not cut off. `tokens_as_ids`: logprobs name tokens by id.
-        `reasoning_inside` (chat; None: not split): each choice's text goes first through a
-        `ReasoningParser`, its reasoning streamed as `reasoning_content`, the rest as content.
-        `continuous`: every chunk carries its choice's usage so far (vLLM's). `token_ids`
-        (vLLM's return_token_ids): every token's chunk goes out carrying its ids, and the
-        prompt's ids go in the response's first chunk (chat) or each choice's (completions).
-        `model`: the request's, which names its chunks' model where it is an adapter."""
-        created, name = int(time.time()), self.models.answer(model)
-        streams = [s for group in groups for s in group]
-        # Each stream's prompt: its echo, and the stream that computes the prompt's logprobs.
-        echo_of = [echo for echo, group in zip(echoes, groups) for _ in group]
-        head_of = [group[0] for group in groups for _ in group]
-        first = [True] * len(streams)
-        text_frames = [protocol.TextFrames(request_id, name, chat, created, i) for i in range(len(streams))]
-        thinkers = [None if reasoning_inside is None else reasoning.ReasoningParser(reasoning_inside)
-                    for _ in streams]
-        thought_frames = [protocol.TextFrames(request_id, name, chat, created, i, reasoning=True)
-                          if thinker else None for i, thinker in enumerate(thinkers)]
-        logprobs = [protocol.LogprobFormat(self.tokenizer, chat, tokens_as_ids) for _ in streams]
-        parsers = [self.call_style.parser(tools.names) if tools else None for _ in streams]
-        records: list[RequestRecord | None] = [None] * len(streams)
-        counted = [0] * len(streams)  # each choice's tokens so far
-        # Whose prompt ids are still to go out (return_token_ids): a chat's once, with whichever
-        # choice's chunk goes first; a completion's in each choice's first chunk.
-        prompt_due = set(range(1 if chat else len(streams))) if token_ids else set()
-
-        def prompt_of(i: int) -> list[int] | None:
-            due = 0 if chat else i
-            if due not in prompt_due:
-                return None
-            prompt_due.discard(due)
-            return list(streams[i].request.prompt_ids)
-
-        def framed(i: int, chunk: dict) -> None:  # with continuous usage, its choice's so far
-            usage = protocol.usage_so_far(streams[i].request.prompt_len, counted[i]) if continuous else None
-            frames.append(protocol.frame(chunk if usage is None else {**chunk, "usage": usage}))
-
-        def emit(i: int, thought: str, text: str, lp: dict | None = None, always: bool = False,
-                 delta: Delta | None = None, ids: list[int] | None = None) -> None:
-            """Choice i's reasoning and answer text (the answer through its tool-call parser, or
-            that parser's `delta` as given), as chunks: plain text frames where nothing else
-            goes with them, else one chunk (a chat's first, one with logprobs (`always`: sent
-            even empty), or one with calls). At the end nothing empty is sent."""
-            calls = None
-            if delta is None and parsers[i] is not None:
-                delta = parsers[i].feed(text)
-            if delta is not None:
-                text, calls = delta.content, delta.tool_calls
-            whole = always or calls or (chat and first[i] and (records[i] is None or text or thought))
-            if whole or (continuous and (text or thought)):  # (usage goes in a whole chunk)
-                framed(i, protocol.chunk(
-                    request_id, name, chat, text if text or not thought else None, None, created,
-                    first[i], lp, i, calls, reasoning=thought or None, token_ids=ids,
-                    prompt_ids=prompt_of(i)))
-                first[i] = False
-                return
-            if thought:
-                frames.append(thought_frames[i](thought))
-            if text:
-                frames.append(text_frames[i](text))
-
-        try:
-            async for batch in merged(streams):
-                frames = []
-                for i, event in batch:
-                    echo = echo_of[i]
-                    if echo is not None and first[i]:
-                        lp = (logprobs[i].prompt(echo, head_of[i].request.prompt_logprobs,
-                                                 streams[i].request.params.logprobs)
-                              if streams[i].request.logprobs is not None else None)
-                        framed(i, protocol.chunk(request_id, name, chat, echo.text, None, created,
-                                                 logprobs=lp, index=i, prompt_ids=prompt_of(i)))
-                        first[i] = False
-                    if isinstance(event, TokenEvent):
-                        counted[i] += len(event.token_ids)
-                        thought, text = "", event.text
-                        if thinkers[i] is not None:
-                            thought, text = thinkers[i].feed(text)
-                        lp = None if event.logprobs is None else logprobs[i](event.logprobs)
-                        # with logprobs or token ids, every token's chunk goes out, text or not
-                        emit(i, thought, text, lp, always=event.logprobs is not None or token_ids,
-                             ids=list(event.token_ids) if token_ids else None)
-                        continue
-                    records[i] = event
-                    called = False
-                    if event.finish_reason != "error":  # what the parsers held back, at the end
-                        if thinkers[i] is not None:
-                            emit(i, *thinkers[i].finish())
-                        if parsers[i] is not None:
-                            emit(i, "", "", delta=parsers[i].finish())
-                            called = bool(parsers[i].calls)
-                    reason = protocol.finish_reason(event, called)
-                    if event.finish_reason == "error":
-                        error = APIError(500, f"generation failed: {event.error}", type="server_error")
-                        frames.append(protocol.frame(error.body()) + "data: [DONE]\n\n")
-                        break
-                    counted[i] = event.output_tokens
-                    framed(i, protocol.chunk(request_id, name, chat, None if chat else "", reason, created,
-                                             index=i, stop_reason=event.stop_reason))
-                    if all(r is not None for r in records):
-                        if include_usage:
-                            done = iter(records)
-                            frames.append(protocol.frame(protocol.usage_chunk(
-                                request_id, name, chat, [[next(done) for _ in g] for g in groups],
-                                created, None if reasoning_inside is None else
-                                sum(t.reasoning_pieces for t in thinkers))))
-                        frames.append("data: [DONE]\n\n")
-                if frames:
-                    yield "".join(frames)
-                if any(r is not None and r.finish_reason == "error" for r in records):
-                    break
-        finally:
-            for stream in streams:
-                if stream.record is None:  # the client went away mid-stream, or a choice failed
-                    stream.cancel()
 
 
 def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Sequence[str], *,
