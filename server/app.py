@@ -388,6 +388,8 @@ class Server:
         failed = next((r for r in records if r.finish_reason == "error"), None)
         if failed is not None:
             raise APIError(500, f"generation failed: {failed.error}", type="server_error")
+        if parsed.prompt_only:
+            records = list(map(protocol.prompt_alone, records))
         per_prompt = len(groups[0])
         answers = []
         for k, echo in enumerate(echoes):

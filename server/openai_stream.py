@@ -29,7 +29,8 @@ async def sse_frames(server: Server, parsed: ParsedRequest, groups: list[list[Re
     i). Every event waiting when the loop gets to this request goes out in one write: when the
     loop runs behind the scheduler (many streams, a fast device), tokens are coalesced instead
     of each paying for a send. One choice failing ends the response with the error. With an
-    echo (completions), each choice's first chunk is its prompt. As the request asks:
+    echo (completions), each choice's first chunk is its prompt (and with `prompt_only`, its
+    only one but the end). As the request asks:
     - tools (chat, calls parsed): each choice's text goes through its `ToolCallParser`:
       content as content, calls as `tool_calls` deltas, and "tool_calls" as the finish reason
       of an answer with calls that was not cut off;
@@ -110,6 +111,8 @@ async def sse_frames(server: Server, parsed: ParsedRequest, groups: list[list[Re
                     framed(i, protocol.chunk(request_id, name, chat, echo.text, None, created,
                                              logprobs=lp, index=i, prompt_ids=prompt_of(i)))
                     first[i] = False
+                if isinstance(event, TokenEvent) and parsed.prompt_only:
+                    continue  # (its one token, hidden)
                 if isinstance(event, TokenEvent):
                     counted[i] += len(event.token_ids)
                     thought, text = "", event.text
@@ -120,6 +123,8 @@ async def sse_frames(server: Server, parsed: ParsedRequest, groups: list[list[Re
                     emit(i, thought, text, lp, always=event.logprobs is not None or token_ids,
                          ids=list(event.token_ids) if token_ids else None)
                     continue
+                if parsed.prompt_only and event.finish_reason != "error":
+                    event = protocol.prompt_alone(event)
                 records[i] = event
                 called = False
                 if event.finish_reason != "error":  # what the parsers held back, at the end

@@ -117,6 +117,9 @@ class ParsedRequest:
     dry_breakers: tuple[str, ...] = ()  # llama.cpp's DRY's, as text (`llama_sampling.DryBreakers`)
     add_bos: bool | None = None  # vLLM's add_special_tokens (`parsing.add_bos`)
     token_rules: parsing.TokenRules | None = None  # vLLM's allowed_token_ids or bad_words
+    # A completion's max_tokens 0 with echo (OpenAI's prompt scoring): the prompt (and its
+    # logprobs) alone, each choice's one sampled token hidden (`prompt_alone`).
+    prompt_only: bool = False
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -193,6 +196,7 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
         raise SubmissionError(f'"best_of" must be in [n={n}, {max_n}], got {best_of}', "best_of")
     model = parsing.field(body, "model", (str,))
     prompts = messages = None
+    prompt_only = not chat and _prompt_only(body)
     if chat:
         messages = parsing.chat_messages(parsing.field(body, "messages", (list,)))
         # max_completion_tokens is OpenAI's newer name; both are checked, max_tokens wins.
@@ -200,6 +204,8 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
                                             max_tokens_fields=("max_tokens", "max_completion_tokens"))
     else:
         prompts = prompts_of(body.get("prompt"))
+        if prompt_only:  # its one token is computed and never shown
+            body = {**body, "max_tokens": 1}
         params = parsing.generation_params(
             body, dataclasses.replace(defaults, max_tokens=COMPLETION_MAX_TOKENS))
     if any(body.get(name) is not None for name in ("repeat_penalty", "repeat_last_n")):
@@ -243,6 +249,7 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
                          token_ids=parsing.field(body, "return_token_ids", (bool,), False),
                          prediction=parsing.prediction(body) if chat else None,
                          truncate=parsing.truncation(body, fill=suffix is not None), dry_breakers=breakers,
+                         prompt_only=prompt_only,
                          add_bos=parsing.add_bos(body, fill=suffix is not None),
                          token_rules=parsing.token_rules(body))
 
@@ -260,6 +267,23 @@ def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> lis
         return value
     raise SubmissionError(f'"{name}" must be a string, an array of token ids, or an array of '
                           "either (a batch)", name)
+
+
+def _prompt_only(body: dict) -> bool:
+    """A completion's `max_tokens: 0`: with echo, the prompt alone; else a 400."""
+    if body.get("max_tokens") != 0 or isinstance(body.get("max_tokens"), bool):
+        return False
+    if body.get("echo") is not True:
+        raise SubmissionError('"max_tokens": 0 needs "echo": true (it returns the prompt alone, '
+                              'with its logprobs where asked)', "max_tokens")
+    return True
+
+
+def prompt_alone(record: RequestRecord) -> RequestRecord:
+    """A `prompt_only` completion's record as its answer shows it: nothing generated, cut at
+    its limit."""
+    return dataclasses.replace(record, text="", output_tokens=0, finish_reason="length", stop_reason=None,
+                               output_ids=[], logprobs=None if record.logprobs is None else [])
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

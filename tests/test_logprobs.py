@@ -231,6 +231,39 @@ def test_echo_over_http(tiny_engine, tiny_tokenizer, tiny_params, tiny_config):
     assert two["usage"]["prompt_tokens"] == len(ids)
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(tiny_engine, tiny_tokenizer, tiny_params, tiny_config):
+    """OpenAI's prompt scoring: max_tokens 0 with echo answers the prompt and its logprobs,
+    nothing generated (usage 0, finish "length"), whole or streamed, one or several prompts
+    and choices; max_tokens 0 without echo is a 400."""
+    prompt = "a b c the cat sat on the mat"
+    ids = tiny_tokenizer.encode(prompt)
+    reference = log_softmax(sequence_logits(tiny_params, tiny_config, ids))
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2,
+            "temperature": 1.0}
+    with serving(tiny_engine, tiny_tokenizer) as (base, _):
+        post = lambda b: httpx.post(f"{base}/v1/completions", json=b, timeout=60)  # noqa: E731
+        whole = post(body).json()
+        many = post({**body, "prompt": [prompt, ids[:5]], "n": 2}).json()
+        streamed = post({**body, "stream": True, "stream_options": {"include_usage": True}})
+        refused = post({**body, "echo": False})
+    choice = whole["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == tiny_tokenizer.decode(ids) == "".join(lp["tokens"])
+    assert choice["finish_reason"] == "length" and len(lp["tokens"]) == len(ids)
+    np.testing.assert_allclose(lp["token_logprobs"][1:], [reference[p - 1, ids[p]] for p in range(1, len(ids))],
+                               atol=1e-4)
+    usage = whole["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (len(ids), 0, len(ids))
+    assert [c["text"] for c in many["choices"]] == [choice["text"]] * 2 + [tiny_tokenizer.decode(ids[:5])] * 2
+    assert many["usage"]["completion_tokens"] == 0
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert texts == [choice["text"], ""] and chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[0]["choices"][0]["logprobs"]["tokens"] == lp["tokens"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
 def test_prompt_logprobs_over_http(tiny_engine, tiny_tokenizer, tiny_params, tiny_config):
     """vLLM's prompt_logprobs: each prompt token's logprob, rank and k alternatives by id, in
     every choice of a completion and once in a chat's response; beside echo's logprobs of
