@@ -73,7 +73,7 @@ from tqdm import tqdm
 from cadence.checkpoints.errors import CheckpointError
 from cadence.scheduler.errors import NotRunning, Overloaded, SubmissionError
 from cadence.scheduler.request import FinishReason, RequestRecord
-from cadence.server import client_json, openai_batch, parsing, reasoning, runtime
+from cadence.server import client_json, entries, openai_batch, parsing, reasoning, runtime
 from cadence.server.app import ServerConfig
 from cadence.server.openai_batch import Totals
 from cadence.server.embeddings_api import normalized
@@ -265,7 +265,7 @@ def run_jobs(rt: runtime.Runtime, work: list[tuple[Job, list[int], Any]], output
 
 
 def run_own_lines(rt: runtime.Runtime, todo: list[Job], output: Path, report) -> Totals:
-    """cadence's own lines: each parsed as `parsing.to_request` (an invalid one is reported and
+    """cadence's own lines: each parsed as `entries.to_request` (an invalid one is reported and
     counted failed), then all through the scheduler (`run_jobs`)."""
     defaults = parsing.defaults_from_flags(rt.model.generation)
     splits = reasoning.parser_on(REASONING_PARSER.value, rt.model.tokenizer.chat_template)
@@ -274,7 +274,7 @@ def run_own_lines(rt: runtime.Runtime, todo: list[Job], output: Path, report) ->
     work, invalid = [], 0
     for job in todo:
         try:
-            entry = parsing.to_request(job.entry, rt.model.tokenizer, defaults,
+            entry = entries.to_request(job.entry, rt.model.tokenizer, defaults,
                                         extra_fields=("id", "model"), max_seq_len=rt.scheduler.max_seq_len,
                                         grammars=grammars, splits_reasoning=splits,
                                         pooling=pooling(rt.model.config))

@@ -25,7 +25,7 @@ from cadence.checkpoints.errors import CheckpointError
 from cadence.scheduler.errors import Overloaded, SubmissionError
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.trace import write_chrome_trace
-from cadence.server import client_json, parsing, runtime
+from cadence.server import client_json, entries, parsing, runtime
 
 _PROMPT = flags.DEFINE_string("prompt", None, "A prompt.")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "File of prompts: one per line, or JSONL.")
@@ -80,14 +80,14 @@ def main(argv: list[str]) -> int:
     try:
         rt = runtime.build_from_flags()
         tok = rt.model.tokenizer
-        entries = (
+        prompts = (
             [{"prompt": _PROMPT.value}] if _PROMPT.value is not None
             else read_prompts(Path(_PROMPTS_FILE.value))
         )
         defaults = parsing.defaults_from_flags(rt.model.generation)
         grammars = rt.grammars()
-        jobs = [parsing.to_request(e, tok, defaults, chat=_CHAT.value, grammars=grammars,
-                                    max_seq_len=rt.scheduler.max_seq_len)[:2] for e in entries]
+        jobs = [entries.to_request(e, tok, defaults, chat=_CHAT.value, grammars=grammars,
+                                   max_seq_len=rt.scheduler.max_seq_len)[:2] for e in prompts]
         if _ADAPTER.value is not None:
             jobs = [(ids, runtime.with_adapter(p, rt.adapters, _ADAPTER.value)) for ids, p in jobs]
     except (CheckpointError, SubmissionError, ValueError, OSError) as e:

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from cadence.scheduler.grammar import Choice, GrammarCompiler
-from cadence.server import parsing
+from cadence.server import entries
 from tests.conftest import serve_tiny
 from tests.structured_cases import SCHEMAS, schema_format
 
@@ -84,7 +84,7 @@ def test_a_streamed_choice_is_one_of_them(url):
 def test_a_batch_line_takes_them_too(tiny_tokenizer):
     grammars = GrammarCompiler(tiny_tokenizer, tiny_tokenizer.vocab_size)
     try:
-        entry = parsing.to_request({"prompt": "x", "guided_choice": ["a", "b"]}, tiny_tokenizer,
+        entry = entries.to_request({"prompt": "x", "guided_choice": ["a", "b"]}, tiny_tokenizer,
                                    grammars=grammars)
         assert entry.params.grammar.spec == Choice(("a", "b"))
     finally:

@@ -252,29 +252,29 @@ def test_a_batch_lines_reasoning_is_split_as_the_chat_api_splits_it():
     import copy
 
     from cadence.scheduler.request import RequestRecord
-    from cadence.server import parsing
+    from cadence.server import entries
     from cadence.server.batch_cli import Job, result_json
     from tests.fakes import TOK
 
     tokenizer = copy.copy(TOK)
     tokenizer.chat_template = THINKING_TEMPLATE
     entry = {"id": 1, "messages": ASK, "chat_template_kwargs": {"opened": True}}
-    request = parsing.to_request(entry, tokenizer, extra_fields=("id",), splits_reasoning=True)
+    request = entries.to_request(entry, tokenizer, extra_fields=("id",), splits_reasoning=True)
     assert request.reasoning_inside is True
     assert tokenizer.decode(request.ids).endswith("<|im_start|>assistant\n<think>\n")
-    off = parsing.to_request({**entry, "chat_template_kwargs": {"enable_thinking": False}}, tokenizer,
+    off = entries.to_request({**entry, "chat_template_kwargs": {"enable_thinking": False}}, tokenizer,
                              extra_fields=("id",), splits_reasoning=True)
     assert off.reasoning_inside is False
-    assert parsing.to_request(entry, tokenizer, extra_fields=("id",)).reasoning_inside is None
+    assert entries.to_request(entry, tokenizer, extra_fields=("id",)).reasoning_inside is None
     # A format applies after the reasoning, which the prompt opened here.
     from cadence.scheduler.grammar import GrammarCompiler, JsonObject, Thinking
 
-    shaped = parsing.to_request({**entry, "response_format": {"type": "json_object"}}, tokenizer,
+    shaped = entries.to_request({**entry, "response_format": {"type": "json_object"}}, tokenizer,
                                 extra_fields=("id",), splits_reasoning=True,
                                 grammars=GrammarCompiler(tokenizer, tokenizer.vocab_size))
     assert shaped.reasoning_inside is True and shaped.params.grammar.spec == Thinking(JsonObject(), opened=True)
     with pytest.raises(Exception, match="goes with"):
-        parsing.to_request({"prompt": "x", "chat_template_kwargs": {}}, tokenizer)
+        entries.to_request({"prompt": "x", "chat_template_kwargs": {}}, tokenizer)
 
     record = RequestRecord(request_id="1", prompt_tokens=9, output_tokens=12, finish_reason="stop",
                            submitted=0.0, admitted=0.0, first_token=0.1, finished=0.2,

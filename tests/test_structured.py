@@ -14,7 +14,7 @@ import pytest
 
 from cadence.engine.config import EngineConfig
 from cadence.engine.engine import Engine
-from cadence.server import parsing
+from cadence.server import entries, parsing
 from cadence.server.tool_requests import (GRANITE, HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, call_style,
                                           parse_tools)
 from tests.fakes import EOS, TOK, FakeEngine, byte_tokenizer
@@ -361,7 +361,7 @@ def test_mistral_templates_are_told_apart_by_their_tokens(style):
     assert call_style(with_template(MISTRAL_TEMPLATES[style])).name == HERMES
     # The batch job's and CLI's requests show them too, where the calls are parsed.
     for choice, shown in [("auto", found.shown), ("none", ())]:
-        entry = parsing.to_request({"messages": ASK, "tools": TOOLS, "tool_choice": choice},
+        entry = entries.to_request({"messages": ASK, "tools": TOOLS, "tool_choice": choice},
                                    mistral_tokenizer(style))
         assert entry.params.shown_specials == shown
 
