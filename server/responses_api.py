@@ -17,6 +17,10 @@ does each of its text deltas; a token whose text went to reasoning or to a call 
 Streaming sends OpenAI's typed events (`event: <type>` + `data: <json>`, with increasing
 `sequence_number`), which the SDK's `responses.stream` accumulator reads unchanged.
 
+With `truncation: "auto"`, a conversation too long for the context loses its oldest turns (after
+its system messages) until it fits, or until only the last user turn is left (then the 400
+stands); what is stored is the whole conversation.
+
 `store` (default true, as OpenAI's) keeps a response in memory, bounded (`ResponseStore`: the
 most recent, in count and in characters); a stored response keeps its whole conversation
 (earlier turns, input, output), which `previous_response_id` puts before the next request's
@@ -26,6 +30,7 @@ input.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import time
 import uuid
@@ -44,7 +49,7 @@ from cadence.server.answer_parts import AnswerParts
 from cadence.server.api_error import APIError
 from cadence.server.info_api import input_tokens
 from cadence.server.reasoning import ReasoningParser
-from cadence.server.responses_request import ALLOWED, chat_body, input_items, new_id, renamed
+from cadence.server.responses_request import ALLOWED, chat_body, input_items, new_id, renamed, truncated
 from cadence.server.tool_call_parser import ToolCall, ToolCallParser
 
 if TYPE_CHECKING:
@@ -385,10 +390,16 @@ class ResponsesAPI:
         stream = parsing.field(body, "stream", (bool,), False)  # (both checked by _parsed)
         store = parsing.field(body, "store", (bool,), True)
         request_id = protocol.request_id(request.headers, "resp")
-        try:
-            groups = await server.submit(parsed, request_id)
-        except APIError as e:
-            raise renamed(e) from None
+        while True:
+            try:
+                groups = await server.submit(parsed, request_id)
+                break
+            except APIError as e:
+                shorter = (truncated(parsed.messages) if body.get("truncation") == "auto"
+                           and e.code == "context_length_exceeded" else None)
+                if shorter is None:
+                    raise renamed(e) from None
+                parsed = dataclasses.replace(parsed, messages=shorter)
         run = _Run(self, body, parsed, conversation if store else None)
         headers = {"X-Request-Id": request_id}
         if stream:
@@ -421,7 +432,8 @@ class _Run:
                      **({"verbosity": text["verbosity"]} if text.get("verbosity") else {})},
             "previous_response_id": body.get("previous_response_id"),
             "store": body.get("store") is not False, "metadata": body.get("metadata") or {},
-            "truncation": "disabled", "reasoning": body.get("reasoning"), "user": body.get("user"),
+            "truncation": body.get("truncation") or "disabled", "reasoning": body.get("reasoning"),
+            "user": body.get("user"),
             "background": False, "service_tier": body.get("service_tier"),
             "prompt_cache_key": body.get("prompt_cache_key"),
             "safety_identifier": body.get("safety_identifier"),

@@ -22,8 +22,8 @@ The chat body is parsed by `protocol.parse` as any chat's is:
 
 A `reasoning` item in `input` (a client that keeps the conversation itself sends back what it
 was given) becomes the next assistant turn's `reasoning_content`, which a template may show the
-model. Fields that would change the answer and are not implemented (`background`, `truncation:
-"auto"`, `prompt`, `conversation`, non-function tools, ...) are refused with a 400 naming them;
+model. Fields that would change the answer and are not implemented (`background`, `prompt`,
+`conversation`, non-function tools, ...) are refused with a 400 naming them;
 harmless ones are accepted and ignored (`include`'s other values: the hosted tools' results,
 which never occur, and `reasoning.encrypted_content`, as reasoning is returned in the clear).
 """
@@ -52,7 +52,7 @@ _IGNORED: dict[str, type] = {"metadata": dict, "user": str, "prompt_cache_key": 
                              "prompt_cache_retention": str}
 # Would change the answer; accepted only at their neutral values.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "background": (False,), "truncation": ("disabled",), "prompt": (),
+    "background": (False,), "truncation": ("disabled", "auto"), "prompt": (),
     "conversation": (), "max_tool_calls": (), "context_management": (),
 }
 # `include`'s values: the logprobs, and what cadence's output never holds (the hosted tools'
@@ -139,6 +139,15 @@ def input_items(items: str | list[dict]) -> list[dict]:
             entry.setdefault("status", "completed")
         listed.append(entry)
     return listed
+
+
+def truncated(messages: list[dict]) -> list[dict] | None:
+    """A chat without its oldest turn (`truncation: "auto"`): after the system messages, the
+    first message and what follows it up to the next user message, so what is left starts with
+    a user turn; None where only the last user turn is left."""
+    head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    after = next((i for i in range(head + 1, len(messages)) if messages[i]["role"] == "user"), None)
+    return None if after is None else messages[:head] + messages[after:]
 
 
 def input_messages(items: Any) -> list[dict]:

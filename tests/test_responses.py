@@ -287,6 +287,35 @@ def test_a_stored_responses_input_items_are_listed_and_it_can_be_deleted(client,
     assert client.responses.retrieve(second.id).id == second.id
 
 
+def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits(client):
+    """truncation "auto": a conversation past the context (512 tokens here) loses its oldest
+    turns after the system message, whole turns, until it fits: the answer is the chat's over
+    the turns kept. "disabled" refuses it; a last turn too long alone is refused either way."""
+    turn = "tell me about the old house on the hill " * 6
+    given = [{"role": "system", "content": "Be brief."}]
+    for i in range(8):
+        given += [{"role": "user", "content": f"{i}: {turn}"}, {"role": "assistant", "content": f"Reply {i}."}]
+    given.append({"role": "user", "content": "And now?"})
+    kwargs = dict(model=MODEL, input=given, max_output_tokens=4, temperature=0, store=False)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**kwargs)
+    assert refused.value.body["code"] == "context_length_exceeded"
+    answer = client.responses.create(**kwargs, truncation="auto")
+    assert answer.truncation == "auto" and answer.usage.input_tokens + 4 <= 512
+
+    def fitting(k: int):  # the chat of the system message and the turns from the k-th on, if it fits
+        try:
+            return chat(client, [given[0], *given[2 * k + 1:]], max_tokens=4)
+        except openai.BadRequestError:
+            return None
+
+    dropped, expected = next((k, r) for k in range(9) if (r := fitting(k)) is not None)
+    assert dropped > 0 and answer.usage.input_tokens == expected.usage.prompt_tokens
+    assert answer.output_text == expected.choices[0].message.content
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(**{**kwargs, "input": [{"role": "user", "content": turn * 20}]}, truncation="auto")
+
+
 @pytest.mark.parametrize("body, param, words", [
     ({"input": "x", "frobnicate": 1}, "frobnicate", "unrecognized"),
     ({}, "input", "required"),
@@ -296,7 +325,7 @@ def test_a_stored_responses_input_items_are_listed_and_it_can_be_deleted(client,
     ({"input": [{"role": "critic", "content": "x"}]}, "input", "role"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "web_search"),
     ({"input": "x", "background": True}, "background", "background"),
-    ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
+    ({"input": "x", "truncation": "middle"}, "truncation", "truncation"),
     ({"input": "x", "include": ["message.output_text.bytes"]}, "include", "unknown value"),
     ({"input": "x", "include": [{"logprobs": True}]}, "include", "unknown value"),
     ({"input": "x", "include": "message.output_text.logprobs"}, "include", "array"),
