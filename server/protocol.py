@@ -271,8 +271,8 @@ def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> lis
 
 def _prompt_only(body: dict) -> bool:
     """A completion's `max_tokens: 0`: with echo, the prompt alone; else a 400."""
-    if body.get("max_tokens") != 0 or isinstance(body.get("max_tokens"), bool):
-        return False
+    if type(body.get("max_tokens")) is not int or body["max_tokens"] != 0:
+        return False  # (another type is generation_params' 400)
     if body.get("echo") is not True:
         raise SubmissionError('"max_tokens": 0 needs "echo": true (it returns the prompt alone, '
                               'with its logprobs where asked)', "max_tokens")

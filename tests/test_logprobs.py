@@ -246,6 +246,7 @@ def test_max_tokens_0_with_echo_scores_the_prompt_alone(tiny_engine, tiny_tokeni
         many = post({**body, "prompt": [prompt, ids[:5]], "n": 2}).json()
         streamed = post({**body, "stream": True, "stream_options": {"include_usage": True}})
         refused = post({**body, "echo": False})
+        floated = post({**body, "max_tokens": 0.0})
     choice = whole["choices"][0]
     lp = choice["logprobs"]
     assert choice["text"] == tiny_tokenizer.decode(ids) == "".join(lp["tokens"])
@@ -262,6 +263,7 @@ def test_max_tokens_0_with_echo_scores_the_prompt_alone(tiny_engine, tiny_tokeni
     assert chunks[0]["choices"][0]["logprobs"]["tokens"] == lp["tokens"]
     assert chunks[-1]["usage"]["completion_tokens"] == 0
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    assert floated.status_code == 400 and "integer" in floated.json()["error"]["message"]
 
 
 def test_prompt_logprobs_over_http(tiny_engine, tiny_tokenizer, tiny_params, tiny_config):
