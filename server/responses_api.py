@@ -41,8 +41,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from cadence.scheduler.errors import SubmissionError
-from cadence.scheduler.request import RequestRecord, TokenEvent, TokenLogprob
+from cadence.scheduler.errors import RequestTooLong, SubmissionError
+from cadence.scheduler.request import RequestRecord, TokenEvent, TokenLogprob, check_length
 from cadence.scheduler.stream import merged
 from cadence.server import parsing, protocol
 from cadence.server.answer_parts import AnswerParts
@@ -376,10 +376,23 @@ class ResponsesAPI:
 
     async def input_tokens(self, request: Request) -> Response:
         """POST /v1/responses/input_tokens (OpenAI's): the prompt's tokens, as the response's
-        usage would count them: {"object": "response.input_tokens", "input_tokens"}."""
-        parsed, _ = self._parsed(await self.server.read_body(request))
+        usage would count them: {"object": "response.input_tokens", "input_tokens"} (with
+        truncation "auto", of the turns that would be kept)."""
+        body = await self.server.read_body(request)
+        parsed, _ = self._parsed(body)
+        scheduler = self.server.scheduler
         try:
-            return JSONResponse(await input_tokens(self.server, parsed))
+            while True:
+                counted = await input_tokens(self.server, parsed)
+                try:
+                    check_length(counted["input_tokens"], parsed.params.max_tokens, scheduler.context,
+                                 scheduler.max_seq_len)
+                    return JSONResponse(counted)
+                except RequestTooLong:
+                    shorter = truncated(parsed.messages) if body.get("truncation") == "auto" else None
+                    if shorter is None:
+                        return JSONResponse(counted)  # (what a response would refuse, counted)
+                    parsed = dataclasses.replace(parsed, messages=shorter)
         except APIError as e:
             raise renamed(e) from None
 

@@ -311,6 +311,10 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits(clie
 
     dropped, expected = next((k, r) for k in range(9) if (r := fitting(k)) is not None)
     assert dropped > 0 and answer.usage.input_tokens == expected.usage.prompt_tokens
+    counted = {t: client.responses.input_tokens.count(model=MODEL, input=given, truncation=t,
+                                                      extra_body={"max_output_tokens": 4}).input_tokens
+               for t in ("auto", "disabled")}
+    assert counted["auto"] == answer.usage.input_tokens < counted["disabled"]
     assert answer.output_text == expected.choices[0].message.content
     with pytest.raises(openai.BadRequestError):
         client.responses.create(**{**kwargs, "input": [{"role": "user", "content": turn * 20}]}, truncation="auto")
