@@ -295,6 +295,8 @@ class LlamaAPI:
         models = server.models
         if request.method == "POST":
             body = await server.read_body(request)
+            if not isinstance(body, list):  # (null would read as "lora" left out)
+                raise APIError(400, 'the body must be an array of {"id", "scale"} objects', param="lora")
             try:
                 mix = _with_lora({"lora": body}, GenerationParams()).sampling.lora
             except SubmissionError as e:

@@ -128,6 +128,9 @@ def test_llama_servers_global_mix_runs_where_a_request_gives_none(served, tiny_c
         refused = httpx.post(f"{base}/lora-adapters", json=[{"id": 5, "scale": 1}], timeout=30)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "lora"
         assert httpx.post(f"{base}/lora-adapters", json={"id": 0}, timeout=30).status_code == 400
+        null = httpx.post(f"{base}/lora-adapters", content=b"null", timeout=30,
+                          headers={"Content-Type": "application/json"})
+        assert null.status_code == 400 and null.json()["error"]["param"] == "lora"  # (not "no mix")
     finally:
         set_mix([])
     assert tokens() == reference(params, tiny_config, adapters, (), ids, 8)
