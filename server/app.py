@@ -52,6 +52,7 @@ from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
 from cadence.server import client_json, llama_sampling, parsing, protocol, reasoning
 from cadence.server.api_error import APIError
+from cadence.server.conversations_api import ConversationsAPI, ConversationStore
 from cadence.server.embeddings_api import EmbeddingsAPI
 from cadence.server.llama_api import LlamaAPI, fill_ids
 from cadence.server.lora_api import LoraAPI
@@ -450,6 +451,7 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Seq
                          code="not_found" if exc.status_code == 404 else "method_not_allowed")
         return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
+    conversations = ConversationStore()  # (the Conversations API's, which responses read and add to)
     app = Starlette(
         exception_handlers={HTTPException: http_error},
         routes=[
@@ -457,7 +459,8 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Seq
             # (llama-server serves chats at /chat/completions too, for a base URL without /v1)
             *(route(path, lambda r: server.generate(r, chat=True), ["POST"])
               for path in ("/v1/chat/completions", "/chat/completions")),
-            *ResponsesAPI(server).routes(route),
+            *ResponsesAPI(server, conversations=conversations).routes(route),
+            *ConversationsAPI(server, conversations).routes(route),
             *MessagesAPI(server).routes(route),
             *EmbeddingsAPI(server).routes(route),
             *LlamaAPI(server).routes(route),

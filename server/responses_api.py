@@ -21,6 +21,9 @@ With `truncation: "auto"`, a conversation too long for the context loses its old
 its system messages) until it fits, or until only the last user turn is left (then the 400
 stands); what is stored is the whole conversation.
 
+`conversation` names a conversation of the Conversations API (`server/conversations_api.py`):
+its items are the turns before the input, and the response's input and output join them.
+
 `store` (default true, as OpenAI's) keeps a response in memory, bounded (`ResponseStore`: the
 most recent, in count and in characters); a stored response keeps its whole conversation
 (earlier turns, input, output), which `previous_response_id` puts before the next request's
@@ -46,10 +49,12 @@ from cadence.scheduler.request import RequestRecord, TokenEvent, TokenLogprob, c
 from cadence.scheduler.stream import merged
 from cadence.server import parsing, protocol
 from cadence.server.answer_parts import AnswerParts
+from cadence.server.conversations_api import Conversation, ConversationStore
 from cadence.server.api_error import APIError
 from cadence.server.info_api import input_tokens
 from cadence.server.reasoning import ReasoningParser
-from cadence.server.responses_request import ALLOWED, chat_body, input_items, new_id, renamed, truncated
+from cadence.server.responses_request import (ALLOWED, chat_body, input_items, input_messages, new_id, page,
+                                              renamed, truncated)
 from cadence.server.tool_call_parser import ToolCall, ToolCallParser
 
 if TYPE_CHECKING:
@@ -288,9 +293,11 @@ class ResponseStore:
 
 
 class ResponsesAPI:
-    def __init__(self, server: Server, store: ResponseStore | None = None):
+    def __init__(self, server: Server, store: ResponseStore | None = None,
+                 conversations: ConversationStore | None = None):
         self.server = server
         self.store = store or ResponseStore()
+        self.conversations = conversations or ConversationStore()
 
     def routes(self, route: Callable[[str, Any, list[str]], Route]) -> list[Route]:
         # (llama-server's aliases without /v1 too)
@@ -324,30 +331,21 @@ class ResponsesAPI:
         """GET /v1/responses/{id}/input_items: the items the response's request gave, a page
         at a time as OpenAI lists them (`order` desc by default, `limit` 1 to 100 (20), `after`
         and `before` an item id; `include` changes nothing)."""
-        items = self.store.items(self._stored(request))
-        query = request.query_params
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise APIError(400, f'"order" must be asc or desc, got {order[:20]!r}', param="order")
-        limit = query.get("limit", "20")
-        if not (limit.isdigit() and 1 <= int(limit) <= 100):
-            raise APIError(400, f'"limit" must be an integer from 1 to 100, got {limit[:20]!r}', param="limit")
-        listed = items if order == "asc" else items[::-1]
-        ids = [item["id"] for item in listed]
-        start, end = 0, len(listed)
-        for name in ("after", "before"):
-            cursor = query.get(name)
-            if cursor is not None and cursor not in ids:
-                raise APIError(400, f'"{name}" names no input item of this response', param=name)
-        if "after" in query:
-            start = ids.index(query["after"]) + 1
-        if "before" in query:
-            end = ids.index(query["before"])
-        page = listed[start:end][:int(limit)]
-        return JSONResponse({"object": "list", "data": page,
-                             "first_id": page[0]["id"] if page else None,
-                             "last_id": page[-1]["id"] if page else None,
-                             "has_more": end - start > len(page)})
+        return JSONResponse(page(self.store.items(self._stored(request)), request.query_params))
+
+    def _conversation(self, body: dict) -> Conversation | None:
+        """The conversation the request names (`conversation`: its id, or {"id"}), if any."""
+        named = body.get("conversation")
+        if isinstance(named, dict) and set(named) == {"id"}:
+            named = named["id"]
+        if named is None:
+            return None
+        if not isinstance(named, str):
+            raise APIError(400, '"conversation" must be a conversation id or {"id": ...}', param="conversation")
+        try:
+            return self.conversations.get(named)
+        except APIError as e:
+            raise APIError(404, e.message, param="conversation", code="not_found") from None
 
     def _parsed(self, body: Any) -> tuple[protocol.ParsedRequest, list[dict]]:
         """A Responses body as the chat request that answers it (after the conversation its
@@ -359,6 +357,12 @@ class ResponsesAPI:
             parsing.field(body, "store", (bool,))
             parsing.field(body, "stream_options", (dict,))
             history: list[dict] = []
+            named = self._conversation(body)
+            if named is not None and previous is not None:
+                raise APIError(400, '"conversation" cannot go with "previous_response_id": each '
+                               "names the turns before the input", param="conversation")
+            if named is not None:
+                history = input_messages(named.items)
             if previous is not None:
                 stored = self.store.get(previous)
                 if stored is None:
@@ -413,7 +417,7 @@ class ResponsesAPI:
                 if shorter is None:
                     raise renamed(e) from None
                 parsed = dataclasses.replace(parsed, messages=shorter)
-        run = _Run(self, body, parsed, conversation if store else None)
+        run = _Run(self, body, parsed, conversation if store else None, self._conversation(body))
         headers = {"X-Request-Id": request_id}
         if stream:
             return StreamingResponse(run.events(groups[0][0]), media_type="text/event-stream",
@@ -427,9 +431,9 @@ class _Run:
     """One response being made: its settings echoed, its output, its storing."""
 
     def __init__(self, api: ResponsesAPI, body: dict, parsed: protocol.ParsedRequest,
-                 conversation: list[dict] | None):
-        self.api, self.parsed, self.conversation = api, parsed, conversation
-        self.items = input_items(body["input"]) if conversation is not None else []
+                 conversation: list[dict] | None, named: Conversation | None = None):
+        self.api, self.parsed, self.conversation, self.named = api, parsed, conversation, named
+        self.items = input_items(body["input"]) if conversation is not None or named else []
         self.id = new_id("resp")
         self.created = int(time.time())
         sampling = parsed.params.sampling
@@ -450,6 +454,7 @@ class _Run:
             "background": False, "service_tier": body.get("service_tier"),
             "prompt_cache_key": body.get("prompt_cache_key"),
             "safety_identifier": body.get("safety_identifier"),
+            "conversation": {"id": named.id} if named is not None else None,
         }
 
     def output(self) -> Output:
@@ -473,6 +478,8 @@ class _Run:
         response = self.response(status, output.output, _usage(record, output.reasoning_tokens))
         if self.conversation is not None:
             self.api.store.put(response, [*self.conversation, _assistant_turn(output)], self.items)
+        if self.named is not None:  # its input and output join the conversation named
+            self.api.conversations.extend(self.named, [*self.items, *map(dict, output.output)])
         return response
 
     async def events(self, stream) -> AsyncIterator[str]:

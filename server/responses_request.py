@@ -23,7 +23,7 @@ The chat body is parsed by `protocol.parse` as any chat's is:
 A `reasoning` item in `input` (a client that keeps the conversation itself sends back what it
 was given) becomes the next assistant turn's `reasoning_content`, which a template may show the
 model. Fields that would change the answer and are not implemented (`background`, `prompt`,
-`conversation`, non-function tools, ...) are refused with a 400 naming them;
+non-function tools, ...) are refused with a 400 naming them;
 harmless ones are accepted and ignored (`include`'s other values: the hosted tools' results,
 which never occur, and `reasoning.encrypted_content`, as reasoning is returned in the clear).
 """
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from cadence.server import parsing, protocol
@@ -41,7 +42,7 @@ from cadence.server.api_error import APIError
 _FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
                      "text", "tools", "tool_choice", "parallel_tool_calls", "stream",
                      "stream_options", "store", "previous_response_id", "include",
-                     "top_logprobs"})
+                     "top_logprobs", "conversation"})
 # cadence's own sampling fields, passed to the chat request as they are (max_tokens is
 # max_output_tokens here).
 _SAMPLING = frozenset(parsing.SAMPLING_FIELDS) - {"max_tokens"}
@@ -53,7 +54,7 @@ _IGNORED: dict[str, type] = {"metadata": dict, "user": str, "prompt_cache_key": 
 # Would change the answer; accepted only at their neutral values.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "background": (False,), "truncation": ("disabled", "auto"), "prompt": (),
-    "conversation": (), "max_tool_calls": (), "context_management": (),
+    "max_tool_calls": (), "context_management": (),
 }
 # `include`'s values: the logprobs, and what cadence's output never holds (the hosted tools'
 # results, input images, encrypted reasoning), accepted and ignored.
@@ -148,6 +149,27 @@ def truncated(messages: list[dict]) -> list[dict] | None:
     head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     after = next((i for i in range(head + 1, len(messages)) if messages[i]["role"] == "user"), None)
     return None if after is None else messages[:head] + messages[after:]
+
+
+def page(items: list[dict], query: Mapping[str, str]) -> dict:
+    """A list of items (a response's input, a conversation's) a page at a time, as OpenAI lists
+    them: `order` desc by default, `limit` 1 to 100 (20), `after` and `before` an item id."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f'"order" must be asc or desc, got {order[:20]!r}', param="order")
+    limit = query.get("limit", "20")
+    if not (limit.isdigit() and 1 <= int(limit) <= 100):
+        raise APIError(400, f'"limit" must be an integer from 1 to 100, got {limit[:20]!r}', param="limit")
+    listed = items if order == "asc" else items[::-1]
+    ids = [item["id"] for item in listed]
+    for name in ("after", "before"):
+        if query.get(name) is not None and query[name] not in ids:
+            raise APIError(400, f'"{name}" names no item of this list', param=name)
+    start = ids.index(query["after"]) + 1 if "after" in query else 0
+    end = ids.index(query["before"]) if "before" in query else len(listed)
+    shown = listed[start:end][:int(limit)]
+    return {"object": "list", "data": shown, "first_id": shown[0]["id"] if shown else None,
+            "last_id": shown[-1]["id"] if shown else None, "has_more": end - start > len(shown)}
 
 
 def input_messages(items: Any) -> list[dict]:

@@ -287,6 +287,70 @@ def test_a_stored_responses_input_items_are_listed_and_it_can_be_deleted(client,
     assert client.responses.retrieve(second.id).id == second.id
 
 
+def test_a_conversation_holds_the_turns_a_response_answers_after_and_adds_to(client, url):
+    """The Conversations API: a conversation's items are the turns before a response's input
+    (its answer is the chat's over them), and the response's input and output join them; items
+    are listed, added, read and deleted; a conversation is read, updated and deleted. It cannot
+    go with previous_response_id; an unknown one is a 404."""
+    conv = client.conversations.create(items=[{"role": "user", "content": "My name is Ann."},
+                                              {"role": "assistant", "content": "Hello Ann."}],
+                                       metadata={"topic": "names"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "names"}
+    answer = client.responses.create(model=MODEL, input="What is my name?", conversation=conv.id,
+                                     max_output_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    expected = chat(client, [{"role": "user", "content": "My name is Ann."},
+                             {"role": "assistant", "content": "Hello Ann."},
+                             {"role": "user", "content": "What is my name?"}], max_tokens=4,
+                    extra_body={"ignore_eos": True})
+    assert answer.output_text == expected.choices[0].message.content and answer.conversation.id == conv.id
+    assert answer.usage.input_tokens == expected.usage.prompt_tokens
+    items = client.conversations.items.list(conv.id, order="asc").data
+    assert [(i.role, i.content[0].text) for i in items] == [
+        ("user", "My name is Ann."), ("assistant", "Hello Ann."), ("user", "What is my name?"),
+        ("assistant", answer.output_text)]
+    assert items[-1].id == answer.output[0].id
+    added = client.conversations.items.create(conv.id, items=[{"role": "user", "content": "Thanks."}])
+    assert [i.content[0].text for i in added.data] == ["Thanks."]
+    assert client.conversations.items.retrieve(added.data[0].id, conversation_id=conv.id).id == added.data[0].id
+    client.conversations.items.delete(items[0].id, conversation_id=conv.id)
+    assert len(client.conversations.items.list(conv.id).data) == 4
+    assert client.conversations.update(conv.id, metadata={"topic": "other"}).metadata == {"topic": "other"}
+    assert client.conversations.retrieve(conv.id).metadata == {"topic": "other"}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, input="x", conversation=conv.id, previous_response_id=answer.id)
+    assert refused.value.body["param"] == "conversation"
+    bad = httpx.post(f"{url}/v1/conversations", json={"items": [{"type": "item_reference", "id": "x"}]},
+                     timeout=TIMEOUT)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "items"
+    assert client.conversations.delete(conv.id).deleted
+    for gone in (lambda: client.conversations.retrieve(conv.id),
+                 lambda: client.responses.create(model=MODEL, input="x", conversation=conv.id)):
+        with pytest.raises(openai.NotFoundError):
+            gone()
+
+
+def test_the_conversation_store_keeps_the_most_recently_used_within_its_bounds():
+    """Past its count or its characters, the least recently used conversations go first (never
+    the last one left); items removed give their characters back."""
+    from cadence.server.api_error import APIError
+    from cadence.server.conversations_api import ConversationStore
+
+    item = {"id": "msg_1", "type": "message", "role": "user", "content": "x" * 100}
+    store = ConversationStore(capacity=2, chars=int(3.5 * len(json.dumps(item))))  # 3 items, not 4
+    a, b = store.create([item], {}), store.create([item], {})
+    store.get(a.id)  # (now b is the least recently used)
+    c = store.create([item], {})
+    with pytest.raises(APIError):
+        store.get(b.id)
+    store.extend(c, [dict(item, id="msg_2"), dict(item, id="msg_3")])  # 4 items in all: a goes
+    with pytest.raises(APIError):
+        store.get(a.id)
+    assert store.get(c.id).items[-1]["id"] == "msg_3"
+    store.remove(c, 0)
+    d = store.create([item], {})  # fits beside c's three items
+    assert store.get(c.id) is c and store.get(d.id) is d
+
+
 def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits(client):
     """truncation "auto": a conversation past the context (512 tokens here) loses its oldest
     turns after the system message, whole turns, until it fits: the answer is the chat's over
