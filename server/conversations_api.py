@@ -83,7 +83,10 @@ class ConversationStore:
         return conversation
 
     def extend(self, conversation: Conversation, items: list[dict]) -> None:
-        """Adds items (the oldest conversations are dropped past the bounds, this one last)."""
+        """Adds items to a conversation, now the most recently used; past the bounds the least
+        recently used go (this one last)."""
+        if conversation.id in self._entries:
+            self._entries.move_to_end(conversation.id)
         conversation.items += items
         self._resize(conversation, sum(map(_chars, items)))
         while len(self._entries) > 1 and (len(self._entries) > self.capacity or self._size > self.chars):
@@ -106,10 +109,10 @@ def _chars(item: dict) -> int:
     return len(json.dumps(item))
 
 
-def checked_items(items: Any, at_most: int | None = MAX_ITEMS) -> list[dict]:
+def checked_items(items: Any) -> list[dict]:
     """Items as a request gives them, checked as a Responses `input` is, with ids."""
-    if not isinstance(items, list) or (at_most is not None and len(items) > at_most):
-        raise APIError(400, f'"items" must be an array of at most {at_most} input items', param="items")
+    if not isinstance(items, list) or len(items) > MAX_ITEMS:
+        raise APIError(400, f'"items" must be an array of at most {MAX_ITEMS} input items', param="items")
     try:
         input_messages(items)
     except APIError as e:

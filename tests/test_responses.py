@@ -349,6 +349,11 @@ def test_the_conversation_store_keeps_the_most_recently_used_within_its_bounds()
     store.remove(c, 0)
     d = store.create([item], {})  # fits beside c's three items
     assert store.get(c.id) is c and store.get(d.id) is d
+    store.extend(c, [])  # c used last: d is the least recently used now
+    store.create([item], {})
+    with pytest.raises(APIError):
+        store.get(d.id)
+    assert store.get(c.id) is c
 
 
 def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits(client):
