@@ -32,7 +32,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from cadence.scheduler.errors import SubmissionError
 from cadence.server import parsing, protocol
 from cadence.server.api_error import APIError
 from cadence.server.responses_request import input_items, input_messages, new_id, page
@@ -145,12 +144,10 @@ class ConversationsAPI:
     async def _body(self, request: Request, allowed: dict[str, type]) -> dict:
         """The request's body, of `allowed`'s fields, each of its type (else a 400)."""
         body = await self.server.read_body(request)
-        try:
+        with protocol.submission_errors():
             protocol.known_fields(body, allowed)
             for name, kind in allowed.items():
                 parsing.field(body, name, (kind,))
-        except SubmissionError as e:
-            raise APIError(400, str(e), param=e.param) from None
         return body
 
     def _conversation(self, request: Request) -> Conversation:
@@ -191,8 +188,7 @@ class ConversationsAPI:
         conversation = self._conversation(request)
         items = checked_items((await self._body(request, {"items": list})).get("items"))
         self.store.extend(conversation, items)
-        return JSONResponse({"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
-                             "last_id": items[-1]["id"] if items else None, "has_more": False})
+        return JSONResponse(page(items, {"order": "asc", "limit": str(MAX_ITEMS)}))  # (all of them)
 
     async def item(self, request: Request) -> Response:
         conversation, at = self._item(request)
