@@ -24,7 +24,7 @@ from cadence.model.host_sampling import all_allowed
 from cadence.scheduler.kv_manager import Pool
 from cadence.scheduler.policy import Plan
 from cadence.scheduler.request import Request, State
-from cadence.scheduler.results import Pooled, Row, Scores
+from cadence.scheduler.results import Pooled, Progress, Row, Scores
 
 
 class Dispatch:
@@ -42,6 +42,7 @@ class Dispatch:
             if r.preemptions:
                 r.readmitted()
             pool.take_prefix(r)
+            r.progressed(r.prefilled, now)  # (what the cache gave it)
             try:
                 pool.set_row(r)
             except Exception as e:  # this request's values, this request's failure
@@ -79,7 +80,7 @@ class Dispatch:
         except Exception as e:
             logging.exception("copying prefixes' last pages failed")
             self._fail_pool(pool, f"{type(e).__name__}: {e}")
-        chunks, firsts, scored, pooled = [], [], [], []
+        chunks, firsts, scored, pooled, progress = [], [], [], [], []
         allowed = None  # the token bitmasks of the slots whose first token a grammar constrains
         for chunk in plan.prefill:
             r = chunk.request
@@ -103,6 +104,8 @@ class Dispatch:
                 pooled.append(Row(r, Pooled(len(chunks), chunk.final)))
             elif chunk.final:
                 firsts.append(Row(r, len(chunks)))
+            elif r.params.progress:  # (a final chunk's progress goes with its first token)
+                progress.append(Row(r, Progress(end)))
             chunks.append(PrefillChunk(r.slot, ids, start, chunk.final, r.pages, targets, embeds))
             r.prefill_dispatched(chunk.length, chunk.final)
             if chunk.final:
@@ -117,7 +120,8 @@ class Dispatch:
         tokens = pool.engine.prefill(chunks, rows, allowed)
         self.prefill_programs += tokens.programs
         self.prefill_chunks += len(chunks)
-        pool.expect(scored + pooled + firsts, tokens)  # a prompt's scores before its first token
+        # a prompt's scores before its first token
+        pool.expect(scored + pooled + progress + firsts, tokens)
         return tokens.programs, len(chunks)
 
     def _dispatch_decode(self, plan: Plan, pool: Pool, rows) -> None:

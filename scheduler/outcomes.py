@@ -19,7 +19,7 @@ from absl import logging
 
 from cadence.scheduler.kv_manager import Pool
 from cadence.scheduler.request import FinishReason, Request, State
-from cadence.scheduler.results import Pending, Pooled, Scores
+from cadence.scheduler.results import Pending, Pooled, Progress, Scores
 from cadence.scheduler.stats import notify
 
 
@@ -42,6 +42,10 @@ class Outcomes:
                 r.unapplied -= 1
                 if isinstance(index, Scores):
                     r.take_scores(result.tokens.scores()[index.chunk], index.start)
+                    continue
+                if isinstance(index, Progress):
+                    if r.state is not State.WAITING and index.processed <= r.prefilled:
+                        r.progressed(index.processed, now)  # (not since preempted)
                     continue
                 if isinstance(index, Pooled):  # an embedding's chunk; its last one ends it
                     pooled = pooled or result.tokens.pooled()

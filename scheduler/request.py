@@ -101,6 +101,9 @@ class GenerationParams:
     # False: its text shows every special token it writes (vLLM's skip_special_tokens false);
     # a stop token's only with include_stop, as a stop string's.
     skip_special: bool = True
+    # llama-server's return_progress: `PromptProgress` events while its prompt is computed,
+    # before its first token.
+    progress: bool = False
 
 
 def check_params(params: GenerationParams, vocab_size: int | None = None, max_logprobs: int | None = None,
@@ -260,6 +263,18 @@ class TokenEvent:
     logprobs: list[TokenLogprob] | None = None  # one per token, if the request asked
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptProgress:
+    """How far a request's prompt is computed, before its first token (`GenerationParams.progress`;
+    llama-server's `prompt_progress`): `processed` of its `total` tokens, of which the prefix
+    cache gave `cache`, `elapsed` seconds after its admission."""
+
+    total: int
+    cache: int
+    processed: int
+    elapsed: float
+
+
 @dataclasses.dataclass
 class RequestRecord:
     """The server-side timeline of a finished request (times from time.monotonic())."""
@@ -316,7 +331,7 @@ class Request:
         params: GenerationParams,
         max_tokens: int,
         tokenizer: Tokenizer,
-        emit: Callable[[TokenEvent | RequestRecord], None],
+        emit: Callable[[TokenEvent | PromptProgress | RequestRecord], None],
         request_id: str | None = None,
         priority: int = 0,
     ):
@@ -482,6 +497,13 @@ class Request:
         if final and self.params.pooling is None:  # (an embedding samples nothing)
             self.dispatched = self.prefill_len - self.prompt_len + 1
 
+    def progressed(self, processed: int, now: float) -> None:
+        """`processed` of its prompt's tokens computed (cached ones included): a `PromptProgress`
+        event, if it asked, until its first token."""
+        if self.params.progress and self.first_token is None:
+            self.emit(PromptProgress(self.prefill_len, self.cached_tokens, processed,
+                                     now - (self.admitted or now)))
+
     def decode_dispatched(self, tokens: int, steps: int, now: float) -> int:
         """`steps` decode steps dispatched (a verify step counts one) that compute `tokens` of
         its output, each writing its input's KV. Returns the position of the first input."""
@@ -527,6 +549,7 @@ class Request:
             raise ValueError(f"the engine gave token {token}, which the request's grammar does "
                              f"not allow ({self.matcher.error})")
         if self.first_token is None:
+            self.progressed(self.prefill_len, now)  # (its last chunk's, with its first token)
             self.first_token = now
         self.output_ids.append(token)
         self.token_times.append(now)

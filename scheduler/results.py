@@ -5,7 +5,9 @@ step) leaves one
 `Pending` on its pool: the engine's result, whose tokens the host reads an iteration later,
 and a `Row` for each request it holds a token of: the request and the column of its token
 (its slot for decode, its chunk's index for prefill), or, for a scored prefill chunk, `Scores`
-(the chunk's prompt logprobs), and for an embedding's chunk, `Pooled` (its hidden states). `Pending.read` turns the tokens as read into arrays by step.
+(the chunk's prompt logprobs), for an embedding's chunk, `Pooled` (its hidden states), and for
+a chunk whose request follows its prompt's progress, `Progress`. `Pending.read` turns the tokens
+as read into arrays by step.
 """
 
 from __future__ import annotations
@@ -36,9 +38,17 @@ class Scores:
     start: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """In a prefill result's rows: a chunk (not the prompt's last) of a request that asked for
+    its progress (`Request.progressed`), which leaves `processed` of its prompt computed."""
+
+    processed: int
+
+
 class Row(NamedTuple):
     request: Request
-    index: int | Scores | Pooled  # the column of its token in the result, or what else it takes
+    index: int | Scores | Pooled | Progress  # the column of its token in the result, or what else it takes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
     stream = RequestStream(request, cancel, outbox)   # the scheduler makes one per request
     async for event in stream: ...                    # TokenEvent..., then a RequestRecord
+                                                      # (PromptProgress first, where asked)
     for event in stream: ...                          # the same, from a plain thread
     stream.cancel()                                   # cancel(request): the scheduler's, usually
     async for batch in merged(streams): ...           # several streams' events as they come
@@ -22,7 +23,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from cadence.scheduler.request import Request, RequestRecord, TokenEvent
+from cadence.scheduler.request import PromptProgress, Request, RequestRecord, TokenEvent
 
 
 def _put_all(items: list[tuple[RequestStream, Any]]) -> None:  # the reader's event loop
@@ -77,7 +78,7 @@ class RequestStream:
     def id(self) -> str:
         return self.request.id
 
-    def _push(self, event: TokenEvent | RequestRecord) -> None:  # scheduler thread
+    def _push(self, event: TokenEvent | PromptProgress | RequestRecord) -> None:  # scheduler thread
         if self._loop is None:
             self._queue.put(event)
         else:  # delivered with the iteration's others, in one call into the reader's loop
@@ -89,7 +90,7 @@ class RequestStream:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> TokenEvent | RequestRecord:
+    async def __anext__(self) -> TokenEvent | PromptProgress | RequestRecord:
         if self.record is not None:
             raise StopAsyncIteration
         event = await self._queue.get()
@@ -97,7 +98,7 @@ class RequestStream:
             self.record = event
         return event
 
-    async def next_events(self) -> list[TokenEvent | RequestRecord]:
+    async def next_events(self) -> list[TokenEvent | PromptProgress | RequestRecord]:
         """Waits for the next event, then takes every other one already queued, in order
         (the record, if among them, is last). [] once the record has been taken."""
         if self.record is not None:

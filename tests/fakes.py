@@ -35,7 +35,7 @@ from cadence.model.host_sampling import RequestSampling, bitmask_words
 from cadence.model.sampling import SamplingParams
 from cadence.scheduler.pages import NULL_PAGE
 from cadence.scheduler.policy import PolicyConfig
-from cadence.scheduler.request import GenerationParams, RequestRecord, TokenEvent
+from cadence.scheduler.request import GenerationParams, PromptProgress, RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import RequestStream, Scheduler, SchedulerConfig
 
 # --- a byte-level tokenizer: id b is byte b, then three special tokens (and any more) -------------
@@ -451,6 +451,8 @@ class Client:
     def __init__(self, stream: RequestStream, prompt: list[int], params: GenerationParams):
         self.stream, self.prompt, self.params = stream, prompt, params
         self.events: list[tuple[int, TokenEvent]] = []
+        # PromptProgress events (`GenerationParams.progress`): step, tokens events before it, event
+        self.progress: list[tuple[int, int, PromptProgress]] = []
         self.record: RequestRecord | None = None
 
     def poll(self, step: int) -> None:
@@ -463,7 +465,10 @@ class Client:
                 self.record = event
             else:
                 assert self.record is None, "an event after the record"
-                self.events.append((step, event))
+                if isinstance(event, PromptProgress):
+                    self.progress.append((step, len(self.events), event))
+                else:
+                    self.events.append((step, event))
 
     @property
     def slot(self) -> int:

@@ -18,7 +18,7 @@ import pytest
 from cadence.model.host_sampling import RequestSampling
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
 from cadence.scheduler.policy import PolicyConfig
-from cadence.scheduler.request import GenerationParams, RequestRecord, TokenEvent
+from cadence.scheduler.request import GenerationParams, PromptProgress, RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.fakes import (
     EOS, TOK, Decode, FakeEngine, Harness, Prefill, all_pages_free, chunked, collect, expected, ids,
@@ -494,6 +494,44 @@ def test_records_hold_the_timeline():
         c.check(h.engine)
     assert sorted(heard, key=lambda r: r.request_id) == sorted(
         (c.record for c in clients), key=lambda r: r.request_id)
+
+
+def test_a_prompt_reports_its_progress_as_each_chunk_lands():
+    """With `progress`, a prompt's events before its first token say how much of it is
+    computed: what the cache gave at admission, then each chunk once its result is read (never
+    before the step that dispatched it), the last with the first token; a request that did not
+    ask gets tokens alone, though the two share every prefill."""
+    h = Harness(FakeEngine(num_slots=2, prefill_chunk=64), chunked(budget=128, chunk=64))
+    rng = np.random.default_rng(3)
+    asked = h.submit(random_prompt(rng, 200), max_tokens=3, progress=True)
+    beside = h.submit(random_prompt(rng, 150), max_tokens=3)
+    h.run()
+    for c in (asked, beside):
+        c.check(h.engine)
+    assert not beside.progress
+    progress = asked.progress
+    ends = [p.start + p.length for _, p in h.prefills(asked)]
+    assert len(ends) >= 3 and [e.processed for _, _, e in progress] == [0, *ends]
+    assert {(e.total, e.cache) for _, _, e in progress} == {(200, 0)}
+    elapsed = [e.elapsed for _, _, e in progress]
+    assert elapsed == sorted(elapsed) and elapsed[0] == 0
+    assert {before for _, before, _ in progress} == {0}  # all of them before the first token
+    chunks = {p.start + p.length: step for step, p in h.prefills(asked)}
+    for step, _, e in progress[1:]:
+        assert step > chunks[e.processed]  # read after the step that dispatched its chunk
+
+
+def test_progress_counts_the_prefix_the_cache_gave():
+    h = Harness(FakeEngine(num_slots=2, prefill_chunk=64), chunked(budget=128, chunk=64))
+    prompt = random_prompt(np.random.default_rng(4), 150)
+    h.submit(prompt, max_tokens=2)
+    h.run()
+    again = h.submit(prompt[:140] + [7, 8, 9], max_tokens=2, progress=True)
+    h.run()
+    progress = [e for _, _, e in again.progress]
+    cached = again.record.cached_tokens
+    assert cached >= 64 and progress[0].processed == cached
+    assert {(e.total, e.cache) for e in progress} == {(143, cached)} and progress[-1].processed == 143
 
 
 # --- 10, 11: the scheduler thread: engine failures, clients, stop ---------------------------------
