@@ -50,7 +50,7 @@ from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.grammar import BadWords, Grammar, GrammarCompiler, GrammarError, TokenSet
 from cadence.scheduler.request import RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import IterationRecord, RequestStream, Scheduler
-from cadence.server import client_json, llama_sampling, parsing, protocol, reasoning
+from cadence.server import client_json, llama_fields, llama_sampling, parsing, protocol, reasoning
 from cadence.server.api_error import APIError
 from cadence.server.conversations_api import ConversationsAPI, ConversationStore
 from cadence.server.embeddings_api import EmbeddingsAPI
@@ -397,13 +397,15 @@ class Server:
             generated = records[k * per_prompt:(k + 1) * per_prompt]
             answers.append(protocol.Answer(protocol.best(generated, parsed.n), generated, echo,
                                            groups[k][0].request.prompt_ids))
-        return JSONResponse(protocol.full_response(
+        answer = protocol.full_response(
             request_id, self.models.answer(parsed.model), chat, answers, self.tokenizer,
             logprobs=parsed.params.logprobs, tools=tools,
             tokens_as_ids=parsed.tokens_as_ids, reasoning_inside=parsed.reasoning_inside,
             reasoning_tokens=None if thinkers is None else sum(t.reasoning_pieces for t in thinkers),
-            prompt_logprobs=parsed.prompt_logprobs, token_ids=parsed.token_ids),
-            headers=headers)
+            prompt_logprobs=parsed.prompt_logprobs, token_ids=parsed.token_ids)
+        if parsed.llama.timings:  # llama-server's, of the first choice
+            answer["timings"] = llama_fields.timings(records[0], records[0].output_tokens)
+        return JSONResponse(answer, headers=headers)
 
     async def collect(self, request: Request, streams: list[RequestStream],
                       on_token: Callable[[int, TokenEvent], None] | None = None) -> list[RequestRecord]:

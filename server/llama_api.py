@@ -23,6 +23,9 @@ llama.vim) send besides:
   since the first token ends it. Both are watched here, over the text as it comes
   (`EditorStops`); the request is cancelled at once, and its slot freed.
 - `response_fields`: the whole answer holds only these (`timings/prompt_n` names a nested one).
+- `return_progress` (streamed): before the first token, a chunk per step of the prompt's
+  computation with its `prompt_progress`; `timings_per_token`: the `timings` so far in every
+  chunk (`server.llama_fields`, which the OpenAI endpoints share).
 - llama.cpp's order: its filters read the logits before the temperature, which comes last (on
   the OpenAI endpoints it comes first, as vLLM has it, unless a request names one of llama.cpp's
   own samplers), and its samplers beside cadence's (`server.llama_sampling`): DRY
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
@@ -59,9 +63,9 @@ import cadence
 from cadence.checkpoints import fim
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
-from cadence.scheduler.request import GenerationParams, RequestRecord, TokenEvent, TokenLogprob
+from cadence.scheduler.request import GenerationParams, PromptProgress, RequestRecord, TokenEvent, TokenLogprob
 from cadence.scheduler.scheduler import RequestStream
-from cadence.server import guided, llama_sampling, parsing, protocol
+from cadence.server import guided, llama_fields, llama_sampling, parsing, protocol
 from cadence.server.api_error import APIError
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "logit_bias")
@@ -71,8 +75,6 @@ _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_e
 _OFF: dict[str, llama_sampling.Off] = {
     "n_cmpl": ((int,), lambda v: v == 1, "1"),
     "post_sampling_probs": ((bool,), lambda v: not v, "false"),
-    "timings_per_token": ((bool,), lambda v: not v, "false"),
-    "return_progress": ((bool,), lambda v: not v, "false"),
     "verbose": ((bool,), lambda v: not v, "false"),
 }
 _UNUSED: dict[str, tuple[type, ...]] = {
@@ -80,6 +82,7 @@ _UNUSED: dict[str, tuple[type, ...]] = {
 _COMMON = frozenset({"model", "prompt", "stream", "n_predict", "max_tokens", "cache_prompt", "lora",
                      "return_tokens", "n_indent", "t_max_predict_ms", "t_max_prompt_ms",
                      "response_fields", "id_slot", "n_probs", "grammar", "json_schema",
+                     "timings_per_token", "return_progress",
                      *parsing.LLAMA_PENALTY_FIELDS, *_SAMPLING, *llama_sampling.FIELDS, *_OFF,
                      *_UNUSED})
 _INFILL = _COMMON | {"input_prefix", "input_suffix", "input_extra"}
@@ -95,6 +98,7 @@ class Options:
     n_indent: int = 0  # 0: off
     t_max_predict_ms: float = 0.0  # 0: off
     fields: tuple[str, ...] = ()  # response_fields; empty: all
+    timings_per_token: bool = False  # `timings` in every streamed chunk
 
 
 def _non_negative(body: dict, name: str, types: tuple[type, ...]) -> Any:
@@ -173,17 +177,20 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
     params, breakers = llama_sampling.with_samplers(body, parsing.llama_penalties(body, params))
     params = _with_lora(body, params)
     probs = _non_negative(body, "n_probs", (int,))
-    params = dataclasses.replace(params, logprobs=probs or None)
+    stream = parsing.field(body, "stream", (bool,), False)
+    progress = stream and parsing.field(body, "return_progress", (bool,), False)
+    params = dataclasses.replace(params, logprobs=probs or None, progress=progress)
     constraint = guided.constraint(body)  # llama-server's grammar or json_schema
     parsed = protocol.ParsedRequest(
         model=parsing.field(body, "model", (str,)), prompts=[prompt], messages=None,
-        params=params, stream=parsing.field(body, "stream", (bool,), False), include_usage=False,
+        params=params, stream=stream, include_usage=False,
         response_format=None if constraint is None else parsing.GrammarRequest(*constraint), hole=hole,
         limit_is_cap=True, dry_breakers=breakers)
     options = Options(with_ids=parsing.field(body, "return_tokens", (bool,), False),
                       predict=limit != 0, n_indent=_non_negative(body, "n_indent", (int,)),
                       t_max_predict_ms=float(_non_negative(body, "t_max_predict_ms", (int, float))),
-                      fields=llama_sampling.names(body, "response_fields"))
+                      fields=llama_sampling.names(body, "response_fields"),
+                      timings_per_token=parsing.field(body, "timings_per_token", (bool,), False))
     return parsed, options
 
 
@@ -364,13 +371,18 @@ class LlamaAPI:
             answer = _selected(answer, options.fields)
         return JSONResponse(answer, headers=headers)
 
-    async def _steps(self, stream: RequestStream, options: Options) -> AsyncIterator[_Step | _End]:
-        """Each token's `_Step`, then the `_End`. A request the editor's stops end is
-        cancelled there; tokens already on their way are dropped."""
+    async def _steps(self, stream: RequestStream,
+                     options: Options) -> AsyncIterator[_Step | PromptProgress | _End]:
+        """Each token's `_Step` (after the prompt's progress, where asked), then the `_End`. A
+        request the editor's stops end is cancelled there; tokens already on their way are
+        dropped."""
         stops, text, ids = EditorStops(options), [], []
         probs = [] if stream.request.params.logprobs is not None else None
         try:
             async for event in stream:
+                if isinstance(event, PromptProgress):
+                    yield event
+                    continue
                 if isinstance(event, TokenEvent):
                     if stops.done or not options.predict:
                         continue
@@ -405,7 +417,7 @@ class LlamaAPI:
                 "stop_type": "limit" if end.limited or not options.predict else stop_type(record),
                 "stopping_word": record.stop_reason if isinstance(record.stop_reason, str)
                 and options.predict else "",
-                "tokens_cached": record.prompt_tokens + n, "timings": timings(record, n)}
+                "tokens_cached": record.prompt_tokens + n, "timings": llama_fields.timings(record, n)}
 
     def _probs(self, entries: list[TokenLogprob]) -> list[dict]:
         """llama-server's `completion_probabilities`: each token's id, text, bytes and logprob,
@@ -422,9 +434,15 @@ class LlamaAPI:
     async def _chunks(self, stream: RequestStream, options: Options) -> AsyncIterator[str]:
         """A chunk per step (its text may be empty, held back for a stop string or an
         indentation, as there), then the totals. Token ids go in every chunk, as llama-server
-        sends them."""
+        sends them; with return_progress, a chunk per `PromptProgress` before them, and with
+        timings_per_token, the timings so far in each."""
         predicted, evaluated = 0, len(stream.request.prompt_ids)
         async for step in self._steps(stream, options):
+            if isinstance(step, PromptProgress):
+                yield protocol.frame({"index": 0, "content": "", "tokens": [], "stop": False, "id_slot": -1,
+                                      "tokens_predicted": 0, "tokens_evaluated": evaluated,
+                                      "prompt_progress": llama_fields.progress(step)})
+                continue
             if isinstance(step, _End):
                 if step.record.finish_reason == "error":
                     yield protocol.frame(APIError(500, f"generation failed: {step.record.error}",
@@ -437,6 +455,8 @@ class LlamaAPI:
                      "id_slot": -1, "tokens_predicted": predicted, "tokens_evaluated": evaluated}
             if step.probs:
                 chunk["completion_probabilities"] = self._probs(step.probs)
+            if options.timings_per_token:
+                chunk["timings"] = llama_fields.timings_so_far(stream.request, predicted, time.monotonic())
             yield protocol.frame(chunk)
 
 
@@ -476,24 +496,3 @@ def stop_type(record: RequestRecord) -> str:
     if record.finish_reason == "length":
         return "limit"
     return "word" if isinstance(record.stop_reason, str) else "eos"
-
-
-def timings(record: RequestRecord, predicted_n: int) -> dict[str, float | int]:
-    """llama-server's `timings`: the prompt's tokens computed (the cached ones not) and the
-    time to the first token since admission; the `predicted_n` tokens of the answer and the
-    time after the first."""
-    start = record.admitted if record.admitted is not None else record.submitted
-    first = record.first_token if record.first_token is not None else record.finished
-    prompt_n = record.prompt_tokens - record.cached_tokens
-    prompt_ms, predicted_ms = (first - start) * 1e3, (record.finished - first) * 1e3
-
-    def rates(n: int, ms: float) -> tuple[float, float]:
-        return (ms / n if n else 0.0), (n * 1e3 / ms if ms > 0 else 0.0)
-
-    prompt_per_token, prompt_per_second = rates(prompt_n, prompt_ms)
-    predicted_per_token, predicted_per_second = rates(predicted_n, predicted_ms)
-    return {"cache_n": record.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_per_token, "prompt_per_second": prompt_per_second,
-            "predicted_n": predicted_n, "predicted_ms": predicted_ms,
-            "predicted_per_token_ms": predicted_per_token,
-            "predicted_per_second": predicted_per_second}

@@ -10,9 +10,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from cadence.scheduler.request import RequestRecord, TokenEvent
+from cadence.scheduler.request import PromptProgress, RequestRecord, TokenEvent
 from cadence.scheduler.stream import RequestStream, merged
-from cadence.server import protocol, reasoning
+from cadence.server import llama_fields, protocol, reasoning
 from cadence.server.api_error import APIError
 from cadence.server.protocol import Echo, ParsedRequest
 from cadence.server.tool_call_parser import Delta
@@ -41,10 +41,13 @@ async def sse_frames(server: Server, parsed: ParsedRequest, groups: list[list[Re
     - `token_ids` (vLLM's return_token_ids): every token's chunk goes out carrying its ids,
       and the prompt's ids go in the response's first chunk (chat) or each choice's
       (completions);
-    - `model`: names its chunks' model (an adapter's, where it is one)."""
+    - `model`: names its chunks' model (an adapter's, where it is one);
+    - llama-server's (`parsed.llama`, `llama_fields`): before each choice's first token, chunks
+      with its `prompt_progress`; its `timings` in each choice's last chunk, or in every one."""
     tools = parsed.tools if parsed.parses_tool_calls else None
     include_usage, tokens_as_ids, continuous = parsed.include_usage, parsed.tokens_as_ids, parsed.continuous_usage
     reasoning_inside, token_ids, model = parsed.reasoning_inside, parsed.token_ids, parsed.model
+    llama = parsed.llama
     created, name = int(time.time()), server.models.answer(model)
     streams = [s for group in groups for s in group]
     # Each stream's prompt: its echo, and the stream that computes the prompt's logprobs.
@@ -72,8 +75,11 @@ async def sse_frames(server: Server, parsed: ParsedRequest, groups: list[list[Re
         return list(streams[i].request.prompt_ids)
 
     def framed(i: int, chunk: dict) -> None:  # with continuous usage, its choice's so far
-        usage = protocol.usage_so_far(streams[i].request.prompt_len, counted[i]) if continuous else None
-        frames.append(protocol.frame(chunk if usage is None else {**chunk, "usage": usage}))
+        if continuous:
+            chunk["usage"] = protocol.usage_so_far(streams[i].request.prompt_len, counted[i])
+        if llama.each and "timings" not in chunk:
+            chunk["timings"] = llama_fields.timings_so_far(streams[i].request, counted[i], time.monotonic())
+        frames.append(protocol.frame(chunk))
 
     def emit(i: int, thought: str, text: str, lp: dict | None = None, always: bool = False,
              delta: Delta | None = None, ids: list[int] | None = None) -> None:
@@ -87,7 +93,7 @@ async def sse_frames(server: Server, parsed: ParsedRequest, groups: list[list[Re
         if delta is not None:
             text, calls = delta.content, delta.tool_calls
         whole = always or calls or (chat and first[i] and (records[i] is None or text or thought))
-        if whole or (continuous and (text or thought)):  # (usage goes in a whole chunk)
+        if whole or ((continuous or llama.each) and (text or thought)):  # (usage, timings: a whole chunk)
             framed(i, protocol.chunk(
                 request_id, name, chat, text if text or not thought else None, None, created,
                 first[i], lp, i, calls, reasoning=thought or None, token_ids=ids,
@@ -111,6 +117,10 @@ async def sse_frames(server: Server, parsed: ParsedRequest, groups: list[list[Re
                     framed(i, protocol.chunk(request_id, name, chat, echo.text, None, created,
                                              logprobs=lp, index=i, prompt_ids=prompt_of(i)))
                     first[i] = False
+                if isinstance(event, PromptProgress):
+                    framed(i, {**protocol.chunk(request_id, name, chat, None, None, created, True, index=i),
+                               "prompt_progress": llama_fields.progress(event)})
+                    continue
                 if isinstance(event, TokenEvent) and parsed.prompt_only:
                     continue  # (its one token, hidden)
                 if isinstance(event, TokenEvent):
@@ -139,8 +149,11 @@ async def sse_frames(server: Server, parsed: ParsedRequest, groups: list[list[Re
                     frames.append(protocol.frame(error.body()) + "data: [DONE]\n\n")
                     break
                 counted[i] = event.output_tokens
-                framed(i, protocol.chunk(request_id, name, chat, None if chat else "", reason, created,
-                                         index=i, stop_reason=event.stop_reason))
+                last = protocol.chunk(request_id, name, chat, None if chat else "", reason, created,
+                                      index=i, stop_reason=event.stop_reason)
+                if llama.timings:
+                    last["timings"] = llama_fields.timings(event, event.output_tokens)
+                framed(i, last)
                 if all(r is not None for r in records):
                     if include_usage:
                         done = iter(records)

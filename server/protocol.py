@@ -30,7 +30,7 @@ from cadence.checkpoints.detokenizer import IncrementalDetokenizer
 from cadence.checkpoints.tokenizer import Tokenizer, TokenizerError
 from cadence.scheduler.request import GenerationParams, RequestRecord, TokenLogprob
 from cadence.scheduler.stream import RequestStream
-from cadence.server import guided, llama_sampling, parsing, tool_requests
+from cadence.server import guided, llama_fields, llama_sampling, parsing, tool_requests
 from cadence.server.api_error import APIError
 from cadence.server.tool_call_parser import ToolCall
 from cadence.server.reasoning import split_reasoning
@@ -120,6 +120,7 @@ class ParsedRequest:
     # A completion's max_tokens 0 with echo (OpenAI's prompt scoring): the prompt (and its
     # logprobs) alone, each choice's one sampled token hidden (`prompt_alone`).
     prompt_only: bool = False
+    llama: llama_fields.Extras = llama_fields.Extras()  # llama-server's progress and timings
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -181,7 +182,8 @@ def known_fields(body: Any, allowed: Collection[str]) -> dict:
 
 
 def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int) -> ParsedRequest:
-    known_fields(body, _ALLOWED[chat] | _NEUTRAL.keys() | IGNORED_FIELDS.keys())
+    known_fields(body, _ALLOWED[chat] | _NEUTRAL.keys() | IGNORED_FIELDS.keys() | llama_fields.FIELDS[chat])
+    body, llama = llama_fields.read(body, chat)  # llama-server's spellings, as its clients send them
     for name, kind in IGNORED_FIELDS.items():  # ignored, but only as what they are
         parsing.field(body, name, (kind,))
     for name, neutral in _NEUTRAL.items():  # (a chat's continue_final_message is its own)
@@ -219,8 +221,9 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
     breakers = ()
     if llama_sampling.names_any(body):  # sampled as llama-server's /v1 samples: its order, its samplers
         params, breakers = llama_sampling.with_samplers(body, params)
-    params = dataclasses.replace(params, logprobs=_logprobs(body, chat))
     stream = parsing.field(body, "stream", (bool,), False)
+    params = dataclasses.replace(params, logprobs=_logprobs(body, chat), progress=llama.progress and stream,
+                                 max_tokens=None if llama.unlimited else params.max_tokens)
     options = parsing.field(body, "stream_options", (dict,), {})
     include_usage = parsing.field(options, "include_usage", (bool,), False)
     # vLLM's: usage on every chunk too (each choice's tokens so far), with include_usage only.
@@ -251,7 +254,7 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
                          truncate=parsing.truncation(body, fill=suffix is not None), dry_breakers=breakers,
                          prompt_only=prompt_only,
                          add_bos=parsing.add_bos(body, fill=suffix is not None),
-                         token_rules=parsing.token_rules(body))
+                         token_rules=parsing.token_rules(body), llama=llama)
 
 
 def prompts_of(value: Any, name: str = "prompt", most: int = MAX_PROMPTS) -> list[str | list[int]]:

@@ -1,0 +1,170 @@
+"""llama-server's clients on cadence's OpenAI endpoints (`server.llama_fields`): its web UI's
+request as the UI sends it, the prompt's progress and the timings it reads, and llama-server's
+other spellings; and the same progress and timings on its own /completion. The tiny model
+behind a real server; its prefill chunk (32 tokens) splits a long prompt into several."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from cadence.server import protocol
+from tests.conftest import serve_tiny
+
+LONG = "The sea and the moon and the stars over the harbour at night, " * 5
+CHAT = {"messages": [{"role": "user", "content": LONG}]}
+# What llama.cpp's web UI sends with every message (tools/server/webui, services/chat.ts), its
+# settings at their defaults.
+WEB_UI = {"stream": True, "return_progress": True, "reasoning_format": "auto", "max_tokens": -1,
+          "temperature": 0.8, "dynatemp_range": 0, "dynatemp_exponent": 1, "top_k": 40, "top_p": 0.95,
+          "min_p": 0.05, "xtc_probability": 0, "xtc_threshold": 0.1, "typ_p": 1, "repeat_last_n": 64,
+          "repeat_penalty": 1, "presence_penalty": 0, "frequency_penalty": 0, "dry_multiplier": 0,
+          "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+          "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
+                       "temperature"], "timings_per_token": False}
+
+
+@pytest.fixture(scope="module")
+def url(tiny_engine, tiny_tokenizer):
+    with serve_tiny(tiny_engine, tiny_tokenizer) as base:
+        yield base
+
+
+def chunks(url: str, path: str, body: dict) -> list[dict]:
+    r = httpx.post(f"{url}{path}", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
+
+
+def text_of(frames: list[dict]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in frames if c["choices"])
+
+
+def check_progress(frames: list[dict], prompt_tokens: int) -> None:
+    """The chunks before the first token's carry the prompt's progress: from what the cache
+    gave, chunk by chunk, to the whole prompt; none after."""
+    progress = [c["prompt_progress"] for c in frames if "prompt_progress" in c]
+    first = next(i for i, c in enumerate(frames) if "prompt_progress" not in c)
+    assert all("prompt_progress" not in c for c in frames[first:])
+    assert len(progress) == first >= 3
+    processed = [p["processed"] for p in progress]
+    assert processed == sorted(processed) and len(set(processed)) == len(processed)
+    assert processed[0] == progress[0]["cache"] and processed[-1] == prompt_tokens
+    assert {(p["total"], p["cache"]) for p in progress} == {(prompt_tokens, progress[0]["cache"])}
+    times = [p["time_ms"] for p in progress]
+    assert times == sorted(times)
+
+
+def test_the_web_uis_request_is_answered_with_its_progress_and_timings(url):
+    """The web UI's message, streamed: the answer its sampling settings give (the same request in
+    cadence's own spelling, seeded alike), after chunks of the prompt's progress, and the
+    timings it shows in the last."""
+    seeded = {**CHAT, "seed": 5, "max_tokens": 12}
+    frames = chunks(url, "/v1/chat/completions", {**WEB_UI, **seeded, "stream_options": {"include_usage": True}})
+    plain = {k: v for k, v in WEB_UI.items()
+             if k not in ("return_progress", "reasoning_format", "typ_p", "timings_per_token", "max_tokens")}
+    same = chunks(url, "/v1/chat/completions", {**plain, **seeded, "typical_p": 1})
+    assert text_of(frames) == text_of(same) != ""
+    *frames, usage = frames
+    prompt_tokens = usage["usage"]["prompt_tokens"]
+    check_progress(frames, prompt_tokens)
+    timed = [c for c in frames if "timings" in c]
+    assert timed == [frames[-1]] and frames[-1]["choices"][0]["finish_reason"] == "length"
+    timings = timed[0]["timings"]
+    assert timings["predicted_n"] == usage["usage"]["completion_tokens"] == 12
+    assert timings["prompt_n"] + timings["cache_n"] == prompt_tokens
+    assert timings["cache_n"] == usage["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert timings["predicted_ms"] > 0 and timings["predicted_per_second"] > 0
+    assert not any("timings" in c or "prompt_progress" in c for c in same)  # asked for neither
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 10}),
+    ("/v1/completions", {"prompt": LONG, "max_tokens": 10}),
+], ids=["chat", "completions"])
+def test_timings_per_token_rides_every_chunk(url, path, body):
+    frames = chunks(url, path, {**body, "stream": True, "timings_per_token": True, "temperature": 0,
+                                "ignore_eos": True})
+    assert all("timings" in c for c in frames)
+    counts = [c["timings"]["predicted_n"] for c in frames]
+    assert counts == sorted(counts) and counts[-1] == 10 and len(set(counts)) >= 8
+    whole = httpx.post(f"{url}{path}", json={**body, "timings_per_token": True, "temperature": 0,
+                                             "ignore_eos": True}, timeout=60).json()
+    assert whole["timings"]["predicted_n"] == 10
+    assert "timings" not in httpx.post(f"{url}{path}", json=body, timeout=60).json()
+
+
+def test_completions_stream_their_progress_too(url):
+    frames = chunks(url, "/v1/completions", {"prompt": "Once: " + LONG, "max_tokens": 4, "stream": True,
+                                             "return_progress": True, "stream_options": {"include_usage": True}})
+    *frames, usage = frames
+    check_progress(frames, usage["usage"]["prompt_tokens"])
+    assert all(c["choices"][0]["text"] == "" for c in frames if "prompt_progress" in c)
+    assert "timings" in frames[-1]
+
+
+def test_llama_servers_own_completion_streams_progress_and_timings(url, tiny_tokenizer):
+    body = {"prompt": "Twice: " + LONG, "n_predict": 6, "temperature": 0, "stream": True}
+    frames = chunks(url, "/completion", {**body, "return_progress": True, "timings_per_token": True})
+    n = len(tiny_tokenizer.encode(body["prompt"]))
+    check_progress(frames, n)
+    steps = [c for c in frames if "prompt_progress" not in c]
+    assert all(c["content"] == "" and c["tokens"] == [] for c in frames if "prompt_progress" in c)
+    assert [c["timings"]["predicted_n"] for c in steps[:-1]] == list(range(1, 7))
+    plain = chunks(url, "/completion", body)
+    assert [c["content"] for c in plain] == [c["content"] for c in steps]
+    assert not any("timings" in c for c in plain[:-1]) and "timings" in plain[-1]
+
+
+def test_llama_servers_spellings_of_cadences_fields(url):
+    """n_predict (which wins over max_tokens), -1 for no limit, typ_p for typical_p, and the
+    fields that change nothing here: each answer is the one in cadence's spelling."""
+    def tokens(path, body):
+        r = httpx.post(f"{url}{path}", json={**body, "return_token_ids": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"], r.json()["choices"][0]["finish_reason"]
+
+    chat = {**CHAT, "temperature": 0.9, "seed": 11}
+    assert tokens("/v1/chat/completions", {**chat, "n_predict": 5, "max_tokens": 9}) == tokens(
+        "/v1/chat/completions", {**chat, "max_tokens": 5})
+    assert tokens("/v1/chat/completions", {**chat, "max_tokens": 9, "typ_p": 0.6}) == tokens(
+        "/v1/chat/completions", {**chat, "max_tokens": 9, "typical_p": 0.6})
+    assert protocol.parse({**chat, "typ_p": 0.6}, chat=True).params.sampling.typical_p == 0.6
+    ignored = {"cache_prompt": False, "id_slot": 3, "t_max_prompt_ms": 50, "sse_ping_interval": 1,
+               "reasoning_control": True}
+    assert tokens("/v1/chat/completions", {**chat, "max_tokens": 7, **ignored}) == tokens(
+        "/v1/chat/completions", {**chat, "max_tokens": 7})
+    # -1: up to the end of the context (a completion's default is 16 tokens)
+    ids, reason = tokens("/v1/completions", {"prompt": LONG, "max_tokens": -1, "ignore_eos": True,
+                                             "temperature": 0})
+    prompt = httpx.post(f"{url}/tokenize", json={"content": LONG}).json()["tokens"]
+    assert reason == "length" and len(prompt) + len(ids) == 512
+
+
+def test_reasoning_format_is_separate_reasoning():
+    def parsed(**fields):
+        return protocol.parse({**CHAT, **fields}, chat=True)
+
+    assert parsed(reasoning_format="none").separate_reasoning is False
+    assert parsed(reasoning_format="deepseek").separate_reasoning is True
+    assert parsed().separate_reasoning is True
+
+
+@pytest.mark.parametrize("path, body, param, fragment", [
+    ("/v1/chat/completions", {**CHAT, "reasoning_format": "deepseek-legacy"}, "reasoning_format", "must be one of"),
+    ("/v1/chat/completions", {**CHAT, "reasoning_format": "none", "separate_reasoning": True},
+     "reasoning_format", "disagree"),
+    ("/v1/chat/completions", {**CHAT, "typ_p": 0.5, "typical_p": 0.5}, "typ_p", "give one"),
+    ("/v1/chat/completions", {**CHAT, "return_progress": 1}, "return_progress", "true or false"),
+    ("/v1/chat/completions", {**CHAT, "cache_prompt": "yes"}, "cache_prompt", "true or false"),
+    ("/v1/chat/completions", {**CHAT, "n_predict": 0}, "max_tokens", ">= 1"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": -2}, "max_tokens", ">= 1"),
+    ("/v1/completions", {"prompt": "a", "reasoning_format": "none"}, "reasoning_format", "unrecognized"),
+    ("/v1/chat/completions", {**CHAT, "post_sampling_probs": True}, "post_sampling_probs", "unrecognized"),
+])
+def test_what_they_refuse(url, path, body, param, fragment):
+    r = httpx.post(f"{url}{path}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and fragment in r.json()["error"]["message"], r.text
