@@ -100,6 +100,9 @@ class RequestSampling:
     dry_allowed_length: int = 2
     dry_window: int = 64
     dry_breakers: tuple[int, ...] = ()
+    # llama-server's post_sampling_probs: the request's logprobs (where it asks) are of the
+    # distribution its token was drawn from, after every filter and the temperature.
+    post_sampling: bool = False
 
     @property
     def penalized(self) -> bool:
@@ -166,8 +169,9 @@ class RequestSampling:
                 or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < NO_TOKEN
                            for t in breakers)):
             raise ValueError(f"dry_breakers must be a tuple of at most {MAX_DRY_BREAKERS} distinct token ids")
-        if not isinstance(self.temperature_last, bool):
-            raise ValueError(f"temperature_last must be true or false, got {self.temperature_last!r}")
+        for name in ("temperature_last", "post_sampling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _check_logit_bias(self.logit_bias)
         _check_lora(self.lora)
 
@@ -246,6 +250,7 @@ class SamplingRows:
         self.dry_base = np.ones(num_slots, np.float32)
         self.dry_allowed_length = np.zeros(num_slots, np.int32)
         self.dry_window = np.zeros(num_slots, np.int32)
+        self.post_sampling = np.zeros(num_slots, bool)
 
     @classmethod
     def of(cls, rows: list[RequestSampling], lora_slots: int = 0) -> SamplingRows:
@@ -287,6 +292,7 @@ class SamplingRows:
         self.lora[slot] = lora
         for name in LLAMA_SAMPLERS:
             getattr(self, name)[slot] = getattr(sampling, name)
+        self.post_sampling[slot] = sampling.post_sampling
 
     def clear(self, slot: int) -> None:
         """Greedy again: a free slot must not make a step take the sampling path."""
@@ -329,6 +335,7 @@ class SamplingParams(NamedTuple):
     dry_base: Any
     dry_allowed_length: Any
     dry_window: Any
+    post_sampling: Any
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingParams:

@@ -19,6 +19,8 @@ greedy and sampled requests:
                  `dry_penalties`), over the row's history
     bias_ids, bias_values  [rows, MAX_LOGIT_BIAS]  logit_bias entries (NO_TOKEN pads)
     logprobs     [rows] bool  whether the row's request asks for logprobs (`token_logprobs`)
+    post_sampling [rows] bool  its logprobs are of the distribution it drew from, after every
+                 filter and the temperature (llama-server's post_sampling_probs), not the raw one
     typical_p, top_n_sigma, xtc_probability, xtc_threshold, dynatemp_range, dynatemp_exponent
                  [rows] f32   llama.cpp's samplers (1, 0, 0, -, 0, -: off)
     temperature_last  [rows] bool  llama.cpp's order rather than vLLM's (below)
@@ -482,19 +484,43 @@ def _draw(scaled: jax.Array, keep: jax.Array, rngs: jax.Array, sampled: jax.Arra
     return when(jnp.all((counts <= DRAW_WIDTH) | ~sampled), among_candidates, in_chunks, masked)
 
 
-def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:
+def _keys(params: SamplingParams, step: jax.Array) -> jax.Array:
+    """Each row's key at `step`: its seed's, folded with the step."""
+    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, step)
+
+
+def _alone(tokens: jax.Array, k: int) -> Logprobs:
+    """`Logprobs` of a distribution holding each row's token alone (a greedy row's draw, as
+    llama.cpp's temperature sampler at 0 leaves it): the token at probability 1, then -inf."""
+    first = jnp.arange(k) == 0
+    ids = jnp.where(first, tokens[:, None], 0).astype(jnp.int32)
+    values = jnp.broadcast_to(jnp.where(first, 0.0, -jnp.inf), ids.shape).astype(jnp.float32)
+    return Logprobs(token=jnp.zeros(tokens.shape, jnp.float32), ids=ids, values=values)
+
+
+def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array,
+                     k: int = 0) -> tuple[jax.Array, Logprobs]:
     """One categorical draw per row over what `kept` leaves of its scaled logits; a row at a
-    temperature of 0 takes the likeliest token kept."""
-    rngs = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params.seed, step)
+    temperature of 0 takes the likeliest token kept. With it, the `Logprobs` (top `k`) of what
+    each row drew from, for the rows that ask (`post_sampling` with `logprobs`)."""
+    rngs = _keys(params, step)
     scaled, keep, hot = kept(logits, params, rngs)
     likeliest = argmax(jnp.where(keep | ~params.temperature_last[:, None], logits, -jnp.inf))
-    return jnp.where(hot, _draw(scaled, keep, rngs, hot), likeliest).astype(jnp.int32)
+    tokens = jnp.where(hot, _draw(scaled, keep, rngs, hot), likeliest).astype(jnp.int32)
+
+    def drawn(scaled):  # (built in the branch: a [rows, vocab] pass only where some row asks)
+        alone = jnp.where(jnp.arange(scaled.shape[-1]) == tokens[:, None], 0.0, -jnp.inf)
+        return jnp.where(hot[:, None], jnp.where(keep, scaled, -jnp.inf), alone)
+
+    post = params.post_sampling & params.logprobs
+    return tokens, when(jnp.any(post), lambda s: logprobs_of(drawn(s), tokens, k, post),
+                        lambda _: _alone(tokens, k), scaled)
 
 
 def sample(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:
     """Picks one token per row from logits already adjusted (`adjust_logits`). `step` [rows]
     makes each draw distinct (use the position)."""
-    return when(_sampled(params), lambda logits: _sample_filtered(logits, params, step),
+    return when(_sampled(params), lambda logits: _sample_filtered(logits, params, step)[0],
                 argmax, logits)
 
 
@@ -502,19 +528,34 @@ def choose(logits: jax.Array, params: SamplingParams, history: TokenHistory, slo
            step: jax.Array, k: int, allowed: jax.Array | None = None) -> tuple[jax.Array, Logprobs]:
     """Every stage for the rows of `logits` [rows, vocab], row i being slot `slots[i]`: the
     adjusted logits' token per row, among those its bitmask `allowed` [rows, words] allows
-    (None: every token), and the raw logits' `Logprobs` (top `k`) of it."""
+    (None: every token), and the raw logits' `Logprobs` (top `k`) of it; a `post_sampling`
+    row's (llama-server's post_sampling_probs) are of the distribution it drew from: what
+    every filter left of its logits as the temperature scaled them."""
+    def greedy(logits):
+        tokens = argmax(logits)
+        return tokens, _alone(tokens, k)
+
     def adjusted(logits):
         adjusted = adjust_logits(logits, params, history, slots)
         if allowed is not None:
             adjusted = apply_bitmask(adjusted, allowed)
-        return sample(adjusted, params, step)
+        return when(_sampled(params), lambda a: _sample_filtered(a, params, step, k), greedy, adjusted)
 
     # A batch that no stage changes (every row greedy, no bias, penalty or bitmask) takes the
     # raw logits' argmax in a branch that gives back tokens alone: a stage's branch that
     # passes the logits through unchanged still copies them (the raw logits stay live for
-    # the logprobs), 2 ms a step for 8 x 151,936 of them.
+    # the logprobs), 2 ms a step for 8 x 151,936 of them. (The post-sampling `Logprobs` each
+    # branch gives back are [rows, k]: on a GPU, where both sides run, the draw's own cost a
+    # softmax and a top-k over what it kept; on a CPU, only where a row asks.)
     changed = _biased(params) | jnp.any(params.penalized) | _sampled(params)
     if allowed is not None:
         changed = changed | _constrained(allowed)
-    tokens = when(changed, adjusted, argmax, logits)
-    return tokens, logprobs_of(logits, tokens, k, params.logprobs)
+    tokens, drawn = when(changed, adjusted, greedy, logits)
+    raw = logprobs_of(logits, tokens, k, params.logprobs)
+    post = params.post_sampling
+
+    def pick(drawn_value, raw_value):
+        return jnp.where(post.reshape(post.shape + (1,) * (raw_value.ndim - 1)), drawn_value, raw_value)
+
+    return tokens, Logprobs(token=pick(drawn.token, raw.token), ids=pick(drawn.ids, raw.ids),
+                            values=pick(drawn.values, raw.values), rank=raw.rank)

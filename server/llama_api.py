@@ -23,6 +23,9 @@ llama.vim) send besides:
   since the first token ends it. Both are watched here, over the text as it comes
   (`EditorStops`); the request is cancelled at once, and its slot freed.
 - `response_fields`: the whole answer holds only these (`timings/prompt_n` names a nested one).
+- `post_sampling_probs`: `n_probs`' probabilities (`prob`, `top_probs`) are of the distribution
+  each token was drawn from, after every filter and the temperature (`RequestSampling.
+  post_sampling`), not the model's raw one.
 - `return_progress` (streamed): before the first token, a chunk per step of the prompt's
   computation with its `prompt_progress`; `timings_per_token`: the `timings` so far in every
   chunk (`server.llama_fields`, which the OpenAI endpoints share).
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
@@ -74,7 +78,6 @@ _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_e
 # the context is refused, not shifted).
 _OFF: dict[str, llama_sampling.Off] = {
     "n_cmpl": ((int,), lambda v: v == 1, "1"),
-    "post_sampling_probs": ((bool,), lambda v: not v, "false"),
     "verbose": ((bool,), lambda v: not v, "false"),
 }
 _UNUSED: dict[str, tuple[type, ...]] = {
@@ -82,7 +85,7 @@ _UNUSED: dict[str, tuple[type, ...]] = {
 _COMMON = frozenset({"model", "prompt", "stream", "n_predict", "max_tokens", "cache_prompt", "lora",
                      "return_tokens", "n_indent", "t_max_predict_ms", "t_max_prompt_ms",
                      "response_fields", "id_slot", "n_probs", "grammar", "json_schema",
-                     "timings_per_token", "return_progress",
+                     "timings_per_token", "return_progress", "post_sampling_probs",
                      *parsing.LLAMA_PENALTY_FIELDS, *_SAMPLING, *llama_sampling.FIELDS, *_OFF,
                      *_UNUSED})
 _INFILL = _COMMON | {"input_prefix", "input_suffix", "input_extra"}
@@ -179,7 +182,9 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
     probs = _non_negative(body, "n_probs", (int,))
     stream = parsing.field(body, "stream", (bool,), False)
     progress = stream and parsing.field(body, "return_progress", (bool,), False)
-    params = dataclasses.replace(params, logprobs=probs or None, progress=progress)
+    post = parsing.field(body, "post_sampling_probs", (bool,), False)
+    params = dataclasses.replace(params, logprobs=probs or None, progress=progress,
+                                 sampling=dataclasses.replace(params.sampling, post_sampling=post))
     constraint = guided.constraint(body)  # llama-server's grammar or json_schema
     parsed = protocol.ParsedRequest(
         model=parsing.field(body, "model", (str,)), prompts=[prompt], messages=None,
@@ -366,7 +371,7 @@ class LlamaAPI:
             raise APIError(500, f"generation failed: {end.record.error}", type="server_error")
         answer = self.final(end, options)
         if end.probs is not None:
-            answer["completion_probabilities"] = self._probs(end.probs)
+            answer["completion_probabilities"] = self._probs(end.probs, parsed.params.sampling.post_sampling)
         if options.fields:
             answer = _selected(answer, options.fields)
         return JSONResponse(answer, headers=headers)
@@ -419,17 +424,21 @@ class LlamaAPI:
                 and options.predict else "",
                 "tokens_cached": record.prompt_tokens + n, "timings": llama_fields.timings(record, n)}
 
-    def _probs(self, entries: list[TokenLogprob]) -> list[dict]:
+    def _probs(self, entries: list[TokenLogprob], post: bool = False) -> list[dict]:
         """llama-server's `completion_probabilities`: each token's id, text, bytes and logprob,
-        with its `n_probs` likeliest alternatives."""
+        with its `n_probs` likeliest alternatives; `post` (post_sampling_probs): probabilities
+        (`prob`, `top_probs`) of the distribution it was drawn from, the alternatives it held
+        (those of probability 0 left out, as there)."""
         raw = self.server.tokenizer.token_bytes
+        name, value = ("prob", math.exp) if post else ("logprob", float)
 
         def token(token_id: int, logprob: float, text: bytes) -> dict:
             return {"id": token_id, "token": text.decode("utf-8", errors="replace"),
-                    "bytes": list(text), "logprob": logprob}
+                    "bytes": list(text), name: value(logprob)}
 
         return [{**token(e.token_id, e.logprob, e.text.encode("utf-8")),
-                 "top_logprobs": [token(i, v, raw(i)) for i, v in e.top]} for e in entries]
+                 f"top_{name}s": [token(i, v, raw(i)) for i, v in e.top if math.isfinite(v)]}
+                for e in entries]
 
     async def _chunks(self, stream: RequestStream, options: Options) -> AsyncIterator[str]:
         """A chunk per step (its text may be empty, held back for a stop string or an
@@ -454,7 +463,8 @@ class LlamaAPI:
             chunk = {"index": 0, "content": step.text, "tokens": step.ids, "stop": False,
                      "id_slot": -1, "tokens_predicted": predicted, "tokens_evaluated": evaluated}
             if step.probs:
-                chunk["completion_probabilities"] = self._probs(step.probs)
+                post = stream.request.params.sampling.post_sampling
+                chunk["completion_probabilities"] = self._probs(step.probs, post)
             if options.timings_per_token:
                 chunk["timings"] = llama_fields.timings_so_far(stream.request, predicted, time.monotonic())
             yield protocol.frame(chunk)

@@ -168,3 +168,24 @@ def test_what_they_refuse(url, path, body, param, fragment):
     r = httpx.post(f"{url}{path}", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and fragment in r.json()["error"]["message"], r.text
+
+
+def test_post_sampling_probs_are_of_what_each_token_was_drawn_from(url):
+    """/completion's post_sampling_probs: each token's `prob` and its `top_probs` are the
+    distribution its draw had: top_k 3 leaves at most 3 alternatives, summing to 1 with the
+    token among them; greedy, the token alone at 1. Without it, the raw logprobs."""
+    body = {"prompt": "Twice more: " + LONG, "n_predict": 8, "n_probs": 5, "seed": 3, "return_tokens": True}
+    sampled = httpx.post(f"{url}/completion", json={**body, "temperature": 1.5, "top_k": 3,
+                                                    "post_sampling_probs": True}, timeout=60).json()
+    raw = httpx.post(f"{url}/completion", json={**body, "temperature": 1.5, "top_k": 3}, timeout=60).json()
+    assert sampled["tokens"] == raw["tokens"]  # the same draws: only what is reported differs
+    for entry, plain in zip(sampled["completion_probabilities"], raw["completion_probabilities"]):
+        top = entry["top_probs"]
+        assert 1 <= len(top) <= 3 and "logprob" not in entry and "top_logprobs" not in entry
+        assert sum(t["prob"] for t in top) == pytest.approx(1, abs=1e-5)
+        assert {t["id"]: t["prob"] for t in top}[entry["id"]] == pytest.approx(entry["prob"], abs=1e-6)
+        assert len(plain["top_logprobs"]) == 5 and plain["logprob"] <= 0
+    greedy = httpx.post(f"{url}/completion", json={**body, "temperature": 0, "post_sampling_probs": True},
+                        timeout=60).json()
+    for entry in greedy["completion_probabilities"]:
+        assert entry["prob"] == 1.0 and [(t["id"], t["prob"]) for t in entry["top_probs"]] == [(entry["id"], 1.0)]

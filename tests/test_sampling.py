@@ -560,3 +560,55 @@ def test_xtc_cuts_as_often_as_its_probability_says():
     # Cut: only 0.3 (the least likely above 0.2), 0.15 and 0.05 stay: token 0 never comes.
     # Not cut: token 0 comes half the time. So P(token 0) = 0.7 x 0.5.
     assert abs(np.mean(tokens == 0) - 0.35) < 0.04
+
+
+# -- llama-server's post_sampling_probs -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("branch_free", [False, True], ids=["cpu-form", "gpu-form"])
+def test_post_sampling_logprobs_are_of_what_each_row_drew_from(wide, branch_free):
+    """A `post_sampling` row's logprobs are of the distribution it drew from: the token's and
+    its likeliest alternatives' probabilities are llama.cpp's chain's (the alternatives past
+    what the chain leaves at -inf; at a temperature of 0, the token alone at 1), with vLLM's
+    order too; a row beside them without it keeps the raw distribution's. The same in the form
+    a GPU's program takes (both sides of each branch computed)."""
+    import contextlib
+
+    from cadence.model import control
+    from cadence.model.sampling import TokenHistory, choose
+
+    vllm = RequestSampling(temperature=0.9, top_k=30, top_p=0.9, min_p=0.02, seed=4)
+    rows = [dataclasses.replace(r, post_sampling=True) for r in (*ROWS, vllm)] + [ROWS[8]]
+    x = np.concatenate([wide, wide[8:9], wide[8:9]])
+    k = 12
+    params = SamplingRows.of(rows).params()._replace(logprobs=np.ones(len(rows), bool))
+    n = len(rows)
+    step = jnp.arange(n, dtype=jnp.int32) * 5
+    with control.branch_free() if branch_free else contextlib.nullcontext():
+        tokens, lp = jax.jit(lambda *args: choose(*args, k))(
+            jnp.asarray(x), params, TokenHistory.create(n, x.shape[1], 8), jnp.arange(n), step)
+    tokens, token_lp = np.asarray(tokens), np.asarray(lp.token)
+    ids, values = np.asarray(lp.ids), np.asarray(lp.values)
+    rngs = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(jnp.asarray(params.seed), step)
+    coins = np.asarray(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, XTC_STREAM)))(rngs))
+    for i, row in enumerate(rows[:-1]):
+        if row.temperature_last:
+            want = llama_chain(x[i], row, float(coins[i]))
+        else:  # vLLM's order: the temperature, then min_p, top-k, top-p (sorting, in float64)
+            z = x[i].astype(np.float64) / row.temperature
+            order = np.argsort(-z, kind="stable")[: row.top_k]
+            p = np.exp(z[order] - z[order].max())
+            p /= p.sum()
+            keep = p >= row.min_p * p[0]
+            order, p = order[keep], p[keep] / p[keep].sum()
+            last = np.flatnonzero(np.cumsum(p) >= row.top_p)[0] + 1
+            want = dict(zip(order[:last].tolist(), (p[:last] / p[:last].sum()).tolist()))
+        assert tokens[i] in want, row
+        assert np.exp(token_lp[i]) == pytest.approx(want[tokens[i]], rel=1e-4, abs=2e-6), row
+        listed = np.isfinite(values[i])
+        assert listed.sum() == min(k, len(want)), row
+        assert_same(dict(zip(ids[i][listed].tolist(), np.exp(values[i][listed]).tolist())),
+                    dict(sorted(want.items(), key=lambda e: -e[1])[:k]), row)
+    raw = jax.nn.log_softmax(jnp.asarray(x[-1]))
+    assert token_lp[-1] == pytest.approx(float(raw[tokens[-1]]), abs=1e-5)
+    np.testing.assert_allclose(values[-1], np.sort(np.asarray(raw))[::-1][:k], atol=1e-5)
