@@ -23,6 +23,9 @@ llama.vim) send besides:
   since the first token ends it. Both are watched here, over the text as it comes
   (`EditorStops`); the request is cancelled at once, and its slot freed.
 - `response_fields`: the whole answer holds only these (`timings/prompt_n` names a nested one).
+- `n_cmpl` (or `n`): that many completions of the prompt (choices, as the OpenAI doors' `n`),
+  answered as an array by `index` (one: the answer alone); streamed, each chunk's `index` names
+  its completion.
 - `post_sampling_probs`: `n_probs`' probabilities (`prob`, `top_probs`) are of the distribution
   each token was drawn from, after every filter and the temperature (`RequestSampling.
   post_sampling`), not the model's raw one.
@@ -77,7 +80,6 @@ _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_e
 # the settings of its context shift and SSE pings, which change no token here (a prompt past
 # the context is refused, not shifted).
 _OFF: dict[str, llama_sampling.Off] = {
-    "n_cmpl": ((int,), lambda v: v == 1, "1"),
     "verbose": ((bool,), lambda v: not v, "false"),
 }
 _UNUSED: dict[str, tuple[type, ...]] = {
@@ -85,7 +87,7 @@ _UNUSED: dict[str, tuple[type, ...]] = {
 _COMMON = frozenset({"model", "prompt", "stream", "n_predict", "max_tokens", "cache_prompt", "lora",
                      "return_tokens", "n_indent", "t_max_predict_ms", "t_max_prompt_ms",
                      "response_fields", "id_slot", "n_probs", "grammar", "json_schema",
-                     "timings_per_token", "return_progress", "post_sampling_probs",
+                     "timings_per_token", "return_progress", "post_sampling_probs", "n_cmpl", "n",
                      *parsing.LLAMA_PENALTY_FIELDS, *_SAMPLING, *llama_sampling.FIELDS, *_OFF,
                      *_UNUSED})
 _INFILL = _COMMON | {"input_prefix", "input_suffix", "input_extra"}
@@ -186,9 +188,12 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
     params = dataclasses.replace(params, logprobs=probs or None, progress=progress,
                                  sampling=dataclasses.replace(params.sampling, post_sampling=post))
     constraint = guided.constraint(body)  # llama-server's grammar or json_schema
+    n = parsing.field(body, "n_cmpl", (int,), parsing.field(body, "n", (int,), 1))  # ("n": its alias)
+    if n < 1:
+        raise SubmissionError(f'"n_cmpl" must be >= 1, got {n}', "n_cmpl")
     parsed = protocol.ParsedRequest(
         model=parsing.field(body, "model", (str,)), prompts=[prompt], messages=None,
-        params=params, stream=stream, include_usage=False,
+        params=params, stream=stream, include_usage=False, n=n, best_of=n,
         response_format=None if constraint is None else parsing.GrammarRequest(*constraint), hole=hole,
         limit_is_cap=True, dry_breakers=breakers)
     options = Options(with_ids=parsing.field(body, "return_tokens", (bool,), False),
@@ -356,25 +361,35 @@ class LlamaAPI:
         if (parsed.params.logprobs or 0) > most:
             raise APIError(400, f'"n_probs" must be at most {most} (the server\'s --max_logprobs), '
                                 f"got {parsed.params.logprobs}", param="n_probs")
+        if parsed.n > server.config.max_n:
+            raise APIError(400, f'"n_cmpl" must be at most {server.config.max_n} (the server\'s '
+                                f"--max_n), got {parsed.n}", param="n_cmpl")
         request_id = protocol.request_id(request.headers, prefix)
-        stream, = (await server.submit(parsed, request_id))[0]
+        streams = (await server.submit(parsed, request_id))[0]
         headers = {"X-Request-Id": request_id}
         if parsed.stream:
-            return StreamingResponse(self._chunks(stream, options), media_type="text/event-stream",
+            return StreamingResponse(self._all_chunks(streams, options), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
-        watcher = asyncio.create_task(protocol.cancel_on_disconnect(request, [stream]))
+        watcher = asyncio.create_task(protocol.cancel_on_disconnect(request, streams))
+
+        async def end_of(stream: RequestStream) -> _End:
+            return [step async for step in self._steps(stream, options)][-1]
+
         try:
-            end = [step async for step in self._steps(stream, options)][-1]
+            ends = await asyncio.gather(*map(end_of, streams))
         finally:
             watcher.cancel()
-        if end.record.finish_reason == "error":
-            raise APIError(500, f"generation failed: {end.record.error}", type="server_error")
-        answer = self.final(end, options)
-        if end.probs is not None:
-            answer["completion_probabilities"] = self._probs(end.probs, parsed.params.sampling.post_sampling)
-        if options.fields:
-            answer = _selected(answer, options.fields)
-        return JSONResponse(answer, headers=headers)
+        failed = next((end.record for end in ends if end.record.finish_reason == "error"), None)
+        if failed is not None:
+            raise APIError(500, f"generation failed: {failed.error}", type="server_error")
+        answers = []
+        for index, end in enumerate(ends):
+            answer = self.final(end, options, index=index)
+            if end.probs is not None:
+                answer["completion_probabilities"] = self._probs(end.probs, parsed.params.sampling.post_sampling)
+            answers.append(_selected(answer, options.fields) if options.fields else answer)
+        # one completion: its answer; n_cmpl of them: an array, by index (llama-server's)
+        return JSONResponse(answers[0] if len(answers) == 1 else answers, headers=headers)
 
     async def _steps(self, stream: RequestStream,
                      options: Options) -> AsyncIterator[_Step | PromptProgress | _End]:
@@ -409,11 +424,11 @@ class LlamaAPI:
             if stream.record is None:  # the client went away
                 stream.cancel()
 
-    def final(self, end: _End, options: Options, streamed: bool = False) -> dict[str, Any]:
-        """The whole answer, or a stream's last chunk (`streamed`: content ""), in
-        llama-server's shape."""
+    def final(self, end: _End, options: Options, streamed: bool = False, index: int = 0) -> dict[str, Any]:
+        """The whole answer of completion `index`, or a stream's last chunk (`streamed`:
+        content ""), in llama-server's shape."""
         record, n = end.record, len(end.ids)
-        return {"index": 0, "content": "" if streamed else end.text,
+        return {"index": index, "content": "" if streamed else end.text,
                 "tokens": end.ids if options.with_ids and not streamed else [],
                 "id_slot": -1, "stop": True, "model": self.server.model_name,
                 "tokens_predicted": n, "tokens_evaluated": record.prompt_tokens,
@@ -440,7 +455,31 @@ class LlamaAPI:
                  f"top_{name}s": [token(i, v, raw(i)) for i, v in e.top if math.isfinite(v)]}
                 for e in entries]
 
-    async def _chunks(self, stream: RequestStream, options: Options) -> AsyncIterator[str]:
+    async def _all_chunks(self, streams: list[RequestStream], options: Options) -> AsyncIterator[str]:
+        """Each completion's chunks (`_chunks`, under its index) as they come."""
+        if len(streams) == 1:
+            async for chunk in self._chunks(streams[0], options):
+                yield chunk
+            return
+        arrived: asyncio.Queue[str | None] = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for chunk in self._chunks(stream, options, index):
+                    arrived.put_nowait(chunk)
+            finally:
+                arrived.put_nowait(None)  # (this one is done)
+
+        pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            for _ in streams:
+                while (chunk := await arrived.get()) is not None:
+                    yield chunk
+        finally:  # (a client gone: each pump's stream cancelled as its generator closes)
+            for task in pumps:
+                task.cancel()
+
+    async def _chunks(self, stream: RequestStream, options: Options, index: int = 0) -> AsyncIterator[str]:
         """A chunk per step (its text may be empty, held back for a stop string or an
         indentation, as there), then the totals. Token ids go in every chunk, as llama-server
         sends them; with return_progress, a chunk per `PromptProgress` before them, and with
@@ -448,7 +487,7 @@ class LlamaAPI:
         predicted, evaluated = 0, len(stream.request.prompt_ids)
         async for step in self._steps(stream, options):
             if isinstance(step, PromptProgress):
-                yield protocol.frame({"index": 0, "content": "", "tokens": [], "stop": False, "id_slot": -1,
+                yield protocol.frame({"index": index, "content": "", "tokens": [], "stop": False, "id_slot": -1,
                                       "tokens_predicted": 0, "tokens_evaluated": evaluated,
                                       "prompt_progress": llama_fields.progress(step)})
                 continue
@@ -457,10 +496,10 @@ class LlamaAPI:
                     yield protocol.frame(APIError(500, f"generation failed: {step.record.error}",
                                           type="server_error").body())
                 else:
-                    yield protocol.frame(self.final(step, options, streamed=True))
+                    yield protocol.frame(self.final(step, options, streamed=True, index=index))
                 return
             predicted += len(step.ids)
-            chunk = {"index": 0, "content": step.text, "tokens": step.ids, "stop": False,
+            chunk = {"index": index, "content": step.text, "tokens": step.ids, "stop": False,
                      "id_slot": -1, "tokens_predicted": predicted, "tokens_evaluated": evaluated}
             if step.probs:
                 post = stream.request.params.sampling.post_sampling

@@ -44,8 +44,9 @@ _SERVED_NAMES = flags.DEFINE_list(
     "--model as given for a known model's name, else the file's or folder's name (a GGUF's "
     "without .gguf: /models/qwen2.5-0.5b.Q4_K_M.gguf serves as 'qwen2.5-0.5b.Q4_K_M').")
 _MAX_N = flags.DEFINE_integer(
-    "max_n", 8, "Most choices one request may ask for (n, and best_of on completions); the "
-    "later choices of a request take its prompt's KV from the first.", lower_bound=1)
+    "max_n", 8, "Most choices one request may ask for (n, best_of on completions, n_cmpl on "
+    "llama-server's /completion); the later choices of a request take its prompt's KV from the "
+    "first.", lower_bound=1)
 
 _ORIGINS = flags.DEFINE_list(
     "allowed_origins", ["*"], "Origins whose web pages may call the API from a browser (CORS), "

@@ -189,3 +189,31 @@ def test_post_sampling_probs_are_of_what_each_token_was_drawn_from(url):
                         timeout=60).json()
     for entry in greedy["completion_probabilities"]:
         assert entry["prob"] == 1.0 and [(t["id"], t["prob"]) for t in entry["top_probs"]] == [(entry["id"], 1.0)]
+
+
+
+def test_n_cmpl_gives_the_openai_doors_choices(url):
+    """/completion's n_cmpl (and its alias n): an array of answers by index, each the choice
+    /v1/completions gives with n (the same seeds; llama.cpp's order named on both), whole and
+    streamed; one completion answers an object, as before."""
+    body = {"prompt": "Three ways: " + LONG, "temperature": 1.5, "top_k": 0, "top_p": 1, "min_p": 0,
+            "typical_p": 0.95, "seed": 7, "ignore_eos": True,
+            # (the tiny model puts all its mass on one token; these it makes a choice of)
+            "logit_bias": {str(i): 40 for i in range(10, 40)}}
+    mine = httpx.post(f"{url}/completion", json={**body, "n_predict": 6, "n_cmpl": 3, "return_tokens": True},
+                      timeout=60).json()
+    assert [a["index"] for a in mine] == [0, 1, 2]
+    openai = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 6, "n": 3,
+                                                       "return_token_ids": True}, timeout=60).json()
+    choices = sorted(openai["choices"], key=lambda c: c["index"])
+    assert [a["tokens"] for a in mine] == [c["token_ids"] for c in choices]
+    assert len({tuple(a["tokens"]) for a in mine}) > 1  # (the choices differ)
+    frames = chunks(url, "/completion", {**body, "n_predict": 6, "n": 3, "stream": True})
+    for a in mine:
+        own = [c for c in frames if c["index"] == a["index"]]
+        assert "".join(c["content"] for c in own) == a["content"] and own[-1]["stop"] is True
+    one = httpx.post(f"{url}/completion", json={**body, "n_predict": 6, "n_cmpl": 1}, timeout=60).json()
+    assert one["index"] == 0 and one["content"] == mine[0]["content"]
+    for many, param in ((0, "n_cmpl"), (9, "n_cmpl")):
+        r = httpx.post(f"{url}/completion", json={**body, "n_cmpl": many}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
