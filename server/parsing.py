@@ -191,16 +191,15 @@ def llama_penalties(entry: dict, params: GenerationParams) -> GenerationParams:
     if window < -1:
         raise SubmissionError('"repeat_last_n" must be -1 (the whole context), 0 (no penalties) '
                               f"or a number of tokens, got {window}", "repeat_last_n")
-    values = {}
-    for theirs, ours in LLAMA_PENALTIES.items():
-        value = float(field(entry, theirs, (int, float), 1.0 if ours == "repetition_penalty" else 0.0))
-        values[ours] = value if window else (1.0 if ours == "repetition_penalty" else 0.0)
+    off = {ours: 1.0 if ours == "repetition_penalty" else 0.0 for ours in LLAMA_PENALTIES.values()}
+    given = {ours: float(field(entry, theirs, (int, float), off[ours])) for theirs, ours in LLAMA_PENALTIES.items()}
     whole = window == -1 or window > MAX_PENALTY_WINDOW
     try:
-        sampling = dataclasses.replace(params.sampling, **values,
+        dataclasses.replace(params.sampling, **given)  # each in its range, on (a window) or off
+        sampling = dataclasses.replace(params.sampling, **(given if window else off),
                                        penalty_window=MAX_PENALTY_WINDOW if whole else window)
     except ValueError as e:  # RequestSampling's range checks, named as the request named them
-        ours = next(name for name in values if str(e).startswith(name))
+        ours = next(name for name in given if str(e).startswith(name))
         theirs = next(t for t, o in LLAMA_PENALTIES.items() if o == ours)
         raise SubmissionError(str(e).replace(ours, theirs, 1), theirs) from None
     return dataclasses.replace(params, sampling=sampling)
