@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from cadence.checkpoints import fim
@@ -54,6 +54,7 @@ from cadence.server import client_json, llama_fields, llama_sampling, parsing, p
 from cadence.server.api_error import APIError
 from cadence.server.conversations_api import ConversationsAPI, ConversationStore
 from cadence.server.embeddings_api import EmbeddingsAPI
+from cadence.server.event_stream import event_stream
 from cadence.server.llama_api import LlamaAPI, fill_ids
 from cadence.server.lora_api import LoraAPI
 from cadence.server.messages_api import MessagesAPI
@@ -149,6 +150,8 @@ class ServerConfig:
     lora_adapters: tuple[str, ...] = ()
     lora_slots: int = 0  # the bank's size (0: as many as lora_adapters)
     runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's)
+    # Seconds a stream may stay silent before a keep-alive comment (`event_stream`); 0: never.
+    sse_ping_interval: float = 30.0
 
 
 class Server:
@@ -377,8 +380,7 @@ class Server:
                   for g in groups]
         if parsed.stream:
             frames = sse_frames(self, parsed, groups, request_id, chat, echoes)
-            return StreamingResponse(frames, media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
+            return event_stream(frames, headers, self.ping(parsed.llama.ping))
         tools = parsed.tools if parsed.parses_tool_calls else None
         streams = [s for g in groups for s in g]
         # A thinking model's reasoning tokens, counted token by token (usage's details).
@@ -406,6 +408,10 @@ class Server:
         if parsed.llama.timings:  # llama-server's, of the first choice
             answer["timings"] = llama_fields.timings(records[0], records[0].output_tokens)
         return JSONResponse(answer, headers=headers)
+
+    def ping(self, asked: float | None = None) -> float | None:
+        """A stream's keep-alive interval (`event_stream`): the request's, else the server's."""
+        return self.config.sse_ping_interval if asked is None else asked
 
     async def collect(self, request: Request, streams: list[RequestStream],
                       on_token: Callable[[int, TokenEvent], None] | None = None) -> list[RequestRecord]:

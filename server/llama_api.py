@@ -63,7 +63,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import cadence
@@ -74,19 +74,20 @@ from cadence.scheduler.request import GenerationParams, PromptProgress, RequestR
 from cadence.scheduler.scheduler import RequestStream
 from cadence.server import guided, llama_fields, llama_sampling, parsing, protocol
 from cadence.server.api_error import APIError
+from cadence.server.event_stream import event_stream
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "logit_bias")
 # llama-server's extras that cadence does not do, accepted off (`llama_sampling.check_off`), and
-# the settings of its context shift and SSE pings, which change no token here (a prompt past
-# the context is refused, not shifted).
+# the settings of its context shift, which change no token here (a prompt past the context is
+# refused, not shifted).
 _OFF: dict[str, llama_sampling.Off] = {
     "verbose": ((bool,), lambda v: not v, "false"),
 }
-_UNUSED: dict[str, tuple[type, ...]] = {
-    "n_keep": (int,), "n_discard": (int,), "n_cache_reuse": (int,), "sse_ping_interval": (int, float)}
-_COMMON = frozenset({"model", "prompt", "stream", "n_predict", "max_tokens", "cache_prompt", "lora",
-                     "return_tokens", "n_indent", "t_max_predict_ms", "t_max_prompt_ms",
-                     "response_fields", "id_slot", "n_probs", "grammar", "json_schema",
+_UNUSED: dict[str, tuple[type, ...]] = {"n_keep": (int,), "n_discard": (int,), "n_cache_reuse": (int,)}
+_COMMON = frozenset({"model", "prompt", "stream", "n_predict", "max_tokens", "lora",
+                     "return_tokens", "n_indent", "t_max_predict_ms", *llama_fields.IGNORED,
+                     "sse_ping_interval",
+                     "response_fields", "n_probs", "grammar", "json_schema",
                      "timings_per_token", "return_progress", "post_sampling_probs", "n_cmpl", "n",
                      *parsing.LLAMA_PENALTY_FIELDS, *_SAMPLING, *llama_sampling.FIELDS, *_OFF,
                      *_UNUSED})
@@ -104,6 +105,7 @@ class Options:
     t_max_predict_ms: float = 0.0  # 0: off
     fields: tuple[str, ...] = ()  # response_fields; empty: all
     timings_per_token: bool = False  # `timings` in every streamed chunk
+    ping: float | None = None  # sse_ping_interval (None: the server's)
 
 
 def _non_negative(body: dict, name: str, types: tuple[type, ...]) -> Any:
@@ -163,9 +165,7 @@ def _with_lora(body: dict, params: GenerationParams) -> GenerationParams:
 def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[int],
            hole: fim.Hole | None) -> tuple[protocol.ParsedRequest, Options]:
     """The fields both endpoints share."""
-    parsing.field(body, "cache_prompt", (bool,))
-    parsing.field(body, "id_slot", (int,))
-    _non_negative(body, "t_max_prompt_ms", (int, float))
+    llama_fields.check_ignored(body)
     llama_sampling.check_off(body, _OFF, _UNUSED)
     limit = parsing.field(body, "n_predict", (int,))
     if limit is not None and limit < -1:
@@ -200,7 +200,8 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
                       predict=limit != 0, n_indent=_non_negative(body, "n_indent", (int,)),
                       t_max_predict_ms=float(_non_negative(body, "t_max_predict_ms", (int, float))),
                       fields=llama_sampling.names(body, "response_fields"),
-                      timings_per_token=parsing.field(body, "timings_per_token", (bool,), False))
+                      timings_per_token=parsing.field(body, "timings_per_token", (bool,), False),
+                      ping=llama_fields.ping_interval(body))
     return parsed, options
 
 
@@ -368,8 +369,7 @@ class LlamaAPI:
         streams = (await server.submit(parsed, request_id))[0]
         headers = {"X-Request-Id": request_id}
         if parsed.stream:
-            return StreamingResponse(self._all_chunks(streams, options), media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
+            return event_stream(self._all_chunks(streams, options), headers, server.ping(options.ping))
         watcher = asyncio.create_task(protocol.cancel_on_disconnect(request, streams))
 
         async def end_of(stream: RequestStream) -> _End:

@@ -21,9 +21,11 @@ What `read` takes (on /v1/chat/completions and /v1/completions; the same on llam
   (or the whole answer) of a request that names `timings_per_token` (either value) or asks for
   its progress, as they ride every llama-server answer; an OpenAI client naming neither gets
   OpenAI's shapes alone;
-- `cache_prompt`, `id_slot`, `t_max_prompt_ms`, `sse_ping_interval` and `reasoning_control`
-  change nothing here (the prefix cache never changes an answer; a slot is the scheduler's to
-  choose; no SSE pings are sent; no reasoning budget runs): checked for their type, and ignored.
+- `sse_ping_interval`: seconds of silence after which a stream sends a keep-alive comment
+  (`server.event_stream`; 0 or less: none), over the server's `--sse_ping_interval`;
+- `cache_prompt`, `id_slot`, `t_max_prompt_ms` and `reasoning_control` change nothing here (the
+  prefix cache never changes an answer; a slot is the scheduler's to choose; no reasoning
+  budget runs): checked for their type, and ignored.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.request import PromptProgress, Request, RequestRecord
 from cadence.server import parsing
 
-_IGNORED: dict[str, tuple[type, ...]] = {
+# What changes nothing here, on every door that takes it (llama-server's own too).
+IGNORED: dict[str, tuple[type, ...]] = {
     "cache_prompt": (bool,), "id_slot": (int,), "t_max_prompt_ms": (int, float),
-    "sse_ping_interval": (int, float), "reasoning_control": (bool,)}
-_STREAM = ("timings_per_token", "return_progress")
-FIELDS = {False: frozenset({*_IGNORED, *_STREAM, "n_predict", "typ_p"}) - {"reasoning_control"},
-          True: frozenset({*_IGNORED, *_STREAM, "n_predict", "typ_p", "reasoning_format"})}
+    "reasoning_control": (bool,)}
+_STREAM = ("timings_per_token", "return_progress", "sse_ping_interval")
+FIELDS = {False: frozenset({*IGNORED, *_STREAM, "n_predict", "typ_p"}) - {"reasoning_control"},
+          True: frozenset({*IGNORED, *_STREAM, "n_predict", "typ_p", "reasoning_format"})}
 _REASONING = {"auto": True, "deepseek": True, "none": False}
 UNLIMITED = -1  # llama-server's max_tokens (n_predict) for "up to the end of the context"
 
@@ -53,6 +56,7 @@ class Extras:
     timings: bool = False
     each: bool = False
     unlimited: bool = False  # max_tokens (or n_predict) -1: up to the end of the context
+    ping: float | None = None  # sse_ping_interval (`server.event_stream`); None: the server's
 
 
 def read(body: dict, chat: bool) -> tuple[dict, Extras]:
@@ -62,8 +66,7 @@ def read(body: dict, chat: bool) -> tuple[dict, Extras]:
     unlimited = type(limit) is int and limit == UNLIMITED
     if not unlimited and not any(body.get(name) is not None for name in FIELDS[chat]):
         return body, Extras()
-    for name, kinds in _IGNORED.items():
-        parsing.field(body, name, kinds)
+    check_ignored(body)
     out = {k: v for k, v in body.items() if k != "n_predict"}
     out["max_tokens"] = None if unlimited else limit  # (None: the door's default, then none)
     if body.get("typ_p") is not None:
@@ -81,9 +84,30 @@ def read(body: dict, chat: bool) -> tuple[dict, Extras]:
             raise SubmissionError(f'"reasoning_format": "{style}" and "separate_reasoning": '
                                   f"{str(separate).lower()} disagree", "reasoning_format")
         out["separate_reasoning"] = _REASONING[style]
-    each, progress = (parsing.field(body, name, (bool,)) for name in _STREAM)
+    each, progress = (parsing.field(body, name, (bool,)) for name in _STREAM[:2])
     return out, Extras(progress=bool(progress), timings=each is not None or bool(progress),
-                       each=bool(each), unlimited=unlimited)
+                       each=bool(each), unlimited=unlimited, ping=ping_interval(body))
+
+
+MIN_PING = 0.01  # seconds: a shorter interval would have a waiting stream send little but pings
+
+
+def ping_interval(body: dict) -> float | None:
+    """llama-server's `sse_ping_interval`: seconds of silence before a stream's keep-alive
+    comment (0 or less: none; None: not given, the server's)."""
+    value = parsing.field(body, "sse_ping_interval", (int, float))
+    if value is not None and 0 < value < MIN_PING:
+        raise SubmissionError(f'"sse_ping_interval" must be at least {MIN_PING} seconds (or 0 or less: '
+                              f"no pings), got {value}", "sse_ping_interval")
+    return None if value is None else float(value)
+
+
+def check_ignored(body: dict) -> None:
+    """The fields that change nothing (`IGNORED`), each checked for its type."""
+    for name, kinds in IGNORED.items():
+        parsing.field(body, name, kinds)
+    if (body.get("t_max_prompt_ms") or 0) < 0:
+        raise SubmissionError(f'"t_max_prompt_ms" must be >= 0, got {body["t_max_prompt_ms"]}', "t_max_prompt_ms")
 
 
 def _timings(start: float, first: float | None, end: float, prompt_tokens: int, cached: int,

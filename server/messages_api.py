@@ -46,7 +46,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from cadence.scheduler.errors import SubmissionError
@@ -55,6 +55,7 @@ from cadence.scheduler.stream import merged
 from cadence.server import parsing, protocol
 from cadence.server.answer_parts import AnswerParts
 from cadence.server.api_error import APIError
+from cadence.server.event_stream import event_stream
 from cadence.server.info_api import input_tokens
 from cadence.server.reasoning import ReasoningParser
 from cadence.server.tool_call_parser import ToolCall, ToolCallParser
@@ -464,8 +465,7 @@ class MessagesAPI:
         run = _Run(self, parsed)
         headers = {"X-Request-Id": request_id, "request-id": request_id}
         if stream:
-            return StreamingResponse(run.events(groups[0][0]), media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
+            return event_stream(run.events(groups[0][0]), headers, server.ping())
         blocks = run.blocks()  # token by token, as a stream builds them
         record = await blocks.collect(server, request, groups[0][0])
         blocks.finish()

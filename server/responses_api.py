@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
@@ -51,6 +51,7 @@ from cadence.server import parsing, protocol
 from cadence.server.answer_parts import AnswerParts
 from cadence.server.conversations_api import Conversation, ConversationStore
 from cadence.server.api_error import APIError
+from cadence.server.event_stream import event_stream
 from cadence.server.info_api import input_tokens
 from cadence.server.reasoning import ReasoningParser
 from cadence.server.responses_request import (ALLOWED, chat_body, input_items, input_messages, new_id, page,
@@ -420,8 +421,7 @@ class ResponsesAPI:
         run = _Run(self, body, parsed, conversation if store else None, self._conversation(body))
         headers = {"X-Request-Id": request_id}
         if stream:
-            return StreamingResponse(run.events(groups[0][0]), media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
+            return event_stream(run.events(groups[0][0]), headers, server.ping())
         output = run.output()  # token by token, as a stream builds it
         record = await output.collect(server, request, groups[0][0])
         return JSONResponse(run.finish(output, record), headers=headers)

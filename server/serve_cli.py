@@ -35,6 +35,10 @@ _API_KEY = flags.DEFINE_string(
 _API_KEY_FILE = flags.DEFINE_string("api_key_file", None, "A file holding the API key (one line).")
 _PROTECT_METRICS = flags.DEFINE_bool("protect_metrics", False, "With an API key, /metrics needs it too.")
 _DRAIN = flags.DEFINE_float("drain_timeout", 30.0, "Seconds to let in-flight requests finish on shutdown.")
+_PING = flags.DEFINE_float(
+    "sse_ping_interval", 30.0, "Seconds a streamed answer may stay silent (queued, or prefilling a "
+    "long prompt) before a keep-alive comment line goes out, as llama-server's; 0: never. A "
+    "request's own sse_ping_interval wins.")
 _MAX_BODY = flags.DEFINE_string(
     "max_body_size", f"{DEFAULT_MAX_BODY_BYTES // 2**20}MiB",
     "Largest request body accepted (bytes, or with a unit: 512KiB, 4MiB); larger ones get 413.")
@@ -103,7 +107,8 @@ def main(argv: list[str]) -> int:
                               max_n=_MAX_N.value, grammar_timeout=GRAMMAR_TIMEOUT.value,
                               reasoning_parser=REASONING_PARSER.value,
                               trust_request_chat_template=_TRUST_TEMPLATES.value,
-                              allowed_origins=tuple(_ORIGINS.value), slots=_SLOTS.value)
+                              allowed_origins=tuple(_ORIGINS.value), slots=_SLOTS.value,
+                              sse_ping_interval=_PING.value)
         names = runtime.served_names(MODEL_FLAG.value, _SERVED_NAMES.value)
         if _RUNTIME_LORA.value and MAX_LORAS.value <= len(LORA.value):
             raise ValueError("--runtime_lora loads adapters into free bank slots: give --max_loras "

@@ -221,6 +221,8 @@ def sse_problems(body: bytes) -> list[str]:
         return ["a streamed 200 that does not end with 'data: [DONE]'"]
     problems = []
     for frame in body.split(b"\n\n")[:-2]:
+        if frame == b":":  # a keep-alive comment (a silent stream's, `server.event_stream`)
+            continue
         if not frame.startswith(b"data: ") or b"\n" in frame:
             problems.append(f"a malformed SSE frame {frame[:120]!r}")
             continue
@@ -242,6 +244,8 @@ def typed_events(body: bytes, api: str) -> list[dict] | str:
         return f"a {api} stream that does not end with a whole frame"
     events = []
     for i, frame in enumerate(frames[:-1]):
+        if frame == b":":  # a keep-alive comment
+            continue
         head, _, data = frame.partition(b"\ndata: ")
         try:
             event = json.loads(data)
@@ -278,21 +282,27 @@ def messages_stream_problems(body: bytes) -> list[str]:
 
 
 def infill_stream_problems(body: bytes) -> list[str]:
-    """llama-server's /infill or /completion stream: `data: <chunk>` frames, the last with
-    "stop": true (no [DONE])."""
+    """llama-server's /infill or /completion stream: `data: <chunk>` frames (and keep-alive
+    comments), each completion's (by `index`: n_cmpl's) last with "stop": true (no [DONE])."""
     frames = body.split(b"\n\n")
     if frames[-1] != b"" or len(frames) < 2:
         return ["an /infill stream that does not end with a whole frame"]
     chunks = []
     for frame in frames[:-1]:
+        if frame == b":":
+            continue
+        if not frame.startswith(b"data: "):
+            return [f"a malformed /infill frame {frame[:120]!r}"]
         try:
             chunks.append(json.loads(frame.removeprefix(b"data: ")))
         except ValueError:
             return [f"an /infill frame that is not data: JSON {frame[:120]!r}"]
-    if not frame.startswith(b"data: ") or any("error" in c for c in chunks):
-        return [f"a malformed or failed /infill stream {body[:300]!r}"]
-    if [c["stop"] for c in chunks] != [False] * (len(chunks) - 1) + [True]:
-        return [f"an /infill stream that does not end with its one stop chunk {frames[-2][:300]!r}"]
+    if not chunks or any("error" in c for c in chunks):
+        return [f"an empty or failed /infill stream {body[:300]!r}"]
+    for index in {c.get("index") for c in chunks}:
+        stops = [c["stop"] for c in chunks if c.get("index") == index]
+        if stops != [False] * (len(stops) - 1) + [True]:
+            return [f"an /infill stream whose completion {index} does not end with its one stop chunk"]
     return []
 
 

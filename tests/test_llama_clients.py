@@ -163,6 +163,8 @@ def test_reasoning_format_is_separate_reasoning():
     ("/v1/chat/completions", {**CHAT, "max_tokens": -2}, "max_tokens", ">= 1"),
     ("/v1/completions", {"prompt": "a", "reasoning_format": "none"}, "reasoning_format", "unrecognized"),
     ("/v1/chat/completions", {**CHAT, "post_sampling_probs": True}, "post_sampling_probs", "unrecognized"),
+    ("/v1/chat/completions", {**CHAT, "sse_ping_interval": 0.001}, "sse_ping_interval", "at least 0.01"),
+    ("/completion", {"prompt": "a", "sse_ping_interval": 1e-9}, "sse_ping_interval", "at least 0.01"),
 ])
 def test_what_they_refuse(url, path, body, param, fragment):
     r = httpx.post(f"{url}{path}", json=body, timeout=60)
@@ -217,3 +219,38 @@ def test_n_cmpl_gives_the_openai_doors_choices(url):
     for many, param in ((0, "n_cmpl"), (9, "n_cmpl")):
         r = httpx.post(f"{url}/completion", json={**body, "n_cmpl": many}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_stream_waiting_behind_full_slots_is_kept_alive(url):
+    """Queued behind four long answers, a stream sends keep-alive comments (`:`) at its
+    sse_ping_interval until its first chunk; its chunks are the same answer as without them;
+    0 turns them off."""
+    import threading
+    import time
+
+    busy = {"prompt": "busy", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+
+    def waiting(interval: float) -> str:
+        holders = [threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",),
+                                    kwargs={"json": busy, "timeout": 120}) for _ in range(4)]
+        for t in holders:
+            t.start()
+        deadline = time.monotonic() + 60
+        while sum(s["is_processing"] for s in httpx.get(f"{url}/slots").json()) < 4:
+            assert time.monotonic() < deadline, "the four never held every slot"
+            time.sleep(0.005)
+        r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 4, "temperature": 0,
+                                                           "stream": True, "sse_ping_interval": interval},
+                       timeout=120)
+        for t in holders:
+            t.join()
+        return r.text
+
+    pinged, quiet = waiting(0.02), waiting(0)
+    frames = pinged.split("\n\n")
+    first = next(i for i, f in enumerate(frames) if f.startswith("data: "))
+    assert first >= 3 and frames[:first] == [":"] * first
+    def answer(raw: str) -> str:
+        return text_of([json.loads(f[6:]) for f in raw.split("\n\n") if f.startswith("data: {")])
+
+    assert answer(pinged) == answer(quiet) != "" and ":" not in quiet.split("\n\n")
