@@ -14,7 +14,8 @@ programs:
 `--sampling` times decode with every row's settings of a kind (`SAMPLING_KINDS`: greedy;
 temperature 1 alone, OpenAI's defaults; temperature and top-p; both and top-k; penalized; with
 logprobs; or all of them; llama-server's defaults in llama.cpp's order, alone and with its other
-samplers), what each stage of `model.sampling` costs.
+samplers; those with their logprobs, raw or post-sampling), what each stage of `model.sampling`
+costs.
 Prints a table and writes one JSON file (machine, JAX version, date, every figure).
 """
 
@@ -89,6 +90,11 @@ SAMPLING_KINDS = {
     "llama_dry": (RequestSampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1,
                                   temperature_last=True, dry_multiplier=0.8, dry_window=1024,
                                   dry_breakers=(198, 28, 18)), False),
+    # llama-server's defaults with n_probs 20 as they are, and as post_sampling_probs reports them
+    "llama_logprobs": (RequestSampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1,
+                                       temperature_last=True), True),
+    "llama_post": (RequestSampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1,
+                                   temperature_last=True, post_sampling=True), True),
 }
 _SAMPLING = flags.DEFINE_list("sampling", ["greedy"], f"Sampling kinds to time decode with: {list(SAMPLING_KINDS)}.")
 
