@@ -188,9 +188,11 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
     params = dataclasses.replace(params, logprobs=probs or None, progress=progress,
                                  sampling=dataclasses.replace(params.sampling, post_sampling=post))
     constraint = guided.constraint(body)  # llama-server's grammar or json_schema
-    n = parsing.field(body, "n_cmpl", (int,), parsing.field(body, "n", (int,), 1))  # ("n": its alias)
-    if n < 1:
-        raise SubmissionError(f'"n_cmpl" must be >= 1, got {n}', "n_cmpl")
+    alias = parsing.field(body, "n", (int,), 1)  # n_cmpl's other name (n_cmpl wins)
+    n = parsing.field(body, "n_cmpl", (int,), alias)
+    for name, value in (("n", alias), ("n_cmpl", n)):
+        if value < 1:
+            raise SubmissionError(f'"{name}" must be >= 1, got {value}', name)
     parsed = protocol.ParsedRequest(
         model=parsing.field(body, "model", (str,)), prompts=[prompt], messages=None,
         params=params, stream=stream, include_usage=False, n=n, best_of=n,

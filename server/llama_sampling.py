@@ -109,6 +109,7 @@ def with_samplers(body: dict, params: GenerationParams) -> tuple[GenerationParam
     values["dynatemp_range"] = max(values["dynatemp_range"], 0.0)
     dry, breakers = _dry(body)
     values.update(dry)
+    given = dict(values)  # (range-checked whether its sampler runs or is left out)
     named = names(body, "samplers", SAMPLERS)
     if body.get("samplers") is not None:
         chain = [{"typical_p": "typ_p"}.get(n, n) for n in named if n != "infill"]
@@ -121,6 +122,7 @@ def with_samplers(body: dict, params: GenerationParams) -> tuple[GenerationParam
             if name not in chain:
                 values.update(_LEFT_OUT[name])
     try:
+        dataclasses.replace(params.sampling, **given)
         sampling = dataclasses.replace(params.sampling, **values, temperature_last=True)
     except ValueError as e:  # RequestSampling's range checks, each naming its field
         name = next((k for k in values if str(e).startswith(k)), None)

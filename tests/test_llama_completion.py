@@ -318,6 +318,8 @@ def test_a_request_naming_llama_cpps_samplers_is_parsed_in_its_order():
     ({"prompt": "a", "repeat_penalty": 0}, "repeat_penalty", "repeat_penalty must be in"),
     ({"prompt": "a", "repeat_last_n": -2}, "repeat_last_n", "-1 (the whole context)"),
     ({"prompt": "a", "repeat_last_n": 0, "frequency_penalty": 3}, "frequency_penalty", "must be in"),
+    ({"prompt": "a", "samplers": [], "xtc_probability": 2}, "xtc_probability", "must be in [0, 1]"),
+    ({"prompt": "a", "n_cmpl": 2, "n": 0}, "n", "must be >= 1"),
     ({"prompt": "a", "input_suffix": "b"}, "input_suffix", "unrecognized"),
     ({"prompt": "a", "n_probs": -1}, "n_probs", ">= 0"),
     ({"prompt": "a", "n_probs": 21}, "n_probs", "--max_logprobs"),
