@@ -348,9 +348,10 @@ class ResponsesAPI:
         except APIError as e:
             raise APIError(404, e.message, param="conversation", code="not_found") from None
 
-    def _parsed(self, body: Any) -> tuple[protocol.ParsedRequest, list[dict]]:
+    def _parsed(self, body: Any) -> tuple[protocol.ParsedRequest, list[dict], Conversation | None]:
         """A Responses body as the chat request that answers it (after the conversation its
-        previous_response_id names), and that conversation; errors in the Responses' names."""
+        previous_response_id names), that conversation, and the Conversations API's conversation
+        it names (`conversation`), if any; errors in the Responses' names."""
         try:
             protocol.known_fields(body, ALLOWED)
             previous = parsing.field(body, "previous_response_id", (str,))
@@ -377,14 +378,14 @@ class ResponsesAPI:
         except APIError as e:
             raise renamed(e) from None
         self.server.models.check(parsed.model)
-        return parsed, conversation
+        return parsed, conversation, named
 
     async def input_tokens(self, request: Request) -> Response:
         """POST /v1/responses/input_tokens (OpenAI's): the prompt's tokens, as the response's
         usage would count them: {"object": "response.input_tokens", "input_tokens"} (with
         truncation "auto", of the turns that would be kept)."""
         body = await self.server.read_body(request)
-        parsed, _ = self._parsed(body)
+        parsed, _, _ = self._parsed(body)
         scheduler = self.server.scheduler
         try:
             while True:
@@ -404,7 +405,7 @@ class ResponsesAPI:
     async def create(self, request: Request) -> Response:
         server = self.server
         body = await server.read_body(request)
-        parsed, conversation = self._parsed(body)
+        parsed, conversation, named = self._parsed(body)
         stream = parsing.field(body, "stream", (bool,), False)  # (both checked by _parsed)
         store = parsing.field(body, "store", (bool,), True)
         request_id = protocol.request_id(request.headers, "resp")
@@ -418,7 +419,9 @@ class ResponsesAPI:
                 if shorter is None:
                     raise renamed(e) from None
                 parsed = dataclasses.replace(parsed, messages=shorter)
-        run = _Run(self, body, parsed, conversation if store else None, self._conversation(body))
+        # (the conversation found at parse time: one deleted while the request was submitted
+        # still gets its items, and the request is answered)
+        run = _Run(self, body, parsed, conversation if store else None, named)
         headers = {"X-Request-Id": request_id}
         if stream:
             return event_stream(run.events(groups[0][0]), headers, server.ping())
