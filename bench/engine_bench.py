@@ -95,6 +95,9 @@ SAMPLING_KINDS = {
                                        temperature_last=True), True),
     "llama_post": (RequestSampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1,
                                    temperature_last=True, post_sampling=True), True),
+    # Mirostat 2 and 1 at llama-server's tau and eta, at its default temperature
+    "mirostat2": (RequestSampling(temperature=0.8, seed=1, temperature_last=True, mirostat=2), False),
+    "mirostat1": (RequestSampling(temperature=0.8, seed=1, temperature_last=True, mirostat=1), False),
 }
 _SAMPLING = flags.DEFINE_list("sampling", ["greedy"], f"Sampling kinds to time decode with: {list(SAMPLING_KINDS)}.")
 

@@ -45,11 +45,15 @@
                                                         of a disaggregated pair: the other raises)
     engine.copy_pages(sources, targets)                 page KV onto other pages (a forked
                                                         sequence's copy of a partial page)
-    engine.set_history(slot, prompt_ids, output_ids, window)
+    engine.set_history(slot, prompt_ids, output_ids, window, dry_breakers, sampler_state)
                                                         the slot's token history (what penalties
-                                                        read, over the request's penalty_window):
-                                                        call it when a penalized request takes a
+                                                        read, over the request's penalty_window,
+                                                        and Mirostat's state): call it when a
+                                                        penalized or stateful request takes a
                                                         slot, before its next program
+    state = engine.sampler_state(slot)                  the slot's Mirostat state after every
+                                                        program so far, read (np.asarray) when
+                                                        its request takes another slot
     tokens.logprobs()                                   of a prefill or decode result: `HostLogprobs`
                                                         shaped like its tokens (and [..., k] for
                                                         the max_logprobs alternatives), real for
@@ -102,7 +106,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -148,7 +152,10 @@ class EngineAPI(Protocol):
     def copy_pages(self, sources: Sequence[int], targets: Sequence[int]) -> None: ...
 
     def set_history(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int] = (),
-                    window: int = 0, dry_breakers: Sequence[int] | None = None) -> None: ...
+                    window: int = 0, dry_breakers: Sequence[int] | None = None,
+                    sampler_state: Sequence[float] = ...) -> None: ...
+
+    def sampler_state(self, slot: int) -> Any: ...
 
     def recover(self) -> None: ...
 

@@ -253,7 +253,7 @@ class Engine(KVOps, Compiling, LoraBank):
         self._decode_forward_batched = programs.decode_forward_batched
         self._pending: _PendingStep | None = None  # a decode_forward awaiting its decode_sample
         self._extract, self._insert = programs.extract, programs.insert
-        self._history = programs.history
+        self._history, self._sampler = programs.history, programs.sampler
         self._copy = programs.copy
         self._verify = programs.verify
         self._warm_compiles: int | None = None

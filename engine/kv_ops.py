@@ -2,6 +2,7 @@
 
     engine.copy_pages(sources, targets)         # a sequence's own copy of a cached page
     engine.set_history(slot, prompt, output, window)   # penalties: what a slot has seen so far
+    state = engine.sampler_state(slot)          # Mirostat's mu, read out as the slot is left
     handle = engine.extract(pages, length, slot)      # disaggregated: a sequence's KV out,
     landed = other.receive(handle)                    # onto the other engine's device,
     other.insert(landed, pages, slot)                 # and into its pool
@@ -21,7 +22,7 @@ import numpy as np
 
 from cadence.engine.packing import bucket_for
 from cadence.engine.results import KVHandle
-from cadence.model.host_sampling import MAX_DRY_BREAKERS, NO_TOKEN, dry_matches
+from cadence.model.host_sampling import MAX_DRY_BREAKERS, NO_TOKEN, SAMPLER_STATE, dry_matches
 from cadence.model.paged_kv import PagedKVCache
 from cadence.model.sampling import TokenHistory
 
@@ -47,12 +48,14 @@ class KVOps:
         self.cache = self._copy(self.cache, src, dst)
 
     def set_history(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int] = (),
-                    window: int = 0, dry_breakers: Sequence[int] | None = None) -> None:
+                    window: int = 0, dry_breakers: Sequence[int] | None = None,
+                    sampler_state: Sequence[float] = (0.0,) * SAMPLER_STATE) -> None:
         """Makes `slot`'s token history (what presence, frequency and repetition penalties
         and DRY read) that of a sequence with this prompt and output so far, for a request with
-        this `penalty_window` (0: none) and, on DRY, these `dry_breakers` (None: not on DRY);
-        the programs count every token the slot samples after. Call it when a penalized
-        request takes a slot, before its next prefill or decode. Returns at once."""
+        this `penalty_window` (0: none) and, on DRY, these `dry_breakers` (None: not on DRY),
+        whose stateful sampler (Mirostat) is at `sampler_state`; the programs count every token
+        the slot samples after. Call it when a penalized or stateful request takes a slot,
+        before its next prefill or decode. Returns at once."""
         cfg = self.config
         if not 0 <= slot < cfg.num_slots:
             raise ValueError(f"slot {slot} is not in [0, {cfg.num_slots})")
@@ -67,8 +70,21 @@ class KVOps:
         match = np.zeros(cfg.max_seq_len, np.int32)
         if dry_breakers is not None:
             match[:n] = dry_matches(tokens[:n])
+        state = np.asarray(sampler_state, np.float32)
+        if state.shape != (SAMPLER_STATE,):
+            raise ValueError(f"a sampler state holds {SAMPLER_STATE} values, got {state.shape}")
         self.history = self._history(self.history, np.int32(slot), tokens, np.int32(len(prompt_ids)),
-                                     np.int32(min(window, 2**31 - 1)), breakers, match)
+                                     np.int32(min(window, 2**31 - 1)), breakers, match, state)
+
+    def sampler_state(self, slot: int):
+        """`slot`'s sampler state ([SAMPLER_STATE] float32: Mirostat's mu) after every program
+        dispatched so far, as a device array the host reads when it needs it (`np.asarray`):
+        a request leaving the slot (preempted, or handed to a decode engine) keeps its state
+        this way for the slot it takes next (`set_history`). Returns at once."""
+        if not 0 <= slot < self.config.num_slots:
+            raise ValueError(f"slot {slot} is not in [0, {self.config.num_slots})")
+        self._ensure("history")
+        return self._sampler(self.history, np.int32(slot))
 
     def _check(self, slot: int, pages: Sequence[int], needed: int) -> None:
         """A call's slot and pages: the slot exists, and `pages` holds `needed` pages."""

@@ -43,7 +43,7 @@ from cadence.model.config import ModelConfig
 from cadence.model.llama import rope_table
 from cadence.model.paged_kv import PagedKVCache
 from cadence.model.params import abstract_params
-from cadence.model.host_sampling import MAX_DRY_BREAKERS, RequestSampling, all_allowed
+from cadence.model.host_sampling import MAX_DRY_BREAKERS, SAMPLER_STATE, RequestSampling, all_allowed
 from cadence.model.sampling import TokenHistory
 
 
@@ -167,7 +167,8 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, *, weights:
             i32, i32)
     add("history", "history", history, i32, np.zeros(cfg.max_seq_len, np.int32), i32, i32,
         np.zeros(MAX_DRY_BREAKERS, np.int32),
-        np.zeros(cfg.max_seq_len, np.int32))
+        np.zeros(cfg.max_seq_len, np.int32), np.zeros(SAMPLER_STATE, np.float32))
+    add("sampler", "sampler", history, i32)
     add("copy", "copy", cache, np.zeros(cfg.num_slots, np.int32), np.zeros(cfg.num_slots, np.int32))
     return out
 

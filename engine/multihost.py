@@ -36,9 +36,11 @@ import jax
 import numpy as np
 from absl import logging
 
+from cadence.model.host_sampling import SAMPLER_STATE
+
 # The calls that run programs on every process; everything else an engine answers locally.
 BROADCAST = ("prefill", "decode", "decode_forward", "decode_sample", "verify", "set_history",
-             "copy_pages", "recover", "warmup")
+             "sampler_state", "copy_pages", "recover", "warmup")
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
@@ -135,9 +137,14 @@ class Leader:
         return self._call("verify", positions, active, sampling, page_table, drafts, draft_lens,
                           allowed)
 
-    def set_history(self, slot, prompt_ids, output_ids=(), window=0, dry_breakers=None):
+    def set_history(self, slot, prompt_ids, output_ids=(), window=0, dry_breakers=None,
+                    sampler_state=(0.0,) * SAMPLER_STATE):
         self._call("set_history", slot, list(prompt_ids), list(output_ids), window,
-                   None if dry_breakers is None else list(dry_breakers))
+                   None if dry_breakers is None else list(dry_breakers),
+                   [float(v) for v in sampler_state])
+
+    def sampler_state(self, slot):  # (a program over the global history: every process runs it)
+        return self._call("sampler_state", slot)
 
     def copy_pages(self, sources, targets):
         self._call("copy_pages", list(sources), list(targets))

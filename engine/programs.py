@@ -83,9 +83,9 @@ def _take_chunk_tokens(logits, last_tokens, history, steps, write_slot, sampling
     """Both prefill programs' end: each chunk's token from its logits [C, vocab] (step = the
     new token's position), written into the slot of a prompt's last chunk and counted into its
     history."""
-    sampled, logprobs = choose(logits, sampling, history, sampling_slot, steps, max_logprobs, allowed)
+    sampled, logprobs, state = choose(logits, sampling, history, sampling_slot, steps, max_logprobs, allowed)
     last_tokens = last_tokens.at[write_slot].set(sampled, mode="drop")
-    return sampled, logprobs, last_tokens, history.count(write_slot, sampled, sampling)
+    return sampled, logprobs, last_tokens, history.count(write_slot, sampled, sampling, state)
 
 
 def _scored_prefill_program(
@@ -214,11 +214,11 @@ def _verify_program(
 
     def position(i, state):
         going, last_tokens, history, out, lp_out, emitted = state
-        sampled, logprobs = choose(jax.lax.dynamic_index_in_dim(logits, i, 1, keepdims=False),
-                                   sampling, history, slots, positions + i + 1, max_logprobs,
-                                   jax.lax.dynamic_index_in_dim(allowed, i, 1, keepdims=False))
+        sampled, logprobs, state = choose(
+            jax.lax.dynamic_index_in_dim(logits, i, 1, keepdims=False), sampling, history, slots,
+            positions + i + 1, max_logprobs, jax.lax.dynamic_index_in_dim(allowed, i, 1, keepdims=False))
         into = jnp.where(going, slots, into_none)
-        history = history.count(into, sampled, sampling)
+        history = history.count(into, sampled, sampling, state)
         last_tokens = last_tokens.at[into].set(sampled, mode="drop")
         out = jax.lax.dynamic_update_index_in_dim(out, last_tokens, i, 0)
         lp_out = jax.tree.map(lambda a, new: a.at[i, into].set(new, mode="drop"), lp_out, logprobs)
@@ -262,11 +262,11 @@ def _decode_sample(logits, live, inputs, slots, at, sampling, history, last_toke
     written into its slot's `last_tokens`, counted into its history, and recorded as step
     `step` of `out` and `lp_out`."""
     num_slots = last_tokens.shape[0]
-    sampled, logprobs = choose(logits, sampling, history, slots, at + 1, max_logprobs, allowed)
+    sampled, logprobs, state = choose(logits, sampling, history, slots, at + 1, max_logprobs, allowed)
     tokens = jnp.where(live, sampled, inputs)
     into = jnp.where(live, slots, num_slots)
     last_tokens = last_tokens.at[into].set(tokens, mode="drop")
-    history = history.count(into, tokens, sampling)
+    history = history.count(into, tokens, sampling, state)
     out = jax.lax.dynamic_update_index_in_dim(out, last_tokens, step, 0)
     lp_out = jax.tree.map(lambda a, new: a.at[step, into].set(new, mode="drop"), lp_out, logprobs)
     return tokens, last_tokens, history, out, lp_out
@@ -305,9 +305,15 @@ def _copy_program(cache, sources, targets, *, cpu_kernel=False):
                         v=paged_kv.copy_pages(cache.v, sources, targets, cpu_kernel=cpu_kernel))
 
 
-def _history_program(history, slot, tokens, prompt_len, window, breakers, match):
+def _history_program(history, slot, tokens, prompt_len, window, breakers, match, sampler):
     """Writes slot `slot`'s token history from its sequence so far (`TokenHistory.set_row`)."""
-    return history.set_row(slot, tokens, prompt_len, window, breakers, match)
+    return history.set_row(slot, tokens, prompt_len, window, breakers, match, sampler)
+
+
+def _sampler_program(history, slot):
+    """Slot `slot`'s sampler state, [SAMPLER_STATE], apart from the history (which the next
+    program takes over): read after every program dispatched before it. Donates nothing."""
+    return history.sampler[slot]
 
 
 def _extract_program(cache, last_tokens, ids, slot):
@@ -347,6 +353,7 @@ class Programs:
     extract: Callable
     insert: Callable
     history: Callable  # a slot's TokenHistory row from its tokens
+    sampler: Callable  # a slot's sampler state, read out
     copy: Callable  # pages onto other pages
     verify: Callable  # speculative decoding: each row's last token and drafts scored at once
 
@@ -397,6 +404,7 @@ def jit_programs(model_config: ModelConfig, config: EngineConfig,
         insert=jit(functools.partial(_insert_program, cpu_kernel=in_place), (pool, token),
                    donate_argnames=("cache", "last_tokens")),
         history=jit(_history_program, token, donate_argnames=("history",)),
+        sampler=jit(_sampler_program, token),
         copy=jit(functools.partial(_copy_program, cpu_kernel=in_place), pool, donate_argnames=("cache",)),
         verify=jit(functools.partial(_verify_program, **static), stepped, donate_argnames=donate),
     )

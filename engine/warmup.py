@@ -30,7 +30,7 @@ from cadence.engine.config import GROUPS, WARMUPS, EngineConfig
 from cadence.engine.packing import empty_pack, row_chunks
 from cadence.engine.programs import Programs, sampling_rows
 from cadence.model.config import ModelConfig
-from cadence.model.host_sampling import MAX_DRY_BREAKERS, RequestSampling, all_allowed
+from cadence.model.host_sampling import MAX_DRY_BREAKERS, SAMPLER_STATE, RequestSampling, all_allowed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +161,8 @@ def list_programs(programs: Programs, cfg: EngineConfig, mc: ModelConfig, specs:
             jax.ShapeDtypeStruct((), jnp.int32, sharding=last.sharding))
     add("history", "history", programs.history, history, i32, np.zeros(cfg.max_seq_len, np.int32), i32,
         i32, np.zeros(MAX_DRY_BREAKERS, np.int32),
-        np.zeros(cfg.max_seq_len, np.int32))
+        np.zeros(cfg.max_seq_len, np.int32), np.zeros(SAMPLER_STATE, np.float32))
+    add("history", "sampler", programs.sampler, history, i32)
     add("copy", "copy", programs.copy, cache, np.zeros(cfg.num_slots, np.int32),
         np.zeros(cfg.num_slots, np.int32))
     return out

@@ -46,9 +46,14 @@ MAX_PENALTY_WINDOW = 2**31 - 1  # int32's: a window past the sequence holds all 
 # llama.cpp's samplers' settings, a row array each (`SamplingRows`).
 LLAMA_SAMPLERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
                   "dynatemp_exponent", "temperature_last", "dry_multiplier", "dry_base",
-                  "dry_allowed_length", "dry_window")
+                  "dry_allowed_length", "dry_window", "mirostat", "mirostat_tau", "mirostat_eta")
+# What a row's stateful sampler carries from one token to the next (`TokenHistory.sampler`):
+# Mirostat's mu.
+SAMPLER_STATE = 1
 # DRY's sequence breakers: the token ids a request's slot holds (`TokenHistory.set_row`).
 MAX_DRY_BREAKERS = 8192
+# Mirostat's target surprise, in bits: past float32's exponent 2 ** mu overflows.
+MAX_MIROSTAT_TAU = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +108,25 @@ class RequestSampling:
     # llama-server's post_sampling_probs: the request's logprobs (where it asks) are of the
     # distribution its token was drawn from, after every filter and the temperature.
     post_sampling: bool = False
+    # llama.cpp's Mirostat (`model.sampling.mirostat`): 1 or 2 (0: off) draws from the tokens
+    # whose surprise (-log2 p) keeps the text's average surprise near mirostat_tau bits, its
+    # bound mu (2 tau at first) moved by mirostat_eta x each token's error. It replaces the
+    # filters: a request on it is sampled as llama-server samples one (logit_bias, the
+    # temperature, Mirostat), its other samplers and penalties off.
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the request's sampler carries state from token to token (Mirostat's mu,
+        `TokenHistory.sampler`), which a slot's history must be written with."""
+        return self.mirostat != 0
+
+    @property
+    def sampler_state(self) -> tuple[float, ...]:
+        """A stateful sampler's state before the request's first token (`SAMPLER_STATE`)."""
+        return (2 * self.mirostat_tau,)
 
     @property
     def penalized(self) -> bool:
@@ -120,12 +144,12 @@ class RequestSampling:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "typical_p", "top_n_sigma", "xtc_probability",
                      "xtc_threshold", "dynatemp_range", "dynatemp_exponent", "dry_multiplier",
-                     "dry_base"):
+                     "dry_base", "mirostat_tau", "mirostat_eta"):
             value = getattr(self, name)
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not math.isfinite(value) or abs(value) > FLOAT32_MAX):
                 raise ValueError(f"{name} must be a finite number that fits float32, got {value!r}")
-        for name in ("top_k", "seed", "penalty_window", "dry_allowed_length", "dry_window"):
+        for name in ("top_k", "seed", "penalty_window", "dry_allowed_length", "dry_window", "mirostat"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -164,6 +188,12 @@ class RequestSampling:
         for name in ("dry_allowed_length", "dry_window"):
             if not 0 <= getattr(self, name) <= MAX_PENALTY_WINDOW:
                 raise ValueError(f"{name} must be in [0, {MAX_PENALTY_WINDOW}], got {getattr(self, name)}")
+        if self.mirostat not in (0, 1, 2):
+            raise ValueError(f"mirostat must be 0 (off), 1 or 2, got {self.mirostat}")
+        if not 0 <= self.mirostat_tau <= MAX_MIROSTAT_TAU:
+            raise ValueError(f"mirostat_tau must be in [0, {MAX_MIROSTAT_TAU:g}] (bits), got {self.mirostat_tau}")
+        if not self.mirostat_eta >= 0:
+            raise ValueError(f"mirostat_eta must be >= 0, got {self.mirostat_eta}")
         breakers = self.dry_breakers
         if (not isinstance(breakers, tuple) or len(breakers) > MAX_DRY_BREAKERS or len(set(breakers)) != len(breakers)
                 or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < NO_TOKEN
@@ -251,6 +281,9 @@ class SamplingRows:
         self.dry_allowed_length = np.zeros(num_slots, np.int32)
         self.dry_window = np.zeros(num_slots, np.int32)
         self.post_sampling = np.zeros(num_slots, bool)
+        self.mirostat = np.zeros(num_slots, np.int32)
+        self.mirostat_tau = np.zeros(num_slots, np.float32)
+        self.mirostat_eta = np.zeros(num_slots, np.float32)
 
     @classmethod
     def of(cls, rows: list[RequestSampling], lora_slots: int = 0) -> SamplingRows:
@@ -336,6 +369,9 @@ class SamplingParams(NamedTuple):
     dry_allowed_length: Any
     dry_window: Any
     post_sampling: Any
+    mirostat: Any
+    mirostat_tau: Any
+    mirostat_eta: Any
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingParams:
@@ -367,8 +403,10 @@ class SamplingParams(NamedTuple):
     def filtered(self):
         """[rows] bool: whether a row's token depends on the filters (`model.sampling.kept`): a
         drawn row, or a greedy one in llama.cpp's order whose typical_p or XTC may take out the
-        likeliest token (its token is then the likeliest of those left)."""
-        return self.drawn | (self.temperature_last & ((self.typical_p < 1) | (self.xtc_probability > 0)))
+        likeliest token (its token is then the likeliest of those left); a Mirostat row, whose
+        state moves with every token, greedy or not."""
+        return (self.drawn | (self.temperature_last & ((self.typical_p < 1) | (self.xtc_probability > 0)))
+                | (self.mirostat != 0))
 
     def stops(self, tokens):
         """[rows] bool: whether each row's token ends its request."""

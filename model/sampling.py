@@ -24,6 +24,8 @@ greedy and sampled requests:
     typical_p, top_n_sigma, xtc_probability, xtc_threshold, dynatemp_range, dynatemp_exponent
                  [rows] f32   llama.cpp's samplers (1, 0, 0, -, 0, -: off)
     temperature_last  [rows] bool  llama.cpp's order rather than vLLM's (below)
+    mirostat, mirostat_tau, mirostat_eta  [rows]   llama.cpp's Mirostat 1 or 2 (0: off), whose
+                 bound mu moves with every token (`mirostat`; device state in `TokenHistory`)
 
 Beside them, `choose` takes each row's token bitmask (`allowed`, [rows, ceil(vocab / 32)] int32,
 llguidance's layout: bit j of word i allows token 32 i + j), which a grammar fills on the host
@@ -34,9 +36,10 @@ bitmask sends the tokens it forbids to -inf, then temperature, min_p, top-k and 
 distribution a sampled row draws from. A row of llama.cpp's order (`temperature_last`, what
 llama-server's endpoints ask for) filters the logits as they are, with top-n-sigma, top-k,
 typical, top-p, min_p and XTC in that order, and applies its temperature, dynamic or not, to
-what they leave; at temperature 0 it takes the likeliest token left (`kept`). The
-penalties read the row's token history, device state the programs carry and update
-(`TokenHistory`): how often each id was generated, and which ids the prompt holds.
+what they leave; at temperature 0 it takes the likeliest token left (`kept`). A Mirostat
+row then keeps only the tokens its bound allows (`mirostat`). The penalties and Mirostat read
+the row's token history, device state the programs carry and update (`TokenHistory`): how often
+each id was generated, which ids the prompt holds, Mirostat's mu.
 
 A row's randomness depends only on its own seed and step (e.g. its position), never on which
 other requests share the batch, so a seeded request is reproducible alone or batched.
@@ -53,6 +56,8 @@ NumPy rows; `SamplingParams`, the rows as the programs take them; the bitmask la
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -60,7 +65,7 @@ from jax.extend.random import threefry2x32_p
 
 from cadence.model import cpu_kernels
 from cadence.model.control import when
-from cadence.model.host_sampling import ALL_ALLOWED, NO_TOKEN, SamplingParams
+from cadence.model.host_sampling import ALL_ALLOWED, NO_TOKEN, SAMPLER_STATE, SamplingParams
 
 
 @struct.dataclass
@@ -79,11 +84,15 @@ class TokenHistory:
         match   [slots, seq] int32    for DRY, at each position k before the last: how many
                                       tokens the sequence up to k and the whole sequence end
                                       alike (the repetition that token k + 1 went on with)
+        sampler [slots, SAMPLER_STATE] f32   a stateful sampler's state after the slot's last
+                                      token: Mirostat's mu (`mirostat`)
 
-    A row is written whole when a penalized request takes its slot (`set_row`, from the tokens
-    the host knows) and then counted on: every token a penalized row samples adds one (and a
-    windowed row drops the one that falls out of its window, as llama.cpp's ring does).
-    Rows of other requests are neither read (their penalties are neutral) nor kept current."""
+    A row is written whole when a penalized or stateful request takes its slot (`set_row`,
+    from the tokens the host knows, and the sampler's state: its first, or what the host read
+    back when the request left another slot) and then counted on: every token a penalized row
+    samples adds one (and a windowed row drops the one that falls out of its window, as
+    llama.cpp's ring does), and a stateful row's state moves on. Rows of other requests are
+    neither read (their penalties are neutral) nor kept current."""
 
     counts: jax.Array
     prompt: jax.Array
@@ -91,6 +100,7 @@ class TokenHistory:
     length: jax.Array
     breaker: jax.Array
     match: jax.Array
+    sampler: jax.Array
 
     @classmethod
     def create(cls, slots: int, vocab: int, seq_len: int, device=None) -> TokenHistory:
@@ -99,11 +109,15 @@ class TokenHistory:
                    tokens=jnp.full((slots, seq_len), NO_TOKEN, jnp.int32, device=device),
                    length=jnp.zeros(slots, jnp.int32, device=device),
                    breaker=jnp.zeros((slots, vocab), bool, device=device),
-                   match=jnp.zeros((slots, seq_len), jnp.int32, device=device))
+                   match=jnp.zeros((slots, seq_len), jnp.int32, device=device),
+                   sampler=jnp.zeros((slots, SAMPLER_STATE), jnp.float32, device=device))
 
-    def count(self, slots: jax.Array, tokens: jax.Array, params: SamplingParams) -> TokenHistory:
+    def count(self, slots: jax.Array, tokens: jax.Array, params: SamplingParams,
+              sampler: jax.Array | None = None) -> TokenHistory:
         """Adds `tokens` [rows] to the rows `slots` [rows] (a slot past the last drops out)
-        whose request is penalized; a windowed row's token `window` back leaves its counts."""
+        whose request is penalized; a windowed row's token `window` back leaves its counts.
+        A stateful row's sampler state becomes its entry of `sampler` [rows, SAMPLER_STATE]
+        (`choose`'s, after the token)."""
         penalized = params.penalized
         add = penalized.astype(jnp.int32)
         num_slots, seq = self.tokens.shape
@@ -121,17 +135,22 @@ class TokenHistory:
             grown = jnp.where((self.tokens[rows] == tokens[:, None]) & (at < n[:, None]), before + 1, 0)
             return match.at[jnp.where(params.dry_multiplier != 0, slots, num_slots)].set(grown, mode="drop")
 
+        state = self.sampler if sampler is None else self.sampler.at[
+            jnp.where(params.mirostat != 0, slots, num_slots)].set(sampler, mode="drop")
         return self.replace(counts=counts.at[slots, leaving].add(-leaves, mode="drop"),
                             tokens=self.tokens.at[into, n].set(tokens, mode="drop"),
                             length=self.length.at[into].add(1, mode="drop"),
-                            match=when(jnp.any(params.dry_multiplier != 0), extend, _same, self.match))
+                            match=when(jnp.any(params.dry_multiplier != 0), extend, _same, self.match),
+                            sampler=state)
 
     def set_row(self, slot: jax.Array, tokens: jax.Array, prompt_len: jax.Array,
-                window: jax.Array, breakers: jax.Array, match: jax.Array) -> TokenHistory:
+                window: jax.Array, breakers: jax.Array, match: jax.Array,
+                sampler: jax.Array) -> TokenHistory:
         """Row `slot` from a sequence `tokens` [seq] (NO_TOKEN pads): the first `prompt_len` are
         the prompt, the rest output; `window` (0: none) its request's `penalty_window`;
         `breakers` [MAX_DRY_BREAKERS] (NO_TOKEN pads) its DRY breakers, and `match` [seq] each
-        position's repetition (`host_sampling.dry_matches`; zeros for a request not on DRY)."""
+        position's repetition (`host_sampling.dry_matches`; zeros for a request not on DRY);
+        `sampler` [SAMPLER_STATE] its stateful sampler's state."""
         vocab = self.counts.shape[1]
         at = jnp.arange(tokens.shape[0])
         n = jnp.sum(tokens != NO_TOKEN, dtype=jnp.int32)
@@ -145,7 +164,8 @@ class TokenHistory:
                             tokens=self.tokens.at[slot].set(tokens), length=self.length.at[slot].set(n),
                             breaker=self.breaker.at[slot].set(
                                 jnp.zeros(vocab, bool).at[breakers].set(True, mode="drop")),
-                            match=self.match.at[slot].set(match))
+                            match=self.match.at[slot].set(match),
+                            sampler=self.sampler.at[slot].set(sampler))
 
 
 def _same(x):
@@ -406,6 +426,54 @@ def kept(logits: jax.Array, params: SamplingParams,
 
 XTC_STREAM = 0x58544321  # XTC's coin: the row's key folded with this, apart from the draw's noise
 
+# Mirostat 1 estimates how fast a row's probabilities fall (their Zipf exponent) from its 100
+# likeliest tokens, as llama.cpp's does.
+MIROSTAT_M = 100
+
+
+def mirostat(scaled: jax.Array, keep: jax.Array, params: SamplingParams, mu: jax.Array) -> jax.Array:
+    """What llama.cpp's Mirostat keeps, per Mirostat row, of what `kept` left (`keep`) of its
+    scaled logits (other rows' as they are), under its bound `mu` [rows] (bits):
+    Mirostat 2 the tokens whose surprise, -log2 p, is at most mu; Mirostat 1 the k likeliest,
+    k = (e 2^mu / (1 - vocab^-e))^(1/s), from s, the exponent of a Zipf law fitted to the
+    MIROSTAT_M likeliest (e = s - 1). Each keeps the likeliest token at least (a k past the
+    vocabulary keeps every token; where the fit fails, one token is left)."""
+    vocab = scaled.shape[-1]
+    masked = jnp.where(keep, scaled, -jnp.inf)
+    keys = _order_keys(masked)
+    peak = jnp.max(masked, axis=-1)
+    log_total = jnp.log(jnp.sum(jnp.exp(masked - peak[:, None]), axis=-1))
+    # Mirostat 2: -log2 p <= mu, i.e. a logit at least peak + log(total) - mu ln 2, with the peak.
+    bound = jnp.minimum(peak + log_total - mu * math.log(2), peak)
+
+    def zipf(keys):  # Mirostat 1: s from the ratios of neighbouring probabilities among the m likeliest
+        m = min(MIROSTAT_M, vocab)
+        top = jax.lax.top_k(masked, m)[0]
+        i = jnp.arange(m - 1, dtype=jnp.float32)
+        t = jnp.log((i + 2) / (i + 1))
+        pairs = jnp.isfinite(top[:, 1:])  # (both kept: the likelier one is too)
+        s_hat = (jnp.sum(jnp.where(pairs, t * (top[:, :-1] - top[:, 1:]), 0), axis=-1)
+                 / jnp.sum(jnp.where(pairs, t * t, 0), axis=-1))
+        e = s_hat - 1
+        k = jnp.power(e * jnp.exp2(mu) / (1 - jnp.power(jnp.float32(vocab), -e)), 1 / s_hat)
+        return _cut(keys, jnp.where(jnp.isnan(k), 1, jnp.clip(k, 1, vocab)).astype(jnp.int32))
+
+    first = params.mirostat == 1
+    cut = jnp.where(first, when(jnp.any(first), zipf, lambda _: jnp.zeros(first.shape, jnp.uint32), keys),
+                    _order_keys(bound))
+    return keep & ((keys >= cut[:, None]) | (params.mirostat == 0)[:, None])
+
+
+def mirostat_moved(scaled: jax.Array, keep: jax.Array, hot: jax.Array, tokens: jax.Array,
+                   params: SamplingParams, mu: jax.Array) -> jax.Array:
+    """Each Mirostat row's bound after drawing `tokens` from `keep` (`mirostat`'s): mu less
+    eta x (the token's surprise, -log2 of its probability there, less tau); a row at a
+    temperature of 0 (not `hot`) took its token at probability 1. Other rows' mu as it is."""
+    masked = jnp.where(keep, scaled, -jnp.inf)
+    log_p = jnp.take_along_axis(masked, tokens[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(masked, axis=-1)
+    surprise = jnp.where(hot, -log_p / math.log(2), 0.0)
+    return jnp.where(params.mirostat != 0, mu - params.mirostat_eta * (surprise - params.mirostat_tau), mu)
+
 
 def argmax(logits: jax.Array) -> jax.Array:
     """Each row's likeliest token, int32 (`cpu_kernels.argmax`: where the CPU kernels serve
@@ -498,15 +566,23 @@ def _alone(tokens: jax.Array, k: int) -> Logprobs:
     return Logprobs(token=jnp.zeros(tokens.shape, jnp.float32), ids=ids, values=values)
 
 
-def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array,
-                     k: int = 0) -> tuple[jax.Array, Logprobs]:
-    """One categorical draw per row over what `kept` leaves of its scaled logits; a row at a
-    temperature of 0 takes the likeliest token kept. With it, the `Logprobs` (top `k`) of what
-    each row drew from, for the rows that ask (`post_sampling` with `logprobs`)."""
+def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array, k: int = 0,
+                     sampler: jax.Array | None = None) -> tuple[jax.Array, Logprobs, jax.Array]:
+    """One categorical draw per row over what `kept` leaves of its scaled logits (and a
+    Mirostat row's bound, `mirostat`, of that); a row at a temperature of 0 takes the
+    likeliest token kept. With it, the `Logprobs` (top `k`) of what each row drew from, for the
+    rows that ask (`post_sampling` with `logprobs`), and each row's sampler state after its
+    token (`sampler` [rows, SAMPLER_STATE], the state before; None: a request's first)."""
     rngs = _keys(params, step)
     scaled, keep, hot = kept(logits, params, rngs)
+    if sampler is None:
+        sampler = 2 * params.mirostat_tau[:, None]
+    mu = sampler[:, 0]
+    on = jnp.any(params.mirostat != 0)
+    keep = when(on, lambda keep: mirostat(scaled, keep, params, mu), _same, keep)
     likeliest = argmax(jnp.where(keep | ~params.temperature_last[:, None], logits, -jnp.inf))
     tokens = jnp.where(hot, _draw(scaled, keep, rngs, hot), likeliest).astype(jnp.int32)
+    mu = when(on, lambda mu: mirostat_moved(scaled, keep, hot, tokens, params, mu), _same, mu)
 
     def drawn(scaled):  # (built in the branch: a [rows, vocab] pass only where some row asks)
         alone = jnp.where(jnp.arange(scaled.shape[-1]) == tokens[:, None], 0.0, -jnp.inf)
@@ -514,32 +590,37 @@ def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array,
 
     post = params.post_sampling & params.logprobs
     return tokens, when(jnp.any(post), lambda s: logprobs_of(drawn(s), tokens, k, post),
-                        lambda _: _alone(tokens, k), scaled)
+                        lambda _: _alone(tokens, k), scaled), mu[:, None]
 
 
 def sample(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:
     """Picks one token per row from logits already adjusted (`adjust_logits`). `step` [rows]
-    makes each draw distinct (use the position)."""
+    makes each draw distinct (use the position); a Mirostat row draws as its first token."""
     return when(_sampled(params), lambda logits: _sample_filtered(logits, params, step)[0],
                 argmax, logits)
 
 
 def choose(logits: jax.Array, params: SamplingParams, history: TokenHistory, slots: jax.Array,
-           step: jax.Array, k: int, allowed: jax.Array | None = None) -> tuple[jax.Array, Logprobs]:
+           step: jax.Array, k: int,
+           allowed: jax.Array | None = None) -> tuple[jax.Array, Logprobs, jax.Array]:
     """Every stage for the rows of `logits` [rows, vocab], row i being slot `slots[i]`: the
     adjusted logits' token per row, among those its bitmask `allowed` [rows, words] allows
     (None: every token), and the raw logits' `Logprobs` (top `k`) of it; a `post_sampling`
     row's (llama-server's post_sampling_probs) are of the distribution it drew from: what
-    every filter left of its logits as the temperature scaled them."""
+    every filter left of its logits as the temperature scaled them. Third, each row's sampler
+    state after its token ([rows, SAMPLER_STATE], for `TokenHistory.count`)."""
+    sampler = jnp.take(history.sampler, slots, axis=0, mode="clip")
+
     def greedy(logits):
         tokens = argmax(logits)
-        return tokens, _alone(tokens, k)
+        return tokens, _alone(tokens, k), sampler
 
     def adjusted(logits):
         adjusted = adjust_logits(logits, params, history, slots)
         if allowed is not None:
             adjusted = apply_bitmask(adjusted, allowed)
-        return when(_sampled(params), lambda a: _sample_filtered(a, params, step, k), greedy, adjusted)
+        return when(_sampled(params), lambda a: _sample_filtered(a, params, step, k, sampler),
+                    greedy, adjusted)
 
     # A batch that no stage changes (every row greedy, no bias, penalty or bitmask) takes the
     # raw logits' argmax in a branch that gives back tokens alone: a stage's branch that
@@ -550,7 +631,7 @@ def choose(logits: jax.Array, params: SamplingParams, history: TokenHistory, slo
     changed = _biased(params) | jnp.any(params.penalized) | _sampled(params)
     if allowed is not None:
         changed = changed | _constrained(allowed)
-    tokens, drawn = when(changed, adjusted, greedy, logits)
+    tokens, drawn, sampler = when(changed, adjusted, greedy, logits)
     raw = logprobs_of(logits, tokens, k, params.logprobs)
     post = params.post_sampling
 
@@ -558,4 +639,4 @@ def choose(logits: jax.Array, params: SamplingParams, history: TokenHistory, slo
         return jnp.where(post.reshape(post.shape + (1,) * (raw_value.ndim - 1)), drawn_value, raw_value)
 
     return tokens, Logprobs(token=pick(drawn.token, raw.token), ids=pick(drawn.ids, raw.ids),
-                            values=pick(drawn.values, raw.values), rank=raw.rank)
+                            values=pick(drawn.values, raw.values), rank=raw.rank), sampler

@@ -48,10 +48,14 @@ class Dispatch:
             except Exception as e:  # this request's values, this request's failure
                 self._fail_one(r, f"its sampling parameters cannot be packed: {e}", now)
                 continue
-            if r.params.sampling.penalized:  # its slot's history, before its prefill samples
+            try:
+                history = pool.history(r)
+            except Exception as e:  # the program its state was read by failed
+                self._fail_one(r, f"its sampler's state was lost: {e}", now)
+                continue
+            if history is not None:  # its slot's history, before its prefill samples
                 try:
-                    pool.engine.set_history(r.slot, r.prompt_ids, r.output_ids,
-                                            *r.params.sampling.history_settings)
+                    pool.engine.set_history(r.slot, *history)
                 except Exception as e:  # the history buffer went into a failed program
                     logging.exception("setting %s's token history failed", r.id)
                     self._fail_pool(pool, f"{type(e).__name__}: {e}")

@@ -130,6 +130,7 @@ class Handoff:
             self.backlog.remove(r)
             try:
                 handle = source.engine.extract(r.pages, r.kv_tokens, r.slot)
+                source.leave_slot(r)
             except Exception as e:
                 logging.exception("extracting %s's KV failed", r.id)
                 self._fail_pool(source, f"{type(e).__name__}: {e}")
@@ -175,10 +176,14 @@ class Handoff:
                 self._fail_one(r, f"its sampling parameters cannot be packed: {e}", time.monotonic())
                 continue
             try:
+                history = pool.history(r)  # prompt and first token, on this engine too
+            except Exception as e:  # the program its state was read by failed
+                self._fail_one(r, f"its sampler's state was lost: {e}", time.monotonic())
+                continue
+            try:
                 pool.engine.insert(r.landing, r.pages, r.slot)
-                if r.params.sampling.penalized:  # prompt and first token, on this engine too
-                    pool.engine.set_history(r.slot, r.prompt_ids, r.output_ids,
-                                            *r.params.sampling.history_settings)
+                if history is not None:
+                    pool.engine.set_history(r.slot, *history)
             except Exception as e:
                 logging.exception("inserting %s's KV failed", r.id)
                 self._fail_pool(pool, f"{type(e).__name__}: {e}")

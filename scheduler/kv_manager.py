@@ -98,6 +98,24 @@ class Pool:
                       masked=r.eos_ids if masking else ())
         r.masking_stops = masking
 
+    def history(self, r: Request) -> tuple | None:
+        """`Engine.set_history`'s arguments after the slot, for `r` taking its slot (None: it
+        reads no history): its sequence so far, its penalties' settings, and its stateful
+        sampler's state, its first or the one it left its last slot with (`leave_slot`).
+        Raises if that read failed (its engine's program did)."""
+        sampling = r.params.sampling
+        if not (sampling.penalized or sampling.stateful):
+            return None
+        state = sampling.sampler_state if r.sampler_left is None else np.asarray(r.sampler_left).tolist()
+        return (r.prompt_ids, r.output_ids, *sampling.history_settings, state)
+
+    def leave_slot(self, r: Request) -> None:
+        """Before `r` leaves its slot to take another one later (preempted, or moved to the
+        decode pool): a stateful sampler's state there, as every step dispatched so far
+        leaves it (read when it takes the next slot, `history`)."""
+        if r.params.sampling.stateful:
+            r.sampler_left = self.engine.sampler_state(r.slot)
+
     def unmask_rows(self) -> None:
         """Before a dispatch: the rows of requests past their `min_tokens` sample freely."""
         for r in self.running:
@@ -322,6 +340,7 @@ class Pool:
         logging.info("preempting %s (priority %d): %s", r.id, r.priority,
                      why or f"the {self.name} KV pool is full ({self.pages.usable} pages)")
         self.publish(r, tail=True)  # what it computed stays cached: its recompute is mostly a hit
+        self.leave_slot(r)
         self.release(r)
         r.preempted()
 

@@ -359,6 +359,9 @@ class Request:
         self.pages: list[int] = []  # the KV pages it holds (in its pool), in position order
         self.unapplied = 0  # dispatched results that include it, not yet applied
         self.landing = None  # disaggregated: its KV handle on its way to the decode device
+        # Its stateful sampler's state as it left a slot (preempted, or moved to the decode
+        # pool): the engine's read of it (`Pool.leave_slot`), for the slot it takes next.
+        self.sampler_left = None
         self.transfer_error: str | None = None  # ... and why it never arrived, if it did not
         # What prefill computes: the prompt, and after a preemption the output so far too
         # (recomputed, never re-emitted: the next token sampled is the next output).
@@ -442,7 +445,8 @@ class Request:
         p = self.params
         wanted = {"scoring": p.prompt_logprobs is not None, "pooling": p.pooling is not None,
                   "structured": p.grammar is not None,
-                  "history": p.sampling.penalized, "copy": self.fork_parent is not None}
+                  "history": p.sampling.penalized or p.sampling.stateful,
+                  "copy": self.fork_parent is not None}
         return tuple(group for group, needed in wanted.items() if needed)
 
     def prepare(self, engines, done: Callable) -> None:

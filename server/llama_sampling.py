@@ -14,7 +14,9 @@ The samplers cadence runs: DRY (`dry_*`, its breakers the served vocabulary's to
 a breaking character, `DryBreakers`), `top_n_sigma`, `typical_p`, XTC (`xtc_probability`,
 `xtc_threshold`) and the dynamic temperature (`dynatemp_range`, `dynatemp_exponent`), each off
 at llama-server's default; `samplers` names those that run, in the default order (one left out
-is off; another order is a 400). Those it does not run (Mirostat, the adaptive sampler,
+is off; another order is a 400). `mirostat` 1 or 2 (with `mirostat_tau`, `mirostat_eta`)
+replaces the chain, as in llama-server: logit_bias, the temperature, then Mirostat, every other
+sampler and the penalties off (`MIROSTAT_OFF`). Those it does not run (the adaptive sampler,
 tail-free, min_keep) are accepted where they are off, as clients that send every setting send
 them, with the settings that mean nothing while they are (`OFF`, `UNUSED`); turned on, each is
 a 400 naming it.
@@ -37,15 +39,15 @@ Off = tuple[tuple[type, ...], Callable[[Any], bool], str]
 # llama.cpp's samplers that cadence does not run, with the test that a value leaves one off and
 # that value in words (tfs_z and penalize_nl are older llama-servers', which clients still send).
 OFF: dict[str, Off] = {
-    "mirostat": ((int,), lambda v: v == 0, "0"),
     "adaptive_target": ((int, float), lambda v: v < 0, "-1"),
     "tfs_z": ((int, float), lambda v: v >= 1, "1"),
     "min_keep": ((int,), lambda v: v <= 1, "0"),  # (every sampler keeps one token anyway)
     "penalize_nl": ((bool,), lambda v: not v, "false"),
 }
 # Their settings, meaning nothing while they are off: checked for their type and ignored.
-UNUSED: dict[str, tuple[type, ...]] = {
-    "mirostat_tau": (int, float), "mirostat_eta": (int, float), "adaptive_decay": (int, float)}
+UNUSED: dict[str, tuple[type, ...]] = {"adaptive_decay": (int, float)}
+# Mirostat's fields and llama-server's defaults (`_mirostat`).
+MIROSTAT_FIELDS = {"mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1}
 # DRY's fields (`_dry`) and defaults, llama-server's.
 DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
 DRY_BASE, DRY_BREAKERS = 1.75, ("\n", ":", '"', "*")
@@ -55,7 +57,7 @@ SAMPLER_FIELDS = {"typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0,
 # Every field of llama.cpp's sampling that cadence's other fields do not spell: naming one asks
 # for llama.cpp's order. (Its penalties' names, `parsing.LLAMA_PENALTY_FIELDS`, ask for its
 # penalties' window alone.)
-FIELDS = frozenset({*SAMPLER_FIELDS, *DRY_FIELDS, "samplers", *OFF, *UNUSED})
+FIELDS = frozenset({*SAMPLER_FIELDS, *DRY_FIELDS, *MIROSTAT_FIELDS, "samplers", *OFF, *UNUSED})
 # llama.cpp's default sampler chain, the order cadence applies them in (`samplers` may leave
 # some out; typical_p is typ_p's other name), and what leaving each out turns off.
 ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
@@ -66,6 +68,9 @@ _LEFT_OUT = {"penalties": {"repetition_penalty": 1.0, "presence_penalty": 0.0, "
              "xtc": {"xtc_probability": 0.0},
              # without its temperature sampler llama.cpp draws from the distribution as it is
              "temperature": {"temperature": 1.0, "dynatemp_range": 0.0}}
+# On Mirostat, llama-server's chain is logit_bias, the temperature and Mirostat: the rest off.
+MIROSTAT_OFF = {field: value for sampler in ORDER if sampler != "temperature"
+                for field, value in _LEFT_OUT[sampler].items()} | {"dynatemp_range": 0.0}
 
 
 def names(body: dict, name: str, allowed: frozenset[str] | None = None) -> tuple[str, ...]:
@@ -109,9 +114,12 @@ def with_samplers(body: dict, params: GenerationParams) -> tuple[GenerationParam
     values["dynatemp_range"] = max(values["dynatemp_range"], 0.0)
     dry, breakers = _dry(body)
     values.update(dry)
+    values.update(_mirostat(body))
     given = dict(values)  # (range-checked whether its sampler runs or is left out)
     named = names(body, "samplers", SAMPLERS)
-    if body.get("samplers") is not None:
+    if values["mirostat"]:
+        values.update(MIROSTAT_OFF)
+    elif body.get("samplers") is not None:
         chain = [{"typical_p": "typ_p"}.get(n, n) for n in named if n != "infill"]
         at = [ORDER.index(n) for n in chain]
         if at != sorted(set(at)):
@@ -125,9 +133,20 @@ def with_samplers(body: dict, params: GenerationParams) -> tuple[GenerationParam
         dataclasses.replace(params.sampling, **given)
         sampling = dataclasses.replace(params.sampling, **values, temperature_last=True)
     except ValueError as e:  # RequestSampling's range checks, each naming its field
-        name = next((k for k in values if str(e).startswith(k)), None)
+        name = max((k for k in values if str(e).startswith(k)), key=len, default=None)
         raise SubmissionError(str(e), {"dry_window": "dry_penalty_last_n"}.get(name, name)) from None
     return dataclasses.replace(params, sampling=sampling), breakers
+
+
+def _mirostat(body: dict) -> dict[str, Any]:
+    """Mirostat's settings with llama-server's defaults: `mirostat` 0 (off), 1 or 2 (another
+    version is a 400, where llama-server aborts), `mirostat_tau` and `mirostat_eta`."""
+    version = parsing.field(body, "mirostat", (int,), 0)
+    if version not in (0, 1, 2):
+        raise SubmissionError(f'"mirostat" must be 0 (off), 1 or 2, got {version}', "mirostat")
+    return {"mirostat": version,
+            **{name: float(parsing.field(body, name, (int, float), MIROSTAT_FIELDS[name]))
+               for name in ("mirostat_tau", "mirostat_eta")}}
 
 
 def _dry(body: dict) -> tuple[dict[str, Any], tuple[str, ...]]:

@@ -376,9 +376,14 @@ class FakeEngine:
             self.pool[target] = self.pool[source]
             self.copies.append((int(source), int(target)))
 
-    def set_history(self, slot, prompt_ids, output_ids=(), window=0, dry_breakers=None) -> None:
+    def set_history(self, slot, prompt_ids, output_ids=(), window=0, dry_breakers=None,
+                    sampler_state=(0.0,)) -> None:
         # The fake "model" has no penalties; recorded so tests can see when it is set.
         self.histories.append((slot, list(prompt_ids), list(output_ids)))
+
+    def sampler_state(self, slot) -> np.ndarray:
+        assert 0 <= slot < self.config.num_slots
+        return np.zeros(1, np.float32)  # (no sampler of its own carries state)
 
     def extract(self, pages, length, slot) -> FakeHandle:
         assert 0 <= slot < self.config.num_slots and 0 < length <= self.config.max_seq_len

@@ -68,7 +68,7 @@ def test_constrained_rows_draw_only_allowed_tokens():
     mask = jnp.asarray(bitmask_of(allowed_ids))
     temperature = [0.0 if i % 4 == 0 else 1.5 for i in range(rows)]
     params = SamplingParams.make(temperature, [0] * rows, [1.0] * rows, list(range(rows)))
-    tokens, _ = choose(logits, params, TokenHistory.create(rows, VOCAB, 8), jnp.arange(rows),
+    tokens, _, _ = choose(logits, params, TokenHistory.create(rows, VOCAB, 8), jnp.arange(rows),
                        jnp.zeros(rows, jnp.int32), 0, mask)
     for row, token in enumerate(np.asarray(tokens).tolist()):
         assert token in allowed_ids[row]

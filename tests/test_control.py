@@ -73,6 +73,10 @@ BATCHES = {
               RequestSampling(temperature=0.9, temperature_last=True, top_n_sigma=1.0, xtc_probability=1.0,
                               xtc_threshold=0.05, dynatemp_range=0.4, seed=4),
               RequestSampling(temperature=0.7, top_p=0.9, seed=5), RequestSampling()],
+    # Mirostat 1 and 2 (their bounds the history's), beside rows off it
+    "mirostat": [RequestSampling(temperature=1.2, temperature_last=True, mirostat=2, seed=6),
+                 RequestSampling(temperature=0.8, temperature_last=True, mirostat=1, mirostat_tau=3.0, seed=7),
+                 RequestSampling(temperature=0.7, top_k=30, seed=8), RequestSampling()],
 }
 
 
@@ -90,7 +94,8 @@ def test_choose_branch_free_equals_branches(batch, constrained):
                            prompt=jnp.asarray(rng.random((n, VOCAB)) < 0.1),
                            tokens=(tokens := jnp.asarray(rng.integers(0, 4, (n, 16)), jnp.int32)),
                            length=jnp.full(n, 16, jnp.int32), breaker=jnp.zeros((n, VOCAB), bool),
-                           match=jnp.asarray(np.stack([dry_matches(t) for t in np.asarray(tokens)])))
+                           match=jnp.asarray(np.stack([dry_matches(t) for t in np.asarray(tokens)])),
+                           sampler=jnp.asarray(rng.uniform(2, 12, (n, 1)), jnp.float32))
     allowed = np.full((n, bitmask_words(VOCAB)), ALL_ALLOWED, np.int32)
     if constrained:
         allowed[1] = rng.integers(-2**31, 2**31 - 1, allowed.shape[1], dtype=np.int64).astype(np.int32)
@@ -100,10 +105,11 @@ def test_choose_branch_free_equals_branches(batch, constrained):
         return jax.jit(choose, static_argnums=5)(logits, params, history, slots, step, 3,
                                                  jnp.asarray(allowed))
 
-    tokens, logprobs = run()
+    tokens, logprobs, state = run()
     with control.branch_free():
-        free_tokens, free_logprobs = run()
+        free_tokens, free_logprobs, free_state = run()
     np.testing.assert_array_equal(free_tokens, tokens)
+    np.testing.assert_array_equal(free_state, state)
     for a, b in zip(jax.tree.leaves(free_logprobs), jax.tree.leaves(logprobs)):
         np.testing.assert_array_equal(a, b)
 

@@ -84,6 +84,37 @@ def test_disaggregated_equals_colocated_and_the_reference(pair, tiny_params, tin
     assert disaggregated.kv_pages == (0, prefill.num_pages + decode.num_pages)
 
 
+def test_a_request_on_mirostat_keeps_its_bound_across_the_handoff(pair, tiny_tokenizer):
+    """The prefill engine draws a Mirostat request's first token and moves its bound; the
+    decode engine goes on from that bound (read out with the KV, written into its history):
+    the same tokens as colocated, beside greedy and penalized requests."""
+    import dataclasses
+
+    from cadence.model.host_sampling import RequestSampling
+
+    prefill, decode, colocated = pair
+    rng = np.random.default_rng(2)
+    # (the tiny model's logits are sharp: at temperature 10 they hold ~8 bits)
+    rows = [RequestSampling(temperature=10.0, seed=s, temperature_last=True, mirostat=m, mirostat_tau=5.0,
+                            mirostat_eta=1.0)  # (eta 1: the first token moves the bound far)
+            for s, m in ((1, 2), (2, 1), (3, 2))] + [RequestSampling(), RequestSampling(repetition_penalty=1.4)]
+    subs = [([int(t) for t in rng.integers(3, 500, n)], GenerationParams(max_tokens=20, ignore_eos=True, sampling=r))
+            for n, r in zip((16, 40, 7, 33, 20), rows)]
+
+    def served(sched):
+        sched.start()
+        streams = [sched.submit(p, params) for p, params in subs]
+        outputs = [[t for e in s for t in getattr(e, "token_ids", [])] for s in streams]
+        sched.stop(drain=True, timeout=30)
+        return outputs
+
+    got = served(Scheduler(prefill, tiny_tokenizer, POLICY, decode_engine=decode))
+    assert got == served(Scheduler(colocated, tiny_tokenizer, POLICY))
+    plain = [dataclasses.replace(r, mirostat=0) for r in rows[:3]]
+    subs[:3] = [(p, GenerationParams(max_tokens=20, ignore_eos=True, sampling=r)) for (p, _), r in zip(subs, plain)]
+    assert served(Scheduler(colocated, tiny_tokenizer, POLICY))[:3] != got[:3]  # (Mirostat cut)
+
+
 def test_an_8_bit_pool_is_handed_over_as_it_is(tiny_params, tiny_config, tiny_tokenizer):
     """--kv_cache_dtype=fp8 disaggregated: the pages handed over are 8-bit (a quarter of a
     float32 pool's bytes), and the tokens are the reference generator's over an 8-bit cache."""

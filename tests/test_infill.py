@@ -171,7 +171,7 @@ def test_a_stop_string_is_named(url, tok, tiny_params, tiny_config):
     ({"input_suffix": ""}, "input_prefix", "is required"),
     ({"input_prefix": ""}, "input_suffix", "is required"),
     ({"input_prefix": "", "input_suffix": "", "samplers": ["top_k", "beam"]}, "samplers", "array of names"),
-    ({"input_prefix": "", "input_suffix": "", "mirostat": 2}, "mirostat", "only 0 (off)"),
+    ({"input_prefix": "", "input_suffix": "", "mirostat": 3}, "mirostat", "0 (off), 1 or 2"),
     ({"input_prefix": "", "input_suffix": "", "mirostat_v3": 2}, "mirostat_v3", "unrecognized"),
     ({"input_prefix": "", "input_suffix": "", "repeat_penalty": 2.5}, "repeat_penalty", "repeat_penalty must be in"),
     ({"input_prefix": "", "input_suffix": "", "repeat_last_n": -3}, "repeat_last_n", "-1 (the whole context)"),

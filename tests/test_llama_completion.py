@@ -242,6 +242,43 @@ def test_llama_cpps_samplers_parse_as_llama_server_reads_them():
     assert not openai.params.sampling.temperature_last
 
 
+def test_mirostat_replaces_the_chain_as_in_llama_server(url):
+    """`mirostat` 1 or 2 samples the request with logit_bias, the temperature and Mirostat
+    alone (its settings reach the row; the other samplers and the penalties are off, so
+    naming them changes nothing), the same over /completion and /v1/completions; another
+    version, or a tau past its range, is refused by name."""
+    from cadence.server import llama_api, parsing
+
+    def sampling(body):
+        return llama_api.parse_completion({"prompt": "a", **body}, parsing.SamplingDefaults())[0].params.sampling
+
+    on = sampling({"mirostat": 2, "mirostat_tau": 3, "mirostat_eta": 0.2, "temperature": 6, "top_k": 9,
+                   "top_p": 0.5, "min_p": 0.1, "typical_p": 0.5, "repeat_penalty": 1.3, "dry_multiplier": 1,
+                   "xtc_probability": 1, "dynatemp_range": 2})
+    assert (on.mirostat, on.mirostat_tau, on.mirostat_eta, on.temperature, on.temperature_last) == (2, 3.0, 0.2, 6.0, True)
+    assert (on.top_k, on.top_p, on.min_p, on.typical_p, on.repetition_penalty, on.dry_multiplier,
+            on.xtc_probability, on.dynatemp_range) == (0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0)
+    assert (sampling({"mirostat": 1}).mirostat_tau, sampling({"mirostat": 1}).mirostat_eta) == (5.0, 0.1)
+
+    def tokens(body, path="/completion"):
+        r = httpx.post(f"{url}{path}", json={**body, "return_token_ids": True} if path != "/completion" else body,
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"] if path == "/completion" else r.json()["choices"][0]["token_ids"]
+
+    # (the tiny model's logits are sharp: at temperature 6 they hold ~5 bits)
+    body = {"prompt": PROMPT, "n_predict": 16, "temperature": 6, "seed": 3, "mirostat": 2, "mirostat_tau": 3,
+            "return_tokens": True}
+    got = tokens(body)
+    assert tokens({**body, "top_k": 2, "repeat_penalty": 1.5, "samplers": ["top_k"]}) == got
+    assert tokens({"prompt": PROMPT, "max_tokens": 16, "temperature": 6, "seed": 3, "mirostat": 2,
+                   "mirostat_tau": 3}, "/v1/completions") == got
+    assert tokens({**body, "mirostat_tau": 8}) != got  # (tau moves what it keeps)
+    for wrong, param in (({"mirostat": 3}, "mirostat"), ({"mirostat": 1, "mirostat_tau": 61}, "mirostat_tau")):
+        r = httpx.post(f"{url}/completion", json={**body, **wrong}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_the_openai_doors_sample_as_llama_server_where_a_request_names_its_samplers(url):
     """llama-server's /v1 endpoints sample as its own do: a /v1/completions request naming
     llama.cpp's samplers gives /completion's tokens, seeded with every sampler on and greedy
@@ -269,7 +306,7 @@ def test_the_openai_doors_sample_as_llama_server_where_a_request_names_its_sampl
     chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0}
     assert openai({**chat, **{k: v for k, v in SAMPLERS_OFF.items() if k in llama_sampling.FIELDS}},
                   "/v1/chat/completions") == openai(chat, "/v1/chat/completions")
-    for body, param in (({"mirostat": 2}, "mirostat"), ({"samplers": ["temperature", "top_k"]}, "samplers"),
+    for body, param in (({"mirostat": -1}, "mirostat"), ({"samplers": ["temperature", "top_k"]}, "samplers"),
                         ({"dry_multiplier": 1, "dry_sequence_breakers": ["ab"]}, "dry_sequence_breakers")):
         r = httpx.post(f"{url}/v1/chat/completions", json={**chat, **body}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -305,7 +342,10 @@ def test_a_request_naming_llama_cpps_samplers_is_parsed_in_its_order():
     ({"prompt": "a", "dry_multiplier": 1, "dry_sequence_breakers": ["\n\n"]}, "dry_sequence_breakers", "one-character"),
     ({"prompt": "a", "dry_penalty_last_n": -2}, "dry_penalty_last_n", "-1 (the whole sequence)"),
     ({"prompt": "a", "dry_allowed_length": -1}, "dry_allowed_length", "dry_allowed_length must be in"),
-    ({"prompt": "a", "mirostat": 2}, "mirostat", "only 0 (off)"),
+    ({"prompt": "a", "mirostat": 3}, "mirostat", "0 (off), 1 or 2"),
+    ({"prompt": "a", "mirostat": 2, "mirostat_tau": -1}, "mirostat_tau", "mirostat_tau must be in [0, 60]"),
+    ({"prompt": "a", "mirostat": 1, "mirostat_eta": -0.5}, "mirostat_eta", "mirostat_eta must be >= 0"),
+    ({"prompt": "a", "mirostat": 1.5}, "mirostat", "must be an integer"),
     ({"prompt": "a", "lora": [{"id": 0, "scale": 1}]}, "lora", "adapter 0 is not loaded"),
     ({"prompt": "a", "lora": [{"id": 0, "scale": 1}, {"id": 0, "scale": 2}]}, "lora", "names an adapter twice"),
     ({"prompt": "a", "lora": [{"id": -1, "scale": 1}]}, "lora", '{"id": adapter index >= 0'),

@@ -15,7 +15,7 @@ import pytest
 
 from cadence.engine.config import EngineConfig
 from cadence.engine.reference import adjusted_logits, dry_penalties, greedy_generate
-from cadence.model.host_sampling import MAX_DRY_BREAKERS, RequestSampling, SamplingRows, dry_matches
+from cadence.model.host_sampling import MAX_DRY_BREAKERS, SAMPLER_STATE, RequestSampling, SamplingRows, dry_matches
 from cadence.model.sampling import SamplingParams, TokenHistory, adjust_logits, sample
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams
@@ -39,15 +39,16 @@ PENALIZED = [
 
 
 def dry_args(row: RequestSampling, tokens: np.ndarray) -> tuple:
-    """`TokenHistory.set_row`'s DRY arguments for a request over `tokens` (padded): its
-    breakers, padded; each position's repetition where it is on DRY (`dry_matches`)."""
+    """`TokenHistory.set_row`'s last arguments for a request over `tokens` (padded): its DRY
+    breakers, padded; each position's repetition where it is on DRY (`dry_matches`); its
+    sampler's state (none carries one here)."""
     breakers = np.full(MAX_DRY_BREAKERS, 2**31 - 1, np.int32)
     breakers[: len(row.dry_breakers)] = row.dry_breakers
     match = np.zeros(len(tokens), np.int32)
     n = int(np.sum(tokens != 2**31 - 1))
     if row.dry_multiplier:
         match[:n] = dry_matches(tokens[:n])
-    return breakers, match
+    return breakers, match, np.zeros(SAMPLER_STATE, np.float32)
 
 
 @pytest.mark.parametrize("seed", range(4))

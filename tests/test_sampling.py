@@ -585,7 +585,7 @@ def test_post_sampling_logprobs_are_of_what_each_row_drew_from(wide, branch_free
     n = len(rows)
     step = jnp.arange(n, dtype=jnp.int32) * 5
     with control.branch_free() if branch_free else contextlib.nullcontext():
-        tokens, lp = jax.jit(lambda *args: choose(*args, k))(
+        tokens, lp, _ = jax.jit(lambda *args: choose(*args, k))(
             jnp.asarray(x), params, TokenHistory.create(n, x.shape[1], 8), jnp.arange(n), step)
     tokens, token_lp = np.asarray(tokens), np.asarray(lp.token)
     ids, values = np.asarray(lp.ids), np.asarray(lp.values)

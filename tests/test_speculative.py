@@ -402,7 +402,8 @@ def test_speculative_serving_equals_plain_serving_on_the_engine(tiny_params, tin
     """The tiny model served with drafts of up to 4 tokens and without, over a pool that holds
     one longest sequence (preemptions, recomputes, prefix-cache hits from shared prompt
     starts): greedy outputs (plain, and penalized over a window) equal the reference generator's,
-    seeded-sampled and penalized ones equal serving without drafts; drafts were accepted; nothing compiled after warm-up."""
+    seeded-sampled, penalized and Mirostat ones equal serving without drafts; drafts were
+    accepted; nothing compiled after warm-up."""
     if kernels == "cpu" and not cpu_kernels.available():
         pytest.skip(cpu_kernels.unavailable_reason())
     rng = random.Random(3)
@@ -411,7 +412,9 @@ def test_speculative_serving_equals_plain_serving_on_the_engine(tiny_params, tin
                for _ in range(8)]
     kinds = [RequestSampling(), RequestSampling(temperature=20.0, seed=9),
              RequestSampling(temperature=1.0, seed=4, presence_penalty=1.5, frequency_penalty=0.5),
-             RequestSampling(repetition_penalty=1.5, frequency_penalty=0.5, penalty_window=6)]
+             RequestSampling(repetition_penalty=1.5, frequency_penalty=0.5, penalty_window=6),
+             # Mirostat: its bound moves with each token a verify step accepts, and no further
+             RequestSampling(temperature=6.0, seed=6, temperature_last=True, mirostat=2, mirostat_tau=4.0)]
     subs = [(p, GenerationParams(max_tokens=rng.randint(20, 80), ignore_eos=True,
                                  sampling=kinds[i % len(kinds)])) for i, p in enumerate(prompts)]
     arrivals = sorted(rng.randint(0, 30) for _ in subs)

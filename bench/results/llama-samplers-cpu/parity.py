@@ -36,8 +36,8 @@ from absl import app, flags
 from cadence.bench.cadence_server import serving
 from cadence.checkpoints import registry
 from cadence.engine.reference import sequence_logits
-from cadence.model.host_sampling import MAX_DRY_BREAKERS, NO_TOKEN, SamplingRows, dry_matches
-from cadence.model.sampling import TokenHistory, adjust_logits, kept
+from cadence.model.host_sampling import MAX_DRY_BREAKERS, NO_TOKEN, SAMPLER_STATE, SamplingRows, dry_matches
+from cadence.model.sampling import TokenHistory, adjust_logits, kept, mirostat, mirostat_moved
 from cadence.server import llama_api, llama_sampling, parsing
 
 LLAMA = flags.DEFINE_string("llama_server", None, "llama.cpp's llama-server binary", required=True)
@@ -81,6 +81,13 @@ CASES = {
     "greedy, typical_p 0.5": {"temperature": 0.0, "typical_p": 0.5},
     "greedy, xtc 0.05": {"temperature": 0.0, "xtc_probability": 1.0, "xtc_threshold": 0.05, "top_k": 20},
     "greedy, dynatemp 0.7": {"temperature": 0.0, "dynatemp_range": 0.7, "top_k": 20},
+    # Mirostat, which replaces the chain: its bound carried over the answer's tokens (below)
+    "mirostat 2, tau 5": {"temperature": 0.8, "mirostat": 2},
+    "mirostat 2, tau 3, eta 0.3 at 1.2": {"temperature": 1.2, "mirostat": 2, "mirostat_tau": 3.0,
+                                          "mirostat_eta": 0.3},
+    "mirostat 1, tau 5": {"temperature": 0.8, "mirostat": 1},
+    "mirostat 1, tau 8, eta 0.5 at 1.5": {"temperature": 1.5, "mirostat": 1, "mirostat_tau": 8.0,
+                                          "mirostat_eta": 0.5},
 }
 
 
@@ -93,6 +100,7 @@ def ask(url: str, ids: list[int], fields: dict) -> dict:
 
 
 SET_ROW = jax.jit(TokenHistory.set_row)
+MIROSTAT, MOVED = jax.jit(mirostat), jax.jit(mirostat_moved)
 BREAKERS: llama_sampling.DryBreakers  # the served vocabulary's (main)
 
 
@@ -119,10 +127,17 @@ def cadence_steps(params, config, ids: list[int], answer: list[int], fields: dic
         if sampling.dry_multiplier:
             match[: len(ids) + step] = dry_matches(known[: len(ids) + step])
         history = SET_ROW(history, jnp.int32(step), known, jnp.int32(len(ids)),
-                          jnp.int32(sampling.penalty_window), breakers, match)
+                          jnp.int32(sampling.penalty_window), breakers, match, np.zeros(SAMPLER_STATE, np.float32))
     logits = jax.jit(adjust_logits)(jnp.asarray(logits), rows, history, slots)
     rngs = jax.vmap(lambda t: jax.random.fold_in(jax.random.key(sampling.seed), t))(jnp.arange(len(logits)))
     draw, keep, hot = jax.jit(kept)(logits, rows, rngs)
+    if sampling.mirostat:  # its bound, step by step: moved by each of the answer's tokens
+        keep, mu = np.asarray(keep).copy(), np.full(1, 2 * sampling.mirostat_tau, np.float32)
+        row = SamplingRows.of([sampling]).params()
+        for step, token in enumerate(answer):
+            at = slice(step, step + 1)
+            keep[at] = MIROSTAT(draw[at], keep[at], row, mu)
+            mu = MOVED(draw[at], keep[at], hot[at], jnp.asarray([token]), row, mu)
     logits = np.asarray(logits)
     out = []
     for x, k, h, raw in zip(np.asarray(draw, np.float64), np.asarray(keep), np.asarray(hot), logits):
@@ -178,11 +193,14 @@ def main(argv: list[str]) -> None:
         gap = max(r["max_prob_gap"] for r in rows)
         print(f"{name:48s} steps agreeing {agree}/{total}, largest probability gap {gap:.2e}", file=sys.stderr)
     # The controls, which must part: the temperature-last case in vLLM's order (the temperature
-    # first), and a DRY case with cadence's DRY off.
+    # first), a DRY case with cadence's DRY off, and a Mirostat case whose bound cadence never
+    # moves (eta 0).
     for key, name, change in (("control_vllm_order", "temperature last: top_p 0.9, min_p 0.05 at 1.5",
                                {"temperature_last": False}),
                               ("control_no_dry", "dry 0.3, base 1", {"dry_multiplier": 0.0}),
-                              ("control_no_dry_greedy", "greedy, dry 1.5, allowed 1", {"dry_multiplier": 0.0})):
+                              ("control_no_dry_greedy", "greedy, dry 1.5, allowed 1", {"dry_multiplier": 0.0}),
+                              ("control_mirostat_bound_held", "mirostat 2, tau 3, eta 0.3 at 1.2",
+                               {"mirostat_eta": 0.0})):
         control = [compare(body["completion_probabilities"],
                            cadence_steps(model.params, model.config, ids, body["tokens"], CASES[name], **change))
                    for ids, body in zip(prompts, theirs[name])]
