@@ -98,6 +98,9 @@ SAMPLING_KINDS = {
     # Mirostat 2 and 1 at llama-server's tau and eta, at its default temperature
     "mirostat2": (RequestSampling(temperature=0.8, seed=1, temperature_last=True, mirostat=2), False),
     "mirostat1": (RequestSampling(temperature=0.8, seed=1, temperature_last=True, mirostat=1), False),
+    # llama-server's defaults, the draw adaptive-p's at 0.2
+    "adaptive": (RequestSampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1,
+                                 temperature_last=True, adaptive_target=0.2), False),
 }
 _SAMPLING = flags.DEFINE_list("sampling", ["greedy"], f"Sampling kinds to time decode with: {list(SAMPLING_KINDS)}.")
 

@@ -46,10 +46,13 @@ MAX_PENALTY_WINDOW = 2**31 - 1  # int32's: a window past the sequence holds all 
 # llama.cpp's samplers' settings, a row array each (`SamplingRows`).
 LLAMA_SAMPLERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
                   "dynatemp_exponent", "temperature_last", "dry_multiplier", "dry_base",
-                  "dry_allowed_length", "dry_window", "mirostat", "mirostat_tau", "mirostat_eta")
+                  "dry_allowed_length", "dry_window", "mirostat", "mirostat_tau", "mirostat_eta",
+                  "adaptive_target", "adaptive_decay")
 # What a row's stateful sampler carries from one token to the next (`TokenHistory.sampler`):
-# Mirostat's mu.
-SAMPLER_STATE = 1
+# Mirostat's mu (and nothing), or adaptive-p's decayed sum of the drawn tokens' probabilities
+# and the sum of its weights.
+SAMPLER_STATE = 2
+MAX_ADAPTIVE_DECAY = 0.99  # llama.cpp's: a history of at most ~100 tokens
 # DRY's sequence breakers: the token ids a request's slot holds (`TokenHistory.set_row`).
 MAX_DRY_BREAKERS = 8192
 # Mirostat's target surprise, in bits: past float32's exponent 2 ** mu overflows.
@@ -116,17 +119,26 @@ class RequestSampling:
     mirostat: int = 0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    # llama.cpp's adaptive-p (`model.sampling.adaptive`), at adaptive_target in [0, 1]
+    # (negative: off): the draw, last in llama.cpp's order, favours the tokens whose probability
+    # is near a target, adapted so that the drawn tokens' probabilities average adaptive_target
+    # over ~1 / (1 - adaptive_decay) of them.
+    adaptive_target: float = -1.0
+    adaptive_decay: float = 0.9
 
     @property
     def stateful(self) -> bool:
         """Whether the request's sampler carries state from token to token (Mirostat's mu,
-        `TokenHistory.sampler`), which a slot's history must be written with."""
-        return self.mirostat != 0
+        adaptive-p's average: `TokenHistory.sampler`), which a slot's history is written with."""
+        return self.mirostat != 0 or self.adaptive_target >= 0
 
     @property
     def sampler_state(self) -> tuple[float, ...]:
-        """A stateful sampler's state before the request's first token (`SAMPLER_STATE`)."""
-        return (2 * self.mirostat_tau,)
+        """A stateful sampler's state before the request's first token (`SAMPLER_STATE`):
+        Mirostat's 2 tau; adaptive-p's average at its target, with the weight of a full history."""
+        if self.adaptive_target >= 0:
+            return (self.adaptive_target / (1 - self.adaptive_decay), 1 / (1 - self.adaptive_decay))
+        return (2 * self.mirostat_tau, 0.0)
 
     @property
     def penalized(self) -> bool:
@@ -144,7 +156,7 @@ class RequestSampling:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "typical_p", "top_n_sigma", "xtc_probability",
                      "xtc_threshold", "dynatemp_range", "dynatemp_exponent", "dry_multiplier",
-                     "dry_base", "mirostat_tau", "mirostat_eta"):
+                     "dry_base", "mirostat_tau", "mirostat_eta", "adaptive_target", "adaptive_decay"):
             value = getattr(self, name)
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not math.isfinite(value) or abs(value) > FLOAT32_MAX):
@@ -194,6 +206,12 @@ class RequestSampling:
             raise ValueError(f"mirostat_tau must be in [0, {MAX_MIROSTAT_TAU:g}] (bits), got {self.mirostat_tau}")
         if not self.mirostat_eta >= 0:
             raise ValueError(f"mirostat_eta must be >= 0, got {self.mirostat_eta}")
+        if self.adaptive_target > 1:
+            raise ValueError(f"adaptive_target must be at most 1 (negative: off), got {self.adaptive_target}")
+        if not 0 <= self.adaptive_decay <= MAX_ADAPTIVE_DECAY:
+            raise ValueError(f"adaptive_decay must be in [0, {MAX_ADAPTIVE_DECAY}], got {self.adaptive_decay}")
+        if self.mirostat and self.adaptive_target >= 0:
+            raise ValueError("mirostat and adaptive_target replace the same draw: one of them at most")
         breakers = self.dry_breakers
         if (not isinstance(breakers, tuple) or len(breakers) > MAX_DRY_BREAKERS or len(set(breakers)) != len(breakers)
                 or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < NO_TOKEN
@@ -284,6 +302,8 @@ class SamplingRows:
         self.mirostat = np.zeros(num_slots, np.int32)
         self.mirostat_tau = np.zeros(num_slots, np.float32)
         self.mirostat_eta = np.zeros(num_slots, np.float32)
+        self.adaptive_target = np.full(num_slots, -1.0, np.float32)
+        self.adaptive_decay = np.zeros(num_slots, np.float32)
 
     @classmethod
     def of(cls, rows: list[RequestSampling], lora_slots: int = 0) -> SamplingRows:
@@ -372,6 +392,8 @@ class SamplingParams(NamedTuple):
     mirostat: Any
     mirostat_tau: Any
     mirostat_eta: Any
+    adaptive_target: Any
+    adaptive_decay: Any
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingParams:
@@ -403,10 +425,16 @@ class SamplingParams(NamedTuple):
     def filtered(self):
         """[rows] bool: whether a row's token depends on the filters (`model.sampling.kept`): a
         drawn row, or a greedy one in llama.cpp's order whose typical_p or XTC may take out the
-        likeliest token (its token is then the likeliest of those left); a Mirostat row, whose
+        likeliest token (its token is then the likeliest of those left); a stateful row, whose
         state moves with every token, greedy or not."""
         return (self.drawn | (self.temperature_last & ((self.typical_p < 1) | (self.xtc_probability > 0)))
-                | (self.mirostat != 0))
+                | self.stateful)
+
+    @property
+    def stateful(self):
+        """[rows] bool: whether a row's sampler carries state from token to token (Mirostat,
+        adaptive-p: `model.sampling.TokenHistory.sampler`)."""
+        return (self.mirostat != 0) | (self.adaptive_target >= 0)
 
     def stops(self, tokens):
         """[rows] bool: whether each row's token ends its request."""

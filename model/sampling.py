@@ -26,6 +26,8 @@ greedy and sampled requests:
     temperature_last  [rows] bool  llama.cpp's order rather than vLLM's (below)
     mirostat, mirostat_tau, mirostat_eta  [rows]   llama.cpp's Mirostat 1 or 2 (0: off), whose
                  bound mu moves with every token (`mirostat`; device state in `TokenHistory`)
+    adaptive_target, adaptive_decay  [rows] f32   llama.cpp's adaptive-p (a negative target:
+                 off), whose average moves with every token too (`adaptive`)
 
 Beside them, `choose` takes each row's token bitmask (`allowed`, [rows, ceil(vocab / 32)] int32,
 llguidance's layout: bit j of word i allows token 32 i + j), which a grammar fills on the host
@@ -37,9 +39,10 @@ distribution a sampled row draws from. A row of llama.cpp's order (`temperature_
 llama-server's endpoints ask for) filters the logits as they are, with top-n-sigma, top-k,
 typical, top-p, min_p and XTC in that order, and applies its temperature, dynamic or not, to
 what they leave; at temperature 0 it takes the likeliest token left (`kept`). A Mirostat
-row then keeps only the tokens its bound allows (`mirostat`). The penalties and Mirostat read
+row then keeps only the tokens its bound allows (`mirostat`); an adaptive-p row draws from
+logits remade from the kept tokens' probabilities (`adaptive`). The penalties and those two read
 the row's token history, device state the programs carry and update (`TokenHistory`): how often
-each id was generated, which ids the prompt holds, Mirostat's mu.
+each id was generated, which ids the prompt holds, the stateful samplers' state.
 
 A row's randomness depends only on its own seed and step (e.g. its position), never on which
 other requests share the batch, so a seeded request is reproducible alone or batched.
@@ -85,7 +88,9 @@ class TokenHistory:
                                       tokens the sequence up to k and the whole sequence end
                                       alike (the repetition that token k + 1 went on with)
         sampler [slots, SAMPLER_STATE] f32   a stateful sampler's state after the slot's last
-                                      token: Mirostat's mu (`mirostat`)
+                                      token: Mirostat's mu (`mirostat`), or adaptive-p's
+                                      decayed sum of drawn probabilities and its weight
+                                      (`adaptive`)
 
     A row is written whole when a penalized or stateful request takes its slot (`set_row`,
     from the tokens the host knows, and the sampler's state: its first, or what the host read
@@ -136,7 +141,7 @@ class TokenHistory:
             return match.at[jnp.where(params.dry_multiplier != 0, slots, num_slots)].set(grown, mode="drop")
 
         state = self.sampler if sampler is None else self.sampler.at[
-            jnp.where(params.mirostat != 0, slots, num_slots)].set(sampler, mode="drop")
+            jnp.where(params.stateful, slots, num_slots)].set(sampler, mode="drop")
         return self.replace(counts=counts.at[slots, leaving].add(-leaves, mode="drop"),
                             tokens=self.tokens.at[into, n].set(tokens, mode="drop"),
                             length=self.length.at[into].add(1, mode="drop"),
@@ -448,7 +453,7 @@ def mirostat(scaled: jax.Array, keep: jax.Array, params: SamplingParams, mu: jax
 
     def zipf(keys):  # Mirostat 1: s from the ratios of neighbouring probabilities among the m likeliest
         m = min(MIROSTAT_M, vocab)
-        top = jax.lax.top_k(masked, m)[0]
+        top = _largest(masked, keys, m)
         i = jnp.arange(m - 1, dtype=jnp.float32)
         t = jnp.log((i + 2) / (i + 1))
         pairs = jnp.isfinite(top[:, 1:])  # (both kept: the likelier one is too)
@@ -464,15 +469,61 @@ def mirostat(scaled: jax.Array, keep: jax.Array, params: SamplingParams, mu: jax
     return keep & ((keys >= cut[:, None]) | (params.mirostat == 0)[:, None])
 
 
-def mirostat_moved(scaled: jax.Array, keep: jax.Array, hot: jax.Array, tokens: jax.Array,
-                   params: SamplingParams, mu: jax.Array) -> jax.Array:
-    """Each Mirostat row's bound after drawing `tokens` from `keep` (`mirostat`'s): mu less
-    eta x (the token's surprise, -log2 of its probability there, less tau); a row at a
-    temperature of 0 (not `hot`) took its token at probability 1. Other rows' mu as it is."""
+def _largest(values: jax.Array, keys: jax.Array, m: int) -> jax.Array:
+    """[rows, m]: each row's m largest `values` (their order `keys`, `_order_keys`), largest
+    first: those above the m-th largest key (`_cut`) and then those at it, gathered in that
+    order and sorted. No sort of the whole row, which is what XLA's top_k does on a CPU (80 ms
+    a step for 8 x 49,152 with m = 100)."""
+    rows = values.shape[0]
+    cut = _cut(keys, jnp.full(rows, m, jnp.int32))[:, None]
+    above, at = keys > cut, keys == cut
+    first = jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
+    slot = jnp.where(above, jnp.cumsum(above, axis=-1, dtype=jnp.int32) - 1,
+                     jnp.where(at, first + jnp.cumsum(at, axis=-1, dtype=jnp.int32) - 1, m))
+    gathered = jnp.full((rows, m), -jnp.inf, values.dtype).at[
+        jnp.arange(rows)[:, None], slot].set(values, mode="drop")
+    return -jnp.sort(-gathered, axis=-1)
+
+
+def sampler_moved(scaled: jax.Array, keep: jax.Array, hot: jax.Array, tokens: jax.Array,
+                  params: SamplingParams, state: jax.Array) -> jax.Array:
+    """Each stateful row's state after drawing `tokens`, from p, the token's probability among
+    what `kept` and Mirostat kept (`keep`) of `scaled` (a row at a temperature of 0, not
+    `hot`, took its token at probability 1): Mirostat's mu less eta x (its surprise, -log2 p,
+    less tau); adaptive-p's sum decayed with p added, and its weight decayed with 1 added.
+    Other rows' state as it is."""
     masked = jnp.where(keep, scaled, -jnp.inf)
     log_p = jnp.take_along_axis(masked, tokens[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(masked, axis=-1)
-    surprise = jnp.where(hot, -log_p / math.log(2), 0.0)
-    return jnp.where(params.mirostat != 0, mu - params.mirostat_eta * (surprise - params.mirostat_tau), mu)
+    log_p = jnp.where(hot, log_p, 0.0)
+    mu = state[:, 0] - params.mirostat_eta * (-log_p / math.log(2) - params.mirostat_tau)
+    decay = params.adaptive_decay
+    averaged = jnp.stack([jnp.exp(log_p) + decay * state[:, 0], 1 + decay * state[:, 1]], axis=-1)
+    return jnp.where((params.mirostat != 0)[:, None], jnp.stack([mu, state[:, 1]], axis=-1),
+                     jnp.where((params.adaptive_target >= 0)[:, None], averaged, state))
+
+
+# llama.cpp's adaptive-p transform: a token's logit from its probability's distance to the
+# target, quadratic near it, linear in the tails.
+ADAPTIVE_WIDTH, ADAPTIVE_PEAK, ADAPTIVE_SHARPNESS = 0.3, 5.0, 10.0
+
+
+def adaptive(scaled: jax.Array, keep: jax.Array, params: SamplingParams, state: jax.Array) -> jax.Array:
+    """The logits an adaptive-p row draws from (other rows' `scaled` as they are), llama.cpp's:
+    each token of `keep` with a finite logit gets PEAK - SHARPNESS d^2 / (1 + d), where d is
+    the distance of its probability p (under what `keep` holds of `scaled`) to the adapted
+    target over WIDTH. The adapted target, within [0, 1], is 2 target less the average of the
+    drawn tokens' probabilities so far (`state`: their decayed sum and its weight), so that a
+    row drawing likelier tokens than its target aims lower next, and the other way round."""
+    masked = jnp.where(keep, scaled, -jnp.inf)
+    p = jax.nn.softmax(masked, axis=-1)
+    target = jnp.clip(params.adaptive_target, 0.0, 1.0)
+    weight = state[:, 1]
+    adapted = jnp.clip(jnp.where(weight == 0, target, 2 * target - state[:, 0] / jnp.where(weight == 0, 1, weight)),
+                       0.0, 1.0)
+    d = jnp.abs(p - adapted[:, None]) / ADAPTIVE_WIDTH
+    remade = ADAPTIVE_PEAK - ADAPTIVE_SHARPNESS * d * d / (1 + d)
+    on = (params.adaptive_target >= 0)[:, None] & keep & (masked > -jnp.inf)
+    return jnp.where(on, remade, scaled)
 
 
 def argmax(logits: jax.Array) -> jax.Array:
@@ -566,37 +617,38 @@ def _alone(tokens: jax.Array, k: int) -> Logprobs:
     return Logprobs(token=jnp.zeros(tokens.shape, jnp.float32), ids=ids, values=values)
 
 
-def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array, k: int = 0,
-                     sampler: jax.Array | None = None) -> tuple[jax.Array, Logprobs, jax.Array]:
+def _sample_filtered(logits: jax.Array, params: SamplingParams, step: jax.Array, k: int,
+                     sampler: jax.Array) -> tuple[jax.Array, Logprobs, jax.Array]:
     """One categorical draw per row over what `kept` leaves of its scaled logits (and a
-    Mirostat row's bound, `mirostat`, of that); a row at a temperature of 0 takes the
-    likeliest token kept. With it, the `Logprobs` (top `k`) of what each row drew from, for the
+    Mirostat row's bound, `mirostat`, of that; an adaptive-p row's logits remade, `adaptive`);
+    a row at a temperature of 0 takes the likeliest token kept. With it, the `Logprobs` (top `k`) of what each row drew from, for the
     rows that ask (`post_sampling` with `logprobs`), and each row's sampler state after its
-    token (`sampler` [rows, SAMPLER_STATE], the state before; None: a request's first)."""
+    token (`sampler` [rows, SAMPLER_STATE], the state before)."""
     rngs = _keys(params, step)
     scaled, keep, hot = kept(logits, params, rngs)
-    if sampler is None:
-        sampler = 2 * params.mirostat_tau[:, None]
-    mu = sampler[:, 0]
-    on = jnp.any(params.mirostat != 0)
-    keep = when(on, lambda keep: mirostat(scaled, keep, params, mu), _same, keep)
+    on_mirostat, on_adaptive = jnp.any(params.mirostat != 0), jnp.any(params.adaptive_target >= 0)
+    keep = when(on_mirostat, lambda keep: mirostat(scaled, keep, params, sampler[:, 0]), _same, keep)
+    final = when(on_adaptive, lambda s: adaptive(s, keep, params, sampler), _same, scaled)
     likeliest = argmax(jnp.where(keep | ~params.temperature_last[:, None], logits, -jnp.inf))
-    tokens = jnp.where(hot, _draw(scaled, keep, rngs, hot), likeliest).astype(jnp.int32)
-    mu = when(on, lambda mu: mirostat_moved(scaled, keep, hot, tokens, params, mu), _same, mu)
+    tokens = jnp.where(hot, _draw(final, keep, rngs, hot), likeliest).astype(jnp.int32)
+    sampler = when(on_mirostat | on_adaptive,
+                   lambda state: sampler_moved(scaled, keep, hot, tokens, params, state), _same, sampler)
 
-    def drawn(scaled):  # (built in the branch: a [rows, vocab] pass only where some row asks)
-        alone = jnp.where(jnp.arange(scaled.shape[-1]) == tokens[:, None], 0.0, -jnp.inf)
-        return jnp.where(hot[:, None], jnp.where(keep, scaled, -jnp.inf), alone)
+    def drawn(final):  # (built in the branch: a [rows, vocab] pass only where some row asks)
+        alone = jnp.where(jnp.arange(final.shape[-1]) == tokens[:, None], 0.0, -jnp.inf)
+        return jnp.where(hot[:, None], jnp.where(keep, final, -jnp.inf), alone)
 
     post = params.post_sampling & params.logprobs
     return tokens, when(jnp.any(post), lambda s: logprobs_of(drawn(s), tokens, k, post),
-                        lambda _: _alone(tokens, k), scaled), mu[:, None]
+                        lambda _: _alone(tokens, k), final), sampler
 
 
 def sample(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:
     """Picks one token per row from logits already adjusted (`adjust_logits`). `step` [rows]
-    makes each draw distinct (use the position); a Mirostat row draws as its first token."""
-    return when(_sampled(params), lambda logits: _sample_filtered(logits, params, step)[0],
+    makes each draw distinct (use the position). A stateful row (Mirostat, adaptive-p) reads
+    its state from the slot's history: `choose`; here it draws from a state of zeros."""
+    state = jnp.zeros((logits.shape[0], SAMPLER_STATE), jnp.float32)
+    return when(_sampled(params), lambda logits: _sample_filtered(logits, params, step, 0, state)[0],
                 argmax, logits)
 
 

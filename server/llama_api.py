@@ -45,8 +45,9 @@ llama.vim) send besides:
   as its do: all three over the last `repeat_last_n` tokens (64 by default; 0 turns them off,
   -1 takes the whole context) of prompt and output (`parsing.llama_penalties`).
 - Mirostat (`mirostat` 1 or 2, `mirostat_tau`, `mirostat_eta`), which replaces the chain as
-  in llama-server: logit_bias, the temperature, Mirostat.
-- llama.cpp's samplers that cadence does not run (adaptive, tail-free, min_keep)
+  in llama-server: logit_bias, the temperature, Mirostat; adaptive-p (`adaptive_target`,
+  `adaptive_decay`), the draw where `samplers` ends with `adaptive_p`.
+- llama.cpp's samplers that cadence does not run (tail-free, min_keep)
   and llama-server's other extras: accepted where they are off, as a client that sends all
   its settings sends them (`llama_sampling.OFF`, `_OFF`), with the settings that mean nothing
   while they are off; on, each is a 400 naming it.
@@ -296,7 +297,8 @@ class LlamaAPI:
                   "frequency_penalty": 0.0, **llama_sampling.SAMPLER_FIELDS, "dry_multiplier": 0.0,
                   "dry_base": llama_sampling.DRY_BASE, "dry_allowed_length": 2, "dry_penalty_last_n": 64,
                   "dry_sequence_breakers": list(llama_sampling.DRY_BREAKERS),
-                  **llama_sampling.MIROSTAT_FIELDS, "samplers": list(llama_sampling.ORDER)}
+                  **llama_sampling.MIROSTAT_FIELDS, **llama_sampling.ADAPTIVE_FIELDS,
+                  "samplers": list(llama_sampling.ORDER)}
         return JSONResponse({
             "default_generation_settings": {"n_ctx": sched.max_seq_len, "params": params},
             "total_slots": sched.num_slots, "model_alias": server.model_name,

@@ -14,12 +14,14 @@ The samplers cadence runs: DRY (`dry_*`, its breakers the served vocabulary's to
 a breaking character, `DryBreakers`), `top_n_sigma`, `typical_p`, XTC (`xtc_probability`,
 `xtc_threshold`) and the dynamic temperature (`dynatemp_range`, `dynatemp_exponent`), each off
 at llama-server's default; `samplers` names those that run, in the default order (one left out
-is off; another order is a 400). `mirostat` 1 or 2 (with `mirostat_tau`, `mirostat_eta`)
-replaces the chain, as in llama-server: logit_bias, the temperature, then Mirostat, every other
-sampler and the penalties off (`MIROSTAT_OFF`). Those it does not run (the adaptive sampler,
-tail-free, min_keep) are accepted where they are off, as clients that send every setting send
-them, with the settings that mean nothing while they are (`OFF`, `UNUSED`); turned on, each is
-a 400 naming it.
+is off; another order is a 400). `adaptive_p` named last in `samplers` makes the draw
+llama.cpp's adaptive-p at `adaptive_target` (negative: off) and `adaptive_decay`, as in
+llama-server, where the default chain leaves it out. `mirostat` 1 or 2 (with `mirostat_tau`,
+`mirostat_eta`) replaces the chain, as in llama-server: logit_bias, the temperature, then
+Mirostat, every other sampler and the penalties off (`MIROSTAT_OFF`). Those it does not run
+(tail-free, min_keep) are accepted where they are off, as clients that send every setting send
+them, with the settings that mean nothing while they are (`OFF`); turned on, each is a 400
+naming it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cadence.checkpoints.tokenizer import Tokenizer
-from cadence.model.host_sampling import MAX_DRY_BREAKERS, MAX_PENALTY_WINDOW
+from cadence.model.host_sampling import MAX_ADAPTIVE_DECAY, MAX_DRY_BREAKERS, MAX_PENALTY_WINDOW
 from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.request import GenerationParams
 from cadence.server import parsing
@@ -39,15 +41,13 @@ Off = tuple[tuple[type, ...], Callable[[Any], bool], str]
 # llama.cpp's samplers that cadence does not run, with the test that a value leaves one off and
 # that value in words (tfs_z and penalize_nl are older llama-servers', which clients still send).
 OFF: dict[str, Off] = {
-    "adaptive_target": ((int, float), lambda v: v < 0, "-1"),
     "tfs_z": ((int, float), lambda v: v >= 1, "1"),
     "min_keep": ((int,), lambda v: v <= 1, "0"),  # (every sampler keeps one token anyway)
     "penalize_nl": ((bool,), lambda v: not v, "false"),
 }
-# Their settings, meaning nothing while they are off: checked for their type and ignored.
-UNUSED: dict[str, tuple[type, ...]] = {"adaptive_decay": (int, float)}
-# Mirostat's fields and llama-server's defaults (`_mirostat`).
+# Mirostat's and adaptive-p's fields and llama-server's defaults (`_stateful`).
 MIROSTAT_FIELDS = {"mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1}
+ADAPTIVE_FIELDS = {"adaptive_target": -1.0, "adaptive_decay": 0.9}
 # DRY's fields (`_dry`) and defaults, llama-server's.
 DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
 DRY_BASE, DRY_BREAKERS = 1.75, ("\n", ":", '"', "*")
@@ -57,11 +57,12 @@ SAMPLER_FIELDS = {"typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0,
 # Every field of llama.cpp's sampling that cadence's other fields do not spell: naming one asks
 # for llama.cpp's order. (Its penalties' names, `parsing.LLAMA_PENALTY_FIELDS`, ask for its
 # penalties' window alone.)
-FIELDS = frozenset({*SAMPLER_FIELDS, *DRY_FIELDS, *MIROSTAT_FIELDS, "samplers", *OFF, *UNUSED})
+FIELDS = frozenset({*SAMPLER_FIELDS, *DRY_FIELDS, *MIROSTAT_FIELDS, *ADAPTIVE_FIELDS, "samplers", *OFF})
 # llama.cpp's default sampler chain, the order cadence applies them in (`samplers` may leave
 # some out; typical_p is typ_p's other name), and what leaving each out turns off.
 ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
-SAMPLERS = frozenset({*ORDER, "typical_p", "infill"})
+# adaptive-p, not in the default chain, draws after all of them where `samplers` names it.
+SAMPLERS = frozenset({*ORDER, "typical_p", "infill", "adaptive_p"})
 _LEFT_OUT = {"penalties": {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0},
              "dry": {"dry_multiplier": 0.0}, "top_n_sigma": {"top_n_sigma": 0.0}, "top_k": {"top_k": 0},
              "typ_p": {"typical_p": 1.0}, "top_p": {"top_p": 1.0}, "min_p": {"min_p": 0.0},
@@ -106,7 +107,7 @@ def with_samplers(body: dict, params: GenerationParams) -> tuple[GenerationParam
     dynatemp_exponent, and DRY (`_dry`; its breakers returned beside, as text). `samplers`,
     where given, names those that run, in llama.cpp's default order (`ORDER`, which cadence
     keeps): one left out is off. Those cadence does not run must be off (`OFF`)."""
-    check_off(body, OFF, UNUSED)
+    check_off(body, OFF, {})
     values = {name: float(parsing.field(body, name, (int, float), default))
               for name, default in SAMPLER_FIELDS.items()}
     values["typical_p"] = min(values["typical_p"], 1.0)
@@ -114,18 +115,20 @@ def with_samplers(body: dict, params: GenerationParams) -> tuple[GenerationParam
     values["dynatemp_range"] = max(values["dynatemp_range"], 0.0)
     dry, breakers = _dry(body)
     values.update(dry)
-    values.update(_mirostat(body))
-    given = dict(values)  # (range-checked whether its sampler runs or is left out)
+    values.update(_stateful(body))
     named = names(body, "samplers", SAMPLERS)
+    chain = [{"typical_p": "typ_p"}.get(n, n) for n in named if n != "infill"]
+    if "adaptive_p" not in chain or values["mirostat"]:  # (off unless named, as in llama-server)
+        values["adaptive_target"] = -1.0
+    given = dict(values)  # (range-checked whether its sampler runs or is left out)
     if values["mirostat"]:
         values.update(MIROSTAT_OFF)
     elif body.get("samplers") is not None:
-        chain = [{"typical_p": "typ_p"}.get(n, n) for n in named if n != "infill"]
-        at = [ORDER.index(n) for n in chain]
+        at = [(*ORDER, "adaptive_p").index(n) for n in chain]
         if at != sorted(set(at)):
             raise SubmissionError(f'"samplers" runs in llama.cpp\'s default order here, each once: '
-                                  f'{", ".join(ORDER)} (any of them left out); got {", ".join(named)}',
-                                  "samplers")
+                                  f'{", ".join(ORDER)} (any of them left out), then adaptive_p; got '
+                                  f'{", ".join(named)}', "samplers")
         for name in ORDER:
             if name not in chain:
                 values.update(_LEFT_OUT[name])
@@ -138,15 +141,19 @@ def with_samplers(body: dict, params: GenerationParams) -> tuple[GenerationParam
     return dataclasses.replace(params, sampling=sampling), breakers
 
 
-def _mirostat(body: dict) -> dict[str, Any]:
-    """Mirostat's settings with llama-server's defaults: `mirostat` 0 (off), 1 or 2 (another
-    version is a 400, where llama-server aborts), `mirostat_tau` and `mirostat_eta`."""
+def _stateful(body: dict) -> dict[str, Any]:
+    """Mirostat's and adaptive-p's settings with llama-server's defaults: `mirostat` 0 (off),
+    1 or 2 (another version is a 400, where llama-server aborts), `mirostat_tau`,
+    `mirostat_eta`; `adaptive_target` (above 1 is 1, as llama.cpp clamps it) and
+    `adaptive_decay` (clamped to [0, 0.99], as there)."""
     version = parsing.field(body, "mirostat", (int,), 0)
     if version not in (0, 1, 2):
         raise SubmissionError(f'"mirostat" must be 0 (off), 1 or 2, got {version}', "mirostat")
-    return {"mirostat": version,
-            **{name: float(parsing.field(body, name, (int, float), MIROSTAT_FIELDS[name]))
-               for name in ("mirostat_tau", "mirostat_eta")}}
+    values = {name: float(parsing.field(body, name, (int, float), default))
+              for name, default in {**MIROSTAT_FIELDS, **ADAPTIVE_FIELDS}.items() if name != "mirostat"}
+    values["adaptive_target"] = min(values["adaptive_target"], 1.0)
+    values["adaptive_decay"] = min(max(values["adaptive_decay"], 0.0), MAX_ADAPTIVE_DECAY)
+    return {"mirostat": version, **values}
 
 
 def _dry(body: dict) -> tuple[dict[str, Any], tuple[str, ...]]:

@@ -31,7 +31,7 @@ from cadence.engine.config import EngineConfig
 from cadence.engine.results import DecodeTokens, PrefillTokens
 from cadence.model import cpu_kernels
 from cadence.model.config import TINY
-from cadence.model.host_sampling import RequestSampling, bitmask_words
+from cadence.model.host_sampling import SAMPLER_STATE, RequestSampling, bitmask_words
 from cadence.model.sampling import SamplingParams
 from cadence.scheduler.pages import NULL_PAGE
 from cadence.scheduler.policy import PolicyConfig
@@ -377,13 +377,13 @@ class FakeEngine:
             self.copies.append((int(source), int(target)))
 
     def set_history(self, slot, prompt_ids, output_ids=(), window=0, dry_breakers=None,
-                    sampler_state=(0.0,)) -> None:
+                    sampler_state=(0.0,) * SAMPLER_STATE) -> None:
         # The fake "model" has no penalties; recorded so tests can see when it is set.
         self.histories.append((slot, list(prompt_ids), list(output_ids)))
 
     def sampler_state(self, slot) -> np.ndarray:
         assert 0 <= slot < self.config.num_slots
-        return np.zeros(1, np.float32)  # (no sampler of its own carries state)
+        return np.zeros(SAMPLER_STATE, np.float32)  # (no sampler of its own carries state)
 
     def extract(self, pages, length, slot) -> FakeHandle:
         assert 0 <= slot < self.config.num_slots and 0 < length <= self.config.max_seq_len

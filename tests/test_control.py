@@ -16,7 +16,7 @@ from cadence.engine.engine import Engine
 from cadence.engine.lowering import Program, engine_programs, host_waits, lower
 from cadence.engine.packing import PrefillChunk
 from cadence.model import control
-from cadence.model.host_sampling import ALL_ALLOWED, RequestSampling, SamplingRows, bitmask_words, dry_matches
+from cadence.model.host_sampling import ALL_ALLOWED, SAMPLER_STATE, RequestSampling, SamplingRows, bitmask_words, dry_matches
 from cadence.model.sampling import TokenHistory, choose
 
 
@@ -73,10 +73,11 @@ BATCHES = {
               RequestSampling(temperature=0.9, temperature_last=True, top_n_sigma=1.0, xtc_probability=1.0,
                               xtc_threshold=0.05, dynatemp_range=0.4, seed=4),
               RequestSampling(temperature=0.7, top_p=0.9, seed=5), RequestSampling()],
-    # Mirostat 1 and 2 (their bounds the history's), beside rows off it
-    "mirostat": [RequestSampling(temperature=1.2, temperature_last=True, mirostat=2, seed=6),
+    # Mirostat 1 and 2 and adaptive-p (their state the history's), beside a row on neither
+    "stateful": [RequestSampling(temperature=1.2, temperature_last=True, mirostat=2, seed=6),
                  RequestSampling(temperature=0.8, temperature_last=True, mirostat=1, mirostat_tau=3.0, seed=7),
-                 RequestSampling(temperature=0.7, top_k=30, seed=8), RequestSampling()],
+                 RequestSampling(temperature=0.9, temperature_last=True, top_k=30, adaptive_target=0.2, seed=8),
+                 RequestSampling()],
 }
 
 
@@ -95,7 +96,7 @@ def test_choose_branch_free_equals_branches(batch, constrained):
                            tokens=(tokens := jnp.asarray(rng.integers(0, 4, (n, 16)), jnp.int32)),
                            length=jnp.full(n, 16, jnp.int32), breaker=jnp.zeros((n, VOCAB), bool),
                            match=jnp.asarray(np.stack([dry_matches(t) for t in np.asarray(tokens)])),
-                           sampler=jnp.asarray(rng.uniform(2, 12, (n, 1)), jnp.float32))
+                           sampler=jnp.asarray(rng.uniform(2, 12, (n, SAMPLER_STATE)), jnp.float32))
     allowed = np.full((n, bitmask_words(VOCAB)), ALL_ALLOWED, np.int32)
     if constrained:
         allowed[1] = rng.integers(-2**31, 2**31 - 1, allowed.shape[1], dtype=np.int64).astype(np.int32)

@@ -279,6 +279,40 @@ def test_mirostat_replaces_the_chain_as_in_llama_server(url):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_adaptive_p_draws_where_samplers_name_it_as_in_llama_server(url):
+    """`adaptive_target` alone changes nothing (llama-server's default chain leaves adaptive-p
+    out); named last in `samplers`, it makes the draw, its settings reaching the row (a target
+    above 1 is 1 and a decay past 0.99 is 0.99, as llama.cpp clamps them); named anywhere else
+    it is refused."""
+    from cadence.server import llama_api, parsing
+
+    def sampling(body):
+        return llama_api.parse_completion({"prompt": "a", **body}, parsing.SamplingDefaults())[0].params.sampling
+
+    assert sampling({"adaptive_target": 0.3}).adaptive_target < 0
+    on = sampling({"adaptive_target": 0.3, "adaptive_decay": 0.5, "samplers": ["top_k", "temperature", "adaptive_p"]})
+    assert (on.adaptive_target, on.adaptive_decay, on.stateful) == (0.3, 0.5, True)
+    clamped = sampling({"adaptive_target": 4, "adaptive_decay": 2, "samplers": ["adaptive_p"]})
+    assert (clamped.adaptive_target, clamped.adaptive_decay) == (1.0, 0.99)
+    assert not sampling({"adaptive_target": 0.3, "samplers": ["adaptive_p"], "mirostat": 2}).adaptive_target >= 0
+
+    def tokens(body):
+        r = httpx.post(f"{url}/completion", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    # (the tiny model's logits are sharp: at temperature 6 they hold ~5 bits)
+    body = {"prompt": PROMPT, "n_predict": 16, "temperature": 6, "seed": 3, "return_tokens": True,
+            "samplers": ["top_k", "temperature"], "top_k": 30}
+    plain = tokens(body)
+    assert tokens({**body, "adaptive_target": 0.05}) == plain
+    adaptive = {**body, "adaptive_target": 0.05, "samplers": ["top_k", "temperature", "adaptive_p"]}
+    assert tokens(adaptive) != plain
+    assert tokens({**adaptive, "stream": False}) == tokens(adaptive)  # (seeded: the same again)
+    r = httpx.post(f"{url}/completion", json={**adaptive, "samplers": ["adaptive_p", "temperature"]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "samplers", r.text
+
+
 def test_the_openai_doors_sample_as_llama_server_where_a_request_names_its_samplers(url):
     """llama-server's /v1 endpoints sample as its own do: a /v1/completions request naming
     llama.cpp's samplers gives /completion's tokens, seeded with every sampler on and greedy

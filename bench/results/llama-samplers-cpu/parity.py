@@ -37,7 +37,7 @@ from cadence.bench.cadence_server import serving
 from cadence.checkpoints import registry
 from cadence.engine.reference import sequence_logits
 from cadence.model.host_sampling import MAX_DRY_BREAKERS, NO_TOKEN, SAMPLER_STATE, SamplingRows, dry_matches
-from cadence.model.sampling import TokenHistory, adjust_logits, kept, mirostat, mirostat_moved
+from cadence.model.sampling import TokenHistory, adaptive, adjust_logits, kept, mirostat, sampler_moved
 from cadence.server import llama_api, llama_sampling, parsing
 
 LLAMA = flags.DEFINE_string("llama_server", None, "llama.cpp's llama-server binary", required=True)
@@ -88,6 +88,12 @@ CASES = {
     "mirostat 1, tau 5": {"temperature": 0.8, "mirostat": 1},
     "mirostat 1, tau 8, eta 0.5 at 1.5": {"temperature": 1.5, "mirostat": 1, "mirostat_tau": 8.0,
                                           "mirostat_eta": 0.5},
+    # adaptive-p, the draw where `samplers` names it last: its average carried likewise
+    "adaptive-p 0.2 after top_k 40": {"temperature": 0.8, "top_k": 40, "adaptive_target": 0.2,
+                                      "samplers": ["top_k", "temperature", "adaptive_p"]},
+    "adaptive-p 0.5, decay 0.5 after min_p 0.05 at 1.2": {
+        "temperature": 1.2, "min_p": 0.05, "adaptive_target": 0.5, "adaptive_decay": 0.5,
+        "samplers": ["min_p", "temperature", "adaptive_p"]},
 }
 
 
@@ -100,7 +106,7 @@ def ask(url: str, ids: list[int], fields: dict) -> dict:
 
 
 SET_ROW = jax.jit(TokenHistory.set_row)
-MIROSTAT, MOVED = jax.jit(mirostat), jax.jit(mirostat_moved)
+MIROSTAT, ADAPTIVE, MOVED = jax.jit(mirostat), jax.jit(adaptive), jax.jit(sampler_moved)
 BREAKERS: llama_sampling.DryBreakers  # the served vocabulary's (main)
 
 
@@ -131,13 +137,16 @@ def cadence_steps(params, config, ids: list[int], answer: list[int], fields: dic
     logits = jax.jit(adjust_logits)(jnp.asarray(logits), rows, history, slots)
     rngs = jax.vmap(lambda t: jax.random.fold_in(jax.random.key(sampling.seed), t))(jnp.arange(len(logits)))
     draw, keep, hot = jax.jit(kept)(logits, rows, rngs)
-    if sampling.mirostat:  # its bound, step by step: moved by each of the answer's tokens
-        keep, mu = np.asarray(keep).copy(), np.full(1, 2 * sampling.mirostat_tau, np.float32)
+    if sampling.stateful:  # Mirostat's bound, adaptive-p's average: moved by each answer token
+        draw, keep = np.asarray(draw).copy(), np.asarray(keep).copy()
+        state = np.asarray([sampling.sampler_state], np.float32)
         row = SamplingRows.of([sampling]).params()
         for step, token in enumerate(answer):
             at = slice(step, step + 1)
-            keep[at] = MIROSTAT(draw[at], keep[at], row, mu)
-            mu = MOVED(draw[at], keep[at], hot[at], jnp.asarray([token]), row, mu)
+            keep[at] = MIROSTAT(draw[at], keep[at], row, state[:, 0])
+            scaled = draw[at].copy()
+            draw[at] = ADAPTIVE(scaled, keep[at], row, state)  # (what adaptive-p draws from)
+            state = MOVED(scaled, keep[at], hot[at], jnp.asarray([token]), row, state)
     logits = np.asarray(logits)
     out = []
     for x, k, h, raw in zip(np.asarray(draw, np.float64), np.asarray(keep), np.asarray(hot), logits):
