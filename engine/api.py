@@ -48,10 +48,10 @@
     engine.set_history(slot, prompt_ids, output_ids, window, dry_breakers, sampler_state)
                                                         the slot's token history (what penalties
                                                         read, over the request's penalty_window,
-                                                        and Mirostat's state): call it when a
+                                                        and a stateful sampler's): call it when a
                                                         penalized or stateful request takes a
                                                         slot, before its next program
-    state = engine.sampler_state(slot)                  the slot's Mirostat state after every
+    state = engine.sampler_state(slot)                  the slot's sampler state after every
                                                         program so far, read (np.asarray) when
                                                         its request takes another slot
     tokens.logprobs()                                   of a prefill or decode result: `HostLogprobs`

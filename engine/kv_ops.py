@@ -2,7 +2,7 @@
 
     engine.copy_pages(sources, targets)         # a sequence's own copy of a cached page
     engine.set_history(slot, prompt, output, window)   # penalties: what a slot has seen so far
-    state = engine.sampler_state(slot)          # Mirostat's mu, read out as the slot is left
+    state = engine.sampler_state(slot)          # Mirostat's or adaptive-p's, as the slot is left
     handle = engine.extract(pages, length, slot)      # disaggregated: a sequence's KV out,
     landed = other.receive(handle)                    # onto the other engine's device,
     other.insert(landed, pages, slot)                 # and into its pool
@@ -53,7 +53,7 @@ class KVOps:
         """Makes `slot`'s token history (what presence, frequency and repetition penalties
         and DRY read) that of a sequence with this prompt and output so far, for a request with
         this `penalty_window` (0: none) and, on DRY, these `dry_breakers` (None: not on DRY),
-        whose stateful sampler (Mirostat) is at `sampler_state`; the programs count every token
+        whose stateful sampler (Mirostat, adaptive-p) is at `sampler_state`; the programs count every token
         the slot samples after. Call it when a penalized or stateful request takes a slot,
         before its next prefill or decode. Returns at once."""
         cfg = self.config
@@ -77,7 +77,7 @@ class KVOps:
                                      np.int32(min(window, 2**31 - 1)), breakers, match, state)
 
     def sampler_state(self, slot: int):
-        """`slot`'s sampler state ([SAMPLER_STATE] float32: Mirostat's mu) after every program
+        """`slot`'s sampler state ([SAMPLER_STATE] float32, `TokenHistory.sampler`) after every program
         dispatched so far, as a device array the host reads when it needs it (`np.asarray`):
         a request leaving the slot (preempted, or handed to a decode engine) keeps its state
         this way for the slot it takes next (`set_history`). Returns at once."""
