@@ -23,9 +23,10 @@ llama.vim) send besides:
   since the first token ends it. Both are watched here, over the text as it comes
   (`EditorStops`); the request is cancelled at once, and its slot freed.
 - `response_fields`: the whole answer holds only these (`timings/prompt_n` names a nested one).
-- `n_cmpl` (or `n`): that many completions of the prompt (choices, as the OpenAI doors' `n`),
-  answered as an array by `index` (one: the answer alone); streamed, each chunk's `index` names
-  its completion.
+- `prompt` as an array of prompts (strings, token-id arrays, `{"prompt_string": text}`), and
+  `n_cmpl` (or `n`): that many completions of each prompt (choices, as the OpenAI doors' `n`),
+  answered as an array by `index`, prompt after prompt (one: the answer alone); streamed, each
+  chunk's `index` names its completion.
 - `post_sampling_probs`: `n_probs`' probabilities (`prob`, `top_probs`) are of the distribution
   each token was drawn from, after every filter and the temperature (`RequestSampling.
   post_sampling`), not the model's raw one.
@@ -119,12 +120,29 @@ def _non_negative(body: dict, name: str, types: tuple[type, ...]) -> Any:
 
 
 def parse_completion(body: Any, defaults: parsing.SamplingDefaults) -> tuple[protocol.ParsedRequest, Options]:
-    """/completion's body (a prompt: text, or token ids), or SubmissionError."""
+    """/completion's body (its prompts, `prompts`), or SubmissionError."""
     protocol.known_fields(body, _COMMON)
-    prompt = body.get("prompt")
-    if not (isinstance(prompt, str) or parsing.token_ids(prompt)):
-        raise SubmissionError('"prompt" must be a string or an array of token ids', "prompt")
-    return _parse(body, defaults, prompt, None)
+    return _parse(body, defaults, prompts(body.get("prompt")), None)
+
+
+def prompts(value: Any) -> list[str | list[int]]:
+    """/completion's `prompt` as llama-server reads it: text, token ids, `{"prompt_string":
+    text}`, or an array of those, several prompts, each answered (prompts x n_cmpl answers, by
+    index); or SubmissionError. Multimodal data, and token ids mixed with text in one prompt,
+    are refused (cadence serves text; a prompt is one or the other)."""
+    def one(prompt):
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt_string"), str):
+            if set(prompt) != {"prompt_string"}:
+                raise SubmissionError('"prompt": only {"prompt_string": text} objects are served (no '
+                                      "multimodal data: cadence serves text models)", "prompt")
+            return prompt["prompt_string"]
+        return prompt
+
+    if isinstance(value, list) and any(isinstance(p, int) for p in value) and not parsing.token_ids(value):
+        raise SubmissionError('"prompt" mixes token ids with other values; a prompt is text or token '
+                              "ids (an array of prompts holds strings, token-id arrays or "
+                              '{"prompt_string": text})', "prompt")
+    return protocol.prompts_of([one(p) for p in value] if isinstance(value, list) else one(value))
 
 
 def parse_infill(body: Any, defaults: parsing.SamplingDefaults) -> tuple[protocol.ParsedRequest, Options]:
@@ -143,7 +161,7 @@ def parse_infill(body: Any, defaults: parsing.SamplingDefaults) -> tuple[protoco
                               '{"text": string, "filename": string (optional)}', "input_extra")
     extra = tuple(fim.ExtraFile(c["text"], c.get("filename", "tmp")) for c in chunks)
     hole = fim.Hole(suffix, parsing.field(body, "prompt", (str,), ""), extra)
-    return _parse(body, defaults, prefix, hole)
+    return _parse(body, defaults, [prefix], hole)
 
 
 def _with_lora(body: dict, params: GenerationParams) -> GenerationParams:
@@ -165,7 +183,7 @@ def _with_lora(body: dict, params: GenerationParams) -> GenerationParams:
     return dataclasses.replace(params, sampling=dataclasses.replace(params.sampling, lora=lora))
 
 
-def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[int],
+def _parse(body: dict, defaults: parsing.SamplingDefaults, prompts: list[str | list[int]],
            hole: fim.Hole | None) -> tuple[protocol.ParsedRequest, Options]:
     """The fields both endpoints share."""
     llama_fields.check_ignored(body)
@@ -197,7 +215,7 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompt: str | list[in
         if value < 1:
             raise SubmissionError(f'"{name}" must be >= 1, got {value}', name)
     parsed = protocol.ParsedRequest(
-        model=parsing.field(body, "model", (str,)), prompts=[prompt], messages=None,
+        model=parsing.field(body, "model", (str,)), prompts=prompts, messages=None,
         params=params, stream=stream, include_usage=False, n=n, best_of=n,
         response_format=None if constraint is None else parsing.GrammarRequest(*constraint), hole=hole,
         limit_is_cap=True, dry_breakers=breakers)
@@ -372,7 +390,8 @@ class LlamaAPI:
             raise APIError(400, f'"n_cmpl" must be at most {server.config.max_n} (the server\'s '
                                 f"--max_n), got {parsed.n}", param="n_cmpl")
         request_id = protocol.request_id(request.headers, prefix)
-        streams = (await server.submit(parsed, request_id))[0]
+        # llama-server's order: each prompt's n_cmpl completions, prompt after prompt
+        streams = [s for group in await server.submit(parsed, request_id) for s in group]
         headers = {"X-Request-Id": request_id}
         if parsed.stream:
             return event_stream(self._all_chunks(streams, options), headers, server.ping(options.ping))
@@ -394,7 +413,7 @@ class LlamaAPI:
             if end.probs is not None:
                 answer["completion_probabilities"] = self._probs(end.probs, parsed.params.sampling.post_sampling)
             answers.append(_selected(answer, options.fields) if options.fields else answer)
-        # one completion: its answer; n_cmpl of them: an array, by index (llama-server's)
+        # one completion: its answer; several (prompts x n_cmpl): an array, by index (llama-server's)
         return JSONResponse(answers[0] if len(answers) == 1 else answers, headers=headers)
 
     async def _steps(self, stream: RequestStream,

@@ -221,6 +221,32 @@ def test_n_cmpl_gives_the_openai_doors_choices(url):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_an_array_of_prompts_answers_each_prompt_times_n_cmpl(url):
+    """/completion's `prompt` as an array (text, token ids, {"prompt_string": text}): an
+    array of answers, each prompt's n_cmpl completions after the one before's, as llama-server
+    orders them; each the answer its prompt alone gives (seeded, whole and streamed). Token ids
+    mixed with text in one prompt, and multimodal data, are refused by name."""
+    body = {"temperature": 1.5, "top_k": 0, "top_p": 1, "min_p": 0, "seed": 7, "ignore_eos": True,
+            "n_predict": 5, "return_tokens": True, "logit_bias": {str(i): 40 for i in range(10, 40)}}
+    ids = httpx.post(f"{url}/tokenize", json={"content": "Another: " + LONG}, timeout=60).json()["tokens"]
+    prompts = ["Three ways: " + LONG, ids, {"prompt_string": "One more, " + LONG}]
+    alone = [httpx.post(f"{url}/completion", json={**body, "prompt": p, "n_cmpl": 2}, timeout=60).json()
+             for p in prompts]
+    mine = httpx.post(f"{url}/completion", json={**body, "prompt": prompts, "n_cmpl": 2}, timeout=60).json()
+    assert [a["index"] for a in mine] == list(range(6))
+    assert [a["tokens"] for a in mine] == [a["tokens"] for pair in alone for a in pair]
+    assert mine[2]["tokens_evaluated"] == len(ids)
+    frames = chunks(url, "/completion", {**body, "prompt": prompts, "n_cmpl": 2, "stream": True})
+    for a in mine:
+        own = [c for c in frames if c["index"] == a["index"]]
+        assert "".join(c["content"] for c in own) == a["content"] and own[-1]["stop"] is True
+    single = httpx.post(f"{url}/completion", json={**body, "prompt": [prompts[0]]}, timeout=60).json()
+    assert single["index"] == 0 and single["tokens"] == alone[0][0]["tokens"]  # (one: the object)
+    for wrong in ([1, "a", 2], [{"prompt_string": "a", "multimodal_data": ["AA=="]}], []):
+        r = httpx.post(f"{url}/completion", json={**body, "prompt": wrong}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
 def test_a_stream_waiting_behind_full_slots_is_kept_alive(url):
     """Queued behind four long answers, a stream sends keep-alive comments (`:`) at its
     sse_ping_interval until its first chunk; its chunks are the same answer as without them;
