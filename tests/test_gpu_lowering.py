@@ -127,7 +127,7 @@ def test_llama3_8b_gpu_engine_lowers_for_cuda(triton_verifications, attention):
     programs = _lower_all(LLAMA3_8B, config, triton_verifications)
     assert len(programs) == (2 * len(config.prefill_buckets) + len(config.score_buckets)
                              + 3 * len(config.decode_batch_buckets) + len(config.verify_batch_buckets)
-                             + 2 * len(config.page_buckets) + 2)
+                             + 2 * len(config.page_buckets) + 3)  # (+ history, sampler, copy)
 
 
 def test_gpu_check_records_a_part_that_times_out_and_runs_the_next(tmp_path, monkeypatch):
