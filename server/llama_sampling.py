@@ -106,7 +106,9 @@ def with_samplers(body: dict, params: GenerationParams) -> tuple[GenerationParam
     xtc_probability with xtc_threshold (above 0.5: off), dynatemp_range (0 or less: off) with
     dynatemp_exponent, and DRY (`_dry`; its breakers returned beside, as text). `samplers`,
     where given, names those that run, in llama.cpp's default order (`ORDER`, which cadence
-    keeps): one left out is off. Those cadence does not run must be off (`OFF`)."""
+    keeps): one left out is off; `adaptive_p` last makes the draw adaptive-p's. `mirostat` on
+    turns every other sampler off (`MIROSTAT_OFF`). Those cadence does not run must be off
+    (`OFF`)."""
     check_off(body, OFF, {})
     values = {name: float(parsing.field(body, name, (int, float), default))
               for name, default in SAMPLER_FIELDS.items()}
