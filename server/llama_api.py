@@ -204,7 +204,7 @@ def _parse(body: dict, defaults: parsing.SamplingDefaults, prompts: list[str | l
     params = _with_lora(body, params)
     probs = _non_negative(body, "n_probs", (int,))
     stream = parsing.field(body, "stream", (bool,), False)
-    progress = stream and parsing.field(body, "return_progress", (bool,), False)
+    progress = parsing.field(body, "return_progress", (bool,), False) and stream  # (checked either way)
     post = parsing.field(body, "post_sampling_probs", (bool,), False)
     params = dataclasses.replace(params, logprobs=probs or None, progress=progress,
                                  sampling=dataclasses.replace(params.sampling, post_sampling=post))

@@ -227,10 +227,10 @@ def _parse(body: Any, chat: bool, defaults: parsing.SamplingDefaults, max_n: int
     options = parsing.field(body, "stream_options", (dict,), {})
     include_usage = parsing.field(options, "include_usage", (bool,), False)
     # vLLM's: usage on every chunk too (each choice's tokens so far), with include_usage only.
-    continuous = include_usage and parsing.field(options, "continuous_usage_stats", (bool,), False)
+    continuous = parsing.field(options, "continuous_usage_stats", (bool,), False) and include_usage
     if stream and best_of > n:
         raise SubmissionError('"best_of" > n cannot be streamed (the best are known at the end)', "best_of")
-    echo = not chat and parsing.field(body, "echo", (bool,), False)
+    echo = parsing.field(body, "echo", (bool,), False) and not chat
     suffix = parsing.field(body, "suffix", (str,)) or None  # "": none
     if suffix is not None and chat:
         raise SubmissionError('"suffix" goes with a completion\'s "prompt" (fill in the middle), '

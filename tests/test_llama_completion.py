@@ -377,6 +377,7 @@ def test_a_request_naming_llama_cpps_samplers_is_parsed_in_its_order():
     ({"prompt": "a", "dry_penalty_last_n": -2}, "dry_penalty_last_n", "-1 (the whole sequence)"),
     ({"prompt": "a", "dry_allowed_length": -1}, "dry_allowed_length", "dry_allowed_length must be in"),
     ({"prompt": "a", "mirostat": 3}, "mirostat", "0 (off), 1 or 2"),
+    ({"prompt": "a", "return_progress": [1]}, "return_progress", "true or false"),  # (not streamed: checked too)
     ({"prompt": "a", "mirostat": 2, "mirostat_tau": -1}, "mirostat_tau", "mirostat_tau must be in [0, 60]"),
     ({"prompt": "a", "mirostat": 1, "mirostat_eta": -0.5}, "mirostat_eta", "mirostat_eta must be >= 0"),
     ({"prompt": "a", "mirostat": 1.5}, "mirostat", "must be an integer"),
