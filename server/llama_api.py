@@ -83,7 +83,7 @@ from cadence.server.event_stream import event_stream
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "logit_bias")
 # llama-server's extras that cadence does not do, accepted off (`llama_sampling.check_off`), and
 # the settings of its context shift, which change no token here (a prompt past the context is
-# refused, not shifted).
+# refused, not shifted): type-checked and ignored (`llama_fields.check_ignored`).
 _OFF: dict[str, llama_sampling.Off] = {
     "verbose": ((bool,), lambda v: not v, "false"),
 }
@@ -186,8 +186,8 @@ def _with_lora(body: dict, params: GenerationParams) -> GenerationParams:
 def _parse(body: dict, defaults: parsing.SamplingDefaults, prompts: list[str | list[int]],
            hole: fim.Hole | None) -> tuple[protocol.ParsedRequest, Options]:
     """The fields both endpoints share."""
-    llama_fields.check_ignored(body)
-    llama_sampling.check_off(body, _OFF, _UNUSED)
+    llama_fields.check_ignored(body, {**llama_fields.IGNORED, **_UNUSED})
+    llama_sampling.check_off(body, _OFF)
     limit = parsing.field(body, "n_predict", (int,))
     if limit is not None and limit < -1:
         raise SubmissionError(f'"n_predict" must be -1 (no limit) or more, got {limit}', "n_predict")

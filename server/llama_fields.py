@@ -102,9 +102,10 @@ def ping_interval(body: dict) -> float | None:
     return None if value is None else float(value)
 
 
-def check_ignored(body: dict) -> None:
-    """The fields that change nothing (`IGNORED`), each checked for its type."""
-    for name, kinds in IGNORED.items():
+def check_ignored(body: dict, fields: dict[str, tuple[type, ...]] = IGNORED) -> None:
+    """The fields that change nothing (`IGNORED`, or a door's `fields`), each checked for its
+    type."""
+    for name, kinds in fields.items():
         parsing.field(body, name, kinds)
     if (body.get("t_max_prompt_ms") or 0) < 0:
         raise SubmissionError(f'"t_max_prompt_ms" must be >= 0, got {body["t_max_prompt_ms"]}', "t_max_prompt_ms")

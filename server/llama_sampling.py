@@ -83,11 +83,9 @@ def names(body: dict, name: str, allowed: frozenset[str] | None = None) -> tuple
     return tuple(values)
 
 
-def check_off(body: dict, off: Mapping[str, Off], unused: Mapping[str, tuple[type, ...]]) -> None:
-    """What cadence does not do, accepted only where a request leaves it off (`off`), and the
-    settings that mean nothing then (`unused`), of their types; else SubmissionError."""
-    for name, types in unused.items():
-        parsing.field(body, name, types)
+def check_off(body: dict, off: Mapping[str, Off]) -> None:
+    """What cadence does not do, accepted only where a request leaves it off (`off`); else
+    SubmissionError. (Fields that change nothing: `llama_fields.check_ignored`.)"""
     for name, (types, is_off, words) in off.items():
         value = parsing.field(body, name, types)
         if value is not None and not is_off(value):
@@ -109,7 +107,7 @@ def with_samplers(body: dict, params: GenerationParams) -> tuple[GenerationParam
     keeps): one left out is off; `adaptive_p` last makes the draw adaptive-p's. `mirostat` on
     turns every other sampler off (`MIROSTAT_OFF`). Those cadence does not run must be off
     (`OFF`)."""
-    check_off(body, OFF, {})
+    check_off(body, OFF)
     values = {name: float(parsing.field(body, name, (int, float), default))
               for name, default in SAMPLER_FIELDS.items()}
     values["typical_p"] = min(values["typical_p"], 1.0)
