@@ -21,7 +21,6 @@ responses are: the least recently used conversations go first.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import time
@@ -34,6 +33,7 @@ from starlette.routing import Route
 
 from cadence.server import parsing, protocol
 from cadence.server.api_error import APIError
+from cadence.server.bounded import Bounded
 from cadence.server.responses_request import input_items, input_messages, new_id, page
 
 if TYPE_CHECKING:
@@ -51,7 +51,6 @@ class Conversation:
     created_at: int
     metadata: dict[str, str]
     items: list[dict]
-    size: int = 0  # its items' characters (as JSON), counted as they come and go
 
     def object(self) -> dict:
         return {"id": self.id, "object": "conversation", "created_at": self.created_at,
@@ -62,46 +61,33 @@ class ConversationStore:
     """The most recently used conversations, bounded in count and in their items' size."""
 
     def __init__(self, capacity: int = STORE_CONVERSATIONS, chars: int = STORE_CHARS):
-        self.capacity, self.chars = capacity, chars
-        self._entries: collections.OrderedDict[str, Conversation] = collections.OrderedDict()
-        self._size = 0  # every conversation's items' characters
+        self._kept: Bounded[Conversation] = Bounded(capacity, chars)
 
     def create(self, items: list[dict], metadata: dict[str, str]) -> Conversation:
         conversation = Conversation(new_id("conv"), int(time.time()), metadata, [])
-        self._entries[conversation.id] = conversation
+        self._kept.add(conversation.id, conversation, 0)
         self.extend(conversation, items)
         return conversation
 
     def get(self, conversation_id: str) -> Conversation:
         """The conversation, else a 404."""
-        conversation = self._entries.get(conversation_id)
+        conversation = self._kept.get(conversation_id)
         if conversation is None:
             raise APIError(404, f"Conversation with id '{conversation_id[:100]}' not found.",
                            param="conversation_id", code="not_found")
-        self._entries.move_to_end(conversation_id)
         return conversation
 
     def extend(self, conversation: Conversation, items: list[dict]) -> None:
         """Adds items to a conversation, now the most recently used; past the bounds the least
-        recently used go (this one last)."""
-        if conversation.id in self._entries:
-            self._entries.move_to_end(conversation.id)
+        recently used go (this one last). One deleted meanwhile still gets them."""
         conversation.items += items
-        self._resize(conversation, sum(map(_chars, items)))
-        while len(self._entries) > 1 and (len(self._entries) > self.capacity or self._size > self.chars):
-            self.delete(next(iter(self._entries)))
+        self._kept.grow(conversation.id, sum(map(_chars, items)))
 
     def remove(self, conversation: Conversation, at: int) -> None:
-        self._resize(conversation, -_chars(conversation.items.pop(at)))
+        self._kept.grow(conversation.id, -_chars(conversation.items.pop(at)))
 
     def delete(self, conversation_id: str) -> None:
-        conversation = self._entries.pop(self.get(conversation_id).id)
-        self._size -= conversation.size
-
-    def _resize(self, conversation: Conversation, by: int) -> None:
-        conversation.size += by
-        if conversation.id in self._entries:  # (one deleted meanwhile counts no more)
-            self._size += by
+        self._kept.pop(self.get(conversation_id).id)
 
 
 def _chars(item: dict) -> int:

@@ -1,5 +1,6 @@
 """OpenAI's Responses API on cadence's chat path: POST /v1/responses, and GET and DELETE
-/v1/responses/{id} and GET /v1/responses/{id}/input_items for stored responses.
+/v1/responses/{id}, GET /v1/responses/{id}/input_items and POST /v1/responses/{id}/cancel for
+stored and background responses.
 
     api = ResponsesAPI(server)               # server: the app's `Server`
     routes = api.routes(route)               # create_app's route wrapper -> its Routes
@@ -28,15 +29,17 @@ its items are the turns before the input, and the response's input and output jo
 most recent, in count and in characters); a stored response keeps its whole conversation
 (earlier turns, input, output), which `previous_response_id` puts before the next request's
 input.
+
+`background: true` makes the response apart from the connection (`responses_background`): it is
+answered at once "queued", polled, streamed again from a sequence number, cancelled. A response
+whose request was cancelled (its client gone, or a background one cancelled) ends "cancelled".
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -45,15 +48,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
-from cadence.scheduler.request import RequestRecord, TokenEvent, TokenLogprob, check_length
-from cadence.scheduler.stream import merged
+from cadence.scheduler.request import PromptProgress, RequestRecord, TokenEvent, TokenLogprob, check_length
+from cadence.scheduler.stream import RequestStream, merged
 from cadence.server import parsing, protocol
 from cadence.server.answer_parts import AnswerParts
 from cadence.server.conversations_api import Conversation, ConversationStore
 from cadence.server.api_error import APIError
+from cadence.server.bounded import Bounded
 from cadence.server.event_stream import event_stream
 from cadence.server.info_api import input_tokens
 from cadence.server.reasoning import ReasoningParser
+from cadence.server.responses_background import Background, frame, replay
 from cadence.server.responses_request import (ALLOWED, chat_body, input_items, input_messages, new_id, page,
                                               renamed, truncated)
 from cadence.server.tool_call_parser import ToolCall, ToolCallParser
@@ -115,6 +120,17 @@ class Output(AnswerParts):
     @property
     def output(self) -> list[dict]:
         return [item for i, item in enumerate(self.items) if i not in self._dropped]
+
+    def snapshot(self) -> list[dict]:
+        """The output so far, as a response retrieved while it is made shows it: the open item
+        with its text so far."""
+        at = self._open
+        if at is None or at in self._dropped or self.items[at]["type"] == "function_call":
+            return [dict(item) for item in self.output]
+        text = "".join(self._text)
+        part = _part(text, self._logprobs) if self.items[at]["type"] == "message" else _reasoning_part(text)
+        return [dict(item, content=[part]) if i == at else dict(item)
+                for i, item in enumerate(self.items) if i not in self._dropped]
 
     @property
     def text(self) -> str:
@@ -258,39 +274,29 @@ def _assistant_turn(output: Output) -> dict:
     return message
 
 
+@dataclasses.dataclass
+class Stored:
+    response: dict
+    conversation: list[dict]  # as chat messages, through the answer: what previous_response_id continues
+    items: list[dict]  # the request's input items
+    frames: list[str] | None = None  # a background response's stream events (None: not background)
+
+
 class ResponseStore:
-    """The most recent stored responses, bounded in count and in their conversations' size;
-    each is the response object, its conversation as chat messages, and its input items."""
+    """The most recently used stored responses, bounded in count and in their size."""
 
     def __init__(self, capacity: int = STORE_RESPONSES, chars: int = STORE_CHARS):
-        self.capacity, self.chars = capacity, chars
-        self._entries: collections.OrderedDict[str, tuple[dict, list[dict], list[dict], int]] = \
-            collections.OrderedDict()
-        self._size = 0
+        self._kept: Bounded[Stored] = Bounded(capacity, chars)
 
-    def put(self, response: dict, conversation: list[dict], items: list[dict]) -> None:
-        size = len(json.dumps(conversation)) + len(json.dumps(response)) + len(json.dumps(items))
-        self._entries[response["id"]] = (response, conversation, items, size)
-        self._size += size
-        while self._entries and (len(self._entries) > self.capacity or self._size > self.chars):
-            self.delete(next(iter(self._entries)))
+    def put(self, stored: Stored) -> None:
+        size = sum(len(json.dumps(part)) for part in (stored.response, stored.conversation, stored.items))
+        self._kept.add(stored.response["id"], stored, size + sum(map(len, stored.frames or ())))
 
-    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
-        entry = self._entries.get(response_id)
-        if entry is None:
-            return None
-        self._entries.move_to_end(response_id)
-        return entry[0], entry[1]
-
-    def items(self, response_id: str) -> list[dict] | None:
-        entry = self._entries.get(response_id)
-        return None if entry is None else entry[2]
+    def get(self, response_id: str) -> Stored | None:
+        return self._kept.get(response_id)
 
     def delete(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self._size -= entry[3]
-        return entry is not None
+        return self._kept.pop(response_id) is not None
 
 
 class ResponsesAPI:
@@ -299,32 +305,71 @@ class ResponsesAPI:
         self.server = server
         self.store = store or ResponseStore()
         self.conversations = conversations or ConversationStore()
+        self.running: dict[str, Background] = {}  # background responses not yet finished, by id
 
     def routes(self, route: Callable[[str, Any, list[str]], Route]) -> list[Route]:
         # (llama-server's aliases without /v1 too)
+        one = "/v1/responses/{response_id}"
         return [*(route(path, self.create, ["POST"]) for path in ("/v1/responses", "/responses")),
                 *(route(path, self.input_tokens, ["POST"])
                   for path in ("/v1/responses/input_tokens", "/responses/input_tokens")),
-                route("/v1/responses/{response_id}", self.retrieve, ["GET"]),
-                route("/v1/responses/{response_id}", self.delete, ["DELETE"]),
-                route("/v1/responses/{response_id}/input_items", self.input_items, ["GET"])]
+                route(one, self.retrieve, ["GET"]), route(one, self.delete, ["DELETE"]),
+                route(one + "/cancel", self.cancel, ["POST"]),
+                route(one + "/input_items", self.input_items, ["GET"])]
 
-    def _stored(self, request: Request) -> str:
-        """The stored response the path names (its id), else a 404."""
+    def _named(self, request: Request) -> tuple[str, Background | None, Stored | None]:
+        """The response the path names: its id, and its background job while it runs, else
+        what is stored of it; a 404 if neither."""
         self.server._check(request)
         response_id = request.path_params["response_id"]
-        if self.store.items(response_id) is None:
+        job = self.running.get(response_id)
+        stored = None if job is not None else self.store.get(response_id)
+        if job is None and stored is None:
             raise APIError(404, f"Response with id '{response_id[:100]}' not found.",
                            param="response_id", code="not_found")
-        return response_id
+        return response_id, job, stored
 
     async def retrieve(self, request: Request) -> Response:
-        return JSONResponse(self.store.get(self._stored(request))[0])
+        """GET /v1/responses/{id}: the response as it stands. With `stream=true`, a background
+        response's events after `starting_after` (a sequence number; all without it), to its
+        end. (`include` and `include_obfuscation` change nothing.)"""
+        response_id, job, stored = self._named(request)
+        query = request.query_params
+        stream = query.get("stream", "false")
+        if stream not in ("true", "false"):
+            raise APIError(400, '"stream" must be true or false', param="stream")
+        if stream == "false":
+            return JSONResponse(job.response if job is not None else stored.response)
+        try:
+            after = int(query.get("starting_after", "-1"))
+        except ValueError:
+            raise APIError(400, '"starting_after" must be an integer (a sequence number)',
+                           param="starting_after") from None
+        if job is None and stored.frames is None:
+            raise APIError(400, f"Response '{response_id[:100]}' was not made in the background: only "
+                           "a background response's events are kept to stream again", param="stream")
+        frames = job.frames_after(after) if job is not None else _once(replay(stored.frames, after))
+        return event_stream(frames, {}, self.server.ping())
+
+    async def cancel(self, request: Request) -> Response:
+        """POST /v1/responses/{id}/cancel: stops a background response; the response as it
+        ended. Again, or once finished, it is the response as it is; one not made in the
+        background is a 400."""
+        response_id, job, stored = self._named(request)
+        if job is not None:
+            return JSONResponse(await job.cancel())
+        if stored.frames is None:
+            raise APIError(400, f"Response '{response_id[:100]}' was not made in the background: "
+                           "only a background response can be cancelled", param="response_id")
+        return JSONResponse(stored.response)
 
     async def delete(self, request: Request) -> Response:
         """DELETE /v1/responses/{id}: forgets a stored response (a later previous_response_id
-        naming it is a 400)."""
-        response_id = self._stored(request)
+        naming it is a 400); a background one still running is cancelled."""
+        response_id, job, _ = self._named(request)
+        if job is not None:
+            job.run.stored = False
+            await job.cancel()
         self.store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
@@ -332,7 +377,8 @@ class ResponsesAPI:
         """GET /v1/responses/{id}/input_items: the items the response's request gave, a page
         at a time as OpenAI lists them (`order` desc by default, `limit` 1 to 100 (20), `after`
         and `before` an item id; `include` changes nothing)."""
-        return JSONResponse(page(self.store.items(self._stored(request)), request.query_params))
+        _, job, stored = self._named(request)
+        return JSONResponse(page(job.run.items if job is not None else stored.items, request.query_params))
 
     def _conversation(self, body: dict) -> Conversation | None:
         """The conversation the request names (`conversation`: its id, or {"id"}), if any."""
@@ -348,6 +394,17 @@ class ResponsesAPI:
         except APIError as e:
             raise APIError(404, e.message, param="conversation", code="not_found") from None
 
+    def _history(self, previous: str) -> list[dict]:
+        """The conversation a stored response ended, for `previous_response_id`."""
+        if previous in self.running:
+            raise APIError(400, f"Previous response with id '{previous[:100]}' is still being made "
+                           "in the background: wait for it to finish.", param="previous_response_id")
+        stored = self.store.get(previous)
+        if stored is None:
+            raise APIError(400, f"Previous response with id '{previous[:100]}' not found.",
+                           param="previous_response_id", code="previous_response_not_found")
+        return list(stored.conversation)
+
     def _parsed(self, body: Any) -> tuple[protocol.ParsedRequest, list[dict], Conversation | None]:
         """A Responses body as the chat request that answers it (after the conversation its
         previous_response_id names), that conversation, and the Conversations API's conversation
@@ -356,7 +413,10 @@ class ResponsesAPI:
             protocol.known_fields(body, ALLOWED)
             previous = parsing.field(body, "previous_response_id", (str,))
             parsing.field(body, "stream", (bool,))
-            parsing.field(body, "store", (bool,))
+            store = parsing.field(body, "store", (bool,), True)
+            if parsing.field(body, "background", (bool,), False) and not store:
+                raise APIError(400, 'a background response is stored: "background": true cannot go '
+                               'with "store": false', param="background")
             parsing.field(body, "stream_options", (dict,))
             history: list[dict] = []
             named = self._conversation(body)
@@ -366,11 +426,7 @@ class ResponsesAPI:
             if named is not None:
                 history = input_messages(named.items)
             if previous is not None:
-                stored = self.store.get(previous)
-                if stored is None:
-                    raise APIError(400, f"Previous response with id '{previous[:100]}' not found.",
-                                   param="previous_response_id", code="previous_response_not_found")
-                history = list(stored[1])
+                history = self._history(previous)
             chat, conversation = chat_body(body, history)
             parsed = protocol.parse(chat, True, self.server.defaults, self.server.config.max_n)
         except SubmissionError as e:
@@ -378,8 +434,9 @@ class ResponsesAPI:
         except APIError as e:
             raise renamed(e) from None
         self.server.models.check(parsed.model)
+        if body.get("background"):  # its admission, as its prompt's progress: "in_progress"
+            parsed = dataclasses.replace(parsed, params=dataclasses.replace(parsed.params, progress=True))
         return parsed, conversation, named
-
     async def input_tokens(self, request: Request) -> Response:
         """POST /v1/responses/input_tokens (OpenAI's): the prompt's tokens, as the response's
         usage would count them: {"object": "response.input_tokens", "input_tokens"} (with
@@ -423,11 +480,22 @@ class ResponsesAPI:
         # still gets its items, and the request is answered)
         run = _Run(self, body, parsed, conversation if store else None, named)
         headers = {"X-Request-Id": request_id}
+        if run.background:
+            job = self.running[run.id] = Background(run, groups[0][0], self._finished)
+            if stream:
+                return event_stream(job.frames_after(-1), headers, server.ping())
+            return JSONResponse(job.response, headers=headers)
         if stream:
             return event_stream(run.events(groups[0][0]), headers, server.ping())
         output = run.output()  # token by token, as a stream builds it
         record = await output.collect(server, request, groups[0][0])
         return JSONResponse(run.finish(output, record), headers=headers)
+
+    def _finished(self, job: Background) -> None:
+        """A background response has ended: stored, with its events, unless deleted meanwhile."""
+        del self.running[job.run.id]
+        if job.run.stored and job.run.conversation is not None and job.run.finished is not None:
+            self.store.put(job.run.as_stored(job.output, job.frames))
 
 
 class _Run:
@@ -439,6 +507,9 @@ class _Run:
         self.items = input_items(body["input"]) if conversation is not None or named else []
         self.id = new_id("resp")
         self.created = int(time.time())
+        self.background = body.get("background") is True
+        self.stored = True  # (false once deleted while made in the background)
+        self.finished: dict | None = None  # the response as it ended
         sampling = parsed.params.sampling
         text = body.get("text") or {}
         self.settings = {
@@ -454,7 +525,7 @@ class _Run:
             "store": body.get("store") is not False, "metadata": body.get("metadata") or {},
             "truncation": body.get("truncation") or "disabled", "reasoning": body.get("reasoning"),
             "user": body.get("user"),
-            "background": False, "service_tier": body.get("service_tier"),
+            "background": self.background, "service_tier": body.get("service_tier"),
             "prompt_cache_key": body.get("prompt_cache_key"),
             "safety_identifier": body.get("safety_identifier"),
             "conversation": {"id": named.id} if named is not None else None,
@@ -475,52 +546,61 @@ class _Run:
                 "output": output, "usage": usage, "error": error, "incomplete_details": incomplete, **self.settings}
 
     def finish(self, output: Output, record: RequestRecord) -> dict:
-        """The finished response (stored if asked): "incomplete" when cut off by the limit."""
-        status = "incomplete" if record.finish_reason == "length" else "completed"
-        output.finish(status)
-        response = self.response(status, output.output, _usage(record, output.reasoning_tokens))
-        if self.conversation is not None:
-            self.api.store.put(response, [*self.conversation, _assistant_turn(output)], self.items)
+        """The response as its request ended: "completed"; "incomplete" when cut off by the
+        limit; "cancelled"; "failed" (its error said). Stored if asked (a background one once
+        its events are all made), its input and output added to the conversation it names."""
+        status = {"length": "incomplete", "abort": "cancelled", "error": "failed"}.get(record.finish_reason,
+                                                                                       "completed")
+        output.finish("completed" if status == "completed" else "incomplete")
+        error = ({"code": "server_error", "message": f"generation failed: {record.error}"}
+                 if status == "failed" else None)
+        self.finished = self.response(status, output.output, _usage(record, output.reasoning_tokens), error)
+        if self.conversation is not None and not self.background:
+            self.api.store.put(self.as_stored(output))
         if self.named is not None:  # its input and output join the conversation named
             self.api.conversations.extend(self.named, [*self.items, *map(dict, output.output)])
-        return response
+        return self.finished
 
-    async def events(self, stream) -> AsyncIterator[str]:
-        seq = 0
+    def as_stored(self, output: Output, frames: list[str] | None = None) -> Stored:
+        return Stored(self.finished, [*self.conversation, _assistant_turn(output)], self.items, frames)
 
-        def frames(events: list[tuple[str, dict]]) -> str:
-            nonlocal seq
-            out = []
-            for kind, fields in events:
-                out.append(f"event: {kind}\ndata: "
-                           f"{protocol._ENCODE({'type': kind, 'sequence_number': seq, **fields})}\n\n")
-                seq += 1
-            return "".join(out)
+    async def updates(self, stream: RequestStream, output: Output) -> AsyncIterator[list[tuple[str, dict]]]:
+        """The response's stream events (type, fields), a list at a time as its tokens come;
+        a background response's "queued" until its request is admitted (its first event)."""
+        start = self.response("queued" if self.background else "in_progress", [])
+        yield [("response.created", {"response": start}),
+               ("response.queued" if self.background else "response.in_progress", {"response": start})]
+        admitted = not self.background
+        async for batch in merged([stream]):
+            for _, event in batch:
+                if not admitted:
+                    admitted = True
+                    output.events.append(("response.in_progress", {"response": self.response("in_progress", [])}))
+                if isinstance(event, PromptProgress):
+                    continue
+                if isinstance(event, TokenEvent):
+                    output.feed(event.text, event.logprobs)
+                    continue
+                response = self.finish(output, event)
+                if response["status"] == "failed":
+                    output.events.append(("error", {**response["error"], "param": None}))
+                if response["status"] != "cancelled":  # (no event says so: the stream ends)
+                    output.events.append((f"response.{response['status']}", {"response": response}))
+            if output.events:
+                events, output.events = output.events, []
+                yield events
 
-        output = self.output()
-        start = self.response("in_progress", [])
-        yield frames([("response.created", {"response": start}),
-                      ("response.in_progress", {"response": start})])
+    async def events(self, stream: RequestStream) -> AsyncIterator[str]:
+        """The response's stream, as a client reads it: its request cancelled if it goes away."""
+        sequence_number = 0
         try:
-            async for batch in merged([stream]):
-                for _, event in batch:
-                    if isinstance(event, TokenEvent):
-                        output.feed(event.text, event.logprobs)
-                        continue
-                    if event.finish_reason == "error":
-                        message = f"generation failed: {event.error}"
-                        error = {"code": "server_error", "message": message}
-                        output.events.append(("error", {"code": "server_error", "message": message,
-                                                        "param": None}))
-                        output.events.append(("response.failed", {"response": self.response(
-                            "failed", output.output, _usage(event, output.reasoning_tokens), error)}))
-                    else:
-                        response = self.finish(output, event)
-                        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-                        output.events.append((kind, {"response": response}))
-                if output.events:
-                    events, output.events = output.events, []
-                    yield frames(events)
+            async for events in self.updates(stream, self.output()):
+                yield "".join(frame(kind, fields, sequence_number + i) for i, (kind, fields) in enumerate(events))
+                sequence_number += len(events)
         finally:
             if stream.record is None:  # the client went away mid-stream
                 stream.cancel()
+
+
+async def _once(frames: list[str]) -> AsyncIterator[str]:
+    yield "".join(frames)

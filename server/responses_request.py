@@ -22,8 +22,9 @@ The chat body is parsed by `protocol.parse` as any chat's is:
 
 A `reasoning` item in `input` (a client that keeps the conversation itself sends back what it
 was given) becomes the next assistant turn's `reasoning_content`, which a template may show the
-model. Fields that would change the answer and are not implemented (`background`, `prompt`,
-non-function tools, ...) are refused with a 400 naming them;
+model. `background` is answered by `responses_api` (`responses_background`). Fields that would
+change the answer and are not implemented (`prompt`, non-function tools, ...) are refused with a
+400 naming them;
 harmless ones are accepted and ignored (`include`'s other values: the hosted tools' results,
 which never occur, and `reasoning.encrypted_content`, as reasoning is returned in the clear).
 """
@@ -42,7 +43,7 @@ from cadence.server.api_error import APIError
 _FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
                      "text", "tools", "tool_choice", "parallel_tool_calls", "stream",
                      "stream_options", "store", "previous_response_id", "include",
-                     "top_logprobs", "conversation"})
+                     "top_logprobs", "conversation", "background"})
 # cadence's own sampling fields, passed to the chat request as they are (max_tokens is
 # max_output_tokens here).
 _SAMPLING = frozenset(parsing.SAMPLING_FIELDS) - {"max_tokens"}
@@ -53,7 +54,7 @@ _IGNORED: dict[str, type] = {"metadata": dict, "user": str, "prompt_cache_key": 
                              "prompt_cache_retention": str}
 # Would change the answer; accepted only at their neutral values.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "background": (False,), "truncation": ("disabled", "auto"), "prompt": (),
+    "truncation": ("disabled", "auto"), "prompt": (),
     "max_tool_calls": (), "context_management": (),
 }
 # `include`'s values: the logprobs, and what cadence's output never holds (the hosted tools'

@@ -423,6 +423,7 @@ CASES = [  # (path, method, mode, examples); operations without inputs have no n
     ("/v1/responses", "POST", NEGATIVE, 100),
     ("/v1/responses/{response_id}", "GET", POSITIVE, 5),
     ("/v1/responses/{response_id}", "DELETE", POSITIVE, 5),
+    ("/v1/responses/{response_id}/cancel", "POST", POSITIVE, 5),
     ("/v1/responses/{response_id}/input_items", "GET", POSITIVE, 20),
     ("/v1/conversations", "POST", POSITIVE, 30),
     ("/v1/conversations", "POST", NEGATIVE, 20),
