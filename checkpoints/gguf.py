@@ -56,6 +56,7 @@ import numpy as np
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.gguf_file import read_gguf
 from cadence.checkpoints.hf import FLOAT_DTYPES
+from cadence.checkpoints.ranking import RankingHead
 from cadence.model import block_layout
 from cadence.model.config import POOLING_TYPES, ModelConfig, RopeScaling
 from cadence.model.params import MATRICES, ParamSpec, build_tree, param_specs
@@ -310,6 +311,15 @@ def load_gguf(
         return np.ascontiguousarray(array.T if spec.transpose else array)
 
     return config, build_tree(param_specs(config), tensor), fields
+
+
+def load_ranking(path: str | Path) -> RankingHead | None:
+    """A reranker's head (`checkpoints.ranking`), where the file has one (llama.cpp writes
+    `cls.output` and a "rerank" prompt template for the rerankers it converts)."""
+    path = Path(path)
+    fields, tensors = read_gguf(path)
+    head = {name: dequantized(path, t) for name, t in tensors.items() if name.startswith("cls.")}
+    return RankingHead.from_gguf(fields, head, path)
 
 
 # GGUF's block formats the grouped kernels read, by the bytes of a block: 32 weights (Q8_0,

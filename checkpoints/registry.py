@@ -37,6 +37,8 @@ from cadence.checkpoints import hf, store
 from cadence.checkpoints.errors import CheckpointError
 from cadence.checkpoints.generation import FILE as GENERATION_FILE
 from cadence.checkpoints.generation import GenerationDefaults
+from cadence.checkpoints.ranking import FILE as RANKING_FILE
+from cadence.checkpoints.ranking import RankingHead
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.model.config import ModelConfig
 
@@ -77,6 +79,7 @@ class LoadedModel:
     # The matrices the source stored block-quantized, as they are (`store.load_packed`): what
     # the CPU decode kernels read with --weights=auto
     packed: store.Packed = dataclasses.field(default_factory=dict)
+    ranking: RankingHead | None = None  # a reranker's head (`checkpoints.ranking`), where it has one
 
 
 def cache_dir() -> Path:
@@ -135,6 +138,7 @@ def _convert(source: Path, kind: str, folder: Path) -> None:
             config, params, fields = gguf_loader.load_gguf(source, progress, packable=False,
                                                            keep_16_bit=True)
         packed = gguf_loader.load_packed(source, config)
+        ranking = gguf_loader.load_ranking(source)
         tokenizer = Tokenizer.from_gguf_fields(fields)
         generation = GenerationDefaults.from_gguf_fields(fields)
     else:
@@ -142,12 +146,14 @@ def _convert(source: Path, kind: str, folder: Path) -> None:
         params = hf.load_hf_params(source, config, keep_16_bit=True)  # F16/BF16 as stored
         tokenizer = Tokenizer.from_hf_dir(source)
         generation = GenerationDefaults.from_hf_dir(source)
-        packed = None
+        packed, ranking = None, None
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save(tmp)
         files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
     if not generation.empty:
         files[GENERATION_FILE] = generation.file_bytes()
+    if ranking is not None:
+        files[RANKING_FILE] = ranking.file_bytes()
     store.save_converted(folder, config, params, files, source=str(source), packed=packed)
     print(f"cadence: converted {source.name} in {time.monotonic() - start:.1f} s", file=sys.stderr)
 
@@ -228,6 +234,6 @@ def load_model(spec: str = DEFAULT_MODEL, cache: Path | None = None,
         generation = KNOWN_MODELS[spec].generation
     model = LoadedModel(name=spec, config=config, params=params,
                         tokenizer=Tokenizer.from_hf_dir(folder), path=folder, generation=generation,
-                        packed=packed)
+                        packed=packed, ranking=RankingHead.load(folder))
     print(f"cadence: loaded {spec} in {time.monotonic() - start:.1f} s", file=sys.stderr)
     return model

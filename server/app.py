@@ -45,6 +45,7 @@ from starlette.routing import Route
 
 from cadence.checkpoints import fim
 from cadence.checkpoints.generation import GenerationDefaults
+from cadence.checkpoints.ranking import RankingHead
 from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.scheduler.errors import SubmissionError
 from cadence.scheduler.grammar import BadWords, Grammar, GrammarCompiler, GrammarError, TokenSet
@@ -62,6 +63,7 @@ from cadence.server.openai_stream import sse_frames
 from cadence.server.info_api import InfoAPI
 from cadence.server.metrics import Metrics
 from cadence.server.served_models import ServedModels
+from cadence.server.rerank_api import RerankAPI
 from cadence.server.responses_api import ResponsesAPI
 from cadence.server.tool_requests import call_style
 
@@ -158,8 +160,9 @@ class Server:
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Sequence[str],
                  config: ServerConfig = ServerConfig(), warmup: Callable[[], None] | None = None,
                  generation: GenerationDefaults = GenerationDefaults(),
-                 on_fatal: Callable[[str], None] | None = None):
+                 on_fatal: Callable[[str], None] | None = None, ranking: RankingHead | None = None):
         self.scheduler = scheduler
+        self.ranking = ranking  # a reranker's head (`server.rerank_api`), where the model has one
         self.tokenizer = tokenizer
         self.dry_breakers = llama_sampling.DryBreakers(tokenizer)
         self.models = ServedModels(model_name, config.lora_adapters, config.lora_slots or None)  # what "model" may name
@@ -434,9 +437,9 @@ class Server:
 def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Sequence[str], *,
                config: ServerConfig = ServerConfig(), warmup: Callable[[], None] | None = None,
                generation: GenerationDefaults = GenerationDefaults(),
-               on_fatal: Callable[[str], None] | None = None) -> Starlette:
+               on_fatal: Callable[[str], None] | None = None, ranking: RankingHead | None = None) -> Starlette:
     server = Server(scheduler, tokenizer, model_name, config, warmup=warmup, generation=generation,
-                    on_fatal=on_fatal)
+                    on_fatal=on_fatal, ranking=ranking)
 
     def route(path: str, handler, methods: list[str],
               error_body: Callable[[APIError], dict] = APIError.body) -> Route:
@@ -460,6 +463,7 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Seq
         return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
     conversations = ConversationStore()  # (the Conversations API's, which responses read and add to)
+    embeddings = EmbeddingsAPI(server)
     app = Starlette(
         exception_handlers={HTTPException: http_error},
         routes=[
@@ -470,7 +474,8 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Seq
             *ResponsesAPI(server, conversations=conversations).routes(route),
             *ConversationsAPI(server, conversations).routes(route),
             *MessagesAPI(server).routes(route),
-            *EmbeddingsAPI(server).routes(route),
+            *embeddings.routes(route),
+            *RerankAPI(server, embeddings).routes(route),
             *LlamaAPI(server).routes(route),
             *InfoAPI(server).routes(route),
             *(LoraAPI(server).routes(route) if config.runtime_lora else []),

@@ -174,16 +174,17 @@ class EmbeddingsAPI:
                                       parsed.add_special, keep=parsed.truncate)
                 for text in parsed.inputs]
 
-    async def embed(self, request: Request, parsed: EmbeddingRequest,
-                    request_id: str) -> list[RequestRecord]:
+    async def embed(self, request: Request, parsed: EmbeddingRequest, request_id: str,
+                    pooling: str | None = None) -> list[RequestRecord]:
         """Every input's finished record, in order. Input k's request id is the request's for
         k = 0, else `-{k}` after it. At most `window` of its inputs are submitted at a time
         (twice the engine's slots: enough to keep every slot busy, while the queue keeps room
-        for other clients), and a full queue is waited out while its own inputs run. A failed
+        for other clients), and a full queue is waited out while its own inputs run. `pooling`:
+        how the hidden states are pooled, if not as the server's `--pooling` says. A failed
         input fails the whole request (500), a cancelled one (the server shutting down) gives a
         503, and a client that hangs up cancels what is running and stops the rest."""
         scheduler = self.server.scheduler
-        params = GenerationParams(pooling=self.server.config.pooling, priority=parsed.priority)
+        params = GenerationParams(pooling=pooling or self.server.config.pooling, priority=parsed.priority)
         window = 2 * scheduler.engine.config.num_slots
         streams: list[RequestStream] = []
         running: dict[asyncio.Future, int] = {}

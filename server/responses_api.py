@@ -573,7 +573,7 @@ class _Run:
         admitted = not self.background
         async for batch in merged([stream]):
             for _, event in batch:
-                if not admitted:
+                if not admitted and isinstance(event, PromptProgress | TokenEvent):
                     admitted = True
                     output.events.append(("response.in_progress", {"response": self.response("in_progress", [])}))
                 if isinstance(event, PromptProgress):

@@ -133,7 +133,7 @@ def main(argv: list[str]) -> int:
                                  lora_slots=rt.engines[-1].config.lora_slots, runtime_lora=_RUNTIME_LORA.value)
     application = create_app(
         rt.scheduler, rt.model.tokenizer, names, config=config,
-        warmup=rt.warm_up, generation=rt.model.generation, on_fatal=on_fatal)
+        warmup=rt.warm_up, generation=rt.model.generation, on_fatal=on_fatal, ranking=rt.model.ranking)
     server = uvicorn.Server(uvicorn.Config(
         application, host=_HOST.value, port=_PORT.value, log_level="warning",
         timeout_graceful_shutdown=max(1, int(_DRAIN.value))))

@@ -288,10 +288,11 @@ def serve_tiny(engine, tokenizer, model="tiny", **options):
         yield base
 
 
-def tiny_app(engine, tokenizer, model="tiny", *, warmup=None, max_queue=64, generation=None, **config):
+def tiny_app(engine, tokenizer, model="tiny", *, warmup=None, max_queue=64, generation=None, ranking=None,
+             **config):
     """The real app over a scheduler of `engine` (prefill chunks of 32, a budget of 40 tokens an
     iteration), and that scheduler. `model`: its served name(s); `generation`: the model's
-    sampling defaults; `config`: `ServerConfig`'s fields."""
+    sampling defaults; `ranking`: a reranker's head; `config`: `ServerConfig`'s fields."""
     from cadence.checkpoints.generation import GenerationDefaults
     from cadence.scheduler.policy import PolicyConfig
     from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -300,7 +301,7 @@ def tiny_app(engine, tokenizer, model="tiny", *, warmup=None, max_queue=64, gene
     sched = Scheduler(engine, tokenizer, SchedulerConfig(
         policy=PolicyConfig(token_budget=40, chunk=32), max_queue=max_queue))
     app = create_app(sched, tokenizer, model, config=ServerConfig(**config), warmup=warmup,
-                     generation=generation or GenerationDefaults())
+                     generation=generation or GenerationDefaults(), ranking=ranking)
     return app, sched
 
 

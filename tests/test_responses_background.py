@@ -126,15 +126,21 @@ def test_a_dropped_stream_goes_on_and_is_picked_up_where_it_was_left(slow):
 
 
 def test_queued_until_admitted_and_cancelled_mid_answer(slow):
-    """Behind a response that holds the one slot, a background response stays "queued"; cancel
-    the first mid-answer and it ends "cancelled" with the text made so far (again: the same),
-    and the second is admitted and made to its end."""
+    """Behind a response that holds the one slot, a background response stays "queued" (one
+    cancelled there ends "cancelled", never in progress); cancel the first mid-answer and it
+    ends "cancelled" with the text made so far (again: the same), and the second is admitted
+    and made to its end."""
     first = slow.responses.create(model=MODEL, input="a", background=True, **LONG)
     second = slow.responses.create(model=MODEL, input="b", background=True, max_output_tokens=5,
                                    extra_body={"ignore_eos": True})
     partial = until(slow, first.id, lambda r: r.status == "in_progress" and len(r.output_text) >= 3)
     assert partial.output[0].status == "in_progress"
     assert slow.responses.retrieve(second.id).status == "queued"
+    third = slow.responses.create(model=MODEL, input="b", background=True, **LONG)
+    never = slow.responses.cancel(third.id)  # (cancelled while queued: never admitted)
+    assert never.status == "cancelled" and never.output_text == "" and never.usage.output_tokens == 0
+    kinds = [e.type for e in slow.responses.retrieve(third.id, stream=True)]
+    assert kinds[:2] == ["response.created", "response.queued"] and "response.in_progress" not in kinds
     cancelled = slow.responses.cancel(first.id)
     assert cancelled.status == "cancelled" and cancelled.output_text.startswith(partial.output_text)
     assert 3 <= cancelled.usage.output_tokens < 400 and cancelled.output[0].status == "incomplete"
