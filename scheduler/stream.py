@@ -6,6 +6,7 @@
     for event in stream: ...                          # the same, from a plain thread
     stream.cancel()                                   # cancel(request): the scheduler's, usually
     async for batch in merged(streams): ...           # several streams' events as they come
+    async for i, item in interleaved(sources): ...    # several async iterators' items, likewise
 
 The scheduler's loop thread pushes each event as the request produces it (`Request.emit`). A
 stream read from a plain thread takes it at once through a thread-safe queue. A stream made
@@ -125,16 +126,48 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[list[tuple[int, 
         while streams[0].record is None:
             yield [(0, e) for e in await streams[0].next_events()]
         return
-    arrived: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, stream: RequestStream) -> None:
+    async def batches(stream: RequestStream) -> AsyncIterator[list]:
         while stream.record is None:
-            arrived.put_nowait([(i, e) for e in await stream.next_events()])
+            yield await stream.next_events()
 
-    pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    async for i, events in interleaved([batches(s) for s in streams]):
+        yield [(i, e) for e in events]
+
+
+class _Ended:
+    """What a source of `interleaved` sends when it is done (its error, if it failed)."""
+
+    def __init__(self, error: BaseException | None = None):
+        self.error = error
+
+
+async def interleaved(sources: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """The items of several async iterators as they come, each with its source's index, until
+    every source is done; a source's error is raised here. Each source is read by a task of its
+    own; closing this cancels them (each source's own cleanup runs)."""
+    arrived: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, source: AsyncIterator[Any]) -> None:
+        try:
+            async for item in source:
+                arrived.put_nowait((i, item))
+        except Exception as e:  # (a cancellation is ours: nobody reads any more)
+            arrived.put_nowait((i, _Ended(e)))
+        else:
+            arrived.put_nowait((i, _Ended()))
+
+    pumps = [asyncio.create_task(pump(i, source)) for i, source in enumerate(sources)]
     try:
-        while not all(s.record is not None for s in streams) or not arrived.empty():
-            yield await arrived.get()
+        left = len(pumps)
+        while left:
+            i, item = await arrived.get()
+            if not isinstance(item, _Ended):
+                yield i, item
+            elif item.error is not None:
+                raise item.error
+            else:
+                left -= 1
     finally:
         for task in pumps:
             task.cancel()

@@ -76,6 +76,7 @@ from cadence.checkpoints.tokenizer import Tokenizer
 from cadence.scheduler.errors import RequestTooLong, SubmissionError
 from cadence.scheduler.request import GenerationParams, PromptProgress, RequestRecord, TokenEvent, TokenLogprob
 from cadence.scheduler.scheduler import RequestStream
+from cadence.scheduler.stream import interleaved
 from cadence.server import guided, llama_fields, llama_sampling, parsing, protocol
 from cadence.server.api_error import APIError
 from cadence.server.event_stream import event_stream
@@ -486,23 +487,9 @@ class LlamaAPI:
             async for chunk in self._chunks(streams[0], options):
                 yield chunk
             return
-        arrived: asyncio.Queue[str | None] = asyncio.Queue()
-
-        async def pump(index: int, stream: RequestStream) -> None:
-            try:
-                async for chunk in self._chunks(stream, options, index):
-                    arrived.put_nowait(chunk)
-            finally:
-                arrived.put_nowait(None)  # (this one is done)
-
-        pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        try:
-            for _ in streams:
-                while (chunk := await arrived.get()) is not None:
-                    yield chunk
-        finally:  # (a client gone: each pump's stream cancelled as its generator closes)
-            for task in pumps:
-                task.cancel()
+        # (a client gone: each stream cancelled as its `_chunks` closes)
+        async for _, chunk in interleaved([self._chunks(s, options, i) for i, s in enumerate(streams)]):
+            yield chunk
 
     async def _chunks(self, stream: RequestStream, options: Options, index: int = 0) -> AsyncIterator[str]:
         """A chunk per step (its text may be empty, held back for a stop string or an

@@ -8,6 +8,7 @@ from client threads and from asyncio.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -20,6 +21,7 @@ from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, Request
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.request import GenerationParams, PromptProgress, RequestRecord, TokenEvent
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
+from cadence.scheduler.stream import interleaved
 from tests.fakes import (
     EOS, TOK, Decode, FakeEngine, Harness, Prefill, all_pages_free, chunked, collect, expected, ids,
     prefill_first, random_prompt, run_random_load,
@@ -719,6 +721,38 @@ def test_a_reader_behind_takes_every_queued_event_at_once():
     first, again, record = asyncio.run(main())
     assert isinstance(first[-1], RequestRecord) and first[-1] is record and again == []
     assert ([t for e in first[:-1] for t in e.token_ids], record.finish_reason) == expected(engine, prompt, 12)
+
+
+def test_interleaved_sources_come_as_they_arrive_and_end_together():
+    """`interleaved`: each source's items under its index as they come (a slow source does not
+    hold a fast one back), until every source is done; a source's error is raised; leaving
+    early closes every source still going."""
+    closed: list[int] = []
+
+    async def source(index: int, delays: list[float], fail: bool = False):
+        try:
+            for k, delay in enumerate(delays):
+                await asyncio.sleep(delay)
+                yield f"{index}.{k}"
+            if fail:
+                raise ValueError(f"source {index} failed")
+        finally:
+            closed.append(index)
+
+    async def main():
+        got = [x async for x in interleaved([source(0, [0.05, 0.05]), source(1, [0, 0, 0])])]
+        with pytest.raises(ValueError, match="source 3 failed"):
+            async for _ in interleaved([source(2, [1.0]), source(3, [0.0], fail=True)]):
+                pass
+        async with contextlib.aclosing(interleaved([source(4, [0.0, 5.0]), source(5, [5.0])])) as items:
+            async for _ in items:
+                break  # (the caller leaves: the rest are closed, not waited for)
+        await asyncio.sleep(0.01)
+        return got, sorted(closed)
+
+    got, closed_in_time = asyncio.run(asyncio.wait_for(main(), timeout=5))
+    assert got == [(1, "1.0"), (1, "1.1"), (1, "1.2"), (0, "0.0"), (0, "0.1")]
+    assert closed_in_time == [0, 1, 2, 3, 4, 5]
 
 
 def test_abandoned_async_stream_is_aborted_without_harm(threaded):
