@@ -2,7 +2,8 @@
 
     {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 
-This is the input format of OpenAI's Batch API (and of vLLM's `run_batch`). Each line's `body`
+This is the input format of OpenAI's Batch API (and of vLLM's `run_batch`, whose rerank and score
+lines a reranker answers here too). Each line's `body`
 is posted to the same Starlette app `cadence-serve` runs, over an in-process transport (no
 socket), so the answer is exactly the endpoint's: every field the API takes (logprobs,
 `prompt_logprobs`, `n`, tools, `response_format`, ...) and every check on them. The result is
@@ -41,7 +42,8 @@ from tqdm import tqdm
 from cadence.server.app import ServerConfig, create_app
 from cadence.server.runtime import Runtime
 
-URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/rerank",
+        "/v1/score")
 
 
 @dataclasses.dataclass
@@ -93,7 +95,7 @@ def run(rt: Runtime, jobs: Sequence[Any], output: Path, report: Callable[[int, s
         config: ServerConfig, model_name: str) -> Totals:
     """Answers every job (`.line`, `.id`, `.entry`), appending each record as it finishes."""
     app = create_app(rt.scheduler, rt.model.tokenizer, model_name, config=config,
-                     generation=rt.model.generation)
+                     generation=rt.model.generation, ranking=rt.model.ranking)
     start = time.monotonic()
     totals = asyncio.run(_run(app, jobs, output, report))
     totals.seconds = time.monotonic() - start

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,8 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cadence.checkpoints.ranking import FILE as RANKING_FILE
+from cadence.checkpoints.ranking import RankingHead
 from cadence.checkpoints.tokenizer import Tokenizer
-from cadence.engine.reference import greedy_generate
+from cadence.engine.reference import greedy_generate, sequence_logits
 from cadence.model.arith import cdiv
 from cadence.server.batch_cli import BatchError, load_done
 
@@ -296,8 +299,6 @@ def test_input_lines_are_embeddings(setup, tmp_path, tiny_config, tiny_params, p
     """An input line (text or token ids) beside a prompt line: its result is the vector at unit
     length, the reference's pooled hidden states (--pooling); a line mixing input with
     generation fields is refused by name, and does not stop the others."""
-    from cadence.engine.reference import sequence_logits
-
     root, _ = setup
     tok = Tokenizer.from_hf_dir(root / "model")  # the tokenizer the CLI loaded
     ids = [5, 9, 40, 7, 300, 12] * 9
@@ -383,3 +384,35 @@ def test_openai_batch_lines_are_answered_by_the_endpoints(setup, tmp_path, tiny_
     mixed = write_jsonl(tmp_path / "mixed.jsonl", [entries[0], {"id": 1, "prompt": "the cat"}])
     refused = run_batch(setup, mixed, tmp_path / "mixed-out.jsonl")
     assert refused.returncode == 2 and "mixes OpenAI batch lines" in refused.stderr
+
+
+@pytest.mark.slow
+def test_a_rerankers_batch_lines_are_scored(setup, tmp_path, tiny_config, tiny_params):
+    """vLLM's run_batch lines for a reranker (/v1/rerank, /v1/score): the converted checkpoint's
+    head (`ranking.npz`) scores each pair as the reference's last hidden state through it."""
+    root, env = setup
+    model = tmp_path / "reranker"
+    shutil.copytree(root / "model", model)
+    rows = np.asarray(tiny_params["embed"]["embedding"], np.float32)[[5, 9]]
+    head = RankingHead(rows, None, softmax=True, template="<|im_start|>{query}\n{document}<|im_end|>")
+    (model / RANKING_FILE).write_bytes(head.file_bytes())
+    docs = ["the cat sat", "a mat"]
+    entries = [{"custom_id": "ranked", "method": "POST", "url": "/v1/rerank",
+                "body": {"query": "cats", "documents": docs}},
+               {"custom_id": "scored", "method": "POST", "url": "/v1/score",
+                "body": {"text_1": "cats", "text_2": docs}}]
+    out = tmp_path / "out.jsonl"
+    argv = [sys.executable, "-m", "cadence.server.batch_cli", f"--input={write_jsonl(tmp_path / 'in.jsonl', entries)}",
+            f"--output={out}", f"--model={model}", *ENGINE_FLAGS]
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    tok = Tokenizer.from_hf_dir(model)
+    want = []
+    for doc in docs:
+        hidden = sequence_logits(tiny_params, tiny_config, head.prompt(tok, "cats", doc), hidden=True)[-1]
+        logits = rows.astype(np.float64) @ hidden.astype(np.float64)
+        want.append(float(np.exp(logits[0]) / np.exp(logits).sum()))
+    records = {r["custom_id"]: r["response"]["body"] for r in read_results(out)}
+    ranked = {r["index"]: r["relevance_score"] for r in records["ranked"]["results"]}
+    assert [ranked[0], ranked[1]] == pytest.approx(want, abs=2e-5)
+    assert [d["score"] for d in records["scored"]["data"]] == pytest.approx(want, abs=2e-5)

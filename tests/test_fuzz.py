@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import hypothesis
 import hypothesis.core
 import hypothesis.vendor.pretty
@@ -46,6 +47,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from cadence.checkpoints.ranking import RankingHead
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
 from cadence.server.app import create_app
@@ -99,7 +101,10 @@ def url(tiny_engine, fim_tokenizer):
     # The tiny tokenizer with infill tokens, so a suffix and /infill are served, not refused.
     sched = Scheduler(tiny_engine, fim_tokenizer, SchedulerConfig(
         policy=PolicyConfig(token_budget=40, chunk=32), max_queue=64))
-    with loopback_server(create_app(sched, fim_tokenizer, MODEL)) as base:
+    # A reranker's head, so that /v1/rerank and /v1/score score what they are sent.
+    rows = np.random.default_rng(0).normal(size=(2, tiny_engine.model_config.hidden_size)).astype(np.float32)
+    head = RankingHead(rows, None, softmax=True, template="<|im_start|>{query}\n{document}<|im_end|>")
+    with loopback_server(create_app(sched, fim_tokenizer, MODEL, ranking=head)) as base:
         deadline = time.monotonic() + 60
         while httpx.get(f"{base}/health", timeout=TIMEOUT).status_code != 200:
             assert time.monotonic() < deadline, "the server never became ready"
