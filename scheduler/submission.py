@@ -90,7 +90,9 @@ class Submissions:
             prompt_ids, params, max_tokens, self.tokenizer,
             emit=lambda e: stream._push(e), request_id=request_id, priority=priority,
         )
-        if self.config.prefix_caching and params.prompt_logprobs is None and params.pooling is None:
+        # (a mean-pooled embedding needs every position's hidden state: it computes them all;
+        # a last-token one, as a generation, only its last)
+        if self.config.prefix_caching and params.prompt_logprobs is None and params.pooling != "mean":
             versions = getattr(self.engine, "lora_versions", None)  # (an engine's bank's)
             lora = tuple((slot, scale, versions[slot] if versions else 0)
                          for slot, scale in params.sampling.lora)

@@ -14,8 +14,9 @@ shapes clients send:
 
 Each (query, document) pair is laid out as the reranker's template says (`RankingHead.prompt`)
 and prefilled as an embedding is (`EmbeddingsAPI.embed`: chunks sharing iterations with every
-other request, a batch submitted as room frees); its last token's final hidden state goes
-through the head. A document is a string or {"text": string}. A model with no ranking head
+other request, a batch submitted as room frees; once the first pairs' pages are cached, the
+later ones take the template's start and the query from the prefix cache); its last token's
+final hidden state goes through the head. A document is a string or {"text": string}. A model with no ranking head
 answers every route with a 400 saying so.
 """
 

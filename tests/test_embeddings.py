@@ -119,6 +119,26 @@ def test_an_embedding_is_computed_whole_not_from_the_prefix_cache(engine, tiny_p
                                rtol=1e-4, atol=1e-5)
 
 
+def test_a_last_token_embedding_takes_and_leaves_a_shared_prefix(engine, tiny_params, tiny_config,
+                                                                  tiny_tokenizer):
+    """A last-token embedding (a reranker's pairs: one query before many documents) needs no
+    hidden state before its last position: it takes the prefix cache's pages, partial page
+    included, and publishes its own; it still equals the reference over its whole prompt."""
+    rng = random.Random(3)
+    shared = random_prompts(rng, 1, tiny_config.vocab_size, 45, 45)[0]  # 2 pages of 16, and 13 more
+    first, second = (shared + tail for tail in random_prompts(rng, 2, tiny_config.vocab_size, 20, 20))
+    sched = scheduler(engine, tiny_tokenizer)
+    (a,) = run_all(sched, [(first, embed("last"))])
+    (b,) = run_all(sched, [(second, embed("last"))])
+    assert a.record.cached_tokens == 0 and b.record.cached_tokens == len(shared)
+    assert b.record.prefill_chunks == 1 and a.record.prefill_chunks == 3
+    for s, prompt in ((a, first), (b, second)):
+        np.testing.assert_allclose(s.record.embedding, reference(tiny_params, tiny_config, prompt, "last"),
+                                   rtol=1e-4, atol=1e-5)
+    (c,) = run_all(sched, [(second, embed("mean"))])  # (a mean needs every position: never cached)
+    assert c.record.cached_tokens == 0
+
+
 @pytest.mark.parametrize("length", [50, 65, 80])
 def test_preempted_embeddings_start_over(shared_engine, tiny_params, tiny_config, tiny_tokenizer,
                                          length):
