@@ -86,6 +86,8 @@ _PARAM = {"stop": "stop_sequences", "response_format": "output_config.format"}
 # Blocks' fields that change nothing here: `cache_control` (the prefix cache is automatic),
 # `citations` (cadence cites nothing).
 _BLOCK_EXTRAS = {"cache_control": (dict, type(None)), "citations": (list, type(None))}
+# A tool's, likewise (`eager_input_streaming`: cadence streams a call's input as it comes anyway).
+_TOOL_EXTRAS = {"cache_control": (dict, type(None)), "eager_input_streaming": (bool, type(None))}
 # Anthropic's error types by status.
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -251,10 +253,12 @@ def _chat_tools(tools: Any) -> Any:
         if tool.get("type") not in (None, "custom"):
             raise _error(f"tools[{i}]: tools of type {str(tool.get('type'))[:40]!r} are Anthropic's "
                          "server tools; cadence calls custom tools only", "tools")
-        unknown = sorted(set(tool) - {"type", "name", "description", "input_schema", "strict",
-                                      "cache_control", "eager_input_streaming"})
+        unknown = sorted(set(tool) - {"type", "name", "description", "input_schema", "strict", *_TOOL_EXTRAS})
         if unknown:
             raise _error(f"tools[{i}] has unknown field(s) {', '.join(unknown)}", "tools")
+        wrong = next((name for name, of in _TOOL_EXTRAS.items() if not isinstance(tool.get(name), of)), None)
+        if wrong is not None:
+            raise _error(f"tools[{i}].{wrong} has the wrong type", "tools")
         if "input_schema" not in tool:
             raise _error(f'tools[{i}] needs "input_schema"', "tools")
         function = {"name": tool.get("name"), "parameters": tool["input_schema"]}

@@ -228,6 +228,8 @@ def test_the_key_goes_as_x_api_key_or_as_a_bearer_token(tiny_engine, tiny_tokeni
     ({"system": [{"type": "text"}]}, "text"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tools"),
     ({"tools": [{"name": "pt"}]}, "input_schema"),
+    ({"tools": [{**TOOL, "cache_control": False}]}, "tools[0].cache_control"),
+    ({"tools": [{**TOOL, "eager_input_streaming": "yes"}]}, "tools[0].eager_input_streaming"),
     ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice"),
     ({"tools": [TOOL], "tool_choice": {"type": "tool"}}, "name"),
     ({"thinking": {"type": "sometimes"}}, "thinking"),
