@@ -9,7 +9,8 @@ tied embeddings) as random blocks in llama.cpp's Q4_K_M mix (`cadence.bench.rand
 SmolLM2's 49,152-token vocabulary in place of Qwen's (reranking never computes the LM head, so
 the vocabulary costs only its embedding rows) and a reranker's head and template as
 `parity.py` writes them. Each round sends one /v1/rerank of `--documents` documents (each a
-different ~100-token passage of docs/architecture.md) after a warm-up request; the time is
+different ~100-token passage of docs/architecture.md) for a query of its own (the query with
+the round's number), after a warm-up request; the time is
 the client's, from sending to the whole answer. llama-server: `--reranking`, 4 parallel
 sequences of 2,048 tokens, a batch that holds any pair whole, 2 threads; cadence-serve: its
 defaults, then `--cpu_activations=int8`. One server at a time. Each run's scores are compared
@@ -66,10 +67,12 @@ def documents() -> list[str]:
 
 
 def timed(base: str, docs: list[str]) -> dict:
-    body = {"model": "m", "query": QUERY, "documents": docs}
-    httpx.post(f"{base}/v1/rerank", json={**body, "documents": docs[:4]}, timeout=600).raise_for_status()
+    httpx.post(f"{base}/v1/rerank", json={"model": "m", "query": "warm-up", "documents": docs[:4]},
+               timeout=600).raise_for_status()
     rounds = []
-    for _ in range(ROUNDS.value):
+    for k in range(ROUNDS.value):
+        # (a query of its own each round: no pair is one an earlier round computed)
+        body = {"model": "m", "query": f"{QUERY} (round {k + 1})", "documents": docs}
         start = time.perf_counter()
         r = httpx.post(f"{base}/v1/rerank", json=body, timeout=1200)
         r.raise_for_status()
