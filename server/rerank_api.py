@@ -14,9 +14,9 @@ shapes clients send:
 
 Each (query, document) pair is laid out as the reranker's template says (`RankingHead.prompt`)
 and prefilled as an embedding is (`EmbeddingsAPI.embed`: chunks sharing iterations with every
-other request, a batch submitted as room frees; once the first pairs' pages are cached, the
-later ones take the template's start and the query from the prefix cache); its last token's
-final hidden state goes through the head. A document is a string or {"text": string}. A model with no ranking head
+other request, a batch submitted as room frees). One query's pairs share the template's start
+and the query: the first is prefilled alone, and the others take that prefix from the prefix
+cache. Each pair's last token's final hidden state goes through the head. A document is a string or {"text": string}. A model with no ranking head
 answers every route with a 400 saying so.
 """
 
@@ -157,6 +157,12 @@ class RerankAPI:
         with protocol.submission_errors():
             priority = parsing.field(body, "priority", (int,))
         prompts = await asyncio.to_thread(lambda: [head.prompt(server.tokenizer, q, d) for q, d in pairs])
-        embedding = EmbeddingRequest(None, prompts, -1.0, priority=priority, field=field)
-        records = await self.embeddings.embed(request, embedding, request_id, pooling="last")
+        # One query's pairs share the template's start and the query: the first goes alone, so
+        # that every other finds that prefix in the cache (where there is one) when admitted.
+        first = 1 if len(prompts) > 1 and len({q for q, _ in pairs}) == 1 and server.scheduler.config.prefix_caching else 0
+        records = []
+        for part, name in ((prompts[:first], request_id), (prompts[first:], f"{request_id}-rest" if first else request_id)):
+            if part:
+                embedding = EmbeddingRequest(None, part, -1.0, priority=priority, field=field)
+                records += await self.embeddings.embed(request, embedding, name, pooling="last")
         return [head.score(r.embedding) for r in records], sum(r.prompt_tokens for r in records)

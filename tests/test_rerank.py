@@ -19,7 +19,7 @@ from cadence.checkpoints.gguf import load_ranking
 from cadence.checkpoints.ranking import RankingHead
 from cadence.engine.reference import sequence_logits
 from cadence.model.config import TINY
-from tests.conftest import serve_tiny, tiny_tokenizer_fields, tokenizer_keys
+from tests.conftest import loopback_server, serve_tiny, tiny_app, tiny_tokenizer_fields, tokenizer_keys
 
 TIMEOUT = httpx.Timeout(120.0, connect=5.0)
 # Qwen3-Reranker's template as llama.cpp's converter writes it, shortened for the tiny context.
@@ -87,6 +87,23 @@ def test_vllms_score_pairs_one_query_with_many_or_one_to_one(url, tiny_params, t
     want = [expected(tiny_params, tiny_tokenizer, head, q, d)[0] for q, d in (("dogs", DOCUMENTS[0]), ("cats", DOCUMENTS[1]))]
     assert [d["score"] for d in pairs["data"]] == pytest.approx(want, abs=2e-5)
     assert pairs["data"][1]["score"] == pytest.approx(many["data"][1]["score"], abs=1e-6)
+
+
+def test_one_querys_pairs_after_the_first_take_its_prefix_from_the_cache(tiny_engine, tiny_tokenizer, head):
+    """The first pair is prefilled alone; every other pair of the query is admitted after its
+    pages are cached and takes the prefix it shares with it (the template's start and the query)."""
+    app, sched = tiny_app(tiny_engine, tiny_tokenizer, "tiny", ranking=head)
+    records = []
+    sched.listeners.append(records.append)
+    documents = [f"document number {i} says something" for i in range(6)]
+    with loopback_server(app) as base:
+        answer = httpx.post(f"{base}/v1/rerank", json={"query": "a query of its own", "documents": documents},
+                            timeout=TIMEOUT)
+    assert answer.status_code == 200
+    prompts = [head.prompt(tiny_tokenizer, "a query of its own", d) for d in documents]
+    shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)
+    cached = {r.request_id: r.cached_tokens for r in records}
+    assert len(cached) == 6 and sorted(cached.values())[1:] == [shared] * 5
 
 
 @pytest.mark.parametrize("path, body, param", [
