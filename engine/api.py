@@ -41,6 +41,10 @@
                                                         device; landed.is_ready() once there
     engine.insert(handle, pages, slot)                  into free pages, of this or another engine;
                                                         returns the handle as copied to its device
+                                                        (slot None: the pages only, a cached
+                                                        prefix back from the host)
+    handle.to_host_async(); handle.host_pages()         a handle's pages on the host, one (k, v)
+    type(handle).from_host_pages(pages, size, width)    each, and back in a handle to insert
     engine.config.role                                  "both", or "prefill"/"decode" (one phase
                                                         of a disaggregated pair: the other raises)
     engine.copy_pages(sources, targets)                 page KV onto other pages (a forked
@@ -147,7 +151,7 @@ class EngineAPI(Protocol):
 
     def receive(self, handle: KVHandle) -> KVHandle: ...
 
-    def insert(self, handle: KVHandle, pages: list[int], slot: int) -> KVHandle: ...
+    def insert(self, handle: KVHandle, pages: list[int], slot: int | None) -> KVHandle: ...
 
     def copy_pages(self, sources: Sequence[int], targets: Sequence[int]) -> None: ...
 

@@ -117,11 +117,12 @@ class KVOps:
     def _place(self, handle: KVHandle) -> KVHandle:
         return handle.to(self._handle_at, self._token_at)
 
-    def insert(self, handle: KVHandle, pages: Sequence[int], slot: int) -> KVHandle:
+    def insert(self, handle: KVHandle, pages: Sequence[int], slot: int | None) -> KVHandle:
         """Writes `handle`'s KV into `pages` of this engine's pool (free pages the caller
         allocated, at least `handle.num_pages`) and makes its next token `slot`'s next decode
-        input: decoding then continues exactly where the engine it came from left off. The
-        handle stays valid (nothing of it is donated), so a failed insert loses nothing.
+        input: decoding then continues exactly where the engine it came from left off. With
+        `slot` None the pages alone are written (a cached prefix brought back from the host).
+        The handle stays valid (nothing of it is donated), so a failed insert loses nothing.
         Returns the handle as copied onto this engine's device (the same one if it was there):
         it is ready when the transfer is done. Returns at once."""
         cfg, mc = self.config, self.compute_config
@@ -133,13 +134,15 @@ class KVOps:
                 f"x pages of {cfg.page_size} x head_dim {mc.head_dim})")
         if handle.length > cfg.max_seq_len:
             raise ValueError(f"the handle holds {handle.length} tokens; max_seq_len is {cfg.max_seq_len}")
-        self._check(slot, pages, handle.num_pages)
+        self._check(cfg.num_slots - 1 if slot is None else slot, pages, handle.num_pages)
         ids = np.full(handle.k.shape[2], self.num_pages, np.int32)  # padding: past the pool
         ids[: handle.num_pages] = pages[: handle.num_pages]
         here = self._place(handle)
         self._ensure("transfer")
+        # (no slot: the token goes to an index past the slots, which writes nothing)
         self.cache, self.last_tokens = self._insert(
-            self.cache, self.last_tokens, here.k, here.v, ids, np.int32(slot), here.next_token)
+            self.cache, self.last_tokens, here.k, here.v, ids,
+            np.int32(cfg.num_slots if slot is None else slot), here.next_token)
         return here
 
     def recover(self) -> None:

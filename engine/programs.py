@@ -329,11 +329,11 @@ def _extract_program(cache, last_tokens, ids, slot):
 
 def _insert_program(cache, last_tokens, k, v, ids, slot, token, *, cpu_kernel=False):
     """Writes a handle's pages into pages `ids` [P] (an id past the pool, padding, writes
-    nothing) and makes `token` the slot's next decode input; `cpu_kernel`: in place, by the
-    kernels (`paged_kv.insert_pages`)."""
+    nothing) and makes `token` the slot's next decode input (a slot past the buffer: nobody's);
+    `cpu_kernel`: in place, by the kernels (`paged_kv.insert_pages`)."""
     cache = PagedKVCache(k=paged_kv.insert_pages(cache.k, k, ids, cpu_kernel=cpu_kernel),
                          v=paged_kv.insert_pages(cache.v, v, ids, cpu_kernel=cpu_kernel))
-    return cache, last_tokens.at[slot].set(token)
+    return cache, last_tokens.at[slot].set(token, mode="drop")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,6 +72,28 @@ class KVHandle:
         """Whether its arrays are computed (or copied) already; never waits."""
         return all(a.is_ready() for a in (self.k, self.v, self.next_token))
 
+    def to_host_async(self) -> None:
+        """Starts copying its pages to host memory (`host_pages` then waits for less)."""
+        for a in (self.k, self.v):
+            a.copy_to_host_async()
+
+    def host_pages(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Its live pages on the host, each (k, v) [layers, kv_heads, page_size, head_dim], owning
+        their memory (the bucket's array is not kept alive by them). Waits for the arrays."""
+        k, v = np.asarray(self.k), np.asarray(self.v)
+        return [(k[:, :, i].copy(), v[:, :, i].copy()) for i in range(self.num_pages)]
+
+    @classmethod
+    def from_host_pages(cls, pages: list[tuple[np.ndarray, np.ndarray]], page_size: int,
+                        width: int) -> KVHandle:
+        """A handle of `pages` (as `host_pages` gives them), stacked in order and padded to
+        `width` pages (a page-count bucket), for `Engine.insert` with no slot."""
+        k = np.zeros((*pages[0][0].shape[:2], width, *pages[0][0].shape[2:]), pages[0][0].dtype)
+        v = np.zeros_like(k)
+        for i, (page_k, page_v) in enumerate(pages):
+            k[:, :, i], v[:, :, i] = page_k, page_v
+        return cls(k=k, v=v, next_token=np.int32(0), length=len(pages) * page_size, page_size=page_size)
+
 
 class HostLogprobs(NamedTuple):
     """`Logprobs` as read to the host: token [...], ids and values [..., max_logprobs]."""

@@ -23,6 +23,10 @@ class SchedulerConfig:
     # (and that are not evicted yet) are reused, not prefilled again: whole pages by key, the
     # rest copied from the cached page agreeing longest (`scheduler.prefix_cache`).
     prefix_caching: bool = True
+    # Bytes of host memory for the prefix cache's second tier (`scheduler.host_cache`): full
+    # pages the device's cache evicts are copied there and back on a later hit instead of being
+    # computed again. 0: no host tier.
+    host_kv_cache_bytes: int = 0
     # What else the KV depends on besides the tokens (the model, its weights, the compute
     # dtype), folded into every page's key.
     cache_namespace: str = ""
@@ -41,5 +45,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.itl_target is not None and not (0 < self.itl_target < float("inf")):
             raise ValueError(f"itl_target must be positive seconds, got {self.itl_target}")
+        if self.host_kv_cache_bytes < 0:
+            raise ValueError(f"host_kv_cache_bytes must be >= 0, got {self.host_kv_cache_bytes}")
         if self.kv_reservation not in KV_RESERVATIONS:
             raise ValueError(f"kv_reservation must be one of {KV_RESERVATIONS}, got {self.kv_reservation!r}")

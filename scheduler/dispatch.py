@@ -3,9 +3,9 @@
 `Dispatch` is mixed into `Scheduler` (its queue, pools and counters). Given the policy's plan
 (`policy.Plan`), `_admit` gives each admitted request a slot, its cached prefix and its sampling
 row; `_reserve` finds the pages the plan needs (`kv_manager.Pool.reserve`), sending back to the
-queue what did not fit; then `_dispatch_prefill` packs every chunk into one engine call and
-`_dispatch_decode` runs the decoding rows' steps, or the first half of a split step when a
-grammar constrains a row (`_sample_split` dispatches its sampling once the bitmasks are
+queue what did not fit, and moves pages to and from the prefix cache's host tier; then
+`_dispatch_prefill` packs every chunk into one engine call and `_dispatch_decode` runs the
+decoding rows' steps, or the first half of a split step when a grammar constrains a row (`_sample_split` dispatches its sampling once the bitmasks are
 filled). `_dispatch_verify` is the speculative step. Each dispatch counts what it sent on the
 requests (`Request.prefill_dispatched`, `decode_dispatched`) and leaves its results pending on
 the pool (`Pool.expect`), applied next iteration (`outcomes`). Every method here runs under the
@@ -71,6 +71,11 @@ class Dispatch:
             self.preemptions += 1
         for r in reversed(reservation.sent_back):
             self._waiting.appendleft(r)
+        try:  # before anything writes the pages just handed out
+            pool.move_host_pages()
+        except Exception as e:
+            logging.exception("moving KV pages between the device and the host tier failed")
+            self._fail_pool(pool, f"{type(e).__name__}: {e}")
 
     def _preempt(self, r: Request, why: str) -> None:
         r.pool.preempt(r, why)

@@ -6,6 +6,7 @@
     pool.match_forks(waiting)             # ... or its group's first sequence's prompt pages
     pool.take(r); pool.take_prefix(r)     # admitted: a free slot, and the hit's pages shared
     reservation = pool.reserve(plan)      # the pages this iteration's work needs, before it runs
+    pool.move_host_pages()                # evicted pages out to the host tier, host hits back
     pool.publish(r)                       # r's newly full pages join the prefix cache
     pool.publish(r, tail=True)            # ... and its partly written last one, as it ends
     pool.release(r)                       # slot and pages back, the slot's rows reset
@@ -38,6 +39,8 @@ import numpy as np
 from absl import logging
 
 from cadence.engine.api import EngineAPI, SamplingRows
+from cadence.engine.packing import bucket_for
+from cadence.scheduler.host_cache import HostCache
 from cadence.scheduler.pages import NULL_PAGE, PageAllocator
 from cadence.scheduler.policy import PageBudget, Plan, decoded_end
 from cadence.scheduler.request import Request, State
@@ -55,14 +58,16 @@ class Reservation:
 
 
 class Pool:
-    def __init__(self, engine: EngineAPI, name: str, caching: bool = False, reserve: int | None = None):
+    def __init__(self, engine: EngineAPI, name: str, caching: bool = False, reserve: int | None = None,
+                 host: HostCache | None = None):
         cfg = engine.config
         self.engine = engine
         self.name = name
         self.reserve_tokens = reserve  # the "max" reservation: every request holds this many
         self.num_slots = cfg.num_slots
         self.page_size = cfg.page_size
-        self.pages = PageAllocator(engine.num_pages, cfg.page_size, caching)
+        self.host = host if caching else None  # the prefix cache's host tier, if any
+        self.pages = PageAllocator(engine.num_pages, cfg.page_size, caching, keep_evicted=self.host is not None)
         # Each slot's occupant's pages; free slots' rows, and the entries past a sequence's
         # last page, point at the null page, which any step may read (never write) without harm.
         self.tables = np.full((cfg.num_slots, cfg.max_pages_per_seq), NULL_PAGE, np.int32)
@@ -81,6 +86,7 @@ class Pool:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.forked_tokens = 0
+        self.host_hits = 0  # of the hits, tokens copied back from the host tier
 
     def take(self, r: Request) -> None:
         """Gives `r` a free slot (the caller checked there is one); its sampling row is set
@@ -163,6 +169,32 @@ class Pool:
         for r in copying:
             self.release_copy(r)
 
+    def move_host_pages(self) -> None:
+        """Right after the reservation, before any program that may write the pages it handed
+        out: the full cached pages it evicted are copied out to the host tier (those the tier
+        lacks), then the host pages each admitted request found are copied into the pages it
+        now holds for them. A request first holds those pages from the reservation that grows
+        it for its first chunk, which this follows at once: no page is published, and no
+        program reads it, before its copy is dispatched. An engine call that raises is the
+        caller's to handle."""
+        if self.host is None:
+            return
+        cfg = self.engine.config
+        evicted = [(page, key) for page, key in self.pages.take_evicted() if key not in self.host]
+        width = cfg.max_pages_per_seq  # (a longer run goes out in several extracts)
+        for i in range(0, len(evicted), width):
+            group = evicted[i : i + width]
+            length = min(len(group) * self.page_size, cfg.max_seq_len)
+            self.host.save([key for _, key in group], self.engine.extract([p for p, _ in group], length, 0))
+        for r in self.running:
+            found, at = r.host_pages, r.host_at
+            if not found or len(r.pages) < at + len(found):  # (its chunk waits: no pages yet)
+                continue
+            handle = self.host.handle(found, self.page_size, bucket_for(cfg.page_buckets, len(found)))
+            self.engine.insert(handle, r.pages[at : at + len(found)], None)
+            self.host_hits += len(found) * self.page_size
+            r.host_pages = []
+
     def publish(self, r: Request, tail: bool = False) -> None:
         """Publishes each of `r`'s pages that is full of KV written for tokens the host knows,
         under the key of its prefix (`Request.written_tokens`). With `tail` (it is letting its
@@ -193,6 +225,7 @@ class Pool:
         self.tables[r.slot] = NULL_PAGE
         self.pages.release(r.pages)
         self.release_copy(r)
+        r.host_pages = []
         r.published = 0
         r.pool = None  # r.slot keeps the number, for the record of where it ran
         r.landing = None  # KV on its way to this slot has nowhere to go now
@@ -244,18 +277,21 @@ class Pool:
             return  # nothing is ever looked up: every waiting request's prefix stays empty
         size = self.page_size
         for r in waiting:
-            r.prefix, r.prefix_evictable, r.tail = [], 0, None
+            r.prefix, r.prefix_evictable, r.tail, r.host_pages = [], 0, None, []
             if not self.may_admit(r) or r.unapplied or r.page_keys is None:
                 r.prefilled = r.kv_tokens = 0
                 continue
             if r.preemptions:  # it will recompute its output too (`readmitted`)
                 r.prefill_ids = r.prompt_ids + r.output_ids
             last = r.prefill_len - 1
-            r.prefix = self.pages.lookup(r.page_keys.upto(r.prefill_ids, last // size))
+            keys = r.page_keys.upto(r.prefill_ids, last // size)
+            r.prefix = self.pages.lookup(keys)
             r.prefix_evictable = self.pages.evictable_among(r.prefix)
-            start = len(r.prefix) * size
-            r.tail, agreed = self.pages.longest(r.page_keys.parent(len(r.prefix)),
-                                                r.prefill_ids[start : min(start + size, last)])
+            if self.host is not None and len(r.prefix) < len(keys):  # the pages after them, on the host
+                r.host_pages = self.host.lookup(keys[len(r.prefix) :])
+            start = (len(r.prefix) + len(r.host_pages)) * size
+            r.tail, agreed = (None, 0) if r.host_pages else self.pages.longest(
+                r.page_keys.parent(len(r.prefix)), r.prefill_ids[start : min(start + size, last)])
             # A partial match holds the lent page beside its own until the copy: one page more
             # than computing those positions, which a sequence as large as the pool never has.
             whole = self.pages.pages_for(self.reserve_tokens or r.prefill_len)
@@ -283,7 +319,7 @@ class Pool:
                     r.prefix, r.prefix_evictable, r.tail, r.prefilled, r.kv_tokens = [], 0, None, 0, 0
                 continue
             full, partial = divmod(r.prompt_len - 1, size)
-            r.prefix, r.prefix_evictable = parent.pages[:full], 0
+            r.prefix, r.prefix_evictable, r.host_pages = parent.pages[:full], 0, []
             r.forking, r.tail = True, parent.pages[full] if partial else None
             r.prefilled = r.kv_tokens = r.prompt_len - 1
 
@@ -294,6 +330,7 @@ class Pool:
         hit, forked = r.prefilled, r.forking
         if r.prefix:
             self.share(r, r.prefix, cached=not forked)
+        r.host_at = len(r.pages)  # its host pages (if any) go on from there, once it holds them
         if r.tail is not None:  # held until its copy is dispatched
             self.hold_copy(r, r.tail, cached=not forked)
         r.prefix, r.prefix_evictable, r.tail = [], 0, None  # (`forking` stays: `send_back`)

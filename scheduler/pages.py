@@ -9,6 +9,8 @@ hold a prefix that another sequence may reuse (automatic prefix caching).
     pages.publish(page, key, parent, tokens)     # a full page's KV is written: reusable
     pages.publish_tail(page, parent, tokens)     # a finished sequence's last, partial page
     pages.release(seq_pages)                     # all back, at the end or on preemption
+    pages.take_evicted()                         # full pages evicted since, with their keys
+                                                 # (with `keep_evicted`: a host tier saves them)
 
 Pure host-side bookkeeping, in plain Python. The scheduler asks for pages as a prompt's chunks
 are admitted and as decode crosses a page boundary, and gives them all back when a request ends,
@@ -31,7 +33,8 @@ of N pages serves N - 1 (`usable`); `num_pages` counts them all. Page 1 upward a
 sequences hold; the lowest key-less free ones are handed out first, so a fresh engine fills its
 pool from the front (easy to read in a trace, nothing depends on it).
 
-Non-goals: swapping pages to the host; sharing a partial page in place (it is copied).
+Saving evicted pages to host memory is the caller's (`scheduler.host_cache`): this module
+only lists them. Non-goal: sharing a partial page in place (it is copied).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ NULL_PAGE = 0  # where free and padding page-table entries point; never held by 
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, page_size: int, caching: bool = False):
+    def __init__(self, num_pages: int, page_size: int, caching: bool = False, keep_evicted: bool = False):
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"need at least one page of at least one token beside the null page, "
                              f"got {num_pages} x {page_size}")
@@ -60,6 +63,8 @@ class PageAllocator:
         self._free = list(range(NULL_PAGE + 1, num_pages))
         self._refs = [0] * num_pages  # sequences holding each page
         self.cache = PrefixCache()  # published pages, and those of them nobody holds
+        # With `keep_evicted`: (page, key) of each full page evicted since `take_evicted`.
+        self._evicted: list[tuple[int, bytes]] | None = [] if keep_evicted else None
 
     @property
     def free_count(self) -> int:
@@ -105,7 +110,9 @@ class PageAllocator:
         if self._free:
             page = heapq.heappop(self._free)
         else:  # evict the page released longest ago; its prefix is forgotten
-            page = self.cache.evict()
+            page, key = self.cache.evict()
+            if key is not None and self._evicted is not None:
+                self._evicted.append((page, key))
         self._refs[page] = 1
         return page
 
@@ -187,9 +194,16 @@ class PageAllocator:
         self.cache.publish_tail(page, parent, tokens)
         return True
 
+    def take_evicted(self) -> list[tuple[int, bytes]]:
+        """The full pages evicted since the last call, (page, key) in order, each now another
+        sequence's: their KV is as cached until a program dispatched after this writes them."""
+        evicted, self._evicted = self._evicted or [], [] if self._evicted is not None else None
+        return evicted
+
     def clear_cache(self) -> None:
         """Forgets every cached prefix (the engine's KV was rebuilt): the pages nobody holds are
         free again, and held ones are freed, not cached, when released."""
+        self.take_evicted()  # (their KV is gone)
         for page in self.cache.clear():
             heapq.heappush(self._free, page)
 

@@ -11,7 +11,7 @@ holds, in the order they are evicted.
     page, n = cache.longest(parent, tokens)   # ... then the page after them agreeing longest
     cache.park(page)                    # its last holder let it go: evictable, still cached
     cache.unpark(page)                  # ... held again (a hit took it)
-    page = cache.evict()                # the page released longest ago; its prefix forgotten
+    page, key = cache.evict()           # the page released longest ago; its prefix forgotten
 
 Pages are content-addressed (vLLM v1's design). A full page's key chains its parent page's key
 with the page's token ids (`PageKeys`), so equal keys mean equal tokens at equal positions after
@@ -165,8 +165,9 @@ class PrefixCache:
         """A parked page held again: out of the eviction queue, still cached."""
         del self._evictable[page]
 
-    def evict(self) -> int:
-        """Takes the page parked longest ago out of the cache; its prefix is forgotten."""
+    def evict(self) -> tuple[int, bytes | None]:
+        """Takes the page parked longest ago out of the cache; its prefix is forgotten. Returns
+        the page and the key it held (None: a partly written page, which has none)."""
         page, _ = self._evictable.popitem(last=False)
         key = self._key.pop(page, None)
         if key is not None:
@@ -180,7 +181,7 @@ class PrefixCache:
             if not children:
                 del self._children[parent]
         self.evictions += 1
-        return page
+        return page, key
 
     def clear(self) -> list[int]:
         """Forgets every prefix; returns the pages that were parked (nobody holds them)."""

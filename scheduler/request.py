@@ -388,6 +388,10 @@ class Request:
         self.tail: int | None = None
         self.tail_hold: list[int] = []
         self.tail_copy_at: int | None = None
+        # The host tier (`scheduler.host_cache`): while it waits, the host pages that go on from
+        # `prefix`; admitted, those still to be copied into its pages from `host_at` on.
+        self.host_pages: list = []
+        self.host_at = 0
         # A later sequence of a group (n > 1): the group's first, whose prompt KV it takes
         # (`Pool.match_forks`), and whether it will (`forking`, set while it waits; admitted, it
         # says its prefix was counted as forked, not as a cache hit).

@@ -75,6 +75,7 @@ from cadence.scheduler.cost import IterationCost
 from cadence.scheduler.dispatch import Dispatch
 from cadence.scheduler.draft_model import DraftModel
 from cadence.scheduler.handoff import Handoff, KVTransfer, check_pair  # noqa: F401 - importers' names
+from cadence.scheduler.host_cache import HostCache
 from cadence.scheduler.kv_manager import Pool
 from cadence.scheduler.outcomes import Outcomes
 from cadence.scheduler.policy import (
@@ -115,8 +116,10 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
             pack_tokens=engine.config.prefill_buckets[-1]))
         self.config = config
         reserve = engine.config.max_seq_len if config.kv_reservation == "max" else None
+        host = (HostCache(config.host_kv_cache_bytes)
+                if config.prefix_caching and config.host_kv_cache_bytes else None)
         self._prefill_pool = Pool(engine, "colocated" if decode_engine is None else "prefill",
-                                  caching=config.prefix_caching, reserve=reserve)
+                                  caching=config.prefix_caching, reserve=reserve, host=host)
         self._decode_pool = (self._prefill_pool if decode_engine is None
                              else Pool(decode_engine, "decode", reserve=reserve))
         self.pools = tuple(dict.fromkeys((self._prefill_pool, self._decode_pool)))
@@ -193,6 +196,9 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
         """Starts the loop thread (disaggregated: a prefill loop and a decode loop)."""
         if self._threads:
             return
+        prepare = getattr(self.engine, "prepare", None)
+        if self._prefill_pool.host is not None and prepare is not None:
+            prepare(("transfer",))  # moving pages to and from the host: compiled before it is needed
         if self.disaggregated:
             loops = [("cadence-prefill", self._iterate), ("cadence-decode", self._iterate_decode)]
         else:

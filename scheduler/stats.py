@@ -117,6 +117,10 @@ class SchedulerStats:
     compilations_on_demand: int
     pools: tuple[PoolStats, ...]
     draft: DraftStats | None = None  # the draft model's, where one drafts
+    # The prefix cache's host tier: of `prefix_hits`, tokens copied back from it; what it holds.
+    host_kv_hits: int = 0
+    host_kv_pages: int = 0
+    host_kv_bytes: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -155,7 +159,10 @@ class Readings:
             spec_drafts=self.spec_drafts, spec_draft_tokens=self.spec_drafted,
             spec_accepted_tokens=self.spec_accepted,
             compilations_after_warmup=self.compilations_after_warmup,
-            compilations_on_demand=self.compilations_on_demand, pools=pools, draft=self.draft_stats())
+            compilations_on_demand=self.compilations_on_demand, pools=pools, draft=self.draft_stats(),
+            host_kv_hits=sum(p.host_hits for p in self.pools),
+            host_kv_pages=sum(len(p.host) for p in self.pools if p.host is not None),
+            host_kv_bytes=sum(p.host.bytes for p in self.pools if p.host is not None))
 
     def slots(self) -> list[SlotStats]:
         """Every pool's slots in order, each with the request holding it (read without the

@@ -235,6 +235,13 @@ PREFIX_CACHING = flags.DEFINE_bool(
     "full page's KV is found by the hash of its tokens and everything before them, the rest "
     "copied from the cached page after them that agrees longest); --noprefix_caching computes "
     "every prompt from scratch.")
+HOST_KV_MEMORY = flags.DEFINE_string(
+    "host_kv_cache_memory", "0",
+    "Host memory for the prefix cache's second tier (a count, or with a unit: 4GiB): the full "
+    "KV pages the pool evicts are copied there, and back into the pool when a later prompt "
+    "starts with them, instead of being computed again (llama-server's --cache-ram, SGLang's "
+    "HiCache). It fills as pages are evicted, up to this size, and then drops the page used "
+    "longest ago. 0: no host tier.")
 ATTENTION = flags.DEFINE_enum(
     "attention", None, ["pallas", "mosaic", "cpu", "xla", "reference"],
     "Attention implementation (default: pallas on GPU, Triton kernels; mosaic: the same as Mosaic "

@@ -75,6 +75,11 @@ _READINGS: dict[str, tuple[str, str, Callable[[SchedulerStats], float]]] = {
                                      "(vLLM's prefix_cache_queries).", lambda s: s.prefix_queries),
     "cadence:prefix_cache_hits": ("counter", "Of those, tokens whose KV the cache held, not prefilled "
                                   "(vLLM's prefix_cache_hits).", lambda s: s.prefix_hits),
+    "cadence:prefix_cache_host_hits": ("counter", "Of the prefix cache's hits, tokens whose KV was copied back "
+                                       "from its host tier (--host_kv_cache_memory).", lambda s: s.host_kv_hits),
+    "cadence:host_kv_cache_pages": ("gauge", "KV pages the prefix cache's host tier holds.",
+                                    lambda s: s.host_kv_pages),
+    "cadence:host_kv_cache_bytes": ("gauge", "Bytes of host memory those pages take.", lambda s: s.host_kv_bytes),
     "cadence:kv_pages_evicted": ("counter", "Cached KV pages evicted (their prefix forgotten) to make room.",
                                  lambda s: s.kv_pages_evicted),
     "cadence:prompt_tokens_forked": ("counter", "Prompt tokens the later choices of an n > 1 request took "

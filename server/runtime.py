@@ -49,7 +49,7 @@ from cadence.server import memory
 from cadence.server.flags import (ATTENTION, CHAT_TEMPLATE, CHAT_TEMPLATE_KWARGS, COORDINATOR,
                                   CPU_ACTIVATIONS, CPU_KERNELS, DECODE_DEVICES, DECODE_STEPS,
                                   DRAFT_MODEL, DRAFT_P_MIN, DTYPE, LORA, MAX_LORA_RANK, MAX_LORAS,
-                                  GRAMMAR_TIMEOUT, ITL_TARGET, KV_DTYPE, KV_DTYPE_ALIASES,
+                                  GRAMMAR_TIMEOUT, HOST_KV_MEMORY, ITL_TARGET, KV_DTYPE, KV_DTYPE_ALIASES,
                                   KV_MEMORY, KV_RESERVATION, LAYER_LOOP, LOWER_SHARE, MAX_LOGPROBS,
                                   MAX_PREFILL_CHUNKS, MAX_QUEUE, MAX_SEQ_LEN, MODEL_FLAG,
                                   NUM_CPU_DEVICES, NUM_PROCESSES, NUM_SLOTS, NUM_SPECULATIVE_TOKENS,
@@ -347,6 +347,18 @@ def token_budget() -> int:
     return TOKEN_BUDGET.value or PREFILL_CHUNK.value + NUM_SLOTS.value
 
 
+def host_kv_cache_bytes(free: int | None = None) -> int:
+    """--host_kv_cache_memory in bytes, refused where this machine has not that much available
+    (`free`, default `memory.available()`): the tier would push the process into swap as it
+    fills, long after the start."""
+    size = parse_size(HOST_KV_MEMORY.value)
+    free = memory.available() if free is None else free
+    if size and free is not None and size > free:
+        raise ValueError(f"--host_kv_cache_memory={HOST_KV_MEMORY.value} is more than the "
+                         f"{free / 2**30:.1f} GiB this machine has available")
+    return size
+
+
 def scheduler_config_from_flags(model_name: str) -> SchedulerConfig:
     budget = token_budget()
     policy = PolicyConfig(
@@ -356,6 +368,7 @@ def scheduler_config_from_flags(model_name: str) -> SchedulerConfig:
     slo = SLO.parse(SLO_TTFT.value, SLO_ITL.value, SLO_MARGIN.value)
     return SchedulerConfig(policy=policy, max_queue=MAX_QUEUE.value,
                            kv_reservation=KV_RESERVATION.value, prefix_caching=PREFIX_CACHING.value,
+                           host_kv_cache_bytes=host_kv_cache_bytes(),
                            cache_namespace=f"{model_name}/{WEIGHTS.value}/{DTYPE.value}",
                            priority_classes=classes, slo=slo, itl_target=ITL_TARGET.value,
                            speculative=SpeculativeConfig(PROMPT_LOOKUP_MIN.value, PROMPT_LOOKUP_MAX.value,

@@ -391,21 +391,23 @@ class FakeEngine:
         self.extracts += 1
         if self.extracts in self.fail_extract_calls:
             raise RuntimeError("device lost in extract")
-        return FakeHandle(self._content(pages, length).copy(), int(self.last_tokens[slot]), length)
+        return FakeHandle(self._content(pages, length).copy(), int(self.last_tokens[slot]), length,
+                          self.config.page_size)
 
     def receive(self, handle: FakeHandle) -> FakeHandle:
         return dataclasses.replace(handle, polls=self.landing_polls)
 
     def insert(self, handle: FakeHandle, pages, slot) -> FakeHandle:
         """Like the engine's: the content lands in `pages`, the next token in `slot`."""
-        assert 0 <= slot < self.config.num_slots
+        assert slot is None or 0 <= slot < self.config.num_slots
         assert len(pages) >= self.config.pages_for(handle.length), (len(pages), handle.length)
         self.inserts += 1
         if self.fail_insert_call == self.inserts:
             raise RuntimeError("device lost in insert")
         assert (handle.content >= 0).all(), "a handle of KV that was never written"
         self._write(pages, 0, handle.content)
-        self.last_tokens[slot] = handle.next_token
+        if slot is not None:  # (None: pages alone, a prefix back from the host)
+            self.last_tokens[slot] = handle.next_token
         return handle
 
 
@@ -416,6 +418,7 @@ class FakeHandle:
     content: np.ndarray
     next_token: int
     length: int
+    page_size: int = 0  # (set where pages are taken apart: `host_pages`)
     polls: int = 0  # is_ready() calls that say "not yet"
 
     @property
@@ -428,6 +431,18 @@ class FakeHandle:
     def is_ready(self) -> bool:
         self.polls -= 1
         return self.polls < 0
+
+    def to_host_async(self) -> None:
+        pass
+
+    def host_pages(self) -> list[tuple[np.ndarray]]:
+        """Like `KVHandle.host_pages`: each live page's token ids."""
+        size = self.page_size
+        return [(self.content[i * size : (i + 1) * size].copy(),) for i in range(-(-self.length // size))]
+
+    @classmethod
+    def from_host_pages(cls, pages, page_size: int, width: int) -> FakeHandle:
+        return cls(np.concatenate([content for content, in pages]), -1, len(pages) * page_size, page_size)
 
 
 def expected(engine: FakeEngine, prompt: Sequence[int], max_tokens: int,

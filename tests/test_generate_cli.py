@@ -107,6 +107,27 @@ def test_a_kv_pool_larger_than_the_machine_is_refused_before_it_is_made(tiny_mod
         check_pool_fits(SMOLLM2_135M, [config], copies=2, free=3 * 2**30)
 
 
+def test_a_host_tier_larger_than_the_machine_is_refused():
+    """--host_kv_cache_memory takes a size with a unit, and refuses one the machine has not
+    available: the tier fills as pages are evicted, so it would swap long after the start."""
+    from absl import flags
+    from absl.testing import flagsaver
+
+    from cadence.server.runtime import host_kv_cache_bytes
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    with flagsaver.flagsaver(host_kv_cache_memory="1.5GiB"):
+        assert host_kv_cache_bytes(free=2 * 2**30) == 3 * 2**29
+        with pytest.raises(ValueError, match=r"--host_kv_cache_memory=1.5GiB is more than the 1.0 GiB"):
+            host_kv_cache_bytes(free=2**30)
+    with flagsaver.flagsaver(host_kv_cache_memory="0"):
+        assert host_kv_cache_bytes(free=0) == 0
+    with flagsaver.flagsaver(host_kv_cache_memory="lots"):
+        with pytest.raises(ValueError, match="is not a size"):
+            host_kv_cache_bytes()
+
+
 @pytest.mark.slow  # (a draft model served: test_draft_model)
 def test_a_draft_model_drafts_and_the_text_is_still_the_reference(tiny_model_dir, tiny_params, tiny_config):
     """--draft_model with the model's own weights: every greedy draft is accepted, the text is

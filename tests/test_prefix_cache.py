@@ -429,18 +429,20 @@ def shared_prefix_load(h: Harness, rng, arrivals: list[int], after_step) -> None
                     after_step=after_step, prompt=prompt)
 
 
+@pytest.mark.parametrize("host", [0, 2_000], ids=["device", "host-tier"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("policy", [chunked(budget=100, chunk=32), prefill_first(chunk=32)],
                          ids=["chunked", "prefill-first"])
-def test_shared_prefixes_under_a_small_pool_equal_the_uncached_outputs(policy, seed):
+def test_shared_prefixes_under_a_small_pool_equal_the_uncached_outputs(policy, seed, host):
     """Random arrivals sharing long prefixes over a pool too small for the working set: pages
-    are hit, evicted, and preempted requests come back mostly from the cache. Every output
-    equals the sequential model's, the allocator is consistent after every step, no write lands
-    in a published page, and every reference is returned at the end."""
+    are hit, evicted, and preempted requests come back mostly from the cache (and, with a host
+    tier of 2,000 bytes, 31 of the fake's pages of 8 int64 ids, evicted pages come back from the host). Every
+    output equals the sequential model's, the allocator is consistent after every step, no
+    write lands in a published page, and every reference is returned at the end."""
     rng = np.random.default_rng(seed)
     engine = FakeEngine(num_slots=4, prefill_chunk=32, max_seq_len=256, page_size=8, num_pages=32,
                         eos_one_in=40)
-    h = cached_harness(engine, policy)
+    h = cached_harness(engine, policy, host_kv_cache_bytes=host)
     allocator = h.sched.pools[0].pages
     hits = []
 
@@ -462,6 +464,8 @@ def test_shared_prefixes_under_a_small_pool_equal_the_uncached_outputs(policy, s
     assert any(c.record.cached_tokens % 8 for c in fresh)  # partial matches, copied
     assert h.sched.kv_pages[0] == 0 and allocator.used_count == 0
     assert not h.sched.pools[0].tables.any()
+    host_hits = h.sched.stats().host_kv_hits
+    assert (host_hits > 0 and engine.inserts > 0) if host else host_hits == engine.inserts == 0
 
 
 def test_cached_tokens_add_up_to_the_hit_counter():
