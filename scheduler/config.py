@@ -47,5 +47,8 @@ class SchedulerConfig:
             raise ValueError(f"itl_target must be positive seconds, got {self.itl_target}")
         if self.host_kv_cache_bytes < 0:
             raise ValueError(f"host_kv_cache_bytes must be >= 0, got {self.host_kv_cache_bytes}")
+        if self.host_kv_cache_bytes and not self.prefix_caching:
+            raise ValueError("a host tier (--host_kv_cache_memory) holds the prefix cache's evicted "
+                             "pages: it needs the prefix cache on (drop --noprefix_caching)")
         if self.kv_reservation not in KV_RESERVATIONS:
             raise ValueError(f"kv_reservation must be one of {KV_RESERVATIONS}, got {self.kv_reservation!r}")

@@ -66,7 +66,7 @@ class Pool:
         self.reserve_tokens = reserve  # the "max" reservation: every request holds this many
         self.num_slots = cfg.num_slots
         self.page_size = cfg.page_size
-        self.host = host if caching else None  # the prefix cache's host tier, if any
+        self.host = host  # the prefix cache's host tier, if any (only with `caching`)
         self.pages = PageAllocator(engine.num_pages, cfg.page_size, caching, keep_evicted=self.host is not None)
         # Each slot's occupant's pages; free slots' rows, and the entries past a sequence's
         # last page, point at the null page, which any step may read (never write) without harm.

@@ -116,8 +116,7 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
             pack_tokens=engine.config.prefill_buckets[-1]))
         self.config = config
         reserve = engine.config.max_seq_len if config.kv_reservation == "max" else None
-        host = (HostCache(config.host_kv_cache_bytes)
-                if config.prefix_caching and config.host_kv_cache_bytes else None)
+        host = HostCache(config.host_kv_cache_bytes) if config.host_kv_cache_bytes else None
         self._prefill_pool = Pool(engine, "colocated" if decode_engine is None else "prefill",
                                   caching=config.prefix_caching, reserve=reserve, host=host)
         self._decode_pool = (self._prefill_pool if decode_engine is None

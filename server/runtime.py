@@ -348,10 +348,13 @@ def token_budget() -> int:
 
 
 def host_kv_cache_bytes(free: int | None = None) -> int:
-    """--host_kv_cache_memory in bytes, refused where this machine has not that much available
-    (`free`, default `memory.available()`): the tier would push the process into swap as it
-    fills, long after the start."""
+    """--host_kv_cache_memory in bytes, refused without the prefix cache, or where this machine
+    has not that much available (`free`, default `memory.available()`): the tier would push the
+    process into swap as it fills, long after the start."""
     size = parse_size(HOST_KV_MEMORY.value)
+    if size and not PREFIX_CACHING.value:
+        raise ValueError("--host_kv_cache_memory keeps the prefix cache's evicted pages: it needs "
+                         "the prefix cache on (drop --noprefix_caching)")
     free = memory.available() if free is None else free
     if size and free is not None and size > free:
         raise ValueError(f"--host_kv_cache_memory={HOST_KV_MEMORY.value} is more than the "
@@ -590,6 +593,7 @@ def build_from_flags(warm: bool = True) -> Runtime:
     to the caller (the server warms up while already answering /health with 503)."""
     configure_devices()
     enable_compilation_cache()
+    host_kv_cache_bytes()  # (refused before anything loads)
     pair = pool_devices()
     mesh_devices = tensor_parallel_devices()
     plan = functools.cache(lambda config: TensorParallel.plan(config, mesh_devices))
@@ -674,9 +678,12 @@ def build_from_flags(warm: bool = True) -> Runtime:
     config = scheduler_config_from_flags(model.name)
     scheduler = Scheduler(engines[0], model.tokenizer, config, decode_engine=engines[1] if pair else None,
                           draft_engine=draft)
+    host = config.host_kv_cache_bytes
     print(f"cadence: prefix caching {'on' if config.prefix_caching else 'off (--noprefix_caching)'}"
           + (f": prompts reuse cached KV to the token ({engines[0].config.page_size}-token pages "
-             "by key, a partial page copied)" if config.prefix_caching else ""), file=sys.stderr)
+             "by key, a partial page copied)" if config.prefix_caching else "")
+          + (f"; evicted pages kept in up to {host / 2**20:.0f} MiB of host memory" if host else ""),
+          file=sys.stderr)
     return Runtime(model=model, engines=engines, scheduler=scheduler, warmup_seconds=warm_seconds,
                    draft_engine=draft, adapters=adapters)
 

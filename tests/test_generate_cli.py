@@ -109,7 +109,8 @@ def test_a_kv_pool_larger_than_the_machine_is_refused_before_it_is_made(tiny_mod
 
 def test_a_host_tier_larger_than_the_machine_is_refused():
     """--host_kv_cache_memory takes a size with a unit, and refuses one the machine has not
-    available: the tier fills as pages are evicted, so it would swap long after the start."""
+    available (the tier fills as pages are evicted, so it would swap long after the start), or
+    one beside --noprefix_caching."""
     from absl import flags
     from absl.testing import flagsaver
 
@@ -121,8 +122,11 @@ def test_a_host_tier_larger_than_the_machine_is_refused():
         assert host_kv_cache_bytes(free=2 * 2**30) == 3 * 2**29
         with pytest.raises(ValueError, match=r"--host_kv_cache_memory=1.5GiB is more than the 1.0 GiB"):
             host_kv_cache_bytes(free=2**30)
-    with flagsaver.flagsaver(host_kv_cache_memory="0"):
+    with flagsaver.flagsaver(host_kv_cache_memory="0", prefix_caching=False):
         assert host_kv_cache_bytes(free=0) == 0
+    with flagsaver.flagsaver(host_kv_cache_memory="1MiB", prefix_caching=False):
+        with pytest.raises(ValueError, match="needs the prefix cache on"):
+            host_kv_cache_bytes()
     with flagsaver.flagsaver(host_kv_cache_memory="lots"):
         with pytest.raises(ValueError, match="is not a size"):
             host_kv_cache_bytes()

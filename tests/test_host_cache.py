@@ -70,9 +70,13 @@ def test_a_copy_whose_program_failed_saves_nothing():
     assert host.dropped == 1 and host.saved == 1 and b"a" not in host
 
 
-def test_a_tier_needs_room():
+def test_a_tier_needs_room_and_the_prefix_cache():
+    from cadence.scheduler.config import SchedulerConfig
+
     with pytest.raises(ValueError, match="positive size"):
         HostCache(0)
+    with pytest.raises(ValueError, match="needs the prefix cache on"):
+        SchedulerConfig(prefix_caching=False, host_kv_cache_bytes=1 << 20)
 
 
 # --- the scheduler on the fake engine ---------------------------------------------------------
