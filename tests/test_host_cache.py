@@ -82,12 +82,14 @@ def test_a_tier_needs_room_and_the_prefix_cache():
 # --- the scheduler on the fake engine ---------------------------------------------------------
 
 
-def evict_and_return(host_bytes: int):
+def evict_and_return(host_bytes: int, disaggregated: bool = False):
     """A 100-token prompt; then two others that need the whole pool (8-token pages, 16 usable),
-    evicting its pages; then the first again. Returns the harness and the clients."""
+    evicting its pages; then the first again. Returns the harness and the clients.
+    `disaggregated`: that pool is a prefill engine's, beside a decode engine of its own."""
     rng = np.random.default_rng(3)
     engine = FakeEngine(num_slots=2, prefill_chunk=32, max_seq_len=128, page_size=8, num_pages=17)
-    h = Harness(engine, chunked(budget=64, chunk=32), host_kv_cache_bytes=host_bytes)
+    decode = FakeEngine(num_slots=2, prefill_chunk=32, max_seq_len=128, page_size=8) if disaggregated else None
+    h = Harness(engine, chunked(budget=64, chunk=32), decode_engine=decode, host_kv_cache_bytes=host_bytes)
     engine.frozen = h.sched.pools[0].pages.published
     first = random_prompt(rng, 100)
     clients = []
@@ -97,8 +99,10 @@ def evict_and_return(host_bytes: int):
     return h, clients
 
 
-def test_an_evicted_prompt_comes_back_from_the_host_and_prefills_only_the_rest():
-    h, clients = evict_and_return(host_bytes=10_000)
+@pytest.mark.parametrize("disaggregated", [False, True], ids=["colocated", "disaggregated"])
+def test_an_evicted_prompt_comes_back_from_the_host_and_prefills_only_the_rest(disaggregated):
+    """Colocated, or in a disaggregated pair's prefill pool (the pool that caches)."""
+    h, clients = evict_and_return(host_bytes=10_000, disaggregated=disaggregated)
     for c in clients:
         c.check(h.engine)
     stats = h.sched.stats()
@@ -108,6 +112,8 @@ def test_an_evicted_prompt_comes_back_from_the_host_and_prefills_only_the_rest()
     # copied back in one insert, and its prefill starts after them.
     again = clients[-1]
     assert again.record.cached_tokens == stats.host_kv_hits == 96 and h.engine.inserts == 1
+    # (the decode pool keeps no cache: nothing is saved from it)
+    assert h.decode_engine.extracts == (0 if disaggregated else h.engine.extracts)
     starts = [call.start for step in h.steps[again.first_token_step - 3 :] for call in step
               if isinstance(call, Prefill) and call.slot == again.slot]
     assert min(starts) == 96

@@ -172,7 +172,9 @@ def test_the_pool_counts_the_bytes_every_device_holds(tiny_params, tiny_config):
 
 def test_kv_moves_in_and_out_of_a_sharded_pool(tiny_params, tiny_config):
     """A sequence's KV extracted from a TP=2 engine (sharded by KV head) and inserted into other
-    pages of a single-device engine decodes exactly as it would have in place."""
+    pages of a single-device engine decodes exactly as it would have in place; taken to the host
+    page by page (the prefix cache's host tier) and put back into other pages of the sharded
+    pool, with no slot's next token touched, it decodes the same there."""
     from cadence.engine.packing import PrefillChunk
     from cadence.engine.programs import sampling_rows
     from cadence.model.host_sampling import RequestSampling
@@ -191,6 +193,17 @@ def test_kv_moves_in_and_out_of_a_sharded_pool(tiny_params, tiny_config):
     token = np.asarray(single.decode(positions, np.array([False, True, False]), rows, table))[0, 1]
     want = greedy_generate(tiny_params, tiny_config, prompt, 2, frozenset())
     assert [first, int(token)] == want
+    pages = handle.host_pages()
+    assert len(pages) == 2 and pages[0][0].shape == (tiny_config.num_layers, tiny_config.num_kv_heads, 16,
+                                                     tiny_config.head_dim)
+    sharded.insert(type(handle).from_host_pages(pages, 16, 2), [7, 8], None)
+    back = sharded.extract([7, 8], len(prompt), 0)
+    for got, sent in ((back.k, handle.k), (back.v, handle.v)):
+        np.testing.assert_array_equal(np.asarray(got)[:, :, :2], np.asarray(sent)[:, :, :2])
+    table[0, :2], table[1, :2] = [7, 8], 0
+    positions = np.array([len(prompt), 0, 0], np.int32)  # slot 0's next input: still `first`
+    token = np.asarray(sharded.decode(positions, np.array([True, False, False]), rows, table))[0, 0]
+    assert int(token) == want[1]
 
 
 @pytest.mark.parametrize("n", [2, 4])
