@@ -425,6 +425,9 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
     }
     print("engine prefill", json.dumps(info["prefill"]))
     write()
+    info["host_tier"] = time_host_tier(engine, tables[0], prompt_len, info["prefill"]["seconds"])
+    print("engine host tier", json.dumps(info["host_tier"]))
+    write()
 
     kv_per_token = cfg.kv_bytes_per_token(2)
     for context in contexts:
@@ -487,6 +490,32 @@ def bench_engine(results: dict, ceilings: dict, write) -> None:
         info["int8"]["decode"].append(point)
         print("engine decode int8", json.dumps(point))
         write()
+
+
+def time_host_tier(engine, pages, tokens: int, prefill_s: float) -> dict:
+    """The prefix cache's host tier on the prompt just prefilled: its pages out to host memory
+    (`extract`, the copy, taken apart into pages) and back into the same pages (`insert` with
+    no slot), against computing them (`prefill_s`)."""
+    from cadence.engine.packing import bucket_for
+
+    count = engine.config.pages_for(tokens)
+    handle = engine.extract(list(pages[:count]), tokens, 0)
+    handle.block_until_ready()
+    start = time.monotonic()
+    handle.to_host_async()
+    host = handle.host_pages()
+    out_s = time.monotonic() - start
+    width = bucket_for(engine.config.page_buckets, count)
+    back = type(handle).from_host_pages(host, engine.config.page_size, width)
+    engine.insert(back, list(pages[:count]), None).block_until_ready()  # (compiles, the first time)
+    start = time.monotonic()
+    jax.block_until_ready(engine.insert(back, list(pages[:count]), None))
+    jax.block_until_ready(engine.cache.arrays())
+    in_s = time.monotonic() - start
+    moved = sum(a.nbytes for page in host for a in page)
+    return {"tokens": tokens, "bytes": moved, "out_ms": out_s * 1e3, "out_gb_s": moved / out_s / 1e9,
+            "in_ms": in_s * 1e3, "in_gb_s": moved / in_s / 1e9, "prefill_ms": prefill_s * 1e3,
+            "in_over_prefill": in_s / prefill_s}
 
 
 # -- targets and main ----------------------------------------------------------------------
