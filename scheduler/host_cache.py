@@ -104,6 +104,14 @@ class HostCache:
             found.append(page)
         return found
 
+    def discard(self, keys: Sequence[bytes]) -> int:
+        """Forgets the pages of `keys` (those it holds); returns how many it held."""
+        if self._pending:
+            self.settle()
+        gone = [self._pages.pop(key) for key in keys if key in self._pages]
+        self.bytes -= sum(page.nbytes for page in gone)
+        return len(gone)
+
     @staticmethod
     def handle(pages: Sequence[HostPage], page_size: int, width: int):
         """`pages` in one handle of `width` pages (a page-count bucket), for `Engine.insert`."""

@@ -41,7 +41,7 @@ from absl import logging
 from cadence.engine.api import EngineAPI, SamplingRows
 from cadence.engine.packing import bucket_for
 from cadence.scheduler.host_cache import HostCache
-from cadence.scheduler.pages import NULL_PAGE, PageAllocator
+from cadence.scheduler.pages import NULL_PAGE, PageAllocator, PageKeys
 from cadence.scheduler.policy import PageBudget, Plan, decoded_end
 from cadence.scheduler.request import Request, State
 from cadence.scheduler.results import Pending, Row
@@ -87,6 +87,9 @@ class Pool:
         self.prefix_hits = 0
         self.forked_tokens = 0
         self.host_hits = 0  # of the hits, tokens copied back from the host tier
+        # Per slot, the tokens whose KV the sequence that let it go last wrote, with its page
+        # keys (`scheduler.slot_files`: llama-server's slot save).
+        self.last_sequences: dict[int, tuple[list[int], PageKeys]] = {}
 
     def take(self, r: Request) -> None:
         """Gives `r` a free slot (the caller checked there is one); its sampling row is set
@@ -205,6 +208,8 @@ class Pool:
         size = self.page_size
         written = min(r.written_tokens(), len(r.pages) * size)
         full = written // size
+        if tail:  # what its slot held last (llama-server's slot files)
+            self.last_sequences[r.slot] = (r.token_ids(written), r.page_keys)
         # (a page whose copy is not dispatched yet holds nothing of its own)
         partial = tail and written % size and r.tail_copy_at is None
         if full <= r.published and not partial:

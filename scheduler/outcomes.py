@@ -17,6 +17,7 @@ import time
 import numpy as np
 from absl import logging
 
+from cadence.scheduler.errors import EngineDead
 from cadence.scheduler.kv_manager import Pool
 from cadence.scheduler.request import FinishReason, Request, State
 from cadence.scheduler.results import Pending, Pooled, Progress, Scores
@@ -147,7 +148,10 @@ class Outcomes:
                 held = [*(r for p in self.pools for r in p.running), *self._waiting, *self._inbox]
                 self._inbox.clear()
                 self._cancels.clear()
+                tasks, self._tasks = self._tasks, []
                 self._changed()
+            for _, future in tasks:
+                future.set_exception(EngineDead(f"the engine is dead: {reason}"))
             self._waiting.clear()
             self._handoff.clear()
             for pool in self.pools:

@@ -9,6 +9,7 @@ hold a prefix that another sequence may reuse (automatic prefix caching).
     pages.publish(page, key, parent, tokens)     # a full page's KV is written: reusable
     pages.publish_tail(page, parent, tokens)     # a finished sequence's last, partial page
     pages.release(seq_pages)                     # all back, at the end or on preemption
+    pages.drop(page)                             # a cached page nobody holds, freed now
     pages.take_evicted()                         # full pages evicted since, with their keys
                                                  # (with `keep_evicted`: a host tier saves them)
 
@@ -199,6 +200,15 @@ class PageAllocator:
         sequence's: their KV is as cached until a program dispatched after this writes them."""
         evicted, self._evicted = self._evicted or [], [] if self._evicted is not None else None
         return evicted
+
+    def drop(self, page: int) -> bool:
+        """Takes a cached page nobody holds out of the cache and frees it; False (nothing
+        changed) if someone holds it or it holds no prefix."""
+        if page not in self.cache or self._refs[page]:
+            return False
+        self.cache.drop(page)
+        heapq.heappush(self._free, page)
+        return True
 
     def clear_cache(self) -> None:
         """Forgets every cached prefix (the engine's KV was rebuilt): the pages nobody holds are

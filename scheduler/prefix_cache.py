@@ -12,6 +12,7 @@ holds, in the order they are evicted.
     cache.park(page)                    # its last holder let it go: evictable, still cached
     cache.unpark(page)                  # ... held again (a hit took it)
     page, key = cache.evict()           # the page released longest ago; its prefix forgotten
+    cache.drop(page)                    # a parked page out of the cache now (erased on request)
 
 Pages are content-addressed (vLLM v1's design). A full page's key chains its parent page's key
 with the page's token ids (`PageKeys`), so equal keys mean equal tokens at equal positions after
@@ -53,6 +54,7 @@ class PageKeys:
     def __init__(self, page_size: int, namespace: bytes = b"", salt: str | None = None,
                  lora: tuple[tuple[int, float, int], ...] = ()):
         self.page_size = page_size
+        self.namespace, self.salt, self.lora = namespace, salt, lora  # (what the root folds in)
         root = hashlib.blake2b(b"cadence-kv-prefix\0" + namespace, digest_size=32)
         if salt is not None:
             root.update(b"\0salt\0" + salt.encode("utf-8", "surrogatepass"))
@@ -169,6 +171,15 @@ class PrefixCache:
         """Takes the page parked longest ago out of the cache; its prefix is forgotten. Returns
         the page and the key it held (None: a partly written page, which has none)."""
         page, _ = self._evictable.popitem(last=False)
+        self.evictions += 1
+        return page, self._forget(page)
+
+    def drop(self, page: int) -> None:
+        """Takes a parked page out of the cache at once (its prefix erased on request)."""
+        del self._evictable[page]
+        self._forget(page)
+
+    def _forget(self, page: int) -> bytes | None:
         key = self._key.pop(page, None)
         if key is not None:
             del self._page[key]
@@ -180,8 +191,7 @@ class PrefixCache:
             children.pop(bisect.bisect_left(children, (entry, page)))
             if not children:
                 del self._children[parent]
-        self.evictions += 1
-        return page, key
+        return key
 
     def clear(self) -> list[int]:
         """Forgets every prefix; returns the pages that were parked (nobody holds them)."""

@@ -145,6 +145,7 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
         self._state = threading.RLock()
         self._inbox: list[Request] = []
         self._cancels: list[Request] = []
+        self._tasks: list = []  # (fn, future): `call_in_loop`'s, run at the next iteration
         self._waiting: collections.deque[Request] = collections.deque()
         self.preemptions = 0
         self.priority_preemptions = 0  # of those, for a better priority's slot or pages (the rest: growth)
@@ -232,7 +233,7 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
         return any(thread.is_alive() for thread in self._threads)
 
     def idle(self) -> bool:
-        return not (self._inbox or self._waiting or not self._handoff.idle
+        return not (self._inbox or self._tasks or self._waiting or not self._handoff.idle
                     or any(not pool.idle for pool in self.pools))
 
     def _wake(self) -> None:
@@ -452,10 +453,16 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
             self._waiting.extend(taken)
             self._inbox.clear()
             cancels, self._cancels = self._cancels, []
+            tasks, self._tasks = self._tasks, []
         now = time.monotonic()
         for r in cancels:
             if not r.finished:
                 self._finish(r, FinishReason.ABORT, now)
+        for fn, future in tasks:
+            try:
+                future.set_result(fn())
+            except Exception as e:  # the caller's to report
+                future.set_exception(e)
         for r in taken:  # programs warm-up left for first use compile; r waits meanwhile
             r.prepare(self.engines, lambda _: self._wake())
         self._check_compiled(now)

@@ -10,12 +10,14 @@ parameters pass the one validation every front door uses (`request.check_params`
 and max_tokens fit the context, and the queue and the latency targets have room
 (`Overloaded` otherwise, counted in `rejections`). An accepted submission lands in the inbox, and
 a cancellation in the cancels, both under the scheduler's `_lock`; the loop takes them at the
-start of its next iteration.
+start of its next iteration, as it runs the calls `call_in_loop` queued.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import concurrent.futures
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from cadence.model.host_sampling import row_bias
 from cadence.scheduler.errors import EngineDead, NotRunning, Overloaded, RequestTooLong, SubmissionError
@@ -28,6 +30,18 @@ from cadence.scheduler.stream import RequestStream
 class Submissions:
     """Submission and cancellation, for a `Scheduler` (its engines, queues, admission control
     and `_lock`)."""
+
+    def call_in_loop(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Runs `fn` on a loop thread at the start of its next iteration, holding the
+        state lock, where it may use the pool and call the engine (nothing is dispatched
+        meanwhile); returns a future of what it returns or raises. Work on the KV outside
+        any request: llama-server's slot files (`scheduler.slot_files`)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._check_running()
+            self._tasks.append((fn, future))
+            self._changed()
+        return future
 
     def submit(
         self,

@@ -64,6 +64,7 @@ from cadence.server.info_api import InfoAPI
 from cadence.server.metrics import Metrics
 from cadence.server.served_models import ServedModels
 from cadence.server.rerank_api import RerankAPI
+from cadence.server.slots_api import SlotFilesAPI
 from cadence.server.responses_api import ResponsesAPI
 from cadence.server.tool_requests import call_style
 
@@ -147,6 +148,8 @@ class ServerConfig:
     # ("*",) any. Preflights pass without the API key; every other request still needs it.
     allowed_origins: tuple[str, ...] = ()
     slots: bool = True  # GET /slots (llama-server's view of each slot)
+    # A folder for llama-server's slot files (POST /slots/{id}?action=...); None: not served (501).
+    slot_save_path: str | None = None
     # LoRA adapters' names, in the engine's bank order (`--lora`): a request's "model" may name
     # one, and its answer carries that name.
     lora_adapters: tuple[str, ...] = ()
@@ -350,10 +353,13 @@ class Server:
                 raise
             return groups
 
-    async def read_body(self, request: Request) -> Any:
-        """A POST's JSON body, from a client this server may serve, or an APIError."""
+    async def read_body(self, request: Request, optional: bool = False) -> Any:
+        """A POST's JSON body, from a client this server may serve, or an APIError; `optional`:
+        an empty body reads as None."""
         self._check(request)
         raw = await read_capped(request, self.config.max_body_bytes)
+        if optional and not raw.strip():
+            return None
         try:
             return client_json.load_json(raw)
         except SubmissionError as e:
@@ -477,6 +483,7 @@ def create_app(scheduler: Scheduler, tokenizer: Tokenizer, model_name: str | Seq
             *embeddings.routes(route),
             *RerankAPI(server, embeddings).routes(route),
             *LlamaAPI(server).routes(route),
+            *(SlotFilesAPI(server).routes(route) if config.slots else []),
             *InfoAPI(server).routes(route),
             *(LoraAPI(server).routes(route) if config.runtime_lora else []),
         ],

@@ -682,8 +682,7 @@ def build_from_flags(warm: bool = True) -> Runtime:
     print(f"cadence: prefix caching {'on' if config.prefix_caching else 'off (--noprefix_caching)'}"
           + (f": prompts reuse cached KV to the token ({engines[0].config.page_size}-token pages "
              "by key, a partial page copied)" if config.prefix_caching else "")
-          + (f"; evicted pages kept in up to {host / 2**20:.0f} MiB of host memory" if host else ""),
-          file=sys.stderr)
+          + (f"; evicted pages kept in up to {host / 2**20:.0f} MiB of host memory" if host else ""), file=sys.stderr)
     return Runtime(model=model, engines=engines, scheduler=scheduler, warmup_seconds=warm_seconds,
                    draft_engine=draft, adapters=adapters)
 

@@ -60,6 +60,12 @@ _ORIGINS = flags.DEFINE_list(
 _SLOTS = flags.DEFINE_bool(
     "slots", True, "Serve GET /slots, each KV slot and the request holding it (llama-server's "
     "endpoint, token counts rather than its prompt text); --noslots turns it off (404).")
+_SLOT_SAVE_PATH = flags.DEFINE_string(
+    "slot_save_path", None,
+    "A folder for llama-server's slot files: POST /slots/{id}?action=save writes the KV of what "
+    "the slot last held (the prefix cache's whole pages of it) to a file there, "
+    "?action=restore puts a file's pages back into the prefix cache, ?action=erase drops them "
+    "(llama-server's --slot-save-path). Unset: those actions answer 501.")
 _RUNTIME_LORA = flags.DEFINE_bool(
     "runtime_lora", False,
     "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA "
@@ -108,7 +114,9 @@ def main(argv: list[str]) -> int:
                               reasoning_parser=REASONING_PARSER.value,
                               trust_request_chat_template=_TRUST_TEMPLATES.value,
                               allowed_origins=tuple(_ORIGINS.value), slots=_SLOTS.value,
-                              sse_ping_interval=_PING.value)
+                              slot_save_path=_SLOT_SAVE_PATH.value, sse_ping_interval=_PING.value)
+        if _SLOT_SAVE_PATH.value:  # (as llama-server, made if missing)
+            Path(_SLOT_SAVE_PATH.value).mkdir(parents=True, exist_ok=True)
         names = runtime.served_names(MODEL_FLAG.value, _SERVED_NAMES.value)
         if _RUNTIME_LORA.value and MAX_LORAS.value <= len(LORA.value):
             raise ValueError("--runtime_lora loads adapters into free bank slots: give --max_loras "

@@ -50,7 +50,7 @@ from schemathesis.specs.openapi.checks import (
 from cadence.checkpoints.ranking import RankingHead
 from cadence.scheduler.policy import PolicyConfig
 from cadence.scheduler.scheduler import Scheduler, SchedulerConfig
-from cadence.server.app import create_app
+from cadence.server.app import ServerConfig, create_app
 from tests.conftest import SERVING_ENGINE, loopback_server
 
 pytestmark = pytest.mark.slow  # the full tier: the long API fuzz run
@@ -97,14 +97,16 @@ def seeded(test):
 
 
 @pytest.fixture(scope="module")
-def url(tiny_engine, fim_tokenizer):
+def url(tiny_engine, fim_tokenizer, tmp_path_factory):
     # The tiny tokenizer with infill tokens, so a suffix and /infill are served, not refused.
     sched = Scheduler(tiny_engine, fim_tokenizer, SchedulerConfig(
         policy=PolicyConfig(token_budget=40, chunk=32), max_queue=64))
     # A reranker's head, so that /v1/rerank and /v1/score score what they are sent.
     rows = np.random.default_rng(0).normal(size=(2, tiny_engine.model_config.hidden_size)).astype(np.float32)
     head = RankingHead(rows, None, softmax=True, template="<|im_start|>{query}\n{document}<|im_end|>")
-    with loopback_server(create_app(sched, fim_tokenizer, MODEL, ranking=head)) as base:
+    # A folder for slot files, so that POST /slots/{id} saves, restores and erases.
+    config = ServerConfig(slot_save_path=str(tmp_path_factory.mktemp("slots")))
+    with loopback_server(create_app(sched, fim_tokenizer, MODEL, config=config, ranking=head)) as base:
         deadline = time.monotonic() + 60
         while httpx.get(f"{base}/health", timeout=TIMEOUT).status_code != 200:
             assert time.monotonic() < deadline, "the server never became ready"
@@ -461,6 +463,8 @@ CASES = [  # (path, method, mode, examples); operations without inputs have no n
     ("/model_info", "GET", POSITIVE, 5),
     ("/get_load", "GET", POSITIVE, 5),
     ("/slots", "GET", POSITIVE, 5),
+    ("/slots/{id_slot}", "POST", POSITIVE, 30),
+    ("/slots/{id_slot}", "POST", NEGATIVE, 30),
     ("/lora-adapters", "GET", POSITIVE, 5),
     ("/lora-adapters", "POST", POSITIVE, 20),
     ("/lora-adapters", "POST", NEGATIVE, 20),
