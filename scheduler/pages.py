@@ -198,7 +198,9 @@ class PageAllocator:
     def take_evicted(self) -> list[tuple[int, bytes]]:
         """The full pages evicted since the last call, (page, key) in order, each now another
         sequence's: their KV is as cached until a program dispatched after this writes them."""
-        evicted, self._evicted = self._evicted or [], [] if self._evicted is not None else None
+        if self._evicted is None:  # (not kept)
+            return []
+        evicted, self._evicted = self._evicted, []
         return evicted
 
     def drop(self, page: int) -> bool:

@@ -196,9 +196,6 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
         """Starts the loop thread (disaggregated: a prefill loop and a decode loop)."""
         if self._threads:
             return
-        prepare = getattr(self.engine, "prepare", None)
-        if self._prefill_pool.host is not None and prepare is not None:
-            prepare(("transfer",))  # moving pages to and from the host: compiled before it is needed
         if self.disaggregated:
             loops = [("cadence-prefill", self._iterate), ("cadence-decode", self._iterate_decode)]
         else:

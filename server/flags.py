@@ -242,6 +242,12 @@ HOST_KV_MEMORY = flags.DEFINE_string(
     "starts with them, instead of being computed again (llama-server's --cache-ram, SGLang's "
     "HiCache). It fills as pages are evicted, up to this size, and then drops the page used "
     "longest ago. 0: no host tier.")
+SLOT_SAVE_PATH = flags.DEFINE_string(
+    "slot_save_path", None,
+    "A folder for llama-server's slot files (cadence-serve): POST /slots/{id}?action=save writes "
+    "the KV of what the slot last held (the prefix cache's whole pages of it) to a file there, "
+    "?action=restore puts a file's pages back into the prefix cache, ?action=erase drops them "
+    "(llama-server's --slot-save-path). Unset: those actions answer 501.")
 ATTENTION = flags.DEFINE_enum(
     "attention", None, ["pallas", "mosaic", "cpu", "xla", "reference"],
     "Attention implementation (default: pallas on GPU, Triton kernels; mosaic: the same as Mosaic "

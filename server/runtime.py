@@ -55,7 +55,7 @@ from cadence.server.flags import (ATTENTION, CHAT_TEMPLATE, CHAT_TEMPLATE_KWARGS
                                   NUM_CPU_DEVICES, NUM_PROCESSES, NUM_SLOTS, NUM_SPECULATIVE_TOKENS,
                                   PAGE_SIZE, POLICY, PREFILL_CHUNK, PREFILL_DEVICES, PREFILL_SLOTS,
                                   PREFIX_CACHING, PRIORITY_CLASSES, PROCESS_ID, PROMPT_LOOKUP_MAX,
-                                  PROMPT_LOOKUP_MIN, SLO_ITL, SLO_MARGIN, SLO_TTFT, SPECULATIVE,
+                                  PROMPT_LOOKUP_MIN, SLO_ITL, SLO_MARGIN, SLO_TTFT, SLOT_SAVE_PATH, SPECULATIVE,
                                   SPECULATIVE_MAX_BATCH, STRUCTURED_OUTPUT, TENSOR_PARALLEL,
                                   TOKEN_BUDGET, WARMUP, WARMUP_THREADS, WEIGHTS)
 
@@ -348,15 +348,12 @@ def token_budget() -> int:
 
 
 def host_kv_cache_bytes(free: int | None = None) -> int:
-    """--host_kv_cache_memory in bytes, refused without the prefix cache, or where this machine
-    has not that much available (`free`, default `memory.available()`): the tier would push the
-    process into swap as it fills, long after the start."""
-    size = parse_size(HOST_KV_MEMORY.value)
-    if size and not PREFIX_CACHING.value:
+    """--host_kv_cache_memory in bytes, refused without the prefix cache, or beyond what this
+    machine has available (`free`, default `memory.available()`): it would swap as it fills."""
+    if (size := parse_size(HOST_KV_MEMORY.value)) and not PREFIX_CACHING.value:
         raise ValueError("--host_kv_cache_memory keeps the prefix cache's evicted pages: it needs "
                          "the prefix cache on (drop --noprefix_caching)")
-    free = memory.available() if free is None else free
-    if size and free is not None and size > free:
+    if size and (free := memory.available() if free is None else free) is not None and size > free:
         raise ValueError(f"--host_kv_cache_memory={HOST_KV_MEMORY.value} is more than the "
                          f"{free / 2**30:.1f} GiB this machine has available")
     return size
@@ -391,19 +388,22 @@ def warm_up(engines: Sequence[Engine], progress: Callable[[int, int, str], None]
     seconds it took."""
     warmup = warmup or WARMUP.value
     start = time.monotonic()
-    # A multi-host engine's followers warm up whatever it sends them: everything.
+    # A multi-host engine's followers warm up whatever it sends them: everything. Moving pages
+    # to and from the host (the prefix cache's host tier, slot files) is warm before it is needed.
+    moves = ("transfer",) if parse_size(HOST_KV_MEMORY.value) or SLOT_SAVE_PATH.value else ()
     plans = [(e, "all" if isinstance(e, multihost.Leader) else warmup) for e in engines]
-    counts = [len(e.warm_programs(e.program_groups(mode))) for e, mode in plans]
+    groups = [tuple(g for g in e.program_groups("all") if g in e.program_groups(mode) or g in moves)
+              for e, mode in plans]
+    counts = [len(e.warm_programs(g)) for (e, _), g in zip(plans, groups)]
     total, offset = sum(counts), 0
-    later = sorted({g for e, _ in plans for g in e.program_groups("all")}
-                   - {g for e, mode in plans for g in e.program_groups(mode)})
+    later = sorted({g for e, _ in plans for g in e.program_groups("all")} - {g for gs in groups for g in gs})
     print(f"cadence: warm-up compiles {total} programs (--warmup={warmup})"
           + (f"; on first use: {', '.join(later)}" if later else ""), file=sys.stderr)
     with tqdm(desc="warm-up (compiling)", total=total, unit="program", file=sys.stderr,
               leave=False) as bar:
         if progress is not None:
             progress(0, total, "")
-        for (engine, mode), count in zip(plans, counts):
+        for (engine, mode), count, warm in zip(plans, counts, groups):
             role = "" if engine.config.role == "both" else f"{engine.config.role} engine: "
 
             def one(done: int, _total: int, name: str = "", base: int = offset) -> None:
@@ -414,7 +414,7 @@ def warm_up(engines: Sequence[Engine], progress: Callable[[int, int, str], None]
                     progress(base + done, total, f"{role}{name}")
 
             if isinstance(engine, Engine):
-                engine.warmup(one, warmup=mode, workers=WARMUP_THREADS.value)
+                engine.warmup(one, warmup=mode, workers=WARMUP_THREADS.value, groups=warm)
             else:
                 engine.warmup(one)
             offset += count

@@ -25,7 +25,8 @@ from absl import app, flags, logging
 from cadence.checkpoints.errors import CheckpointError
 from cadence.server import runtime
 from cadence.server.app import DEFAULT_MAX_BODY_BYTES, ServerConfig, create_app
-from cadence.server.flags import GRAMMAR_TIMEOUT, LORA, MAX_LORAS, MODEL_FLAG, REASONING_PARSER, pooling
+from cadence.server.flags import (GRAMMAR_TIMEOUT, LORA, MAX_LORAS, MODEL_FLAG, REASONING_PARSER, SLOT_SAVE_PATH,
+                                  pooling)
 
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
@@ -60,12 +61,6 @@ _ORIGINS = flags.DEFINE_list(
 _SLOTS = flags.DEFINE_bool(
     "slots", True, "Serve GET /slots, each KV slot and the request holding it (llama-server's "
     "endpoint, token counts rather than its prompt text); --noslots turns it off (404).")
-_SLOT_SAVE_PATH = flags.DEFINE_string(
-    "slot_save_path", None,
-    "A folder for llama-server's slot files: POST /slots/{id}?action=save writes the KV of what "
-    "the slot last held (the prefix cache's whole pages of it) to a file there, "
-    "?action=restore puts a file's pages back into the prefix cache, ?action=erase drops them "
-    "(llama-server's --slot-save-path). Unset: those actions answer 501.")
 _RUNTIME_LORA = flags.DEFINE_bool(
     "runtime_lora", False,
     "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA "
@@ -114,9 +109,9 @@ def main(argv: list[str]) -> int:
                               reasoning_parser=REASONING_PARSER.value,
                               trust_request_chat_template=_TRUST_TEMPLATES.value,
                               allowed_origins=tuple(_ORIGINS.value), slots=_SLOTS.value,
-                              slot_save_path=_SLOT_SAVE_PATH.value, sse_ping_interval=_PING.value)
-        if _SLOT_SAVE_PATH.value:  # (as llama-server, made if missing)
-            Path(_SLOT_SAVE_PATH.value).mkdir(parents=True, exist_ok=True)
+                              slot_save_path=SLOT_SAVE_PATH.value, sse_ping_interval=_PING.value)
+        if SLOT_SAVE_PATH.value:  # (as llama-server, made if missing)
+            Path(SLOT_SAVE_PATH.value).mkdir(parents=True, exist_ok=True)
         names = runtime.served_names(MODEL_FLAG.value, _SERVED_NAMES.value)
         if _RUNTIME_LORA.value and MAX_LORAS.value <= len(LORA.value):
             raise ValueError("--runtime_lora loads adapters into free bank slots: give --max_loras "

@@ -23,15 +23,20 @@ def generate(tiny_model_dir, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
 
 
-def test_one_prompt_streams_the_reference_text(tiny_model_dir, tiny_params, tiny_config):
+@pytest.mark.parametrize("host", [False, True], ids=["device-cache", "host-tier"])
+def test_one_prompt_streams_the_reference_text(tiny_model_dir, tiny_params, tiny_config, host):
+    """With the prefix cache's host tier too, whose page moves warm-up then compiles."""
     root, _ = tiny_model_dir
     result = generate(tiny_model_dir, "--prompt=The capital of France is", "--max_tokens=12",
-                      "--temperature=0")
+                      "--temperature=0", *(["--host_kv_cache_memory=16MiB"] if host else []))
     assert result.returncode == 0, result.stderr
     tok = Tokenizer.from_hf_dir(root / "model")
     ids = greedy_generate(tiny_params, tiny_config, tok.encode("The capital of France is"), 12, tok.eos_ids)
     assert result.stdout.rstrip("\n") == tok.decode(ids, skip_special=True)
     assert "compilations_after_warmup: 0" in result.stderr and "ttft=" in result.stderr
+    later = re.search(r"warm-up compiles \d+ programs .*; on first use: (.*)", result.stderr).group(1)
+    assert ("transfer" in later) is not host
+    assert ("evicted pages kept in up to 16 MiB of host memory" in result.stderr) is host
 
 
 def test_mixed_prompts_file_compiles_nothing_after_warmup_and_writes_a_trace(tiny_model_dir, tmp_path):
