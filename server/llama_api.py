@@ -41,7 +41,8 @@ llama.vim) send besides:
   dynamic temperature (`dynatemp_range`, `dynatemp_exponent`).
   `samplers` names those that run, in that default order (one left out is off; another order
   is a 400); its `infill` sampler is not applied. `cache_prompt`, `id_slot` and
-  `t_max_prompt_ms` change nothing here (llama-server ignores the last too).
+  `t_max_prompt_ms` change nothing here (llama-server ignores the last too); the answer's
+  `id_slot` is the slot the request ended in (for `POST /slots/{id}?action=save`).
 - llama-server's penalties, `repeat_penalty`, `presence_penalty` and `frequency_penalty`, count
   as its do: all three over the last `repeat_last_n` tokens (64 by default; 0 turns them off,
   -1 takes the whole context) of prompt and output (`parsing.llama_penalties`).
@@ -286,6 +287,7 @@ class _End(NamedTuple):
     ids: list[int]  # the tokens that made it (through the one that ended it)
     probs: list[TokenLogprob] | None
     limited: bool  # ended by EditorStops
+    slot: int  # the slot it ended in, whose KV `POST /slots/{id}?action=save` takes (-1: not one)
 
 
 class LlamaAPI:
@@ -445,7 +447,9 @@ class LlamaAPI:
                 if rest:
                     text.append(rest)
                     yield _Step(rest, [], None)
-                yield _End(event, "".join(text), ids, probs, stops.done)
+                r = stream.request  # (disaggregated, it ends in the decode pool: no slot file's)
+                slot = -1 if r.slot is None or self.server.scheduler.disaggregated else r.slot
+                yield _End(event, "".join(text), ids, probs, stops.done, slot)
         finally:
             if stream.record is None:  # the client went away
                 stream.cancel()
@@ -456,7 +460,7 @@ class LlamaAPI:
         record, n = end.record, len(end.ids)
         return {"index": index, "content": "" if streamed else end.text,
                 "tokens": end.ids if options.with_ids and not streamed else [],
-                "id_slot": -1, "stop": True, "model": self.server.model_name,
+                "id_slot": end.slot, "stop": True, "model": self.server.model_name,
                 "tokens_predicted": n, "tokens_evaluated": record.prompt_tokens,
                 "has_new_line": "\n" in end.text, "truncated": False,
                 # n_predict 0 (nothing predicted) ends where its limit is, whatever its hidden token was

@@ -190,6 +190,11 @@ def test_slot_actions_over_http_save_erase_and_restore(tiny_engine, tiny_tokeniz
             assert ours.keys() == theirs.keys()
             np.testing.assert_allclose([ours[k] for k in ours], [theirs[k] for k in ours], atol=1e-4)
 
+        # llama-server's /completion names the slot a request ended in: the one to save.
+        named = client.post("/completion", json={"prompt": "hi", "n_predict": 2}).json()["id_slot"]
+        tokens, _ = sched.pools[0].last_sequences[named]
+        assert len(tokens) < 10  # "hi" and its reply's written tokens, not the long prompt
+
         def error(path, **kw):
             r = client.post(path, **kw)
             return r.status_code, r.json()["error"]["message"]
