@@ -151,6 +151,23 @@ def test_what_a_file_cannot_restore_is_refused(tmp_path):
     assert on_loop(h, lambda: SlotFile.read(tmp_path / "empty.bin").restore(pool, NAMESPACE)) == 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_a_file_keeps_the_pools_dtype_bit_for_bit(tmp_path, dtype):
+    """NumPy's files know no bfloat16 or float8: the pages go as unsigned ints of their width
+    and come back as they were."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(7)
+    kind = np.dtype(getattr(ml_dtypes, dtype, dtype))
+    pages = [tuple(rng.normal(size=(2, 3, 8, 4)).astype(kind) for _ in range(2)) for _ in range(3)]
+    SlotFile(NAMESPACE, "salt", 8, list(range(24)), pages).write(tmp_path / "d.bin")
+    back = SlotFile.read(tmp_path / "d.bin")
+    assert (back.namespace, back.salt, back.page_size, back.tokens) == (NAMESPACE, "salt", 8, list(range(24)))
+    for theirs, ours in zip(pages, back.pages):
+        for a, b in zip(theirs, ours):
+            assert b.dtype == kind and b.tobytes() == a.tobytes()
+
+
 # --- the server ----------------------------------------------------------------------------------
 
 
