@@ -203,12 +203,16 @@ class Pool:
         under the key of its prefix (`Request.written_tokens`). With `tail` (it is letting its
         pages go: it ended, was preempted or moves to the decode pool), also the page after
         them, partly written, for partial matches."""
+        if tail:  # what its slot held last (llama-server's slot files): nothing, unless below
+            self.last_sequences.pop(r.slot, None)
         if not self.pages.caching or r.page_keys is None:
             return
         size = self.page_size
         written = min(r.written_tokens(), len(r.pages) * size)
+        if r.host_pages:  # (pages whose copy from the host is not dispatched yet hold nothing)
+            written = min(written, r.host_at * size)
         full = written // size
-        if tail:  # what its slot held last (llama-server's slot files)
+        if tail:
             self.last_sequences[r.slot] = (r.token_ids(written), r.page_keys)
         # (a page whose copy is not dispatched yet holds nothing of its own)
         partial = tail and written % size and r.tail_copy_at is None

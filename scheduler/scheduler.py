@@ -456,10 +456,14 @@ class Scheduler(Submissions, Dispatch, Outcomes, Readings):
             if not r.finished:
                 self._finish(r, FinishReason.ABORT, now)
         for fn, future in tasks:
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller gave up waiting (a cancelled handler): not run
             try:
-                future.set_result(fn())
+                result = fn()
             except Exception as e:  # the caller's to report
                 future.set_exception(e)
+            else:
+                future.set_result(result)
         for r in taken:  # programs warm-up left for first use compile; r waits meanwhile
             r.prepare(self.engines, lambda _: self._wake())
         self._check_compiled(now)

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -68,11 +71,17 @@ class SlotFile:
         # Stored as unsigned integers of the same width: NumPy's files know no bfloat16 or float8.
         arrays = {f"a{i}": np.stack([page[i] for page in self.pages]).view(f"u{a.dtype.itemsize}")
                   for i, a in enumerate(first)}
-        temporary = path.with_name(path.name + ".partial")
-        with open(temporary, "wb") as f:
+        # A file of its own beside the target, renamed over it: a reader never sees half a file,
+        # and two saves to one name never write into each other's.
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
             np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
-        temporary.replace(path)  # (a reader never sees half a file)
-        return path.stat().st_size
+            size = f.tell()
+        try:
+            os.replace(f.name, path)
+        except OSError:
+            os.unlink(f.name)
+            raise
+        return size
 
     @classmethod
     def read(cls, path: Path) -> SlotFile:
@@ -86,12 +95,12 @@ class SlotFile:
             tokens, size, namespace, salt = meta["tokens"], meta["page_size"], meta["namespace"], meta["salt"]
             if not (isinstance(size, int) and size > 0 and isinstance(namespace, str)
                     and (salt is None or isinstance(salt, str)) and isinstance(tokens, list)
-                    and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
+                    and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in tokens)):
                 raise ValueError("its description is malformed")
             count = len(tokens) // size
             if len(tokens) % size or any(len(a) != count for a in arrays) or (count and not arrays):
                 raise ValueError("its tokens and pages disagree")
-        except (OSError, ValueError, TypeError, KeyError, AttributeError, json.JSONDecodeError) as e:
+        except (OSError, EOFError, zipfile.BadZipFile, ValueError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"{path.name} is not a slot file: {e}") from None
         return cls(namespace, salt, size, tokens, [tuple(a[i] for a in arrays) for i in range(count)])
 
@@ -119,16 +128,18 @@ class SlotFile:
         pool.pages.share(kept, pool.pages.lookup(wanted))
         first, held = len(kept), []
         count = min(len(self.pages) - first, pool.pages.free_count)
-        if count > 0:
-            pool.pages.grow(held, count * size)
-            pool.move_host_pages()  # what that evicted goes to the host before it is written
-            handle = type(probe).from_host_pages(self.pages[first : first + count], size,
-                                                 bucket_for(cfg.page_buckets, count))
-            pool.engine.insert(handle, held, None)
-            for i, page in enumerate(held, start=first):
-                pool.pages.publish(page, wanted[i], keys.parent(i), self.tokens[i * size : (i + 1) * size])
-        pool.pages.release(held)  # cached, nobody's, tail first: as a finished request leaves them
-        pool.pages.release(kept)
+        try:
+            if count > 0:
+                pool.pages.grow(held, count * size)
+                pool.move_host_pages()  # what that evicted goes to the host before it is written
+                handle = type(probe).from_host_pages(self.pages[first : first + count], size,
+                                                     bucket_for(cfg.page_buckets, count))
+                pool.engine.insert(handle, held, None)
+                for i, page in enumerate(held, start=first):
+                    pool.pages.publish(page, wanted[i], keys.parent(i), self.tokens[i * size : (i + 1) * size])
+        finally:  # (an engine call that raised: the pages go back unpublished, the pool recovers)
+            pool.pages.release(held)  # cached, nobody's, tail first: as a finished request leaves them
+            pool.pages.release(kept)
         return (first + count) * size
 
 

@@ -350,9 +350,9 @@ def token_budget() -> int:
 def host_kv_cache_bytes(free: int | None = None) -> int:
     """--host_kv_cache_memory in bytes, refused without the prefix cache, or beyond what this
     machine has available (`free`, default `memory.available()`): it would swap as it fills."""
-    if (size := parse_size(HOST_KV_MEMORY.value)) and not PREFIX_CACHING.value:
+    if (size := parse_size(HOST_KV_MEMORY.value)) and (not PREFIX_CACHING.value or multi_process()):
         raise ValueError("--host_kv_cache_memory keeps the prefix cache's evicted pages: it needs "
-                         "the prefix cache on (drop --noprefix_caching)")
+                         "the prefix cache on (no --noprefix_caching) and one process")
     if size and (free := memory.available() if free is None else free) is not None and size > free:
         raise ValueError(f"--host_kv_cache_memory={HOST_KV_MEMORY.value} is more than the "
                          f"{free / 2**30:.1f} GiB this machine has available")

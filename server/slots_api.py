@@ -52,6 +52,9 @@ class SlotFilesAPI:
                            type="not_supported_error")
         sched = server.scheduler
         pool = sched.pools[0]  # the pool that admits and caches prompts
+        if not pool.pages.caching:
+            raise APIError(501, "slot files are the prefix cache's pages: this server runs with "
+                                "--noprefix_caching", type="not_supported_error")
         slot = request.path_params["id_slot"]
         if not re.fullmatch(r"[0-9]{1,9}", slot) or int(slot) >= pool.num_slots:
             raise APIError(400, f"invalid slot id {slot!r}: the slots are 0..{pool.num_slots - 1}",
@@ -77,11 +80,18 @@ class SlotFilesAPI:
         namespace = sched.config.cache_namespace
         if action == "save":
             saved = await self._on_loop(lambda: SlotFile.take(pool, slot, namespace))
-            written = await asyncio.to_thread(saved.write, path)
+            try:
+                written = await asyncio.to_thread(saved.write, path)
+            except OSError as e:  # (a folder of that name, a full disk, ...)
+                raise APIError(400, f"cannot write {filename!r}: {e.strerror or e}", param="filename") from None
             return JSONResponse({"id_slot": slot, "filename": filename, "n_saved": len(saved.tokens),
                                  "n_written": written,
                                  "timings": {"save_ms": (time.monotonic() - start) * 1e3}})
-        if not path.is_file():
+        try:
+            size = path.stat().st_size if path.is_file() else None
+        except OSError:
+            size = None
+        if size is None:
             raise APIError(404, f"no slot file {filename!r} in the save folder", param="filename",
                            code="not_found")
         try:
@@ -90,7 +100,7 @@ class SlotFilesAPI:
             raise APIError(400, str(e), param="filename") from None
         restored = await self._on_loop(lambda: saved.restore(pool, namespace))
         return JSONResponse({"id_slot": slot, "filename": filename, "n_restored": restored,
-                             "n_read": path.stat().st_size,
+                             "n_read": size,
                              "timings": {"restore_ms": (time.monotonic() - start) * 1e3}})
 
     async def _on_loop(self, fn):

@@ -134,10 +134,12 @@ def test_what_a_file_cannot_restore_is_refused(tmp_path):
     wide = SlotFile(NAMESPACE, None, 8, saved.tokens, [(np.zeros(16, np.int64),) for _ in saved.pages])
     with pytest.raises(ValueError, match="the file's pages are"):
         on_loop(h, lambda: wide.restore(pool, NAMESPACE))
-    (tmp_path / "junk.bin").write_bytes(b"not a file of ours")
-    with pytest.raises(ValueError, match="junk.bin is not a slot file"):
-        SlotFile.read(tmp_path / "junk.bin")
-    for meta, why in [({"page_size": "8"}, "malformed"), ({"tokens": [1, 2, 3]}, "tokens and pages disagree"),
+    for junk in (b"not a file of ours", b"", b"PK\x03\x04 cut short"):
+        (tmp_path / "junk.bin").write_bytes(junk)
+        with pytest.raises(ValueError, match="junk.bin is not a slot file"):
+            SlotFile.read(tmp_path / "junk.bin")
+    for meta, why in [({"page_size": "8"}, "malformed"), ({"tokens": [2**63] * 8}, "malformed"),
+                      ({"tokens": [1, 2, 3]}, "tokens and pages disagree"),
                       ({"format": "other"}, "not a slot file of this version")]:
         description = {"format": FORMAT, "namespace": NAMESPACE, "salt": None, "page_size": 8, "tokens": [],
                        "dtypes": [], **meta}
@@ -149,6 +151,37 @@ def test_what_a_file_cannot_restore_is_refused(tmp_path):
     assert empty.tokens == [] and empty.pages == []
     empty.write(tmp_path / "empty.bin")
     assert on_loop(h, lambda: SlotFile.read(tmp_path / "empty.bin").restore(pool, NAMESPACE)) == 0
+
+
+def test_a_restore_whose_insert_fails_gives_its_pages_back(tmp_path):
+    """The engine fails mid-restore: the error reaches the caller, every page it took is back
+    (nothing published), and the scheduler goes on serving."""
+    h = harness()
+    prompt = random_prompt(np.random.default_rng(8), 60)
+    first = serve(h, prompt)
+    saved = on_loop(h, lambda: SlotFile.take(h.sched.pools[0], first.slot, NAMESPACE))
+    fresh = harness()
+    fresh.engine.fail_insert_call = 1
+    pool = fresh.sched.pools[0]
+    with pytest.raises(RuntimeError, match="device lost in insert"):
+        on_loop(fresh, lambda: saved.restore(pool, NAMESPACE))
+    pool.pages.check()
+    assert pool.pages.used_count == 0 and pool.pages.cached_count == 0
+    assert serve(fresh, prompt).record.cached_tokens == 0
+
+
+def test_a_call_whose_caller_gave_up_is_not_run():
+    """A `call_in_loop` future cancelled before the loop reaches it (its HTTP handler was
+    cancelled) is skipped; the calls after it run, and nothing fails."""
+    h = harness()
+    ran = []
+    gone = h.sched.call_in_loop(lambda: ran.append("gone"))
+    kept = h.sched.call_in_loop(lambda: ran.append("kept") or 7)
+    assert gone.cancel()
+    client = h.submit(random_prompt(np.random.default_rng(9), 20), max_tokens=4, ignore_eos=True)
+    h.run()
+    client.check(h.engine)
+    assert ran == ["kept"] and kept.result(timeout=0) == 7
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
