@@ -359,7 +359,7 @@ def host_kv_cache_bytes(free: int | None = None) -> int:
     return size
 
 
-def scheduler_config_from_flags(model_name: str) -> SchedulerConfig:
+def scheduler_config_from_flags(model_name: str, checkpoint: str = "") -> SchedulerConfig:
     budget = token_budget()
     policy = PolicyConfig(
         name=POLICY.value, token_budget=budget, chunk=PREFILL_CHUNK.value, lower_share=LOWER_SHARE.value
@@ -369,7 +369,7 @@ def scheduler_config_from_flags(model_name: str) -> SchedulerConfig:
     return SchedulerConfig(policy=policy, max_queue=MAX_QUEUE.value,
                            kv_reservation=KV_RESERVATION.value, prefix_caching=PREFIX_CACHING.value,
                            host_kv_cache_bytes=host_kv_cache_bytes(),
-                           cache_namespace=f"{model_name}/{WEIGHTS.value}/{DTYPE.value}",
+                           cache_namespace=f"{model_name}/{checkpoint}/{WEIGHTS.value}/{DTYPE.value}",
                            priority_classes=classes, slo=slo, itl_target=ITL_TARGET.value,
                            speculative=SpeculativeConfig(PROMPT_LOOKUP_MIN.value, PROMPT_LOOKUP_MAX.value,
                                                          DRAFT_P_MIN.value))
@@ -675,7 +675,7 @@ def build_from_flags(warm: bool = True) -> Runtime:
     draft = (None if draft_model is None else
              draft_engine_from_flags(draft_model, engines[-1].config, kernels, pair[1] if pair else None))
     warm_seconds = warm_up(_with_draft(engines, draft)) if warm else 0.0
-    config = scheduler_config_from_flags(model.name)
+    config = scheduler_config_from_flags(model.name, model.path.name)  # (a digest of its source)
     scheduler = Scheduler(engines[0], model.tokenizer, config, decode_engine=engines[1] if pair else None,
                           draft_engine=draft)
     host = config.host_kv_cache_bytes

@@ -135,6 +135,11 @@ def test_a_host_tier_larger_than_the_machine_is_refused():
     with flagsaver.flagsaver(host_kv_cache_memory="lots"):
         with pytest.raises(ValueError, match="is not a size"):
             host_kv_cache_bytes()
+    # The keys of cached pages (and so the pages the tier and slot files keep) name the
+    # converted checkpoint too: another file under the same model name shares none of them.
+    from cadence.server.runtime import scheduler_config_from_flags
+
+    assert len({scheduler_config_from_flags("m", c).cache_namespace for c in ("1a2b", "3c4d")}) == 2
 
 
 @pytest.mark.slow  # (a draft model served: test_draft_model)
