@@ -5,8 +5,7 @@ HiCache, vLLM's KV offloading).
     host = HostCache(capacity_bytes=8 << 30)
     host.save(keys, engine.extract(pages, length, 0))   # the pages just evicted, copying out
     found = host.lookup(keys)           # the host pages of the longest run of `keys` from the first
-    handle = host.handle(found, page_size, width)        # ... stacked, for `engine.insert(handle,
-                                                         # pages, None)` into fresh pages
+    pool.write_pages(found[0].kind, [p.arrays for p in found], pages)   # ... into fresh pages
 
 A page is saved when the device's cache evicts it (`Pool.move_host_pages`): the extract is
 dispatched before anything can write the page again, and its copy to the host runs while the
@@ -111,8 +110,3 @@ class HostCache:
         gone = [self._pages.pop(key) for key in keys if key in self._pages]
         self.bytes -= sum(page.nbytes for page in gone)
         return len(gone)
-
-    @staticmethod
-    def handle(pages: Sequence[HostPage], page_size: int, width: int):
-        """`pages` in one handle of `width` pages (a page-count bucket), for `Engine.insert`."""
-        return pages[0].kind.from_host_pages([p.arrays for p in pages], page_size, width)

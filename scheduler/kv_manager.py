@@ -193,10 +193,16 @@ class Pool:
             found, at = r.host_pages, r.host_at
             if not found or len(r.pages) < at + len(found):  # (its chunk waits: no pages yet)
                 continue
-            handle = self.host.handle(found, self.page_size, bucket_for(cfg.page_buckets, len(found)))
-            self.engine.insert(handle, r.pages[at : at + len(found)], None)
+            self.write_pages(found[0].kind, [p.arrays for p in found], r.pages[at : at + len(found)])
             self.host_hits += len(found) * self.page_size
             r.host_pages = []
+
+    def write_pages(self, kind: type, arrays: list, targets: list[int]) -> None:
+        """Writes pages' arrays (as handles of `kind` take them apart, `host_pages`) into pages
+        `targets` of the pool, in one insert queued before the next program; no slot's next
+        token is touched."""
+        width = bucket_for(self.engine.config.page_buckets, len(arrays))
+        self.engine.insert(kind.from_host_pages(arrays, self.page_size, width), targets, None)
 
     def publish(self, r: Request, tail: bool = False) -> None:
         """Publishes each of `r`'s pages that is full of KV written for tokens the host knows,

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import numpy as np
 
-from cadence.engine.packing import bucket_for
 from cadence.scheduler.kv_manager import Pool
 from cadence.scheduler.pages import NULL_PAGE, PageKeys
 
@@ -132,9 +131,7 @@ class SlotFile:
             if count > 0:
                 pool.pages.grow(held, count * size)
                 pool.move_host_pages()  # what that evicted goes to the host before it is written
-                handle = type(probe).from_host_pages(self.pages[first : first + count], size,
-                                                     bucket_for(cfg.page_buckets, count))
-                pool.engine.insert(handle, held, None)
+                pool.write_pages(type(probe), self.pages[first : first + count], held)
                 for i, page in enumerate(held, start=first):
                     pool.pages.publish(page, wanted[i], keys.parent(i), self.tokens[i * size : (i + 1) * size])
         finally:  # (an engine call that raised: the pages go back unpublished, the pool recovers)

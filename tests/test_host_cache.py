@@ -46,7 +46,7 @@ def test_a_saved_run_is_found_from_its_first_key_and_stacked_back():
     assert host.lookup([b"x", b"a"]) == []  # a run starts at the first key
     found = host.lookup([b"a", b"b", b"z", b"c"])
     assert [p.arrays[0][0] for p in found] == [1, 2] and host.bytes == 96 and host.saved == 3
-    back = HostCache.handle(found, page_size=4, width=4)
+    back = found[0].kind.from_host_pages([p.arrays for p in found], 4, 4)  # (as `Pool.write_pages` stacks them)
     assert [p[0] for p in back.pages] == [1, 2, 0, 0]
 
 
