@@ -16,8 +16,9 @@ Each (query, document) pair is laid out as the reranker's template says (`Rankin
 and prefilled as an embedding is (`EmbeddingsAPI.embed`: chunks sharing iterations with every
 other request, a batch submitted as room frees). One query's pairs share the template's start
 and the query: the first is prefilled alone, and the others take that prefix from the prefix
-cache. Each pair's last token's final hidden state goes through the head. A document is a string or {"text": string}. A model with no ranking head
-answers every route with a 400 saying so.
+cache. Each pair's last token's final hidden state goes through the head. A document is a
+string or {"text": string}. A model with no ranking head answers every route with a 400 saying
+so.
 """
 
 from __future__ import annotations
@@ -159,10 +160,12 @@ class RerankAPI:
         prompts = await asyncio.to_thread(lambda: [head.prompt(server.tokenizer, q, d) for q, d in pairs])
         # One query's pairs share the template's start and the query: the first goes alone, so
         # that every other finds that prefix in the cache (where there is one) when admitted.
-        first = 1 if len(prompts) > 1 and len({q for q, _ in pairs}) == 1 and server.scheduler.config.prefix_caching else 0
+        split = len(prompts) > 1 and len({q for q, _ in pairs}) == 1 and server.scheduler.config.prefix_caching
+        parts = [(prompts[:1], request_id), (prompts[1:], f"{request_id}-rest")] if split else [(prompts, request_id)]
         records = []
-        for part, name in ((prompts[:first], request_id), (prompts[first:], f"{request_id}-rest" if first else request_id)):
-            if part:
-                embedding = EmbeddingRequest(None, part, -1.0, priority=priority, field=field)
-                records += await self.embeddings.embed(request, embedding, name, pooling="last")
+        for part, name in parts:
+            if not part:  # (no documents: no request)
+                continue
+            embedding = EmbeddingRequest(None, part, -1.0, priority=priority, field=field)
+            records += await self.embeddings.embed(request, embedding, name, pooling="last")
         return [head.score(r.embedding) for r in records], sum(r.prompt_tokens for r in records)
